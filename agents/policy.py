@@ -1,0 +1,110 @@
+"""Model policies: the one interface the Agent loop talks to.
+
+Two families implement `Policy`, and the *same* `agents.loop.Agent` drives both:
+
+* chat policies (`agents.chat_policy.ChatPolicy`) send the message list to an
+  OpenAI-compatible /chat/completions endpoint and get back an assistant message,
+  possibly with native `tool_calls`;
+* token policies (`agents.token_policy.TokenPolicy`) keep the exact token context,
+  ask a `TokenSampler` for token ids + logprobs, and parse tool calls from the raw
+  text. Their `TokenTrace` lets a trainer rebuild the exact sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+class ModelError(RuntimeError):
+    """A model call failed in a way worth retrying (5xx, timeout, connection reset)."""
+
+
+class FatalModelError(RuntimeError):
+    """Auth, not-found, permission or bad-parameter errors: never retried."""
+
+
+class ContextOverflow(RuntimeError):
+    """The context window or the token budget is used up: the episode ends cleanly."""
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    reasoning_tokens: int = 0
+
+    def add(self, other: "Usage") -> None:
+        self.prompt_tokens += other.prompt_tokens
+        self.completion_tokens += other.completion_tokens
+        self.total_tokens += other.total_tokens
+        self.reasoning_tokens += other.reasoning_tokens
+
+
+@dataclass
+class TokenTrace:
+    """The exact token stream of one episode, for training.
+
+    `prompt_ids` is the rendered system + user prompt (with tools). `ids` follows it:
+    sampled tokens (mask 1, their sampler logprob) interleaved with observation /
+    template tokens (mask 0, logprob 0.0). prompt_ids + ids is the context the
+    sampler saw, token for token.
+    """
+
+    prompt_ids: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    # Per sampled turn: the policy version (weights step) that sampled it.
+    turn_versions: list[int] = field(default_factory=list)
+
+    def extend(self, ids: list[int], logprobs: list[float] | None, trainable: bool) -> None:
+        self.ids.extend(ids)
+        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+        self.mask.extend([1 if trainable else 0] * len(ids))
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt_ids + self.ids
+
+
+@dataclass
+class ModelTurn:
+    """One model response, already shaped as the assistant message for history."""
+
+    message: dict[str, Any]  # {"role": "assistant", "content": str, "tool_calls": [...]?}
+    usage: Usage = field(default_factory=Usage)
+    finish_reason: str | None = None
+    latency_s: float = 0.0
+
+
+@runtime_checkable
+class Policy(Protocol):
+    def complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> ModelTurn:
+        """Return the next assistant turn. Raises ModelError (retryable),
+        FatalModelError or ContextOverflow."""
+        ...
+
+
+@dataclass
+class SampledTokens:
+    ids: list[int]
+    logprobs: list[float]  # sampler logprob of each sampled id (after temperature)
+    finish_reason: str | None = None  # "stop" | "length"
+    policy_version: int = 0
+
+
+@runtime_checkable
+class TokenSampler(Protocol):
+    """Token ids in, sampled token ids + their logprobs out. Training implements this
+    on top of its inference engine (vLLM /v1/completions with a token-id prompt)."""
+
+    def sample(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None = None,
+    ) -> SampledTokens: ...

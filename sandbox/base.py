@@ -1,0 +1,93 @@
+"""The one interface every sandbox backend implements.
+
+A sandbox is a place to run commands: the host (`local`), a bubblewrap jail (`bwrap`)
+or a podman container (`podman`). Each owns one persistent bash session
+(`sandbox.shell.PersistentShell`) for the agent's commands, plus a one-off `exec` for
+harness work (setup scripts, verifiers) that must not disturb the agent's shell state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+# Every resource tmax creates carries this label (podman) or name prefix, so
+# `tmax sandbox clean` can find leftovers of crashed runs.
+LABEL_KEY = "io.tmax.managed"
+LABEL_VALUE = "1"
+NAME_PREFIX = "tmax-"
+
+DEFAULT_COMMAND_TIMEOUT_S = 120.0
+
+
+class SandboxError(RuntimeError):
+    """Infrastructure failure of a sandbox (could not start, died, lost its shell).
+
+    Callers label these as infrastructure errors; they are never the agent's fault."""
+
+
+@dataclass
+class CommandResult:
+    output: str  # what the command printed (a pty merges stdout and stderr)
+    exit_code: int  # the command's real exit code; 124 on timeout
+    timed_out: bool = False
+    # Harness notes for the observation, e.g. "the shell exited and was restarted".
+    note: str | None = None
+    duration_s: float = 0.0
+    # Set when output was cut while reading (bounded memory): characters dropped.
+    dropped_chars: int = 0
+    stderr: str = ""  # only `exec` separates stderr; the pty shell cannot
+
+
+@dataclass
+class SandboxSpec:
+    """What to create. Backends ignore fields that do not apply to them."""
+
+    image: str | None = None  # podman image
+    workdir: str | None = None  # initial cwd of the shell; default: image WORKDIR / host cwd
+    workspace: Path | None = None  # host directory bind-mounted (podman) or made writable (bwrap)
+    workspace_target: str | None = None  # where the workspace appears inside; default same path
+    network: bool = False
+    cpus: float | None = None
+    memory_mb: int | None = None
+    pids_limit: int | None = 4096
+    env: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    mounts: list[tuple[str, str, bool]] = field(default_factory=list)  # (host, target, read_only)
+    name: str | None = None
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    kind: str  # "local" | "bwrap" | "podman"
+
+    def start(self) -> None: ...
+
+    def run(self, command: str, timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S) -> CommandResult:
+        """Run one command in the persistent shell (state carries over)."""
+        ...
+
+    def interrupt(self) -> None:
+        """Send Ctrl-C to the command running in the persistent shell (thread-safe)."""
+        ...
+
+    def exec(
+        self,
+        argv: list[str],
+        timeout: float | None = None,
+        workdir: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> CommandResult:
+        """Run a one-off process outside the agent's shell, stdout and stderr separate."""
+        ...
+
+    def copy_in(self, src: Path, dst: str) -> None:
+        """Copy a host file or directory to `dst` inside (dst is the target path)."""
+        ...
+
+    def copy_out(self, src: str, dst: Path) -> None: ...
+
+    def close(self) -> None:
+        """Destroy everything the sandbox created. Idempotent."""
+        ...
