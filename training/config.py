@@ -1,0 +1,227 @@
+"""Run configuration for `tmax learn`: one pydantic model, TOML files, two presets.
+
+`nano` is the CPU recipe (tiny model, generated tasks, local sandboxes); `tmax-9b`
+is the paper's setting (reference tables: 8 prompts x 32 samples, 500 steps, delta 0.1,
+LR 1e-6, 65,536 / 16,384 tokens, 64 tool calls, temperature 1.0, async 4). Both ship
+as TOML under `training/configs/`; a user file is validated against the same model, so
+a typo in a key is an error rather than a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+PRESETS = ("nano", "tmax-9b")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    # HF model dir. Empty with `nano.build = true`: the recipe builds the tiny model.
+    path: str = ""
+    build_nano: bool = False
+
+
+class TasksConfig(_Strict):
+    # Harbor-format task directories. Empty with `generate_nano = true`: generated.
+    train: str = ""
+    heldout: str = ""
+    generate_nano: bool = False
+    n_train: int = Field(64, ge=1)
+    n_heldout: int = Field(32, ge=1)
+    # Passed to the nano task generator (difficulty knobs it understands).
+    generator: dict = Field(default_factory=dict)
+
+
+class RolloutConfig(_Strict):
+    """Budgets (reference item 15) and termination (item 16) of one training episode."""
+
+    max_tool_calls: int = Field(64, ge=1)
+    response_budget: int = Field(65536, ge=1)  # model + tool tokens of one trajectory
+    per_turn_max_tokens: int = Field(16384, ge=1)
+    max_prompt_tokens: int = Field(2048, ge=1)
+    context_budget: int = Field(67584, ge=1)  # prompt + response
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    command_timeout: float = Field(120.0, gt=0)
+    test_timeout: float = Field(600.0, gt=0)
+    observation_max_chars: int = Field(10000, ge=100)
+    # Training ends an episode on the first turn without a valid bash call.
+    max_format_errors: int = Field(1, ge=1)
+    sandbox: Literal["local", "bwrap", "podman"] = "podman"
+    # Infra failures are re-queued; an episode that keeps failing aborts the run.
+    max_infra_retries: int = Field(3, ge=0)
+
+
+class AlgoConfig(_Strict):
+    loss: Literal["dppo", "grpo"] = "dppo"
+    divergence: Literal["tv", "kl"] = "tv"
+    delta: float = Field(0.1, gt=0)
+    clip_low: float = Field(0.2, gt=0)  # GRPO baseline only
+    clip_high: float = Field(0.272, gt=0)
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    prompts_per_step: int = Field(8, ge=1)
+    group_size: int = Field(32, ge=2)
+    steps: int = Field(500, ge=1)
+    async_steps: int = Field(4, ge=0)  # staleness limit k
+    filter_zero_std: bool = True
+    active_sampling: bool = True
+    seed: int = 42
+
+
+class EngineConfig(_Strict):
+    kind: Literal["vllm"] = "vllm"
+    max_model_len: int = Field(67584, ge=256)
+    dtype: str = "auto"
+    enforce_eager: bool = False
+    kv_cache_gb: float = Field(1.0, gt=0)  # VLLM_CPU_KVCACHE_SPACE on CPU
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    extra_args: list[str] = Field(default_factory=list)
+    startup_timeout_s: float = Field(600.0, gt=0)
+
+
+class SFTConfig(_Strict):
+    epochs: float = Field(1.0, gt=0)
+    lr: float = Field(2e-5, gt=0)
+    batch_size: int = Field(8, ge=1)
+    warmup_ratio: float = Field(0.03, ge=0, lt=1)
+    # Share of the train split used for SFT demonstrations (partial SFT leaves room for RL).
+    task_fraction: float = Field(1.0, gt=0, le=1)
+
+
+class EvalConfig(_Strict):
+    attempts: int = Field(1, ge=1)
+    concurrency: int = Field(4, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    max_steps: int = Field(64, ge=1)
+
+
+class RunConfig(_Strict):
+    out_dir: str = "runs/learn"
+    # Concurrent episodes in flight, and the Ray rollout workers that hold the sandboxes.
+    concurrency: int = Field(16, ge=1)
+    rollout_workers: int = Field(4, ge=1)
+    slots_per_worker: int = Field(4, ge=1)
+    checkpoint_every: int = Field(20, ge=1)
+    keep_checkpoints: int = Field(3, ge=1)
+    wandb: bool = False
+    wandb_project: str = "tmax"
+    tensorboard: bool = False
+    ray_address: str | None = None
+    ray_num_cpus: int | None = None
+    torch_threads: int | None = None
+
+    @model_validator(mode="after")
+    def _pool_covers_concurrency(self) -> "RunConfig":
+        # The sandbox pool must hold every concurrent episode, or episodes queue on it.
+        if self.rollout_workers * self.slots_per_worker < self.concurrency:
+            raise ValueError(
+                f"run.rollout_workers * run.slots_per_worker ({self.rollout_workers} * {self.slots_per_worker})"
+                f" must be >= run.concurrency ({self.concurrency})"
+            )
+        return self
+
+
+class LearnConfig(_Strict):
+    name: str = "custom"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    tasks: TasksConfig = Field(default_factory=TasksConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _budgets_consistent(self) -> "LearnConfig":
+        r = self.rollout
+        if r.per_turn_max_tokens > r.response_budget:
+            raise ValueError("rollout.per_turn_max_tokens must be <= rollout.response_budget")
+        if r.max_prompt_tokens + r.response_budget > r.context_budget:
+            raise ValueError("rollout.max_prompt_tokens + rollout.response_budget must be <= rollout.context_budget")
+        if r.context_budget > self.engine.max_model_len:
+            raise ValueError("rollout.context_budget must be <= engine.max_model_len")
+        return self
+
+    @property
+    def batch_episodes(self) -> int:
+        return self.algo.prompts_per_step * self.algo.group_size
+
+
+class ConfigError(ValueError):
+    """A config file that does not exist, does not parse or does not validate."""
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> LearnConfig:
+    """Load a TOML file. `extends = "nano"` (or a path) starts from another config."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    parent = data.pop("extends", None)
+    if parent:
+        base_path = CONFIG_DIR / f"{parent}.toml" if parent in PRESETS else (p.parent / parent)
+        base = load_config(base_path).model_dump()
+        data = _merge(base, data)
+    if overrides:
+        data = _merge(data, overrides)
+    try:
+        return LearnConfig.model_validate(data)
+    except ValidationError as e:
+        lines = [f"{p}: invalid config"]
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+            lines.append(f"  {loc}: {err['msg']}")
+        raise ConfigError("\n".join(lines)) from None
+
+
+def preset(name: str, overrides: dict | None = None) -> LearnConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return load_config(CONFIG_DIR / f"{name}.toml", overrides)
+
+
+def dump_toml(cfg: LearnConfig) -> str:
+    """Serialise a config back to TOML (saved next to every run for reproducibility)."""
+
+    def val(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list):
+            return "[" + ", ".join(val(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k} = {val(x)}" for k, x in v.items()) + "}"
+        raise TypeError(type(v))
+
+    data = cfg.model_dump()
+    lines = [f"name = {val(data.pop('name'))}"]
+    for section, body in data.items():
+        lines.append(f"\n[{section}]")
+        for k, v in body.items():
+            if v is not None:
+                lines.append(f"{k} = {val(v)}")
+    return "\n".join(lines) + "\n"
