@@ -1,0 +1,429 @@
+"""A real, persistent, interactive bash session driven through a pty (pexpect).
+
+One bash process lives for the whole episode, so cwd, exported and plain variables,
+functions, aliases, `set` options, traps and background jobs carry over between
+commands, exactly as in a terminal. The same class drives host bash, `bwrap ... bash`
+and `podman exec -it CID bash`: only the argv differs.
+
+How a command's end and exit code are found: PS1 is set to a line carrying a random
+per-session tag, a per-command sequence number and `$?`. The tag is never printed by
+anything but the prompt, so output cannot forge the marker without knowing it; the
+sequence number makes a stale prompt (e.g. one printed after a late Ctrl-C) harmless.
+
+How a command is sent: its text goes into the shell as the body of a quoted heredoc
+that a builtin `read` stores in a variable, then `eval` runs it with stdin from
+/dev/null, all in one top-level command line:
+
+    __tmax_seq=N; IFS= read -r -d '' __tmax_cmd <<'TAG_EOF' || :; eval "$__tmax_cmd" </dev/null
+    <command text, verbatim>
+    TAG_EOF
+
+Why this shape:
+* stdin: a command that reads stdin (`cat`, `read x`, `python` with no script) gets EOF
+  at once instead of blocking the session until the timeout, and can never swallow the
+  next command's text. Redirecting per command is robust: it needs no guessing about
+  whether a program is waiting for input, and background jobs started by the command
+  inherit /dev/null too.
+* syntax: an unbalanced quote or unterminated heredoc inside the command fails inside
+  `eval` with bash's own syntax error (exit 2) instead of leaving the shell waiting
+  for continuation lines until the timeout.
+* the quoted delimiter keeps the text verbatim (no expansion), multi-line commands and
+  heredocs work, and aliases defined on one line apply to the next (eval parses line by
+  line). `read` and `eval` are builtins: no process is spawned per command.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import re
+import secrets
+import shlex
+import threading
+import time
+from collections.abc import Callable
+
+import pexpect
+
+from sandbox.base import DEFAULT_COMMAND_TIMEOUT_S, CommandResult, SandboxError
+
+BASH_ARGV = ["bash", "--norc", "--noprofile"]
+DEFAULT_MAX_OUTPUT_CHARS = 1_000_000  # head + tail kept per command; the rest is counted
+START_TIMEOUT_S = 30.0
+INTERRUPT_GRACE_S = 5.0  # how long the prompt may take to return after Ctrl-C
+
+# CSI (colours, cursor moves), OSC (titles, hyperlinks), two-char ESC sequences, and
+# the remaining C0 controls except \t and \n (\r is handled separately).
+_ANSI_RE = re.compile(
+    r"\x1b\[[0-?]*[ -/]*[@-~]"
+    r"|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?"
+    r"|\x1b[PX^_][^\x1b]*(?:\x1b\\)?"
+    r"|\x1b[ -/]*[0-~]"
+    r"|[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]"
+)
+# Control characters that readline would act on if they reached it inside a command
+# (Ctrl-C raises SIGINT, ESC starts a key sequence, DEL deletes); commands keep \t and \n.
+_COMMAND_CTRL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def clean_output(text: str) -> str:
+    """Strip terminal control sequences and render carriage returns the way a terminal
+    shows them: a progress bar redrawn with `\\r` keeps only its last state."""
+    text = _ANSI_RE.sub("", text)
+    text = re.sub(r"\r+\n", "\n", text)
+    if "\r" in text:
+        lines = []
+        for line in text.split("\n"):
+            if "\r" in line:
+                parts = [p for p in line.split("\r") if p]
+                line = parts[-1] if parts else ""
+            lines.append(line)
+        text = "\n".join(lines)
+    return text
+
+
+class _BoundedOutput:
+    """Keeps the first and last `limit / 2` characters of a stream and counts the rest."""
+
+    def __init__(self, limit: int):
+        self.head_limit = limit // 2
+        self.tail_limit = limit - self.head_limit
+        self.head: list[str] = []
+        self.head_len = 0
+        self.tail: list[str] = []
+        self.tail_len = 0
+        self.dropped = 0
+
+    def add(self, s: str) -> None:
+        if not s:
+            return
+        if self.head_len < self.head_limit:
+            take = s[: self.head_limit - self.head_len]
+            self.head.append(take)
+            self.head_len += len(take)
+            s = s[len(take):]
+            if not s:
+                return
+        self.tail.append(s)
+        self.tail_len += len(s)
+        # Trim lazily (at twice the window) so a flood of small chunks stays linear.
+        if self.tail_len > 2 * self.tail_limit:
+            joined = "".join(self.tail)
+            cut = len(joined) - self.tail_limit
+            self.dropped += cut
+            self.tail = [joined[cut:]]
+            self.tail_len = self.tail_limit
+
+    def text(self) -> tuple[str, int]:
+        tail = "".join(self.tail)
+        dropped = self.dropped
+        if len(tail) > self.tail_limit:
+            dropped += len(tail) - self.tail_limit
+            tail = tail[len(tail) - self.tail_limit:]
+        head = "".join(self.head)
+        if dropped:
+            head = clean_output(head)
+            tail = clean_output(tail)
+            # Start the tail at a line boundary so the cut is visible and clean.
+            nl = tail.find("\n")
+            if 0 <= nl < 200:
+                dropped += nl + 1
+                tail = tail[nl + 1:]
+            return head + f"\n[... {dropped} characters dropped ...]\n" + tail, dropped
+        return clean_output(head + tail), 0
+
+
+class PersistentShell:
+    """An interactive bash on a pty. Not safe for concurrent `run` calls; `interrupt`
+    may be called from any thread."""
+
+    def __init__(
+        self,
+        argv: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        workdir: str | None = None,
+        *,
+        spawn_env: dict[str, str] | None = None,
+        spawn_cwd: str | None = None,
+        max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
+        start_timeout: float = START_TIMEOUT_S,
+        kill_inner: Callable[[int], None] | None = None,
+    ):
+        """argv: the process to spawn (ends in `bash --norc --noprofile`).
+        env: variables exported inside the shell. workdir: initial cwd inside.
+        spawn_env / spawn_cwd: environment and cwd of the spawned argv on the host.
+        kill_inner: kills the shell's pid *inside* the sandbox when the spawned client
+        cannot (a `podman exec` client's death does not end the process it started)."""
+        self.argv = list(argv or BASH_ARGV)
+        self.env = dict(env or {})
+        self.workdir = workdir
+        self.spawn_env = spawn_env
+        self.spawn_cwd = spawn_cwd
+        self.max_output_chars = max_output_chars
+        self.start_timeout = start_timeout
+        self.kill_inner = kill_inner
+        self.tag = secrets.token_hex(8)
+        self._marker_rx = re.compile(r"\r*\n__TMAX_" + self.tag + r"_(\d*)_(\d+)__\r*\n")
+        self._keep = 128  # longer than any marker: kept unsearched-committed between reads
+        self._child: pexpect.spawn | None = None
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._seq = 0
+        self._leftover = ""
+        self._write_lock = threading.Lock()
+        self._running = False
+        self._interrupted = False
+        self.inner_pid: int | None = None
+        self.restarts = 0
+        self.start_s = 0.0
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return self._child is not None and self._child.isalive()
+
+    def start(self) -> None:
+        t0 = time.monotonic()
+        base_env = dict(os.environ) if self.spawn_env is None else dict(self.spawn_env)
+        base_env.update(TERM="dumb", PS1="", PS2="", PROMPT_COMMAND="", HISTFILE="/dev/null")
+        try:
+            self._child = pexpect.spawn(
+                self.argv[0], self.argv[1:], env=base_env, cwd=self.spawn_cwd, echo=False,
+                encoding=None, timeout=None, dimensions=(50, 200), use_poll=True,
+            )
+        except (pexpect.ExceptionPexpect, OSError) as e:
+            raise SandboxError(f"could not start shell {shlex.join(self.argv)}: {e}") from e
+        # pexpect's default 50 ms sleep before every write would dominate per-call cost.
+        self._child.delaybeforesend = None
+        self._decoder.reset()
+        self._leftover = ""
+        self._seq = 0
+        tag = self.tag
+        # The marker is written split across two quoted strings ('__TM''AX_...') so the
+        # tty echo of this very line (before `stty -echo` takes effect) cannot match it.
+        init = (
+            "stty -echo 2>/dev/null; "
+            "bind 'set enable-bracketed-paste off' 2>/dev/null; "
+            "bind 'set disable-completion on' 2>/dev/null; "  # tabs in commands stay tabs
+            "bind 'set convert-meta off' 2>/dev/null; bind 'set input-meta on' 2>/dev/null; "
+            "bind 'set output-meta on' 2>/dev/null; "
+            "set +o history +H; unset HISTFILE PROMPT_COMMAND; shopt -s expand_aliases; "
+            "PS0=''; PS2=''; "
+            f"PS1='\\n__TM''AX_{tag}_${{__tmax_seq}}_$?__\\n'"
+        )
+        self._write(init + "\n")
+        out, rc, timed_out, eof = self._collect(None, time.monotonic() + self.start_timeout)
+        if timed_out or eof:
+            detail = clean_output(out)[-2000:]
+            self._kill()
+            raise SandboxError(
+                f"shell {shlex.join(self.argv)} did not start"
+                f" ({'timed out' if timed_out else 'exited'}): {detail}"
+            )
+        setup = ["export PAGER=cat GIT_PAGER=cat MANPAGER=cat SYSTEMD_PAGER=''", "echo $$"]
+        setup += [f"export {k}={shlex.quote(v)}" for k, v in self.env.items()]
+        res = self._run_raw("\n".join(setup), time.monotonic() + self.start_timeout)
+        if res[1] != 0 or res[2] or res[3]:
+            self._kill()
+            raise SandboxError(f"shell setup failed: {clean_output(res[0])[-2000:]}")
+        first = clean_output(res[0]).strip().splitlines()
+        self.inner_pid = int(first[0]) if first and first[0].isdigit() else None
+        if self.workdir:
+            res = self._run_raw(f"cd -- {shlex.quote(self.workdir)}", time.monotonic() + self.start_timeout)
+            if res[1] != 0:
+                self._kill()
+                raise SandboxError(f"shell could not cd to {self.workdir}: {clean_output(res[0]).strip()}")
+        self.start_s = time.monotonic() - t0
+
+    def close(self) -> None:
+        self._kill()
+
+    def _kill(self) -> None:
+        child, self._child = self._child, None
+        if child is None:
+            return
+        if self.kill_inner is not None and self.inner_pid is not None and child.isalive():
+            try:
+                self.kill_inner(self.inner_pid)
+            except Exception:
+                pass  # best effort: the sandbox may already be gone
+        try:
+            child.close(force=True)
+        except Exception:
+            pass
+
+    def restart(self) -> None:
+        self._kill()
+        self.restarts += 1
+        self.start()
+
+    # -- commands ----------------------------------------------------------------
+
+    def run(self, command: str, timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S) -> CommandResult:
+        """Run one command; returns its output (stdout and stderr merged by the pty)
+        and its exit code. Never raises for the command's own behaviour; raises
+        SandboxError only if the shell cannot be (re)started."""
+        t0 = time.monotonic()
+        if not self.alive:
+            was_started = self._child is not None or self.restarts > 0 or self.start_s > 0
+            self.restart() if was_started else self.start()
+            pre_note = "the shell had exited and was restarted; shell state was reset" if was_started else None
+        else:
+            pre_note = None
+        deadline = None if timeout is None else t0 + timeout
+        self._interrupted = False
+        out, rc, timed_out, eof, dropped = self._run_command(command, deadline)
+        note = pre_note
+        if eof:
+            status = self._exit_status()
+            rc = status if status is not None else 1
+            msg = f"the shell exited (status {rc}) and was restarted; cwd, variables and jobs were reset"
+            self._restart_quietly()
+            note = msg
+        elif timed_out:
+            recovered = self._recover_after_timeout()
+            rc = 124
+            if recovered:
+                note = f"command timed out after {timeout:g} s and was interrupted"
+            else:
+                self._restart_quietly()
+                note = (f"command timed out after {timeout:g} s; the shell did not respond to Ctrl-C"
+                        " and was restarted; cwd, variables and jobs were reset")
+        elif self._interrupted:
+            note = "interrupted"
+        return CommandResult(
+            output=out, exit_code=rc, timed_out=timed_out, note=note,
+            duration_s=time.monotonic() - t0, dropped_chars=dropped,
+        )
+
+    def interrupt(self) -> None:
+        """Ctrl-C to the foreground command. Ignored while no command runs, because
+        Ctrl-C at an idle prompt would print a stray prompt."""
+        with self._write_lock:
+            if not self._running or self._child is None:
+                return
+            self._interrupted = True
+            try:
+                os.write(self._child.child_fd, b"\x03")
+            except OSError:
+                pass
+
+    # -- internals ---------------------------------------------------------------
+
+    def _write(self, text: str) -> None:
+        assert self._child is not None
+        data = text.encode("utf-8", errors="replace")
+        with self._write_lock:
+            self._child.send(data)
+
+    def _wrap(self, command: str) -> str:
+        self._seq += 1
+        # Normalise line ends and drop control characters readline would act on.
+        command = command.replace("\r\n", "\n").replace("\r", "\n")
+        command = _COMMAND_CTRL_RE.sub(lambda m: m.group(0) if m.group(0) in "\t\n" else "", command)
+        delim = f"__TMAX_{self.tag}_EOF"
+        return (
+            f"__tmax_seq={self._seq}; IFS= read -r -d '' __tmax_cmd <<'{delim}' || :;"
+            f' eval "$__tmax_cmd" </dev/null\n'
+            f"{command}\n{delim}\n"
+        )
+
+    def _run_raw(self, command: str, deadline: float | None) -> tuple[str, int, bool, bool]:
+        out, rc, timed_out, eof, _ = self._run_command(command, deadline)
+        return out, rc, timed_out, eof
+
+    def _run_command(self, command: str, deadline: float | None) -> tuple[str, int, bool, bool, int]:
+        if self._child is None:
+            raise SandboxError("shell is not started")
+        text = self._wrap(command)
+        buf = _BoundedOutput(self.max_output_chars)
+        self._running = True
+        try:
+            try:
+                self._write(text)
+            except OSError:
+                return "", 1, False, True, 0
+            _, rc, timed_out, eof = self._collect(self._seq, deadline, buf)
+        finally:
+            self._running = False
+        out, dropped = buf.text()
+        return out, rc, timed_out, eof, dropped
+
+    def _collect(self, seq: int | None, deadline: float | None, buf: _BoundedOutput | None = None
+                 ) -> tuple[str, int, bool, bool]:
+        """Read until the prompt for `seq` (None: any prompt). Output before it goes to
+        `buf` in bounded memory; returns (raw text if no buf, rc, timed_out, eof)."""
+        assert self._child is not None
+        sink = buf if buf is not None else _BoundedOutput(self.max_output_chars)
+        pending, self._leftover = self._leftover, ""
+        want = "" if seq is None else str(seq)
+        while True:
+            m = self._marker_rx.search(pending)
+            while m is not None:
+                if seq is None or m.group(1) == want:
+                    sink.add(pending[: m.start()])
+                    self._leftover = pending[m.end():]
+                    text = "" if buf is not None else sink.text()[0]
+                    return text, int(m.group(2)), False, False
+                # A stale prompt (earlier command, idle Ctrl-C): drop it, keep looking.
+                pending = pending[: m.start()] + pending[m.end():]
+                m = self._marker_rx.search(pending)
+            if len(pending) > self._keep:
+                sink.add(pending[: -self._keep])
+                pending = pending[-self._keep:]
+            wait = None if deadline is None else deadline - time.monotonic()
+            if wait is not None and wait <= 0:
+                sink.add(pending)
+                return ("" if buf is not None else sink.text()[0]), 124, True, False
+            try:
+                data = self._child.read_nonblocking(1 << 16, timeout=wait)
+            except pexpect.TIMEOUT:
+                continue
+            except pexpect.EOF:
+                pending += self._decoder.decode(b"", final=True)
+                sink.add(pending)
+                return ("" if buf is not None else sink.text()[0]), 1, False, True
+            pending += self._decoder.decode(data)
+
+    def _recover_after_timeout(self) -> bool:
+        """Ctrl-C twice (a program may catch the first) and wait for this command's
+        prompt; True if the shell answered."""
+        for _ in range(2):
+            if self._child is None or not self._child.isalive():
+                return False
+            self._running = True
+            try:
+                with self._write_lock:
+                    os.write(self._child.child_fd, b"\x03")
+                sink = _BoundedOutput(4096)
+                _, _, timed_out, eof = self._collect(self._seq, time.monotonic() + INTERRUPT_GRACE_S, sink)
+            except OSError:
+                return False
+            finally:
+                self._running = False
+            if eof:
+                return False
+            if not timed_out:
+                return True
+        return False
+
+    def _exit_status(self) -> int | None:
+        child = self._child
+        if child is None:
+            return None
+        try:
+            child.close(force=True)
+        except Exception:
+            pass
+        if child.exitstatus is not None:
+            return child.exitstatus
+        if child.signalstatus is not None:
+            return 128 + child.signalstatus
+        return None
+
+    def _restart_quietly(self) -> None:
+        try:
+            self.restart()
+        except SandboxError:
+            # Leave it dead: the next run() tries again and raises if that fails.
+            self._child = None

@@ -1,0 +1,495 @@
+"""`tmax run "task"`: the agent in a sandbox, with a person watching (or `--json` for scripts).
+
+The CLI only renders and asks; the loop itself is `agents.loop.Agent`, the same one that
+`tmax bench` and `tmax learn` drive. Approval, Ctrl-C and follow-ups go through `AgentHooks`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from tmax_cli.config import DEFAULT_IMAGE, ConfigError, RunSettings, default_run_dir, resolve_run_settings
+
+# Exit status by outcome, so scripts can branch on it (documented in --help).
+EXIT_CODES = {
+    "submitted": 0,
+    "max_steps": 3,
+    "context_overflow": 4,
+    "format_errors": 5,
+    "model_error": 6,
+    "sandbox_error": 7,
+    "interrupted": 130,
+}
+EXIT_USAGE = 2  # bad flags, config or resume path
+
+# The model must know that a resumed session has a fresh shell, or it will rely on state
+# (cwd, variables, background jobs) that no longer exists.
+RESUME_NOTE = (
+    "[The session was resumed in a new shell: the working directory, shell variables and "
+    "background jobs from before are gone; files on disk are as the sandbox left them.]"
+)
+
+_EXIT_HELP = (
+    "Exit status: 0 submitted, 2 bad usage or config, 3 step limit reached, 4 context full, "
+    "5 too many format errors, 6 model/server error, 7 sandbox (infrastructure) error, 130 interrupted."
+)
+
+
+def _fail(msg: str, json_mode: bool) -> typer.Exit:
+    if json_mode:
+        print(json.dumps({"type": "error", "error": msg}), flush=True)
+    typer.secho(f"tmax run: {msg}", err=True, fg="red")
+    return typer.Exit(EXIT_USAGE)
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _usage_dict(u: Any) -> dict[str, int]:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "reasoning_tokens": u.reasoning_tokens,
+    }
+
+
+# --------------------------------------------------------------------------- model
+def discover_model(base_url: str, api_key: str) -> str:
+    """The one model a server serves (vLLM serves one); several or none is a usage error."""
+    from openai import OpenAI
+
+    try:
+        ids = [m.id for m in OpenAI(base_url=base_url, api_key=api_key, timeout=10, max_retries=0).models.list()]
+    except Exception as e:  # any failure here means: ask the user to name the model
+        raise ConfigError(f"no model given and listing models at {base_url} failed ({type(e).__name__}: {e})") from e
+    if len(ids) != 1:
+        raise ConfigError(f"no model given and {base_url} serves {len(ids)} models ({', '.join(ids) or 'none'})")
+    return ids[0]
+
+
+# --------------------------------------------------------------------------- resume
+def load_saved_messages(path: Path) -> tuple[list[dict[str, Any]], dict[str, int] | None]:
+    """Messages (and usage totals, when saved) of a run directory or a trajectory.json."""
+    traj = path / "trajectory.json" if path.is_dir() else path
+    if not traj.exists():
+        raise ConfigError(f"cannot resume: {traj} does not exist")
+    try:
+        messages = json.loads(traj.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"cannot resume: {traj} is not readable JSON ({e})") from e
+    if isinstance(messages, dict) and isinstance(messages.get("messages"), list):
+        messages = messages["messages"]
+    if (
+        not isinstance(messages, list)
+        or len(messages) < 2
+        or not all(isinstance(m, dict) and "role" in m for m in messages)
+        or messages[0]["role"] != "system"
+    ):
+        raise ConfigError(f"cannot resume: {traj} is not a tmax trajectory (a message list starting with the system prompt)")
+    usage = None
+    usage_file = traj.parent / "usage.json"
+    if usage_file.exists():
+        try:
+            raw = json.loads(usage_file.read_text(encoding="utf-8"))
+            usage = {k: int(raw.get(k) or 0) for k in ("prompt_tokens", "completion_tokens", "total_tokens", "reasoning_tokens")}
+        except (ValueError, OSError, AttributeError, TypeError):
+            usage = None  # totals are cosmetic; the messages are what matters
+    return messages, usage
+
+
+# --------------------------------------------------------------------------- hooks
+def _make_hooks_classes():
+    # Defined lazily so `tmax --help` does not import the agent stack.
+    from agents.loop import AgentHooks
+    from agents.policy import Usage
+
+    class JsonHooks(AgentHooks):
+        """Headless: one JSON object per line on stdout, no questions, Ctrl-C stops."""
+
+        def __init__(self, usage: Usage) -> None:
+            self.total = usage
+
+        def emit(self, type_: str, **fields: Any) -> None:
+            sys.stdout.write(json.dumps({"type": type_, **fields}, default=str) + "\n")
+            sys.stdout.flush()
+
+        def on_step_start(self, step: int) -> None:
+            self.emit("step", step=step)
+
+        def on_model_turn(self, step: int, turn: Any, command: str | None) -> None:
+            self.total.add(turn.usage)
+            self.emit(
+                "model",
+                step=step,
+                content=turn.message.get("content"),
+                command=command,
+                finish_reason=turn.finish_reason,
+                latency_s=round(turn.latency_s, 3),
+                usage=_usage_dict(turn.usage),
+                cumulative=_usage_dict(self.total),
+            )
+
+        def approve(self, step: int, command: str) -> str | None:
+            self.emit("command", step=step, command=command)
+            return None
+
+        def on_observation(self, step: int, result: Any, observation: str) -> None:
+            self.emit(
+                "observation",
+                step=step,
+                exit_code=result.exit_code,
+                timed_out=result.timed_out,
+                duration_s=round(result.duration_s, 3),
+                note=result.note,
+                output=result.output,
+                observation=observation,
+            )
+
+        def on_format_error(self, step: int, feedback: str) -> None:
+            self.emit("format_error", step=step, feedback=feedback)
+
+        def on_interrupt(self) -> str | None:
+            return None
+
+    class InteractiveHooks(AgentHooks):
+        """Rich rendering; approval, guidance and mode switches through the prompter."""
+
+        def __init__(self, display: Any, prompter: Any, mode: str, max_steps: int | None, usage: Usage) -> None:
+            self.display = display
+            self.prompter = prompter
+            self.mode = mode
+            self.max_steps = max_steps
+            self.total = usage
+            self.stopping = False  # set by SIGTERM/SIGHUP or a quit at the approval prompt
+
+        # `/y` and `/c` work at every prompt; returns True when the input was a mode command.
+        def _mode_command(self, text: str) -> bool:
+            cmd = text.strip().lower()
+            if cmd == "/y":
+                self.mode = "yolo"
+                self.display.info("Mode: yolo (commands run without asking). /c to confirm again.")
+                return True
+            if cmd == "/c":
+                self.mode = "confirm"
+                self.display.info("Mode: confirm (each command waits for Enter). /y to stop asking.")
+                return True
+            if cmd in ("/h", "/help", "/?"):
+                self.display.info(self._help())
+                return True
+            return False
+
+        def _help(self) -> str:
+            from tmax_cli.ui import HELP
+
+            return f"{HELP}\nMode now: {self.mode}."
+
+        def on_step_start(self, step: int) -> None:
+            self.display.stop_spinner()
+            self.display.step_header(step, self.max_steps)
+            self.display.start_spinner("Waiting for the model… (Ctrl-C to interrupt)")
+
+        def on_model_turn(self, step: int, turn: Any, command: str | None) -> None:
+            self.display.stop_spinner()
+            self.total.add(turn.usage)
+            self.display.thought(turn.message.get("content"))
+            if command is not None:
+                self.display.command(command)
+            self.display.usage(turn.usage, self.total, turn.latency_s)
+
+        def approve(self, step: int, command: str) -> str | None:
+            while self.mode == "confirm":
+                try:
+                    answer = self.prompter.ask("Enter: run · text: reject with feedback · /y yolo · /h help > ")
+                except EOFError:
+                    self.stopping = True
+                    raise KeyboardInterrupt from None
+                except KeyboardInterrupt:
+                    guidance = self.on_interrupt()
+                    if guidance is None:
+                        self.stopping = True
+                        raise
+                    return guidance
+                if self._mode_command(answer):
+                    continue
+                if answer.strip() == "":
+                    break
+                self.display.feedback(answer, "rejected; sent to the model")
+                return answer
+            self.display.start_spinner("Running… (Ctrl-C to interrupt)")
+            return None
+
+        def on_observation(self, step: int, result: Any, observation: str) -> None:
+            self.display.stop_spinner()
+            self.display.output(result.output, result.exit_code, result.duration_s, result.timed_out, result.note)
+
+        def on_format_error(self, step: int, feedback: str) -> None:
+            self.display.stop_spinner()
+            self.display.format_error(feedback)
+
+        def on_interrupt(self) -> str | None:
+            self.display.stop_spinner()
+            if self.stopping:
+                return None
+            self.display.warn("Interrupted. The shell is still there.")
+            while True:
+                try:
+                    answer = self.prompter.ask("Guidance for the agent (Enter or /q to quit) > ")
+                except (EOFError, KeyboardInterrupt):
+                    self.stopping = True
+                    return None
+                if self._mode_command(answer):
+                    continue
+                if answer.strip() in ("", "/q", "/quit"):
+                    self.stopping = True
+                    return None
+                return answer
+
+        def ask_follow_up(self) -> str | None:
+            while True:
+                try:
+                    answer = self.prompter.ask("Follow-up task in the same shell (Enter to quit) > ")
+                except (EOFError, KeyboardInterrupt):
+                    return None
+                if self._mode_command(answer):
+                    continue
+                if answer.strip() in ("", "/q", "/quit"):
+                    return None
+                return answer
+
+    return JsonHooks, InteractiveHooks
+
+
+# --------------------------------------------------------------------------- sandbox
+def _sandbox_spec(settings: RunSettings, workdir: Optional[Path], network: bool):
+    from sandbox.base import SandboxSpec
+
+    if settings.sandbox == "podman":
+        # --workdir is a path inside the container; default: the image's WORKDIR.
+        return SandboxSpec(image=settings.image, workdir=str(workdir) if workdir else None, network=network)
+    host_dir = (workdir or Path.cwd()).resolve()
+    if not host_dir.is_dir():
+        raise ConfigError(f"--workdir {host_dir} is not a directory")
+    if settings.sandbox == "bwrap":
+        # The working directory is the one writable place in the otherwise read-only host.
+        return SandboxSpec(workdir=str(host_dir), workspace=host_dir, network=network)
+    return SandboxSpec(workdir=str(host_dir))
+
+
+# --------------------------------------------------------------------------- command
+def run(
+    task: Optional[str] = typer.Argument(None, help="What the agent should do. Asked for when omitted (not with --json)."),
+    sandbox: Optional[str] = typer.Option(
+        None, "--sandbox", "-s", help="local | bwrap | podman. Default: bwrap where it works, else local."
+    ),
+    image: Optional[str] = typer.Option(None, "--image", help=f"Podman image. Default: {DEFAULT_IMAGE}."),
+    workdir: Optional[Path] = typer.Option(
+        None, "--workdir", "-w", help="Starting directory (host path for local/bwrap, container path for podman)."
+    ),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model name. Default: $TMAX_MODEL, config file, or the server's only model."),
+    base_url: Optional[str] = typer.Option(
+        None, "--base-url", help="OpenAI-compatible API URL. Default: $TMAX_BASE_URL, $OPENAI_BASE_URL, then the config file."
+    ),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="Default: $TMAX_API_KEY, $OPENAI_API_KEY, then the config file."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Model turns per task (default 64)."),
+    mode: Optional[str] = typer.Option(
+        None, "--mode", help="confirm (ask before each command) | yolo. Default: confirm for local, yolo for bwrap/podman."
+    ),
+    json_mode: bool = typer.Option(False, "--json", help="Headless: one JSON event per line on stdout, no prompts."),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the conversation saved in this run directory."),
+    output: Optional[Path] = typer.Option(
+        None, "--output", "-o", help="Trajectory directory. Default: $XDG_DATA_HOME/tmax/runs/<timestamp>."
+    ),
+    network: bool = typer.Option(False, "--network/--no-network", help="Network access inside bwrap/podman (off by default)."),
+) -> None:
+    """Run the agent on a task in a persistent shell.
+
+    In confirm mode press Enter to run a command, or type why not (sent to the model);
+    /y switches to yolo, /c back to confirm. Ctrl-C interrupts the model or the command
+    and asks for guidance. Settings come from flags, then environment, then
+    ~/.config/tmax/config.toml.
+    """
+    try:
+        settings = resolve_run_settings(
+            base_url=base_url, model=model, api_key=api_key, sandbox=sandbox, mode=mode, image=image, max_steps=max_steps
+        )
+        if settings.model is None:
+            settings.model = discover_model(settings.base_url, settings.api_key)
+            settings.sources["model"] = f"{settings.base_url}/models"
+        saved: list[dict[str, Any]] | None = None
+        saved_usage = None
+        if resume is not None:
+            saved, saved_usage = load_saved_messages(resume)
+        if json_mode and not task:
+            raise ConfigError("--json needs the task (or the follow-up, with --resume) as an argument")
+        spec = _sandbox_spec(settings, workdir, network)
+    except ConfigError as e:
+        raise _fail(str(e), json_mode) from None
+    if settings.model is None:  # pragma: no cover - discover_model raises instead
+        raise _fail("no model", json_mode)
+
+    code = _run(settings, spec, task, json_mode, saved, saved_usage, resume, output)
+    raise typer.Exit(code)
+
+
+def _run(settings, spec, task, json_mode, saved, saved_usage, resume, output) -> int:
+    from rich.console import Console
+
+    from agents.chat_policy import ChatPolicy
+    from agents.loop import Agent, AgentConfig
+    from agents.policy import Usage
+    from agents.records import Recorder
+    from sandbox import make_sandbox
+    from sandbox.base import SandboxError
+    from tmax_cli.config import data_dir
+    from tmax_cli.ui import Display, Prompter
+
+    JsonHooks, InteractiveHooks = _make_hooks_classes()
+    # In --json mode stdout carries only events; human-readable notes go to stderr.
+    display = Display(Console(stderr=True, highlight=False) if json_mode else Console(highlight=False))
+    usage = Usage(**saved_usage) if saved_usage else Usage()
+
+    prompter = None
+    if json_mode:
+        hooks = JsonHooks(usage)
+    else:
+        prompter = Prompter(data_dir() / "history")
+        hooks = InteractiveHooks(display, prompter, settings.mode, settings.max_steps, usage)
+        if not task:
+            try:
+                task = prompter.ask("Follow-up for the resumed session > " if saved else "Task > ").strip()
+            except (EOFError, KeyboardInterrupt):
+                task = ""
+            if not task:
+                display.error("No task given.")
+                return EXIT_USAGE
+
+    run_dir = (output or default_run_dir()).expanduser().resolve()
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        display.error(f"cannot create the trajectory directory {run_dir}: {e}")
+        return EXIT_USAGE
+    meta = {
+        "task": task,
+        "model": settings.model,
+        "base_url": settings.base_url,
+        "sandbox": settings.sandbox,
+        "mode": settings.mode,
+        "workdir": spec.workdir,
+        "resumed_from": str(resume.resolve()) if resume else None,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "status": "running",
+    }
+    _write_json_atomic(run_dir / "run.json", meta)
+
+    config = AgentConfig()
+    if settings.max_steps is not None:
+        config.max_steps = settings.max_steps
+    policy = ChatPolicy(
+        base_url=settings.base_url,
+        model=settings.model,
+        api_key=settings.api_key,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        max_tokens=config.max_tokens,
+    )
+
+    # SIGTERM / SIGHUP end the run like a Ctrl-C that answers "quit", so the sandbox is cleaned up.
+    def _terminate(signum, frame):
+        if isinstance(hooks, InteractiveHooks):
+            hooks.stopping = True
+        raise KeyboardInterrupt
+
+    old_handlers = {s: signal.signal(s, _terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
+
+    if not json_mode:
+        display.info(
+            f"tmax · model {settings.model} at {settings.base_url} · sandbox {settings.sandbox} · "
+            f"mode {settings.mode} · trajectory {run_dir}"
+        )
+        if settings.mode == "confirm":
+            display.info("Enter runs a command, text rejects it with feedback, /y: yolo, /c: confirm, Ctrl-C: interrupt.")
+
+    box = None
+    result = None
+    status, error = "sandbox_error", None
+    try:
+        if not json_mode:
+            display.start_spinner(f"Starting the {settings.sandbox} sandbox…")
+        box = make_sandbox(settings.sandbox, spec)
+        box.start()
+        display.stop_spinner()
+        agent = Agent(policy, box, config=config, recorder=Recorder(run_dir), hooks=hooks)
+        if saved is not None:
+            display.warn(
+                f"Resumed {len(saved)} messages from {resume}. This is a new shell: the working directory, "
+                "variables and background jobs of the earlier session are not restored (files are, where the "
+                "sandbox kept them)."
+            )
+            agent.messages = list(saved)
+            result = agent.follow_up(f"{RESUME_NOTE}\n\n{task}")
+        else:
+            display.task(task)
+            result = agent.run(task)
+        while not json_mode and result.status in ("submitted", "max_steps", "format_errors"):
+            display.info(_summary(result, run_dir))
+            follow = hooks.ask_follow_up()
+            if follow is None:
+                break
+            display.task(follow, title="follow-up")
+            result = agent.follow_up(follow)
+        status, error = result.status, result.error
+    except SandboxError as e:
+        status, error = "sandbox_error", f"sandbox failure (infrastructure, not the agent): {e}"
+    except KeyboardInterrupt:
+        status, error = "interrupted", "interrupted by the user"
+    finally:
+        display.stop_spinner()
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+        if box is not None:
+            try:
+                box.close()
+            except Exception as e:  # cleanup must not hide the outcome
+                display.warn(f"closing the sandbox failed: {e}")
+        meta.update(status=status, error=error, steps=result.steps if result else 0, finished_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        _write_json_atomic(run_dir / "run.json", meta)
+
+    code = EXIT_CODES.get(status, 1)
+    if json_mode:
+        hooks.emit(
+            "done",
+            status=status,
+            exit_code=code,
+            steps=result.steps if result else 0,
+            usage=_usage_dict(usage),
+            error=error,
+            trajectory_dir=str(run_dir),
+        )
+    else:
+        if error and status != "interrupted":
+            display.error(error)
+        display.info(_summary(result, run_dir, status))
+    return code
+
+
+def _summary(result, run_dir: Path, status: str | None = None) -> str:
+    status = status or (result.status if result else "not started")
+    steps = result.steps if result else 0
+    return f"{status} after {steps} steps · trajectory: {run_dir} (view with `tmax show {run_dir}`)"
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run", help=f"{run.__doc__}\n\n{_EXIT_HELP}")(run)
