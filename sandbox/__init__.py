@@ -1,1 +1,34 @@
+"""Sandboxes: where the agent's commands run (see `sandbox.base.Sandbox`)."""
 
+from __future__ import annotations
+
+from sandbox.base import (
+    DEFAULT_COMMAND_TIMEOUT_S, LABEL_KEY, LABEL_VALUE, NAME_PREFIX, CommandResult, Sandbox, SandboxError, SandboxSpec,
+)
+
+KINDS = ("local", "bwrap", "podman")
+
+
+def make_sandbox(kind: str, spec: SandboxSpec | None = None, **options) -> Sandbox:
+    """A new, not yet started sandbox. `options` go to the backend (podman: runtime,
+    ulimits)."""
+    spec = spec or SandboxSpec()
+    if kind == "local":
+        from sandbox.local import LocalSandbox
+
+        return LocalSandbox(spec, **options)
+    if kind == "bwrap":
+        from sandbox.bwrap import BwrapSandbox
+
+        return BwrapSandbox(spec, **options)
+    if kind == "podman":
+        from sandbox.podman import PodmanSandbox
+
+        return PodmanSandbox(spec, **options)
+    raise ValueError(f"unknown sandbox kind {kind!r}; expected one of {', '.join(KINDS)}")
+
+
+__all__ = [
+    "CommandResult", "DEFAULT_COMMAND_TIMEOUT_S", "KINDS", "LABEL_KEY", "LABEL_VALUE", "NAME_PREFIX",
+    "Sandbox", "SandboxError", "SandboxSpec", "make_sandbox",
+]

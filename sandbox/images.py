@@ -16,11 +16,14 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from sandbox.base import LABEL_KEY, LABEL_VALUE, SandboxError
+from sandbox.base import LABEL_VALUE, SandboxError
 
 DEFAULT_BASE_TAG = "localhost/tmax-base:bookworm"
 DEFAULT_SUITE = "bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
+# The base image is labelled apart from task images, so `tmax sandbox clean --images`
+# keeps it unless asked.
+BASE_LABEL_KEY = "io.tmax.base"
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -88,7 +91,7 @@ def import_rootfs(rootfs: Path, tag: str = DEFAULT_BASE_TAG, workdir: str = "/ro
         f"ENV REQUESTS_CA_BUNDLE={ca}",
         f"ENV PIP_CERT={ca}",
         f"ENV CURL_CA_BUNDLE={ca}",
-        f"LABEL {LABEL_KEY}.base={LABEL_VALUE}",
+        f"LABEL {BASE_LABEL_KEY}={LABEL_VALUE}",
     ]
     progress(f"podman import -> {tag}")
     tar = subprocess.Popen(["tar", "-C", str(rootfs), "--numeric-owner", "-cf", "-", "."],

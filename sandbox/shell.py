@@ -148,6 +148,7 @@ class PersistentShell:
         max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
         start_timeout: float = START_TIMEOUT_S,
         kill_inner: Callable[[int], None] | None = None,
+        interrupt_grace_s: float = INTERRUPT_GRACE_S,
     ):
         """argv: the process to spawn (ends in `bash --norc --noprofile`).
         env: variables exported inside the shell. workdir: initial cwd inside.
@@ -162,6 +163,7 @@ class PersistentShell:
         self.max_output_chars = max_output_chars
         self.start_timeout = start_timeout
         self.kill_inner = kill_inner
+        self.interrupt_grace_s = interrupt_grace_s
         self.tag = secrets.token_hex(8)
         self._marker_rx = re.compile(r"\r*\n__TMAX_" + self.tag + r"_(\d*)_(\d+)__\r*\n")
         self._keep = 128  # longer than any marker: kept unsearched-committed between reads
@@ -326,6 +328,11 @@ class PersistentShell:
             f"__tmax_seq={self._seq}; IFS= read -r -d '' __tmax_cmd <<'{delim}' || :;"
             f' eval "$__tmax_cmd" </dev/null\n'
             f"{command}\n{delim}\n"
+            # An empty line: it re-prints the prompt with `$?` unchanged. After a syntax
+            # error inside `eval`, interactive bash skips the prompt, and this is what
+            # brings it back; otherwise it yields a duplicate prompt for this sequence
+            # number, which the next command drops as stale.
+            "\n"
         )
 
     def _run_raw(self, command: str, deadline: float | None) -> tuple[str, int, bool, bool]:
@@ -376,14 +383,31 @@ class PersistentShell:
                 sink.add(pending)
                 return ("" if buf is not None else sink.text()[0]), 124, True, False
             try:
-                data = self._child.read_nonblocking(1 << 16, timeout=wait)
+                # Wake up now and then: a background job holding the pty open delays
+                # EOF after the shell itself exited, so liveness is checked directly.
+                data = self._child.read_nonblocking(1 << 16, timeout=0.5 if wait is None else min(wait, 0.5))
             except pexpect.TIMEOUT:
+                if not self._child.isalive():
+                    pending += self._drain()
+                    sink.add(pending)
+                    return ("" if buf is not None else sink.text()[0]), 1, False, True
                 continue
             except pexpect.EOF:
                 pending += self._decoder.decode(b"", final=True)
                 sink.add(pending)
                 return ("" if buf is not None else sink.text()[0]), 1, False, True
             pending += self._decoder.decode(data)
+
+    def _drain(self) -> str:
+        """Whatever is still buffered on the pty of a dead shell."""
+        assert self._child is not None
+        out = ""
+        for _ in range(64):
+            try:
+                out += self._decoder.decode(self._child.read_nonblocking(1 << 16, timeout=0))
+            except (pexpect.TIMEOUT, pexpect.EOF, OSError):
+                break
+        return out + self._decoder.decode(b"", final=True)
 
     def _recover_after_timeout(self) -> bool:
         """Ctrl-C twice (a program may catch the first) and wait for this command's
@@ -396,7 +420,7 @@ class PersistentShell:
                 with self._write_lock:
                     os.write(self._child.child_fd, b"\x03")
                 sink = _BoundedOutput(4096)
-                _, _, timed_out, eof = self._collect(self._seq, time.monotonic() + INTERRUPT_GRACE_S, sink)
+                _, _, timed_out, eof = self._collect(self._seq, time.monotonic() + self.interrupt_grace_s, sink)
             except OSError:
                 return False
             finally:

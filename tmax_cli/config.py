@@ -34,7 +34,7 @@ API_KEY_ENV = ("TMAX_API_KEY", "OPENAI_API_KEY")
 MODEL_ENV = ("TMAX_MODEL",)
 
 # Key -> accepted Python type(s) in the config file.
-_FILE_KEYS: dict[str, type | tuple[type, ...]] = {
+_FILE_KEYS: dict[str, type] = {
     "base_url": str,
     "model": str,
     "api_key": str,
@@ -84,8 +84,8 @@ def load_file(path: Path | None = None) -> dict[str, Any]:
         # bool is an int subclass; `max_steps = true` is still a mistake.
         if not isinstance(value, expected) or isinstance(value, bool):
             raise ConfigError(
-                f"config file {path}: {key} must be a {getattr(expected, '__name__', expected)}, "
-                f"got {type(value).__name__}"
+                f"config file {path}: {key} must be {'an integer' if expected is int else 'a string'}, "
+                f"got {type(value).__name__} {value!r}"
             )
     return data
 

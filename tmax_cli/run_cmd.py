@@ -6,13 +6,14 @@ The CLI only renders and asks; the loop itself is `agents.loop.Agent`, the same 
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import typer
 
@@ -80,46 +81,29 @@ def discover_model(base_url: str, api_key: str) -> str:
 
 
 # --------------------------------------------------------------------------- resume
-def load_saved_messages(path: Path) -> tuple[list[dict[str, Any]], dict[str, int] | None]:
-    """Messages (and usage totals, when saved) of a run directory or a trajectory.json."""
-    traj = path / "trajectory.json" if path.is_dir() else path
-    if not traj.exists():
-        raise ConfigError(f"cannot resume: {traj} does not exist")
+def load_saved(path: Path):
+    """A saved run (`agents.records.SavedRun`) to continue; anything else is a usage error."""
+    from agents.records import load_run
+
     try:
-        messages = json.loads(traj.read_text(encoding="utf-8"))
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"cannot resume: {traj} is not readable JSON ({e})") from e
-    if isinstance(messages, dict) and isinstance(messages.get("messages"), list):
-        messages = messages["messages"]
-    if (
-        not isinstance(messages, list)
-        or len(messages) < 2
-        or not all(isinstance(m, dict) and "role" in m for m in messages)
-        or messages[0]["role"] != "system"
-    ):
-        raise ConfigError(f"cannot resume: {traj} is not a tmax trajectory (a message list starting with the system prompt)")
-    usage = None
-    usage_file = traj.parent / "usage.json"
-    if usage_file.exists():
-        try:
-            raw = json.loads(usage_file.read_text(encoding="utf-8"))
-            usage = {k: int(raw.get(k) or 0) for k in ("prompt_tokens", "completion_tokens", "total_tokens", "reasoning_tokens")}
-        except (ValueError, OSError, AttributeError, TypeError):
-            usage = None  # totals are cosmetic; the messages are what matters
-    return messages, usage
+        saved = load_run(path)
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"cannot resume from {path}: {e}") from e
+    if len(saved.messages) < 2 or saved.messages[0].get("role") != "system":
+        raise ConfigError(f"cannot resume from {path}: the trajectory does not start with the system prompt")
+    return saved
 
 
 # --------------------------------------------------------------------------- hooks
 def _make_hooks_classes():
     # Defined lazily so `tmax --help` does not import the agent stack.
     from agents.loop import AgentHooks
-    from agents.policy import Usage
 
     class JsonHooks(AgentHooks):
         """Headless: one JSON object per line on stdout, no questions, Ctrl-C stops."""
 
-        def __init__(self, usage: Usage) -> None:
-            self.total = usage
+        def __init__(self, session_usage: Callable[[], Any]) -> None:
+            self.session_usage = session_usage  # the agent's running totals (resets per run())
 
         def emit(self, type_: str, **fields: Any) -> None:
             sys.stdout.write(json.dumps({"type": type_, **fields}, default=str) + "\n")
@@ -129,7 +113,6 @@ def _make_hooks_classes():
             self.emit("step", step=step)
 
         def on_model_turn(self, step: int, turn: Any, command: str | None) -> None:
-            self.total.add(turn.usage)
             self.emit(
                 "model",
                 step=step,
@@ -138,7 +121,7 @@ def _make_hooks_classes():
                 finish_reason=turn.finish_reason,
                 latency_s=round(turn.latency_s, 3),
                 usage=_usage_dict(turn.usage),
-                cumulative=_usage_dict(self.total),
+                cumulative=_usage_dict(self.session_usage()),
             )
 
         def approve(self, step: int, command: str) -> str | None:
@@ -153,12 +136,14 @@ def _make_hooks_classes():
                 timed_out=result.timed_out,
                 duration_s=round(result.duration_s, 3),
                 note=result.note,
-                output=result.output,
                 observation=observation,
             )
 
         def on_format_error(self, step: int, feedback: str) -> None:
             self.emit("format_error", step=step, feedback=feedback)
+
+        def on_retry(self, attempt: int, error: Exception, delay_s: float) -> None:
+            self.emit("retry", attempt=attempt, error=str(error), delay_s=delay_s)
 
         def on_interrupt(self) -> str | None:
             return None
@@ -166,12 +151,14 @@ def _make_hooks_classes():
     class InteractiveHooks(AgentHooks):
         """Rich rendering; approval, guidance and mode switches through the prompter."""
 
-        def __init__(self, display: Any, prompter: Any, mode: str, max_steps: int | None, usage: Usage) -> None:
+        def __init__(
+            self, display: Any, prompter: Any, mode: str, max_steps: int | None, session_usage: Callable[[], Any]
+        ) -> None:
             self.display = display
             self.prompter = prompter
             self.mode = mode
             self.max_steps = max_steps
-            self.total = usage
+            self.session_usage = session_usage
             self.stopping = False  # set by SIGTERM/SIGHUP or a quit at the approval prompt
 
         # `/y` and `/c` work at every prompt; returns True when the input was a mode command.
@@ -202,11 +189,10 @@ def _make_hooks_classes():
 
         def on_model_turn(self, step: int, turn: Any, command: str | None) -> None:
             self.display.stop_spinner()
-            self.total.add(turn.usage)
             self.display.thought(turn.message.get("content"))
             if command is not None:
                 self.display.command(command)
-            self.display.usage(turn.usage, self.total, turn.latency_s)
+            self.display.usage(turn.usage, self.session_usage(), turn.latency_s)
 
         def approve(self, step: int, command: str) -> str | None:
             while self.mode == "confirm":
@@ -237,6 +223,11 @@ def _make_hooks_classes():
         def on_format_error(self, step: int, feedback: str) -> None:
             self.display.stop_spinner()
             self.display.format_error(feedback)
+
+        def on_retry(self, attempt: int, error: Exception, delay_s: float) -> None:
+            self.display.stop_spinner()
+            self.display.warn(f"Model call failed ({error}); retry {attempt} in {delay_s:g}s.")
+            self.display.start_spinner("Waiting for the model… (Ctrl-C to interrupt)")
 
         def on_interrupt(self) -> str | None:
             self.display.stop_spinner()
@@ -315,40 +306,31 @@ def run(
 ) -> None:
     """Run the agent on a task in a persistent shell.
 
-    In confirm mode press Enter to run a command, or type why not (sent to the model);
-    /y switches to yolo, /c back to confirm. Ctrl-C interrupts the model or the command
-    and asks for guidance. Settings come from flags, then environment, then
-    ~/.config/tmax/config.toml.
+    In confirm mode press Enter to run a command, or type why not (sent to the model); /y switches to yolo, /c back to confirm. Ctrl-C interrupts the model or the command and asks for guidance.
+
+    Settings come from flags, then environment, then $XDG_CONFIG_HOME/tmax/config.toml (~/.config/tmax/config.toml).
     """
     try:
+        if json_mode and not task:
+            raise ConfigError("--json needs the task (or, with --resume, the follow-up) as an argument")
         settings = resolve_run_settings(
             base_url=base_url, model=model, api_key=api_key, sandbox=sandbox, mode=mode, image=image, max_steps=max_steps
         )
+        saved = load_saved(resume) if resume is not None else None
+        spec = _sandbox_spec(settings, workdir, network)
         if settings.model is None:
             settings.model = discover_model(settings.base_url, settings.api_key)
             settings.sources["model"] = f"{settings.base_url}/models"
-        saved: list[dict[str, Any]] | None = None
-        saved_usage = None
-        if resume is not None:
-            saved, saved_usage = load_saved_messages(resume)
-        if json_mode and not task:
-            raise ConfigError("--json needs the task (or the follow-up, with --resume) as an argument")
-        spec = _sandbox_spec(settings, workdir, network)
     except ConfigError as e:
         raise _fail(str(e), json_mode) from None
-    if settings.model is None:  # pragma: no cover - discover_model raises instead
-        raise _fail("no model", json_mode)
-
-    code = _run(settings, spec, task, json_mode, saved, saved_usage, resume, output)
-    raise typer.Exit(code)
+    raise typer.Exit(_run(settings, spec, task, json_mode, saved, resume, output))
 
 
-def _run(settings, spec, task, json_mode, saved, saved_usage, resume, output) -> int:
+def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, saved: Any, resume: Path | None, output: Path | None) -> int:
     from rich.console import Console
 
     from agents.chat_policy import ChatPolicy
     from agents.loop import Agent, AgentConfig
-    from agents.policy import Usage
     from agents.records import Recorder
     from sandbox import make_sandbox
     from sandbox.base import SandboxError
@@ -358,14 +340,18 @@ def _run(settings, spec, task, json_mode, saved, saved_usage, resume, output) ->
     JsonHooks, InteractiveHooks = _make_hooks_classes()
     # In --json mode stdout carries only events; human-readable notes go to stderr.
     display = Display(Console(stderr=True, highlight=False) if json_mode else Console(highlight=False))
-    usage = Usage(**saved_usage) if saved_usage else Usage()
+    agent = None
 
-    prompter = None
+    def session_usage():
+        from agents.policy import Usage
+
+        return agent.usage if agent is not None else Usage()
+
     if json_mode:
-        hooks = JsonHooks(usage)
+        hooks = JsonHooks(session_usage)
     else:
         prompter = Prompter(data_dir() / "history")
-        hooks = InteractiveHooks(display, prompter, settings.mode, settings.max_steps, usage)
+        hooks = InteractiveHooks(display, prompter, settings.mode, settings.max_steps, session_usage)
         if not task:
             try:
                 task = prompter.ask("Follow-up for the resumed session > " if saved else "Task > ").strip()
@@ -374,6 +360,7 @@ def _run(settings, spec, task, json_mode, saved, saved_usage, resume, output) ->
             if not task:
                 display.error("No task given.")
                 return EXIT_USAGE
+    assert task
 
     run_dir = (output or default_run_dir()).expanduser().resolve()
     try:
@@ -381,6 +368,7 @@ def _run(settings, spec, task, json_mode, saved, saved_usage, resume, output) ->
     except OSError as e:
         display.error(f"cannot create the trajectory directory {run_dir}: {e}")
         return EXIT_USAGE
+    # The CLI's own record of the session (result.json, written by the agent, has the outcome per episode).
     meta = {
         "task": task,
         "model": settings.model,
@@ -398,15 +386,15 @@ def _run(settings, spec, task, json_mode, saved, saved_usage, resume, output) ->
     if settings.max_steps is not None:
         config.max_steps = settings.max_steps
     policy = ChatPolicy(
-        base_url=settings.base_url,
         model=settings.model,
+        base_url=settings.base_url,
         api_key=settings.api_key,
         temperature=config.temperature,
         top_p=config.top_p,
         max_tokens=config.max_tokens,
     )
 
-    # SIGTERM / SIGHUP end the run like a Ctrl-C that answers "quit", so the sandbox is cleaned up.
+    # SIGTERM / SIGHUP end the run like a Ctrl-C answered with "quit", so the sandbox is removed.
     def _terminate(signum, frame):
         if isinstance(hooks, InteractiveHooks):
             hooks.stopping = True
@@ -428,23 +416,31 @@ def _run(settings, spec, task, json_mode, saved, saved_usage, resume, output) ->
     try:
         if not json_mode:
             display.start_spinner(f"Starting the {settings.sandbox} sandbox…")
-        box = make_sandbox(settings.sandbox, spec)
-        box.start()
+        try:
+            box = make_sandbox(settings.sandbox, spec)
+            box.start()
+        except SandboxError:
+            raise
+        except Exception as e:  # e.g. a missing binary: still the infrastructure, not the agent
+            raise SandboxError(f"could not start the {settings.sandbox} sandbox: {e}") from e
         display.stop_spinner()
         agent = Agent(policy, box, config=config, recorder=Recorder(run_dir), hooks=hooks)
         if saved is not None:
             display.warn(
-                f"Resumed {len(saved)} messages from {resume}. This is a new shell: the working directory, "
+                f"Resumed {len(saved.messages)} messages from {resume}. This is a new shell: the working directory, "
                 "variables and background jobs of the earlier session are not restored (files are, where the "
                 "sandbox kept them)."
             )
-            agent.messages = list(saved)
+            agent.load(saved)
+            if not json_mode:
+                display.task(task, title="follow-up")
             result = agent.follow_up(f"{RESUME_NOTE}\n\n{task}")
         else:
-            display.task(task)
+            if not json_mode:
+                display.task(task)
             result = agent.run(task)
         while not json_mode and result.status in ("submitted", "max_steps", "format_errors"):
-            display.info(_summary(result, run_dir))
+            display.info(f"{result.status} after {result.steps} steps.")
             follow = hooks.ask_follow_up()
             if follow is None:
                 break
@@ -464,8 +460,9 @@ def _run(settings, spec, task, json_mode, saved, saved_usage, resume, output) ->
                 box.close()
             except Exception as e:  # cleanup must not hide the outcome
                 display.warn(f"closing the sandbox failed: {e}")
-        meta.update(status=status, error=error, steps=result.steps if result else 0, finished_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-        _write_json_atomic(run_dir / "run.json", meta)
+    steps = agent.steps if agent is not None else 0
+    meta.update(status=status, error=error, steps=steps, finished_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    _write_json_atomic(run_dir / "run.json", meta)
 
     code = EXIT_CODES.get(status, 1)
     if json_mode:
@@ -473,23 +470,21 @@ def _run(settings, spec, task, json_mode, saved, saved_usage, resume, output) ->
             "done",
             status=status,
             exit_code=code,
-            steps=result.steps if result else 0,
-            usage=_usage_dict(usage),
+            steps=steps,
+            usage=_usage_dict(session_usage()),
             error=error,
             trajectory_dir=str(run_dir),
         )
     else:
         if error and status != "interrupted":
             display.error(error)
-        display.info(_summary(result, run_dir, status))
+        display.info(_summary(status, steps, run_dir))
     return code
 
 
-def _summary(result, run_dir: Path, status: str | None = None) -> str:
-    status = status or (result.status if result else "not started")
-    steps = result.steps if result else 0
-    return f"{status} after {steps} steps · trajectory: {run_dir} (view with `tmax show {run_dir}`)"
+def _summary(status: str, steps: int, run_dir: Path) -> str:
+    return f"{status} after {steps} steps · trajectory: {run_dir} (view it with `tmax show {run_dir}`)"
 
 
 def register(app: typer.Typer) -> None:
-    app.command("run", help=f"{run.__doc__}\n\n{_EXIT_HELP}")(run)
+    app.command("run", help=f"{inspect.cleandoc(run.__doc__ or '')}\n\n{_EXIT_HELP}")(run)

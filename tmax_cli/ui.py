@@ -6,7 +6,6 @@ markup, so brackets in output cannot restyle or hide text.
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path
@@ -39,23 +38,6 @@ def clip_lines(text: str, head: int = SCREEN_HEAD_LINES, tail: int = SCREEN_TAIL
         return text
     hidden = len(lines) - head - tail
     return "\n".join(lines[:head] + [f"... {hidden} lines not shown (all of it is in the trajectory) ..."] + lines[-tail:])
-
-
-def command_of(message: dict[str, Any]) -> str | None:
-    """The bash command of an assistant message's first tool call, as saved in trajectory.json."""
-    calls = message.get("tool_calls") or []
-    if not calls:
-        return None
-    fn = (calls[0] or {}).get("function") or {}
-    args = fn.get("arguments")
-    if isinstance(args, dict):
-        cmd = args.get("command")
-    else:
-        try:
-            cmd = json.loads(args or "").get("command")
-        except (ValueError, AttributeError):
-            return f"(unparseable tool call {fn.get('name')!r}: {args!r})"
-    return cmd.strip() if isinstance(cmd, str) else None
 
 
 def split_exit_code(observation: str) -> tuple[str, int | None]:
@@ -146,6 +128,9 @@ class Display:
 
     def format_error(self, feedback: str) -> None:
         self.console.print(Panel(Text(feedback), title="format error", title_align="left", border_style="red"))
+
+    def note(self, text: str) -> None:
+        self.console.print(Text(text, style="dim"))
 
     def info(self, text: str) -> None:
         self.console.print(Text(text, style="cyan"))

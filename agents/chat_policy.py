@@ -1,0 +1,143 @@
+"""A policy on any OpenAI-compatible /chat/completions endpoint (vLLM, hosted providers).
+
+Sampling follows Vanillux2: temperature 0.7, top_p 0.95, max_tokens 16,384, top_k unset,
+no tool_choice, no stop strings. The client's own retries are off: the Agent loop owns the
+retry policy, so errors are mapped to the three policy exceptions instead.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import openai
+
+from agents.parsing import message_from_text
+from agents.policy import ContextOverflow, FatalModelError, ModelError, ModelTurn, Usage
+
+# Substrings servers use when the prompt (plus max_tokens) does not fit the context window:
+# vLLM ("maximum context length", "is too large"), OpenAI ("context_length_exceeded"),
+# others ("context window", "too many tokens", "prompt is too long").
+_CONTEXT_HINTS = (
+    "context length",
+    "context_length",
+    "context window",
+    "maximum context",
+    "too many tokens",
+    "prompt is too long",
+    "input is too long",
+    "max_tokens' or 'max_completion_tokens' is too large",
+)
+
+
+def _is_context_error(err: openai.APIStatusError) -> bool:
+    text = str(err).lower()
+    code = getattr(err, "code", None) or ""
+    return "context_length_exceeded" in str(code) or any(h in text for h in _CONTEXT_HINTS)
+
+
+def map_openai_error(err: Exception) -> Exception:
+    """Map an `openai` exception onto ModelError / FatalModelError / ContextOverflow."""
+    if isinstance(err, openai.APITimeoutError):
+        return ModelError(f"model request timed out: {err}")
+    if isinstance(err, openai.APIConnectionError):
+        return ModelError(f"cannot reach the model server: {err}")
+    if isinstance(err, openai.APIStatusError):
+        status = err.status_code
+        if status in (400, 413, 422) and _is_context_error(err):
+            return ContextOverflow(f"context window exceeded: {err}")
+        if isinstance(err, openai.AuthenticationError):
+            return FatalModelError(f"authentication failed (check the API key): {err}")
+        if isinstance(err, openai.PermissionDeniedError):
+            return FatalModelError(f"permission denied: {err}")
+        if isinstance(err, openai.NotFoundError):
+            return FatalModelError(f"not found (check --model and --base-url): {err}")
+        if status in (400, 422):
+            return FatalModelError(f"the server rejected the request: {err}")
+        # 408, 409, 429 and 5xx are transient.
+        return ModelError(f"model server error {status}: {err}")
+    if isinstance(err, openai.APIResponseValidationError):
+        return ModelError(f"malformed model response: {err}")
+    return err
+
+
+def _usage(raw: Any) -> Usage:
+    if raw is None:
+        return Usage()
+    details = getattr(raw, "completion_tokens_details", None)
+    return Usage(
+        prompt_tokens=raw.prompt_tokens or 0,
+        completion_tokens=raw.completion_tokens or 0,
+        total_tokens=raw.total_tokens or 0,
+        reasoning_tokens=(getattr(details, "reasoning_tokens", None) or 0) if details else 0,
+    )
+
+
+class ChatPolicy:
+    def __init__(
+        self,
+        model: str,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        temperature: float = 0.7,
+        top_p: float | None = 0.95,
+        max_tokens: int = 16384,
+        top_k: int | None = None,
+        timeout: float = 3600.0,
+        extra_body: dict[str, Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.temperature = temperature
+        self.top_p = top_p
+        self.max_tokens = max_tokens
+        self.extra_body = dict(extra_body or {})
+        if top_k is not None:
+            self.extra_body["top_k"] = top_k  # not an OpenAI parameter; vLLM reads it from the body
+        # Local servers need no key, but the client insists on one.
+        self.client = openai.OpenAI(base_url=base_url, api_key=api_key or "dummy", timeout=timeout, max_retries=0)
+
+    def complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> ModelTurn:
+        kwargs: dict[str, Any] = dict(model=self.model, messages=messages, temperature=self.temperature, max_tokens=self.max_tokens)
+        if tools:
+            kwargs["tools"] = tools
+        if self.top_p is not None:
+            kwargs["top_p"] = self.top_p
+        if self.extra_body:
+            kwargs["extra_body"] = self.extra_body
+        t0 = time.monotonic()
+        try:
+            response = self.client.chat.completions.create(**kwargs)
+        except openai.OpenAIError as e:
+            raise map_openai_error(e) from e
+        latency = time.monotonic() - t0
+        if not response.choices:
+            raise ModelError("the model server returned no choices")
+        choice = response.choices[0]
+        return ModelTurn(
+            message=self._message(choice.message),
+            usage=_usage(response.usage),
+            finish_reason=choice.finish_reason,
+            latency_s=latency,
+        )
+
+    @staticmethod
+    def _message(msg: Any) -> dict[str, Any]:
+        content = msg.content or ""
+        calls = [
+            {"id": tc.id, "type": "function", "function": {"name": tc.function.name, "arguments": tc.function.arguments}}
+            for tc in (msg.tool_calls or [])
+            if getattr(tc, "function", None) is not None
+        ]
+        if not calls and "<tool_call>" in content:
+            # Server started without a tool parser: parse the raw text ourselves and keep
+            # the history in native shape so later requests render it as a real call.
+            message = message_from_text(content)
+        else:
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+        # Providers with a reasoning parser return thinking separately; keep it in history.
+        reasoning = getattr(msg, "reasoning_content", None) or (msg.model_extra or {}).get("reasoning_content")
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        return message

@@ -1,0 +1,334 @@
+"""The agent loop: one class for `tmax run`, `tmax bench` and `tmax learn`.
+
+Vanillux2 semantics (the Tmax evaluation harness):
+
+* messages start as [system, user(instance template)];
+* every model call is one step, format errors included; at most `max_steps` per episode;
+* only the first tool call is used; a command containing the submit marker runs and then
+  the episode ends; the marker in any observation also ends it;
+* a response without a valid `bash` call gets format-error feedback (a `user` message, or
+  a `tool` reply when the bad call has a usable id); `max_format_errors` in a row end it;
+* model errors are retried (5 attempts, back-off 2/4/8/16 s); auth / not-found /
+  bad-request errors are not; a context overflow ends the episode cleanly;
+* a sandbox failure is an infrastructure error (`sandbox_error`), never the agent's.
+
+Ctrl-C during the model call or a command interrupts only that: the command is stopped
+with `sandbox.interrupt()` (the shell survives) and `hooks.on_interrupt()` decides whether
+to continue with guidance or stop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from agents.observation import ObservationLimits, format_observation
+from agents.parsing import Action, parse_action
+from agents.policy import ContextOverflow, FatalModelError, ModelError, ModelTurn, Policy, Usage
+from agents.prompts import (
+    REJECTED_TOOL_TEXT,
+    SUBMIT_MARKER,
+    format_error_feedback,
+    instance_message,
+    render,
+    system_message,
+)
+from agents.records import Recorder, SavedRun
+from agents.tools import TOOLS
+from sandbox.base import CommandResult, Sandbox, SandboxError
+
+INTERRUPT_TEMPLATE = "The user interrupted you and says: {{guidance}}"
+REJECTION_TEMPLATE = "The user did not run your command and says: {{feedback}}"
+
+
+@dataclass
+class AgentConfig:
+    """Vanillux2 defaults."""
+
+    max_steps: int = 64
+    command_timeout: float = 120.0
+    max_format_errors: int = 64
+    # Sampling settings are applied by whoever builds the policy (ChatPolicy / TokenPolicy).
+    temperature: float = 0.7
+    top_p: float = 0.95
+    max_tokens: int = 16384
+    # Stop once a turn's prompt + completion reaches this many tokens, for servers whose
+    # window is larger than the budget (a smaller window raises ContextOverflow itself).
+    context_budget: int = 65536
+    observation_max_chars: int = 10000
+    retries: int = 5
+    backoff_s: tuple[float, ...] = (2, 4, 8, 16)
+
+    @property
+    def observation_limits(self) -> ObservationLimits:
+        half = self.observation_max_chars // 2
+        return ObservationLimits(self.observation_max_chars, half, self.observation_max_chars - half)
+
+
+class AgentHooks:
+    """Callbacks for UIs and runners. Every method is optional."""
+
+    def on_step_start(self, step: int) -> None: ...
+
+    def on_model_turn(self, step: int, turn: ModelTurn, command: str | None) -> None: ...
+
+    def approve(self, step: int, command: str) -> str | None:
+        """None runs the command; any text rejects it and goes back to the model."""
+        return None
+
+    def on_observation(self, step: int, result: CommandResult, observation: str) -> None: ...
+
+    def on_format_error(self, step: int, feedback: str) -> None: ...
+
+    def on_retry(self, attempt: int, error: Exception, delay_s: float) -> None: ...
+
+    def on_interrupt(self) -> str | None:
+        """Ctrl-C: guidance text to continue, None to stop."""
+        return None
+
+
+@dataclass
+class AgentResult:
+    # submitted | max_steps | context_overflow | format_errors | model_error | interrupted | sandbox_error
+    status: str
+    steps: int
+    usage: Usage
+    messages: list[dict[str, Any]]
+    error: str | None = None
+
+
+@dataclass
+class _Outcome:
+    status: str
+    error: str | None = None
+
+
+class Agent:
+    def __init__(
+        self,
+        policy: Policy,
+        sandbox: Sandbox,
+        config: AgentConfig | None = None,
+        recorder: Recorder | None = None,
+        hooks: AgentHooks | None = None,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.policy = policy
+        self.sandbox = sandbox
+        self.config = config or AgentConfig()
+        self.recorder = recorder
+        self.hooks = hooks or AgentHooks()
+        self.tools = TOOLS
+        self._sleep = sleep  # injectable so tests do not wait through real back-offs
+        self.messages: list[dict[str, Any]] = []
+        self.timing: list[dict[str, Any]] = []
+        self.usage = Usage()
+        self.steps = 0  # model calls over the whole session (follow-ups included)
+        self._last_context_tokens = 0
+
+    # ---- public API -------------------------------------------------------------------
+
+    def run(self, task: str) -> AgentResult:
+        """A fresh episode: [system, user(instance template with the task)]."""
+        if not task.strip():
+            raise ValueError("the task text is empty")
+        self.messages = [system_message(), instance_message(task)]
+        self.timing, self.usage, self.steps, self._last_context_tokens = [], Usage(), 0, 0
+        return self._episode()
+
+    def follow_up(self, text: str) -> AgentResult:
+        """Continue the same conversation and shell with a new user message."""
+        if not self.messages:
+            raise RuntimeError("follow_up() needs a conversation: call run() or load() first")
+        self.messages.append({"role": "user", "content": text})
+        return self._episode()
+
+    def load(self, saved: SavedRun) -> None:
+        """Adopt a saved conversation (`tmax run --resume`); then call follow_up() or resume()."""
+        self.messages = [dict(m) for m in saved.messages]
+        self.timing = list(saved.timing)
+        self.usage = Usage(**vars(saved.usage))
+        self.steps = sum(1 for m in self.messages if m.get("role") == "assistant")
+
+    def resume(self) -> AgentResult:
+        """Continue a loaded conversation as it stands (e.g. after a crash mid-episode)."""
+        if not self.messages:
+            raise RuntimeError("resume() needs a conversation: call load() first")
+        return self._episode()
+
+    # ---- the loop ---------------------------------------------------------------------
+
+    def _episode(self) -> AgentResult:
+        try:
+            outcome = self._steps()
+        finally:
+            # Also when a hook or a runner aborts the episode with an exception.
+            self._save()
+        if self.recorder is not None:
+            self.recorder.finish(outcome.status, self.steps, outcome.error)
+        return AgentResult(outcome.status, self.steps, self.usage, self.messages, outcome.error)
+
+    def _steps(self) -> _Outcome:
+        cfg = self.config
+        episode_steps = 0
+        format_errors = 0
+        while True:
+            if episode_steps >= cfg.max_steps:
+                return _Outcome("max_steps")
+            guard = not getattr(self.policy, "enforces_context_budget", False)
+            if guard and self._last_context_tokens >= cfg.context_budget:
+                return _Outcome("context_overflow", f"context budget of {cfg.context_budget} tokens used")
+            step = self.steps + 1
+            self.hooks.on_step_start(step)
+            t0 = time.monotonic()
+            try:
+                turn = self._query()
+            except KeyboardInterrupt:
+                if not self._guidance():
+                    return _Outcome("interrupted")
+                continue
+            except ContextOverflow as e:
+                return _Outcome("context_overflow", str(e))
+            except FatalModelError as e:
+                return _Outcome("model_error", str(e))
+            except ModelError as e:
+                return _Outcome("model_error", f"giving up after {cfg.retries} attempts: {e}")
+            llm_s = time.monotonic() - t0
+            self.steps = step
+            episode_steps += 1
+            self.usage.add(turn.usage)
+            self._last_context_tokens = turn.usage.total_tokens or (turn.usage.prompt_tokens + turn.usage.completion_tokens)
+
+            message = dict(turn.message)
+            action = parse_action(message)
+            self.hooks.on_model_turn(step, turn, action.command)
+
+            if action.is_format_error:
+                format_errors += 1
+                self._format_error(step, message, action, llm_s)
+                if format_errors >= cfg.max_format_errors:
+                    return _Outcome("format_errors", f"{format_errors} format errors in a row")
+                continue
+            format_errors = 0
+            # Only the first call is answered; drop the rest so the history stays valid.
+            if message.get("tool_calls"):
+                message["tool_calls"] = message["tool_calls"][:1]
+            self.messages.append(message)
+            assert action.command is not None
+
+            rejection = self.hooks.approve(step, action.command)
+            if rejection is not None:
+                self._reply(action, REJECTED_TOOL_TEXT, tool_only=True)
+                self.messages.append({"role": "user", "content": render(REJECTION_TEMPLATE, feedback=rejection)})
+                self.timing.append({"step": step, "llm_s": round(llm_s, 1), "rejected": True, "cmd": action.command[:200]})
+                self._save()
+                continue
+
+            try:
+                result, interrupted = self._execute(action.command)
+            except SandboxError as e:
+                self.timing.append({"step": step, "llm_s": round(llm_s, 1), "sandbox_error": str(e)[:200], "cmd": action.command[:200]})
+                return _Outcome("sandbox_error", str(e))
+            observation = format_observation(result, cfg.observation_limits)
+            self._reply(action, observation)
+            self.timing.append(
+                {
+                    "step": step,
+                    "llm_s": round(llm_s, 1),
+                    "bash_s": round(result.duration_s, 1),
+                    "return_code": result.exit_code,
+                    "cmd": action.command[:200],
+                }
+            )
+            self.hooks.on_observation(step, result, observation)
+            self._save()
+            if interrupted:
+                # The user stopped this command; their guidance (if any) comes before any submit.
+                if not self._guidance():
+                    return _Outcome("interrupted")
+                continue
+            if action.submit or SUBMIT_MARKER in observation:
+                return _Outcome("submitted")
+
+    def _query(self) -> ModelTurn:
+        cfg = self.config
+        attempts = max(1, cfg.retries)
+        for attempt in range(1, attempts + 1):
+            try:
+                return self.policy.complete(self.messages, self.tools)
+            except ModelError as e:
+                if attempt >= attempts:
+                    raise
+                delay = cfg.backoff_s[min(attempt - 1, len(cfg.backoff_s) - 1)] if cfg.backoff_s else 0.0
+                self.hooks.on_retry(attempt, e, delay)
+                self._sleep(delay)
+        raise AssertionError("unreachable")
+
+    def _format_error(self, step: int, message: dict[str, Any], action: Action, llm_s: float) -> None:
+        feedback = format_error_feedback()
+        if message.get("content") is None:
+            message["content"] = ""
+        if action.tool_call_id:
+            # The call was well-formed but wrong (e.g. another tool): answer it as a tool reply.
+            message["tool_calls"] = message["tool_calls"][:1]
+            self.messages.append(message)
+            self.messages.append({"role": "tool", "tool_call_id": action.tool_call_id, "content": feedback})
+        else:
+            # Unusable calls are dropped so later requests never re-send broken arguments.
+            message.pop("tool_calls", None)
+            self.messages.append(message)
+            self.messages.append({"role": "user", "content": feedback})
+        self.timing.append({"step": step, "llm_s": round(llm_s, 1), "format_error": True})
+        self.hooks.on_format_error(step, feedback)
+        self._save()
+
+    def _reply(self, action: Action, text: str, tool_only: bool = False) -> None:
+        """Answer the call: a `tool` message for a native call, else (raw-text call) a user message."""
+        if action.tool_call_id:
+            self.messages.append({"role": "tool", "tool_call_id": action.tool_call_id, "content": text})
+        elif not tool_only:
+            self.messages.append({"role": "user", "content": text})
+
+    def _execute(self, command: str) -> tuple[CommandResult, bool]:
+        """Run the command in a worker thread so Ctrl-C reaches this (main) thread, which
+        then interrupts the command and waits for the shell to come back."""
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                box["result"] = self.sandbox.run(command, timeout=self.config.command_timeout)
+            except BaseException as e:  # handed to the main thread
+                box["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=work, name="tmax-command", daemon=True).start()
+        interrupted = False
+        while not done.is_set():
+            try:
+                done.wait(0.05)
+            except KeyboardInterrupt:
+                interrupted = True
+                self.sandbox.interrupt()
+        if "error" in box:
+            err = box["error"]
+            if isinstance(err, SandboxError):
+                raise err
+            raise SandboxError(f"the sandbox failed while running a command: {err!r}") from err
+        return box["result"], interrupted
+
+    def _guidance(self) -> bool:
+        guidance = self.hooks.on_interrupt()
+        if guidance is None:
+            return False
+        self.messages.append({"role": "user", "content": render(INTERRUPT_TEMPLATE, guidance=guidance)})
+        self._save()
+        return True
+
+    def _save(self) -> None:
+        if self.recorder is not None:
+            self.recorder.save(self.messages, self.timing, self.usage, self.config.max_steps, trace=getattr(self.policy, "trace", None))

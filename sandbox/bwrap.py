@@ -1,0 +1,175 @@
+"""bubblewrap jail: the host's filesystem read-only, a writable workspace, a private
+/tmp, no network unless asked, its own pid namespace, and it dies with tmax.
+
+The root is a tmpfs holding read-only binds of every top-level host directory, so a
+workspace can appear at a new top-level path (e.g. /workspace) that does not exist on
+the host; the root is remounted read-only afterwards. /tmp and $HOME are host temp
+directories bound in, so the agent's shell and one-off `exec` processes (separate bwrap
+instances, e.g. a verifier) see the same files.
+
+No `--new-session`: it would detach bash from its terminal and break job control and
+Ctrl-C. Its purpose (blocking TIOCSTI injection into the caller's terminal) does not
+apply, because the terminal here is a pty created for this sandbox alone.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from sandbox.base import DEFAULT_COMMAND_TIMEOUT_S, NAME_PREFIX, CommandResult, SandboxError, SandboxSpec
+from sandbox.hostexec import run_process
+from sandbox.local import copy_path
+from sandbox.shell import BASH_ARGV, PersistentShell
+
+DEFAULT_TARGET = "/workspace"
+SKIP_TOP = {"proc", "dev", "tmp"}
+BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def available() -> bool:
+    return shutil.which("bwrap") is not None
+
+
+class BwrapSandbox:
+    kind = "bwrap"
+
+    def __init__(self, spec: SandboxSpec | None = None):
+        self.spec = spec or SandboxSpec()
+        self.shell: PersistentShell | None = None
+        self._own_dir: str | None = None  # host temp dir holding /tmp, $HOME (and a workspace)
+        self.workspace: Path | None = None
+        self.target = ""
+        self.tmp_host: Path | None = None
+        self.home_host: Path | None = None
+
+    # -- construction ---------------------------------------------------------------
+
+    def _prepare(self) -> None:
+        if not available():
+            raise SandboxError("bwrap sandbox: bubblewrap is not installed (apt-get install bubblewrap)")
+        self._own_dir = tempfile.mkdtemp(prefix=NAME_PREFIX + "bwrap-")
+        own = Path(self._own_dir)
+        self.tmp_host, self.home_host = own / "tmp", own / "home"
+        self.tmp_host.mkdir()
+        self.home_host.mkdir()
+        os.chmod(self.tmp_host, 0o1777)
+        if self.spec.workspace is not None:
+            self.workspace = Path(self.spec.workspace).resolve()
+            if not self.workspace.is_dir():
+                raise SandboxError(f"bwrap sandbox: workspace {self.workspace} is not a directory")
+            self.target = self.spec.workspace_target or str(self.workspace)
+        else:
+            self.workspace = own / "workspace"
+            self.workspace.mkdir()
+            self.target = self.spec.workspace_target or DEFAULT_TARGET
+        t = Path(self.target)
+        if not t.is_absolute():
+            raise SandboxError(f"bwrap sandbox: workspace target {self.target} must be absolute")
+        # Read-only binds cannot gain new mount points below them.
+        if len(t.parts) > 2 and not t.exists():
+            raise SandboxError(f"bwrap sandbox: workspace target {self.target} must exist on the host"
+                               " or be a new top-level directory")
+
+    def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = {"PATH": BASE_PATH, "HOME": "/root-home", "LANG": os.environ.get("LANG", "C.UTF-8"),
+               "TERM": "dumb", "TMPDIR": "/tmp"}
+        env.update(self.spec.env)
+        env.update(extra or {})
+        return env
+
+    def bwrap_argv(self, env: dict[str, str], chdir: str) -> list[str]:
+        """The bwrap prefix; the command to run follows it."""
+        assert self.tmp_host and self.home_host and self.workspace
+        a = ["bwrap", "--tmpfs", "/"]
+        for name in sorted(os.listdir("/")):
+            if name in SKIP_TOP:
+                continue
+            p = "/" + name
+            if os.path.islink(p):
+                a += ["--symlink", os.readlink(p), p]
+            elif os.path.isdir(p) or os.path.isfile(p):
+                a += ["--ro-bind", p, p]
+        a += ["--dev", "/dev", "--proc", "/proc", "--bind", str(self.tmp_host), "/tmp",
+              "--dir", "/root-home", "--bind", str(self.home_host), "/root-home"]
+        for host, target, ro in self.spec.mounts:
+            a += ["--ro-bind" if ro else "--bind", host, target]
+        if not Path(self.target).exists():
+            a += ["--dir", self.target]
+        a += ["--bind", str(self.workspace), self.target, "--remount-ro", "/"]
+        a += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", "tmax-bwrap",
+              "--die-with-parent"]
+        if not self.spec.network:
+            a.append("--unshare-net")
+        if os.geteuid() == 0:
+            # Root with capabilities could remount the host read-write.
+            a += ["--cap-drop", "ALL"]
+        a.append("--clearenv")  # the host's environment (API keys) stays outside
+        for k, v in env.items():
+            a += ["--setenv", k, v]
+        a += ["--chdir", chdir]
+        return a
+
+    # -- Sandbox ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._prepare()
+        chdir = self.spec.workdir or self.target
+        argv = self.bwrap_argv(self._env(), chdir) + BASH_ARGV
+        self.shell = PersistentShell(argv, workdir=chdir, spawn_env={})
+        try:
+            self.shell.start()
+        except SandboxError:
+            self.close()
+            raise
+
+    def _shell(self) -> PersistentShell:
+        if self.shell is None:
+            raise SandboxError("sandbox is not started")
+        return self.shell
+
+    def run(self, command: str, timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S) -> CommandResult:
+        return self._shell().run(command, timeout)
+
+    def interrupt(self) -> None:
+        if self.shell is not None:
+            self.shell.interrupt()
+
+    def exec(self, argv: list[str], timeout: float | None = None, workdir: str | None = None,
+             env: dict[str, str] | None = None) -> CommandResult:
+        self._shell()
+        full = self.bwrap_argv(self._env(env), workdir or self.spec.workdir or self.target) + list(argv)
+        return run_process(full, timeout, env={})
+
+    def host_path(self, inside: str) -> Path:
+        """Where a writable path inside the jail lives on the host."""
+        p = Path(os.path.normpath(inside if os.path.isabs(inside) else os.path.join(self.target, inside)))
+        for root, host in ((Path(self.target), self.workspace), (Path("/tmp"), self.tmp_host),
+                           (Path("/root-home"), self.home_host)):
+            if host is not None and (p == root or root in p.parents):
+                return host / p.relative_to(root)
+        raise SandboxError(f"bwrap sandbox: {inside} is not under the workspace ({self.target}) or /tmp;"
+                           " the rest of the filesystem is read-only")
+
+    def copy_in(self, src: Path, dst: str) -> None:
+        self._shell()
+        copy_path(Path(src), self.host_path(dst))
+
+    def copy_out(self, src: str, dst: Path) -> None:
+        self._shell()
+        inside = Path(os.path.normpath(src if os.path.isabs(src) else os.path.join(self.target, src)))
+        try:
+            host = self.host_path(str(inside))
+        except SandboxError:
+            host = inside  # read-only parts are the host's own files
+        copy_path(host, Path(dst))
+
+    def close(self) -> None:
+        if self.shell is not None:
+            self.shell.close()
+            self.shell = None
+        if self._own_dir is not None:
+            shutil.rmtree(self._own_dir, ignore_errors=True)
+            self._own_dir = None

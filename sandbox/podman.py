@@ -1,0 +1,253 @@
+"""A podman container, driven through podman-py against the REST service.
+
+The container runs `sleep infinity`; the agent's persistent shell is `podman exec -it CID
+bash` on a pty, and harness work goes through `exec_run`. Network is off unless asked,
+cpu / memory / pids are limited, and every container carries the tmax label so
+`tmax sandbox clean` finds leftovers of crashed runs.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import secrets
+import shlex
+import shutil
+import tarfile
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from sandbox import podman_service
+from sandbox.base import (
+    DEFAULT_COMMAND_TIMEOUT_S, LABEL_KEY, LABEL_VALUE, NAME_PREFIX, CommandResult, SandboxError, SandboxSpec,
+)
+from sandbox.hostexec import MAX_EXEC_CHARS
+from sandbox.shell import BASH_ARGV, PersistentShell
+
+DEFAULT_IMAGE = "localhost/tmax-base:bookworm"
+# This machine's hard RLIMIT_NOFILE is 20000 and the runtime may not exceed it.
+DEFAULT_ULIMITS = {"nofile": (1024, 20000), "nproc": (4096, 4096)}
+
+
+def _decode(b: bytes | None) -> str:
+    return (b or b"")[-MAX_EXEC_CHARS:].decode("utf-8", errors="replace")
+
+
+class PodmanSandbox:
+    kind = "podman"
+
+    def __init__(self, spec: SandboxSpec | None = None, runtime: str = podman_service.DEFAULT_RUNTIME,
+                 ulimits: dict[str, tuple[int, int]] | None = None):
+        self.spec = spec or SandboxSpec()
+        self.runtime = runtime
+        self.ulimits = dict(DEFAULT_ULIMITS if ulimits is None else ulimits)
+        self.image = self.spec.image or DEFAULT_IMAGE
+        self.name = self.spec.name or f"{NAME_PREFIX}{secrets.token_hex(6)}"
+        self.client = None
+        self.container = None
+        self.shell: PersistentShell | None = None
+        self.workdir: str | None = None
+        self._closed = False
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def create_kwargs(self) -> dict:
+        s = self.spec
+        kw: dict = {
+            "name": self.name,
+            # The owner PID lets `tmax sandbox clean` spare containers of live runs.
+            "labels": {LABEL_KEY: LABEL_VALUE, "io.tmax.pid": str(os.getpid()), **s.labels},
+            "detach": True,
+            "network_mode": "bridge" if s.network else "none",
+            "ulimits": [{"Name": k, "Soft": soft, "Hard": hard} for k, (soft, hard) in self.ulimits.items()],
+            "environment": dict(s.env),
+            "stop_signal": 9,  # an int: podman 4.3 rejects signal names here
+        }
+        if s.cpus:
+            kw["nano_cpus"] = int(s.cpus * 1e9)
+        if s.memory_mb:
+            kw["mem_limit"] = f"{int(s.memory_mb)}m"
+        if s.pids_limit:
+            kw["pids_limit"] = int(s.pids_limit)
+        mounts = []
+        if s.workspace is not None:
+            ws = Path(s.workspace).resolve()
+            if not ws.is_dir():
+                raise SandboxError(f"podman sandbox: workspace {ws} is not a directory")
+            mounts.append({"type": "bind", "source": str(ws), "target": s.workspace_target or str(ws),
+                           "read_only": False})
+        for host, target, ro in s.mounts:
+            mounts.append({"type": "bind", "source": host, "target": target, "read_only": bool(ro)})
+        if mounts:
+            kw["mounts"] = mounts
+        workdir = s.workdir or (s.workspace_target or (str(Path(s.workspace).resolve()) if s.workspace else None))
+        if workdir:
+            kw["working_dir"] = workdir
+        return kw
+
+    def start(self) -> None:
+        from podman.errors import APIError, ImageNotFound
+
+        self.client = podman_service.client(self.runtime)
+        try:
+            if not self.client.images.exists(self.image):
+                raise SandboxError(f"podman sandbox: image {self.image} not found"
+                                   " (build the base image with `tmax sandbox build-base`)")
+            self.container = self.client.containers.create(self.image, ["sleep", "infinity"],
+                                                           **self.create_kwargs())
+            self.container.start()
+            self.container.reload()
+        except ImageNotFound as e:
+            self.close()
+            raise SandboxError(f"podman sandbox: image {self.image} not found: {e}") from e
+        except APIError as e:
+            self.close()
+            raise SandboxError(f"podman sandbox: could not start a container from {self.image}: {e}") from e
+        if self.container.status != "running":
+            self.close()
+            raise SandboxError(f"podman sandbox: container {self.name} is {self.container.status}, not running")
+        self.workdir = self.container.attrs.get("Config", {}).get("WorkingDir") or "/"
+        argv = ["podman"]
+        if podman_service.configured_url():
+            # The service may be elsewhere: let the CLI reach the container through it.
+            argv += ["--url", podman_service.configured_url()]
+        argv += ["exec", "-it", self.container.id] + BASH_ARGV
+        self.shell = PersistentShell(argv, workdir=self.workdir, kill_inner=self._kill_inner)
+        try:
+            self.shell.start()
+        except SandboxError:
+            self.close()
+            raise
+
+    def _kill_inner(self, pid: int) -> None:
+        # The `podman exec` client dying does not end the bash it started: hang it up
+        # (bash passes SIGHUP on to its jobs), then kill it.
+        if self.container is not None:
+            self.container.exec_run(["sh", "-c", f"kill -HUP {pid}; sleep 0.2; kill -KILL {pid}"], demux=True)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.shell is not None:
+            self.shell.close()
+            self.shell = None
+        if self.container is not None:
+            for step in (lambda: self.container.stop(timeout=0), lambda: self.container.remove(force=True)):
+                try:
+                    step()
+                except Exception:
+                    pass  # already gone; `tmax sandbox clean` catches anything left
+            self.container = None
+        if self.client is not None:
+            try:
+                self.client.close()
+            except Exception:
+                pass
+            self.client = None
+
+    # -- commands ---------------------------------------------------------------------
+
+    def _shell(self) -> PersistentShell:
+        if self.shell is None:
+            raise SandboxError("sandbox is not started")
+        return self.shell
+
+    def run(self, command: str, timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S) -> CommandResult:
+        return self._shell().run(command, timeout)
+
+    def interrupt(self) -> None:
+        if self.shell is not None:
+            self.shell.interrupt()
+
+    def exec(self, argv: list[str], timeout: float | None = None, workdir: str | None = None,
+             env: dict[str, str] | None = None) -> CommandResult:
+        """One-off process via the REST API, stdout and stderr separate. A timeout is
+        enforced inside with coreutils `timeout` (the API cannot cancel an exec)."""
+        if self.container is None:
+            raise SandboxError("sandbox is not started")
+        from podman.errors import APIError
+
+        cmd = list(argv)
+        if timeout is not None:
+            cmd = ["timeout", "-k", "5", f"{timeout:g}"] + cmd
+        t0 = time.monotonic()
+        result: dict = {}
+
+        def work() -> None:
+            try:
+                result["r"] = self.container.exec_run(cmd, demux=True, workdir=workdir, environment=env)
+            except Exception as e:  # reported below, on the caller's thread
+                result["e"] = e
+
+        th = threading.Thread(target=work, daemon=True)
+        th.start()
+        th.join(None if timeout is None else timeout + 30)
+        if th.is_alive():
+            return CommandResult(output="", exit_code=124, timed_out=True, duration_s=time.monotonic() - t0,
+                                 note="exec did not return after its timeout")
+        if "e" in result:
+            e = result["e"]
+            if isinstance(e, APIError):
+                raise SandboxError(f"podman exec {shlex.join(argv)} failed: {e}") from e
+            raise SandboxError(f"podman exec {shlex.join(argv)} failed: {e!r}") from e
+        rc, (out, err) = result["r"]
+        rc = 1 if rc is None else rc
+        # coreutils `timeout` exits 124 on timeout, 137 if it had to KILL.
+        timed_out = timeout is not None and rc in (124, 137) and time.monotonic() - t0 >= timeout
+        return CommandResult(output=_decode(out), stderr=_decode(err), exit_code=124 if timed_out else rc,
+                             timed_out=timed_out, duration_s=time.monotonic() - t0)
+
+    def _abs(self, p: str) -> str:
+        return p if p.startswith("/") else os.path.join(self.workdir or "/", p)
+
+    def copy_in(self, src: Path, dst: str) -> None:
+        """Copy a host file or directory so that it becomes exactly `dst` inside."""
+        if self.container is None:
+            raise SandboxError("sandbox is not started")
+        src = Path(src)
+        if not src.exists():
+            raise SandboxError(f"copy_in: {src} does not exist")
+        dst = self._abs(dst).rstrip("/") or "/"
+        parent, base = os.path.split(dst)
+        mk = self.exec(["mkdir", "-p", parent or "/"])
+        if mk.exit_code != 0:
+            raise SandboxError(f"copy_in: cannot create {parent}: {mk.stderr.strip()}")
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            tar.add(str(src), arcname=base)
+        if not self.container.put_archive(parent or "/", buf.getvalue()):
+            raise SandboxError(f"copy_in: podman refused the archive for {dst}")
+
+    def copy_out(self, src: str, dst: Path) -> None:
+        """Copy `src` inside to exactly `dst` on the host (file or directory)."""
+        if self.container is None:
+            raise SandboxError("sandbox is not started")
+        from podman.errors import APIError, NotFound
+
+        src = self._abs(src).rstrip("/") or "/"
+        try:
+            stream, _stat = self.container.get_archive(src)
+        except (NotFound, APIError) as e:
+            raise SandboxError(f"copy_out: {src} not found in the container: {e}") from e
+        dst = Path(dst)
+        with tempfile.TemporaryDirectory(prefix=NAME_PREFIX + "copy-") as tmp:
+            raw = Path(tmp) / "a.tar"
+            with open(raw, "wb") as f:
+                for chunk in stream:
+                    f.write(chunk)
+            out = Path(tmp) / "x"
+            out.mkdir()
+            with tarfile.open(raw) as tar:
+                # The "data" filter refuses absolute paths, links out of the tree and devices.
+                tar.extractall(out, filter="data")
+            entries = list(out.iterdir())
+            if len(entries) != 1:
+                raise SandboxError(f"copy_out: unexpected archive layout for {src}")
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if dst.is_dir() and entries[0].is_dir():
+                shutil.copytree(entries[0], dst, symlinks=True, dirs_exist_ok=True)
+            else:
+                shutil.move(str(entries[0]), str(dst))

@@ -1,0 +1,403 @@
+"""A job: tasks x attempts, run concurrently, in a Harbor-compatible job directory.
+
+    <jobs_dir>/<job_name>/config.json    the job's config (and its identity)
+    <jobs_dir>/<job_name>/result.json    live stats + scores, rewritten after every trial
+    <jobs_dir>/<job_name>/<task>__<id>/  one directory per trial (see tasks.trial)
+
+Resume: the trial names are derived from the job identity, the task and the attempt
+number, so rerunning the same job (same name, or `tmax bench resume`) finds the trials
+that already have a result and runs only the others. The identity leaves out volatile
+things (endpoint URL, concurrency, output paths), so a new vLLM port does not throw
+finished trials away. Cancelled trials and, with `retry_infra`, infrastructure errors
+are rerun; an old attempt is moved to `.retries/`, never silently deleted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import BaseModel, Field
+
+from tasks.dataset import load_tasks
+from tasks.model import Task
+from tasks.offline import default_config
+from tasks.runners import make_agent
+from tasks.scoring import score
+from tasks.trial import CANCELLED, TrialEnv, TrialPlan, now_iso, run_trial, write_json
+
+# Fields that do not change what a trial means; they stay out of the identity.
+VOLATILE = {"base_url", "n_concurrent", "jobs_dir", "job_name", "created_at", "retry_infra", "api_key_env"}
+
+
+class JobError(ValueError):
+    pass
+
+
+class JobConfig(BaseModel):
+    job_name: str
+    jobs_dir: str
+    dataset: str  # as given: a path or name@version
+    include: list[str] = Field(default_factory=list)
+    exclude: list[str] = Field(default_factory=list)
+    limit: int | None = None
+    agent: str = "oracle"
+    model: str | None = None
+    base_url: str | None = None
+    api_key_env: str = "OPENAI_API_KEY"  # the key itself is never written to disk
+    agent_kwargs: dict[str, Any] = Field(default_factory=dict)
+    n_attempts: int = Field(1, ge=1)
+    n_concurrent: int = Field(1, ge=1)
+    timeout_multiplier: float = Field(1.0, gt=0)
+    image_map: list[str] = Field(default_factory=list)
+    use_prebuilt: bool = True
+    override_cpus: float | None = None
+    override_memory_mb: int | None = None
+    created_at: str | None = None
+
+    def identity(self, task_checksums: dict[str, str]) -> str:
+        data = {k: v for k, v in self.model_dump().items() if k not in VOLATILE}
+        data["dataset"] = None  # where the tasks live does not matter, what they contain does
+        data["tasks"] = task_checksums
+        return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def trial_name(identity: str, task: str, attempt: int) -> str:
+    return f"{task}__{hashlib.sha256(f'{identity}/{task}/{attempt}'.encode()).hexdigest()[:7]}"
+
+
+@dataclass
+class Progress:
+    total: int
+    done: int = 0
+    running: int = 0
+    skipped: int = 0  # already finished before this run (resume)
+    passed: int = 0
+    reward_sum: float = 0.0
+    outcomes: dict[str, int] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+    trial_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def queued(self) -> int:
+        return self.total - self.done - self.running
+
+    @property
+    def pass_rate(self) -> float | None:
+        return self.reward_sum / self.done if self.done else None
+
+    def eta_s(self, n_concurrent: int) -> float | None:
+        if not self.trial_seconds:
+            return None
+        avg = sum(self.trial_seconds) / len(self.trial_seconds)
+        return avg * (self.queued + self.running / 2) / max(1, n_concurrent)
+
+
+ProgressFn = Callable[[str, Progress, dict | None], None]
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+class Job:
+    def __init__(self, config: JobConfig, api_key: str | None = None, sandbox_kind: str = "podman"):
+        self.config = config
+        self.dir = Path(config.jobs_dir).expanduser() / config.job_name
+        self.api_key = api_key
+        self.sandbox_kind = sandbox_kind
+        self.tasks: list[Task] = load_tasks(config.dataset, config.include or None, config.exclude or None,
+                                            config.limit)
+        self.checksums = {t.name: t.checksum() for t in self.tasks}
+        self.identity = config.identity(self.checksums)
+        self.cancel = threading.Event()
+        self._lock = threading.Lock()
+        self._sandboxes: dict[str, Any] = {}
+        self.rewrite = default_config(config.image_map)
+        self.agent = make_agent(config.agent, self.rewrite, config.model, config.base_url, api_key,
+                                config.agent_kwargs)
+
+    # --- the job directory -------------------------------------------------------------
+    @classmethod
+    def open(cls, job_dir: Path, **overrides: Any) -> "Job":
+        """Reopen an existing job (for `tmax bench resume`), optionally with a new endpoint."""
+        data = _read_json(job_dir / "config.json")
+        if data is None:
+            raise JobError(f"{job_dir}: not a job directory (no readable config.json)")
+        cfg = dict(data.get("tmax_job") or {})
+        if not cfg:
+            raise JobError(f"{job_dir}/config.json was not written by tmax bench")
+        cfg.update({k: v for k, v in overrides.items() if v is not None})
+        cfg["jobs_dir"] = str(job_dir.parent)
+        cfg["job_name"] = job_dir.name
+        api_key = overrides.pop("api_key", None)
+        cfg.pop("api_key", None)
+        return cls(JobConfig(**cfg), api_key=api_key)
+
+    def plans(self) -> list[TrialPlan]:
+        out = []
+        for task in self.tasks:
+            for attempt in range(self.config.n_attempts):
+                name = trial_name(self.identity, task.name, attempt)
+                cfg = {
+                    "task": {"path": str(task.path), "name": task.name, "source": self.config.dataset,
+                             "checksum": self.checksums[task.name]},
+                    "trial_name": name,
+                    "trials_dir": str(self.dir),
+                    "attempt": attempt,
+                    "timeout_multiplier": self.config.timeout_multiplier,
+                    "agent": {"name": self.config.agent, "model_name": self.config.model,
+                              "kwargs": self.config.agent_kwargs},
+                    "environment": {"type": self.sandbox_kind, "image_map": self.config.image_map,
+                                    "delete": True},
+                    "verifier": {"offline_rewrite": True},
+                    "job_id": self.identity[:16],
+                }
+                out.append(TrialPlan(task, attempt, name, self.dir / name, self.config.job_name, cfg))
+        return out
+
+    def _write_config(self) -> None:
+        existing = _read_json(self.dir / "config.json")
+        if existing is not None:
+            if existing.get("tmax_identity") != self.identity:
+                raise JobError(
+                    f"job {self.dir} already exists with a different configuration (agent, model, tasks, "
+                    f"attempts or task contents differ). Use another --job-name, or `tmax bench resume "
+                    f"{self.dir}` to continue it as it was.")
+            created = existing.get("tmax_job", {}).get("created_at")
+        else:
+            created = now_iso()
+        self.config.created_at = created
+        cfg = self.config.model_dump()
+        write_json(self.dir / "config.json", {
+            "job_name": self.config.job_name,
+            "jobs_dir": self.config.jobs_dir,
+            "n_attempts": self.config.n_attempts,
+            "n_concurrent_trials": self.config.n_concurrent,
+            "timeout_multiplier": self.config.timeout_multiplier,
+            "agents": [{"name": self.config.agent, "model_name": self.config.model,
+                        "kwargs": {**self.config.agent_kwargs,
+                                   **({"api_base": self.config.base_url} if self.config.base_url else {})}}],
+            "datasets": [{"path": self.config.dataset}],
+            "environment": {"type": self.sandbox_kind, "delete": True},
+            "tmax_identity": self.identity,
+            "tmax_job": cfg,
+        })
+
+    def results(self) -> list[dict]:
+        """Finished trials of this job's plan (cancelled ones are not finished)."""
+        out = []
+        for p in self.plans():
+            r = _read_json(p.trial_dir / "result.json")
+            if r and r.get("tmax", {}).get("outcome") not in (None, CANCELLED):
+                out.append(r)
+        return out
+
+    def write_result(self, progress: Progress | None = None, finished: bool = False) -> dict:
+        plans = self.plans()
+        results = []
+        n_cancelled = 0
+        for p in plans:
+            r = _read_json(p.trial_dir / "result.json")
+            if r is None:
+                continue
+            if r.get("tmax", {}).get("outcome") == CANCELLED:
+                n_cancelled += 1
+            else:
+                results.append(r)
+        rows = [trial_row(r) for r in results]
+        sc = score(rows) if rows else None
+        key = f"{self.config.agent}__{self.config.model or 'none'}__{Path(self.config.dataset).name}"
+        reward_stats: dict[str, list[str]] = {}
+        exc_stats: dict[str, list[str]] = {}
+        for r in results:
+            rw = r.get("tmax", {}).get("reward")
+            if rw is not None:
+                reward_stats.setdefault(str(float(rw)), []).append(r["trial_name"])
+            if r.get("exception_info"):
+                exc_stats.setdefault(r["exception_info"]["exception_type"], []).append(r["trial_name"])
+        running = progress.running if progress else 0
+        existing = _read_json(self.dir / "result.json") or {}
+        data = {
+            "id": self.identity[:16],
+            "started_at": existing.get("started_at") or now_iso(),
+            "updated_at": now_iso(),
+            "finished_at": now_iso() if finished else None,
+            "n_total_trials": len(plans),
+            "stats": {
+                "n_completed_trials": len(results),
+                "n_errored_trials": sum(1 for r in results if r.get("exception_info")),
+                "n_running_trials": running,
+                "n_pending_trials": len(plans) - len(results) - running,
+                "n_cancelled_trials": n_cancelled,
+                "n_retries": len(list((self.dir / ".retries").glob("*"))) if (self.dir / ".retries").is_dir() else 0,
+            },
+            "evals": {key: {
+                "n_trials": len(results),
+                "n_errors": sum(1 for r in results if r.get("exception_info")),
+                "metrics": [{"mean": sc.mean_reward if sc else 0.0}],
+                "pass_at_k": {str(k): v for k, v in (sc.pass_at_k.items() if sc else [])},
+                "reward_stats": {"reward": reward_stats},
+                "exception_stats": exc_stats,
+            }},
+            "n_input_tokens": sum(r.get("agent_result", {}).get("n_input_tokens", 0) or 0 for r in results),
+            "n_cache_tokens": 0,
+            "n_output_tokens": sum(r.get("agent_result", {}).get("n_output_tokens", 0) or 0 for r in results),
+            "cost_usd": None,
+            "tmax_score": sc.to_dict() if sc else None,
+        }
+        write_json(self.dir / "result.json", data)
+        return data
+
+    # --- running -------------------------------------------------------------------------
+    def pending(self, retry_infra: bool = False) -> tuple[list[TrialPlan], int]:
+        """Trials still to run, and how many are already done."""
+        todo, done = [], 0
+        for p in self.plans():
+            r = _read_json(p.trial_dir / "result.json")
+            outcome = (r or {}).get("tmax", {}).get("outcome")
+            if r is not None and outcome != CANCELLED and not (retry_infra and outcome == "infra_error"):
+                done += 1
+                continue
+            if p.trial_dir.exists():
+                if outcome == "infra_error":
+                    dst = self.dir / ".retries" / f"{p.trial_name}.{int(time.time() * 1000)}"
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    p.trial_dir.rename(dst)
+                else:  # cancelled or never finished: a partial directory, start afresh
+                    shutil.rmtree(p.trial_dir, ignore_errors=True)
+            todo.append(p)
+        return todo, done
+
+    def _on_sandbox(self, name: str, sb: Any) -> None:
+        with self._lock:
+            if sb is None:
+                self._sandboxes.pop(name, None)
+            else:
+                self._sandboxes[name] = sb
+        if sb is not None and self.cancel.is_set():
+            _close_quietly(sb)
+
+    def run(self, progress_fn: ProgressFn | None = None, retry_infra: bool = False) -> dict:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._write_config()
+        todo, done = self.pending(retry_infra)
+        prog = Progress(total=len(todo) + done, done=done, skipped=done)
+        for r in self.results():
+            _count(prog, r)
+        self.write_result(prog)
+        env = TrialEnv(agent=self.agent, rewrite=self.rewrite, timeout_multiplier=self.config.timeout_multiplier,
+                       use_prebuilt=self.config.use_prebuilt, sandbox_kind=self.sandbox_kind,
+                       override_cpus=self.config.override_cpus, override_memory_mb=self.config.override_memory_mb,
+                       cancel=self.cancel, on_sandbox=self._on_sandbox, model_name=self.config.model)
+        emit = progress_fn or (lambda *a: None)
+        emit("start", prog, None)
+
+        def one(plan: TrialPlan) -> dict:
+            if self.cancel.is_set():
+                return {}
+            with self._lock:
+                prog.running += 1
+            emit("trial_start", prog, {"trial_name": plan.trial_name, "task": plan.task.name})
+            t0 = time.monotonic()
+            try:
+                return run_trial(plan, env)
+            finally:
+                with self._lock:
+                    prog.running -= 1
+                    prog.trial_seconds.append(time.monotonic() - t0)
+
+        pool = ThreadPoolExecutor(max_workers=self.config.n_concurrent, thread_name_prefix="tmax-trial")
+        futures: set[Future] = {pool.submit(one, p) for p in todo}
+        try:
+            while futures:
+                finished, futures = wait(futures, timeout=0.5, return_when=FIRST_COMPLETED)
+                for f in finished:
+                    r = f.result()
+                    if not r or r.get("tmax", {}).get("outcome") == CANCELLED:
+                        continue
+                    with self._lock:
+                        prog.done += 1
+                        _count(prog, r)
+                        self.write_result(prog)
+                    emit("trial_end", prog, r)
+        except KeyboardInterrupt:
+            self.interrupt()
+            pool.shutdown(wait=True, cancel_futures=True)
+            self.write_result(prog)
+            emit("cancelled", prog, None)
+            raise
+        pool.shutdown(wait=True)
+        data = self.write_result(prog, finished=True)
+        emit("end", prog, None)
+        return data
+
+    def interrupt(self) -> None:
+        """Stop: no new trials; running ones are cancelled and their containers removed."""
+        self.cancel.set()
+        with self._lock:
+            live = list(self._sandboxes.values())
+        for sb in live:
+            _close_quietly(sb)
+
+
+def _close_quietly(sb: Any) -> None:
+    try:
+        sb.close()
+    except Exception:
+        pass
+
+
+def _count(prog: Progress, r: dict) -> None:
+    t = r.get("tmax", {})
+    prog.outcomes[t.get("outcome")] = prog.outcomes.get(t.get("outcome"), 0) + 1
+    prog.reward_sum += float(t.get("reward") or 0.0)
+    if t.get("outcome") == "pass":
+        prog.passed += 1
+
+
+def trial_row(r: dict) -> dict:
+    t = r.get("tmax", {})
+    return {"task": r["task_name"], "trial": r["trial_name"], "outcome": t.get("outcome"),
+            "reward": t.get("reward"), "category": t.get("category"), "attempt": t.get("attempt")}
+
+
+def load_job_results(job_dir: Path) -> tuple[dict, list[dict]]:
+    """(config.json, finished trial results) of any job directory, for reports."""
+    cfg = _read_json(job_dir / "config.json")
+    if cfg is None:
+        raise JobError(f"{job_dir}: not a job directory (no readable config.json)")
+    results = []
+    for d in sorted(job_dir.iterdir()):
+        if d.is_dir() and not d.name.startswith("."):
+            r = _read_json(d / "result.json")
+            if r and r.get("tmax", {}).get("outcome") != CANCELLED:
+                if "tmax" not in r:  # a Harbor job directory: derive the outcome
+                    r["tmax"] = _harbor_outcome(r)
+                results.append(r)
+    return cfg, results
+
+
+def _harbor_outcome(r: dict) -> dict:
+    rewards = (r.get("verifier_result") or {}).get("rewards") or {}
+    reward = rewards.get("reward")
+    exc = (r.get("exception_info") or {}).get("exception_type")
+    if exc == "AgentTimeoutError":
+        outcome = "agent_timeout"
+    elif exc in ("VerifierTimeoutError", "RewardFileNotFoundError", "RewardFileEmptyError", "VerifierOutputParseError"):
+        outcome = "verifier_error"
+    elif exc and reward is None:
+        outcome = "infra_error"
+    else:
+        outcome = "pass" if reward is not None and float(reward) >= 1.0 - 1e-9 else "fail"
+    return {"outcome": outcome, "reward": reward, "category": None}

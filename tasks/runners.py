@@ -1,0 +1,177 @@
+"""What runs in the sandbox before the verifier: `tmax` (the harness against a model
+endpoint), `oracle` (the task's reference solution) and `nop` (nothing: the floor)."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from sandbox.base import Sandbox, SandboxError
+from tasks.model import Task
+from tasks.offline import RewriteConfig, copy_patched
+
+AGENTS = ("tmax", "oracle", "nop")
+ABANDON_GRACE_S = 60.0
+
+
+@dataclass
+class AgentRun:
+    timed_out: bool = False
+    error: str | None = None  # an agent-side failure that is not infrastructure (model error...)
+    n_input_tokens: int = 0
+    n_output_tokens: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class TrialAgent(Protocol):
+    name: str
+    version: str
+
+    def run(self, sandbox: Sandbox, task: Task, workdir: str, agent_dir: Path, timeout: float,
+            cancel: threading.Event) -> AgentRun: ...
+
+
+class NopAgent:
+    name = "nop"
+    version = "1"
+
+    def run(self, sandbox, task, workdir, agent_dir, timeout, cancel) -> AgentRun:
+        return AgentRun()
+
+
+class OracleAgent:
+    """Copies `solution/` (with the offline patches) to /solution and runs solve.sh."""
+
+    name = "oracle"
+    version = "1"
+
+    def __init__(self, rewrite: RewriteConfig):
+        self.rewrite = rewrite
+
+    def run(self, sandbox, task, workdir, agent_dir, timeout, cancel) -> AgentRun:
+        if not task.has_solution:
+            return AgentRun(error=f"{task.name} has no solution/solve.sh")
+        with tempfile.TemporaryDirectory(prefix="tmax-oracle-") as tmp:
+            sol = Path(tmp) / "solution"
+            notes = copy_patched(task, "solution", sol, self.rewrite)
+            sandbox.copy_in(sol, "/solution")
+        cmd = f"timeout --kill-after=10 {int(math.ceil(timeout))} bash /solution/solve.sh"
+        t0 = time.monotonic()
+        res = sandbox.exec(["bash", "-c", cmd], timeout=timeout + 30, workdir=workdir)
+        agent_dir.mkdir(parents=True, exist_ok=True)
+        (agent_dir / "oracle.txt").write_text(
+            "".join(f"# tmax: {n}\n" for n in notes) + res.output + ("\n--- stderr ---\n" + res.stderr if res.stderr else ""),
+            errors="replace")
+        timed_out = res.timed_out or res.exit_code == 124
+        return AgentRun(timed_out=timed_out,
+                        metadata={"exit_code": res.exit_code, "duration_s": round(time.monotonic() - t0, 3)})
+
+
+class TmaxAgent:
+    """The tmax harness (`agents.loop.Agent` + `ChatPolicy`) against an OpenAI-compatible
+    endpoint. The agent timeout is enforced from outside: at the deadline the running
+    command is interrupted and the loop is stopped at its next step."""
+
+    name = "tmax"
+    version = "0.1.0"
+
+    def __init__(self, model: str, base_url: str, api_key: str | None = None, kwargs: dict[str, Any] | None = None):
+        self.model, self.base_url, self.api_key = model, base_url, api_key or "dummy"
+        self.kwargs = dict(kwargs or {})
+
+    def run(self, sandbox, task, workdir, agent_dir, timeout, cancel) -> AgentRun:
+        from agents.chat_policy import ChatPolicy
+        from agents.loop import Agent, AgentConfig, AgentHooks
+        from agents.records import Recorder
+
+        stop = threading.Event()
+
+        class _Stop(Exception):
+            pass
+
+        class Hooks(AgentHooks):
+            def on_step_start(self, step: int) -> None:
+                if stop.is_set() or cancel.is_set():
+                    raise _Stop()
+
+            def on_model_turn(self, step, turn, command) -> None:
+                if stop.is_set() or cancel.is_set():
+                    raise _Stop()
+
+        def fire() -> None:
+            stop.set()
+            try:
+                sandbox.interrupt()
+            except Exception:
+                pass
+
+        cfg_fields = set(AgentConfig.__dataclass_fields__)
+        config = AgentConfig(**{k: v for k, v in self.kwargs.items() if k in cfg_fields})
+        policy = ChatPolicy(base_url=self.base_url, model=self.model, api_key=self.api_key,
+                            temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_tokens)
+        agent_dir.mkdir(parents=True, exist_ok=True)
+        agent = Agent(policy, sandbox, config=config, recorder=Recorder(agent_dir), hooks=Hooks())
+        done = threading.Event()
+
+        def watch() -> None:
+            deadline = time.monotonic() + timeout
+            while not done.wait(0.5):
+                if cancel.is_set() or time.monotonic() >= deadline:
+                    fire()
+                    return
+
+        threading.Thread(target=watch, daemon=True, name="tmax-agent-deadline").start()
+        out = AgentRun()
+        box: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                box["result"] = agent.run(task.instruction)
+            except BaseException as e:  # handed back to the trial thread
+                box["error"] = e
+
+        # A model call cannot be interrupted from outside; if one hangs past the deadline
+        # (plus a grace period) the run is abandoned and the verifier goes ahead.
+        worker = threading.Thread(target=work, daemon=True, name="tmax-agent")
+        worker.start()
+        worker.join(timeout + ABANDON_GRACE_S)
+        done.set()
+        if worker.is_alive():
+            stop.set()
+            out.metadata = {"status": "abandoned"}
+        elif isinstance(box.get("error"), _Stop):
+            out.metadata = {"status": "stopped"}
+        elif "error" in box:
+            err = box["error"]
+            if isinstance(err, SandboxError):
+                raise err
+            raise SandboxError(f"the agent loop failed: {err!r}") from err
+        else:
+            result = box["result"]
+            out.metadata = {"status": result.status, "steps": result.steps, "error": result.error}
+            if result.status == "sandbox_error" and not stop.is_set() and not cancel.is_set():
+                raise SandboxError(result.error or "the sandbox failed during the agent run")
+            if result.status == "model_error" and not stop.is_set():
+                out.error = f"model error: {result.error}"
+        out.n_input_tokens = agent.usage.prompt_tokens
+        out.n_output_tokens = agent.usage.completion_tokens
+        out.timed_out = stop.is_set() and not cancel.is_set()
+        return out
+
+
+def make_agent(name: str, rewrite: RewriteConfig, model: str | None = None, base_url: str | None = None,
+               api_key: str | None = None, kwargs: dict[str, Any] | None = None) -> TrialAgent:
+    if name == "nop":
+        return NopAgent()
+    if name == "oracle":
+        return OracleAgent(rewrite)
+    if name == "tmax":
+        if not model or not base_url:
+            raise ValueError("the tmax agent needs a model (-m) and an endpoint (--base-url)")
+        return TmaxAgent(model, base_url, api_key, kwargs)
+    raise ValueError(f"unknown agent {name!r}: choose one of {', '.join(AGENTS)}")

@@ -1,0 +1,232 @@
+"""Run a task's verifier in its sandbox and read the reward.
+
+Harbor's protocol: after the agent stops, `tests/` is copied to `/tests`, `/logs/verifier`
+exists, and `bash /tests/test.sh` runs as root in the image WORKDIR; the reward is the
+number in `/logs/verifier/reward.txt` (or `reward.json`).
+
+Offline, TB2's test.sh cannot bootstrap uv (installer and CPython come from GitHub), so
+the script runs as a rewritten copy: the uv install lines go, and `uvx -w PIN ... pytest
+ARGS` becomes a venv with the same pins from PyPI running the same pytest. Every other
+line (apt installs of test tools, fixture copies, the reward write) is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shlex
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sandbox.base import Sandbox, SandboxError
+from tasks.model import Task
+
+VENV = "/opt/tmax-verifier"
+SCRIPT_PATH = "/tmp/tmax-test.sh"
+# test.sh exits with this when the verifier's own dependencies could not be installed:
+# that is a verifier error, not a reward of 0.
+SETUP_FAILED_RC = 97
+GRACE_S = 30.0
+
+# uv/uvx options that take a value and do not matter once we run from a venv.
+_UVX_VALUE_OPTS = {"-p", "--python", "--index", "--index-url", "--extra-index-url", "--index-strategy",
+                   "--from", "--default-index", "-i"}
+_UVX_PIN_OPTS = {"-w", "--with"}
+
+
+@dataclass
+class VerifierResult:
+    reward: float | None
+    status: str  # ok | timeout | error
+    error: str | None = None
+    exit_code: int | None = None
+    duration_s: float = 0.0
+
+
+def _logical_lines(text: str) -> list[str]:
+    """Join backslash-continued lines so a multi-line uvx command is one unit."""
+    out, buf = [], ""
+    for line in text.splitlines():
+        if line.rstrip().endswith("\\") and not line.lstrip().startswith("#"):
+            buf += line.rstrip()[:-1] + " "
+            continue
+        out.append(buf + line)
+        buf = ""
+    if buf:
+        out.append(buf)
+    return out
+
+
+def _venv_block(pins: list[str], command: list[str], needs_headers: bool) -> list[str]:
+    lines = [
+        "# tmax offline rewrite: uv's installer and managed Python come from GitHub;",
+        "# run the same pytest with the same pins from a venv instead.",
+        '{ command -v python3 >/dev/null && python3 -c "import ensurepip" 2>/dev/null; } || '
+        "{ apt-get update -qq; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv; }",
+    ]
+    if needs_headers:
+        lines.append("DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-dev gcc")
+    lines.append(f"python3 -m venv {VENV} && export PATH={VENV}/bin:$PATH || "
+                 f"{{ echo 'tmax: could not create the verifier venv' >&2; exit {SETUP_FAILED_RC}; }}")
+    if pins:
+        lines.append(f"pip install -q {' '.join(shlex.quote(p) for p in pins)} || "
+                     f"{{ echo 'tmax: verifier dependencies failed to install' >&2; exit {SETUP_FAILED_RC}; }}")
+    lines.append(" ".join(shlex.quote(c) for c in command))
+    return lines
+
+
+def _rewrite_uvx(tokens: list[str], needs_headers: bool) -> list[str] | None:
+    pins, i = [], 1
+    while i < len(tokens):
+        t = tokens[i]
+        if t in _UVX_PIN_OPTS and i + 1 < len(tokens):
+            pins.append(tokens[i + 1])
+            i += 2
+        elif any(t.startswith(o + "=") for o in _UVX_PIN_OPTS):
+            pins.append(t.split("=", 1)[1])
+            i += 1
+        elif t in _UVX_VALUE_OPTS:
+            i += 2
+        elif t.startswith("-"):
+            i += 1
+        else:
+            break
+    if i >= len(tokens):
+        return None
+    tool, args = tokens[i], tokens[i + 1:]
+    # `uvx pytest` installs the tool itself; keep its pin if one was given with -w.
+    if not any(re.split(r"[=<>!~\[ ]", p, maxsplit=1)[0].lower() == tool.lower() for p in pins):
+        pins.insert(0, tool)
+    return _venv_block(pins, [tool, *args], needs_headers)
+
+
+def rewrite_test_sh(text: str, needs_headers: bool = False) -> tuple[str, bool]:
+    """Return (script, changed). Scripts that do not use uv come back unchanged."""
+    out: list[str] = []
+    changed = False
+    for line in _logical_lines(text):
+        s = line.strip()
+        if "astral.sh/uv" in s and ("curl" in s or "wget" in s):
+            out.append("# tmax offline rewrite: dropped the uv installer download")
+            changed = True
+            continue
+        if re.fullmatch(r"(source|\.)\s+(\$HOME|~|\$\{HOME\})/\.local/bin/env", s):
+            out.append("# tmax offline rewrite: dropped " + s)
+            changed = True
+            continue
+        if s.startswith("uvx ") or s.startswith("uv tool run "):
+            try:
+                tokens = shlex.split(s)
+            except ValueError:
+                out.append(line)
+                continue
+            if tokens[:3] == ["uv", "tool", "run"]:
+                tokens = ["uvx", *tokens[3:]]
+            block = _rewrite_uvx(tokens, needs_headers)
+            if block is not None:
+                indent = line[: len(line) - len(line.lstrip())]
+                out.extend(indent + b for b in block)
+                changed = True
+                continue
+        out.append(line)
+    return "\n".join(out) + "\n", changed
+
+
+def verifier_script(task: Task) -> str:
+    text = (task.tests_dir / "test.sh").read_text(encoding="utf-8", errors="replace")
+    script, _ = rewrite_test_sh(text, needs_headers=(task.tests_dir / "setup.py").is_file())
+    return script
+
+
+def parse_reward(text: str | None, json_text: str | None) -> tuple[float | None, str | None]:
+    """(reward clamped to [0, 1], None) or (None, why not)."""
+    if text is not None and text.strip():
+        try:
+            value = float(text.strip().split()[0])
+        except ValueError:
+            return None, f"reward.txt is not a number: {text.strip()[:80]!r}"
+        if math.isnan(value):
+            return None, "reward.txt is NaN"
+        return min(1.0, max(0.0, value)), None
+    if json_text is not None and json_text.strip():
+        try:
+            data = json.loads(json_text)
+        except json.JSONDecodeError as e:
+            return None, f"reward.json is not JSON: {e}"
+        if isinstance(data, (int, float)) and not isinstance(data, bool):
+            value = float(data)
+        elif isinstance(data, dict):
+            nums = {k: v for k, v in data.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if "reward" in nums:
+                value = float(nums["reward"])
+            elif nums:
+                value = float(next(iter(nums.values())))
+            else:
+                return None, "reward.json has no numeric reward"
+        else:
+            return None, "reward.json has no numeric reward"
+        if math.isnan(value):
+            return None, "reward.json reward is NaN"
+        return min(1.0, max(0.0, value)), None
+    if text is not None:
+        return None, "reward.txt is empty"
+    return None, "no /logs/verifier/reward.txt or reward.json was written"
+
+
+def _read(sandbox: Sandbox, path: str) -> str | None:
+    r = sandbox.exec(["cat", path], timeout=60)
+    return r.output if r.exit_code == 0 else None
+
+
+def run_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path,
+                 timeout: float | None = None) -> VerifierResult:
+    """Copy tests in, run the (rewritten) test.sh, copy /logs/verifier out, read the reward.
+    SandboxError propagates: the caller labels it an infrastructure error."""
+    timeout = timeout or task.config.verifier.timeout_sec
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    prep = sandbox.exec(["bash", "-c", "rm -rf /tests && mkdir -p /logs/verifier /tests"], timeout=60)
+    if prep.exit_code != 0:
+        raise SandboxError(f"could not prepare /tests and /logs/verifier: {prep.output}{prep.stderr}")
+    sandbox.copy_in(task.tests_dir, "/tests")
+    with tempfile.TemporaryDirectory(prefix="tmax-verifier-") as tmp:
+        script = Path(tmp) / "test.sh"
+        script.write_text(verifier_script(task))
+        sandbox.copy_in(script, SCRIPT_PATH)
+    # The in-container `timeout` ends the script on time; the exec timeout is the backstop.
+    cmd = (f"timeout --kill-after=10 {int(math.ceil(timeout))} bash {SCRIPT_PATH} "
+           f"> /logs/verifier/test-stdout.txt 2>&1")
+    res = sandbox.exec(["bash", "-c", cmd], timeout=timeout + GRACE_S, workdir=workdir,
+                       env=dict(task.config.verifier.env) or None)
+    duration = time.monotonic() - t0
+    try:
+        sandbox.copy_out("/logs/verifier", out_dir)
+    except SandboxError:
+        pass  # the reward is read below; the copy is for people
+    _flatten(out_dir)
+    if res.timed_out or res.exit_code in (124, 137):
+        return VerifierResult(None, "timeout", f"verifier exceeded timeout_sec={timeout:.0f}s", res.exit_code, duration)
+    if res.exit_code == SETUP_FAILED_RC:
+        return VerifierResult(None, "error", "verifier setup failed (see verifier/test-stdout.txt)",
+                              res.exit_code, duration)
+    reward, why = parse_reward(_read(sandbox, "/logs/verifier/reward.txt"), _read(sandbox, "/logs/verifier/reward.json"))
+    if reward is None:
+        return VerifierResult(None, "error", f"{why} (test.sh exit {res.exit_code})", res.exit_code, duration)
+    return VerifierResult(reward, "ok", None, res.exit_code, duration)
+
+
+def _flatten(out_dir: Path) -> None:
+    """copy_out may land the directory as out_dir/verifier/...; keep files at out_dir/."""
+    nested = out_dir / "verifier"
+    if nested.is_dir() and not (out_dir / "reward.txt").exists():
+        for p in nested.iterdir():
+            target = out_dir / p.name
+            if not target.exists():
+                p.rename(target)
+        try:
+            nested.rmdir()
+        except OSError:
+            pass

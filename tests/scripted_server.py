@@ -1,0 +1,318 @@
+"""A real HTTP server speaking the OpenAI chat API that replays a script of turns.
+
+Tests of the agent loop, the CLI and the benchmark point a real client at it. Each POST to
+/v1/chat/completions consumes the next turn of the script; every request body is recorded
+so tests can assert on the messages the harness sent.
+
+Turn keys (all optional):
+
+    content          assistant text (raw `<tool_call>` text or plain text both go here)
+    bash             shortcut for one native `bash` tool call with this command
+    tool_calls       [{"name": ..., "arguments": dict | str, "id": ...}]  native calls
+    reasoning_content  returned next to content, as a reasoning parser would
+    finish_reason    default "tool_calls" when there are calls, else "stop"
+    usage            {"prompt_tokens": ..., "completion_tokens": ..., "total_tokens": ...}
+    delay            seconds to wait before answering (client timeouts)
+    status           answer with this HTTP error status instead (with "message")
+    error            "context_length" | "auth" | "not_found" | "server": canned vLLM-style errors
+
+When the script is used up the server answers 400 "script exhausted" (not retried by the
+harness), so a test that makes too many calls fails loudly.
+
+Use in tests::
+
+    with ScriptedServer([{"bash": "ls"}, {"bash": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}]) as srv:
+        policy = ChatPolicy(model=srv.model, base_url=srv.base_url)
+        ...
+        srv.requests   # list of request bodies
+
+`ScriptedServer(..., process=True)` runs the same server as a separate process
+(`python tests/scripted_server.py script.json --port N`), for tests that want the model
+server outside the test process; `requests` is then fetched over HTTP (GET /_requests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+CANNED_ERRORS: dict[str, tuple[int, str, str]] = {
+    "context_length": (
+        400,
+        "BadRequestError",
+        "This model's maximum context length is 65536 tokens. However, you requested 70000 tokens "
+        "(53616 in the messages, 16384 in the completion). Please reduce the length of the messages or completion.",
+    ),
+    "auth": (401, "AuthenticationError", "Incorrect API key provided."),
+    "not_found": (404, "NotFoundError", "The model `missing` does not exist."),
+    "permission": (403, "PermissionDeniedError", "You do not have access to this model."),
+    "bad_request": (400, "BadRequestError", "Unsupported parameter: 'top_p'."),
+    "server": (500, "InternalServerError", "Scripted internal server error."),
+    "unavailable": (503, "ServiceUnavailableError", "Scripted: the server is overloaded."),
+}
+
+
+def _tool_calls(turn: dict[str, Any]) -> list[dict[str, Any]]:
+    specs = list(turn.get("tool_calls") or [])
+    if "bash" in turn:
+        specs.insert(0, {"name": "bash", "arguments": {"command": turn["bash"]}})
+    calls = []
+    for spec in specs:
+        args = spec.get("arguments", {})
+        calls.append(
+            {
+                "id": spec.get("id") or f"chatcmpl-tool-{uuid.uuid4().hex[:16]}",
+                "type": "function",
+                "function": {"name": spec["name"], "arguments": args if isinstance(args, str) else json.dumps(args)},
+            }
+        )
+    return calls
+
+
+def completion_body(turn: dict[str, Any], model: str, request: dict[str, Any], index: int) -> dict[str, Any]:
+    calls = _tool_calls(turn)
+    message: dict[str, Any] = {"role": "assistant", "content": turn.get("content", "" if calls else None)}
+    if calls:
+        message["tool_calls"] = calls
+    if "reasoning_content" in turn:
+        message["reasoning_content"] = turn["reasoning_content"]
+    # Deterministic stand-in token counts: ~4 characters per token.
+    prompt_tokens = len(json.dumps(request.get("messages", []))) // 4
+    completion_tokens = (len(message.get("content") or "") + len(json.dumps(calls))) // 4 + 1
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    usage.update(turn.get("usage") or {})
+    return {
+        "id": f"chatcmpl-scripted-{index}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "finish_reason": turn.get("finish_reason", "tool_calls" if calls else "stop"),
+                "logprobs": None,
+            }
+        ],
+        "usage": usage,
+    }
+
+
+class _State:
+    def __init__(self, script: list[dict[str, Any]], model: str, api_key: str | None) -> None:
+        self.script = list(script)
+        self.model = model
+        self.api_key = api_key
+        self.requests: list[dict[str, Any]] = []
+        self.next = 0
+        self.lock = threading.Lock()
+
+    def take(self, body: dict[str, Any]) -> tuple[int, dict[str, Any] | None]:
+        with self.lock:
+            self.requests.append(body)
+            index = self.next
+            self.next += 1
+        return index, (self.script[index] if index < len(self.script) else None)
+
+
+def _handler(state: _State) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:  # keep test output clean
+            pass
+
+        def _send(self, status: int, obj: Any) -> None:
+            data = json.dumps(obj).encode()
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client gave up (a timeout test); nothing to do
+
+        def _error(self, status: int, kind: str, message: str) -> None:
+            self._send(status, {"error": {"message": message, "type": kind, "param": None, "code": status}, "object": "error"})
+
+        def do_GET(self) -> None:
+            if self.path.rstrip("/") == "/v1/models":
+                self._send(200, {"object": "list", "data": [{"id": state.model, "object": "model", "owned_by": "tmax-tests"}]})
+            elif self.path == "/_requests":
+                with state.lock:
+                    self._send(200, list(state.requests))
+            elif self.path == "/health":
+                self._send(200, {"ok": True})
+            else:
+                self._error(404, "NotFoundError", f"no route {self.path}")
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length)
+            if self.path.rstrip("/") != "/v1/chat/completions":
+                self._error(404, "NotFoundError", f"no route {self.path}")
+                return
+            if state.api_key is not None and self.headers.get("Authorization") != f"Bearer {state.api_key}":
+                self._error(401, "AuthenticationError", "Incorrect API key provided.")
+                return
+            try:
+                body = json.loads(raw)
+            except json.JSONDecodeError:
+                self._error(400, "BadRequestError", "request body is not JSON")
+                return
+            if body.get("stream"):
+                self._error(400, "BadRequestError", "the scripted server does not stream")
+                return
+            index, turn = state.take(body)
+            if turn is None:
+                self._error(400, "BadRequestError", f"scripted server: script exhausted after {len(state.script)} turns")
+                return
+            if turn.get("delay"):
+                time.sleep(float(turn["delay"]))
+            if "error" in turn:
+                status, kind, message = CANNED_ERRORS[turn["error"]]
+                self._error(status, kind, turn.get("message", message))
+            elif "status" in turn:
+                self._error(int(turn["status"]), "ScriptedError", turn.get("message", f"scripted error {turn['status']}"))
+            else:
+                self._send(200, completion_body(turn, state.model, body, index))
+
+    return Handler
+
+
+class ScriptedServer:
+    """Context manager; in-process thread by default, a separate process with process=True."""
+
+    def __init__(
+        self,
+        script: list[dict[str, Any]],
+        model: str = "scripted-model",
+        api_key: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        process: bool = False,
+    ) -> None:
+        self.script = list(script)
+        self.model = model
+        self.api_key = api_key
+        self.host = host
+        self.port = port
+        self.process = process
+        self._state: _State | None = None
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self._proc: subprocess.Popen[str] | None = None
+        self._script_file: str | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    @property
+    def requests(self) -> list[dict[str, Any]]:
+        if self._state is not None:
+            with self._state.lock:
+                return list(self._state.requests)
+        with urllib.request.urlopen(f"http://{self.host}:{self.port}/_requests", timeout=10) as r:
+            return json.load(r)
+
+    def start(self) -> "ScriptedServer":
+        if self.process:
+            self._start_process()
+        else:
+            self._state = _State(self.script, self.model, self.api_key)
+            self._httpd = ThreadingHTTPServer((self.host, self.port), _handler(self._state))
+            self._httpd.daemon_threads = True
+            self.port = self._httpd.server_address[1]
+            self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="scripted-server", daemon=True)
+            self._thread.start()
+        return self
+
+    def _start_process(self) -> None:
+        fd, self._script_file = tempfile.mkstemp(prefix="tmax-script-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"turns": self.script, "model": self.model, "api_key": self.api_key}, f)
+        self._proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), self._script_file, "--host", self.host, "--port", str(self.port)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        if not line.startswith("READY "):
+            self.close()
+            raise RuntimeError(f"scripted server did not start: {line!r}")
+        self.port = int(line.split()[1].rsplit(":", 1)[1].split("/")[0])
+
+    def close(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            if self._proc.stdout is not None:
+                self._proc.stdout.close()
+            self._proc = None
+        if self._script_file is not None:
+            os.unlink(self._script_file)
+            self._script_file = None
+
+    def __enter__(self) -> "ScriptedServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def load_script(path: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A script file is a list of turns, or {"turns": [...], "model": ..., "api_key": ...}."""
+    with open(path) as f:
+        data = json.load(f)
+    if isinstance(data, list):
+        return data, {}
+    if isinstance(data, dict) and isinstance(data.get("turns"), list):
+        return data["turns"], {k: v for k, v in data.items() if k in ("model", "api_key") and v is not None}
+    raise SystemExit(f"{path}: expected a list of turns or an object with a 'turns' list")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Replay scripted assistant turns over the OpenAI chat API.")
+    ap.add_argument("script", help="JSON file: a list of turns or {'turns': [...]}")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    args = ap.parse_args(argv)
+    turns, opts = load_script(args.script)
+    state = _State(turns, opts.get("model", "scripted-model"), opts.get("api_key"))
+    httpd = ThreadingHTTPServer((args.host, args.port), _handler(state))
+    httpd.daemon_threads = True
+    print(f"READY http://{args.host}:{httpd.server_address[1]}/v1", flush=True)
+    try:
+        httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        httpd.server_close()
+
+
+if __name__ == "__main__":
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    main()

@@ -1,0 +1,101 @@
+"""ChatPolicy over real HTTP against the scripted server: request shape and error mapping."""
+
+import json
+
+import pytest
+from scripted_server import ScriptedServer
+
+from agents.chat_policy import ChatPolicy
+from agents.policy import ContextOverflow, FatalModelError, ModelError
+from agents.prompts import instance_message, system_message
+from agents.tools import TOOLS
+
+MESSAGES = [system_message(), instance_message("say hi")]
+
+
+def policy(srv, **kw):
+    return ChatPolicy(model=srv.model, base_url=srv.base_url, api_key=kw.pop("api_key", None), **kw)
+
+
+def test_request_has_vanillux_sampling_and_no_tool_choice():
+    with ScriptedServer([{"content": "THOUGHT: hi", "bash": "echo hi", "usage": {"prompt_tokens": 100, "completion_tokens": 7, "total_tokens": 107}}]) as srv:
+        turn = policy(srv).complete(MESSAGES, TOOLS)
+        (req,) = srv.requests
+    assert req["model"] == "scripted-model"
+    assert req["messages"] == MESSAGES
+    assert req["tools"] == TOOLS
+    assert req["temperature"] == 0.7 and req["top_p"] == 0.95 and req["max_tokens"] == 16384
+    for absent in ("tool_choice", "stop", "top_k", "stream"):
+        assert absent not in req
+    msg = turn.message
+    assert msg["role"] == "assistant" and msg["content"] == "THOUGHT: hi"
+    (call,) = msg["tool_calls"]
+    assert call["function"] == {"name": "bash", "arguments": json.dumps({"command": "echo hi"})}
+    assert call["id"].startswith("chatcmpl-tool-")
+    assert (turn.usage.prompt_tokens, turn.usage.completion_tokens, turn.usage.total_tokens) == (100, 7, 107)
+    assert turn.finish_reason == "tool_calls" and turn.latency_s > 0
+
+
+def test_top_k_goes_in_the_body_and_reasoning_is_kept():
+    with ScriptedServer([{"content": "x", "reasoning_content": "hmm"}]) as srv:
+        turn = policy(srv, top_k=20).complete(MESSAGES, TOOLS)
+        assert srv.requests[0]["top_k"] == 20
+    assert turn.message == {"role": "assistant", "content": "x", "reasoning_content": "hmm"}
+
+
+def test_raw_tool_call_text_is_normalised_to_native_calls():
+    raw = "THOUGHT: look\n<tool_call>\n<function=bash>\n<parameter=command>\nls -la\n</parameter>\n</function>\n</tool_call>"
+    with ScriptedServer([{"content": raw}]) as srv:
+        msg = policy(srv).complete(MESSAGES, TOOLS).message
+    assert msg["content"] == "THOUGHT: look"
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"command": "ls -la"}
+
+
+@pytest.mark.parametrize(
+    "turn, exc, text",
+    [
+        ({"error": "auth"}, FatalModelError, "authentication"),
+        ({"error": "not_found"}, FatalModelError, "not found"),
+        ({"error": "permission"}, FatalModelError, "permission"),
+        ({"error": "bad_request"}, FatalModelError, "rejected"),
+        ({"error": "context_length"}, ContextOverflow, "context"),
+        ({"error": "server"}, ModelError, "500"),
+        ({"error": "unavailable"}, ModelError, "503"),
+        ({"status": 429, "message": "rate limited"}, ModelError, "429"),
+    ],
+)
+def test_error_mapping(turn, exc, text):
+    with ScriptedServer([turn]) as srv:
+        with pytest.raises(exc, match=f"(?i){text}"):
+            policy(srv).complete(MESSAGES, TOOLS)
+        assert len(srv.requests) == 1  # the client itself never retries
+
+
+def test_wrong_api_key_is_fatal():
+    with ScriptedServer([{"content": "x"}], api_key="secret") as srv:
+        with pytest.raises(FatalModelError):
+            policy(srv, api_key="wrong").complete(MESSAGES, TOOLS)
+        assert policy(srv, api_key="secret").complete(MESSAGES, TOOLS).message["content"] == "x"
+
+
+def test_timeout_and_connection_errors_are_retryable():
+    with ScriptedServer([{"content": "slow", "delay": 2}]) as srv:
+        with pytest.raises(ModelError, match="timed out"):
+            policy(srv, timeout=0.3).complete(MESSAGES, TOOLS)
+        url = srv.base_url
+    with pytest.raises(ModelError, match="reach"):
+        ChatPolicy(model="m", base_url=url, timeout=2).complete(MESSAGES, TOOLS)
+
+
+def test_scripted_server_as_a_process_and_models_endpoint():
+    import urllib.request
+
+    with ScriptedServer([{"bash": "ls"}], model="proc-model", process=True) as srv:
+        with urllib.request.urlopen(srv.base_url + "/models", timeout=5) as r:
+            assert json.load(r)["data"][0]["id"] == "proc-model"
+        turn = policy(srv).complete(MESSAGES, TOOLS)
+        assert turn.message["tool_calls"][0]["function"]["name"] == "bash"
+        assert srv.requests[0]["messages"] == MESSAGES
+        # Exhausted script: a loud, non-retryable error.
+        with pytest.raises(FatalModelError, match="exhausted"):
+            policy(srv).complete(MESSAGES, TOOLS)

@@ -1,0 +1,140 @@
+"""Checkpoints (HF format + trainer state, atomic, resume) and the metrics sink."""
+
+import importlib.util
+import json
+import random
+
+import pytest
+import torch
+
+from training import checkpoint as ckpt
+from training.learner import Learner, LearnerConfig, TrainSample
+from training.metrics import MetricsSink, read_metrics, summary
+
+VOCAB = 300
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny Qwen3 model with a real byte-level BPE tokenizer and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
+
+    path = tmp_path_factory.mktemp("tiny")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["echo hello > file.txt", "cat file.txt | wc -l", "ls -la /workspace"] * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", chat_template=TEMPLATE)
+    fast.save_pretrained(str(path))
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        vocab_size=VOCAB, intermediate_size=128, tie_word_embeddings=True, max_position_embeddings=512,
+    )
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(str(path))
+    return path
+
+
+def batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for adv in (1.0, -1.0, 0.5):
+        ids = torch.randint(0, VOCAB, (10,), generator=g).tolist()
+        lps = (-torch.rand(10, generator=g) * 6).tolist()
+        mask = [1, 1, 1, 0, 0, 1, 1, 0, 1, 1]
+        out.append(TrainSample(torch.randint(0, VOCAB, (4,), generator=g).tolist(), ids, lps, mask, adv))
+    return out
+
+
+def test_round_trip_is_servable_hf_and_resumes_exactly(model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = LearnerConfig(lr=1e-3)
+    learner = Learner(model_dir, cfg)
+    learner.train_step(batch(0))
+    learner.train_step(batch(1))
+    path = learner.save(ckpt.checkpoint_path(tmp_path / "run", learner.step), extra={"episode": 48, "seed": 3})
+    # RNG state is saved: after loading, the next draws match the ones right after saving.
+    expect_torch, expect_py = torch.rand(3), random.random()
+    assert path.name == "step_2"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", ckpt.STATE_PT, ckpt.STATE_JSON):
+        assert (path / name).is_file(), name
+    assert json.loads((path / ckpt.STATE_JSON).read_text())["extra"] == {"episode": 48, "seed": 3}
+
+    # The model directory alone is a plain HF checkpoint with its tokenizer and template.
+    hf = AutoModelForCausalLM.from_pretrained(str(path))
+    ids = torch.randint(0, VOCAB, (1, 9))
+    with torch.no_grad():
+        assert torch.allclose(hf(input_ids=ids).logits, learner.model(input_ids=ids).logits, atol=1e-6)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    text = tok.apply_chat_template([{"role": "user", "content": "ls"}], tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>user\nls<|im_end|>\n<|im_start|>assistant\n"
+
+    # One more step from the live learner, and one from the resumed copy, must agree.
+    learner.train_step(batch(2))
+    resumed = Learner.load(path, cfg)
+    assert torch.equal(torch.rand(3), expect_torch) and random.random() == expect_py
+    assert resumed.step == 2 and resumed.extra == {"episode": 48, "seed": 3}
+    resumed.train_step(batch(2))
+    for (k, a), b in zip(learner.named_weights().items(), resumed.named_weights().values()):
+        assert torch.allclose(a, b, atol=1e-7), k
+    # Without the optimizer state (a fresh learner from the same weights) it would differ.
+    fresh = Learner(path, cfg)
+    fresh.train_step(batch(2))
+    assert any(not torch.allclose(a, b, atol=1e-7) for a, b in zip(learner.named_weights().values(), fresh.named_weights().values()))
+
+
+def test_atomic_overwrite_failure_and_listing(model_dir, tmp_path):
+    learner = Learner(model_dir, LearnerConfig(lr=1e-3))
+    run = tmp_path / "run"
+    for step in (1, 2, 10):
+        learner.save(ckpt.checkpoint_path(run, step), step=step, extra={"n": step})
+    # Overwriting a checkpoint replaces it whole and leaves no temp / old directories.
+    learner.save(ckpt.checkpoint_path(run, 10), step=10, extra={"n": "again"})
+    assert ckpt.load_trainer_state(ckpt.checkpoint_path(run, 10))["extra"] == {"n": "again"}
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_1", "step_10", "step_2"]
+    assert ckpt.latest_checkpoint(run).name == "step_10"  # numeric, not lexical, order
+
+    # A failing save leaves nothing behind under the final name.
+    with pytest.raises(ValueError, match="JSON"):
+        learner.save(ckpt.checkpoint_path(run, 11), step=11, extra={"bad": object()})
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_1", "step_10", "step_2"]
+
+    assert [p.name for p in ckpt.prune_checkpoints(run, keep=2)] == ["step_1"]
+    assert [p.name for p in ckpt.list_checkpoints(run)] == ["step_2", "step_10"]
+    assert ckpt.latest_checkpoint(tmp_path / "empty") is None
+    with pytest.raises(FileNotFoundError, match="not a trainer checkpoint"):
+        ckpt.load_trainer_state(model_dir)
+
+
+# ------------------------------------------------------------------ metrics sink
+
+
+def test_metrics_jsonl_every_step_and_console_summary(tmp_path):
+    with MetricsSink(tmp_path / "run") as sink:
+        sink.log(1, {"loss/policy_avg": -0.25, "debug/dppo_mask_frac_kept": 1.0, "val/ratio": torch.tensor(1.5)})
+        sink.log(2, {"loss/policy_avg": float("nan"), "val/avg_group_performance_post_filter": 0.375})
+    path = tmp_path / "run" / "metrics.jsonl"
+    # A crash mid-write leaves a truncated last line: readers skip it.
+    with path.open("a") as f:
+        f.write('{"step": 3, "loss')
+    records = read_metrics(path)
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[0]["val/ratio"] == 1.5 and records[1]["loss/policy_avg"] == "nan"
+    s = summary({"val/avg_group_performance_post_filter": 0.375, "loss/policy_avg": -0.25, "unrelated": 1.0})
+    assert s == {"reward": "0.375", "loss": "-0.25"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
+def test_asking_for_wandb_without_it_is_a_clear_error(tmp_path):
+    with pytest.raises(RuntimeError, match="wandb is not installed"):
+        MetricsSink(tmp_path, wandb=True)

@@ -1,0 +1,166 @@
+"""Settings for `tmax run`: flag > environment > config file > default, with clear errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tmax_cli import config
+from tmax_cli.config import ConfigError, resolve_run_settings
+
+ENV_VARS = ("TMAX_BASE_URL", "OPENAI_BASE_URL", "TMAX_API_KEY", "OPENAI_API_KEY", "TMAX_MODEL")
+
+
+@pytest.fixture
+def cfg_home(tmp_path, monkeypatch):
+    """An empty XDG config home and no model/base-URL variables from the caller's shell."""
+    for name in ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    return tmp_path / "cfg"
+
+
+def write_cfg(home: Path, text: str) -> Path:
+    path = home / "tmax" / "config.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_paths_follow_xdg(cfg_home, tmp_path, monkeypatch):
+    assert config.config_path() == cfg_home / "tmax" / "config.toml"
+    run_dir = config.default_run_dir()
+    assert run_dir.parent == tmp_path / "data" / "tmax" / "runs"
+    monkeypatch.delenv("XDG_CONFIG_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert config.config_path() == tmp_path / "home" / ".config" / "tmax" / "config.toml"
+
+
+def test_missing_base_url_names_every_source(cfg_home):
+    with pytest.raises(ConfigError) as err:
+        resolve_run_settings(sandbox="local")
+    msg = str(err.value)
+    for source in ("--base-url", "$TMAX_BASE_URL", "$OPENAI_BASE_URL", str(cfg_home / "tmax" / "config.toml")):
+        assert source in msg
+
+
+def test_precedence_flag_env_file(cfg_home, monkeypatch):
+    path = write_cfg(cfg_home, 'base_url = "http://file:1/v1"\nmodel = "file-model"\napi_key = "file-key"\n')
+    s = resolve_run_settings(sandbox="local")
+    assert (s.base_url, s.model, s.api_key) == ("http://file:1/v1", "file-model", "file-key")
+    assert s.sources["base_url"] == str(path)
+
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://openai-env:2/v1")
+    monkeypatch.setenv("OPENAI_API_KEY", "env-key")
+    s = resolve_run_settings(sandbox="local")
+    assert (s.base_url, s.api_key) == ("http://openai-env:2/v1", "env-key")
+    assert s.sources["base_url"] == "$OPENAI_BASE_URL"
+
+    # TMAX_BASE_URL beats OPENAI_BASE_URL, and the flag beats both.
+    monkeypatch.setenv("TMAX_BASE_URL", "http://tmax-env:3/v1/")
+    s = resolve_run_settings(sandbox="local")
+    assert s.base_url == "http://tmax-env:3/v1"
+    s = resolve_run_settings(base_url="http://flag:4/v1", model="flag-model", api_key="flag-key", sandbox="local")
+    assert (s.base_url, s.model, s.api_key) == ("http://flag:4/v1", "flag-model", "flag-key")
+    assert s.sources["model"] == "--model"
+
+
+def test_defaults_mode_follows_sandbox(cfg_home):
+    s = resolve_run_settings(base_url="http://x/v1", sandbox="local")
+    assert (s.mode, s.api_key, s.image, s.max_steps) == ("confirm", "EMPTY", config.DEFAULT_IMAGE, None)
+    assert resolve_run_settings(base_url="http://x/v1", sandbox="podman").mode == "yolo"
+    assert resolve_run_settings(base_url="http://x/v1", sandbox="bwrap").mode == "yolo"
+    assert resolve_run_settings(base_url="http://x/v1", sandbox="local", mode="yolo").mode == "yolo"
+
+
+def test_file_settings_for_sandbox_and_steps(cfg_home):
+    write_cfg(cfg_home, 'base_url = "http://x/v1"\nsandbox = "podman"\nmode = "confirm"\nmax_steps = 7\nimage = "img:1"\n')
+    s = resolve_run_settings()
+    assert (s.sandbox, s.mode, s.max_steps, s.image) == ("podman", "confirm", 7, "img:1")
+    assert resolve_run_settings(sandbox="local", max_steps=3).max_steps == 3
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("base_url = ", "not valid TOML"),
+        ('base_url = "http://x/v1"\nmodle = "typo"\n', "unknown key 'modle'"),
+        ('base_url = "http://x/v1"\nmax_steps = "ten"\n', "max_steps must be an integer"),
+        ('base_url = "http://x/v1"\nmax_steps = true\n', "max_steps must be an integer"),
+        ('base_url = "http://x/v1"\nsandbox = "docker"\n', "sandbox 'docker'"),
+        ('base_url = "localhost:8000"\n', "must start with http"),
+    ],
+)
+def test_bad_config_file_is_a_clear_error(cfg_home, text, fragment):
+    path = write_cfg(cfg_home, text)
+    with pytest.raises(ConfigError) as err:
+        resolve_run_settings()
+    assert fragment in str(err.value)
+    if "sandbox" not in fragment and "http" not in fragment:
+        assert str(path) in str(err.value)
+
+
+def test_bad_flags(cfg_home):
+    with pytest.raises(ConfigError, match="mode 'auto'"):
+        resolve_run_settings(base_url="http://x/v1", sandbox="local", mode="auto")
+    with pytest.raises(ConfigError, match="at least 1"):
+        resolve_run_settings(base_url="http://x/v1", sandbox="local", max_steps=0)
+
+
+def test_default_sandbox_matches_bwrap_probe():
+    expected = "bwrap" if config.bwrap_works() else "local"
+    assert config.default_sandbox() == expected
+    # The probe is real: where bwrap is installed it is actually executed.
+    if config.shutil.which("bwrap") and config.bwrap_works():
+        assert subprocess.run(["bwrap", "--ro-bind", "/", "/", "true"]).returncode == 0
+
+
+def _tmax(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tmax_cli.main", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_cli_reports_missing_base_url(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "cfg")
+    env["XDG_DATA_HOME"] = str(tmp_path / "data")
+    proc = _tmax(["run", "--sandbox", "local", "echo hi"], env)
+    assert proc.returncode == 2
+    for source in ("--base-url", "$TMAX_BASE_URL", "$OPENAI_BASE_URL", "config.toml"):
+        assert source in proc.stderr
+    # --json reports the same error as a JSON line on stdout.
+    proc = _tmax(["run", "--json", "--sandbox", "local", "echo hi"], env)
+    assert proc.returncode == 2
+    import json
+
+    event = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert event["type"] == "error" and "--base-url" in event["error"]
+
+
+def test_cli_bad_config_file(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "cfg")
+    write_cfg(tmp_path / "cfg", 'base_url = "http://127.0.0.1:9/v1"\ncolour = "red"\n')
+    proc = _tmax(["run", "--sandbox", "local", "--model", "m", "echo hi"], env)
+    assert proc.returncode == 2
+    assert "unknown key 'colour'" in proc.stderr
+
+
+def test_cli_model_discovery_failure_is_clear(tmp_path):
+    # Nothing listens on port 9 (discard); no model was named, so listing models fails.
+    env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "cfg")
+    proc = _tmax(["run", "--sandbox", "local", "--base-url", "http://127.0.0.1:9/v1", "echo hi"], env)
+    assert proc.returncode == 2
+    assert "no model given" in proc.stderr and "127.0.0.1:9" in proc.stderr

@@ -1,0 +1,88 @@
+"""The local backend, the factory and the pool, on the host."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from sandbox import KINDS, SandboxError, SandboxSpec, make_sandbox
+from sandbox.base import Sandbox
+from sandbox.pool import SandboxPool
+
+
+@pytest.fixture
+def local(tmp_path):
+    sb = make_sandbox("local", SandboxSpec(workdir=str(tmp_path), env={"TMAX_T": "v"}))
+    sb.start()
+    yield sb
+    sb.close()
+
+
+def test_factory_kinds_and_errors():
+    assert KINDS == ("local", "bwrap", "podman")
+    for kind in KINDS:
+        assert isinstance(make_sandbox(kind, SandboxSpec()), Sandbox)
+    with pytest.raises(ValueError, match="unknown sandbox kind 'docker'"):
+        make_sandbox("docker", SandboxSpec())
+
+
+def test_run_in_workdir_with_env(local, tmp_path):
+    r = local.run("pwd; echo $TMAX_T")
+    assert r.output == f"{tmp_path}\nv\n"
+
+
+def test_missing_workdir_is_a_sandbox_error(tmp_path):
+    sb = make_sandbox("local", SandboxSpec(workdir=str(tmp_path / "nope")))
+    with pytest.raises(SandboxError, match="not a directory"):
+        sb.start()
+
+
+def test_exec_separates_streams_and_times_out(local, tmp_path):
+    local.run("cd /; export ONLY_SHELL=1")
+    r = local.exec(["bash", "-c", "pwd; echo ${ONLY_SHELL:-none}; echo err >&2; exit 3"])
+    assert r.output == f"{tmp_path}\nnone\n" and r.stderr == "err\n" and r.exit_code == 3
+    t0 = time.monotonic()
+    r = local.exec(["sleep", "30"], timeout=0.5)
+    assert r.timed_out and r.exit_code == 124 and time.monotonic() - t0 < 5
+    assert local.exec(["pwd"], workdir="/").output == "/\n"
+    assert local.exec(["bash", "-c", "echo $X"], env={"X": "y"}).output == "y\n"
+
+
+def test_copy_in_and_out(local, tmp_path):
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "f.txt").write_text("hello")
+    local.copy_in(src, "copied")
+    assert local.run("cat copied/d/f.txt").output == "hello"
+    local.run("echo out > made.txt")
+    local.copy_out("made.txt", tmp_path / "back" / "m.txt")
+    assert (tmp_path / "back" / "m.txt").read_text() == "out\n"
+    with pytest.raises(SandboxError, match="does not exist"):
+        local.copy_out("absent", tmp_path / "x")
+
+
+def test_interrupt_through_sandbox(local):
+    threading.Timer(0.3, local.interrupt).start()
+    r = local.run("sleep 20", timeout=10)
+    assert r.exit_code == 130 and not r.timed_out
+
+
+def test_pool_bounds_and_fresh_sandboxes(tmp_path):
+    with SandboxPool("local", SandboxSpec(workdir=str(tmp_path)), size=2, warm=1) as pool:
+        a = pool.acquire()
+        b = pool.acquire()
+        a.run("export LEAK=1")
+        with pytest.raises(SandboxError, match="no free sandbox"):
+            pool.acquire(timeout=0.2)
+        pool.release(a)
+        c = pool.acquire(timeout=10)
+        assert c is not a
+        assert c.run("echo ${LEAK:-clean}").output == "clean\n"
+        pool.release(b)
+        pool.release(c)
+        with pool.lease() as d:
+            assert d.run("echo hi").output == "hi\n"
+    with pytest.raises(ValueError):
+        SandboxPool("local", size=0)

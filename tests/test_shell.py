@@ -1,0 +1,205 @@
+"""The persistent shell on host bash: every behaviour the agent relies on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from sandbox.shell import PersistentShell, clean_output
+
+
+@pytest.fixture
+def sh(tmp_path):
+    s = PersistentShell(workdir=str(tmp_path), interrupt_grace_s=2.0)
+    s.start()
+    yield s
+    s.close()
+
+
+def test_starts_in_workdir_and_reports_output(sh, tmp_path):
+    r = sh.run("pwd")
+    assert r.output == f"{tmp_path}\n"
+    assert r.exit_code == 0 and not r.timed_out and r.note is None
+
+
+def test_state_persists(sh, tmp_path):
+    (tmp_path / "sub").mkdir()
+    r = sh.run("cd sub; plain=1; export EXPORTED=2; greet() { echo hello-$1; }; alias ll='echo via-alias'")
+    assert r.exit_code == 0, r.output
+    sh.run("set -o pipefail; set -u; trap 'echo trapped' USR1")
+    r = sh.run('pwd; echo "$plain $EXPORTED"; greet x; ll; set -o | grep -E "^(pipefail|nounset) "')
+    lines = r.output.splitlines()
+    assert lines[0] == str(tmp_path / "sub")
+    assert lines[1] == "1 2"
+    assert lines[2] == "hello-x"
+    assert lines[3] == "via-alias"
+    assert [ln.split()[1] for ln in lines[4:]] == ["on", "on"]
+    assert sh.run("kill -USR1 $$").output == "trapped\n"
+
+
+def test_background_jobs_persist(sh):
+    r = sh.run("sleep 30 & echo started")
+    assert "started" in r.output
+    r = sh.run("jobs")
+    assert "Running" in r.output and "sleep 30" in r.output
+    assert sh.run("kill %1; wait %1; echo $?").output.strip().endswith("143")
+
+
+def test_exit_codes(sh):
+    assert sh.run("true").exit_code == 0
+    assert sh.run("false").exit_code == 1
+    assert sh.run("(exit 42)").exit_code == 42
+    assert sh.run("no-such-command-xyz").exit_code == 127
+    r = sh.run("echo 'unbalanced")  # a syntax error must not leave the shell waiting
+    assert r.exit_code == 2 and "unexpected EOF" in r.output and not r.timed_out
+    assert sh.run("echo fine").output == "fine\n"
+
+
+def test_output_without_trailing_newline_and_blank_lines(sh):
+    assert sh.run("printf abc").output == "abc"
+    assert sh.run("printf 'a\\n\\n'").output == "a\n\n"
+    assert sh.run(":").output == ""
+
+
+def test_multiline_and_heredoc(sh, tmp_path):
+    cmd = "cat > f.txt <<'EOF'\nline $HOME\n\tindented\nEOF\nfor i in 1 2; do\n  echo n$i\ndone\ncat f.txt"
+    r = sh.run(cmd)
+    assert r.output == "n1\nn2\nline $HOME\n\tindented\n"
+    assert (tmp_path / "f.txt").read_text() == "line $HOME\n\tindented\n"
+    # An alias defined on one line applies to the next line of the same command.
+    assert sh.run("alias hi='echo hi-alias'\nhi").output == "hi-alias\n"
+
+
+def test_forged_marker_is_ignored(sh):
+    fake = "__TMAX_0123456789abcdef_1_0__"
+    r = sh.run(f"echo; echo {fake}; echo '__TMAX_{sh.tag[:8]}'; echo \"$PS1\"; echo after; exit_code_is=3; (exit 5)")
+    assert fake in r.output and "after" in r.output
+    assert r.exit_code == 5
+    assert sh.run("echo next").output == "next\n"
+
+
+def test_large_output_is_bounded(tmp_path):
+    s = PersistentShell(workdir=str(tmp_path), max_output_chars=100_000)
+    s.start()
+    try:
+        t0 = time.monotonic()
+        r = s.run("head -c 3750000 /dev/zero | base64 -w 100; echo END", timeout=60)
+        assert time.monotonic() - t0 < 30
+        assert r.exit_code == 0
+        assert r.dropped_chars > 4_900_000
+        assert len(r.output) < 110_000
+        assert r.output.startswith("AAAA") and r.output.endswith("END\n")
+        assert "characters dropped" in r.output
+        assert s.run("echo ok").output == "ok\n"
+    finally:
+        s.close()
+
+
+def test_five_megabytes_default_window(sh):
+    r = sh.run("head -c 3750000 /dev/urandom | base64 -w 100", timeout=60)
+    assert r.exit_code == 0
+    assert 990_000 <= len(r.output) <= 1_010_000
+    assert r.dropped_chars + len(r.output) > 4_900_000
+
+
+def test_timeout_interrupts_and_keeps_state(sh):
+    sh.run("cd /; KEEP=yes")
+    t0 = time.monotonic()
+    r = sh.run("echo partial; sleep 100", timeout=1)
+    assert time.monotonic() - t0 < 4
+    assert r.timed_out and r.exit_code == 124
+    assert "partial" in r.output
+    assert "timed out" in r.note
+    r = sh.run("pwd; echo $KEEP")
+    assert r.output == "/\nyes\n"
+
+
+def test_timeout_when_ctrl_c_is_ignored_restarts(sh):
+    sh.run("cd /; trap '' INT")
+    t0 = time.monotonic()
+    r = sh.run("sleep 100", timeout=1)
+    assert r.timed_out and r.exit_code == 124
+    assert "restarted" in r.note
+    assert time.monotonic() - t0 < 15
+    r = sh.run("pwd")  # a fresh shell, back in the initial workdir
+    assert r.exit_code == 0 and r.output.strip() != "/"
+
+
+def test_stdin_readers_do_not_hang(sh):
+    t0 = time.monotonic()
+    r = sh.run("cat; read -r x; echo read=$?; python3 -c 'import sys; print(len(sys.stdin.read()))'", timeout=10)
+    assert time.monotonic() - t0 < 5
+    assert r.output.splitlines() == ["read=1", "0"]
+
+
+def test_exit_restarts_with_note(sh):
+    sh.run("export GONE=1")
+    r = sh.run("exit 7")
+    assert r.exit_code == 7
+    assert "exited" in r.note and "restarted" in r.note
+    r = sh.run("echo ${GONE:-unset}")
+    assert r.output == "unset\n" and r.note is None
+
+
+def test_dead_shell_is_restarted(sh):
+    os.kill(sh.inner_pid, signal.SIGKILL)
+    time.sleep(0.2)
+    r = sh.run("echo back")
+    assert r.output == "back\n"
+    assert r.note and "restarted" in r.note
+    assert sh.restarts == 1
+
+
+def test_ansi_and_carriage_returns_stripped(sh):
+    r = sh.run(r"printf '\033[1;31mred\033[0m \033]0;title\007plain\n'; printf 'progress 10%%\rprogress 100%%\r\n'")
+    assert r.output == "red plain\nprogress 100%\n"
+    assert "\r" not in r.output and "\x1b" not in r.output
+
+
+def test_invalid_utf8_is_replaced(sh):
+    r = sh.run(r"printf 'ok \xff\xfe end\n'; echo 'héllo ✓'")
+    assert r.output == "ok \ufffd\ufffd end\nhéllo ✓\n"
+
+
+def test_tabs_and_control_characters_in_commands(sh):
+    assert sh.run("printf 'a\\tb\\n'; echo 'x\ty'").output == "a\tb\nx\ty\n"
+    # A stray Ctrl-C byte inside the command text must not interrupt anything.
+    assert sh.run("echo ok\x03").output == "ok\n"
+
+
+def test_interrupt_from_another_thread(sh):
+    threading.Timer(0.5, sh.interrupt).start()
+    t0 = time.monotonic()
+    r = sh.run("sleep 30; echo not-reached", timeout=20)
+    assert time.monotonic() - t0 < 5
+    assert not r.timed_out and r.exit_code == 130 and r.note == "interrupted"
+    assert "not-reached" not in r.output
+    sh.interrupt()  # idle: must be a no-op, not a stray prompt
+    assert sh.run("echo still").output == "still\n"
+
+
+def test_env_and_long_command(tmp_path):
+    s = PersistentShell(env={"GREETING": "hi there", "QUOTE": "a'b\"c"}, workdir=str(tmp_path))
+    s.start()
+    try:
+        assert s.run('echo "$GREETING|$QUOTE"').output == "hi there|a'b\"c\n"
+        long = "x" * 20000
+        assert s.run(f"echo {long} | wc -c").output.strip() == "20001"
+    finally:
+        s.close()
+
+
+def test_overhead_per_command(sh):
+    t0 = time.monotonic()
+    for i in range(100):
+        assert sh.run(f"echo {i}").output == f"{i}\n"
+    assert (time.monotonic() - t0) / 100 < 0.05
+
+
+def test_clean_output_helper():
+    assert clean_output("a\r\nb\r\n") == "a\nb\n"
+    assert clean_output("\x1b[2K\x1b[1Gdone") == "done"

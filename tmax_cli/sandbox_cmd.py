@@ -1,0 +1,64 @@
+"""`tmax sandbox build-base | clean`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+sandbox_app = typer.Typer(help="Manage sandboxes: the base image and leftovers.", no_args_is_help=True)
+
+
+@sandbox_app.command("build-base")
+def build_base_cmd(
+    tag: str = typer.Option("localhost/tmax-base:bookworm", help="Image tag to build."),
+    force: bool = typer.Option(False, "--force", help="Rebuild even if the image exists."),
+    mirror: str = typer.Option("http://deb.debian.org/debian", help="Debian mirror for debootstrap."),
+    rootfs: Path | None = typer.Option(None, help="Import this debootstrapped tree instead of running debootstrap.",
+                                      exists=True, file_okay=False),
+) -> None:
+    """Build the offline base image (debootstrap bookworm -> podman import, host CA bundle baked in)."""
+    from rich.console import Console
+
+    from sandbox.base import SandboxError
+    from sandbox.images import build_base
+
+    console = Console(stderr=True)
+    with console.status("building base image ...") as status:
+        def progress(line: str) -> None:
+            status.update(f"[bold]build-base[/] {line[:150]}")
+            if line.startswith(("debootstrap", "podman import", "built", tag)):
+                console.log(line)
+
+        try:
+            build_base(tag=tag, force=force, mirror=mirror, rootfs=rootfs, progress=progress)
+        except SandboxError as e:
+            console.print(f"[red]build-base failed:[/] {e}")
+            raise typer.Exit(1) from None
+    typer.echo(tag)
+
+
+@sandbox_app.command("clean")
+def clean_cmd(
+    images: bool = typer.Option(False, "--images", help="Also remove task images tmax built."),
+    base: bool = typer.Option(False, "--base", help="With --images, remove the base image too."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Only list what would be removed."),
+    all_owners: bool = typer.Option(False, "--all", help="Also remove containers of tmax processes still running."),
+) -> None:
+    """Remove containers carrying the tmax label (of dead tmax runs unless --all), stale podman
+    services and temp dirs."""
+    from sandbox.cleanup import clean
+
+    rep = clean(images=images, include_base=base, dry_run=dry_run, all_owners=all_owners)
+    verb = "would remove" if dry_run else "removed"
+    for what, items in (("containers", rep.containers), ("images", rep.images),
+                        ("podman services", rep.services), ("temp dirs", rep.dirs)):
+        typer.echo(f"{verb} {len(items)} {what}" + (f": {', '.join(items)}" if items else ""))
+    for e in rep.errors:
+        typer.echo(f"error: {e}", err=True)
+    if rep.errors:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(sandbox_app, name="sandbox")

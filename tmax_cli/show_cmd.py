@@ -1,0 +1,141 @@
+"""`tmax show PATH`: replay a saved run (trajectory.json + timing.json + usage.json)
+with the same step rendering as `tmax run`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+
+class ShowError(ValueError):
+    pass
+
+
+def _read_json(path: Path, required: bool) -> Any:
+    if not path.exists():
+        if required:
+            raise ShowError(f"{path} does not exist")
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as e:
+        raise ShowError(f"{path} is not readable JSON: {e}") from e
+
+
+def load_run(path: Path) -> dict[str, Any]:
+    """The saved files of a run directory (or of the directory holding a trajectory.json)."""
+    if not path.exists():
+        raise ShowError(f"{path} does not exist")
+    run_dir = path if path.is_dir() else path.parent
+    traj_file = path if path.is_file() else run_dir / "trajectory.json"
+    messages = _read_json(traj_file, required=True)
+    if isinstance(messages, dict) and isinstance(messages.get("messages"), list):
+        messages = messages["messages"]
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise ShowError(f"{traj_file} is not a trajectory (expected a list of chat messages)")
+    timing = _read_json(run_dir / "timing.json", required=False) or []
+    if not isinstance(timing, list):
+        raise ShowError(f"{run_dir / 'timing.json'} should hold a list of per-step records")
+    usage = _read_json(run_dir / "usage.json", required=False) or {}
+    meta = _read_json(run_dir / "run.json", required=False) or {}  # written by `tmax run`
+    result = _read_json(run_dir / "result.json", required=False) or {}  # written by the agent
+    return {"dir": str(run_dir), "trajectory": messages, "timing": timing, "usage": usage, "result": result, "run": meta}
+
+
+def _text(content: Any) -> str:
+    # Content may be a string or a list of OpenAI content parts.
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content or ""
+
+
+def render(run: dict[str, Any], display: Any, show_system: bool = False) -> None:
+    from agents.parsing import parse_action
+    from tmax_cli.ui import fmt_tokens, split_exit_code
+
+    messages = run["trajectory"]
+    timing = {t.get("step"): t for t in run["timing"] if isinstance(t, dict)}
+    meta = run["run"]
+    if meta:
+        bits = [f"{k} {meta[k]}" for k in ("model", "sandbox", "mode") if meta.get(k)]
+        if meta.get("resumed_from"):
+            bits.append(f"resumed from {meta['resumed_from']}")
+        display.info(" · ".join(bits))
+
+    step = 0
+    seen_task = False
+    for msg in messages:
+        role = msg.get("role")
+        content = _text(msg.get("content"))
+        if role == "system":
+            if show_system:
+                display.feedback(content, "system prompt")
+        elif role == "user":
+            if not seen_task:
+                # The first user message wraps the task in the instance template; show the
+                # task as typed when `tmax run` recorded it.
+                display.task(meta.get("task") or content)
+                seen_task = True
+            elif content.startswith("Format error"):
+                display.format_error(content)
+            else:
+                # A rejected command's reason, guidance or a follow-up task.
+                display.feedback(content, "user")
+        elif role == "assistant":
+            step += 1
+            display.step_header(step)
+            display.thought(content)
+            action = parse_action(msg)
+            if action.command is not None:
+                display.command(action.command)
+            else:
+                display.warn(f"(no valid bash call: {action.error})")
+            t = timing.get(step) or {}
+            if t.get("llm_s") is not None:
+                display.note(f"model {t['llm_s']}s")
+        elif role == "tool":
+            body, code = split_exit_code(content)
+            t = timing.get(step) or {}
+            if code is None:
+                code = t.get("return_code")
+            display.output(body, code, t.get("bash_s"))
+    summary = [f"{step} steps"]
+    status = (run["result"] or {}).get("status") or (meta or {}).get("status")
+    if status:
+        summary.insert(0, str(status))
+    usage = run["usage"]
+    if usage:
+        summary.append(
+            f"tokens: {fmt_tokens(int(usage.get('prompt_tokens') or 0))} prompt, "
+            f"{fmt_tokens(int(usage.get('completion_tokens') or 0))} completion"
+        )
+    error = (run["result"] or {}).get("error") or (meta or {}).get("error")
+    display.info(" · ".join(summary))
+    if error:
+        display.warn(f"error: {error}")
+
+
+def show(
+    path: Path = typer.Argument(..., help="A run directory (or its trajectory.json)."),
+    json_mode: bool = typer.Option(False, "--json", help="Print the saved files as one JSON object instead."),
+    system: bool = typer.Option(False, "--system", help="Also show the system prompt."),
+) -> None:
+    """Render a saved run step by step."""
+    try:
+        run = load_run(path)
+    except ShowError as e:
+        typer.secho(f"tmax show: {e}", err=True, fg="red")
+        raise typer.Exit(2) from None
+    if json_mode:
+        typer.echo(json.dumps(run, indent=2))
+        return
+    from tmax_cli.ui import Display
+
+    render(run, Display(), show_system=system)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("show")(show)

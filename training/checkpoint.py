@@ -1,0 +1,162 @@
+"""Checkpoints: an HF model directory that `tmax serve` / vLLM can serve as is, plus the
+trainer state needed for `--resume`.
+
+Layout of one checkpoint directory (`<run>/checkpoints/step_<N>`):
+
+    config.json, generation_config.json, model.safetensors   HF weights (save_pretrained)
+    tokenizer.json, tokenizer_config.json, chat_template.jinja, ...   copied from the source model
+    trainer_state.pt     optimizer state, step, RNG states (torch.load with weights_only)
+    trainer_state.json   step, time and the caller's `extra` dict (readable, JSON)
+
+Writes go to a hidden sibling temp directory that is renamed into place, so a crash never
+leaves a half-written checkpoint under the final name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Files a tokenizer / chat template may live in; whatever of these the source has is copied.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+STATE_PT = "trainer_state.pt"
+STATE_JSON = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{step}"
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = (name, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached)
+    except ImportError:
+        pass
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+
+
+def save_checkpoint(
+    path: str | Path,
+    model: torch.nn.Module,
+    *,
+    step: int,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict | None = None,
+    tokenizer_dir: str | Path | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    write: bool = True,
+) -> Path:
+    """Write the checkpoint atomically; `write=False` (non-zero ranks) does nothing."""
+    final = Path(path)
+    if not write:
+        return final
+    extra = extra or {}
+    try:
+        extra_json = json.dumps({"step": step, "time": time.time(), "extra": extra}, indent=2)
+    except TypeError as e:
+        raise ValueError(f"checkpoint extra must be JSON-serialisable: {e}") from e
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        tmp.mkdir()
+        model.save_pretrained(str(tmp), state_dict=state_dict)
+        if tokenizer_dir is not None:
+            for name in TOKENIZER_FILES:
+                src = Path(tokenizer_dir) / name
+                if src.is_file():
+                    shutil.copy2(src, tmp / name)
+        state = {"format": 1, "step": step, "rng": rng_state()}
+        if optimizer is not None:
+            state["optimizer"] = optimizer.state_dict()
+        torch.save(state, tmp / STATE_PT)
+        (tmp / STATE_JSON).write_text(extra_json)
+        _replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def load_trainer_state(path: str | Path) -> dict[str, Any]:
+    """{"step", "optimizer", "rng", "extra"} of a checkpoint directory."""
+    path = Path(path)
+    pt, js = path / STATE_PT, path / STATE_JSON
+    if not pt.is_file() or not js.is_file():
+        raise FileNotFoundError(f"{path} is not a trainer checkpoint (missing {STATE_PT} or {STATE_JSON})")
+    state = torch.load(pt, map_location="cpu", weights_only=True)
+    meta = json.loads(js.read_text())
+    if "optimizer" not in state:
+        raise ValueError(f"{pt} holds no optimizer state")
+    state["extra"] = meta.get("extra", {})
+    return state
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete `step_N` checkpoints of a run, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found) if (p / STATE_JSON).is_file()]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` checkpoints; returns what was removed."""
+    found = list_checkpoints(run_dir)
+    doomed = found[:-keep] if keep > 0 else found
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed

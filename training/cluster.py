@@ -1,0 +1,320 @@
+"""Getting a Ray cluster for `tmax learn`: connect, start one inside Slurm, or start locally.
+
+The mode comes from the environment (peers-and-ux §4.3):
+
+* `--address` or `RAY_ADDRESS`  -> connect to a running cluster;
+* inside a Slurm allocation      -> `ray start --head` here, `srun ... ray start --address`
+                                    on every other allocated node, then connect;
+* otherwise                      -> a local single-node cluster in this process.
+
+Every Ray process must agree on `RAY_AUTH_MODE`: after a first `ray.init()` writes an auth
+token, a head started without the variable enables token auth and workers that were not
+told are rejected (cpu-feasibility §2). So `ray_env()` pins it (keeping a value the user
+set) and every command and child process gets the same environment.
+
+Nodes started by tmax carry a role resource (`tmax_train` / `tmax_infer`) so the
+placement groups of `training.placement` land on exactly the planned nodes.
+
+`requeue_map` is the fault-tolerance primitive for actors created with `max_restarts`:
+work on an actor that dies is re-queued (not scored) and retried once Ray restarted it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from training.placement import PlacementPlan
+
+DEFAULT_PORT = 6379
+DEFAULT_OBJECT_STORE_MB = 200
+
+
+def ray_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The Ray variables every tmax process and Ray command must share."""
+    env = dict(os.environ if base is None else base)
+    env["RAY_AUTH_MODE"] = env.get("RAY_AUTH_MODE") or "disabled"
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    return env
+
+
+def apply_ray_env() -> None:
+    """Set the shared Ray variables in this process (before `import ray` talks to a cluster)."""
+    for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED"):
+        os.environ[k] = ray_env()[k]
+
+
+def resolve_mode(address: str | None = None, env: dict[str, str] | None = None) -> str:
+    """"address" | "slurm" | "local", in that order of precedence."""
+    env = dict(os.environ if env is None else env)
+    if address or env.get("RAY_ADDRESS"):
+        return "address"
+    if env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST"):
+        return "slurm"
+    return "local"
+
+
+def role_resources(plan: PlacementPlan, node_index: int) -> dict[str, float]:
+    """Custom resources node `node_index` of the allocation is started with."""
+    roles = plan.node_roles()
+    if node_index >= len(roles):
+        return {}  # extra nodes in the allocation: sandbox workers only
+    return {r: 1.0 for r in roles[node_index]}
+
+
+# -- Slurm -----------------------------------------------------------------------------
+
+
+class ClusterError(RuntimeError):
+    """The Ray cluster could not be reached or started (infrastructure, not the run)."""
+
+
+def slurm_hostnames(nodelist: str | None = None) -> list[str]:
+    """Expand the allocation's compressed node list with `scontrol show hostnames`."""
+    nodelist = nodelist or os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodelist:
+        raise ClusterError("not inside a Slurm allocation: SLURM_JOB_NODELIST is unset")
+    if not shutil.which("scontrol"):
+        raise ClusterError("SLURM_JOB_NODELIST is set but `scontrol` is not on PATH")
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise ClusterError(f"scontrol show hostnames {nodelist} failed: {out.stderr.strip()}")
+    hosts = [h.strip() for h in out.stdout.splitlines() if h.strip()]
+    if not hosts:
+        raise ClusterError(f"scontrol returned no hosts for {nodelist!r}")
+    return hosts
+
+
+def ray_bin() -> str:
+    """The `ray` executable of this interpreter's environment (not whatever is on PATH)."""
+    cand = os.path.join(os.path.dirname(sys.executable), "ray")
+    return cand if os.path.exists(cand) else (shutil.which("ray") or "ray")
+
+
+def head_start_cmd(plan: PlacementPlan, port: int, node_ip: str, num_gpus: int | None = None) -> list[str]:
+    cmd = [
+        ray_bin(),
+        "start",
+        "--head",
+        f"--port={port}",
+        f"--node-ip-address={node_ip}",
+        f"--resources={json.dumps(role_resources(plan, 0))}",
+        "--disable-usage-stats",
+        "--include-dashboard=false",
+    ]
+    if num_gpus is not None:
+        cmd.append(f"--num-gpus={num_gpus}")
+    return cmd
+
+
+def worker_start_cmds(plan: PlacementPlan, hosts: list[str], head_addr: str) -> list[list[str]]:
+    """One `srun` per non-head host. `--block` keeps the worker in the foreground of its
+    srun step, so the worker exits when tmax ends the step (or the head goes away)."""
+    cmds = []
+    for i, host in enumerate(hosts[1:], start=1):
+        cmds.append(
+            [
+                "srun",
+                "--nodes=1",
+                "--ntasks=1",
+                "--overlap",
+                f"--nodelist={host}",
+                ray_bin(),
+                "start",
+                f"--address={head_addr}",
+                f"--resources={json.dumps(role_resources(plan, i))}",
+                "--disable-usage-stats",
+                "--block",
+            ]
+        )
+    return cmds
+
+
+def _node_ip() -> str:
+    # The address other nodes reach this host on (the one a UDP "connect" would use).
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("10.255.255.255", 1))
+        return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+    finally:
+        s.close()
+
+
+# -- the handle --------------------------------------------------------------------------
+
+
+@dataclass
+class ClusterHandle:
+    mode: str  # address | slurm | local
+    address: str
+    _procs: list[subprocess.Popen] = field(default_factory=list)
+    _stop_head: bool = False
+
+    def shutdown(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        for p in self._procs:  # srun steps of the workers
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        if self._stop_head:
+            subprocess.run([ray_bin(), "stop"], env=ray_env(), capture_output=True, timeout=120)
+
+
+def wait_for_nodes(expected: int, timeout_s: float = 300.0) -> int:
+    """Block until `expected` nodes are alive; a clear error names how many joined."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    alive = 0
+    while time.monotonic() < deadline:
+        alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+        if alive >= expected:
+            return alive
+        time.sleep(2.0)
+    raise ClusterError(f"only {alive} of {expected} Ray node(s) joined within {timeout_s:g}s")
+
+
+def connect(
+    plan: PlacementPlan,
+    address: str | None = None,
+    num_cpus: int | None = None,
+    object_store_mb: int = DEFAULT_OBJECT_STORE_MB,
+    port: int = DEFAULT_PORT,
+    join_timeout_s: float = 300.0,
+) -> ClusterHandle:
+    """Connect to, or start, the cluster the plan runs on (see the module docstring)."""
+    apply_ray_env()
+    import ray
+
+    mode = resolve_mode(address)
+    if mode == "address":
+        addr = address or os.environ["RAY_ADDRESS"]
+        try:
+            ray.init(address=addr, log_to_driver=True)
+        except Exception as e:  # ConnectionError, auth errors, version mismatch
+            raise ClusterError(
+                f"cannot connect to the Ray cluster at {addr}: {e}. Check the address, that the head runs"
+                f" the same Ray version, and that RAY_AUTH_MODE={os.environ['RAY_AUTH_MODE']} matches it."
+            ) from None
+        return ClusterHandle("address", addr)
+    if mode == "slurm":
+        hosts = slurm_hostnames()
+        if len(hosts) < plan.nodes:
+            raise ClusterError(f"the Slurm allocation has {len(hosts)} node(s), the plan needs {plan.nodes}")
+        ip = _node_ip()
+        head = subprocess.run(head_start_cmd(plan, port, ip), env=ray_env(), capture_output=True, text=True, timeout=300)
+        if head.returncode != 0:
+            raise ClusterError(f"ray start --head failed on {hosts[0]}: {head.stderr.strip()[-2000:]}")
+        handle = ClusterHandle("slurm", f"{ip}:{port}", _stop_head=True)
+        for cmd in worker_start_cmds(plan, hosts, f"{ip}:{port}"):
+            handle._procs.append(subprocess.Popen(cmd, env=ray_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        try:
+            ray.init(address=f"{ip}:{port}")
+            wait_for_nodes(len(hosts), join_timeout_s)
+        except Exception:
+            handle.shutdown()
+            raise
+        return handle
+    # Local: one node holding every role (or plan.node_roles merged, for a 1-node plan).
+    resources: dict[str, float] = {}
+    for roles in plan.node_roles():
+        for r in roles:
+            resources[r] = resources.get(r, 0.0) + 1.0
+    ray.init(
+        num_cpus=num_cpus,
+        resources=resources,
+        object_store_memory=object_store_mb * 1024 * 1024,
+        include_dashboard=False,
+    )
+    return ClusterHandle("local", "local")
+
+
+# -- fault tolerance -------------------------------------------------------------------
+
+
+@dataclass
+class RequeueStats:
+    completed: int = 0
+    requeued: int = 0
+    actor_failures: list[str] = field(default_factory=list)
+
+
+def requeue_map(
+    actors: list[Any],
+    items: list[Any],
+    call: Callable[[Any, Any], Any],
+    max_attempts: int = 3,
+    on_result: Callable[[Any, Any], None] | None = None,
+    restart_wait_s: float = 60.0,
+) -> tuple[list[Any], RequeueStats]:
+    """Run `call(actor, item)` (returning an ObjectRef) for every item on a pool of actors.
+
+    When an actor dies mid-call (`RayActorError` / `ActorUnavailableError`), the item goes
+    back to the queue (it is never reported as a result) and the actor is reused once Ray
+    has restarted it (`max_restarts` on the actor); other errors propagate. An item that
+    loses its actor `max_attempts` times is an infrastructure failure and raises.
+    Results come back in item order.
+    """
+    import ray
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    results: list[Any] = [None] * len(items)
+    attempts = [0] * len(items)
+    queue: deque[int] = deque(range(len(items)))
+    idle: deque[int] = deque(range(len(actors)))
+    running: dict[Any, tuple[int, int]] = {}  # ref -> (actor index, item index)
+    stats = RequeueStats()
+    recovering: dict[int, float] = {}  # actor index -> time it failed
+
+    while queue or running:
+        # Actors that died come back after their restart; probe them before reuse.
+        for ai, since in list(recovering.items()):
+            try:
+                ray.get(actors[ai].__ray_ready__.remote(), timeout=1.0)
+                del recovering[ai]
+                idle.append(ai)
+            except (RayActorError, ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                if time.monotonic() - since > restart_wait_s:
+                    raise ClusterError(f"actor {ai} did not come back within {restart_wait_s:g}s after dying") from None
+        while queue and idle:
+            ii, ai = queue.popleft(), idle.popleft()
+            attempts[ii] += 1
+            running[call(actors[ai], items[ii])] = (ai, ii)
+        if not running:
+            time.sleep(0.2)
+            continue
+        done, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
+        for ref in done:
+            ai, ii = running.pop(ref)
+            try:
+                value = ray.get(ref)
+            except (RayActorError, ActorUnavailableError) as e:
+                stats.requeued += 1
+                stats.actor_failures.append(f"actor {ai}, item {ii}: {type(e).__name__}")
+                if attempts[ii] >= max_attempts:
+                    raise ClusterError(f"item {ii} lost its actor {attempts[ii]} times; last: {e}") from None
+                queue.appendleft(ii)
+                recovering[ai] = time.monotonic()
+                continue
+            results[ii] = value
+            stats.completed += 1
+            idle.append(ai)
+            if on_result:
+                on_result(items[ii], value)
+    return results, stats

@@ -1,0 +1,389 @@
+"""Inference engines for training: token sampling and weight push.
+
+`VLLMEngine` runs (or attaches to) the same vLLM OpenAI server `tmax serve` starts
+(`training.serving`), in dev mode with the weight-push worker extension.
+
+* Sampling (`sampler()` -> `agents.policy.TokenSampler`): `POST /v1/completions` with a
+  token-id prompt, `return_token_ids`, `logprobs=1` (the server runs with
+  `--logprobs-mode processed_logprobs`, so they are after temperature / top-p, the
+  distribution the token was drawn from), `skip_special_tokens=False`, an explicit seed and
+  explicit stop ids. It returns ids, logprobs, finish reason and the policy version of the
+  weights that were loaded.
+* Weight push (`push_weights`): the trainer's state dict (HF names) is written to one
+  safetensors file (temp + rename, so the engine never reads half a file), then
+  `POST /collective_rpc {"method": "push_file"}` reloads it in every worker
+  (`training.vllm_ext`), then `POST /reset_prefix_cache` drops KV blocks computed with the
+  old weights. About 50 ms for the nano model on CPU.
+
+GPU path: on GPUs, vLLM's own weight-transfer API (`--weight-transfer-config` with the
+NCCL backend; `/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`,
+`/finish_weight_update`) broadcasts tensors without a file, and belongs behind the same
+`push_weights` method. It needs an accelerator (its NCCL init fails on CPU), so only the
+file path is implemented and tested here; the file path also works on GPU.
+
+Pushes must happen between sampling batches: a request in flight during a push would mix
+weights. In-process this is enforced: `push_weights` waits for running `sample` calls and
+holds new ones back until the push is done.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from agents.policy import ContextOverflow, FatalModelError, ModelError, SampledTokens, TokenSampler
+from training.serving import ServeSpec, ServerError, VLLMServer, free_port
+
+if TYPE_CHECKING:
+    import torch
+
+
+class EngineError(RuntimeError):
+    """The engine failed (server down, a push rejected): an infrastructure failure."""
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    base_url: str  # OpenAI base URL (".../v1")
+
+    def sampler(self, seed_base: int = 0) -> TokenSampler: ...
+
+    def push_weights(self, weights: dict[str, "torch.Tensor"], version: int) -> float: ...
+
+    def close(self) -> None: ...
+
+
+class _Gate:
+    """Many samplers or one push at a time (a readers-writer lock, writer-preferring)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writing = False
+        self._waiting_writers = 0
+
+    def read(self) -> "_GateCtx":
+        return _GateCtx(self, write=False)
+
+    def write(self) -> "_GateCtx":
+        return _GateCtx(self, write=True)
+
+
+class _GateCtx:
+    def __init__(self, gate: _Gate, write: bool):
+        self.gate, self.write = gate, write
+
+    def __enter__(self) -> None:
+        g = self.gate
+        with g._cond:
+            if self.write:
+                g._waiting_writers += 1
+                g._cond.wait_for(lambda: not g._writing and g._readers == 0)
+                g._waiting_writers -= 1
+                g._writing = True
+            else:
+                g._cond.wait_for(lambda: not g._writing and g._waiting_writers == 0)
+                g._readers += 1
+
+    def __exit__(self, *exc: object) -> None:
+        g = self.gate
+        with g._cond:
+            if self.write:
+                g._writing = False
+            else:
+                g._readers -= 1
+            g._cond.notify_all()
+
+
+def _post(client: Any, url: str, body: dict | None, timeout: float) -> Any:
+    import httpx
+
+    try:
+        r = client.post(url, json=body, timeout=timeout)
+    except httpx.TimeoutException as e:
+        raise ModelError(f"timeout after {timeout:.0f} s: POST {url}") from e
+    except httpx.HTTPError as e:
+        raise ModelError(f"connection error: POST {url}: {e}") from e
+    if r.status_code >= 500 or r.status_code == 429:
+        raise ModelError(f"HTTP {r.status_code} from POST {url}: {r.text[:500]}")
+    if r.status_code >= 400:
+        text = r.text[:1000]
+        low = text.lower()
+        if "maximum context length" in low or "max_model_len" in low or "too long" in low:
+            raise ContextOverflow(f"HTTP {r.status_code}: {text}")
+        raise FatalModelError(f"HTTP {r.status_code} from POST {url}: {text}")
+    return r.json() if r.content else None
+
+
+class VLLMSampler:
+    """`TokenSampler` over `/v1/completions`. Thread-safe; picklable (for Ray actors): a
+    copy in another process has no engine to ask, and reads the policy version from the
+    server instead (`/collective_rpc policy_version`)."""
+
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        seed_base: int = 0,
+        stop_token_ids: list[int] | None = None,
+        engine: "VLLMEngine | None" = None,
+        timeout_s: float = 600.0,
+    ):
+        self.url = url.rstrip("/")
+        self.model = model
+        self.seed_base = seed_base
+        self.stop_token_ids = list(stop_token_ids or [])
+        self.timeout_s = timeout_s
+        self._engine = engine
+        self._counter = itertools.count()
+        self._client: Any = None
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.update(_engine=None, _client=None, _counter=None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._counter = itertools.count()
+
+    def _http(self) -> Any:
+        if self._client is None:
+            import httpx
+
+            self._client = httpx.Client(limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+        return self._client
+
+    def _remote_version(self) -> int:
+        res = _post(self._http(), self.url + "/collective_rpc", {"method": "policy_version"}, 30.0)
+        return int(res["results"][0])
+
+    def sample(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None = None,
+    ) -> SampledTokens:
+        # Unseeded calls get seed_base + a per-sampler counter, so runs are reproducible.
+        seed = seed if seed is not None else self.seed_base + next(self._counter)
+        body = {
+            "model": self.model,
+            "prompt": list(prompt_ids),
+            "max_tokens": int(max_tokens),
+            "temperature": float(temperature),
+            "top_p": float(top_p),
+            "seed": int(seed),
+            "logprobs": 1,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+            "stop_token_ids": self.stop_token_ids,
+        }
+        if self._engine is not None:
+            with self._engine._gate.read():
+                version = self._engine.policy_version
+                data = _post(self._http(), self.url + "/v1/completions", body, self.timeout_s)
+        else:
+            version = self._remote_version()
+            data = _post(self._http(), self.url + "/v1/completions", body, self.timeout_s)
+        choice = data["choices"][0]
+        ids = choice.get("token_ids")
+        if ids is None:
+            raise FatalModelError("the server returned no token_ids (a vLLM without return_token_ids?)")
+        lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
+        if len(lps) != len(ids):
+            raise ModelError(f"server returned {len(ids)} token ids but {len(lps)} logprobs")
+        # vLLM reports -inf as null / -9999 for impossible tokens; keep a float either way.
+        logprobs = [float(x) if x is not None else float("-inf") for x in lps]
+        return SampledTokens(ids=list(ids), logprobs=logprobs, finish_reason=choice.get("finish_reason"), policy_version=version)
+
+
+def _stop_ids(model_dir: Path) -> list[int]:
+    """EOS ids from generation_config.json / config.json, passed explicitly with every
+    request (the server ignores the model's generation config in dev mode)."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        try:
+            eos = json.loads((model_dir / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError):
+            continue
+        for i in eos if isinstance(eos, list) else [eos]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return ids
+
+
+class VLLMEngine:
+    """A vLLM server for one model, started here (or attached to), with weight push.
+
+    `VLLMEngine(model_dir)` starts a dev-mode server on a free port; `VLLMEngine(model_dir,
+    url=...)` attaches to one already running (started with `tmax serve --dev`)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        url: str | None = None,
+        served_model_name: str = "policy",
+        port: int | None = None,
+        max_model_len: int | None = 4096,
+        dtype: str = "auto",
+        enforce_eager: bool | None = None,
+        kv_cache_gb: int = 1,
+        extra_args: list[str] | None = None,
+        work_dir: str | Path | None = None,
+        startup_timeout_s: float = 600.0,
+        request_timeout_s: float = 600.0,
+    ):
+        self.model_dir = Path(model_dir).resolve()
+        if not (self.model_dir / "config.json").is_file():
+            raise EngineError(f"{self.model_dir}: not a model directory (no config.json)")
+        cfg = json.loads((self.model_dir / "config.json").read_text())
+        self.tied = bool(cfg.get("tie_word_embeddings", False))
+        self.stop_token_ids = _stop_ids(self.model_dir)
+        self.policy_version = 0
+        self.request_timeout_s = request_timeout_s
+        self._gate = _Gate()
+        self._client: Any = None
+        self._owned_tmp: tempfile.TemporaryDirectory | None = None
+        if work_dir is None:
+            self._owned_tmp = tempfile.TemporaryDirectory(prefix="tmax-engine-")
+            work_dir = self._owned_tmp.name
+        self.work_dir = Path(work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.server: VLLMServer | None = None
+        if url is not None:
+            self.url = url.rstrip("/").removesuffix("/v1")
+            self.served_model_name = served_model_name
+            self._check_attached()
+        else:
+            spec = ServeSpec(
+                model=str(self.model_dir),
+                served_model_name=served_model_name,
+                port=port or free_port(),
+                max_model_len=max_model_len,
+                dtype=dtype,
+                enforce_eager=enforce_eager,
+                kv_cache_gb=kv_cache_gb,
+                dev=True,
+                extra_args=list(extra_args or []),
+            )
+            self.server = VLLMServer(spec, log_path=self.work_dir / "vllm.log")
+            self.url = self.server.url
+            self.served_model_name = self.server.served_model_name
+            try:
+                self.server.start()
+                self.server.wait_healthy(startup_timeout_s)
+            except ServerError as e:
+                self.close()
+                raise EngineError(f"vLLM engine did not start: {e}") from e
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def _http(self) -> Any:
+        if self._client is None:
+            import httpx
+
+            self._client = httpx.Client()
+        return self._client
+
+    def _check_attached(self) -> None:
+        import httpx
+
+        try:
+            models = self._http().get(self.url + "/v1/models", timeout=10).json()
+        except (httpx.HTTPError, ValueError) as e:
+            raise EngineError(f"no vLLM server at {self.url}: {e}") from e
+        names = [m.get("id") for m in models.get("data", [])]
+        if self.served_model_name not in names:
+            if len(names) == 1:
+                self.served_model_name = names[0]
+            else:
+                raise EngineError(f"{self.url} serves {names}, not {self.served_model_name!r}")
+        try:
+            self.policy_version = int(self._rpc("policy_version")[0])
+        except (EngineError, ModelError, FatalModelError) as e:
+            raise EngineError(
+                f"{self.url} has no weight-push extension (start it with `tmax serve --dev`): {e}"
+            ) from e
+
+    def sampler(self, seed_base: int = 0) -> VLLMSampler:
+        return VLLMSampler(
+            self.url,
+            self.served_model_name,
+            seed_base=seed_base,
+            stop_token_ids=self.stop_token_ids,
+            engine=self,
+            timeout_s=self.request_timeout_s,
+        )
+
+    def _rpc(self, method: str, *args: str) -> list:
+        try:
+            res = _post(self._http(), self.url + "/collective_rpc", {"method": method, "args": list(args)}, 300.0)
+        except (ModelError, FatalModelError) as e:
+            raise EngineError(f"collective_rpc {method} failed: {e}") from e
+        if not isinstance(res, dict) or "results" not in res:
+            raise EngineError(f"collective_rpc {method}: unexpected reply {res!r}")
+        return res["results"]
+
+    def push_weights(self, weights: dict[str, "torch.Tensor"], version: int) -> float:
+        """Load `weights` (HF names) into the running engine; returns seconds taken."""
+        import torch
+        from safetensors.torch import save_file
+
+        t0 = time.perf_counter()
+        state = {}
+        for name, t in weights.items():
+            if self.tied and name == "lm_head.weight":
+                continue  # the engine's LM head is the embedding
+            state[name] = t.detach().to("cpu", torch.float32).contiguous()
+        if not state:
+            raise EngineError("push_weights got no tensors")
+        path = self.work_dir / "weights.safetensors"
+        fd, tmp = tempfile.mkstemp(dir=self.work_dir, prefix=".weights-", suffix=".tmp")
+        os.close(fd)
+        try:
+            save_file(state, tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        with self._gate.write():
+            results = self._rpc("push_file", str(path), str(int(version)))
+            bad = [r for r in results if not isinstance(r, dict) or r.get("n_tensors") != len(state)]
+            if bad:
+                raise EngineError(f"weight push incomplete: sent {len(state)} tensors, workers answered {results}")
+            try:
+                reset = _post(self._http(), self.url + "/reset_prefix_cache", None, 60.0)
+            except (ModelError, FatalModelError) as e:
+                raise EngineError(f"reset_prefix_cache failed after a push: {e}") from e
+            if isinstance(reset, dict) and reset.get("success") is False:
+                raise EngineError("reset_prefix_cache refused (requests still running during a push)")
+            self.policy_version = int(version)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if self._owned_tmp is not None:
+            self._owned_tmp.cleanup()
+            self._owned_tmp = None
+
+    def __enter__(self) -> "VLLMEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,599 @@
+"""`tmax learn` on Ray: learner, inference engine and rollout workers as actors.
+
+Ray from the start, even on one machine, so the multi-node layout is the same program
+with other placements. The driver (this module's `train`) owns no heavy state: it hands
+episode requests to rollout workers, gathers finished groups, lets the batching
+accumulator decide what trains, and tells the learner to step and the engine to load
+the new weights.
+
+    prompts -> G episode requests per prompt -> RolloutWorker actors (Agent + TokenPolicy
+    in a fresh sandbox, verifier reward) -> finished group -> BatchAccumulator (staleness,
+    zero-std filter, active sampling) -> centered advantages -> LearnerActor.train_step
+    (one optimizer step) -> EngineActor.push_weights (no restart) -> checkpoint every N.
+
+Asynchrony: generation keeps running while the learner trains, bounded two ways: the
+number of open prompts is fixed (each consumed group enqueues one new prompt), and data
+whose oldest turn is more than `async_steps` versions behind the consuming step is
+dropped by the accumulator. With `async_steps = 0` dispatch pauses during training.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from training.config import LearnConfig, dump_toml
+from training.rollout import EpisodeRequest, InfraError, Rollout, append_jsonl
+
+# Every Ray process (driver, raylet, workers) must agree on these (cpu-feasibility §2).
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+ENV_METRIC = "env/tmax_bash/step_count"
+
+
+class ActorSampler:
+    """`agents.policy.TokenSampler` that samples through an EngineActor (picklable)."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    def sample(self, prompt_ids, max_tokens, temperature, top_p, seed=None):
+        import ray
+
+        from agents.policy import ModelError
+
+        try:
+            return ray.get(self.engine.sample.remote(list(prompt_ids), max_tokens, temperature, top_p, seed))
+        except ray.exceptions.RayActorError as e:
+            raise ModelError(f"the engine actor is gone: {e}") from e
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (an episode keeps failing on infrastructure, a dead actor)."""
+
+
+# ---- Ray cluster --------------------------------------------------------------------
+
+
+def init_ray(cfg: LearnConfig) -> bool:
+    """Connect to `run.ray_address` / RAY_ADDRESS, or start a private local cluster bound
+    to 127.0.0.1. Returns True when this process started (and must stop) the cluster."""
+    os.environ.update(RAY_ENV)
+    import ray
+
+    if ray.is_initialized():
+        return False
+    runtime_env = {"env_vars": dict(RAY_ENV)}
+    address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
+        return False
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # single node: bind loopback
+    ray.init(
+        num_cpus=cfg.run.ray_num_cpus or os.cpu_count(),
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env=runtime_env,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _actor_classes():
+    """Ray actor classes, defined lazily so importing this module does not import ray."""
+    import ray
+
+    @ray.remote
+    class LearnerActor:
+        def __init__(self, model_dir: str, lcfg: Any, resume: str | None, threads: int | None):
+            import torch
+
+            from training.learner import Learner
+
+            if threads:
+                torch.set_num_threads(threads)
+            self.learner = Learner.load(resume, lcfg) if resume else Learner(model_dir, lcfg)
+
+        def train_step(self, samples: list) -> dict:
+            return self.learner.train_step(samples)
+
+        def named_weights(self) -> dict:
+            return self.learner.named_weights()
+
+        def save(self, path: str, step: int, extra: dict) -> str:
+            return str(self.learner.save(path, step, extra))
+
+        def state(self) -> dict:
+            return {"step": self.learner.step, "extra": self.learner.extra}
+
+    @ray.remote
+    class EngineActor:
+        """Holds the inference engine; the interface the multi-node layout scales out.
+
+        Rollout workers sample through this actor (threaded), so the engine's gate sees
+        every request: a weight push waits for the turns being sampled and holds new ones
+        back, and each turn is tagged with the exact weights version that produced it."""
+
+        def __init__(self, model_dir: str, ecfg: Any, seed: int, work_dir: str | None = None):
+            from training.engine import VLLMEngine
+
+            self.engine = VLLMEngine(
+                model_dir,
+                max_model_len=ecfg.max_model_len,
+                dtype=ecfg.dtype,
+                enforce_eager=ecfg.enforce_eager,
+                kv_cache_gb=max(1, int(round(ecfg.kv_cache_gb))),
+                extra_args=list(ecfg.extra_args),
+                work_dir=work_dir,
+                startup_timeout_s=ecfg.startup_timeout_s,
+            )
+            self._sampler = self.engine.sampler(seed)
+
+        def info(self) -> dict:
+            return {"base_url": self.engine.base_url, "model": self.engine.served_model_name,
+                    "version": self.engine.policy_version}
+
+        def sample(self, prompt_ids: list, max_tokens: int, temperature: float, top_p: float, seed: int | None):
+            return self._sampler.sample(prompt_ids, max_tokens, temperature, top_p, seed)
+
+        def push_weights(self, weights: dict, version: int) -> float:
+            return self.engine.push_weights(weights, version)
+
+        def close(self) -> None:
+            self.engine.close()
+
+    @ray.remote
+    class RolloutWorker:
+        """Runs episodes, `slots` at a time (Ray threads), each in its own fresh sandbox."""
+
+        def __init__(self, model_dir: str, rcfg: Any, sampler: Any, scratch: str, record_root: str | None):
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            self.cfg = rcfg
+            self.sampler = sampler
+            self.scratch = scratch
+            self.record_root = record_root
+            Path(scratch).mkdir(parents=True, exist_ok=True)
+
+        def run(self, req: EpisodeRequest, version: int) -> dict:
+            from training.rollout import run_episode
+
+            record = Path(self.record_root) / f"g{req.group_id}_s{req.sample_index}" if self.record_root else None
+            try:
+                r = run_episode(req, self.sampler, self.tokenizer, self.cfg, scratch=self.scratch,
+                                record_dir=record, start_version=version)
+            except InfraError as e:
+                return {"infra_error": str(e)}
+            return {"rollout": r}
+
+    return LearnerActor, EngineActor, RolloutWorker
+
+
+def start_engine(cfg: LearnConfig, model_dir: str, run_dir: str | Path) -> Any:
+    """An EngineActor serving `model_dir`, ready (server healthy) when this returns."""
+    import ray
+
+    _, EngineActor, _ = _actor_classes()
+    cpus = float(cfg.run.ray_num_cpus or os.cpu_count() or 2)
+    work = Path(run_dir).resolve() / "engine"
+    work.mkdir(parents=True, exist_ok=True)
+    engine = EngineActor.options(num_cpus=min(1.0, cpus / 4), max_concurrency=cfg.run.concurrency + 4).remote(
+        model_dir, cfg.engine, cfg.algo.seed, str(work))
+    ray.get(engine.info.remote())  # surface start-up errors here
+    return engine
+
+
+def learner_config(cfg: LearnConfig):
+    from training.dppo import LossConfig
+    from training.learner import LearnerConfig
+
+    a = cfg.algo
+    return LearnerConfig(
+        lr=a.lr,
+        weight_decay=a.weight_decay,
+        max_grad_norm=a.grad_clip,
+        temperature=cfg.rollout.temperature or 1.0,
+        pack_length=cfg.rollout.context_budget,
+        dtype="float32",
+        seed=a.seed,
+        loss=LossConfig(loss_fn=a.loss, divergence=a.divergence, delta=a.delta, clip_low=a.clip_low,
+                        clip_high=a.clip_high),
+    )
+
+
+# ---- prompts and groups -------------------------------------------------------------
+
+
+class PromptStream:
+    """Train tasks in a seeded shuffled order, epoch after epoch; its position is saved
+    in checkpoints so a resumed run continues with the next prompt."""
+
+    def __init__(self, task_dirs: list[str], seed: int, position: int = 0):
+        if not task_dirs:
+            raise TrainingError("no training tasks")
+        self.tasks = sorted(task_dirs)
+        self.seed = seed
+        self.position = position
+
+    def next(self) -> str:
+        epoch, i = divmod(self.position, len(self.tasks))
+        order = list(self.tasks)
+        random.Random(f"{self.seed}-{epoch}").shuffle(order)
+        self.position += 1
+        return order[i]
+
+
+@dataclass
+class OpenGroup:
+    group_id: int
+    task_dir: str
+    size: int
+    rollouts: list[Rollout] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return len(self.rollouts) == self.size
+
+
+def batch_samples(groups: list, advantages: list[list[float]]) -> list:
+    from training.learner import TrainSample
+
+    out = []
+    for g, adv in zip(groups, advantages):
+        for r, a in zip(g.items, adv):
+            if sum(r.mask) == 0:
+                continue  # nothing sampled (cannot train on it)
+            out.append(TrainSample(r.prompt_ids, r.ids, r.logprobs, r.mask, float(a)))
+    return out
+
+
+def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
+    n = max(1, len(rollouts))
+    lengths = [len(r.ids) for r in rollouts] or [0]
+    return {
+        ENV_METRIC: sum(r.steps for r in rollouts) / n,
+        "tools/bash/avg_calls_per_rollout": sum(sum(1 for _ in r.turn_versions) for r in rollouts) / n,
+        "val/sequence_lengths": sum(lengths) / n,
+        "val/sequence_lengths_min": float(min(lengths)),
+        "val/sequence_lengths_max": float(max(lengths)),
+        "val/stop_rate": sum(1 for r in rollouts if not r.truncated) / n,
+        "val/truncated_completion_fraction": sum(1 for r in rollouts if r.truncated) / n,
+        "val/non_submitting_completion_fraction": sum(1 for r in rollouts if not r.submitted) / n,
+        "objective/verifiable_reward": sum(r.reward for r in rollouts) / n,
+        "objective/verifiable_correct_rate": sum(1 for r in rollouts if r.reward >= 1.0) / n,
+        "time/episode_mean_s": sum(r.timings.get("total_s", 0.0) for r in rollouts) / n,
+    }
+
+
+# ---- the loop -----------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    run_dir: str
+    steps: int
+    final_checkpoint: str | None
+    metrics_path: str
+    rollouts_path: str
+    curve_png: str | None
+    summary: dict[str, Any]
+
+
+def list_task_dirs(root: str | Path) -> list[str]:
+    root = Path(root)
+    if not root.is_dir():
+        raise TrainingError(f"task directory not found: {root}")
+    dirs = sorted(str(p) for p in root.iterdir() if (p / "task.toml").is_file())
+    if not dirs:
+        raise TrainingError(f"no Harbor tasks (dirs with task.toml) under {root}")
+    return dirs
+
+
+def train(
+    cfg: LearnConfig,
+    model_dir: str,
+    train_tasks: str,
+    run_dir: str | Path,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    engine_handle: Any = None,
+    keep_engine: bool = False,
+    on_step: Any = None,
+) -> RunResult:
+    """Run DPPO from `model_dir` (or, with `resume`, from the run's latest checkpoint).
+
+    `engine_handle` reuses a running EngineActor (already serving `model_dir`);
+    `keep_engine` leaves it running afterwards (the recipe evaluates on it)."""
+    import ray
+
+    from training import checkpoint as ckpt
+    from training.batching import BatchAccumulator, BatchConfig, Group
+    from training.metrics import MetricsSink, summary
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(dump_toml(cfg))
+    tasks = list_task_dirs(train_tasks)
+    a, rc = cfg.algo, cfg.run
+
+    start_step, stream_pos, resume_from = 0, 0, None
+    if resume:
+        latest = ckpt.latest_checkpoint(run_dir)
+        if latest is None:
+            raise TrainingError(f"--resume: no checkpoint under {run_dir / 'checkpoints'}")
+        state = ckpt.load_trainer_state(latest)
+        start_step = int(state["step"])
+        stream_pos = int(state["extra"].get("prompt_position", 0))
+        resume_from = str(latest)
+        model_dir = resume_from  # the engine serves the checkpoint's weights
+    if start_step >= a.steps:
+        raise TrainingError(f"nothing to do: the run is at step {start_step} of {a.steps}")
+
+    started_ray = init_ray(cfg)
+    LearnerActor, EngineActor, RolloutWorker = _actor_classes()
+    cpus = float(rc.ray_num_cpus or os.cpu_count() or 2)
+    t_setup = time.monotonic()
+    learner = LearnerActor.options(num_cpus=min(1.0, cpus / 4)).remote(
+        model_dir, learner_config(cfg), resume_from, rc.torch_threads)
+    own_engine = engine_handle is None
+    engine = engine_handle or start_engine(cfg, model_dir, run_dir)
+    sampler = ActorSampler(engine)
+    scratch = run_dir.resolve() / "sandboxes"
+    workers = [
+        RolloutWorker.options(num_cpus=min(0.5, cpus / (4 * rc.rollout_workers)), max_concurrency=rc.slots_per_worker)
+        .remote(model_dir, cfg.rollout, sampler, str(scratch / f"w{i}"), None)
+        for i in range(rc.rollout_workers)
+    ]
+    ray.get(learner.state.remote())  # surface learner start-up errors before generating
+    setup_s = time.monotonic() - t_setup
+
+    acc = BatchAccumulator(BatchConfig(groups_per_batch=a.prompts_per_step, filter_zero_std=a.filter_zero_std,
+                                       active_sampling=a.active_sampling, max_staleness=a.async_steps))
+    stream = PromptStream(tasks, a.seed, stream_pos)
+    sink = MetricsSink(run_dir, wandb=rc.wandb, tensorboard=rc.tensorboard, project=rc.wandb_project,
+                       run_name=run_dir.name, config=cfg.model_dump())
+    rollouts_path = run_dir / "rollouts.jsonl"
+
+    groups: dict[int, OpenGroup] = {}
+    queue: deque[EpisodeRequest] = deque()
+    pending: dict[Any, tuple[EpisodeRequest, int]] = {}
+    ready: deque[Group] = deque()
+    next_group = start_step * 100_000  # group ids stay unique across resumes
+    since_step: list[Rollout] = []
+    counters = {"episodes": 0, "requeued": 0}
+
+    def open_prompt() -> None:
+        nonlocal next_group
+        task_dir = stream.next()
+        gid = next_group
+        next_group += 1
+        groups[gid] = OpenGroup(gid, task_dir, a.group_size)
+        for i in range(a.group_size):
+            # Per-sample seed = base + sample index (reference item 19), offset per group so
+            # groups do not replay each other.
+            queue.append(EpisodeRequest(task_dir, gid, i, a.seed + gid * a.group_size + i))
+
+    for _ in range(a.prompts_per_step * max(1, a.async_steps)):
+        open_prompt()
+
+    version = start_step
+    step = start_step
+    train_ref = None
+    train_started = 0.0
+    batch = None
+    wait_started = time.monotonic()
+    t_run = time.monotonic()
+    worker_i = 0
+    last_metrics: dict[str, Any] = {}
+    bar = _Progress(a.steps, start_step, enabled=progress)
+
+    try:
+        while step < a.steps:
+            # Dispatch while there is room; with no async budget, only between steps.
+            while queue and len(pending) < rc.concurrency and (train_ref is None or a.async_steps > 0):
+                req = queue.popleft()
+                w = workers[worker_i % len(workers)]
+                worker_i += 1
+                pending[w.run.remote(req, version)] = (req, version)
+            wait_on = list(pending) + ([train_ref] if train_ref is not None else [])
+            done, _ = ray.wait(wait_on, num_returns=1, timeout=1.0)
+            for ref in done:
+                if ref is train_ref:
+                    continue
+                req, _v = pending.pop(ref)
+                try:
+                    out = ray.get(ref)
+                except ray.exceptions.RayError as e:  # a dead worker: infrastructure
+                    out = {"infra_error": f"rollout worker failed: {e}"}
+                if "infra_error" in out:
+                    counters["requeued"] += 1
+                    if req.attempt >= cfg.rollout.max_infra_retries:
+                        raise TrainingError(
+                            f"episode {req.key} of {req.task_dir} failed {req.attempt + 1} times on "
+                            f"infrastructure: {out['infra_error']}")
+                    req.attempt += 1
+                    queue.appendleft(req)  # dropped and re-queued, never scored
+                    continue
+                r: Rollout = out["rollout"]
+                counters["episodes"] += 1
+                since_step.append(r)
+                append_jsonl(rollouts_path, r.to_json())
+                g = groups[req.group_id]
+                g.rollouts.append(r)
+                if g.done:
+                    del groups[req.group_id]
+                    rs = sorted(g.rollouts, key=lambda x: x.sample_index)
+                    ready.append(Group(r.task_id, [x.reward for x in rs], rs, min(x.policy_version for x in rs)))
+            # Offer finished groups to the batch of the next step to train.
+            consume_step = step + (1 if train_ref is not None else 0)
+            while ready and not acc.full:
+                acc.offer(ready.popleft(), consume_step)
+                open_prompt()  # one new prompt per consumed group
+            if train_ref is None and acc.full:
+                batch = acc.take(step)
+                samples = batch_samples(batch.groups, batch.advantages)
+                if not samples:
+                    bar.note(f"step {step}: every group was filtered; skipping")
+                    continue
+                wait_s = time.monotonic() - wait_started
+                train_started = time.monotonic()
+                train_ref = learner.train_step.remote(samples)
+            if train_ref is not None and train_ref in done:
+                metrics = ray.get(train_ref)
+                train_ref = None
+                t_sync = time.monotonic()
+                weights = learner.named_weights.remote()
+                sync_s = ray.get(engine.push_weights.remote(weights, step + 1))
+                version = step + 1
+                step += 1
+                batch_rollouts = [x for g in batch.groups for x in g.items]
+                metrics.update(batch.metrics)
+                metrics.update(rollout_metrics(batch_rollouts))
+                metrics.update({
+                    "train/reward_all_rollouts": sum(x.reward for x in since_step) / max(1, len(since_step)),
+                    "time/getting_response": wait_s,
+                    "time/step_total": time.monotonic() - train_started + wait_s,
+                    "time/weight_sync": sync_s,
+                    "time/weight_sync_call": time.monotonic() - t_sync,
+                    "time/total": time.monotonic() - t_run,
+                    "episode": float(counters["episodes"]),
+                    "infra/requeued": float(counters["requeued"]),
+                    "training_step": float(step),
+                })
+                since_step = []
+                if step % rc.checkpoint_every == 0 or step == a.steps:
+                    t_save = time.monotonic()
+                    ray.get(learner.save.remote(str(ckpt.checkpoint_path(run_dir, step)), step,
+                                                {"prompt_position": stream.position - len(groups) - len(ready),
+                                                 "config": cfg.name}))
+                    ckpt.prune_checkpoints(run_dir, rc.keep_checkpoints)
+                    metrics["time/saving"] = time.monotonic() - t_save
+                sink.log(step, metrics)
+                last_metrics = metrics
+                bar.update(step, summary(metrics))
+                if on_step is not None:
+                    on_step(step, metrics)
+                wait_started = time.monotonic()
+    finally:
+        bar.close()
+        sink.close()
+        for ref in list(pending):
+            ray.cancel(ref, force=False)
+        for w in workers:
+            ray.kill(w)
+        if own_engine and not keep_engine:
+            try:
+                ray.get(engine.close.remote(), timeout=60)
+            except Exception:
+                pass
+            ray.kill(engine)
+        ray.kill(learner)
+        if started_ray and not keep_engine:
+            ray.shutdown()
+
+    final = ckpt.latest_checkpoint(run_dir)
+    png = reward_curve(run_dir / "metrics.jsonl", run_dir / "reward_curve.png")
+    summ = run_summary(run_dir / "metrics.jsonl", setup_s, time.monotonic() - t_run)
+    (run_dir / "summary.json").write_text(json.dumps(summ, indent=2))
+    return RunResult(str(run_dir), step, str(final) if final else None, str(run_dir / "metrics.jsonl"),
+                     str(rollouts_path), png, summ)
+
+
+# ---- console, plots, summary --------------------------------------------------------
+
+
+class _Progress:
+    """A rich progress bar with ETA and the key metrics of the last step."""
+
+    def __init__(self, total: int, start: int, enabled: bool):
+        self.p = None
+        if not enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self.p = Progress(TextColumn("[bold]learn"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
+        self.p.start()
+        self.task = self.p.add_task("learn", total=total, completed=start, info="waiting for the first batch")
+
+    def update(self, step: int, info: dict[str, str]) -> None:
+        if self.p is not None:
+            self.p.update(self.task, completed=step, info="  ".join(f"{k} {v}" for k, v in info.items()))
+
+    def note(self, text: str) -> None:
+        if self.p is not None:
+            self.p.console.print(text)
+
+    def close(self) -> None:
+        if self.p is not None:
+            self.p.stop()
+
+
+def reward_curve(metrics_path: Path, out_png: Path) -> str | None:
+    from training.metrics import read_metrics
+
+    if not metrics_path.exists():
+        return None
+    rows = read_metrics(metrics_path)
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("train/reward_all_rollouts", "all rollouts"),
+                       ("val/avg_group_performance_pre_filter", "groups, pre-filter"),
+                       ("val/avg_group_performance_post_filter", "groups, post-filter")):
+        ys = [r.get(key) for r in rows]
+        if any(isinstance(y, (int, float)) for y in ys):
+            ax.plot(steps, [y if isinstance(y, (int, float)) else float("nan") for y in ys], marker=".", label=label)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("mean reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("tmax learn: training reward")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return str(out_png)
+
+
+def run_summary(metrics_path: Path, setup_s: float, run_s: float) -> dict[str, Any]:
+    from training.metrics import read_metrics
+
+    rows = read_metrics(metrics_path) if metrics_path.exists() else []
+
+    def avg(key: str, part: list[dict]) -> float | None:
+        vals = [r[key] for r in part if isinstance(r.get(key), (int, float))]
+        return round(sum(vals) / len(vals), 4) if vals else None
+
+    k = max(1, len(rows) // 4)
+    first, last = rows[:k], rows[-k:]
+    return {
+        "steps": len(rows),
+        "setup_s": round(setup_s, 1),
+        "run_s": round(run_s, 1),
+        "reward_first_quarter": avg("train/reward_all_rollouts", first),
+        "reward_last_quarter": avg("train/reward_all_rollouts", last),
+        "post_filter_reward_first_quarter": avg("val/avg_group_performance_post_filter", first),
+        "post_filter_reward_last_quarter": avg("val/avg_group_performance_post_filter", last),
+        "mask_frac_kept_mean": avg("debug/dppo_mask_frac_kept", rows),
+        "logprob_diff_max_mean": avg("debug/vllm_vs_local_logprob_diff_max", rows),
+        "train_step_s_mean": avg("time/training", rows),
+        "weight_sync_s_mean": avg("time/weight_sync", rows),
+        "episodes": rows[-1].get("episode") if rows else 0,
+    }

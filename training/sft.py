@@ -1,0 +1,168 @@
+"""SFT warm start on oracle trajectories, rendered through the same harness.
+
+A demonstration is not hand-made text: the oracle's (THOUGHT, command) steps are played
+by a scripted `TokenSampler` inside the real loop (`agents.loop.Agent` + `TokenPolicy`)
+in a real sandbox, and the task's verifier checks the result. So the tokens trained on
+are exactly the ones a rollout would have: the prompt rendered with the chat template
+and tools, each assistant turn as the template renders it, each real observation as the
+template renders a tool message. Loss on assistant tokens only (mask 1).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agents.policy import SampledTokens
+from training.config import LearnConfig
+from training.rollout import EpisodeRequest, InfraError, Rollout, run_episode
+
+
+class DemoError(RuntimeError):
+    """An oracle demonstration could not be produced (it failed its own verifier)."""
+
+
+def assistant_ids(tokenizer: Any, thought: str, command: str) -> list[int]:
+    """The token ids of one assistant turn (THOUGHT + bash call + end of turn) exactly as
+    the chat template renders it after a generation prompt."""
+    msg = {"role": "assistant", "content": thought,
+           "tool_calls": [{"type": "function", "function": {"name": "bash", "arguments": {"command": command}}}]}
+    base = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+    prefix = tokenizer.apply_chat_template(base, add_generation_prompt=True, tokenize=False)
+    full = tokenizer.apply_chat_template(base + [msg], tokenize=False)
+    if not full.startswith(prefix):
+        raise DemoError("the chat template does not render an assistant turn after its generation prompt")
+    text = full[len(prefix):]
+    eot = tokenizer.eos_token
+    end = text.find(eot)
+    if end < 0:
+        raise DemoError(f"the chat template does not end assistant turns with {eot!r}")
+    return list(tokenizer.encode(text[: end + len(eot)], add_special_tokens=False))
+
+
+class ScriptedSampler:
+    """A TokenSampler that answers each turn with the next pre-rendered assistant turn."""
+
+    def __init__(self, turns: list[list[int]]):
+        self.turns = list(turns)
+
+    def sample(self, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float,
+               seed: int | None = None) -> SampledTokens:
+        if not self.turns:
+            raise DemoError("the oracle script has no more turns")
+        ids = self.turns.pop(0)
+        if len(ids) > max_tokens:
+            raise DemoError(f"an oracle turn of {len(ids)} tokens exceeds the per-turn budget of {max_tokens}")
+        return SampledTokens(ids, [0.0] * len(ids), "stop", 0)
+
+
+def oracle_demo(task_dir: str | Path, tokenizer: Any, cfg: LearnConfig, scratch: Path) -> Rollout:
+    """Play a nano task's oracle through the harness; raises DemoError unless it scores 1."""
+    from training.nano.tasks import oracle_steps
+
+    turns = [assistant_ids(tokenizer, t, c) for t, c in oracle_steps(task_dir)]
+    req = EpisodeRequest(str(task_dir), 0, 0, 0)
+    r = run_episode(req, ScriptedSampler(turns), tokenizer, cfg.rollout, scratch=scratch)
+    if r.reward < 1.0:
+        raise DemoError(f"{task_dir}: the oracle scored {r.reward} ({r.status})")
+    return r
+
+
+@dataclass
+class SFTResult:
+    checkpoint: str
+    demos: int
+    tokens: int
+    steps: int
+    final_loss: float
+    seconds: float
+
+
+def collect_demos(task_dirs: list[str], tokenizer: Any, cfg: LearnConfig, scratch: Path,
+                  out_jsonl: Path | None = None) -> list[Rollout]:
+    demos = []
+    for d in task_dirs:
+        for attempt in range(cfg.rollout.max_infra_retries + 1):
+            try:
+                demos.append(oracle_demo(d, tokenizer, cfg, scratch))
+                break
+            except InfraError:
+                if attempt == cfg.rollout.max_infra_retries:
+                    raise
+    if out_jsonl is not None:
+        out_jsonl.write_text("".join(r.to_json() + "\n" for r in demos))
+    return demos
+
+
+def train_sft(model_dir: str, demos: list[Rollout], cfg: LearnConfig, out_dir: str | Path,
+              log: Any = None) -> SFTResult:
+    """Cross-entropy on assistant tokens; AdamW with warmup then constant LR; writes an
+    HF checkpoint (weights + tokenizer + chat template) to `out_dir`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from training import checkpoint as ckpt
+
+    if not demos:
+        raise DemoError("no demonstrations to train on")
+    t0 = time.monotonic()
+    s = cfg.sft
+    torch.manual_seed(cfg.algo.seed)
+    if cfg.run.torch_threads:
+        torch.set_num_threads(cfg.run.torch_threads)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
+    pad = model.config.pad_token_id or 0
+    examples = [(r.prompt_ids + r.ids, [0] * len(r.prompt_ids) + r.mask) for r in demos]
+    n_batches = math.ceil(len(examples) / s.batch_size)
+    total = max(1, round(n_batches * s.epochs))
+    warm = max(1, int(total * s.warmup_ratio))
+    rng = random.Random(cfg.algo.seed)
+    order: list[int] = []
+    losses: list[float] = []
+    tokens = 0
+    for step in range(total):
+        if len(order) < s.batch_size:
+            more = list(range(len(examples)))
+            rng.shuffle(more)
+            order += more
+        idx, order = order[: s.batch_size], order[s.batch_size:]
+        batch = [examples[i] for i in idx]
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        labels = torch.full((len(batch), width), -100, dtype=torch.long)
+        attn = torch.zeros((len(batch), width), dtype=torch.long)
+        for b, (ids, mask) in enumerate(batch):
+            t = torch.tensor(ids)
+            input_ids[b, : len(ids)] = t
+            attn[b, : len(ids)] = 1
+            labels[b, : len(ids)] = torch.where(torch.tensor(mask) == 1, t, torch.tensor(-100))
+        for g in opt.param_groups:
+            g["lr"] = s.lr * min(1.0, (step + 1) / warm)
+        out = model(input_ids=input_ids, attention_mask=attn, labels=labels)
+        opt.zero_grad()
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.algo.grad_clip)
+        opt.step()
+        losses.append(float(out.loss))
+        tokens += int((labels != -100).sum())
+        if log is not None:
+            log(step + 1, total, float(out.loss))
+    path = ckpt.save_checkpoint(out_dir, model, step=0, optimizer=None,
+                                extra={"sft_steps": total, "sft_demos": len(demos)}, tokenizer_dir=model_dir)
+    (Path(path) / "sft.json").write_text(json.dumps({"steps": total, "demos": len(demos), "losses": losses}))
+    tail = losses[-max(1, len(losses) // 10):]
+    return SFTResult(str(path), len(demos), tokens, total, sum(tail) / len(tail), time.monotonic() - t0)
+
+
+def select_sft_tasks(task_dirs: list[str], fraction: float, seed: int) -> list[str]:
+    """A seeded subset of the train split: partial SFT leaves room for RL to improve."""
+    dirs = sorted(task_dirs)
+    k = max(1, round(len(dirs) * fraction))
+    return sorted(random.Random(f"sft-{seed}").sample(dirs, k))
