@@ -122,8 +122,11 @@ def test_killed_job_resumes_without_duplicates(tmp_path, sig):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    before = trial_results(jobs / name)
+    everything = trial_results(jobs / name)
+    cancelled = [r for r in everything.values() if r["tmax"]["outcome"] == "cancelled"]
+    before = {t: r for t, r in everything.items() if r["tmax"]["outcome"] != "cancelled"}
     assert 2 <= len(before) < 6
+    assert all(r["exception_info"]["exception_type"] == "CancelledError" for r in cancelled)
     if sig == signal.SIGINT:
         assert proc.returncode == 130 and "tmax bench resume" in out
         assert containers(name) == []  # Ctrl-C removes the running trial's container

@@ -249,6 +249,17 @@ def test_ctrl_c_then_quit(env, ws, tmp_path, spawn):
     assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "interrupted"
 
 
+def test_unknown_command_then_quit_at_the_approval_prompt(env, ws, tmp_path, spawn):
+    with ScriptedServer([{"bash": "touch nope"}]) as srv:
+        t = spawn(run_args(srv, ws, tmp_path / "run", "--sandbox", "local"), env, ws)
+        t.answer(APPROVE, "/bogus")
+        t.expect("Unknown command /bogus")
+        t.answer(APPROVE, "/q")
+        assert t.finish() == 130
+        assert len(srv.requests) == 1  # /bogus was not sent to the model as feedback
+    assert not (ws / "nope").exists()
+
+
 def test_ctrl_c_while_waiting_for_the_model(env, ws, tmp_path, spawn):
     script = [{"delay": 30, "bash": "echo never"}, {"content": "With guidance.", "bash": "echo guided"}, {"bash": SUBMIT}]
     with ScriptedServer(script) as srv:

@@ -30,6 +30,7 @@ EXIT_CODES = {
     "interrupted": 130,
 }
 EXIT_USAGE = 2  # bad flags, config or resume path
+QUIT_WORDS = ("/q", "/quit", "/exit")
 
 # The model must know that a resumed session has a fresh shell, or it will rely on state
 # (cwd, variables, background jobs) that no longer exists.
@@ -175,6 +176,10 @@ def _make_hooks_classes():
             if cmd in ("/h", "/help", "/?"):
                 self.display.info(self._help())
                 return True
+            if cmd.startswith("/") and " " not in cmd and cmd not in QUIT_WORDS:
+                # A lone `/word` is a mistyped command, not feedback meant for the model.
+                self.display.warn(f"Unknown command {cmd}. {self._help()}")
+                return True
             return False
 
         def _help(self) -> str:
@@ -211,6 +216,9 @@ def _make_hooks_classes():
                     continue
                 if answer.strip() == "":
                     break
+                if answer.strip() in QUIT_WORDS:
+                    self.stopping = True
+                    raise KeyboardInterrupt
                 self.display.feedback(answer, "rejected; sent to the model")
                 return answer
             self.display.start_spinner("Running… (Ctrl-C to interrupt)")
@@ -242,7 +250,7 @@ def _make_hooks_classes():
                     return None
                 if self._mode_command(answer):
                     continue
-                if answer.strip() in ("", "/q", "/quit"):
+                if answer.strip() in ("", *QUIT_WORDS):
                     self.stopping = True
                     return None
                 return answer
@@ -255,7 +263,7 @@ def _make_hooks_classes():
                     return None
                 if self._mode_command(answer):
                     continue
-                if answer.strip() in ("", "/q", "/quit"):
+                if answer.strip() in ("", *QUIT_WORDS):
                     return None
                 return answer
 

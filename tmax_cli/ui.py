@@ -23,8 +23,9 @@ SCREEN_TAIL_LINES = 20
 _EXIT_RE = re.compile(r"\n*\(exit_code=(-?\d+)\)\s*$")
 
 HELP = (
-    "Enter: run the command · text: reject it and tell the model why · "
-    "/y: yolo (run everything) · /c: confirm each command · /h: this help · Ctrl-C: interrupt"
+    "At a command: Enter runs it, other text rejects it and tells the model why. "
+    "Anywhere: /y yolo (run without asking) · /c confirm each command · /q quit · /h help · "
+    "Ctrl-C interrupts the model or the command."
 )
 
 

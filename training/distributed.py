@@ -169,8 +169,9 @@ def shard_model(model: torch.nn.Module, ctx: RankContext, bf16: bool | None = No
     """FSDP2: shard every decoder layer, then the root. With `bf16` (default on GPU) the
     blocks compute in bf16 with fp32 master weights and fp32 gradient reduction, while
     the LM head keeps fp32 compute (its own FSDP unit with an fp32 policy), the fp32
-    LM-head trick of the reference §4.5. A single process is returned unchanged."""
-    if ctx.world_size == 1:
+    LM-head trick of the reference §4.5. Without a process group (`backend == "none"`)
+    the model is returned unchanged; a 1-rank group still shards (single-GPU checks)."""
+    if ctx.backend == "none":
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -221,7 +222,7 @@ class WeightUpdate:
     shapes: list[tuple[int, ...]]
     dtypes: list[str]
     buckets: list[tuple[str, list[int]]]
-    transport: str  # "object_store" | "gloo" | "nccl"
+    transport: str  # "object_store" | "gloo" | "nccl" | "ipc"
     ref: Any = None
     total_bytes: int = 0
 
@@ -252,7 +253,9 @@ def plan_buckets(weights: dict[str, torch.Tensor], bucket_mb: float = DEFAULT_BU
 def make_update(
     weights: dict[str, torch.Tensor], version: int, transport: str, bucket_mb: float = DEFAULT_BUCKET_MB
 ) -> WeightUpdate:
-    if transport not in ("object_store", "gloo", "nccl"):
+    # "ipc": the packed buckets are handed to a process on the same GPU by CUDA IPC handles
+    # (torch.multiprocessing), since NCCL cannot put two ranks on one GPU.
+    if transport not in ("object_store", "gloo", "nccl", "ipc"):
         raise ValueError(f"unknown weight transport {transport!r}")
     return WeightUpdate(
         version=version,
