@@ -66,7 +66,9 @@ class PodmanSandbox:
             "stop_signal": 9,  # an int: podman 4.3 rejects signal names here
         }
         if s.cpus:
-            kw["nano_cpus"] = int(s.cpus * 1e9)
+            # nano_cpus is dropped on the way to podman 4.3; period/quota is honoured.
+            kw["cpu_period"] = 100_000
+            kw["cpu_quota"] = int(s.cpus * 100_000)
         if s.memory_mb:
             kw["mem_limit"] = f"{int(s.memory_mb)}m"
         if s.pids_limit:

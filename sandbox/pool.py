@@ -8,6 +8,7 @@ so a trial does not wait for a container to start.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -25,75 +26,95 @@ class SandboxPool:
         self.size = size
         self.warm = warm
         self._factory = factory or (lambda: make_sandbox(kind, spec, **options))
-        self._slots = threading.BoundedSemaphore(size)  # sandboxes in use + warm ones
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._idle: list[Sandbox] = []
         self._in_use: set[int] = set()
+        self._total = 0  # in use + idle + being started; never above size
         self._closed = False
         self._warmers: list[threading.Thread] = []
-        for _ in range(warm):
-            self._warm_one()
+        with self._cond:
+            for _ in range(warm):
+                self._warm_one_locked()
 
     def _new(self) -> Sandbox:
         sb = self._factory()
-        sb.start()
+        try:
+            sb.start()
+        except BaseException:
+            sb.close()
+            raise
         return sb
 
-    def _warm_one(self) -> None:
-        if not self._slots.acquire(blocking=False):
+    def _warm_one_locked(self) -> None:
+        if self._closed or self._total >= self.size:
             return
+        self._total += 1
 
         def work() -> None:
             try:
                 sb = self._new()
-            except SandboxError:
-                self._slots.release()
+            except Exception:
+                with self._cond:
+                    self._total -= 1
+                    self._cond.notify_all()
                 return
-            with self._lock:
+            with self._cond:
                 if self._closed:
-                    sb.close()
-                    self._slots.release()
-                    return
-                self._idle.append(sb)
+                    self._total -= 1
+                else:
+                    self._idle.append(sb)
+                    sb = None
+                self._cond.notify_all()
+            if sb is not None:
+                sb.close()
 
         t = threading.Thread(target=work, daemon=True)
         self._warmers.append(t)
         t.start()
 
     def acquire(self, timeout: float | None = None) -> Sandbox:
-        """A started sandbox for one trial; blocks while `size` are in use."""
-        with self._lock:
-            if self._closed:
-                raise SandboxError("sandbox pool is closed")
-            if self._idle:
-                sb = self._idle.pop()
-                self._in_use.add(id(sb))
-                return sb
-        if not self._slots.acquire(timeout=timeout):
-            raise SandboxError(f"no free sandbox after {timeout} s (pool size {self.size})")
+        """A started sandbox for one trial; blocks while `size` exist."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise SandboxError("sandbox pool is closed")
+                if self._idle:
+                    sb = self._idle.pop()
+                    self._in_use.add(id(sb))
+                    return sb
+                if self._total < self.size:
+                    self._total += 1
+                    break
+                wait = None if deadline is None else deadline - time.monotonic()
+                if wait is not None and wait <= 0:
+                    raise SandboxError(f"no free sandbox after {timeout} s (pool size {self.size})")
+                self._cond.wait(wait)
         try:
             sb = self._new()
         except BaseException:
-            self._slots.release()
+            with self._cond:
+                self._total -= 1
+                self._cond.notify_all()
             raise
-        with self._lock:
+        with self._cond:
             self._in_use.add(id(sb))
         return sb
 
     def release(self, sb: Sandbox) -> None:
         """Destroy a sandbox handed out by `acquire` and free its slot."""
-        with self._lock:
+        with self._cond:
             if id(sb) not in self._in_use:
                 return
             self._in_use.discard(id(sb))
         try:
             sb.close()
         finally:
-            self._slots.release()
-            with self._lock:
-                refill = not self._closed and len(self._idle) < self.warm
-            if refill:
-                self._warm_one()
+            with self._cond:
+                self._total -= 1
+                if len(self._idle) < self.warm:
+                    self._warm_one_locked()
+                self._cond.notify_all()
 
     @contextmanager
     def lease(self, timeout: float | None = None) -> Iterator[Sandbox]:
@@ -104,17 +125,17 @@ class SandboxPool:
             self.release(sb)
 
     def close(self) -> None:
-        with self._lock:
+        """Destroy the idle sandboxes; ones still in use are closed by their release."""
+        with self._cond:
             self._closed = True
-            idle, self._idle = self._idle, []
+            self._cond.notify_all()
         for t in self._warmers:
-            t.join(timeout=60)
-        with self._lock:
-            idle += self._idle
-            self._idle = []
+            t.join(timeout=120)
+        with self._cond:
+            idle, self._idle = self._idle, []
+            self._total -= len(idle)
         for sb in idle:
             sb.close()
-            self._slots.release()
 
     def __enter__(self) -> SandboxPool:
         return self

@@ -3,7 +3,6 @@ endpoint), `oracle` (the task's reference solution) and `nop` (nothing: the floo
 
 from __future__ import annotations
 
-import math
 import tempfile
 import threading
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from sandbox.base import Sandbox, SandboxError
+from tasks.longexec import run_long
 from tasks.model import Task
 from tasks.offline import RewriteConfig, copy_patched
 
@@ -60,16 +60,14 @@ class OracleAgent:
             sol = Path(tmp) / "solution"
             notes = copy_patched(task, "solution", sol, self.rewrite)
             sandbox.copy_in(sol, "/solution")
-        cmd = f"timeout --kill-after=10 {int(math.ceil(timeout))} bash /solution/solve.sh"
-        t0 = time.monotonic()
-        res = sandbox.exec(["bash", "-c", cmd], timeout=timeout + 30, workdir=workdir)
+        res = run_long(sandbox, "bash /solution/solve.sh", timeout, workdir=workdir, log_path="/tmp/tmax-oracle.txt")
         agent_dir.mkdir(parents=True, exist_ok=True)
-        (agent_dir / "oracle.txt").write_text(
-            "".join(f"# tmax: {n}\n" for n in notes) + res.output + ("\n--- stderr ---\n" + res.stderr if res.stderr else ""),
-            errors="replace")
-        timed_out = res.timed_out or res.exit_code == 124
+        out = sandbox.exec(["bash", "-c", "tail -c 2000000 /tmp/tmax-oracle.txt"], timeout=60)
+        (agent_dir / "oracle.txt").write_text("".join(f"# tmax: {n}\n" for n in notes) + out.output,
+                                              errors="replace")
+        timed_out = res.timed_out
         return AgentRun(timed_out=timed_out,
-                        metadata={"exit_code": res.exit_code, "duration_s": round(time.monotonic() - t0, 3)})
+                        metadata={"exit_code": res.exit_code, "duration_s": round(res.duration_s, 3)})
 
 
 class TmaxAgent:

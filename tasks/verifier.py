@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sandbox.base import Sandbox, SandboxError
+from tasks.longexec import run_long
 from tasks.model import Task
 
 VENV = "/opt/tmax-verifier"
@@ -29,7 +30,6 @@ SCRIPT_PATH = "/tmp/tmax-test.sh"
 # test.sh exits with this when the verifier's own dependencies could not be installed:
 # that is a verifier error, not a reward of 0.
 SETUP_FAILED_RC = 97
-GRACE_S = 30.0
 
 # uv/uvx options that take a value and do not matter once we run from a venv.
 _UVX_VALUE_OPTS = {"-p", "--python", "--index", "--index-url", "--extra-index-url", "--index-strategy",
@@ -196,18 +196,15 @@ def run_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path,
         script = Path(tmp) / "test.sh"
         script.write_text(verifier_script(task))
         sandbox.copy_in(script, SCRIPT_PATH)
-    # The in-container `timeout` ends the script on time; the exec timeout is the backstop.
-    cmd = (f"timeout --kill-after=10 {int(math.ceil(timeout))} bash {SCRIPT_PATH} "
-           f"> /logs/verifier/test-stdout.txt 2>&1")
-    res = sandbox.exec(["bash", "-c", cmd], timeout=timeout + GRACE_S, workdir=workdir,
-                       env=dict(task.config.verifier.env) or None)
+    res = run_long(sandbox, f"bash {SCRIPT_PATH}", timeout, workdir=workdir,
+                   env=dict(task.config.verifier.env) or None, log_path="/logs/verifier/test-stdout.txt")
     duration = time.monotonic() - t0
     try:
         sandbox.copy_out("/logs/verifier", out_dir)
     except SandboxError:
         pass  # the reward is read below; the copy is for people
     _flatten(out_dir)
-    if res.timed_out or res.exit_code in (124, 137):
+    if res.timed_out:
         return VerifierResult(None, "timeout", f"verifier exceeded timeout_sec={timeout:.0f}s", res.exit_code, duration)
     if res.exit_code == SETUP_FAILED_RC:
         return VerifierResult(None, "error", "verifier setup failed (see verifier/test-stdout.txt)",

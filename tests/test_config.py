@@ -164,3 +164,5 @@ def test_cli_model_discovery_failure_is_clear(tmp_path):
     proc = _tmax(["run", "--sandbox", "local", "--base-url", "http://127.0.0.1:9/v1", "echo hi"], env)
     assert proc.returncode == 2
     assert "no model given" in proc.stderr and "127.0.0.1:9" in proc.stderr
+    for source in ("--model", "$TMAX_MODEL", "config.toml"):
+        assert source in proc.stderr

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import signal
 import sys
 import time
@@ -53,9 +52,9 @@ def _fail(msg: str, json_mode: bool) -> typer.Exit:
 
 
 def _write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str), encoding="utf-8")
-    os.replace(tmp, path)
+    from agents.records import write_json_atomic
+
+    write_json_atomic(path, data)
 
 
 def _usage_dict(u: Any) -> dict[str, int]:
@@ -72,12 +71,18 @@ def discover_model(base_url: str, api_key: str) -> str:
     """The one model a server serves (vLLM serves one); several or none is a usage error."""
     from openai import OpenAI
 
+    from tmax_cli.config import MODEL_ENV, config_path
+
+    how = (
+        f"Name it with the --model flag, the environment variable {' / '.join('$' + e for e in MODEL_ENV)}, "
+        f"or `model = \"...\"` in the config file {config_path()}."
+    )
     try:
         ids = [m.id for m in OpenAI(base_url=base_url, api_key=api_key, timeout=10, max_retries=0).models.list()]
     except Exception as e:  # any failure here means: ask the user to name the model
-        raise ConfigError(f"no model given and listing models at {base_url} failed ({type(e).__name__}: {e})") from e
+        raise ConfigError(f"no model given, and listing the models at {base_url} failed ({type(e).__name__}: {e}). {how}") from e
     if len(ids) != 1:
-        raise ConfigError(f"no model given and {base_url} serves {len(ids)} models ({', '.join(ids) or 'none'})")
+        raise ConfigError(f"no model given, and {base_url} serves {len(ids)} models ({', '.join(ids) or 'none'}). {how}")
     return ids[0]
 
 
@@ -435,7 +440,7 @@ def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, sa
         agent = Agent(policy, box, config=config, recorder=Recorder(run_dir), hooks=hooks)
         if saved is not None:
             display.warn(
-                f"Resumed {len(saved.messages)} messages from {resume}. This is a new shell: the working directory, "
+                f"Resumed {len(saved.messages)} messages from {resume.resolve()}. This is a new shell: the working directory, "
                 "variables and background jobs of the earlier session are not restored (files are, where the "
                 "sandbox kept them)."
             )

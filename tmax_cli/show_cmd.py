@@ -77,7 +77,8 @@ def render(run: dict[str, Any], display: Any, show_system: bool = False) -> None
             if not seen_task:
                 # The first user message wraps the task in the instance template; show the
                 # task as typed when `tmax run` recorded it.
-                display.task(meta.get("task") or content)
+                typed = meta.get("task") if not meta.get("resumed_from") else None  # a resume's task is its follow-up
+                display.task(typed or content)
                 seen_task = True
             elif content.startswith("Format error"):
                 display.format_error(content)

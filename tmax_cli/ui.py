@@ -174,5 +174,8 @@ class Prompter:
         sys.stdout.flush()
         line = sys.stdin.readline()
         if not line:
+            sys.stdout.write("\n")
             raise EOFError
+        # Piped input is not echoed; show it so a log of the session reads like the terminal.
+        sys.stdout.write(line if line.endswith("\n") else line + "\n")
         return line.rstrip("\n")

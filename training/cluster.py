@@ -231,7 +231,12 @@ def connect(
             handle.shutdown()
             raise
         return handle
-    # Local: one node holding every role (or plan.node_roles merged, for a 1-node plan).
+    # Local: this machine is the only node, so the plan must be a 1-node plan.
+    if plan.nodes > 1:
+        raise ClusterError(
+            f"--nodes {plan.nodes} needs a Ray cluster: pass --address (or set RAY_ADDRESS), run inside a Slurm"
+            " allocation, or use --dry-run to get an sbatch script"
+        )
     resources: dict[str, float] = {}
     for roles in plan.node_roles():
         for r in roles:

@@ -395,6 +395,8 @@ def train(
     t_run = time.monotonic()
     worker_i = 0
     last_metrics: dict[str, Any] = {}
+    useless = 0
+    max_useless = max(200, 25 * a.prompts_per_step)
     bar = _Progress(a.steps, start_step, enabled=progress)
 
     try:
@@ -437,8 +439,16 @@ def train(
             # Offer finished groups to the batch of the next step to train.
             consume_step = step + (1 if train_ref is not None else 0)
             while ready and not acc.full:
-                acc.offer(ready.popleft(), consume_step)
+                fate = acc.offer(ready.popleft(), consume_step)
                 open_prompt()  # one new prompt per consumed group
+                useless = useless + 1 if fate != "kept" else 0
+                if useless and useless % 50 == 0:
+                    bar.note(f"{useless} groups in a row without reward variance (all solved or all failed)")
+                if useless >= max_useless:
+                    raise TrainingError(
+                        f"{useless} groups in a row had no reward variance: the policy never solves (or always "
+                        "solves) these tasks, so there is nothing to learn from. Warm-start with SFT, or use "
+                        "tasks of matching difficulty.")
             if train_ref is None and acc.full:
                 batch = acc.take(step)
                 samples = batch_samples(batch.groups, batch.advantages)

