@@ -219,7 +219,17 @@ class Agent:
             self.messages.append(message)
             assert action.command is not None
 
-            rejection = self.hooks.approve(step, action.command)
+            try:
+                rejection = self.hooks.approve(step, action.command)
+            except KeyboardInterrupt:
+                # Quit or Ctrl-C at the approval prompt: the call still gets an answer so the
+                # saved history stays valid for --resume, then the user decides.
+                self._reply(action, REJECTED_TOOL_TEXT, tool_only=True)
+                self.timing.append({"step": step, "llm_s": round(llm_s, 1), "rejected": True, "cmd": action.command[:200]})
+                self._save()
+                if not self._guidance():
+                    return _Outcome("interrupted")
+                continue
             if rejection is not None:
                 self._reply(action, REJECTED_TOOL_TEXT, tool_only=True)
                 self.messages.append({"role": "user", "content": render(REJECTION_TEMPLATE, feedback=rejection)})

@@ -334,3 +334,18 @@ def test_empty_task_is_rejected(open_box):
         agent, _ = agent_for(srv, open_box())
         with pytest.raises(ValueError, match="empty"):
             agent.run("   ")
+
+
+def test_quit_at_the_approval_prompt_keeps_a_valid_history(open_box, tmp_path):
+    class QuitAtPrompt(AgentHooks):
+        def approve(self, step, command):
+            raise KeyboardInterrupt
+
+    with ScriptedServer([{"bash": "touch never"}]) as srv:
+        agent, _ = agent_for(srv, open_box(), hooks=QuitAtPrompt())
+        result = agent.run("task")
+    assert result.status == "interrupted" and not (tmp_path / "never").exists()
+    # The unanswered call is answered, so the saved conversation can be resumed as is.
+    assistant, tool = result.messages[-2:]
+    assert assistant["role"] == "assistant" and assistant["tool_calls"]
+    assert tool == {"role": "tool", "tool_call_id": assistant["tool_calls"][0]["id"], "content": REJECTED_TOOL_TEXT}

@@ -372,3 +372,14 @@ def test_autocast_body_keeps_fp32_master_weights_and_fp32_head(model_dir):
     metrics = learner.train_step(samples)
     assert 1e-5 < metrics["debug/vllm_vs_local_logprob_diff_max"] < 0.5
     assert all(p.dtype == torch.float32 for p in learner.params)
+
+
+def test_train_sample_from_token_trace():
+    from agents.policy import TokenTrace
+
+    trace = TokenTrace(prompt_ids=[1, 2])
+    trace.extend([5, 6], [-0.5, -0.25], trainable=True)
+    trace.extend([7], None, trainable=False)
+    s = TrainSample.from_trace(trace, 0.75)
+    assert (s.prompt_ids, s.ids, s.logprobs, s.mask, s.advantage) == ([1, 2], [5, 6, 7], [-0.5, -0.25, 0.0], [1, 1, 0], 0.75)
+    assert build_pack([s], [0]).targets.tolist() == [5, 6]

@@ -30,7 +30,7 @@ Import-safe without a GPU and without Ray (Ray is only imported by the object-st
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterator
 

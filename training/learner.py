@@ -22,6 +22,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,9 @@ from torch.utils.checkpoint import checkpoint
 
 from training import checkpoint as ckpt
 from training.dppo import LossConfig, LossStats, policy_loss
+
+if TYPE_CHECKING:
+    from agents.policy import TokenTrace
 
 
 @dataclass
@@ -45,6 +49,11 @@ class TrainSample:
     @property
     def num_loss_tokens(self) -> int:
         return sum(self.mask)
+
+    @classmethod
+    def from_trace(cls, trace: "TokenTrace", advantage: float) -> "TrainSample":
+        """The exact token stream a TokenPolicy recorded, with its sequence advantage."""
+        return cls(list(trace.prompt_ids), list(trace.ids), list(trace.logprobs), list(trace.mask), float(advantage))
 
 
 @dataclass

