@@ -161,6 +161,15 @@ def test_attach_to_running_server(engine, nano_dir, prompt):
     assert engine.server is not None and engine.server.alive()  # closing an attached engine leaves the server
 
 
-def test_prompt_over_context_is_context_overflow(engine):
+def test_context_limit(engine):
+    assert engine.max_model_len == 2048
     with pytest.raises(ContextOverflow):
-        engine.sampler().sample([5] * 2100, 8, 1.0, 1.0, seed=1)
+        engine.sampler().sample([5] * 2048, 8, 1.0, 1.0, seed=1)
+    # A budget past the context end generates into the room left, then stops with "length".
+    out = engine.sampler().sample([5] * 2040, 100, 1.0, 1.0, seed=1)
+    assert len(out.ids) == 8 and out.finish_reason == "length"
+    # The server's own refusal maps to ContextOverflow too (a sampler that does not know the limit).
+    blind = pickle.loads(pickle.dumps(engine.sampler()))
+    blind.max_model_len = None
+    with pytest.raises(ContextOverflow):
+        blind.sample([5] * 2100, 8, 1.0, 1.0, seed=1)

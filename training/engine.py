@@ -134,31 +134,36 @@ class VLLMSampler:
         stop_token_ids: list[int] | None = None,
         engine: "VLLMEngine | None" = None,
         timeout_s: float = 600.0,
+        max_model_len: int | None = None,
     ):
         self.url = url.rstrip("/")
         self.model = model
         self.seed_base = seed_base
         self.stop_token_ids = list(stop_token_ids or [])
         self.timeout_s = timeout_s
+        self.max_model_len = max_model_len
         self._engine = engine
         self._counter = itertools.count()
         self._client: Any = None
+        self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state.update(_engine=None, _client=None, _counter=None)
+        state.update(_engine=None, _client=None, _counter=None, _lock=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._counter = itertools.count()
+        self._lock = threading.Lock()
 
     def _http(self) -> Any:
-        if self._client is None:
-            import httpx
+        with self._lock:
+            if self._client is None:
+                import httpx
 
-            self._client = httpx.Client(limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
-        return self._client
+                self._client = httpx.Client(limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+            return self._client
 
     def _remote_version(self) -> int:
         res = _post(self._http(), self.url + "/collective_rpc", {"method": "policy_version"}, 30.0)
@@ -174,6 +179,13 @@ class VLLMSampler:
     ) -> SampledTokens:
         # Unseeded calls get seed_base + a per-sampler counter, so runs are reproducible.
         seed = seed if seed is not None else self.seed_base + next(self._counter)
+        if self.max_model_len is not None:
+            room = self.max_model_len - len(prompt_ids)
+            if room <= 0:
+                raise ContextOverflow(f"prompt of {len(prompt_ids)} tokens leaves no room in the {self.max_model_len}-token context")
+            # The server rejects prompt + max_tokens > context; generating into the room
+            # that is left and stopping with "length" is what a budget means.
+            max_tokens = min(int(max_tokens), room)
         body = {
             "model": self.model,
             "prompt": list(prompt_ids),
@@ -259,6 +271,7 @@ class VLLMEngine:
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.server: VLLMServer | None = None
+        self.max_model_len: int | None = None
         if url is not None:
             self.url = url.rstrip("/").removesuffix("/v1")
             self.served_model_name = served_model_name
@@ -284,6 +297,7 @@ class VLLMEngine:
             except ServerError as e:
                 self.close()
                 raise EngineError(f"vLLM engine did not start: {e}") from e
+            self.max_model_len = self._served_max_len()
 
     @property
     def base_url(self) -> str:
@@ -296,19 +310,28 @@ class VLLMEngine:
             self._client = httpx.Client()
         return self._client
 
-    def _check_attached(self) -> None:
+    def _models(self) -> list[dict]:
         import httpx
 
         try:
-            models = self._http().get(self.url + "/v1/models", timeout=10).json()
-        except (httpx.HTTPError, ValueError) as e:
+            return self._http().get(self.url + "/v1/models", timeout=10).json().get("data", [])
+        except (httpx.HTTPError, ValueError, AttributeError) as e:
             raise EngineError(f"no vLLM server at {self.url}: {e}") from e
-        names = [m.get("id") for m in models.get("data", [])]
+
+    def _served_max_len(self) -> int | None:
+        for m in self._models():
+            if m.get("id") == self.served_model_name and isinstance(m.get("max_model_len"), int):
+                return m["max_model_len"]
+        return None
+
+    def _check_attached(self) -> None:
+        names = [m.get("id") for m in self._models()]
         if self.served_model_name not in names:
             if len(names) == 1:
                 self.served_model_name = names[0]
             else:
                 raise EngineError(f"{self.url} serves {names}, not {self.served_model_name!r}")
+        self.max_model_len = self._served_max_len()
         try:
             self.policy_version = int(self._rpc("policy_version")[0])
         except (EngineError, ModelError, FatalModelError) as e:
@@ -324,6 +347,7 @@ class VLLMEngine:
             stop_token_ids=self.stop_token_ids,
             engine=self,
             timeout_s=self.request_timeout_s,
+            max_model_len=self.max_model_len,
         )
 
     def _rpc(self, method: str, *args: str) -> list:

@@ -93,10 +93,16 @@ class LearnerConfig:
 
 
 class DataParallel:
-    """Single-process default; the interface a data-parallel backend implements."""
+    """Single-process default; the interface a data-parallel backend implements.
+
+    After `backward`, `.grad` must hold the gradient of the *global* token-mean loss. A
+    backend that sums gradients over ranks keeps `loss_scale = 1`; one that averages them
+    (DDP, FSDP2) sets `loss_scale = world_size`. `all_reduce` takes and returns CPU
+    tensors (an NCCL backend moves them to the GPU and back)."""
 
     rank: int = 0
     world_size: int = 1
+    loss_scale: float = 1.0
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return t
@@ -355,8 +361,7 @@ class Learner:
         validate_samples(samples, self.vocab_size)
         rows = self._rows(samples)
         local_tokens = float(sum(s.num_loss_tokens for s in samples))
-        counts = self.dp.all_reduce(torch.tensor([local_tokens, float(len(rows))], dtype=torch.float64))
-        total_tokens = float(counts[0])
+        total_tokens = float(self.dp.all_reduce(torch.tensor([local_tokens], dtype=torch.float64))[0])
         if total_tokens == 0:
             raise ValueError("the batch has no sampled (mask 1) tokens to train on")
         # Every rank runs as many forward passes as the busiest one (collectives in FSDP
@@ -379,7 +384,7 @@ class Learner:
                 self.cfg.loss,
                 denominator=total_tokens,
             )
-            loss.backward()
+            (loss * self.dp.loss_scale).backward()
             stats.add(st)
         self.dp.reduce_gradients(self.params)
         return self._reduce_stats(stats)

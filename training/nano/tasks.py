@@ -75,20 +75,21 @@ KINDS = (
     "find_file",
 )
 
-# One short THOUGHT per kind, for oracle trajectories (the harness requires a THOUGHT).
+# One short THOUGHT per kind, for oracle trajectories (the harness requires a THOUGHT;
+# short, because the nano recipe caps a turn at a few dozen tokens).
 _THOUGHTS = {
-    "create": "Write the line to the file.",
-    "upper": "Convert the text to upper case.",
-    "replace": "Replace the word with sed.",
-    "sort": "Sort the lines.",
-    "head": "Take the first lines with head.",
-    "count_lines": "Count the lines with wc.",
-    "count_words": "Count the words with wc.",
-    "count_matches": "Count the matching lines with grep.",
-    "find_line": "Find the line with grep.",
-    "find_file": "Find the file with grep.",
+    "create": "Write the line with echo.",
+    "upper": "Use tr.",
+    "replace": "Use sed.",
+    "sort": "Use sort.",
+    "head": "Use head.",
+    "count_lines": "Count with wc.",
+    "count_words": "Count with wc.",
+    "count_matches": "Count with grep.",
+    "find_line": "Search with grep.",
+    "find_file": "Search with grep.",
 }
-SUBMIT_THOUGHT = "The task is done, so I submit."
+SUBMIT_THOUGHT = "Done, so I submit."
 
 
 def _word_pools() -> dict[str, list[str]]:
