@@ -12,7 +12,7 @@ fi
 
 # runc, not crun: crun 1.8 fails here with "cgroups in hybrid mode not supported" and
 # cannot raise RLIMIT_NOFILE. debootstrap builds the base image; bubblewrap is the bwrap sandbox.
-pkgs=(podman runc conmon netavark slirp4netns uidmap bubblewrap debootstrap tar ca-certificates iptables)
+pkgs=(podman runc conmon netavark slirp4netns uidmap bubblewrap debootstrap tar ca-certificates iptables procps)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

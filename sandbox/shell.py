@@ -14,9 +14,11 @@ How a command is sent: its text goes into the shell as the body of a quoted here
 that a builtin `read` stores in a variable, then `eval` runs it with stdin from
 /dev/null, all in one top-level command line:
 
-    __tmax_seq=N; IFS= read -r -d '' __tmax_cmd <<'TAG_EOF' || :; eval "$__tmax_cmd" </dev/null
+    __tmax_rc=$?; __tmax_seq=N; IFS= read -r -d '' __tmax_cmd <<'TAG_EOF' || :;
+      if __tmax_ret "$__tmax_rc"; then eval "$__tmax_cmd"; else eval "$__tmax_cmd"; fi </dev/null
     <command text, verbatim>
     TAG_EOF
+    <empty line>
 
 Why this shape:
 * stdin: a command that reads stdin (`cat`, `read x`, `python` with no script) gets EOF
@@ -30,6 +32,10 @@ Why this shape:
 * the quoted delimiter keeps the text verbatim (no expansion), multi-line commands and
   heredocs work, and aliases defined on one line apply to the next (eval parses line by
   line). `read` and `eval` are builtins: no process is spawned per command.
+* `$?` is saved before the line's own assignments and restored for the command, so
+  `echo $?` reports the previous command, as in a terminal.
+* the trailing empty line re-prints the prompt with `$?` unchanged. Interactive bash
+  prints no prompt after a syntax error inside `eval`; this line brings it back.
 """
 
 from __future__ import annotations
@@ -210,7 +216,7 @@ class PersistentShell:
             "bind 'set convert-meta off' 2>/dev/null; bind 'set input-meta on' 2>/dev/null; "
             "bind 'set output-meta on' 2>/dev/null; "
             "set +o history +H; unset HISTFILE PROMPT_COMMAND; shopt -s expand_aliases; "
-            "PS0=''; PS2=''; "
+            "PS0=''; PS2=''; __tmax_ret() { return \"$1\"; }; "
             f"PS1='\\n__TM''AX_{tag}_${{__tmax_seq}}_$?__\\n'"
         )
         self._write(init + "\n")
@@ -238,13 +244,14 @@ class PersistentShell:
         self.start_s = time.monotonic() - t0
 
     def close(self) -> None:
-        self._kill()
+        # The sandbox owning the shell tears down everything inside it.
+        self._kill(inner=False)
 
-    def _kill(self) -> None:
+    def _kill(self, inner: bool = True) -> None:
         child, self._child = self._child, None
         if child is None:
             return
-        if self.kill_inner is not None and self.inner_pid is not None and child.isalive():
+        if inner and self.kill_inner is not None and self.inner_pid is not None and child.isalive():
             try:
                 self.kill_inner(self.inner_pid)
             except Exception:
@@ -324,9 +331,13 @@ class PersistentShell:
         command = command.replace("\r\n", "\n").replace("\r", "\n")
         command = _COMMAND_CTRL_RE.sub(lambda m: m.group(0) if m.group(0) in "\t\n" else "", command)
         delim = f"__TMAX_{self.tag}_EOF"
+        # `$?` is saved first and handed back through the `if`: in bash the then/else
+        # branch starts with `$?` set to the condition's status, so the command sees
+        # the previous command's exit code, and a non-zero one cannot trip `set -e`
+        # (a condition never does).
         return (
-            f"__tmax_seq={self._seq}; IFS= read -r -d '' __tmax_cmd <<'{delim}' || :;"
-            f' eval "$__tmax_cmd" </dev/null\n'
+            f"__tmax_rc=$?; __tmax_seq={self._seq}; IFS= read -r -d '' __tmax_cmd <<'{delim}' || :;"
+            ' if __tmax_ret "$__tmax_rc"; then eval "$__tmax_cmd"; else eval "$__tmax_cmd"; fi </dev/null\n'
             f"{command}\n{delim}\n"
             # An empty line: it re-prints the prompt with `$?` unchanged. After a syntax
             # error inside `eval`, interactive bash skips the prompt, and this is what

@@ -107,6 +107,7 @@ def run_trial(plan: TrialPlan, env: TrialEnv) -> dict:
     outcome: str | None = None
     agent_run = None
     verifier_status = None
+    verifier_s = None
     image: TaskImage | None = None
     sandbox = None
     mult = env.timeout_multiplier
@@ -146,6 +147,7 @@ def run_trial(plan: TrialPlan, env: TrialEnv) -> dict:
         if env.cancel.is_set():
             raise _Cancelled()
         verifier_status = vr.status
+        verifier_s = round(vr.duration_s, 3)
         reward = vr.reward
         if vr.status == "timeout":
             exc = _exception("VerifierTimeoutError", vr.error or "verifier timed out")
@@ -217,6 +219,7 @@ def run_trial(plan: TrialPlan, env: TrialEnv) -> dict:
             "build_s": image.build_s if image else None,
             "build_log": str(image.log_path) if image and image.log_path else None,
             "verifier_status": verifier_status,
+            "verifier_s": verifier_s,
         },
     }
     write_json(plan.trial_dir / "result.json", result)

@@ -17,7 +17,6 @@ import math
 import re
 import shlex
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,7 +186,6 @@ def run_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path,
     SandboxError propagates: the caller labels it an infrastructure error."""
     timeout = timeout or task.config.verifier.timeout_sec
     out_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
     prep = sandbox.exec(["bash", "-c", "rm -rf /tests && mkdir -p /logs/verifier /tests"], timeout=60)
     if prep.exit_code != 0:
         raise SandboxError(f"could not prepare /tests and /logs/verifier: {prep.output}{prep.stderr}")
@@ -198,7 +196,7 @@ def run_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path,
         sandbox.copy_in(script, SCRIPT_PATH)
     res = run_long(sandbox, f"bash {SCRIPT_PATH}", timeout, workdir=workdir,
                    env=dict(task.config.verifier.env) or None, log_path="/logs/verifier/test-stdout.txt")
-    duration = time.monotonic() - t0
+    duration = res.duration_s  # test.sh itself, without the copies
     try:
         sandbox.copy_out("/logs/verifier", out_dir)
     except SandboxError:

@@ -111,13 +111,14 @@ def test_dies_with_parent(tmp_path):
         sb = make_sandbox("bwrap", SandboxSpec())
         sb.start()
         sb.run("exec -a {tag} sleep 300 &")
-        print("ready", flush=True)
+        print("ready", sb._own_dir, flush=True)
         time.sleep(300)
     """)
     p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                          cwd=str(Path(__file__).resolve().parents[1]))
     try:
-        assert p.stdout.readline().strip() == "ready"
+        word, own_dir = p.stdout.readline().split()
+        assert word == "ready"
 
         def probe_alive() -> bool:
             return subprocess.run(["pgrep", "-f", tag], capture_output=True).returncode == 0
@@ -132,3 +133,7 @@ def test_dies_with_parent(tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
+        if "own_dir" in locals():
+            import shutil
+
+            shutil.rmtree(own_dir, ignore_errors=True)

@@ -203,3 +203,15 @@ def test_overhead_per_command(sh):
 def test_clean_output_helper():
     assert clean_output("a\r\nb\r\n") == "a\nb\n"
     assert clean_output("\x1b[2K\x1b[1Gdone") == "done"
+
+
+def test_previous_exit_code_visible_and_set_e(sh):
+    sh.run("false")
+    assert sh.run("echo $?").output == "1\n"
+    assert sh.run("echo $?").output == "0\n"
+    # `set -e` persists; a failing command then ends the shell, which is restarted.
+    sh.run("set -e")
+    assert sh.run("true").note is None
+    r = sh.run("false")
+    assert r.exit_code == 1 and "restarted" in r.note
+    assert sh.run("echo fine").output == "fine\n"

@@ -34,6 +34,9 @@ SPECIAL_TOKENS = [
     "<think>",
     "</think>",
 ]
+# The fixed head of every bash call as the chat template renders it: one token instead of
+# the 13 the pre-tokenizer would cut it into, so a whole turn fits the nano per-turn budget.
+BASH_CALL_PREFIX = '{"name": "bash", "arguments": {"command": "'
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 
@@ -156,7 +159,7 @@ def corpus(seed: int = 0, n_tasks: int = 400) -> list[str]:
 
 def build_tokenizer(seed: int = 0, vocab_size: int = NanoSpec.vocab_size):
     """A `PreTrainedTokenizerFast` with the nano chat template (deterministic)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -170,6 +173,7 @@ def build_tokenizer(seed: int = 0, vocab_size: int = NanoSpec.vocab_size):
         show_progress=False,
     )
     tok.train_from_iterator(corpus(seed), trainer=trainer)
+    tok.add_tokens([AddedToken(BASH_CALL_PREFIX, normalized=False, special=False)])
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,
