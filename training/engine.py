@@ -37,8 +37,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from agents.policy import ContextOverflow, FatalModelError, ModelError, SampledTokens, TokenSampler
-from training.serving import ServeSpec, ServerError, VLLMServer, free_port
+from agents.policy import (
+    ContextOverflow,
+    FatalModelError,
+    ModelError,
+    SampledTokens,
+    TokenSampler,
+)
+from training.serving import ServerError, ServeSpec, VLLMServer, free_port
 
 if TYPE_CHECKING:
     import torch
@@ -182,7 +188,9 @@ class VLLMSampler:
         if self.max_model_len is not None:
             room = self.max_model_len - len(prompt_ids)
             if room <= 0:
-                raise ContextOverflow(f"prompt of {len(prompt_ids)} tokens leaves no room in the {self.max_model_len}-token context")
+                raise ContextOverflow(
+                    f"prompt of {len(prompt_ids)} tokens leaves no room in the {self.max_model_len}-token context"
+                )
             # The server rejects prompt + max_tokens > context; generating into the room
             # that is left and stopping with "length" is what a budget means.
             max_tokens = min(int(max_tokens), room)

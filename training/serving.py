@@ -169,7 +169,10 @@ def build_command(spec: ServeSpec) -> ServeCommand:
     else:
         vllm_bin = Path(spec.python).parent / "vllm"
         launcher = str(vllm_bin) if vllm_bin.exists() else (shutil.which("vllm") or "")
-        argv = [launcher, "serve", model] if launcher else [spec.python, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+        if launcher:
+            argv = [launcher, "serve", model]
+        else:
+            argv = [spec.python, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     argv += [
         "--served-model-name", served,
         "--host", spec.host,

@@ -237,7 +237,9 @@ def build_nano_model(out_dir: str | Path, seed: int = 0, spec: NanoSpec | None =
         "tokenizer_s": round(t_tok, 2),
         "total_s": round(time.time() - t0, 2),
     }
-    (out / "nano.json").write_text(json.dumps({k: v for k, v in info.items() if not k.endswith("_s") and k != "path"}, indent=1) + "\n")
+    # nano.json records what was built (no path or timings, so equal builds are equal files).
+    record = {k: v for k, v in info.items() if not k.endswith("_s") and k != "path"}
+    (out / "nano.json").write_text(json.dumps(record, indent=1) + "\n")
     return info
 
 

@@ -1,0 +1,133 @@
+"""`tmax learn`: DPPO RL on Ray, the SFT warm start and the nano recipe.
+
+    tmax learn                      the nano recipe's RL stage (builds / SFTs what is missing)
+    tmax learn --config FILE        a run from a TOML config (`extends = "nano"` works)
+    tmax learn --resume             continue the run in --out from its latest checkpoint
+    tmax learn sft                  only the SFT warm start
+    tmax learn nano [--json]        the whole recipe: build -> SFT -> eval -> RL -> eval
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+learn_app = typer.Typer(
+    help="Train the agent with DPPO (RL) on Ray; `tmax learn nano` runs the whole CPU recipe.",
+    invoke_without_command=True,
+    no_args_is_help=False,
+)
+
+
+def _config(config: Optional[Path], steps: Optional[int], seed: Optional[int]):
+    from training.config import ConfigError, load_config, preset
+
+    over: dict = {}
+    if steps is not None:
+        over.setdefault("algo", {})["steps"] = steps
+    if seed is not None:
+        over.setdefault("algo", {})["seed"] = seed
+    try:
+        return load_config(config, over) if config else preset("nano", over)
+    except ConfigError as e:
+        typer.secho(str(e), fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+
+
+def _out(cfg, out: Optional[Path]) -> Path:
+    return (out or Path(cfg.run.out_dir)).resolve()
+
+
+def _echo(msg: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[cyan]learn[/] {msg}")
+
+
+def _fail(e: Exception) -> None:
+    typer.secho(f"tmax learn: {e}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(1)
+
+
+@learn_app.callback()
+def learn(
+    ctx: typer.Context,
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML run config (default: the nano preset)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Run directory (default: run.out_dir of the config)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the run's latest checkpoint."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Override algo.steps."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Override algo.seed."),
+    no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar (logs only)."),
+) -> None:
+    """Run DPPO. With no config: the nano recipe's RL stage."""
+    ctx.obj = {"config": config, "out": out, "steps": steps, "seed": seed, "progress": not no_progress}
+    if ctx.invoked_subcommand is not None:
+        return
+    cfg = _config(config, steps, seed)
+    run_dir = _out(cfg, out)
+    try:
+        if cfg.model.build_nano or cfg.tasks.generate_nano:
+            from training.recipe import build_stage, sft_stage
+
+            model_dir, train_dir, _ = build_stage(cfg, run_dir, cfg.algo.seed, _echo)
+            start = sft_stage(cfg, model_dir, train_dir, run_dir, _echo)["checkpoint"]
+            rl_dir = run_dir / "rl"
+        else:
+            if not cfg.model.path or not cfg.tasks.train:
+                raise ValueError("the config needs model.path and tasks.train (or the nano build flags)")
+            start, train_dir, rl_dir = cfg.model.path, cfg.tasks.train, run_dir
+        from training.orchestrator import train
+
+        res = train(cfg, start, train_dir, rl_dir, resume=resume, progress=not no_progress)
+    except KeyboardInterrupt:
+        _echo("interrupted; resume with --resume")
+        raise typer.Exit(130)
+    except Exception as e:  # noqa: BLE001 - shown to the user, with the kind of failure
+        _fail(e)
+    _echo(f"done: {res.steps} steps; checkpoint {res.final_checkpoint}; reward curve {res.curve_png}")
+    typer.echo(json.dumps(res.summary, indent=2))
+
+
+@learn_app.command("sft")
+def sft(ctx: typer.Context) -> None:
+    """SFT warm start on oracle trajectories played through the harness."""
+    o = ctx.obj or {}
+    cfg = _config(o.get("config"), o.get("steps"), o.get("seed"))
+    run_dir = _out(cfg, o.get("out"))
+    try:
+        from training.recipe import build_stage, sft_stage
+
+        model_dir, train_dir, _ = build_stage(cfg, run_dir, cfg.algo.seed, _echo)
+        res = sft_stage(cfg, model_dir, train_dir, run_dir, _echo)
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+    typer.echo(json.dumps(res, indent=2))
+
+
+@learn_app.command("nano")
+def nano(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object with the results."),
+) -> None:
+    """The whole nano recipe: build -> SFT -> held-out eval -> DPPO -> held-out eval."""
+    o = ctx.obj or {}
+    cfg = _config(o.get("config"), o.get("steps"), o.get("seed"))
+    run_dir = _out(cfg, o.get("out"))
+    try:
+        from training.recipe import run_recipe
+
+        res = run_recipe(cfg, run_dir, progress=o.get("progress", True) and not as_json, log=_echo)
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+    if as_json:
+        typer.echo(json.dumps(res))
+    else:
+        _echo(f"held-out pass rate: SFT {res.get('sft_pass_rate', 0):.1%} -> RL {res.get('rl_pass_rate', 0):.1%}; "
+              f"{res['minutes_total']:.1f} min total; {run_dir / 'recipe.json'}")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(learn_app, name="learn")
