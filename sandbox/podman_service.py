@@ -48,6 +48,38 @@ def ping(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def _set_parent_death_signal() -> None:
+    """In the child: get SIGTERM when the spawning thread's process dies (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def _spawn_tied_to_process(argv: list[str], **kw) -> subprocess.Popen:
+    """Popen whose child is signalled if this process dies, even by SIGKILL (when exit
+    handlers never run). The death signal follows the *thread* that forked, so the fork
+    happens on a daemon thread that lives as long as the process."""
+    box: dict = {}
+    ready = threading.Event()
+
+    def keeper() -> None:
+        try:
+            box["p"] = subprocess.Popen(argv, preexec_fn=_set_parent_death_signal, **kw)
+        except Exception as e:
+            box["e"] = e
+        ready.set()
+        threading.Event().wait()
+
+    threading.Thread(target=keeper, name="tmax-podman-service", daemon=True).start()
+    ready.wait()
+    if "e" in box:
+        raise SandboxError(f"could not start the podman service: {box['e']}") from box["e"]
+    return box["p"]
+
+
 class PodmanService:
     """A `podman system service` owned by this process."""
 
@@ -66,7 +98,7 @@ class PodmanService:
         self.url = f"unix://{sock}"
         log = open(self.dir / "service.log", "wb")
         try:
-            self.proc = subprocess.Popen(
+            self.proc = _spawn_tied_to_process(
                 ["podman", "--runtime", self.runtime, "system", "service", "--time=0", self.url],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,  # a Ctrl-C in the terminal must not kill it mid-run

@@ -104,12 +104,15 @@ def test_context_matches_full_rerender(nano):
     finally:
         ep.close()
     assert res.status == "submitted"
-    msgs = [dict(m) for m in res.messages]
+    # The trace stops at the last sampled token (the submit turn's end of turn); the
+    # re-render of the conversation up to that turn adds only the template's newline.
+    msgs = [dict(m) for m in res.messages][:-1]
+    assert msgs[-1]["role"] == "assistant"
     text = tok.apply_chat_template(msgs, tools=TOOLS, tokenize=False)
     full = tok.encode(text, add_special_tokens=False)
     ctx = policy.trace.context
-    # The re-render ends after the last observation; the trace goes on with a generation prompt.
-    assert ctx[: len(full)] == full
+    assert full[: len(ctx)] == ctx
+    assert tok.decode(full[len(ctx):]) == "\n"
 
 
 def test_format_error_ends_episode_without_verifier(nano):
@@ -170,7 +173,7 @@ def test_sandbox_that_cannot_start_is_infrastructure(nano):
 def test_tests_are_not_visible_before_submit(nano):
     tok, splits, root = nano
     look = assistant_ids(tok, "THOUGHT: peek.", "ls -a .. ; ls ../tests")
-    r = run_episode(EpisodeRequest(str(splits["train"][0]), 0, 0, 1), ScriptedSampler([look]), tok,
-                    _cfg(max_tool_calls=1), scratch=_scratch(root))
+    r = run_episode(EpisodeRequest(str(splits["train"][0]), 0, 0, 1), ScriptedSampler([look, look]), tok,
+                    _cfg(max_tool_calls=2), scratch=_scratch(root))
     obs = tok.decode([i for i, m in zip(r.ids, r.mask) if m == 0])
     assert "No such file or directory" in obs and "expected.txt" not in obs

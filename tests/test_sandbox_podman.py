@@ -257,3 +257,31 @@ def test_cli_build_base_cached_and_clean_dry_run(base_image):
     r = runner.invoke(app, ["sandbox", "clean", "--dry-run"])
     assert r.exit_code == 0, r.output
     assert "would remove" in r.output and "containers" in r.output
+
+
+def test_service_dies_with_killed_owner(tmp_path):
+    """A tmax process killed by SIGKILL (no exit handlers) leaves no service running."""
+    import sys
+
+    code = ("import os, tempfile, time; tempfile.tempdir = os.environ['T'];"
+            "from sandbox import podman_service as ps; ps.service_url();"
+            "print(ps._service.proc.pid, flush=True); time.sleep(300)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         cwd=str(Path(__file__).resolve().parents[1]), env={**os.environ, "T": str(tmp_path)})
+    try:
+        pid = int(p.stdout.readline())
+        os.kill(pid, 0)
+        p.kill()
+        p.wait()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    finally:
+        if p.poll() is None:
+            p.kill()

@@ -150,10 +150,10 @@ def train_sft(model_dir: str, demos: list[Rollout], cfg: LearnConfig, out_dir: s
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.algo.grad_clip)
         opt.step()
-        losses.append(float(out.loss))
+        losses.append(float(out.loss.detach()))
         tokens += int((labels != -100).sum())
         if log is not None:
-            log(step + 1, total, float(out.loss))
+            log(step + 1, total, losses[-1])
     path = ckpt.save_checkpoint(out_dir, model, step=0, optimizer=None,
                                 extra={"sft_steps": total, "sft_demos": len(demos)}, tokenizer_dir=model_dir)
     (Path(path) / "sft.json").write_text(json.dumps({"steps": total, "demos": len(demos), "losses": losses}))
