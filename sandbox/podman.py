@@ -179,8 +179,13 @@ class PodmanSandbox:
         result: dict = {}
 
         def work() -> None:
+            # The exec call blocks for as long as the command runs, so it gets its own client
+            # whose HTTP timeout outlasts the command (the sandbox's client keeps a short one
+            # so a wedged service cannot hang container management forever).
             try:
-                result["r"] = self.container.exec_run(cmd, demux=True, workdir=workdir, environment=env)
+                with podman_service.client(self.runtime, timeout=None if timeout is None else timeout + 60) as c:
+                    ct = c.containers.get(self.container.id)
+                    result["r"] = ct.exec_run(cmd, demux=True, workdir=workdir, environment=env)
             except Exception as e:  # reported below, on the caller's thread
                 result["e"] = e
 

@@ -285,3 +285,19 @@ def test_service_dies_with_killed_owner(tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_exec_outlasts_the_client_http_timeout(base_image, monkeypatch):
+    # Verifiers and oracle scripts run for minutes: a one-off exec must not be cut by the
+    # HTTP timeout of the client that manages the container.
+    from sandbox import podman_service
+
+    real = podman_service.client
+    monkeypatch.setattr(podman_service, "client", lambda runtime="runc", timeout=2: real(runtime, timeout=timeout))
+    sb = make_sandbox("podman", SandboxSpec(image=base_image))
+    sb.start()
+    try:
+        r = sb.exec(["sh", "-c", "sleep 4; echo done"], timeout=30)
+        assert r.exit_code == 0 and "done" in r.output, r
+    finally:
+        sb.close()
