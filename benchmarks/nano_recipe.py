@@ -1,0 +1,124 @@
+"""The nano recipe end to end: build -> SFT -> held-out eval -> DPPO RL -> held-out eval.
+
+Prints the held-out pass rate after SFT and after RL, the wall time of every stage, and
+the trainer's step time against a bare forward/backward on the same batch (the last RL
+batch, replayed on the final checkpoint). `--json` prints one JSON object with (among
+others) `sft_pass_rate`, `rl_pass_rate`, `minutes_total`, `trainer_overhead_ratio`.
+
+    python benchmarks/nano_recipe.py [--out DIR] [--seed N] [--steps N] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def last_batch_samples(run_dir: Path, cfg) -> list:
+    """The TrainSamples of the last RL step, rebuilt from rollouts.jsonl (same advantages)."""
+    from training.advantages import group_advantages
+    from training.learner import TrainSample
+
+    groups: dict[int, list[dict]] = {}
+    for line in (run_dir / "rollouts.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        groups.setdefault(r["group_id"], []).append(r)
+    full = [g for g in groups.values() if len(g) == cfg.algo.group_size and len({x["reward"] for x in g}) > 1]
+    samples = []
+    for g in full[-cfg.algo.prompts_per_step:]:
+        for r, a in zip(g, group_advantages([x["reward"] for x in g])):
+            if sum(r["mask"]):
+                samples.append(TrainSample(r["prompt_ids"], r["ids"], r["logprobs"], r["mask"], a))
+    return samples
+
+
+def trainer_overhead(ckpt: str, samples: list, cfg, repeats: int = 3) -> dict:
+    """Learner.train_step vs a bare forward + token-logprob loss + backward + AdamW step on
+    the same samples (padded batch, no packing, no DPPO mask, no fp32 head)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from training.learner import Learner
+    from training.orchestrator import learner_config
+
+    if cfg.run.torch_threads:
+        torch.set_num_threads(cfg.run.torch_threads)
+    learner = Learner(ckpt, learner_config(cfg))
+    step_s = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        learner.train_step(samples)
+        step_s.append(time.perf_counter() - t)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.algo.lr)
+    bare_s = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        opt.zero_grad()
+        for s in samples:  # one sequence at a time, like an unpacked trainer
+            ids = torch.tensor([s.prompt_ids + s.ids])
+            logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1: -1]
+            lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.ids)[:, None]).squeeze(-1)
+            m = torch.tensor(s.mask, dtype=torch.float32)
+            (-(lp * m).sum() * s.advantage / max(1, sum(x.num_loss_tokens for x in samples))).backward()
+        opt.step()
+        bare_s.append(time.perf_counter() - t)
+    step, bare = min(step_s), min(bare_s)
+    return {"trainer_step_s": round(step, 3), "bare_fwd_bwd_s": round(bare, 3),
+            "trainer_overhead_ratio": round(step / bare, 3), "batch_samples": len(samples),
+            "batch_tokens": sum(len(s) for s in samples)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="runs/bench-nano-recipe")
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--config", default=None, help="TOML config (default: the nano preset)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    from training.config import load_config, preset
+    from training.recipe import run_recipe
+
+    over = {"algo": {k: v for k, v in (("seed", args.seed), ("steps", args.steps)) if v is not None}}
+    cfg = load_config(args.config, over) if args.config else preset("nano", over)
+    out = Path(args.out).resolve() / f"seed{cfg.algo.seed}"
+    log = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    res = run_recipe(cfg, out, progress=not args.json, log=log)
+    ckpt = (res.get("rl") or {}).get("checkpoint")
+    samples = last_batch_samples(out / "rl", cfg) if ckpt else []
+    if samples:
+        res.update(trainer_overhead(ckpt, samples, cfg))
+    summary = {
+        "seed": cfg.algo.seed,
+        "sft_pass_rate": res.get("sft_pass_rate"),
+        "rl_pass_rate": res.get("rl_pass_rate"),
+        "gain_points": None if res.get("rl_pass_rate") is None else round(100 * (res["rl_pass_rate"] - res["sft_pass_rate"]), 1),
+        "minutes_total": res["minutes_total"],
+        "stage_seconds": res["times"],
+        "trainer_overhead_ratio": res.get("trainer_overhead_ratio"),
+        "trainer_step_s": res.get("trainer_step_s"),
+        "bare_fwd_bwd_s": res.get("bare_fwd_bwd_s"),
+        "rl_summary": (res.get("rl") or {}).get("summary"),
+    }
+    if args.json:
+        print(json.dumps(summary))
+        return
+    print(f"held-out pass rate after SFT: {summary['sft_pass_rate']}")
+    print(f"held-out pass rate after RL:  {summary['rl_pass_rate']}  ({summary['gain_points']} points)")
+    for k, v in res["times"].items():
+        print(f"  {k:<16} {v:8.1f}")
+    if samples:
+        print(f"trainer step {summary['trainer_step_s']}s vs bare fwd/bwd {summary['bare_fwd_bwd_s']}s "
+              f"(ratio {summary['trainer_overhead_ratio']})")
+    print(f"total {summary['minutes_total']} min")
+
+
+if __name__ == "__main__":
+    main()
