@@ -19,10 +19,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from sandbox.base import DEFAULT_COMMAND_TIMEOUT_S, NAME_PREFIX, CommandResult, SandboxError, SandboxSpec
+from sandbox.base import NAME_PREFIX, CommandResult, SandboxError, SandboxSpec
 from sandbox.hostexec import run_process
 from sandbox.local import copy_path
-from sandbox.shell import BASH_ARGV, PersistentShell
+from sandbox.shell import BASH_ARGV, PersistentShell, ShellSandbox
 
 DEFAULT_TARGET = "/workspace"
 SKIP_TOP = {"proc", "dev", "tmp"}
@@ -33,7 +33,7 @@ def available() -> bool:
     return shutil.which("bwrap") is not None
 
 
-class BwrapSandbox:
+class BwrapSandbox(ShellSandbox):
     kind = "bwrap"
 
     def __init__(self, spec: SandboxSpec | None = None):
@@ -124,18 +124,6 @@ class BwrapSandbox:
         except SandboxError:
             self.close()
             raise
-
-    def _shell(self) -> PersistentShell:
-        if self.shell is None:
-            raise SandboxError("sandbox is not started")
-        return self.shell
-
-    def run(self, command: str, timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S) -> CommandResult:
-        return self._shell().run(command, timeout)
-
-    def interrupt(self) -> None:
-        if self.shell is not None:
-            self.shell.interrupt()
 
     def exec(self, argv: list[str], timeout: float | None = None, workdir: str | None = None,
              env: dict[str, str] | None = None) -> CommandResult:

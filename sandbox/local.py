@@ -9,9 +9,9 @@ import os
 import shutil
 from pathlib import Path
 
-from sandbox.base import DEFAULT_COMMAND_TIMEOUT_S, CommandResult, SandboxError, SandboxSpec
+from sandbox.base import CommandResult, SandboxError, SandboxSpec
 from sandbox.hostexec import run_process
-from sandbox.shell import BASH_ARGV, PersistentShell
+from sandbox.shell import BASH_ARGV, PersistentShell, ShellSandbox
 
 
 def copy_path(src: Path, dst: Path) -> None:
@@ -26,7 +26,7 @@ def copy_path(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-class LocalSandbox:
+class LocalSandbox(ShellSandbox):
     kind = "local"
 
     def __init__(self, spec: SandboxSpec | None = None):
@@ -41,18 +41,6 @@ class LocalSandbox:
         self.shell = PersistentShell(BASH_ARGV, env=self.spec.env, workdir=self.workdir,
                                      spawn_cwd=self.workdir)
         self.shell.start()
-
-    def _shell(self) -> PersistentShell:
-        if self.shell is None:
-            raise SandboxError("sandbox is not started")
-        return self.shell
-
-    def run(self, command: str, timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S) -> CommandResult:
-        return self._shell().run(command, timeout)
-
-    def interrupt(self) -> None:
-        if self.shell is not None:
-            self.shell.interrupt()
 
     def exec(self, argv: list[str], timeout: float | None = None, workdir: str | None = None,
              env: dict[str, str] | None = None) -> CommandResult:

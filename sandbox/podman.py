@@ -21,10 +21,10 @@ from pathlib import Path
 
 from sandbox import podman_service
 from sandbox.base import (
-    DEFAULT_COMMAND_TIMEOUT_S, LABEL_KEY, LABEL_VALUE, NAME_PREFIX, CommandResult, SandboxError, SandboxSpec,
+    LABEL_KEY, LABEL_VALUE, NAME_PREFIX, CommandResult, SandboxError, SandboxSpec,
 )
 from sandbox.hostexec import MAX_EXEC_CHARS
-from sandbox.shell import BASH_ARGV, PersistentShell
+from sandbox.shell import BASH_ARGV, PersistentShell, ShellSandbox
 
 DEFAULT_IMAGE = "localhost/tmax-base:bookworm"
 # This machine's hard RLIMIT_NOFILE is 20000 and the runtime may not exceed it.
@@ -35,7 +35,7 @@ def _decode(b: bytes | None) -> str:
     return (b or b"")[-MAX_EXEC_CHARS:].decode("utf-8", errors="replace")
 
 
-class PodmanSandbox:
+class PodmanSandbox(ShellSandbox):
     kind = "podman"
 
     def __init__(self, spec: SandboxSpec | None = None, runtime: str = podman_service.DEFAULT_RUNTIME,
@@ -151,18 +151,6 @@ class PodmanSandbox:
             self.client = None
 
     # -- commands ---------------------------------------------------------------------
-
-    def _shell(self) -> PersistentShell:
-        if self.shell is None:
-            raise SandboxError("sandbox is not started")
-        return self.shell
-
-    def run(self, command: str, timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S) -> CommandResult:
-        return self._shell().run(command, timeout)
-
-    def interrupt(self) -> None:
-        if self.shell is not None:
-            self.shell.interrupt()
 
     def exec(self, argv: list[str], timeout: float | None = None, workdir: str | None = None,
              env: dict[str, str] | None = None) -> CommandResult:

@@ -462,3 +462,21 @@ class PersistentShell:
         except SandboxError:
             # Leave it dead: the next run() tries again and raises if that fails.
             self._child = None
+
+
+class ShellSandbox:
+    """What every backend shares: the agent's commands go through one PersistentShell."""
+
+    shell: PersistentShell | None = None
+
+    def _shell(self) -> PersistentShell:
+        if self.shell is None:
+            raise SandboxError("sandbox is not started")
+        return self.shell
+
+    def run(self, command: str, timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S) -> CommandResult:
+        return self._shell().run(command, timeout)
+
+    def interrupt(self) -> None:
+        if self.shell is not None:
+            self.shell.interrupt()

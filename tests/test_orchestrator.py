@@ -84,7 +84,10 @@ def test_ray_run_pushes_weights_checkpoints_and_resumes(tmp_path):
     cfg.algo.steps, cfg.algo.prompts_per_step, cfg.algo.group_size = 2, 1, 2
     cfg.algo.filter_zero_std, cfg.algo.active_sampling = False, False
     cfg.run.checkpoint_every, cfg.run.concurrency, cfg.run.rollout_workers, cfg.run.slots_per_worker = 1, 2, 1, 2
-    run = Path.cwd() / "runs" / "test-orchestrator" / tmp_path.name
+    import shutil
+    import uuid
+
+    run = Path.cwd() / "runs" / "test-orchestrator" / uuid.uuid4().hex[:8]
     res = train(cfg, str(tmp_path / "base"), str(tmp_path / "tasks" / "train"), run, progress=False)
     assert res.steps == 2 and res.final_checkpoint.endswith("step_2")
     rows = [json.loads(x) for x in Path(res.metrics_path).read_text().splitlines()]
@@ -107,3 +110,4 @@ def test_ray_run_pushes_weights_checkpoints_and_resumes(tmp_path):
     assert res2.steps == 3
     rows = [json.loads(x) for x in Path(res2.metrics_path).read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
+    shutil.rmtree(run, ignore_errors=True)

@@ -20,8 +20,13 @@ pytestmark = [pytest.mark.podman, pytest.mark.skipif(shutil.which("podman") is N
 def _inspect(name: str) -> dict:
     import json
 
-    r = subprocess.run(["podman", "container", "inspect", name], capture_output=True, text=True)
-    return json.loads(r.stdout)[0] if r.returncode == 0 else {}
+    # The CLI can lose a storage-lock race with the REST service on a loaded machine: retry.
+    for _ in range(5):
+        r = subprocess.run(["podman", "container", "inspect", name], capture_output=True, text=True)
+        if r.returncode == 0:
+            return json.loads(r.stdout)[0]
+        time.sleep(1)
+    return {}
 
 
 @pytest.fixture(scope="module")

@@ -354,7 +354,9 @@ def train(
         .remote(model_dir, cfg.rollout, sampler, str(scratch / f"w{i}"), None)
         for i in range(rc.rollout_workers)
     ]
-    ray.get(learner.state.remote())  # surface learner start-up errors before generating
+    # Initial sync: the engine serves exactly the learner's weights, tagged with its step
+    # (a resumed run's engine would otherwise report version 0 and all its data look stale).
+    ray.get(engine.push_weights.remote(learner.named_weights.remote(), start_step))
     setup_s = time.monotonic() - t_setup
 
     acc = BatchAccumulator(BatchConfig(groups_per_batch=a.prompts_per_step, filter_zero_std=a.filter_zero_std,
@@ -441,7 +443,7 @@ def train(
             while ready and not acc.full:
                 fate = acc.offer(ready.popleft(), consume_step)
                 open_prompt()  # one new prompt per consumed group
-                useless = useless + 1 if fate != "kept" else 0
+                useless = useless + 1 if fate == "filtered" else 0
                 if useless and useless % 50 == 0:
                     bar.note(f"{useless} groups in a row without reward variance (all solved or all failed)")
                 if useless >= max_useless:
