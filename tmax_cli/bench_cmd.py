@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
