@@ -44,7 +44,7 @@ class LocalSandbox(ShellSandbox):
 
     def exec(self, argv: list[str], timeout: float | None = None, workdir: str | None = None,
              env: dict[str, str] | None = None) -> CommandResult:
-        full_env = dict(os.environ, **self.spec.env, **(env or {}))
+        full_env = {**os.environ, **self.spec.env, **(env or {})}  # later sources win on repeated keys
         return run_process(argv, timeout, cwd=workdir or self.workdir, env=full_env)
 
     def copy_in(self, src: Path, dst: str) -> None:

@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from tasks.dataset import load_tasks
+from tasks.hostenv import ENV_KINDS
 from tasks.model import Task
 from tasks.offline import default_config
 from tasks.runners import make_agent
@@ -60,10 +61,21 @@ class JobConfig(BaseModel):
     use_prebuilt: bool = True
     override_cpus: float | None = None
     override_memory_mb: int | None = None
+    # Where trials run: podman containers, or the host sandboxes (`tasks.hostenv`).
+    environment: str = "podman"
     created_at: str | None = None
+
+    @field_validator("environment")
+    @classmethod
+    def _known_environment(cls, v: str) -> str:
+        if v not in ENV_KINDS:
+            raise ValueError(f"unknown environment {v!r}: choose one of {', '.join(ENV_KINDS)}")
+        return v
 
     def identity(self, task_checksums: dict[str, str]) -> str:
         data = {k: v for k, v in self.model_dump().items() if k not in VOLATILE}
+        if data.get("environment") == "podman":
+            del data["environment"]  # jobs from before the field existed keep their identity
         data["dataset"] = None  # where the tasks live does not matter, what they contain does
         data["tasks"] = task_checksums
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
@@ -111,11 +123,14 @@ def _read_json(path: Path) -> dict | None:
 
 
 class Job:
-    def __init__(self, config: JobConfig, api_key: str | None = None, sandbox_kind: str = "podman"):
+    def __init__(self, config: JobConfig, api_key: str | None = None, sandbox_kind: str | None = None):
+        if sandbox_kind is not None and sandbox_kind != config.environment:
+            raise JobError(f"sandbox_kind={sandbox_kind!r} contradicts JobConfig.environment="
+                           f"{config.environment!r}; set JobConfig.environment only")
         self.config = config
         self.dir = Path(config.jobs_dir).expanduser() / config.job_name
         self.api_key = api_key
-        self.sandbox_kind = sandbox_kind
+        self.sandbox_kind = config.environment
         self.tasks: list[Task] = load_tasks(config.dataset, config.include or None, config.exclude or None,
                                             config.limit)
         self.checksums = {t.name: t.checksum() for t in self.tasks}
@@ -137,6 +152,10 @@ class Job:
         cfg = dict(data.get("tmax_job") or {})
         if not cfg:
             raise JobError(f"{job_dir}/config.json was not written by tmax bench")
+        env = overrides.get("environment")
+        if env is not None and env != cfg.get("environment", "podman"):
+            raise JobError(f"{job_dir} runs its trials with -e {cfg.get('environment', 'podman')}, not {env}: the "
+                           "environment is part of a job's identity (start a new job to use another)")
         cfg.update({k: v for k, v in overrides.items() if v is not None})
         cfg["jobs_dir"] = str(job_dir.parent)
         cfg["job_name"] = job_dir.name

@@ -6,6 +6,7 @@ from __future__ import annotations
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -56,6 +57,8 @@ class OracleAgent:
     def run(self, sandbox, task, workdir, agent_dir, timeout, cancel) -> AgentRun:
         if not task.has_solution:
             return AgentRun(error=f"{task.name} has no solution/solve.sh")
+        if sandbox.kind != "podman":
+            return self._run_on_host(sandbox, task, workdir, agent_dir, timeout)
         with tempfile.TemporaryDirectory(prefix="tmax-oracle-") as tmp:
             sol = Path(tmp) / "solution"
             notes = copy_patched(task, "solution", sol, self.rewrite)
@@ -67,6 +70,26 @@ class OracleAgent:
                                               errors="replace")
         timed_out = res.timed_out
         return AgentRun(timed_out=timed_out,
+                        metadata={"exit_code": res.exit_code, "duration_s": round(res.duration_s, 3)})
+
+    def _run_on_host(self, sandbox, task, workdir, agent_dir, timeout) -> AgentRun:
+        """Host sandboxes share no private /solution: the solution goes to a fresh
+        directory under the sandbox's /tmp and solve.sh runs there as one process."""
+        sol = f"/tmp/tmax-solution-{uuid.uuid4().hex[:12]}"
+        try:
+            with tempfile.TemporaryDirectory(prefix="tmax-oracle-") as tmp:
+                notes = copy_patched(task, "solution", Path(tmp) / "solution", self.rewrite)
+                sandbox.copy_in(Path(tmp) / "solution", sol)
+            res = sandbox.exec(["bash", "-c", f"bash {sol}/solve.sh 2>&1"], timeout=timeout, workdir=workdir)
+        finally:
+            try:
+                sandbox.exec(["rm", "-rf", sol], timeout=60)
+            except SandboxError:
+                pass
+        agent_dir.mkdir(parents=True, exist_ok=True)
+        (agent_dir / "oracle.txt").write_text("".join(f"# tmax: {n}\n" for n in notes) + res.output[-2_000_000:],
+                                              errors="replace")
+        return AgentRun(timed_out=res.timed_out,
                         metadata={"exit_code": res.exit_code, "duration_s": round(res.duration_s, 3)})
 
 

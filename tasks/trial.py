@@ -1,4 +1,6 @@
 """One trial: image -> container -> agent -> verifier -> outcome, in a Harbor trial dir.
+On the host sandboxes (bwrap, local) a fresh workspace stands in for the image
+(`tasks.hostenv`) and the verifier runs from a per-trial copy of tests/.
 
     <trial>/config.json           what was run (written first)
     <trial>/result.json           reward, timings, exception info (written last, atomically)
@@ -7,7 +9,7 @@
     <trial>/exception.txt         the traceback when something went wrong
 
 Outcomes: pass | fail | agent_timeout | infra_error | verifier_error (| cancelled, which
-is never scored and is rerun on resume). The container is always removed.
+is never scored and is rerun on resume). The container (or host workspace) is always removed.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sandbox.base import SandboxError, SandboxSpec
+from tasks.hostenv import HOST_KINDS, HostEnv, HostEnvError
+from tasks.hostenv import prepare as prepare_host
 from tasks.images import ImageBuildError, TaskImage, ensure_image
 from tasks.model import Task
 from tasks.offline import RewriteConfig
 from tasks.runners import TrialAgent
 from tasks.scoring import SUCCESS
-from tasks.verifier import run_verifier
+from tasks.verifier import run_host_verifier, run_verifier
 
 CANCELLED = "cancelled"
 TRIAL_LABEL = "io.tmax.trial"
@@ -109,21 +113,29 @@ def run_trial(plan: TrialPlan, env: TrialEnv) -> dict:
     verifier_status = None
     verifier_s = None
     image: TaskImage | None = None
+    host: HostEnv | None = None
     sandbox = None
     mult = env.timeout_multiplier
     ecfg = task.config.environment
     try:
         with _Phase(times, "environment_setup"):
-            image = ensure_image(task, env.rewrite, use_prebuilt=env.use_prebuilt, cancel=env.cancel)
+            labels = {JOB_LABEL: plan.job_name, TRIAL_LABEL: plan.trial_name}
+            name = f"tmax-{plan.trial_name}".replace("__", "-").lower()[:60] + "-" + uuid.uuid4().hex[:6]
+            if env.sandbox_kind in HOST_KINDS:
+                # The host stands in for the base image: a fresh workspace, no image build.
+                host = prepare_host(task, env.sandbox_kind)
+                workdir = host.workdir
+                spec = host.spec(network=ecfg.allow_internet, name=name, labels=labels)
+            else:
+                image = ensure_image(task, env.rewrite, use_prebuilt=env.use_prebuilt, cancel=env.cancel)
+                workdir = image.workdir
+                spec = SandboxSpec(
+                    image=image.tag, workdir=image.workdir, network=ecfg.allow_internet,
+                    cpus=env.override_cpus or ecfg.cpus, memory_mb=env.override_memory_mb or ecfg.memory_mb,
+                    env=dict(env.rewrite.ca_env), mounts=list(env.rewrite.ca_mount), labels=labels, name=name,
+                )
             if env.cancel.is_set():
                 raise _Cancelled()
-            spec = SandboxSpec(
-                image=image.tag, workdir=image.workdir, network=ecfg.allow_internet,
-                cpus=env.override_cpus or ecfg.cpus, memory_mb=env.override_memory_mb or ecfg.memory_mb,
-                env=dict(env.rewrite.ca_env), mounts=list(env.rewrite.ca_mount),
-                labels={JOB_LABEL: plan.job_name, TRIAL_LABEL: plan.trial_name},
-                name=f"tmax-{plan.trial_name}".replace("__", "-").lower()[:60] + "-" + uuid.uuid4().hex[:6],
-            )
             sandbox = make_sandbox(env.sandbox_kind, spec)
             if env.on_sandbox:
                 env.on_sandbox(plan.trial_name, sandbox)
@@ -131,7 +143,7 @@ def run_trial(plan: TrialPlan, env: TrialEnv) -> dict:
         if env.cancel.is_set():
             raise _Cancelled()
         with _Phase(times, "agent_execution"):
-            agent_run = env.agent.run(sandbox, task, image.workdir, plan.trial_dir / "agent",
+            agent_run = env.agent.run(sandbox, task, workdir, plan.trial_dir / "agent",
                                       task.config.agent.timeout_sec * mult, env.cancel)
         if env.cancel.is_set():
             raise _Cancelled()
@@ -142,8 +154,8 @@ def run_trial(plan: TrialPlan, env: TrialEnv) -> dict:
             exc = _exception("AgentError", agent_run.error)
         # As in Harbor, the verifier runs even after an agent timeout.
         with _Phase(times, "verifier"):
-            vr = run_verifier(sandbox, task, image.workdir, plan.trial_dir / "verifier",
-                              task.config.verifier.timeout_sec * mult)
+            verify = run_host_verifier if host is not None else run_verifier
+            vr = verify(sandbox, task, workdir, plan.trial_dir / "verifier", task.config.verifier.timeout_sec * mult)
         if env.cancel.is_set():
             raise _Cancelled()
         verifier_status = vr.status
@@ -153,7 +165,8 @@ def run_trial(plan: TrialPlan, env: TrialEnv) -> dict:
             exc = _exception("VerifierTimeoutError", vr.error or "verifier timed out")
             outcome = "verifier_error"
         elif vr.status == "error":
-            kind = "RewardFileNotFoundError" if "no /logs/verifier" in (vr.error or "") else "VerifierError"
+            kind = "RewardFileNotFoundError" if "reward.txt or reward.json was written" in (vr.error or "") \
+                else "VerifierError"
             exc = _exception(kind, vr.error or "verifier failed")
             outcome = "verifier_error"
         elif agent_run.timed_out:
@@ -162,7 +175,7 @@ def run_trial(plan: TrialPlan, env: TrialEnv) -> dict:
             outcome = "pass" if reward is not None and reward >= SUCCESS else "fail"
     except _Cancelled:
         outcome, exc = CANCELLED, _exception("CancelledError", "the job was interrupted")
-    except (ImageBuildError, SandboxError, OSError) as e:
+    except (ImageBuildError, HostEnvError, SandboxError, OSError) as e:
         if env.cancel.is_set():
             outcome, exc = CANCELLED, _exception("CancelledError", "the job was interrupted")
         else:
@@ -182,6 +195,8 @@ def run_trial(plan: TrialPlan, env: TrialEnv) -> dict:
                 pass
             if env.on_sandbox:
                 env.on_sandbox(plan.trial_name, None)
+        if host is not None:
+            host.close()
     if outcome != "pass" and outcome != "fail" and outcome not in ("agent_timeout", "verifier_error"):
         reward = None  # infra errors and cancellations carry no reward
     if exc and exc.get("exception_traceback"):
@@ -211,6 +226,7 @@ def run_trial(plan: TrialPlan, env: TrialEnv) -> dict:
         **{k: times.get(k) for k in ("environment_setup", "agent_setup", "agent_execution", "verifier")},
         "tmax": {
             "outcome": outcome,
+            "environment": env.sandbox_kind,
             "reward": reward,
             "attempt": plan.attempt,
             "category": task.category,

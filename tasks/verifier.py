@@ -17,6 +17,7 @@ import math
 import re
 import shlex
 import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,11 +191,17 @@ def run_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path,
     if prep.exit_code != 0:
         raise SandboxError(f"could not prepare /tests and /logs/verifier: {prep.output}{prep.stderr}")
     sandbox.copy_in(task.tests_dir, "/tests")
-    with tempfile.TemporaryDirectory(prefix="tmax-verifier-") as tmp:
-        script = Path(tmp) / "test.sh"
-        script.write_text(verifier_script(task))
-        sandbox.copy_in(script, SCRIPT_PATH)
-    res = run_long(sandbox, f"bash {SCRIPT_PATH}", timeout, workdir=workdir,
+    script_path = "/tests/test.sh"
+    script_text = verifier_script(task)
+    # Only a rewritten script runs from elsewhere: an unchanged test.sh must run from
+    # /tests, since scripts may find their fixtures next to themselves (BASH_SOURCE).
+    if script_text != (task.tests_dir / "test.sh").read_text(encoding="utf-8", errors="replace"):
+        script_path = SCRIPT_PATH
+        with tempfile.TemporaryDirectory(prefix="tmax-verifier-") as tmp:
+            script = Path(tmp) / "test.sh"
+            script.write_text(script_text)
+            sandbox.copy_in(script, SCRIPT_PATH)
+    res = run_long(sandbox, f"bash {script_path}", timeout, workdir=workdir,
                    env=dict(task.config.verifier.env) or None, log_path="/logs/verifier/test-stdout.txt")
     duration = res.duration_s  # test.sh itself, without the copies
     try:
@@ -211,6 +218,55 @@ def run_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path,
     if reward is None:
         return VerifierResult(None, "error", f"{why} (test.sh exit {res.exit_code})", res.exit_code, duration)
     return VerifierResult(reward, "ok", None, res.exit_code, duration)
+
+
+def run_host_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path,
+                      timeout: float | None = None) -> VerifierResult:
+    """The verifier on a host sandbox (`bwrap`, `local`), which has no private /tests or
+    /logs: test.sh runs from a per-trial copy of `tests/` in a fresh directory under the
+    sandbox's /tmp, with TMAX_WORKDIR / TMAX_TESTS_DIR / TMAX_LOGS_DIR saying where
+    things are (the generated nano tasks honour them), and the reward is read from that
+    trial's own logs dir. The directory is created only now, after the agent stopped."""
+    timeout = timeout or task.config.verifier.timeout_sec
+    out_dir.mkdir(parents=True, exist_ok=True)
+    root = f"/tmp/tmax-verifier-{uuid.uuid4().hex[:12]}"
+    tests, logs = f"{root}/tests", f"{root}/logs"
+    try:
+        sandbox.copy_in(task.tests_dir, tests)
+        with tempfile.TemporaryDirectory(prefix="tmax-verifier-") as tmp:
+            script = Path(tmp) / "test.sh"
+            script.write_text(verifier_script(task))
+            sandbox.copy_in(script, f"{tests}/test.sh")  # over the copy: fixtures stay next to it
+        prep = sandbox.exec(["mkdir", "-p", f"{logs}/verifier"], timeout=60)
+        if prep.exit_code != 0:
+            raise SandboxError(f"could not create the verifier logs dir: {prep.output}{prep.stderr}")
+        env = {**task.config.verifier.env, "TMAX_WORKDIR": workdir, "TMAX_TESTS_DIR": tests, "TMAX_LOGS_DIR": logs}
+        log = shlex.quote(f"{logs}/verifier/test-stdout.txt")
+        res = sandbox.exec(["bash", "-c", f"bash {shlex.quote(tests + '/test.sh')} > {log} 2>&1"],
+                           timeout=timeout, workdir=workdir, env=env)
+        try:
+            sandbox.copy_out(f"{logs}/verifier", out_dir)
+        except SandboxError:
+            pass  # the reward is read below; the copy is for people
+        _flatten(out_dir)
+        if res.timed_out:
+            return VerifierResult(None, "timeout", f"verifier exceeded timeout_sec={timeout:.0f}s", res.exit_code,
+                                  res.duration_s)
+        if res.exit_code == SETUP_FAILED_RC:
+            return VerifierResult(None, "error", "verifier setup failed (see verifier/test-stdout.txt)",
+                                  res.exit_code, res.duration_s)
+        reward, why = parse_reward(_read(sandbox, f"{logs}/verifier/reward.txt"),
+                                   _read(sandbox, f"{logs}/verifier/reward.json"))
+        if reward is None:
+            why = (why or "").replace("/logs/verifier", "$TMAX_LOGS_DIR/verifier")
+            return VerifierResult(None, "error", f"{why} (test.sh exit {res.exit_code})", res.exit_code,
+                                  res.duration_s)
+        return VerifierResult(reward, "ok", None, res.exit_code, res.duration_s)
+    finally:
+        try:
+            sandbox.exec(["rm", "-rf", root], timeout=60)
+        except SandboxError:
+            pass
 
 
 def _flatten(out_dir: Path) -> None:

@@ -148,25 +148,38 @@ def test_solve_sh_passes_with_explicit_workdir(written, tmp_path):
 
 
 def test_wrong_answers_fail(written, tmp_path):
-    """Near misses score 0: a wrong count, the unsorted file, the wrong file found."""
+    """Near misses score 0: a wrong count, the input unchanged, a confusable kind's command."""
     _, dirs = written
     by_kind = {}
     for d in dirs["train"]:
         by_kind.setdefault(tomllib.loads((d / "task.toml").read_text())["metadata"]["nano"]["kind"], d)
     wrong = {
-        "count_lines": lambda m: f"echo 999 > {m['params']['dst']}",
-        "sort": lambda m: f"cp {m['params']['src']} {m['params']['dst']}",
-        "upper": lambda m: f"cp {m['params']['src']} {m['params']['dst']}",
-        "find_file": lambda m: f"ls {m['params']['dir']}/* | head -n 1 > {m['params']['dst']} && echo nope >> {m['params']['dst']}",
-        "create": lambda m: f"echo wrong > {m['params']['dst']}",
+        "count_lines": "echo 999 > answer.txt",
+        "count_words": "wc -l < *.dat > answer.txt",
+        "sort": "cp *.dat answer.txt",
+        "upper": "cp *.dat answer.txt",
+        "unique": "sort *.dat > answer.txt",
+        "reverse": "sort -r *.dat > answer.txt",
+        "first": "tail -n 1 *.dat > answer.txt",
+        "last": "head -n 1 *.dat > answer.txt",
     }
-    for kind, make in wrong.items():
+    assert set(wrong) == set(T.KINDS)
+    for kind, command in wrong.items():
         d = by_kind[kind]
-        meta = tomllib.loads((d / "task.toml").read_text())["metadata"]["nano"]
         work, logs = _fresh(d, tmp_path / kind)
-        subprocess.run(["bash", "-c", make(meta)], cwd=work, check=True)
+        subprocess.run(["bash", "-c", command], cwd=work, check=True)
         reward, out = _verify(d, work, logs)
         assert reward == 0.0, (kind, out)
+
+
+def test_oracle_commands_depend_on_kind_only():
+    """The learnable part: one command per kind, and no held-out parameter in any command."""
+    for split in T.SPLITS:
+        by_kind: dict[str, set] = {}
+        for t in T.generate(split, 80, seed=1):
+            by_kind.setdefault(t.kind, set()).add(tuple(t.commands))
+            assert t.params["src"] in t.instruction and t.params["src"] not in " ".join(t.commands)
+        assert all(len(v) == 1 for v in by_kind.values()), by_kind
 
 
 def test_oracle_steps_have_thoughts(written):

@@ -1,13 +1,15 @@
-"""`tmax bench`: Harbor-format tasks (Terminal-Bench 2.0) in podman sandboxes.
+"""`tmax bench`: Harbor-format tasks (Terminal-Bench 2.0) in podman sandboxes, or on the
+host sandboxes (-e bwrap|local) for tasks whose Dockerfile only adds files to the base image.
 
-    tmax bench run PATH|DATASET -a AGENT -m MODEL --base-url URL -k N -n N -i GLOB -x GLOB -l N
+    tmax bench run PATH|DATASET -a AGENT -m MODEL --base-url URL -k N -n N -i GLOB -x GLOB -l N -e ENV
     tmax bench terminal-bench -m MODEL --base-url URL      (k = 5, the tasks' own timeouts)
-    tmax bench resume JOB_DIR [--base-url URL] [--retry-infra]
+    tmax bench resume JOB_DIR [--base-url URL] [--retry-infra] [-e ENV]
     tmax bench report JOB_DIR [--json]
     tmax bench prepare PATH|DATASET                          (pre-build the images)
 
 Flags follow Harbor's letters: -k is attempts (not agent kwargs: use --ak key=value),
--n concurrency, -i / -x include / exclude globs, -l a cap on tasks after the filters.
+-n concurrency, -i / -x include / exclude globs, -l a cap on tasks after the filters,
+-e the environment (podman | bwrap | local; part of the job identity).
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def _run_job(job, retry_infra: bool) -> None:
         bar.update(tid, completed=p.done, total=p.total, info=info(p))
 
     console.print(f"job [bold]{job.dir}[/] · {len(job.tasks)} tasks × {job.config.n_attempts} attempts · "
-                  f"agent {job.config.agent}" + (f" · model {job.config.model}" if job.config.model else ""))
+                  f"agent {job.config.agent} · env {job.config.environment}" + (f" · model {job.config.model}" if job.config.model else ""))
     try:
         with bar:
             data = job.run(on_event, retry_infra=retry_infra)
@@ -95,7 +97,7 @@ def _run_job(job, retry_infra: bool) -> None:
 def _make_job(dataset: str, agent: str, model: Optional[str], base_url: Optional[str], attempts: int,
               concurrent: int, include: list[str], exclude: list[str], limit: Optional[int], jobs_dir: Path,
               job_name: Optional[str], timeout_multiplier: float, image_map: list[str], prebuilt: bool,
-              ak: list[str], api_key_env: str):
+              ak: list[str], api_key_env: str, environment: str = "podman"):
     from tasks.dataset import DatasetError
     from tasks.job import Job, JobConfig, JobError
 
@@ -104,7 +106,8 @@ def _make_job(dataset: str, agent: str, model: Optional[str], base_url: Optional
         cfg = JobConfig(job_name=name, jobs_dir=str(jobs_dir), dataset=dataset, include=include, exclude=exclude,
                         limit=limit, agent=agent, model=model, base_url=base_url, api_key_env=api_key_env,
                         agent_kwargs=_parse_kwargs(ak), n_attempts=attempts, n_concurrent=concurrent,
-                        timeout_multiplier=timeout_multiplier, image_map=image_map, use_prebuilt=prebuilt)
+                        timeout_multiplier=timeout_multiplier, image_map=image_map, use_prebuilt=prebuilt,
+                        environment=environment)
         return Job(cfg, api_key=os.environ.get(api_key_env))
     except (DatasetError, JobError, ValueError) as e:
         _fail(str(e))
@@ -127,6 +130,9 @@ _PREBUILT = typer.Option(True, "--prebuilt/--no-prebuilt", help="Use a task's do
 _AK = typer.Option([], "--ak", "--agent-kwarg", help="Agent setting key=value, e.g. --ak max_steps=32 (repeatable).")
 _RETRY = typer.Option(False, "--retry-infra", help="Rerun trials that ended in an infrastructure error.")
 _KEYENV = typer.Option("OPENAI_API_KEY", "--api-key-env", help="Environment variable holding the API key.")
+_ENV = typer.Option("podman", "-e", "--env",
+                    help="Where trials run: podman (task images), or bwrap / local (the host stands in for the "
+                         "base image; only for tasks whose Dockerfile is FROM + WORKDIR + COPY/ADD + ENV).")
 
 
 @bench_app.command("run")
@@ -137,11 +143,11 @@ def run_cmd(
     concurrent: int = _CONC, include: list[str] = _INC, exclude: list[str] = _EXC, limit: Optional[int] = _LIMIT,
     jobs_dir: Path = _JOBS, job_name: Optional[str] = _NAME, timeout_multiplier: float = _TMULT,
     image_map: list[str] = _IMAP, prebuilt: bool = _PREBUILT, ak: list[str] = _AK, retry_infra: bool = _RETRY,
-    api_key_env: str = _KEYENV,
+    api_key_env: str = _KEYENV, environment: str = _ENV,
 ) -> None:
     """Run an agent on tasks; results land in JOBS_DIR/JOB_NAME as each trial ends."""
     job = _make_job(dataset, agent, model, base_url, attempts, concurrent, include, exclude, limit, jobs_dir,
-                    job_name, timeout_multiplier, image_map, prebuilt, ak, api_key_env)
+                    job_name, timeout_multiplier, image_map, prebuilt, ak, api_key_env, environment)
     _run_job(job, retry_infra)
 
 
@@ -154,11 +160,12 @@ def terminal_bench_cmd(
     include: list[str] = _INC, exclude: list[str] = _EXC, limit: Optional[int] = _LIMIT,
     jobs_dir: Path = _JOBS, job_name: Optional[str] = _NAME, image_map: list[str] = _IMAP,
     prebuilt: bool = _PREBUILT, ak: list[str] = _AK, retry_infra: bool = _RETRY, api_key_env: str = _KEYENV,
+    environment: str = _ENV,
 ) -> None:
     """Terminal-Bench 2.0 by the paper's protocol: 5 attempts per task, the tasks' own timeouts,
     errors scored 0, unbiased pass@k."""
     job = _make_job(dataset, agent, model, base_url, 5, concurrent, include, exclude, limit, jobs_dir,
-                    job_name, 1.0, image_map, prebuilt, ak, api_key_env)
+                    job_name, 1.0, image_map, prebuilt, ak, api_key_env, environment)
     _run_job(job, retry_infra)
 
 
@@ -169,6 +176,9 @@ def resume_cmd(
                                            help="A new endpoint (it is not part of the job identity)."),
     concurrent: Optional[int] = typer.Option(None, "-n", "--n-concurrent", min=1),
     retry_infra: bool = _RETRY,
+    environment: Optional[str] = typer.Option(None, "-e", "--env",
+                                              help="Only to confirm the job's environment (it is part of its "
+                                                   "identity); default: the one the job was started with."),
 ) -> None:
     """Finish a job: run only the trials that have no result yet."""
     from tasks.dataset import DatasetError
@@ -177,7 +187,7 @@ def resume_cmd(
     cfg = (_read_json(job_dir / "config.json") or {}).get("tmax_job") or {}
     key = os.environ.get(cfg.get("api_key_env") or "OPENAI_API_KEY")
     try:
-        job = Job.open(job_dir, base_url=base_url, n_concurrent=concurrent, api_key=key)
+        job = Job.open(job_dir, base_url=base_url, n_concurrent=concurrent, api_key=key, environment=environment)
     except (DatasetError, JobError, ValueError) as e:
         _fail(str(e))
     _run_job(job, retry_infra)

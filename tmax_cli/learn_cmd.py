@@ -5,6 +5,8 @@
     tmax learn --resume             continue the run in --out from its latest checkpoint
     tmax learn sft                  only the SFT warm start
     tmax learn nano [--json]        the whole recipe: build -> SFT -> eval -> RL -> eval
+    tmax learn --nodes N            the same run spread over N Ray nodes (--dry-run: the plan
+                                    and an sbatch script, without Ray)
 """
 
 from __future__ import annotations
@@ -61,12 +63,42 @@ def learn(
     steps: Optional[int] = typer.Option(None, "--steps", help="Override algo.steps."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Override algo.seed."),
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar (logs only)."),
+    nodes: Optional[int] = typer.Option(None, "--nodes", help="Spread the run over N Ray nodes (learners + engines)."),
+    gpus_per_node: int = typer.Option(8, "--gpus-per-node", help="GPUs per node (0: a CPU-only cluster)."),
+    train_nodes: Optional[int] = typer.Option(
+        None, "--train-nodes", help="Nodes for learners; the rest serve (default: 2 of 8, 1 below 4 nodes)."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel size of each vLLM engine."),
+    learners_per_node: Optional[int] = typer.Option(
+        None, "--learners-per-node", help="Learner ranks per train node (default: one per GPU; 1 on CPU)."),
+    engines_per_node: Optional[int] = typer.Option(
+        None, "--engines-per-node", help="Engines per inference node (default: GPUs / TP; 1 on CPU)."),
+    address: Optional[str] = typer.Option(
+        None, "--address", help="Ray cluster to join (default: RAY_ADDRESS, a Slurm allocation, or local)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="With --nodes: print the placement plan and an sbatch script."),
 ) -> None:
     """Run DPPO. With no config: the nano recipe's RL stage."""
     ctx.obj = {"config": config, "out": out, "steps": steps, "seed": seed, "progress": not no_progress}
     if ctx.invoked_subcommand is not None:
         return
     cfg = _config(config, steps, seed)
+    plan = None
+    if nodes is not None:
+        plan = _plan(cfg, nodes, gpus_per_node, train_nodes, tp, learners_per_node, engines_per_node)
+        if tp > 1:
+            cfg.engine.extra_args = [*cfg.engine.extra_args, "--tensor-parallel-size", str(tp)]
+        if dry_run:
+            from training.placement import dry_run_text
+
+            extra = [a for flag, v in (("--config", config), ("--out", out), ("--steps", steps), ("--seed", seed))
+                     if v is not None for a in (flag, str(v))]
+            extra += ["--tp", str(tp)] if tp > 1 else []
+            extra += ["--learners-per-node", str(learners_per_node)] if learners_per_node else []
+            extra += ["--engines-per-node", str(engines_per_node)] if engines_per_node else []
+            typer.echo(dry_run_text(plan, extra))
+            return
+    elif dry_run:
+        typer.secho("tmax learn: --dry-run prints a multi-node plan; pass --nodes N", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
     run_dir = _out(cfg, out)
     try:
         if cfg.model.build_nano or cfg.tasks.generate_nano:
@@ -81,7 +113,12 @@ def learn(
             start, train_dir, rl_dir = cfg.model.path, cfg.tasks.train, run_dir
         from training.orchestrator import train
 
-        res = train(cfg, start, train_dir, rl_dir, resume=resume, progress=not no_progress)
+        if plan is None:
+            res = train(cfg, start, train_dir, rl_dir, resume=resume, progress=not no_progress)
+        else:
+            res = _placed_train(cfg, plan, address, start, train_dir, rl_dir, resume, not no_progress)
+    except typer.Exit:
+        raise
     except KeyboardInterrupt:
         _echo("interrupted; resume with --resume")
         raise typer.Exit(130)
@@ -89,6 +126,56 @@ def learn(
         _fail(e)
     _echo(f"done: {res.steps} steps; checkpoint {res.final_checkpoint}; reward curve {res.curve_png}")
     typer.echo(json.dumps(res.summary, indent=2))
+
+
+def _plan(cfg, nodes, gpus_per_node, train_nodes, tp, learners_per_node, engines_per_node):
+    from training.placement import PlanError, make_plan
+
+    try:
+        return make_plan(nodes, gpus_per_node, train_nodes, tp=tp, sandbox_workers=cfg.run.rollout_workers,
+                         learners_per_node=learners_per_node, engines_per_node=engines_per_node)
+    except PlanError as e:
+        typer.secho(f"tmax learn: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+
+
+def _log_step(step: int, metrics: dict) -> None:
+    """One console line per step when there is no progress bar (logs of a cluster job)."""
+    keys = (("reward", "train/reward_all_rollouts"), ("batch reward", "objective/verifiable_reward"),
+            ("loss tokens", "learner/tokens"), ("train s", "time/training"), ("sync s", "time/weight_sync"),
+            ("episodes", "episode"), ("requeued", "infra/requeued"))
+    parts = [f"{label} {metrics[k]:.4g}" for label, k in keys if isinstance(metrics.get(k), (int, float))]
+    _echo(f"step {step}: " + ", ".join(parts))
+
+
+def _placed_train(cfg, plan, address, start, train_dir, rl_dir, resume, progress):
+    """Join (or start) the cluster, check it holds the plan, reserve the placement groups,
+    train, and give everything back whatever happens."""
+    from training import cluster, placement
+    from training.orchestrator import train
+
+    _echo(plan.describe())
+    handle = cluster.connect(plan, address or cfg.run.ray_address)
+    try:
+        missing = placement.check_live_cluster(plan)
+        if missing:
+            typer.secho("tmax learn: the Ray cluster cannot hold this plan:", fg=typer.colors.RED, err=True)
+            for m in missing:
+                typer.secho(f"  - {m}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(1)
+        pl = placement.reserve(plan)
+        try:
+            _echo(f"placement groups ready: learners on {pl.learner_nodes}, engines on {pl.engine_nodes}")
+            res = train(cfg, start, train_dir, rl_dir, resume=resume, progress=progress, placement=pl,
+                        on_step=None if progress else _log_step)
+        finally:
+            pl.remove()
+        where = Path(rl_dir) / "placement.json"
+        if where.is_file():
+            _echo(f"actors placed: {where.read_text()}")
+        return res
+    finally:
+        handle.shutdown()
 
 
 @learn_app.command("sft")

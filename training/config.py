@@ -96,6 +96,8 @@ class SFTConfig(_Strict):
     warmup_ratio: float = Field(0.03, ge=0, lt=1)
     # Share of the train split used for SFT demonstrations (partial SFT leaves room for RL).
     task_fraction: float = Field(1.0, gt=0, le=1)
+    # SFT runs before any other stage of the recipe, so it may use every core (None).
+    torch_threads: int | None = None
 
 
 class EvalConfig(_Strict):

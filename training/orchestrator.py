@@ -137,6 +137,9 @@ def _actor_classes():
             )
             self._sampler = self.engine.sampler(seed)
 
+        def node_id(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
         def info(self) -> dict:
             return {"base_url": self.engine.base_url, "model": self.engine.served_model_name,
                     "version": self.engine.policy_version}
@@ -163,6 +166,9 @@ def _actor_classes():
             self.scratch = scratch
             self.record_root = record_root
             Path(scratch).mkdir(parents=True, exist_ok=True)
+
+        def node_id(self) -> str:
+            return ray.get_runtime_context().get_node_id()
 
         def run(self, req: EpisodeRequest, version: int) -> dict:
             from training.rollout import run_episode
@@ -309,11 +315,14 @@ def train(
     engine_handle: Any = None,
     keep_engine: bool = False,
     on_step: Any = None,
+    placement: Any = None,
 ) -> RunResult:
     """Run DPPO from `model_dir` (or, with `resume`, from the run's latest checkpoint).
 
     `engine_handle` reuses a running EngineActor (already serving `model_dir`);
-    `keep_engine` leaves it running afterwards (the recipe evaluates on it)."""
+    `keep_engine` leaves it running afterwards (the recipe evaluates on it).
+    `placement` (a `training.placement.Placement`) spreads learner ranks, engines and
+    rollout workers over the cluster per its plan (`training.scaleout`)."""
     import ray
 
     from training import checkpoint as ckpt
@@ -343,17 +352,20 @@ def train(
     LearnerActor, EngineActor, RolloutWorker = _actor_classes()
     cpus = float(rc.ray_num_cpus or os.cpu_count() or 2)
     t_setup = time.monotonic()
-    learner = LearnerActor.options(num_cpus=min(1.0, cpus / 4)).remote(
-        model_dir, learner_config(cfg), resume_from, rc.torch_threads)
     own_engine = engine_handle is None
-    engine = engine_handle or start_engine(cfg, model_dir, run_dir)
-    sampler = ActorSampler(engine)
-    scratch = run_dir.resolve() / "sandboxes"
-    workers = [
-        RolloutWorker.options(num_cpus=min(0.5, cpus / (4 * rc.rollout_workers)), max_concurrency=rc.slots_per_worker)
-        .remote(model_dir, cfg.rollout, sampler, str(scratch / f"w{i}"), None)
-        for i in range(rc.rollout_workers)
-    ]
+    if placement is not None:
+        learner, engine, workers = _placed_actors(cfg, placement, model_dir, resume_from, run_dir, engine_handle)
+    else:
+        learner = LearnerActor.options(num_cpus=min(1.0, cpus / 4)).remote(
+            model_dir, learner_config(cfg), resume_from, rc.torch_threads)
+        engine = engine_handle or start_engine(cfg, model_dir, run_dir)
+        sampler = ActorSampler(engine)
+        scratch = run_dir.resolve() / "sandboxes"
+        workers = [
+            RolloutWorker.options(num_cpus=min(0.5, cpus / (4 * rc.rollout_workers)), max_concurrency=rc.slots_per_worker)
+            .remote(model_dir, cfg.rollout, sampler, str(scratch / f"w{i}"), None)
+            for i in range(rc.rollout_workers)
+        ]
     # Initial sync: the engine serves exactly the learner's weights, tagged with its step
     # (a resumed run's engine would otherwise report version 0 and all its data look stale).
     ray.get(engine.push_weights.remote(learner.named_weights.remote(), start_step))
@@ -508,8 +520,8 @@ def train(
                 ray.get(engine.close.remote(), timeout=60)
             except Exception:
                 pass
-            ray.kill(engine)
-        ray.kill(learner)
+            _kill(engine)
+        _kill(learner)
         if started_ray and not keep_engine:
             ray.shutdown()
 
@@ -519,6 +531,27 @@ def train(
     (run_dir / "summary.json").write_text(json.dumps(summ, indent=2))
     return RunResult(str(run_dir), step, str(final) if final else None, str(run_dir / "metrics.jsonl"),
                      str(rollouts_path), png, summ)
+
+
+def _placed_actors(cfg: LearnConfig, placement: Any, model_dir: str, resume_from: str | None,
+                   run_dir: Path, engine_handle: Any) -> tuple[Any, Any, list]:
+    """Learner ranks, engines and rollout workers spread over the cluster per the plan."""
+    from training.scaleout import start_placed
+
+    if engine_handle is not None:
+        raise TrainingError("a placed run starts its own engines; engine_handle cannot be reused with a placement")
+    return start_placed(cfg, placement, model_dir, resume_from, run_dir, _actor_classes(), learner_config(cfg),
+                        ActorSampler)
+
+
+def _kill(actor: Any) -> None:
+    """Kill an actor, or every actor of a placed group (`training.scaleout`)."""
+    import ray
+
+    if isinstance(actor, ray.actor.ActorHandle):
+        ray.kill(actor)
+    else:
+        actor.kill()
 
 
 # ---- console, plots, summary --------------------------------------------------------

@@ -130,11 +130,10 @@ class PlacementPlan:
                 )
         lines += [
             f"  learners:   {self.learner_ranks} rank(s) on {self.train_nodes} train node(s)"
-            f" ({'FSDP2 over NCCL' if self.use_gpu else 'FSDP2 over gloo'}), STRICT_SPREAD bundles",
+            f" (torch.distributed data parallel over {'NCCL' if self.use_gpu else 'gloo'}), STRICT_SPREAD bundles",
             f"  engines:    {self.engines} x TP {self.tp} on {self.infer_nodes} inference node(s), STRICT_SPREAD bundles",
             f"  sandboxes:  {self.sandbox_workers} worker(s), {self.cpus_per_sandbox_worker:g} CPU each, anywhere with free CPU",
-            f"  weight sync: learner rank 0 -> {self.engines} engine(s) over "
-            f"{'NCCL' if self.use_gpu else 'gloo / Ray object store'} after every step",
+            f"  weight sync: learner rank 0 -> {self.engines} engine(s) through the Ray object store after every step",
         ]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -113,8 +114,7 @@ def train_sft(model_dir: str, demos: list[Rollout], cfg: LearnConfig, out_dir: s
     t0 = time.monotonic()
     s = cfg.sft
     torch.manual_seed(cfg.algo.seed)
-    if cfg.run.torch_threads:
-        torch.set_num_threads(cfg.run.torch_threads)
+    torch.set_num_threads(s.torch_threads or os.cpu_count() or 1)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)

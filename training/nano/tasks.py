@@ -1,13 +1,17 @@
 """Generated terminal tasks for the nano recipe, written in Harbor format.
 
-Each task is one short shell action on a few small files (create, transform, count,
-search), verifiable by a bash-only `tests/test.sh`. The action space is small on purpose:
-a tiny model can learn it, and a half-trained one solves some tasks but not all, which is
-what RL needs (groups with reward variance).
+Each task is one short shell action on one small input file (count, transform, select
+lines), verifiable by a bash-only `tests/test.sh`. The action space is small on purpose:
+eight kinds, each with one short formulaic instruction and one oracle command that
+depends on the kind only (the input is addressed by the `*.dat` glob, the answer always
+goes to answer.txt). A from-scratch model of a million parameters learns the format and
+the kind-to-command map in minutes; a half-trained one picks the right command for some
+tasks but not all, which is what RL needs (groups with reward variance).
 
-Two splits. Every parameter (file names, words, numbers) is drawn from a pool that
-belongs to one split only, so nothing in the held-out split was ever seen in training:
-held-out success means the model copied parameters from the instruction, not memorised.
+Two splits. Every parameter (the input file's name, its words, its line count) is drawn
+from a pool that belongs to one split only, so nothing in the held-out split was ever
+seen in training: held-out success means the policy solves the kind of task, not that
+it memorised a task.
 
 Layout of a task directory (what `tasks.model.Task.load` reads):
 
@@ -58,37 +62,38 @@ thunder tiger timber tomato topaz tornado trumpet tulip tunnel turnip turtle umb
 valley velvet violet volcano waffle walnut walrus willow window winter wizard yogurt zebra
 """.split()
 
-_EXTS = (".txt", ".log", ".md", ".dat")
-# Line counts and `n` parameters: disjoint ranges per split.
-_NUMBERS = {"train": (2, 3, 4, 5, 6), "heldout": (7, 8, 9)}
+_EXTS = (".txt", ".log", ".md", ".dat")  # exploration vocabulary of the tokenizer corpus
+# Conventions shared by every task (not parameters): the input is the one `*.dat` file in
+# the work dir, the answer goes to answer.txt. A command can address the input by a glob,
+# so solving a task needs the task kind, never a copy of a name the model has not seen.
+INPUT_EXT = ".dat"
+INPUT_GLOB = "*" + INPUT_EXT
+ANSWER = "answer.txt"
+# Line counts: disjoint ranges per split (they are the answers of the counting kinds).
+_NUMBERS = {"train": (3, 4, 5, 6), "heldout": (7, 8, 9)}
 
-KINDS = (
-    "create",
-    "upper",
-    "replace",
-    "sort",
-    "head",
-    "count_lines",
-    "count_words",
-    "count_matches",
-    "find_line",
-    "find_file",
-)
-
-# One short THOUGHT per kind, for oracle trajectories (the harness requires a THOUGHT;
-# short, because the nano recipe caps a turn at a few dozen tokens).
-_THOUGHTS = {
-    "create": "Write the line with echo.",
-    "upper": "Use tr.",
-    "replace": "Use sed.",
-    "sort": "Use sort.",
-    "head": "Use head.",
-    "count_lines": "Count with wc.",
-    "count_words": "Count with wc.",
-    "count_matches": "Count with grep.",
-    "find_line": "Search with grep.",
-    "find_file": "Search with grep.",
+# kind -> (instruction with {src}, oracle command, THOUGHT). One short, formulaic sentence
+# per kind; the oracle command depends on the kind only.
+_KINDS = {
+    "count_lines": ("Count the lines in {src} and write the number to answer.txt.",
+                    "wc -l < *.dat > answer.txt", "Count lines with wc."),
+    "count_words": ("Count the words in {src} and write the number to answer.txt.",
+                    "wc -w < *.dat > answer.txt", "Count words with wc."),
+    "upper": ("Convert {src} to upper case and write it to answer.txt.",
+              "tr a-z A-Z < *.dat > answer.txt", "Use tr."),
+    "sort": ("Sort the lines of {src} and write them to answer.txt.",
+             "sort *.dat > answer.txt", "Use sort."),
+    "reverse": ("Write the lines of {src} in reverse order to answer.txt.",
+                "tac *.dat > answer.txt", "Use tac."),
+    "first": ("Write the first line of {src} to answer.txt.",
+              "head -n 1 *.dat > answer.txt", "Use head."),
+    "last": ("Write the last line of {src} to answer.txt.",
+             "tail -n 1 *.dat > answer.txt", "Use tail."),
+    "unique": ("Write the distinct lines of {src}, sorted, to answer.txt.",
+               "sort -u *.dat > answer.txt", "Use sort -u."),
 }
+KINDS = tuple(_KINDS)
+_THOUGHTS = {k: v[2] for k, v in _KINDS.items()}
 SUBMIT_THOUGHT = "Done, so I submit."
 
 
@@ -113,7 +118,8 @@ class NanoTask:
     files: dict[str, str] = field(default_factory=dict)  # seed files, relative to the work dir
     check: str = ""  # bash condition that is true when solved (in test.sh, cwd = work dir)
     expected: str = ""  # tests/expected.txt
-    params: dict[str, str | int] = field(default_factory=dict)
+    params: dict[str, str | int] = field(default_factory=dict)  # what varies between tasks
+    dst: str = ANSWER
 
     def oracle_steps(self) -> list[tuple[str, str]]:
         """(thought, command) per step, ending with the submit command."""
@@ -134,9 +140,6 @@ class _Picker:
         w = self.rng.choice([w for w in self.words if w not in self.used])
         self.used.add(w)
         return w
-
-    def fname(self) -> str:
-        return self.word() + self.rng.choice(_EXTS)
 
     def number(self) -> int:
         return self.rng.choice(self.numbers)
@@ -162,7 +165,7 @@ def template_tasks(n: int, seed: int = 0) -> list[NanoTask]:
     """Tasks of every kind with made-up parameters: the task wording and command shapes
     without any real parameter, e.g. for training a tokenizer that must not learn the
     train split's names as whole tokens (held-out names would then look different)."""
-    picker = _Picker(pseudo_words(400, seed), tuple(range(2, 10)), random.Random(f"nano-template-{seed}"))
+    picker = _Picker(pseudo_words(400, seed), tuple(range(3, 10)), random.Random(f"nano-template-{seed}"))
     return [_make(KINDS[i % len(KINDS)], "template", picker) for i in range(n)]
 
 
@@ -170,97 +173,42 @@ def _text(lines: list[str]) -> str:
     return "".join(line + "\n" for line in lines)
 
 
+def _input_lines(kind: str, p: _Picker) -> list[str]:
+    """Seed lines such that the kind's answer differs from the input and from the answers
+    of the kinds it is most easily confused with (sort vs unique vs reverse)."""
+    n = p.number()
+    while True:
+        p.used = set()
+        if kind == "unique":
+            lines = p.lines(n - 1)
+            lines.insert(p.rng.randrange(1, n), p.rng.choice(lines))  # one duplicate line
+        else:
+            lines = p.lines(n, 2 if kind in ("count_words", "upper") else 1)
+        if kind == "unique" or (lines != sorted(lines) and lines != sorted(lines, reverse=True)):
+            return lines
+
+
 def _make(kind: str, split: str, p: _Picker) -> NanoTask:
-    rng = p.rng
-    p.used = set()  # names may repeat across tasks, never within one
-    t = NanoTask(name="", kind=kind, split=split, instruction="", commands=[])
-    same = 'same "$DST" "$EXPECTED"'
-    if kind == "create":
-        word, dst = p.word(), p.fname()
-        t.instruction = f"Create a file named {dst} that contains the single line {word}."
-        t.commands = [f"echo {word} > {dst}"]
-        t.expected, t.check, t.params = word + "\n", same, {"dst": dst, "word": word}
-    elif kind == "upper":
-        src, dst, n = p.fname(), p.fname(), p.number()
-        lines = p.lines(n, 2)
-        t.files = {src: _text(lines)}
-        t.instruction = f"Convert the text of {src} to upper case and write it to {dst}."
-        t.commands = [f"tr a-z A-Z < {src} > {dst}"]
-        t.expected, t.check = _text([x.upper() for x in lines]), same
-        t.params = {"src": src, "dst": dst, "n_lines": n}
-    elif kind == "replace":
-        src, dst, n = p.fname(), p.fname(), p.number()
-        old, new = p.word(), p.word()
-        lines = [f"{old} {w}" if i % 2 == 0 else f"{w} {old}" for i, w in enumerate(p.lines(n))]
-        t.files = {src: _text(lines)}
-        t.instruction = f"Replace every {old} with {new} in {src} and write the result to {dst}."
-        t.commands = [f"sed 's/{old}/{new}/g' {src} > {dst}"]
-        t.expected, t.check = _text([x.replace(old, new) for x in lines]), same
-        t.params = {"src": src, "dst": dst, "old": old, "new": new, "n_lines": n}
-    elif kind == "sort":
-        src, dst, n = p.fname(), p.fname(), p.number()
-        lines = p.lines(n)
-        if lines == sorted(lines):  # a seed file that is already sorted would be no task
-            lines.reverse()
-        t.files = {src: _text(lines)}
-        t.instruction = f"Sort the lines of {src} alphabetically and write them to {dst}."
-        t.commands = [f"sort {src} > {dst}"]
-        # Single lowercase ASCII words sort the same in every locale.
-        t.expected, t.check = _text(sorted(lines)), same
-        t.params = {"src": src, "dst": dst, "n_lines": n}
-    elif kind == "head":
-        src, dst = p.fname(), p.fname()
-        k = p.number()
-        lines = p.lines(k + rng.choice((2, 3)))
-        t.files = {src: _text(lines)}
-        t.instruction = f"Write the first {k} lines of {src} to {dst}."
-        t.commands = [f"head -n {k} {src} > {dst}"]
-        t.expected, t.check = _text(lines[:k]), same
-        t.params = {"src": src, "dst": dst, "n": k}
-    elif kind in ("count_lines", "count_words"):
-        src, dst, n = p.fname(), p.fname(), p.number()
-        per_line = 1 if kind == "count_lines" else 2
-        lines = p.lines(n, per_line)
-        t.files = {src: _text(lines)}
-        what = "lines" if kind == "count_lines" else "words"
-        t.instruction = f"Count the {what} in {src} and write the number to {dst}."
-        t.commands = [f"wc -{what[0]} < {src} > {dst}"]
-        t.expected, t.check = f"{n * per_line}\n", 'number "$DST" "$EXPECTED"'
-        t.params = {"src": src, "dst": dst, "n_lines": n}
-    elif kind == "count_matches":
-        src, dst, word = p.fname(), p.fname(), p.word()
-        n, hits = p.number(), p.number()
-        lines = p.lines(n + hits)
-        idx = sorted(rng.sample(range(len(lines)), hits))
-        lines = [f"{x} {word}" if i in idx else x for i, x in enumerate(lines)]
-        t.files = {src: _text(lines)}
-        t.instruction = f"Count the lines of {src} that contain {word} and write the number to {dst}."
-        t.commands = [f"grep -c {word} {src} > {dst}"]
-        t.expected, t.check = f"{hits}\n", 'number "$DST" "$EXPECTED"'
-        t.params = {"src": src, "dst": dst, "word": word, "n_lines": n, "hits": hits}
-    elif kind == "find_line":
-        src, dst, word = p.fname(), p.fname(), p.word()
-        lines = p.lines(p.number(), 2)
-        hit = rng.randrange(len(lines))
-        lines[hit] = f"{lines[hit]} {word}"
-        t.files = {src: _text(lines)}
-        t.instruction = f"Find the line of {src} that contains {word} and write that line to {dst}."
-        t.commands = [f"grep {word} {src} > {dst}"]
-        t.expected, t.check = lines[hit] + "\n", same
-        t.params = {"src": src, "dst": dst, "word": word}
-    elif kind == "find_file":
-        folder, dst, word = p.word(), p.fname(), p.word()
-        names = [p.fname() for _ in range(p.number())]
-        hit = rng.randrange(len(names))
-        for i, name in enumerate(names):
-            body = p.lines(2)
-            t.files[f"{folder}/{name}"] = _text(body + [word] if i == hit else body)
-        t.instruction = f"One file in the folder {folder} contains the word {word}. Write the path of that file to {dst}."
-        t.commands = [f"grep -l {word} {folder}/* > {dst}"]
-        t.expected, t.check = f"{folder}/{names[hit]}\n", 'path "$DST" "$EXPECTED"'
-        t.params = {"dir": folder, "dst": dst, "word": word, "n_files": len(names)}
-    else:
+    if kind not in _KINDS:
         raise ValueError(f"unknown nano task kind {kind!r}; known kinds: {', '.join(KINDS)}")
+    instruction, command, _ = _KINDS[kind]
+    lines = _input_lines(kind, p)
+    src = p.word() + INPUT_EXT
+    t = NanoTask(name="", kind=kind, split=split, instruction=instruction.format(src=src), commands=[command])
+    t.files = {src: _text(lines)}
+    t.params = {"src": src, "n_lines": len(lines)}
+    same, number = 'same "$DST" "$EXPECTED"', 'number "$DST" "$EXPECTED"'
+    answer = {
+        "count_lines": f"{len(lines)}\n",
+        "count_words": f"{sum(len(x.split()) for x in lines)}\n",
+        "upper": _text([x.upper() for x in lines]),
+        "sort": _text(sorted(lines)),  # single lowercase ASCII words: locale-independent
+        "reverse": _text(lines[::-1]),
+        "first": _text(lines[:1]),
+        "last": _text(lines[-1:]),
+        "unique": _text(sorted(set(lines))),
+    }[kind]
+    t.expected, t.check = answer, (number if kind.startswith("count") else same)
     return t
 
 
@@ -364,7 +312,7 @@ def write_task(t: NanoTask, task_dir: Path) -> Path:
     for rel, text in t.files.items():
         (env / "files" / rel).parent.mkdir(parents=True, exist_ok=True)
         (env / "files" / rel).write_text(text)
-    dst = t.params["dst"]
+    dst = t.dst
     (tests / "test.sh").write_text(_TEST_SH % {"dst": dst, "check": t.check})
     (tests / "expected.txt").write_text(t.expected)
     solve = "#!/bin/bash\n# Reference solution (run in the task's work dir).\nset -e\n" + "".join(c + "\n" for c in t.commands)
