@@ -103,8 +103,11 @@ class SFTConfig(_Strict):
 class EvalConfig(_Strict):
     attempts: int = Field(1, ge=1)
     concurrency: int = Field(4, ge=1)
-    temperature: float = Field(0.0, ge=0)
+    # The `tmax` bench agent's default sampling temperature.
+    temperature: float = Field(0.7, ge=0)
     max_steps: int = Field(64, ge=1)
+    # Where held-out trials run (`tmax bench -e`): host sandboxes need no image per task.
+    sandbox: Literal["local", "bwrap", "podman"] = "podman"
 
 
 class RunConfig(_Strict):

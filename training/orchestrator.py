@@ -540,8 +540,7 @@ def _placed_actors(cfg: LearnConfig, placement: Any, model_dir: str, resume_from
 
     if engine_handle is not None:
         raise TrainingError("a placed run starts its own engines; engine_handle cannot be reused with a placement")
-    return start_placed(cfg, placement, model_dir, resume_from, run_dir, _actor_classes(), learner_config(cfg),
-                        ActorSampler)
+    return start_placed(cfg, placement, model_dir, resume_from, run_dir, _actor_classes(), learner_config(cfg))
 
 
 def _kill(actor: Any) -> None:

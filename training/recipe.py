@@ -3,7 +3,7 @@
 Everything runs through the real components: the tiny model and tasks are built here,
 SFT demonstrations are oracle episodes played through the harness, RL is the Ray
 orchestrator with a vLLM engine, and both held-out evaluations are `tmax bench` jobs
-(`tasks.job.Job`, the `tmax` agent, podman trials) against that vLLM server, once with
+(`tasks.job.Job`, the `tmax` agent, trials in host or podman sandboxes) against that vLLM server, once with
 the SFT checkpoint loaded and once with the final RL checkpoint loaded. There is no
 special evaluation path.
 
@@ -75,7 +75,7 @@ def sft_stage(cfg: LearnConfig, model_dir: str, train_dir: str, out: Path, log: 
 
 
 def heldout_eval(cfg: LearnConfig, engine: Any, held_dir: str, jobs_dir: Path, name: str, log: Log) -> dict:
-    """A `tmax bench` job (tmax agent, podman trials) against the engine's server."""
+    """A `tmax bench` job (tmax agent, trials in `eval.sandbox`) against the engine's server."""
     import ray
 
     from tasks.job import Job, JobConfig
@@ -88,9 +88,9 @@ def heldout_eval(cfg: LearnConfig, engine: Any, held_dir: str, jobs_dir: Path, n
               "context_budget": r.context_budget}
     jc = JobConfig(job_name=name, jobs_dir=str(jobs_dir), dataset=held_dir, agent="tmax", model=info["model"],
                    base_url=info["base_url"], agent_kwargs=kwargs, n_attempts=cfg.eval.attempts,
-                   n_concurrent=cfg.eval.concurrency)
+                   n_concurrent=cfg.eval.concurrency, environment=cfg.eval.sandbox)
     t0 = time.monotonic()
-    job = Job(jc, api_key="none", sandbox_kind="podman")
+    job = Job(jc, api_key="none")
     job.run()
     trials = job.results()
     n = len(trials)

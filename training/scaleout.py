@@ -14,8 +14,9 @@ single-actor versions, so the loop itself does not change:
   in the Ray object store, fetched by every engine's node) to every engine and returns
   one ref to the slowest engine's load time.
 * rollout workers anywhere with free CPU (`sandbox_options`), restarted when they die;
-  worker i samples from engine i mod N. An episode whose worker died fails with a Ray
-  actor error, which the loop re-queues (never scores).
+  worker i samples from engine i mod N, and from the next live engine while that one is
+  down. An episode whose worker died fails with a Ray actor error, which the loop
+  re-queues (never scores).
 
 Where every actor landed is written to `placement.json` in the run directory.
 """
@@ -39,6 +40,32 @@ class _Call:
 
     def __init__(self, fn: Any):
         self.remote = fn
+
+
+class FailoverSampler:
+    """`agents.policy.TokenSampler` over the engine actors (picklable): turns go to the
+    worker's own engine, and while it is down (dead, or restarting under Ray) to the
+    next live one, so an engine failure costs no episode. Every turn keeps the logprobs
+    and the weights version of the engine that sampled it, so mixing engines within an
+    episode is exact for the loss."""
+
+    def __init__(self, engines: list[Any], first: int):
+        self.engines = engines
+        self.first = first
+
+    def sample(self, prompt_ids, max_tokens, temperature, top_p, seed=None):
+        import ray
+
+        from agents.policy import ModelError
+
+        errors = []
+        for k in range(len(self.engines)):
+            engine = self.engines[(self.first + k) % len(self.engines)]
+            try:
+                return ray.get(engine.sample.remote(list(prompt_ids), max_tokens, temperature, top_p, seed))
+            except ray.exceptions.RayActorError as e:
+                errors.append(type(e).__name__)
+        raise ModelError(f"every engine actor is down ({', '.join(errors)})")
 
 
 def _node_id() -> str:
@@ -159,7 +186,18 @@ def _gather():
     import ray
 
     @ray.remote(num_cpus=0)
-    def slowest(*seconds: float | None) -> float:
+    def slowest(refs: list) -> float:
+        """Longest of the engines' load times. An engine that died is skipped: Ray
+        restarts it, and the next sync (after the next step) brings it up to date; until
+        then its turns carry the old version and the staleness limit drops them."""
+        seconds = []
+        for ref in refs:
+            try:
+                seconds.append(ray.get(ref))
+            except ray.exceptions.RayActorError:
+                continue
+        if refs and not seconds:
+            raise RuntimeError("no engine took the weights: every engine actor died")
         return max([s for s in seconds if s is not None], default=0.0)
 
     return slowest
@@ -169,7 +207,7 @@ class EngineGroup:
     def __init__(self, engines: list[Any]):
         self.engines = engines
         self.push_weights = _Call(self._push)
-        self.close = _Call(lambda: _gather().remote(*[e.close.remote() for e in self.engines]))
+        self.close = _Call(lambda: _gather().remote([e.close.remote() for e in self.engines]))
         self.info = _Call(lambda: self.engines[0].info.remote())
 
     def _push(self, weights: Any, version: int) -> Any:
@@ -178,7 +216,8 @@ class EngineGroup:
         import ray
 
         ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
-        return _gather().remote(*[e.push_weights.remote(ref, version) for e in self.engines])
+        # A list argument stays a list of refs: each engine's outcome is awaited separately.
+        return _gather().remote([e.push_weights.remote(ref, version) for e in self.engines])
 
     def kill(self) -> None:
         import ray
@@ -188,7 +227,7 @@ class EngineGroup:
 
 
 def start_placed(cfg: Any, pl: Placement, model_dir: str, resume_from: str | None, run_dir: str | Path,
-                 actor_classes: tuple, lcfg: Any, sampler_cls: Any) -> tuple[LearnerGroup, EngineGroup, list]:
+                 actor_classes: tuple, lcfg: Any) -> tuple[LearnerGroup, EngineGroup, list]:
     """Create and wait for every actor of the plan; returns (learners, engines, workers)."""
     import ray
 
@@ -213,7 +252,7 @@ def start_placed(cfg: Any, pl: Placement, model_dir: str, resume_from: str | Non
         scratch = run_dir / "sandboxes"
         workers = [
             RolloutWorker.options(**pl.sandbox_options(max_restarts=-1, max_concurrency=rc.slots_per_worker))
-            .remote(model_dir, cfg.rollout, sampler_cls(engines[i % len(engines)]), str(scratch / f"w{i}"), None)
+            .remote(model_dir, cfg.rollout, FailoverSampler(engines, i % len(engines)), str(scratch / f"w{i}"), None)
             for i in range(plan.sandbox_workers)
         ]
         write_placement(run_dir / "placement.json", pl, ranks, engines, workers)

@@ -136,22 +136,29 @@ def train_sft(model_dir: str, demos: list[Rollout], cfg: LearnConfig, out_dir: s
         batch = [examples[i] for i in idx]
         width = max(len(ids) for ids, _ in batch)
         input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        labels = torch.full((len(batch), width), -100, dtype=torch.long)
         attn = torch.zeros((len(batch), width), dtype=torch.long)
+        rows, cols, targets = [], [], []
         for b, (ids, mask) in enumerate(batch):
-            t = torch.tensor(ids)
-            input_ids[b, : len(ids)] = t
+            input_ids[b, : len(ids)] = torch.tensor(ids)
             attn[b, : len(ids)] = 1
-            labels[b, : len(ids)] = torch.where(torch.tensor(mask) == 1, t, torch.tensor(-100))
+            for p in range(1, len(ids)):
+                if mask[p]:  # token p is predicted by the hidden state at p - 1
+                    rows.append(b)
+                    cols.append(p - 1)
+                    targets.append(ids[p])
         for g in opt.param_groups:
             g["lr"] = s.lr * min(1.0, (step + 1) / warm)
-        out = model(input_ids=input_ids, attention_mask=attn, labels=labels)
+        # The LM head only where a loss is taken: the shared ~800-token prompt needs the
+        # backbone (its keys feed every assistant token) but no vocabulary projection.
+        hidden = model.model(input_ids=input_ids, attention_mask=attn).last_hidden_state
+        logits = model.lm_head(hidden[torch.tensor(rows), torch.tensor(cols)]).float()
+        loss = torch.nn.functional.cross_entropy(logits, torch.tensor(targets))
         opt.zero_grad()
-        out.loss.backward()
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.algo.grad_clip)
         opt.step()
-        losses.append(float(out.loss.detach()))
-        tokens += int((labels != -100).sum())
+        losses.append(float(loss.detach()))
+        tokens += len(targets)
         if log is not None:
             log(step + 1, total, losses[-1])
     path = ckpt.save_checkpoint(out_dir, model, step=0, optimizer=None,
