@@ -77,6 +77,7 @@ class TokenPolicy:
         self.trace = TokenTrace()
         self._tools: list[dict[str, Any]] | None = None
         self._seen = 0  # messages already in the token context
+        self._unsampled = False  # the context holds new messages that no sample has answered yet
 
     # ---- rendering --------------------------------------------------------------------
 
@@ -106,7 +107,10 @@ class TokenPolicy:
 
     def complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> ModelTurn:
         trace = self.trace
-        if not trace.prompt_ids:
+        if self._unsampled and len(messages) == self._seen:
+            # A retry after a failed sample: the context is already in place.
+            pass
+        elif not trace.prompt_ids:
             self._tools = list(tools)
             trace.prompt_ids = self._encode(self._render(messages, generation_prompt=True))
         else:
@@ -126,6 +130,7 @@ class TokenPolicy:
                 raise ContextOverflow(f"the next observation ({len(ids)} tokens) does not fit the token budget")
             trace.extend(ids, None, trainable=False)
         self._seen = len(messages)
+        self._unsampled = True
 
         remaining = self._remaining()
         if remaining <= 0:
@@ -140,6 +145,7 @@ class TokenPolicy:
             raise ValueError(f"sampler returned {len(ids)} ids but {len(out.logprobs)} logprobs")
         trace.extend(ids, list(out.logprobs), trainable=True)
         trace.turn_versions.append(out.policy_version)
+        self._unsampled = False
 
         body = ids[:-1] if ids and ids[-1] in self._stop_ids else ids
         text = self.tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)

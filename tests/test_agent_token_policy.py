@@ -274,3 +274,30 @@ def test_records_include_tokens(base_tokenizer, box, tmp_path):
     Agent(policy, box, AgentConfig(), recorder=Recorder(tmp_path / "r")).run("Go.")
     saved = load_run(tmp_path / "r")
     assert saved.trace == policy.trace and saved.trace.mask.count(1) > 0
+
+
+def test_failed_sample_is_retried_on_the_same_context(base_tokenizer, box):
+    # An engine hiccup (ModelError) on a later turn: the Agent retries, and the retry must
+    # sample from exactly the context the failed call prepared, observation added once.
+    from agents.policy import ModelError
+
+    tok = tokenizer_with(base_tokenizer, HERMES_TEMPLATE)
+
+    class Flaky(ScriptedSampler):
+        failed = False
+
+        def sample(self, prompt_ids, *a, **kw):
+            if len(self.calls) == 1 and not self.failed:
+                self.failed = True
+                raise ModelError("engine restarting")
+            return super().sample(prompt_ids, *a, **kw)
+
+    sampler = Flaky(tok, [hermes_call("echo one"), hermes_call("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")])
+    policy = TokenPolicy(sampler, tok)
+    result = Agent(policy, box, AgentConfig(), sleep=lambda s: None).run("Count.")
+    assert result.status == "submitted" and sampler.failed
+    trace = policy.trace
+    last_assistant = max(i for i, m in enumerate(result.messages) if m["role"] == "assistant")
+    full = canonical(tok, result.messages[: last_assistant + 1])
+    assert trace.context == tok.encode(full[:-1], add_special_tokens=False)
+    assert sampler.calls[1]["prompt_ids"] == trace.context[: len(sampler.calls[1]["prompt_ids"])]
