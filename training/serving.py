@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -239,6 +240,25 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def _die_with_parent():
+    """A pre-exec hook asking Linux to SIGTERM the server when its parent dies, also on
+    SIGKILL (where atexit never runs). The kernel ties this to the *thread* that forked, so
+    it is used only when the server is started from the main thread."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = os.getpid()
+
+    def hook() -> None:
+        libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the hook ran
+            os._exit(1)
+
+    return hook
+
+
 class VLLMServer:
     """One vLLM server process (and its engine-core / worker children, in their own
     process group so `stop()` ends them all)."""
@@ -282,6 +302,7 @@ class VLLMServer:
                 stdout=self._log or subprocess.DEVNULL,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=_die_with_parent() if threading.current_thread() is threading.main_thread() else None,
             )
         except OSError as e:
             raise ServerError(f"could not start vLLM ({self.command.argv[0]}): {e}") from e
