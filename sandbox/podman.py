@@ -115,7 +115,15 @@ class PodmanSandbox(ShellSandbox):
         if podman_service.configured_url():
             # The service may be elsewhere: let the CLI reach the container through it.
             argv += ["--url", podman_service.configured_url()]
-        argv += ["exec", "-it", self.container.id] + BASH_ARGV
+        # `podman exec` can hand the shell the CLI's own soft limits instead of the
+        # container's; lowering a soft limit is always allowed, so apply the configured ones.
+        soft = "; ".join(
+            f"ulimit -S -{flag} {self.ulimits[name][0]} 2>/dev/null"
+            for name, flag in (("nofile", "n"), ("nproc", "u"))
+            if name in self.ulimits
+        )
+        inner = shlex.join(BASH_ARGV)
+        argv += ["exec", "-it", self.container.id, "bash", "-c", f"{soft}; exec {inner}" if soft else f"exec {inner}"]
         self.shell = PersistentShell(argv, workdir=self.workdir, kill_inner=self._kill_inner)
         try:
             self.shell.start()
