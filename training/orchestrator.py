@@ -76,6 +76,9 @@ def init_ray(cfg: LearnConfig) -> bool:
         return False
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # single node: bind loopback
     ray.init(
+        # "local": always a new private cluster; without it ray.init joins whatever cluster
+        # another process on this machine last started.
+        address="local",
         num_cpus=cfg.run.ray_num_cpus or os.cpu_count(),
         include_dashboard=False,
         _node_ip_address="127.0.0.1",

@@ -67,7 +67,13 @@ def sft_stage(cfg: LearnConfig, model_dir: str, train_dir: str, out: Path, log: 
     demos = collect_demos(chosen, tok, cfg, (out / "sft-sandboxes").resolve())
     t_demo = time.monotonic() - t0
     log(f"{len(demos)} oracle demonstrations through the harness in {t_demo:.1f}s")
-    res = train_sft(model_dir, demos, cfg, sft_dir)
+    t1 = time.monotonic()
+
+    def step_log(step: int, total: int, loss: float) -> None:
+        if step % 20 == 0 or step == total:
+            log(f"SFT step {step}/{total}: loss {loss:.3f} ({time.monotonic() - t1:.0f}s)")
+
+    res = train_sft(model_dir, demos, cfg, sft_dir, log=step_log)
     (sft_dir / "demos.jsonl").write_text("".join(r.to_json() + "\n" for r in demos))
     log(f"SFT: {res.steps} steps, final loss {res.final_loss:.3f}, {res.seconds:.1f}s")
     return {"checkpoint": res.checkpoint, "demos": res.demos, "steps": res.steps, "final_loss": res.final_loss,
