@@ -93,8 +93,12 @@ def test_ray_run_pushes_weights_checkpoints_and_resumes(tmp_path):
     rows = [json.loads(x) for x in Path(res.metrics_path).read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for key in ("debug/dppo_mask_frac_kept", "debug/vllm_vs_local_logprob_diff_max",
-                "val/avg_group_performance_post_filter", "env/tmax_bash/step_count", "time/weight_sync"):
+                "val/avg_group_performance_post_filter", "env/tmax_bash/step_count", "time/weight_sync",
+                "perf/sampler_busy_frac", "perf/learner_busy_frac", "perf/sampled_tokens_per_s",
+                "perf/env_steps_per_s"):
         assert key in rows[-1], key
+    assert 0 < rows[-1]["perf/learner_busy_frac"] <= 1 and 0 < rows[-1]["perf/sampler_busy_frac"] <= 1
+    assert rows[-1]["perf/sampled_tokens_per_s"] > 0 and rows[-1]["perf/env_steps_per_s"] > 0
     # Same weights on both sides, fp32: the engine's logprobs match the trainer's.
     assert rows[0]["debug/vllm_vs_local_logprob_diff_max"] < 1e-3
     rollouts = [json.loads(x) for x in Path(res.rollouts_path).read_text().splitlines()]

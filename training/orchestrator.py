@@ -25,7 +25,7 @@ import os
 import random
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -208,6 +208,9 @@ def learner_config(cfg: LearnConfig):
     a = cfg.algo
     return LearnerConfig(
         lr=a.lr,
+        warmup_steps=a.warmup_steps,
+        betas=(a.adam_beta1, a.adam_beta2),
+        eps=a.adam_eps,
         weight_decay=a.weight_decay,
         max_grad_norm=a.grad_clip,
         temperature=cfg.rollout.temperature or 1.0,
@@ -411,13 +414,19 @@ def train(
     wait_started = time.monotonic()
     t_run = time.monotonic()
     worker_i = 0
-    last_metrics: dict[str, Any] = {}
     useless = 0
     max_useless = max(200, 25 * a.prompts_per_step)
     bar = _Progress(a.steps, start_step, enabled=progress)
 
+    # Throughput bookkeeping: time with at least one episode in flight (sampler busy), and
+    # the wall time of each step from the end of the previous one.
+    busy_s, last_tick, step_wall_start = 0.0, time.monotonic(), time.monotonic()
     try:
         while step < a.steps:
+            now = time.monotonic()
+            if pending:
+                busy_s += now - last_tick
+            last_tick = now
             # Dispatch while there is room; with no async budget, only between steps.
             while queue and len(pending) < rc.concurrency and (train_ref is None or a.async_steps > 0):
                 req = queue.popleft()
@@ -476,7 +485,13 @@ def train(
                 train_started = time.monotonic()
                 train_ref = learner.train_step.remote(samples)
             if train_ref is not None and train_ref in done:
-                metrics = ray.get(train_ref)
+                try:
+                    metrics = ray.get(train_ref)
+                except ray.exceptions.RayActorError as e:
+                    last = ckpt.latest_checkpoint(run_dir)
+                    where = f"resume from {last} with --resume" if last else "no checkpoint was written yet"
+                    raise TrainingError(f"the learner died during step {step + 1}: {e}; {where}") from e
+                train_s = time.monotonic() - train_started
                 train_ref = None
                 t_sync = time.monotonic()
                 weights = learner.named_weights.remote()
@@ -497,6 +512,15 @@ def train(
                     "infra/requeued": float(counters["requeued"]),
                     "training_step": float(step),
                 })
+                step_wall = max(1e-9, time.monotonic() - step_wall_start)
+                metrics.update({
+                    "perf/sampler_busy_frac": min(1.0, busy_s / step_wall),
+                    "perf/learner_busy_frac": min(1.0, train_s / step_wall),
+                    "perf/sampled_tokens_per_s": sum(x.num_sampled for x in since_step) / step_wall,
+                    "perf/env_steps_per_s": sum(x.steps for x in since_step) / step_wall,
+                    "time/training": train_s,
+                })
+                busy_s, step_wall_start = 0.0, time.monotonic()
                 since_step = []
                 if step % rc.checkpoint_every == 0 or step == a.steps:
                     t_save = time.monotonic()
@@ -506,11 +530,28 @@ def train(
                     ckpt.prune_checkpoints(run_dir, rc.keep_checkpoints)
                     metrics["time/saving"] = time.monotonic() - t_save
                 sink.log(step, metrics)
-                last_metrics = metrics
                 bar.update(step, summary(metrics))
                 if on_step is not None:
                     on_step(step, metrics)
                 wait_started = time.monotonic()
+    except KeyboardInterrupt:
+        # Ctrl-C: keep what was learned. The learner holds the weights of the last finished
+        # step; save them (unless that step was just saved) so --resume continues from here.
+        bar.note(f"interrupted at step {step}: saving a checkpoint")
+        try:
+            save_step = step
+            if train_ref is not None:
+                # Let the update in flight finish: its weights are the newest.
+                ray.get(train_ref, timeout=600)
+                save_step = step + 1
+            if save_step > start_step and not ckpt.checkpoint_path(run_dir, save_step).exists():
+                ray.get(learner.save.remote(str(ckpt.checkpoint_path(run_dir, save_step)), save_step,
+                                            {"prompt_position": stream.position - len(groups) - len(ready),
+                                             "config": cfg.name}), timeout=300)
+                bar.note(f"saved {ckpt.checkpoint_path(run_dir, save_step)}; continue with --resume")
+        except Exception as e:  # the interrupt is the user's: report, do not mask it
+            bar.note(f"could not save the interrupted run: {e}")
+        raise
     finally:
         bar.close()
         sink.close()
