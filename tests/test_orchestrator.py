@@ -115,3 +115,38 @@ def test_ray_run_pushes_weights_checkpoints_and_resumes(tmp_path):
     rows = [json.loads(x) for x in Path(res2.metrics_path).read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     shutil.rmtree(run, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.vllm
+def test_ctrl_c_saves_a_checkpoint_to_resume_from(tmp_path):
+    """Ctrl-C mid-run (a KeyboardInterrupt in the driver) ends the run with the newest
+    weights saved, even between checkpoint intervals, and --resume continues from them."""
+    import shutil
+    import uuid
+
+    from training import checkpoint as ckpt
+    from training.nano.model import build_nano_model
+    from training.nano.tasks import write_splits
+    from training.orchestrator import train
+
+    build_nano_model(tmp_path / "base")
+    write_splits(tmp_path / "tasks", 4, 1)
+    cfg: LearnConfig = preset("nano")
+    cfg.algo.steps, cfg.algo.prompts_per_step, cfg.algo.group_size = 3, 1, 2
+    cfg.algo.filter_zero_std, cfg.algo.active_sampling = False, False
+    cfg.run.checkpoint_every, cfg.run.concurrency, cfg.run.rollout_workers, cfg.run.slots_per_worker = 100, 2, 1, 2
+    run = Path.cwd() / "runs" / "test-orchestrator" / uuid.uuid4().hex[:8]
+
+    def press_ctrl_c(step, metrics):
+        if step == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, str(tmp_path / "base"), str(tmp_path / "tasks" / "train"), run, progress=False, on_step=press_ctrl_c)
+    saved = ckpt.latest_checkpoint(run)
+    assert saved is not None and ckpt.load_trainer_state(saved)["step"] in (1, 2)
+    res = train(cfg, str(tmp_path / "base"), str(tmp_path / "tasks" / "train"), run, resume=True, progress=False)
+    assert res.steps == 3
+    shutil.rmtree(run, ignore_errors=True)
