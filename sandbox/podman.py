@@ -13,6 +13,7 @@ import os
 import secrets
 import shlex
 import shutil
+import subprocess
 import tarfile
 import tempfile
 import threading
@@ -145,11 +146,22 @@ class PodmanSandbox(ShellSandbox):
             self.shell.close()
             self.shell = None
         if self.container is not None:
-            for step in (lambda: self.container.stop(timeout=0), lambda: self.container.remove(force=True)):
+            ct = self.container
+            for step in (lambda: ct.stop(timeout=0), lambda: ct.remove(force=True)):
                 try:
                     step()
                 except Exception:
-                    pass  # already gone; `tmax sandbox clean` catches anything left
+                    pass  # already gone, or busy: checked below
+            # A remove can lose a race with an exec session still winding down (Ctrl-C during
+            # a command) or time out on a loaded machine: make sure the container is gone.
+            for attempt in range(3):
+                try:
+                    if self.client is None or not self.client.containers.exists(ct.id):
+                        break
+                except Exception:
+                    pass
+                time.sleep(0.5 * (attempt + 1))
+                subprocess.run(["podman", "rm", "-f", "-t", "0", ct.id], capture_output=True, timeout=120)
             self.container = None
         if self.client is not None:
             try:
