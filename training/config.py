@@ -67,6 +67,11 @@ class AlgoConfig(_Strict):
     clip_low: float = Field(0.2, gt=0)  # GRPO baseline only
     clip_high: float = Field(0.272, gt=0)
     lr: float = Field(1e-6, gt=0)
+    # Linear LR warmup steps, and AdamW betas / eps (defaults: torch's AdamW, no warmup).
+    warmup_steps: int = Field(0, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     prompts_per_step: int = Field(8, ge=1)

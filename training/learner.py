@@ -62,6 +62,9 @@ class LearnerConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    # Linear LR warmup over the first optimizer steps (0 = none). Adam's first bias-corrected
+    # steps move every weight by ~lr whatever the gradient size; warmup tames them.
+    warmup_steps: int = 0
     max_grad_norm: float = 1.0
     temperature: float = 1.0  # logits / T, matching the sampler's processed logprobs
     pack_length: int = 67584  # max tokens per packed row (prompt + response)
@@ -81,6 +84,8 @@ class LearnerConfig:
             self.loss = LossConfig(**self.loss)
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.pack_length < 2 or self.head_chunk < 1:
             raise ValueError("pack_length must be >= 2 and head_chunk >= 1")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -398,11 +403,20 @@ class Learner:
         maxed = self.dp.all_reduce(torch.where(is_max, t, torch.zeros_like(t)), op="max")
         return LossStats.from_tensor(torch.where(is_max, maxed, summed))
 
+    def current_lr(self) -> float:
+        """LR of the next optimizer step (1-based step count, linear warmup)."""
+        if self.cfg.warmup_steps <= 0:
+            return self.cfg.lr
+        return self.cfg.lr * min(1.0, (self.step + 1) / self.cfg.warmup_steps)
+
     def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
         """Exactly one AdamW step on `samples`; returns the step's metrics."""
         t0 = time.perf_counter()
         stats = self.backward(samples)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
+        lr = self.current_lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
         self.step += 1
         seconds = time.perf_counter() - t0
@@ -411,7 +425,7 @@ class Learner:
         metrics.update(
             {
                 "optim/grad_norm": float(grad_norm),
-                "lr": self.cfg.lr,
+                "lr": lr,
                 "training_step": float(self.step),
                 "time/training": seconds,
                 "learner/tokens": tokens,
