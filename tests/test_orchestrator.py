@@ -66,6 +66,25 @@ def test_rollout_metrics_names():
     assert m["objective/verifiable_correct_rate"] == 0.5
 
 
+def _mechanics_run(tmp_path: Path, steps: int, checkpoint_every: int) -> tuple[LearnConfig, Path]:
+    """A fresh random nano model and 4 tasks in tmp_path, and a config for a few real steps.
+    A random model scores 0 everywhere, so the zero-std filter is off to let batches through:
+    the mechanics, not learning, are under test."""
+    import uuid
+
+    from training.nano.model import build_nano_model
+    from training.nano.tasks import write_splits
+
+    build_nano_model(tmp_path / "base")
+    write_splits(tmp_path / "tasks", 4, 1)
+    cfg: LearnConfig = preset("nano")
+    cfg.algo.steps, cfg.algo.prompts_per_step, cfg.algo.group_size = steps, 1, 2
+    cfg.algo.filter_zero_std, cfg.algo.active_sampling = False, False
+    cfg.run.checkpoint_every, cfg.run.concurrency, cfg.run.rollout_workers, cfg.run.slots_per_worker = (
+        checkpoint_every, 2, 1, 2)
+    return cfg, Path.cwd() / "runs" / "test-orchestrator" / uuid.uuid4().hex[:8]
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.vllm
@@ -73,21 +92,12 @@ def test_ray_run_pushes_weights_checkpoints_and_resumes(tmp_path):
     """Three real steps on Ray with vLLM: a random model gets reward 0 everywhere, so the
     zero-std filter is off to let batches through (advantages 0: the mechanics, not
     learning, are under test here); then --resume continues from step 2."""
+    import shutil
+
     from training import checkpoint as ckpt
-    from training.nano.model import build_nano_model
-    from training.nano.tasks import write_splits
     from training.orchestrator import train
 
-    build_nano_model(tmp_path / "base")
-    write_splits(tmp_path / "tasks", 4, 1)
-    cfg: LearnConfig = preset("nano")
-    cfg.algo.steps, cfg.algo.prompts_per_step, cfg.algo.group_size = 2, 1, 2
-    cfg.algo.filter_zero_std, cfg.algo.active_sampling = False, False
-    cfg.run.checkpoint_every, cfg.run.concurrency, cfg.run.rollout_workers, cfg.run.slots_per_worker = 1, 2, 1, 2
-    import shutil
-    import uuid
-
-    run = Path.cwd() / "runs" / "test-orchestrator" / uuid.uuid4().hex[:8]
+    cfg, run = _mechanics_run(tmp_path, steps=2, checkpoint_every=1)
     res = train(cfg, str(tmp_path / "base"), str(tmp_path / "tasks" / "train"), run, progress=False)
     assert res.steps == 2 and res.final_checkpoint.endswith("step_2")
     rows = [json.loads(x) for x in Path(res.metrics_path).read_text().splitlines()]
@@ -124,20 +134,11 @@ def test_ctrl_c_saves_a_checkpoint_to_resume_from(tmp_path):
     """Ctrl-C mid-run (a KeyboardInterrupt in the driver) ends the run with the newest
     weights saved, even between checkpoint intervals, and --resume continues from them."""
     import shutil
-    import uuid
 
     from training import checkpoint as ckpt
-    from training.nano.model import build_nano_model
-    from training.nano.tasks import write_splits
     from training.orchestrator import train
 
-    build_nano_model(tmp_path / "base")
-    write_splits(tmp_path / "tasks", 4, 1)
-    cfg: LearnConfig = preset("nano")
-    cfg.algo.steps, cfg.algo.prompts_per_step, cfg.algo.group_size = 3, 1, 2
-    cfg.algo.filter_zero_std, cfg.algo.active_sampling = False, False
-    cfg.run.checkpoint_every, cfg.run.concurrency, cfg.run.rollout_workers, cfg.run.slots_per_worker = 100, 2, 1, 2
-    run = Path.cwd() / "runs" / "test-orchestrator" / uuid.uuid4().hex[:8]
+    cfg, run = _mechanics_run(tmp_path, steps=3, checkpoint_every=100)
 
     def press_ctrl_c(step, metrics):
         if step == 1:
