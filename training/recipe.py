@@ -141,6 +141,7 @@ def run_recipe(cfg: LearnConfig, out_dir: str | Path, *, seed: int | None = None
 
     result: dict[str, Any] = {"seed": seed, "sft": sft}
     started = init_ray(cfg)
+    engine = None
     try:
         t = time.monotonic()
         engine = start_engine(cfg, start_dir, out / "rl")
@@ -163,11 +164,13 @@ def run_recipe(cfg: LearnConfig, out_dir: str | Path, *, seed: int | None = None
                 load_checkpoint_into(engine, run.final_checkpoint, run.steps)
                 result["rl_eval"] = heldout_eval(cfg, engine, held_dir, out / "eval", f"rl-s{seed}", log)
                 times["rl_eval_s"] = time.monotonic() - t
-        try:
-            ray.get(engine.close.remote(), timeout=60)
-        except Exception:
-            pass
     finally:
+        # Also on failure: the engine actor owns a vLLM server that must not outlive the run.
+        if engine is not None:
+            try:
+                ray.get(engine.close.remote(), timeout=60)
+            except Exception:
+                pass
         if started:
             ray.shutdown()
     times["total_s"] = time.monotonic() - t0

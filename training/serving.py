@@ -295,8 +295,11 @@ class VLLMServer:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = open(self.log_path, "ab")
         try:
+            # The guard ends the server's whole process group if this process dies without
+            # calling stop() (a killed Ray actor), see training/procguard.py.
+            guard = [sys.executable, str(Path(__file__).with_name("procguard.py")), str(os.getpid()), "--"]
             self.proc = subprocess.Popen(
-                self.command.argv,
+                guard + list(self.command.argv),
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=self._log or subprocess.DEVNULL,

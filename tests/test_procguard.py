@@ -1,0 +1,68 @@
+"""The process guard ends a server's whole process group when its owner is SIGKILLed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+GUARD = Path(__file__).resolve().parents[1] / "training" / "procguard.py"
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        # A zombie still answers kill(0); it is gone for our purposes.
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _owner_script(pidfile: Path) -> str:
+    # The owner starts the guard the way VLLMServer does (new session), then waits to be killed.
+    # The guarded command forks a grandchild, like vLLM's API server forks its engine core.
+    cmd = ["bash", "-c", f"sleep 300 & echo $! > {pidfile}; wait"]
+    return textwrap.dedent(f"""
+        import os, subprocess, sys, time
+        subprocess.Popen([sys.executable, {str(GUARD)!r}, str(os.getpid()), "--"] + {cmd!r},
+                         start_new_session=True)
+        time.sleep(300)
+    """)
+
+
+def test_grandchild_dies_with_a_killed_owner(tmp_path: Path) -> None:
+    pidfile = tmp_path / "grandchild.pid"
+    owner = subprocess.Popen([sys.executable, "-c", _owner_script(pidfile)])
+    try:
+        deadline = time.monotonic() + 20
+        while not (pidfile.is_file() and pidfile.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        grandchild = int(pidfile.read_text())
+        assert not _gone(grandchild, 1.0), "the guarded command's child should run while its owner lives"
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        assert _gone(grandchild, 15.0), "the guard left the grandchild running after its owner was killed"
+    finally:
+        owner.kill()
+
+
+def test_exit_status_passes_through(tmp_path: Path) -> None:
+    rc = subprocess.run([sys.executable, str(GUARD), str(os.getpid()), "--", "bash", "-c", "exit 7"], timeout=30).returncode
+    assert rc == 7
+
+
+def test_usage_error() -> None:
+    r = subprocess.run([sys.executable, str(GUARD), "notapid", "true"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "usage" in r.stderr
