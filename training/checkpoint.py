@@ -89,12 +89,15 @@ def save_checkpoint(
     *,
     step: int,
     optimizer: torch.optim.Optimizer | None = None,
+    optimizer_state: dict | None = None,
     extra: dict | None = None,
     tokenizer_dir: str | Path | None = None,
     state_dict: dict[str, torch.Tensor] | None = None,
     write: bool = True,
 ) -> Path:
-    """Write the checkpoint atomically; `write=False` (non-zero ranks) does nothing."""
+    """Write the checkpoint atomically; `write=False` (non-zero ranks) does nothing.
+    `optimizer_state` is an already gathered `optimizer.state_dict()` (sharded learners
+    gather it on every rank, so it is passed in instead of the optimizer)."""
     final = Path(path)
     if not write:
         return final
@@ -114,7 +117,9 @@ def save_checkpoint(
                 if src.is_file():
                     shutil.copy2(src, tmp / name)
         state = {"format": 1, "step": step, "rng": rng_state()}
-        if optimizer is not None:
+        if optimizer_state is not None:
+            state["optimizer"] = optimizer_state
+        elif optimizer is not None:
             state["optimizer"] = optimizer.state_dict()
         torch.save(state, tmp / STATE_PT)
         (tmp / STATE_JSON).write_text(extra_json)

@@ -11,9 +11,19 @@ t - 1, so the loss tokens are exactly the sampled tokens.
 Data parallelism is behind `DataParallel`: the learner all-reduces the loss-token count
 (global token-mean denominator), the number of packs (so every rank runs the same number of
 forward passes, which FSDP's collectives need) and the statistics, and asks the backend to
-reduce gradients. `SingleProcess` is the default; `TorchDataParallel` (gloo or nccl,
-replicated weights, summed gradients) is the plain multi-process variant. An FSDP2 backend
-only has to implement the same five methods.
+reduce gradients. `SingleProcess` is the default for one process. With several ranks
+(`LearnerConfig.strategy`, backends made by `data_parallel`):
+
+* "fsdp" (`FSDPDataParallel`, the default on gloo and NCCL): FSDP2 shards parameters,
+  gradients and AdamW state over the ranks; gradients are reduce-scattered (averaged) in
+  backward, so the loss is scaled by the world size. Full weights are gathered for the
+  engines and checkpoints (a collective: every rank calls `named_weights` / `save`).
+* "replicate" (`TorchDataParallel`): every rank holds the whole model and optimizer and
+  gradients are summed with one all-reduce per parameter.
+
+Checkpoints look the same whatever the strategy and world size: an HF model directory
+and an index-keyed `optimizer.state_dict()` of full tensors (FSDP gathers it on rank 0
+and every rank cuts its own shard back out on resume), so any run resumes any other's.
 """
 
 from __future__ import annotations
@@ -56,6 +66,9 @@ class TrainSample:
         return cls(list(trace.prompt_ids), list(trace.ids), list(trace.logprobs), list(trace.mask), float(advantage))
 
 
+STRATEGIES = ("fsdp", "replicate")
+
+
 @dataclass
 class LearnerConfig:
     lr: float = 1e-6
@@ -77,6 +90,12 @@ class LearnerConfig:
     autocast: str | None = None  # "bfloat16" / "float16": body matmuls in that dtype
     device: str = "auto"  # "auto" = cuda when available, else cpu
     seed: int = 0
+    # Data parallelism over several learner ranks (ignored with one): "fsdp" shards the
+    # model and optimizer state with FSDP2, "replicate" keeps a full copy per rank and
+    # all-reduces gradients. FSDP2 is the default on NCCL and on gloo alike: it takes the
+    # same step as one process on both (tests/test_learner.py), divides parameter and
+    # optimizer memory by the world size, and CPU tests then run the GPU code path.
+    strategy: str = "fsdp"
     loss: LossConfig = field(default_factory=LossConfig)
 
     def __post_init__(self) -> None:
@@ -92,6 +111,8 @@ class LearnerConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.autocast not in (None, "bfloat16", "float16"):
             raise ValueError(f"autocast must be None, bfloat16 or float16, got {self.autocast!r}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
 
 
 # ---------------------------------------------------------------------------- parallelism
@@ -103,20 +124,38 @@ class DataParallel:
     After `backward`, `.grad` must hold the gradient of the *global* token-mean loss. A
     backend that sums gradients over ranks keeps `loss_scale = 1`; one that averages them
     (DDP, FSDP2) sets `loss_scale = world_size`. `all_reduce` takes and returns CPU
-    tensors (an NCCL backend moves them to the GPU and back)."""
+    tensors (an NCCL backend moves them to the GPU and back). `wrap` may shard the
+    module the learner runs its forward through (before the optimizer is made); the
+    state methods then gather / scatter what the shards hold."""
 
     rank: int = 0
     world_size: int = 1
     loss_scale: float = 1.0
+    strategy: str = "single"
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return t
 
+    def wrap(self, net: torch.nn.Module) -> torch.nn.Module:
+        return net
+
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Leave the *sum* over ranks of every gradient in `.grad`."""
 
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
+        """Clip to the global gradient norm; returns the norm before clipping."""
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """HF-named full tensors (rank 0; other ranks may get an empty dict)."""
         return model.state_dict()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """`optimizer.state_dict()` with full tensors, as rank 0 writes it to disk."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        optimizer.load_state_dict(state)
 
 
 SingleProcess = DataParallel
@@ -124,27 +163,111 @@ SingleProcess = DataParallel
 
 class TorchDataParallel(DataParallel):
     """Replicated weights on an initialised torch.distributed group; gradients summed with
-    one all-reduce per parameter. Every rank feeds its own share of the batch."""
+    one all-reduce per parameter. Every rank feeds its own share of the batch. `device`:
+    where the group reduces (the GPU for NCCL); None reduces the CPU tensors in place."""
 
-    def __init__(self) -> None:
+    strategy = "replicate"
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            raise RuntimeError("TorchDataParallel needs torch.distributed.init_process_group() first")
+            raise RuntimeError(f"{type(self).__name__} needs torch.distributed.init_process_group() first")
         self._dist = dist
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.device = torch.device(device) if device is not None else None
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        t = t.clone()
+        t = t.clone() if self.device is None else t.to(self.device, copy=True)
         self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX if op == "max" else self._dist.ReduceOp.SUM)
-        return t
+        return t.cpu()
 
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             self._dist.all_reduce(p.grad, op=self._dist.ReduceOp.SUM)
+
+
+class FSDPDataParallel(TorchDataParallel):
+    """FSDP2 over the learner group of `ctx` (a `training.distributed.RankContext`).
+
+    Parameters, gradients and AdamW state are DTensors sharded on dim 0. FSDP2
+    reduce-scatters the *mean* gradient during backward, so `loss_scale` is the world
+    size and `reduce_gradients` has nothing left to do. The model is sharded without
+    FSDP's mixed precision: the learner's own `autocast` gives the same numerics as one
+    process, and a tied LM head (one parameter shared with the embeddings) cannot get a
+    separate fp32 FSDP unit anyway."""
+
+    strategy = "fsdp"
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx.device if ctx.backend == "nccl" else None)
+        self.ctx = ctx
+        self.loss_scale = float(ctx.grad_scale)
+
+    def wrap(self, net: torch.nn.Module) -> torch.nn.Module:
+        from training.distributed import shard_model
+
+        return shard_model(net, self.ctx, bf16=False)
+
+    def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        pass
+
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
+        # Norms of DTensor gradients come out as DTensors reduced over the shards, so the
+        # clip coefficient is the global one on every rank.
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        from training.distributed import full_weights
+
+        return full_weights(model, self.ctx)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """Gathered tensor by tensor (each `full_tensor` is an all-gather, in the same
+        index / key order on every rank); only rank 0 keeps them, on the CPU."""
+        state = optimizer.state_dict()
+        full: dict = {}
+        for idx in sorted(state["state"]):
+            entry = {}
+            for key, v in state["state"][idx].items():
+                if hasattr(v, "full_tensor"):
+                    v = v.full_tensor()
+                entry[key] = v.detach().cpu() if isinstance(v, torch.Tensor) else v
+            full[idx] = entry
+        return {"state": full if self.rank == 0 else {}, "param_groups": state["param_groups"]}
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Every rank holds the full state (read from the checkpoint) and keeps its own
+        shard of each tensor, laid out like the parameter: no communication."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        local: dict = {}
+        for idx, entry in state["state"].items():
+            p = params[int(idx)]
+            local[idx] = {
+                key: distribute_tensor(v.to(p.device_mesh.device_type), p.device_mesh, p.placements, src_data_rank=None)
+                if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape)
+                else v
+                for key, v in entry.items()
+            }
+        optimizer.load_state_dict({"state": local, "param_groups": state["param_groups"]})
+
+
+def data_parallel(ctx, strategy: str = "fsdp") -> DataParallel:
+    """The backend for a learner rank (`ctx`: a `training.distributed.RankContext`): the
+    single-process one without a group, else `strategy` over the group."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if ctx.world_size == 1:
+        return DataParallel()
+    if strategy == "fsdp":
+        return FSDPDataParallel(ctx)
+    return TorchDataParallel(ctx.device if ctx.backend == "nccl" else None)
 
 
 def shard(samples: list[TrainSample], rank: int, world_size: int) -> list[TrainSample]:
@@ -264,6 +387,21 @@ def _resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+class _LossForward(torch.nn.Module):
+    """The learner's forward (backbone, then the fp32 LM head at the loss positions) as
+    one module call. FSDP2 gathers the root unit's parameters (embeddings, final norm, LM
+    head) around the root module's forward and backward only, so everything that touches
+    them must run inside one. The attribute names are the ones `shard_model` looks for."""
+
+    def __init__(self, backbone: torch.nn.Module, head: torch.nn.Module, fn):
+        super().__init__()
+        self.model, self.lm_head = backbone, head
+        self._fn = fn
+
+    def forward(self, input_ids, position_ids, pred_pos, targets):
+        return self._fn(input_ids, position_ids, pred_pos, targets)
+
+
 class Learner:
     def __init__(self, model_dir: str | Path, cfg: LearnerConfig | None = None, dp: DataParallel | None = None):
         from transformers import AutoModelForCausalLM
@@ -286,13 +424,18 @@ class Learner:
         self.head = self.model.get_output_embeddings()
         self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         self.vocab_size = self.head.weight.shape[0]
+        if self.dp.world_size > 1 and self.dp.strategy != self.cfg.strategy:
+            raise ValueError(f"strategy {self.cfg.strategy!r} but the data-parallel backend is {self.dp.strategy!r}")
+        # Before sharding: a local forward, no collectives.
+        self.packing = self._packing_works()
+        # Sharded (FSDP) before the optimizer exists, so AdamW's state is made per shard.
+        self.net = self.dp.wrap(_LossForward(self.backbone, self.head, self._pack_logprobs))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=self.cfg.lr, betas=self.cfg.betas, eps=self.cfg.eps, weight_decay=self.cfg.weight_decay
         )
         self.step = 0
         self.extra: dict = {}
-        self.packing = self._packing_works()
 
     # -- forward -----------------------------------------------------------------------
 
@@ -325,11 +468,13 @@ class Learner:
             return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
 
     def pack_logprobs(self, pack: Pack) -> torch.Tensor:
-        """Trainer logprobs of `pack.targets` (with gradient)."""
-        pack_dev = pack.input_ids.to(self.device), pack.position_ids.to(self.device)
-        hidden = self._hidden(*pack_dev)[0]
-        sel = hidden.index_select(0, pack.pred_pos.to(self.device))
-        targets = pack.targets.to(self.device)
+        """Trainer logprobs of `pack.targets` (with gradient). Under FSDP a collective."""
+        dev = self.device
+        return self.net(pack.input_ids.to(dev), pack.position_ids.to(dev), pack.pred_pos.to(dev), pack.targets.to(dev))
+
+    def _pack_logprobs(self, input_ids, position_ids, pred_pos, targets) -> torch.Tensor:
+        hidden = self._hidden(input_ids, position_ids)[0]
+        sel = hidden.index_select(0, pred_pos)
         chunk = self.cfg.head_chunk
         if sel.shape[0] <= chunk:
             return self._head_logprobs(sel, targets)
@@ -348,14 +493,27 @@ class Learner:
 
     @torch.no_grad()
     def logprobs(self, samples: list[TrainSample]) -> list[list[float]]:
-        """Trainer logprob of every response token of every sample (aligned with `ids`)."""
+        """Trainer logprob of every response token of every sample (aligned with `ids`).
+        Under FSDP every rank calls it (with its own samples, possibly none)."""
         validate_samples(samples, self.vocab_size)
         out: list[list[float]] = [[] for _ in samples]
-        for row in self._rows(samples):
-            pack = build_pack(samples, row, all_positions=True)
-            lp = self.pack_logprobs(pack).float().cpu().tolist() if len(pack.targets) else []
+        rows = self._rows(samples)
+        # FSDP forwards are collectives: run as many as the busiest rank.
+        passes = len(rows)
+        if self.dp.strategy == "fsdp":
+            passes = int(self.dp.all_reduce(torch.tensor([float(len(rows))]), op="max")[0])
+        for r in range(passes):
+            if r >= len(rows):
+                self.pack_logprobs(build_pack([TrainSample([0], [0], [0.0], [1], 0.0)], [0]))
+                continue
+            pack = build_pack(samples, rows[r], all_positions=True)
+            lp = self.pack_logprobs(pack).float().cpu().tolist()
             for i, first, count in pack.spans:
                 out[i] = lp[first : first + count]
+        if passes and hasattr(self.net, "reshard"):
+            # FSDP2 keeps the root unit gathered after a forward, for the backward that
+            # normally follows; without one, free it (and never keep a stale copy).
+            self.net.reshard()
         return out
 
     # -- training ----------------------------------------------------------------------
@@ -413,7 +571,7 @@ class Learner:
         """Exactly one AdamW step on `samples`; returns the step's metrics."""
         t0 = time.perf_counter()
         stats = self.backward(samples)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
+        grad_norm = self.dp.clip_grad_norm(self.params, self.cfg.max_grad_norm)
         lr = self.current_lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -438,7 +596,8 @@ class Learner:
 
     def named_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """HF-named tensors for the inference engine (optionally cast, e.g. to the engine's
-        bf16); the tied LM head is left out."""
+        bf16); the tied LM head is left out. Under FSDP a collective: every rank calls it,
+        rank 0 gets the full tensors and the others an empty dict."""
         state = self.dp.full_state_dict(self.model)
         return {
             k: (v.detach() if dtype is None else v.detach().to(dtype))
@@ -447,11 +606,12 @@ class Learner:
         }
 
     def save(self, path: str | Path, step: int | None = None, extra: dict | None = None) -> Path:
-        """HF model (safetensors + config + tokenizer + chat template) and trainer state."""
+        """HF model (safetensors + config + tokenizer + chat template) and trainer state.
+        Every rank calls it (gathering is a collective under FSDP); rank 0 writes."""
         return ckpt.save_checkpoint(
             path,
             self.model,
-            optimizer=self.optimizer,
+            optimizer_state=self.dp.optimizer_state(self.optimizer),
             step=self.step if step is None else step,
             extra=extra or {},
             tokenizer_dir=self.model_dir,
@@ -461,10 +621,11 @@ class Learner:
 
     @classmethod
     def load(cls, path: str | Path, cfg: LearnerConfig | None = None, dp: DataParallel | None = None) -> "Learner":
-        """Resume from a checkpoint written by `save`: weights, optimizer, step, RNG, extra."""
+        """Resume from a checkpoint written by `save`: weights, optimizer, step, RNG, extra.
+        Any strategy and world size resumes any checkpoint (the state on disk is full)."""
         learner = cls(path, cfg, dp)
         state = ckpt.load_trainer_state(path)
-        learner.optimizer.load_state_dict(state["optimizer"])
+        learner.dp.load_optimizer_state(learner.optimizer, state["optimizer"])
         learner.step = int(state["step"])
         learner.extra = state.get("extra", {})
         ckpt.restore_rng(state["rng"])
