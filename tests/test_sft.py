@@ -73,3 +73,17 @@ def test_partial_task_selection_is_seeded(nano):
     dirs = [str(p) for p in splits["train"]]
     a = select_sft_tasks(dirs, 0.5, 1)
     assert a == select_sft_tasks(dirs, 0.5, 1) and len(a) == 3 and set(a) <= set(dirs)
+
+
+def test_teacher_demos_keep_their_failures_and_are_seeded(nano):
+    """Below accuracy 1 the demonstrations are played by the sloppy teacher: its failed
+    episodes are kept (scored 0 by the real verifier), and the choice is reproducible."""
+    tok, splits, root = nano
+    cfg = preset("nano")
+    cfg.sft.teacher_accuracy = 0.5
+    dirs = [str(p) for p in splits["train"]]
+    a = collect_demos(dirs, tok, cfg, _scratch(root))
+    b = collect_demos(dirs, tok, cfg, _scratch(root))
+    assert [r.reward for r in a] == [r.reward for r in b] and [r.ids for r in a] == [r.ids for r in b]
+    assert {r.reward for r in a} == {0.0, 1.0}, [r.reward for r in a]  # seed 0 draws both with 6 tasks
+    assert all(r.status == "submitted" for r in a)

@@ -92,6 +92,24 @@ class EngineConfig(_Strict):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     extra_args: list[str] = Field(default_factory=list)
     startup_timeout_s: float = Field(600.0, gt=0)
+    # How the learner's weights reach the engines after a step: "object_store" (Ray
+    # object store, then a file per engine), or a broadcast from learner rank 0 over a
+    # process group into every engine worker ("nccl" GPU to GPU, "gloo" through host
+    # memory). "auto": nccl when the learner is on a CUDA GPU, else object_store.
+    weight_transport: Literal["auto", "object_store", "gloo", "nccl"] = "auto"
+    weight_bucket_mb: float = Field(256.0, gt=0)
+    weight_timeout_s: float = Field(600.0, gt=0)  # a weight-group collective gives up after this
+
+
+def resolve_weight_transport(choice: str, learner_on_cuda: bool) -> str:
+    """The transport a run uses for `engine.weight_transport` = `choice`."""
+    if choice == "auto":
+        return "nccl" if learner_on_cuda else "object_store"
+    if choice == "nccl" and not learner_on_cuda:
+        raise ConfigError("engine.weight_transport = nccl needs the learner on a CUDA GPU (use gloo or object_store)")
+    if choice not in ("object_store", "gloo", "nccl"):
+        raise ConfigError(f"unknown engine.weight_transport {choice!r}")
+    return choice
 
 
 class SFTConfig(_Strict):
@@ -101,6 +119,11 @@ class SFTConfig(_Strict):
     warmup_ratio: float = Field(0.03, ge=0, lt=1)
     # Share of the train split used for SFT demonstrations (partial SFT leaves room for RL).
     task_fraction: float = Field(1.0, gt=0, le=1)
+    # How often the demonstrating teacher picks the right command (1.0 = the oracle). Below
+    # 1, the other demonstrations run another task kind's command and are kept although
+    # they fail, like unfiltered distillation data: SFT then learns the map as a
+    # distribution that RL sharpens (nano tasks only).
+    teacher_accuracy: float = Field(1.0, gt=0, le=1)
     # SFT runs before any other stage of the recipe, so it may use every core (None).
     torch_threads: int | None = None
 

@@ -66,7 +66,9 @@ def sft_stage(cfg: LearnConfig, model_dir: str, train_dir: str, out: Path, log: 
     t0 = time.monotonic()
     demos = collect_demos(chosen, tok, cfg, (out / "sft-sandboxes").resolve())
     t_demo = time.monotonic() - t0
-    log(f"{len(demos)} oracle demonstrations through the harness in {t_demo:.1f}s")
+    solved = sum(1 for r in demos if r.reward >= 1.0)
+    who = "oracle" if cfg.sft.teacher_accuracy >= 1.0 else f"teacher (accuracy {cfg.sft.teacher_accuracy:g})"
+    log(f"{len(demos)} {who} demonstrations through the harness in {t_demo:.1f}s, {solved} of them solve their task")
     t1 = time.monotonic()
 
     def step_log(step: int, total: int, loss: float) -> None:
@@ -76,7 +78,7 @@ def sft_stage(cfg: LearnConfig, model_dir: str, train_dir: str, out: Path, log: 
     res = train_sft(model_dir, demos, cfg, sft_dir, log=step_log)
     (sft_dir / "demos.jsonl").write_text("".join(r.to_json() + "\n" for r in demos))
     log(f"SFT: {res.steps} steps, final loss {res.final_loss:.3f}, {res.seconds:.1f}s")
-    return {"checkpoint": res.checkpoint, "demos": res.demos, "steps": res.steps, "final_loss": res.final_loss,
+    return {"checkpoint": res.checkpoint, "demos": res.demos, "demos_solved": solved, "steps": res.steps, "final_loss": res.final_loss,
             "demo_s": t_demo, "train_s": res.seconds}
 
 

@@ -66,10 +66,33 @@ def oracle_demo(task_dir: str | Path, tokenizer: Any, cfg: LearnConfig, scratch:
     """Play a nano task's oracle through the harness; raises DemoError unless it scores 1."""
     from training.nano.tasks import oracle_steps
 
-    turns = [assistant_ids(tokenizer, t, c) for t, c in oracle_steps(task_dir)]
-    req = EpisodeRequest(str(task_dir), 0, 0, 0)
-    r = run_episode(req, ScriptedSampler(turns), tokenizer, cfg.rollout, scratch=scratch)
+    r = play_demo(task_dir, oracle_steps(task_dir), tokenizer, cfg, scratch)
     if r.reward < 1.0:
+        raise DemoError(f"{task_dir}: the oracle scored {r.reward} ({r.status})")
+    return r
+
+
+def play_demo(task_dir: str | Path, steps: list[tuple[str, str]], tokenizer: Any, cfg: LearnConfig,
+              scratch: Path) -> Rollout:
+    """Play scripted (THOUGHT, command) steps through the harness; the verifier scores it."""
+    turns = [assistant_ids(tokenizer, t, c) for t, c in steps]
+    req = EpisodeRequest(str(task_dir), 0, 0, 0)
+    return run_episode(req, ScriptedSampler(turns), tokenizer, cfg.rollout, scratch=scratch)
+
+
+def teacher_demo(task_dir: str | Path, tokenizer: Any, cfg: LearnConfig, scratch: Path) -> Rollout:
+    """The oracle when `sft.teacher_accuracy` is 1, else an imperfect teacher whose choice
+    is drawn from a generator seeded by the run seed and the task (reproducible). A
+    teacher demo is kept whatever its reward; only an oracle demo must pass."""
+    from training.nano.tasks import teacher_steps
+
+    acc = cfg.sft.teacher_accuracy
+    if acc >= 1.0:
+        return oracle_demo(task_dir, tokenizer, cfg, scratch)
+    rng = random.Random(f"teacher-{cfg.algo.seed}-{Path(task_dir).name}")
+    steps, right = teacher_steps(task_dir, acc, rng)
+    r = play_demo(task_dir, steps, tokenizer, cfg, scratch)
+    if right and r.reward < 1.0:
         raise DemoError(f"{task_dir}: the oracle scored {r.reward} ({r.status})")
     return r
 
@@ -90,7 +113,7 @@ def collect_demos(task_dirs: list[str], tokenizer: Any, cfg: LearnConfig, scratc
     for d in task_dirs:
         for attempt in range(cfg.rollout.max_infra_retries + 1):
             try:
-                demos.append(oracle_demo(d, tokenizer, cfg, scratch))
+                demos.append(teacher_demo(d, tokenizer, cfg, scratch))
                 break
             except InfraError:
                 if attempt == cfg.rollout.max_infra_retries:

@@ -351,6 +351,34 @@ def oracle_steps(task_dir: str | Path) -> list[tuple[str, str]]:
     return steps + [(f"THOUGHT: {SUBMIT_THOUGHT}", SUBMIT_COMMAND)]
 
 
+# A sloppy teacher's slips: each one breaks the oracle command of any kind (the answer file
+# is missing or empty), independently of the task kind.
+_SLIPS = (
+    (" > " + ANSWER, " > " + ANSWER[:-1]),  # a typo in the output file name
+    (INPUT_GLOB, "*.txt"),  # the wrong input file
+    (" > " + ANSWER, ""),  # the answer printed instead of written
+)
+
+
+def teacher_steps(task_dir: str | Path, accuracy: float, rng: random.Random) -> tuple[list[tuple[str, str]], bool]:
+    """An imperfect teacher's (THOUGHT, command) steps for a written task, and whether they
+    are the oracle's: with probability `accuracy` the oracle's, otherwise the right command
+    with one slip (a typo in the output name, the wrong input, no redirect), then the
+    submit either way. The slips do not depend on the task kind, so SFT on such
+    demonstrations still learns the kind-to-command map, plus a habit of slipping that
+    the verifier's reward (RL) can remove."""
+    if not 0.0 < accuracy <= 1.0:
+        raise ValueError(f"teacher accuracy must be in (0, 1], got {accuracy}")
+    steps = oracle_steps(task_dir)
+    if rng.random() < accuracy:
+        return steps, True
+    old, new = rng.choice(_SLIPS)
+    thought, command = steps[0]
+    if old not in command:
+        raise ValueError(f"{task_dir}: oracle command {command!r} has no {old!r} to slip on")
+    return [(thought, command.replace(old, new, 1))] + steps[1:], False
+
+
 def seed_workdir(task_dir: str | Path, workdir: str | Path) -> None:
     """Copy the task's seed files into a host work dir (what the Dockerfile's COPY does in
     an image), for the `local` and `bwrap` sandboxes."""
