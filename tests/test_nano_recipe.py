@@ -35,7 +35,7 @@ def _small_config():
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.vllm
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 def test_sft_then_rl_raises_training_reward():
     from training.recipe import run_recipe
 

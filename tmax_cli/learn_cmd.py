@@ -180,7 +180,7 @@ def _placed_train(cfg, plan, address, start, train_dir, rl_dir, resume, progress
 
 @learn_app.command("sft")
 def sft(ctx: typer.Context) -> None:
-    """SFT warm start on oracle trajectories played through the harness."""
+    """SFT warm start on teacher trajectories played through the harness (sft.teacher_accuracy 1 = the oracle)."""
     o = ctx.obj or {}
     cfg = _config(o.get("config"), o.get("steps"), o.get("seed"))
     run_dir = _out(cfg, o.get("out"))
