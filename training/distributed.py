@@ -29,6 +29,7 @@ Import-safe without a GPU and without Ray (Ray is only imported by the object-st
 
 from __future__ import annotations
 
+import json
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -226,6 +227,31 @@ class WeightUpdate:
     ref: Any = None
     total_bytes: int = 0
 
+    def to_json(self) -> str:
+        """The manifest as JSON, for a process-group transport: an engine worker behind
+        vLLM's `/collective_rpc` only takes string arguments. An object-store reference
+        cannot travel that way."""
+        if self.ref is not None:
+            raise ValueError("an update that carries an object-store reference has no JSON form")
+        return json.dumps({
+            "version": self.version, "names": self.names, "shapes": [list(s) for s in self.shapes],
+            "dtypes": self.dtypes, "buckets": [[d, list(idx)] for d, idx in self.buckets],
+            "transport": self.transport, "total_bytes": self.total_bytes,
+        })
+
+    @classmethod
+    def from_json(cls, text: str) -> "WeightUpdate":
+        d = json.loads(text)
+        return cls(
+            version=int(d["version"]),
+            names=list(d["names"]),
+            shapes=[tuple(int(x) for x in s) for s in d["shapes"]],
+            dtypes=list(d["dtypes"]),
+            buckets=[(str(dt), [int(i) for i in idx]) for dt, idx in d["buckets"]],
+            transport=str(d["transport"]),
+            total_bytes=int(d.get("total_bytes", 0)),
+        )
+
 
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.replace("torch.", ""))
@@ -417,3 +443,53 @@ def load_into(model: torch.nn.Module, pairs: Iterator[tuple[str, torch.Tensor]])
     if missing:
         raise ValueError(f"{len(missing)} parameter(s) not received, e.g. {missing[:3]}")
     return len(seen)
+
+
+class WeightSourceMixin:
+    """Learner rank 0's end of the weight group, as methods of a learner actor (Ray calls
+    them). The actor sets `self.learner` (a `training.learner.Learner`) and, when it is
+    one of several learner ranks, `self.rank`.
+
+    A sync is `prepare_weights(version)` on every learner rank (gathering the full
+    weights is a collective), the returned update handed to every engine's receive, and
+    `send_weights()` on rank 0 while the engines receive."""
+
+    rank: int = 0
+    _weight_group: WeightGroup | None = None
+    _weight_sender: WeightSender | None = None
+
+    def learner_device_type(self) -> str:
+        return torch.device(getattr(self.learner, "device", "cpu")).type  # type: ignore[attr-defined]
+
+    def weight_rendezvous(self) -> tuple[str, int]:
+        return node_ip(), free_port()
+
+    def join_weight_group(self, host: str, port: int, world_size: int, backend: str,
+                          bucket_mb: float = DEFAULT_BUCKET_MB, timeout_s: float = 300.0) -> int:
+        """Become rank 0 (and the TCPStore server) of the group; blocks until every engine
+        worker has joined too."""
+        if self.rank != 0:
+            raise RuntimeError("only learner rank 0 belongs to the weight group")
+        self.leave_weight_group()
+        device = getattr(self.learner, "device", None) if backend == "nccl" else "cpu"  # type: ignore[attr-defined]
+        self._weight_group = WeightGroup(host, port, 0, world_size, backend, device=device, timeout_s=timeout_s)
+        self._weight_sender = WeightSender(backend, self._weight_group, bucket_mb)
+        return world_size
+
+    def prepare_weights(self, version: int) -> WeightUpdate | None:
+        weights = self.learner.named_weights()  # type: ignore[attr-defined]
+        if self.rank != 0:
+            return None
+        if self._weight_sender is None:
+            raise RuntimeError("prepare_weights before join_weight_group")
+        return self._weight_sender.prepare(weights, version)
+
+    def send_weights(self) -> None:
+        if self._weight_sender is None:
+            raise RuntimeError("send_weights before join_weight_group")
+        self._weight_sender.send()
+
+    def leave_weight_group(self) -> None:
+        group, self._weight_group, self._weight_sender = self._weight_group, None, None
+        if group is not None:
+            group.close()

@@ -9,21 +9,29 @@
   distribution the token was drawn from), `skip_special_tokens=False`, an explicit seed and
   explicit stop ids. It returns ids, logprobs, finish reason and the policy version of the
   weights that were loaded.
-* Weight push (`push_weights`): the trainer's state dict (HF names) is written to one
-  safetensors file (temp + rename, so the engine never reads half a file), then
-  `POST /collective_rpc {"method": "push_file"}` reloads it in every worker
-  (`training.vllm_ext`), then `POST /reset_prefix_cache` drops KV blocks computed with the
-  old weights. About 50 ms for the nano model on CPU.
+* Weight push (`push_weights`, the object-store / file path): the trainer's state dict
+  (HF names) is written to one safetensors file (temp + rename, so the engine never reads
+  half a file), then `POST /collective_rpc {"method": "push_file"}` reloads it in every
+  worker (`training.vllm_ext`). About 50 ms for the nano model on CPU.
+* Weight receive (`join_weight_group` once, then `receive_weights(update)` per sync, the
+  process-group path of `training.distributed`: NCCL on GPU, gloo on CPU): every worker
+  joins the learner's weight group, and each update is one `collective_rpc
+  receive_weights` carrying the JSON manifest; the workers take the buckets by
+  broadcast from learner rank 0 and load them. That HTTP call returns only once the
+  broadcast is over, so learner rank 0 must send while it is pending: call it from
+  another thread (`receive_weights_async`) or another actor, never before the send on
+  the sender's own thread.
 
-GPU path: on GPUs, vLLM's own weight-transfer API (`--weight-transfer-config` with the
-NCCL backend; `/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`,
-`/finish_weight_update`) broadcasts tensors without a file, and belongs behind the same
-`push_weights` method. It needs an accelerator (its NCCL init fails on CPU), so only the
-file path is implemented and tested here; the file path also works on GPU.
-
-Pushes must happen between sampling batches: a request in flight during a push would mix
-weights. In-process this is enforced: `push_weights` waits for running `sample` calls and
-holds new ones back until the push is done.
+Either way a sync pauses the engine instead of draining it: `POST /pause?mode=keep`
+freezes the requests in flight where they are (nothing is aborted, nothing waits for
+them), the weights load, `POST /reset_prefix_cache?reset_running_requests=true` drops
+every KV block computed with the old weights (the frozen requests are preempted, so on
+`POST /resume` they recompute their prefix and go on sampling with the new weights),
+and generation resumes. A turn that spans a sync thus holds tokens of two versions; it
+is tagged with the older one (the version read before its request was sent), so the
+staleness limit, which measures the oldest turn of an episode, never under-counts; the
+engine counts such turns in `mixed_turns`. Each token's logprob is the exact
+probability it was drawn with either way.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import os
 import tempfile
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -49,6 +58,8 @@ from training.serving import ServerError, ServeSpec, VLLMServer, free_port
 if TYPE_CHECKING:
     import torch
 
+    from training.distributed import WeightUpdate
+
 
 class EngineError(RuntimeError):
     """The engine failed (server down, a push rejected): an infrastructure failure."""
@@ -63,48 +74,6 @@ class InferenceEngine(Protocol):
     def push_weights(self, weights: dict[str, "torch.Tensor"], version: int) -> float: ...
 
     def close(self) -> None: ...
-
-
-class _Gate:
-    """Many samplers or one push at a time (a readers-writer lock, writer-preferring)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writing = False
-        self._waiting_writers = 0
-
-    def read(self) -> "_GateCtx":
-        return _GateCtx(self, write=False)
-
-    def write(self) -> "_GateCtx":
-        return _GateCtx(self, write=True)
-
-
-class _GateCtx:
-    def __init__(self, gate: _Gate, write: bool):
-        self.gate, self.write = gate, write
-
-    def __enter__(self) -> None:
-        g = self.gate
-        with g._cond:
-            if self.write:
-                g._waiting_writers += 1
-                g._cond.wait_for(lambda: not g._writing and g._readers == 0)
-                g._waiting_writers -= 1
-                g._writing = True
-            else:
-                g._cond.wait_for(lambda: not g._writing and g._waiting_writers == 0)
-                g._readers += 1
-
-    def __exit__(self, *exc: object) -> None:
-        g = self.gate
-        with g._cond:
-            if self.write:
-                g._writing = False
-            else:
-                g._readers -= 1
-            g._cond.notify_all()
 
 
 def _post(client: Any, url: str, body: dict | None, timeout: float) -> Any:
@@ -141,8 +110,11 @@ class VLLMSampler:
         engine: "VLLMEngine | None" = None,
         timeout_s: float = 600.0,
         max_model_len: int | None = None,
+        extra_body: dict | None = None,
     ):
         self.url = url.rstrip("/")
+        # Further vLLM sampling fields for every request (e.g. min_tokens, ignore_eos).
+        self.extra_body = dict(extra_body or {})
         self.model = model
         self.seed_base = seed_base
         self.stop_token_ids = list(stop_token_ids or [])
@@ -205,11 +177,16 @@ class VLLMSampler:
             "return_token_ids": True,
             "skip_special_tokens": False,
             "stop_token_ids": self.stop_token_ids,
+            **self.extra_body,
         }
         if self._engine is not None:
-            with self._engine._gate.read():
-                version = self._engine.policy_version
-                data = _post(self._http(), self.url + "/v1/completions", body, self.timeout_s)
+            # Read before sending: a sync during the request makes this the older of the
+            # turn's two versions (see the module docstring).
+            eng = self._engine
+            version, syncs = eng.policy_version, eng.syncs_started
+            data = _post(self._http(), self.url + "/v1/completions", body, self.timeout_s)
+            if eng.syncs_started != syncs:
+                eng._count_mixed()
         else:
             version = self._remote_version()
             data = _post(self._http(), self.url + "/v1/completions", body, self.timeout_s)
@@ -270,7 +247,13 @@ class VLLMEngine:
         self.stop_token_ids = _stop_ids(self.model_dir)
         self.policy_version = 0
         self.request_timeout_s = request_timeout_s
-        self._gate = _Gate()
+        # One weight sync at a time; samples never wait for one (the server pauses them).
+        self._sync_lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self.syncs_started = 0
+        self.mixed_turns = 0  # turns whose request was in flight while a sync started
+        self.weight_group: dict | None = None
+        self._bg: ThreadPoolExecutor | None = None
         self._client: Any = None
         self._owned_tmp: tempfile.TemporaryDirectory | None = None
         if work_dir is None:
@@ -358,9 +341,9 @@ class VLLMEngine:
             max_model_len=self.max_model_len,
         )
 
-    def _rpc(self, method: str, *args: str) -> list:
+    def _rpc(self, method: str, *args: str, timeout: float = 300.0) -> list:
         try:
-            res = _post(self._http(), self.url + "/collective_rpc", {"method": method, "args": list(args)}, 300.0)
+            res = _post(self._http(), self.url + "/collective_rpc", {"method": method, "args": list(args)}, timeout)
         except (ModelError, FatalModelError) as e:
             raise EngineError(f"collective_rpc {method} failed: {e}") from e
         if not isinstance(res, dict) or "results" not in res:
@@ -368,7 +351,8 @@ class VLLMEngine:
         return res["results"]
 
     def push_weights(self, weights: dict[str, "torch.Tensor"], version: int) -> float:
-        """Load `weights` (HF names) into the running engine; returns seconds taken."""
+        """Load `weights` (HF names) into the running engine through a file; returns
+        seconds taken. The fallback of the process-group path (`receive_weights`)."""
         import torch
         from safetensors.torch import save_file
 
@@ -389,21 +373,103 @@ class VLLMEngine:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        with self._gate.write():
-            results = self._rpc("push_file", str(path), str(int(version)))
-            bad = [r for r in results if not isinstance(r, dict) or r.get("n_tensors") != len(state)]
-            if bad:
-                raise EngineError(f"weight push incomplete: sent {len(state)} tensors, workers answered {results}")
-            try:
-                reset = _post(self._http(), self.url + "/reset_prefix_cache", None, 60.0)
-            except (ModelError, FatalModelError) as e:
-                raise EngineError(f"reset_prefix_cache failed after a push: {e}") from e
-            if isinstance(reset, dict) and reset.get("success") is False:
-                raise EngineError("reset_prefix_cache refused (requests still running during a push)")
-            self.policy_version = int(version)
+        self._sync(lambda: self._rpc("push_file", str(path), str(int(version))), len(state), version)
         return time.perf_counter() - t0
 
+    # -- process-group transport -------------------------------------------------------
+
+    def join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
+                          backend: str = "gloo", timeout_s: float = 300.0) -> list[dict]:
+        """Every worker of this engine joins the weight group whose rank 0 (learner rank
+        0) serves the TCPStore at host:port; worker ranks are rank_offset + TP rank.
+        Blocks until all ranks have joined: the learner must join at the same time."""
+        spec = json.dumps({"host": host, "port": int(port), "rank_offset": int(rank_offset),
+                           "world_size": int(world_size), "backend": backend, "timeout_s": float(timeout_s)})
+        results = self._rpc("join_weight_group", spec, timeout=timeout_s + 60)
+        ranks = sorted(int(r["rank"]) for r in results if isinstance(r, dict) and "rank" in r)
+        if len(ranks) != len(results) or not ranks:
+            raise EngineError(f"join_weight_group: unexpected worker replies {results}")
+        self.weight_group = {"host": host, "port": int(port), "ranks": ranks, "world_size": int(world_size),
+                             "backend": backend, "timeout_s": float(timeout_s)}
+        return results
+
+    def receive_weights(self, update: "WeightUpdate") -> float:
+        """Take one update by broadcast from learner rank 0 (which must be sending it
+        meanwhile, see `receive_weights_async`) into the paused engine; returns seconds."""
+        if self.weight_group is None:
+            raise EngineError("receive_weights before join_weight_group")
+        t0 = time.perf_counter()
+        timeout = self.weight_group["timeout_s"] + 60
+        self._sync(lambda: self._rpc("receive_weights", update.to_json(), timeout=timeout),
+                   len(update.names), update.version)
+        return time.perf_counter() - t0
+
+    def join_weight_group_async(self, *args: Any, **kwargs: Any) -> Future:
+        return self._background(self.join_weight_group, *args, **kwargs)
+
+    def receive_weights_async(self, update: "WeightUpdate") -> Future:
+        """`receive_weights` on a background thread: start it, broadcast, then wait."""
+        return self._background(self.receive_weights, update)
+
+    def num_workers(self) -> int:
+        """vLLM workers behind this server (its TP size): each is a rank of the group."""
+        return len(self._rpc("policy_version"))
+
+    def leave_weight_group(self) -> None:
+        if self.weight_group is not None:
+            self.weight_group = None
+            self._rpc("leave_weight_group")
+
+    def _background(self, fn: Any, *args: Any, **kwargs: Any) -> Future:
+        if self._bg is None:
+            self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tmax-weights")
+        return self._bg.submit(fn, *args, **kwargs)
+
+    # -- pause / resume ----------------------------------------------------------------
+
+    def is_paused(self) -> bool:
+        import httpx
+
+        try:
+            return bool(self._http().get(self.url + "/is_paused", timeout=30).json()["is_paused"])
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            raise EngineError(f"GET /is_paused failed: {e}") from e
+
+    def _control(self, path: str, timeout: float = 120.0) -> Any:
+        try:
+            return _post(self._http(), self.url + path, None, timeout)
+        except (ModelError, FatalModelError) as e:
+            raise EngineError(f"POST {path} failed (a dev-mode vLLM server with the RL endpoints?): {e}") from e
+
+    def _sync(self, load: Any, n_expected: int, version: int) -> None:
+        """Pause (requests in flight stay frozen), load, drop the old KV, resume."""
+        with self._sync_lock:
+            with self._stats_lock:
+                self.syncs_started += 1
+            self._control("/pause?mode=keep&clear_cache=false")
+            try:
+                results = load()
+                bad = [r for r in results if not isinstance(r, dict) or r.get("n_tensors") != n_expected]
+                if bad:
+                    raise EngineError(f"weight sync incomplete: sent {n_expected} tensors, workers answered {results}")
+                # Frozen requests hold KV blocks of the old weights: preempt them (they
+                # recompute on resume) so that the whole prefix cache can go.
+                reset = self._control("/reset_prefix_cache?reset_running_requests=true", 60.0)
+                if isinstance(reset, dict) and reset.get("success") is False:
+                    raise EngineError("reset_prefix_cache refused after a weight sync")
+                # Before resuming: a turn sent from now on runs on the new weights only.
+                self.policy_version = int(version)
+            finally:
+                self._control("/resume")
+
+    def _count_mixed(self) -> None:
+        with self._stats_lock:
+            self.mixed_turns += 1
+
     def close(self) -> None:
+        if self._bg is not None:
+            self._bg.shutdown(wait=False, cancel_futures=True)
+            self._bg = None
         if self.server is not None:
             self.server.stop()
             self.server = None

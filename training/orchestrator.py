@@ -94,8 +94,10 @@ def _actor_classes():
     """Ray actor classes, defined lazily so importing this module does not import ray."""
     import ray
 
+    from training.distributed import WeightSourceMixin
+
     @ray.remote
-    class LearnerActor:
+    class LearnerActor(WeightSourceMixin):
         def __init__(self, model_dir: str, lcfg: Any, resume: str | None, threads: int | None):
             import torch
 
@@ -121,9 +123,9 @@ def _actor_classes():
     class EngineActor:
         """Holds the inference engine; the interface the multi-node layout scales out.
 
-        Rollout workers sample through this actor (threaded), so the engine's gate sees
-        every request: a weight push waits for the turns being sampled and holds new ones
-        back, and each turn is tagged with the exact weights version that produced it."""
+        Rollout workers sample through this actor (threaded). A weight sync pauses the
+        turns being sampled rather than waiting for them (`training.engine`); each turn
+        is tagged with the oldest weights version that produced it."""
 
         def __init__(self, model_dir: str, ecfg: Any, seed: int, work_dir: str | None = None):
             from training.engine import VLLMEngine
@@ -145,13 +147,25 @@ def _actor_classes():
 
         def info(self) -> dict:
             return {"base_url": self.engine.base_url, "model": self.engine.served_model_name,
-                    "version": self.engine.policy_version}
+                    "version": self.engine.policy_version, "mixed_turns": self.engine.mixed_turns}
 
         def sample(self, prompt_ids: list, max_tokens: int, temperature: float, top_p: float, seed: int | None):
             return self._sampler.sample(prompt_ids, max_tokens, temperature, top_p, seed)
 
         def push_weights(self, weights: dict, version: int) -> float:
             return self.engine.push_weights(weights, version)
+
+        def num_workers(self) -> int:
+            return self.engine.num_workers()
+
+        def join_weight_group(self, host: str, port: int, rank_offset: int, world: int, backend: str,
+                              timeout_s: float) -> list:
+            return self.engine.join_weight_group(host, port, rank_offset, world, backend, timeout_s)
+
+        def receive_weights(self, update: Any) -> float:
+            # Blocks until learner rank 0 has broadcast the update (another actor, so the
+            # two sides run at the same time).
+            return self.engine.receive_weights(update)
 
         def close(self) -> None:
             self.engine.close()
@@ -372,9 +386,10 @@ def train(
             .remote(model_dir, cfg.rollout, sampler, str(scratch / f"w{i}"), None)
             for i in range(rc.rollout_workers)
         ]
+    sync = WeightSync(cfg, learner, engine)
     # Initial sync: the engine serves exactly the learner's weights, tagged with its step
     # (a resumed run's engine would otherwise report version 0 and all its data look stale).
-    ray.get(engine.push_weights.remote(learner.named_weights.remote(), start_step))
+    sync.push(start_step)
     setup_s = time.monotonic() - t_setup
 
     acc = BatchAccumulator(BatchConfig(groups_per_batch=a.prompts_per_step, filter_zero_std=a.filter_zero_std,
@@ -494,8 +509,7 @@ def train(
                 train_s = time.monotonic() - train_started
                 train_ref = None
                 t_sync = time.monotonic()
-                weights = learner.named_weights.remote()
-                sync_s = ray.get(engine.push_weights.remote(weights, step + 1))
+                sync_s = sync.push(step + 1)
                 version = step + 1
                 step += 1
                 batch_rollouts = [x for g in batch.groups for x in g.items]
@@ -575,6 +589,58 @@ def train(
     (run_dir / "summary.json").write_text(json.dumps(summ, indent=2))
     return RunResult(str(run_dir), step, str(final) if final else None, str(run_dir / "metrics.jsonl"),
                      str(rollouts_path), png, summ)
+
+
+class WeightSync:
+    """Learner -> engines after every step, over `cfg.engine.weight_transport`.
+
+    `learner` is a LearnerActor or a `scaleout.LearnerGroup`, `engine` an EngineActor or
+    a `scaleout.EngineGroup`. For the object store, rank 0's weights go to every engine's
+    `push_weights`. For gloo / NCCL, learner rank 0 is rank 0 of a weight group and the
+    workers of engine i are the next ranks (TP workers each); per sync every learner rank
+    prepares (a collective gather), every engine starts receiving, and rank 0 then
+    broadcasts. The receives and the send are calls on different actors, so they run at
+    the same time: no side waits for a call that can only start after it returns."""
+
+    def __init__(self, cfg: LearnConfig, learner: Any, engine: Any):
+        import ray
+
+        from training.config import resolve_weight_transport
+
+        self.learner, self.engine = learner, engine
+        self.rank0 = learner.ranks[0] if hasattr(learner, "ranks") else learner
+        self.engines = list(engine.engines) if hasattr(engine, "engines") else [engine]
+        ecfg = cfg.engine
+        on_cuda = ray.get(self.rank0.learner_device_type.remote()) == "cuda"
+        self.transport = resolve_weight_transport(ecfg.weight_transport, on_cuda)
+        if self.transport == "object_store":
+            return
+        host, port = ray.get(self.rank0.weight_rendezvous.remote())
+        workers = ray.get([e.num_workers.remote() for e in self.engines])
+        world = 1 + sum(workers)
+        offsets = [1 + sum(workers[:i]) for i in range(len(workers))]
+        joins = [e.join_weight_group.remote(host, port, off, world, self.transport, ecfg.weight_timeout_s)
+                 for e, off in zip(self.engines, offsets)]
+        ray.get([self.rank0.join_weight_group.remote(host, port, world, self.transport, ecfg.weight_bucket_mb,
+                                                     ecfg.weight_timeout_s)] + joins)
+        self.world = world
+
+    def push(self, version: int) -> float:
+        """Sync the learner's current weights as `version`; the slowest engine's seconds."""
+        import ray
+
+        if self.transport == "object_store":
+            return ray.get(self.engine.push_weights.remote(self.learner.named_weights.remote(), version))
+        update = self.learner.prepare_weights.remote(version)
+        receives = [e.receive_weights.remote(update) for e in self.engines]
+        send = self.rank0.send_weights.remote()
+        # The first failure on either side surfaces at once (the others then fail at the
+        # weight group's timeout; the run cannot go on without its engines anyway).
+        pending = receives + [send]
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            ray.get(done)
+        return max(ray.get(receives))
 
 
 def _placed_actors(cfg: LearnConfig, placement: Any, model_dir: str, resume_from: str | None,

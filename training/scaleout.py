@@ -12,7 +12,9 @@ single-actor versions, so the loop itself does not change:
 * `EngineGroup`: N vLLM engine actors in the inference bundles, restarted by Ray when
   they die. `push_weights.remote(weights, version)` hands rank 0's weights (one object
   in the Ray object store, fetched by every engine's node) to every engine and returns
-  one ref to the slowest engine's load time.
+  one ref to the slowest engine's load time. With `engine.weight_transport` gloo / nccl,
+  `orchestrator.WeightSync` broadcasts from learner rank 0 into every engine worker
+  instead (an engine restarted by Ray is not in that group: its sync fails).
 * rollout workers anywhere with free CPU (`sandbox_options`), restarted when they die;
   worker i samples from engine i mod N, and from the next live engine while that one is
   down. An episode whose worker died fails with a Ray actor error, which the loop
@@ -78,9 +80,13 @@ def _node_id() -> str:
 def _rank_class():
     import ray
 
+    from training.distributed import WeightSourceMixin
+
     @ray.remote
-    class LearnerRank:
-        """One data-parallel learner rank (weights replicated, gradients summed)."""
+    class LearnerRank(WeightSourceMixin):
+        """One data-parallel learner rank (FSDP2-sharded or replicated, per
+        `LearnerConfig.strategy`); rank 0 is also rank 0 of the weight group for a
+        process-group transport."""
 
         def __init__(self, threads: int | None):
             import torch
@@ -105,7 +111,7 @@ def _rank_class():
 
             ctx = init_learner_group(rank, world, host, port, timeout_s=GROUP_TIMEOUT_S)
             self.rank = rank
-            dp = group_data_parallel(ctx)
+            dp = group_data_parallel(ctx, lcfg.strategy)
             self.learner = Learner.load(resume, lcfg, dp) if resume else Learner(model_dir, lcfg, dp)
             return rank
 
@@ -130,23 +136,12 @@ def _rank_class():
     return LearnerRank
 
 
-def group_data_parallel(ctx: Any) -> Any:
-    """The learner's `DataParallel` for a rank context: none for one rank, else the
-    torch.distributed backend (with tensors moved to the GPU for NCCL reductions)."""
-    import torch
+def group_data_parallel(ctx: Any, strategy: str = "fsdp") -> Any:
+    """The learner's `DataParallel` for a rank context: none for one rank, else
+    `strategy` ("fsdp" or "replicate", `LearnerConfig.strategy`) over the group."""
+    from training.learner import data_parallel
 
-    from training.learner import DataParallel, TorchDataParallel
-
-    if ctx.world_size == 1:
-        return DataParallel()
-    if ctx.backend != "nccl":
-        return TorchDataParallel()
-
-    class NcclDataParallel(TorchDataParallel):
-        def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-            return super().all_reduce(t.to(ctx.device), op).cpu()
-
-    return NcclDataParallel()
+    return data_parallel(ctx, strategy)
 
 
 class LearnerGroup:
@@ -156,6 +151,8 @@ class LearnerGroup:
         self.train_step = _Call(self._train_step)
         self.named_weights = _Call(lambda: self._all(lambda a: a.named_weights.remote()))
         self.save = _Call(lambda *args: self._all(lambda a: a.save.remote(*args)))
+        # Every rank gathers (a collective); rank 0's ref carries the update.
+        self.prepare_weights = _Call(lambda version: self._all(lambda a: a.prepare_weights.remote(version)))
 
     def _all(self, call: Any) -> Any:
         import ray

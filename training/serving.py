@@ -197,6 +197,11 @@ def build_command(spec: ServeSpec) -> ServeCommand:
         notes.append("dtype float32: a tiny model on CPU")
     if dtype != "auto":
         argv += ["--dtype", dtype]
+    if device == "cpu":
+        # No chunked prefill on CPU: vLLM rewinds the generator of a seeded request after
+        # each partial prefill, which a CPU generator cannot do, and the engine dies. A
+        # weight sync preempts running requests, whose recompute would be chunked.
+        argv += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_len, 2048))]
     eager = spec.enforce_eager if spec.enforce_eager is not None else device == "cpu"
     if eager:
         argv.append("--enforce-eager")

