@@ -166,3 +166,13 @@ def test_cli_model_discovery_failure_is_clear(tmp_path):
     assert "no model given" in proc.stderr and "127.0.0.1:9" in proc.stderr
     for source in ("--model", "$TMAX_MODEL", "config.toml"):
         assert source in proc.stderr
+
+
+def test_learner_strategy_reaches_the_learner():
+    from training.config import ConfigError, preset
+    from training.orchestrator import learner_config
+
+    assert learner_config(preset("nano")).strategy == "fsdp"
+    assert learner_config(preset("nano", {"run": {"learner_strategy": "replicate"}})).strategy == "replicate"
+    with pytest.raises(ConfigError, match="learner_strategy"):
+        preset("nano", {"run": {"learner_strategy": "zero3"}})

@@ -152,6 +152,9 @@ class RunConfig(_Strict):
     ray_address: str | None = None
     ray_num_cpus: int | None = None
     torch_threads: int | None = None
+    # How N > 1 learner ranks split the work: FSDP2 shards parameters and optimizer state
+    # (gloo on CPU, NCCL on GPU); replicate keeps a full copy per rank and all-reduces grads.
+    learner_strategy: Literal["fsdp", "replicate"] = "fsdp"
 
     @model_validator(mode="after")
     def _pool_covers_concurrency(self) -> "RunConfig":

@@ -231,6 +231,7 @@ def learner_config(cfg: LearnConfig):
         pack_length=cfg.rollout.context_budget,
         dtype="float32",
         seed=a.seed,
+        strategy=cfg.run.learner_strategy,
         loss=LossConfig(loss_fn=a.loss, divergence=a.divergence, delta=a.delta, clip_low=a.clip_low,
                         clip_high=a.clip_high),
     )
