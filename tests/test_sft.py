@@ -48,6 +48,7 @@ def test_scripted_sampler_respects_turn_budget(nano):
 def test_demos_pass_their_verifier_and_sft_learns(nano):
     tok, splits, root = nano
     cfg = preset("nano")
+    cfg.sft.teacher_accuracy = 1.0  # the oracle: every demonstration must pass
     cfg.sft.batch_size = 4
     cfg.sft.epochs = 6.0
     cfg.sft.lr = 3e-3
