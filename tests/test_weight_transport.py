@@ -154,7 +154,7 @@ def test_ray_weight_sync_over_gloo(nano_dir, base_model, prompt, tmp_path):
     other weights by the file path, so only the broadcast can bring it back."""
     import ray
 
-    from training.orchestrator import ActorSampler, WeightSync, _actor_classes, init_ray, learner_config, start_engine
+    from training.orchestrator import ActorSampler, WeightSync, _actor_classes, close_engine, init_ray, learner_config, start_engine
 
     cfg = preset("nano")
     cfg.engine.weight_transport = "gloo"
@@ -183,10 +183,7 @@ def test_ray_weight_sync_over_gloo(nano_dir, base_model, prompt, tmp_path):
         assert WeightSync(cfg, learner, engine).transport == "object_store"
     finally:
         if engine is not None:
-            try:
-                ray.get(engine.close.remote(), timeout=60)
-            except Exception:
-                pass
+            close_engine(engine)
             ray.kill(engine)
         if learner is not None:
             ray.kill(learner)

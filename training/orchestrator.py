@@ -201,6 +201,17 @@ def _actor_classes():
     return LearnerActor, EngineActor, RolloutWorker
 
 
+def close_engine(engine: Any, timeout_s: float = 60.0) -> None:
+    """Stop an EngineActor's vLLM server, best effort: used on every exit path, failures
+    included, where the actor may already be dead (its server then dies with it)."""
+    import ray
+
+    try:
+        ray.get(engine.close.remote(), timeout=timeout_s)
+    except Exception:
+        pass
+
+
 def start_engine(cfg: LearnConfig, model_dir: str, run_dir: str | Path) -> Any:
     """An EngineActor serving `model_dir`, ready (server healthy) when this returns."""
     import ray
@@ -575,10 +586,7 @@ def train(
         for w in workers:
             ray.kill(w)
         if own_engine and not keep_engine:
-            try:
-                ray.get(engine.close.remote(), timeout=60)
-            except Exception:
-                pass
+            close_engine(engine)
             _kill(engine)
         _kill(learner)
         if started_ray and not keep_engine:

@@ -20,12 +20,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 POLL_S = 1.0
 GRACE_S = 20.0
 
 
+# Like sandbox.podman_service's liveness check, written again on purpose: the guard runs as
+# a script by file path, outside the package, and must import nothing but the stdlib.
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

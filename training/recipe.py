@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from training.config import LearnConfig
-from training.orchestrator import init_ray, list_task_dirs, start_engine, train
+from training.orchestrator import close_engine, init_ray, list_task_dirs, start_engine, train
 
 Log = Callable[[str], None]
 
@@ -169,10 +169,7 @@ def run_recipe(cfg: LearnConfig, out_dir: str | Path, *, seed: int | None = None
     finally:
         # Also on failure: the engine actor owns a vLLM server that must not outlive the run.
         if engine is not None:
-            try:
-                ray.get(engine.close.remote(), timeout=60)
-            except Exception:
-                pass
+            close_engine(engine)
         if started:
             ray.shutdown()
     times["total_s"] = time.monotonic() - t0
