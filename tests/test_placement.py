@@ -42,7 +42,7 @@ def test_dry_run_text_for_eight_nodes():
     script = text.split("----\n", 1)[1]
     assert script.startswith("#!/bin/bash\n")
     for line in ("#SBATCH --nodes=8", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=1",
-                 "export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0"):
+                 "export RAY_AUTH_MODE=\"${RAY_AUTH_MODE:-disabled}\" RAY_USAGE_STATS_ENABLED=0"):
         assert line in script.splitlines()
     # The driver command reproduces the plan and quotes user arguments.
     assert "exec tmax learn --nodes 8 --gpus-per-node 8 --train-nodes 2 --config 'my run.toml'" in script

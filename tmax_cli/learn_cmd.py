@@ -155,7 +155,8 @@ def _placed_train(cfg, plan, address, start, train_dir, rl_dir, resume, progress
     from training.orchestrator import train
 
     _echo(plan.describe())
-    handle = cluster.connect(plan, address or cfg.run.ray_address)
+    handle = cluster.connect(plan, address or cfg.run.ray_address, num_cpus=cfg.run.ray_num_cpus)
+    _echo(f"ray cluster: {handle.mode} ({handle.address})")
     try:
         missing = placement.check_live_cluster(plan)
         if missing:

@@ -99,7 +99,9 @@ def ray_bin() -> str:
     return cand if os.path.exists(cand) else (shutil.which("ray") or "ray")
 
 
-def head_start_cmd(plan: PlacementPlan, port: int, node_ip: str, num_gpus: int | None = None) -> list[str]:
+def head_start_cmd(
+    plan: PlacementPlan, port: int, node_ip: str, num_gpus: int | None = None, num_cpus: int | None = None
+) -> list[str]:
     cmd = [
         ray_bin(),
         "start",
@@ -112,10 +114,14 @@ def head_start_cmd(plan: PlacementPlan, port: int, node_ip: str, num_gpus: int |
     ]
     if num_gpus is not None:
         cmd.append(f"--num-gpus={num_gpus}")
+    if num_cpus is not None:
+        cmd.append(f"--num-cpus={num_cpus}")
     return cmd
 
 
-def worker_start_cmds(plan: PlacementPlan, hosts: list[str], head_addr: str) -> list[list[str]]:
+def worker_start_cmds(
+    plan: PlacementPlan, hosts: list[str], head_addr: str, num_cpus: int | None = None
+) -> list[list[str]]:
     """One `srun` per non-head host. `--block` keeps the worker in the foreground of its
     srun step, so the worker exits when tmax ends the step (or the head goes away)."""
     cmds = []
@@ -133,6 +139,7 @@ def worker_start_cmds(plan: PlacementPlan, hosts: list[str], head_addr: str) -> 
                 f"--resources={json.dumps(role_resources(plan, i))}",
                 "--disable-usage-stats",
                 "--block",
+                *([f"--num-cpus={num_cpus}"] if num_cpus is not None else []),
             ]
         )
     return cmds
@@ -218,11 +225,12 @@ def connect(
         if len(hosts) < plan.nodes:
             raise ClusterError(f"the Slurm allocation has {len(hosts)} node(s), the plan needs {plan.nodes}")
         ip = _node_ip()
-        head = subprocess.run(head_start_cmd(plan, port, ip), env=ray_env(), capture_output=True, text=True, timeout=300)
+        # `num_cpus` (run.ray_num_cpus) sets the logical CPUs of every node Ray starts here.
+        head = subprocess.run(head_start_cmd(plan, port, ip, num_cpus=num_cpus), env=ray_env(), capture_output=True, text=True, timeout=300)
         if head.returncode != 0:
             raise ClusterError(f"ray start --head failed on {hosts[0]}: {head.stderr.strip()[-2000:]}")
         handle = ClusterHandle("slurm", f"{ip}:{port}", _stop_head=True)
-        for cmd in worker_start_cmds(plan, hosts, f"{ip}:{port}"):
+        for cmd in worker_start_cmds(plan, hosts, f"{ip}:{port}", num_cpus=num_cpus):
             handle._procs.append(subprocess.Popen(cmd, env=ray_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         try:
             ray.init(address=f"{ip}:{port}")
