@@ -101,6 +101,13 @@ def test_generate_20_tasks_with_broken_gates(tmp_path):
         assert r.exit_code == 0, r.output
         assert len(srv.requests) == n_before
 
+    # The output is a plain Harbor dataset that `tmax bench` runs.
+    r = runner.invoke(app, ["bench", "run", str(out), "-a", "oracle", "-e", "bwrap", "-l", "2",
+                            "-o", str(tmp_path / "jobs"), "--job-name", "oracle"])
+    assert r.exit_code == 0, r.output
+    result = json.loads((tmp_path / "jobs" / "oracle" / "result.json").read_text())
+    assert result["tmax_score"]["mean_reward"] == 1.0 and result["n_total_trials"] == 2
+
     # A fresh validate of what was kept: every task passes all five gates ...
     r = runner.invoke(app, ["data", "validate", str(out), "-e", "bwrap", "-n", "4", "--json"])
     assert r.exit_code == 0, r.output

@@ -80,7 +80,8 @@ def environment_messages(domain: str, task: str, truth: str, initial_test: str, 
     system = ("You write the environment of a terminal task as a Dockerfile plus its build-context files, and a "
               "reference solution. The Dockerfile must start FROM localhost/tmax-base:bookworm, create the "
               f"pre-existing state (files, data, packages; prefer COPY of context files) and end with WORKDIR "
-              f"{HOME}; never create the task's outputs. The solution is a bash script that does the task "
+              f"{HOME}; never create the task's outputs. The tests run with python3 (pytest when it is "
+              "installed), so the image must have python3. The solution is a bash script that does the task "
               "from the initial state. Answer with:\n<dockerfile>...</dockerfile>\n"
               "<file path=\"relative/path\">contents</file> (zero or more)\n<solve>#!/bin/bash ...</solve>")
     user = (f"Domain: {domain}\n\n{_task_block(task, truth)}\n\n## Initial-state test\n```python\n{initial_test}\n```"
