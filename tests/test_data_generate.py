@@ -121,3 +121,25 @@ def test_generate_20_tasks_with_broken_gates(tmp_path):
     assert verdicts["nop_always"] == ("rejected", ["nop"])
     assert verdicts["oracle_always"] == ("rejected", ["oracle"])
     assert verdicts["initial_always"] == ("rejected", ["initial"])
+
+
+@pytest.mark.podman
+@pytest.mark.skipif(shutil.which("podman") is None, reason="needs podman")
+def test_generate_on_podman(tmp_path):
+    """The same pipeline with real image builds: the canned Dockerfiles install python3 on
+    the base image (one shared cached layer); a failed build is fed back and fixed."""
+    from tasks.images import BASE_TAG, image_exists
+
+    if not image_exists(BASE_TAG):
+        pytest.skip("needs the base image")
+    setup = "RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends python3-minimal\n"
+    out = tmp_path / "corpus"
+    with ScriptedServer(Responder(["good", "build_then_ok", "oracle_always"], podman_setup=setup)) as srv:
+        r = CliRunner().invoke(app, ["data", "generate", "-o", str(out), "-N", "3", "--base-url", srv.base_url,
+                                     "-m", srv.model, "-e", "podman", "-n", "3", "--max-retries", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    rows = {case_of(out / ("_rejected" if t["status"] == "rejected" else "") / t["task"]): t
+            for t in json.loads(r.stdout)["tasks"]}
+    assert rows["good"]["status"] == "kept" and rows["good"]["rounds"] == 1
+    assert rows["build_then_ok"]["status"] == "kept" and rows["build_then_ok"]["rounds"] == 2
+    assert rows["oracle_always"]["status"] == "rejected" and rows["oracle_always"]["failed_gate"] == "oracle"
