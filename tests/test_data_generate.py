@@ -143,3 +143,19 @@ def test_generate_on_podman(tmp_path):
     assert rows["good"]["status"] == "kept" and rows["good"]["rounds"] == 1
     assert rows["build_then_ok"]["status"] == "kept" and rows["build_then_ok"]["rounds"] == 2
     assert rows["oracle_always"]["status"] == "rejected" and rows["oracle_always"]["failed_gate"] == "oracle"
+
+
+@needs_bwrap
+def test_endpoint_failure_leaves_tasks_pending_and_a_rerun_resumes(tmp_path):
+    out = tmp_path / "corpus"
+    args = ["data", "generate", "-o", str(out), "-N", "1", "-e", "bwrap", "--json", "-m", "scripted-model"]
+    with ScriptedServer(lambda body: {"error": "auth"}) as srv:
+        r = CliRunner().invoke(app, [*args, "--base-url", srv.base_url])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["counts"] == {"kept": 0, "rejected": 0, "pending": 1}
+    with ScriptedServer(Responder(["good"])) as srv:
+        r = CliRunner().invoke(app, [*args, "--base-url", srv.base_url])
+        assert len(srv.requests) == 4  # the four stages, once each
+    assert json.loads(r.stdout)["counts"] == {"kept": 1, "rejected": 0, "pending": 0}
+    r = CliRunner().invoke(app, [*args, "--base-url", "http://127.0.0.1:9/v1", "--seed", "1"])
+    assert r.exit_code == 2 and "seed" in r.output  # a resumed corpus keeps its seed

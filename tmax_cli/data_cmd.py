@@ -74,7 +74,7 @@ def generate_cmd(
     bar, tid = _bar(n, "generate")
 
     def on_event(name: str, what: str) -> None:
-        if what.startswith(("kept", "rejected")) or what.startswith("endpoint error"):
+        if what.startswith(("kept", "rejected", "endpoint error", "infrastructure error")):
             bar.advance(tid)
             colour = "green" if what.startswith("kept") else "red"
             bar.console.print(f"[{colour}]{what:>22}[/] {name}")
@@ -118,7 +118,9 @@ def validate_cmd(
 
     def on_done(r) -> None:
         colour = {"ok": "green", "unverified": "yellow"}.get(r.verdict, "red")
-        bar.console.print(f"[{colour}]{r.verdict:>10}[/] {r.task}" + (f"  failed: {', '.join(r.failed)}" if r.failed else ""))
+        infra = f"  [red](infrastructure error in {', '.join(r.infra_errors)})[/]" if r.infra_errors else ""
+        bar.console.print(f"[{colour}]{r.verdict:>10}[/] {r.task}"
+                          + (f"  failed: {', '.join(r.failed)}" if r.failed else "") + infra)
         bar.advance(tid)
 
     with bar:

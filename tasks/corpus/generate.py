@@ -220,6 +220,9 @@ class Generator:
                 self._finish(st, "rejected")
                 return st
             report = self._gate_round(st)
+            if report.infra_errors:  # not the task's failure: stop, a rerun resumes here
+                self.emit(st.name, f"infrastructure error in gates {', '.join(report.infra_errors)}")
+                return st
             st.rounds.append({"failed": report.failed, "reasons": report.reasons})
             if report.verdict == "ok":
                 st.failed_gate = None

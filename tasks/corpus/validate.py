@@ -46,6 +46,9 @@ class GateReport(BaseModel):
     failed: list[str] = Field(default_factory=list)
     reasons: dict[str, str] = Field(default_factory=dict)
     gates: dict[str, str] = Field(default_factory=dict)  # gate -> ok | failed | skipped
+    # Gates that failed because the infrastructure did (sandbox, podman), not the task:
+    # such a task is not judged; `generate` retries it without spending a round.
+    infra_errors: list[str] = Field(default_factory=list)
 
 
 class InitialCheckAgent:
@@ -117,8 +120,10 @@ def _trial_problem(result: dict, trial_dir: Path) -> str:
 
 
 def _run_gates(task: Task, work: Path, env_kind: str, rewrite: RewriteConfig,
-               gates: dict[str, str], reasons: dict[str, str]) -> None:
+               gates: dict[str, str], reasons: dict[str, str], infra: list[str]) -> None:
     nop = _trial(task, InitialCheckAgent(), env_kind, rewrite, work / "nop")
+    if nop["tmax"]["outcome"] == "infra_error":
+        infra += ["initial", "nop"]
     meta = (nop.get("agent_result") or {}).get("metadata") or {}
     initial = meta.get("initial")
     if initial == "absent":
@@ -139,6 +144,8 @@ def _run_gates(task: Task, work: Path, env_kind: str, rewrite: RewriteConfig,
         gates["oracle"], reasons["oracle"] = "failed", NO_SOLUTION
         return
     oracle = _trial(task, OracleAgent(rewrite), env_kind, rewrite, work / "oracle")
+    if oracle["tmax"]["outcome"] == "infra_error":
+        infra.append("oracle")
     if oracle["tmax"]["outcome"] == "pass":
         gates["oracle"] = "ok"
     else:
@@ -171,8 +178,13 @@ def _gates(path: Path, work: Path, env_kind: str, rewrite: RewriteConfig) -> Gat
         gates["build"], reasons["build"] = "failed", why
         return _verdict(task.name, gates, reasons, not task.has_solution)
     gates["build"] = "ok"
-    _run_gates(task, work, env_kind, rewrite, gates, reasons)
-    return _verdict(task.name, gates, reasons, not task.has_solution)
+    infra: list[str] = []
+    _run_gates(task, work, env_kind, rewrite, gates, reasons, infra)
+    for gate in infra:
+        reasons[gate] = "infrastructure error: " + reasons.get(gate, "")
+    report = _verdict(task.name, gates, reasons, not task.has_solution)
+    report.infra_errors = infra
+    return report
 
 
 def corpus_task_dirs(root: Path) -> list[Path]:
@@ -211,4 +223,5 @@ def counts(reports: list[GateReport]) -> dict:
         for g in r.failed:
             per_gate[g] += 1
     out["failed_by_gate"] = per_gate
+    out["infra_errors"] = sum(1 for r in reports if r.infra_errors)
     return out
