@@ -91,3 +91,25 @@ def test_gates_on_podman(tmp_path):
                    "wrong-solution": ("rejected", ["oracle"]), "broken-build": ("rejected", ["build"])}
     reasons = {t["task"]: t["reasons"] for t in json.loads(r.stdout)["tasks"]}
     assert "setup failed" in reasons["broken-build"]["build"]
+
+
+@needs_bwrap
+def test_solve_with_the_tmax_agent(tmp_path):
+    """pass@k of a model agent: one attempt solves the task, the other does not."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from agents.prompts import SUBMIT_COMMAND
+    from scripted_server import ScriptedServer
+
+    root = copy_corpus(tmp_path, ["good"])
+    turns = [{"bash": "wc -l < /app/files/words.txt > /app/count.txt"}, {"bash": SUBMIT_COMMAND},
+             {"bash": "echo 9 > /app/count.txt"}, {"bash": SUBMIT_COMMAND}]
+    with ScriptedServer(turns) as srv:
+        r = runner.invoke(app, ["data", "solve", str(root), "-a", "tmax", "-m", srv.model, "--base-url",
+                                srv.base_url, "-k", "2", "-n", "1", "-e", "bwrap", "--json"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)["tasks"]["good"]
+    assert (s["num_runs"], s["num_success"]) == (2, 1)
+    assert s["pass_at_k"] == {"1": 0.5, "2": 1.0}
+    assert (root / ".tmax-solve" / "tmax_scripted-model" / "good.json").is_file()
