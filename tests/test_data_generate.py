@@ -60,6 +60,7 @@ def test_corpus_kind_weights():
     assert 0.31 < anchors < 0.39
 
 
+@pytest.mark.bwrap
 @needs_bwrap
 def test_generate_20_tasks_with_broken_gates(tmp_path):
     out = tmp_path / "corpus"
@@ -145,13 +146,14 @@ def test_generate_on_podman(tmp_path):
     assert rows["oracle_always"]["status"] == "rejected" and rows["oracle_always"]["failed_gate"] == "oracle"
 
 
+@pytest.mark.bwrap
 @needs_bwrap
 def test_endpoint_failure_leaves_tasks_pending_and_a_rerun_resumes(tmp_path):
     out = tmp_path / "corpus"
     args = ["data", "generate", "-o", str(out), "-N", "1", "-e", "bwrap", "--json", "-m", "scripted-model"]
     with ScriptedServer(lambda body: {"error": "auth"}) as srv:
         r = CliRunner().invoke(app, [*args, "--base-url", srv.base_url])
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 1, r.output
     assert json.loads(r.stdout)["counts"] == {"kept": 0, "rejected": 0, "pending": 1}
     with ScriptedServer(Responder(["good"])) as srv:
         r = CliRunner().invoke(app, [*args, "--base-url", srv.base_url])

@@ -36,6 +36,7 @@ def copy_corpus(tmp_path: Path, names: list[str]) -> Path:
     return root
 
 
+@pytest.mark.bwrap
 @needs_bwrap
 def test_validate_names_each_defect(tmp_path):
     root = copy_corpus(tmp_path, list(EXPECTED))
@@ -59,6 +60,7 @@ def test_validate_names_each_defect(tmp_path):
     assert gates == {"load": "ok", "build": "ok", "initial": "ok", "nop": "ok", "oracle": "ok"}
 
 
+@pytest.mark.bwrap
 @needs_bwrap
 def test_solve_pass_at_k_and_band(tmp_path):
     root = copy_corpus(tmp_path, ["good", "wrong-solution"])
@@ -93,6 +95,7 @@ def test_gates_on_podman(tmp_path):
     assert "setup failed" in reasons["broken-build"]["build"]
 
 
+@pytest.mark.bwrap
 @needs_bwrap
 def test_solve_with_the_tmax_agent(tmp_path):
     """pass@k of a model agent: one attempt solves the task, the other does not."""

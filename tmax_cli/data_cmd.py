@@ -95,6 +95,10 @@ def generate_cmd(
     else:
         c = summary["counts"]
         _console().print(f"kept {c['kept']} · rejected {c['rejected']} · pending {c['pending']} → {gen.out}")
+    if summary["counts"]["pending"]:
+        _console().print("[yellow]some tasks are unfinished (endpoint or infrastructure errors): rerun the same "
+                         "command to resume them[/]")
+        raise typer.Exit(1)
 
 
 @data_app.command("validate")

@@ -71,7 +71,8 @@ def task_toml(parts: TaskParts) -> dict:
     return {
         "schema_version": "1.1",
         "task": {"name": f"tmax/{parts.name}", "description": parts.axes.scenario},
-        "metadata": parts.axes.metadata(),
+        # `source` as in the published Harbor export: legacy or v2.
+        "metadata": {"source": "legacy" if parts.axes.corpus_kind == "legacy" else "v2", **parts.axes.metadata()},
         "agent": {"timeout_sec": AGENT_TIMEOUT_S},
         "verifier": {"timeout_sec": VERIFIER_TIMEOUT_S},
         "environment": {"cpus": 1, "memory_mb": 2048, "allow_internet": True},
