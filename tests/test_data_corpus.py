@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tasks.corpus.axes import BUCKETS
+from tasks.corpus.axes import load_axes
 from tasks.corpus.importers import dockerfile_from_def
 from tasks.corpus.report import balance_score
 from tasks.corpus.solve import in_band, parse_band, task_summary
@@ -20,6 +20,7 @@ from tmax_cli.main import app
 
 DATA = Path(__file__).parent / "data" / "corpus"
 runner = CliRunner()
+BUCKETS = load_axes().buckets()
 
 
 def run_json(*args: str) -> dict:
@@ -154,3 +155,56 @@ def test_band():
     sums = {"a": {"pass_at_k": {"1": 0.0, "2": 0.0}}, "b": {"pass_at_k": {"1": 0.5, "2": 0.8}},
             "c": {"pass_at_k": {"1": 1.0, "2": 1.0}}, "d": {"pass_at_k": {"1": 0.5}}}
     assert in_band(sums, 2, (0.1, 0.9)) == ["b"]
+
+
+# --- custom axes -------------------------------------------------------------------------
+
+CUSTOM_AXES = """
+verifier_kinds = ["exact_text", "metric_threshold"]
+fixture_kinds = ["text_only", "image"]
+new_task_complexity = ["hard"]
+
+[languages]
+Python = 1.0
+
+[task_complexity]
+easy = "easy task (one command)"
+hard = "hard task (many commands)"
+
+[command_complexity]
+bash-only = "bash-only (coreutils)"
+
+[domains.security]
+skill_types = ["Systems"]
+skills = ["a", "b", "c", "d", "e"]
+scenarios = ["auditor"]
+
+[domains.debugging]
+skill_types = ["Forensics", "Systems"]
+skills = ["f", "g", "h", "i", "j"]
+scenarios = ["on-call engineer"]
+"""
+
+
+def test_custom_axes_file_drives_sampling_and_balance(tmp_path):
+    import random
+
+    from tasks.corpus.axes import sample_axes
+
+    path = tmp_path / "axes.toml"
+    path.write_text(CUSTOM_AXES)
+    axes = load_axes(path)
+    draws = [sample_axes(random.Random(i), "rl_v2", axes) for i in range(50)]
+    assert {d.domain for d in draws} == {"security", "debugging"}
+    assert {d.verifier_kind for d in draws} == {"metric_threshold"} and {d.language for d in draws} == {"Python"}
+    # report: N = 2 domains here; the formula divides by N whatever values occur (3/2/1 here)
+    data = run_json("report", str(DATA / "report"), "--axes", str(path))
+    h = -(0.5 * math.log(0.5) + (1 / 3) * math.log(1 / 3) + (1 / 6) * math.log(1 / 6))
+    assert data["balance"]["domain"] == pytest.approx(math.exp(h) / 2, abs=1e-5)
+
+
+def test_bad_axes_file_names_the_field(tmp_path):
+    path = tmp_path / "axes.toml"
+    path.write_text(CUSTOM_AXES.replace('skills = ["a", "b", "c", "d", "e"]', 'skills = ["a"]'))
+    r = runner.invoke(app, ["data", "report", str(DATA / "report"), "--axes", str(path)])
+    assert r.exit_code == 2 and "domains.security.skills" in r.output

@@ -24,6 +24,7 @@ data_app = typer.Typer(help="Synthesize, import, validate and analyse task corpo
 
 _JSON = typer.Option(False, "--json", help="Print one JSON document on stdout.")
 _ENV = typer.Option("podman", "-e", "--env", help="Where tasks run: podman | bwrap | local.")
+_AXES = typer.Option(None, "--axes", help="Axes file (TOML, the shape of tasks/data/axes.toml); default the bundled one.")
 
 
 def _console():
@@ -61,14 +62,17 @@ def generate_cmd(
     concurrent: int = typer.Option(4, "-n", "--n-concurrent", help="Tasks generated at once."),
     retries: int = typer.Option(3, "--max-retries", help="Extra rounds after a failed gate or parse."),
     env: str = _ENV,
+    axes: Optional[Path] = _AXES,
     as_json: bool = _JSON,
 ) -> None:
     """Generate tasks: template, initial test, final test, environment + solution, then the gates."""
+    from tasks.corpus.axes import AxesError
     from tasks.corpus.generate import GenerateConfig, GenerateError, Generator
 
     try:
         cfg = GenerateConfig(out=str(out), n=n, seed=seed, corpus_kind=kind, model=model, base_url=base_url,
-                             n_concurrent=concurrent, max_retries=retries, environment=env)
+                             n_concurrent=concurrent, max_retries=retries, environment=env,
+                             axes_file=str(axes) if axes else None)
     except ValueError as e:
         _fail(str(e))
     bar, tid = _bar(n, "generate")
@@ -84,7 +88,7 @@ def generate_cmd(
         gen = Generator(cfg, api_key=api_key, on_event=on_event)
         with bar:
             states = gen.run()
-    except GenerateError as e:
+    except (GenerateError, AxesError) as e:
         _fail(str(e))
     rows = [{"task": s.name, "status": s.status, "failed_gate": s.failed_gate, "rounds": len(s.rounds),
              "calls": s.calls} for s in states]
@@ -223,15 +227,17 @@ def import_cmd(
 def report_cmd(
     corpus: Path = typer.Argument(..., help="Corpus directory."),
     png: Optional[Path] = typer.Option(None, "--png", help="Write the charts here."),
+    axes: Optional[Path] = _AXES,
     as_json: bool = _JSON,
 ) -> None:
-    """Counts per axis, balance exp(H)/N, pass@k histograms."""
+    """Counts per axis, balance exp(H)/N (N from the axes file), pass@k histograms."""
+    from tasks.corpus.axes import AxesError, load_axes
     from tasks.corpus.corpus import CorpusError
     from tasks.corpus.report import build_report, write_png
 
     try:
-        data = build_report(corpus)
-    except CorpusError as e:
+        data = build_report(corpus, load_axes(axes))
+    except (CorpusError, AxesError) as e:
         _fail(str(e))
     if png:
         write_png(data, png)

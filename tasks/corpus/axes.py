@@ -1,148 +1,33 @@
 """The nine structured axes of a synthesized task, as data, and the seeded sampler.
 
-An axis draw is an independent product conditional on the domain: skill type, primitive
-skills, scenario and anchor depend on the domain; everything else is drawn on its own.
-The corpus kind (`legacy | sft_v2 | rl_v2`) sets how strongly the "new" buckets of the
-task-complexity, verifier-kind and fixture-kind axes are up-weighted: with multiplier M
-the new bucket gets weight M against the legacy bucket (P(new) = M / (M + 1)), uniform
-inside each bucket; M = inf means always new.
+The values live in `tasks/data/axes.toml` (or a file of the same shape given with
+`--axes`, to grow a corpus for other domains), validated by `AxesConfig`. An axis draw is
+an independent product conditional on the domain: skill type, primitive skills, scenario
+and anchor depend on the domain; everything else is drawn on its own. The corpus kind
+(`legacy | sft_v2 | rl_v2`) sets how strongly the "new" buckets of the task-complexity,
+verifier-kind and fixture-kind axes are up-weighted: with multiplier M the new bucket
+gets weight M against the legacy bucket (P(new) = M / (M + 1)), uniform inside each
+bucket; M = inf means always new.
 
-The value lists here are a compact version of the original's (9 domains, every domain
-with its skill types, personas and anchors); the bucket lists that the balance score
-divides by are the fixed orders below (`BUCKETS`).
+The bundled lists are a compact version of the original's (its 9 domains, each with its
+skill types, personas and anchors; fewer primitive skills per domain). The balance score
+divides by the length of each axis's fixed list (`AxesConfig.buckets`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import random
-from typing import Literal
+import tomllib
+from functools import lru_cache
+from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-CorpusKind = Literal["legacy", "sft_v2", "rl_v2"]
 CORPUS_KINDS: tuple[str, ...] = ("legacy", "sft_v2", "rl_v2")
-ANCHOR_PROBABILITY = 0.35
-
-DOMAINS: dict[str, dict[str, list[str]]] = {
-    "security": {
-        "skill_types": ["Systems", "Data Processing", "Web Security", "Algorithmic", "Testing"],
-        "skills": ["Cryptographic hashing and checksum verification", "Log forensics and anomaly detection",
-                   "Permission and ownership auditing", "Certificate parsing and validation",
-                   "Input sanitisation against injection", "Password policy enforcement",
-                   "Network capture analysis", "Secret scanning in source trees"],
-        "scenarios": ["red-team operator crafting an evasion payload", "SOC analyst triaging an alert",
-                      "security engineer hardening a web service", "auditor reviewing file permissions"],
-        "anchors": ["a JWT implementation that accepts tokens with algorithm=none",
-                    "an HTML sanitiser that lets <script> through inside SVG",
-                    "a login form that compares password hashes with a timing leak"],
-    },
-    "software_engineering": {
-        "skill_types": ["Systems", "Algorithmic", "Testing", "Mathematical", "Multi-Language", "Build Systems"],
-        "skills": ["Graph traversal and dependency resolution", "Refactoring for testability",
-                   "Makefile and build graph authoring", "Semantic version constraint solving",
-                   "Writing unit tests for edge cases", "Parsing structured configuration",
-                   "Implementing a small interpreter", "Cross-language FFI bindings"],
-        "scenarios": ["backend engineer fixing a flaky build", "library maintainer cutting a release",
-                      "developer porting a tool to a new language", "data engineer building ETL pipelines"],
-        "anchors": ["a semver resolver that picks pre-releases over stable versions",
-                    "a Makefile whose parallel build races on a generated header",
-                    "a JSON parser that mis-handles surrogate pairs"],
-    },
-    "file_operations": {
-        "skill_types": ["Systems", "Data Processing", "Archiving", "Text Processing"],
-        "skills": ["Recursive directory traversal with filters", "Archive creation and extraction",
-                   "File deduplication by content hash", "Bulk renaming with patterns",
-                   "Symbolic link resolution", "Encoding detection and conversion",
-                   "Disk usage accounting", "Atomic file replacement"],
-        "scenarios": ["sysadmin cleaning up a shared drive", "photographer organising a camera dump",
-                      "archivist packaging records for long-term storage"],
-        "anchors": ["a backup script that follows symlinks out of the backup root",
-                    "a rename tool that silently overwrites colliding names"],
-    },
-    "data_querying": {
-        "skill_types": ["Data Processing", "Algorithmic", "Databases", "Text Processing"],
-        "skills": ["SQL joins and aggregation", "Window functions over time series",
-                   "JSON path querying", "Index selection for slow queries",
-                   "CSV filtering with awk", "SPARQL over a small graph", "Regex extraction from logs",
-                   "Query result validation"],
-        "scenarios": ["analyst answering an ad-hoc business question", "DBA investigating a slow report",
-                      "data engineer building ETL pipelines"],
-        "anchors": ["a reporting query that double counts rows after a LEFT JOIN",
-                    "a log query that drops events at midnight UTC boundaries"],
-    },
-    "data_science": {
-        "skill_types": ["Data Processing", "Mathematical", "Machine Learning", "Visualization"],
-        "skills": ["Feature scaling and encoding", "Train/test split without leakage",
-                   "Model evaluation metrics", "Outlier detection", "Time series resampling",
-                   "Hyperparameter search", "Reproducible random seeding", "Summary statistics reporting"],
-        "scenarios": ["ML engineer reproducing a paper baseline", "analyst cleaning survey data",
-                      "researcher preparing a dataset card"],
-        "anchors": ["a preprocessing step that fits the scaler on the test split",
-                    "a metric script that averages F1 over classes with no support"],
-    },
-    "debugging": {
-        "skill_types": ["Systems", "Algorithmic", "Testing", "Forensics", "Multi-Language"],
-        "skills": ["Git bisection for regression finding", "Reading core dumps and stack traces",
-                   "Reproducing a flaky failure", "Off-by-one analysis", "Memory leak hunting",
-                   "Tracing system calls", "Minimising a failing input", "Reading compiler diagnostics"],
-        "scenarios": ["on-call engineer responding to a 3am page", "maintainer triaging a bug report",
-                      "student stuck on a segfault"],
-        "anchors": ["a ring buffer that overwrites the oldest entry one slot too early",
-                    "a date parser that is off by one hour across DST"],
-    },
-    "scientific_computing": {
-        "skill_types": ["Mathematical", "Algorithmic", "Systems", "Data Processing"],
-        "skills": ["Numerical integration", "Linear algebra with sparse matrices",
-                   "Floating point error analysis", "Unit conversion and dimensional checks",
-                   "Monte Carlo estimation", "Parsing instrument output formats",
-                   "Parallelising a loop", "Fitting a curve to measurements"],
-        "scenarios": ["physicist post-processing detector data", "bioinformatician assembling reads",
-                      "climate scientist regridding model output"],
-        "anchors": ["an ODE integrator whose step size control diverges on stiff input",
-                    "a FASTA parser that drops the last record without a newline"],
-    },
-    "data_processing": {
-        "skill_types": ["Data Processing", "Text Processing", "Systems", "Algorithmic"],
-        "skills": ["Streaming large files line by line", "Schema validation of records",
-                   "Deduplicating records by key", "Joining files on a key", "Date and time normalisation",
-                   "Character encoding repair", "Aggregating by group", "Writing reproducible pipelines"],
-        "scenarios": ["data engineer building ETL pipelines", "operations analyst merging exports",
-                      "researcher cleaning scraped text"],
-        "anchors": ["a CSV merger that loses rows with embedded newlines",
-                    "an ETL job that parses dates in the server's local time zone"],
-    },
-    "system_administration": {
-        "skill_types": ["Systems", "Networking", "Services", "Automation", "Testing"],
-        "skills": ["Service configuration and restart", "Cron scheduling", "Log rotation",
-                   "User and group management", "Firewall rule review", "Reverse proxy configuration",
-                   "Package pinning", "Disk quota and cleanup automation"],
-        "scenarios": ["admin fixing an nginx config that returns 502 bad gateway",
-                      "sysadmin automating nightly backups", "SRE reducing alert noise"],
-        "anchors": ["a logrotate config that truncates logs still held open by the daemon",
-                    "a cron job that runs twice across the DST change"],
-    },
-}
-
-LANGUAGES: dict[str, float] = {"Python": 0.35, "C": 0.15, "Bash": 0.15, "C++": 0.10, "Rust": 0.07, "Go": 0.07,
-                               "multi-language": 0.06, "any (model's choice)": 0.05}
-
-TASK_COMPLEXITY: dict[str, str] = {
-    "short": "short task (a few shell commands to inspect, act and check)",
-    "moderate": "moderate task (several commands across setup, implementation, and verification)",
-    "complex": "complex task (many commands spanning dependency installation, code writing, configuration, "
-               "building, and testing)",
-    "intricate": "intricate task (multi-stage workflow with interacting parts; expect 30-60 commands)",
-}
-COMMAND_COMPLEXITY: dict[str, str] = {
-    "bash-only": "bash-only (coreutils, grep, sed, awk, find)",
-    "bash-and-code": "bash and code (scripts in Python, Perl, Ruby or the primary language)",
-    "bash-code-services": "bash, code, and system services (package installation, service configuration, "
-                          "networking, and containers)",
-}
-VERIFIER_KINDS = ("exact_text", "metric_threshold", "adversarial_corpus", "fuzz_equivalence", "multi_protocol")
-FIXTURE_KINDS = ("text_only", "image", "audio", "video", "stripped_binary", "vendored_package",
-                 "multi_service_compose")
+DEFAULT_AXES = Path(__file__).resolve().parents[1] / "data" / "axes.toml"
 
 # Multiplier of the new bucket per corpus kind and axis; 0 = legacy bucket only.
 UPWEIGHT: dict[str, dict[str, float]] = {
@@ -150,28 +35,88 @@ UPWEIGHT: dict[str, dict[str, float]] = {
     "sft_v2": {"task_complexity": 2.0, "verifier_kind": 2.0, "fixture_kind": 2.0},
     "rl_v2": {"task_complexity": 3.0, "verifier_kind": math.inf, "fixture_kind": math.inf},
 }
-# (legacy bucket, new bucket) per up-weighted axis.
-_BUCKETS_OF: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "task_complexity": (("short", "moderate", "complex"), ("intricate",)),
-    "verifier_kind": (VERIFIER_KINDS[:1], VERIFIER_KINDS[1:]),
-    "fixture_kind": (FIXTURE_KINDS[:1], FIXTURE_KINDS[1:]),
-}
 
 
-def _distinct(values) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(values))
+class AxesError(ValueError):
+    pass
 
 
-# The fixed bucket order of every axis the balance score is computed for (N = its length).
-BUCKETS: dict[str, tuple[str, ...]] = {
-    "domain": tuple(DOMAINS),
-    "skill_type": _distinct(s for d in DOMAINS.values() for s in d["skill_types"]),
-    "language": tuple(LANGUAGES),
-    "task_complexity": tuple(TASK_COMPLEXITY),
-    "command_complexity": tuple(COMMAND_COMPLEXITY),
-    "verifier_kind": VERIFIER_KINDS,
-    "fixture_kind": FIXTURE_KINDS,
-}
+class DomainAxes(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    skill_types: list[str] = Field(min_length=1)
+    skills: list[str] = Field(min_length=5)  # up to 5 are drawn without replacement
+    scenarios: list[str] = Field(min_length=1)
+    anchors: list[str] = Field(default_factory=list)
+
+
+class AxesConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    anchor_probability: float = Field(0.35, ge=0, le=1)
+    verifier_kinds: list[str] = Field(min_length=2)  # first = legacy bucket
+    fixture_kinds: list[str] = Field(min_length=2)  # first = legacy bucket
+    new_task_complexity: list[str] = Field(min_length=1)
+    languages: dict[str, float] = Field(min_length=1)
+    task_complexity: dict[str, str]
+    command_complexity: dict[str, str] = Field(min_length=1)
+    domains: dict[str, DomainAxes] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _buckets_exist(self) -> "AxesConfig":
+        legacy = [k for k in self.task_complexity if k not in self.new_task_complexity]
+        missing = [k for k in self.new_task_complexity if k not in self.task_complexity]
+        if missing or not legacy:
+            raise ValueError("new_task_complexity must name task_complexity keys and leave at least one "
+                             f"legacy key (unknown: {missing})")
+        if any(w < 0 for w in self.languages.values()) or sum(self.languages.values()) <= 0:
+            raise ValueError("languages: weights must be >= 0 with a positive sum")
+        return self
+
+    def split(self, axis: str) -> tuple[list[str], list[str]]:
+        """(legacy bucket, new bucket) of an up-weighted axis."""
+        if axis == "task_complexity":
+            new = list(self.new_task_complexity)
+            return [k for k in self.task_complexity if k not in new], new
+        values = self.verifier_kinds if axis == "verifier_kind" else self.fixture_kinds
+        return values[:1], values[1:]
+
+    def buckets(self) -> dict[str, tuple[str, ...]]:
+        """The fixed bucket order of every axis the balance score is computed for."""
+        skill_types = dict.fromkeys(s for d in self.domains.values() for s in d.skill_types)
+        return {"domain": tuple(self.domains), "skill_type": tuple(skill_types), "language": tuple(self.languages),
+                "task_complexity": tuple(self.task_complexity), "command_complexity": tuple(self.command_complexity),
+                "verifier_kind": tuple(self.verifier_kinds), "fixture_kind": tuple(self.fixture_kinds)}
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_axes(path: str | Path | None = None) -> AxesConfig:
+    """The axes file (default: the bundled one); errors name the file and the field."""
+    if path is None:
+        return _default_axes()
+    return _read_axes(Path(path).expanduser())
+
+
+@lru_cache(maxsize=1)
+def _default_axes() -> AxesConfig:
+    return _read_axes(DEFAULT_AXES)
+
+
+def _read_axes(path: Path) -> AxesConfig:
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise AxesError(f"{path}: cannot read the axes file: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise AxesError(f"{path}: invalid TOML: {e}") from None
+    try:
+        return AxesConfig.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "(root)"
+        raise AxesError(f"{path}: {where}: {err['msg'].removeprefix('Value error, ')}") from None
 
 
 class TaskAxes(BaseModel):
@@ -197,9 +142,9 @@ class TaskAxes(BaseModel):
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
-def _upweighted(rng: random.Random, axis: str, multiplier: float) -> str:
-    legacy, new = _BUCKETS_OF[axis]
-    if multiplier == 0:
+def _upweighted(rng: random.Random, axes: AxesConfig, axis: str, multiplier: float) -> str:
+    legacy, new = axes.split(axis)
+    if multiplier == 0 or not new:
         return rng.choice(legacy)
     if math.isinf(multiplier):
         return rng.choice(new)
@@ -207,30 +152,31 @@ def _upweighted(rng: random.Random, axis: str, multiplier: float) -> str:
     return rng.choices(legacy + new, weights=weights)[0]
 
 
-def sample_axes(rng: random.Random, corpus_kind: str = "legacy") -> TaskAxes:
+def sample_axes(rng: random.Random, corpus_kind: str = "legacy", axes: AxesConfig | None = None) -> TaskAxes:
     """One independent draw (conditional on the domain) with the corpus kind's weights."""
     if corpus_kind not in UPWEIGHT:
         raise ValueError(f"unknown corpus kind {corpus_kind!r}: choose one of {', '.join(CORPUS_KINDS)}")
+    axes = axes or load_axes()
     m = UPWEIGHT[corpus_kind]
-    domain = rng.choice(list(DOMAINS))
-    d = DOMAINS[domain]
-    axes = TaskAxes(
+    domain = rng.choice(list(axes.domains))
+    d = axes.domains[domain]
+    draw = TaskAxes(
         domain=domain,
-        skill_type=rng.choice(d["skill_types"]),
-        primitive_skills=rng.sample(d["skills"], rng.randint(3, 5)),
-        scenario=rng.choice(d["scenarios"]),
-        language=rng.choices(list(LANGUAGES), weights=list(LANGUAGES.values()))[0],
-        task_complexity=_upweighted(rng, "task_complexity", m["task_complexity"]),
-        command_complexity=rng.choice(list(COMMAND_COMPLEXITY)),
-        verifier_kind=_upweighted(rng, "verifier_kind", m["verifier_kind"]),
-        fixture_kind=_upweighted(rng, "fixture_kind", m["fixture_kind"]),
-        anchor=rng.choice(d["anchors"]) if rng.random() < ANCHOR_PROBABILITY else None,
+        skill_type=rng.choice(d.skill_types),
+        primitive_skills=rng.sample(d.skills, rng.randint(3, 5)),
+        scenario=rng.choice(d.scenarios),
+        language=rng.choices(list(axes.languages), weights=list(axes.languages.values()))[0],
+        task_complexity=_upweighted(rng, axes, "task_complexity", m["task_complexity"]),
+        command_complexity=rng.choice(list(axes.command_complexity)),
+        verifier_kind=_upweighted(rng, axes, "verifier_kind", m["verifier_kind"]),
+        fixture_kind=_upweighted(rng, axes, "fixture_kind", m["fixture_kind"]),
+        anchor=rng.choice(d.anchors) if d.anchors and rng.random() < axes.anchor_probability else None,
         corpus_kind=corpus_kind,
     )
-    new_kind = (axes.task_complexity == "intricate" or axes.verifier_kind != VERIFIER_KINDS[0]
-                or axes.fixture_kind != FIXTURE_KINDS[0])
-    axes.base_image = "intricate" if new_kind else domain
-    return axes
+    is_new = (draw.task_complexity in axes.new_task_complexity or draw.verifier_kind != axes.verifier_kinds[0]
+              or draw.fixture_kind != axes.fixture_kinds[0])
+    draw.base_image = "intricate" if is_new else domain
+    return draw
 
 
 def normalize_complexity(value: str, table: dict[str, str]) -> str:

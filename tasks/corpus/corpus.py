@@ -6,7 +6,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.corpus.axes import COMMAND_COMPLEXITY, TASK_COMPLEXITY, normalize_complexity
+from tasks.corpus.axes import load_axes, normalize_complexity
 from tasks.dataset import task_dirs
 
 
@@ -28,11 +28,15 @@ def read_metadata(task_dir: Path) -> dict:
         data = tomllib.loads((task_dir / "task.toml").read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise CorpusError(f"{task_dir / 'task.toml'}: {e}") from None
-    meta = dict(data.get("metadata") or {})
-    if isinstance(meta.get("task_complexity"), str):
-        meta["task_complexity"] = normalize_complexity(meta["task_complexity"], TASK_COMPLEXITY)
-    if isinstance(meta.get("command_complexity"), str):
-        meta["command_complexity"] = normalize_complexity(meta["command_complexity"], COMMAND_COMPLEXITY)
+    return normalized_axes(dict(data.get("metadata") or {}))
+
+
+def normalized_axes(meta: dict) -> dict:
+    """Complexity descriptions (as the original stores them) mapped to the bundled keys."""
+    axes = load_axes()
+    for key, table in (("task_complexity", axes.task_complexity), ("command_complexity", axes.command_complexity)):
+        if isinstance(meta.get(key), str):
+            meta[key] = normalize_complexity(meta[key], table)
     return meta
 
 

@@ -26,7 +26,7 @@ from typing import Callable
 from pydantic import BaseModel, Field
 
 from tasks.corpus import prompts
-from tasks.corpus.axes import CORPUS_KINDS, TaskAxes, sample_axes
+from tasks.corpus.axes import CORPUS_KINDS, AxesConfig, TaskAxes, load_axes, sample_axes
 from tasks.corpus.package import TaskParts, write_task
 from tasks.corpus.validate import GateReport, validate_task
 from tasks.hostenv import ENV_KINDS
@@ -54,10 +54,11 @@ class GenerateConfig(BaseModel):
     max_retries: int = Field(3, ge=0)
     environment: str = "podman"
     max_tokens: int = Field(32768, ge=1)
+    axes_file: str | None = None  # None: the bundled tasks/data/axes.toml
 
-    def identity(self) -> dict:
+    def identity(self, axes: AxesConfig) -> dict:
         """What a resumed run must share with the first (the rest may change)."""
-        return {"seed": self.seed, "corpus_kind": self.corpus_kind}
+        return {"seed": self.seed, "corpus_kind": self.corpus_kind, "axes": axes.fingerprint()}
 
 
 class TaskState(BaseModel):
@@ -80,9 +81,9 @@ def task_name(seed: int, index: int) -> str:
     return f"task_{index:06d}_{hashlib.sha256(f'{seed}:{index}'.encode()).hexdigest()[:8]}"
 
 
-def initial_state(seed: int, index: int, corpus_kind: str) -> TaskState:
+def initial_state(seed: int, index: int, corpus_kind: str, axes: AxesConfig | None = None) -> TaskState:
     rng = random.Random(f"tmax-data:{seed}:{index}")
-    return TaskState(name=task_name(seed, index), index=index, axes=sample_axes(rng, corpus_kind))
+    return TaskState(name=task_name(seed, index), index=index, axes=sample_axes(rng, corpus_kind, axes))
 
 
 class Generator:
@@ -95,6 +96,7 @@ class Generator:
         from openai import OpenAI
 
         self.config = config
+        self.axes = load_axes(config.axes_file)
         self.out = Path(config.out).expanduser().resolve()
         self.state_dir = self.out / STATE_DIR
         self.client = OpenAI(base_url=config.base_url, api_key=api_key or "dummy", max_retries=2)
@@ -105,16 +107,16 @@ class Generator:
     # --- state ----------------------------------------------------------------------------
     def _check_identity(self) -> None:
         path = self.state_dir / "config.json"
-        want = self.config.identity()
+        want = self.config.identity(self.axes)
         if path.is_file():
             have = json.loads(path.read_text()).get("identity")
             if have != want:
                 raise GenerateError(f"{self.out} was generated with {have}, not {want}: use another --out "
-                                    "(a resumed corpus keeps its seed and corpus kind)")
+                                    "(a resumed corpus keeps its seed, corpus kind and axes)")
         write_json(path, {"identity": want, "config": self.config.model_dump()})
 
     def load(self, index: int) -> TaskState:
-        fresh = initial_state(self.config.seed, index, self.config.corpus_kind)
+        fresh = initial_state(self.config.seed, index, self.config.corpus_kind, self.axes)
         path = self.state_dir / f"{fresh.name}.json"
         if path.is_file():
             return TaskState.model_validate_json(path.read_text())
@@ -145,7 +147,7 @@ class Generator:
     def _stages(self, st: TaskState) -> None:
         if st.task is None:
             self.emit(st.name, "template")
-            st.task, st.truth = self._ask(st, "template", lambda fb: prompts.template_messages(st.axes, fb),
+            st.task, st.truth = self._ask(st, "template", lambda fb: prompts.template_messages(st.axes, fb, self.axes),
                                           prompts.parse_template)
             self.save(st)
         if st.initial_test is None:

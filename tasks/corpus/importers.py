@@ -22,7 +22,8 @@ from typing import Callable
 
 import tomli_w
 
-from tasks.corpus.axes import COMMAND_COMPLEXITY, TASK_COMPLEXITY, TaskAxes, normalize_complexity
+from tasks.corpus.axes import TaskAxes
+from tasks.corpus.corpus import normalized_axes
 from tasks.corpus.package import LITE_RUNNER, TEST_SH, TaskParts, write_executable, write_task
 from tasks.model import Task, TaskError
 
@@ -118,10 +119,7 @@ def _native(src: Path, dest: Path) -> None:
     if not str(meta.get("description") or "").strip():
         raise ConversionError(f"{meta_path}: no description (the agent's instruction)")
     axis_keys = set(TaskAxes.model_fields) | {"source"}
-    axes_data = {k: v for k, v in meta.items() if k in axis_keys and v is not None}
-    for key, table in (("task_complexity", TASK_COMPLEXITY), ("command_complexity", COMMAND_COMPLEXITY)):
-        if isinstance(axes_data.get(key), str):
-            axes_data[key] = normalize_complexity(axes_data[key], table)
+    axes_data = normalized_axes({k: v for k, v in meta.items() if k in axis_keys and v is not None})
     axes_data.setdefault("domain", "unknown")
     axes_data.setdefault("skill_type", "unknown")
     setup = src / "setup.sh"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from tasks.corpus.axes import COMMAND_COMPLEXITY, TASK_COMPLEXITY, TaskAxes
+from tasks.corpus.axes import AxesConfig, TaskAxes, load_axes
 
 TEMPERATURE = {"template": 1.0, "initial": 0.6, "final": 0.6, "environment": 0.6}
 FEEDBACK_CHARS = 500
@@ -29,7 +29,8 @@ _UNIVERSAL = f"""## Universal task requirements
 - Never leak the solution or the verifier into the task text."""
 
 
-def template_messages(axes: TaskAxes, feedback: str | None = None) -> list[dict]:
+def template_messages(axes: TaskAxes, feedback: str | None = None, config: AxesConfig | None = None) -> list[dict]:
+    config = config or load_axes()
     system = (f"You are an expert at creating {axes.domain.replace('_', ' ')} tasks for AI agent training.\n\n"
               f"{_UNIVERSAL}\n\n## Response format\n"
               "<task>the detailed request, as a user would write it: exact paths and output formats, "
@@ -38,8 +39,8 @@ def template_messages(axes: TaskAxes, feedback: str | None = None) -> list[dict]
     lines = ["# Task Generation Request", f"Category: {axes.skill_type}", "",
              f"## Primary Language\n{axes.language}", "",
              "## Primitive Skills (Building Blocks)", *[f"- {s}" for s in axes.primitive_skills], "",
-             f"## Task Complexity\n{TASK_COMPLEXITY.get(axes.task_complexity, axes.task_complexity)}", "",
-             f"## Command Complexity\n{COMMAND_COMPLEXITY.get(axes.command_complexity, axes.command_complexity)}",
+             f"## Task Complexity\n{config.task_complexity.get(axes.task_complexity, axes.task_complexity)}", "",
+             f"## Command Complexity\n{config.command_complexity.get(axes.command_complexity, axes.command_complexity)}",
              "", f"## Scenario\n{axes.scenario}"]
     if axes.anchor:
         lines += ["", f"## Scenario Anchor (use as inspiration, not literally)\n{axes.anchor}"]

@@ -1,7 +1,7 @@
 """`tmax data report`: counts per axis, the balance score, pass@k histograms, a PNG.
 
 Balance (paper Eq. 1) = exp(H) / N with H = -sum p_i ln p_i over the buckets that occur
-and N the length of the axis's fixed bucket list (`axes.BUCKETS`; domain N = 9). Its
+and N the length of the axis's fixed bucket list (`AxesConfig.buckets`; domain N = 9). Its
 range is [1/N, 1]; 1 is uniform. No tasks gives 0; N <= 1 gives 1.
 """
 
@@ -12,7 +12,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from tasks.corpus.axes import BUCKETS
+from tasks.corpus.axes import AxesConfig, load_axes
 from tasks.corpus.corpus import CorpusTask, read_corpus
 
 SOLVE_DIR = ".tmax-solve"
@@ -47,8 +47,9 @@ def axis_counts(tasks: list[CorpusTask]) -> dict[str, dict[str, int]]:
     return out
 
 
-def balances(counts: dict[str, dict[str, int]]) -> dict[str, float]:
-    return {axis: round(balance_score(counts.get(axis, {}), len(BUCKETS[axis])), 6)
+def balances(counts: dict[str, dict[str, int]], axes: AxesConfig | None = None) -> dict[str, float]:
+    buckets = (axes or load_axes()).buckets()
+    return {axis: round(balance_score(counts.get(axis, {}), len(buckets[axis])), 6)
             for axis in BALANCE_AXES if axis in counts}
 
 
@@ -86,10 +87,10 @@ def pass_histograms(summaries: dict[str, dict[str, dict]], bins: int = 10) -> di
     return out
 
 
-def build_report(root: Path) -> dict:
+def build_report(root: Path, axes: AxesConfig | None = None) -> dict:
     tasks = read_corpus(root)
     counts = axis_counts(tasks)
-    return {"n": len(tasks), "balance": balances(counts), "counts": counts,
+    return {"n": len(tasks), "balance": balances(counts, axes), "counts": counts,
             "pass_at_k": pass_histograms(solve_summaries(Path(root)))}
 
 
