@@ -161,3 +161,28 @@ def test_endpoint_failure_leaves_tasks_pending_and_a_rerun_resumes(tmp_path):
     assert json.loads(r.stdout)["counts"] == {"kept": 1, "rejected": 0, "pending": 0}
     r = CliRunner().invoke(app, [*args, "--base-url", "http://127.0.0.1:9/v1", "--seed", "1"])
     assert r.exit_code == 2 and "seed" in r.output  # a resumed corpus keeps its seed
+
+
+def test_prompts_and_parsers():
+    from tasks.corpus import prompts
+    from tasks.corpus.package import TaskParts, write_task
+
+    axes = initial_state(0, 0, "rl_v2").axes
+    user = prompts.template_messages(axes)[1]["content"]
+    assert f"Category: {axes.skill_type}" in user and "## v2 Axes" in user and f"Verifier kind: {axes.verifier_kind}" in user
+    assert "## Previous failures" not in user
+    system = prompts.final_test_messages("t", "truth", "init", None, "metric_threshold")[0]["content"]
+    assert "numpy" in system and "threshold" in system
+    assert prompts.parse_template("x <task>\nDo it.\n</task> <truth>42</truth>") == ("Do it.", "42")
+    with pytest.raises(prompts.ParseError, match="truth"):
+        prompts.parse_template("<task>only</task>")
+    with pytest.raises(prompts.ParseError, match="compile"):
+        prompts.parse_python("```python\ndef f(:\n```")
+    with pytest.raises(prompts.ParseError, match="placeholder"):
+        prompts.parse_environment("<dockerfile>FROM {{ image }}</dockerfile><solve>true</solve>")
+    docker, files, solve = prompts.parse_environment(
+        '<dockerfile>\nFROM b\n</dockerfile>\n<file path="d/a.txt">\nx\n</file><solve>\nls\n</solve>')
+    assert (docker, files, solve) == ("FROM b\n", {"d/a.txt": "x\n"}, "ls\n")
+    assert prompts.feedback_text("build", "e" * 900).endswith("e" * 500) and len(prompts.feedback_text("b", "e" * 900)) < 540
+    with pytest.raises(ValueError, match="stay inside"):
+        write_task(TaskParts("t", axes, "do", dockerfile="FROM b", env_files={"../escape": "x"}), Path("/tmp/never"))

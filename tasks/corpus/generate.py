@@ -158,7 +158,7 @@ class Generator:
         if st.final_test is None:
             self.emit(st.name, "final test")
             st.final_test = self._ask(st, "final", lambda fb: prompts.final_test_messages(
-                st.task, st.truth, st.initial_test, fb), prompts.parse_python)
+                st.task, st.truth, st.initial_test, fb, st.axes.verifier_kind), prompts.parse_python)
             self.save(st)
         if st.environment is None:
             self.emit(st.name, "environment")

@@ -91,7 +91,9 @@ def dockerfile_from_def(text: str, setup_sh: str | None, has_fixtures: bool) -> 
     header, sections = def_sections(text)
     if not header.get("from"):
         raise ConversionError("container.def has no `From:` line")
-    lines = [f"FROM {header['from']}", "ENV DEBIAN_FRONTEND=noninteractive"]
+    # The defs target ubuntu:22.04, whose pip installs into the system; on a Debian base
+    # (the offline image map) PEP 668 would refuse the same `pip3 install`.
+    lines = [f"FROM {header['from']}", "ENV DEBIAN_FRONTEND=noninteractive", "ENV PIP_BREAK_SYSTEM_PACKAGES=1"]
     for env_line in sections.get("environment", "").splitlines():
         m = re.match(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$", env_line)
         if m:

@@ -45,13 +45,37 @@ def template_messages(axes: TaskAxes, feedback: str | None = None, config: AxesC
     if axes.anchor:
         lines += ["", f"## Scenario Anchor (use as inspiration, not literally)\n{axes.anchor}"]
     if axes.corpus_kind != "legacy":
-        lines += ["", "## v2 Axes", f"- verifier kind: {axes.verifier_kind}", f"- fixture kind: {axes.fixture_kind}"]
+        lines += ["", "## v2 Axes", f"- verifier kind: {axes.verifier_kind}", f"- fixture kind: {axes.fixture_kind}",
+                  "", verifier_fragment(axes.verifier_kind)]
     lines += ["", "## Instructions", "1. Write a novel task that combines 3-5 of the skills above.",
               "2. Make it hard to solve but easy to verify, unambiguous and realistic end to end.",
               "3. Be specific about the output format; write it as a user would ask."]
     if feedback:
         lines += ["", f"## Previous failures\n{feedback}"]
     return [{"role": "system", "content": system}, {"role": "user", "content": "\n".join(lines)}]
+
+
+# What the final test of each verifier kind must do, and the imports it may use beyond
+# the stdlib and pytest. An unknown kind (a user's axes file) gets the exact_text rules.
+VERIFIERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "exact_text": ("check the final state against the truth; derive or recompute expected values; prefer "
+                   "invariants over brittle whole-file equality", ()),
+    "metric_threshold": ("implement the metric the truth defines and assert it against its threshold; put the "
+                         "measured value and the threshold in the failure message",
+                         ("numpy", "scipy", "sklearn", "PIL", "imageio", "torch", "torchvision", "Bio", "pandas",
+                          "matplotlib")),
+    "adversarial_corpus": ("every evil/ file must be rejected or sanitised and every clean/ file preserved; "
+                           "report 'X of Y evil bypassed' and 'Z of W clean modified'", ("bs4", "lxml")),
+    "fuzz_equivalence": ("run the oracle and the agent's program on N seeded random inputs and require "
+                         "bit-exact agreement; on a mismatch show the input and both outputs", ("numpy",)),
+    "multi_protocol": ("connect to the declared host:port and drive real protocol requests", ("requests",)),
+}
+
+
+def verifier_fragment(kind: str) -> str:
+    rule, imports = VERIFIERS.get(kind, VERIFIERS["exact_text"])
+    allowed = ", ".join(imports) if imports else "none"
+    return f"# Verifier kind: {kind}\nThe test must {rule}. Imports allowed beyond stdlib and pytest: {allowed}."
 
 
 def _task_block(task: str, truth: str) -> str:
@@ -65,11 +89,13 @@ def initial_test_messages(task: str, truth: str) -> list[dict]:
     return [{"role": "system", "content": system}, {"role": "user", "content": _task_block(task, truth)}]
 
 
-def final_test_messages(task: str, truth: str, initial_test: str, feedback: str | None = None) -> list[dict]:
+def final_test_messages(task: str, truth: str, initial_test: str, feedback: str | None = None,
+                        verifier_kind: str = "exact_text") -> list[dict]:
     system = ("You are a senior Python engineer. Write ONE pytest file that validates the FINAL state after the "
-              "task, using the privileged truth: stdlib and pytest only, clear failure messages, absolute paths; "
-              "recompute expected values rather than pasting constants; use the strongest fair assertion. The "
-              "file must FAIL on the untouched initial state. Answer with one ```python fenced block.")
+              "task, using the privileged truth: clear failure messages, absolute paths; recompute expected "
+              "values rather than pasting constants; use the strongest fair assertion. The file must FAIL on "
+              "the untouched initial state. Answer with one ```python fenced block.\n\n"
+              + verifier_fragment(verifier_kind))
     user = f"{_task_block(task, truth)}\n\n## Initial-state test\n```python\n{initial_test}\n```"
     if feedback:
         user += f"\n\n## Previous failures\n{feedback}"
