@@ -135,15 +135,15 @@ def test_generate_on_podman(tmp_path):
         pytest.skip("needs the base image")
     setup = "RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends python3-minimal\n"
     out = tmp_path / "corpus"
-    with ScriptedServer(Responder(["good", "build_then_ok", "oracle_always"], podman_setup=setup)) as srv:
-        r = CliRunner().invoke(app, ["data", "generate", "-o", str(out), "-N", "3", "--base-url", srv.base_url,
-                                     "-m", srv.model, "-e", "podman", "-n", "3", "--max-retries", "1", "--json"])
+    with ScriptedServer(Responder(["good", "build_then_ok"], podman_setup=setup)) as srv:
+        r = CliRunner().invoke(app, ["data", "generate", "-o", str(out), "-N", "2", "--base-url", srv.base_url,
+                                     "-m", srv.model, "-e", "podman", "-n", "2", "--max-retries", "1", "--json"])
     assert r.exit_code == 0, r.output
     rows = {case_of(out / ("_rejected" if t["status"] == "rejected" else "") / t["task"]): t
             for t in json.loads(r.stdout)["tasks"]}
     assert rows["good"]["status"] == "kept" and rows["good"]["rounds"] == 1
     assert rows["build_then_ok"]["status"] == "kept" and rows["build_then_ok"]["rounds"] == 2
-    assert rows["oracle_always"]["status"] == "rejected" and rows["oracle_always"]["failed_gate"] == "oracle"
+    assert Task.load(out / rows["good"]["task"]).has_solution
 
 
 @pytest.mark.bwrap
