@@ -194,7 +194,7 @@ class Generator:
             staged.rename(dest)
         st.status = status
         self.save(st)
-        self.emit(st.name, status)
+        self.emit(st.name, f"{status} (gate {st.failed_gate})" if st.failed_gate else status)
 
     def run_one(self, index: int) -> TaskState:
         """Generate one task to its end; an endpoint failure leaves it pending (a rerun resumes)."""
