@@ -186,3 +186,26 @@ def test_prompts_and_parsers():
     assert prompts.feedback_text("build", "e" * 900).endswith("e" * 500) and len(prompts.feedback_text("b", "e" * 900)) < 540
     with pytest.raises(ValueError, match="stay inside"):
         write_task(TaskParts("t", axes, "do", dockerfile="FROM b", env_files={"../escape": "x"}), Path("/tmp/never"))
+
+
+@pytest.mark.bwrap
+@needs_bwrap
+def test_resume_mid_task_keeps_finished_stages(tmp_path):
+    """An endpoint that dies at the final-test stage: the rerun asks only for what is missing."""
+    from data_scripted_generator import stage_of
+
+    good = Responder(["good"])
+
+    def dies_at_final(body: dict) -> dict:
+        return {"error": "auth"} if stage_of(body) == "final" else good(body)
+
+    out = tmp_path / "corpus"
+    args = ["data", "generate", "-o", str(out), "-N", "1", "-e", "bwrap", "--json", "-m", "scripted-model"]
+    with ScriptedServer(dies_at_final) as srv:
+        assert CliRunner().invoke(app, [*args, "--base-url", srv.base_url]).exit_code == 1
+    state = json.loads(next((out / ".generate").glob("task_*.json")).read_text())
+    assert state["task"] and state["initial_test"] and state["final_test"] is None
+    with ScriptedServer(good) as srv:
+        r = CliRunner().invoke(app, [*args, "--base-url", srv.base_url])
+        assert [stage_of(b) for b in srv.requests] == ["final", "environment"]
+    assert json.loads(r.stdout)["counts"]["kept"] == 1
