@@ -32,6 +32,8 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm, torch, r
 else
   "$VENV/bin/pip" install -q -e . --no-deps
 fi
+# Dependencies added after a venv was made (the branch above installs without them).
+"$VENV/bin/python" -c "import tomli_w" 2>/dev/null || "$VENV/bin/pip" install -q "tomli-w>=1.0"
 
 echo "== base image"
 "$VENV/bin/tmax" sandbox build-base

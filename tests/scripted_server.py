@@ -16,6 +16,9 @@ Turn keys (all optional):
     status           answer with this HTTP error status instead (with "message")
     error            "context_length" | "auth" | "not_found" | "server": canned vLLM-style errors
 
+`script` may also be a callable `request body -> turn` (in-process only): a responder that
+picks its answer from the request, for clients that send requests concurrently.
+
 When the script is used up the server answers 400 "script exhausted" (not retried by the
 harness), so a test that makes too many calls fails loudly.
 
@@ -109,8 +112,8 @@ def completion_body(turn: dict[str, Any], model: str, request: dict[str, Any], i
 
 
 class _State:
-    def __init__(self, script: list[dict[str, Any]], model: str, api_key: str | None) -> None:
-        self.script = list(script)
+    def __init__(self, script: Any, model: str, api_key: str | None) -> None:
+        self.script = script if callable(script) else list(script)
         self.model = model
         self.api_key = api_key
         self.requests: list[dict[str, Any]] = []
@@ -122,6 +125,8 @@ class _State:
             self.requests.append(body)
             index = self.next
             self.next += 1
+        if callable(self.script):
+            return index, self.script(body)
         return index, (self.script[index] if index < len(self.script) else None)
 
 
@@ -176,7 +181,7 @@ def _handler(state: _State) -> type[BaseHTTPRequestHandler]:
                 return
             index, turn = state.take(body)
             if turn is None:
-                self._error(400, "BadRequestError", f"scripted server: script exhausted after {len(state.script)} turns")
+                self._error(400, "BadRequestError", f"scripted server: script exhausted after {index} turns")
                 return
             if turn.get("delay"):
                 time.sleep(float(turn["delay"]))
@@ -196,14 +201,16 @@ class ScriptedServer:
 
     def __init__(
         self,
-        script: list[dict[str, Any]],
+        script: Any,
         model: str = "scripted-model",
         api_key: str | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
         process: bool = False,
     ) -> None:
-        self.script = list(script)
+        if callable(script) and process:
+            raise ValueError("a callable script runs in-process only")
+        self.script = script if callable(script) else list(script)
         self.model = model
         self.api_key = api_key
         self.host = host

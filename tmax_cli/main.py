@@ -33,7 +33,7 @@ def _register() -> None:
     # Each module exposes `register(app)`; a module that is not there yet is skipped.
     import importlib
 
-    for name in ("run_cmd", "show_cmd", "serve_cmd", "sandbox_cmd", "bench_cmd", "learn_cmd"):
+    for name in ("run_cmd", "show_cmd", "serve_cmd", "sandbox_cmd", "bench_cmd", "learn_cmd", "data_cmd"):
         try:
             mod = importlib.import_module(f"tmax_cli.{name}")
         except ModuleNotFoundError as e:

@@ -1,0 +1,1 @@
+"""`tmax data`: synthesis, import, validation and analysis of Harbor task corpora."""

@@ -1,0 +1,227 @@
+"""The validation gates of a task, each recorded per task.
+
+    load     task.toml parses, the required files are there (`tasks.model.Task.load`)
+    build    the image builds with bench's offline rewrites (podman), or the Dockerfile
+             fits a host sandbox (bwrap, local: `tasks.hostenv`)
+    initial  tests/test_initial_state.py passes on the untouched environment (if present)
+    nop      the verifier on the untouched environment gives reward 0
+    oracle   solution/solve.sh, then the verifier, gives reward 1
+
+`initial` and `nop` share one trial (the initial-state check is that trial's "agent" and
+changes nothing); `oracle` is a second trial. Trials run with bench's machinery
+(`tasks.trial.run_trial`) and keep their Harbor trial directories under the work dir.
+A task without `solution/` is `unverified` (failed: ["oracle"]) unless another gate failed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Callable, Literal
+
+from pydantic import BaseModel, Field
+
+from sandbox.base import SandboxError
+from tasks.corpus.package import LITE_RUNNER, run_tests_command
+from tasks.hostenv import HOST_KINDS, HostEnvError, check_dockerfile
+from tasks.images import ImageBuildError, ensure_image
+from tasks.model import Task, TaskError
+from tasks.offline import RewriteConfig, default_config
+from tasks.runners import AgentRun, OracleAgent
+from tasks.trial import TrialEnv, TrialPlan, run_trial, write_json
+
+GATES = ("load", "build", "initial", "nop", "oracle")
+INITIAL_TEST = "test_initial_state.py"
+NO_SOLUTION = "no solution/solve.sh (nothing shows the task can be solved)"
+REASON_CHARS = 1500
+
+
+class GateReport(BaseModel):
+    task: str
+    verdict: Literal["ok", "rejected", "unverified"]
+    failed: list[str] = Field(default_factory=list)
+    reasons: dict[str, str] = Field(default_factory=dict)
+    gates: dict[str, str] = Field(default_factory=dict)  # gate -> ok | failed | skipped
+    # Gates that failed because the infrastructure did (sandbox, podman), not the task:
+    # such a task is not judged; `generate` retries it without spending a round.
+    infra_errors: list[str] = Field(default_factory=list)
+
+
+class InitialCheckAgent:
+    """The `initial` gate as a trial agent: runs the initial-state test in the fresh
+    environment from a private directory and touches nothing else."""
+
+    name = "initial-check"
+    version = "1"
+
+    def run(self, sandbox, task, workdir, agent_dir, timeout, cancel) -> AgentRun:
+        test = task.tests_dir / INITIAL_TEST
+        if not test.is_file():
+            return AgentRun(metadata={"initial": "absent"})
+        remote = f"/tmp/tmax-initial-{uuid.uuid4().hex[:12]}"
+        with tempfile.TemporaryDirectory(prefix="tmax-initial-") as tmp:
+            shutil.copyfile(test, Path(tmp) / INITIAL_TEST)
+            shutil.copyfile(LITE_RUNNER, Path(tmp) / "pytest_lite.py")
+            sandbox.copy_in(Path(tmp), remote)
+        try:
+            res = sandbox.exec(["bash", "-c", run_tests_command(f"{remote}/{INITIAL_TEST}") + " 2>&1"],
+                               timeout=timeout, workdir=workdir)
+        finally:
+            try:
+                sandbox.exec(["rm", "-rf", remote], timeout=60)
+            except SandboxError:
+                pass
+        status = "passed" if res.exit_code == 0 and not res.timed_out else "failed"
+        return AgentRun(metadata={"initial": status, "output": res.output[-REASON_CHARS:]})
+
+
+def _verdict(name: str, gates: dict[str, str], reasons: dict[str, str], no_solution: bool) -> GateReport:
+    failed = [g for g in GATES if gates.get(g) == "failed"]
+    if not failed:
+        verdict = "ok"
+    elif failed == ["oracle"] and no_solution:
+        verdict = "unverified"
+    else:
+        verdict = "rejected"
+    return GateReport(task=name, verdict=verdict, failed=failed, reasons=reasons, gates=gates)
+
+
+def _build(task: Task, env_kind: str, rewrite: RewriteConfig) -> str | None:
+    """None when the environment can be made, else why not."""
+    try:
+        if env_kind in HOST_KINDS:
+            check_dockerfile(task)
+        else:
+            ensure_image(task, rewrite)
+    except (ImageBuildError, HostEnvError, OSError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def _trial(task: Task, agent, env_kind: str, rewrite: RewriteConfig, trial_dir: Path) -> dict:
+    shutil.rmtree(trial_dir, ignore_errors=True)
+    plan = TrialPlan(task, 0, f"{task.name}__{trial_dir.name}", trial_dir, "tmax-data-validate",
+                     {"task": {"path": str(task.path), "name": task.name}, "agent": {"name": agent.name}})
+    return run_trial(plan, TrialEnv(agent=agent, rewrite=rewrite, sandbox_kind=env_kind))
+
+
+def _trial_problem(result: dict, trial_dir: Path) -> str:
+    """Why a trial did not score as hoped: its exception, or the tail of the verifier log."""
+    exc = result.get("exception_info")
+    if exc:
+        return f"{exc['exception_type']}: {exc['exception_message']}"[-REASON_CHARS:]
+    log = trial_dir / "verifier" / "test-stdout.txt"
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    return f"reward {result['tmax'].get('reward')}; verifier output: {text[-REASON_CHARS:]}"
+
+
+def _run_gates(task: Task, work: Path, env_kind: str, rewrite: RewriteConfig,
+               gates: dict[str, str], reasons: dict[str, str], infra: list[str]) -> None:
+    nop = _trial(task, InitialCheckAgent(), env_kind, rewrite, work / "nop")
+    if nop["tmax"]["outcome"] == "infra_error":
+        infra += ["initial", "nop"]
+    meta = (nop.get("agent_result") or {}).get("metadata") or {}
+    initial = meta.get("initial")
+    if initial == "absent":
+        gates["initial"] = "skipped"
+    elif initial == "passed":
+        gates["initial"] = "ok"
+    else:
+        gates["initial"] = "failed"
+        reasons["initial"] = meta.get("output") or _trial_problem(nop, work / "nop")
+    outcome = nop["tmax"]["outcome"]
+    if outcome == "fail":
+        gates["nop"] = "ok"
+    else:
+        gates["nop"] = "failed"
+        reasons["nop"] = ("the verifier gives reward 1 on the untouched environment (the final test "
+                          "passes before any work)") if outcome == "pass" else _trial_problem(nop, work / "nop")
+    if not task.has_solution:
+        gates["oracle"], reasons["oracle"] = "failed", NO_SOLUTION
+        return
+    oracle = _trial(task, OracleAgent(rewrite), env_kind, rewrite, work / "oracle")
+    if oracle["tmax"]["outcome"] == "infra_error":
+        infra.append("oracle")
+    if oracle["tmax"]["outcome"] == "pass":
+        gates["oracle"] = "ok"
+    else:
+        gates["oracle"] = "failed"
+        out = work / "oracle" / "agent" / "oracle.txt"
+        tail = out.read_text(errors="replace")[-600:] if out.is_file() else ""
+        reasons["oracle"] = f"solution/solve.sh did not reach reward 1: {_trial_problem(oracle, work / 'oracle')}" \
+                            + (f"; solve.sh output: {tail}" if tail else "")
+
+
+def validate_task(path: Path, work: Path, env_kind: str = "podman",
+                  rewrite: RewriteConfig | None = None) -> GateReport:
+    """Run every gate on one task directory; trial directories and gates.json go under `work`."""
+    report = _gates(path, work, env_kind, rewrite or default_config())
+    write_json(work / "gates.json", report.model_dump())
+    return report
+
+
+def _gates(path: Path, work: Path, env_kind: str, rewrite: RewriteConfig) -> GateReport:
+    gates: dict[str, str] = {}
+    reasons: dict[str, str] = {}
+    try:
+        task = Task.load(path)
+    except TaskError as e:
+        gates["load"], reasons["load"] = "failed", str(e)
+        return _verdict(path.name, gates, reasons, False)
+    gates["load"] = "ok"
+    why = _build(task, env_kind, rewrite)
+    if why:
+        gates["build"], reasons["build"] = "failed", why
+        return _verdict(task.name, gates, reasons, not task.has_solution)
+    gates["build"] = "ok"
+    infra: list[str] = []
+    _run_gates(task, work, env_kind, rewrite, gates, reasons, infra)
+    for gate in infra:
+        reasons[gate] = "infrastructure error: " + reasons.get(gate, "")
+    report = _verdict(task.name, gates, reasons, not task.has_solution)
+    report.infra_errors = infra
+    return report
+
+
+def corpus_task_dirs(root: Path) -> list[Path]:
+    """Every direct sub-directory of a corpus that is (or tries to be) a task: it has a
+    task.toml or an instruction.md. A missing task.toml then fails the `load` gate."""
+    root = Path(root)
+    if (root / "task.toml").is_file():
+        return [root]
+    return sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith((".", "_"))
+                  and ((d / "task.toml").exists() or (d / "instruction.md").exists()))
+
+
+def validate_corpus(root: Path, work: Path, env_kind: str = "podman", n_concurrent: int = 2,
+                    on_done: Callable[[GateReport], None] | None = None) -> list[GateReport]:
+    """Validate every task of a corpus concurrently; reports come back in name order."""
+    dirs = corpus_task_dirs(root)
+    rewrite = default_config()
+    lock = threading.Lock()
+    reports: list[GateReport] = []
+    with ThreadPoolExecutor(max_workers=max(1, n_concurrent), thread_name_prefix="tmax-validate") as pool:
+        futures = [pool.submit(validate_task, d, work / d.name, env_kind, rewrite) for d in dirs]
+        for f in as_completed(futures):
+            r = f.result()
+            with lock:
+                reports.append(r)
+            if on_done:
+                on_done(r)
+    return sorted(reports, key=lambda r: r.task)
+
+
+def counts(reports: list[GateReport]) -> dict:
+    out = {"tasks": len(reports), "ok": 0, "rejected": 0, "unverified": 0}
+    per_gate = {g: 0 for g in GATES}
+    for r in reports:
+        out[r.verdict] += 1
+        for g in r.failed:
+            per_gate[g] += 1
+    out["failed_by_gate"] = per_gate
+    out["infra_errors"] = sum(1 for r in reports if r.infra_errors)
+    return out

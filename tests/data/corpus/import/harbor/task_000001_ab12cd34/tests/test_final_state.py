@@ -1,0 +1,5 @@
+import os
+
+
+def test_backup_dir():
+    assert os.path.isdir("/home/user/backups")

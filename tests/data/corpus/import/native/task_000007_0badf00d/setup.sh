@@ -1,0 +1,1 @@
+printf "id,v\n1,a\n" > /home/user/export.csv

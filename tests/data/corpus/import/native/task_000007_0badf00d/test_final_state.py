@@ -1,0 +1,3 @@
+def test_dedup():
+    rows = open("/home/user/dedup.csv").read().splitlines()
+    assert len(rows) == 4

@@ -1,0 +1,2 @@
+def test_total():
+    assert open("/workspace/total.txt").read().strip() == "6"

@@ -1,0 +1,2 @@
+#!/bin/bash
+wc -l < /app/files/words.txt > /app/count.txt

@@ -1,0 +1,209 @@
+"""`tmax data report | decontam | combine | import` and the solve summaries, on small
+hand-made corpora with known axis counts, planted overlaps and each published layout."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tasks.corpus.axes import load_axes
+from tasks.corpus.importers import dockerfile_from_def
+from tasks.corpus.report import balance_score
+from tasks.corpus.solve import in_band, parse_band, task_summary
+from tasks.model import Task
+from tmax_cli.main import app
+
+DATA = Path(__file__).parent / "data" / "corpus"
+runner = CliRunner()
+BUCKETS = load_axes().buckets()
+
+
+def run_json(*args: str) -> dict:
+    r = runner.invoke(app, ["data", *args, "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+# --- balance and report ------------------------------------------------------------------
+
+def test_balance_score_hand_computed():
+    # 3/2/1 over N = 9: H = -(1/2 ln 1/2 + 1/3 ln 1/3 + 1/6 ln 1/6) = 1.011404, exp(H) = 2.749459
+    assert balance_score({"a": 3, "b": 2, "c": 1}, 9) == pytest.approx(2.749459 / 9, abs=1e-6)
+    assert balance_score({d: 5 for d in BUCKETS["domain"]}, 9) == pytest.approx(1.0)
+    assert balance_score({"security": 40}, 9) == pytest.approx(1 / 9)
+    assert balance_score({}, 9) == 0.0
+    assert balance_score({"x": 3}, 1) == 1.0
+    assert len(BUCKETS["domain"]) == 9
+
+
+def test_report_counts_and_balance(tmp_path):
+    png = tmp_path / "report.png"
+    data = run_json("report", str(DATA / "report"), "--png", str(png))
+    assert data["n"] == 6
+    assert data["counts"]["domain"] == {"security": 3, "debugging": 2, "data_science": 1}
+    # the long description in dbg-1 counts as its key
+    assert data["counts"]["task_complexity"] == {"moderate": 2, "short": 2, "complex": 1, "intricate": 1}
+    assert data["counts"]["primitive_skills"] == {"Cron scheduling": 6, "Log rotation": 6}
+    assert data["balance"]["domain"] == pytest.approx(2.749459 / 9, abs=1e-5)
+    # skill_type 3/1/1/1 over its fixed list; task_complexity 2/2/1/1 over 4
+    h_skill = -(0.5 * math.log(0.5) + 3 * (1 / 6) * math.log(1 / 6))
+    assert data["balance"]["skill_type"] == pytest.approx(math.exp(h_skill) / len(BUCKETS["skill_type"]), abs=1e-5)
+    h_cx = -(2 * (1 / 3) * math.log(1 / 3) + 2 * (1 / 6) * math.log(1 / 6))
+    assert data["balance"]["task_complexity"] == pytest.approx(math.exp(h_cx) / 4, abs=1e-5)
+    hist = data["pass_at_k"]["oracle"]
+    assert hist["k"] == 2 and hist["tasks"] == 5
+    assert hist["counts"][9] == 4 and hist["counts"][0] == 1  # pass@2: four 1.0, one 0.0
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+# --- decontamination ---------------------------------------------------------------------
+
+def test_decontam_finds_the_planted_copy_only(tmp_path):
+    data = run_json("decontam", str(DATA / "decontam"), "--against", str(DATA / "bench"))
+    assert data == {"hits": [{"task": "planted", "benchmark_task": "alpha", "shared_ngrams": 8}], "checked": 3}
+    # 8-grams also catch the near miss (12 shared words -> 5 eight-grams)
+    data = run_json("decontam", str(DATA / "decontam"), "--against", str(DATA / "bench"), "--n", "8")
+    assert {(h["task"], h["shared_ngrams"]) for h in data["hits"]} == {("planted", 13), ("near-miss", 5)}
+    out = tmp_path / "clean"
+    data = run_json("decontam", str(DATA / "decontam"), "--against", str(DATA / "bench"), "--drop", str(out))
+    assert sorted(p.name for p in out.iterdir()) == ["clean", "near-miss"] == sorted(data["kept"])
+
+
+# --- combine -----------------------------------------------------------------------------
+
+def test_combine_union_and_balanced(tmp_path):
+    data = run_json("combine", str(DATA / "report"), str(DATA / "decontam"), "-o", str(tmp_path / "u"))
+    assert data["n"] == 9 and (tmp_path / "u" / "sec-1").is_symlink()
+    data = run_json("combine", str(DATA / "report"), "-o", str(tmp_path / "b"), "--mode", "balanced", "--total", "5")
+    assert data["n"] == 5 and "dbg-2" not in data["tasks"]  # 5 non-intricate, no room for the intricate one
+    data = run_json("combine", str(DATA / "report"), "-o", str(tmp_path / "b6"), "--mode", "balanced", "--total", "9")
+    assert data["n"] == 6 and "dbg-2" in data["tasks"]
+    r = runner.invoke(app, ["data", "combine", str(DATA / "report"), str(DATA / "report"), "-o", str(tmp_path / "d")])
+    assert r.exit_code == 2 and "in both" in r.output
+
+
+# --- import ------------------------------------------------------------------------------
+
+def test_import_harbor(tmp_path):
+    data = run_json("import", str(DATA / "import" / "harbor"), "-o", str(tmp_path), "--format", "harbor")
+    assert data["imported"] == ["task_000001_ab12cd34"]
+    assert "Dockerfile" in data["errors"]["task_000002_broken"]
+    assert not (tmp_path / "task_000002_broken").exists()
+    rep = run_json("report", str(tmp_path))
+    assert rep["counts"]["task_complexity"] == {"moderate": 1}
+    assert rep["counts"]["command_complexity"] == {"bash-only": 1}
+
+
+def test_import_open_instruct(tmp_path):
+    data = run_json("import", str(DATA / "import" / "open-instruct"), "-o", str(tmp_path), "--format", "open-instruct")
+    assert data["imported"] == ["oi_0001"] and "image.txt" in data["errors"]["oi_0002"]
+    task = Task.load(tmp_path / "oi_0001")
+    assert task.config.environment.docker_image == "registry.example.org/tmax/oi_0001:latest"
+    assert "COPY seeds/ /workspace/" in task.dockerfile.read_text()
+    assert (task.tests_dir / "test.sh").is_file() and (task.tests_dir / "pytest_lite.py").is_file()
+
+
+def test_import_native(tmp_path):
+    data = run_json("import", str(DATA / "import" / "native"), "-o", str(tmp_path), "--format", "native")
+    assert data == {"imported": ["task_000007_0badf00d"], "errors": {}}
+    task = Task.load(tmp_path / "task_000007_0badf00d")
+    meta = task.config.metadata
+    assert meta["domain"] == "data_processing" and meta["task_complexity"] == "short"
+    assert meta["command_complexity"] == "bash-and-code" and "anchor" not in meta
+    assert task.instruction.startswith("Deduplicate /home/user/export.csv")
+    docker = task.dockerfile.read_text()
+    assert docker.startswith("FROM ubuntu:22.04") and "ENV LC_ALL=C.UTF-8" in docker
+    assert "COPY fixtures/ /app/fixtures/" in docker
+    assert "useradd -m user" in (task.environment_dir / "post_install.sh").read_text()
+    assert (task.environment_dir / "fixtures" / "sample.txt").is_file()
+    assert (task.tests_dir / "test_initial_state.py").is_file() and not task.has_solution
+    assert "dedup.csv keeps the first" in (task.path / "truth.md").read_text()
+
+
+def test_def_without_post_uses_setup_sh():
+    docker, files = dockerfile_from_def("Bootstrap: docker\nFrom: ubuntu:22.04\n", "echo hi > /x\n", False)
+    assert "RUN bash /tmp/post_install.sh" in docker and "echo hi" in files["post_install.sh"]
+
+
+def test_import_refuses_unknown_format(tmp_path):
+    r = runner.invoke(app, ["data", "import", str(DATA / "import" / "native"), "-o", str(tmp_path), "--format", "zip"])
+    assert r.exit_code == 2 and "unknown format" in r.output
+
+
+# --- pass@k summaries ----------------------------------------------------------------------
+
+def test_task_summary_unbiased_and_without_infra_errors():
+    rows = [{"trial": f"t{i}", "outcome": o, "reward": r} for i, (o, r) in enumerate(
+        [("pass", 1.0), ("fail", 0.0), ("pass", 1.0), ("fail", 0.0), ("fail", 0.0), ("infra_error", None)])]
+    s = task_summary("t", rows, "tmax", "m/x")
+    assert (s["num_runs"], s["num_success"], s["num_infra_errors"]) == (5, 2, 1)
+    assert s["pass_at_k"]["1"] == pytest.approx(0.4)
+    assert s["pass_at_k"]["2"] == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
+    assert s["pass_at_k"]["4"] == 1.0 and len(s["pass_at_k"]) == 5
+
+
+def test_band():
+    assert parse_band("0.1:0.9") == (0.1, 0.9)
+    for bad in ("0.9:0.1", "x", "0.2", "1:2"):
+        with pytest.raises(ValueError):
+            parse_band(bad)
+    sums = {"a": {"pass_at_k": {"1": 0.0, "2": 0.0}}, "b": {"pass_at_k": {"1": 0.5, "2": 0.8}},
+            "c": {"pass_at_k": {"1": 1.0, "2": 1.0}}, "d": {"pass_at_k": {"1": 0.5}}}
+    assert in_band(sums, 2, (0.1, 0.9)) == ["b"]
+
+
+# --- custom axes -------------------------------------------------------------------------
+
+CUSTOM_AXES = """
+verifier_kinds = ["exact_text", "metric_threshold"]
+fixture_kinds = ["text_only", "image"]
+new_task_complexity = ["hard"]
+
+[languages]
+Python = 1.0
+
+[task_complexity]
+easy = "easy task (one command)"
+hard = "hard task (many commands)"
+
+[command_complexity]
+bash-only = "bash-only (coreutils)"
+
+[domains.security]
+skill_types = ["Systems"]
+skills = ["a", "b", "c", "d", "e"]
+scenarios = ["auditor"]
+
+[domains.debugging]
+skill_types = ["Forensics", "Systems"]
+skills = ["f", "g", "h", "i", "j"]
+scenarios = ["on-call engineer"]
+"""
+
+
+def test_custom_axes_file_drives_sampling_and_balance(tmp_path):
+    import random
+
+    from tasks.corpus.axes import sample_axes
+
+    path = tmp_path / "axes.toml"
+    path.write_text(CUSTOM_AXES)
+    axes = load_axes(path)
+    draws = [sample_axes(random.Random(i), "rl_v2", axes) for i in range(50)]
+    assert {d.domain for d in draws} == {"security", "debugging"}
+    assert {d.verifier_kind for d in draws} == {"metric_threshold"} and {d.language for d in draws} == {"Python"}
+    # report: N = 2 domains here; the formula divides by N whatever values occur (3/2/1 here)
+    data = run_json("report", str(DATA / "report"), "--axes", str(path))
+    h = -(0.5 * math.log(0.5) + (1 / 3) * math.log(1 / 3) + (1 / 6) * math.log(1 / 6))
+    assert data["balance"]["domain"] == pytest.approx(math.exp(h) / 2, abs=1e-5)
+
+
+def test_bad_axes_file_names_the_field(tmp_path):
+    path = tmp_path / "axes.toml"
+    path.write_text(CUSTOM_AXES.replace('skills = ["a", "b", "c", "d", "e"]', 'skills = ["a"]'))
+    r = runner.invoke(app, ["data", "report", str(DATA / "report"), "--axes", str(path)])
+    assert r.exit_code == 2 and "domains.security.skills" in r.output
