@@ -1,0 +1,51 @@
+"""Budget hints: off by default (observations exact), on: steps/time/context left and a warning."""
+
+from __future__ import annotations
+
+from scripted_server import ScriptedServer
+
+from agents.budget import WARNING_TEXT, Budget, budget_hint
+from agents.chat_policy import ChatPolicy
+from agents.loop import Agent, AgentConfig
+from agents.prompts import SUBMIT_MARKER
+from sandbox import SandboxSpec, make_sandbox
+
+
+def test_hint_text_and_warning_thresholds():
+    early = budget_hint(Budget(64, 2, 65536, 1000, 5.0, time_budget_s=900.0))
+    assert early == "\n\n[budget: 62 of 64 steps left · 14m55s of 15m00s left · 64.5k of 65.5k context tokens left]"
+    assert WARNING_TEXT not in early
+    assert WARNING_TEXT in budget_hint(Budget(64, 61, 65536, 1000, 5.0))  # 3 steps left
+    assert WARNING_TEXT in budget_hint(Budget(64, 2, 65536, 60000, 5.0))  # context nearly full
+    assert WARNING_TEXT in budget_hint(Budget(64, 2, 65536, 1000, 850.0, time_budget_s=900.0))
+    assert "elapsed, no time limit" in budget_hint(Budget(10, 1, 100, 0, 61.0))
+
+
+def _observations(tmp_path, **cfg) -> list[str]:
+    script = [
+        {"bash": "echo one", "usage": {"prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110}},
+        {"bash": "echo two", "usage": {"prompt_tokens": 200, "completion_tokens": 10, "total_tokens": 210}},
+        {"bash": f"echo {SUBMIT_MARKER}"},
+    ]
+    box = make_sandbox("local", SandboxSpec(workdir=str(tmp_path)))
+    box.start()
+    try:
+        with ScriptedServer(script) as srv:
+            policy = ChatPolicy(model=srv.model, base_url=srv.base_url)
+            result = Agent(policy, box, AgentConfig(max_steps=4, context_budget=1000, **cfg)).run("count")
+    finally:
+        box.close()
+    assert result.status == "submitted"
+    return [m["content"] for m in result.messages if m["role"] == "tool"]
+
+
+def test_off_by_default_observations_are_exact(tmp_path):
+    assert _observations(tmp_path)[:2] == ["one\n\n(exit_code=0)", "two\n\n(exit_code=0)"]
+
+
+def test_on_appends_budget_and_warns_near_the_end(tmp_path):
+    first, second, _ = _observations(tmp_path, budget_hints=True, time_budget_s=600.0)
+    assert first.startswith("one\n\n(exit_code=0)\n\n[budget: 3 of 4 steps left · ")
+    assert "890 of 1000 context tokens left]" in first and WARNING_TEXT not in first
+    assert "2 of 4 steps left" in second and "790 of 1000 context tokens left" in second
+    assert WARNING_TEXT not in second  # with 4 steps the warning starts at the last one
