@@ -21,7 +21,10 @@ Nothing here runs when undo is off (no store is made).
 from __future__ import annotations
 
 import io
+import os
+import shlex
 import shutil
+import stat
 import subprocess
 import tarfile
 import tempfile
@@ -31,6 +34,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from sandbox.base import NAME_PREFIX, SandboxError
+
+
+COPY_BATCH = 1000  # paths per cp call, well below the argument-length limit
 
 
 class SnapshotStore(Protocol):
@@ -45,15 +51,20 @@ class SnapshotStore(Protocol):
     def close(self) -> None: ...
 
 
-def _run(argv: list[str], what: str, input_bytes: bytes | None = None) -> bytes:
-    r = subprocess.run(argv, input=input_bytes, capture_output=True, timeout=600)
+def _run(argv: list[str], what: str, cwd: Path | None = None) -> bytes:
+    r = subprocess.run(argv, cwd=cwd, capture_output=True, timeout=600)
     if r.returncode != 0:
         raise SandboxError(f"undo: {what} failed: {r.stderr.decode(errors='replace').strip()[-500:]}")
     return r.stdout
 
 
 class DirectorySnapshots:
-    """Copies of one host directory (the workspace of a local or bwrap sandbox)."""
+    """Snapshots of one host directory (the workspace of a local or bwrap sandbox).
+
+    Each snapshot is a tree of its own. A file whose inode, size, mtime and ctime are as they
+    were at the previous snapshot is hard-linked to that snapshot's copy (never to the live
+    file, so in-place writes cannot reach a snapshot); any other file is copied
+    (`cp --reflink=auto`: a clone where the filesystem can, a copy elsewhere)."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root).resolve()
@@ -62,14 +73,37 @@ class DirectorySnapshots:
             self.close()
             raise SandboxError(f"undo: the workspace {self.root} contains the temp directory; "
                                "snapshots cannot be kept inside what they copy")
+        self._last: tuple[int, dict[str, tuple[int, ...]]] | None = None  # (snapshot, path -> stat key)
 
     def _path(self, n: int) -> Path:
         return self.store / str(n)
 
     def save(self, n: int) -> None:
         dst = self._path(n)
-        dst.mkdir()
-        _run(["cp", "-a", "--reflink=auto", f"{self.root}/.", str(dst)], f"copying {self.root}")
+        prev_n, prev = self._last if self._last and self._path(self._last[0]).is_dir() else (None, {})
+        seen: dict[str, tuple[int, ...]] = {}
+        copies: list[str] = []
+        dirs: list[str] = []
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            rel_dir = os.path.relpath(dirpath, self.root)
+            dirs.append(rel_dir)
+            (dst / rel_dir).mkdir(parents=True, exist_ok=True)
+            for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+                rel = os.path.normpath(os.path.join(rel_dir, name))
+                st = os.lstat(self.root / rel)
+                key = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
+                seen[rel] = key
+                if prev_n is not None and prev.get(rel) == key and stat.S_ISREG(st.st_mode):
+                    os.link(self._path(prev_n) / rel, dst / rel)
+                else:
+                    copies.append(rel)
+        for i in range(0, len(copies), COPY_BATCH):
+            # cp keeps modes, times and symlinks; directories get theirs below.
+            _run(["cp", "-a", "--reflink=auto", "--parents", "-t", str(dst), "--", *copies[i:i + COPY_BATCH]],
+                 f"copying {self.root}", cwd=self.root)
+        for rel_dir in reversed(dirs):  # children first: their entries change a parent's mtime
+            shutil.copystat(self.root / rel_dir, dst / rel_dir, follow_symlinks=False)
+        self._last = (n, seen)
 
     def restore(self, n: int) -> None:
         # The root itself stays (bwrap bind-mounts it); only what is inside is replaced.
@@ -79,6 +113,7 @@ class DirectorySnapshots:
             else:
                 entry.unlink()
         _run(["cp", "-a", "--reflink=auto", f"{self._path(n)}/.", str(self.root)], f"restoring {self.root}")
+        self._last = None  # the restored files are new inodes: the next snapshot copies all
 
     def drop(self, n: int) -> None:
         shutil.rmtree(self._path(n), ignore_errors=True)
@@ -140,6 +175,7 @@ SNAP_DIR = "/.tmax-undo"
 _IGNORED = ("/proc", "/sys", "/dev", "/run/.containerenv", "/etc/hosts", "/etc/hostname",
             "/etc/resolv.conf", SNAP_DIR)
 _ADDED, _CHANGED, _DELETED = "A", "C", "D"
+ARGV_PATH_BYTES = 100_000  # longer path lists go to tar through a file
 
 
 def _ignored(path: str) -> bool:
@@ -155,6 +191,7 @@ class ContainerSnapshots:
         self.box = box
         self.image = box.image
         self._diffs: dict[int, dict[str, str]] = {}
+        self._dropped: list[str] = []
         self._exec(["mkdir", "-p", SNAP_DIR], "making the snapshot directory")
 
     def _exec(self, argv: list[str], what: str) -> str:
@@ -181,10 +218,16 @@ class ContainerSnapshots:
 
     def save(self, n: int) -> None:
         diff = self.diff()
-        present = sorted(p for p, kind in diff.items() if kind != _DELETED)
-        self._put_text(f"{n}.list", "".join(p.lstrip("/") + "\n" for p in present))
-        self._exec(["tar", "-c", "--no-recursion", "-f", f"{SNAP_DIR}/{n}.tar", "-C", "/",
-                    "-T", f"{SNAP_DIR}/{n}.list"], "archiving the changes")
+        present = [p.lstrip("/") for p in sorted(p for p, kind in diff.items() if kind != _DELETED)]
+        tar = ["tar", "-c", "--no-recursion", "-f", f"{SNAP_DIR}/{n}.tar", "-C", "/", "-T"]
+        if sum(len(p) + 1 for p in present) < ARGV_PATH_BYTES:
+            tar += ["/dev/null", "--", *present]
+        else:
+            self._put_text(f"{n}.list", "".join(p + "\n" for p in present))
+            tar.append(f"{SNAP_DIR}/{n}.list")
+        # One exec (each costs ~0.2 s) also removes the snapshots dropped since the last one.
+        drops, self._dropped = " ".join(shlex.quote(p) for p in self._dropped), []
+        self._exec(["sh", "-c", f"rm -f -- {drops} && exec \"$@\"", "sh", *tar], "archiving the changes")
         self._diffs[n] = diff
 
     def restore(self, n: int) -> None:
@@ -213,7 +256,7 @@ class ContainerSnapshots:
 
     def drop(self, n: int) -> None:
         self._diffs.pop(n, None)
-        self.box.exec(["rm", "-f", f"{SNAP_DIR}/{n}.tar", f"{SNAP_DIR}/{n}.list"], timeout=60)
+        self._dropped += [f"{SNAP_DIR}/{n}.tar", f"{SNAP_DIR}/{n}.list"]  # removed by the next save
 
     def close(self) -> None:
         self._diffs.clear()  # the snapshots go with the container

@@ -38,6 +38,26 @@ def test_directory_snapshots_restore_deleted_changed_and_added(tmp_path):
     assert not history.store.store.exists()
 
 
+def test_unchanged_files_are_shared_but_in_place_writes_never_reach_a_snapshot(tmp_path):
+    root = tmp_path / "ws"
+    root.mkdir()
+    (root / "big.bin").write_bytes(b"0" * 4096)
+    store = DirectorySnapshots(root)
+    history = UndoHistory(store, keep=3)
+    try:
+        for i in range(3):
+            history.before(f"step {i}")
+        # Unchanged: one inode shared by all three snapshots, none of them the live file.
+        inodes = {(store.store / str(n) / "big.bin").stat().st_ino for n in range(3)}
+        assert len(inodes) == 1 and (root / "big.bin").stat().st_ino not in inodes
+        with open(root / "big.bin", "r+b") as f:  # in place: same inode, same size
+            f.write(b"1")
+        history.undo(1)
+        assert (root / "big.bin").read_bytes() == b"0" * 4096
+    finally:
+        history.close()
+
+
 def test_undo_count_parsing():
     assert undo_count("/undo") == 1 and undo_count(" /undo 3 ") == 3
     for bad in ("/undo 0", "/undo x", "/undo 1 2"):
