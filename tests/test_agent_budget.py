@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 from scripted_server import ScriptedServer
 
 from agents.budget import WARNING_TEXT, Budget, budget_hint
@@ -49,3 +55,27 @@ def test_on_appends_budget_and_warns_near_the_end(tmp_path):
     assert "890 of 1000 context tokens left]" in first and WARNING_TEXT not in first
     assert "2 of 4 steps left" in second and "790 of 1000 context tokens left" in second
     assert WARNING_TEXT not in second  # with 4 steps the warning starts at the last one
+
+
+def test_learn_and_bench_configs_switch_it_on():
+    from tasks.runners import TmaxAgent
+    from training.config import RolloutConfig
+    from training.rollout import agent_config
+
+    assert agent_config(RolloutConfig()).budget_hints is False
+    assert agent_config(RolloutConfig(budget_hints=True)).budget_hints is True
+    assert TmaxAgent("m", "http://x", kwargs={"budget_hints": True}).kwargs["budget_hints"] is True
+
+
+def test_run_flag_appends_hints(tmp_path):
+    with ScriptedServer([{"bash": "echo hi"}, {"bash": f"echo {SUBMIT_MARKER}"}]) as srv:
+        proc = subprocess.run(
+            [sys.executable, "-m", "tmax_cli.main", "run", "--json", "--budget-hints", "--sandbox", "local", "--workdir", str(tmp_path),
+             "--base-url", srv.base_url, "--model", srv.model, "--max-steps", "5", "-o", str(tmp_path / "run"), "go"],
+            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL, cwd=Path(__file__).parent.parent,
+            env={**{k: v for k, v in os.environ.items() if not k.startswith(("TMAX_", "OPENAI_"))},
+                 "XDG_CONFIG_HOME": str(tmp_path / "cfg"), "XDG_DATA_HOME": str(tmp_path / "data")})
+    observations = [json.loads(line)["observation"] for line in proc.stdout.splitlines() if '"observation"' in line]
+    assert proc.returncode == 0, proc.stderr
+    assert observations[0].startswith("hi\n\n(exit_code=0)\n\n[budget: 4 of 5 steps left · ")
+    assert "elapsed, no time limit" in observations[0]

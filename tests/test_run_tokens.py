@@ -157,3 +157,29 @@ def test_show_export_messages_is_hf_chat_jsonl(nano_dir, tmp_path):
     assert '"arguments": {"command": "echo hi > a.txt"}' in text and "<tool_response>" in text
     bad = CliRunner().invoke(app, ["show", str(tmp_path / "runs"), "--export", "sharegpt"])
     assert bad.exit_code == 2 and "the one format is 'messages'" in bad.output
+
+
+def test_good_and_bad_rate_an_interactive_session(tmp_path):
+    from scripted_server import ScriptedServer
+    from test_cli_run import FOLLOW_UP, SUBMIT, Tmax
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TMAX_", "OPENAI_"))}
+    env.update(XDG_CONFIG_HOME=str(tmp_path / "cfg"), XDG_DATA_HOME=str(tmp_path / "data"), TERM="xterm",
+               NO_COLOR="1", PROMPT_TOOLKIT_NO_CPR="1")
+    with ScriptedServer([{"bash": SUBMIT}]) as srv:
+        t = Tmax(["--base-url", srv.base_url, "--model", srv.model, "--workdir", str(ws), "-o", str(tmp_path / "run"),
+                  "--sandbox", "local", "--mode", "yolo", "go"], env, ws)
+        try:
+            t.answer(FOLLOW_UP, "/good")
+            t.expect("rated good")
+            assert read_reward(tmp_path / "run") == 1.0
+            t.answer(FOLLOW_UP, "/bad")  # the last rating counts
+            t.expect("rated bad")
+            t.answer(FOLLOW_UP, "")
+            assert t.finish() == 0
+        finally:
+            t.kill()
+    assert read_reward(tmp_path / "run") == 0.0
+    assert json.loads((tmp_path / "run" / "reward.json").read_text())["source"] == "user"
