@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from sandbox.base import NAME_PREFIX, SandboxError
+from sandbox.base import LABEL_KEY, LABEL_VALUE, NAME_PREFIX, SandboxError
 
 
 COPY_BATCH = 1000  # paths per cp call, well below the argument-length limit
@@ -249,8 +249,13 @@ class ContainerSnapshots:
         args = []
         for p in paths:
             args += ["--recursion" if now[p] == _DELETED else "--no-recursion", p.lstrip("/")]
-        archive = _run(["podman", "run", "--rm", "--network", "none", "--entrypoint", "tar", self.image,
-                        "-c", "-f", "-", "-C", "/", *args], f"reading the originals from {self.image}")
+        from sandbox import podman_service
+
+        url = podman_service.configured_url()
+        podman = ["podman", *(["--url", url] if url else [])]
+        archive = _run([*podman, "run", "--rm", "--network", "none", "--label", f"{LABEL_KEY}={LABEL_VALUE}",
+                        "--entrypoint", "tar", self.image, "-c", "-f", "-", "-C", "/", *args],
+                       f"reading the originals from {self.image}")
         if not self.box.container.put_archive("/", archive):
             raise SandboxError("undo: could not put the image's files back into the container")
 
