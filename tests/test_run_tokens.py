@@ -183,3 +183,34 @@ def test_good_and_bad_rate_an_interactive_session(tmp_path):
             t.kill()
     assert read_reward(tmp_path / "run") == 0.0
     assert json.loads((tmp_path / "run" / "reward.json").read_text())["source"] == "user"
+
+
+def test_rated_sessions_move_the_policy_their_way_in_a_real_learner_step(tmp_path):
+    """`tmax learn --from-runs` hands RatedStream samples to the learner: one step with a
+    /good and a /bad session raises the first one's logprob and lowers the second's."""
+    from test_learner import make_model_dir
+
+    from training.learner import Learner, LearnerConfig, TrainSample
+
+    model_dir = make_model_dir(tmp_path / "tiny")
+    learner = Learner(str(model_dir), LearnerConfig(lr=1e-3, temperature=1.0))
+    sessions = {"good": ([1, 2, 3], [10, 11, 12, 13], [1, 1, 0, 1]), "bad": ([1, 2, 4], [20, 21, 22, 23], [1, 1, 0, 1])}
+    for name, (prompt, ids, mask) in sessions.items():
+        # The sampler's logprobs are the model's own (as vLLM serving these weights records them).
+        logprobs = learner.logprobs([TrainSample(prompt, ids, [0.0] * len(ids), mask, 0.0)])[0]
+        trace = TokenTrace(prompt_ids=prompt, ids=ids, logprobs=[lp if m else 0.0 for lp, m in zip(logprobs, mask)],
+                           mask=mask, turn_versions=[0])
+        Recorder(tmp_path / "runs" / name).save([{"role": "system", "content": "s"}], [], Usage(), 4, trace=trace)
+        write_reward(tmp_path / "runs" / name, 1.0 if name == "good" else 0.0, "user")
+    samples = RatedStream(load_runs(tmp_path / "runs"), per_step=2).next_samples()
+    assert sorted(s.advantage for s in samples) == [-0.5, 0.5]
+
+    def sampled_logprob(s: TrainSample) -> float:
+        return sum(lp for lp, m in zip(learner.logprobs([s])[0], s.mask) if m)
+
+    before = [sampled_logprob(s) for s in samples]
+    metrics = learner.train_step(samples)
+    after = [sampled_logprob(s) for s in samples]
+    assert metrics["debug/dppo_mask_frac_kept"] == 1.0
+    for s, b, a in zip(samples, before, after):
+        assert (a > b) if s.advantage > 0 else (a < b), (s.advantage, b, a)
