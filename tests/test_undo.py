@@ -7,7 +7,6 @@ import pytest
 from scripted_server import ScriptedServer
 from test_cli_run import FOLLOW_UP, SUBMIT, env, run_args, spawn, user_texts, ws  # noqa: F401  (fixtures)
 
-from sandbox import SandboxSpec, make_sandbox
 from sandbox.snapshot import DirectorySnapshots, UndoHistory
 from tmax_cli.config import bwrap_works
 from tmax_cli.run_undo import undo_count
