@@ -84,9 +84,7 @@ def learn(
     if ctx.invoked_subcommand is not None:
         return
     cfg = _config(config, steps, seed)
-    if from_runs is not None and nodes is not None:
-        typer.secho("tmax learn: --from-runs runs on one node; drop --nodes", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2)
+    rated = _rated(from_runs, runs_per_step, nodes) if from_runs is not None else None
     plan = None
     if nodes is not None:
         plan = _plan(cfg, nodes, gpus_per_node, train_nodes, tp, learners_per_node, engines_per_node)
@@ -119,11 +117,6 @@ def learn(
             start, train_dir, rl_dir = cfg.model.path, cfg.tasks.train, run_dir
         from training.orchestrator import train
 
-        rated = None
-        if from_runs is not None:
-            from training.runs_data import RatedStream, load_runs
-
-            rated = RatedStream(load_runs(from_runs), per_step=runs_per_step)
         if plan is None:
             res = train(cfg, start, train_dir, rl_dir, resume=resume, progress=not no_progress, rated=rated)
         else:
@@ -137,6 +130,20 @@ def learn(
         _fail(e)
     _echo(f"done: {res.steps} steps; checkpoint {res.final_checkpoint}; reward curve {res.curve_png}")
     typer.echo(json.dumps(res.summary, indent=2))
+
+
+def _rated(from_runs: Path, per_step: int, nodes: Optional[int]):
+    """The rated `tmax run` sessions to add to each RL step (checked before anything starts)."""
+    from training.runs_data import RatedStream, RunsDataError, load_runs
+
+    if nodes is not None:
+        typer.secho("tmax learn: --from-runs runs on one node; drop --nodes", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+    try:
+        return RatedStream(load_runs(from_runs), per_step=per_step)
+    except (RunsDataError, ValueError) as e:
+        typer.secho(f"tmax learn: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
 
 
 def _plan(cfg, nodes, gpus_per_node, train_nodes, tp, learners_per_node, engines_per_node):
