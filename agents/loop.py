@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from agents.budget import Budget, budget_hint
 from agents.observation import ObservationLimits, format_observation
 from agents.parsing import Action, parse_action
 from agents.policy import ContextOverflow, FatalModelError, ModelError, ModelTurn, Policy, Usage
@@ -60,6 +61,9 @@ class AgentConfig:
     observation_max_chars: int = 10000
     retries: int = 5
     backoff_s: tuple[float, ...] = (2, 4, 8, 16)
+    # Opt-in (agents.budget): observations end with the steps, time and context left.
+    budget_hints: bool = False
+    time_budget_s: float | None = None  # only shown by budget hints; None: no limit
 
     @property
     def observation_limits(self) -> ObservationLimits:
@@ -175,6 +179,7 @@ class Agent:
         cfg = self.config
         episode_steps = 0
         format_errors = 0
+        started = time.monotonic()
         while True:
             if episode_steps >= cfg.max_steps:
                 return _Outcome("max_steps")
@@ -243,6 +248,9 @@ class Agent:
                 self.timing.append({"step": step, "llm_s": round(llm_s, 1), "sandbox_error": str(e)[:200], "cmd": action.command[:200]})
                 return _Outcome("sandbox_error", str(e))
             observation = format_observation(result, cfg.observation_limits)
+            if cfg.budget_hints:
+                observation += budget_hint(Budget(cfg.max_steps, episode_steps, cfg.context_budget,
+                                                  self._last_context_tokens, time.monotonic() - started, cfg.time_budget_s))
             self._reply(action, observation)
             self.timing.append(
                 {

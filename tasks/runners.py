@@ -133,6 +133,7 @@ class TmaxAgent:
 
         cfg_fields = set(AgentConfig.__dataclass_fields__)
         config = AgentConfig(**{k: v for k, v in self.kwargs.items() if k in cfg_fields})
+        config.time_budget_s = config.time_budget_s or timeout  # what budget hints show, if on
         policy = ChatPolicy(base_url=self.base_url, model=self.model, api_key=self.api_key,
                             temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_tokens)
         agent_dir.mkdir(parents=True, exist_ok=True)

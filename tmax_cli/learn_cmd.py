@@ -75,12 +75,16 @@ def learn(
     address: Optional[str] = typer.Option(
         None, "--address", help="Ray cluster to join (default: RAY_ADDRESS, a Slurm allocation, or local)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="With --nodes: print the placement plan and an sbatch script."),
+    from_runs: Optional[Path] = typer.Option(
+        None, "--from-runs", help="Also train on rated `tmax run --tokens` sessions under DIR, as single-sample groups (A = R - 0.5)."),
+    runs_per_step: int = typer.Option(1, "--runs-per-step", min=1, help="With --from-runs: rated sessions added to each step."),
 ) -> None:
     """Run DPPO. With no config: the nano recipe's RL stage."""
     ctx.obj = {"config": config, "out": out, "steps": steps, "seed": seed, "progress": not no_progress}
     if ctx.invoked_subcommand is not None:
         return
     cfg = _config(config, steps, seed)
+    rated = _rated(from_runs, runs_per_step, nodes) if from_runs is not None else None
     plan = None
     if nodes is not None:
         plan = _plan(cfg, nodes, gpus_per_node, train_nodes, tp, learners_per_node, engines_per_node)
@@ -114,7 +118,7 @@ def learn(
         from training.orchestrator import train
 
         if plan is None:
-            res = train(cfg, start, train_dir, rl_dir, resume=resume, progress=not no_progress)
+            res = train(cfg, start, train_dir, rl_dir, resume=resume, progress=not no_progress, rated=rated)
         else:
             res = _placed_train(cfg, plan, address, start, train_dir, rl_dir, resume, not no_progress)
     except typer.Exit:
@@ -126,6 +130,20 @@ def learn(
         _fail(e)
     _echo(f"done: {res.steps} steps; checkpoint {res.final_checkpoint}; reward curve {res.curve_png}")
     typer.echo(json.dumps(res.summary, indent=2))
+
+
+def _rated(from_runs: Path, per_step: int, nodes: Optional[int]):
+    """The rated `tmax run` sessions to add to each RL step (checked before anything starts)."""
+    from training.runs_data import RatedStream, RunsDataError, load_runs
+
+    if nodes is not None:
+        typer.secho("tmax learn: --from-runs runs on one node; drop --nodes", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+    try:
+        return RatedStream(load_runs(from_runs), per_step=per_step)
+    except (RunsDataError, ValueError) as e:
+        typer.secho(f"tmax learn: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
 
 
 def _plan(cfg, nodes, gpus_per_node, train_nodes, tp, learners_per_node, engines_per_node):
@@ -180,11 +198,18 @@ def _placed_train(cfg, plan, address, start, train_dir, rl_dir, resume, progress
 
 
 @learn_app.command("sft")
-def sft(ctx: typer.Context) -> None:
+def sft(
+    ctx: typer.Context,
+    from_runs: Optional[Path] = typer.Option(
+        None, "--from-runs", help="Fine-tune on the accepted `tmax run --tokens` sessions under DIR instead (into OUT/sft-runs)."),
+) -> None:
     """SFT warm start on teacher trajectories played through the harness (sft.teacher_accuracy 1 = the oracle)."""
     o = ctx.obj or {}
     cfg = _config(o.get("config"), o.get("steps"), o.get("seed"))
     run_dir = _out(cfg, o.get("out"))
+    if from_runs is not None:
+        _sft_from_runs(cfg, from_runs, run_dir)
+        return
     try:
         from training.recipe import build_stage, sft_stage
 
@@ -193,6 +218,19 @@ def sft(ctx: typer.Context) -> None:
     except Exception as e:  # noqa: BLE001
         _fail(e)
     typer.echo(json.dumps(res, indent=2))
+
+
+def _sft_from_runs(cfg, runs_dir: Path, run_dir: Path) -> None:
+    from dataclasses import asdict
+
+    try:
+        from training.sft import sft_from_runs
+
+        res = sft_from_runs(runs_dir, cfg, run_dir / "sft-runs", log=lambda step, total, loss: _echo(
+            f"SFT step {step}/{total}: loss {loss:.3f}") if step % 20 == 0 or step == total else None)
+    except Exception as e:  # noqa: BLE001
+        _fail(e)
+    typer.echo(json.dumps(asdict(res), indent=2))
 
 
 @learn_app.command("nano")

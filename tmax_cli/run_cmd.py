@@ -166,6 +166,9 @@ def _make_hooks_classes():
             self.max_steps = max_steps
             self.session_usage = session_usage
             self.stopping = False  # set by SIGTERM/SIGHUP or a quit at the approval prompt
+            self.undo: Any = None  # tmax_cli.run_undo.UndoControl with --undo-steps
+            self.undo_note: str | None = None  # what the model is told after an /undo
+            self.rate: Callable[[str], str] | None = None  # /good, /bad (tmax_cli.run_training.rate)
 
         # `/y` and `/c` work at every prompt; returns True when the input was a mode command.
         def _mode_command(self, text: str) -> bool:
@@ -181,11 +184,29 @@ def _make_hooks_classes():
             if cmd in ("/h", "/help", "/?"):
                 self.display.info(self._help())
                 return True
+            if cmd.split()[:1] == ["/undo"]:
+                self._undo(cmd)
+                return True
+            if cmd in ("/good", "/bad") and self.rate is not None:
+                self.display.info(self.rate(cmd))
+                return True
             if cmd.startswith("/") and " " not in cmd and cmd not in QUIT_WORDS:
                 # A lone `/word` is a mistyped command, not feedback meant for the model.
                 self.display.warn(f"Unknown command {cmd}. {self._help()}")
                 return True
             return False
+
+        def _undo(self, cmd: str) -> None:
+            if self.undo is None:
+                self.display.warn("Undo is off: start tmax run with --undo-steps N to undo the last N commands.")
+                return
+            try:
+                note = self.undo.undo(cmd)
+            except ValueError as e:
+                self.display.warn(str(e))
+                return
+            self.undo_note = f"{self.undo_note}\n{note}" if self.undo_note else note
+            self.display.info(note)
 
         def _help(self) -> str:
             from tmax_cli.ui import HELP
@@ -218,6 +239,9 @@ def _make_hooks_classes():
                         raise
                     return guidance
                 if self._mode_command(answer):
+                    if self.undo_note:  # the proposed command was made for the files as they were
+                        answer, self.undo_note = self.undo_note, None
+                        return answer
                     continue
                 if answer.strip() == "":
                     break
@@ -226,6 +250,8 @@ def _make_hooks_classes():
                     raise KeyboardInterrupt
                 self.display.feedback(answer, "rejected; sent to the model")
                 return answer
+            if self.undo is not None:
+                self.undo.before(command)
             self.display.start_spinner("Running… (Ctrl-C to interrupt)")
             return None
 
@@ -254,6 +280,9 @@ def _make_hooks_classes():
                     self.stopping = True
                     return None
                 if self._mode_command(answer):
+                    if self.undo_note:
+                        answer, self.undo_note = self.undo_note, None
+                        return answer
                     continue
                 if answer.strip() in ("", *QUIT_WORDS):
                     self.stopping = True
@@ -270,6 +299,8 @@ def _make_hooks_classes():
                     continue
                 if answer.strip() in ("", *QUIT_WORDS):
                     return None
+                if self.undo_note:
+                    answer, self.undo_note = f"{self.undo_note}\n\n{answer}", None
                 return answer
 
     return JsonHooks, InteractiveHooks
@@ -316,6 +347,15 @@ def run(
         None, "--output", "-o", help="Trajectory directory. Default: $XDG_DATA_HOME/tmax/runs/<timestamp>."
     ),
     network: bool = typer.Option(False, "--network/--no-network", help="Network access inside bwrap/podman (off by default)."),
+    undo_steps: int = typer.Option(
+        0, "--undo-steps", min=0, help="Snapshot the files before each command so /undo [K] can restore them (last N kept; 0: off)."
+    ),
+    budget_hints: bool = typer.Option(False, "--budget-hints", help="Append the steps, time and context left to each observation."),
+    tokens: bool = typer.Option(
+        False, "--tokens", help="Sample token ids from a vLLM server (tmax serve) and record tokens.json for `tmax learn --from-runs`."
+    ),
+    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="With --tokens: the model's tokenizer directory (default: the served model's)."),
+    verify: Optional[str] = typer.Option(None, "--verify", help="Command run in the sandbox at the end; exit status 0 stores reward 1, else 0."),
 ) -> None:
     """Run the agent on a task in a persistent shell.
 
@@ -326,6 +366,8 @@ def run(
     try:
         if json_mode and not task:
             raise ConfigError("--json needs the task (or, with --resume, the follow-up) as an argument")
+        if json_mode and undo_steps:
+            raise ConfigError("--undo-steps needs the interactive UI (/undo), not --json")
         settings = resolve_run_settings(
             base_url=base_url, model=model, api_key=api_key, sandbox=sandbox, mode=mode, image=image, max_steps=max_steps
         )
@@ -334,12 +376,19 @@ def run(
         if settings.model is None:
             settings.model = discover_model(settings.base_url, settings.api_key)
             settings.sources["model"] = f"{settings.base_url}/models"
+        token_setup = None
+        if tokens:
+            from tmax_cli.run_training import prepare_tokens
+
+            token_setup = prepare_tokens(settings.base_url, settings.model, settings.api_key, tokenizer)
     except ConfigError as e:
         raise _fail(str(e), json_mode) from None
-    raise typer.Exit(_run(settings, spec, task, json_mode, saved, resume, output))
+    raise typer.Exit(_run(settings, spec, task, json_mode, saved, resume, output, undo_steps=undo_steps, budget_hints=budget_hints,
+                          token_setup=token_setup, verify=verify))
 
 
-def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, saved: Any, resume: Path | None, output: Path | None) -> int:
+def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, saved: Any, resume: Path | None, output: Path | None,
+         *, undo_steps: int = 0, budget_hints: bool = False, token_setup: Any = None, verify: str | None = None) -> int:
     from rich.console import Console
 
     from agents.chat_policy import ChatPolicy
@@ -398,7 +447,8 @@ def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, sa
     config = AgentConfig()
     if settings.max_steps is not None:
         config.max_steps = settings.max_steps
-    policy = ChatPolicy(
+    config.budget_hints = budget_hints
+    policy = token_setup.policy(config) if token_setup is not None else ChatPolicy(
         model=settings.model,
         base_url=settings.base_url,
         api_key=settings.api_key,
@@ -406,6 +456,9 @@ def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, sa
         top_p=config.top_p,
         max_tokens=config.max_tokens,
     )
+    if token_setup is not None:
+        meta["model_dir"] = str(token_setup.model_dir)  # what `tmax learn sft --from-runs` starts from
+        _write_json_atomic(run_dir / "run.json", meta)
 
     # SIGTERM / SIGHUP end the run like a Ctrl-C answered with "quit", so the sandbox is removed.
     def _terminate(signum, frame):
@@ -437,6 +490,14 @@ def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, sa
         except Exception as e:  # e.g. a missing binary: still the infrastructure, not the agent
             raise SandboxError(f"could not start the {settings.sandbox} sandbox: {e}") from e
         display.stop_spinner()
+        if undo_steps:
+            from tmax_cli.run_undo import UndoControl
+
+            hooks.undo = UndoControl(box, undo_steps)
+        if not json_mode:
+            from tmax_cli.run_training import rate
+
+            hooks.rate = lambda word: rate(run_dir, word)
         agent = Agent(policy, box, config=config, recorder=Recorder(run_dir), hooks=hooks)
         if saved is not None:
             display.warn(
@@ -460,6 +521,14 @@ def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, sa
             display.task(follow, title="follow-up")
             result = agent.follow_up(follow)
         status, error = result.status, result.error
+        if verify:
+            from tmax_cli.run_training import verify as run_verify
+
+            rated = run_verify(box, verify, run_dir)
+            if json_mode:
+                hooks.emit("reward", reward=rated["reward"], exit_code=rated["exit_code"], command=verify)
+            else:
+                display.info(f"--verify exited {rated['exit_code']}: reward {rated['reward']:g} (in {run_dir / 'reward.json'}).")
     except SandboxError as e:
         status, error = "sandbox_error", f"sandbox failure (infrastructure, not the agent): {e}"
     except KeyboardInterrupt:
@@ -468,6 +537,8 @@ def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, sa
         display.stop_spinner()
         for s, h in old_handlers.items():
             signal.signal(s, h)
+        if getattr(hooks, "undo", None) is not None:
+            hooks.undo.close()
         if box is not None:
             try:
                 box.close()

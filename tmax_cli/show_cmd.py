@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import typer
 
@@ -123,8 +123,14 @@ def show(
     path: Path = typer.Argument(..., help="A run directory (or its trajectory.json)."),
     json_mode: bool = typer.Option(False, "--json", help="Print the saved files as one JSON object instead."),
     system: bool = typer.Option(False, "--system", help="Also show the system prompt."),
+    export: Optional[str] = typer.Option(
+        None, "--export", help="messages: print Hugging Face chat JSONL, one line per run under PATH (for other trainers)."
+    ),
 ) -> None:
     """Render a saved run step by step."""
+    if export is not None:
+        _export(path, export)
+        return
     try:
         run = load_run(path)
     except ShowError as e:
@@ -136,6 +142,24 @@ def show(
     from tmax_cli.ui import Display
 
     render(run, Display(), show_system=system)
+
+
+def _export(path: Path, kind: str) -> None:
+    from tmax_cli.export_messages import export_line, session_dirs
+
+    if kind != "messages":
+        typer.secho(f"tmax show: --export {kind!r}: the one format is 'messages'", err=True, fg="red")
+        raise typer.Exit(2)
+    dirs = session_dirs(path) if path.is_dir() else []
+    if not dirs:
+        typer.secho(f"tmax show: no run (trajectory.json) under {path}", err=True, fg="red")
+        raise typer.Exit(2)
+    for d in dirs:
+        try:
+            typer.echo(export_line(load_run(d)["trajectory"]))
+        except ShowError as e:
+            typer.secho(f"tmax show: {e}", err=True, fg="red")
+            raise typer.Exit(2) from None
 
 
 def register(app: typer.Typer) -> None:

@@ -24,7 +24,8 @@ _EXIT_RE = re.compile(r"\n*\(exit_code=(-?\d+)\)\s*$")
 
 HELP = (
     "At a command: Enter runs it, other text rejects it and tells the model why. "
-    "Anywhere: /y yolo (run without asking) · /c confirm each command · /q quit · /h help · "
+    "Anywhere: /y yolo (run without asking) · /c confirm each command · /undo [K] restore the files from "
+    "before the last K commands (with --undo-steps) · /good, /bad rate the session · /q quit · /h help · "
     "Ctrl-C interrupts the model or the command."
 )
 

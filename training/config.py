@@ -55,6 +55,8 @@ class RolloutConfig(_Strict):
     observation_max_chars: int = Field(10000, ge=100)
     # Training ends an episode on the first turn without a valid bash call.
     max_format_errors: int = Field(1, ge=1)
+    # Opt-in budget hints (agents.budget) after each observation; off keeps Vanillux2 exact.
+    budget_hints: bool = False
     sandbox: Literal["local", "bwrap", "podman"] = "podman"
     # Infra failures are re-queued; an episode that keeps failing aborts the run.
     max_infra_retries: int = Field(3, ge=0)

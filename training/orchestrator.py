@@ -348,13 +348,15 @@ def train(
     keep_engine: bool = False,
     on_step: Any = None,
     placement: Any = None,
+    rated: Any = None,
 ) -> RunResult:
     """Run DPPO from `model_dir` (or, with `resume`, from the run's latest checkpoint).
 
     `engine_handle` reuses a running EngineActor (already serving `model_dir`);
     `keep_engine` leaves it running afterwards (the recipe evaluates on it).
     `placement` (a `training.placement.Placement`) spreads learner ranks, engines and
-    rollout workers over the cluster per its plan (`training.scaleout`)."""
+    rollout workers over the cluster per its plan (`training.scaleout`).
+    `rated` (a `training.runs_data.RatedStream`) adds rated `tmax run` sessions to each step."""
     import ray
 
     from training import checkpoint as ckpt
@@ -505,6 +507,8 @@ def train(
             if train_ref is None and acc.full:
                 batch = acc.take(step)
                 samples = batch_samples(batch.groups, batch.advantages)
+                if rated is not None:
+                    samples += rated.next_samples()  # single-sample groups, A = R - baseline
                 if not samples:
                     bar.note(f"step {step}: every group was filtered; skipping")
                     continue

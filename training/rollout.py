@@ -96,6 +96,7 @@ def agent_config(cfg: RolloutConfig, max_steps: int | None = None) -> AgentConfi
         max_tokens=cfg.per_turn_max_tokens,
         context_budget=cfg.context_budget,
         observation_max_chars=cfg.observation_max_chars,
+        budget_hints=cfg.budget_hints,
         # A failing inference server is an infrastructure problem: retry briefly, then let
         # the orchestrator re-queue the episode rather than wait out long back-offs.
         retries=3,

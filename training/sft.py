@@ -196,3 +196,16 @@ def select_sft_tasks(task_dirs: list[str], fraction: float, seed: int) -> list[s
     dirs = sorted(task_dirs)
     k = max(1, round(len(dirs) * fraction))
     return sorted(random.Random(f"sft-{seed}").sample(dirs, k))
+
+
+def sft_from_runs(runs_dir: str | Path, cfg: LearnConfig, out_dir: str | Path, log: Any = None) -> SFTResult:
+    """SFT on the accepted `tmax run --tokens` sessions under `runs_dir` (training.runs_data),
+    starting from model.path, else from the model the sessions were sampled from."""
+    from training.runs_data import accepted, load_runs, model_dir_of
+
+    runs = load_runs(runs_dir)
+    demos = accepted(runs)
+    if not demos:
+        raise DemoError(f"none of the {len(runs)} sessions under {runs_dir} is accepted (rated /good or a passing --verify)")
+    start = cfg.model.path or model_dir_of(runs)
+    return train_sft(start, demos, cfg, out_dir, log=log)

@@ -1,0 +1,112 @@
+"""Undo of shell changes: snapshots of the workspace (local, bwrap) and of the container
+(podman), through the store and through `/undo` in a real `tmax run` pty session."""
+
+from __future__ import annotations
+
+import pytest
+from scripted_server import ScriptedServer
+from test_cli_run import FOLLOW_UP, SUBMIT, env, run_args, spawn, user_texts, ws  # noqa: F401  (fixtures)
+
+from sandbox.snapshot import DirectorySnapshots, UndoHistory
+from tmax_cli.config import bwrap_works
+from tmax_cli.run_undo import undo_count
+
+
+def test_directory_snapshots_restore_deleted_changed_and_added(tmp_path):
+    root = tmp_path / "ws"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "a.txt").write_text("v0")
+    history = UndoHistory(DirectorySnapshots(root), keep=2)
+    try:
+        history.before("edit a")
+        with open(root / "sub" / "a.txt", "a") as f:  # an in-place write
+            f.write("+v1")
+        history.before("rm a, add b")
+        (root / "sub" / "a.txt").unlink()
+        (root / "b").mkdir()
+        history.before("third")  # only the last two snapshots are kept
+        assert history.available == 2
+        with pytest.raises(ValueError, match="only 2 command"):
+            history.undo(3)
+        assert history.undo(2).commands == ["rm a, add b", "third"]
+        assert (root / "sub" / "a.txt").read_text() == "v0+v1"
+        assert not (root / "b").exists()
+        assert history.available == 0
+    finally:
+        history.close()
+    assert not history.store.store.exists()
+
+
+def test_unchanged_files_are_shared_but_in_place_writes_never_reach_a_snapshot(tmp_path):
+    root = tmp_path / "ws"
+    root.mkdir()
+    (root / "big.bin").write_bytes(b"0" * 4096)
+    store = DirectorySnapshots(root)
+    history = UndoHistory(store, keep=3)
+    try:
+        for i in range(3):
+            history.before(f"step {i}")
+        # Unchanged: one inode shared by all three snapshots, none of them the live file.
+        inodes = {(store.store / str(n) / "big.bin").stat().st_ino for n in range(3)}
+        assert len(inodes) == 1 and (root / "big.bin").stat().st_ino not in inodes
+        with open(root / "big.bin", "r+b") as f:  # in place: same inode, same size
+            f.write(b"1")
+        history.undo(1)
+        assert (root / "big.bin").read_bytes() == b"0" * 4096
+    finally:
+        history.close()
+
+
+def test_undo_count_parsing():
+    assert undo_count("/undo") == 1 and undo_count(" /undo 3 ") == 3
+    for bad in ("/undo 0", "/undo x", "/undo 1 2"):
+        with pytest.raises(ValueError, match="usage"):
+            undo_count(bad)
+
+
+def _undo_session(kind: str, script: list[dict], ws, tmp_path, spawn, env, destroy: str) -> str:  # noqa: F811
+    """Run the script's commands, `/undo 2` (submit + `destroy`), then one check command;
+    returns the check's observation. The model must have been told what was undone."""
+    extra = ["--sandbox", kind, "--mode", "yolo", "--undo-steps", "3"]
+    with ScriptedServer(script) as srv:
+        if kind == "podman":
+            args = ["--base-url", srv.base_url, "--model", srv.model, "-o", str(tmp_path / "run"), *extra, "go"]
+        else:
+            args = run_args(srv, ws, tmp_path / "run", *extra)
+        t = spawn(args, env, ws, timeout=120 if kind == "podman" else 30)
+        t.answer(FOLLOW_UP, "/undo 2")
+        t.expect("undid your last 2 commands")
+        t.answer(FOLLOW_UP, "check the files")
+        t.answer(FOLLOW_UP, "")
+        assert t.finish() == 0
+        requests = srv.requests
+    follow_up = len(script) - 2  # the request that carries the follow-up
+    told = user_texts(requests[follow_up])[-1]
+    assert told.startswith("[The user undid your last 2 commands") and told.endswith("check the files")
+    assert f"1. {destroy}\n2. {SUBMIT}" in told
+    return [m["content"] for m in requests[follow_up + 1]["messages"] if m["role"] == "tool"][-1]
+
+
+@pytest.mark.bwrap
+@pytest.mark.skipif(not bwrap_works(), reason="bubblewrap cannot run here")
+@pytest.mark.parametrize("kind", ["bwrap", "local"])
+def test_undo_in_a_pty_session_restores_the_workspace(kind, env, ws, tmp_path, spawn):  # noqa: F811
+    (ws / "keep.txt").write_text("v1\n")
+    (ws / "del.txt").write_text("gone\n")
+    destroy = "mkdir -p sub && cd sub && rm ../del.txt && echo v2 > ../keep.txt && touch new.txt"
+    script = [{"bash": destroy}, {"bash": SUBMIT}, {"bash": "pwd; cat keep.txt del.txt; ls -1"}, {"bash": SUBMIT}]
+    seen = _undo_session(kind, script, ws, tmp_path, spawn, env, destroy)
+    # The shell stood in sub/, which the undo removed: it is back in the workdir.
+    assert seen.startswith(f"{ws}\nv1\ngone\ndel.txt\nkeep.txt\n\n(exit_code=0)"), seen
+    assert (ws / "keep.txt").read_text() == "v1\n" and not (ws / "sub").exists()
+
+
+@pytest.mark.podman
+def test_undo_in_a_pty_session_restores_the_container(env, ws, tmp_path, spawn, base_image):  # noqa: F811
+    setup = "echo v1 > /root/keep.txt && echo gone > /root/del.txt"
+    destroy = "rm /root/del.txt /etc/issue && echo v2 > /root/keep.txt && echo x >> /etc/debian_version && mkdir /root/new"
+    check = "cat /root/keep.txt /root/del.txt; ls -d /root/new; test -f /etc/issue && echo issue-back; tail -c 2 /etc/debian_version"
+    script = [{"bash": setup}, {"bash": destroy}, {"bash": SUBMIT}, {"bash": check}, {"bash": SUBMIT}]
+    seen = _undo_session("podman", script, ws, tmp_path, spawn, env, destroy)
+    assert seen.startswith("v1\ngone\nls: cannot access '/root/new'"), seen
+    assert "issue-back" in seen and "\nx\n" not in seen, seen
