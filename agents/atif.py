@@ -15,6 +15,8 @@ Per-step timing (`timing.json`) goes to each agent step's `extra`; the run's tok
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 SCHEMA_VERSION = "ATIF-v1.6"
@@ -126,3 +128,19 @@ def from_atif(doc: dict[str, Any]) -> list[dict[str, Any]]:
             else:
                 messages.append({"role": "user", "content": text})
     return messages
+
+
+def write_atif(run_dir: Path, *, agent_name: str, agent_version: str, model_name: str | None = None,
+               session_id: str | None = None, tools: list[dict[str, Any]] | None = None) -> Path | None:
+    """Write `trajectory.atif.json` beside a run's saved files; None when there is no run."""
+    from agents.records import TRAJECTORY, load_run, write_json_atomic
+
+    run_dir = Path(run_dir)
+    if not (run_dir / TRAJECTORY).is_file():
+        return None
+    saved = load_run(run_dir)
+    extra = {"status": saved.result.get("status")} if saved.result else None
+    doc = to_atif(saved.messages, saved.timing, asdict(saved.usage), agent_name=agent_name,
+                  agent_version=agent_version, model_name=model_name, session_id=session_id, tools=tools, extra=extra)
+    write_json_atomic(run_dir / ATIF_FILE, doc)
+    return run_dir / ATIF_FILE
