@@ -152,7 +152,8 @@ class TerminusHarness:
         history = self._session.capture(history=True).rstrip()
         previous, self._last_history = self._last_history, history
         if previous and history.startswith(previous):
-            return "New Terminal Output:\n" + history[len(previous) :].lstrip("\n")
+            new = history[len(previous) :].strip("\n")
+            return "New Terminal Output:\n" + (new or "(no new output)")
         return "Current Terminal Screen:\n" + self._session.capture().rstrip()
 
     def observe(self, action: Action, result: CommandResult, limits: ObservationLimits) -> tuple[str, bool]:

@@ -15,6 +15,7 @@ import pytest
 pytestmark = [pytest.mark.podman]
 
 sys.path.insert(0, str(Path(__file__).parent))
+from harbor_env import harbor_check  # noqa: E402
 from scripted_server import ScriptedServer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,3 +76,14 @@ def test_harness_solves_and_fails(tmp_path, harness):
         if harness == "terminus-2":
             screen = agent_steps[0]["observation"]["results"][0]["content"]
             assert f"echo {word} > hello.txt" in screen
+
+
+def test_harbor_reads_the_atif_trajectories(tmp_path):
+    """Harbor's own models load a scripted mini-swe job: results and the ATIF trajectory."""
+    turns = script("mini-swe", "hello")
+    with ScriptedServer(turns) as srv:
+        trial = bench(tmp_path, "mini-swe", srv, "atif")
+    assert trial["result"]["tmax"]["outcome"] == "pass"
+    loaded = harbor_check(tmp_path / "atif")
+    assert loaded["failures"] == []
+    assert (loaded["jobs"], loaded["trials"], loaded["atif"]) == (1, 1, 1)
