@@ -14,12 +14,14 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
 from sandbox.base import Sandbox, SandboxError
 
 PRIVATE_DIR = "/tmp/.tmax-tmux"
+READY_TIMEOUT_S = 15.0
 # glibc's own libraries must come from the sandbox, never from the host.
 _GLIBC = re.compile(r"^(libc|libm|libresolv|libpthread|libdl|librt|ld-linux[^.]*)\.so")
 _LDD_LINE = re.compile(r"^\s*(\S+) => (/\S+)")
@@ -77,6 +79,10 @@ class TmuxSession:
         self._tmux("new-session", "-d", "-s", "main", "-x", str(self.width), "-y", str(self.height), *cwd, shell)
         # Long outputs stay reachable through the history, not only what fits on screen.
         self._tmux("set-option", "-t", "main", "history-limit", "50000")
+        # Keys sent before the shell has drawn its prompt would be echoed but run late.
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self.capture().strip() and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def send_keys(self, keys: str) -> None:
         """Key names (`C-c`, `Enter`) are sent as keys, anything else as literal text."""

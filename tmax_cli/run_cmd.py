@@ -316,6 +316,7 @@ def run(
         None, "--output", "-o", help="Trajectory directory. Default: $XDG_DATA_HOME/tmax/runs/<timestamp>."
     ),
     network: bool = typer.Option(False, "--network/--no-network", help="Network access inside bwrap/podman (off by default)."),
+    harness: str = typer.Option("tmax", "--harness", help="Agent style: tmax (Vanillux2) | mini-swe | terminus-2."),
 ) -> None:
     """Run the agent on a task in a persistent shell.
 
@@ -329,6 +330,10 @@ def run(
         settings = resolve_run_settings(
             base_url=base_url, model=model, api_key=api_key, sandbox=sandbox, mode=mode, image=image, max_steps=max_steps
         )
+        from agents.harnesses import HARNESSES
+
+        if harness not in HARNESSES:
+            raise ConfigError(f"--harness {harness!r}: choose one of {', '.join(HARNESSES)}")
         saved = load_saved(resume) if resume is not None else None
         spec = _sandbox_spec(settings, workdir, network)
         if settings.model is None:
@@ -336,13 +341,15 @@ def run(
             settings.sources["model"] = f"{settings.base_url}/models"
     except ConfigError as e:
         raise _fail(str(e), json_mode) from None
-    raise typer.Exit(_run(settings, spec, task, json_mode, saved, resume, output))
+    raise typer.Exit(_run(settings, spec, task, json_mode, saved, resume, output, harness))
 
 
-def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, saved: Any, resume: Path | None, output: Path | None) -> int:
+def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, saved: Any, resume: Path | None, output: Path | None,
+         harness: str = "tmax") -> int:
     from rich.console import Console
 
     from agents.chat_policy import ChatPolicy
+    from agents.harnesses import make_harness
     from agents.loop import Agent, AgentConfig
     from agents.records import Recorder
     from sandbox import make_sandbox
@@ -385,6 +392,7 @@ def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, sa
     meta = {
         "task": task,
         "model": settings.model,
+        "harness": harness,
         "base_url": settings.base_url,
         "sandbox": settings.sandbox,
         "mode": settings.mode,
@@ -437,7 +445,8 @@ def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, sa
         except Exception as e:  # e.g. a missing binary: still the infrastructure, not the agent
             raise SandboxError(f"could not start the {settings.sandbox} sandbox: {e}") from e
         display.stop_spinner()
-        agent = Agent(policy, box, config=config, recorder=Recorder(run_dir), hooks=hooks)
+        agent = Agent(policy, box, config=config, recorder=Recorder(run_dir), hooks=hooks,
+                      harness=make_harness(harness, spec.workdir))
         if saved is not None:
             display.warn(
                 f"Resumed {len(saved.messages)} messages from {resume.resolve()}. This is a new shell: the working directory, "
@@ -470,6 +479,8 @@ def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, sa
             signal.signal(s, h)
         if box is not None:
             try:
+                if agent is not None:
+                    agent.harness.close()
                 box.close()
             except Exception as e:  # cleanup must not hide the outcome
                 display.warn(f"closing the sandbox failed: {e}")
