@@ -253,20 +253,27 @@ def report_cmd(
 
 
 def _pct(x: float, ci: tuple[float, float] | None = None) -> str:
-    return f"{x * 100:.1f}%" + (f" [{ci[0] * 100:.1f}, {ci[1] * 100:.1f}]" if ci else "")
+    return f"{x * 100:.1f}%" + (f" ({ci[0] * 100:.0f}-{ci[1] * 100:.0f})" if ci else "")
 
 
 def _print_comparison(console, comp) -> None:
     from rich.table import Table
 
-    t = Table(title="jobs (infra errors left out of the rates)")
-    for col in ("job", "agent", "model", "trials", "infra errors", "pass@1 [95% CI]", "pass@k [95% CI]",
-                "steps", "tokens", "wall s"):
-        t.add_column(col, justify="left" if col in ("job", "agent", "model") else "right")
+    ks = {j.k for j in comp.jobs}
+    # pass@k only says something new when some job has more than one attempt per task.
+    k_col = None if ks == {1} else (f"pass@{next(iter(ks))} (CI)" if len(ks) == 1 else "pass@k (CI)")
+    t = Table(title="per job: rates over tasks with 95% bootstrap CI; infra errors left out of the rates")
+    t.add_column("job", no_wrap=True)
+    t.add_column("agent / model")
+    for col in ("trials", "infra", "pass@1 (CI)", k_col, "steps", "tokens", "wall s"):
+        if col:
+            t.add_column(col, justify="right", no_wrap="CI" in col)
     for j in comp.jobs:
         fmt = lambda v, d=0: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
-        t.add_row(j.name, j.agent, j.model or "-", str(j.n_trials), str(j.n_infra_errors), _pct(j.pass_at_1, j.pass_at_1_ci),
-                  f"k={j.k} " + _pct(j.pass_at_k, j.pass_at_k_ci), fmt(j.mean_steps, 1), fmt(j.mean_tokens), fmt(j.mean_wall_s, 1))
+        at_k = [(f"k={j.k} " if len(ks) > 1 else "") + _pct(j.pass_at_k, j.pass_at_k_ci)] if k_col else []
+        t.add_row(j.name, j.agent + (f" / {j.model}" if j.model else ""), str(j.n_trials), str(j.n_infra_errors),
+                  _pct(j.pass_at_1, j.pass_at_1_ci), *at_k, fmt(j.mean_steps, 1), fmt(j.mean_tokens),
+                  fmt(j.mean_wall_s, 1))
     console.print(t)
     for p in comp.pairs:
         pt = Table(title=f"A = {p.a}  vs  B = {p.b}: {p.n_common_tasks} common tasks, both {p.both}, neither {p.neither}, "
