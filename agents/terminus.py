@@ -116,9 +116,8 @@ class TerminusHarness:
     name = "terminus-2"
     tools: list[dict[str, Any]] = []
 
-    def __init__(self, workdir: str | None = None, sleep=time.sleep) -> None:
+    def __init__(self, workdir: str | None = None) -> None:
         self.workdir = workdir
-        self._sleep = sleep
         self._session: TmuxSession | None = None
         self._last_history = ""
         self._pending_completion = False
@@ -143,7 +142,7 @@ class TerminusHarness:
         for keys, duration in action.commands:
             self._session.send_keys(keys)
             left = timeout - (time.monotonic() - t0)
-            self._sleep(max(0.0, min(duration, left)))
+            time.sleep(max(0.0, min(duration, left)))
         return CommandResult(output=self._view(), exit_code=0, duration_s=time.monotonic() - t0)
 
     def _view(self) -> str:

@@ -108,12 +108,24 @@ class TmaxAgent:
         self.kwargs = dict(kwargs or {})
         self.name = harness
 
-    def run(self, sandbox, task, workdir, agent_dir, timeout, cancel) -> AgentRun:
-        from agents.atif import write_atif
+    def _agent(self, sandbox, workdir: str, agent_dir: Path, hooks):
+        """The loop for this harness, its settings from the agent kwargs, recording into agent_dir."""
         from agents.chat_policy import ChatPolicy
         from agents.harnesses import make_harness
-        from agents.loop import Agent, AgentConfig, AgentHooks
+        from agents.loop import Agent, AgentConfig
         from agents.records import Recorder
+
+        cfg_fields = set(AgentConfig.__dataclass_fields__)
+        config = AgentConfig(**{k: v for k, v in self.kwargs.items() if k in cfg_fields})
+        policy = ChatPolicy(base_url=self.base_url, model=self.model, api_key=self.api_key,
+                            temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_tokens)
+        agent_dir.mkdir(parents=True, exist_ok=True)
+        return Agent(policy, sandbox, config=config, recorder=Recorder(agent_dir), hooks=hooks,
+                     harness=make_harness(self.name, workdir))
+
+    def run(self, sandbox, task, workdir, agent_dir, timeout, cancel) -> AgentRun:
+        from agents.atif import write_atif
+        from agents.loop import AgentHooks
 
         stop = threading.Event()
 
@@ -136,13 +148,8 @@ class TmaxAgent:
             except Exception:
                 pass
 
-        cfg_fields = set(AgentConfig.__dataclass_fields__)
-        config = AgentConfig(**{k: v for k, v in self.kwargs.items() if k in cfg_fields})
-        policy = ChatPolicy(base_url=self.base_url, model=self.model, api_key=self.api_key,
-                            temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_tokens)
-        agent_dir.mkdir(parents=True, exist_ok=True)
-        harness = make_harness(self.name, workdir)
-        agent = Agent(policy, sandbox, config=config, recorder=Recorder(agent_dir), hooks=Hooks(), harness=harness)
+        agent = self._agent(sandbox, workdir, agent_dir, Hooks())
+        harness = agent.harness
         done = threading.Event()
 
         def watch() -> None:
