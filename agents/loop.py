@@ -1,5 +1,10 @@
 """The agent loop: one class for `tmax run`, `tmax bench` and `tmax learn`.
 
+The prompt, the action parser, how an action runs and what the model sees of it come from
+a harness (`agents.harness`); the default is Vanillux2, described here. mini-swe and
+terminus-2 (`agents.harnesses`) share everything else: steps, format-error counting,
+retries, budgets, records.
+
 Vanillux2 semantics (the Tmax evaluation harness):
 
 * messages start as [system, user(instance template)];
@@ -25,19 +30,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from agents.budget import Budget, budget_hint
-from agents.observation import ObservationLimits, format_observation
-from agents.parsing import Action, parse_action
+from agents.harness import Harness, TmaxHarness
+from agents.observation import ObservationLimits
+from agents.parsing import Action
 from agents.policy import ContextOverflow, FatalModelError, ModelError, ModelTurn, Policy, Usage
-from agents.prompts import (
-    REJECTED_TOOL_TEXT,
-    SUBMIT_MARKER,
-    format_error_feedback,
-    instance_message,
-    render,
-    system_message,
-)
+from agents.prompts import REJECTED_TOOL_TEXT, render
 from agents.records import Recorder, SavedRun
-from agents.tools import TOOLS
 from sandbox.base import CommandResult, Sandbox, SandboxError
 
 INTERRUPT_TEMPLATE = "The user interrupted you and says: {{guidance}}"
@@ -118,6 +116,7 @@ class Agent:
         recorder: Recorder | None = None,
         hooks: AgentHooks | None = None,
         *,
+        harness: Harness | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.policy = policy
@@ -125,7 +124,9 @@ class Agent:
         self.config = config or AgentConfig()
         self.recorder = recorder
         self.hooks = hooks or AgentHooks()
-        self.tools = TOOLS
+        # What differs between agent styles (prompt, action parser, execution, observation).
+        self.harness = harness or TmaxHarness()
+        self.tools = self.harness.tools
         self._sleep = sleep  # injectable so tests do not wait through real back-offs
         self.messages: list[dict[str, Any]] = []
         self.timing: list[dict[str, Any]] = []
@@ -139,7 +140,7 @@ class Agent:
         """A fresh episode: [system, user(instance template with the task)]."""
         if not task.strip():
             raise ValueError("the task text is empty")
-        self.messages = [system_message(), instance_message(task)]
+        self.messages = self.harness.initial_messages(task)
         self.timing, self.usage, self.steps, self._last_context_tokens = [], Usage(), 0, 0
         return self._episode()
 
@@ -208,7 +209,7 @@ class Agent:
             self._last_context_tokens = turn.usage.total_tokens or (turn.usage.prompt_tokens + turn.usage.completion_tokens)
 
             message = dict(turn.message)
-            action = parse_action(message)
+            action = self.harness.parse(message)
             self.hooks.on_model_turn(step, turn, action.command)
 
             if action.is_format_error:
@@ -243,11 +244,11 @@ class Agent:
                 continue
 
             try:
-                result, interrupted = self._execute(action.command)
+                result, interrupted = self._execute(action)
             except SandboxError as e:
                 self.timing.append({"step": step, "llm_s": round(llm_s, 1), "sandbox_error": str(e)[:200], "cmd": action.command[:200]})
                 return _Outcome("sandbox_error", str(e))
-            observation = format_observation(result, cfg.observation_limits)
+            observation, finished = self.harness.observe(action, result, cfg.observation_limits)
             if cfg.budget_hints:
                 observation += budget_hint(Budget(cfg.max_steps, episode_steps, cfg.context_budget,
                                                   self._last_context_tokens, time.monotonic() - started, cfg.time_budget_s))
@@ -268,7 +269,7 @@ class Agent:
                 if not self._guidance():
                     return _Outcome("interrupted")
                 continue
-            if action.submit or SUBMIT_MARKER in observation:
+            if finished:
                 return _Outcome("submitted")
 
     def _query(self) -> ModelTurn:
@@ -286,7 +287,7 @@ class Agent:
         raise AssertionError("unreachable")
 
     def _format_error(self, step: int, message: dict[str, Any], action: Action, llm_s: float) -> None:
-        feedback = format_error_feedback()
+        feedback = self.harness.format_error(action)
         if message.get("content") is None:
             message["content"] = ""
         if action.tool_call_id:
@@ -310,7 +311,7 @@ class Agent:
         elif not tool_only:
             self.messages.append({"role": "user", "content": text})
 
-    def _execute(self, command: str) -> tuple[CommandResult, bool]:
+    def _execute(self, action: Action) -> tuple[CommandResult, bool]:
         """Run the command in a worker thread so Ctrl-C reaches this (main) thread, which
         then interrupts the command and waits for the shell to come back."""
         box: dict[str, Any] = {}
@@ -318,7 +319,7 @@ class Agent:
 
         def work() -> None:
             try:
-                box["result"] = self.sandbox.run(command, timeout=self.config.command_timeout)
+                box["result"] = self.harness.execute(self.sandbox, action, self.config.command_timeout)
             except BaseException as e:  # handed to the main thread
                 box["error"] = e
             finally:

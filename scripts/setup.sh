@@ -35,6 +35,25 @@ fi
 # Dependencies added after a venv was made (the branch above installs without them).
 "$VENV/bin/python" -c "import tomli_w" 2>/dev/null || "$VENV/bin/pip" install -q "tomli-w>=1.0"
 
+# Harbor (PyPI `harbor`, Python >= 3.12) in its own small venv: tests load tmax job directories
+# and ATIF trajectories with Harbor's own models. Skipped where no Python 3.12+ exists.
+HARBOR_VERSION=0.26.0
+if [ ! -x .venv-harbor/bin/python ] || ! .venv-harbor/bin/python -c "import harbor" 2>/dev/null; then
+  py312=""
+  for cand in python3.13 python3.12 "$(command -v pyenv >/dev/null && pyenv root)"/versions/3.1[2-9]*/bin/python3; do
+    if [ -x "$(command -v "$cand" 2>/dev/null || echo "$cand")" ] && "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+      py312="$cand"; break
+    fi
+  done
+  if [ -n "$py312" ]; then
+    echo "== Harbor $HARBOR_VERSION venv in .venv-harbor ($py312)"
+    "$py312" -m venv .venv-harbor
+    .venv-harbor/bin/pip install -q "harbor==$HARBOR_VERSION"
+  else
+    echo "== no Python >= 3.12: skipping the Harbor venv (its tests will skip)"
+  fi
+fi
+
 echo "== base image"
 "$VENV/bin/tmax" sandbox build-base
 echo "== setup done"

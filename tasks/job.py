@@ -19,6 +19,7 @@ import json
 import shutil
 import threading
 import time
+import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +82,13 @@ class JobConfig(BaseModel):
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def harbor_environment(kind: str) -> dict[str, str | None]:
+    """Harbor knows podman by type; the host sandboxes are named by where they live."""
+    if kind == "podman":
+        return {"type": "podman"}
+    return {"type": None, "import_path": f"sandbox.{kind}", "kind": kind}
+
+
 def trial_name(identity: str, task: str, attempt: int) -> str:
     return f"{task}__{hashlib.sha256(f'{identity}/{task}/{attempt}'.encode()).hexdigest()[:7]}"
 
@@ -135,6 +143,8 @@ class Job:
                                             config.limit)
         self.checksums = {t.name: t.checksum() for t in self.tasks}
         self.identity = config.identity(self.checksums)
+        # Harbor's job id is a UUID: this one is derived from the identity, so it is stable on resume.
+        self.job_id = str(uuid.UUID(self.identity[:32]))
         self.cancel = threading.Event()
         self._lock = threading.Lock()
         self._sandboxes: dict[str, Any] = {}
@@ -169,7 +179,8 @@ class Job:
             for attempt in range(self.config.n_attempts):
                 name = trial_name(self.identity, task.name, attempt)
                 cfg = {
-                    "task": {"path": str(task.path), "name": task.name, "source": self.config.dataset,
+                    # Harbor's TaskConfig takes a path or a registry name, never both.
+                    "task": {"path": str(task.path), "source": self.config.dataset,
                              "checksum": self.checksums[task.name]},
                     "trial_name": name,
                     "trials_dir": str(self.dir),
@@ -177,10 +188,10 @@ class Job:
                     "timeout_multiplier": self.config.timeout_multiplier,
                     "agent": {"name": self.config.agent, "model_name": self.config.model,
                               "kwargs": self.config.agent_kwargs},
-                    "environment": {"type": self.sandbox_kind, "image_map": self.config.image_map,
+                    "environment": {**harbor_environment(self.sandbox_kind), "image_map": self.config.image_map,
                                     "delete": True},
                     "verifier": {"offline_rewrite": True},
-                    "job_id": self.identity[:16],
+                    "job_id": self.job_id,
                 }
                 out.append(TrialPlan(task, attempt, name, self.dir / name, self.config.job_name, cfg))
         return out
@@ -208,7 +219,7 @@ class Job:
                         "kwargs": {**self.config.agent_kwargs,
                                    **({"api_base": self.config.base_url} if self.config.base_url else {})}}],
             "datasets": [{"path": self.config.dataset}],
-            "environment": {"type": self.sandbox_kind, "delete": True},
+            "environment": {**harbor_environment(self.sandbox_kind), "delete": True},
             "tmax_identity": self.identity,
             "tmax_job": cfg,
         })
@@ -248,7 +259,7 @@ class Job:
         running = progress.running if progress else 0
         existing = _read_json(self.dir / "result.json") or {}
         data = {
-            "id": self.identity[:16],
+            "id": self.job_id,
             "started_at": existing.get("started_at") or now_iso(),
             "updated_at": now_iso(),
             "finished_at": now_iso() if finished else None,

@@ -1,5 +1,6 @@
-"""What runs in the sandbox before the verifier: `tmax` (the harness against a model
-endpoint), `oracle` (the task's reference solution) and `nop` (nothing: the floor)."""
+"""What runs in the sandbox before the verifier: a harness against a model endpoint
+(`tmax`, `mini-swe`, `terminus-2`: `agents.harnesses`), `oracle` (the task's reference
+solution) and `nop` (nothing: the floor)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from agents.harnesses import HARNESSES
 from sandbox.base import Sandbox, SandboxError
 from tasks.longexec import run_long
 from tasks.model import Task
 from tasks.offline import RewriteConfig, copy_patched
 
-AGENTS = ("tmax", "oracle", "nop")
+AGENTS = (*HARNESSES, "oracle", "nop")
 ABANDON_GRACE_S = 60.0
 
 
@@ -94,21 +96,37 @@ class OracleAgent:
 
 
 class TmaxAgent:
-    """The tmax harness (`agents.loop.Agent` + `ChatPolicy`) against an OpenAI-compatible
-    endpoint. The agent timeout is enforced from outside: at the deadline the running
-    command is interrupted and the loop is stopped at its next step."""
+    """A harness (`agents.loop.Agent` + `ChatPolicy` + `agents.harnesses`) against an
+    OpenAI-compatible endpoint. The agent timeout is enforced from outside: at the deadline
+    the running command is interrupted and the loop is stopped at its next step."""
 
-    name = "tmax"
     version = "0.1.0"
 
-    def __init__(self, model: str, base_url: str, api_key: str | None = None, kwargs: dict[str, Any] | None = None):
+    def __init__(self, model: str, base_url: str, api_key: str | None = None, kwargs: dict[str, Any] | None = None,
+                 harness: str = "tmax"):
         self.model, self.base_url, self.api_key = model, base_url, api_key or "dummy"
         self.kwargs = dict(kwargs or {})
+        self.name = harness
+
+    def _agent(self, sandbox, workdir: str, agent_dir: Path, hooks, timeout: float):
+        """The loop for this harness, its settings from the agent kwargs, recording into agent_dir."""
+        from agents.chat_policy import ChatPolicy
+        from agents.harnesses import make_harness
+        from agents.loop import Agent, AgentConfig
+        from agents.records import Recorder
+
+        cfg_fields = set(AgentConfig.__dataclass_fields__)
+        config = AgentConfig(**{k: v for k, v in self.kwargs.items() if k in cfg_fields})
+        config.time_budget_s = config.time_budget_s or timeout  # what budget hints show, if on
+        policy = ChatPolicy(base_url=self.base_url, model=self.model, api_key=self.api_key,
+                            temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_tokens)
+        agent_dir.mkdir(parents=True, exist_ok=True)
+        return Agent(policy, sandbox, config=config, recorder=Recorder(agent_dir), hooks=hooks,
+                     harness=make_harness(self.name, workdir))
 
     def run(self, sandbox, task, workdir, agent_dir, timeout, cancel) -> AgentRun:
-        from agents.chat_policy import ChatPolicy
-        from agents.loop import Agent, AgentConfig, AgentHooks
-        from agents.records import Recorder
+        from agents.atif import write_atif
+        from agents.loop import AgentHooks
 
         stop = threading.Event()
 
@@ -131,13 +149,8 @@ class TmaxAgent:
             except Exception:
                 pass
 
-        cfg_fields = set(AgentConfig.__dataclass_fields__)
-        config = AgentConfig(**{k: v for k, v in self.kwargs.items() if k in cfg_fields})
-        config.time_budget_s = config.time_budget_s or timeout  # what budget hints show, if on
-        policy = ChatPolicy(base_url=self.base_url, model=self.model, api_key=self.api_key,
-                            temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_tokens)
-        agent_dir.mkdir(parents=True, exist_ok=True)
-        agent = Agent(policy, sandbox, config=config, recorder=Recorder(agent_dir), hooks=Hooks())
+        agent = self._agent(sandbox, workdir, agent_dir, Hooks(), timeout)
+        harness = agent.harness
         done = threading.Event()
 
         def watch() -> None:
@@ -163,6 +176,8 @@ class TmaxAgent:
         worker.start()
         worker.join(timeout + ABANDON_GRACE_S)
         done.set()
+        if not worker.is_alive():
+            harness.close()
         if worker.is_alive():
             stop.set()
             out.metadata = {"status": "abandoned"}
@@ -180,6 +195,9 @@ class TmaxAgent:
                 raise SandboxError(result.error or "the sandbox failed during the agent run")
             if result.status == "model_error" and not stop.is_set():
                 out.error = f"model error: {result.error}"
+        # The trajectory also in ATIF, for Harbor's tools and the leaderboard.
+        write_atif(agent_dir, agent_name=self.name, agent_version=self.version, model_name=self.model,
+                   session_id=agent_dir.parent.name, tools=harness.tools)
         out.n_input_tokens = agent.usage.prompt_tokens
         out.n_output_tokens = agent.usage.completion_tokens
         out.timed_out = stop.is_set() and not cancel.is_set()
@@ -192,8 +210,8 @@ def make_agent(name: str, rewrite: RewriteConfig, model: str | None = None, base
         return NopAgent()
     if name == "oracle":
         return OracleAgent(rewrite)
-    if name == "tmax":
+    if name in HARNESSES:
         if not model or not base_url:
-            raise ValueError("the tmax agent needs a model (-m) and an endpoint (--base-url)")
-        return TmaxAgent(model, base_url, api_key, kwargs)
+            raise ValueError(f"the {name} agent needs a model (-m) and an endpoint (--base-url)")
+        return TmaxAgent(model, base_url, api_key, kwargs, harness=name)
     raise ValueError(f"unknown agent {name!r}: choose one of {', '.join(AGENTS)}")

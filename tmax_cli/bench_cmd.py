@@ -5,6 +5,7 @@ host sandboxes (-e bwrap|local) for tasks whose Dockerfile only adds files to th
     tmax bench terminal-bench -m MODEL --base-url URL      (k = 5, the tasks' own timeouts)
     tmax bench resume JOB_DIR [--base-url URL] [--retry-infra] [-e ENV]
     tmax bench report JOB_DIR [--json]
+    tmax bench compare JOB_DIR JOB_DIR... [--json]           (paired, with McNemar's test)
     tmax bench prepare PATH|DATASET                          (pre-build the images)
 
 Flags follow Harbor's letters: -k is attempts (not agent kwargs: use --ak key=value),
@@ -114,7 +115,7 @@ def _make_job(dataset: str, agent: str, model: Optional[str], base_url: Optional
 
 
 # Options shared by `run` and `terminal-bench`.
-_AGENT = typer.Option("oracle", "-a", "--agent", help="tmax | oracle | nop.")
+_AGENT = typer.Option("oracle", "-a", "--agent", help="A harness (tmax | mini-swe | terminus-2), oracle or nop.")
 _MODEL = typer.Option(None, "-m", "--model", help="Model name at the endpoint (tmax agent).")
 _BASE_URL = typer.Option(None, "--base-url", envvar="TMAX_BASE_URL",
                          help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1 (not part of the job identity).")
@@ -154,7 +155,7 @@ def run_cmd(
 @bench_app.command("terminal-bench")
 def terminal_bench_cmd(
     dataset: str = typer.Option("terminal-bench@2.0", "--dataset", "-d", help="Dataset name or directory."),
-    agent: str = typer.Option("tmax", "-a", "--agent", help="tmax | oracle | nop."),
+    agent: str = typer.Option("tmax", "-a", "--agent", help="tmax | mini-swe | terminus-2 | oracle | nop."),
     model: Optional[str] = _MODEL, base_url: Optional[str] = _BASE_URL,
     concurrent: int = typer.Option(4, "-n", "--n-concurrent", min=1, help="Trials run at once."),
     include: list[str] = _INC, exclude: list[str] = _EXC, limit: Optional[int] = _LIMIT,
@@ -249,6 +250,72 @@ def report_cmd(
     _print_report(console, sc.to_dict(), job_dir)
     for p in charts:
         console.print(f"chart: {p}")
+
+
+def _pct(x: float, ci: tuple[float, float] | None = None) -> str:
+    return f"{x * 100:.1f}%" + (f" ({ci[0] * 100:.0f}-{ci[1] * 100:.0f})" if ci else "")
+
+
+def _print_comparison(console, comp) -> None:
+    from rich.table import Table
+
+    ks = {j.k for j in comp.jobs}
+    # pass@k only says something new when some job has more than one attempt per task.
+    k_col = None if ks == {1} else (f"pass@{next(iter(ks))} (CI)" if len(ks) == 1 else "pass@k (CI)")
+    t = Table(title="per job: rates over tasks with 95% bootstrap CI; infra errors left out of the rates")
+    t.add_column("job", no_wrap=True)
+    t.add_column("agent / model")
+    for col in ("trials", "infra", "pass@1 (CI)", k_col, "steps", "tokens", "wall s"):
+        if col:
+            t.add_column(col, justify="right", no_wrap="CI" in col)
+    for j in comp.jobs:
+        fmt = lambda v, d=0: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+        at_k = [(f"k={j.k} " if len(ks) > 1 else "") + _pct(j.pass_at_k, j.pass_at_k_ci)] if k_col else []
+        t.add_row(j.name, j.agent + (f" / {j.model}" if j.model else ""), str(j.n_trials), str(j.n_infra_errors),
+                  _pct(j.pass_at_1, j.pass_at_1_ci), *at_k, fmt(j.mean_steps, 1), fmt(j.mean_tokens),
+                  fmt(j.mean_wall_s, 1))
+    console.print(t)
+    for p in comp.pairs:
+        pt = Table(title=f"A = {p.a}  vs  B = {p.b}: {p.n_common_tasks} common tasks, both {p.both}, neither {p.neither}, "
+                         f"McNemar exact p = {p.p_value:.4g}")
+        pt.add_column(f"solved by A not B ({len(p.a_not_b)})")
+        pt.add_column(f"solved by B not A ({len(p.b_not_a)})")
+        for i in range(max(len(p.a_not_b), len(p.b_not_a))):
+            pt.add_row(p.a_not_b[i] if i < len(p.a_not_b) else "", p.b_not_a[i] if i < len(p.b_not_a) else "")
+        console.print(pt)
+
+
+@bench_app.command("compare")
+def compare_cmd(
+    job_dirs: list[Path] = typer.Argument(..., help="Two or more job directories (tmax or Harbor) over the same tasks."),
+    as_json: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
+    chart: Optional[Path] = typer.Option(None, "--chart", help="PNG path (default: compare.png in the first job dir)."),
+    no_chart: bool = typer.Option(False, "--no-chart", help="Do not write the PNG."),
+) -> None:
+    """pass@1 / pass@k with 95% bootstrap intervals per job, and per-task paired differences
+    with McNemar's exact test, for jobs of any agents, harnesses or models."""
+    from rich.console import Console
+
+    from tasks.compare import compare_jobs, write_compare_chart
+    from tasks.job import JobError
+
+    if len(job_dirs) < 2:
+        _fail("give at least two job directories")
+    try:
+        comp = compare_jobs(job_dirs)
+    except (JobError, OSError) as e:
+        _fail(str(e))
+    empty = [j.name for j in comp.jobs if not j.per_task]
+    if empty:
+        _fail(f"no scored trials in: {', '.join(empty)}")
+    png = None if no_chart else write_compare_chart(comp, chart or job_dirs[0] / "compare.png")
+    if as_json:
+        typer.echo(json.dumps({**comp.to_dict(), "chart": str(png) if png else None}, indent=2))
+        return
+    console = Console()
+    _print_comparison(console, comp)
+    if png:
+        console.print(f"chart: {png}")
 
 
 @bench_app.command("prepare")

@@ -347,6 +347,7 @@ def run(
         None, "--output", "-o", help="Trajectory directory. Default: $XDG_DATA_HOME/tmax/runs/<timestamp>."
     ),
     network: bool = typer.Option(False, "--network/--no-network", help="Network access inside bwrap/podman (off by default)."),
+    harness: str = typer.Option("tmax", "--harness", help="Agent style: tmax (Vanillux2) | mini-swe | terminus-2."),
     undo_steps: int = typer.Option(
         0, "--undo-steps", min=0, help="Snapshot the files before each command so /undo [K] can restore them (last N kept; 0: off)."
     ),
@@ -371,6 +372,10 @@ def run(
         settings = resolve_run_settings(
             base_url=base_url, model=model, api_key=api_key, sandbox=sandbox, mode=mode, image=image, max_steps=max_steps
         )
+        from agents.harnesses import HARNESSES
+
+        if harness not in HARNESSES:
+            raise ConfigError(f"--harness {harness!r}: choose one of {', '.join(HARNESSES)}")
         saved = load_saved(resume) if resume is not None else None
         spec = _sandbox_spec(settings, workdir, network)
         if settings.model is None:
@@ -383,15 +388,17 @@ def run(
             token_setup = prepare_tokens(settings.base_url, settings.model, settings.api_key, tokenizer)
     except ConfigError as e:
         raise _fail(str(e), json_mode) from None
-    raise typer.Exit(_run(settings, spec, task, json_mode, saved, resume, output, undo_steps=undo_steps, budget_hints=budget_hints,
-                          token_setup=token_setup, verify=verify))
+    raise typer.Exit(_run(settings, spec, task, json_mode, saved, resume, output, harness=harness, undo_steps=undo_steps,
+                          budget_hints=budget_hints, token_setup=token_setup, verify=verify))
 
 
 def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, saved: Any, resume: Path | None, output: Path | None,
-         *, undo_steps: int = 0, budget_hints: bool = False, token_setup: Any = None, verify: str | None = None) -> int:
+         *, harness: str = "tmax", undo_steps: int = 0, budget_hints: bool = False, token_setup: Any = None,
+         verify: str | None = None) -> int:
     from rich.console import Console
 
     from agents.chat_policy import ChatPolicy
+    from agents.harnesses import make_harness
     from agents.loop import Agent, AgentConfig
     from agents.records import Recorder
     from sandbox import make_sandbox
@@ -434,6 +441,7 @@ def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, sa
     meta = {
         "task": task,
         "model": settings.model,
+        "harness": harness,
         "base_url": settings.base_url,
         "sandbox": settings.sandbox,
         "mode": settings.mode,
@@ -498,7 +506,8 @@ def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, sa
             from tmax_cli.run_training import rate
 
             hooks.rate = lambda word: rate(run_dir, word)
-        agent = Agent(policy, box, config=config, recorder=Recorder(run_dir), hooks=hooks)
+        agent = Agent(policy, box, config=config, recorder=Recorder(run_dir), hooks=hooks,
+                      harness=make_harness(harness, spec.workdir))
         if saved is not None:
             display.warn(
                 f"Resumed {len(saved.messages)} messages from {resume.resolve()}. This is a new shell: the working directory, "
@@ -541,6 +550,8 @@ def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, sa
             hooks.undo.close()
         if box is not None:
             try:
+                if agent is not None:
+                    agent.harness.close()
                 box.close()
             except Exception as e:  # cleanup must not hide the outcome
                 display.warn(f"closing the sandbox failed: {e}")

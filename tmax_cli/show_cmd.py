@@ -1,5 +1,6 @@
-"""`tmax show PATH`: replay a saved run (trajectory.json + timing.json + usage.json)
-with the same step rendering as `tmax run`."""
+"""`tmax show PATH`: replay a saved run (trajectory.json + timing.json + usage.json, or an
+ATIF trajectory.atif.json) with the same step rendering as `tmax run`, under the harness
+the run used (run.json's `harness`, or the ATIF agent name)."""
 
 from __future__ import annotations
 
@@ -25,13 +26,33 @@ def _read_json(path: Path, required: bool) -> Any:
         raise ShowError(f"{path} is not readable JSON: {e}") from e
 
 
+def _load_atif(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    from agents.atif import from_atif
+
+    doc = _read_json(path, required=True)
+    try:
+        messages = from_atif(doc)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ShowError(f"{path} is not an ATIF trajectory: {e}") from e
+    agent = doc.get("agent") or {}
+    meta = {"harness": agent.get("name"), "model": agent.get("model_name")}
+    return messages, {k: v for k, v in meta.items() if v}
+
+
 def load_run(path: Path) -> dict[str, Any]:
-    """The saved files of a run directory (or of the directory holding a trajectory.json)."""
+    """The saved files of a run directory (or of the directory holding a trajectory.json),
+    or an ATIF file (read when it is named, or when the directory has no trajectory.json)."""
+    from agents.atif import ATIF_FILE
+
     if not path.exists():
         raise ShowError(f"{path} does not exist")
     run_dir = path if path.is_dir() else path.parent
     traj_file = path if path.is_file() else run_dir / "trajectory.json"
-    messages = _read_json(traj_file, required=True)
+    atif_meta: dict[str, Any] = {}
+    if traj_file.name == ATIF_FILE or (path.is_dir() and not traj_file.exists() and (run_dir / ATIF_FILE).exists()):
+        messages, atif_meta = _load_atif(run_dir / ATIF_FILE if path.is_dir() else path)
+    else:
+        messages = _read_json(traj_file, required=True)
     if isinstance(messages, dict) and isinstance(messages.get("messages"), list):
         messages = messages["messages"]
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
@@ -41,6 +62,9 @@ def load_run(path: Path) -> dict[str, Any]:
         raise ShowError(f"{run_dir / 'timing.json'} should hold a list of per-step records")
     usage = _read_json(run_dir / "usage.json", required=False) or {}
     meta = _read_json(run_dir / "run.json", required=False) or {}  # written by `tmax run`
+    if not meta.get("harness") and (run_dir / ATIF_FILE).exists() and not atif_meta:
+        atif_meta = _load_atif(run_dir / ATIF_FILE)[1]  # a bench trial: the ATIF names the harness
+    meta = {**atif_meta, **meta}
     result = _read_json(run_dir / "result.json", required=False) or {}  # written by the agent
     return {"dir": str(run_dir), "trajectory": messages, "timing": timing, "usage": usage, "result": result, "run": meta}
 
@@ -53,14 +77,18 @@ def _text(content: Any) -> str:
 
 
 def render(run: dict[str, Any], display: Any, show_system: bool = False) -> None:
-    from agents.parsing import parse_action
+    from agents.harnesses import HARNESSES, make_harness
     from tmax_cli.ui import fmt_tokens, split_exit_code
 
     messages = run["trajectory"]
     timing = {t.get("step"): t for t in run["timing"] if isinstance(t, dict)}
     meta = run["run"]
+    harness = make_harness(meta.get("harness") if meta.get("harness") in HARNESSES else "tmax")
+    # What the next user message answers: an action given as text ("observation") or a
+    # response without a usable action ("format_error"); tool calls get tool messages.
+    pending: str | None = None
     if meta:
-        bits = [f"{k} {meta[k]}" for k in ("model", "sandbox", "mode") if meta.get(k)]
+        bits = [f"{k} {meta[k]}" for k in ("model", "harness", "sandbox", "mode") if meta.get(k)]
         if meta.get("resumed_from"):
             bits.append(f"resumed from {meta['resumed_from']}")
         display.info(" · ".join(bits))
@@ -70,6 +98,7 @@ def render(run: dict[str, Any], display: Any, show_system: bool = False) -> None
     for msg in messages:
         role = msg.get("role")
         content = _text(msg.get("content"))
+        answers, pending = pending, (pending if role == "system" else None)
         if role == "system":
             if show_system:
                 display.feedback(content, "system prompt")
@@ -80,7 +109,10 @@ def render(run: dict[str, Any], display: Any, show_system: bool = False) -> None
                 typed = meta.get("task") if not meta.get("resumed_from") else None  # a resume's task is its follow-up
                 display.task(typed or content)
                 seen_task = True
-            elif content.startswith("Format error"):
+            elif answers == "observation":
+                t = timing.get(step) or {}
+                display.output(content, t.get("return_code"), t.get("bash_s"))
+            elif answers == "format_error" or content.startswith("Format error"):
                 display.format_error(content)
             else:
                 # A rejected command's reason, guidance or a follow-up task.
@@ -89,7 +121,8 @@ def render(run: dict[str, Any], display: Any, show_system: bool = False) -> None
             step += 1
             display.step_header(step)
             display.thought(content)
-            action = parse_action(msg)
+            action = harness.parse(msg)
+            pending = "format_error" if action.command is None else (None if action.tool_call_id else "observation")
             if action.command is not None:
                 display.command(action.command)
             else:

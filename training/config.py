@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 PRESETS = ("nano", "tmax-9b")
@@ -60,6 +60,24 @@ class RolloutConfig(_Strict):
     sandbox: Literal["local", "bwrap", "podman"] = "podman"
     # Infra failures are re-queued; an episode that keeps failing aborts the run.
     max_infra_retries: int = Field(3, ge=0)
+    # The harness episodes run under (`agents.harnesses`); a list is rotated per group.
+    harness: str | list[str] = "tmax"
+
+    @field_validator("harness")
+    @classmethod
+    def _known_harness(cls, v: str | list[str]) -> str | list[str]:
+        from agents.harnesses import HARNESSES
+
+        names = [v] if isinstance(v, str) else v
+        bad = [n for n in names if n not in HARNESSES]
+        if not names or bad:
+            raise ValueError(f"rollout.harness {bad or names!r}: choose from {', '.join(HARNESSES)}")
+        return v
+
+    def harness_for(self, group_id: int) -> str:
+        """The harness of a group: every sample of a group shares it, groups rotate."""
+        names = [self.harness] if isinstance(self.harness, str) else self.harness
+        return names[group_id % len(names)]
 
 
 class AlgoConfig(_Strict):

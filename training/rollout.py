@@ -77,6 +77,7 @@ class Rollout:
     verifier: dict[str, Any] | None = None
     timings: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    harness: str = "tmax"
 
     @property
     def num_sampled(self) -> int:
@@ -246,6 +247,7 @@ def run_episode(
     start_version: int = 0,
 ) -> Rollout:
     """Run one episode and score it. Raises InfraError for infrastructure failures."""
+    from agents.harnesses import make_harness
     from agents.records import Recorder
 
     t0 = time.monotonic()
@@ -255,10 +257,11 @@ def run_episode(
         raise InfraError(f"task {req.task_dir} does not load: {e}") from e
     ep = open_sandbox(task, cfg.sandbox, scratch, image)
     t_sandbox = time.monotonic() - t0
+    harness = make_harness(cfg.harness_for(req.group_id), ep.workdir)
     try:
         policy = token_policy(sampler, tokenizer, cfg, req.seed)
         recorder = Recorder(record_dir) if record_dir is not None else None
-        agent = Agent(policy, ep.sandbox, agent_config(cfg), recorder=recorder)
+        agent = Agent(policy, ep.sandbox, agent_config(cfg), recorder=recorder, harness=harness)
         t1 = time.monotonic()
         result = agent.run(task.instruction)
         t_agent = time.monotonic() - t1
@@ -278,6 +281,7 @@ def run_episode(
             reward, vinfo = verify(ep, task, cfg.sandbox, out, timeout)
             t_verify = time.monotonic() - t2
     finally:
+        harness.close()
         ep.close()
     versions = list(trace.turn_versions)
     return Rollout(
@@ -304,6 +308,7 @@ def run_episode(
             "total_s": round(time.monotonic() - t0, 4),
         },
         error=result.error,
+        harness=harness.name,
     )
 
 

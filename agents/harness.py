@@ -1,0 +1,72 @@
+"""A harness is what differs between agent styles, around one loop (`agents.loop.Agent`).
+
+The loop skeleton (query the model, count steps and format errors, retry model errors,
+record, stop at a budget) is shared; a harness supplies the small protocol around it:
+
+* `initial_messages`  the prompt ([system, user(task)]) and `tools` (may be empty);
+* `parse`             an assistant message -> the one `Action` to run, or a format error;
+* `format_error`      the feedback for a response without a usable action;
+* `execute`           run the action in the sandbox -> a `CommandResult`;
+* `observe`           the result -> (observation text, whether the episode is finished);
+* `close`             release what it started in the sandbox.
+
+Three harnesses exist (`agents.harnesses`): `tmax` (Vanillux2, below), `mini-swe`
+(`agents.mini_swe`) and `terminus-2` (`agents.terminus`). Token policies see only
+messages, so token-exact training works for every harness alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from agents.observation import ObservationLimits, format_observation
+from agents.parsing import Action, parse_action
+from agents.prompts import SUBMIT_MARKER, format_error_feedback, instance_message, system_message
+from agents.tools import TOOLS
+from sandbox.base import CommandResult, Sandbox
+
+
+class Harness(Protocol):
+    name: str
+    tools: list[dict[str, Any]]
+
+    def initial_messages(self, task: str) -> list[dict[str, Any]]: ...
+
+    def parse(self, message: dict[str, Any]) -> Action: ...
+
+    def format_error(self, action: Action) -> str: ...
+
+    def execute(self, sandbox: Sandbox, action: Action, timeout: float) -> CommandResult: ...
+
+    def observe(self, action: Action, result: CommandResult, limits: ObservationLimits) -> tuple[str, bool]: ...
+
+    def close(self) -> None:
+        """Release what the harness started in the sandbox (e.g. a tmux server)."""
+        ...
+
+
+class TmaxHarness:
+    """Vanillux2: one native `bash` tool call per turn, a persistent shell, the submit marker."""
+
+    name = "tmax"
+    tools = TOOLS
+
+    def initial_messages(self, task: str) -> list[dict[str, Any]]:
+        return [system_message(), instance_message(task)]
+
+    def parse(self, message: dict[str, Any]) -> Action:
+        return parse_action(message)
+
+    def format_error(self, action: Action) -> str:
+        return format_error_feedback()
+
+    def execute(self, sandbox: Sandbox, action: Action, timeout: float) -> CommandResult:
+        assert action.command is not None
+        return sandbox.run(action.command, timeout=timeout)
+
+    def observe(self, action: Action, result: CommandResult, limits: ObservationLimits) -> tuple[str, bool]:
+        observation = format_observation(result, limits)
+        return observation, action.submit or SUBMIT_MARKER in observation
+
+    def close(self) -> None:
+        pass

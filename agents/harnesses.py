@@ -1,0 +1,22 @@
+"""The harness registry: one name per agent style, for `run`, `bench` and `learn`."""
+
+from __future__ import annotations
+
+from agents.harness import Harness, TmaxHarness
+from agents.mini_swe import MiniSweHarness
+from agents.terminus import TerminusHarness
+
+HARNESSES = ("tmax", "mini-swe", "terminus-2")
+DEFAULT_HARNESS = "tmax"
+
+
+def make_harness(name: str, workdir: str | None = None) -> Harness:
+    """A fresh harness (harnesses keep per-episode state). `workdir` is where mini-swe's
+    one-off processes and the terminus tmux session start."""
+    if name == "tmax":
+        return TmaxHarness()
+    if name == "mini-swe":
+        return MiniSweHarness(workdir)
+    if name == "terminus-2":
+        return TerminusHarness(workdir)
+    raise ValueError(f"unknown harness {name!r}: choose one of {', '.join(HARNESSES)}")

@@ -1,0 +1,89 @@
+"""`tmax run --harness` with the mini-swe and terminus-2 harnesses on the local sandbox (a
+real shell, real tmux, a scripted model server), and `tmax show` of the saved run, from its
+own files and from ATIF."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agents.atif import ATIF_FILE, write_atif
+from scripted_server import ScriptedServer
+
+REPO = Path(__file__).resolve().parents[1]
+SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("TMAX_", "OPENAI_"))}
+    e.update(XDG_CONFIG_HOME=str(tmp_path / "cfg"), XDG_DATA_HOME=str(tmp_path / "data"), NO_COLOR="1",
+             PYTHONPATH=str(REPO), COLUMNS="200")
+    return e
+
+
+def tmax(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tmax_cli.main", *args], env=_env(tmp_path), capture_output=True,
+                          text=True, timeout=120, stdin=subprocess.DEVNULL)
+
+
+def run_harness(tmp_path: Path, harness: str, turns: list[dict]) -> tuple[Path, Path, list[dict]]:
+    ws, out = tmp_path / "ws", tmp_path / "run"
+    ws.mkdir(exist_ok=True)
+    with ScriptedServer(turns) as srv:
+        proc = tmax(tmp_path, "run", "--json", "--harness", harness, "--sandbox", "local", "--base-url", srv.base_url,
+                    "--model", srv.model, "--workdir", str(ws), "-o", str(out), "write the file")
+        requests = srv.requests
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    done = json.loads(proc.stdout.splitlines()[-1])
+    assert done["status"] == "submitted" and done["steps"] == len(turns)
+    assert json.loads((out / "run.json").read_text())["harness"] == harness
+    return ws, out, requests
+
+
+def test_unknown_harness_is_a_clear_error(tmp_path):
+    proc = tmax(tmp_path, "run", "--json", "--harness", "openhands", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "x")
+    assert proc.returncode != 0 and "--harness 'openhands'" in proc.stdout + proc.stderr
+
+
+def test_mini_swe_runs_each_command_in_a_fresh_process(tmp_path):
+    turns = [{"content": f"THOUGHT: step.\n\n```bash\n{c}\n```"} for c in ("cd /tmp", "pwd > where.txt", SUBMIT)]
+    ws, out, requests = run_harness(tmp_path, "mini-swe", turns)
+    assert (ws / "where.txt").read_text().strip() == str(ws.resolve())  # the `cd /tmp` did not persist
+    assert "tools" not in requests[0]
+    assert "<returncode>0</returncode>" in requests[1]["messages"][-1]["content"]
+
+    shown = tmax(tmp_path, "show", str(out))
+    assert shown.returncode == 0, shown.stderr
+    assert "pwd > where.txt" in shown.stdout and "<returncode>0</returncode>" in shown.stdout
+    assert "no valid bash call" not in shown.stdout
+
+    # The same run written as ATIF, alone in a directory, shows the same steps.
+    write_atif(out, agent_name="mini-swe", agent_version="test", model_name="scripted")
+    atif_dir = tmp_path / "atif-only"
+    atif_dir.mkdir()
+    shutil.copy(out / ATIF_FILE, atif_dir / ATIF_FILE)
+    from_atif = tmax(tmp_path, "show", str(atif_dir))
+    assert from_atif.returncode == 0, from_atif.stderr
+    assert "pwd > where.txt" in from_atif.stdout and "no valid bash call" not in from_atif.stdout
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_terminus_drives_a_tmux_session_and_confirms_completion(tmp_path):
+    def keys(k: list[str], done: bool = False) -> dict:
+        return {"content": json.dumps({"analysis": "a", "plan": "p", "task_complete": done,
+                                       "commands": [{"keystrokes": s, "duration": 0.3} for s in k]})}
+
+    turns = [{"content": "not json at all"}, keys(["cd sub\n", "echo term > t.txt\n"]), keys([], True), keys([], True)]
+    (tmp_path / "ws" / "sub").mkdir(parents=True)
+    ws, out, requests = run_harness(tmp_path, "terminus-2", turns)
+    assert (ws / "sub" / "t.txt").read_text() == "term\n"  # the terminal kept the `cd`
+    last = [m["content"] for m in requests[-1]["messages"] if m["role"] == "user"]
+    assert "parsing errors" in last[1]
+    assert any("Are you sure" in t for t in last)
+    assert any("echo term > t.txt" in t for t in last)

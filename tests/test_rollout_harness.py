@@ -1,0 +1,121 @@
+"""Token-exact training under another harness: a nano rollout under mini-swe (the action is a
+fenced bash block in plain text, no tool call) yields the same kind of trace as Vanillux2 —
+sampled spans verbatim with their logprobs (mask 1), observations as template tokens (mask 0,
+logprob 0) — and the trace is the chat template's rendering of the conversation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agents.policy import SampledTokens
+from training.config import RolloutConfig, preset
+from training.rollout import EpisodeRequest, run_episode
+
+
+class LogprobSampler:
+    """Scripted turns with distinct, recognisable logprobs per token."""
+
+    def __init__(self, turns: list[list[int]]):
+        self.turns = list(turns)
+        self.given: list[list[float]] = []
+
+    def sample(self, prompt_ids, max_tokens, temperature, top_p, seed=None) -> SampledTokens:
+        ids = self.turns.pop(0)
+        lps = [-0.001 * (len(self.given) + 1) * (i + 1) for i in range(len(ids))]
+        self.given.append(lps)
+        return SampledTokens(ids, lps, "stop", 0)
+
+
+@pytest.fixture(scope="module")
+def nano(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from training.nano.model import build_tokenizer
+    from training.nano.tasks import write_splits
+
+    root = tmp_path_factory.mktemp("nano-harness")
+    build_tokenizer(0).save_pretrained(root / "tok")
+    splits = write_splits(root / "tasks", 6, 2, seed=0)
+    scratch = Path.cwd() / "runs" / "test-rollout-harness" / root.name
+    scratch.mkdir(parents=True, exist_ok=True)
+    return AutoTokenizer.from_pretrained(root / "tok"), splits, scratch.resolve()
+
+
+def _mini_turn(tok, thought: str, command: str) -> list[int]:
+    return tok.encode(f"{thought}\n\n```bash\n{command}\n```{tok.eos_token}", add_special_tokens=False)
+
+
+def _spans(mask):
+    out, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            out.append((mask[start], start, i))
+            start = i
+    return out
+
+
+def test_harness_rotates_per_group():
+    cfg = RolloutConfig(harness=["tmax", "mini-swe", "terminus-2"])
+    assert [cfg.harness_for(g) for g in range(4)] == ["tmax", "mini-swe", "terminus-2", "tmax"]
+    with pytest.raises(ValueError, match="rollout.harness"):
+        RolloutConfig(harness="openhands")
+
+
+def test_mini_swe_rollout_token_trace(nano):
+    from training.nano.tasks import oracle_steps
+
+    tok, splits, scratch = nano
+    task = splits["train"][1]
+    turns = [_mini_turn(tok, t, c) for t, c in oracle_steps(task)]
+    cfg = preset("nano").rollout
+    cfg.sandbox, cfg.harness = "local", ["tmax", "mini-swe"]
+    sampler = LogprobSampler(turns)
+    r = run_episode(EpisodeRequest(str(task), 1, 0, 3), sampler, tok, cfg, scratch=scratch)  # group 1: mini-swe
+    assert r.harness == "mini-swe"
+    assert r.status == "submitted" and r.reward == 1.0
+    assert len(r.ids) == len(r.logprobs) == len(r.mask)
+    sampled = [(s, e) for v, s, e in _spans(r.mask) if v == 1]
+    assert [r.ids[s:e] for s, e in sampled] == turns
+    assert [r.logprobs[s:e] for s, e in sampled] == sampler.given
+    for v, s, e in _spans(r.mask):
+        if v == 0:
+            assert all(lp == 0.0 for lp in r.logprobs[s:e])
+            text = tok.decode(r.ids[s:e], skip_special_tokens=False)
+            # A plain user message (no tool role, no tools in the prompt) with the observation.
+            assert "<|im_start|>user" in text and "<returncode>0</returncode>" in text
+            assert text.rstrip().endswith("<|im_start|>assistant")
+    prompt = tok.decode(r.prompt_ids, skip_special_tokens=False)
+    assert "```bash" in prompt and "<tools>" not in prompt
+
+
+def test_mini_swe_trace_is_the_template_rendering(nano):
+    """What training sees equals the chat template's rendering of the whole conversation."""
+    from agents.harnesses import make_harness
+    from agents.loop import Agent, AgentConfig
+    from agents.token_policy import TokenPolicy
+    from tasks.model import Task
+    from training.nano.tasks import oracle_steps
+    from training.rollout import open_sandbox
+
+    tok, splits, scratch = nano
+    task_dir = splits["train"][2]
+    task = Task.load(task_dir)
+    ep = open_sandbox(task, "local", scratch)
+    try:
+        turns = [_mini_turn(tok, t, c) for t, c in oracle_steps(task_dir)]
+        policy = TokenPolicy(LogprobSampler(turns), tok, temperature=1.0, top_p=1.0)
+        agent = Agent(policy, ep.sandbox, AgentConfig(max_steps=6, max_format_errors=1),
+                      harness=make_harness("mini-swe", ep.workdir))
+        res = agent.run(task.instruction)
+    finally:
+        ep.close()
+    assert res.status == "submitted"
+    # The trace ends with the submit turn's end of turn; its observation is never sampled on.
+    msgs = [dict(m) for m in res.messages][:-1]
+    assert msgs[-1]["role"] == "assistant" and all("tool_calls" not in m for m in msgs)
+    full = tok.encode(tok.apply_chat_template(msgs, tokenize=False), add_special_tokens=False)
+    ctx = policy.trace.context
+    assert full[: len(ctx)] == ctx
+    assert tok.decode(full[len(ctx):]) == "\n"
