@@ -1,97 +1,128 @@
-"""A pool of sandboxes for concurrent trials and rollouts.
+"""Pools of sandboxes for concurrent trials and rollouts.
 
-Every acquire hands out a fresh sandbox (state never leaks from one trial to the next);
-`size` bounds how many exist at once, and `warm` keeps that many started ahead of time
-so a trial does not wait for a container to start.
+Every acquire hands out a fresh sandbox (state never leaks from one episode to the
+next: a released sandbox is destroyed, never handed out again). What a pool saves is
+the start-up: sandboxes are started ahead of need, in the background, so an episode
+does not wait for a container to start.
+
+`WarmPool` serves many environments (a key per task image and limits) under one cap on
+the sandboxes alive at once; `prewarm(key, factory)` starts one for an episode that is
+coming. `SandboxPool` is the one-environment case that keeps `warm` sandboxes ready.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 
 from sandbox import make_sandbox
 from sandbox.base import Sandbox, SandboxError, SandboxSpec
 
+Factory = Callable[[], Sandbox]
 
-class SandboxPool:
-    def __init__(self, kind: str, spec: SandboxSpec | None = None, size: int = 4, warm: int = 0,
-                 factory: Callable[[], Sandbox] | None = None, **options):
-        if size < 1:
+
+def _started(factory: Factory) -> Sandbox:
+    sb = factory()
+    try:
+        sb.start()
+    except BaseException:
+        sb.close()
+        raise
+    return sb
+
+
+class WarmPool:
+    """At most `capacity` sandboxes alive (idle, in use or starting), over any keys."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
             raise ValueError("pool size must be at least 1")
-        if not 0 <= warm <= size:
-            raise ValueError("warm must be between 0 and the pool size")
-        self.size = size
-        self.warm = warm
-        self._factory = factory or (lambda: make_sandbox(kind, spec, **options))
+        self.capacity = capacity
         self._cond = threading.Condition()
-        self._idle: list[Sandbox] = []
+        self._idle: dict[Hashable, list[Sandbox]] = {}
         self._in_use: set[int] = set()
-        self._total = 0  # in use + idle + being started; never above size
+        self._total = 0
         self._closed = False
         self._warmers: list[threading.Thread] = []
+        self.warm_hits = 0
+        self.cold_starts = 0
+        self.warm_failures = 0
+
+    def _idle_count(self) -> int:
+        return sum(len(v) for v in self._idle.values())
+
+    def prewarm(self, key: Hashable, factory: Factory) -> bool:
+        """Start a sandbox for `key` in the background if there is room; False if not."""
         with self._cond:
-            for _ in range(warm):
-                self._warm_one_locked()
-
-    def _new(self) -> Sandbox:
-        sb = self._factory()
-        try:
-            sb.start()
-        except BaseException:
-            sb.close()
-            raise
-        return sb
-
-    def _warm_one_locked(self) -> None:
-        if self._closed or self._total >= self.size:
-            return
-        self._total += 1
+            if self._closed or self._total >= self.capacity:
+                return False
+            self._total += 1
 
         def work() -> None:
             try:
-                sb = self._new()
+                sb = _started(factory)
             except Exception:
+                # A warm start that fails costs nothing: the episode starts its own (and
+                # reports the failure as its own infrastructure error).
                 with self._cond:
                     self._total -= 1
+                    self.warm_failures += 1
                     self._cond.notify_all()
                 return
             with self._cond:
-                if self._closed:
-                    self._total -= 1
+                keep = not self._closed
+                if keep:
+                    self._idle.setdefault(key, []).append(sb)
                 else:
-                    self._idle.append(sb)
-                    sb = None
+                    self._total -= 1
                 self._cond.notify_all()
-            if sb is not None:
+            if not keep:
                 sb.close()
 
-        t = threading.Thread(target=work, daemon=True)
-        self._warmers.append(t)
+        t = threading.Thread(target=work, daemon=True, name="tmax-pool-warm")
+        with self._cond:
+            self._warmers = [w for w in self._warmers if w.is_alive()] + [t]
         t.start()
+        return True
 
-    def acquire(self, timeout: float | None = None) -> Sandbox:
-        """A started sandbox for one trial; blocks while `size` exist."""
+    def _evict_locked(self, key: Hashable) -> Sandbox | None:
+        """An idle sandbox of another key, taken out to make room (closed by the caller)."""
+        for k, sbs in self._idle.items():
+            if k != key and sbs:
+                self._total -= 1
+                return sbs.pop(0)
+        return None
+
+    def acquire(self, key: Hashable, factory: Factory, timeout: float | None = None) -> Sandbox:
+        """A started sandbox for `key`: a warm one if there is one, else a new one; blocks
+        while `capacity` sandboxes exist and none of them is idle."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        evicted: Sandbox | None = None
         with self._cond:
             while True:
                 if self._closed:
                     raise SandboxError("sandbox pool is closed")
-                if self._idle:
-                    sb = self._idle.pop()
+                if self._idle.get(key):
+                    sb = self._idle[key].pop(0)
                     self._in_use.add(id(sb))
+                    self.warm_hits += 1
                     return sb
-                if self._total < self.size:
+                if self._total >= self.capacity:
+                    evicted = self._evict_locked(key)
+                if self._total < self.capacity:
                     self._total += 1
+                    self.cold_starts += 1
                     break
                 wait = None if deadline is None else deadline - time.monotonic()
                 if wait is not None and wait <= 0:
-                    raise SandboxError(f"no free sandbox after {timeout} s (pool size {self.size})")
+                    raise SandboxError(f"no free sandbox after {timeout} s (pool size {self.capacity})")
                 self._cond.wait(wait)
+        if evicted is not None:
+            evicted.close()
         try:
-            sb = self._new()
+            sb = _started(factory)
         except BaseException:
             with self._cond:
                 self._total -= 1
@@ -112,9 +143,58 @@ class SandboxPool:
         finally:
             with self._cond:
                 self._total -= 1
-                if len(self._idle) < self.warm:
-                    self._warm_one_locked()
                 self._cond.notify_all()
+            self._released()
+
+    def _released(self) -> None:
+        """Hook for subclasses that refill after a release."""
+
+    def close(self) -> None:
+        """Destroy the idle sandboxes; ones still in use are closed by their release."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            warmers = list(self._warmers)
+        for t in warmers:
+            t.join(timeout=120)
+        with self._cond:
+            idle = [sb for sbs in self._idle.values() for sb in sbs]
+            self._idle = {}
+            self._total -= len(idle)
+        for sb in idle:
+            sb.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class SandboxPool(WarmPool):
+    """One environment: `size` sandboxes at most, `warm` of them kept started ahead."""
+
+    _KEY = "default"
+
+    def __init__(self, kind: str, spec: SandboxSpec | None = None, size: int = 4, warm: int = 0,
+                 factory: Factory | None = None, **options):
+        super().__init__(size)
+        if not 0 <= warm <= size:
+            raise ValueError("warm must be between 0 and the pool size")
+        self.size = size
+        self.warm = warm
+        self._factory = factory or (lambda: make_sandbox(kind, spec, **options))
+        for _ in range(warm):
+            self.prewarm(self._KEY, self._factory)
+
+    def acquire(self, timeout: float | None = None) -> Sandbox:  # type: ignore[override]
+        return super().acquire(self._KEY, self._factory, timeout)
+
+    def _released(self) -> None:
+        with self._cond:
+            short = self.warm - len(self._idle.get(self._KEY, []))
+        for _ in range(max(0, short)):
+            self.prewarm(self._KEY, self._factory)
 
     @contextmanager
     def lease(self, timeout: float | None = None) -> Iterator[Sandbox]:
@@ -123,22 +203,3 @@ class SandboxPool:
             yield sb
         finally:
             self.release(sb)
-
-    def close(self) -> None:
-        """Destroy the idle sandboxes; ones still in use are closed by their release."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        for t in self._warmers:
-            t.join(timeout=120)
-        with self._cond:
-            idle, self._idle = self._idle, []
-            self._total -= len(idle)
-        for sb in idle:
-            sb.close()
-
-    def __enter__(self) -> SandboxPool:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
