@@ -36,16 +36,20 @@ def _started(factory: Factory) -> Sandbox:
 class WarmPool:
     """At most `capacity` sandboxes alive (idle, in use or starting), over any keys."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, close_in_background: bool = True):
         if capacity < 1:
             raise ValueError("pool size must be at least 1")
         self.capacity = capacity
+        self.close_in_background = close_in_background
         self._cond = threading.Condition()
         self._idle: dict[Hashable, list[Sandbox]] = {}
+        self._starting: dict[Hashable, int] = {}  # warm starts under way, per key
+        self._waiters: dict[Hashable, int] = {}  # acquires waiting for those, per key
         self._in_use: set[int] = set()
         self._total = 0
         self._closed = False
         self._warmers: list[threading.Thread] = []
+        self._closers: list[threading.Thread] = []
         self.warm_hits = 0
         self.cold_starts = 0
         self.warm_failures = 0
@@ -59,6 +63,7 @@ class WarmPool:
             if self._closed or self._total >= self.capacity:
                 return False
             self._total += 1
+            self._starting[key] = self._starting.get(key, 0) + 1
 
         def work() -> None:
             try:
@@ -68,10 +73,12 @@ class WarmPool:
                 # reports the failure as its own infrastructure error).
                 with self._cond:
                     self._total -= 1
+                    self._starting[key] -= 1
                     self.warm_failures += 1
                     self._cond.notify_all()
                 return
             with self._cond:
+                self._starting[key] -= 1
                 keep = not self._closed
                 if keep:
                     self._idle.setdefault(key, []).append(sb)
@@ -96,8 +103,9 @@ class WarmPool:
         return None
 
     def acquire(self, key: Hashable, factory: Factory, timeout: float | None = None) -> Sandbox:
-        """A started sandbox for `key`: a warm one if there is one, else a new one; blocks
-        while `capacity` sandboxes exist and none of them is idle."""
+        """A started sandbox for `key`: a warm one if there is one or one is starting (it is
+        waited for), else a new one; blocks while `capacity` sandboxes exist and none of
+        them is idle."""
         deadline = None if timeout is None else time.monotonic() + timeout
         evicted: Sandbox | None = None
         with self._cond:
@@ -109,15 +117,23 @@ class WarmPool:
                     self._in_use.add(id(sb))
                     self.warm_hits += 1
                     return sb
+                wait = None if deadline is None else deadline - time.monotonic()
+                if wait is not None and wait <= 0:
+                    raise SandboxError(f"no free sandbox after {timeout} s (pool size {self.capacity})")
+                if self._starting.get(key, 0) > self._waiters.get(key, 0):
+                    # One is starting for this key: waiting for it beats starting another.
+                    self._waiters[key] = self._waiters.get(key, 0) + 1
+                    try:
+                        self._cond.wait(wait)
+                    finally:
+                        self._waiters[key] -= 1
+                    continue
                 if self._total >= self.capacity:
                     evicted = self._evict_locked(key)
                 if self._total < self.capacity:
                     self._total += 1
                     self.cold_starts += 1
                     break
-                wait = None if deadline is None else deadline - time.monotonic()
-                if wait is not None and wait <= 0:
-                    raise SandboxError(f"no free sandbox after {timeout} s (pool size {self.capacity})")
                 self._cond.wait(wait)
         if evicted is not None:
             evicted.close()
@@ -133,18 +149,30 @@ class WarmPool:
         return sb
 
     def release(self, sb: Sandbox) -> None:
-        """Destroy a sandbox handed out by `acquire` and free its slot."""
+        """Destroy a sandbox handed out by `acquire` (with `close_in_background`, in a
+        thread: the caller's next episode need not wait for a container to be removed);
+        its slot is free once it is gone."""
         with self._cond:
             if id(sb) not in self._in_use:
                 return
             self._in_use.discard(id(sb))
-        try:
-            sb.close()
-        finally:
-            with self._cond:
-                self._total -= 1
-                self._cond.notify_all()
-            self._released()
+
+        def work() -> None:
+            try:
+                sb.close()
+            finally:
+                with self._cond:
+                    self._total -= 1
+                    self._cond.notify_all()
+                self._released()
+
+        if not self.close_in_background:
+            work()
+            return
+        t = threading.Thread(target=work, daemon=True, name="tmax-pool-close")
+        with self._cond:
+            self._closers = [c for c in self._closers if c.is_alive()] + [t]
+        t.start()
 
     def _released(self) -> None:
         """Hook for subclasses that refill after a release."""
@@ -154,8 +182,8 @@ class WarmPool:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-            warmers = list(self._warmers)
-        for t in warmers:
+            threads = list(self._warmers) + list(self._closers)
+        for t in threads:
             t.join(timeout=120)
         with self._cond:
             idle = [sb for sbs in self._idle.values() for sb in sbs]
@@ -178,7 +206,7 @@ class SandboxPool(WarmPool):
 
     def __init__(self, kind: str, spec: SandboxSpec | None = None, size: int = 4, warm: int = 0,
                  factory: Factory | None = None, **options):
-        super().__init__(size)
+        super().__init__(size, close_in_background=False)
         if not 0 <= warm <= size:
             raise ValueError("warm must be between 0 and the pool size")
         self.size = size

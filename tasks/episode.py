@@ -193,23 +193,30 @@ class PreparedTasks:
 
 
 def prepare_environments(task_dirs: list[str], settings: EnvSettings,
-                         progress: Callable[[int, int, str, str | None], None] | None = None) -> PreparedTasks:
+                         progress: Callable[[int, int, str, str | None], None] | None = None,
+                         workers: int = 4) -> PreparedTasks:
     """Resolve every task's environment before a run: build (or find in the content-hash
-    cache) each image, or check each task runs on the host kind. A task that does not
-    load or whose environment fails is dropped with its reason; nothing raises.
-    `progress(done, total, task_dir, error)` is called after each task."""
-    images: dict[str, TaskImage | None] = {}
-    dropped: dict[str, str] = {}
-    for i, d in enumerate(task_dirs):
-        err = None
+    cache) each image, `workers` at a time, or check each task runs on the host kind. A
+    task that does not load or whose environment fails is dropped with its reason;
+    nothing raises. `progress(done, total, task_dir, error)` is called after each task."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    def one(d: str) -> tuple[TaskImage | None, str | None]:
         try:
-            images[d] = resolve_environment(Task.load(d), settings)
+            return resolve_environment(Task.load(d), settings), None
         except ENVIRONMENT_ERRORS as e:
-            err = str(e)
+            return None, str(e)
         except Exception as e:  # a task that does not load: a data problem
-            err = f"{type(e).__name__}: {e}"
-        if err is not None:
-            dropped[d] = err
-        if progress:
-            progress(i + 1, len(task_dirs), d, err)
-    return PreparedTasks(images, dropped)
+            return None, f"{type(e).__name__}: {e}"
+
+    results: dict[str, tuple[TaskImage | None, str | None]] = {}
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="tmax-env") as ex:
+        futures = {ex.submit(one, d): d for d in task_dirs}
+        for i, fut in enumerate(as_completed(futures)):
+            d = futures[fut]
+            results[d] = fut.result()
+            if progress:
+                progress(i + 1, len(task_dirs), d, results[d][1])
+    images = {d: results[d][0] for d in task_dirs if results[d][1] is None}
+    dropped = {d: results[d][1] for d in task_dirs if results[d][1] is not None}
+    return PreparedTasks(images, dropped)  # type: ignore[arg-type]
