@@ -168,3 +168,16 @@ def test_tests_are_not_visible_before_submit(nano):
                     _cfg(max_tool_calls=2))
     obs = tok.decode([i for i, m in zip(r.ids, r.mask) if m == 0])
     assert "No such file or directory" in obs and "expected.txt" not in obs
+
+
+def test_infra_errors_are_counted_by_kind():
+    from training.rollout import InfraCounts
+
+    counts = InfraCounts()
+    counts.add("sandbox_died", "/t/a", "container exited")
+    counts.add("sandbox_died", "/t/b", "container exited")
+    counts.add("verifier_no_reward", "/t/a", "no reward.txt")
+    assert counts.metrics() == {"env/infra_errors": 3.0, "env/infra_errors/sandbox_died": 2.0,
+                                "env/infra_errors/verifier_no_reward": 1.0}
+    with pytest.raises(ValueError, match="kind"):
+        InfraError("flaky", "not a kind the metrics know")
