@@ -115,11 +115,10 @@ def learn(
         raise typer.Exit(2)
     run_dir = _out(cfg, out)
     try:
-        from training.recipe import prepare_recipe_tasks
+        from training.orchestrator import train
+        from training.recipe import build_stage, prepare_recipe_tasks, sft_stage
 
         if cfg.model.build_nano or cfg.tasks.generate_nano:
-            from training.recipe import build_stage, sft_stage
-
             model_dir, train_dir, held_dir = build_stage(cfg, run_dir, cfg.algo.seed, _echo)
             # Every train and held-out task's environment (image) before the first step.
             prepared = prepare_recipe_tasks(cfg, train_dir, held_dir, run_dir, _echo)
@@ -130,8 +129,6 @@ def learn(
                 raise ValueError("the config needs model.path and tasks.train (or the nano build flags)")
             start, train_dir, rl_dir = cfg.model.path, cfg.tasks.train, run_dir
             prepared = prepare_recipe_tasks(cfg, train_dir, cfg.tasks.heldout, Path(rl_dir), _echo)
-        from training.orchestrator import train
-
         if plan is None:
             res = train(cfg, start, train_dir, rl_dir, resume=resume, progress=not no_progress, prepared=prepared)
         else:
