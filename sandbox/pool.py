@@ -45,7 +45,7 @@ class WarmPool:
         self._idle: dict[Hashable, list[Sandbox]] = {}
         self._starting: dict[Hashable, int] = {}  # warm starts under way, per key
         self._waiters: dict[Hashable, int] = {}  # acquires waiting for those, per key
-        self._in_use: set[int] = set()
+        self._in_use: dict[int, Sandbox] = {}
         self._total = 0
         self._closed = False
         self._warmers: list[threading.Thread] = []
@@ -114,7 +114,7 @@ class WarmPool:
                     raise SandboxError("sandbox pool is closed")
                 if self._idle.get(key):
                     sb = self._idle[key].pop(0)
-                    self._in_use.add(id(sb))
+                    self._in_use[id(sb)] = sb
                     self.warm_hits += 1
                     return sb
                 wait = None if deadline is None else deadline - time.monotonic()
@@ -145,7 +145,7 @@ class WarmPool:
                 self._cond.notify_all()
             raise
         with self._cond:
-            self._in_use.add(id(sb))
+            self._in_use[id(sb)] = sb
         return sb
 
     def release(self, sb: Sandbox) -> None:
@@ -155,7 +155,7 @@ class WarmPool:
         with self._cond:
             if id(sb) not in self._in_use:
                 return
-            self._in_use.discard(id(sb))
+            del self._in_use[id(sb)]
 
         def work() -> None:
             try:
@@ -177,8 +177,10 @@ class WarmPool:
     def _released(self) -> None:
         """Hook for subclasses that refill after a release."""
 
-    def close(self) -> None:
-        """Destroy the idle sandboxes; ones still in use are closed by their release."""
+    def close(self, in_use: bool = False) -> None:
+        """Destroy the idle sandboxes; ones still in use are closed by their release, or
+        now with `in_use` (a worker shutting down: its episodes end as infra errors rather
+        than leave containers behind)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -189,8 +191,12 @@ class WarmPool:
             idle = [sb for sbs in self._idle.values() for sb in sbs]
             self._idle = {}
             self._total -= len(idle)
-        for sb in idle:
-            sb.close()
+            busy = list(self._in_use.values()) if in_use else []
+        for sb in idle + busy:
+            try:
+                sb.close()
+            except Exception:
+                pass
 
     def __enter__(self):
         return self

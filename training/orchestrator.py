@@ -220,7 +220,7 @@ def _actor_classes():
 
         def close(self) -> None:
             if self.pool is not None:
-                self.pool.close()
+                self.pool.close(in_use=True)
 
     return LearnerActor, EngineActor, RolloutWorker
 
