@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sandbox.base import Sandbox, SandboxSpec
+from sandbox.base import Sandbox, SandboxError, SandboxSpec
 from tasks.hostenv import HOST_KINDS, HostEnv, HostEnvError, check_dockerfile
 from tasks.hostenv import prepare as prepare_host
 from tasks.images import ImageBuildError, TaskImage, ensure_image
@@ -115,6 +115,9 @@ class Episode:
                 self.image = ensure_image(self.task, self.settings.rewrite, use_prebuilt=self.settings.use_prebuilt,
                                           cancel=self.cancel)
             self.workdir = self.image.workdir
+        if self.cancel is not None and self.cancel.is_set():
+            # Interrupted during the build: start no container the interrupt can no longer see.
+            raise SandboxError("cancelled before the sandbox started")
         spec = self.spec()
         if self.pool is not None and not self.host_kind:
             spec.name = None  # pooled containers name themselves: they are started ahead
