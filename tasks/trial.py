@@ -1,6 +1,6 @@
-"""One trial: image -> container -> agent -> verifier -> outcome, in a Harbor trial dir.
-On the host sandboxes (bwrap, local) a fresh workspace stands in for the image
-(`tasks.hostenv`) and the verifier runs from a per-trial copy of tests/.
+"""One trial: an episode (`tasks.episode`: image -> container -> agent -> verifier) and
+its outcome, in a Harbor trial dir. On the host sandboxes (bwrap, local) a fresh
+workspace stands in for the image and the verifier runs from a per-trial copy of tests/.
 
     <trial>/config.json           what was run (written first)
     <trial>/result.json           reward, timings, exception info (written last, atomically)
@@ -25,15 +25,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from sandbox.base import SandboxError, SandboxSpec
-from tasks.hostenv import HOST_KINDS, HostEnv, HostEnvError
-from tasks.hostenv import prepare as prepare_host
-from tasks.images import ImageBuildError, TaskImage, ensure_image
+from sandbox.base import SandboxError
+from tasks.episode import ENVIRONMENT_ERRORS, EnvSettings, Episode, episode_name
 from tasks.model import Task
 from tasks.offline import RewriteConfig
 from tasks.runners import TrialAgent
 from tasks.scoring import SUCCESS
-from tasks.verifier import run_host_verifier, run_verifier
 
 CANCELLED = "cancelled"
 TRIAL_LABEL = "io.tmax.trial"
@@ -99,8 +96,6 @@ def _exception(kind: str, message: str, tb: str | None = None) -> dict:
 
 def run_trial(plan: TrialPlan, env: TrialEnv) -> dict:
     """Run one trial to its end and return result.json's content (also written to disk)."""
-    from sandbox import make_sandbox  # the factory lives in the sandbox package
-
     task = plan.task
     plan.trial_dir.mkdir(parents=True, exist_ok=True)
     write_json(plan.trial_dir / "config.json", plan.config)
@@ -112,34 +107,19 @@ def run_trial(plan: TrialPlan, env: TrialEnv) -> dict:
     agent_run = None
     verifier_status = None
     verifier_s = None
-    image: TaskImage | None = None
-    host: HostEnv | None = None
-    sandbox = None
+    settings = EnvSettings(env.sandbox_kind, env.rewrite, env.use_prebuilt, env.override_cpus,
+                           env.override_memory_mb)
+    labels = {JOB_LABEL: plan.job_name, TRIAL_LABEL: plan.trial_name}
+    on_sandbox = (lambda sb: env.on_sandbox(plan.trial_name, sb)) if env.on_sandbox else None
+    episode = Episode(task, settings, name=episode_name(plan.trial_name), labels=labels, on_sandbox=on_sandbox,
+                      cancel=env.cancel)
     mult = env.timeout_multiplier
-    ecfg = task.config.environment
     try:
         with _Phase(times, "environment_setup"):
-            labels = {JOB_LABEL: plan.job_name, TRIAL_LABEL: plan.trial_name}
-            name = f"tmax-{plan.trial_name}".replace("__", "-").lower()[:60] + "-" + uuid.uuid4().hex[:6]
-            if env.sandbox_kind in HOST_KINDS:
-                # The host stands in for the base image: a fresh workspace, no image build.
-                host = prepare_host(task, env.sandbox_kind)
-                workdir = host.workdir
-                spec = host.spec(network=ecfg.allow_internet, name=name, labels=labels)
-            else:
-                image = ensure_image(task, env.rewrite, use_prebuilt=env.use_prebuilt, cancel=env.cancel)
-                workdir = image.workdir
-                spec = SandboxSpec(
-                    image=image.tag, workdir=image.workdir, network=ecfg.allow_internet,
-                    cpus=env.override_cpus or ecfg.cpus, memory_mb=env.override_memory_mb or ecfg.memory_mb,
-                    env=dict(env.rewrite.ca_env), mounts=list(env.rewrite.ca_mount), labels=labels, name=name,
-                )
             if env.cancel.is_set():
                 raise _Cancelled()
-            sandbox = make_sandbox(env.sandbox_kind, spec)
-            if env.on_sandbox:
-                env.on_sandbox(plan.trial_name, sandbox)
-            sandbox.start()
+            sandbox = episode.open()
+            workdir = episode.workdir
         if env.cancel.is_set():
             raise _Cancelled()
         with _Phase(times, "agent_execution"):
@@ -154,8 +134,7 @@ def run_trial(plan: TrialPlan, env: TrialEnv) -> dict:
             exc = _exception("AgentError", agent_run.error)
         # As in Harbor, the verifier runs even after an agent timeout.
         with _Phase(times, "verifier"):
-            verify = run_host_verifier if host is not None else run_verifier
-            vr = verify(sandbox, task, workdir, plan.trial_dir / "verifier", task.config.verifier.timeout_sec * mult)
+            vr = episode.verify(plan.trial_dir / "verifier", task.config.verifier.timeout_sec * mult)
         if env.cancel.is_set():
             raise _Cancelled()
         verifier_status = vr.status
@@ -175,7 +154,7 @@ def run_trial(plan: TrialPlan, env: TrialEnv) -> dict:
             outcome = "pass" if reward is not None and reward >= SUCCESS else "fail"
     except _Cancelled:
         outcome, exc = CANCELLED, _exception("CancelledError", "the job was interrupted")
-    except (ImageBuildError, HostEnvError, SandboxError, OSError) as e:
+    except (*ENVIRONMENT_ERRORS, SandboxError, OSError) as e:
         if env.cancel.is_set():
             outcome, exc = CANCELLED, _exception("CancelledError", "the job was interrupted")
         else:
@@ -188,15 +167,8 @@ def run_trial(plan: TrialPlan, env: TrialEnv) -> dict:
             outcome = "infra_error"
             exc = _exception(type(e).__name__, f"internal error: {e}", traceback.format_exc())
     finally:
-        if sandbox is not None:
-            try:
-                sandbox.close()
-            except Exception:
-                pass
-            if env.on_sandbox:
-                env.on_sandbox(plan.trial_name, None)
-        if host is not None:
-            host.close()
+        image = episode.image
+        episode.close()
     if outcome != "pass" and outcome != "fail" and outcome not in ("agent_timeout", "verifier_error"):
         reward = None  # infra errors and cancellations carry no reward
     if exc and exc.get("exception_traceback"):

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from agents.prompts import SUBMIT_COMMAND
+from tasks.hostenv import check_dockerfile, populate
+from tasks.model import Task
 from training.nano import tasks as T
 
 N_TRAIN, N_HELDOUT = 60, 30
@@ -107,7 +109,8 @@ def _verify(task_dir: Path, work: Path, logs: Path) -> tuple[float | None, str]:
 def _fresh(task_dir: Path, root: Path) -> tuple[Path, Path]:
     work, logs = root / "work", root / "logs"
     work.mkdir(parents=True)
-    T.seed_workdir(task_dir, work)
+    task = Task.load(task_dir)
+    populate(task, check_dockerfile(task), work)  # what the image's COPY does, on the host
     return work, logs
 
 

@@ -151,3 +151,14 @@ def test_ctrl_c_saves_a_checkpoint_to_resume_from(tmp_path):
     res = train(cfg, str(tmp_path / "base"), str(tmp_path / "tasks" / "train"), run, resume=True, progress=False)
     assert res.steps == 3
     shutil.rmtree(run, ignore_errors=True)
+
+
+def test_podman_preset_and_cli_sandbox_override():
+    from tmax_cli.learn_cmd import _config
+
+    pod = preset("nano-podman")
+    assert (pod.rollout.sandbox, pod.eval.sandbox, pod.rollout.pool_size) == ("podman", "podman", 2)
+    assert pod.algo == preset("nano").algo  # only where episodes run differs
+    cfg = _config(Path("nano-podman"), None, None, "bwrap", ["ubuntu:24.04=localhost/u:24.04"])
+    assert (cfg.rollout.sandbox, cfg.eval.sandbox) == ("bwrap", "bwrap")
+    assert cfg.rollout.image_map == ["ubuntu:24.04=localhost/u:24.04"]

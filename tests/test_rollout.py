@@ -6,7 +6,6 @@ budgets and terminations can be checked exactly; the model is irrelevant here.""
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -38,13 +37,6 @@ def _cfg(kind="local", **rollout):
     return cfg.rollout
 
 
-def _scratch(root: Path) -> Path:
-    # Outside /tmp: the bwrap jail has a private /tmp.
-    p = Path.cwd() / "runs" / "test-rollout-scratch" / root.name
-    p.mkdir(parents=True, exist_ok=True)
-    return p.resolve()
-
-
 def _oracle_turns(tok, task_dir):
     from training.nano.tasks import oracle_steps
 
@@ -68,7 +60,7 @@ def test_oracle_episode_tokens_align_and_score(nano, kind):
     tok, splits, root = nano
     task = splits["train"][1]
     turns = _oracle_turns(tok, task)
-    r = run_episode(EpisodeRequest(str(task), 0, 0, 7), ScriptedSampler(turns), tok, _cfg(kind), scratch=_scratch(root))
+    r = run_episode(EpisodeRequest(str(task), 0, 0, 7), ScriptedSampler(turns), tok, _cfg(kind))
     assert r.status == "submitted" and r.submitted and r.reward == 1.0
     assert len(r.ids) == len(r.logprobs) == len(r.mask)
     # Sampled spans are exactly the scripted turns, in order; everything between is mask 0
@@ -91,18 +83,15 @@ def test_context_matches_full_rerender(nano):
     from agents.loop import Agent, AgentConfig
     from agents.token_policy import TokenPolicy
     from agents.tools import TOOLS
-    from training.rollout import open_sandbox
+    from tasks.episode import EnvSettings, Episode
     from tasks.model import Task
 
     tok, splits, root = nano
     task_dir = splits["train"][2]
     task = Task.load(task_dir)
-    ep = open_sandbox(task, "local", _scratch(root))
-    try:
+    with Episode(task, EnvSettings("local")) as ep:
         policy = TokenPolicy(ScriptedSampler(_oracle_turns(tok, task_dir)), tok, temperature=1.0, top_p=1.0)
-        res = Agent(policy, ep.sandbox, AgentConfig(max_steps=4, max_format_errors=1)).run(task.instruction)
-    finally:
-        ep.close()
+        res = Agent(policy, ep.open(), AgentConfig(max_steps=4, max_format_errors=1)).run(task.instruction)
     assert res.status == "submitted"
     # The trace stops at the last sampled token (the submit turn's end of turn); the
     # re-render of the conversation up to that turn adds only the template's newline.
@@ -118,8 +107,7 @@ def test_context_matches_full_rerender(nano):
 def test_format_error_ends_episode_without_verifier(nano):
     tok, splits, root = nano
     bad = tok.encode("I will not call a tool.<|im_end|>", add_special_tokens=False)
-    r = run_episode(EpisodeRequest(str(splits["train"][0]), 0, 0, 1), ScriptedSampler([bad]), tok, _cfg(),
-                    scratch=_scratch(root))
+    r = run_episode(EpisodeRequest(str(splits["train"][0]), 0, 0, 1), ScriptedSampler([bad]), tok, _cfg())
     assert r.status == "format_errors" and r.reward == 0.0 and not r.submitted
     assert r.verifier is None and r.steps == 1
     assert r.mask == [1] * len(bad)
@@ -129,7 +117,7 @@ def test_tool_call_budget_ends_episode_with_zero_reward(nano):
     tok, splits, root = nano
     turn = assistant_ids(tok, "THOUGHT: look.", "ls")
     r = run_episode(EpisodeRequest(str(splits["train"][0]), 0, 0, 1), ScriptedSampler([turn] * 10), tok,
-                    _cfg(max_tool_calls=3), scratch=_scratch(root))
+                    _cfg(max_tool_calls=3))
     assert r.status == "max_steps" and r.steps == 3 and r.reward == 0.0
     assert sum(1 for v, _, _ in _spans(r.mask) if v == 1) == 3
 
@@ -139,8 +127,7 @@ def test_response_budget_counts_tool_tokens_and_keeps_overlong_negative(nano):
     turn = assistant_ids(tok, "THOUGHT: print a lot.", "seq 1 200")
     budget = len(turn) * 2 + 20  # two turns fit, the long observation does not
     r = run_episode(EpisodeRequest(str(splits["train"][0]), 0, 0, 1), ScriptedSampler([turn] * 10), tok,
-                    _cfg(response_budget=budget, per_turn_max_tokens=len(turn), max_tool_calls=8),
-                    scratch=_scratch(root))
+                    _cfg(response_budget=budget, per_turn_max_tokens=len(turn), max_tool_calls=8))
     assert r.status == "context_overflow" and r.truncated and r.reward == 0.0
     assert len(r.ids) <= budget
 
@@ -148,8 +135,7 @@ def test_response_budget_counts_tool_tokens_and_keeps_overlong_negative(nano):
 def test_submit_without_solving_scores_zero(nano):
     tok, splits, root = nano
     turn = assistant_ids(tok, "THOUGHT: done.", SUBMIT_COMMAND)
-    r = run_episode(EpisodeRequest(str(splits["train"][0]), 0, 0, 1), ScriptedSampler([turn]), tok, _cfg(),
-                    scratch=_scratch(root))
+    r = run_episode(EpisodeRequest(str(splits["train"][0]), 0, 0, 1), ScriptedSampler([turn]), tok, _cfg())
     assert r.submitted and r.reward == 0.0 and r.verifier["status"] == "ok"
 
 
@@ -159,21 +145,39 @@ def test_broken_verifier_is_infrastructure_not_reward_zero(nano, tmp_path):
     shutil.copytree(splits["train"][0], task)
     (task / "tests" / "test.sh").write_text("#!/bin/bash\nexit 3\n")  # writes no reward
     turns = _oracle_turns(tok, splits["train"][0])
-    with pytest.raises(InfraError, match="no reward"):
-        run_episode(EpisodeRequest(str(task), 0, 0, 1), ScriptedSampler(turns), tok, _cfg(), scratch=_scratch(root))
+    with pytest.raises(InfraError, match="reward") as e:
+        run_episode(EpisodeRequest(str(task), 0, 0, 1), ScriptedSampler(turns), tok, _cfg())
+    assert e.value.kind == "verifier_no_reward"
 
 
-def test_sandbox_that_cannot_start_is_infrastructure(nano):
+def test_environment_that_cannot_be_made_is_infrastructure(nano, tmp_path):
     tok, splits, root = nano
-    with pytest.raises(InfraError, match="sandbox"):
-        run_episode(EpisodeRequest(str(splits["train"][0]), 0, 0, 1), ScriptedSampler([]), tok, _cfg("podman"),
-                    scratch=_scratch(root), image=None)
+    task = tmp_path / "needs-podman"
+    shutil.copytree(splits["train"][0], task)
+    with open(task / "environment" / "Dockerfile", "a") as f:
+        f.write("RUN apt-get install -y cowsay\n")  # the host cannot stand in for this image
+    with pytest.raises(InfraError, match="needs podman") as e:
+        run_episode(EpisodeRequest(str(task), 0, 0, 1), ScriptedSampler([]), tok, _cfg())
+    assert e.value.kind == "environment"
 
 
 def test_tests_are_not_visible_before_submit(nano):
     tok, splits, root = nano
     look = assistant_ids(tok, "THOUGHT: peek.", "ls -a .. ; ls ../tests")
     r = run_episode(EpisodeRequest(str(splits["train"][0]), 0, 0, 1), ScriptedSampler([look, look]), tok,
-                    _cfg(max_tool_calls=2), scratch=_scratch(root))
+                    _cfg(max_tool_calls=2))
     obs = tok.decode([i for i, m in zip(r.ids, r.mask) if m == 0])
     assert "No such file or directory" in obs and "expected.txt" not in obs
+
+
+def test_infra_errors_are_counted_by_kind():
+    from training.rollout import InfraCounts
+
+    counts = InfraCounts()
+    counts.add("sandbox_died", "/t/a", "container exited")
+    counts.add("sandbox_died", "/t/b", "container exited")
+    counts.add("verifier_no_reward", "/t/a", "no reward.txt")
+    assert counts.metrics() == {"env/infra_errors": 3.0, "env/infra_errors/sandbox_died": 2.0,
+                                "env/infra_errors/verifier_no_reward": 1.0}
+    with pytest.raises(ValueError, match="kind"):
+        InfraError("flaky", "not a kind the metrics know")

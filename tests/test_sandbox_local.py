@@ -86,3 +86,30 @@ def test_pool_bounds_and_fresh_sandboxes(tmp_path):
             assert d.run("echo hi").output == "hi\n"
     with pytest.raises(ValueError):
         SandboxPool("local", size=0)
+
+
+def test_warm_pool_serves_keys_evicts_idle_and_never_reuses(tmp_path):
+    import time
+
+    from sandbox import make_sandbox
+    from sandbox.pool import WarmPool
+
+    def factory():
+        return make_sandbox("local", SandboxSpec(workdir=str(tmp_path)))
+
+    with WarmPool(2) as pool:
+        assert pool.prewarm("a", factory) and pool.prewarm("b", factory)
+        assert not pool.prewarm("c", factory)  # full: two alive
+        a = pool.acquire("a", factory, timeout=10)  # waits for the one starting for "a"
+        assert pool.warm_hits == 1 and pool.cold_starts == 0
+        deadline = time.monotonic() + 10
+        while not pool._idle.get("b") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        c = pool.acquire("c", factory, timeout=10)  # no room: the idle "b" is evicted
+        assert pool.cold_starts == 1 and not pool._idle.get("b")
+        a.run("export LEAK=1")
+        pool.release(a)
+        a2 = pool.acquire("a", factory, timeout=10)
+        assert a2 is not a and a2.run("echo ${LEAK:-clean}").output == "clean\n"
+        pool.release(a2)
+        pool.release(c)

@@ -24,12 +24,6 @@ def nano(tmp_path_factory):
     return AutoTokenizer.from_pretrained(root / "base"), splits, root
 
 
-def _scratch(root: Path) -> Path:
-    p = Path.cwd() / "runs" / "test-sft-scratch" / root.name
-    p.mkdir(parents=True, exist_ok=True)
-    return p.resolve()
-
-
 def test_assistant_turn_is_the_template_rendering(nano):
     tok, _, _ = nano
     ids = assistant_ids(tok, "THOUGHT: Sort the lines.", "sort a.txt > b.txt")
@@ -52,7 +46,7 @@ def test_demos_pass_their_verifier_and_sft_learns(nano):
     cfg.sft.batch_size = 4
     cfg.sft.epochs = 6.0
     cfg.sft.lr = 3e-3
-    demos = collect_demos([str(p) for p in splits["train"]], tok, cfg, _scratch(root))
+    demos = collect_demos([str(p) for p in splits["train"]], tok, cfg)
     assert len(demos) == 6 and all(d.reward == 1.0 and d.status == "submitted" for d in demos)
     # Assistant tokens only: the loss mask covers the sampled turns, not the observations.
     for d in demos:
@@ -83,8 +77,8 @@ def test_teacher_demos_keep_their_failures_and_are_seeded(nano):
     cfg = preset("nano")
     cfg.sft.teacher_accuracy = 0.5
     dirs = [str(p) for p in splits["train"]]
-    a = collect_demos(dirs, tok, cfg, _scratch(root))
-    b = collect_demos(dirs, tok, cfg, _scratch(root))
+    a = collect_demos(dirs, tok, cfg)
+    b = collect_demos(dirs, tok, cfg)
     assert [r.reward for r in a] == [r.reward for r in b] and [r.ids for r in a] == [r.ids for r in b]
     assert {r.reward for r in a} == {0.0, 1.0}, [r.reward for r in a]  # seed 0 draws both with 6 tasks
     assert all(r.status == "submitted" for r in a)

@@ -24,15 +24,23 @@ learn_app = typer.Typer(
 )
 
 
-def _config(config: Optional[Path], steps: Optional[int], seed: Optional[int]):
-    from training.config import ConfigError, load_config, preset
+def _config(config: Optional[Path], steps: Optional[int], seed: Optional[int], sandbox: Optional[str] = None,
+            image_map: Optional[list[str]] = None):
+    from training.config import PRESETS, ConfigError, load_config, preset
 
     over: dict = {}
     if steps is not None:
         over.setdefault("algo", {})["steps"] = steps
     if seed is not None:
         over.setdefault("algo", {})["seed"] = seed
+    if sandbox is not None:  # where every episode runs: rollouts, demonstrations, held-out evals
+        over.setdefault("rollout", {})["sandbox"] = sandbox
+        over.setdefault("eval", {})["sandbox"] = sandbox
+    if image_map:
+        over.setdefault("rollout", {})["image_map"] = list(image_map)
     try:
+        if config is not None and not config.exists() and str(config) in PRESETS:
+            return preset(str(config), over)
         return load_config(config, over) if config else preset("nano", over)
     except ConfigError as e:
         typer.secho(str(e), fg=typer.colors.RED, err=True)
@@ -57,7 +65,12 @@ def _fail(e: Exception) -> None:
 @learn_app.callback()
 def learn(
     ctx: typer.Context,
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML run config (default: the nano preset)."),
+    config: Optional[Path] = typer.Option(
+        None, "--config", "-c", help="TOML run config or a preset name: nano (default), nano-podman, tmax-9b."),
+    sandbox: Optional[str] = typer.Option(
+        None, "--sandbox", "-e", help="Run every episode (rollouts, demos, held-out evals) in local, bwrap or podman."),
+    image_map: Optional[list[str]] = typer.Option(
+        None, "--image-map", help="FROM=TO base-image rewrite for building task images offline (repeatable)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Run directory (default: run.out_dir of the config)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the run's latest checkpoint."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Override algo.steps."),
@@ -80,10 +93,11 @@ def learn(
     runs_per_step: int = typer.Option(1, "--runs-per-step", min=1, help="With --from-runs: rated sessions added to each step."),
 ) -> None:
     """Run DPPO. With no config: the nano recipe's RL stage."""
-    ctx.obj = {"config": config, "out": out, "steps": steps, "seed": seed, "progress": not no_progress}
+    ctx.obj = {"config": config, "out": out, "steps": steps, "seed": seed, "progress": not no_progress,
+               "sandbox": sandbox, "image_map": image_map}
     if ctx.invoked_subcommand is not None:
         return
-    cfg = _config(config, steps, seed)
+    cfg = _config(config, steps, seed, sandbox, image_map)
     rated = _rated(from_runs, runs_per_step, nodes) if from_runs is not None else None
     plan = None
     if nodes is not None:
@@ -105,22 +119,25 @@ def learn(
         raise typer.Exit(2)
     run_dir = _out(cfg, out)
     try:
-        if cfg.model.build_nano or cfg.tasks.generate_nano:
-            from training.recipe import build_stage, sft_stage
+        from training.orchestrator import train
+        from training.recipe import build_stage, prepare_recipe_tasks, sft_stage
 
-            model_dir, train_dir, _ = build_stage(cfg, run_dir, cfg.algo.seed, _echo)
+        if cfg.model.build_nano or cfg.tasks.generate_nano:
+            model_dir, train_dir, held_dir = build_stage(cfg, run_dir, cfg.algo.seed, _echo)
+            # Every train and held-out task's environment (image) before the first step.
+            prepared = prepare_recipe_tasks(cfg, train_dir, held_dir, run_dir, _echo)
             start = sft_stage(cfg, model_dir, train_dir, run_dir, _echo)["checkpoint"]
             rl_dir = run_dir / "rl"
         else:
             if not cfg.model.path or not cfg.tasks.train:
                 raise ValueError("the config needs model.path and tasks.train (or the nano build flags)")
             start, train_dir, rl_dir = cfg.model.path, cfg.tasks.train, run_dir
-        from training.orchestrator import train
-
+            prepared = prepare_recipe_tasks(cfg, train_dir, cfg.tasks.heldout, Path(rl_dir), _echo)
         if plan is None:
-            res = train(cfg, start, train_dir, rl_dir, resume=resume, progress=not no_progress, rated=rated)
+            res = train(cfg, start, train_dir, rl_dir, resume=resume, progress=not no_progress, prepared=prepared,
+                        rated=rated)
         else:
-            res = _placed_train(cfg, plan, address, start, train_dir, rl_dir, resume, not no_progress)
+            res = _placed_train(cfg, plan, address, start, train_dir, rl_dir, resume, not no_progress, prepared)
     except typer.Exit:
         raise
     except KeyboardInterrupt:
@@ -166,7 +183,7 @@ def _log_step(step: int, metrics: dict) -> None:
     _echo(f"step {step}: " + ", ".join(parts))
 
 
-def _placed_train(cfg, plan, address, start, train_dir, rl_dir, resume, progress):
+def _placed_train(cfg, plan, address, start, train_dir, rl_dir, resume, progress, prepared):
     """Join (or start) the cluster, check it holds the plan, reserve the placement groups,
     train, and give everything back whatever happens."""
     from training import cluster, placement
@@ -186,7 +203,7 @@ def _placed_train(cfg, plan, address, start, train_dir, rl_dir, resume, progress
         try:
             _echo(f"placement groups ready: learners on {pl.learner_nodes}, engines on {pl.engine_nodes}")
             res = train(cfg, start, train_dir, rl_dir, resume=resume, progress=progress, placement=pl,
-                        on_step=None if progress else _log_step)
+                        on_step=None if progress else _log_step, prepared=prepared)
         finally:
             pl.remove()
         where = Path(rl_dir) / "placement.json"
@@ -205,7 +222,7 @@ def sft(
 ) -> None:
     """SFT warm start on teacher trajectories played through the harness (sft.teacher_accuracy 1 = the oracle)."""
     o = ctx.obj or {}
-    cfg = _config(o.get("config"), o.get("steps"), o.get("seed"))
+    cfg = _config(o.get("config"), o.get("steps"), o.get("seed"), o.get("sandbox"), o.get("image_map"))
     run_dir = _out(cfg, o.get("out"))
     if from_runs is not None:
         _sft_from_runs(cfg, from_runs, run_dir)
@@ -240,7 +257,7 @@ def nano(
 ) -> None:
     """The whole nano recipe: build -> SFT -> held-out eval -> DPPO -> held-out eval."""
     o = ctx.obj or {}
-    cfg = _config(o.get("config"), o.get("steps"), o.get("seed"))
+    cfg = _config(o.get("config"), o.get("steps"), o.get("seed"), o.get("sandbox"), o.get("image_map"))
     run_dir = _out(cfg, o.get("out"))
     try:
         from training.recipe import run_recipe

@@ -1,10 +1,11 @@
-"""Run configuration for `tmax learn`: one pydantic model, TOML files, two presets.
+"""Run configuration for `tmax learn`: one pydantic model, TOML files, three presets.
 
-`nano` is the CPU recipe (tiny model, generated tasks, local sandboxes); `tmax-9b`
-is the paper's setting (reference tables: 8 prompts x 32 samples, 500 steps, delta 0.1,
-LR 1e-6, 65,536 / 16,384 tokens, 64 tool calls, temperature 1.0, async 4). Both ship
-as TOML under `training/configs/`; a user file is validated against the same model, so
-a typo in a key is an error rather than a silently ignored setting.
+`nano` is the CPU recipe (tiny model, generated tasks, local sandboxes), `nano-podman`
+the same with every episode in a podman container; `tmax-9b` is the paper's setting
+(reference tables: 8 prompts x 32 samples, 500 steps, delta 0.1, LR 1e-6, 65,536 /
+16,384 tokens, 64 tool calls, temperature 1.0, async 4). All ship as TOML under
+`training/configs/`; a user file is validated against the same model, so a typo in a
+key is an error rather than a silently ignored setting.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 CONFIG_DIR = Path(__file__).parent / "configs"
-PRESETS = ("nano", "tmax-9b")
+PRESETS = ("nano", "nano-podman", "tmax-9b")
 
 
 class _Strict(BaseModel):
@@ -58,6 +59,12 @@ class RolloutConfig(_Strict):
     # Opt-in budget hints (agents.budget) after each observation; off keeps Vanillux2 exact.
     budget_hints: bool = False
     sandbox: Literal["local", "bwrap", "podman"] = "podman"
+    # podman: `FROM=TO` base-image rewrites for building task images offline (as
+    # `tmax bench --image-map`), on top of the built-in map.
+    image_map: list[str] = Field(default_factory=list)
+    # podman: containers each rollout worker starts ahead of need, beyond its running
+    # episodes (a fresh one per episode, never reused; 0 = start each when it begins).
+    pool_size: int = Field(2, ge=0)
     # Infra failures are re-queued; an episode that keeps failing aborts the run.
     max_infra_retries: int = Field(3, ge=0)
     # The harness episodes run under (`agents.harnesses`); a list is rotated per group.

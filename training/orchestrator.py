@@ -30,11 +30,16 @@ from pathlib import Path
 from typing import Any
 
 from training.config import LearnConfig, dump_toml
-from training.rollout import EpisodeRequest, InfraError, Rollout, append_jsonl
+from training.rollout import (
+    EpisodeRequest, InfraCounts, InfraError, Rollout, append_jsonl, prepare_tasks, prewarm_queue,
+)
 
 # Every Ray process (driver, raylet, workers) must agree on these (cpu-feasibility §2).
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 ENV_METRIC = "env/tmax_bash/step_count"
+# Ray threads per rollout worker beyond its episode slots, so prewarm calls are not
+# queued behind running episodes.
+PREWARM_CALL_SLOTS = 2
 
 
 class ActorSampler:
@@ -172,31 +177,50 @@ def _actor_classes():
 
     @ray.remote
     class RolloutWorker:
-        """Runs episodes, `slots` at a time (Ray threads), each in its own fresh sandbox."""
+        """Runs episodes, `slots` at a time (Ray threads), each in its own fresh sandbox;
+        on podman from a warm pool of containers started ahead of need."""
 
-        def __init__(self, model_dir: str, rcfg: Any, sampler: Any, scratch: str, record_root: str | None):
+        def __init__(self, model_dir: str, rcfg: Any, sampler: Any, images: dict, record_root: str | None,
+                     slots: int = 1):
             from transformers import AutoTokenizer
+
+            from training.rollout import env_settings, worker_pool
 
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
             self.cfg = rcfg
             self.sampler = sampler
-            self.scratch = scratch
+            self.images = images  # task dir -> TaskImage, resolved before training
             self.record_root = record_root
-            Path(scratch).mkdir(parents=True, exist_ok=True)
+            self.settings = env_settings(rcfg)
+            self.pool = worker_pool(rcfg, slots)
 
         def node_id(self) -> str:
             return ray.get_runtime_context().get_node_id()
+
+        def prewarm(self, task_dir: str) -> bool:
+            from training.rollout import prewarm
+
+            return prewarm(self.pool, task_dir, self.settings, self.images.get(task_dir))
+
+        def pool_stats(self) -> dict:
+            p = self.pool
+            return {"warm_hits": p.warm_hits, "cold_starts": p.cold_starts} if p is not None else {}
 
         def run(self, req: EpisodeRequest, version: int) -> dict:
             from training.rollout import run_episode
 
             record = Path(self.record_root) / f"g{req.group_id}_s{req.sample_index}" if self.record_root else None
             try:
-                r = run_episode(req, self.sampler, self.tokenizer, self.cfg, scratch=self.scratch,
-                                record_dir=record, start_version=version)
+                r = run_episode(req, self.sampler, self.tokenizer, self.cfg, settings=self.settings,
+                                image=self.images.get(req.task_dir), pool=self.pool, record_dir=record,
+                                start_version=version)
             except InfraError as e:
-                return {"infra_error": str(e)}
+                return {"infra_error": str(e), "kind": e.kind}
             return {"rollout": r}
+
+        def close(self) -> None:
+            if self.pool is not None:
+                self.pool.close(in_use=True)
 
     return LearnerActor, EngineActor, RolloutWorker
 
@@ -309,6 +333,8 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
         "objective/verifiable_reward": sum(r.reward for r in rollouts) / n,
         "objective/verifiable_correct_rate": sum(1 for r in rollouts if r.reward >= 1.0) / n,
         "time/episode_mean_s": sum(r.timings.get("total_s", 0.0) for r in rollouts) / n,
+        "time/sandbox_start_mean_s": sum(r.timings.get("sandbox_start_s", 0.0) for r in rollouts) / n,
+        "env/warm_start_frac": sum(1 for r in rollouts if r.warm_start) / n,
     }
 
 
@@ -349,13 +375,15 @@ def train(
     on_step: Any = None,
     placement: Any = None,
     rated: Any = None,
+    prepared: Any = None,
 ) -> RunResult:
     """Run DPPO from `model_dir` (or, with `resume`, from the run's latest checkpoint).
 
     `engine_handle` reuses a running EngineActor (already serving `model_dir`);
     `keep_engine` leaves it running afterwards (the recipe evaluates on it).
     `placement` (a `training.placement.Placement`) spreads learner ranks, engines and
-    rollout workers over the cluster per its plan (`training.scaleout`).
+    rollout workers over the cluster per its plan (`training.scaleout`). `prepared`
+    (`training.rollout.PreparedTasks`) skips resolving the task environments again.
     `rated` (a `training.runs_data.RatedStream`) adds rated `tmax run` sessions to each step."""
     import ray
 
@@ -366,8 +394,12 @@ def train(
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(dump_toml(cfg))
-    tasks = list_task_dirs(train_tasks)
     a, rc = cfg.algo, cfg.run
+    # Every task's image is resolved (built) here, before the first step: the loop never builds.
+    if prepared is None:
+        prepared = prepare_tasks(cfg.rollout, list_task_dirs(train_tasks), run_dir / "train_tasks.json",
+                                 progress=progress)
+    tasks = prepared.runnable
 
     start_step, stream_pos, resume_from = 0, 0, None
     if resume:
@@ -388,16 +420,17 @@ def train(
     t_setup = time.monotonic()
     own_engine = engine_handle is None
     if placement is not None:
-        learner, engine, workers = _placed_actors(cfg, placement, model_dir, resume_from, run_dir, engine_handle)
+        learner, engine, workers = _placed_actors(cfg, placement, model_dir, resume_from, run_dir, engine_handle,
+                                                  prepared.images)
     else:
         learner = LearnerActor.options(num_cpus=min(1.0, cpus / 4)).remote(
             model_dir, learner_config(cfg), resume_from, rc.torch_threads)
         engine = engine_handle or start_engine(cfg, model_dir, run_dir)
         sampler = ActorSampler(engine)
-        scratch = run_dir.resolve() / "sandboxes"
         workers = [
-            RolloutWorker.options(num_cpus=min(0.5, cpus / (4 * rc.rollout_workers)), max_concurrency=rc.slots_per_worker)
-            .remote(model_dir, cfg.rollout, sampler, str(scratch / f"w{i}"), None)
+            RolloutWorker.options(num_cpus=min(0.5, cpus / (4 * rc.rollout_workers)),
+                                  max_concurrency=rc.slots_per_worker + PREWARM_CALL_SLOTS)
+            .remote(model_dir, cfg.rollout, sampler, prepared.images, None, rc.slots_per_worker)
             for i in range(rc.rollout_workers)
         ]
     sync = WeightSync(cfg, learner, engine)
@@ -420,6 +453,8 @@ def train(
     next_group = start_step * 100_000  # group ids stay unique across resumes
     since_step: list[Rollout] = []
     counters = {"episodes": 0, "requeued": 0}
+    infra = InfraCounts()
+    prewarmed: set[tuple] = set()
 
     def open_prompt() -> None:
         nonlocal next_group
@@ -462,6 +497,8 @@ def train(
                 w = workers[worker_i % len(workers)]
                 worker_i += 1
                 pending[w.run.remote(req, version)] = (req, version)
+            if cfg.rollout.pool_size and cfg.rollout.sandbox == "podman":
+                prewarm_queue(queue, workers, worker_i, cfg.rollout.pool_size, prewarmed)
             wait_on = list(pending) + ([train_ref] if train_ref is not None else [])
             done, _ = ray.wait(wait_on, num_returns=1, timeout=1.0)
             for ref in done:
@@ -471,9 +508,10 @@ def train(
                 try:
                     out = ray.get(ref)
                 except ray.exceptions.RayError as e:  # a dead worker: infrastructure
-                    out = {"infra_error": f"rollout worker failed: {e}"}
+                    out = {"infra_error": f"rollout worker failed: {e}", "kind": "worker"}
                 if "infra_error" in out:
                     counters["requeued"] += 1
+                    infra.add(out["kind"], req.task_dir, out["infra_error"])
                     if req.attempt >= cfg.rollout.max_infra_retries:
                         raise TrainingError(
                             f"episode {req.key} of {req.task_dir} failed {req.attempt + 1} times on "
@@ -540,6 +578,7 @@ def train(
                     "time/total": time.monotonic() - t_run,
                     "episode": float(counters["episodes"]),
                     "infra/requeued": float(counters["requeued"]),
+                    **infra.metrics(),
                     "training_step": float(step),
                 })
                 step_wall = max(1e-9, time.monotonic() - step_wall_start)
@@ -587,8 +626,7 @@ def train(
         sink.close()
         for ref in list(pending):
             ray.cancel(ref, force=False)
-        for w in workers:
-            ray.kill(w)
+        _close_workers(workers)
         if own_engine and not keep_engine:
             close_engine(engine)
             _kill(engine)
@@ -599,6 +637,8 @@ def train(
     final = ckpt.latest_checkpoint(run_dir)
     png = reward_curve(run_dir / "metrics.jsonl", run_dir / "reward_curve.png")
     summ = run_summary(run_dir / "metrics.jsonl", setup_s, time.monotonic() - t_run)
+    summ.update({"tasks_runnable": len(tasks), "tasks_dropped": len(prepared.dropped),
+                 "env/infra_errors": infra.total, "infra_errors_by_kind": dict(infra.by_kind)})
     (run_dir / "summary.json").write_text(json.dumps(summ, indent=2))
     return RunResult(str(run_dir), step, str(final) if final else None, str(run_dir / "metrics.jsonl"),
                      str(rollouts_path), png, summ)
@@ -657,13 +697,35 @@ class WeightSync:
 
 
 def _placed_actors(cfg: LearnConfig, placement: Any, model_dir: str, resume_from: str | None,
-                   run_dir: Path, engine_handle: Any) -> tuple[Any, Any, list]:
+                   run_dir: Path, engine_handle: Any, images: dict) -> tuple[Any, Any, list]:
     """Learner ranks, engines and rollout workers spread over the cluster per the plan."""
     from training.scaleout import start_placed
 
     if engine_handle is not None:
         raise TrainingError("a placed run starts its own engines; engine_handle cannot be reused with a placement")
-    return start_placed(cfg, placement, model_dir, resume_from, run_dir, _actor_classes(), learner_config(cfg))
+    return start_placed(cfg, placement, model_dir, resume_from, run_dir, _actor_classes(), learner_config(cfg),
+                        images)
+
+
+def _close_workers(workers: list) -> None:
+    """Close the workers' warm pools (their idle containers), then kill the actors."""
+    import ray
+
+    refs = []
+    for w in workers:
+        try:
+            refs.append(w.close.remote())
+        except Exception:
+            pass
+    try:
+        ray.wait(refs, num_returns=len(refs), timeout=120)
+    except Exception:
+        pass
+    for w in workers:
+        try:
+            ray.kill(w)
+        except Exception:
+            pass
 
 
 def _kill(actor: Any) -> None:

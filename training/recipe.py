@@ -64,7 +64,7 @@ def sft_stage(cfg: LearnConfig, model_dir: str, train_dir: str, out: Path, log: 
     tok = AutoTokenizer.from_pretrained(model_dir)
     chosen = select_sft_tasks(list_task_dirs(train_dir), cfg.sft.task_fraction, cfg.algo.seed)
     t0 = time.monotonic()
-    demos = collect_demos(chosen, tok, cfg, (out / "sft-sandboxes").resolve())
+    demos = collect_demos(chosen, tok, cfg)
     t_demo = time.monotonic() - t0
     solved = sum(1 for r in demos if r.reward >= 1.0)
     who = "oracle" if cfg.sft.teacher_accuracy >= 1.0 else f"teacher (accuracy {cfg.sft.teacher_accuracy:g})"
@@ -111,6 +111,24 @@ def heldout_eval(cfg: LearnConfig, engine: Any, held_dir: str, jobs_dir: Path, n
     return out
 
 
+def prepare_recipe_tasks(cfg: LearnConfig, train_dir: str, held_dir: str, out: Path, log: Log) -> Any:
+    """Every train and held-out task's environment, resolved (images built) before SFT and
+    RL; returns the train tasks' (`training.rollout.PreparedTasks`). `held_dir` may be
+    empty (no held-out set)."""
+    from training.rollout import PreparedTasks, prepare_tasks
+
+    out.mkdir(parents=True, exist_ok=True)
+    held = PreparedTasks({}, {})
+    if held_dir:
+        held_cfg = cfg.rollout.model_copy(update={"sandbox": cfg.eval.sandbox})
+        held = prepare_tasks(held_cfg, list_task_dirs(held_dir), out / "heldout_tasks.json", log=log)
+    train_tasks = prepare_tasks(cfg.rollout, list_task_dirs(train_dir), out / "train_tasks.json", log=log)
+    log(f"task environments ready: {len(train_tasks.runnable)} train ({cfg.rollout.sandbox}), "
+        f"{len(held.runnable)} held-out ({cfg.eval.sandbox}); "
+        f"{len(train_tasks.dropped) + len(held.dropped)} dropped")
+    return train_tasks
+
+
 def load_checkpoint_into(engine: Any, ckpt_dir: str, version: int) -> float:
     """Serve a checkpoint from disk on the running engine (same weights a fresh server
     started on that directory would load)."""
@@ -135,6 +153,9 @@ def run_recipe(cfg: LearnConfig, out_dir: str | Path, *, seed: int | None = None
     t0 = time.monotonic()
     model_dir, train_dir, held_dir = build_stage(cfg, out, seed, log)
     times["build_s"] = time.monotonic() - t0
+    t = time.monotonic()
+    prepared = prepare_recipe_tasks(cfg, train_dir, held_dir, out, log)
+    times["environments_s"] = time.monotonic() - t
 
     t = time.monotonic()
     sft = sft_stage(cfg, model_dir, train_dir, out, log) if "sft" in stages else {"checkpoint": model_dir}
@@ -156,7 +177,7 @@ def run_recipe(cfg: LearnConfig, out_dir: str | Path, *, seed: int | None = None
         if "rl" in stages:
             t = time.monotonic()
             run = train(cfg, start_dir, train_dir, out / "rl", progress=progress, engine_handle=engine,
-                        keep_engine=True)
+                        keep_engine=True, prepared=prepared)
             times["rl_s"] = time.monotonic() - t
             result["rl"] = {"steps": run.steps, "checkpoint": run.final_checkpoint, "summary": run.summary,
                             "curve": run.curve_png}

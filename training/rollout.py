@@ -13,16 +13,21 @@ Budgets (reference item 15) and termination (item 16) come from `RolloutConfig`:
   that moment, never before), clamped to [0, 1]; 0 for every other ending. Overlong
   episodes are kept as reward-0 negatives.
 
+The environment, sandbox and verifier are `tasks.episode`, the same path a `tmax bench`
+trial takes: the task's image (resolved before training) with its task.toml limits on
+podman, or a fresh host workspace on bwrap / local.
+
 Infrastructure failures (a sandbox that will not start or dies, a verifier that cannot
-run, an inference server that keeps failing) raise `InfraError`: the orchestrator drops
-and re-queues the episode. They are never scored as reward 0.
+run or writes no reward, an inference server that keeps failing) raise `InfraError` with
+a kind: the orchestrator drops and re-queues the episode and counts it in
+`env/infra_errors/<kind>`. They are never scored as reward 0.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -31,15 +36,27 @@ from typing import Any
 
 from agents.loop import Agent, AgentConfig
 from agents.policy import TokenSampler
-from sandbox.base import SandboxError, SandboxSpec
+from sandbox.base import SandboxError
+from sandbox.pool import WarmPool
+from tasks.episode import ENVIRONMENT_ERRORS, EnvSettings, Episode, PreparedTasks
+from tasks.images import TaskImage
 from tasks.model import Task
 from training.config import RolloutConfig
 
-HOST_KINDS = ("local", "bwrap")
+ROLLOUT_LABEL = "io.tmax.rollout"
+INFRA_KINDS = ("task_load", "environment", "sandbox_start", "sandbox_died", "verifier_no_reward",
+               "verifier_error", "model", "interrupted", "worker")
 
 
 class InfraError(RuntimeError):
-    """The episode could not be run for reasons that are not the policy's: re-queue it."""
+    """The episode could not be run for reasons that are not the policy's: re-queue it.
+    `kind` (one of INFRA_KINDS) is what the metrics count it under."""
+
+    def __init__(self, kind: str, message: str):
+        if kind not in INFRA_KINDS:
+            raise ValueError(f"unknown infrastructure error kind {kind!r}")
+        self.kind = kind
+        super().__init__(message)
 
 
 @dataclass
@@ -78,6 +95,9 @@ class Rollout:
     timings: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     harness: str = "tmax"
+    sandbox: str = ""  # the sandbox kind the episode ran in
+    container_id: str | None = None  # podman: the container the episode (and verifier) ran in
+    warm_start: bool = False  # the container came started from the worker's warm pool
 
     @property
     def num_sampled(self) -> int:
@@ -130,109 +150,49 @@ def prompt_length(tokenizer: Any, instruction: str) -> int:
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 
-# ---- sandboxes ----------------------------------------------------------------------
+# ---- the episode --------------------------------------------------------------------
 
 
-@dataclass
-class EpisodeSandbox:
-    sandbox: Any
-    workdir: str  # agent start dir and verifier cwd, as seen inside the sandbox
-    host_root: Path | None  # per-episode temp dir (host kinds), removed on close
+def env_settings(cfg: RolloutConfig) -> EnvSettings:
+    """The environment of every rollout: as in bench (images with the offline rewrites,
+    or host workspaces), in `cfg.sandbox`."""
+    from tasks.offline import default_config
 
-    def close(self) -> None:
-        try:
-            self.sandbox.close()
-        finally:
-            if self.host_root is not None:
-                shutil.rmtree(self.host_root, ignore_errors=True)
+    return EnvSettings(kind=cfg.sandbox, rewrite=default_config(list(cfg.image_map)))
 
 
-def _seed_files(task: Task, workdir: Path) -> None:
-    """What the task Dockerfile's `COPY files/ ./` does, for host sandboxes."""
-    files = task.environment_dir / "files"
-    if files.is_dir():
-        shutil.copytree(files, workdir, dirs_exist_ok=True)
-
-
-def open_sandbox(task: Task, kind: str, scratch: str | Path | None = None, image: str | None = None) -> EpisodeSandbox:
-    """A fresh sandbox for one episode. Host kinds get a fresh temp work dir seeded with the
-    task's files; podman gets a fresh container of the task image."""
-    from sandbox import make_sandbox
-
-    if kind in HOST_KINDS:
-        # The episode root is the (bwrap: writable, same-path) workspace; the agent starts
-        # in root/work, and root/tests + root/logs appear only when the verifier runs. Keep
-        # `scratch` outside /tmp: bwrap gives the jail a private /tmp.
-        if scratch is not None:
-            Path(scratch).mkdir(parents=True, exist_ok=True)
-        root = Path(tempfile.mkdtemp(prefix="tmax-ep-", dir=scratch)).resolve()
-        work = root / "work"
-        work.mkdir()
-        _seed_files(task, work)
-        spec = SandboxSpec(workdir=str(work), workspace=root)
-        box = make_sandbox(kind, spec)
-        ep = EpisodeSandbox(box, str(work), root)
-    elif kind == "podman":
-        if image is None:
-            raise InfraError(f"task {task.name}: no image for the podman sandbox")
-        from tasks.images import image_workdir
-
-        workdir = image_workdir(image) or "/app"
-        spec = SandboxSpec(image=image, workdir=workdir, network=task.config.environment.allow_internet,
-                           cpus=task.config.environment.cpus, memory_mb=task.config.environment.memory_mb)
-        ep = EpisodeSandbox(make_sandbox(kind, spec), workdir, None)
-    else:
-        raise ValueError(f"unknown sandbox kind {kind!r}; use local, bwrap or podman")
+def _score(ep: Episode, out_dir: Path, timeout: float) -> tuple[float, dict]:
+    """The verifier's reward after a submit (tests/ are copied in only now)."""
     try:
-        ep.sandbox.start()
+        res = ep.verify(out_dir, timeout)
+    except SandboxError as e:
+        raise InfraError("verifier_error", f"verifier could not run: {e}") from e
+    info = {"status": res.status, "exit_code": res.exit_code, "duration_s": res.duration_s,
+            "in_sandbox": ep.settings.kind}
+    if res.status == "timeout":
+        # A test that hangs is the agent's doing (it left a broken state): reward 0.
+        return 0.0, info
+    if res.reward is None:
+        kind = "verifier_no_reward" if "was written" in (res.error or "") else "verifier_error"
+        raise InfraError(kind, f"verifier {res.status}: {res.error}")
+    return res.reward, info
+
+
+def _open(req: EpisodeRequest, settings: EnvSettings, image: TaskImage | None, pool: Any) -> Episode:
+    try:
+        task = Task.load(req.task_dir)
+    except Exception as e:  # a task that fails to load is a data problem, not the policy's
+        raise InfraError("task_load", f"task {req.task_dir} does not load: {e}") from e
+    ep = Episode(task, settings, image=image, pool=pool, labels={ROLLOUT_LABEL: task.name})
+    try:
+        ep.open()
+    except ENVIRONMENT_ERRORS as e:
+        ep.close()
+        raise InfraError("environment", str(e)) from e
     except Exception as e:
         ep.close()
-        raise InfraError(f"sandbox could not start: {e}") from e
+        raise InfraError("sandbox_start", f"sandbox could not start: {e}") from e
     return ep
-
-
-def verify(ep: EpisodeSandbox, task: Task, kind: str, out_dir: Path, timeout: float) -> tuple[float, dict]:
-    """Run the task's verifier after a submit; returns (reward in [0, 1], details).
-
-    In a container this is Harbor's protocol (`tasks.verifier.run_verifier`). A host sandbox
-    has no private /tests or /logs, so the same test.sh runs from a per-episode copy of
-    `tests/` with `TMAX_WORKDIR` / `TMAX_LOGS_DIR` pointing into the episode's temp dir
-    (the generated nano tasks honour both). The tests are copied at this point only."""
-    from tasks.verifier import parse_reward, run_verifier
-
-    if kind not in HOST_KINDS:
-        try:
-            res = run_verifier(ep.sandbox, task, ep.workdir, out_dir, timeout=timeout)
-        except SandboxError as e:
-            raise InfraError(f"verifier could not run: {e}") from e
-        if res.reward is None:
-            raise InfraError(f"verifier {res.status}: {res.error}")
-        return res.reward, {"status": res.status, "exit_code": res.exit_code, "duration_s": res.duration_s}
-
-    assert ep.host_root is not None
-    tests, logs = ep.host_root / "tests", ep.host_root / "logs"
-    shutil.copytree(task.tests_dir, tests)
-    (logs / "verifier").mkdir(parents=True)
-    env = {"TMAX_WORKDIR": ep.workdir, "TMAX_LOGS_DIR": str(logs), **task.config.verifier.env}
-    t0 = time.monotonic()
-    try:
-        res = ep.sandbox.exec(["bash", str(tests / "test.sh")], timeout=timeout, workdir=ep.workdir, env=env)
-    except SandboxError as e:
-        raise InfraError(f"verifier could not run: {e}") from e
-    duration = time.monotonic() - t0
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "test-stdout.txt").write_text(res.output + res.stderr)
-    if res.timed_out:
-        # A test that hangs is the agent's doing (it left a broken state): reward 0.
-        return 0.0, {"status": "timeout", "exit_code": res.exit_code, "duration_s": duration}
-    rfile = logs / "verifier" / "reward.txt"
-    reward, why = parse_reward(rfile.read_text() if rfile.exists() else None, None)
-    if reward is None:
-        raise InfraError(f"verifier wrote no reward ({why}); test.sh exit {res.exit_code}")
-    return reward, {"status": "ok", "exit_code": res.exit_code, "duration_s": duration}
-
-
-# ---- the episode --------------------------------------------------------------------
 
 
 def run_episode(
@@ -241,22 +201,23 @@ def run_episode(
     tokenizer: Any,
     cfg: RolloutConfig,
     *,
-    scratch: str | Path | None = None,
-    image: str | None = None,
+    settings: EnvSettings | None = None,
+    image: TaskImage | None = None,
+    pool: Any = None,
     record_dir: Path | None = None,
     start_version: int = 0,
 ) -> Rollout:
-    """Run one episode and score it. Raises InfraError for infrastructure failures."""
+    """Run one episode (`tasks.episode`) and score it. Raises InfraError for
+    infrastructure failures. `image` is the task's resolved image (podman; resolved here,
+    from the cache or a build, when not given: the RL loop always gives it); `pool` a
+    `sandbox.pool.WarmPool` of containers started ahead of need."""
     from agents.harnesses import make_harness
     from agents.records import Recorder
 
     t0 = time.monotonic()
-    try:
-        task = Task.load(req.task_dir)
-    except Exception as e:  # a task that fails to load is a data problem, not the policy's
-        raise InfraError(f"task {req.task_dir} does not load: {e}") from e
-    ep = open_sandbox(task, cfg.sandbox, scratch, image)
+    ep = _open(req, settings or env_settings(cfg), image, pool)
     t_sandbox = time.monotonic() - t0
+    task, sandbox_id, warm = ep.task, ep.sandbox_id, ep.warm
     harness = make_harness(cfg.harness_for(req.group_id), ep.workdir)
     try:
         policy = token_policy(sampler, tokenizer, cfg, req.seed)
@@ -266,19 +227,22 @@ def run_episode(
         result = agent.run(task.instruction)
         t_agent = time.monotonic() - t1
         if result.status == "sandbox_error":
-            raise InfraError(f"sandbox failed during the episode: {result.error}")
+            raise InfraError("sandbox_died", f"sandbox failed during the episode: {result.error}")
         if result.status == "model_error":
-            raise InfraError(f"inference server failed: {result.error}")
+            raise InfraError("model", f"inference server failed: {result.error}")
         if result.status == "interrupted":
-            raise InfraError("episode interrupted")
+            raise InfraError("interrupted", "episode interrupted")
         trace = policy.trace
         reward, vinfo, t_verify = 0.0, None, 0.0
         submitted = result.status == "submitted"
         if submitted:
             t2 = time.monotonic()
-            out = (record_dir or ep.host_root or Path(tempfile.gettempdir())) / "verifier"
             timeout = min(cfg.test_timeout, task.config.verifier.timeout_sec)
-            reward, vinfo = verify(ep, task, cfg.sandbox, out, timeout)
+            if record_dir is not None:
+                reward, vinfo = _score(ep, record_dir / "verifier", timeout)
+            else:
+                with tempfile.TemporaryDirectory(prefix="tmax-verifier-out-") as tmp:
+                    reward, vinfo = _score(ep, Path(tmp), timeout)
             t_verify = time.monotonic() - t2
     finally:
         harness.close()
@@ -309,7 +273,85 @@ def run_episode(
         },
         error=result.error,
         harness=harness.name,
+        sandbox=ep.settings.kind,
+        container_id=sandbox_id,
+        warm_start=warm,
     )
+
+
+# ---- environments before training, warm pools, infrastructure counts -----------------
+
+
+def prepare_tasks(cfg: RolloutConfig, task_dirs: list[str], report: Path | None = None, progress: bool = False,
+                  log: Any = None) -> PreparedTasks:
+    """Resolve every task's environment (`tasks.episode.prepare_environments`) before the
+    first step. Unbuildable tasks are dropped, listed with their reason (and in `report`
+    as JSON); only when none is left does this raise."""
+    from rich.progress import Progress
+
+    from tasks.episode import prepare_environments
+
+    say = log or (lambda m: print(m, file=sys.stderr))
+    settings = env_settings(cfg)
+    with Progress(transient=True, disable=not progress) as bar:
+        job = bar.add_task(f"task environments ({cfg.sandbox})", total=len(task_dirs))
+        prepared = prepare_environments(task_dirs, settings, lambda done, total, d, err: bar.update(job, completed=done))
+    for d, why in prepared.dropped.items():
+        say(f"dropped task {Path(d).name}: {why}")
+    if report is not None:
+        report.write_text(json.dumps({"sandbox": cfg.sandbox, "runnable": prepared.runnable,
+                                      "dropped": prepared.dropped}, indent=2))
+    if prepared.dropped:
+        say(f"{len(prepared.dropped)} of {len(task_dirs)} tasks dropped (environment failed); "
+            f"{len(prepared.runnable)} left")
+    if not prepared.runnable:
+        raise InfraError("environment", f"no task of {len(task_dirs)} has a working {cfg.sandbox} environment")
+    return prepared
+
+
+def worker_pool(cfg: RolloutConfig, slots: int) -> WarmPool | None:
+    """A rollout worker's pool: its running episodes plus `pool_size` started ahead (podman)."""
+    if cfg.sandbox != "podman" or cfg.pool_size == 0:
+        return None
+    return WarmPool(slots + cfg.pool_size)
+
+
+def prewarm(pool: WarmPool | None, task_dir: str, settings: EnvSettings, image: TaskImage | None) -> bool:
+    """Start a container for a coming episode of `task_dir`; False when there is no room."""
+    if pool is None or image is None:
+        return False
+    return Episode(Task.load(task_dir), settings, image=image, pool=pool,
+                   labels={ROLLOUT_LABEL: Path(task_dir).name}).prewarm()
+
+
+def prewarm_queue(queue: Any, workers: list, next_worker: int, per_worker: int, done: set) -> None:
+    """Ask each worker to start containers for the queued requests it will receive next
+    (dispatch is round-robin in queue order), `per_worker` ahead, each request once."""
+    for j, req in enumerate(list(queue)[: per_worker * len(workers)]):
+        key = (req.group_id, req.sample_index, req.attempt)
+        if key not in done:
+            done.add(key)
+            workers[(next_worker + j) % len(workers)].prewarm.remote(req.task_dir)
+
+
+@dataclass
+class InfraCounts:
+    """Infrastructure errors of a run by kind (`env/infra_errors`, `env/infra_errors/<kind>`)."""
+
+    by_kind: dict[str, int] = field(default_factory=dict)
+    last: dict[str, str] = field(default_factory=dict)  # kind -> the latest message, for people
+
+    def add(self, kind: str, task_dir: str, message: str) -> None:
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
+        self.last[kind] = f"{Path(task_dir).name}: {message}"
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_kind.values())
+
+    def metrics(self) -> dict[str, float]:
+        return {"env/infra_errors": float(self.total),
+                **{f"env/infra_errors/{k}": float(v) for k, v in sorted(self.by_kind.items())}}
 
 
 def append_jsonl(path: Path, line: str) -> None:

@@ -224,8 +224,9 @@ class EngineGroup:
 
 
 def start_placed(cfg: Any, pl: Placement, model_dir: str, resume_from: str | None, run_dir: str | Path,
-                 actor_classes: tuple, lcfg: Any) -> tuple[LearnerGroup, EngineGroup, list]:
-    """Create and wait for every actor of the plan; returns (learners, engines, workers)."""
+                 actor_classes: tuple, lcfg: Any, images: dict) -> tuple[LearnerGroup, EngineGroup, list]:
+    """Create and wait for every actor of the plan; returns (learners, engines, workers).
+    `images` maps task dirs to their resolved images (built on the driver's node)."""
     import ray
 
     _, EngineActor, RolloutWorker = actor_classes
@@ -246,10 +247,10 @@ def start_placed(cfg: Any, pl: Placement, model_dir: str, resume_from: str | Non
             engines.append(EngineActor.options(**opts).remote(model_dir, cfg.engine, cfg.algo.seed + i, str(work)))
         # Start-up errors of any rank or engine surface here, before any episode runs.
         ray.get(setups + [e.info.remote() for e in engines])
-        scratch = run_dir / "sandboxes"
         workers = [
-            RolloutWorker.options(**pl.sandbox_options(max_restarts=-1, max_concurrency=rc.slots_per_worker))
-            .remote(model_dir, cfg.rollout, FailoverSampler(engines, i % len(engines)), str(scratch / f"w{i}"), None)
+            RolloutWorker.options(**pl.sandbox_options(max_restarts=-1, max_concurrency=rc.slots_per_worker + 2))
+            .remote(model_dir, cfg.rollout, FailoverSampler(engines, i % len(engines)), images, None,
+                    rc.slots_per_worker)
             for i in range(plan.sandbox_workers)
         ]
         write_placement(run_dir / "placement.json", pl, ranks, engines, workers)

@@ -62,25 +62,24 @@ class ScriptedSampler:
         return SampledTokens(ids, [0.0] * len(ids), "stop", 0)
 
 
-def oracle_demo(task_dir: str | Path, tokenizer: Any, cfg: LearnConfig, scratch: Path) -> Rollout:
+def oracle_demo(task_dir: str | Path, tokenizer: Any, cfg: LearnConfig) -> Rollout:
     """Play a nano task's oracle through the harness; raises DemoError unless it scores 1."""
     from training.nano.tasks import oracle_steps
 
-    r = play_demo(task_dir, oracle_steps(task_dir), tokenizer, cfg, scratch)
+    r = play_demo(task_dir, oracle_steps(task_dir), tokenizer, cfg)
     if r.reward < 1.0:
         raise DemoError(f"{task_dir}: the oracle scored {r.reward} ({r.status})")
     return r
 
 
-def play_demo(task_dir: str | Path, steps: list[tuple[str, str]], tokenizer: Any, cfg: LearnConfig,
-              scratch: Path) -> Rollout:
+def play_demo(task_dir: str | Path, steps: list[tuple[str, str]], tokenizer: Any, cfg: LearnConfig) -> Rollout:
     """Play scripted (THOUGHT, command) steps through the harness; the verifier scores it."""
     turns = [assistant_ids(tokenizer, t, c) for t, c in steps]
     req = EpisodeRequest(str(task_dir), 0, 0, 0)
-    return run_episode(req, ScriptedSampler(turns), tokenizer, cfg.rollout, scratch=scratch)
+    return run_episode(req, ScriptedSampler(turns), tokenizer, cfg.rollout)
 
 
-def teacher_demo(task_dir: str | Path, tokenizer: Any, cfg: LearnConfig, scratch: Path) -> Rollout:
+def teacher_demo(task_dir: str | Path, tokenizer: Any, cfg: LearnConfig) -> Rollout:
     """The oracle when `sft.teacher_accuracy` is 1, else an imperfect teacher whose choice
     is drawn from a generator seeded by the run seed and the task (reproducible). A
     teacher demo is kept whatever its reward; only an oracle demo must pass."""
@@ -88,10 +87,10 @@ def teacher_demo(task_dir: str | Path, tokenizer: Any, cfg: LearnConfig, scratch
 
     acc = cfg.sft.teacher_accuracy
     if acc >= 1.0:
-        return oracle_demo(task_dir, tokenizer, cfg, scratch)
+        return oracle_demo(task_dir, tokenizer, cfg)
     rng = random.Random(f"teacher-{cfg.algo.seed}-{Path(task_dir).name}")
     steps, right = teacher_steps(task_dir, acc, rng)
-    r = play_demo(task_dir, steps, tokenizer, cfg, scratch)
+    r = play_demo(task_dir, steps, tokenizer, cfg)
     if right and r.reward < 1.0:
         raise DemoError(f"{task_dir}: the oracle scored {r.reward} ({r.status})")
     return r
@@ -107,17 +106,22 @@ class SFTResult:
     seconds: float
 
 
-def collect_demos(task_dirs: list[str], tokenizer: Any, cfg: LearnConfig, scratch: Path,
+def collect_demos(task_dirs: list[str], tokenizer: Any, cfg: LearnConfig,
                   out_jsonl: Path | None = None) -> list[Rollout]:
-    demos = []
-    for d in task_dirs:
+    """One demonstration per task, `run.concurrency` at a time (in task order)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(d: str) -> Rollout:
         for attempt in range(cfg.rollout.max_infra_retries + 1):
             try:
-                demos.append(teacher_demo(d, tokenizer, cfg, scratch))
-                break
+                return teacher_demo(d, tokenizer, cfg)
             except InfraError:
                 if attempt == cfg.rollout.max_infra_retries:
                     raise
+        raise AssertionError("unreachable")
+
+    with ThreadPoolExecutor(max_workers=cfg.run.concurrency, thread_name_prefix="tmax-demo") as ex:
+        demos = list(ex.map(one, task_dirs))
     if out_jsonl is not None:
         out_jsonl.write_text("".join(r.to_json() + "\n" for r in demos))
     return demos

@@ -377,11 +377,3 @@ def teacher_steps(task_dir: str | Path, accuracy: float, rng: random.Random) -> 
     if old not in command:
         raise ValueError(f"{task_dir}: oracle command {command!r} has no {old!r} to slip on")
     return [(thought, command.replace(old, new, 1))] + steps[1:], False
-
-
-def seed_workdir(task_dir: str | Path, workdir: str | Path) -> None:
-    """Copy the task's seed files into a host work dir (what the Dockerfile's COPY does in
-    an image), for the `local` and `bwrap` sandboxes."""
-    files = Path(task_dir) / "environment" / "files"
-    if files.is_dir():
-        shutil.copytree(files, workdir, dirs_exist_ok=True)
