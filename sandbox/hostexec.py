@@ -5,11 +5,36 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from sandbox.base import CommandResult, SandboxError
 
+T = TypeVar("T")
+
 MAX_EXEC_CHARS = 10_000_000  # exec output is for harness code (verifiers), not a model
+
+
+_lasting: ThreadPoolExecutor | None = None
+_lasting_lock = threading.Lock()
+
+
+def on_lasting_thread(fn: Callable[[], T]) -> T:
+    """Run `fn` (which forks a child) on one thread that lives as long as the process.
+
+    A parent-death signal (PR_SET_PDEATHSIG, e.g. bwrap's --die-with-parent) fires when
+    the *thread* that forked the child exits, not the process. A shell (re)started from
+    a short-lived worker thread would be killed the moment that thread ends; forking
+    from this thread ties the child to the life of the process instead. The executor's
+    single worker never exits while the process runs."""
+    global _lasting
+    with _lasting_lock:
+        if _lasting is None:
+            _lasting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tmax-spawner")
+    return _lasting.submit(fn).result()
 
 
 def _decode(b: bytes | None) -> str:

@@ -52,6 +52,7 @@ from collections.abc import Callable
 import pexpect
 
 from sandbox.base import DEFAULT_COMMAND_TIMEOUT_S, CommandResult, SandboxError
+from sandbox.hostexec import on_lasting_thread
 
 BASH_ARGV = ["bash", "--norc", "--noprofile"]
 DEFAULT_MAX_OUTPUT_CHARS = 1_000_000  # head + tail kept per command; the rest is counted
@@ -195,10 +196,10 @@ class PersistentShell:
         base_env = dict(os.environ) if self.spawn_env is None else dict(self.spawn_env)
         base_env.update(TERM="dumb", PS1="", PS2="", PROMPT_COMMAND="", HISTFILE="/dev/null")
         try:
-            self._child = pexpect.spawn(
+            self._child = on_lasting_thread(lambda: pexpect.spawn(
                 self.argv[0], self.argv[1:], env=base_env, cwd=self.spawn_cwd, echo=False,
                 encoding=None, timeout=None, dimensions=(50, 200), use_poll=True,
-            )
+            ))
         except (pexpect.ExceptionPexpect, OSError) as e:
             raise SandboxError(f"could not start shell {shlex.join(self.argv)}: {e}") from e
         # pexpect's default 50 ms sleep before every write would dominate per-call cost.

@@ -343,6 +343,27 @@ def run_json(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 6
     return proc.returncode, events, proc.stderr
 
 
+@pytest.mark.bwrap
+@pytest.mark.skipif(not bwrap_works(), reason="bubblewrap cannot run here")
+def test_bwrap_shell_is_persistent_again_after_each_restart(env, ws, tmp_path):
+    """Commands run on a worker thread; a shell restarted there must outlive that thread
+    (bwrap's --die-with-parent follows the forking thread), and keep its state again."""
+    restarters = ["exit", "kill -9 $$", "exec bash"]
+    script = []
+    for i, restart in enumerate(restarters):
+        script += [{"bash": restart}, {"bash": f"mkdir -p d{i} && cd d{i} && export A=v{i}"}, {"bash": "echo A=$A; pwd"}]
+    script.append({"bash": SUBMIT})
+    with ScriptedServer(script) as srv:
+        rc, events, stderr = run_json(run_args(srv, ws, tmp_path / "run", "--sandbox", "bwrap"), env, ws, timeout=120)
+    assert rc == 0, stderr
+    observations = [e for e in events if e["type"] == "observation"]
+    for i, restart in enumerate(restarters):
+        restarted, setter, probe = observations[3 * i: 3 * i + 3]
+        assert "restarted" in (restarted["note"] or ""), (restart, restarted)
+        assert setter["exit_code"] == 0 and setter["note"] is None, (restart, setter)
+        assert probe["observation"] == f"A=v{i}\n{ws}/d{i}\n\n(exit_code=0)", (restart, probe)
+
+
 def test_json_events(env, ws, tmp_path):
     script = [
         {"content": "Listing.", "bash": "echo json-ok"},
