@@ -37,6 +37,31 @@ def on_lasting_thread(fn: Callable[[], T]) -> T:
     return _lasting.submit(fn).result()
 
 
+# Dispositions a child must not inherit: a job started in the background by a script
+# ignores SIGINT and SIGQUIT, `nohup` ignores SIGHUP, Python itself ignores SIGPIPE. An
+# ignored signal survives exec, and bash cannot undo what it inherited ignored, so Ctrl-C
+# and timeouts would not stop a command in the sandbox.
+_RESETTABLE = tuple(s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP))
+
+
+def default_signals() -> None:
+    """For a forked child before exec: every signal at its default action, none blocked."""
+    for sig in _RESETTABLE:
+        try:
+            signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError, RuntimeError):
+            pass  # signals the C library reserves for itself
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
+def _inherits_non_default_signals() -> bool:
+    """Whether a child would inherit an ignored or blocked signal (SIGPIPE and SIGXFSZ
+    aside: Python ignores them, and Popen's restore_signals resets them)."""
+    restored = (signal.SIGPIPE, signal.SIGXFSZ)
+    ignored = any(signal.getsignal(s) == signal.SIG_IGN for s in _RESETTABLE if s not in restored)
+    return ignored or bool(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+
 def _decode(b: bytes | None) -> str:
     return (b or b"")[-MAX_EXEC_CHARS:].decode("utf-8", errors="replace")
 
@@ -47,8 +72,10 @@ def run_process(argv: list[str], timeout: float | None = None, cwd: str | None =
     group is killed and exit code 124 is returned, like coreutils `timeout`."""
     t0 = time.monotonic()
     try:
+        # preexec_fn only when needed: without it Popen can use the faster vfork path.
         proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                preexec_fn=default_signals if _inherits_non_default_signals() else None)
     except OSError as e:
         raise SandboxError(f"could not run {argv[0]}: {e}") from e
     try:
