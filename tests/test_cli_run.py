@@ -374,7 +374,10 @@ def test_json_events(env, ws, tmp_path):
         code, events, stderr = run_json(run_args(srv, ws, tmp_path / "run", "--sandbox", "local"), env, ws)
     assert code == 0, stderr
     types = [e["type"] for e in events]
-    assert types == [
+    start, events = events[0], events[1:]
+    assert start == {"type": "start", "run_id": "run", "model": srv.model, "base_url": srv.base_url, "sandbox": "local",
+                     "workdir": str(ws), "mode": "confirm", "trajectory_dir": str(tmp_path / "run")}
+    assert types[1:] == [
         "step", "model", "command", "observation",
         "step", "model", "format_error",
         "step", "model", "command", "observation",
@@ -384,6 +387,7 @@ def test_json_events(env, ws, tmp_path):
     assert obs["exit_code"] == 0 and obs["observation"] == "json-ok\n\n(exit_code=0)"
     assert events[1]["content"] == "Listing." and events[1]["command"] == "echo json-ok"
     assert events[5]["command"] is None
+    assert events[6]["reason"] and events[6]["reason"] in json.dumps(json.loads((tmp_path / "run" / "timing.json").read_text()))
     # Token counts are per turn and cumulative.
     assert events[8]["cumulative"]["prompt_tokens"] == sum(e["usage"]["prompt_tokens"] for e in events if e["type"] == "model")
     done = events[-1]
@@ -506,7 +510,7 @@ def test_resume_continues_the_conversation(env, ws, tmp_path):
     assert "now show the state" in sent[-1]["content"] and "new shell" in sent[-1]["content"]
     assert [e for e in events if e["type"] == "observation"][0]["observation"].startswith("saved-state")
     # Step numbers continue, and the new directory holds the whole conversation.
-    assert events[0] == {"type": "step", "step": 3}
+    assert events[1] == {"type": "step", "step": 3}
     assert json.loads((second / "trajectory.json").read_text())[: len(saved)] == saved
     assert json.loads((second / "run.json").read_text())["resumed_from"] == str(first)
 
