@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from scripted_server import ScriptedServer
-from test_cli_run import SUBMIT, env, run_args, run_json, ws  # noqa: F401  (fixtures)
+from test_cli_run import FOLLOW_UP, GUIDANCE, SUBMIT, env, run_args, run_json, spawn, ws  # noqa: F401  (fixtures)
 from tmax_cli.config import bwrap_works
 
 JAIL = "bwrap" if bwrap_works() else "local"
@@ -184,3 +184,23 @@ def test_bwrap_jail_masks_the_config_file_and_credentials(env, ws, tmp_path):
         seen = [x for x in events if x["type"] == "observation"][0]["observation"]
         assert "cfg-secret" not in seen and "netrc-secret" not in seen and "done" in seen
         assert ("ssh-secret" in seen) == ssh_shown, seen
+
+
+def test_screen_names_the_kept_output_and_a_second_ctrl_c_kills(env, ws, tmp_path, spawn):
+    marker = f"6{os.getpid() % 1000}.{time.monotonic_ns() % 1000}"
+    script = [{"bash": "seq 1 3000"}, {"bash": f"bash -c \"trap '' INT; sleep {marker}\""}, {"bash": SUBMIT}]
+    with ScriptedServer(script) as srv:
+        t = spawn(run_args(srv, ws, tmp_path / "run", "--sandbox", "local", "--mode", "yolo"), env, ws)
+        t.expect("all of it is in")
+        assert _wait_alive(marker, 30)
+        t.child.sendintr()
+        time.sleep(1)
+        assert _alive(marker)  # the command ignores Ctrl-C...
+        t.child.sendintr()  # ...the second one kills its process group
+        t.answer(GUIDANCE, "carry on")
+        t.answer(FOLLOW_UP, "")
+        assert t.finish() == 0
+        requests = srv.requests
+    assert f"whole output: {tmp_path / 'run' / 'outputs' / 'step-1.txt'}" in t.screen
+    assert "(exit_code=137)" in requests[2]["messages"][-2]["content"]
+    assert not _alive(marker)
