@@ -3,17 +3,22 @@
 Sampling follows Vanillux2: temperature 0.7, top_p 0.95, max_tokens 16,384, top_k unset,
 no tool_choice, no stop strings. The client's own retries are off: the Agent loop owns the
 retry policy, so errors are mapped to the three policy exceptions instead.
+
+max_tokens is fitted to what the server's context window leaves: the window comes from
+the server's model list (vLLM reports `max_model_len`) or, failing that, from the error
+a request that asked too much gets back, which also says how long the prompt was.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
 import openai
 
 from agents.parsing import message_from_text
-from agents.policy import ContextOverflow, FatalModelError, ModelError, ModelTurn, Usage
+from agents.policy import DEFAULT_MODEL_TIMEOUT_S, ContextOverflow, FatalModelError, ModelError, ModelTurn, Usage
 
 # Substrings servers use when the prompt (plus max_tokens) does not fit the context window:
 # vLLM ("maximum context length", "is too large"), OpenAI ("context_length_exceeded"),
@@ -30,6 +35,19 @@ _CONTEXT_HINTS = (
 )
 
 
+_WINDOW_RES = (re.compile(r"max_model_len\s*=\s*(\d+)"), re.compile(r"maximum context length is (\d+)"))
+_PROMPT_RES = (re.compile(r"(\d+) in the messages"), re.compile(r"(\d+) input tokens"),
+               re.compile(r"request has (\d+) input"))
+
+
+def _first_int(patterns: tuple[re.Pattern[str], ...], text: str) -> int | None:
+    for pattern in patterns:
+        m = pattern.search(text)
+        if m:
+            return int(m.group(1))
+    return None
+
+
 def _is_context_error(err: openai.APIStatusError) -> bool:
     text = str(err).lower()
     code = getattr(err, "code", None) or ""
@@ -38,10 +56,12 @@ def _is_context_error(err: openai.APIStatusError) -> bool:
 
 def map_openai_error(err: Exception) -> Exception:
     """Map an `openai` exception onto ModelError / FatalModelError / ContextOverflow."""
+    request = getattr(err, "request", None)
+    where = f" at {request.url}" if request is not None else ""
     if isinstance(err, openai.APITimeoutError):
-        return ModelError(f"model request timed out: {err}")
+        return ModelError(f"model request{where} timed out: {err}")
     if isinstance(err, openai.APIConnectionError):
-        return ModelError(f"cannot reach the model server: {err}")
+        return ModelError(f"cannot reach the model server{where}: {err}")
     if isinstance(err, openai.APIStatusError):
         status = err.status_code
         if status in (400, 413, 422) and _is_context_error(err):
@@ -83,7 +103,7 @@ class ChatPolicy:
         top_p: float | None = 0.95,
         max_tokens: int = 16384,
         top_k: int | None = None,
-        timeout: float = 3600.0,
+        timeout: float = DEFAULT_MODEL_TIMEOUT_S,
         extra_body: dict[str, Any] | None = None,
     ) -> None:
         self.model = model
@@ -95,9 +115,50 @@ class ChatPolicy:
             self.extra_body["top_k"] = top_k  # not an OpenAI parameter; vLLM reads it from the body
         # Local servers need no key, but the client insists on one.
         self.client = openai.OpenAI(base_url=base_url, api_key=api_key or "dummy", timeout=timeout, max_retries=0)
+        self.window: int | None = None  # the server's context window in tokens, once known
+        self._window_asked = False
+        # Tokens of the last prompt + completion (the next prompt holds them): room left is
+        # the window less this. Reset when the conversation gets shorter (a new episode).
+        self._context_tokens = 0
+        self._context_messages = 0
+
+    def fitted_max_tokens(self) -> int:
+        """max_tokens for the next request: the configured figure, or less when the window
+        has less room left (at least 1, so an overlong prompt gets the server's own error)."""
+        if self.window is None:
+            return self.max_tokens
+        return max(1, min(self.max_tokens, self.window - self._context_tokens))
+
+    def _server_window(self) -> int | None:
+        try:
+            for m in self.client.with_options(timeout=10).models.list():
+                if m.id == self.model:
+                    value = (m.model_extra or {}).get("max_model_len")
+                    return int(value) if value else None
+        except (openai.OpenAIError, ValueError, TypeError):
+            pass  # not every server lists its models: the error messages are the fallback
+        return None
+
+    def _learn_window(self, err: openai.BadRequestError, asked: int) -> bool:
+        """Take the window and prompt length from a too-many-tokens error; True when a
+        smaller max_tokens would now be sent (worth a retry)."""
+        text = str(err)
+        window = _first_int(_WINDOW_RES, text)
+        prompt = _first_int(_PROMPT_RES, text)
+        if window is None:
+            return False
+        self.window = window
+        if prompt is not None:
+            self._context_tokens = prompt
+        return window - self._context_tokens >= 1 and self.fitted_max_tokens() < asked
 
     def complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> ModelTurn:
-        kwargs: dict[str, Any] = dict(model=self.model, messages=messages, temperature=self.temperature, max_tokens=self.max_tokens)
+        if not self._window_asked:
+            self._window_asked = True
+            self.window = self._server_window()
+        if len(messages) < self._context_messages:
+            self._context_tokens = 0
+        kwargs: dict[str, Any] = dict(model=self.model, messages=messages, temperature=self.temperature)
         if tools:
             kwargs["tools"] = tools
         if self.top_p is not None:
@@ -105,20 +166,32 @@ class ChatPolicy:
         if self.extra_body:
             kwargs["extra_body"] = self.extra_body
         t0 = time.monotonic()
-        try:
-            response = self.client.chat.completions.create(**kwargs)
-        except openai.OpenAIError as e:
-            raise map_openai_error(e) from e
+        response = self._create(kwargs)
         latency = time.monotonic() - t0
         if not response.choices:
             raise ModelError("the model server returned no choices")
         choice = response.choices[0]
+        usage = _usage(response.usage)
+        self._context_tokens = usage.prompt_tokens + usage.completion_tokens
+        self._context_messages = len(messages)
         return ModelTurn(
             message=self._message(choice.message),
-            usage=_usage(response.usage),
+            usage=usage,
             finish_reason=choice.finish_reason,
             latency_s=latency,
         )
+
+    def _create(self, kwargs: dict[str, Any]) -> Any:
+        for attempt in range(3):
+            kwargs["max_tokens"] = self.fitted_max_tokens()
+            try:
+                return self.client.chat.completions.create(**kwargs)
+            except openai.BadRequestError as e:
+                if attempt == 2 or not self._learn_window(e, kwargs["max_tokens"]):
+                    raise map_openai_error(e) from e
+            except openai.OpenAIError as e:
+                raise map_openai_error(e) from e
+        raise AssertionError("unreachable")
 
     @staticmethod
     def _message(msg: Any) -> dict[str, Any]:

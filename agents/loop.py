@@ -82,7 +82,8 @@ class AgentHooks:
 
     def on_observation(self, step: int, result: CommandResult, observation: str) -> None: ...
 
-    def on_format_error(self, step: int, feedback: str) -> None: ...
+    def on_format_error(self, step: int, feedback: str, reason: str | None = None) -> None:
+        """`feedback` is what the model is told; `reason` is what the parser found wrong."""
 
     def on_retry(self, attempt: int, error: Exception, delay_s: float) -> None: ...
 
@@ -231,7 +232,7 @@ class Agent:
                 # Quit or Ctrl-C at the approval prompt: the call still gets an answer so the
                 # saved history stays valid for --resume, then the user decides.
                 self._reply(action, REJECTED_TOOL_TEXT, tool_only=True)
-                self.timing.append({"step": step, "llm_s": round(llm_s, 1), "rejected": True, "cmd": action.command[:200]})
+                self.timing.append({"step": step, "llm_s": round(llm_s, 3), "rejected": True, "cmd": action.command[:200]})
                 self._save()
                 if not self._guidance():
                     return _Outcome("interrupted")
@@ -239,14 +240,14 @@ class Agent:
             if rejection is not None:
                 self._reply(action, REJECTED_TOOL_TEXT, tool_only=True)
                 self.messages.append({"role": "user", "content": render(REJECTION_TEMPLATE, feedback=rejection)})
-                self.timing.append({"step": step, "llm_s": round(llm_s, 1), "rejected": True, "cmd": action.command[:200]})
+                self.timing.append({"step": step, "llm_s": round(llm_s, 3), "rejected": True, "cmd": action.command[:200]})
                 self._save()
                 continue
 
             try:
                 result, interrupted = self._execute(action)
             except SandboxError as e:
-                self.timing.append({"step": step, "llm_s": round(llm_s, 1), "sandbox_error": str(e)[:200], "cmd": action.command[:200]})
+                self.timing.append({"step": step, "llm_s": round(llm_s, 3), "sandbox_error": str(e)[:200], "cmd": action.command[:200]})
                 return _Outcome("sandbox_error", str(e))
             observation, finished = self.harness.observe(action, result, cfg.observation_limits)
             if cfg.budget_hints:
@@ -256,8 +257,8 @@ class Agent:
             self.timing.append(
                 {
                     "step": step,
-                    "llm_s": round(llm_s, 1),
-                    "bash_s": round(result.duration_s, 1),
+                    "llm_s": round(llm_s, 3),
+                    "bash_s": round(result.duration_s, 3),
                     "return_code": result.exit_code,
                     "cmd": action.command[:200],
                 }
@@ -300,8 +301,8 @@ class Agent:
             message.pop("tool_calls", None)
             self.messages.append(message)
             self.messages.append({"role": "user", "content": feedback})
-        self.timing.append({"step": step, "llm_s": round(llm_s, 1), "format_error": True})
-        self.hooks.on_format_error(step, feedback)
+        self.timing.append({"step": step, "llm_s": round(llm_s, 3), "format_error": True, "reason": action.error})
+        self.hooks.on_format_error(step, feedback, action.error)
         self._save()
 
     def _reply(self, action: Action, text: str, tool_only: bool = False) -> None:
@@ -326,19 +327,20 @@ class Agent:
                 done.set()
 
         threading.Thread(target=work, name="tmax-command", daemon=True).start()
-        interrupted = False
+        interrupts = 0
         while not done.is_set():
             try:
                 done.wait(0.05)
             except KeyboardInterrupt:
-                interrupted = True
-                self.sandbox.interrupt()
+                interrupts += 1
+                # A second Ctrl-C means the command ignored the first: kill its whole group.
+                self.sandbox.interrupt(force=interrupts > 1)
         if "error" in box:
             err = box["error"]
             if isinstance(err, SandboxError):
                 raise err
             raise SandboxError(f"the sandbox failed while running a command: {err!r}") from err
-        return box["result"], interrupted
+        return box["result"], interrupts > 0
 
     def _guidance(self) -> bool:
         guidance = self.hooks.on_interrupt()

@@ -16,6 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 
+# A model request that has not answered in 10 minutes is stuck (a 16k-token reply at 30
+# tokens/s takes 9); the loop retries it like any other transient error.
+DEFAULT_MODEL_TIMEOUT_S = 600.0
+
+
 class ModelError(RuntimeError):
     """A model call failed in a way worth retrying (5xx, timeout, connection reset)."""
 

@@ -3,7 +3,7 @@ the step in flight.
 
     trajectory.json  the message list exactly as sent to the model (Harbor-compatible, indent=2)
     timing.json      one dict per step: {step, llm_s, bash_s, return_code, cmd}
-                     or {step, llm_s, format_error: true}
+                     or {step, llm_s, format_error: true, reason}; seconds to the millisecond
     usage.json       {prompt_tokens, completion_tokens, total_tokens, reasoning_tokens, cost_usd, max_steps}
     tokens.json      the TokenTrace, when the policy keeps one (token-level training)
     result.json      {status, steps, error} once the episode (or a follow-up) ends

@@ -56,6 +56,10 @@ class SandboxSpec:
     labels: dict[str, str] = field(default_factory=dict)
     mounts: list[tuple[str, str, bool]] = field(default_factory=list)  # (host, target, read_only)
     name: str | None = None
+    # bwrap: host paths hidden in the jail on top of the usual credential files, and
+    # paths of that default list to show after all.
+    masked: list[str] = field(default_factory=list)
+    exposed: list[str] = field(default_factory=list)
 
 
 @runtime_checkable
@@ -68,8 +72,9 @@ class Sandbox(Protocol):
         """Run one command in the persistent shell (state carries over)."""
         ...
 
-    def interrupt(self) -> None:
-        """Send Ctrl-C to the command running in the persistent shell (thread-safe)."""
+    def interrupt(self, force: bool = False) -> None:
+        """Send Ctrl-C to the command running in the persistent shell (thread-safe); with
+        `force`, SIGKILL its whole process group at once."""
         ...
 
     def exec(

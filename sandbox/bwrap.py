@@ -25,6 +25,14 @@ from sandbox.local import copy_path
 from sandbox.shell import BASH_ARGV, PersistentShell, ShellSandbox
 
 DEFAULT_TARGET = "/workspace"
+# Credentials the host filesystem would show the agent (whatever a command prints goes to
+# the model provider): masked with an empty file or directory unless exposed on purpose.
+CREDENTIAL_PATHS = (
+    "~/.ssh", "~/.gnupg", "~/.aws", "~/.azure", "~/.kube", "~/.netrc", "~/.git-credentials",
+    "~/.docker/config.json", "~/.config/gcloud", "~/.config/gh", "~/.config/tmax", "~/.pypirc",
+    "~/.npmrc", "~/.cargo/credentials.toml", "~/.config/containers/auth.json",
+    "/etc/shadow", "/etc/gshadow", "/run/containers/0/auth.json",
+)
 SKIP_TOP = {"proc", "dev", "tmp"}
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -98,7 +106,9 @@ class BwrapSandbox(ShellSandbox):
             a += ["--ro-bind" if ro else "--bind", host, target]
         if not Path(self.target).exists():
             a += ["--dir", self.target]
-        a += ["--bind", str(self.workspace), self.target, "--remount-ro", "/"]
+        a += ["--bind", str(self.workspace), self.target]
+        a += self.mask_args()
+        a += ["--remount-ro", "/"]
         a += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", "tmax-bwrap",
               "--die-with-parent"]
         if not self.spec.network:
@@ -111,6 +121,27 @@ class BwrapSandbox(ShellSandbox):
             a += ["--setenv", k, v]
         a += ["--chdir", chdir]
         return a
+
+    def mask_args(self) -> list[str]:
+        """Cover each credential path that exists: a directory with an empty read-only
+        tmpfs, a file with an empty read-only file."""
+        assert self._own_dir is not None
+        empty = Path(self._own_dir) / "masked"
+        empty.touch(mode=0o444)
+        exposed = [Path(os.path.realpath(os.path.expanduser(p))) for p in self.spec.exposed]
+        args: list[str] = []
+        for raw in (*CREDENTIAL_PATHS, *self.spec.masked):
+            path = Path(os.path.realpath(os.path.expanduser(raw)))
+            shown = any(path == e or e in path.parents for e in exposed)
+            # The jail has its own /tmp, /proc and /dev: host files there are out of sight.
+            in_jail = path.parts[1:2] and path.parts[1] not in SKIP_TOP or self.workspace in path.parents
+            if shown or not in_jail or not path.exists():
+                continue
+            if path.is_dir():
+                args += ["--tmpfs", str(path), "--remount-ro", str(path)]
+            else:
+                args += ["--ro-bind", str(empty), str(path)]
+        return args
 
     # -- Sandbox ----------------------------------------------------------------------
 

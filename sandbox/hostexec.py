@@ -5,11 +5,61 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from sandbox.base import CommandResult, SandboxError
 
+T = TypeVar("T")
+
 MAX_EXEC_CHARS = 10_000_000  # exec output is for harness code (verifiers), not a model
+
+
+_lasting: ThreadPoolExecutor | None = None
+_lasting_lock = threading.Lock()
+
+
+def on_lasting_thread(fn: Callable[[], T]) -> T:
+    """Run `fn` (which forks a child) on one thread that lives as long as the process.
+
+    A parent-death signal (PR_SET_PDEATHSIG, e.g. bwrap's --die-with-parent) fires when
+    the *thread* that forked the child exits, not the process. A shell (re)started from
+    a short-lived worker thread would be killed the moment that thread ends; forking
+    from this thread ties the child to the life of the process instead. The executor's
+    single worker never exits while the process runs."""
+    global _lasting
+    with _lasting_lock:
+        if _lasting is None:
+            _lasting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tmax-spawner")
+    return _lasting.submit(fn).result()
+
+
+# Dispositions a child must not inherit: a job started in the background by a script
+# ignores SIGINT and SIGQUIT, `nohup` ignores SIGHUP, Python itself ignores SIGPIPE. An
+# ignored signal survives exec, and bash cannot undo what it inherited ignored, so Ctrl-C
+# and timeouts would not stop a command in the sandbox.
+_RESETTABLE = tuple(s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP))
+
+
+def default_signals() -> None:
+    """For a forked child before exec: every signal at its default action, none blocked."""
+    for sig in _RESETTABLE:
+        try:
+            signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError, RuntimeError):
+            pass  # signals the C library reserves for itself
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
+def _inherits_non_default_signals() -> bool:
+    """Whether a child would inherit an ignored or blocked signal (SIGPIPE and SIGXFSZ
+    aside: Python ignores them, and Popen's restore_signals resets them)."""
+    restored = (signal.SIGPIPE, signal.SIGXFSZ)
+    ignored = any(signal.getsignal(s) == signal.SIG_IGN for s in _RESETTABLE if s not in restored)
+    return ignored or bool(signal.pthread_sigmask(signal.SIG_BLOCK, []))
 
 
 def _decode(b: bytes | None) -> str:
@@ -22,8 +72,10 @@ def run_process(argv: list[str], timeout: float | None = None, cwd: str | None =
     group is killed and exit code 124 is returned, like coreutils `timeout`."""
     t0 = time.monotonic()
     try:
+        # preexec_fn only when needed: without it Popen can use the faster vfork path.
         proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                preexec_fn=default_signals if _inherits_non_default_signals() else None)
     except OSError as e:
         raise SandboxError(f"could not run {argv[0]}: {e}") from e
     try:

@@ -125,7 +125,8 @@ class PodmanSandbox(ShellSandbox):
         )
         inner = shlex.join(BASH_ARGV)
         argv += ["exec", "-it", self.container.id, "bash", "-c", f"{soft}; exec {inner}" if soft else f"exec {inner}"]
-        self.shell = PersistentShell(argv, workdir=self.workdir, kill_inner=self._kill_inner)
+        self.shell = PersistentShell(argv, workdir=self.workdir, kill_inner=self._kill_inner,
+                                     kill_foreground_inner=self._kill_foreground_inner)
         try:
             self.shell.start()
         except SandboxError:
@@ -137,6 +138,14 @@ class PodmanSandbox(ShellSandbox):
         # (bash passes SIGHUP on to its jobs), then kill it.
         if self.container is not None:
             self.container.exec_run(["sh", "-c", f"kill -HUP {pid}; sleep 0.2; kill -KILL {pid}"], demux=True)
+
+    def _kill_foreground_inner(self, pid: int) -> None:
+        # The pty seen from the host belongs to the `podman exec` client; the command's
+        # group is the foreground group (field 8 of /proc/PID/stat) of the shell's own pty.
+        if self.container is not None:
+            script = (f"g=$(cut -d' ' -f8 /proc/{pid}/stat); "
+                      f"[ \"$g\" -gt 0 ] && [ \"$g\" != {pid} ] && kill -KILL -- -\"$g\"")
+            self.container.exec_run(["bash", "-c", script], demux=True)
 
     def close(self) -> None:
         if self._closed:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from sandbox.base import NAME_PREFIX, SandboxError
+from sandbox.hostexec import on_lasting_thread
 
 DEFAULT_RUNTIME = "runc"
 SERVICE_DIR_PREFIX = NAME_PREFIX + "podman-"
@@ -60,24 +61,11 @@ def _set_parent_death_signal() -> None:
 
 def _spawn_tied_to_process(argv: list[str], **kw) -> subprocess.Popen:
     """Popen whose child is signalled if this process dies, even by SIGKILL (when exit
-    handlers never run). The death signal follows the *thread* that forked, so the fork
-    happens on a daemon thread that lives as long as the process."""
-    box: dict = {}
-    ready = threading.Event()
-
-    def keeper() -> None:
-        try:
-            box["p"] = subprocess.Popen(argv, preexec_fn=_set_parent_death_signal, **kw)
-        except Exception as e:
-            box["e"] = e
-        ready.set()
-        threading.Event().wait()
-
-    threading.Thread(target=keeper, name="tmax-podman-service", daemon=True).start()
-    ready.wait()
-    if "e" in box:
-        raise SandboxError(f"could not start the podman service: {box['e']}") from box["e"]
-    return box["p"]
+    handlers never run); forked on the lasting thread so the signal follows the process."""
+    try:
+        return on_lasting_thread(lambda: subprocess.Popen(argv, preexec_fn=_set_parent_death_signal, **kw))
+    except Exception as e:
+        raise SandboxError(f"could not start the podman service: {e}") from e
 
 
 class PodmanService:

@@ -45,6 +45,7 @@ import os
 import re
 import secrets
 import shlex
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -52,91 +53,34 @@ from collections.abc import Callable
 import pexpect
 
 from sandbox.base import DEFAULT_COMMAND_TIMEOUT_S, CommandResult, SandboxError
+from sandbox.hostexec import default_signals, on_lasting_thread
+from sandbox.shell_output import BoundedOutput, clean_output
 
 BASH_ARGV = ["bash", "--norc", "--noprofile"]
 DEFAULT_MAX_OUTPUT_CHARS = 1_000_000  # head + tail kept per command; the rest is counted
 START_TIMEOUT_S = 30.0
 INTERRUPT_GRACE_S = 5.0  # how long the prompt may take to return after Ctrl-C
 
-# CSI (colours, cursor moves), OSC (titles, hyperlinks), two-char ESC sequences, and
-# the remaining C0 controls except \t and \n (\r is handled separately).
-_ANSI_RE = re.compile(
-    r"\x1b\[[0-?]*[ -/]*[@-~]"
-    r"|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?"
-    r"|\x1b[PX^_][^\x1b]*(?:\x1b\\)?"
-    r"|\x1b[ -/]*[0-~]"
-    r"|[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]"
-)
+# Commands have no terminal to talk to (stdin is /dev/null, nobody types): pagers print
+# straight through, and full-screen editors fail at once with a note instead of waiting
+# for keys until the timeout. The user's own definitions made later still win.
+_NO_TTY_NOTE = ("needs an interactive terminal, and commands here have none; edit files with"
+                " sed -i, ed, python or a heredoc (cat > FILE <<EOF), and read them with cat, head or sed -n")
+_NO_EDITOR = f"sh -c 'echo \"tmax: an editor {_NO_TTY_NOTE}\" >&2; exit 1' tmax-no-editor"
+NO_TTY_SETUP = [
+    "export TERM=dumb PAGER=cat GIT_PAGER=cat MANPAGER=cat SYSTEMD_PAGER=''",
+    f"export EDITOR={shlex.quote(_NO_EDITOR)} VISUAL={shlex.quote(_NO_EDITOR)} GIT_EDITOR={shlex.quote(_NO_EDITOR)}",
+    f"__tmax_no_tty() {{ echo \"tmax: $1 {_NO_TTY_NOTE}.\" >&2; return 1; }}",
+    "for __tmax_p in vi vim nvim view vimdiff nano pico emacs joe mcedit; do"
+    " eval \"$__tmax_p() { __tmax_no_tty $__tmax_p; }\"; done",
+    "for __tmax_p in less more most; do"
+    " eval \"$__tmax_p() { command $__tmax_p \\\"\\$@\\\" | cat; return \\${PIPESTATUS[0]}; }\"; done",
+    "unset __tmax_p",
+]
+
 # Control characters that readline would act on if they reached it inside a command
 # (Ctrl-C raises SIGINT, ESC starts a key sequence, DEL deletes); commands keep \t and \n.
 _COMMAND_CTRL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
-
-
-def clean_output(text: str) -> str:
-    """Strip terminal control sequences and render carriage returns the way a terminal
-    shows them: a progress bar redrawn with `\\r` keeps only its last state."""
-    text = _ANSI_RE.sub("", text)
-    text = re.sub(r"\r+\n", "\n", text)
-    if "\r" in text:
-        lines = []
-        for line in text.split("\n"):
-            if "\r" in line:
-                parts = [p for p in line.split("\r") if p]
-                line = parts[-1] if parts else ""
-            lines.append(line)
-        text = "\n".join(lines)
-    return text
-
-
-class _BoundedOutput:
-    """Keeps the first and last `limit / 2` characters of a stream and counts the rest."""
-
-    def __init__(self, limit: int):
-        self.head_limit = limit // 2
-        self.tail_limit = limit - self.head_limit
-        self.head: list[str] = []
-        self.head_len = 0
-        self.tail: list[str] = []
-        self.tail_len = 0
-        self.dropped = 0
-
-    def add(self, s: str) -> None:
-        if not s:
-            return
-        if self.head_len < self.head_limit:
-            take = s[: self.head_limit - self.head_len]
-            self.head.append(take)
-            self.head_len += len(take)
-            s = s[len(take):]
-            if not s:
-                return
-        self.tail.append(s)
-        self.tail_len += len(s)
-        # Trim lazily (at twice the window) so a flood of small chunks stays linear.
-        if self.tail_len > 2 * self.tail_limit:
-            joined = "".join(self.tail)
-            cut = len(joined) - self.tail_limit
-            self.dropped += cut
-            self.tail = [joined[cut:]]
-            self.tail_len = self.tail_limit
-
-    def text(self) -> tuple[str, int]:
-        tail = "".join(self.tail)
-        dropped = self.dropped
-        if len(tail) > self.tail_limit:
-            dropped += len(tail) - self.tail_limit
-            tail = tail[len(tail) - self.tail_limit:]
-        head = "".join(self.head)
-        if dropped:
-            head = clean_output(head)
-            tail = clean_output(tail)
-            # Start the tail at a line boundary so the cut is visible and clean.
-            nl = tail.find("\n")
-            if 0 <= nl < 200:
-                dropped += nl + 1
-                tail = tail[nl + 1:]
-            return head + f"\n[... {dropped} characters dropped ...]\n" + tail, dropped
-        return clean_output(head + tail), 0
 
 
 class PersistentShell:
@@ -154,13 +98,17 @@ class PersistentShell:
         max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
         start_timeout: float = START_TIMEOUT_S,
         kill_inner: Callable[[int], None] | None = None,
+        kill_foreground_inner: Callable[[int], None] | None = None,
         interrupt_grace_s: float = INTERRUPT_GRACE_S,
     ):
         """argv: the process to spawn (ends in `bash --norc --noprofile`).
         env: variables exported inside the shell. workdir: initial cwd inside.
         spawn_env / spawn_cwd: environment and cwd of the spawned argv on the host.
         kill_inner: kills the shell's pid *inside* the sandbox when the spawned client
-        cannot (a `podman exec` client's death does not end the process it started)."""
+        cannot (a `podman exec` client's death does not end the process it started).
+        kill_foreground_inner: SIGKILLs the foreground process group of the shell with
+        that inner pid, where the pty seen from the host is not the shell's own (podman);
+        elsewhere the group is found on the pty and killed from the host."""
         self.argv = list(argv or BASH_ARGV)
         self.env = dict(env or {})
         self.workdir = workdir
@@ -169,6 +117,8 @@ class PersistentShell:
         self.max_output_chars = max_output_chars
         self.start_timeout = start_timeout
         self.kill_inner = kill_inner
+        self.kill_foreground_inner = kill_foreground_inner
+        self._shell_pgrp: int | None = None  # the shell's own process group, seen from the host
         self.interrupt_grace_s = interrupt_grace_s
         self.tag = secrets.token_hex(8)
         self._marker_rx = re.compile(r"\r*\n__TMAX_" + self.tag + r"_(\d*)_(\d+)__\r*\n")
@@ -195,10 +145,11 @@ class PersistentShell:
         base_env = dict(os.environ) if self.spawn_env is None else dict(self.spawn_env)
         base_env.update(TERM="dumb", PS1="", PS2="", PROMPT_COMMAND="", HISTFILE="/dev/null")
         try:
-            self._child = pexpect.spawn(
+            self._child = on_lasting_thread(lambda: pexpect.spawn(
                 self.argv[0], self.argv[1:], env=base_env, cwd=self.spawn_cwd, echo=False,
                 encoding=None, timeout=None, dimensions=(50, 200), use_poll=True,
-            )
+                preexec_fn=default_signals,
+            ))
         except (pexpect.ExceptionPexpect, OSError) as e:
             raise SandboxError(f"could not start shell {shlex.join(self.argv)}: {e}") from e
         # pexpect's default 50 ms sleep before every write would dominate per-call cost.
@@ -228,7 +179,7 @@ class PersistentShell:
                 f"shell {shlex.join(self.argv)} did not start"
                 f" ({'timed out' if timed_out else 'exited'}): {detail}"
             )
-        setup = ["export PAGER=cat GIT_PAGER=cat MANPAGER=cat SYSTEMD_PAGER=''", "echo $$"]
+        setup = [*NO_TTY_SETUP, "echo $$"]
         setup += [f"export {k}={shlex.quote(v)}" for k, v in self.env.items()]
         res = self._run_raw("\n".join(setup), time.monotonic() + self.start_timeout)
         if res[1] != 0 or res[2] or res[3]:
@@ -236,6 +187,11 @@ class PersistentShell:
             raise SandboxError(f"shell setup failed: {clean_output(res[0])[-2000:]}")
         first = clean_output(res[0]).strip().splitlines()
         self.inner_pid = int(first[0]) if first and first[0].isdigit() else None
+        try:
+            # At its prompt the shell owns the terminal: a command runs in another group.
+            self._shell_pgrp = os.tcgetpgrp(self._child.child_fd)
+        except OSError:
+            self._shell_pgrp = None
         if self.workdir:
             res = self._run_raw(f"cd -- {shlex.quote(self.workdir)}", time.monotonic() + self.start_timeout)
             if res[1] != 0:
@@ -305,17 +261,38 @@ class PersistentShell:
             duration_s=time.monotonic() - t0, dropped_chars=dropped,
         )
 
-    def interrupt(self) -> None:
-        """Ctrl-C to the foreground command. Ignored while no command runs, because
-        Ctrl-C at an idle prompt would print a stray prompt."""
+    def interrupt(self, force: bool = False) -> None:
+        """Ctrl-C to the foreground command; with `force`, SIGKILL to its whole process
+        group at once (a program may catch or ignore Ctrl-C). Ignored while no command
+        runs, because Ctrl-C at an idle prompt would print a stray prompt."""
+        if not self._running or self._child is None:
+            return
+        self._interrupted = True
+        if force:
+            # No lock: this may run in a signal handler on a thread that holds it.
+            self._kill_foreground()
+            return
         with self._write_lock:
-            if not self._running or self._child is None:
-                return
-            self._interrupted = True
             try:
-                os.write(self._child.child_fd, b"\x03")
+                if self._running and self._child is not None:
+                    os.write(self._child.child_fd, b"\x03")
             except OSError:
                 pass
+
+    def _kill_foreground(self) -> None:
+        if self.kill_foreground_inner is not None:
+            if self.inner_pid is not None:
+                try:
+                    self.kill_foreground_inner(self.inner_pid)
+                except Exception:
+                    pass  # best effort: the caller falls back to a restart
+            return
+        try:
+            group = os.tcgetpgrp(self._child.child_fd) if self._child is not None else -1
+            if group > 0 and group != self._shell_pgrp:
+                os.killpg(group, signal.SIGKILL)
+        except OSError:
+            pass  # the group is gone already
 
     # -- internals ---------------------------------------------------------------
 
@@ -354,7 +331,7 @@ class PersistentShell:
         if self._child is None:
             raise SandboxError("shell is not started")
         text = self._wrap(command)
-        buf = _BoundedOutput(self.max_output_chars)
+        buf = BoundedOutput(self.max_output_chars)
         self._running = True
         try:
             try:
@@ -367,12 +344,12 @@ class PersistentShell:
         out, dropped = buf.text()
         return out, rc, timed_out, eof, dropped
 
-    def _collect(self, seq: int | None, deadline: float | None, buf: _BoundedOutput | None = None
+    def _collect(self, seq: int | None, deadline: float | None, buf: BoundedOutput | None = None
                  ) -> tuple[str, int, bool, bool]:
         """Read until the prompt for `seq` (None: any prompt). Output before it goes to
         `buf` in bounded memory; returns (raw text if no buf, rc, timed_out, eof)."""
         assert self._child is not None
-        sink = buf if buf is not None else _BoundedOutput(self.max_output_chars)
+        sink = buf if buf is not None else BoundedOutput(self.max_output_chars)
         pending, self._leftover = self._leftover, ""
         want = "" if seq is None else str(seq)
         while True:
@@ -421,16 +398,20 @@ class PersistentShell:
         return out + self._decoder.decode(b"", final=True)
 
     def _recover_after_timeout(self) -> bool:
-        """Ctrl-C twice (a program may catch the first) and wait for this command's
-        prompt; True if the shell answered."""
-        for _ in range(2):
+        """Ctrl-C, then SIGKILL to the command's process group (a program may catch or
+        ignore Ctrl-C), each time waiting for this command's prompt; True if the shell
+        answered."""
+        for force in (False, True):
             if self._child is None or not self._child.isalive():
                 return False
             self._running = True
             try:
-                with self._write_lock:
-                    os.write(self._child.child_fd, b"\x03")
-                sink = _BoundedOutput(4096)
+                if force:
+                    self._kill_foreground()
+                else:
+                    with self._write_lock:
+                        os.write(self._child.child_fd, b"\x03")
+                sink = BoundedOutput(4096)
                 _, _, timed_out, eof = self._collect(self._seq, time.monotonic() + self.interrupt_grace_s, sink)
             except OSError:
                 return False
@@ -477,6 +458,6 @@ class ShellSandbox:
     def run(self, command: str, timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S) -> CommandResult:
         return self._shell().run(command, timeout)
 
-    def interrupt(self) -> None:
+    def interrupt(self, force: bool = False) -> None:
         if self.shell is not None:
-            self.shell.interrupt()
+            self.shell.interrupt(force)

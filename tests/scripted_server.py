@@ -14,7 +14,8 @@ Turn keys (all optional):
     usage            {"prompt_tokens": ..., "completion_tokens": ..., "total_tokens": ...}
     delay            seconds to wait before answering (client timeouts)
     status           answer with this HTTP error status instead (with "message")
-    error            "context_length" | "auth" | "not_found" | "server": canned vLLM-style errors
+    error            "context_length" | "max_tokens_too_large" | "auth" | "not_found" | "server": canned vLLM-style errors
+    max_model_len    (a server option, not a turn key) reported per model by GET /v1/models, as vLLM does
 
 `script` may also be a callable `request body -> turn` (in-process only): a responder that
 picks its answer from the request, for clients that send requests concurrently.
@@ -53,8 +54,14 @@ CANNED_ERRORS: dict[str, tuple[int, str, str]] = {
     "context_length": (
         400,
         "BadRequestError",
-        "This model's maximum context length is 65536 tokens. However, you requested 70000 tokens "
-        "(53616 in the messages, 16384 in the completion). Please reduce the length of the messages or completion.",
+        "This model's maximum context length is 65536 tokens. However, you requested 86384 tokens "
+        "(70000 in the messages, 16384 in the completion). Please reduce the length of the messages or completion.",
+    ),
+    # vLLM's answer when max_tokens alone exceeds the window (a small --max-model-len).
+    "max_tokens_too_large": (
+        400,
+        "BadRequestError",
+        "max_tokens=16384 cannot be greater than max_model_len=4096. Please request fewer output tokens.",
     ),
     "auth": (401, "AuthenticationError", "Incorrect API key provided."),
     "not_found": (404, "NotFoundError", "The model `missing` does not exist."),
@@ -112,10 +119,11 @@ def completion_body(turn: dict[str, Any], model: str, request: dict[str, Any], i
 
 
 class _State:
-    def __init__(self, script: Any, model: str, api_key: str | None) -> None:
+    def __init__(self, script: Any, model: str, api_key: str | None, max_model_len: int | None = None) -> None:
         self.script = script if callable(script) else list(script)
         self.model = model
         self.api_key = api_key
+        self.max_model_len = max_model_len
         self.requests: list[dict[str, Any]] = []
         self.next = 0
         self.lock = threading.Lock()
@@ -153,7 +161,10 @@ def _handler(state: _State) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             if self.path.rstrip("/") == "/v1/models":
-                self._send(200, {"object": "list", "data": [{"id": state.model, "object": "model", "owned_by": "tmax-tests"}]})
+                entry = {"id": state.model, "object": "model", "owned_by": "tmax-tests"}
+                if state.max_model_len is not None:
+                    entry["max_model_len"] = state.max_model_len
+                self._send(200, {"object": "list", "data": [entry]})
             elif self.path == "/_requests":
                 with state.lock:
                     self._send(200, list(state.requests))
@@ -207,10 +218,12 @@ class ScriptedServer:
         host: str = "127.0.0.1",
         port: int = 0,
         process: bool = False,
+        max_model_len: int | None = None,
     ) -> None:
         if callable(script) and process:
             raise ValueError("a callable script runs in-process only")
         self.script = script if callable(script) else list(script)
+        self.max_model_len = max_model_len
         self.model = model
         self.api_key = api_key
         self.host = host
@@ -238,7 +251,7 @@ class ScriptedServer:
         if self.process:
             self._start_process()
         else:
-            self._state = _State(self.script, self.model, self.api_key)
+            self._state = _State(self.script, self.model, self.api_key, self.max_model_len)
             self._httpd = ThreadingHTTPServer((self.host, self.port), _handler(self._state))
             self._httpd.daemon_threads = True
             self.port = self._httpd.server_address[1]

@@ -99,3 +99,36 @@ def test_scripted_server_as_a_process_and_models_endpoint():
         # Exhausted script: a loud, non-retryable error.
         with pytest.raises(FatalModelError, match="exhausted"):
             policy(srv).complete(MESSAGES, TOOLS)
+
+
+def test_max_tokens_fitted_to_the_window_the_server_lists():
+    """vLLM lists max_model_len: a 4,096-token server never gets asked for 16,384 tokens."""
+    usage = {"prompt_tokens": 1000, "completion_tokens": 96, "total_tokens": 1096}
+    with ScriptedServer([{"content": "a", "usage": usage}, {"content": "b"}], max_model_len=4096) as srv:
+        p = policy(srv, max_tokens=16384)
+        p.complete(MESSAGES, TOOLS)
+        p.complete(MESSAGES + [{"role": "assistant", "content": "a"}, {"role": "user", "content": "more"}], TOOLS)
+        asked = [r["max_tokens"] for r in srv.requests]
+    assert p.window == 4096
+    assert asked == [4096, 4096 - 1096]  # the second prompt holds at least the first turn
+
+
+def test_max_tokens_fitted_from_the_error_when_the_server_lists_no_window():
+    script = [{"error": "max_tokens_too_large"}, {"content": "ok"}]
+    with ScriptedServer(script) as srv:
+        turn = policy(srv, max_tokens=16384).complete(MESSAGES, TOOLS)
+        asked = [r["max_tokens"] for r in srv.requests]
+    assert turn.message["content"] == "ok" and asked == [16384, 4096]
+    # An error that gives the prompt's length too: the retry asks for what is left.
+    msg = ("This model's maximum context length is 8192 tokens. However, you requested 9000 tokens "
+           "(3000 in the messages, 6000 in the completion).")
+    with ScriptedServer([{"status": 400, "message": msg}, {"content": "ok"}]) as srv:
+        policy(srv, max_tokens=6000).complete(MESSAGES, TOOLS)
+        assert [r["max_tokens"] for r in srv.requests] == [6000, 8192 - 3000]
+
+
+def test_connection_error_names_the_url():
+    with ScriptedServer([]) as srv:
+        url = srv.base_url
+    with pytest.raises(ModelError, match=f"at {url}/chat/completions"):
+        ChatPolicy(model="m", base_url=url, timeout=2).complete(MESSAGES, TOOLS)

@@ -343,6 +343,27 @@ def run_json(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 6
     return proc.returncode, events, proc.stderr
 
 
+@pytest.mark.bwrap
+@pytest.mark.skipif(not bwrap_works(), reason="bubblewrap cannot run here")
+def test_bwrap_shell_is_persistent_again_after_each_restart(env, ws, tmp_path):
+    """Commands run on a worker thread; a shell restarted there must outlive that thread
+    (bwrap's --die-with-parent follows the forking thread), and keep its state again."""
+    restarters = ["exit", "kill -9 $$", "exec bash"]
+    script = []
+    for i, restart in enumerate(restarters):
+        script += [{"bash": restart}, {"bash": f"mkdir -p d{i} && cd d{i} && export A=v{i}"}, {"bash": "echo A=$A; pwd"}]
+    script.append({"bash": SUBMIT})
+    with ScriptedServer(script) as srv:
+        rc, events, stderr = run_json(run_args(srv, ws, tmp_path / "run", "--sandbox", "bwrap"), env, ws, timeout=120)
+    assert rc == 0, stderr
+    observations = [e for e in events if e["type"] == "observation"]
+    for i, restart in enumerate(restarters):
+        restarted, setter, probe = observations[3 * i: 3 * i + 3]
+        assert "restarted" in (restarted["note"] or ""), (restart, restarted)
+        assert setter["exit_code"] == 0 and setter["note"] is None, (restart, setter)
+        assert probe["observation"] == f"A=v{i}\n{ws}/d{i}\n\n(exit_code=0)", (restart, probe)
+
+
 def test_json_events(env, ws, tmp_path):
     script = [
         {"content": "Listing.", "bash": "echo json-ok"},
@@ -353,7 +374,10 @@ def test_json_events(env, ws, tmp_path):
         code, events, stderr = run_json(run_args(srv, ws, tmp_path / "run", "--sandbox", "local"), env, ws)
     assert code == 0, stderr
     types = [e["type"] for e in events]
-    assert types == [
+    start, events = events[0], events[1:]
+    assert start == {"type": "start", "run_id": "run", "model": srv.model, "base_url": srv.base_url, "sandbox": "local",
+                     "workdir": str(ws), "mode": "confirm", "trajectory_dir": str(tmp_path / "run")}
+    assert types[1:] == [
         "step", "model", "command", "observation",
         "step", "model", "format_error",
         "step", "model", "command", "observation",
@@ -363,6 +387,7 @@ def test_json_events(env, ws, tmp_path):
     assert obs["exit_code"] == 0 and obs["observation"] == "json-ok\n\n(exit_code=0)"
     assert events[1]["content"] == "Listing." and events[1]["command"] == "echo json-ok"
     assert events[5]["command"] is None
+    assert events[6]["reason"] and events[6]["reason"] in json.dumps(json.loads((tmp_path / "run" / "timing.json").read_text()))
     # Token counts are per turn and cumulative.
     assert events[8]["cumulative"]["prompt_tokens"] == sum(e["usage"]["prompt_tokens"] for e in events if e["type"] == "model")
     done = events[-1]
@@ -485,7 +510,7 @@ def test_resume_continues_the_conversation(env, ws, tmp_path):
     assert "now show the state" in sent[-1]["content"] and "new shell" in sent[-1]["content"]
     assert [e for e in events if e["type"] == "observation"][0]["observation"].startswith("saved-state")
     # Step numbers continue, and the new directory holds the whole conversation.
-    assert events[0] == {"type": "step", "step": 3}
+    assert events[1] == {"type": "step", "step": 3}
     assert json.loads((second / "trajectory.json").read_text())[: len(saved)] == saved
     assert json.loads((second / "run.json").read_text())["resumed_from"] == str(first)
 

@@ -90,9 +90,12 @@ def test_file_settings_for_sandbox_and_steps(cfg_home):
     [
         ("base_url = ", "not valid TOML"),
         ('base_url = "http://x/v1"\nmodle = "typo"\n', "unknown key 'modle'"),
-        ('base_url = "http://x/v1"\nmax_steps = "ten"\n', "max_steps must be an integer"),
-        ('base_url = "http://x/v1"\nmax_steps = true\n', "max_steps must be an integer"),
-        ('base_url = "http://x/v1"\nsandbox = "docker"\n', "sandbox 'docker'"),
+        ('base_url = "http://x/v1"\nmax_steps = "ten"\n', "max_steps: Input should be a valid integer, got str 'ten'"),
+        ('base_url = "http://x/v1"\nmax_steps = true\n', "max_steps: Input should be a valid integer, got bool True"),
+        ('base_url = "http://x/v1"\nsandbox = "docker"\n', "sandbox: Input should be 'local', 'bwrap' or 'podman'"),
+        ('base_url = "http://x/v1"\ncommand_timeout = 0\n', "command_timeout: Input should be greater than 0"),
+        ('base_url = "http://x/v1"\nmax_tokens = 0\n', "max_tokens: Input should be greater than or equal to 1"),
+        ('base_url = "http://x/v1"\nexpose = "~/.ssh"\n', "expose: Input should be a valid list"),
         ('base_url = "localhost:8000"\n', "must start with http"),
     ],
 )
@@ -101,8 +104,34 @@ def test_bad_config_file_is_a_clear_error(cfg_home, text, fragment):
     with pytest.raises(ConfigError) as err:
         resolve_run_settings()
     assert fragment in str(err.value)
-    if "sandbox" not in fragment and "http" not in fragment:
+    if "http" not in fragment:
         assert str(path) in str(err.value)
+
+
+def test_missing_url_hint_names_a_key_the_file_accepts(cfg_home):
+    with pytest.raises(ConfigError) as err:
+        resolve_run_settings(sandbox="local")
+    assert '`base_url = "..."`' in str(err.value)
+    write_cfg(cfg_home, 'base_url = "http://x/v1"\n')
+    assert resolve_run_settings(sandbox="local").base_url == "http://x/v1"
+
+
+def test_timeouts_tokens_and_expose_from_flag_env_file(cfg_home, monkeypatch):
+    s = resolve_run_settings(base_url="http://x/v1", sandbox="local")
+    assert (s.command_timeout, s.model_timeout, s.max_tokens, s.expose) == (120.0, 600.0, None, [])
+    write_cfg(cfg_home, 'base_url = "http://x/v1"\ncommand_timeout = 30\nmodel_timeout = 90.5\nmax_tokens = 2048\n'
+                        'expose = ["~/.ssh"]\n')
+    s = resolve_run_settings(sandbox="local", expose=["/etc/shadow"])
+    assert (s.command_timeout, s.model_timeout, s.max_tokens, s.expose) == (30.0, 90.5, 2048, ["~/.ssh", "/etc/shadow"])
+    monkeypatch.setenv("TMAX_COMMAND_TIMEOUT", "7")
+    monkeypatch.setenv("TMAX_MODEL_TIMEOUT", "8")
+    s = resolve_run_settings(sandbox="local")
+    assert (s.command_timeout, s.model_timeout) == (7.0, 8.0) and s.sources["command_timeout"] == "$TMAX_COMMAND_TIMEOUT"
+    s = resolve_run_settings(sandbox="local", command_timeout=3, max_tokens=100)
+    assert (s.command_timeout, s.max_tokens) == (3.0, 100)
+    monkeypatch.setenv("TMAX_COMMAND_TIMEOUT", "soon")
+    with pytest.raises(ConfigError, match="command_timeout must be a number of seconds, got 'soon' \\(from \\$TMAX_COMMAND_TIMEOUT\\)"):
+        resolve_run_settings(sandbox="local")
 
 
 def test_bad_flags(cfg_home):

@@ -306,3 +306,13 @@ def test_exec_outlasts_the_client_http_timeout(base_image, monkeypatch):
         assert r.exit_code == 0 and "done" in r.output, r
     finally:
         sb.close()
+
+
+def test_force_interrupt_kills_the_command_group_in_container(box):
+    import threading
+
+    threading.Timer(1.0, box.interrupt, kwargs={"force": True}).start()
+    t0 = time.monotonic()
+    r = box.run("export KEEP=1; bash -c \"trap '' INT; sleep 100 | cat\"; echo after=$?", timeout=60)
+    assert time.monotonic() - t0 < 10 and r.output.endswith("after=137\n")
+    assert box.run("echo KEEP=$KEEP").output == "KEEP=1\n"  # the shell itself survived

@@ -118,15 +118,28 @@ def test_timeout_interrupts_and_keeps_state(sh):
     assert r.output == "/\nyes\n"
 
 
-def test_timeout_when_ctrl_c_is_ignored_restarts(sh):
+def test_timeout_when_ctrl_c_is_ignored_kills_the_command_group(sh):
     sh.run("cd /; trap '' INT")
     t0 = time.monotonic()
-    r = sh.run("sleep 100", timeout=1)
-    assert r.timed_out and r.exit_code == 124
-    assert "restarted" in r.note
+    r = sh.run("sleep 100 | cat", timeout=1)
+    assert r.timed_out and r.exit_code == 124 and "interrupted" in r.note
     assert time.monotonic() - t0 < 15
+    assert sh.run("pwd").output == "/\n"  # the same shell: no restart was needed
+
+
+def test_timeout_when_the_shell_itself_ignores_ctrl_c_restarts(sh):
+    sh.run("cd /; trap '' INT")
+    r = sh.run("while :; do :; done", timeout=1)  # a builtin loop: nothing to kill but the shell
+    assert r.timed_out and r.exit_code == 124 and "restarted" in r.note
     r = sh.run("pwd")  # a fresh shell, back in the initial workdir
     assert r.exit_code == 0 and r.output.strip() != "/"
+
+
+def test_force_interrupt_kills_the_whole_foreground_group(sh):
+    threading.Timer(0.5, sh.interrupt, kwargs={"force": True}).start()
+    t0 = time.monotonic()
+    r = sh.run("bash -c \"trap '' INT; sleep 100 | cat\"; echo after=$?", timeout=30)
+    assert time.monotonic() - t0 < 5 and r.output.endswith("after=137\n")
 
 
 def test_stdin_readers_do_not_hang(sh):
@@ -215,3 +228,33 @@ def test_previous_exit_code_visible_and_set_e(sh):
     r = sh.run("false")
     assert r.exit_code == 1 and "restarted" in r.note
     assert sh.run("echo fine").output == "fine\n"
+
+
+def test_children_start_with_default_signals(tmp_path):
+    """A tmax started in the background ignores SIGINT (and Python ignores SIGPIPE): the
+    shell's commands and one-off processes must not inherit that."""
+    from sandbox.hostexec import run_process
+
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        s = PersistentShell(workdir=str(tmp_path))
+        s.start()
+        one_off = run_process(["sh", "-c", "grep SigIgn /proc/self/status"])
+    finally:
+        signal.signal(signal.SIGINT, old)
+    try:
+        assert s.run("sh -c 'grep SigIgn /proc/self/status'").output == "SigIgn:\t0000000000000000\n"
+        assert s.run("yes | head -1").output == "y\n"  # SIGPIPE ends `yes` quietly
+    finally:
+        s.close()
+    assert one_off.output == "SigIgn:\t0000000000000000\n"
+
+
+def test_programs_that_need_a_terminal_fail_fast(sh, tmp_path):
+    (tmp_path / "f.txt").write_text("one\ntwo\n")
+    t0 = time.monotonic()
+    r = sh.run("vi f.txt", timeout=30)
+    assert r.exit_code == 1 and "vi needs an interactive terminal" in r.output and time.monotonic() - t0 < 5
+    assert sh.run("less f.txt; less f.txt | wc -l").output == "one\ntwo\n2\n"  # pagers print through
+    r = sh.run('sh -c "$EDITOR f.txt"; echo rc=$?; echo $TERM $PAGER $GIT_PAGER')
+    assert r.output.startswith("tmax: an editor needs an interactive terminal") and r.output.endswith("rc=1\ndumb cat cat\n")

@@ -11,6 +11,13 @@ when XDG_CONFIG_HOME is unset), with flat keys:
     mode = "confirm"           # confirm | yolo
     image = "localhost/tmax-base:bookworm"
     max_steps = 64
+    max_tokens = 16384         # per model turn; fitted to what the server's window leaves
+    command_timeout = 120      # seconds per command
+    model_timeout = 600        # seconds per model request
+    expose = ["~/.ssh"]        # credential paths the bwrap jail may show (masked otherwise)
+
+The file is validated by a pydantic model: an unknown key or a wrong type is an error
+naming the key and the file.
 """
 
 from __future__ import annotations
@@ -22,7 +29,12 @@ import tomllib
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from agents.policy import DEFAULT_MODEL_TIMEOUT_S
+from sandbox.base import DEFAULT_COMMAND_TIMEOUT_S
 
 SANDBOX_KINDS = ("local", "bwrap", "podman")
 MODES = ("confirm", "yolo")
@@ -32,17 +44,27 @@ DEFAULT_IMAGE = "localhost/tmax-base:bookworm"
 BASE_URL_ENV = ("TMAX_BASE_URL", "OPENAI_BASE_URL")
 API_KEY_ENV = ("TMAX_API_KEY", "OPENAI_API_KEY")
 MODEL_ENV = ("TMAX_MODEL",)
+COMMAND_TIMEOUT_ENV = ("TMAX_COMMAND_TIMEOUT",)
+MODEL_TIMEOUT_ENV = ("TMAX_MODEL_TIMEOUT",)
 
-# Key -> accepted Python type(s) in the config file.
-_FILE_KEYS: dict[str, type] = {
-    "base_url": str,
-    "model": str,
-    "api_key": str,
-    "sandbox": str,
-    "mode": str,
-    "image": str,
-    "max_steps": int,
-}
+
+
+class RunFile(BaseModel):
+    """The config file's keys: all optional, strictly typed, no others."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    base_url: str | None = None
+    model: str | None = None
+    api_key: str | None = None
+    sandbox: Literal[SANDBOX_KINDS] | None = None  # type: ignore[valid-type]
+    mode: Literal[MODES] | None = None  # type: ignore[valid-type]
+    image: str | None = None
+    max_steps: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    command_timeout: float | None = Field(None, gt=0)
+    model_timeout: float | None = Field(None, gt=0)
+    expose: list[str] = Field(default_factory=list)
 
 
 class ConfigError(ValueError):
@@ -76,18 +98,19 @@ def load_file(path: Path | None = None) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e}") from e
-    for key, value in data.items():
-        if key not in _FILE_KEYS:
-            allowed = ", ".join(sorted(_FILE_KEYS))
-            raise ConfigError(f"config file {path}: unknown key {key!r} (allowed: {allowed})")
-        expected = _FILE_KEYS[key]
-        # bool is an int subclass; `max_steps = true` is still a mistake.
-        if not isinstance(value, expected) or isinstance(value, bool):
-            raise ConfigError(
-                f"config file {path}: {key} must be {'an integer' if expected is int else 'a string'}, "
-                f"got {type(value).__name__} {value!r}"
-            )
+    try:
+        RunFile.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"config file {path}: {_first_problem(e)}") from None
     return data
+
+
+def _first_problem(e: ValidationError) -> str:
+    err = e.errors()[0]
+    key = ".".join(str(part) for part in err["loc"])
+    if err["type"] == "extra_forbidden":
+        return f"unknown key {key!r} (allowed: {', '.join(RunFile.model_fields)})"
+    return f"{key}: {err['msg']}, got {type(err['input']).__name__} {err['input']!r}"
 
 
 def _from_env(names: tuple[str, ...]) -> tuple[str | None, str | None]:
@@ -107,6 +130,10 @@ class RunSettings:
     mode: str
     image: str
     max_steps: int | None
+    max_tokens: int | None = None  # None: the Vanillux2 16,384, fitted to the server's window
+    command_timeout: float = DEFAULT_COMMAND_TIMEOUT_S
+    model_timeout: float = DEFAULT_MODEL_TIMEOUT_S
+    expose: list[str] = field(default_factory=list)  # host paths the bwrap jail does not mask
     # Setting name -> where its value came from ("--base-url", "$OPENAI_BASE_URL", file path, "default").
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -123,11 +150,11 @@ def _pick(flag_value: Any, flag_name: str, env: tuple[str, ...] | None, key: str
     return None, None
 
 
-def missing_setting_message(what: str, flag: str, env: tuple[str, ...], path: Path) -> str:
+def missing_setting_message(what: str, flag: str, env: tuple[str, ...], path: Path, key: str) -> str:
     envs = " / ".join(f"${e}" for e in env)
     return (
         f"no {what} given. Set one of: the {flag} flag, the environment variable {envs}, "
-        f"or `{what.replace(' ', '_')} = \"...\"` in the config file {path}."
+        f"or `{key} = \"...\"` in the config file {path}."
     )
 
 
@@ -140,6 +167,10 @@ def resolve_run_settings(
     mode: str | None = None,
     image: str | None = None,
     max_steps: int | None = None,
+    max_tokens: int | None = None,
+    command_timeout: float | None = None,
+    model_timeout: float | None = None,
+    expose: list[str] | None = None,
     path: Path | None = None,
 ) -> RunSettings:
     """Merge flags, environment and config file; raise ConfigError naming every source tried."""
@@ -149,7 +180,7 @@ def resolve_run_settings(
 
     url, sources["base_url"] = _pick(base_url, "--base-url", BASE_URL_ENV, "base_url", file, path)
     if not url:
-        raise ConfigError(missing_setting_message("base URL", "--base-url", BASE_URL_ENV, path))
+        raise ConfigError(missing_setting_message("base URL", "--base-url", BASE_URL_ENV, path, "base_url"))
     if not url.startswith(("http://", "https://")):
         raise ConfigError(f"base URL {url!r} (from {sources['base_url']}) must start with http:// or https://")
 
@@ -180,6 +211,13 @@ def resolve_run_settings(
     if steps is not None and steps < 1:
         raise ConfigError(f"max_steps must be at least 1, got {steps} (from {sources['max_steps']})")
 
+    tokens, sources["max_tokens"] = _pick(max_tokens, "--max-tokens", None, "max_tokens", file, path)
+    if tokens is not None and tokens < 1:
+        raise ConfigError(f"max_tokens must be at least 1, got {tokens} (from {sources['max_tokens']})")
+    cmd_s = _seconds(command_timeout, "--command-timeout", COMMAND_TIMEOUT_ENV, "command_timeout", file, path, sources)
+    model_s = _seconds(model_timeout, "--model-timeout", MODEL_TIMEOUT_ENV, "model_timeout", file, path, sources)
+    shown = list(file.get("expose", [])) + list(expose or [])
+
     return RunSettings(
         base_url=url.rstrip("/"),
         model=name,
@@ -188,8 +226,28 @@ def resolve_run_settings(
         mode=approval,
         image=img,
         max_steps=steps,
+        max_tokens=tokens,
+        command_timeout=cmd_s if cmd_s is not None else DEFAULT_COMMAND_TIMEOUT_S,
+        model_timeout=model_s if model_s is not None else DEFAULT_MODEL_TIMEOUT_S,
+        expose=shown,
         sources=sources,
     )
+
+
+def _seconds(flag_value: float | None, flag: str, env: tuple[str, ...], key: str, file: dict, path: Path,
+             sources: dict[str, str]) -> float | None:
+    """A positive number of seconds from flag, environment or file (None: the default)."""
+    value, sources[key] = _pick(flag_value, flag, env, key, file, path)
+    if value is None:
+        sources[key] = "default"
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ConfigError(f"{key} must be a number of seconds, got {value!r} (from {sources[key]})") from None
+    if not seconds > 0:
+        raise ConfigError(f"{key} must be more than 0 seconds, got {value!r} (from {sources[key]})")
+    return seconds
 
 
 _bwrap_ok: bool | None = None

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 import typer
 
 from tmax_cli.config import DEFAULT_IMAGE, ConfigError, RunSettings, default_run_dir, resolve_run_settings
+from tmax_cli.run_setup import discover_model, keep_long_output, load_saved, saved_workdir, sandbox_spec
 
 # Exit status by outcome, so scripts can branch on it (documented in --help).
 EXIT_CODES = {
@@ -66,41 +67,6 @@ def _usage_dict(u: Any) -> dict[str, int]:
     }
 
 
-# --------------------------------------------------------------------------- model
-def discover_model(base_url: str, api_key: str) -> str:
-    """The one model a server serves (vLLM serves one); several or none is a usage error."""
-    from openai import OpenAI
-
-    from tmax_cli.config import MODEL_ENV, config_path
-
-    how = (
-        f"Name it with the --model flag, the environment variable {' / '.join('$' + e for e in MODEL_ENV)}, "
-        f"or `model = \"...\"` in the config file {config_path()}."
-    )
-    try:
-        ids = [m.id for m in OpenAI(base_url=base_url, api_key=api_key, timeout=10, max_retries=0).models.list()]
-    except Exception as e:  # any failure here means: ask the user to name the model
-        raise ConfigError(f"no model given, and listing the models at {base_url} failed ({type(e).__name__}: {e}). {how}") from e
-    if len(ids) != 1:
-        raise ConfigError(f"no model given, and {base_url} serves {len(ids)} models ({', '.join(ids) or 'none'}). {how}")
-    return ids[0]
-
-
-# --------------------------------------------------------------------------- resume
-def load_saved(path: Path):
-    """A saved run (`agents.records.SavedRun`) to continue; anything else is a usage error."""
-    from agents.records import load_run
-
-    try:
-        saved = load_run(path)
-    except (OSError, ValueError, TypeError) as e:
-        raise ConfigError(f"cannot resume from {path}: {e}") from e
-    if len(saved.messages) < 2 or saved.messages[0].get("role") != "system":
-        raise ConfigError(f"cannot resume from {path}: the trajectory does not start with the system prompt")
-    return saved
-
-
-# --------------------------------------------------------------------------- hooks
 def _make_hooks_classes():
     # Defined lazily so `tmax --help` does not import the agent stack.
     from agents.loop import AgentHooks
@@ -110,6 +76,8 @@ def _make_hooks_classes():
 
         def __init__(self, session_usage: Callable[[], Any]) -> None:
             self.session_usage = session_usage  # the agent's running totals (resets per run())
+            self.run_dir: Path | None = None  # where long outputs are kept
+            self.output_limit = 10_000
 
         def emit(self, type_: str, **fields: Any) -> None:
             sys.stdout.write(json.dumps({"type": type_, **fields}, default=str) + "\n")
@@ -135,6 +103,7 @@ def _make_hooks_classes():
             return None
 
         def on_observation(self, step: int, result: Any, observation: str) -> None:
+            kept = keep_long_output(self.run_dir, step, result, self.output_limit)
             self.emit(
                 "observation",
                 step=step,
@@ -143,10 +112,11 @@ def _make_hooks_classes():
                 duration_s=round(result.duration_s, 3),
                 note=result.note,
                 observation=observation,
+                output_file=str(kept) if kept else None,
             )
 
-        def on_format_error(self, step: int, feedback: str) -> None:
-            self.emit("format_error", step=step, feedback=feedback)
+        def on_format_error(self, step: int, feedback: str, reason: str | None = None) -> None:
+            self.emit("format_error", step=step, feedback=feedback, reason=reason)
 
         def on_retry(self, attempt: int, error: Exception, delay_s: float) -> None:
             self.emit("retry", attempt=attempt, error=str(error), delay_s=delay_s)
@@ -169,6 +139,8 @@ def _make_hooks_classes():
             self.undo: Any = None  # tmax_cli.run_undo.UndoControl with --undo-steps
             self.undo_note: str | None = None  # what the model is told after an /undo
             self.rate: Callable[[str], str] | None = None  # /good, /bad (tmax_cli.run_training.rate)
+            self.run_dir: Path | None = None  # where long outputs are kept
+            self.output_limit = 10_000
 
         # `/y` and `/c` work at every prompt; returns True when the input was a mode command.
         def _mode_command(self, text: str) -> bool:
@@ -257,11 +229,13 @@ def _make_hooks_classes():
 
         def on_observation(self, step: int, result: Any, observation: str) -> None:
             self.display.stop_spinner()
-            self.display.output(result.output, result.exit_code, result.duration_s, result.timed_out, result.note)
+            kept = keep_long_output(self.run_dir, step, result, self.output_limit)
+            self.display.output(result.output, result.exit_code, result.duration_s, result.timed_out, result.note,
+                                kept=str(kept) if kept else None)
 
-        def on_format_error(self, step: int, feedback: str) -> None:
+        def on_format_error(self, step: int, feedback: str, reason: str | None = None) -> None:
             self.display.stop_spinner()
-            self.display.format_error(feedback)
+            self.display.format_error(feedback if reason is None else f"{feedback}\n\n(why: {reason})")
 
         def on_retry(self, attempt: int, error: Exception, delay_s: float) -> None:
             self.display.stop_spinner()
@@ -306,22 +280,6 @@ def _make_hooks_classes():
     return JsonHooks, InteractiveHooks
 
 
-# --------------------------------------------------------------------------- sandbox
-def _sandbox_spec(settings: RunSettings, workdir: Optional[Path], network: bool):
-    from sandbox.base import SandboxSpec
-
-    if settings.sandbox == "podman":
-        # --workdir is a path inside the container; default: the image's WORKDIR.
-        return SandboxSpec(image=settings.image, workdir=str(workdir) if workdir else None, network=network)
-    host_dir = (workdir or Path.cwd()).resolve()
-    if not host_dir.is_dir():
-        raise ConfigError(f"--workdir {host_dir} is not a directory")
-    if settings.sandbox == "bwrap":
-        # The working directory is the one writable place in the otherwise read-only host.
-        return SandboxSpec(workdir=str(host_dir), workspace=host_dir, network=network)
-    return SandboxSpec(workdir=str(host_dir))
-
-
 # --------------------------------------------------------------------------- command
 def run(
     task: Optional[str] = typer.Argument(None, help="What the agent should do. Asked for when omitted (not with --json)."),
@@ -357,6 +315,18 @@ def run(
     ),
     tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="With --tokens: the model's tokenizer directory (default: the served model's)."),
     verify: Optional[str] = typer.Option(None, "--verify", help="Command run in the sandbox at the end; exit status 0 stores reward 1, else 0."),
+    command_timeout: Optional[float] = typer.Option(
+        None, "--command-timeout", help="Seconds a command may run before it is stopped (default 120; $TMAX_COMMAND_TIMEOUT)."
+    ),
+    model_timeout: Optional[float] = typer.Option(
+        None, "--model-timeout", help="Seconds one model request may take before it is retried (default 600; $TMAX_MODEL_TIMEOUT)."
+    ),
+    max_tokens: Optional[int] = typer.Option(
+        None, "--max-tokens", help="Most tokens per model turn (default 16384, lowered to what the server's context window leaves)."
+    ),
+    expose: list[str] = typer.Option(
+        [], "--expose", help="A credential path the bwrap jail masks by default (~/.ssh, ~/.aws, ...) to show inside; repeatable."
+    ),
 ) -> None:
     """Run the agent on a task in a persistent shell.
 
@@ -370,14 +340,17 @@ def run(
         if json_mode and undo_steps:
             raise ConfigError("--undo-steps needs the interactive UI (/undo), not --json")
         settings = resolve_run_settings(
-            base_url=base_url, model=model, api_key=api_key, sandbox=sandbox, mode=mode, image=image, max_steps=max_steps
+            base_url=base_url, model=model, api_key=api_key, sandbox=sandbox, mode=mode, image=image, max_steps=max_steps,
+            max_tokens=max_tokens, command_timeout=command_timeout, model_timeout=model_timeout, expose=expose,
         )
         from agents.harnesses import HARNESSES
 
         if harness not in HARNESSES:
             raise ConfigError(f"--harness {harness!r}: choose one of {', '.join(HARNESSES)}")
         saved = load_saved(resume) if resume is not None else None
-        spec = _sandbox_spec(settings, workdir, network)
+        if resume is not None and workdir is None:
+            workdir = saved_workdir(resume, settings.sandbox)
+        spec = sandbox_spec(settings, workdir, network)
         if settings.model is None:
             settings.model = discover_model(settings.base_url, settings.api_key)
             settings.sources["model"] = f"{settings.base_url}/models"
@@ -452,9 +425,12 @@ def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, sa
     }
     _write_json_atomic(run_dir / "run.json", meta)
 
-    config = AgentConfig()
+    config = AgentConfig(command_timeout=settings.command_timeout)
+    hooks.run_dir, hooks.output_limit = run_dir, config.observation_max_chars
     if settings.max_steps is not None:
         config.max_steps = settings.max_steps
+    if settings.max_tokens is not None:
+        config.max_tokens = settings.max_tokens
     config.budget_hints = budget_hints
     policy = token_setup.policy(config) if token_setup is not None else ChatPolicy(
         model=settings.model,
@@ -463,20 +439,31 @@ def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, sa
         temperature=config.temperature,
         top_p=config.top_p,
         max_tokens=config.max_tokens,
+        timeout=settings.model_timeout,
     )
     if token_setup is not None:
         meta["model_dir"] = str(token_setup.model_dir)  # what `tmax learn sft --from-runs` starts from
         _write_json_atomic(run_dir / "run.json", meta)
+    box = None
 
-    # SIGTERM / SIGHUP end the run like a Ctrl-C answered with "quit", so the sandbox is removed.
+    # SIGTERM / SIGHUP end the run like a Ctrl-C answered with "quit", so the sandbox is
+    # removed; a running command's process group is killed at once.
     def _terminate(signum, frame):
         if isinstance(hooks, InteractiveHooks):
             hooks.stopping = True
+        if box is not None:
+            box.interrupt(force=True)
         raise KeyboardInterrupt
 
     old_handlers = {s: signal.signal(s, _terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
+    # Started in the background by a script, this process inherits SIGINT ignored: Ctrl-C
+    # (kill -INT) must still stop a command and the run.
+    old_handlers[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    if not json_mode:
+    if json_mode:
+        hooks.emit("start", run_id=run_dir.name, model=settings.model, base_url=settings.base_url,
+                   sandbox=settings.sandbox, workdir=spec.workdir, mode=settings.mode, trajectory_dir=str(run_dir))
+    else:
         display.info(
             f"tmax · model {settings.model} at {settings.base_url} · sandbox {settings.sandbox} · "
             f"mode {settings.mode} · trajectory {run_dir}"
@@ -484,7 +471,6 @@ def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, sa
         if settings.mode == "confirm":
             display.info("Enter runs a command, text rejects it with feedback, /y: yolo, /c: confirm, Ctrl-C: interrupt.")
 
-    box = None
     result = None
     status, error = "sandbox_error", None
     try:

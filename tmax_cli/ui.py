@@ -16,7 +16,8 @@ from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.text import Text
 
-# Live output is clipped for the screen only; the model and the trajectory keep all of it.
+# Live output is clipped for the screen only; a live run keeps the whole of a long output in
+# its run directory (`outputs/`), a saved trajectory shows what the model saw.
 SCREEN_HEAD_LINES = 40
 SCREEN_TAIL_LINES = 20
 
@@ -34,12 +35,12 @@ def fmt_tokens(n: int) -> str:
     return f"{n / 1000:.1f}k" if n >= 10_000 else str(n)
 
 
-def clip_lines(text: str, head: int = SCREEN_HEAD_LINES, tail: int = SCREEN_TAIL_LINES) -> str:
+def clip_lines(text: str, head: int = SCREEN_HEAD_LINES, tail: int = SCREEN_TAIL_LINES, where: str = "the trajectory") -> str:
     lines = text.splitlines()
     if len(lines) <= head + tail + 1:
         return text
     hidden = len(lines) - head - tail
-    return "\n".join(lines[:head] + [f"... {hidden} lines not shown (all of it is in the trajectory) ..."] + lines[-tail:])
+    return "\n".join(lines[:head] + [f"... {hidden} lines not shown (all of it is in {where}) ..."] + lines[-tail:])
 
 
 def split_exit_code(observation: str) -> tuple[str, int | None]:
@@ -92,11 +93,15 @@ class Display:
         duration_s: float | None = None,
         timed_out: bool = False,
         note: str | None = None,
+        kept: str | None = None,
     ) -> None:
+        """`kept`: the file holding the whole output, when it was too long to show or send."""
         body = output.rstrip("\n")
-        parts: list[Any] = [Text(clip_lines(body) if body else "(no output)", style="" if body else "dim")]
+        parts: list[Any] = [Text(clip_lines(body, where=kept or "the trajectory") if body else "(no output)", style="" if body else "dim")]
         if note:
             parts.append(Text(note, style="yellow"))
+        if kept:
+            parts.append(Text(f"whole output: {kept}", style="dim"))
         bits = []
         if exit_code is not None:
             bits.append(f"exit {exit_code}")

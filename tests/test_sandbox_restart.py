@@ -1,0 +1,48 @@
+"""A shell restarted on a short-lived thread (the agent runs every command on one) is a
+persistent shell again, in every backend."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import pytest
+
+from sandbox import SandboxSpec, make_sandbox
+from sandbox.bwrap import available as bwrap_available
+
+
+def run_on_a_thread(box, command: str):
+    """Like `agents.loop.Agent._execute`: the command runs on a thread that then ends."""
+    out: dict = {}
+    worker = threading.Thread(target=lambda: out.setdefault("r", box.run(command, timeout=20)))
+    worker.start()
+    worker.join()
+    return out["r"]
+
+
+@pytest.fixture(params=[
+    "local",
+    pytest.param("bwrap", marks=[pytest.mark.bwrap, pytest.mark.skipif(not bwrap_available(), reason="no bubblewrap")]),
+    pytest.param("podman", marks=[pytest.mark.podman, pytest.mark.skipif(shutil.which("podman") is None, reason="no podman")]),
+])
+def box(request, tmp_path):
+    if request.param == "podman":
+        spec = SandboxSpec(image=request.getfixturevalue("base_image"), workdir="/tmp")
+    else:
+        spec = SandboxSpec(workdir=str(tmp_path), workspace=tmp_path)
+    sb = make_sandbox(request.param, spec)
+    sb.start()
+    yield sb
+    sb.close()
+
+
+@pytest.mark.parametrize("restart", ["exit", "kill -9 $$", "exec bash"])
+def test_state_sticks_after_a_restart_on_a_worker_thread(box, restart):
+    r = run_on_a_thread(box, restart)
+    assert "restarted" in (r.note or "")
+    r = run_on_a_thread(box, "mkdir -p sub && cd sub && export A=kept")
+    assert r.exit_code == 0 and r.note is None, (r.output, r.note)
+    for _ in range(2):
+        r = run_on_a_thread(box, "echo A=$A; basename $PWD")
+        assert (r.output, r.note) == ("A=kept\nsub\n", None)

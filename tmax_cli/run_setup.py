@@ -1,0 +1,95 @@
+"""Where a `tmax run` session starts from: the model the server serves, a saved session
+to resume and the directory it ran in, the sandbox to create, and where the whole of a
+long command output is kept."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from tmax_cli.config import ConfigError, RunSettings, config_path
+
+
+# --------------------------------------------------------------------------- model
+def discover_model(base_url: str, api_key: str) -> str:
+    """The one model a server serves (vLLM serves one); several or none is a usage error."""
+    from openai import OpenAI
+
+    from tmax_cli.config import MODEL_ENV
+
+    how = (
+        f"Name it with the --model flag, the environment variable {' / '.join('$' + e for e in MODEL_ENV)}, "
+        f"or `model = \"...\"` in the config file {config_path()}."
+    )
+    try:
+        ids = [m.id for m in OpenAI(base_url=base_url, api_key=api_key, timeout=10, max_retries=0).models.list()]
+    except Exception as e:  # any failure here means: ask the user to name the model
+        raise ConfigError(f"no model given, and listing the models at {base_url} failed ({type(e).__name__}: {e}). {how}") from e
+    if len(ids) != 1:
+        raise ConfigError(f"no model given, and {base_url} serves {len(ids)} models ({', '.join(ids) or 'none'}). {how}")
+    return ids[0]
+
+
+# --------------------------------------------------------------------------- resume
+def load_saved(path: Path):
+    """A saved run (`agents.records.SavedRun`) to continue; anything else is a usage error."""
+    from agents.records import load_run
+
+    try:
+        saved = load_run(path)
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"cannot resume from {path}: {e}") from e
+    if len(saved.messages) < 2 or saved.messages[0].get("role") != "system":
+        raise ConfigError(f"cannot resume from {path}: the trajectory does not start with the system prompt")
+    return saved
+
+
+def saved_workdir(run_dir: Path, sandbox: str) -> Optional[Path]:
+    """The working directory the saved session ran in, so the resumed one sees its files."""
+    try:
+        meta = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot resume from {run_dir}: its run.json, which names the working directory, "
+                          f"cannot be read ({e}); pass --workdir to say where to continue") from e
+    where = meta.get("workdir")
+    if sandbox == "podman":
+        return Path(where) if where else None  # a path inside the container; None: the image's WORKDIR
+    if not where:
+        raise ConfigError(f"cannot resume from {run_dir}: run.json names no working directory; pass --workdir")
+    if sandbox != "podman" and not Path(where).is_dir():
+        raise ConfigError(f"cannot resume from {run_dir}: its working directory {where} no longer exists;"
+                          " pass --workdir to continue somewhere else")
+    return Path(where)
+
+
+def keep_long_output(run_dir: Optional[Path], step: int, result: Any, limit: int) -> Optional[Path]:
+    """Write a command's output to `outputs/step-N.txt` in the run directory when the model
+    (more than `limit` characters) or the screen (too many lines) gets only part of it."""
+    from tmax_cli.ui import SCREEN_HEAD_LINES, SCREEN_TAIL_LINES
+
+    text = result.output or ""
+    if run_dir is None or (len(text) + result.dropped_chars <= limit
+                           and text.count("\n") <= SCREEN_HEAD_LINES + SCREEN_TAIL_LINES):
+        return None
+    path = run_dir / "outputs" / f"step-{step}.txt"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(text, encoding="utf-8")  # past 1 MB the shell kept head and tail, marked
+    return path
+
+
+def sandbox_spec(settings: RunSettings, workdir: Optional[Path], network: bool):
+    from sandbox.base import SandboxSpec
+
+    if settings.sandbox == "podman":
+        # --workdir is a path inside the container; default: the image's WORKDIR.
+        return SandboxSpec(image=settings.image, workdir=str(workdir) if workdir else None, network=network)
+    host_dir = (workdir or Path.cwd()).resolve()
+    if not host_dir.is_dir():
+        raise ConfigError(f"--workdir {host_dir} is not a directory")
+    if settings.sandbox == "bwrap":
+        # The working directory is the one writable place in the otherwise read-only host;
+        # tmax's own config file (it may hold the API key) is masked like other credentials.
+        return SandboxSpec(workdir=str(host_dir), workspace=host_dir, network=network,
+                           masked=[str(config_path())], exposed=list(settings.expose))
+    return SandboxSpec(workdir=str(host_dir))
