@@ -226,52 +226,57 @@ class Agent:
             self.messages.append(message)
             assert action.command is not None
 
-            try:
-                rejection = self.hooks.approve(step, action.command)
-            except KeyboardInterrupt:
-                # Quit or Ctrl-C at the approval prompt: the call still gets an answer so the
-                # saved history stays valid for --resume, then the user decides.
-                self._reply(action, REJECTED_TOOL_TEXT, tool_only=True)
-                self.timing.append({"step": step, "llm_s": round(llm_s, 3), "rejected": True, "cmd": action.command[:200]})
-                self._save()
-                if not self._guidance():
-                    return _Outcome("interrupted")
-                continue
-            if rejection is not None:
-                self._reply(action, REJECTED_TOOL_TEXT, tool_only=True)
-                self.messages.append({"role": "user", "content": render(REJECTION_TEMPLATE, feedback=rejection)})
-                self.timing.append({"step": step, "llm_s": round(llm_s, 3), "rejected": True, "cmd": action.command[:200]})
-                self._save()
-                continue
+            gate = self._gate(step, action, llm_s)
+            if isinstance(gate, _Outcome):
+                return gate
+            if gate:
+                outcome = self._act(step, action, llm_s, episode_steps, started)
+                if outcome is not None:
+                    return outcome
 
-            try:
-                result, interrupted = self._execute(action)
-            except SandboxError as e:
-                self.timing.append({"step": step, "llm_s": round(llm_s, 3), "sandbox_error": str(e)[:200], "cmd": action.command[:200]})
-                return _Outcome("sandbox_error", str(e))
-            observation, finished = self.harness.observe(action, result, cfg.observation_limits)
-            if cfg.budget_hints:
-                observation += budget_hint(Budget(cfg.max_steps, episode_steps, cfg.context_budget,
-                                                  self._last_context_tokens, time.monotonic() - started, cfg.time_budget_s))
-            self._reply(action, observation)
-            self.timing.append(
-                {
-                    "step": step,
-                    "llm_s": round(llm_s, 3),
-                    "bash_s": round(result.duration_s, 3),
-                    "return_code": result.exit_code,
-                    "cmd": action.command[:200],
-                }
-            )
-            self.hooks.on_observation(step, result, observation)
+    def _gate(self, step: int, action: Action, llm_s: float) -> "_Outcome | bool":
+        """Ask the hooks to approve the command: True runs it, False skips it (rejected, or
+        guidance after a Ctrl-C at the prompt), an outcome ends the episode."""
+        assert action.command is not None
+        try:
+            rejection = self.hooks.approve(step, action.command)
+        except KeyboardInterrupt:
+            # Quit or Ctrl-C at the approval prompt: the call still gets an answer so the
+            # saved history stays valid for --resume, then the user decides.
+            self._reply(action, REJECTED_TOOL_TEXT, tool_only=True)
+            self.timing.append({"step": step, "llm_s": round(llm_s, 3), "rejected": True, "cmd": action.command[:200]})
             self._save()
-            if interrupted:
-                # The user stopped this command; their guidance (if any) comes before any submit.
-                if not self._guidance():
-                    return _Outcome("interrupted")
-                continue
-            if finished:
-                return _Outcome("submitted")
+            return False if self._guidance() else _Outcome("interrupted")
+        if rejection is None:
+            return True
+        self._reply(action, REJECTED_TOOL_TEXT, tool_only=True)
+        self.messages.append({"role": "user", "content": render(REJECTION_TEMPLATE, feedback=rejection)})
+        self.timing.append({"step": step, "llm_s": round(llm_s, 3), "rejected": True, "cmd": action.command[:200]})
+        self._save()
+        return False
+
+    def _act(self, step: int, action: Action, llm_s: float, episode_steps: int, started: float) -> "_Outcome | None":
+        """Run the approved command and answer the call; an outcome when the episode ends."""
+        cfg = self.config
+        assert action.command is not None
+        try:
+            result, interrupted = self._execute(action)
+        except SandboxError as e:
+            self.timing.append({"step": step, "llm_s": round(llm_s, 3), "sandbox_error": str(e)[:200], "cmd": action.command[:200]})
+            return _Outcome("sandbox_error", str(e))
+        observation, finished = self.harness.observe(action, result, cfg.observation_limits)
+        if cfg.budget_hints:
+            observation += budget_hint(Budget(cfg.max_steps, episode_steps, cfg.context_budget,
+                                              self._last_context_tokens, time.monotonic() - started, cfg.time_budget_s))
+        self._reply(action, observation)
+        self.timing.append({"step": step, "llm_s": round(llm_s, 3), "bash_s": round(result.duration_s, 3),
+                            "return_code": result.exit_code, "cmd": action.command[:200]})
+        self.hooks.on_observation(step, result, observation)
+        self._save()
+        if interrupted:
+            # The user stopped this command; their guidance (if any) comes before any submit.
+            return None if self._guidance() else _Outcome("interrupted")
+        return _Outcome("submitted") if finished else None
 
     def _query(self) -> ModelTurn:
         cfg = self.config

@@ -5,7 +5,6 @@ logprob 0) — and the trace is the chat template's rendering of the conversatio
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -38,9 +37,7 @@ def nano(tmp_path_factory):
     root = tmp_path_factory.mktemp("nano-harness")
     build_tokenizer(0).save_pretrained(root / "tok")
     splits = write_splits(root / "tasks", 6, 2, seed=0)
-    scratch = Path.cwd() / "runs" / "test-rollout-harness" / root.name
-    scratch.mkdir(parents=True, exist_ok=True)
-    return AutoTokenizer.from_pretrained(root / "tok"), splits, scratch.resolve()
+    return AutoTokenizer.from_pretrained(root / "tok"), splits
 
 
 def _mini_turn(tok, thought: str, command: str) -> list[int]:
@@ -66,13 +63,13 @@ def test_harness_rotates_per_group():
 def test_mini_swe_rollout_token_trace(nano):
     from training.nano.tasks import oracle_steps
 
-    tok, splits, scratch = nano
+    tok, splits = nano
     task = splits["train"][1]
     turns = [_mini_turn(tok, t, c) for t, c in oracle_steps(task)]
     cfg = preset("nano").rollout
     cfg.sandbox, cfg.harness = "local", ["tmax", "mini-swe"]
     sampler = LogprobSampler(turns)
-    r = run_episode(EpisodeRequest(str(task), 1, 0, 3), sampler, tok, cfg, scratch=scratch)  # group 1: mini-swe
+    r = run_episode(EpisodeRequest(str(task), 1, 0, 3), sampler, tok, cfg)  # group 1: mini-swe
     assert r.harness == "mini-swe"
     assert r.status == "submitted" and r.reward == 1.0
     assert len(r.ids) == len(r.logprobs) == len(r.mask)
@@ -97,16 +94,17 @@ def test_mini_swe_trace_is_the_template_rendering(nano):
     from agents.token_policy import TokenPolicy
     from tasks.model import Task
     from training.nano.tasks import oracle_steps
-    from training.rollout import open_sandbox
+    from tasks.episode import EnvSettings, Episode
 
-    tok, splits, scratch = nano
+    tok, splits = nano
     task_dir = splits["train"][2]
     task = Task.load(task_dir)
-    ep = open_sandbox(task, "local", scratch)
+    ep = Episode(task, EnvSettings(kind="local"))
     try:
+        sandbox = ep.open()
         turns = [_mini_turn(tok, t, c) for t, c in oracle_steps(task_dir)]
         policy = TokenPolicy(LogprobSampler(turns), tok, temperature=1.0, top_p=1.0)
-        agent = Agent(policy, ep.sandbox, AgentConfig(max_steps=6, max_format_errors=1),
+        agent = Agent(policy, sandbox, AgentConfig(max_steps=6, max_format_errors=1),
                       harness=make_harness("mini-swe", ep.workdir))
         res = agent.run(task.instruction)
     finally:

@@ -195,6 +195,22 @@ def _open(req: EpisodeRequest, settings: EnvSettings, image: TaskImage | None, p
     return ep
 
 
+# Agent outcomes that are the infrastructure's failure, not the policy's: (kind, text).
+INFRA_STATUSES = {
+    "sandbox_error": ("sandbox_died", "sandbox failed during the episode"),
+    "model_error": ("model", "inference server failed"),
+    "interrupted": ("interrupted", "episode interrupted"),
+}
+
+
+def _verify(ep: Any, timeout: float, record_dir: Path | None) -> tuple[float, dict | None]:
+    """The verifier's reward, its output kept under the episode's record dir (if any)."""
+    if record_dir is not None:
+        return _score(ep, record_dir / "verifier", timeout)
+    with tempfile.TemporaryDirectory(prefix="tmax-verifier-out-") as tmp:
+        return _score(ep, Path(tmp), timeout)
+
+
 def run_episode(
     req: EpisodeRequest,
     sampler: TokenSampler,
@@ -226,23 +242,15 @@ def run_episode(
         t1 = time.monotonic()
         result = agent.run(task.instruction)
         t_agent = time.monotonic() - t1
-        if result.status == "sandbox_error":
-            raise InfraError("sandbox_died", f"sandbox failed during the episode: {result.error}")
-        if result.status == "model_error":
-            raise InfraError("model", f"inference server failed: {result.error}")
-        if result.status == "interrupted":
-            raise InfraError("interrupted", "episode interrupted")
+        if result.status in INFRA_STATUSES:
+            kind, what = INFRA_STATUSES[result.status]
+            raise InfraError(kind, f"{what}: {result.error}")
         trace = policy.trace
         reward, vinfo, t_verify = 0.0, None, 0.0
         submitted = result.status == "submitted"
         if submitted:
             t2 = time.monotonic()
-            timeout = min(cfg.test_timeout, task.config.verifier.timeout_sec)
-            if record_dir is not None:
-                reward, vinfo = _score(ep, record_dir / "verifier", timeout)
-            else:
-                with tempfile.TemporaryDirectory(prefix="tmax-verifier-out-") as tmp:
-                    reward, vinfo = _score(ep, Path(tmp), timeout)
+            reward, vinfo = _verify(ep, min(cfg.test_timeout, task.config.verifier.timeout_sec), record_dir)
             t_verify = time.monotonic() - t2
     finally:
         harness.close()
