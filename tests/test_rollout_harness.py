@@ -5,7 +5,6 @@ logprob 0) — and the trace is the chat template's rendering of the conversatio
 
 from __future__ import annotations
 
-
 import pytest
 
 from agents.policy import SampledTokens
