@@ -9,6 +9,10 @@ import pytest
 
 BASE_IMAGE = os.environ.get("TMAX_TEST_IMAGE", "localhost/tmax-base:bookworm")
 
+# Task fixtures carry their own tests (test_initial_state.py, ...): they are data, run by the
+# verifiers of the tasks under test, never collected by this suite.
+collect_ignore_glob = ["data/*"]
+
 
 @pytest.fixture(scope="session")
 def podman_service():
