@@ -148,7 +148,8 @@ def test_cli_oracle_passes_on_host(nano, tmp_path, env):
         assert "PASS" in (jobs / "oracle" / name / "verifier" / "test-stdout.txt").read_text()
         assert (jobs / "oracle" / name / "agent" / "oracle.txt").is_file()
     cfg = json.loads((jobs / "oracle" / "config.json").read_text())
-    assert cfg["tmax_job"]["environment"] == env and cfg["environment"]["type"] == env
+    # Harbor's environment types have no host sandboxes: they are named by import path.
+    assert cfg["tmax_job"]["environment"] == env and cfg["environment"]["import_path"] == f"sandbox.{env}"
     assert not list(tmp_path.glob("tmax-hostenv-*"))  # workspaces removed
 
 
