@@ -15,6 +15,8 @@ import torch.multiprocessing as mp
 
 from training import distributed as D
 from training.dppo import LossConfig, policy_loss
+from training.weights import protocol as P
+from training.weights.group import WeightGroup, WeightSender, receive
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,26 +135,26 @@ def test_buckets_roundtrip_mixed_dtypes():
         "c": torch.randn(100, 100),
         "d": torch.arange(6, dtype=torch.float32).reshape(2, 3),
     }
-    upd = D.make_update(w, version=3, transport="gloo", bucket_mb=0.02)
+    upd = P.make_update(w, version=3, transport="gloo", bucket_mb=0.02)
     assert sorted(i for _, idx in upd.buckets for i in idx) == [0, 1, 2, 3]
     assert len(upd.buckets) >= 3  # the big tensor is alone in its bucket
     got = {}
     for b, (dtype, idx) in enumerate(upd.buckets):
-        flat = D.pack_bucket([list(w.values())[i] for i in idx])
+        flat = P.pack_bucket([list(w.values())[i] for i in idx])
         assert str(flat.dtype) == f"torch.{dtype}"
-        got.update({n: t.clone() for n, t in D.unpack_bucket(upd, b, flat)})
+        got.update({n: t.clone() for n, t in P.unpack_bucket(upd, b, flat)})
     for k in w:
         assert torch.equal(got[k], w[k]) and got[k].dtype == w[k].dtype
     with pytest.raises(ValueError, match="elements received"):
-        list(D.unpack_bucket(upd, 0, torch.zeros(7)))
+        list(P.unpack_bucket(upd, 0, torch.zeros(7)))
 
 
 def _group_main(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
-    group = D.WeightGroup("127.0.0.1", port, rank, world, backend="gloo", timeout_s=60)
+    group = WeightGroup("127.0.0.1", port, rank, world, backend="gloo", timeout_s=60)
     if rank == 0:
         model = tiny_model(seed=7)
-        sender = D.WeightSender("gloo", group, bucket_mb=0.05)
+        sender = WeightSender(group, bucket_mb=0.05)
         upd = sender.prepare(D.full_weights(model, D.RankContext(0, 1, "none", torch.device("cpu"))), version=5)
         torch.save(upd, out + ".update")
         # Receivers read the update from disk in this test (Ray carries it in tmax).
@@ -165,7 +167,7 @@ def _group_main(rank: int, world: int, port: int, out: str) -> None:
             time.sleep(0.05)
         upd = torch.load(out + ".update", weights_only=False)
         model = tiny_model(seed=100 + rank)
-        n = D.load_into(model, D.WeightReceiver(group).receive(upd))
+        n = P.load_into(model, receive(group, upd))
         torch.save({"n": n, "state": model.state_dict(), "version": upd.version}, f"{out}.{rank}")
     group.close()
 
@@ -187,8 +189,8 @@ def test_backend_errors():
             D.pick_backend("nccl")
     with pytest.raises(ValueError, match="nccl or gloo"):
         D.pick_backend("mpi")
-    with pytest.raises(ValueError, match="needs a WeightGroup"):
-        D.WeightSender("gloo")
+    with pytest.raises(ValueError, match="gloo or nccl"):
+        WeightGroup("127.0.0.1", D.free_port(), 0, 1, backend="mpi", timeout_s=5)
 
 
 def test_gpu_check_cpu_smoke(tmp_path):

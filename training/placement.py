@@ -107,7 +107,14 @@ class PlacementPlan:
         return d
 
     # -- human output ----------------------------------------------------------------
-    def describe(self) -> str:
+    def describe(self, weight_transport: str = "auto") -> str:
+        """The plan in words; `weight_transport` is the run's `engine.weight_transport`."""
+        from training.weights.transports import describe_transport, resolve_transport
+
+        try:
+            sync = describe_transport(resolve_transport(weight_transport, learner_on_cuda=self.use_gpu))
+        except ValueError as e:
+            sync = f"impossible here: {e}"
         dev = f"{self.gpus_per_node} GPU/node" if self.use_gpu else "CPU only"
         lines = [f"placement plan: {self.nodes} node(s), {dev}"]
         if self.colocated:
@@ -133,7 +140,7 @@ class PlacementPlan:
             f" (torch.distributed data parallel over {'NCCL' if self.use_gpu else 'gloo'}), STRICT_SPREAD bundles",
             f"  engines:    {self.engines} x TP {self.tp} on {self.infer_nodes} inference node(s), STRICT_SPREAD bundles",
             f"  sandboxes:  {self.sandbox_workers} worker(s), {self.cpus_per_sandbox_worker:g} CPU each, anywhere with free CPU",
-            f"  weight sync: learner rank 0 -> {self.engines} engine(s) through the Ray object store after every step",
+            f"  weight sync: learner rank 0 -> {self.engines} engine(s) {sync} after every step",
         ]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
