@@ -25,6 +25,8 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from training.weights.transports import describe_transport
+
 ROLE_TRAIN = "tmax_train"
 ROLE_INFER = "tmax_infer"
 # CPUs reserved next to each GPU actor; the paper reserves 10 per learner GPU, most of
@@ -108,13 +110,6 @@ class PlacementPlan:
 
     # -- human output ----------------------------------------------------------------
     def describe(self, weight_transport: str = "auto") -> str:
-        """The plan in words; `weight_transport` is the run's `engine.weight_transport`."""
-        from training.weights.transports import describe_transport, resolve_transport
-
-        try:
-            sync = describe_transport(resolve_transport(weight_transport, learner_on_cuda=self.use_gpu))
-        except ValueError as e:
-            sync = f"impossible here: {e}"
         dev = f"{self.gpus_per_node} GPU/node" if self.use_gpu else "CPU only"
         lines = [f"placement plan: {self.nodes} node(s), {dev}"]
         if self.colocated:
@@ -140,7 +135,8 @@ class PlacementPlan:
             f" (torch.distributed data parallel over {'NCCL' if self.use_gpu else 'gloo'}), STRICT_SPREAD bundles",
             f"  engines:    {self.engines} x TP {self.tp} on {self.infer_nodes} inference node(s), STRICT_SPREAD bundles",
             f"  sandboxes:  {self.sandbox_workers} worker(s), {self.cpus_per_sandbox_worker:g} CPU each, anywhere with free CPU",
-            f"  weight sync: learner rank 0 -> {self.engines} engine(s) {sync} after every step",
+            f"  weight sync: learner rank 0 -> {self.engines} engine(s)"
+            f" {describe_transport(weight_transport, self.use_gpu)} after every step",
         ]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)

@@ -181,9 +181,7 @@ def _gather():
 
     @ray.remote(num_cpus=0)
     def slowest(refs: list) -> float:
-        """Longest of the engines' load times. An engine that died is skipped: Ray
-        restarts it, and the next sync (after the next step) brings it up to date; until
-        then its turns carry the old version and the staleness limit drops them."""
+        """One ref for a call on every engine (`close`); an engine that died is skipped."""
         seconds = []
         for ref in refs:
             try:

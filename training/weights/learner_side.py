@@ -6,6 +6,7 @@ step. Ray and torch are imported lazily: importing this module is cheap."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -155,21 +156,32 @@ class WeightSync:
         self.regroups += bool(self.members)
         self.members, self.port, self.world = list(engines), port, world
 
-    def _group_members(self) -> list:
-        """The engines that receive this sync, re-forming the group when that set changed."""
+    def _probe(self) -> tuple[list, bool]:
+        """(the engines up now, whether one of them is outside the current group). An
+        engine that is dead or still restarting (Ray answers ActorUnavailableError, a
+        RayActorError) sits this sync out."""
         import ray
 
         live, stale = [], False
         for e in self.engines:
             try:
-                # A restarting actor answers once its server is up again.
-                group = ray.get(e.weight_group.remote(), timeout=self.ecfg.startup_timeout_s)
+                group = ray.get(e.weight_group.remote(), timeout=60)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 continue
             live.append(e)
             stale |= not group or group.get("port") != self.port
-        if not live:
-            raise RuntimeError("no engine can take the weights: every engine actor is down")
+        return live, stale
+
+    def _group_members(self) -> list:
+        """The engines that receive this sync, re-forming the group when that set changed.
+        While no engine is up (all restarting), wait for one, up to the start-up timeout."""
+        deadline = time.monotonic() + self.ecfg.startup_timeout_s
+        live, stale = self._probe()
+        while not live:
+            if time.monotonic() > deadline:
+                raise RuntimeError("no engine can take the weights: every engine actor is down")
+            time.sleep(2.0)
+            live, stale = self._probe()
         if stale or len(live) != len(self.members):
             self._form_group(live)
         return live

@@ -22,8 +22,13 @@ def resolve_transport(choice: str, learner_on_cuda: bool) -> str:
     return choice
 
 
-def describe_transport(transport: str) -> str:
-    """How the weights travel, in words (the plan printout)."""
+def describe_transport(choice: str, learner_on_cuda: bool) -> str:
+    """How the weights travel for `engine.weight_transport` = `choice`, in words (the plan
+    printout; a choice that cannot run is said, not raised)."""
+    try:
+        transport = resolve_transport(choice, learner_on_cuda)
+    except ConfigError as e:
+        return f"impossible here: {e}"
     return {
         "object_store": "through the Ray object store (a safetensors file per engine)",
         "gloo": "by gloo broadcast through host memory",
