@@ -1,33 +1,32 @@
-"""Single-GPU check of the scale-out path: FSDP2 learner + DPPO steps + weight sync to an
-inference engine in a second process + trainer/engine log-prob agreement.
+"""GPU check of the training path a GPU user runs: the FSDP2 `Learner`, DPPO steps, the
+weight sync into a real `VLLMEngine`, and trainer/engine log-prob agreement.
 
-    python benchmarks/gpu_check.py            # H200, ~1B random-weight Qwen3, a few minutes
+    python benchmarks/gpu_check.py            # one GPU, ~1B random-weight Qwen3, a few minutes
     python benchmarks/gpu_check.py --quick    # fewer / smaller steps
-    python benchmarks/gpu_check.py --cpu-smoke  # the same code on CPU with a tiny model (CI)
+    python benchmarks/gpu_check.py --cpu-smoke  # the same code on CPU with the nano model (CI)
 
-What runs:
-* learner: a Qwen3-shaped model (random init, no download) sharded with FSDP2 on a
-  1-rank process group (`training.distributed`), bf16 compute with fp32 master weights and
-  an fp32 LM head, gradient checkpointing; DPPO loss from `training.dppo` with the global
-  token denominator; AdamW, grad clip 1.0, one optimizer step per batch;
-* engine: a second process on the same GPU holding a bf16 copy (fp32 LM head) that samples
-  tokens with their log-probs using a KV cache;
-* weight sync after every step: the learner gathers full weights, packs them into per-dtype
-  buckets (the `training.distributed` manifest protocol) and hands the buckets over as
-  CUDA IPC handles through torch.multiprocessing. On one GPU NCCL cannot be used: it needs
-  one device per rank, and learner and engine share the device. Multi-GPU runs use the
-  NCCL `WeightGroup` with the same manifest and buckets;
-* agreement: the trainer's log-probs of the engine's sampled tokens, after every sync,
-  against the engine's own (max |delta| is reported; a missed sync shows up as a jump).
+What runs (all product code):
+* learner: `training.learner.Learner` with the FSDP2 strategy on a 1-rank process group
+  (NCCL on GPU, gloo on CPU), fp32 master weights, bf16 autocast and gradient
+  checkpointing on GPU; one `train_step` (DPPO loss, AdamW, clip) per batch;
+* engine: `training.engine.VLLMEngine`, the dev-mode vLLM server of `tmax learn`,
+  sampling through `VLLMSampler` with the sampled tokens' log-probs;
+* weight sync after every step: `training.weights` with this process as learner rank 0
+  (`WeightSourceMixin`, the methods a learner actor runs) and the engine's
+  pause -> load -> reset -> resume (`EngineWeights`). `--transport gloo` (the default
+  here) broadcasts through host memory; `nccl` needs a second GPU for the engine (NCCL
+  puts one rank on one device); `object_store` is the file path of a CPU run;
+* agreement: the learner's log-probs of the tokens the engine sampled, on the weights
+  the engine sampled with (every step, and after the last sync).
+
+Without vLLM (not importable) the engine is an HF-transformers sampler in this process,
+loaded by copying the learner's weights; the output says so (`engine_path`).
 
 The last line of stdout is one JSON object with the figures. MFU = achieved training
 FLOP/s / peak, with FLOPs per token = 6 * (non-embedding params incl. LM head)
-+ 12 * layers * heads * head_dim * seq_len (the nanochat / PaLM estimate, recomputation by
-gradient checkpointing not counted) and the peak = 989 TFLOP/s, the H100/H200 SXM bf16
-dense figure.
-
-vLLM and Ray are optional here: the GPU machine this targets has neither, so the engine is
-an HF-transformers sampler in a torch.multiprocessing process; the JSON says which path ran.
++ 12 * layers * heads * head_dim * seq_len (the nanochat / PaLM estimate, recomputation
+by gradient checkpointing not counted) and the peak = 989 TFLOP/s, the H100/H200 SXM
+bf16 dense figure (a nominal 1 TFLOP/s on CPU).
 """
 
 from __future__ import annotations
@@ -37,9 +36,11 @@ import importlib.util
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -48,404 +49,331 @@ if ROOT not in sys.path:
 PEAK_BF16_TFLOPS = 989.0  # H100/H200 SXM, bf16 dense, no sparsity
 PEAK_CPU_TFLOPS = 1.0  # nominal, only so the CPU smoke path exercises the same formula
 
+from training.weights.learner_side import WeightSourceMixin  # noqa: E402  (cheap: no torch, no Ray)
+
 RESULT: dict = {"ok": False}
-_ENGINE_PROC = None
+_CLEANUP: list = []
 
 
 def emit_and_exit(code: int) -> None:
+    for fn in reversed(_CLEANUP):
+        try:
+            fn()
+        except Exception:
+            pass
     print(json.dumps(RESULT, sort_keys=True), flush=True)
-    if _ENGINE_PROC is not None and _ENGINE_PROC.is_alive():
-        _ENGINE_PROC.kill()
     os._exit(code)
 
 
-def watchdog(limit_s: float) -> None:
-    def fire() -> None:
-        RESULT["ok"] = False
-        RESULT["error"] = f"hard time limit of {limit_s:g}s reached during stage {RESULT.get('stage')!r}"
-        print(f"gpu_check: FAILED: {RESULT['error']}", file=sys.stderr, flush=True)
-        emit_and_exit(3)
+def fail(message: str, code: int) -> None:
+    RESULT.update(ok=False, error=message)
+    print(f"gpu_check: FAILED: {message}", file=sys.stderr, flush=True)
+    emit_and_exit(code)
 
-    t = threading.Timer(limit_s, fire)
+
+def watchdog(limit_s: float) -> None:
+    t = threading.Timer(limit_s, lambda: fail(f"hard time limit of {limit_s:g}s reached during stage "
+                                              f"{RESULT.get('stage')!r}", 3))
     t.daemon = True
     t.start()
 
 
-def model_config(kind: str):
-    from transformers import Qwen3Config
-
-    if kind == "tiny":  # CPU smoke: hidden 64, 2 layers, head_dim 32, vocab 300
-        return Qwen3Config(
-            vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False,
-        )
-    # ~0.94B parameters: 16 Qwen3 blocks of width 2048 (GQA 16/8, head_dim 128) and an
-    # untied 32k vocabulary.
-    return Qwen3Config(
-        vocab_size=32000, hidden_size=2048, intermediate_size=6144, num_hidden_layers=16, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, max_position_embeddings=4096, tie_word_embeddings=False,
-    )
-
-
-# -- engine process --------------------------------------------------------------------
-
-
-def engine_main(cfg_dict: dict, device: str, bf16: bool, cmd_q, res_q) -> None:
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from training import distributed as D
-
-    try:
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-        cfg = Qwen3Config(**cfg_dict)
-        cfg._attn_implementation = "sdpa"
-        if device.startswith("cuda") and not bf16:
-            # The exact-agreement mode: no TF32 shortcuts on either side.
-            torch.backends.cuda.matmul.allow_tf32 = False
-            torch.backends.cudnn.allow_tf32 = False
-        with torch.device(device):
-            model = Qwen3ForCausalLM(cfg)
-        if bf16:
-            model.to(torch.bfloat16)
-            model.lm_head.float()  # fp32 LM head, as the trainer
-        model.eval()
-        version = -1
-        res_q.put(("ready", {"pid": os.getpid()}))
-
-        def logits_of(hidden):
-            return torch.nn.functional.linear(hidden.float(), model.lm_head.weight.float())
-
-        while True:
-            cmd = cmd_q.get()
-            op = cmd[0]
-            if op == "stop":
-                res_q.put(("stopped", version))
-                return
-            if op == "weights":
-                _, update, flats = cmd
-                t0 = time.perf_counter()
-                pairs = (p for b, flat in enumerate(flats) for p in D.unpack_bucket(update, b, flat))
-                n = D.load_into(model, pairs)
-                del flats, pairs  # drop the IPC views before acknowledging
-                if device.startswith("cuda"):
-                    torch.cuda.synchronize()
-                version = update.version
-                res_q.put(("synced", version, n, time.perf_counter() - t0))
-            elif op == "sample":
-                _, prompts, max_new, seed = cmd
-                t0 = time.perf_counter()
-                g = torch.Generator(device=device).manual_seed(seed)
-                ids = prompts.to(device)
-                out_ids, out_lp = [], []
-                with torch.no_grad():
-                    out = model.model(input_ids=ids, use_cache=True)
-                    past, hidden = out.past_key_values, out.last_hidden_state[:, -1]
-                    for _ in range(max_new):
-                        lp = torch.log_softmax(logits_of(hidden), -1)  # temperature 1
-                        nxt = torch.multinomial(lp.exp(), 1, generator=g)
-                        out_ids.append(nxt[:, 0])
-                        out_lp.append(lp.gather(-1, nxt)[:, 0])
-                        out = model.model(input_ids=nxt, past_key_values=past, use_cache=True)
-                        past, hidden = out.past_key_values, out.last_hidden_state[:, -1]
-                if device.startswith("cuda"):
-                    torch.cuda.synchronize()
-                res_q.put(
-                    (
-                        "sampled",
-                        torch.stack(out_ids, 1).cpu(),
-                        torch.stack(out_lp, 1).float().cpu(),
-                        version,
-                        time.perf_counter() - t0,
-                    )
-                )
-            else:
-                res_q.put(("error", f"unknown command {op!r}"))
-    except Exception:
-        res_q.put(("error", traceback.format_exc()))
+def sizes(args) -> dict:
+    """Prompts x group samples, prompt and response lengths, steps, model shape."""
+    if args.cpu_smoke:
+        return dict(prompts=2, group=2, P=12, R=8, steps=2, spec={})
+    spec = dict(vocab_size=32000, hidden_size=2048, intermediate_size=6144, num_hidden_layers=16,
+                num_attention_heads=16, num_key_value_heads=8, head_dim=128)  # ~0.94B parameters
+    if args.quick:
+        return dict(prompts=4, group=4, P=256, R=64, steps=2, spec=spec)
+    return dict(prompts=8, group=8, P=512, R=256, steps=4, spec=spec)
 
 
 # -- learner ---------------------------------------------------------------------------
 
 
+def start_learner(model_dir: str, cpu: bool, bf16: bool, pack_length: int):
+    """The product `Learner` with the FSDP2 strategy on a 1-rank process group."""
+    import torch
+    import torch.distributed as dist
+
+    from training.distributed import RankContext, free_port
+    from training.learner import FSDPDataParallel, Learner, LearnerConfig
+
+    backend, device = ("gloo", torch.device("cpu")) if cpu else ("nccl", torch.device("cuda", 0))
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            device_id=None if cpu else device)
+    _CLEANUP.append(dist.destroy_process_group)
+    cfg = LearnerConfig(lr=1e-3 if cpu else 1e-6, device=str(device), strategy="fsdp",
+                        autocast="bfloat16" if bf16 else None, gradient_checkpointing=not cpu,
+                        pack_length=pack_length)
+    learner = Learner(model_dir, cfg, FSDPDataParallel(RankContext(0, 1, backend, device)))
+    RESULT["learner_path"] = f"training.learner.Learner, FSDP2 over {backend} (1 rank)" + (
+        ", bf16 autocast, fp32 master weights" if bf16 else ", fp32")
+    return learner
+
+
+class LocalSource(WeightSourceMixin):
+    """This process as learner rank 0: the methods a learner actor runs in a sync."""
+
+    def __init__(self, learner):
+        self.learner = learner
+
+
+# -- engines ---------------------------------------------------------------------------
+
+
+class VLLMSide:
+    """A real `VLLMEngine` and the weight sync into it over `transport`."""
+
+    def __init__(self, model_dir: str, learner, transport: str, dtype: str, max_len: int):
+        from training.engine import VLLMEngine, VLLMSampler
+
+        self.learner, self.transport = learner, transport
+        env_gpu = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if transport == "nccl":  # the engine on the second GPU: NCCL needs one device per rank
+            os.environ["CUDA_VISIBLE_DEVICES"] = "1"
+        # On one GPU the learner holds most of the memory.
+        extra = [] if learner.device.type == "cpu" else ["--gpu-memory-utilization", "0.35"]
+        try:
+            self.engine = VLLMEngine(model_dir, max_model_len=max_len, dtype=dtype,
+                                     extra_args=extra, work_dir=tempfile.mkdtemp(prefix="gpu-check-engine-"))
+        finally:
+            if env_gpu is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = env_gpu
+        _CLEANUP.append(self.engine.close)
+        self.sampler = VLLMSampler(self.engine.url, self.engine.served_model_name, engine=self.engine,
+                                   max_model_len=self.engine.max_model_len, extra_body={"ignore_eos": True})
+        self.source = LocalSource(learner)
+        if transport != "object_store":
+            from training.distributed import free_port
+
+            port = free_port()
+            joined = self.engine.join_weight_group_async("127.0.0.1", port, 1, 2, transport, 300.0)
+            self.source.join_weight_group("127.0.0.1", port, 2, transport, timeout_s=300.0)
+            joined.result(timeout=360)
+        RESULT["engine_path"] = f"training.engine.VLLMEngine (vLLM {_version('vllm')}), weights by {transport}"
+
+    def sync(self, version: int) -> tuple[float, int]:
+        """(seconds, bytes) of one weight sync of the learner's current weights."""
+        t0 = time.perf_counter()
+        if self.transport == "object_store":
+            weights = self.learner.named_weights()
+            self.engine.push_weights(weights, version)
+            nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        else:
+            update = self.source.prepare_weights(version)
+            pending = self.engine.receive_weights_async(update)
+            self.source.send_weights()
+            pending.result(timeout=600)
+            nbytes = update.total_bytes
+        return time.perf_counter() - t0, nbytes
+
+    def sample(self, prompts: list[list[int]], n: int, seed: int):
+        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+            outs = list(pool.map(lambda i: self.sampler.sample(prompts[i], n, 1.0, 1.0, seed=seed + i),
+                                 range(len(prompts))))
+        return [o.ids for o in outs], [o.logprobs for o in outs], min(o.policy_version for o in outs)
+
+
+class HFSide:
+    """The fallback without vLLM: an HF-transformers sampler with a KV cache in this
+    process, loaded by copying the learner's weights."""
+
+    def __init__(self, model_dir: str, learner, cpu: bool):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.learner, self.device = learner, torch.device("cpu" if cpu else "cuda")
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device).eval()
+        self.version = -1
+        RESULT["engine_path"] = "HF transformers sampler in this process (vLLM is not importable), weights copied"
+        print("gpu_check: vLLM is not importable: falling back to the HF sampler", flush=True)
+
+    def sync(self, version: int) -> tuple[float, int]:
+        from training.weights.protocol import load_into
+
+        t0 = time.perf_counter()
+        weights = self.learner.named_weights()
+        load_into(self.model, iter(weights.items()))
+        self.version = version
+        return time.perf_counter() - t0, sum(t.numel() * t.element_size() for t in weights.values())
+
+    def sample(self, prompts: list[list[int]], n: int, seed: int):
+        import torch
+
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        ids = torch.tensor(prompts, device=self.device)
+        out_ids, out_lp = [], []
+        with torch.no_grad():
+            out = self.model(input_ids=ids, use_cache=True)
+            for _ in range(n):
+                lp = torch.log_softmax(out.logits[:, -1].float(), -1)
+                nxt = torch.multinomial(lp.exp(), 1, generator=g)
+                out_ids.append(nxt[:, 0])
+                out_lp.append(lp.gather(-1, nxt)[:, 0])
+                out = self.model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+        return torch.stack(out_ids, 1).tolist(), torch.stack(out_lp, 1).tolist(), self.version
+
+
+def _version(name: str) -> str:
+    try:
+        return importlib.import_module(name).__version__
+    except Exception:
+        return "?"
+
+
+# -- the check -------------------------------------------------------------------------
+
+
+def build_model(spec: dict) -> str:
+    from training.nano.model import NanoSpec, build_nano_model
+
+    out = tempfile.mkdtemp(prefix="gpu-check-model-")
+    _CLEANUP.append(lambda: __import__("shutil").rmtree(out, ignore_errors=True))
+    build_nano_model(out, seed=0, spec=NanoSpec(**spec))
+    return out
+
+
+def prompt_vocab(model_dir: str, learner) -> int:
+    """Random prompts draw from ids both the tokenizer (vLLM checks prompts) and the model know."""
+    from transformers import AutoTokenizer
+
+    return min(len(AutoTokenizer.from_pretrained(model_dir)), learner.vocab_size)
+
+
+def agreement(learner, prompts, responses, engine_lps) -> list[float]:
+    """|learner log-prob - engine log-prob| of every sampled token."""
+    from training.learner import TrainSample
+
+    samples = [TrainSample(p, r, lp, [1] * len(r), 0.0) for p, r, lp in zip(prompts, responses, engine_lps)]
+    mine = learner.logprobs(samples)
+    return [abs(a - b) for m, e in zip(mine, engine_lps) for a, b in zip(m, e)]
+
+
+def run_steps(side, learner, sz: dict, vocab: int, syncs: list) -> dict:
+    """Sample -> agreement -> train step -> sync, `steps` times; then a last agreement."""
+    import random
+
+    from training.learner import TrainSample
+
+    rng = random.Random(1)
+    n_prompts, group, P, R = sz["prompts"], sz["group"], sz["P"], sz["R"]
+    acc = dict(gen_s=0.0, gen_tokens=0, learn_s=0.0, learn_tokens=0.0, diffs=[], step_diff_max=[])
+    for step in range(sz["steps"] + 1):
+        RESULT["stage"] = f"step {step}: sample"
+        prompts = [p for p in ([rng.randrange(vocab) for _ in range(P)] for _ in range(n_prompts)) for _ in range(group)]
+        t0 = time.perf_counter()
+        resp, lps, version = side.sample(prompts, R, seed=1000 * (step + 1))
+        acc["gen_s"] += time.perf_counter() - t0
+        acc["gen_tokens"] += sum(len(r) for r in resp)
+        if version != step:
+            raise RuntimeError(f"engine sampled with weights version {version}, expected {step}")
+        acc["engine_version"] = version
+        diffs = agreement(learner, prompts, resp, lps)  # same weights on both sides
+        acc["diffs"] += diffs
+        acc["step_diff_max"].append(max(diffs))
+        if step == sz["steps"]:
+            break  # the agreement after the last sync
+        RESULT["stage"] = f"step {step}: learner"
+        # Synthetic verifiable reward: parity of the response; advantage = reward - group mean.
+        rewards = [float(sum(r) % 2 == 0) for r in resp]
+        means = [sum(rewards[i - i % group:i - i % group + group]) / group for i in range(len(rewards))]
+        samples = [TrainSample(p, r, lp, [1] * len(r), rw - m) for p, r, lp, rw, m in zip(prompts, resp, lps, rewards, means)]
+        metrics = learner.train_step(samples)
+        acc["learn_s"] += metrics["time/training"]
+        acc["learn_tokens"] += metrics["learner/tokens"]
+        RESULT["stage"] = f"step {step}: weight sync"
+        syncs.append(side.sync(step + 1))
+        print(f"gpu_check: step {step}: |dlogp| max {max(diffs):.3g}, sync {syncs[-1][0]:.3f}s", flush=True)
+    return acc
+
+
+def report(acc: dict, syncs: list, learner, sz: dict, cpu: bool, tol: tuple[float, float]) -> list[str]:
+    cfg = learner.model.config
+    n_params = sum(p.numel() for p in learner.model.parameters())
+    n_embed = cfg.vocab_size * cfg.hidden_size
+    T = sz["P"] + sz["R"]
+    flops_per_token = 6 * (n_params - n_embed) + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * T
+    peak = PEAK_CPU_TFLOPS if cpu else PEAK_BF16_TFLOPS
+    achieved = flops_per_token * acc["learn_tokens"] / max(acc["learn_s"], 1e-9)
+    later = syncs[1:]
+    gb = later[0][1] / 1e9
+    sync_mean = sum(s for s, _ in later) / len(later)
+    diff_max, diff_mean = max(acc["diffs"]), sum(acc["diffs"]) / len(acc["diffs"])
+    RESULT.update(
+        steps=sz["steps"], params=n_params,
+        sync_s_initial=round(syncs[0][0], 4), sync_s_mean=round(sync_mean, 4),
+        sync_s_max=round(max(s for s, _ in later), 4), weights_gb=round(gb, 4),
+        sync_s_per_gb=round(sync_mean / max(gb, 1e-12), 3),
+        learner_tokens_per_s=round(acc["learn_tokens"] / acc["learn_s"], 1),
+        learner_mfu=round(achieved / (peak * 1e12), 6), mfu_peak_tflops=peak, mfu_flops_per_token=flops_per_token,
+        engine_tokens_per_s=round(acc["gen_tokens"] / acc["gen_s"], 1),
+        logprob_max_abs_diff=diff_max, logprob_mean_abs_diff=diff_mean,
+        logprob_max_abs_diff_after_last_sync=acc["step_diff_max"][-1],
+        logprob_tolerance={"max": tol[0], "mean": tol[1]},
+        engine_version_after_last_sync=acc["engine_version"],
+    )
+    print(f"gpu_check: learner {RESULT['learner_tokens_per_s']} tok/s, MFU {RESULT['learner_mfu']:.4g}; engine "
+          f"{RESULT['engine_tokens_per_s']} tok/s; sync {RESULT['sync_s_per_gb']} s/GB; |dlogp| after the last "
+          f"sync max {acc['step_diff_max'][-1]:.3g}", flush=True)
+    return ["trainer and engine log-probs disagree beyond tolerance"] if diff_max > tol[0] or diff_mean > tol[1] else []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 small steps")
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on CPU (CI path of this script)")
+    ap.add_argument("--cpu-smoke", action="store_true", help="the nano model on CPU (CI path of this script)")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--transport", choices=("gloo", "nccl", "object_store"), default="gloo",
+                    help="weight transport (nccl: the engine on a second GPU)")
     ap.add_argument("--time-limit", type=float, default=540.0, help="hard limit in seconds (default 540)")
-    ap.add_argument("--no-fsdp", action="store_true", help="plain module instead of FSDP2 (fallback)")
-    ap.add_argument(
-        "--fp32", action="store_true",
-        help="fp32 learner and engine, TF32 off: the exact weight-sync / alignment check (tight tolerance)",
-    )
+    ap.add_argument("--fp32", action="store_true", help="fp32 learner and engine on GPU: the exact agreement check")
     args = ap.parse_args()
     watchdog(args.time_limit)
     t_start = time.perf_counter()
-    RESULT["stage"] = "import"
-
+    RESULT["stage"] = "setup"
     import torch
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    from training import distributed as D
-    from training.dppo import LossConfig, policy_loss
 
     cpu = args.cpu_smoke
     if not cpu and not torch.cuda.is_available():
-        RESULT["error"] = "no CUDA device visible (use --cpu-smoke on machines without a GPU)"
-        print(f"gpu_check: FAILED: {RESULT['error']}", file=sys.stderr)
-        emit_and_exit(2)
-    device = "cpu" if cpu else "cuda:0"
-    # bf16 = the production path (bf16 compute, fp32 LM head on both sides).
+        fail("no CUDA device visible (use --cpu-smoke on machines without a GPU)", 2)
+    if args.transport == "nccl" and (cpu or torch.cuda.device_count() < 2):
+        fail("--transport nccl needs two GPUs (NCCL puts one rank on one device); use gloo", 2)
     bf16 = not cpu and not args.fp32
-    if not cpu and args.fp32:
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
     if cpu:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    # Sizes: prompts x group samples, prompt and response lengths, micro-batch.
-    if cpu:
-        n_prompts, group, P, R, micro, steps = 2, 2, 12, 6, 2, 2
-    elif args.quick:
-        n_prompts, group, P, R, micro, steps = 4, 4, 256, 64, 8, 2
-    else:
-        n_prompts, group, P, R, micro, steps = 8, 8, 512, 256, 8, 4
-    steps = args.steps or steps
-    B = n_prompts * group
-    RESULT.update(
-        mode=("cpu-smoke" if cpu else ("gpu-quick" if args.quick else "gpu")) + ("-fp32" if args.fp32 and not cpu else ""),
-        device=torch.cuda.get_device_name(0) if not cpu else "cpu",
-        torch=torch.__version__,
-        vllm="importable, not used by this check" if importlib.util.find_spec("vllm") else "not importable",
-        ray="importable, not used by this check" if importlib.util.find_spec("ray") else "not importable",
-        engine_path="torch.multiprocessing process, HF transformers sampler with KV cache"
-        + (", weights via shared memory" if cpu else ", weights via CUDA IPC handles"),
-        batch=f"{n_prompts} prompts x {group} samples, prompt {P} + response {R} tokens",
-    )
-    print(f"gpu_check: {RESULT['mode']} on {RESULT['device']}; vllm {RESULT['vllm']}; ray {RESULT['ray']}", flush=True)
-
-    # -- learner: 1-rank process group + FSDP2 ----------------------------------------
+    sz = sizes(args)
+    sz["steps"] = args.steps or sz["steps"]
+    have_vllm = importlib.util.find_spec("vllm") is not None
+    RESULT.update(mode=("cpu-smoke" if cpu else ("gpu-quick" if args.quick else "gpu")) + ("-fp32" if args.fp32 and not cpu else ""),
+                  device="cpu" if cpu else torch.cuda.get_device_name(0), torch=torch.__version__,
+                  vllm=_version("vllm") if have_vllm else "not importable", transport=args.transport if have_vllm else "none",
+                  batch=f"{sz['prompts']} prompts x {sz['group']} samples, prompt {sz['P']} + response {sz['R']} tokens")
+    print(f"gpu_check: {RESULT['mode']} on {RESULT['device']}; vllm {RESULT['vllm']}", flush=True)
+    model_dir = build_model(sz["spec"])
     RESULT["stage"] = "learner setup"
-    cfg = model_config("tiny" if cpu else "1b")
-    cfg._attn_implementation = "sdpa"
-    from transformers import Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(cfg)  # fp32 master weights
-    n_params = sum(p.numel() for p in model.parameters())
-    n_embed = model.model.embed_tokens.weight.numel()
-    RESULT["params"] = n_params
-    if not cpu:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    backend = "gloo" if cpu else "nccl"
-    ctx = D.RankContext(0, 1, "none", torch.device(device))
-    if not args.no_fsdp:
-        try:
-            dist.init_process_group(
-                backend, init_method=f"tcp://127.0.0.1:{D.free_port()}", rank=0, world_size=1,
-                device_id=torch.device(device) if not cpu else None,
-            )
-            ctx = D.RankContext(0, 1, backend, torch.device(device))
-            model = D.shard_model(model, ctx, bf16=bf16)
-            RESULT["learner_path"] = f"FSDP2 over {backend} (1 rank)" + (", bf16 compute, fp32 LM head" if bf16 else ", fp32")
-        except Exception as e:
-            # Fall back so the rest of the check still yields figures; say so.
-            RESULT["learner_path"] = f"plain module (FSDP2 setup failed: {type(e).__name__}: {e})"
-            print(f"gpu_check: WARNING: {RESULT['learner_path']}", file=sys.stderr, flush=True)
-            ctx = D.RankContext(0, 1, "none", torch.device(device))
-    else:
-        RESULT["learner_path"] = "plain module (--no-fsdp)"
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if bf16 and ctx.backend == "none"
-        else torch.autocast("cpu", enabled=False)
-    )
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6 if not cpu else 1e-3, weight_decay=0.0)
-    loss_cfg = LossConfig(delta=0.1)
-
-    def token_logprobs(ids: torch.Tensor) -> torch.Tensor:
-        """log pi of ids[:, 1:] (fp32 logits and log-softmax)."""
-        if ctx.backend != "none":
-            # Through the FSDP root (its hooks unshard the root-level parameters); the
-            # LM-head unit's fp32 policy casts the hidden states up, so logits are fp32.
-            logits = model(input_ids=ids).logits
-        else:
-            with autocast:
-                hidden = model.model(input_ids=ids).last_hidden_state
-            logits = model.lm_head(hidden.float())  # fp32 LM head outside autocast
-        return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
-
-    def sync_weights(version: int) -> float:
-        t0 = time.perf_counter()
-        full = D.full_weights(model, ctx)
-        # Engine dtypes: bf16 blocks and embeddings, fp32 LM head.
-        w = {k: (v.float() if k.startswith("lm_head") or not bf16 else v.to(torch.bfloat16)) for k, v in full.items()}
-        update = D.make_update(w, version, "ipc", bucket_mb=1024)
-        tensors = list(w.values())
-        flats = [D.pack_bucket([tensors[i] for i in idx]) for _, idx in update.buckets]
-        if cpu:
-            for f in flats:
-                f.share_memory_()
-        cmd_q.put(("weights", update, flats))
-        msg = get(res_q, "synced")
-        # The engine has copied the buckets: only now may the learner free them (CUDA IPC
-        # memory must outlive every consumer's use).
-        del flats, tensors, w, full
-        if msg[1] != version:
-            raise RuntimeError(f"engine acknowledged weights version {msg[1]}, expected {version}")
-        return time.perf_counter() - t0
-
-    # -- engine process ----------------------------------------------------------------
+    learner = start_learner(model_dir, cpu, bf16, pack_length=sz["P"] + sz["R"])
     RESULT["stage"] = "engine start"
-    mpc = mp.get_context("spawn")
-    cmd_q, res_q = mpc.Queue(), mpc.Queue()
-    global _ENGINE_PROC
-    _ENGINE_PROC = mpc.Process(target=engine_main, args=(cfg.to_dict(), device, bf16, cmd_q, res_q), daemon=True)
-    _ENGINE_PROC.start()
-
-    def get(q, expect: str, timeout: float = 300.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                msg = q.get(timeout=1.0)
-            except Exception:
-                if not _ENGINE_PROC.is_alive():
-                    raise RuntimeError(f"engine process died (exit code {_ENGINE_PROC.exitcode}) while waiting for {expect!r}")
-                continue
-            if msg[0] == "error":
-                raise RuntimeError(f"engine failed:\n{msg[1]}")
-            if msg[0] != expect:
-                raise RuntimeError(f"engine protocol: expected {expect!r}, got {msg[0]!r}")
-            return msg
-        raise TimeoutError(f"engine did not answer {expect!r} within {timeout:g}s")
-
-    get(res_q, "ready")
+    if have_vllm:
+        side = VLLMSide(model_dir, learner, args.transport, "bfloat16" if bf16 else "float32", sz["P"] + sz["R"] + 16)
+    else:
+        side = HFSide(model_dir, learner, cpu)
     RESULT["stage"] = "initial sync"
-    syncs = [sync_weights(0)]
-
-    # -- steps -------------------------------------------------------------------------
-    g = torch.Generator().manual_seed(1)
-    T = P + R
-    flops_per_token = 6 * (n_params - n_embed) + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * T
-    peak = PEAK_CPU_TFLOPS if cpu else PEAK_BF16_TFLOPS
-    learn_s = learn_tokens = gen_s = gen_tokens = 0.0
-    diffs_max, diffs_mean, kept = [], [], []
-    engine_version = 0
-    for step in range(steps):
-        RESULT["stage"] = f"step {step}: sample"
-        prompts = torch.randint(0, cfg.vocab_size, (n_prompts, P), generator=g).repeat_interleave(group, 0)
-        cmd_q.put(("sample", prompts, R, 1000 + step))
-        _, resp, eng_lp, eng_version, dt = get(res_q, "sampled")
-        if eng_version != step:
-            raise RuntimeError(f"engine sampled with weights version {eng_version}, expected {step}")
-        gen_s += dt
-        gen_tokens += B * R
-        ids = torch.cat([prompts, resp], 1)
-        # Synthetic verifiable reward: parity of the response; advantages R - group mean.
-        reward = (resp.sum(1) % 2 == 0).float()
-        adv = reward - reward.view(n_prompts, group).mean(1).repeat_interleave(group)
-
-        RESULT["stage"] = f"step {step}: learner"
-        if not cpu:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        mask = torch.zeros(B, T - 1)
-        mask[:, P - 1 :] = 1.0  # response tokens (position t predicts ids[t + 1])
-        old = torch.zeros(B, T - 1)
-        old[:, P - 1 :] = eng_lp
-        n_tokens = D.global_count(float(mask.sum()), ctx)
-        opt.zero_grad(set_to_none=True)
-        stats_max, stats_sum, stats_n, kept_sum = 0.0, 0.0, 0.0, 0.0
-        for lo in range(0, B, micro):
-            sl = slice(lo, lo + micro)
-            new = token_logprobs(ids[sl].to(device))
-            m, o = mask[sl].to(device), old[sl].to(device)
-            a = adv[sl, None].expand_as(m).to(device)
-            loss, st = policy_loss(new, o, a, m, loss_cfg, denominator=float(n_tokens))
-            (loss * ctx.grad_scale).backward()
-            stats_max = max(stats_max, st.diff_max)
-            stats_sum += st.diff_sum
-            stats_n += st.tokens
-            kept_sum += st.kept
-        D.clip_grad_norm(model, 1.0)
-        opt.step()
-        if not cpu:
-            torch.cuda.synchronize()
-        learn_s += time.perf_counter() - t0
-        learn_tokens += B * T
-        # The loss forward ran on the weights the engine sampled with: its |log pi - log mu|
-        # is the trainer/engine mismatch of this step.
-        diffs_max.append(stats_max)
-        diffs_mean.append(stats_sum / max(stats_n, 1.0))
-        kept.append(kept_sum / max(stats_n, 1.0))
-
-        RESULT["stage"] = f"step {step}: weight sync"
-        syncs.append(sync_weights(step + 1))
-        engine_version = step + 1
-        print(
-            f"gpu_check: step {step}: |dlogp| max {stats_max:.3g} mean {diffs_mean[-1]:.3g}, kept {kept[-1]:.3f}, "
-            f"sync {syncs[-1]:.3f}s",
-            flush=True,
-        )
-
-    # After the last sync: the engine's log-probs of fresh samples must match the updated
-    # learner (the check that the last push landed).
-    RESULT["stage"] = "final agreement"
-    prompts = torch.randint(0, cfg.vocab_size, (n_prompts, P), generator=g).repeat_interleave(group, 0)
-    cmd_q.put(("sample", prompts, R, 99))
-    _, resp, eng_lp, eng_version, _ = get(res_q, "sampled")
-    with torch.no_grad():
-        mine = torch.cat([token_logprobs(torch.cat([prompts, resp], 1)[sl].to(device)) for sl in
-                          (slice(i, i + micro) for i in range(0, B, micro))])[:, P - 1 :].float().cpu()
-    final = (mine - eng_lp).abs()
-    diffs_max.append(float(final.max()))
-    diffs_mean.append(float(final.mean()))
-    cmd_q.put(("stop",))
-    get(res_q, "stopped", timeout=60)
-    _ENGINE_PROC.join(timeout=30)
-    if ctx.backend != "none":
-        dist.destroy_process_group()
-
-    # fp32 on both sides must agree to float noise. The bf16 path cannot: the engine decodes
-    # with a KV cache (one-token steps) while the trainer runs the whole sequence, and bf16
-    # kernels round the two differently; on a random-weight 16-layer model that measured
-    # ~0.1-0.2 nats mean. Its bound catches a missed or garbled sync (two different
-    # random models differ by several nats), not bf16 noise.
-    tol_max, tol_mean = (1e-4, 1e-5) if cpu else ((1e-2, 1e-3) if args.fp32 else (3.0, 0.4))
-    achieved = flops_per_token * learn_tokens / max(learn_s, 1e-9)
-    RESULT.update(
-        steps=steps,
-        engine_version_after_last_sync=eng_version,
-        sync_s_initial=round(syncs[0], 4),
-        sync_s_mean=round(sum(syncs[1:]) / len(syncs[1:]), 4),
-        sync_s_max=round(max(syncs[1:]), 4),
-        weights_gb=round(sum(p.numel() for p in model.parameters()) * 2 / 1e9, 3),
-        learner_tokens_per_s=round(learn_tokens / learn_s, 1),
-        learner_step_s_mean=round(learn_s / steps, 3),
-        learner_mfu=round(achieved / (peak * 1e12), 6),
-        mfu_peak_tflops=peak,
-        mfu_flops_per_token=flops_per_token,
-        engine_tokens_per_s=round(gen_tokens / gen_s, 1),
-        logprob_max_abs_diff=max(diffs_max),
-        logprob_mean_abs_diff=max(diffs_mean),
-        logprob_tolerance={"max": tol_max, "mean": tol_mean},
-        dppo_mask_frac_kept=round(min(kept), 4),
-        wall_s=round(time.perf_counter() - t_start, 1),
-    )
-    problems = []
-    if RESULT["logprob_max_abs_diff"] > tol_max or RESULT["logprob_mean_abs_diff"] > tol_mean:
-        problems.append("trainer and engine log-probs disagree beyond tolerance")
-    if eng_version != steps:
-        problems.append(f"engine ended on weights version {eng_version}, expected {steps}")
-    RESULT["ok"] = not problems
-    RESULT["stage"] = "done"
+    syncs = [side.sync(0)]
+    acc = run_steps(side, learner, sz, prompt_vocab(model_dir, learner), syncs)
+    # fp32 on both sides agrees to float rounding. bf16 cannot: the engine decodes with a KV
+    # cache while the trainer runs the whole sequence, and bf16 kernels round the two
+    # differently; the bound catches a missed or garbled sync (two different random
+    # models differ by several nats), not bf16 noise.
+    tol = (1e-4, 1e-5) if cpu else ((1e-2, 1e-3) if args.fp32 else (3.0, 0.4))
+    problems = report(acc, syncs, learner, sz, cpu, tol)
+    RESULT.update(ok=not problems, stage="done", wall_s=round(time.perf_counter() - t_start, 1))
     if problems:
-        RESULT["error"] = "; ".join(problems)
-        print(f"gpu_check: FAILED: {RESULT['error']}", file=sys.stderr, flush=True)
-    emit_and_exit(0 if RESULT["ok"] else 1)
+        fail("; ".join(problems), 1)
+    emit_and_exit(0)
 
 
 if __name__ == "__main__":
@@ -454,8 +382,5 @@ if __name__ == "__main__":
     except SystemExit:
         raise
     except BaseException as e:  # any failure still ends with one JSON line
-        RESULT["ok"] = False
-        RESULT["error"] = f"{type(e).__name__} during {RESULT.get('stage')!r}: {e}"
         traceback.print_exc()
-        print(f"gpu_check: FAILED: {RESULT['error']}", file=sys.stderr, flush=True)
-        emit_and_exit(1)
+        fail(f"{type(e).__name__} during {RESULT.get('stage')!r}: {e}", 1)

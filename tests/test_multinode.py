@@ -1,7 +1,7 @@
 """A real 2-node Ray cluster on one machine (`ray.cluster_utils.Cluster`): the resource
 check against it, placement groups pinning learners / engines to the planned nodes, two
 gloo learner ranks training a tiny Qwen3 with DPPO and pushing weights to two engines
-(gloo weight group and Ray object store), and an actor killed mid-work that is restarted
+(two syncs over one gloo weight group), and an actor killed mid-work that is restarted
 with its item re-queued."""
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from training import cluster  # noqa: E402
 from training import distributed as D  # noqa: E402
 from training.dppo import LossConfig, policy_loss  # noqa: E402
 from training.placement import ROLE_INFER, ROLE_TRAIN, check_live_cluster, make_plan, reserve  # noqa: E402
+from training.weights.group import WeightGroup, WeightSender, receive  # noqa: E402
+from training.weights.protocol import load_into  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 MB = 1024 * 1024
@@ -74,13 +76,13 @@ class LearnerActor:
         return {"tokens": float(n), "grad_norm": norm, "kept": stats.kept}
 
     def init_weight_group(self, host, port, world):
-        self.group = D.WeightGroup(host, port, 0, world, backend="gloo", timeout_s=120)
+        self.group = WeightGroup(host, port, 0, world, backend="gloo", timeout_s=120)
 
-    def prepare_weights(self, version, transport):
+    def prepare_weights(self, version):
         full = D.full_weights(self.model, self.ctx)  # collective over learner ranks
         if not self.ctx.is_main:
             return None
-        self.sender = D.WeightSender(transport, self.group if transport == "gloo" else None, bucket_mb=0.1)
+        self.sender = WeightSender(self.group, bucket_mb=0.1)
         return self.sender.prepare(full, version)
 
     def send(self):
@@ -98,10 +100,10 @@ class EngineActor:
         return ray.get_runtime_context().get_node_id()
 
     def init_weight_group(self, host, port, rank, world):
-        self.group = D.WeightGroup(host, port, rank, world, backend="gloo", timeout_s=120)
+        self.group = WeightGroup(host, port, rank, world, backend="gloo", timeout_s=120)
 
     def receive(self, update):
-        D.load_into(self.model, D.WeightReceiver(self.group).receive(update))
+        load_into(self.model, receive(self.group, update))
         self.version = update.version
         return self.version
 
@@ -208,7 +210,7 @@ def test_actors_placed_per_plan_train_and_sync(two_nodes):
             + [e.init_weight_group.remote(whost, wport, i + 1, 3) for i, e in enumerate(engines)],
             timeout=120,
         )
-        update = ray.get([a.prepare_weights.remote(1, "gloo") for a in learners], timeout=60)[0]
+        update = ray.get([a.prepare_weights.remote(1) for a in learners], timeout=60)[0]
         assert update.transport == "gloo" and len(update.buckets) >= 2
         recv = [e.receive.remote(update) for e in engines]
         ray.get(learners[0].send.remote(), timeout=60)
@@ -218,12 +220,14 @@ def test_actors_placed_per_plan_train_and_sync(two_nodes):
             assert version == 1
             torch.testing.assert_close(lp, ref, rtol=0, atol=1e-5)
 
-        # A second step, then sync 2 through the Ray object store.
+        # A second step, then sync 2 over the same group.
         ray.get([a.train_step.remote(ids[s], mask[s], adv[s]) for a, s in zip(learners, shards)], timeout=180)
         ref2 = ray.get([a.logprobs.remote(ids) for a in learners], timeout=60)[0]
         assert (ref2 - ref).abs().max() > 1e-3  # the step changed the policy
-        update = ray.get([a.prepare_weights.remote(2, "object_store") for a in learners], timeout=60)[0]
-        assert ray.get([e.receive.remote(update) for e in engines], timeout=60) == [2, 2]
+        update = ray.get([a.prepare_weights.remote(2) for a in learners], timeout=60)[0]
+        recv = [e.receive.remote(update) for e in engines]
+        ray.get(learners[0].send.remote(), timeout=60)
+        assert ray.get(recv, timeout=60) == [2, 2]
         for e in engines:
             lp, version = ray.get(e.logprobs.remote(ids))
             assert version == 2

@@ -154,3 +154,13 @@ def test_slurm_without_scontrol_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[01-02]")
     with pytest.raises(cluster.ClusterError, match="`scontrol` is not on PATH"):
         cluster.slurm_hostnames()
+
+
+def test_describe_names_the_weight_transport_in_use():
+    """The printout says how the weights travel: NCCL by default on GPUs, the object
+    store on CPU, and whatever the config chose."""
+    gpu, cpu = make_plan(2, gpus_per_node=8), make_plan(2, gpus_per_node=0)
+    assert "by NCCL broadcast GPU to GPU" in gpu.describe()
+    assert "through the Ray object store" in cpu.describe()
+    assert "by gloo broadcast" in cpu.describe("gloo") and "by gloo broadcast" in gpu.describe("gloo")
+    assert "impossible here" in cpu.describe("nccl")

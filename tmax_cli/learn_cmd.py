@@ -189,7 +189,7 @@ def _placed_train(cfg, plan, address, start, train_dir, rl_dir, resume, progress
     from training import cluster, placement
     from training.orchestrator import train
 
-    _echo(plan.describe())
+    _echo(plan.describe(cfg.engine.weight_transport))
     handle = cluster.connect(plan, address or cfg.run.ray_address, num_cpus=cfg.run.ray_num_cpus)
     _echo(f"ray cluster: {handle.mode} ({handle.address})")
     try:

@@ -128,17 +128,6 @@ class EngineConfig(_Strict):
     weight_timeout_s: float = Field(600.0, gt=0)  # a weight-group collective gives up after this
 
 
-def resolve_weight_transport(choice: str, learner_on_cuda: bool) -> str:
-    """The transport a run uses for `engine.weight_transport` = `choice`."""
-    if choice == "auto":
-        return "nccl" if learner_on_cuda else "object_store"
-    if choice == "nccl" and not learner_on_cuda:
-        raise ConfigError("engine.weight_transport = nccl needs the learner on a CUDA GPU (use gloo or object_store)")
-    if choice not in ("object_store", "gloo", "nccl"):
-        raise ConfigError(f"unknown engine.weight_transport {choice!r}")
-    return choice
-
-
 class SFTConfig(_Strict):
     epochs: float = Field(1.0, gt=0)
     lr: float = Field(2e-5, gt=0)

@@ -9,40 +9,21 @@
   distribution the token was drawn from), `skip_special_tokens=False`, an explicit seed and
   explicit stop ids. It returns ids, logprobs, finish reason and the policy version of the
   weights that were loaded.
-* Weight push (`push_weights`, the object-store / file path): the trainer's state dict
-  (HF names) is written to one safetensors file (temp + rename, so the engine never reads
-  half a file), then `POST /collective_rpc {"method": "push_file"}` reloads it in every
-  worker (`training.vllm_ext`). About 50 ms for the nano model on CPU.
-* Weight receive (`join_weight_group` once, then `receive_weights(update)` per sync, the
-  process-group path of `training.distributed`: NCCL on GPU, gloo on CPU): every worker
-  joins the learner's weight group, and each update is one `collective_rpc
-  receive_weights` carrying the JSON manifest; the workers take the buckets by
-  broadcast from learner rank 0 and load them. That HTTP call returns only once the
-  broadcast is over, so learner rank 0 must send while it is pending: call it from
-  another thread (`receive_weights_async`) or another actor, never before the send on
-  the sender's own thread.
-
-Either way a sync pauses the engine instead of draining it: `POST /pause?mode=keep`
-freezes the requests in flight where they are (nothing is aborted, nothing waits for
-them), the weights load, `POST /reset_prefix_cache?reset_running_requests=true` drops
-every KV block computed with the old weights (the frozen requests are preempted, so on
-`POST /resume` they recompute their prefix and go on sampling with the new weights),
-and generation resumes. A turn that spans a sync thus holds tokens of two versions; it
-is tagged with the older one (the version read before its request was sent), so the
-staleness limit, which measures the oldest turn of an episode, never under-counts; the
-engine counts such turns in `mixed_turns`. Each token's logprob is the exact
-probability it was drawn with either way.
+* Weights (`push_weights`, `join_weight_group`, `receive_weights`): the engine's side of
+  a weight sync, pause -> load -> reset prefix cache -> resume, is
+  `training.weights.engine_side.EngineWeights`, mixed in here. A turn that spans a sync
+  holds tokens of two versions; it is tagged with the older one (the version read
+  before its request was sent), so the staleness limit, which measures the oldest turn
+  of an episode, never under-counts; the engine counts such turns in `mixed_turns`.
+  Each token's logprob is the exact probability it was drawn with either way.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import os
 import tempfile
 import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -54,11 +35,10 @@ from agents.policy import (
     TokenSampler,
 )
 from training.serving import ServerError, ServeSpec, VLLMServer, free_port
+from training.weights.engine_side import EngineWeights
 
 if TYPE_CHECKING:
     import torch
-
-    from training.distributed import WeightUpdate
 
 
 class EngineError(RuntimeError):
@@ -217,11 +197,13 @@ def _stop_ids(model_dir: Path) -> list[int]:
     return ids
 
 
-class VLLMEngine:
+class VLLMEngine(EngineWeights):
     """A vLLM server for one model, started here (or attached to), with weight push.
 
     `VLLMEngine(model_dir)` starts a dev-mode server on a free port; `VLLMEngine(model_dir,
     url=...)` attaches to one already running (started with `tmax serve --dev`)."""
+
+    error = EngineError
 
     def __init__(
         self,
@@ -247,13 +229,7 @@ class VLLMEngine:
         self.stop_token_ids = _stop_ids(self.model_dir)
         self.policy_version = 0
         self.request_timeout_s = request_timeout_s
-        # One weight sync at a time; samples never wait for one (the server pauses them).
-        self._sync_lock = threading.Lock()
-        self._stats_lock = threading.Lock()
-        self.syncs_started = 0
-        self.mixed_turns = 0  # turns whose request was in flight while a sync started
-        self.weight_group: dict | None = None
-        self._bg: ThreadPoolExecutor | None = None
+        self._init_weights()
         self._client: Any = None
         self._owned_tmp: tempfile.TemporaryDirectory | None = None
         if work_dir is None:
@@ -350,81 +326,6 @@ class VLLMEngine:
             raise EngineError(f"collective_rpc {method}: unexpected reply {res!r}")
         return res["results"]
 
-    def push_weights(self, weights: dict[str, "torch.Tensor"], version: int) -> float:
-        """Load `weights` (HF names) into the running engine through a file; returns
-        seconds taken. The fallback of the process-group path (`receive_weights`)."""
-        import torch
-        from safetensors.torch import save_file
-
-        t0 = time.perf_counter()
-        state = {}
-        for name, t in weights.items():
-            if self.tied and name == "lm_head.weight":
-                continue  # the engine's LM head is the embedding
-            state[name] = t.detach().to("cpu", torch.float32).contiguous()
-        if not state:
-            raise EngineError("push_weights got no tensors")
-        path = self.work_dir / "weights.safetensors"
-        fd, tmp = tempfile.mkstemp(dir=self.work_dir, prefix=".weights-", suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file(state, tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        self._sync(lambda: self._rpc("push_file", str(path), str(int(version))), len(state), version)
-        return time.perf_counter() - t0
-
-    # -- process-group transport -------------------------------------------------------
-
-    def join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
-                          backend: str = "gloo", timeout_s: float = 300.0) -> list[dict]:
-        """Every worker of this engine joins the weight group whose rank 0 (learner rank
-        0) serves the TCPStore at host:port; worker ranks are rank_offset + TP rank.
-        Blocks until all ranks have joined: the learner must join at the same time."""
-        spec = json.dumps({"host": host, "port": int(port), "rank_offset": int(rank_offset),
-                           "world_size": int(world_size), "backend": backend, "timeout_s": float(timeout_s)})
-        results = self._rpc("join_weight_group", spec, timeout=timeout_s + 60)
-        ranks = sorted(int(r["rank"]) for r in results if isinstance(r, dict) and "rank" in r)
-        if len(ranks) != len(results) or not ranks:
-            raise EngineError(f"join_weight_group: unexpected worker replies {results}")
-        self.weight_group = {"host": host, "port": int(port), "ranks": ranks, "world_size": int(world_size),
-                             "backend": backend, "timeout_s": float(timeout_s)}
-        return results
-
-    def receive_weights(self, update: "WeightUpdate") -> float:
-        """Take one update by broadcast from learner rank 0 (which must be sending it
-        meanwhile, see `receive_weights_async`) into the paused engine; returns seconds."""
-        if self.weight_group is None:
-            raise EngineError("receive_weights before join_weight_group")
-        t0 = time.perf_counter()
-        timeout = self.weight_group["timeout_s"] + 60
-        self._sync(lambda: self._rpc("receive_weights", update.to_json(), timeout=timeout),
-                   len(update.names), update.version)
-        return time.perf_counter() - t0
-
-    def join_weight_group_async(self, *args: Any, **kwargs: Any) -> Future:
-        return self._background(self.join_weight_group, *args, **kwargs)
-
-    def receive_weights_async(self, update: "WeightUpdate") -> Future:
-        """`receive_weights` on a background thread: start it, broadcast, then wait."""
-        return self._background(self.receive_weights, update)
-
-    def num_workers(self) -> int:
-        """vLLM workers behind this server (its TP size): each is a rank of the group."""
-        return len(self._rpc("policy_version"))
-
-    def leave_weight_group(self) -> None:
-        if self.weight_group is not None:
-            self.weight_group = None
-            self._rpc("leave_weight_group")
-
-    def _background(self, fn: Any, *args: Any, **kwargs: Any) -> Future:
-        if self._bg is None:
-            self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tmax-weights")
-        return self._bg.submit(fn, *args, **kwargs)
-
     # -- pause / resume ----------------------------------------------------------------
 
     def is_paused(self) -> bool:
@@ -441,35 +342,8 @@ class VLLMEngine:
         except (ModelError, FatalModelError) as e:
             raise EngineError(f"POST {path} failed (a dev-mode vLLM server with the RL endpoints?): {e}") from e
 
-    def _sync(self, load: Any, n_expected: int, version: int) -> None:
-        """Pause (requests in flight stay frozen), load, drop the old KV, resume."""
-        with self._sync_lock:
-            with self._stats_lock:
-                self.syncs_started += 1
-            self._control("/pause?mode=keep&clear_cache=false")
-            try:
-                results = load()
-                bad = [r for r in results if not isinstance(r, dict) or r.get("n_tensors") != n_expected]
-                if bad:
-                    raise EngineError(f"weight sync incomplete: sent {n_expected} tensors, workers answered {results}")
-                # Frozen requests hold KV blocks of the old weights: preempt them (they
-                # recompute on resume) so that the whole prefix cache can go.
-                reset = self._control("/reset_prefix_cache?reset_running_requests=true", 60.0)
-                if isinstance(reset, dict) and reset.get("success") is False:
-                    raise EngineError("reset_prefix_cache refused after a weight sync")
-                # Before resuming: a turn sent from now on runs on the new weights only.
-                self.policy_version = int(version)
-            finally:
-                self._control("/resume")
-
-    def _count_mixed(self) -> None:
-        with self._stats_lock:
-            self.mixed_turns += 1
-
     def close(self) -> None:
-        if self._bg is not None:
-            self._bg.shutdown(wait=False, cancel_futures=True)
-            self._bg = None
+        self._close_weights()
         if self.server is not None:
             self.server.stop()
             self.server = None

@@ -33,6 +33,7 @@ from training.config import LearnConfig, dump_toml
 from training.rollout import (
     EpisodeRequest, InfraCounts, InfraError, Rollout, append_jsonl, prepare_tasks, prewarm_queue,
 )
+from training.weights.learner_side import WeightSync
 
 # Every Ray process (driver, raylet, workers) must agree on these (cpu-feasibility §2).
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -99,7 +100,7 @@ def _actor_classes():
     """Ray actor classes, defined lazily so importing this module does not import ray."""
     import ray
 
-    from training.distributed import WeightSourceMixin
+    from training.weights.learner_side import WeightSourceMixin
 
     @ray.remote
     class LearnerActor(WeightSourceMixin):
@@ -171,6 +172,10 @@ def _actor_classes():
             # Blocks until learner rank 0 has broadcast the update (another actor, so the
             # two sides run at the same time).
             return self.engine.receive_weights(update)
+
+        def weight_group(self) -> dict | None:
+            # None on a fresh (e.g. Ray-restarted) engine: `WeightSync` then re-forms the group.
+            return self.engine.weight_group
 
         def close(self) -> None:
             self.engine.close()
@@ -642,58 +647,6 @@ def train(
     (run_dir / "summary.json").write_text(json.dumps(summ, indent=2))
     return RunResult(str(run_dir), step, str(final) if final else None, str(run_dir / "metrics.jsonl"),
                      str(rollouts_path), png, summ)
-
-
-class WeightSync:
-    """Learner -> engines after every step, over `cfg.engine.weight_transport`.
-
-    `learner` is a LearnerActor or a `scaleout.LearnerGroup`, `engine` an EngineActor or
-    a `scaleout.EngineGroup`. For the object store, rank 0's weights go to every engine's
-    `push_weights`. For gloo / NCCL, learner rank 0 is rank 0 of a weight group and the
-    workers of engine i are the next ranks (TP workers each); per sync every learner rank
-    prepares (a collective gather), every engine starts receiving, and rank 0 then
-    broadcasts. The receives and the send are calls on different actors, so they run at
-    the same time: no side waits for a call that can only start after it returns."""
-
-    def __init__(self, cfg: LearnConfig, learner: Any, engine: Any):
-        import ray
-
-        from training.config import resolve_weight_transport
-
-        self.learner, self.engine = learner, engine
-        self.rank0 = learner.ranks[0] if hasattr(learner, "ranks") else learner
-        self.engines = list(engine.engines) if hasattr(engine, "engines") else [engine]
-        ecfg = cfg.engine
-        on_cuda = ray.get(self.rank0.learner_device_type.remote()) == "cuda"
-        self.transport = resolve_weight_transport(ecfg.weight_transport, on_cuda)
-        if self.transport == "object_store":
-            return
-        host, port = ray.get(self.rank0.weight_rendezvous.remote())
-        workers = ray.get([e.num_workers.remote() for e in self.engines])
-        world = 1 + sum(workers)
-        offsets = [1 + sum(workers[:i]) for i in range(len(workers))]
-        joins = [e.join_weight_group.remote(host, port, off, world, self.transport, ecfg.weight_timeout_s)
-                 for e, off in zip(self.engines, offsets)]
-        ray.get([self.rank0.join_weight_group.remote(host, port, world, self.transport, ecfg.weight_bucket_mb,
-                                                     ecfg.weight_timeout_s)] + joins)
-        self.world = world
-
-    def push(self, version: int) -> float:
-        """Sync the learner's current weights as `version`; the slowest engine's seconds."""
-        import ray
-
-        if self.transport == "object_store":
-            return ray.get(self.engine.push_weights.remote(self.learner.named_weights.remote(), version))
-        update = self.learner.prepare_weights.remote(version)
-        receives = [e.receive_weights.remote(update) for e in self.engines]
-        send = self.rank0.send_weights.remote()
-        # The first failure on either side surfaces at once (the others then fail at the
-        # weight group's timeout; the run cannot go on without its engines anyway).
-        pending = receives + [send]
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            ray.get(done)
-        return max(ray.get(receives))
 
 
 def _placed_actors(cfg: LearnConfig, placement: Any, model_dir: str, resume_from: str | None,

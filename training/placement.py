@@ -25,6 +25,8 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from training.weights.transports import describe_transport
+
 ROLE_TRAIN = "tmax_train"
 ROLE_INFER = "tmax_infer"
 # CPUs reserved next to each GPU actor; the paper reserves 10 per learner GPU, most of
@@ -107,7 +109,7 @@ class PlacementPlan:
         return d
 
     # -- human output ----------------------------------------------------------------
-    def describe(self) -> str:
+    def describe(self, weight_transport: str = "auto") -> str:
         dev = f"{self.gpus_per_node} GPU/node" if self.use_gpu else "CPU only"
         lines = [f"placement plan: {self.nodes} node(s), {dev}"]
         if self.colocated:
@@ -133,7 +135,8 @@ class PlacementPlan:
             f" (torch.distributed data parallel over {'NCCL' if self.use_gpu else 'gloo'}), STRICT_SPREAD bundles",
             f"  engines:    {self.engines} x TP {self.tp} on {self.infer_nodes} inference node(s), STRICT_SPREAD bundles",
             f"  sandboxes:  {self.sandbox_workers} worker(s), {self.cpus_per_sandbox_worker:g} CPU each, anywhere with free CPU",
-            f"  weight sync: learner rank 0 -> {self.engines} engine(s) through the Ray object store after every step",
+            f"  weight sync: learner rank 0 -> {self.engines} engine(s)"
+            f" {describe_transport(weight_transport, self.use_gpu)} after every step",
         ]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)

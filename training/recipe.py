@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from training.config import LearnConfig
 from training.orchestrator import close_engine, init_ray, list_task_dirs, start_engine, train
+from training.weights.learner_side import load_checkpoint
 
 Log = Callable[[str], None]
 
@@ -129,18 +130,6 @@ def prepare_recipe_tasks(cfg: LearnConfig, train_dir: str, held_dir: str, out: P
     return train_tasks
 
 
-def load_checkpoint_into(engine: Any, ckpt_dir: str, version: int) -> float:
-    """Serve a checkpoint from disk on the running engine (same weights a fresh server
-    started on that directory would load)."""
-    import ray
-    from safetensors.torch import load_file
-
-    weights: dict = {}
-    for f in sorted(Path(ckpt_dir).glob("*.safetensors")):
-        weights.update(load_file(str(f)))
-    return ray.get(engine.push_weights.remote(weights, version))
-
-
 def run_recipe(cfg: LearnConfig, out_dir: str | Path, *, seed: int | None = None, progress: bool = True,
                log: Log = print, stages: tuple[str, ...] = ("sft", "rl", "eval")) -> dict:
     """The whole recipe. `stages` can drop "eval" (RL only) or "rl" (SFT + eval)."""
@@ -184,7 +173,7 @@ def run_recipe(cfg: LearnConfig, out_dir: str | Path, *, seed: int | None = None
             log(f"RL: {run.steps} steps in {times['rl_s']:.0f}s; reward curve {run.curve_png}")
             if "eval" in stages and run.final_checkpoint:
                 t = time.monotonic()
-                load_checkpoint_into(engine, run.final_checkpoint, run.steps)
+                load_checkpoint(engine, run.final_checkpoint, run.steps)
                 result["rl_eval"] = heldout_eval(cfg, engine, held_dir, out / "eval", f"rl-s{seed}", log)
                 times["rl_eval_s"] = time.monotonic() - t
     finally:

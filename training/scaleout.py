@@ -10,11 +10,8 @@ single-actor versions, so the loop itself does not change:
   the global loss-token count, so the loss stays the exact token mean of the whole
   batch. It returns rank 0's ref (metrics are already reduced over ranks).
 * `EngineGroup`: N vLLM engine actors in the inference bundles, restarted by Ray when
-  they die. `push_weights.remote(weights, version)` hands rank 0's weights (one object
-  in the Ray object store, fetched by every engine's node) to every engine and returns
-  one ref to the slowest engine's load time. With `engine.weight_transport` gloo / nccl,
-  `orchestrator.WeightSync` broadcasts from learner rank 0 into every engine worker
-  instead (an engine restarted by Ray is not in that group: its sync fails).
+  they die. `training.weights.learner_side.WeightSync` brings them the learner's weights
+  (and re-forms a gloo / NCCL weight group with an engine Ray restarted).
 * rollout workers anywhere with free CPU (`sandbox_options`), restarted when they die;
   worker i samples from engine i mod N, and from the next live engine while that one is
   down. An episode whose worker died fails with a Ray actor error, which the loop
@@ -80,7 +77,7 @@ def _node_id() -> str:
 def _rank_class():
     import ray
 
-    from training.distributed import WeightSourceMixin
+    from training.weights.learner_side import WeightSourceMixin
 
     @ray.remote
     class LearnerRank(WeightSourceMixin):
@@ -184,9 +181,7 @@ def _gather():
 
     @ray.remote(num_cpus=0)
     def slowest(refs: list) -> float:
-        """Longest of the engines' load times. An engine that died is skipped: Ray
-        restarts it, and the next sync (after the next step) brings it up to date; until
-        then its turns carry the old version and the staleness limit drops them."""
+        """One ref for a call on every engine (`close`); an engine that died is skipped."""
         seconds = []
         for ref in refs:
             try:
@@ -203,18 +198,8 @@ def _gather():
 class EngineGroup:
     def __init__(self, engines: list[Any]):
         self.engines = engines
-        self.push_weights = _Call(self._push)
         self.close = _Call(lambda: _gather().remote([e.close.remote() for e in self.engines]))
         self.info = _Call(lambda: self.engines[0].info.remote())
-
-    def _push(self, weights: Any, version: int) -> Any:
-        """One ref: the seconds the slowest engine took to load `weights` (a dict or the
-        ref of one; a ref is fetched by each engine's node from the object store)."""
-        import ray
-
-        ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
-        # A list argument stays a list of refs: each engine's outcome is awaited separately.
-        return _gather().remote([e.push_weights.remote(ref, version) for e in self.engines])
 
     def kill(self) -> None:
         import ray

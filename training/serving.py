@@ -30,7 +30,7 @@ from pathlib import Path
 
 DEFAULT_MODEL = "allenai/tmax-9b"
 DEFAULT_MAX_MODEL_LEN = 65536
-WORKER_EXTENSION = "training.vllm_ext.WeightPushExtension"
+WORKER_EXTENSION = "training.weights.vllm_ext.WeightPushExtension"
 # Tiny local models (hidden size up to this) are served in float32 on CPU: bf16 there would
 # cost the exact logprob agreement with the fp32 trainer that RL relies on.
 _FP32_MAX_HIDDEN = 1024

@@ -1,7 +1,7 @@
 """vLLM worker extension: load new weights into a running engine.
 
 vLLM mixes this class into its worker (`--worker-extension-cls
-training.vllm_ext.WeightPushExtension`); the dev-mode endpoint `POST /collective_rpc` calls
+training.weights.vllm_ext.WeightPushExtension`); the dev-mode endpoint `POST /collective_rpc` calls
 its methods in every worker. Only JSON strings cross that endpoint, so weights travel as a
 safetensors file path (HF tensor names), written atomically by the trainer.
 
@@ -11,7 +11,7 @@ and leaves a mixed model. The worker's own `reload_weights` restores the layout,
 and re-packs. It does not re-pack a tied LM head, whose handle is built from a copy of the
 embedding; `_repack_cpu_gemm` does that (on GPU there is nothing to re-pack).
 
-Process-group transport (`training.distributed`): instead of a file, the weights can
+Process-group transport (`training.weights.group`): instead of a file, the weights can
 arrive by broadcast from learner rank 0 over a standalone gloo / NCCL group. The worker
 joins that group once (`join_weight_group`, its rank = the engine's rank offset + the
 worker's tensor-parallel rank, so every TP shard holds a full copy of the stream and
@@ -68,7 +68,7 @@ class WeightPushExtension:
         ("gloo" | "nccl"), optional timeout_s. Blocks until every rank has joined."""
         import json
 
-        from training.distributed import WeightGroup
+        from training.weights.group import WeightGroup
 
         s = json.loads(spec)
         backend = str(s.get("backend", "gloo"))
@@ -85,7 +85,8 @@ class WeightPushExtension:
     def receive_weights(self, update: str) -> dict:
         """Receive one update (its `WeightUpdate.to_json()` manifest) by broadcast from
         rank 0 of the weight group, load it like `push_file`, set the policy version."""
-        from training.distributed import WeightReceiver, WeightUpdate
+        from training.weights.group import receive
+        from training.weights.protocol import WeightUpdate
 
         group = self._tmax_weight_group
         if group is None:
@@ -96,7 +97,7 @@ class WeightPushExtension:
         # redundant, but its bucket still has to be received to keep the stream in step.
         hf = self.model_runner.model_config.hf_config  # type: ignore[attr-defined]
         skip = {"lm_head.weight"} if getattr(hf, "tie_word_embeddings", False) else set()
-        stream = WeightReceiver(group).receive(upd)
+        stream = receive(group, upd)
         counts = {"received": 0, "loaded": 0}
 
         def pairs():
