@@ -3,6 +3,8 @@ the live-cluster versions are in test_multinode.py)."""
 
 from __future__ import annotations
 
+import os
+
 import json
 import shutil
 import subprocess
@@ -129,7 +131,7 @@ def test_nodes_from_ray_skips_dead_nodes():
     assert [n.address for n in nodes_from_ray(raw)] == ["1.2.3.4"]
 
 
-def test_cluster_mode_and_env():
+def test_cluster_mode_and_env(monkeypatch):
     assert cluster.resolve_mode(None, {}) == "local"
     assert cluster.resolve_mode(None, {"SLURM_JOB_NODELIST": "gpu[01-08]"}) == "slurm"
     assert cluster.resolve_mode(None, {"RAY_ADDRESS": "h:6379", "SLURM_JOB_NODELIST": "x"}) == "address"
@@ -137,6 +139,10 @@ def test_cluster_mode_and_env():
     env = cluster.ray_env({"RAY_AUTH_MODE": "token"})
     assert env["RAY_AUTH_MODE"] == "token" and env["RAY_USAGE_STATS_ENABLED"] == "0"
     assert cluster.ray_env({})["RAY_AUTH_MODE"] == "disabled"
+    # What every tmax process applies before Ray (orchestrator.init_ray too) keeps the user's mode.
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    cluster.apply_ray_env()
+    assert os.environ["RAY_AUTH_MODE"] == "token"
 
 
 def test_slurm_commands_carry_roles():

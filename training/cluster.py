@@ -1,6 +1,6 @@
 """Getting a Ray cluster for `tmax learn`: connect, start one inside Slurm, or start locally.
 
-The mode comes from the environment (peers-and-ux §4.3):
+The mode comes from the environment, as the launchers of other RL frameworks do it:
 
 * `--address` or `RAY_ADDRESS`  -> connect to a running cluster;
 * inside a Slurm allocation      -> `ray start --head` here, `srun ... ray start --address`
@@ -9,7 +9,7 @@ The mode comes from the environment (peers-and-ux §4.3):
 
 Every Ray process must agree on `RAY_AUTH_MODE`: after a first `ray.init()` writes an auth
 token, a head started without the variable enables token auth and workers that were not
-told are rejected (cpu-feasibility §2). So `ray_env()` pins it (keeping a value the user
+told are rejected. So `ray_env()` pins it (keeping a value the user
 set) and every command and child process gets the same environment.
 
 Nodes started by tmax carry a role resource (`tmax_train` / `tmax_infer`) so the

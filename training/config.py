@@ -42,7 +42,7 @@ class TasksConfig(_Strict):
 
 
 class RolloutConfig(_Strict):
-    """Budgets (reference item 15) and termination (item 16) of one training episode."""
+    """Budgets and termination of one training episode (64 tool calls, 65,536 tokens in the paper)."""
 
     max_tool_calls: int = Field(64, ge=1)
     response_budget: int = Field(65536, ge=1)  # model + tool tokens of one trajectory

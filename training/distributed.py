@@ -7,7 +7,7 @@ sum of every rank's token-sum divided by the global loss-token count N. So a ran
 computes `policy_loss(..., denominator=N)` with N from `global_count`, and multiplies the
 loss by `ctx.grad_scale` (= world size) before backward: the averaged gradient is then
 exactly the single-process gradient of the whole batch, whatever the token counts per
-rank (reference §1.8: "multiplied by the DP world size to undo the averaging").
+rank (the loss is multiplied by the DP world size to undo the all-reduce's averaging).
 
 Weights: after every step the full weights (`full_weights`, gathered from the shards, a
 collective over all learner ranks) go from learner rank 0 to every engine: that sync is
@@ -155,7 +155,7 @@ def shard_model(model: torch.nn.Module, ctx: RankContext, bf16: bool | None = No
     """FSDP2: shard every decoder layer, then the root. With `bf16` (default on GPU) the
     blocks compute in bf16 with fp32 master weights and fp32 gradient reduction, while
     the LM head keeps fp32 compute (its own FSDP unit with an fp32 policy), the fp32
-    LM-head trick of the reference §4.5. Without a process group (`backend == "none"`)
+    LM-head trick (fp32 logits keep the trainer's log-probs close to the sampler's). Without a process group (`backend == "none"`)
     the model is returned unchanged; a 1-rank group still shards (single-GPU checks)."""
     if ctx.backend == "none":
         return model

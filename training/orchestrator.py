@@ -35,8 +35,10 @@ from training.rollout import (
 )
 from training.weights.learner_side import WeightSync
 
-# Every Ray process (driver, raylet, workers) must agree on these (cpu-feasibility §2).
-RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+# Every Ray process (driver, raylet, workers) must agree on these: once a first ray.init has
+# written an auth token, a head started without RAY_AUTH_MODE enables token auth and rejects
+# workers that were not told (`training.cluster.ray_env` keeps a value the user set).
+RAY_ENV_KEYS = ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED")
 ENV_METRIC = "env/tmax_bash/step_count"
 # Ray threads per rollout worker beyond its episode slots, so prewarm calls are not
 # queued behind running episodes.
@@ -70,12 +72,14 @@ class TrainingError(RuntimeError):
 def init_ray(cfg: LearnConfig) -> bool:
     """Connect to `run.ray_address` / RAY_ADDRESS, or start a private local cluster bound
     to 127.0.0.1. Returns True when this process started (and must stop) the cluster."""
-    os.environ.update(RAY_ENV)
+    from training.cluster import apply_ray_env
+
+    apply_ray_env()  # keeps a RAY_AUTH_MODE the user set, else "disabled"
     import ray
 
     if ray.is_initialized():
         return False
-    runtime_env = {"env_vars": dict(RAY_ENV)}
+    runtime_env = {"env_vars": {k: os.environ[k] for k in RAY_ENV_KEYS}}
     address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
@@ -468,7 +472,7 @@ def train(
         next_group += 1
         groups[gid] = OpenGroup(gid, task_dir, a.group_size)
         for i in range(a.group_size):
-            # Per-sample seed = base + sample index (reference item 19), offset per group so
+            # Per-sample seed = base + sample index (as the recipe seeds vLLM), offset per group so
             # groups do not replay each other.
             queue.append(EpisodeRequest(task_dir, gid, i, a.seed + gid * a.group_size + i))
 

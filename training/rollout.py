@@ -4,12 +4,12 @@ The episode is `agents.loop.Agent` driving `agents.token_policy.TokenPolicy`, so
 context the sampler sees is the exact token list (prompt ids, sampled ids verbatim,
 template-rendered observations with mask 0 / logprob 0) and never a re-rendering.
 
-Budgets (reference item 15) and termination (item 16) come from `RolloutConfig`:
+Budgets and termination, as in the Tmax recipe, come from `RolloutConfig`:
 * at most `max_tool_calls` model turns; the first turn without a valid `bash` call ends
   the episode (`max_format_errors = 1`);
 * per-turn tokens = max(1, min(remaining response budget, remaining context, per-turn cap)),
   enforced by the token policy, which raises `ContextOverflow` when a budget is used up;
-* reward (item 17): the task's verifier, run only after a submit (tests are copied in at
+* reward: the task's verifier, run only after a submit (tests are copied in at
   that moment, never before), clamped to [0, 1]; 0 for every other ending. Overlong
   episodes are kept as reward-0 negatives.
 
