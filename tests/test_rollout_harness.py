@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from agents.policy import SampledTokens
+from tests.test_rollout import _spans
 from training.config import RolloutConfig, preset
 from training.rollout import EpisodeRequest, run_episode
 
@@ -41,15 +42,6 @@ def nano(tmp_path_factory):
 
 def _mini_turn(tok, thought: str, command: str) -> list[int]:
     return tok.encode(f"{thought}\n\n```bash\n{command}\n```{tok.eos_token}", add_special_tokens=False)
-
-
-def _spans(mask):
-    out, start = [], 0
-    for i in range(1, len(mask) + 1):
-        if i == len(mask) or mask[i] != mask[start]:
-            out.append((mask[start], start, i))
-            start = i
-    return out
 
 
 def test_harness_rotates_per_group():
