@@ -6,10 +6,10 @@ weight sync into a real `VLLMEngine`, and trainer/engine log-prob agreement.
     python benchmarks/gpu_check.py --cpu-smoke  # the same code on CPU with the nano model (CI)
 
 What runs (all product code):
-* learner: `training.learner.Learner` with the FSDP2 strategy on a 1-rank process group
+* learner: `training.learner.learner.Learner` with the FSDP2 strategy on a 1-rank process group
   (NCCL on GPU, gloo on CPU), fp32 master weights, bf16 autocast and gradient
   checkpointing on GPU; one `train_step` (DPPO loss, AdamW, clip) per batch;
-* engine: `training.engine.VLLMEngine`, the dev-mode vLLM server of `tmax learn`,
+* engine: `training.inference.engine.VLLMEngine`, the dev-mode vLLM server of `tmax learn`,
   sampling through `VLLMSampler` with the sampled tokens' log-probs;
 * weight sync after every step: `training.weights` with this process as learner rank 0
   (`WeightSourceMixin`, the methods a learner actor runs) and the engine's
@@ -97,8 +97,9 @@ def start_learner(model_dir: str, cpu: bool, bf16: bool, pack_length: int):
     import torch
     import torch.distributed as dist
 
-    from training.distributed import RankContext, free_port
-    from training.learner import FSDPDataParallel, Learner, LearnerConfig
+    from training.learner.parallel import RankContext, free_port
+    from training.learner.learner import Learner, LearnerConfig
+    from training.learner.parallel import FSDPDataParallel
 
     backend, device = ("gloo", torch.device("cpu")) if cpu else ("nccl", torch.device("cuda", 0))
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
@@ -108,7 +109,7 @@ def start_learner(model_dir: str, cpu: bool, bf16: bool, pack_length: int):
                         autocast="bfloat16" if bf16 else None, gradient_checkpointing=not cpu,
                         pack_length=pack_length)
     learner = Learner(model_dir, cfg, FSDPDataParallel(RankContext(0, 1, backend, device)))
-    RESULT["learner_path"] = f"training.learner.Learner, FSDP2 over {backend} (1 rank)" + (
+    RESULT["learner_path"] = f"training.learner.learner.Learner, FSDP2 over {backend} (1 rank)" + (
         ", bf16 autocast, fp32 master weights" if bf16 else ", fp32")
     return learner
 
@@ -127,7 +128,7 @@ class VLLMSide:
     """A real `VLLMEngine` and the weight sync into it over `transport`."""
 
     def __init__(self, model_dir: str, learner, transport: str, dtype: str, max_len: int):
-        from training.engine import VLLMEngine, VLLMSampler
+        from training.inference.engine import VLLMEngine, VLLMSampler
 
         self.learner, self.transport = learner, transport
         env_gpu = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -148,13 +149,13 @@ class VLLMSide:
                                    max_model_len=self.engine.max_model_len, extra_body={"ignore_eos": True})
         self.source = LocalSource(learner)
         if transport != "object_store":
-            from training.distributed import free_port
+            from training.learner.parallel import free_port
 
             port = free_port()
             joined = self.engine.join_weight_group_async("127.0.0.1", port, 1, 2, transport, 300.0)
             self.source.join_weight_group("127.0.0.1", port, 2, transport, timeout_s=300.0)
             joined.result(timeout=360)
-        RESULT["engine_path"] = f"training.engine.VLLMEngine (vLLM {_version('vllm')}), weights by {transport}"
+        RESULT["engine_path"] = f"training.inference.engine.VLLMEngine (vLLM {_version('vllm')}), weights by {transport}"
 
     def sync(self, version: int) -> tuple[float, int]:
         """(seconds, bytes) of one weight sync of the learner's current weights."""
@@ -246,7 +247,7 @@ def prompt_vocab(model_dir: str, learner) -> int:
 
 def agreement(learner, prompts, responses, engine_lps) -> list[float]:
     """|learner log-prob - engine log-prob| of every sampled token."""
-    from training.learner import TrainSample
+    from training.learner.packing import TrainSample
 
     samples = [TrainSample(p, r, lp, [1] * len(r), 0.0) for p, r, lp in zip(prompts, responses, engine_lps)]
     mine = learner.logprobs(samples)
@@ -257,7 +258,7 @@ def run_steps(side, learner, sz: dict, vocab: int, syncs: list) -> dict:
     """Sample -> agreement -> train step -> sync, `steps` times; then a last agreement."""
     import random
 
-    from training.learner import TrainSample
+    from training.learner.packing import TrainSample
 
     rng = random.Random(1)
     n_prompts, group, P, R = sz["prompts"], sz["group"], sz["P"], sz["R"]

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def last_batch_samples(run_dir: Path, cfg) -> list:
     """The TrainSamples of the last RL step, rebuilt from rollouts.jsonl (same advantages)."""
-    from training.advantages import group_advantages
-    from training.learner import TrainSample
+    from training.algo.advantages import group_advantages
+    from training.learner.packing import TrainSample
 
     groups: dict[int, list[dict]] = {}
     for line in (run_dir / "rollouts.jsonl").read_text().splitlines():
@@ -43,8 +43,8 @@ def trainer_overhead(ckpt: str, samples: list, cfg, repeats: int = 3) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from training.learner import Learner
-    from training.orchestrator import learner_config
+    from training.learner.learner import Learner
+    from training.loop import learner_config
 
     if cfg.run.torch_threads:
         torch.set_num_threads(cfg.run.torch_threads)

@@ -26,7 +26,7 @@ def run_mode(kind: str, task_dirs: list[str], tok, cfg, concurrency: int, pool_s
     """Run one episode per task, `concurrency` at a time; warm when pool_size > 0."""
     from training.nano.tasks import oracle_steps
     from training.rollout import EpisodeRequest, env_settings, prepare_tasks, prewarm, run_episode, worker_pool
-    from training.sft import ScriptedSampler, assistant_ids
+    from training.learner.sft import ScriptedSampler, assistant_ids
 
     rcfg = cfg.rollout.model_copy(update={"sandbox": kind, "pool_size": pool_size})
     images = prepare_tasks(rcfg, task_dirs, log=lambda m: print(m, file=sys.stderr)).images

@@ -2,7 +2,7 @@
 
 import pytest
 
-from training.batching import FILTERED, KEPT, STALE, BatchAccumulator, BatchConfig, Group
+from training.algo.batching import FILTERED, KEPT, STALE, BatchAccumulator, BatchConfig, Group
 
 
 def g(name, rewards, version=0):

@@ -7,9 +7,10 @@ import random
 import pytest
 import torch
 
-from training import checkpoint as ckpt
-from training.learner import Learner, LearnerConfig, TrainSample
-from training.metrics import MetricsSink, read_metrics, summary
+from training.learner import checkpoint as ckpt
+from training.learner.learner import Learner, LearnerConfig
+from training.learner.packing import TrainSample
+from training.report import MetricsSink, read_metrics, summary
 
 VOCAB = 300
 TEMPLATE = (

@@ -199,7 +199,7 @@ def test_cli_model_discovery_failure_is_clear(tmp_path):
 
 def test_learner_strategy_reaches_the_learner():
     from training.config import ConfigError, preset
-    from training.orchestrator import learner_config
+    from training.loop import learner_config
 
     assert learner_config(preset("nano")).strategy == "fsdp"
     assert learner_config(preset("nano", {"run": {"learner_strategy": "replicate"}})).strategy == "replicate"

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from training import distributed as D
-from training.dppo import LossConfig, policy_loss
+from training.learner import parallel as D
+from training.algo.dppo import LossConfig, policy_loss
 from training.weights import protocol as P
 from training.weights.group import WeightGroup, WeightSender, receive
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from training.dppo import LossConfig, LossStats, binary_kl, binary_tv, dppo_mask, policy_loss
+from training.algo.dppo import LossConfig, LossStats, binary_kl, binary_tv, dppo_mask, policy_loss
 
 
 def lp(*probs):

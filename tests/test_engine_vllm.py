@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 from agents import prompts  # noqa: E402
 from agents.policy import ContextOverflow, TokenSampler  # noqa: E402
 from agents.tools import TOOLS  # noqa: E402
-from training.engine import InferenceEngine, VLLMEngine  # noqa: E402
+from training.inference.engine import InferenceEngine, VLLMEngine  # noqa: E402
 from training.nano.model import build_nano_model  # noqa: E402
 
 TOL = 1e-4

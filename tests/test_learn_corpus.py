@@ -16,7 +16,7 @@ from agents.prompts import SUBMIT_COMMAND
 from tmax_cli.main import app
 from training.config import preset
 from training.rollout import EpisodeRequest, prepare_tasks, run_episode
-from training.sft import ScriptedSampler, assistant_ids
+from training.learner.sft import ScriptedSampler, assistant_ids
 
 sys.path.insert(0, str(Path(__file__).parent))
 from data_scripted_generator import Responder  # noqa: E402

@@ -130,8 +130,8 @@ def test_two_node_run_through_the_cli(tmp_path):
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
-    from training import cluster
-    from training.placement import ROLE_INFER, ROLE_TRAIN
+    from training.cluster import launch as cluster
+    from training.cluster.placement import ROLE_INFER, ROLE_TRAIN
 
     cluster.apply_ray_env()
     cfg = _config(tmp_path)

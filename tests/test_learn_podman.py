@@ -25,8 +25,8 @@ def test_podman_rl_run_uses_containers_and_learns_from_their_verifier(tmp_path, 
     from training.config import preset
     from training.nano.model import NanoSpec, build_nano_model
     from training.nano.tasks import write_splits
-    from training.orchestrator import train
-    from training.sft import collect_demos, train_sft
+    from training.loop import train
+    from training.learner.sft import collect_demos, train_sft
 
     build_nano_model(tmp_path / "base", seed=0, spec=NanoSpec(hidden_size=64, intermediate_size=128,
                                                               num_hidden_layers=2))

@@ -15,10 +15,10 @@ import pytest
 ray = pytest.importorskip("ray")
 import torch  # noqa: E402
 
-from training import cluster  # noqa: E402
-from training import distributed as D  # noqa: E402
-from training.dppo import LossConfig, policy_loss  # noqa: E402
-from training.placement import ROLE_INFER, ROLE_TRAIN, check_live_cluster, make_plan, reserve  # noqa: E402
+from training.cluster import launch as cluster  # noqa: E402
+from training.learner import parallel as D  # noqa: E402
+from training.algo.dppo import LossConfig, policy_loss  # noqa: E402
+from training.cluster.placement import ROLE_INFER, ROLE_TRAIN, check_live_cluster, make_plan, reserve  # noqa: E402
 from training.weights.group import WeightGroup, WeightSender, receive  # noqa: E402
 from training.weights.protocol import load_into  # noqa: E402
 

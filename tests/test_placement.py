@@ -11,18 +11,17 @@ import subprocess
 
 import pytest
 
-from training import cluster
-from training.placement import (
+from training.cluster import launch as cluster
+from training.cluster.placement import (
     ROLE_INFER,
     ROLE_TRAIN,
     NodeInfo,
     PlanError,
     check_resources,
-    dry_run_text,
     make_plan,
     nodes_from_ray,
-    sbatch_script,
 )
+from training.cluster.slurm import dry_run_text, sbatch_script
 
 
 def test_eight_nodes_is_the_paper_layout():
@@ -139,7 +138,7 @@ def test_cluster_mode_and_env(monkeypatch):
     env = cluster.ray_env({"RAY_AUTH_MODE": "token"})
     assert env["RAY_AUTH_MODE"] == "token" and env["RAY_USAGE_STATS_ENABLED"] == "0"
     assert cluster.ray_env({})["RAY_AUTH_MODE"] == "disabled"
-    # What every tmax process applies before Ray (orchestrator.init_ray too) keeps the user's mode.
+    # What every tmax process applies before Ray (loop.init_ray too) keeps the user's mode.
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     cluster.apply_ray_env()
     assert os.environ["RAY_AUTH_MODE"] == "token"

@@ -12,7 +12,7 @@ import pytest
 from agents.prompts import SUBMIT_COMMAND
 from training.config import preset
 from training.rollout import EpisodeRequest, InfraError, run_episode
-from training.sft import ScriptedSampler, assistant_ids
+from training.learner.sft import ScriptedSampler, assistant_ids
 
 
 @pytest.fixture(scope="module")

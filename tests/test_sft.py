@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from training.config import preset
-from training.sft import DemoError, ScriptedSampler, assistant_ids, collect_demos, select_sft_tasks, train_sft
+from training.learner.sft import DemoError, ScriptedSampler, assistant_ids, collect_demos, select_sft_tasks, train_sft
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from training.config import ConfigError, LearnConfig, load_config, preset  # noqa: E402
-from training.distributed import free_port  # noqa: E402
+from training.learner.parallel import free_port  # noqa: E402
 from training.weights.group import WeightGroup, WeightSender  # noqa: E402
 from training.weights.protocol import WeightUpdate, make_update  # noqa: E402
 from training.weights.transports import resolve_transport as resolve_weight_transport  # noqa: E402
@@ -159,7 +159,7 @@ def test_ray_weight_sync_over_gloo(nano_dir, base_model, prompt, tmp_path):
     group with it and brings it the learner's weights."""
     import ray
 
-    from training.orchestrator import ActorSampler, _actor_classes, close_engine, init_ray, learner_config
+    from training.loop import ActorSampler, _actor_classes, close_engine, init_ray, learner_config
     from training.weights.learner_side import WeightSync
 
     cfg = preset("nano")
@@ -232,7 +232,7 @@ def _wait_restarted(actor, timeout_s: float = 600.0) -> None:
 
 @pytest.fixture(scope="module")
 def engine(nano_dir, tmp_path_factory):
-    from training.engine import VLLMEngine
+    from training.inference.engine import VLLMEngine
 
     # The nano model's full 4096 positions: room for a request that runs for many seconds.
     eng = VLLMEngine(nano_dir, max_model_len=CONTEXT, work_dir=tmp_path_factory.mktemp("engine"))
@@ -292,7 +292,7 @@ def _sync_during_long_request(engine, sender, transport, old, new, v_old, seed, 
     """Start a request that fills the context, sync to `new` once it has sampled
     `after_tokens` tokens, and return (its result, the first request sent after the sync,
     the change of `mixed_turns`)."""
-    from training.engine import VLLMSampler
+    from training.inference.engine import VLLMSampler
 
     sync(engine, sender, old.state_dict(), v_old, transport)
     # ignore_eos: the request runs its full length whatever the random weights sample.
@@ -364,6 +364,6 @@ def test_seeded_prompt_longer_than_a_prefill_chunk(engine):
     """A sync preempts the requests in flight; each then recomputes prompt + output in a
     prefill. vLLM on CPU cannot split the prefill of a seeded request (its generator has
     no offset to rewind: the engine dies), so the CPU server runs without chunked
-    prefill (`training.serving`). 3,000 tokens is past vLLM's default 2,048-token chunk."""
+    prefill (`training.inference.serving`). 3,000 tokens is past vLLM's default 2,048-token chunk."""
     out = engine.sampler().sample([5] * 3000, 8, 1.0, 1.0, seed=1)
     assert len(out.ids) == 8 and out.finish_reason == "length"

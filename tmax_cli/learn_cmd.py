@@ -105,7 +105,7 @@ def learn(
         if tp > 1:
             cfg.engine.extra_args = [*cfg.engine.extra_args, "--tensor-parallel-size", str(tp)]
         if dry_run:
-            from training.placement import dry_run_text
+            from training.cluster.slurm import dry_run_text
 
             extra = [a for flag, v in (("--config", config), ("--out", out), ("--steps", steps), ("--seed", seed))
                      if v is not None for a in (flag, str(v))]
@@ -119,7 +119,7 @@ def learn(
         raise typer.Exit(2)
     run_dir = _out(cfg, out)
     try:
-        from training.orchestrator import train
+        from training.loop import train
         from training.recipe import build_stage, prepare_recipe_tasks, sft_stage
 
         if cfg.model.build_nano or cfg.tasks.generate_nano:
@@ -164,7 +164,7 @@ def _rated(from_runs: Path, per_step: int, nodes: Optional[int]):
 
 
 def _plan(cfg, nodes, gpus_per_node, train_nodes, tp, learners_per_node, engines_per_node):
-    from training.placement import PlanError, make_plan
+    from training.cluster.placement import PlanError, make_plan
 
     try:
         return make_plan(nodes, gpus_per_node, train_nodes, tp=tp, sandbox_workers=cfg.run.rollout_workers,
@@ -186,8 +186,9 @@ def _log_step(step: int, metrics: dict) -> None:
 def _placed_train(cfg, plan, address, start, train_dir, rl_dir, resume, progress, prepared):
     """Join (or start) the cluster, check it holds the plan, reserve the placement groups,
     train, and give everything back whatever happens."""
-    from training import cluster, placement
-    from training.orchestrator import train
+    from training.cluster.launch import launch as cluster
+    from training.cluster.launch import placement
+    from training.loop import train
 
     _echo(plan.describe(cfg.engine.weight_transport))
     handle = cluster.connect(plan, address or cfg.run.ray_address, num_cpus=cfg.run.ray_num_cpus)
@@ -241,7 +242,7 @@ def _sft_from_runs(cfg, runs_dir: Path, run_dir: Path) -> None:
     from dataclasses import asdict
 
     try:
-        from training.sft import sft_from_runs
+        from training.learner.sft import sft_from_runs
 
         res = sft_from_runs(runs_dir, cfg, run_dir / "sft-runs", log=lambda step, total, loss: _echo(
             f"SFT step {step}/{total}: loss {loss:.3f}") if step % 20 == 0 or step == total else None)

@@ -14,7 +14,7 @@ from typing import Any
 
 from agents.rating import write_reward
 from tmax_cli.config import ConfigError
-from training.engine import VLLMSampler
+from training.inference.engine import VLLMSampler
 
 VERIFY_TIMEOUT_S = 600.0
 
@@ -68,7 +68,7 @@ class TokenSetup:
 
     def policy(self, config: Any) -> Any:
         from agents.token_policy import TokenPolicy
-        from training.engine import _stop_ids
+        from training.inference.engine import _stop_ids
 
         server = self.base_url.rstrip("/").removesuffix("/v1")
         stops = sorted({*_stop_ids(self.model_dir), self.tokenizer.eos_token_id} - {None})

@@ -1,6 +1,6 @@
 """`tmax serve [MODEL]`: start vLLM's OpenAI-compatible server with the paper's flags.
 
-The command line comes from `training.serving` (the same server the trainer runs), so a
+The command line comes from `training.inference.serving` (the same server the trainer runs), so a
 checkpoint written by `tmax learn` is served exactly as it was sampled during training.
 """
 
@@ -13,7 +13,7 @@ from typing import List, Optional
 
 import typer
 
-from training.serving import DEFAULT_MODEL
+from training.inference.serving import DEFAULT_MODEL
 
 
 def _interrupt(*_: object) -> None:
@@ -49,7 +49,7 @@ def serve(
     """Serve a model with vLLM's OpenAI-compatible API; prints the base URL when ready."""
     from rich.console import Console
 
-    from training.serving import ServerError, ServeSpec, VLLMServer, build_command
+    from training.inference.serving import ServerError, ServeSpec, VLLMServer, build_command
 
     console = Console(stderr=True)
     spec = ServeSpec(

@@ -2,7 +2,7 @@
 
 Everything runs through the real components: the tiny model and tasks are built here,
 SFT demonstrations are oracle episodes played through the harness, RL is the Ray
-orchestrator with a vLLM engine, and both held-out evaluations are `tmax bench` jobs
+training loop with a vLLM engine, and both held-out evaluations are `tmax bench` jobs
 (`tasks.job.Job`, the `tmax` agent, trials in host or podman sandboxes) against that vLLM server, once with
 the SFT checkpoint loaded and once with the final RL checkpoint loaded. There is no
 special evaluation path.
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from training.config import LearnConfig
-from training.orchestrator import close_engine, init_ray, list_task_dirs, start_engine, train
+from training.loop import close_engine, init_ray, list_task_dirs, start_engine, train
 from training.weights.learner_side import load_checkpoint
 
 Log = Callable[[str], None]
@@ -56,7 +56,7 @@ def build_stage(cfg: LearnConfig, out: Path, seed: int, log: Log) -> tuple[str, 
 def sft_stage(cfg: LearnConfig, model_dir: str, train_dir: str, out: Path, log: Log) -> dict:
     from transformers import AutoTokenizer
 
-    from training.sft import collect_demos, select_sft_tasks, train_sft
+    from training.learner.sft import collect_demos, select_sft_tasks, train_sft
 
     sft_dir = out / "sft"
     if (sft_dir / "sft.json").is_file():

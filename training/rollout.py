@@ -19,7 +19,7 @@ podman, or a fresh host workspace on bwrap / local.
 
 Infrastructure failures (a sandbox that will not start or dies, a verifier that cannot
 run or writes no reward, an inference server that keeps failing) raise `InfraError` with
-a kind: the orchestrator drops and re-queues the episode and counts it in
+a kind: the training loop drops and re-queues the episode and counts it in
 `env/infra_errors/<kind>`. They are never scored as reward 0.
 """
 
@@ -119,7 +119,7 @@ def agent_config(cfg: RolloutConfig, max_steps: int | None = None) -> AgentConfi
         observation_max_chars=cfg.observation_max_chars,
         budget_hints=cfg.budget_hints,
         # A failing inference server is an infrastructure problem: retry briefly, then let
-        # the orchestrator re-queue the episode rather than wait out long back-offs.
+        # the training loop re-queue the episode rather than wait out long back-offs.
         retries=3,
         backoff_s=(0.5, 1.0),
     )

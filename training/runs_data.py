@@ -102,7 +102,7 @@ class RatedStream:
         self._next = 0
 
     def next_samples(self) -> list:
-        from training.learner import TrainSample
+        from training.learner.packing import TrainSample
 
         out = []
         for _ in range(min(self.per_step, len(self.rated))):

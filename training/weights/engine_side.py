@@ -1,6 +1,6 @@
 """The engine's side of a weight sync: pause -> load -> reset prefix cache -> resume.
 
-`EngineWeights` is mixed into `training.engine.VLLMEngine` (which provides `_rpc`, a
+`EngineWeights` is mixed into `training.inference.engine.VLLMEngine` (which provides `_rpc`, a
 `/collective_rpc` call to every vLLM worker, and `_control`, a POST to a dev-mode
 endpoint). The loading itself happens in each worker (`vllm_ext`):
 
@@ -20,7 +20,7 @@ them), the weights load, `POST /reset_prefix_cache?reset_running_requests=true` 
 every KV block computed with the old weights (the frozen requests are preempted, so on
 `POST /resume` they recompute their prefix and go on sampling with the new weights),
 and generation resumes. A turn that spans a sync thus holds tokens of two versions; it
-is tagged with the older one (`training.engine.VLLMSampler`), and counted in
+is tagged with the older one (`training.inference.engine.VLLMSampler`), and counted in
 `mixed_turns`.
 """
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 class WeightSourceMixin:
     """Learner rank 0's end of the weight group, as methods of a learner actor (Ray calls
-    them). The actor sets `self.learner` (a `training.learner.Learner`) and, when it is
+    them). The actor sets `self.learner` (a `training.learner.learner.Learner`) and, when it is
     one of several learner ranks, `self.rank`.
 
     A sync is `prepare_weights(version)` on every learner rank (gathering the full
@@ -38,7 +38,7 @@ class WeightSourceMixin:
         return torch.device(getattr(self.learner, "device", "cpu")).type  # type: ignore[attr-defined]
 
     def weight_rendezvous(self) -> tuple[str, int]:
-        from training.distributed import free_port, node_ip
+        from training.learner.parallel import free_port, node_ip
 
         return node_ip(), free_port()
 

@@ -20,8 +20,6 @@ inside them), so `--dry-run` works without Ray.
 
 from __future__ import annotations
 
-import json
-import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -437,75 +435,3 @@ def reserve(plan: PlacementPlan, timeout_s: float = 300.0) -> Placement:
         return [table[i] for i in sorted(table)]
 
     return Placement(plan, lpg, epg, bundle_nodes(lpg), bundle_nodes(epg))
-
-
-# -- Slurm -----------------------------------------------------------------------------
-
-
-def sbatch_script(
-    plan: PlacementPlan,
-    learn_args: list[str],
-    job_name: str = "tmax-learn",
-    time_limit: str = "72:00:00",
-    cpus_per_node: int | None = None,
-    setup: str = "",
-) -> str:
-    """A ready sbatch script: one task per node; the batch step runs `tmax learn` on the
-    first node, and tmax starts Ray on every allocated node itself (training/cluster.py).
-    `learn_args` are the `tmax learn` arguments, passed through quoted."""
-    args = " ".join(shlex.quote(a) for a in learn_args)
-    lines = [
-        "#!/bin/bash",
-        f"#SBATCH --job-name={job_name}",
-        f"#SBATCH --nodes={plan.nodes}",
-        "#SBATCH --ntasks-per-node=1",
-    ]
-    if plan.use_gpu:
-        lines.append(f"#SBATCH --gpus-per-node={plan.gpus_per_node}")
-    if cpus_per_node:
-        lines.append(f"#SBATCH --cpus-per-task={cpus_per_node}")
-    lines += [
-        "#SBATCH --exclusive",
-        f"#SBATCH --time={time_limit}",
-        f"#SBATCH --output={job_name}-%j.out",
-        "set -euo pipefail",
-        "# Every Ray process must agree on auth, or workers fail to join the head.",
-        "# A value set where the job is submitted is kept (sbatch exports the environment).",
-        'export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}" RAY_USAGE_STATS_ENABLED=0',
-        "# Inside the allocation `tmax learn` starts the Ray head here and one worker per",
-        "# other node (srun --overlap), pins learners and engines per the plan, and stops",
-        "# Ray when it exits.",
-    ]
-    if setup:
-        lines.append(setup)
-    lines += [
-        'echo "tmax: nodes $(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd, -)"',
-        f"exec tmax learn {args}".rstrip(),
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def learn_args_for(plan: PlacementPlan, extra: list[str] | None = None) -> list[str]:
-    """The `tmax learn` flags that reproduce this plan (used in the sbatch script)."""
-    args = [
-        "--nodes",
-        str(plan.nodes),
-        "--gpus-per-node",
-        str(plan.gpus_per_node),
-        "--train-nodes",
-        str(plan.train_nodes),
-    ]
-    return args + list(extra or [])
-
-
-def dry_run_text(plan: PlacementPlan, extra_learn_args: list[str] | None = None, **sbatch_kw: Any) -> str:
-    """`tmax learn --dry-run`: the plan, its JSON and an sbatch script."""
-    script = sbatch_script(plan, learn_args_for(plan, extra_learn_args), **sbatch_kw)
-    return (
-        plan.describe()
-        + "\n\nplan (json): "
-        + json.dumps(plan.to_dict(), sort_keys=True)
-        + "\n\n# ---- sbatch script (save as tmax-learn.sbatch, submit with `sbatch tmax-learn.sbatch`) ----\n"
-        + script
-    )

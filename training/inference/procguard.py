@@ -1,6 +1,6 @@
 """Run a command and end its whole process group when the owning process dies.
 
-    python training/procguard.py OWNER_PID -- COMMAND [ARG ...]
+    python training/inference/procguard.py OWNER_PID -- COMMAND [ARG ...]
 
 Why: a vLLM server forks an engine core, which forks workers. When the process that owns
 the server is SIGKILLed (a Ray actor killed by `ray.kill` or `ray.shutdown`), no atexit

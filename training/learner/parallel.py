@@ -193,3 +193,157 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return float(norm)
+
+
+# -- data-parallel backends of the learner ---------------------------------------------
+
+
+STRATEGIES = ("fsdp", "replicate")
+
+class DataParallel:
+    """Single-process default; the interface a data-parallel backend implements.
+
+    After `backward`, `.grad` must hold the gradient of the *global* token-mean loss. A
+    backend that sums gradients over ranks keeps `loss_scale = 1`; one that averages them
+    (DDP, FSDP2) sets `loss_scale = world_size`. `all_reduce` takes and returns CPU
+    tensors (an NCCL backend moves them to the GPU and back). `wrap` may shard the
+    module the learner runs its forward through (before the optimizer is made); the
+    state methods then gather / scatter what the shards hold."""
+
+    rank: int = 0
+    world_size: int = 1
+    loss_scale: float = 1.0
+    strategy: str = "single"
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return t
+
+    def wrap(self, net: torch.nn.Module) -> torch.nn.Module:
+        return net
+
+    def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """Leave the *sum* over ranks of every gradient in `.grad`."""
+
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
+        """Clip to the global gradient norm; returns the norm before clipping."""
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """HF-named full tensors (rank 0; other ranks may get an empty dict)."""
+        return model.state_dict()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """`optimizer.state_dict()` with full tensors, as rank 0 writes it to disk."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        optimizer.load_state_dict(state)
+
+
+class TorchDataParallel(DataParallel):
+    """Replicated weights on an initialised torch.distributed group; gradients summed with
+    one all-reduce per parameter. Every rank feeds its own share of the batch. `device`:
+    where the group reduces (the GPU for NCCL); None reduces the CPU tensors in place."""
+
+    strategy = "replicate"
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError(f"{type(self).__name__} needs torch.distributed.init_process_group() first")
+        self._dist = dist
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.device = torch.device(device) if device is not None else None
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        t = t.clone() if self.device is None else t.to(self.device, copy=True)
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX if op == "max" else self._dist.ReduceOp.SUM)
+        return t.cpu()
+
+    def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self._dist.all_reduce(p.grad, op=self._dist.ReduceOp.SUM)
+
+
+class FSDPDataParallel(TorchDataParallel):
+    """FSDP2 over the learner group of `ctx` (a `training.learner.parallel.RankContext`).
+
+    Parameters, gradients and AdamW state are DTensors sharded on dim 0. FSDP2
+    reduce-scatters the *mean* gradient during backward, so `loss_scale` is the world
+    size and `reduce_gradients` has nothing left to do. The model is sharded without
+    FSDP's mixed precision: the learner's own `autocast` gives the same numerics as one
+    process, and a tied LM head (one parameter shared with the embeddings) cannot get a
+    separate fp32 FSDP unit anyway."""
+
+    strategy = "fsdp"
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx.device if ctx.backend == "nccl" else None)
+        self.ctx = ctx
+        self.loss_scale = float(ctx.grad_scale)
+
+    def wrap(self, net: torch.nn.Module) -> torch.nn.Module:
+        
+
+        return shard_model(net, self.ctx, bf16=False)
+
+    def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        pass
+
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
+        # Norms of DTensor gradients come out as DTensors reduced over the shards, so the
+        # clip coefficient is the global one on every rank.
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        
+
+        return full_weights(model, self.ctx)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """Gathered tensor by tensor (each `full_tensor` is an all-gather, in the same
+        index / key order on every rank); only rank 0 keeps them, on the CPU."""
+        state = optimizer.state_dict()
+        full: dict = {}
+        for idx in sorted(state["state"]):
+            entry = {}
+            for key, v in state["state"][idx].items():
+                if hasattr(v, "full_tensor"):
+                    v = v.full_tensor()
+                entry[key] = v.detach().cpu() if isinstance(v, torch.Tensor) else v
+            full[idx] = entry
+        return {"state": full if self.rank == 0 else {}, "param_groups": state["param_groups"]}
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Every rank holds the full state (read from the checkpoint) and keeps its own
+        shard of each tensor, laid out like the parameter: no communication."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        local: dict = {}
+        for idx, entry in state["state"].items():
+            p = params[int(idx)]
+            local[idx] = {
+                key: distribute_tensor(v.to(p.device_mesh.device_type), p.device_mesh, p.placements, src_data_rank=None)
+                if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape)
+                else v
+                for key, v in entry.items()
+            }
+        optimizer.load_state_dict({"state": local, "param_groups": state["param_groups"]})
+
+
+def data_parallel(ctx, strategy: str = "fsdp") -> DataParallel:
+    """The backend for a learner rank (`ctx`: a `training.learner.parallel.RankContext`): the
+    single-process one without a group, else `strategy` over the group."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if ctx.world_size == 1:
+        return DataParallel()
+    if strategy == "fsdp":
+        return FSDPDataParallel(ctx)
+    return TorchDataParallel(ctx.device if ctx.backend == "nccl" else None)

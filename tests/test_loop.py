@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from training.config import ConfigError, LearnConfig, load_config, preset
-from training.orchestrator import PromptStream, batch_samples, rollout_metrics
+from training.loop import PromptStream, batch_samples, rollout_metrics
 from training.rollout import Rollout
 
 
@@ -53,7 +53,7 @@ def test_prompt_stream_is_seeded_and_resumable():
 
 
 def test_batch_samples_carry_advantages_and_skip_unsampled():
-    from training.batching import Group
+    from training.algo.batching import Group
 
     g = Group("t", [1.0, 0.0, 0.0], [_rollout(1.0), _rollout(0.0), _rollout(0.0, mask=(0, 0))])
     out = batch_samples([g], [[2 / 3, -1 / 3, -1 / 3]])
@@ -82,7 +82,7 @@ def _mechanics_run(tmp_path: Path, steps: int, checkpoint_every: int) -> tuple[L
     cfg.algo.filter_zero_std, cfg.algo.active_sampling = False, False
     cfg.run.checkpoint_every, cfg.run.concurrency, cfg.run.rollout_workers, cfg.run.slots_per_worker = (
         checkpoint_every, 2, 1, 2)
-    return cfg, Path.cwd() / "runs" / "test-orchestrator" / uuid.uuid4().hex[:8]
+    return cfg, Path.cwd() / "runs" / "test-loop" / uuid.uuid4().hex[:8]
 
 
 @pytest.mark.slow
@@ -94,8 +94,8 @@ def test_ray_run_pushes_weights_checkpoints_and_resumes(tmp_path):
     learning, are under test here); then --resume continues from step 2."""
     import shutil
 
-    from training import checkpoint as ckpt
-    from training.orchestrator import train
+    from training.learner import checkpoint as ckpt
+    from training.loop import train
 
     cfg, run = _mechanics_run(tmp_path, steps=2, checkpoint_every=1)
     res = train(cfg, str(tmp_path / "base"), str(tmp_path / "tasks" / "train"), run, progress=False)
@@ -135,8 +135,8 @@ def test_ctrl_c_saves_a_checkpoint_to_resume_from(tmp_path):
     weights saved, even between checkpoint intervals, and --resume continues from them."""
     import shutil
 
-    from training import checkpoint as ckpt
-    from training.orchestrator import train
+    from training.learner import checkpoint as ckpt
+    from training.loop import train
 
     cfg, run = _mechanics_run(tmp_path, steps=3, checkpoint_every=100)
 

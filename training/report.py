@@ -1,4 +1,5 @@
-"""Per-step metrics: one JSON line per step (always), wandb / tensorboard when asked for.
+"""What a run reports: per-step metrics (one JSON line per step, always; wandb /
+tensorboard when asked for), the console progress bar, the reward curve and the summary.
 
 The JSONL file is the record of a run: each line is written with a single write and
 flushed, so a crash loses at most the line being written, and `read_metrics` skips a
@@ -116,3 +117,86 @@ def summary(metrics: dict[str, Any]) -> dict[str, str]:
             v = metrics[key]
             out[label] = f"{v:.4g}" if isinstance(v, float) else str(v)
     return out
+
+
+class Progress:
+    """A rich progress bar with ETA and the key metrics of the last step."""
+
+    def __init__(self, total: int, start: int, enabled: bool):
+        self.p = None
+        if not enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self.p = Progress(TextColumn("[bold]learn"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
+        self.p.start()
+        self.task = self.p.add_task("learn", total=total, completed=start, info="waiting for the first batch")
+
+    def update(self, step: int, info: dict[str, str]) -> None:
+        if self.p is not None:
+            self.p.update(self.task, completed=step, info="  ".join(f"{k} {v}" for k, v in info.items()))
+
+    def note(self, text: str) -> None:
+        if self.p is not None:
+            self.p.console.print(text)
+
+    def close(self) -> None:
+        if self.p is not None:
+            self.p.stop()
+
+
+def reward_curve(metrics_path: Path, out_png: Path) -> str | None:
+    if not metrics_path.exists():
+        return None
+    rows = read_metrics(metrics_path)
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("train/reward_all_rollouts", "all rollouts"),
+                       ("val/avg_group_performance_pre_filter", "groups, pre-filter"),
+                       ("val/avg_group_performance_post_filter", "groups, post-filter")):
+        ys = [r.get(key) for r in rows]
+        if any(isinstance(y, (int, float)) for y in ys):
+            ax.plot(steps, [y if isinstance(y, (int, float)) else float("nan") for y in ys], marker=".", label=label)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("mean reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("tmax learn: training reward")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return str(out_png)
+
+
+def run_summary(metrics_path: Path, setup_s: float, run_s: float) -> dict[str, Any]:
+    rows = read_metrics(metrics_path) if metrics_path.exists() else []
+
+    def avg(key: str, part: list[dict]) -> float | None:
+        vals = [r[key] for r in part if isinstance(r.get(key), (int, float))]
+        return round(sum(vals) / len(vals), 4) if vals else None
+
+    k = max(1, len(rows) // 4)
+    first, last = rows[:k], rows[-k:]
+    return {
+        "steps": len(rows),
+        "setup_s": round(setup_s, 1),
+        "run_s": round(run_s, 1),
+        "reward_first_quarter": avg("train/reward_all_rollouts", first),
+        "reward_last_quarter": avg("train/reward_all_rollouts", last),
+        "post_filter_reward_first_quarter": avg("val/avg_group_performance_post_filter", first),
+        "post_filter_reward_last_quarter": avg("val/avg_group_performance_post_filter", last),
+        "mask_frac_kept_mean": avg("debug/dppo_mask_frac_kept", rows),
+        "logprob_diff_max_mean": avg("debug/vllm_vs_local_logprob_diff_max", rows),
+        "train_step_s_mean": avg("time/training", rows),
+        "weight_sync_s_mean": avg("time/weight_sync", rows),
+        "episodes": rows[-1].get("episode") if rows else 0,
+    }

@@ -13,7 +13,7 @@ told are rejected. So `ray_env()` pins it (keeping a value the user
 set) and every command and child process gets the same environment.
 
 Nodes started by tmax carry a role resource (`tmax_train` / `tmax_infer`) so the
-placement groups of `training.placement` land on exactly the planned nodes.
+placement groups of `training.cluster.placement` land on exactly the planned nodes.
 
 `requeue_map` is the fault-tolerance primitive for actors created with `max_restarts`:
 work on an actor that dies is re-queued (not scored) and retried once Ray restarted it.
@@ -32,7 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from training.placement import PlacementPlan
+from training.cluster.placement import PlacementPlan
 
 DEFAULT_PORT = 6379
 DEFAULT_OBJECT_STORE_MB = 200

@@ -134,7 +134,7 @@ def train_sft(model_dir: str, demos: list[Rollout], cfg: LearnConfig, out_dir: s
     import torch
     from transformers import AutoModelForCausalLM
 
-    from training import checkpoint as ckpt
+    from training.learner import checkpoint as ckpt
 
     if not demos:
         raise DemoError("no demonstrations to train on")

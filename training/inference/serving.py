@@ -1,5 +1,5 @@
 """The vLLM OpenAI server: its command line, and a process handle that starts, health-checks
-and stops it. `tmax serve` and the training engine (`training.engine.VLLMEngine`) both use
+and stops it. `tmax serve` and the training engine (`training.inference.engine.VLLMEngine`) both use
 this module, so the served model and the trained model run the same server.
 
 Importable without torch or vllm: building the command only reads the model directory.
@@ -301,7 +301,7 @@ class VLLMServer:
             self._log = open(self.log_path, "ab")
         try:
             # The guard ends the server's whole process group if this process dies without
-            # calling stop() (a killed Ray actor), see training/procguard.py.
+            # calling stop() (a killed Ray actor), see training/inference/procguard.py.
             guard = [sys.executable, str(Path(__file__).with_name("procguard.py")), str(os.getpid()), "--"]
             self.proc = subprocess.Popen(
                 guard + list(self.command.argv),

@@ -11,7 +11,7 @@ t - 1, so the loss tokens are exactly the sampled tokens.
 Data parallelism is behind `DataParallel`: the learner all-reduces the loss-token count
 (global token-mean denominator), the number of packs (so every rank runs the same number of
 forward passes, which FSDP's collectives need) and the statistics, and asks the backend to
-reduce gradients. `SingleProcess` is the default for one process. With several ranks
+reduce gradients. `DataParallel` itself is the single-process default. With several ranks
 (`LearnerConfig.strategy`, backends made by `data_parallel`):
 
 * "fsdp" (`FSDPDataParallel`, the default on gloo and NCCL): FSDP2 shards parameters,
@@ -28,45 +28,18 @@ and every rank cuts its own shard back out on resume), so any run resumes any ot
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from training import checkpoint as ckpt
-from training.dppo import LossConfig, LossStats, policy_loss
-
-if TYPE_CHECKING:
-    from agents.policy import TokenTrace
-
-
-@dataclass
-class TrainSample:
-    prompt_ids: list[int]
-    ids: list[int]
-    logprobs: list[float]  # sampler logprob per id (0.0 where mask is 0)
-    mask: list[int]  # 1 = sampled by the policy (trained on), 0 = observation / template
-    advantage: float
-
-    def __len__(self) -> int:
-        return len(self.prompt_ids) + len(self.ids)
-
-    @property
-    def num_loss_tokens(self) -> int:
-        return sum(self.mask)
-
-    @classmethod
-    def from_trace(cls, trace: "TokenTrace", advantage: float) -> "TrainSample":
-        """The exact token stream a TokenPolicy recorded, with its sequence advantage."""
-        return cls(list(trace.prompt_ids), list(trace.ids), list(trace.logprobs), list(trace.mask), float(advantage))
-
-
-STRATEGIES = ("fsdp", "replicate")
+from training.algo.dppo import LossConfig, LossStats, policy_loss
+from training.learner import checkpoint as ckpt
+from training.learner.packing import Pack, TrainSample, build_pack, pack_samples, validate_samples
+from training.learner.parallel import STRATEGIES, DataParallel
 
 
 @dataclass
@@ -113,269 +86,6 @@ class LearnerConfig:
             raise ValueError(f"autocast must be None, bfloat16 or float16, got {self.autocast!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
-
-
-# ---------------------------------------------------------------------------- parallelism
-
-
-class DataParallel:
-    """Single-process default; the interface a data-parallel backend implements.
-
-    After `backward`, `.grad` must hold the gradient of the *global* token-mean loss. A
-    backend that sums gradients over ranks keeps `loss_scale = 1`; one that averages them
-    (DDP, FSDP2) sets `loss_scale = world_size`. `all_reduce` takes and returns CPU
-    tensors (an NCCL backend moves them to the GPU and back). `wrap` may shard the
-    module the learner runs its forward through (before the optimizer is made); the
-    state methods then gather / scatter what the shards hold."""
-
-    rank: int = 0
-    world_size: int = 1
-    loss_scale: float = 1.0
-    strategy: str = "single"
-
-    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        return t
-
-    def wrap(self, net: torch.nn.Module) -> torch.nn.Module:
-        return net
-
-    def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
-        """Leave the *sum* over ranks of every gradient in `.grad`."""
-
-    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
-        """Clip to the global gradient norm; returns the norm before clipping."""
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-
-    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """HF-named full tensors (rank 0; other ranks may get an empty dict)."""
-        return model.state_dict()
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        """`optimizer.state_dict()` with full tensors, as rank 0 writes it to disk."""
-        return optimizer.state_dict()
-
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        optimizer.load_state_dict(state)
-
-
-SingleProcess = DataParallel
-
-
-class TorchDataParallel(DataParallel):
-    """Replicated weights on an initialised torch.distributed group; gradients summed with
-    one all-reduce per parameter. Every rank feeds its own share of the batch. `device`:
-    where the group reduces (the GPU for NCCL); None reduces the CPU tensors in place."""
-
-    strategy = "replicate"
-
-    def __init__(self, device: torch.device | str | None = None) -> None:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            raise RuntimeError(f"{type(self).__name__} needs torch.distributed.init_process_group() first")
-        self._dist = dist
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
-        self.device = torch.device(device) if device is not None else None
-
-    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        t = t.clone() if self.device is None else t.to(self.device, copy=True)
-        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX if op == "max" else self._dist.ReduceOp.SUM)
-        return t.cpu()
-
-    def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            self._dist.all_reduce(p.grad, op=self._dist.ReduceOp.SUM)
-
-
-class FSDPDataParallel(TorchDataParallel):
-    """FSDP2 over the learner group of `ctx` (a `training.distributed.RankContext`).
-
-    Parameters, gradients and AdamW state are DTensors sharded on dim 0. FSDP2
-    reduce-scatters the *mean* gradient during backward, so `loss_scale` is the world
-    size and `reduce_gradients` has nothing left to do. The model is sharded without
-    FSDP's mixed precision: the learner's own `autocast` gives the same numerics as one
-    process, and a tied LM head (one parameter shared with the embeddings) cannot get a
-    separate fp32 FSDP unit anyway."""
-
-    strategy = "fsdp"
-
-    def __init__(self, ctx) -> None:
-        super().__init__(ctx.device if ctx.backend == "nccl" else None)
-        self.ctx = ctx
-        self.loss_scale = float(ctx.grad_scale)
-
-    def wrap(self, net: torch.nn.Module) -> torch.nn.Module:
-        from training.distributed import shard_model
-
-        return shard_model(net, self.ctx, bf16=False)
-
-    def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
-        pass
-
-    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
-        # Norms of DTensor gradients come out as DTensors reduced over the shards, so the
-        # clip coefficient is the global one on every rank.
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-
-    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        from training.distributed import full_weights
-
-        return full_weights(model, self.ctx)
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        """Gathered tensor by tensor (each `full_tensor` is an all-gather, in the same
-        index / key order on every rank); only rank 0 keeps them, on the CPU."""
-        state = optimizer.state_dict()
-        full: dict = {}
-        for idx in sorted(state["state"]):
-            entry = {}
-            for key, v in state["state"][idx].items():
-                if hasattr(v, "full_tensor"):
-                    v = v.full_tensor()
-                entry[key] = v.detach().cpu() if isinstance(v, torch.Tensor) else v
-            full[idx] = entry
-        return {"state": full if self.rank == 0 else {}, "param_groups": state["param_groups"]}
-
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        """Every rank holds the full state (read from the checkpoint) and keeps its own
-        shard of each tensor, laid out like the parameter: no communication."""
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        local: dict = {}
-        for idx, entry in state["state"].items():
-            p = params[int(idx)]
-            local[idx] = {
-                key: distribute_tensor(v.to(p.device_mesh.device_type), p.device_mesh, p.placements, src_data_rank=None)
-                if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape)
-                else v
-                for key, v in entry.items()
-            }
-        optimizer.load_state_dict({"state": local, "param_groups": state["param_groups"]})
-
-
-def data_parallel(ctx, strategy: str = "fsdp") -> DataParallel:
-    """The backend for a learner rank (`ctx`: a `training.distributed.RankContext`): the
-    single-process one without a group, else `strategy` over the group."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-    if ctx.world_size == 1:
-        return DataParallel()
-    if strategy == "fsdp":
-        return FSDPDataParallel(ctx)
-    return TorchDataParallel(ctx.device if ctx.backend == "nccl" else None)
-
-
-def shard(samples: list[TrainSample], rank: int, world_size: int) -> list[TrainSample]:
-    """This rank's share, balanced by token count (longest first onto the lightest rank)."""
-    loads = [0] * world_size
-    mine: list[TrainSample] = []
-    for i in sorted(range(len(samples)), key=lambda i: -len(samples[i])):
-        r = min(range(world_size), key=lambda k: loads[k])
-        loads[r] += len(samples[i])
-        if r == rank:
-            mine.append(samples[i])
-    return mine
-
-
-# ---------------------------------------------------------------------------- packing
-
-
-@dataclass
-class Pack:
-    """One packed row. `pred_pos[j]` is the row position whose hidden state predicts
-    `targets[j]` (the token at pred_pos[j] + 1 of the same sample)."""
-
-    input_ids: torch.Tensor  # [1, L]
-    position_ids: torch.Tensor  # [1, L]
-    pred_pos: torch.Tensor  # [n]
-    targets: torch.Tensor  # [n]
-    old_logprobs: torch.Tensor  # [n]
-    advantages: torch.Tensor  # [n]
-    loss_mask: torch.Tensor  # [n]
-    spans: list[tuple[int, int, int]]  # (sample index, first response pred index in this pack, count)
-
-
-def pack_samples(samples: list[TrainSample], pack_length: int) -> list[list[int]]:
-    """Sample indices per row, first-fit decreasing; a sample longer than `pack_length`
-    gets a row of its own."""
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(samples)), key=lambda i: -len(samples[i])):
-        n = len(samples[i])
-        for r, free in enumerate(room):
-            if n <= free:
-                rows[r].append(i)
-                room[r] -= n
-                break
-        else:
-            rows.append([i])
-            room.append(pack_length - n)
-    return rows
-
-
-def build_pack(samples: list[TrainSample], indices: list[int], all_positions: bool = False) -> Pack:
-    """Tensors of one row. Targets are the mask-1 tokens, or with `all_positions` every
-    response token (for diagnostics)."""
-    ids: list[int] = []
-    pos: list[int] = []
-    pred: list[int] = []
-    tgt: list[int] = []
-    old: list[float] = []
-    adv: list[float] = []
-    lmask: list[float] = []
-    spans: list[tuple[int, int, int]] = []
-    for i in indices:
-        s = samples[i]
-        offset, first = len(ids), len(pred)
-        ids.extend(s.prompt_ids)
-        ids.extend(s.ids)
-        pos.extend(range(len(s)))
-        for k, (tok, lp, m) in enumerate(zip(s.ids, s.logprobs, s.mask)):
-            if not (m or all_positions):
-                continue
-            # Token at sequence position p is predicted by the hidden state at p - 1.
-            pred.append(offset + len(s.prompt_ids) + k - 1)
-            tgt.append(tok)
-            old.append(lp if m else 0.0)
-            adv.append(s.advantage if m else 0.0)
-            lmask.append(float(m))
-        spans.append((i, first, len(pred) - first))
-    return Pack(
-        input_ids=torch.tensor([ids], dtype=torch.long),
-        position_ids=torch.tensor([pos], dtype=torch.long),
-        pred_pos=torch.tensor(pred, dtype=torch.long),
-        targets=torch.tensor(tgt, dtype=torch.long),
-        old_logprobs=torch.tensor(old, dtype=torch.float32),
-        advantages=torch.tensor(adv, dtype=torch.float32),
-        loss_mask=torch.tensor(lmask, dtype=torch.float32),
-        spans=spans,
-    )
-
-
-def validate_samples(samples: list[TrainSample], vocab_size: int) -> None:
-    for n, s in enumerate(samples):
-        where = f"train sample {n}"
-        if not s.prompt_ids:
-            raise ValueError(f"{where}: empty prompt_ids (the first response token needs a context)")
-        if not (len(s.ids) == len(s.logprobs) == len(s.mask)):
-            raise ValueError(
-                f"{where}: ids, logprobs and mask differ in length ({len(s.ids)}, {len(s.logprobs)}, {len(s.mask)})"
-            )
-        if any(m not in (0, 1) for m in s.mask):
-            raise ValueError(f"{where}: mask values must be 0 or 1")
-        bad = [t for t in (*s.prompt_ids, *s.ids) if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"{where}: token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-        for k, (lp, m) in enumerate(zip(s.logprobs, s.mask)):
-            if m and not (math.isfinite(lp) and lp <= 1e-4):
-                raise ValueError(f"{where}: sampled token {k} has sampler logprob {lp} (need a finite value <= 0)")
-        if not math.isfinite(s.advantage):
-            raise ValueError(f"{where}: advantage {s.advantage} is not finite")
 
 
 # ---------------------------------------------------------------------------- learner

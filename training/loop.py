@@ -37,7 +37,7 @@ from training.weights.learner_side import WeightSync
 
 # Every Ray process (driver, raylet, workers) must agree on these: once a first ray.init has
 # written an auth token, a head started without RAY_AUTH_MODE enables token auth and rejects
-# workers that were not told (`training.cluster.ray_env` keeps a value the user set).
+# workers that were not told (`training.cluster.launch.ray_env` keeps a value the user set).
 RAY_ENV_KEYS = ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED")
 ENV_METRIC = "env/tmax_bash/step_count"
 # Ray threads per rollout worker beyond its episode slots, so prewarm calls are not
@@ -72,7 +72,7 @@ class TrainingError(RuntimeError):
 def init_ray(cfg: LearnConfig) -> bool:
     """Connect to `run.ray_address` / RAY_ADDRESS, or start a private local cluster bound
     to 127.0.0.1. Returns True when this process started (and must stop) the cluster."""
-    from training.cluster import apply_ray_env
+    from training.cluster.launch import apply_ray_env
 
     apply_ray_env()  # keeps a RAY_AUTH_MODE the user set, else "disabled"
     import ray
@@ -111,7 +111,7 @@ def _actor_classes():
         def __init__(self, model_dir: str, lcfg: Any, resume: str | None, threads: int | None):
             import torch
 
-            from training.learner import Learner
+            from training.learner.learner import Learner
 
             if threads:
                 torch.set_num_threads(threads)
@@ -134,11 +134,11 @@ def _actor_classes():
         """Holds the inference engine; the interface the multi-node layout scales out.
 
         Rollout workers sample through this actor (threaded). A weight sync pauses the
-        turns being sampled rather than waiting for them (`training.engine`); each turn
+        turns being sampled rather than waiting for them (`training.inference.engine`); each turn
         is tagged with the oldest weights version that produced it."""
 
         def __init__(self, model_dir: str, ecfg: Any, seed: int, work_dir: str | None = None):
-            from training.engine import VLLMEngine
+            from training.inference.engine import VLLMEngine
 
             self.engine = VLLMEngine(
                 model_dir,
@@ -260,8 +260,8 @@ def start_engine(cfg: LearnConfig, model_dir: str, run_dir: str | Path) -> Any:
 
 
 def learner_config(cfg: LearnConfig):
-    from training.dppo import LossConfig
-    from training.learner import LearnerConfig
+    from training.algo.dppo import LossConfig
+    from training.learner.learner import LearnerConfig
 
     a = cfg.algo
     return LearnerConfig(
@@ -316,7 +316,7 @@ class OpenGroup:
 
 
 def batch_samples(groups: list, advantages: list[list[float]]) -> list:
-    from training.learner import TrainSample
+    from training.learner.packing import TrainSample
 
     out = []
     for g, adv in zip(groups, advantages):
@@ -390,15 +390,15 @@ def train(
 
     `engine_handle` reuses a running EngineActor (already serving `model_dir`);
     `keep_engine` leaves it running afterwards (the recipe evaluates on it).
-    `placement` (a `training.placement.Placement`) spreads learner ranks, engines and
-    rollout workers over the cluster per its plan (`training.scaleout`). `prepared`
+    `placement` (a `training.cluster.placement.Placement`) spreads learner ranks, engines and
+    rollout workers over the cluster per its plan (`training.cluster.actors`). `prepared`
     (`training.rollout.PreparedTasks`) skips resolving the task environments again.
     `rated` (a `training.runs_data.RatedStream`) adds rated `tmax run` sessions to each step."""
     import ray
 
-    from training import checkpoint as ckpt
-    from training.batching import BatchAccumulator, BatchConfig, Group
-    from training.metrics import MetricsSink, summary
+    from training.learner import checkpoint as ckpt
+    from training.algo.batching import BatchAccumulator, BatchConfig, Group
+    from training.report import MetricsSink, Progress, reward_curve, run_summary, summary
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -489,7 +489,7 @@ def train(
     worker_i = 0
     useless = 0
     max_useless = max(200, 25 * a.prompts_per_step)
-    bar = _Progress(a.steps, start_step, enabled=progress)
+    bar = Progress(a.steps, start_step, enabled=progress)
 
     # Throughput bookkeeping: time with at least one episode in flight (sampler busy), and
     # the wall time of each step from the end of the previous one.
@@ -656,7 +656,7 @@ def train(
 def _placed_actors(cfg: LearnConfig, placement: Any, model_dir: str, resume_from: str | None,
                    run_dir: Path, engine_handle: Any, images: dict) -> tuple[Any, Any, list]:
     """Learner ranks, engines and rollout workers spread over the cluster per the plan."""
-    from training.scaleout import start_placed
+    from training.cluster.actors import start_placed
 
     if engine_handle is not None:
         raise TrainingError("a placed run starts its own engines; engine_handle cannot be reused with a placement")
@@ -686,100 +686,10 @@ def _close_workers(workers: list) -> None:
 
 
 def _kill(actor: Any) -> None:
-    """Kill an actor, or every actor of a placed group (`training.scaleout`)."""
+    """Kill an actor, or every actor of a placed group (`training.cluster.actors`)."""
     import ray
 
     if isinstance(actor, ray.actor.ActorHandle):
         ray.kill(actor)
     else:
         actor.kill()
-
-
-# ---- console, plots, summary --------------------------------------------------------
-
-
-class _Progress:
-    """A rich progress bar with ETA and the key metrics of the last step."""
-
-    def __init__(self, total: int, start: int, enabled: bool):
-        self.p = None
-        if not enabled:
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-        self.p = Progress(TextColumn("[bold]learn"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
-        self.p.start()
-        self.task = self.p.add_task("learn", total=total, completed=start, info="waiting for the first batch")
-
-    def update(self, step: int, info: dict[str, str]) -> None:
-        if self.p is not None:
-            self.p.update(self.task, completed=step, info="  ".join(f"{k} {v}" for k, v in info.items()))
-
-    def note(self, text: str) -> None:
-        if self.p is not None:
-            self.p.console.print(text)
-
-    def close(self) -> None:
-        if self.p is not None:
-            self.p.stop()
-
-
-def reward_curve(metrics_path: Path, out_png: Path) -> str | None:
-    from training.metrics import read_metrics
-
-    if not metrics_path.exists():
-        return None
-    rows = read_metrics(metrics_path)
-    if not rows:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [r["step"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key, label in (("train/reward_all_rollouts", "all rollouts"),
-                       ("val/avg_group_performance_pre_filter", "groups, pre-filter"),
-                       ("val/avg_group_performance_post_filter", "groups, post-filter")):
-        ys = [r.get(key) for r in rows]
-        if any(isinstance(y, (int, float)) for y in ys):
-            ax.plot(steps, [y if isinstance(y, (int, float)) else float("nan") for y in ys], marker=".", label=label)
-    ax.set_xlabel("training step")
-    ax.set_ylabel("mean reward")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title("tmax learn: training reward")
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return str(out_png)
-
-
-def run_summary(metrics_path: Path, setup_s: float, run_s: float) -> dict[str, Any]:
-    from training.metrics import read_metrics
-
-    rows = read_metrics(metrics_path) if metrics_path.exists() else []
-
-    def avg(key: str, part: list[dict]) -> float | None:
-        vals = [r[key] for r in part if isinstance(r.get(key), (int, float))]
-        return round(sum(vals) / len(vals), 4) if vals else None
-
-    k = max(1, len(rows) // 4)
-    first, last = rows[:k], rows[-k:]
-    return {
-        "steps": len(rows),
-        "setup_s": round(setup_s, 1),
-        "run_s": round(run_s, 1),
-        "reward_first_quarter": avg("train/reward_all_rollouts", first),
-        "reward_last_quarter": avg("train/reward_all_rollouts", last),
-        "post_filter_reward_first_quarter": avg("val/avg_group_performance_post_filter", first),
-        "post_filter_reward_last_quarter": avg("val/avg_group_performance_post_filter", last),
-        "mask_frac_kept_mean": avg("debug/dppo_mask_frac_kept", rows),
-        "logprob_diff_max_mean": avg("debug/vllm_vs_local_logprob_diff_max", rows),
-        "train_step_s_mean": avg("time/training", rows),
-        "weight_sync_s_mean": avg("time/weight_sync", rows),
-        "episodes": rows[-1].get("episode") if rows else 0,
-    }

@@ -1,7 +1,7 @@
 """Inference engines for training: token sampling and weight push.
 
 `VLLMEngine` runs (or attaches to) the same vLLM OpenAI server `tmax serve` starts
-(`training.serving`), in dev mode with the weight-push worker extension.
+(`training.inference.serving`), in dev mode with the weight-push worker extension.
 
 * Sampling (`sampler()` -> `agents.policy.TokenSampler`): `POST /v1/completions` with a
   token-id prompt, `return_token_ids`, `logprobs=1` (the server runs with
@@ -34,7 +34,7 @@ from agents.policy import (
     SampledTokens,
     TokenSampler,
 )
-from training.serving import ServerError, ServeSpec, VLLMServer, free_port
+from training.inference.serving import ServerError, ServeSpec, VLLMServer, free_port
 from training.weights.engine_side import EngineWeights
 
 if TYPE_CHECKING:

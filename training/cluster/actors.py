@@ -1,6 +1,6 @@
-"""The one-machine loop's actors, placed per a `training.placement` plan.
+"""The one-machine loop's actors, placed per a `training.cluster.placement` plan.
 
-`orchestrator.train(..., placement=pl)` asks `start_placed` for its learner, engine and
+`loop.train(..., placement=pl)` asks `start_placed` for its learner, engine and
 rollout workers instead of creating one of each. What comes back drives like the
 single-actor versions, so the loop itself does not change:
 
@@ -28,7 +28,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from training.placement import Placement
+from training.cluster.placement import Placement
 
 # Gloo / NCCL collectives of the learner group give up after this long (a dead rank).
 GROUP_TIMEOUT_S = 600.0
@@ -97,14 +97,14 @@ def _rank_class():
             return _node_id()
 
         def rendezvous(self) -> tuple[str, int]:
-            from training.distributed import free_port, node_ip
+            from training.learner.parallel import free_port, node_ip
 
             return node_ip(), free_port()
 
         def setup(self, rank: int, world: int, host: str, port: int, model_dir: str, lcfg: Any,
                   resume: str | None) -> int:
-            from training.distributed import init_learner_group
-            from training.learner import Learner
+            from training.learner.parallel import init_learner_group
+            from training.learner.learner import Learner
 
             ctx = init_learner_group(rank, world, host, port, timeout_s=GROUP_TIMEOUT_S)
             self.rank = rank
@@ -113,7 +113,7 @@ def _rank_class():
             return rank
 
         def train_step(self, samples: list, world: int) -> dict:
-            from training.learner import shard
+            from training.learner.packing import shard
 
             return self.learner.train_step(shard(samples, self.rank, world))
 
@@ -126,7 +126,7 @@ def _rank_class():
             return str(self.learner.save(path, step, extra))
 
         def close(self) -> None:
-            from training.distributed import destroy_learner_group
+            from training.learner.parallel import destroy_learner_group
 
             destroy_learner_group()
 
@@ -136,7 +136,7 @@ def _rank_class():
 def group_data_parallel(ctx: Any, strategy: str = "fsdp") -> Any:
     """The learner's `DataParallel` for a rank context: none for one rank, else
     `strategy` ("fsdp" or "replicate", `LearnerConfig.strategy`) over the group."""
-    from training.learner import data_parallel
+    from training.learner.parallel import data_parallel
 
     return data_parallel(ctx, strategy)
 

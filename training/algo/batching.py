@@ -12,7 +12,7 @@ decides, for the training step that will consume it:
   group still uses up a slot and the batch shrinks.
 
 Every offered group, whatever its fate, is a consumed prompt: the caller enqueues one new
-prompt per `offer` (prompt replenishment). Pure Python so the orchestrator can wrap it in
+prompt per `offer` (prompt replenishment). Pure Python so the training loop can wrap it in
 whatever process it likes.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from training.advantages import ADVANTAGE_MODES, group_advantages, is_zero_std
+from training.algo.advantages import ADVANTAGE_MODES, group_advantages, is_zero_std
 
 KEPT, FILTERED, STALE = "kept", "filtered", "stale"
 
