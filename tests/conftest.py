@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
+import warnings
 
 import pytest
 
@@ -35,3 +37,48 @@ def base_image(podman_service) -> str:
     if not image_exists(BASE_IMAGE):
         build_base(BASE_IMAGE)
     return BASE_IMAGE
+
+
+# Processes a test module may start and must stop: a vLLM server (and its engine core) or a
+# Ray cluster. One left running eats this small machine's cores and slows every later test,
+# so it is reported (the module leaked it) and stopped before the next module starts.
+# Only this session's: every process it starts inherits this marker (another run of the
+# suite on the same machine is left alone).
+_HEAVY = ("vllm.entrypoints", "VLLM::EngineCore", "raylet", "gcs_server")
+_SESSION = os.environ.setdefault("TMAX_TEST_SESSION", f"{os.getpid()}-{time.time_ns()}")
+
+
+def _heavy_processes() -> dict[int, str]:
+    import psutil
+
+    found = {}
+    for p in psutil.process_iter(["pid", "cmdline", "name"]):
+        text = " ".join(p.info["cmdline"] or []) or (p.info["name"] or "")
+        if not any(k in text for k in _HEAVY) or "pytest" in text:
+            continue
+        try:
+            if p.environ().get("TMAX_TEST_SESSION") == _SESSION:
+                found[p.info["pid"]] = text[:160]
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_leftover_servers(request):
+    import psutil
+
+    before = set(_heavy_processes())
+    yield
+    deadline = time.monotonic() + 20.0  # shutdowns finish asynchronously
+    while True:
+        left = {pid: cmd for pid, cmd in _heavy_processes().items() if pid not in before}
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    for pid, cmd in left.items():
+        warnings.warn(f"{request.module.__name__} left pid {pid} running; stopped it: {cmd}")
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass

@@ -10,7 +10,7 @@ import textwrap
 import time
 from pathlib import Path
 
-GUARD = Path(__file__).resolve().parents[1] / "training" / "procguard.py"
+GUARD = Path(__file__).resolve().parents[1] / "training" / "inference" / "procguard.py"
 
 
 def _gone(pid: int, timeout: float) -> bool:
