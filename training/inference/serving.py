@@ -130,7 +130,7 @@ def _model_config(model_dir: Path) -> dict:
 def repo_root() -> Path:
     """The directory holding the `training` package: vLLM's worker processes import the
     worker extension from there."""
-    return Path(__file__).resolve().parent.parent
+    return Path(__file__).resolve().parents[2]
 
 
 def build_command(spec: ServeSpec) -> ServeCommand:
