@@ -26,6 +26,9 @@ from training.weights.transports import resolve_transport as resolve_weight_tran
 
 TOL = 1e-4
 CONTEXT = 4096
+# Tokens of the request a sync interrupts: long enough that the sync lands mid-request (it
+# is sent after the first token), short enough to keep the module quick on 2 cores.
+LONG_REQUEST = 1536
 SHORT_PROMPT = [1, 5, 9, 14, 30, 31]
 
 
@@ -302,7 +305,7 @@ def _sync_during_long_request(engine, sender, transport, old, new, v_old, seed, 
 
     def run():
         try:
-            result["out"] = long.sample(SHORT_PROMPT, CONTEXT - len(SHORT_PROMPT), 1.0, 1.0, seed=seed)
+            result["out"] = long.sample(SHORT_PROMPT, LONG_REQUEST, 1.0, 1.0, seed=seed)
         except Exception as e:  # reported by the main thread
             result["error"] = e
 
@@ -335,7 +338,7 @@ def test_sync_pauses_a_running_request_instead_of_waiting(transport, engine, sen
     has ended; such an attempt shows nothing and is repeated (at most 5 in all). The
     sync is sent as soon as the request has sampled a token, for the widest window."""
     old, new = perturbed(base_model, seed=10), perturbed(base_model, seed=11)
-    n = CONTEXT - len(SHORT_PROMPT)
+    n = LONG_REQUEST
     after_tokens = 1
     for attempt in range(5):
         v_old = 20 + 2 * attempt
