@@ -97,7 +97,7 @@ def _rank_class():
             return _node_id()
 
         def rendezvous(self) -> tuple[str, int]:
-            from training.learner.parallel import free_port, node_ip
+            from training.net import free_port, node_ip
 
             return node_ip(), free_port()
 
