@@ -31,7 +31,10 @@ RESULT = "result.json"
 
 
 def write_json_atomic(path: Path, obj: Any, indent: int | None = 2) -> None:
+    """Write JSON so that a reader sees the old file or the new one, never half of one
+    (every results file of tmax is written this way)."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -11,10 +11,11 @@ After that the context only grows:
 History is never re-rendered, so a template that rewrites earlier turns (e.g. drops old
 thinking) cannot make the trained sequence differ from the sampled one.
 
-Budgets follow the Tmax RL recipe: a response budget counting model *and* tool tokens
-(65,536), a context limit (prompt 2,048 + 65,536), and a per-turn cap (16,384); each
-turn samples at most max(1, min(remaining response, remaining context, per-turn cap)).
-When a budget is used up the policy raises ContextOverflow and the episode ends cleanly.
+Budgets follow the Tmax RL recipe: a prompt limit (2,048), a response budget counting
+model *and* tool tokens (65,536), a context limit (prompt 2,048 + 65,536), and a per-turn
+cap (16,384); each turn samples at most max(1, min(remaining response, remaining context,
+per-turn cap)). When a budget is used up, or the prompt is over its limit, the policy
+raises ContextOverflow and the episode ends cleanly.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class TokenPolicy:
         max_response_tokens: int = 65536,
         max_context_tokens: int = 2048 + 65536,
         max_turn_tokens: int = 16384,
+        max_prompt_tokens: int | None = None,
         seed: int | None = None,
         end_of_turn: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
@@ -61,6 +63,7 @@ class TokenPolicy:
         self.max_response_tokens = max_response_tokens
         self.max_context_tokens = max_context_tokens
         self.max_turn_tokens = max_turn_tokens
+        self.max_prompt_tokens = max_prompt_tokens
         self.seed = seed
         self.template_kwargs = dict(chat_template_kwargs or {})
         # The token that ends an assistant turn (Qwen: <|im_end|>, the tokenizer's eos).
@@ -113,6 +116,10 @@ class TokenPolicy:
         elif not trace.prompt_ids:
             self._tools = list(tools)
             trace.prompt_ids = self._encode(self._render(messages, generation_prompt=True))
+            if self.max_prompt_tokens is not None and len(trace.prompt_ids) > self.max_prompt_tokens:
+                raise ContextOverflow(
+                    f"the prompt has {len(trace.prompt_ids)} tokens, over the limit of {self.max_prompt_tokens}"
+                )
         else:
             new = messages[self._seen :]
             # Skip our own last assistant message (the Agent appends it, maybe edited).

@@ -97,7 +97,8 @@ def start_learner(model_dir: str, cpu: bool, bf16: bool, pack_length: int):
     import torch
     import torch.distributed as dist
 
-    from training.learner.parallel import RankContext, free_port
+    from training.learner.parallel import RankContext
+    from training.net import free_port
     from training.learner.learner import Learner, LearnerConfig
     from training.learner.parallel import FSDPDataParallel
 
@@ -135,10 +136,10 @@ class VLLMSide:
         if transport == "nccl":  # the engine on the second GPU: NCCL needs one device per rank
             os.environ["CUDA_VISIBLE_DEVICES"] = "1"
         # On one GPU the learner holds most of the memory.
-        extra = [] if learner.device.type == "cpu" else ["--gpu-memory-utilization", "0.35"]
+        memory = None if learner.device.type == "cpu" else 0.35
         try:
-            self.engine = VLLMEngine(model_dir, max_model_len=max_len, dtype=dtype,
-                                     extra_args=extra, work_dir=tempfile.mkdtemp(prefix="gpu-check-engine-"))
+            self.engine = VLLMEngine(model_dir, max_model_len=max_len, dtype=dtype, gpu_memory_utilization=memory,
+                                     work_dir=tempfile.mkdtemp(prefix="gpu-check-engine-"))
         finally:
             if env_gpu is None:
                 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
@@ -148,11 +149,14 @@ class VLLMSide:
         self.sampler = VLLMSampler(self.engine.url, self.engine.served_model_name, engine=self.engine,
                                    max_model_len=self.engine.max_model_len, extra_body={"ignore_eos": True})
         self.source = LocalSource(learner)
+        # A process-group receive returns only once rank 0 (this thread) has sent: the
+        # engine's side runs on this thread pool, as it runs on another actor in training.
+        self._receiver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-check-receive")
         if transport != "object_store":
-            from training.learner.parallel import free_port
+            from training.net import free_port
 
             port = free_port()
-            joined = self.engine.join_weight_group_async("127.0.0.1", port, 1, 2, transport, 300.0)
+            joined = self._receiver.submit(self.engine.join_weight_group, "127.0.0.1", port, 1, 2, transport, 300.0)
             self.source.join_weight_group("127.0.0.1", port, 2, transport, timeout_s=300.0)
             joined.result(timeout=360)
         RESULT["engine_path"] = f"training.inference.engine.VLLMEngine (vLLM {_version('vllm')}), weights by {transport}"
@@ -166,7 +170,7 @@ class VLLMSide:
             nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         else:
             update = self.source.prepare_weights(version)
-            pending = self.engine.receive_weights_async(update)
+            pending = self._receiver.submit(self.engine.receive_weights, update)
             self.source.send_weights()
             pending.result(timeout=600)
             nbytes = update.total_bytes

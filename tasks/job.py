@@ -27,13 +27,14 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, Field, field_validator
 
+from agents.records import write_json_atomic
 from tasks.dataset import load_tasks
 from tasks.hostenv import ENV_KINDS
 from tasks.model import Task
 from tasks.offline import default_config
 from tasks.runners import make_agent
 from tasks.scoring import score
-from tasks.trial import CANCELLED, TrialEnv, TrialPlan, now_iso, run_trial, write_json
+from tasks.trial import CANCELLED, TrialEnv, TrialPlan, now_iso, run_trial
 
 # Fields that do not change what a trial means; they stay out of the identity.
 VOLATILE = {"base_url", "n_concurrent", "jobs_dir", "job_name", "created_at", "retry_infra", "api_key_env"}
@@ -209,7 +210,7 @@ class Job:
             created = now_iso()
         self.config.created_at = created
         cfg = self.config.model_dump()
-        write_json(self.dir / "config.json", {
+        write_json_atomic(self.dir / "config.json", {
             "job_name": self.config.job_name,
             "jobs_dir": self.config.jobs_dir,
             "n_attempts": self.config.n_attempts,
@@ -286,7 +287,7 @@ class Job:
             "cost_usd": None,
             "tmax_score": sc.to_dict() if sc else None,
         }
-        write_json(self.dir / "result.json", data)
+        write_json_atomic(self.dir / "result.json", data)
         return data
 
     # --- running -------------------------------------------------------------------------

@@ -14,8 +14,6 @@ is never scored and is rerun on resume). The container (or host workspace) is al
 
 from __future__ import annotations
 
-import json
-import os
 import threading
 import time
 import traceback
@@ -25,6 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+from agents.records import write_json_atomic
 from sandbox.base import SandboxError
 from tasks.episode import ENVIRONMENT_ERRORS, EnvSettings, Episode, episode_name
 from tasks.model import Task
@@ -39,14 +38,6 @@ JOB_LABEL = "io.tmax.job"
 
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat()
-
-
-def write_json(path: Path, data: Any) -> None:
-    """Atomic: a reader sees the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
 
 
 @dataclass
@@ -94,86 +85,104 @@ def _exception(kind: str, message: str, tb: str | None = None) -> dict:
             "occurred_at": now_iso()}
 
 
-def run_trial(plan: TrialPlan, env: TrialEnv) -> dict:
-    """Run one trial to its end and return result.json's content (also written to disk)."""
-    task = plan.task
-    plan.trial_dir.mkdir(parents=True, exist_ok=True)
-    write_json(plan.trial_dir / "config.json", plan.config)
-    times: dict[str, dict] = {}
-    started = now_iso()
+@dataclass
+class _TrialRun:
+    """What a trial found out so far (result.json is made from it)."""
+
+    times: dict[str, dict] = field(default_factory=dict)
+    started: str = field(default_factory=now_iso)
     reward: float | None = None
     exc: dict | None = None
     outcome: str | None = None
-    agent_run = None
-    verifier_status = None
-    verifier_s = None
+    agent_run: Any = None
+    verifier_status: str | None = None
+    verifier_s: float | None = None
+
+    def fail(self, cancel: threading.Event, e: Exception, message: str) -> None:
+        """An exception ended the trial: the interrupt when the job was cancelled, else an
+        infrastructure error (never the agent's)."""
+        if cancel.is_set():
+            self.outcome, self.exc = CANCELLED, _exception("CancelledError", "the job was interrupted")
+        else:
+            self.outcome, self.exc = "infra_error", _exception(type(e).__name__, message, traceback.format_exc())
+
+
+def run_trial(plan: TrialPlan, env: TrialEnv) -> dict:
+    """Run one trial to its end and return result.json's content (also written to disk)."""
+    plan.trial_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(plan.trial_dir / "config.json", plan.config)
+    run = _TrialRun()
     settings = EnvSettings(env.sandbox_kind, env.rewrite, env.use_prebuilt, env.override_cpus,
                            env.override_memory_mb)
     labels = {JOB_LABEL: plan.job_name, TRIAL_LABEL: plan.trial_name}
     on_sandbox = (lambda sb: env.on_sandbox(plan.trial_name, sb)) if env.on_sandbox else None
-    episode = Episode(task, settings, name=episode_name(plan.trial_name), labels=labels, on_sandbox=on_sandbox,
+    episode = Episode(plan.task, settings, name=episode_name(plan.trial_name), labels=labels, on_sandbox=on_sandbox,
                       cancel=env.cancel)
-    mult = env.timeout_multiplier
     try:
-        with _Phase(times, "environment_setup"):
-            if env.cancel.is_set():
-                raise _Cancelled()
-            sandbox = episode.open()
-            workdir = episode.workdir
-        if env.cancel.is_set():
-            raise _Cancelled()
-        with _Phase(times, "agent_execution"):
-            agent_run = env.agent.run(sandbox, task, workdir, plan.trial_dir / "agent",
-                                      task.config.agent.timeout_sec * mult, env.cancel)
-        if env.cancel.is_set():
-            raise _Cancelled()
-        if agent_run.timed_out:
-            exc = _exception("AgentTimeoutError",
-                             f"Agent execution timed out after {task.config.agent.timeout_sec * mult:.1f} seconds")
-        elif agent_run.error:
-            exc = _exception("AgentError", agent_run.error)
-        # As in Harbor, the verifier runs even after an agent timeout.
-        with _Phase(times, "verifier"):
-            vr = episode.verify(plan.trial_dir / "verifier", task.config.verifier.timeout_sec * mult)
-        if env.cancel.is_set():
-            raise _Cancelled()
-        verifier_status = vr.status
-        verifier_s = round(vr.duration_s, 3)
-        reward = vr.reward
-        if vr.status == "timeout":
-            exc = _exception("VerifierTimeoutError", vr.error or "verifier timed out")
-            outcome = "verifier_error"
-        elif vr.status == "error":
-            kind = "RewardFileNotFoundError" if "reward.txt or reward.json was written" in (vr.error or "") \
-                else "VerifierError"
-            exc = _exception(kind, vr.error or "verifier failed")
-            outcome = "verifier_error"
-        elif agent_run.timed_out:
-            outcome = "agent_timeout"
-        else:
-            outcome = "pass" if reward is not None and reward >= SUCCESS else "fail"
+        _run_phases(plan, env, episode, run)
     except _Cancelled:
-        outcome, exc = CANCELLED, _exception("CancelledError", "the job was interrupted")
+        run.outcome, run.exc = CANCELLED, _exception("CancelledError", "the job was interrupted")
     except (*ENVIRONMENT_ERRORS, SandboxError, OSError) as e:
-        if env.cancel.is_set():
-            outcome, exc = CANCELLED, _exception("CancelledError", "the job was interrupted")
-        else:
-            outcome = "infra_error"
-            exc = _exception(type(e).__name__, str(e), traceback.format_exc())
+        run.fail(env.cancel, e, str(e))
     except Exception as e:  # a harness bug: still an infrastructure error, never the agent's
-        if env.cancel.is_set():
-            outcome, exc = CANCELLED, _exception("CancelledError", "the job was interrupted")
-        else:
-            outcome = "infra_error"
-            exc = _exception(type(e).__name__, f"internal error: {e}", traceback.format_exc())
+        run.fail(env.cancel, e, f"internal error: {e}")
     finally:
         image = episode.image
         episode.close()
-    if outcome != "pass" and outcome != "fail" and outcome not in ("agent_timeout", "verifier_error"):
-        reward = None  # infra errors and cancellations carry no reward
-    if exc and exc.get("exception_traceback"):
-        (plan.trial_dir / "exception.txt").write_text(exc["exception_traceback"])
-    result = {
+    if run.outcome not in ("pass", "fail", "agent_timeout", "verifier_error"):
+        run.reward = None  # infra errors and cancellations carry no reward
+    if run.exc and run.exc.get("exception_traceback"):
+        (plan.trial_dir / "exception.txt").write_text(run.exc["exception_traceback"])
+    result = _result(plan, env, run, image)
+    write_json_atomic(plan.trial_dir / "result.json", result)
+    return result
+
+
+def _run_phases(plan: TrialPlan, env: TrialEnv, episode: Episode, run: _TrialRun) -> None:
+    """Environment, agent, verifier; `run` gets the outcome. Raises _Cancelled on an interrupt."""
+    task, mult = plan.task, env.timeout_multiplier
+
+    def check_cancel() -> None:
+        if env.cancel.is_set():
+            raise _Cancelled()
+
+    with _Phase(run.times, "environment_setup"):
+        check_cancel()
+        sandbox = episode.open()
+        workdir = episode.workdir
+    check_cancel()
+    with _Phase(run.times, "agent_execution"):
+        agent_run = run.agent_run = env.agent.run(sandbox, task, workdir, plan.trial_dir / "agent",
+                                                  task.config.agent.timeout_sec * mult, env.cancel)
+    check_cancel()
+    if agent_run.timed_out:
+        run.exc = _exception("AgentTimeoutError",
+                             f"Agent execution timed out after {task.config.agent.timeout_sec * mult:.1f} seconds")
+    elif agent_run.error:
+        run.exc = _exception("AgentError", agent_run.error)
+    # As in Harbor, the verifier runs even after an agent timeout.
+    with _Phase(run.times, "verifier"):
+        vr = episode.verify(plan.trial_dir / "verifier", task.config.verifier.timeout_sec * mult)
+    check_cancel()
+    run.verifier_status, run.verifier_s, run.reward = vr.status, round(vr.duration_s, 3), vr.reward
+    if vr.status == "timeout":
+        run.exc = _exception("VerifierTimeoutError", vr.error or "verifier timed out")
+        run.outcome = "verifier_error"
+    elif vr.status == "error":
+        kind = "RewardFileNotFoundError" if "reward.txt or reward.json was written" in (vr.error or "") \
+            else "VerifierError"
+        run.exc = _exception(kind, vr.error or "verifier failed")
+        run.outcome = "verifier_error"
+    elif agent_run.timed_out:
+        run.outcome = "agent_timeout"
+    else:
+        run.outcome = "pass" if run.reward is not None and run.reward >= SUCCESS else "fail"
+
+
+def _result(plan: TrialPlan, env: TrialEnv, run: _TrialRun, image: Any) -> dict:
+    """result.json: Harbor's fields, and tmax's own under "tmax"."""
+    task, agent_run, reward = plan.task, run.agent_run, run.reward
+    return {
         "id": str(uuid.uuid4()),
         "task_name": task.name,
         "trial_name": plan.trial_name,
@@ -192,12 +201,12 @@ def run_trial(plan: TrialPlan, env: TrialEnv) -> dict:
             "metadata": agent_run.metadata if agent_run else {},
         },
         "verifier_result": {"rewards": {"reward": reward}} if reward is not None else None,
-        "exception_info": exc,
-        "started_at": started,
+        "exception_info": run.exc,
+        "started_at": run.started,
         "finished_at": now_iso(),
-        **{k: times.get(k) for k in ("environment_setup", "agent_setup", "agent_execution", "verifier")},
+        **{k: run.times.get(k) for k in ("environment_setup", "agent_setup", "agent_execution", "verifier")},
         "tmax": {
-            "outcome": outcome,
+            "outcome": run.outcome,
             "environment": env.sandbox_kind,
             "reward": reward,
             "attempt": plan.attempt,
@@ -206,12 +215,10 @@ def run_trial(plan: TrialPlan, env: TrialEnv) -> dict:
             "image_built": image.built if image else None,
             "build_s": image.build_s if image else None,
             "build_log": str(image.log_path) if image and image.log_path else None,
-            "verifier_status": verifier_status,
-            "verifier_s": verifier_s,
+            "verifier_status": run.verifier_status,
+            "verifier_s": run.verifier_s,
         },
     }
-    write_json(plan.trial_dir / "result.json", result)
-    return result
 
 
 class _Cancelled(Exception):

@@ -1,4 +1,5 @@
-"""Prompt structure and the tool schema (Vanillux2, reference §1.1–1.5)."""
+"""Vanillux2 prompt structure: the system prompt, the instance template, the format-error
+feedback and the bash tool schema."""
 
 from agents.prompts import (
     FORMAT_ERROR_TEMPLATE,

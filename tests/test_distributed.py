@@ -9,6 +9,7 @@ import torch
 import torch.multiprocessing as mp
 
 from training.learner import parallel as D
+from training.net import free_port
 from training.algo.dppo import LossConfig, policy_loss
 from training.weights import protocol as P
 from training.weights.group import WeightGroup, WeightSender, receive
@@ -75,7 +76,7 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
     seqs = make_batch()
     mine = seqs[:1] if rank == 0 else seqs[1:]  # very unequal token counts per rank
     local_tokens = sum(float(s["mask"].sum()) for s in mine)
-    n = D.global_count(local_tokens, ctx)
+    n = D.data_parallel(ctx).all_reduce(torch.tensor(local_tokens, dtype=torch.float64))
     loss = local_loss(model, mine, n) * ctx.grad_scale
     loss.backward()
     grads = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for k, p in model.named_parameters()}
@@ -93,7 +94,7 @@ def test_two_gloo_ranks_match_one_rank(tmp_path):
     ref = {k: p.grad.clone() for k, p in model.named_parameters()}
 
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_rank_main, args=(2, D.free_port(), out), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, free_port(), out), nprocs=2, join=True)
     got = torch.load(out)
     assert got["n"] == n_total
     assert set(got["grads"]) == set(ref)
@@ -166,7 +167,7 @@ def _group_main(rank: int, world: int, port: int, out: str) -> None:
 
 def test_weight_group_broadcast_gloo(tmp_path):
     out = str(tmp_path / "w")
-    mp.spawn(_group_main, args=(3, D.free_port(), out), nprocs=3, join=True)
+    mp.spawn(_group_main, args=(3, free_port(), out), nprocs=3, join=True)
     src = tiny_model(seed=7).state_dict()
     for r in (1, 2):
         got = torch.load(f"{out}.{r}")
@@ -182,4 +183,4 @@ def test_backend_errors():
     with pytest.raises(ValueError, match="nccl or gloo"):
         D.pick_backend("mpi")
     with pytest.raises(ValueError, match="gloo or nccl"):
-        WeightGroup("127.0.0.1", D.free_port(), 0, 1, backend="mpi", timeout_s=5)
+        WeightGroup("127.0.0.1", free_port(), 0, 1, backend="mpi", timeout_s=5)

@@ -1,4 +1,5 @@
-"""DPPO mask, divergences and loss (reference checks 1-2) and the GRPO baseline."""
+"""DPPO mask and divergences (truth table, binary TV / KL values), the loss (its gradient
+equals that of -A M sg(r) log pi) and the GRPO baseline."""
 
 import math
 

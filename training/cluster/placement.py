@@ -166,43 +166,9 @@ def make_plan(
         raise PlanError(f"tensor parallel size must be >= 1, got {tp}")
     notes: list[str] = []
     colocated = nodes == 1
-    if train_nodes is None:
-        train_nodes = default_train_nodes(nodes)
-    if colocated:
-        if train_nodes != 1:
-            raise PlanError(f"--train-nodes {train_nodes} needs more than 1 node")
-        infer_nodes = 1
-    else:
-        if not 1 <= train_nodes <= nodes - 1:
-            raise PlanError(
-                f"--train-nodes must be between 1 and {nodes - 1} with --nodes {nodes} "
-                f"(at least one node must run inference), got {train_nodes}"
-            )
-        infer_nodes = nodes - train_nodes
-
+    train_nodes, infer_nodes = _split_nodes(nodes, train_nodes)
     if gpus_per_node > 0:
-        if colocated:
-            # One machine: half the GPUs learn, the rest serve (at least one each).
-            if gpus_per_node < 2:
-                raise PlanError("one node with 1 GPU cannot hold a learner and an engine; use 2+ GPUs or 2 nodes")
-            lpn_default = gpus_per_node // 2
-            epn_default = (gpus_per_node - lpn_default) // tp
-        else:
-            lpn_default = gpus_per_node
-            epn_default = gpus_per_node // tp
-        lpn = learners_per_node or lpn_default
-        epn = engines_per_node or epn_default
-        if epn < 1:
-            raise PlanError(f"tensor parallel size {tp} does not fit in {gpus_per_node} GPU(s) per node")
-        engine_gpus = epn * tp
-        if colocated and lpn + engine_gpus > gpus_per_node:
-            raise PlanError(f"{lpn} learner GPU(s) + {epn} x TP {tp} engine GPU(s) exceed {gpus_per_node} GPU(s)")
-        if not colocated and (lpn > gpus_per_node or engine_gpus > gpus_per_node):
-            raise PlanError(
-                f"per node: {lpn} learner GPU(s) and {epn} x TP {tp} engine GPU(s) must each fit in {gpus_per_node}"
-            )
-        if not colocated and gpus_per_node % tp:
-            notes.append(f"{gpus_per_node % tp} GPU(s) per inference node stay idle with TP {tp}")
+        lpn, epn = _gpu_counts(gpus_per_node, tp, colocated, learners_per_node, engines_per_node, notes)
         cpl = GPU_LEARNER_CPUS if cpus_per_learner is None else cpus_per_learner
         cpe = GPU_ENGINE_CPUS if cpus_per_engine is None else cpus_per_engine
     else:
@@ -232,6 +198,50 @@ def make_plan(
         colocated=colocated,
         notes=notes,
     )
+
+
+def _split_nodes(nodes: int, train_nodes: int | None) -> tuple[int, int]:
+    """(train nodes, inference nodes); one node does both."""
+    if train_nodes is None:
+        train_nodes = default_train_nodes(nodes)
+    if nodes == 1:
+        if train_nodes != 1:
+            raise PlanError(f"--train-nodes {train_nodes} needs more than 1 node")
+        return 1, 1
+    if not 1 <= train_nodes <= nodes - 1:
+        raise PlanError(
+            f"--train-nodes must be between 1 and {nodes - 1} with --nodes {nodes} "
+            f"(at least one node must run inference), got {train_nodes}"
+        )
+    return train_nodes, nodes - train_nodes
+
+
+def _gpu_counts(gpus_per_node: int, tp: int, colocated: bool, learners_per_node: int | None,
+                engines_per_node: int | None, notes: list[str]) -> tuple[int, int]:
+    """(learner ranks, engines) per node on GPU nodes: a train node runs one rank per GPU and
+    an inference node `gpus_per_node // tp` engines; one node splits its GPUs in half."""
+    if colocated:
+        if gpus_per_node < 2:
+            raise PlanError("one node with 1 GPU cannot hold a learner and an engine; use 2+ GPUs or 2 nodes")
+        lpn_default = gpus_per_node // 2
+        epn_default = (gpus_per_node - lpn_default) // tp
+    else:
+        lpn_default = gpus_per_node
+        epn_default = gpus_per_node // tp
+    lpn = learners_per_node or lpn_default
+    epn = engines_per_node or epn_default
+    if epn < 1:
+        raise PlanError(f"tensor parallel size {tp} does not fit in {gpus_per_node} GPU(s) per node")
+    engine_gpus = epn * tp
+    if colocated and lpn + engine_gpus > gpus_per_node:
+        raise PlanError(f"{lpn} learner GPU(s) + {epn} x TP {tp} engine GPU(s) exceed {gpus_per_node} GPU(s)")
+    if not colocated and (lpn > gpus_per_node or engine_gpus > gpus_per_node):
+        raise PlanError(
+            f"per node: {lpn} learner GPU(s) and {epn} x TP {tp} engine GPU(s) must each fit in {gpus_per_node}"
+        )
+    if not colocated and gpus_per_node % tp:
+        notes.append(f"{gpus_per_node % tp} GPU(s) per inference node stay idle with TP {tp}")
+    return lpn, epn
 
 
 # -- resource check ----------------------------------------------------------------------

@@ -25,35 +25,24 @@ import json
 import tempfile
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 from agents.policy import (
     ContextOverflow,
     FatalModelError,
     ModelError,
     SampledTokens,
-    TokenSampler,
 )
-from training.inference.serving import ServerError, ServeSpec, VLLMServer, free_port
+from training.inference.serving import ServerError, ServeSpec, VLLMServer
+from training.net import free_port
 from training.weights.engine_side import EngineWeights
 
 if TYPE_CHECKING:
-    import torch
+    from training.config import EngineConfig
 
 
 class EngineError(RuntimeError):
     """The engine failed (server down, a push rejected): an infrastructure failure."""
-
-
-@runtime_checkable
-class InferenceEngine(Protocol):
-    base_url: str  # OpenAI base URL (".../v1")
-
-    def sampler(self, seed_base: int = 0) -> TokenSampler: ...
-
-    def push_weights(self, weights: dict[str, "torch.Tensor"], version: int) -> float: ...
-
-    def close(self) -> None: ...
 
 
 def _post(client: Any, url: str, body: dict | None, timeout: float) -> Any:
@@ -197,11 +186,55 @@ def _stop_ids(model_dir: Path) -> list[int]:
     return ids
 
 
+def server_options(ecfg: "EngineConfig") -> dict[str, Any]:
+    """`VLLMEngine` keyword arguments for every `engine.*` key that sets up the server (the
+    weight-sync keys go to `training.weights.learner_side.WeightSync`)."""
+    return {
+        "max_model_len": ecfg.max_model_len,
+        "dtype": ecfg.dtype,
+        "enforce_eager": ecfg.enforce_eager,
+        # VLLM_CPU_KVCACHE_SPACE takes whole GiB.
+        "kv_cache_gb": max(1, int(round(ecfg.kv_cache_gb))),
+        "gpu_memory_utilization": ecfg.gpu_memory_utilization,
+        "extra_args": list(ecfg.extra_args),
+        "startup_timeout_s": ecfg.startup_timeout_s,
+    }
+
+
+def engine_spec(
+    model_dir: str | Path,
+    *,
+    served_model_name: str = "policy",
+    port: int | None = None,
+    max_model_len: int | None = 4096,
+    dtype: str = "auto",
+    enforce_eager: bool | None = None,
+    kv_cache_gb: int = 1,
+    gpu_memory_utilization: float | None = None,
+    extra_args: list[str] | None = None,
+) -> ServeSpec:
+    """The dev-mode server (weight-push extension) a training engine runs."""
+    return ServeSpec(
+        model=str(Path(model_dir).resolve()),
+        served_model_name=served_model_name,
+        port=port or free_port(),
+        max_model_len=max_model_len,
+        dtype=dtype,
+        enforce_eager=enforce_eager,
+        kv_cache_gb=kv_cache_gb,
+        gpu_memory_utilization=gpu_memory_utilization,
+        dev=True,
+        extra_args=list(extra_args or []),
+    )
+
+
 class VLLMEngine(EngineWeights):
     """A vLLM server for one model, started here (or attached to), with weight push.
 
-    `VLLMEngine(model_dir)` starts a dev-mode server on a free port; `VLLMEngine(model_dir,
-    url=...)` attaches to one already running (started with `tmax serve --dev`)."""
+    `VLLMEngine(model_dir, **server)` starts a dev-mode server on a free port (`server`: the
+    arguments of `engine_spec`); `VLLMEngine.from_config` does so for a run's `engine`
+    config; `VLLMEngine(model_dir, url=...)` attaches to one already running (started with
+    `tmax serve --dev`)."""
 
     error = EngineError
 
@@ -211,15 +244,10 @@ class VLLMEngine(EngineWeights):
         *,
         url: str | None = None,
         served_model_name: str = "policy",
-        port: int | None = None,
-        max_model_len: int | None = 4096,
-        dtype: str = "auto",
-        enforce_eager: bool | None = None,
-        kv_cache_gb: int = 1,
-        extra_args: list[str] | None = None,
         work_dir: str | Path | None = None,
         startup_timeout_s: float = 600.0,
         request_timeout_s: float = 600.0,
+        **server: Any,
     ):
         self.model_dir = Path(model_dir).resolve()
         if not (self.model_dir / "config.json").is_file():
@@ -244,17 +272,7 @@ class VLLMEngine(EngineWeights):
             self.served_model_name = served_model_name
             self._check_attached()
         else:
-            spec = ServeSpec(
-                model=str(self.model_dir),
-                served_model_name=served_model_name,
-                port=port or free_port(),
-                max_model_len=max_model_len,
-                dtype=dtype,
-                enforce_eager=enforce_eager,
-                kv_cache_gb=kv_cache_gb,
-                dev=True,
-                extra_args=list(extra_args or []),
-            )
+            spec = engine_spec(self.model_dir, served_model_name=served_model_name, **server)
             self.server = VLLMServer(spec, log_path=self.work_dir / "vllm.log")
             self.url = self.server.url
             self.served_model_name = self.server.served_model_name
@@ -265,6 +283,11 @@ class VLLMEngine(EngineWeights):
                 self.close()
                 raise EngineError(f"vLLM engine did not start: {e}") from e
             self.max_model_len = self._served_max_len()
+
+    @classmethod
+    def from_config(cls, ecfg: "EngineConfig", model_dir: str | Path, work_dir: str | Path | None = None) -> "VLLMEngine":
+        """The engine a training run starts: its server set up by every `engine.*` key."""
+        return cls(model_dir, work_dir=work_dir, **server_options(ecfg))
 
     @property
     def base_url(self) -> str:
@@ -328,14 +351,6 @@ class VLLMEngine(EngineWeights):
 
     # -- pause / resume ----------------------------------------------------------------
 
-    def is_paused(self) -> bool:
-        import httpx
-
-        try:
-            return bool(self._http().get(self.url + "/is_paused", timeout=30).json()["is_paused"])
-        except (httpx.HTTPError, ValueError, KeyError) as e:
-            raise EngineError(f"GET /is_paused failed: {e}") from e
-
     def _control(self, path: str, timeout: float = 120.0) -> Any:
         try:
             return _post(self._http(), self.url + path, None, timeout)
@@ -343,7 +358,6 @@ class VLLMEngine(EngineWeights):
             raise EngineError(f"POST {path} failed (a dev-mode vLLM server with the RL endpoints?): {e}") from e
 
     def close(self) -> None:
-        self._close_weights()
         if self.server is not None:
             self.server.stop()
             self.server = None

