@@ -54,7 +54,8 @@ class TokenTrace:
     `prompt_ids` is the rendered system + user prompt (with tools). `ids` follows it:
     sampled tokens (mask 1, their sampler logprob) interleaved with observation /
     template tokens (mask 0, logprob 0.0). prompt_ids + ids is the context the
-    sampler saw, token for token.
+    sampler saw, token for token. The trainer keeps this object as it is, from the
+    rollout to the packed batch (`training.learner.packing.TrainSample`).
     """
 
     prompt_ids: list[int] = field(default_factory=list)
@@ -72,6 +73,11 @@ class TokenTrace:
     @property
     def context(self) -> list[int]:
         return self.prompt_ids + self.ids
+
+    @property
+    def num_sampled(self) -> int:
+        """Tokens the policy sampled: the ones a trainer takes a loss on."""
+        return sum(self.mask)
 
 
 @dataclass

@@ -251,9 +251,10 @@ def prompt_vocab(model_dir: str, learner) -> int:
 
 def agreement(learner, prompts, responses, engine_lps) -> list[float]:
     """|learner log-prob - engine log-prob| of every sampled token."""
+    from agents.policy import TokenTrace
     from training.learner.packing import TrainSample
 
-    samples = [TrainSample(p, r, lp, [1] * len(r), 0.0) for p, r, lp in zip(prompts, responses, engine_lps)]
+    samples = [TrainSample(TokenTrace(p, r, lp, [1] * len(r)), 0.0) for p, r, lp in zip(prompts, responses, engine_lps)]
     mine = learner.logprobs(samples)
     return [abs(a - b) for m, e in zip(mine, engine_lps) for a, b in zip(m, e)]
 
@@ -262,6 +263,7 @@ def run_steps(side, learner, sz: dict, vocab: int, syncs: list) -> dict:
     """Sample -> agreement -> train step -> sync, `steps` times; then a last agreement."""
     import random
 
+    from agents.policy import TokenTrace
     from training.learner.packing import TrainSample
 
     rng = random.Random(1)
@@ -286,7 +288,8 @@ def run_steps(side, learner, sz: dict, vocab: int, syncs: list) -> dict:
         # Synthetic verifiable reward: parity of the response; advantage = reward - group mean.
         rewards = [float(sum(r) % 2 == 0) for r in resp]
         means = [sum(rewards[i - i % group:i - i % group + group]) / group for i in range(len(rewards))]
-        samples = [TrainSample(p, r, lp, [1] * len(r), rw - m) for p, r, lp, rw, m in zip(prompts, resp, lps, rewards, means)]
+        samples = [TrainSample(TokenTrace(p, r, lp, [1] * len(r)), rw - m)
+                   for p, r, lp, rw, m in zip(prompts, resp, lps, rewards, means)]
         metrics = learner.train_step(samples)
         acc["learn_s"] += metrics["time/training"]
         acc["learn_tokens"] += metrics["learner/tokens"]

@@ -22,19 +22,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def last_batch_samples(run_dir: Path, cfg) -> list:
     """The TrainSamples of the last RL step, rebuilt from rollouts.jsonl (same advantages)."""
     from training.algo.advantages import group_advantages
-    from training.learner.packing import TrainSample
+    from training.algo.batching import Group
+    from training.learner.packing import batch_samples
+    from training.rollout import Rollout
 
-    groups: dict[int, list[dict]] = {}
+    groups: dict[int, list[Rollout]] = {}
     for line in (run_dir / "rollouts.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        groups.setdefault(r["group_id"], []).append(r)
-    full = [g for g in groups.values() if len(g) == cfg.algo.group_size and len({x["reward"] for x in g}) > 1]
-    samples = []
-    for g in full[-cfg.algo.prompts_per_step:]:
-        for r, a in zip(g, group_advantages([x["reward"] for x in g])):
-            if sum(r["mask"]):
-                samples.append(TrainSample(r["prompt_ids"], r["ids"], r["logprobs"], r["mask"], a))
-    return samples
+        r = Rollout.from_json(line)
+        groups.setdefault(r.group_id, []).append(r)
+    full = [Group(g[0].task_id, [x.reward for x in g], g) for g in groups.values()
+            if len(g) == cfg.algo.group_size and len({x.reward for x in g}) > 1]
+    last = full[-cfg.algo.prompts_per_step:]
+    return batch_samples(last, [group_advantages(g.rewards) for g in last])
 
 
 def trainer_overhead(ckpt: str, samples: list, cfg, repeats: int = 3) -> dict:
@@ -61,10 +60,10 @@ def trainer_overhead(ckpt: str, samples: list, cfg, repeats: int = 3) -> dict:
         t = time.perf_counter()
         opt.zero_grad()
         for s in samples:  # one sequence at a time, like an unpacked trainer
-            ids = torch.tensor([s.prompt_ids + s.ids])
-            logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1: -1]
-            lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.ids)[:, None]).squeeze(-1)
-            m = torch.tensor(s.mask, dtype=torch.float32)
+            ids = torch.tensor([s.trace.context])
+            logits = model(input_ids=ids).logits[0, len(s.trace.prompt_ids) - 1: -1]
+            lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.trace.ids)[:, None]).squeeze(-1)
+            m = torch.tensor(s.trace.mask, dtype=torch.float32)
             (-(lp * m).sum() * s.advantage / max(1, sum(x.num_loss_tokens for x in samples))).backward()
         opt.step()
         bare_s.append(time.perf_counter() - t)

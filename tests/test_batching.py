@@ -94,3 +94,40 @@ def test_standard_advantages_selectable():
     acc = BatchAccumulator(BatchConfig(groups_per_batch=1, advantage_mode="standard"))
     acc.offer(g("a", [1, 0]), step=0)
     assert acc.take(0).advantages == [pytest.approx([1.0, -1.0], rel=1e-6)]
+
+
+# ------------------------------------------------------------------ groups -> train samples
+
+
+def rollout(reward, mask=(1, 1, 0, 1), group_id=0, sample_index=0):
+    from agents.policy import TokenTrace
+    from training.rollout import Rollout
+
+    n = len(mask)
+    trace = TokenTrace([1, 2], list(range(3, 3 + n)), [-0.5] * n, list(mask), [0, 1])
+    return Rollout("t", group_id, sample_index, 0, trace, reward, "submitted", 2, 0, submitted=True)
+
+
+def test_batch_samples_hold_the_traces_with_their_advantages_and_skip_unsampled():
+    from training.learner.packing import batch_samples
+
+    items = [rollout(1.0), rollout(0.0), rollout(0.0, mask=(0, 0))]
+    a, b = Group("t", [1.0, 0.0, 0.0], items), Group("u", [0.0], [rollout(0.0)])
+    out = batch_samples([a, b], [[2 / 3, -1 / 3, -1 / 3], [0.25]])
+    assert [s.advantage for s in out] == pytest.approx([2 / 3, -1 / 3, 0.25])
+    assert out[0].trace is items[0].trace and out[1].trace is items[1].trace  # held, not copied
+    assert out[0].num_loss_tokens == 3 and len(out[0]) == 6
+    with pytest.raises(ValueError, match="2 items but 1 advantages"):
+        batch_samples([Group("v", [1.0, 0.0], items[:2])], [[0.5]])
+
+
+def test_rollout_json_is_flat_and_round_trips():
+    import json
+
+    from training.rollout import Rollout
+
+    r = rollout(1.0, group_id=3, sample_index=2)
+    line = r.to_json()
+    record = json.loads(line)
+    assert record["mask"] == [1, 1, 0, 1] and record["turn_versions"] == [0, 1] and "trace" not in record
+    assert Rollout.from_json(line) == r

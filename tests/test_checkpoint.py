@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from agents.policy import TokenTrace
 from training.learner import checkpoint as ckpt
 from training.learner.learner import Learner, LearnerConfig
 from training.learner.packing import TrainSample
@@ -52,7 +53,7 @@ def batch(seed):
         ids = torch.randint(0, VOCAB, (10,), generator=g).tolist()
         lps = (-torch.rand(10, generator=g) * 6).tolist()
         mask = [1, 1, 1, 0, 0, 1, 1, 0, 1, 1]
-        out.append(TrainSample(torch.randint(0, VOCAB, (4,), generator=g).tolist(), ids, lps, mask, adv))
+        out.append(TrainSample(TokenTrace(torch.randint(0, VOCAB, (4,), generator=g).tolist(), ids, lps, mask), adv))
     return out
 
 

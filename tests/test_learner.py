@@ -16,8 +16,8 @@ import textwrap
 import pytest
 import torch
 
+from agents.policy import TokenTrace
 from training.learner.learner import Learner, LearnerConfig
-
 from training.learner.packing import TrainSample, build_pack, pack_samples, shard
 
 VOCAB = 300
@@ -60,7 +60,7 @@ def sample_episode(model, prompt, advantage, temperature, gen, turns=3, turn_len
             mask += [0] * obs_len
             out = model(input_ids=torch.tensor([obs]), past_key_values=past, use_cache=True)
             past, logits = out.past_key_values, out.logits[0, -1]
-    return TrainSample(prompt_ids=list(prompt), ids=ids, logprobs=lps, mask=mask, advantage=advantage)
+    return TrainSample(TokenTrace(list(prompt), ids, lps, mask), advantage)
 
 
 def sampled_batch(model_dir, temperature=1.0, seed=0, advantages=(1.0, -1.0, 0.5, -0.5), **kw):
@@ -99,8 +99,8 @@ def grads(learner):
 
 
 def test_pack_targets_are_exactly_the_sampled_tokens():
-    s = TrainSample([7, 8], [10, 11, 12, 13, 14], [-1.0, -2.0, 0.0, 0.0, -3.0], [1, 1, 0, 0, 1], 2.0)
-    t = TrainSample([9], [20, 21], [-0.5, 0.0], [1, 0], -1.0)
+    s = TrainSample(TokenTrace([7, 8], [10, 11, 12, 13, 14], [-1.0, -2.0, 0.0, 0.0, -3.0], [1, 1, 0, 0, 1]), 2.0)
+    t = TrainSample(TokenTrace([9], [20, 21], [-0.5, 0.0], [1, 0]), -1.0)
     pack = build_pack([s, t], [0, 1])
     assert pack.input_ids[0].tolist() == [7, 8, 10, 11, 12, 13, 14, 9, 20, 21]
     assert pack.position_ids[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 0, 1, 2]
@@ -118,7 +118,7 @@ def test_zero_mismatch_fp32_and_only_sampled_positions_get_gradient(model_dir):
     samples = sampled_batch(model_dir, temperature=0.7)
     # Trainer recomputation vs sampler-recorded logprobs: same weights, fp32 both sides.
     trainer = learner.logprobs(samples)
-    diffs = [abs(a - b) for s, lp in zip(samples, trainer) for a, b, m in zip(s.logprobs, lp, s.mask) if m]
+    diffs = [abs(a - b) for s, lp in zip(samples, trainer) for a, b, m in zip(s.trace.logprobs, lp, s.trace.mask) if m]
     assert max(diffs) < 1e-5
     metrics = learner.train_step(samples)
     assert metrics["debug/dppo_mask_frac_kept"] == 1.0
@@ -143,7 +143,7 @@ def test_observation_tokens_get_no_gradient(model_dir):
     # Whatever sits in the logprob slots of observation tokens is irrelevant.
     g0 = grads(learner)
     for s in samples:
-        s.logprobs = [lp if m else -50.0 for lp, m in zip(s.logprobs, s.mask)]
+        s.trace.logprobs = [lp if m else -50.0 for lp, m in zip(s.trace.logprobs, s.trace.mask)]
     learner.backward(samples)
     for a, b in zip(g0, grads(learner)):
         assert torch.equal(a, b)
@@ -153,7 +153,7 @@ def test_temperature_scaling_matches_sampler(model_dir):
     samples = sampled_batch(model_dir, temperature=0.5, advantages=(1.0,))
     right = Learner(model_dir, LearnerConfig(temperature=0.5)).logprobs(samples)[0]
     wrong = Learner(model_dir, LearnerConfig(temperature=1.0)).logprobs(samples)[0]
-    sampled = [(lp, r, w) for lp, r, w, m in zip(samples[0].logprobs, right, wrong, samples[0].mask) if m]
+    sampled = [(lp, r, w) for lp, r, w, m in zip(samples[0].trace.logprobs, right, wrong, samples[0].trace.mask) if m]
     assert max(abs(lp - r) for lp, r, _ in sampled) < 1e-5
     assert max(abs(lp - w) for lp, _, w in sampled) > 1e-2
 
@@ -167,13 +167,13 @@ def test_perturbed_sampler_masks_only_tokens_moving_away(model_dir):
     k = 0
     for s, lp in zip(samples, trainer):
         masked = []
-        for j, m in enumerate(s.mask):
+        for j, m in enumerate(s.trace.mask):
             if not m:
                 continue
             pi = math.exp(lp[j])
             mu = [pi / 2, min(pi + 0.3, 0.999), pi][k % 3]  # r = 2 | r < 1 | r = 1
             k += 1
-            s.logprobs[j] = math.log(mu)
+            s.trace.logprobs[j] = math.log(mu)
             away = (s.advantage > 0 and pi > mu) or (s.advantage < 0 and pi < mu)
             blocked = abs(pi - mu) > 0.1 and away
             if blocked:
@@ -203,7 +203,7 @@ def test_perturbed_sampler_masks_only_tokens_moving_away(model_dir):
 def test_packing_matches_one_sample_per_row(model_dir):
     samples = sampled_batch(model_dir, advantages=(1.0, -1.0, 0.5, -0.25, 2.0))
     for s in samples:  # some ratio != 1 so the ratio weighting is exercised too
-        s.logprobs = [lp - 0.05 * (i % 3) if m else 0.0 for i, (lp, m) in enumerate(zip(s.logprobs, s.mask))]
+        s.trace.logprobs = [lp - 0.05 * (i % 3) if m else 0.0 for i, (lp, m) in enumerate(zip(s.trace.logprobs, s.trace.mask))]
     packed = Learner(model_dir, LearnerConfig(pack_length=4096))
     alone = Learner(model_dir, LearnerConfig(pack_length=2))  # every sample its own row
     assert len(pack_samples(samples, 4096)) == 1 and len(pack_samples(samples, 2)) == len(samples)
@@ -286,6 +286,10 @@ def test_bf16_body_keeps_fp32_head_and_logprobs(model_dir):
 def test_bad_samples_are_rejected_with_specific_errors(model_dir):
     learner = Learner(model_dir, LearnerConfig())
     ok = dict(prompt_ids=[1, 2], ids=[3, 4], logprobs=[-1.0, 0.0], mask=[1, 0], advantage=1.0)
+
+    def sample(advantage, **trace):
+        return TrainSample(TokenTrace(**trace), advantage)
+
     cases = [
         (dict(ok, prompt_ids=[]), "empty prompt_ids"),
         (dict(ok, logprobs=[-1.0]), "differ in length"),
@@ -297,9 +301,9 @@ def test_bad_samples_are_rejected_with_specific_errors(model_dir):
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
-            learner.train_step([TrainSample(**kwargs)])
+            learner.train_step([sample(**kwargs)])
     with pytest.raises(ValueError, match="no sampled"):
-        learner.train_step([TrainSample(**dict(ok, mask=[0, 0]))])
+        learner.train_step([sample(**dict(ok, mask=[0, 0]))])
     with pytest.raises(FileNotFoundError, match="config.json"):
         Learner(model_dir / "nope")
 
@@ -308,7 +312,7 @@ def test_bad_samples_are_rejected_with_specific_errors(model_dir):
 
 
 def test_shard_balances_tokens_and_covers_every_sample():
-    samples = [TrainSample([1] * n, [2], [-1.0], [1], 0.0) for n in (9, 1, 5, 5, 3, 7, 2)]
+    samples = [TrainSample(TokenTrace([1] * n, [2], [-1.0], [1]), 0.0) for n in (9, 1, 5, 5, 3, 7, 2)]
     parts = [shard(samples, r, 3) for r in range(3)]
     assert sorted(id(s) for p in parts for s in p) == sorted(id(s) for s in samples)
     loads = [sum(len(s) for s in p) for p in parts]
@@ -337,9 +341,10 @@ WORKER = textwrap.dedent(
 def test_two_gloo_ranks_sum_to_the_single_process_gradient(model_dir, tmp_path):
     # Uneven samples so the ranks hold different token counts and pack counts.
     samples = sampled_batch(model_dir, advantages=(1.0, -1.0, 0.5, -0.5, 2.0), turn_len=6)
-    samples[0].ids, samples[0].logprobs, samples[0].mask = samples[0].ids[:6], samples[0].logprobs[:6], samples[0].mask[:6]
+    first = samples[0].trace
+    first.ids, first.logprobs, first.mask = first.ids[:6], first.logprobs[:6], first.mask[:6]
     for s in samples:
-        s.logprobs = [lp - 0.1 * (i % 2) if m else 0.0 for i, (lp, m) in enumerate(zip(s.logprobs, s.mask))]
+        s.trace.logprobs = [lp - 0.1 * (i % 2) if m else 0.0 for i, (lp, m) in enumerate(zip(s.trace.logprobs, s.trace.mask))]
     data, out, script = tmp_path / "samples.pt", tmp_path / "rank0.pt", tmp_path / "worker.py"
     torch.save(samples, data)
     script.write_text(WORKER)
@@ -379,14 +384,12 @@ def test_autocast_body_keeps_fp32_master_weights_and_fp32_head(model_dir):
     assert all(p.dtype == torch.float32 for p in learner.params)
 
 
-def test_train_sample_from_token_trace():
-    from agents.policy import TokenTrace
-
+def test_train_sample_holds_the_token_trace():
     trace = TokenTrace(prompt_ids=[1, 2])
     trace.extend([5, 6], [-0.5, -0.25], trainable=True)
     trace.extend([7], None, trainable=False)
-    s = TrainSample.from_trace(trace, 0.75)
-    assert (s.prompt_ids, s.ids, s.logprobs, s.mask, s.advantage) == ([1, 2], [5, 6, 7], [-0.5, -0.25, 0.0], [1, 1, 0], 0.75)
+    s = TrainSample(trace, 0.75)
+    assert s.trace is trace and len(s) == 5 and s.num_loss_tokens == 2
     assert build_pack([s], [0]).targets.tolist() == [5, 6]
 
 
@@ -452,7 +455,7 @@ def fsdp_run(request, model_dir, tmp_path_factory):
         model_dir = make_model_dir(tmp_path_factory.mktemp("untied"), tied=False)
     samples = sampled_batch(model_dir, advantages=(1.0, -1.0, 0.5, -0.5, 2.0), turn_len=6)
     for s in samples:  # ratios != 1 so the trust-region mask is exercised
-        s.logprobs = [lp - 0.1 * (i % 2) if m else 0.0 for i, (lp, m) in enumerate(zip(s.logprobs, s.mask))]
+        s.trace.logprobs = [lp - 0.1 * (i % 2) if m else 0.0 for i, (lp, m) in enumerate(zip(s.trace.logprobs, s.trace.mask))]
     out = tmp_path_factory.mktemp("fsdp")
     data = out / "samples.pt"
     torch.save(samples, data)

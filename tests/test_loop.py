@@ -9,14 +9,15 @@ from pathlib import Path
 import pytest
 
 from training.config import ConfigError, LearnConfig, load_config, preset
-from training.loop import PromptStream, batch_samples, rollout_metrics
+from agents.policy import TokenTrace
+from training.loop import PromptStream, rollout_metrics
 from training.rollout import Rollout
 
 
 def _rollout(reward=0.0, mask=(1, 1, 0, 1), steps=2, truncated=False) -> Rollout:
     n = len(mask)
-    return Rollout("t", 0, 0, 0, [1, 2], list(range(3, 3 + n)), [-0.5] * n, list(mask), reward, "submitted", steps,
-                   0, [0] * steps, truncated, True)
+    trace = TokenTrace([1, 2], list(range(3, 3 + n)), [-0.5] * n, list(mask), [0] * steps)
+    return Rollout("t", 0, 0, 0, trace, reward, "submitted", steps, 0, truncated, True)
 
 
 def test_presets_load_and_match_the_paper():
@@ -50,14 +51,6 @@ def test_prompt_stream_is_seeded_and_resumable():
     assert sorted(first[:5]) == tasks and sorted(first[5:10]) == tasks  # every task once per epoch
     b = PromptStream(tasks, 3, position=7)
     assert [b.next() for _ in range(5)] == first[7:12]
-
-
-def test_batch_samples_carry_advantages_and_skip_unsampled():
-    from training.algo.batching import Group
-
-    g = Group("t", [1.0, 0.0, 0.0], [_rollout(1.0), _rollout(0.0), _rollout(0.0, mask=(0, 0))])
-    out = batch_samples([g], [[2 / 3, -1 / 3, -1 / 3]])
-    assert len(out) == 2 and out[0].advantage == pytest.approx(2 / 3) and out[1].mask == [1, 1, 0, 1]
 
 
 def test_rollout_metrics_names():

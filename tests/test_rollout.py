@@ -62,19 +62,19 @@ def test_oracle_episode_tokens_align_and_score(nano, kind):
     turns = _oracle_turns(tok, task)
     r = run_episode(EpisodeRequest(str(task), 0, 0, 7), ScriptedSampler(turns), tok, _cfg(kind))
     assert r.status == "submitted" and r.submitted and r.reward == 1.0
-    assert len(r.ids) == len(r.logprobs) == len(r.mask)
+    assert len(r.trace.ids) == len(r.trace.logprobs) == len(r.trace.mask)
     # Sampled spans are exactly the scripted turns, in order; everything between is mask 0
     # with logprob 0 and is the template's rendering of a tool observation.
-    sampled = [(s, e) for v, s, e in _spans(r.mask) if v == 1]
-    assert [r.ids[s:e] for s, e in sampled] == turns
-    for v, s, e in _spans(r.mask):
+    sampled = [(s, e) for v, s, e in _spans(r.trace.mask) if v == 1]
+    assert [r.trace.ids[s:e] for s, e in sampled] == turns
+    for v, s, e in _spans(r.trace.mask):
         if v == 0:
-            assert all(lp == 0.0 for lp in r.logprobs[s:e])
-            text = tok.decode(r.ids[s:e], skip_special_tokens=False)
+            assert all(lp == 0.0 for lp in r.trace.logprobs[s:e])
+            text = tok.decode(r.trace.ids[s:e], skip_special_tokens=False)
             assert "<tool_response>" in text and text.rstrip().endswith("<|im_start|>assistant")
     # The whole context is what the chat template renders for the same conversation:
     # training sees what deployment (which re-renders) would see.
-    assert r.prompt_ids[:3] == tok.encode("<|im_start|>system\n", add_special_tokens=False)[:3]
+    assert r.trace.prompt_ids[:3] == tok.encode("<|im_start|>system\n", add_special_tokens=False)[:3]
 
 
 def test_context_matches_full_rerender(nano):
@@ -110,7 +110,7 @@ def test_format_error_ends_episode_without_verifier(nano):
     r = run_episode(EpisodeRequest(str(splits["train"][0]), 0, 0, 1), ScriptedSampler([bad]), tok, _cfg())
     assert r.status == "format_errors" and r.reward == 0.0 and not r.submitted
     assert r.verifier is None and r.steps == 1
-    assert r.mask == [1] * len(bad)
+    assert r.trace.mask == [1] * len(bad)
 
 
 def test_tool_call_budget_ends_episode_with_zero_reward(nano):
@@ -119,7 +119,7 @@ def test_tool_call_budget_ends_episode_with_zero_reward(nano):
     r = run_episode(EpisodeRequest(str(splits["train"][0]), 0, 0, 1), ScriptedSampler([turn] * 10), tok,
                     _cfg(max_tool_calls=3))
     assert r.status == "max_steps" and r.steps == 3 and r.reward == 0.0
-    assert sum(1 for v, _, _ in _spans(r.mask) if v == 1) == 3
+    assert sum(1 for v, _, _ in _spans(r.trace.mask) if v == 1) == 3
 
 
 def test_response_budget_counts_tool_tokens_and_keeps_overlong_negative(nano):
@@ -129,7 +129,7 @@ def test_response_budget_counts_tool_tokens_and_keeps_overlong_negative(nano):
     r = run_episode(EpisodeRequest(str(splits["train"][0]), 0, 0, 1), ScriptedSampler([turn] * 10), tok,
                     _cfg(response_budget=budget, per_turn_max_tokens=len(turn), max_tool_calls=8))
     assert r.status == "context_overflow" and r.truncated and r.reward == 0.0
-    assert len(r.ids) <= budget
+    assert len(r.trace.ids) <= budget
 
 
 def test_submit_without_solving_scores_zero(nano):
@@ -166,7 +166,7 @@ def test_tests_are_not_visible_before_submit(nano):
     look = assistant_ids(tok, "THOUGHT: peek.", "ls -a .. ; ls ../tests")
     r = run_episode(EpisodeRequest(str(splits["train"][0]), 0, 0, 1), ScriptedSampler([look, look]), tok,
                     _cfg(max_tool_calls=2))
-    obs = tok.decode([i for i, m in zip(r.ids, r.mask) if m == 0])
+    obs = tok.decode([i for i, m in zip(r.trace.ids, r.trace.mask) if m == 0])
     assert "No such file or directory" in obs and "expected.txt" not in obs
 
 

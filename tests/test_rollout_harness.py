@@ -63,18 +63,18 @@ def test_mini_swe_rollout_token_trace(nano):
     r = run_episode(EpisodeRequest(str(task), 1, 0, 3), sampler, tok, cfg)  # group 1: mini-swe
     assert r.harness == "mini-swe"
     assert r.status == "submitted" and r.reward == 1.0
-    assert len(r.ids) == len(r.logprobs) == len(r.mask)
-    sampled = [(s, e) for v, s, e in _spans(r.mask) if v == 1]
-    assert [r.ids[s:e] for s, e in sampled] == turns
-    assert [r.logprobs[s:e] for s, e in sampled] == sampler.given
-    for v, s, e in _spans(r.mask):
+    assert len(r.trace.ids) == len(r.trace.logprobs) == len(r.trace.mask)
+    sampled = [(s, e) for v, s, e in _spans(r.trace.mask) if v == 1]
+    assert [r.trace.ids[s:e] for s, e in sampled] == turns
+    assert [r.trace.logprobs[s:e] for s, e in sampled] == sampler.given
+    for v, s, e in _spans(r.trace.mask):
         if v == 0:
-            assert all(lp == 0.0 for lp in r.logprobs[s:e])
-            text = tok.decode(r.ids[s:e], skip_special_tokens=False)
+            assert all(lp == 0.0 for lp in r.trace.logprobs[s:e])
+            text = tok.decode(r.trace.ids[s:e], skip_special_tokens=False)
             # A plain user message (no tool role, no tools in the prompt) with the observation.
             assert "<|im_start|>user" in text and "<returncode>0</returncode>" in text
             assert text.rstrip().endswith("<|im_start|>assistant")
-    prompt = tok.decode(r.prompt_ids, skip_special_tokens=False)
+    prompt = tok.decode(r.trace.prompt_ids, skip_special_tokens=False)
     assert "```bash" in prompt and "<tools>" not in prompt
 
 

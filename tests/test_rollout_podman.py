@@ -77,7 +77,7 @@ def test_limits_from_task_toml_and_no_tests_before_submit(nano):
                                "response_budget": 1000, "context_budget": 2048})
     r = run_episode(EpisodeRequest(task, 0, 0, 1), ScriptedSampler([look, look]), tok, c,
                     image=prepared.images[task])
-    obs = tok.decode([i for i, m in zip(r.ids, r.mask) if m == 0])
+    obs = tok.decode([i for i, m in zip(r.trace.ids, r.trace.mask) if m == 0])
     assert "100000" in obs  # cpus = 1: a quota of one period
     assert str(512 * 1024 * 1024) in obs  # memory_mb = 512
     assert "eth0" not in obs and "lo" in obs  # allow_internet = false: no network

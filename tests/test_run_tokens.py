@@ -191,7 +191,6 @@ def test_rated_sessions_move_the_policy_their_way_in_a_real_learner_step(tmp_pat
     from test_learner import make_model_dir
 
     from training.learner.learner import Learner, LearnerConfig
-
     from training.learner.packing import TrainSample
 
     model_dir = make_model_dir(tmp_path / "tiny")
@@ -199,7 +198,7 @@ def test_rated_sessions_move_the_policy_their_way_in_a_real_learner_step(tmp_pat
     sessions = {"good": ([1, 2, 3], [10, 11, 12, 13], [1, 1, 0, 1]), "bad": ([1, 2, 4], [20, 21, 22, 23], [1, 1, 0, 1])}
     for name, (prompt, ids, mask) in sessions.items():
         # The sampler's logprobs are the model's own (as vLLM serving these weights records them).
-        logprobs = learner.logprobs([TrainSample(prompt, ids, [0.0] * len(ids), mask, 0.0)])[0]
+        logprobs = learner.logprobs([TrainSample(TokenTrace(prompt, ids, [0.0] * len(ids), mask), 0.0)])[0]
         trace = TokenTrace(prompt_ids=prompt, ids=ids, logprobs=[lp if m else 0.0 for lp, m in zip(logprobs, mask)],
                            mask=mask, turn_versions=[0])
         Recorder(tmp_path / "runs" / name).save([{"role": "system", "content": "s"}], [], Usage(), 4, trace=trace)
@@ -208,7 +207,7 @@ def test_rated_sessions_move_the_policy_their_way_in_a_real_learner_step(tmp_pat
     assert sorted(s.advantage for s in samples) == [-0.5, 0.5]
 
     def sampled_logprob(s: TrainSample) -> float:
-        return sum(lp for lp, m in zip(learner.logprobs([s])[0], s.mask) if m)
+        return sum(lp for lp, m in zip(learner.logprobs([s])[0], s.trace.mask) if m)
 
     before = [sampled_logprob(s) for s in samples]
     metrics = learner.train_step(samples)

@@ -50,7 +50,7 @@ def test_demos_pass_their_verifier_and_sft_learns(nano):
     assert len(demos) == 6 and all(d.reward == 1.0 and d.status == "submitted" for d in demos)
     # Assistant tokens only: the loss mask covers the sampled turns, not the observations.
     for d in demos:
-        assert 0 < sum(d.mask) < len(d.mask)
+        assert 0 < d.num_sampled < len(d.trace.mask)
     res = train_sft(str(root / "base"), demos, cfg, root / "sft")
     import json
 

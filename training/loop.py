@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from training.config import LearnConfig, dump_toml
+from training.learner.packing import batch_samples
 from training.rollout import (
     EpisodeRequest, InfraCounts, InfraError, Rollout, append_jsonl, prepare_tasks, prewarm_queue,
 )
@@ -304,18 +305,6 @@ class OpenGroup:
     @property
     def done(self) -> bool:
         return len(self.rollouts) == self.size
-
-
-def batch_samples(groups: list, advantages: list[list[float]]) -> list:
-    from training.learner.packing import TrainSample
-
-    out = []
-    for g, adv in zip(groups, advantages):
-        for r, a in zip(g.items, adv):
-            if sum(r.mask) == 0:
-                continue  # nothing sampled (cannot train on it)
-            out.append(TrainSample(r.prompt_ids, r.ids, r.logprobs, r.mask, float(a)))
-    return out
 
 
 def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:

@@ -30,12 +30,12 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from agents.loop import Agent, AgentConfig
-from agents.policy import TokenSampler
+from agents.policy import TokenSampler, TokenTrace
 from sandbox.base import SandboxError
 from sandbox.pool import WarmPool
 from tasks.episode import ENVIRONMENT_ERRORS, EnvSettings, Episode, PreparedTasks
@@ -74,21 +74,18 @@ class EpisodeRequest:
 
 @dataclass
 class Rollout:
-    """Everything the trainer and a later analysis need about one episode."""
+    """Everything the trainer and a later analysis need about one episode. `trace` is the
+    token policy's `TokenTrace`, kept as it is: the trainer packs it (training.learner.packing)."""
 
     task_id: str
     group_id: int
     sample_index: int
     seed: int
-    prompt_ids: list[int]
-    ids: list[int]
-    logprobs: list[float]
-    mask: list[int]
+    trace: TokenTrace
     reward: float
     status: str  # submitted | max_steps | context_overflow | format_errors
     steps: int
     policy_version: int  # weights version of the oldest sampled turn
-    turn_versions: list[int] = field(default_factory=list)
     truncated: bool = False
     submitted: bool = False
     verifier: dict[str, Any] | None = None
@@ -101,10 +98,28 @@ class Rollout:
 
     @property
     def num_sampled(self) -> int:
-        return sum(self.mask)
+        return self.trace.num_sampled
+
+    @property
+    def ids(self) -> list[int]:
+        """The response tokens (`trace.ids`)."""
+        return self.trace.ids
+
+    @property
+    def turn_versions(self) -> list[int]:
+        """The weights version of each sampled turn (`trace.turn_versions`)."""
+        return self.trace.turn_versions
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        """One flat JSON object: the episode's fields and the trace's lists side by side."""
+        record = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "trace"}
+        return json.dumps({**record, **asdict(self.trace)})
+
+    @classmethod
+    def from_json(cls, line: str) -> "Rollout":
+        record = json.loads(line)
+        trace = TokenTrace(**{f.name: record.pop(f.name) for f in fields(TokenTrace) if f.name in record})
+        return cls(trace=trace, **record)
 
 
 def agent_config(cfg: RolloutConfig, max_steps: int | None = None) -> AgentConfig:
@@ -246,21 +261,16 @@ def run_episode(
     finally:
         harness.close()
         ep.close()
-    versions = list(trace.turn_versions)
     return Rollout(
         task_id=task.name,
         group_id=req.group_id,
         sample_index=req.sample_index,
         seed=req.seed,
-        prompt_ids=list(trace.prompt_ids),
-        ids=list(trace.ids),
-        logprobs=list(trace.logprobs),
-        mask=list(trace.mask),
+        trace=trace,
         reward=float(min(1.0, max(0.0, reward))),
         status=result.status,
         steps=result.steps,
-        policy_version=min(versions) if versions else start_version,
-        turn_versions=versions,
+        policy_version=min(trace.turn_versions, default=start_version),
         truncated=result.status == "context_overflow",
         submitted=submitted,
         verifier=vinfo,

@@ -21,6 +21,8 @@ from typing import Any
 from agents.rating import read_reward
 from agents.records import RESULT, TOKENS
 from agents.policy import TokenTrace
+from training.algo.batching import Group
+from training.learner.packing import TrainSample, batch_samples
 from training.rollout import Rollout
 
 RATED_BASELINE = 0.5
@@ -54,11 +56,10 @@ def load_run(run_dir: Path) -> RatedRun:
     meta = _read(run_dir / "run.json") if (run_dir / "run.json").is_file() else {}
     reward = read_reward(run_dir)
     rollout = Rollout(
-        task_id=f"run:{run_dir.name}", group_id=-1, sample_index=0, seed=0,
-        prompt_ids=trace.prompt_ids, ids=trace.ids, logprobs=trace.logprobs, mask=trace.mask,
+        task_id=f"run:{run_dir.name}", group_id=-1, sample_index=0, seed=0, trace=trace,
         reward=reward if reward is not None else 0.0, status=str(result.get("status", "unknown")),
         steps=int(result.get("steps", len(trace.turn_versions))),
-        policy_version=min(trace.turn_versions, default=0), turn_versions=trace.turn_versions,
+        policy_version=min(trace.turn_versions, default=0),
     )
     return RatedRun(run_dir, reward, rollout, meta.get("model_dir"))
 
@@ -77,7 +78,7 @@ def load_runs(root: str | Path) -> list[RatedRun]:
 
 def accepted(runs: list[RatedRun]) -> list[Rollout]:
     """Sessions rated above 0.5 (/good, a passing --verify) with sampled tokens: SFT data."""
-    return [r.rollout for r in runs if r.reward is not None and r.reward > ACCEPT_ABOVE and sum(r.rollout.mask) > 0]
+    return [r.rollout for r in runs if r.reward is not None and r.reward > ACCEPT_ABOVE and r.rollout.num_sampled > 0]
 
 
 def model_dir_of(runs: list[RatedRun]) -> str:
@@ -94,20 +95,16 @@ class RatedStream:
     in a fixed cycle."""
 
     def __init__(self, runs: list[RatedRun], per_step: int = 1, baseline: float = RATED_BASELINE) -> None:
-        self.rated = [r for r in runs if r.reward is not None and sum(r.rollout.mask) > 0]
+        self.rated = [r for r in runs if r.reward is not None and r.rollout.num_sampled > 0]
         if not self.rated:
             raise RunsDataError("no rated session with sampled tokens (rate them with /good, /bad or --verify)")
         self.per_step = per_step
         self.baseline = baseline
         self._next = 0
 
-    def next_samples(self) -> list:
-        from training.learner.packing import TrainSample
-
-        out = []
-        for _ in range(min(self.per_step, len(self.rated))):
-            r = self.rated[self._next % len(self.rated)]
-            self._next += 1
-            x = r.rollout
-            out.append(TrainSample(x.prompt_ids, x.ids, x.logprobs, x.mask, float(r.reward) - self.baseline))
-        return out
+    def next_samples(self) -> list[TrainSample]:
+        """The next `per_step` sessions, each a group of one with A = R - baseline."""
+        picked = [self.rated[(self._next + k) % len(self.rated)] for k in range(min(self.per_step, len(self.rated)))]
+        self._next += len(picked)
+        groups = [Group(r.rollout.task_id, [float(r.reward)], [r.rollout]) for r in picked]
+        return batch_samples(groups, [[float(r.reward) - self.baseline] for r in picked])

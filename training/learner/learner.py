@@ -1,12 +1,14 @@
 """The DPPO learner: HF transformers model + torch, one optimizer step per batch.
 
-A `TrainSample` is one trajectory as the sampler saw it: `prompt_ids` then `ids`, where
-`ids` interleaves sampled tokens (mask 1, the sampler's post-temperature logprob) with
-observation / template tokens (mask 0). The learner packs several samples into one row
+A `TrainSample` (training.learner.packing) is one trajectory as the sampler saw it, its
+`TokenTrace`: `prompt_ids` then `ids`, where `ids` interleaves sampled tokens (mask 1, the
+sampler's post-temperature logprob) with observation / template tokens (mask 0), and its
+advantage. The learner packs several samples into one row
 (position ids restart at 0 per sample, which transformers turns into a block-diagonal
 causal mask), runs the backbone, and projects only the hidden states that predict a loss
 token through the LM head, in fp32, chunk by chunk. Token t is predicted from position
-t - 1, so the loss tokens are exactly the sampled tokens.
+t - 1, so the loss tokens are exactly the sampled tokens. The loss is DPPO's policy loss,
+or any `PackLoss` of the same shape (SFT's cross-entropy, training.learner.sft).
 
 Data parallelism is behind `DataParallel`: the learner all-reduces the loss-token count
 (global token-mean denominator), the number of packs (so every rank runs the same number of
@@ -31,6 +33,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,8 +41,21 @@ from torch.utils.checkpoint import checkpoint
 
 from training.algo.dppo import LossConfig, LossStats, policy_loss
 from training.learner import checkpoint as ckpt
+from agents.policy import TokenTrace
 from training.learner.packing import Pack, TrainSample, build_pack, pack_samples, validate_samples
 from training.learner.parallel import STRATEGIES, DataParallel
+
+# A loss over one pack: (trainer logprobs of pack.targets, the pack on the learner's
+# device, the global loss-token count) -> (loss to backpropagate, its statistics).
+PackLoss = Callable[[torch.Tensor, Pack, float], "tuple[torch.Tensor, LossStats]"]
+
+
+def _spare_pack() -> Pack:
+    """A one-token row with no loss token: the forward a rank with nothing left runs so
+    that its FSDP collectives line up with the busiest rank's."""
+    pack = build_pack([TrainSample(TokenTrace([0], [0], [0.0], [1]), 0.0)], [0])
+    pack.loss_mask.zero_()
+    return pack
 
 
 @dataclass
@@ -214,7 +230,7 @@ class Learner:
             passes = int(self.dp.all_reduce(torch.tensor([float(len(rows))]), op="max")[0])
         for r in range(passes):
             if r >= len(rows):
-                self.pack_logprobs(build_pack([TrainSample([0], [0], [0.0], [1], 0.0)], [0]))
+                self.pack_logprobs(_spare_pack())
                 continue
             pack = build_pack(samples, rows[r], all_positions=True)
             lp = self.pack_logprobs(pack).float().cpu().tolist()
@@ -228,10 +244,17 @@ class Learner:
 
     # -- training ----------------------------------------------------------------------
 
-    def backward(self, samples: list[TrainSample]) -> LossStats:
+    def rl_loss(self, new: torch.Tensor, pack: Pack, denominator: float) -> tuple[torch.Tensor, LossStats]:
+        """DPPO (or GRPO) per `cfg.loss`: the RL loss of a pack."""
+        return policy_loss(new, pack.old_logprobs, pack.advantages, pack.loss_mask, self.cfg.loss,
+                           denominator=denominator)
+
+    def backward(self, samples: list[TrainSample], loss_fn: PackLoss | None = None) -> LossStats:
         """Zero the gradients and accumulate the gradient of the global token-mean loss
-        over this rank's samples (reduced over ranks). No optimizer step."""
+        (`loss_fn`, the policy loss by default) over this rank's samples, reduced over
+        ranks. No optimizer step."""
         validate_samples(samples, self.vocab_size)
+        loss_fn = loss_fn or self.rl_loss
         rows = self._rows(samples)
         local_tokens = float(sum(s.num_loss_tokens for s in samples))
         total_tokens = float(self.dp.all_reduce(torch.tensor([local_tokens], dtype=torch.float64))[0])
@@ -243,20 +266,9 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=False)
         stats = LossStats()
         for r in range(max_rows):
-            if r < len(rows):
-                pack = build_pack(samples, rows[r])
-            else:
-                pack = build_pack([TrainSample([0], [0], [0.0], [1], 0.0)], [0])
-                pack.loss_mask.zero_()
+            pack = build_pack(samples, rows[r]) if r < len(rows) else _spare_pack()
             new = self.pack_logprobs(pack)
-            loss, st = policy_loss(
-                new,
-                pack.old_logprobs.to(self.device),
-                pack.advantages.to(self.device),
-                pack.loss_mask.to(self.device),
-                self.cfg.loss,
-                denominator=total_tokens,
-            )
+            loss, st = loss_fn(new, pack.to(self.device), total_tokens)
             (loss * self.dp.loss_scale).backward()
             stats.add(st)
         self.dp.reduce_gradients(self.params)
@@ -277,10 +289,11 @@ class Learner:
             return self.cfg.lr
         return self.cfg.lr * min(1.0, (self.step + 1) / self.cfg.warmup_steps)
 
-    def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
-        """Exactly one AdamW step on `samples`; returns the step's metrics."""
+    def train_step(self, samples: list[TrainSample], loss_fn: PackLoss | None = None) -> dict[str, float]:
+        """Exactly one AdamW step on `samples` (`loss_fn` as in `backward`); returns the
+        step's metrics."""
         t0 = time.perf_counter()
-        stats = self.backward(samples)
+        stats = self.backward(samples, loss_fn)
         grad_norm = self.dp.clip_grad_norm(self.params, self.cfg.max_grad_norm)
         lr = self.current_lr()
         for group in self.optimizer.param_groups:

@@ -1,38 +1,55 @@
-"""Token trajectories as the learner trains on them: `TrainSample` (one trajectory, its
-sampler logprobs, loss mask and advantage), the token-balanced split over data-parallel
-ranks, and packing several samples into one row (`Pack`)."""
+"""How a rollout turns into loss tokens, in one place.
+
+* `TrainSample`: one token trajectory (the policy's `TokenTrace`, held as it is) and the
+  sequence advantage it is trained with;
+* `batch_samples`: the one conversion from finished groups and their advantages to samples
+  (RL batches, rated `tmax run` sessions and SFT demonstrations all go through it);
+* `shard`: the token-balanced split over data-parallel ranks;
+* `pack_samples` / `build_pack`: several samples in one row (`Pack`), the loss positions
+  and their targets.
+
+torch is imported where tensors are built, so the training driver can import the
+conversion without it.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-import torch
+from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
+    import torch
+
     from agents.policy import TokenTrace
 
 
 @dataclass
 class TrainSample:
-    prompt_ids: list[int]
-    ids: list[int]
-    logprobs: list[float]  # sampler logprob per id (0.0 where mask is 0)
-    mask: list[int]  # 1 = sampled by the policy (trained on), 0 = observation / template
+    """`trace.prompt_ids` then `trace.ids`, where ids interleaves sampled tokens (mask 1,
+    the sampler's logprob: the loss tokens) with observation / template tokens (mask 0)."""
+
+    trace: "TokenTrace"
     advantage: float
 
     def __len__(self) -> int:
-        return len(self.prompt_ids) + len(self.ids)
+        return len(self.trace.prompt_ids) + len(self.trace.ids)
 
     @property
     def num_loss_tokens(self) -> int:
-        return sum(self.mask)
+        return self.trace.num_sampled
 
-    @classmethod
-    def from_trace(cls, trace: "TokenTrace", advantage: float) -> "TrainSample":
-        """The exact token stream a TokenPolicy recorded, with its sequence advantage."""
-        return cls(list(trace.prompt_ids), list(trace.ids), list(trace.logprobs), list(trace.mask), float(advantage))
+
+def batch_samples(groups: Sequence[Any], advantages: Sequence[Sequence[float]]) -> list[TrainSample]:
+    """Samples of finished groups (`training.algo.batching.Group`, items holding a `trace`),
+    each with its advantage; an item with no sampled token has nothing to train on and
+    is left out."""
+    out: list[TrainSample] = []
+    for group, adv in zip(groups, advantages, strict=True):
+        if len(group.items) != len(adv):
+            raise ValueError(f"group {group.task_id!r}: {len(group.items)} items but {len(adv)} advantages")
+        out.extend(TrainSample(item.trace, float(a)) for item, a in zip(group.items, adv) if item.trace.num_sampled)
+    return out
 
 
 def shard(samples: list[TrainSample], rank: int, world_size: int) -> list[TrainSample]:
@@ -61,6 +78,11 @@ class Pack:
     loss_mask: torch.Tensor  # [n]
     spans: list[tuple[int, int, int]]  # (sample index, first response pred index in this pack, count)
 
+    def to(self, device: "torch.device") -> "Pack":
+        """The same row with its tensors on `device`."""
+        moved = {k: v.to(device) for k, v in vars(self).items() if k != "spans"}
+        return Pack(**moved, spans=self.spans)
+
 
 def pack_samples(samples: list[TrainSample], pack_length: int) -> list[list[int]]:
     """Sample indices per row, first-fit decreasing; a sample longer than `pack_length`
@@ -83,6 +105,8 @@ def pack_samples(samples: list[TrainSample], pack_length: int) -> list[list[int]
 def build_pack(samples: list[TrainSample], indices: list[int], all_positions: bool = False) -> Pack:
     """Tensors of one row. Targets are the mask-1 tokens, or with `all_positions` every
     response token (for diagnostics)."""
+    import torch
+
     ids: list[int] = []
     pos: list[int] = []
     pred: list[int] = []
@@ -92,19 +116,19 @@ def build_pack(samples: list[TrainSample], indices: list[int], all_positions: bo
     lmask: list[float] = []
     spans: list[tuple[int, int, int]] = []
     for i in indices:
-        s = samples[i]
+        t, a = samples[i].trace, samples[i].advantage
         offset, first = len(ids), len(pred)
-        ids.extend(s.prompt_ids)
-        ids.extend(s.ids)
-        pos.extend(range(len(s)))
-        for k, (tok, lp, m) in enumerate(zip(s.ids, s.logprobs, s.mask)):
+        ids.extend(t.prompt_ids)
+        ids.extend(t.ids)
+        pos.extend(range(len(samples[i])))
+        for k, (tok, lp, m) in enumerate(zip(t.ids, t.logprobs, t.mask)):
             if not (m or all_positions):
                 continue
             # Token at sequence position p is predicted by the hidden state at p - 1.
-            pred.append(offset + len(s.prompt_ids) + k - 1)
+            pred.append(offset + len(t.prompt_ids) + k - 1)
             tgt.append(tok)
             old.append(lp if m else 0.0)
-            adv.append(s.advantage if m else 0.0)
+            adv.append(a if m else 0.0)
             lmask.append(float(m))
         spans.append((i, first, len(pred) - first))
     return Pack(
@@ -120,8 +144,8 @@ def build_pack(samples: list[TrainSample], indices: list[int], all_positions: bo
 
 
 def validate_samples(samples: list[TrainSample], vocab_size: int) -> None:
-    for n, s in enumerate(samples):
-        where = f"train sample {n}"
+    for n, sample in enumerate(samples):
+        where, s = f"train sample {n}", sample.trace
         if not s.prompt_ids:
             raise ValueError(f"{where}: empty prompt_ids (the first response token needs a context)")
         if not (len(s.ids) == len(s.logprobs) == len(s.mask)):
@@ -136,5 +160,5 @@ def validate_samples(samples: list[TrainSample], vocab_size: int) -> None:
         for k, (lp, m) in enumerate(zip(s.logprobs, s.mask)):
             if m and not (math.isfinite(lp) and lp <= 1e-4):
                 raise ValueError(f"{where}: sampled token {k} has sampler logprob {lp} (need a finite value <= 0)")
-        if not math.isfinite(s.advantage):
-            raise ValueError(f"{where}: advantage {s.advantage} is not finite")
+        if not math.isfinite(sample.advantage):
+            raise ValueError(f"{where}: advantage {sample.advantage} is not finite")

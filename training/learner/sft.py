@@ -5,7 +5,9 @@ by a scripted `TokenSampler` inside the real loop (`agents.loop.Agent` + `TokenP
 in a real sandbox, and the task's verifier checks the result. So the tokens trained on
 are exactly the ones a rollout would have: the prompt rendered with the chat template
 and tools, each assistant turn as the template renders it, each real observation as the
-template renders a tool message. Loss on assistant tokens only (mask 1).
+template renders a tool message. Loss on assistant tokens only (mask 1): a demonstration
+is a `TrainSample` like any rollout, packed and run through the RL learner's forward, with
+a cross-entropy loss in place of the policy loss.
 """
 
 from __future__ import annotations
@@ -17,11 +19,18 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agents.policy import SampledTokens
+from training.algo.batching import Group
 from training.config import LearnConfig
+from training.learner.packing import Pack, TrainSample, batch_samples
 from training.rollout import EpisodeRequest, InfraError, Rollout, run_episode
+
+if TYPE_CHECKING:
+    import torch
+
+    from training.algo.dppo import LossStats
 
 
 class DemoError(RuntimeError):
@@ -127,29 +136,43 @@ def collect_demos(task_dirs: list[str], tokenizer: Any, cfg: LearnConfig,
     return demos
 
 
+def sft_loss(new: "torch.Tensor", pack: Pack, denominator: float) -> tuple["torch.Tensor", LossStats]:
+    """Cross-entropy on the loss tokens of a pack (the assistant tokens), as a share of the
+    batch's token mean: the `PackLoss` the learner takes instead of the policy loss."""
+    from training.algo.dppo import LossStats
+
+    nll = -(new.float() * pack.loss_mask).sum()
+    tokens = float(pack.loss_mask.sum())
+    return nll / denominator, LossStats(tokens=tokens, kept=tokens, loss_sum=float(nll.detach()))
+
+
+def sft_samples(demos: list[Rollout]) -> list[TrainSample]:
+    """Each demonstration's trace with advantage 1: its assistant tokens (mask 1) are the
+    targets, through the same conversion as an RL batch."""
+    group = Group("sft", [r.reward for r in demos], demos)
+    return batch_samples([group], [[1.0] * len(demos)])
+
+
 def train_sft(model_dir: str, demos: list[Rollout], cfg: LearnConfig, out_dir: str | Path,
               log: Any = None) -> SFTResult:
-    """Cross-entropy on assistant tokens; AdamW with warmup then constant LR; writes an
-    HF checkpoint (weights + tokenizer + chat template) to `out_dir`."""
+    """Cross-entropy on assistant tokens through the RL learner (`Learner.train_step` with
+    `sft_loss`: the same packing and forward); AdamW with warmup then constant LR; writes
+    an HF checkpoint (weights + tokenizer + chat template) to `out_dir`."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from training.learner import checkpoint as ckpt
+    from training.learner.learner import Learner, LearnerConfig
 
-    if not demos:
-        raise DemoError("no demonstrations to train on")
+    examples = sft_samples(demos) if demos else []
+    if not examples:
+        raise DemoError("no demonstrations (with assistant tokens) to train on")
     t0 = time.monotonic()
     s = cfg.sft
-    torch.manual_seed(cfg.algo.seed)
     torch.set_num_threads(s.torch_threads or os.cpu_count() or 1)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
-    pad = model.config.pad_token_id or 0
-    examples = [(r.prompt_ids + r.ids, [0] * len(r.prompt_ids) + r.mask) for r in demos]
-    n_batches = math.ceil(len(examples) / s.batch_size)
-    total = max(1, round(n_batches * s.epochs))
-    warm = max(1, int(total * s.warmup_ratio))
+    total = max(1, round(math.ceil(len(examples) / s.batch_size) * s.epochs))
+    learner = Learner(model_dir, LearnerConfig(
+        lr=s.lr, weight_decay=0.0, warmup_steps=max(1, int(total * s.warmup_ratio)),
+        max_grad_norm=cfg.algo.grad_clip, pack_length=cfg.rollout.context_budget, seed=cfg.algo.seed))
     rng = random.Random(cfg.algo.seed)
     order: list[int] = []
     losses: list[float] = []
@@ -160,35 +183,12 @@ def train_sft(model_dir: str, demos: list[Rollout], cfg: LearnConfig, out_dir: s
             rng.shuffle(more)
             order += more
         idx, order = order[: s.batch_size], order[s.batch_size:]
-        batch = [examples[i] for i in idx]
-        width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        attn = torch.zeros((len(batch), width), dtype=torch.long)
-        rows, cols, targets = [], [], []
-        for b, (ids, mask) in enumerate(batch):
-            input_ids[b, : len(ids)] = torch.tensor(ids)
-            attn[b, : len(ids)] = 1
-            for p in range(1, len(ids)):
-                if mask[p]:  # token p is predicted by the hidden state at p - 1
-                    rows.append(b)
-                    cols.append(p - 1)
-                    targets.append(ids[p])
-        for g in opt.param_groups:
-            g["lr"] = s.lr * min(1.0, (step + 1) / warm)
-        # The LM head only where a loss is taken: the shared ~800-token prompt needs the
-        # backbone (its keys feed every assistant token) but no vocabulary projection.
-        hidden = model.model(input_ids=input_ids, attention_mask=attn).last_hidden_state
-        logits = model.lm_head(hidden[torch.tensor(rows), torch.tensor(cols)]).float()
-        loss = torch.nn.functional.cross_entropy(logits, torch.tensor(targets))
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.algo.grad_clip)
-        opt.step()
-        losses.append(float(loss.detach()))
-        tokens += len(targets)
+        metrics = learner.train_step([examples[i] for i in idx], loss_fn=sft_loss)
+        losses.append(metrics["loss/policy_avg"])
+        tokens += int(metrics["learner/loss_tokens"])
         if log is not None:
             log(step + 1, total, losses[-1])
-    path = ckpt.save_checkpoint(out_dir, model, step=0, optimizer=None,
+    path = ckpt.save_checkpoint(out_dir, learner.model, step=0, optimizer=None,
                                 extra={"sft_steps": total, "sft_demos": len(demos)}, tokenizer_dir=model_dir)
     (Path(path) / "sft.json").write_text(json.dumps({"steps": total, "demos": len(demos), "losses": losses}))
     tail = losses[-max(1, len(losses) // 10):]
