@@ -367,6 +367,24 @@ def test_two_gloo_ranks_sum_to_the_single_process_gradient(model_dir, tmp_path):
     assert result["metrics"] == pytest.approx(stats.summarize(), abs=1e-6)
 
 
+def test_sft_loss_through_the_learner_is_the_token_mean_cross_entropy(model_dir):
+    """SFT's PackLoss on the same packs: the step's loss is the cross-entropy of the mask-1
+    tokens, and the step raises their likelihood."""
+    from training.learner.sft import sft_loss
+
+    samples = sampled_batch(model_dir, advantages=(1.0, 1.0, 1.0))
+    learner = Learner(model_dir, LearnerConfig(lr=1e-3))
+
+    def sampled_logprobs():
+        return [lp for s, lps in zip(samples, learner.logprobs(samples)) for lp, m in zip(lps, s.trace.mask) if m]
+
+    before = sampled_logprobs()
+    metrics = learner.train_step(samples, loss_fn=sft_loss)
+    assert metrics["loss/policy_avg"] == pytest.approx(-sum(before) / len(before), rel=1e-5)
+    assert metrics["learner/loss_tokens"] == len(before)
+    assert sum(sampled_logprobs()) > sum(before)
+
+
 def test_autocast_body_keeps_fp32_master_weights_and_fp32_head(model_dir):
     samples = sampled_batch(model_dir, advantages=(1.0, -1.0))
     learner = Learner(model_dir, LearnerConfig(autocast="bfloat16", lr=1e-3))
