@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from training.config import ConfigError, LearnConfig, load_config, preset
-from training.loop import PromptStream, batch_samples, rollout_metrics
+from training.loop import PromptStream, batch_samples
+from training.report import rollout_metrics
 from training.rollout import Rollout
 
 
