@@ -61,6 +61,14 @@ def test_batch_samples_carry_advantages_and_skip_unsampled():
     assert len(out) == 2 and out[0].advantage == pytest.approx(2 / 3) and out[1].mask == [1, 1, 0, 1]
 
 
+def test_resume_starts_from_the_latest_checkpoint_or_says_there_is_none(tmp_path):
+    from training.loop import TrainingError, resume_point
+
+    assert resume_point(tmp_path, resume=False) == (0, 0, None)
+    with pytest.raises(TrainingError, match="--resume: no checkpoint under"):
+        resume_point(tmp_path, resume=True)
+
+
 def test_rollout_metrics_names():
     m = rollout_metrics([_rollout(1.0, steps=3), _rollout(0.0, steps=1, truncated=True)])
     assert m["env/tmax_bash/step_count"] == 2.0 and m["val/truncated_completion_fraction"] == 0.5
