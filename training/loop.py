@@ -231,11 +231,10 @@ class Trainer:
             c.busy_s += now - c.last_tick
         c.last_tick = now
         wait_on = list(s.pending) + ([s.train_ref] if s.train_ref is not None else [])
-        if not wait_on:  # every open group is done and offered, yet no step can start
+        if not wait_on and not (s.ready or self.acc.full):  # nothing can finish, nothing can start
             raise TrainingError(f"step {s.step + 1}: no episode in flight, none queued and no batch to train "
                                 f"({len(s.groups)} open groups, {len(s.ready)} ready)")
-        done, _ = ray.wait(wait_on, num_returns=1, timeout=1.0)
-        return done
+        return ray.wait(wait_on, num_returns=1, timeout=1.0)[0] if wait_on else []
 
     def collect(self, done: list) -> None:
         """Finished episodes into their groups; an infrastructure failure is re-queued."""
