@@ -10,7 +10,8 @@ import pytest
 
 from training.config import ConfigError, LearnConfig, load_config, preset
 from agents.policy import TokenTrace
-from training.loop import PromptStream, rollout_metrics
+from training.loop import PromptStream
+from training.report import rollout_metrics
 from training.rollout import Rollout
 
 
@@ -51,6 +52,14 @@ def test_prompt_stream_is_seeded_and_resumable():
     assert sorted(first[:5]) == tasks and sorted(first[5:10]) == tasks  # every task once per epoch
     b = PromptStream(tasks, 3, position=7)
     assert [b.next() for _ in range(5)] == first[7:12]
+
+
+def test_resume_starts_from_the_latest_checkpoint_or_says_there_is_none(tmp_path):
+    from training.loop import TrainingError, resume_point
+
+    assert resume_point(tmp_path, resume=False) == (0, 0, None)
+    with pytest.raises(TrainingError, match="--resume: no checkpoint under"):
+        resume_point(tmp_path, resume=True)
 
 
 def test_rollout_metrics_names():

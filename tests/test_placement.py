@@ -138,7 +138,7 @@ def test_cluster_mode_and_env(monkeypatch):
     env = cluster.ray_env({"RAY_AUTH_MODE": "token"})
     assert env["RAY_AUTH_MODE"] == "token" and env["RAY_USAGE_STATS_ENABLED"] == "0"
     assert cluster.ray_env({})["RAY_AUTH_MODE"] == "disabled"
-    # What every tmax process applies before Ray (loop.init_ray too) keeps the user's mode.
+    # What every tmax process applies before Ray (launch.init_ray too) keeps the user's mode.
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     cluster.apply_ray_env()
     assert os.environ["RAY_AUTH_MODE"] == "token"

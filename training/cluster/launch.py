@@ -15,8 +15,8 @@ set) and every command and child process gets the same environment.
 Nodes started by tmax carry a role resource (`tmax_train` / `tmax_infer`) so the
 placement groups of `training.cluster.placement` land on exactly the planned nodes.
 
-`requeue_map` is the fault-tolerance primitive for actors created with `max_restarts`:
-work on an actor that dies is re-queued (not scored) and retried once Ray restarted it.
+`init_ray` is the plain single-machine start (or a connect to `run.ray_address`) that
+`tmax learn` without `--nodes` and the recipe use.
 """
 
 from __future__ import annotations
@@ -27,15 +27,17 @@ import shutil
 import subprocess
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
 
 from training.cluster.placement import PlacementPlan
 from training.net import node_ip
 
 DEFAULT_PORT = 6379
 DEFAULT_OBJECT_STORE_MB = 200
+
+
+# Every Ray process (driver, raylet, workers) must agree on these (see above).
+RAY_ENV_KEYS = ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED")
 
 
 def ray_env(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -48,7 +50,7 @@ def ray_env(base: dict[str, str] | None = None) -> dict[str, str]:
 
 def apply_ray_env() -> None:
     """Set the shared Ray variables in this process (before `import ray` talks to a cluster)."""
-    for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED"):
+    for k in RAY_ENV_KEYS:
         os.environ[k] = ray_env()[k]
 
 
@@ -246,76 +248,29 @@ def connect(
     return ClusterHandle("local", "local")
 
 
-# -- fault tolerance -------------------------------------------------------------------
-
-
-@dataclass
-class RequeueStats:
-    completed: int = 0
-    requeued: int = 0
-    actor_failures: list[str] = field(default_factory=list)
-
-
-def requeue_map(
-    actors: list[Any],
-    items: list[Any],
-    call: Callable[[Any, Any], Any],
-    max_attempts: int = 3,
-    on_result: Callable[[Any, Any], None] | None = None,
-    restart_wait_s: float = 60.0,
-) -> tuple[list[Any], RequeueStats]:
-    """Run `call(actor, item)` (returning an ObjectRef) for every item on a pool of actors.
-
-    When an actor dies mid-call (`RayActorError` / `ActorUnavailableError`), the item goes
-    back to the queue (it is never reported as a result) and the actor is reused once Ray
-    has restarted it (`max_restarts` on the actor); other errors propagate. An item that
-    loses its actor `max_attempts` times is an infrastructure failure and raises.
-    Results come back in item order.
-    """
+def init_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
+    """Connect to `address` / RAY_ADDRESS, or start a private local cluster bound to
+    127.0.0.1. Returns True when this process started (and must stop) the cluster."""
+    apply_ray_env()  # keeps a RAY_AUTH_MODE the user set, else "disabled"
     import ray
-    from ray.exceptions import ActorUnavailableError, RayActorError
 
-    results: list[Any] = [None] * len(items)
-    attempts = [0] * len(items)
-    queue: deque[int] = deque(range(len(items)))
-    idle: deque[int] = deque(range(len(actors)))
-    running: dict[Any, tuple[int, int]] = {}  # ref -> (actor index, item index)
-    stats = RequeueStats()
-    recovering: dict[int, float] = {}  # actor index -> time it failed
-
-    while queue or running:
-        # Actors that died come back after their restart; probe them before reuse.
-        for ai, since in list(recovering.items()):
-            try:
-                ray.get(actors[ai].__ray_ready__.remote(), timeout=1.0)
-                del recovering[ai]
-                idle.append(ai)
-            except (RayActorError, ActorUnavailableError, ray.exceptions.GetTimeoutError):
-                if time.monotonic() - since > restart_wait_s:
-                    raise ClusterError(f"actor {ai} did not come back within {restart_wait_s:g}s after dying") from None
-        while queue and idle:
-            ii, ai = queue.popleft(), idle.popleft()
-            attempts[ii] += 1
-            running[call(actors[ai], items[ii])] = (ai, ii)
-        if not running:
-            time.sleep(0.2)
-            continue
-        done, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
-        for ref in done:
-            ai, ii = running.pop(ref)
-            try:
-                value = ray.get(ref)
-            except (RayActorError, ActorUnavailableError) as e:
-                stats.requeued += 1
-                stats.actor_failures.append(f"actor {ai}, item {ii}: {type(e).__name__}")
-                if attempts[ii] >= max_attempts:
-                    raise ClusterError(f"item {ii} lost its actor {attempts[ii]} times; last: {e}") from None
-                queue.appendleft(ii)
-                recovering[ai] = time.monotonic()
-                continue
-            results[ii] = value
-            stats.completed += 1
-            idle.append(ai)
-            if on_result:
-                on_result(items[ii], value)
-    return results, stats
+    if ray.is_initialized():
+        return False
+    runtime_env = {"env_vars": {k: os.environ[k] for k in RAY_ENV_KEYS}}
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
+        return False
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # single node: bind loopback
+    ray.init(
+        # "local": always a new private cluster; without it ray.init joins whatever cluster
+        # another process on this machine last started.
+        address="local",
+        num_cpus=num_cpus or os.cpu_count(),
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env=runtime_env,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    return True

@@ -75,11 +75,6 @@ class WeightSourceMixin:
             group.close()
 
 
-def engines_of(engine: Any) -> list:
-    """The engine actors behind an EngineActor or a `scaleout.EngineGroup`."""
-    return list(engine.engines) if hasattr(engine, "engines") else [engine]
-
-
 def push_to_engines(engines: list, weights: Any, version: int) -> float:
     """The object-store transport: `weights` (a dict or the ref of one) to every engine's
     `push_weights`; returns the slowest engine's seconds. An engine that died is skipped:
@@ -99,22 +94,22 @@ def push_to_engines(engines: list, weights: Any, version: int) -> float:
     return max(seconds)
 
 
-def load_checkpoint(engine: Any, ckpt_dir: str | Path, version: int) -> float:
-    """Serve a checkpoint from disk on the running engine(s) (the weights a fresh server
-    started on that directory would load); returns the slowest engine's seconds."""
+def load_checkpoint(engines: Any, ckpt_dir: str | Path, version: int) -> float:
+    """Serve a checkpoint from disk on running engines (an `EngineGroup`: the weights a fresh
+    server started on that directory would load); returns the slowest engine's seconds."""
     from safetensors.torch import load_file
 
     weights: dict = {}
     for f in sorted(Path(ckpt_dir).glob("*.safetensors")):
         weights.update(load_file(str(f)))
-    return push_to_engines(engines_of(engine), weights, version)
+    return push_to_engines(engines.engines, weights, version)
 
 
 class WeightSync:
     """Learner -> engines after every step, over `cfg.engine.weight_transport`.
 
-    `learner` is a LearnerActor or a `scaleout.LearnerGroup`, `engine` an EngineActor or
-    a `scaleout.EngineGroup`. For the object store, rank 0's weights go to every engine's
+    `learner` is a `training.cluster.actors.LearnerGroup`, `engines` an `EngineGroup`
+    (a group of one each on a single machine). For the object store, rank 0's weights go to every engine's
     `push_weights`. For gloo / NCCL, learner rank 0 is rank 0 of a weight group and the
     workers of engine i are the next ranks (TP workers each); per sync every learner rank
     prepares (a collective gather), every engine starts receiving, and rank 0 then
@@ -126,12 +121,12 @@ class WeightSync:
     makes the group re-form with the live engines, so a restarted engine gets the
     weights again from the next sync on."""
 
-    def __init__(self, cfg: Any, learner: Any, engine: Any):
+    def __init__(self, cfg: Any, learner: Any, engines: Any):
         import ray
 
         self.learner, self.ecfg = learner, cfg.engine
-        self.rank0 = learner.ranks[0] if hasattr(learner, "ranks") else learner
-        self.engines = engines_of(engine)
+        self.rank0 = learner.rank0
+        self.engines = list(engines.engines)
         on_cuda = ray.get(self.rank0.learner_device_type.remote()) == "cuda"
         self.transport = resolve_transport(self.ecfg.weight_transport, on_cuda)
         self.members: list = []  # engines in the current weight group
@@ -191,9 +186,9 @@ class WeightSync:
         import ray
 
         if self.transport == "object_store":
-            return push_to_engines(self.engines, self.learner.named_weights.remote(), version)
+            return push_to_engines(self.engines, self.learner.named_weights(), version)
         engines = self._group_members()
-        update = self.learner.prepare_weights.remote(version)
+        update = self.learner.prepare_weights(version)
         receives = [e.receive_weights.remote(update) for e in engines]
         send = self.rank0.send_weights.remote()
         # The first failure on either side surfaces at once (the others then fail at the
