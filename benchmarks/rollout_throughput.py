@@ -45,8 +45,11 @@ def run_mode(kind: str, task_dirs: list[str], tok, cfg, concurrency: int, pool_s
         return {"reward": r.reward, "warm": r.warm_start, "start_s": r.timings["sandbox_start_s"]}
 
     if pool is not None:
+        # A learn worker's pool fills while the learner trains between steps: time from a
+        # filled pool, as the episodes of a step start.
         for d in task_dirs[:concurrency]:
             prewarm(pool, d, settings, images[d])
+        pool.wait_warm(timeout=300)
     t0 = time.monotonic()
     try:
         with ThreadPoolExecutor(concurrency) as ex:

@@ -9,6 +9,7 @@ cpu / memory / pids are limited, and every container carries the tmax label so
 from __future__ import annotations
 
 import io
+import logging
 import os
 import secrets
 import shlex
@@ -26,6 +27,8 @@ from sandbox.base import (
 )
 from sandbox.hostexec import MAX_EXEC_CHARS
 from sandbox.shell import BASH_ARGV, PersistentShell, ShellSandbox
+
+log = logging.getLogger(__name__)
 
 DEFAULT_IMAGE = "localhost/tmax-base:bookworm"
 # This machine's hard RLIMIT_NOFILE is 20000 and the runtime may not exceed it.
@@ -156,19 +159,22 @@ class PodmanSandbox(ShellSandbox):
             self.shell = None
         if self.container is not None:
             ct = self.container
-            for step in (lambda: ct.stop(timeout=0), lambda: ct.remove(force=True)):
-                try:
-                    step()
-                except Exception:
-                    pass  # already gone, or busy: checked below
+            try:
+                ct.remove(force=True)  # kills it first (stop signal 9, no grace period)
+            except Exception:
+                pass  # already gone, or busy: checked below
             # A remove can lose a race with an exec session still winding down (Ctrl-C during
             # a command) or time out on a loaded machine: make sure the container is gone.
-            for attempt in range(3):
+            for attempt in range(4):
                 try:
                     if self.client is None or not self.client.containers.exists(ct.id):
                         break
                 except Exception:
                     pass
+                if attempt == 3:
+                    log.warning("podman sandbox: container %s is still there after removal; "
+                                "`tmax sandbox clean` removes it", self.name)
+                    break
                 time.sleep(0.5 * (attempt + 1))
                 subprocess.run(["podman", "rm", "-f", "-t", "0", ct.id], capture_output=True, timeout=120)
             self.container = None
@@ -234,15 +240,28 @@ class PodmanSandbox(ShellSandbox):
         src = Path(src)
         if not src.exists():
             raise SandboxError(f"copy_in: {src} does not exist")
+        from podman.errors import APIError, NotFound
+
         dst = self._abs(dst).rstrip("/") or "/"
         parent, base = os.path.split(dst)
-        mk = self.exec(["mkdir", "-p", parent or "/"])
-        if mk.exit_code != 0:
-            raise SandboxError(f"copy_in: cannot create {parent}: {mk.stderr.strip()}")
+        parent = parent or "/"
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:
             tar.add(str(src), arcname=base)
-        if not self.container.put_archive(parent or "/", buf.getvalue()):
+        try:
+            if self.container.put_archive(parent, buf.getvalue()):
+                return
+        except (NotFound, APIError):
+            pass
+        # Most targets' parent exists: only a refused archive pays for the mkdir exec.
+        mk = self.exec(["mkdir", "-p", parent])
+        if mk.exit_code != 0:
+            raise SandboxError(f"copy_in: cannot create {parent}: {mk.stderr.strip()}")
+        try:
+            ok = self.container.put_archive(parent, buf.getvalue())
+        except (NotFound, APIError) as e:
+            raise SandboxError(f"copy_in: podman refused the archive for {dst}: {e}") from e
+        if not ok:
             raise SandboxError(f"copy_in: podman refused the archive for {dst}")
 
     def copy_out(self, src: str, dst: Path) -> None:

@@ -94,6 +94,12 @@ class WarmPool:
         t.start()
         return True
 
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Block until no warm start is under way (the pool is as full as it will get);
+        False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._closed or not any(self._starting.values()), timeout)
+
     def _evict_locked(self, key: Hashable) -> Sandbox | None:
         """An idle sandbox of another key, taken out to make room (closed by the caller)."""
         for k, sbs in self._idle.items():

@@ -16,13 +16,13 @@ import json
 import math
 import re
 import shlex
+import shutil
 import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from sandbox.base import Sandbox, SandboxError
-from tasks.longexec import run_long
 from tasks.model import Task
 
 VENV = "/opt/tmax-verifier"
@@ -181,43 +181,87 @@ def _read(sandbox: Sandbox, path: str) -> str | None:
     return r.output if r.exit_code == 0 else None
 
 
+GRACE_S = 30.0  # past the in-container timeout, before the exec itself is given up
+
+
+def _verifier_command(stage: str, script_path: str, rewritten: bool, timeout: float, tag: str) -> str:
+    """One bash program: move the staged tests/ to /tests (and the rewritten script to
+    SCRIPT_PATH), run test.sh under `timeout`, then print its exit status and the reward
+    files between markers, so one exec does what took one per step."""
+    q = shlex.quote
+    moves = f"mv {q(stage)}/tests /tests"
+    if rewritten:
+        moves += f" && mv {q(stage)}/test.sh {SCRIPT_PATH}"
+    return "\n".join([
+        f"if ! err=$({{ rm -rf /tests && mkdir -p /logs/verifier && {moves}; }} 2>&1); then",
+        f"  echo \"__TMAX_{tag}_prep__ $err\"; rm -rf {q(stage)}; exit 0",
+        "fi",
+        f"rm -rf {q(stage)}",
+        f"timeout --kill-after=10 {int(math.ceil(timeout))} bash {script_path} > /logs/verifier/test-stdout.txt 2>&1",
+        f"echo \"__TMAX_{tag}_rc__ $?\"",
+        "for f in reward.txt reward.json; do",
+        f"  [ -f /logs/verifier/$f ] && {{ echo \"__TMAX_{tag}_file__ $f\"; cat /logs/verifier/$f; echo; }}",
+        "done",
+        f"echo \"__TMAX_{tag}_end__\"",
+    ])
+
+
+def _parse_verifier_output(out: str, tag: str) -> tuple[str | None, int | None, dict[str, str]]:
+    """(preparation error, test.sh exit status, reward file -> text) from the program's stdout."""
+    prep = re.search(rf"^__TMAX_{tag}_prep__ (.*)", out, re.M | re.S)
+    if prep:
+        return prep.group(1).strip() or "unknown error", None, {}
+    rc = re.search(rf"^__TMAX_{tag}_rc__ (\d+)$", out, re.M)
+    files: dict[str, str] = {}
+    parts = re.split(rf"^__TMAX_{tag}_(?:file__ (\S+)|end__)$\n?", out, flags=re.M)
+    # parts: [before, name1, text1, name2, text2, None, after]
+    for name, text in zip(parts[1::2], parts[2::2]):
+        if name:
+            files[name] = text[:-1] if text.endswith("\n") else text
+    return None, int(rc.group(1)) if rc else None, files
+
+
 def run_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path,
                  timeout: float | None = None) -> VerifierResult:
-    """Copy tests in, run the (rewritten) test.sh, copy /logs/verifier out, read the reward.
+    """Stage tests/ (and the rewritten test.sh) in one archive, then one exec moves them to
+    /tests, runs the script and prints the reward; /logs/verifier is copied out for people.
     SandboxError propagates: the caller labels it an infrastructure error."""
     timeout = timeout or task.config.verifier.timeout_sec
     out_dir.mkdir(parents=True, exist_ok=True)
-    prep = sandbox.exec(["bash", "-c", "rm -rf /tests && mkdir -p /logs/verifier /tests"], timeout=60)
-    if prep.exit_code != 0:
-        raise SandboxError(f"could not prepare /tests and /logs/verifier: {prep.output}{prep.stderr}")
-    sandbox.copy_in(task.tests_dir, "/tests")
-    script_path = "/tests/test.sh"
+    tag = uuid.uuid4().hex[:12]
+    stage = f"/tmp/.tmax-verifier-{tag}"
     script_text = verifier_script(task)
     # Only a rewritten script runs from elsewhere: an unchanged test.sh must run from
     # /tests, since scripts may find their fixtures next to themselves (BASH_SOURCE).
-    if script_text != (task.tests_dir / "test.sh").read_text(encoding="utf-8", errors="replace"):
-        script_path = SCRIPT_PATH
-        with tempfile.TemporaryDirectory(prefix="tmax-verifier-") as tmp:
-            script = Path(tmp) / "test.sh"
-            script.write_text(script_text)
-            sandbox.copy_in(script, SCRIPT_PATH)
-    res = run_long(sandbox, f"bash {script_path}", timeout, workdir=workdir,
-                   env=dict(task.config.verifier.env) or None, log_path="/logs/verifier/test-stdout.txt")
-    duration = res.duration_s  # test.sh itself, without the copies
+    rewritten = script_text != (task.tests_dir / "test.sh").read_text(encoding="utf-8", errors="replace")
+    with tempfile.TemporaryDirectory(prefix="tmax-verifier-") as tmp:
+        shutil.copytree(task.tests_dir, Path(tmp) / "tests", symlinks=True)
+        if rewritten:
+            (Path(tmp) / "test.sh").write_text(script_text)
+        sandbox.copy_in(Path(tmp), stage)
+    script_path = SCRIPT_PATH if rewritten else "/tests/test.sh"
+    res = sandbox.exec(["bash", "-c", _verifier_command(stage, script_path, rewritten, timeout, tag)],
+                       timeout=timeout + GRACE_S, workdir=workdir, env=dict(task.config.verifier.env) or None)
+    prep_error, rc, files = _parse_verifier_output(res.output, tag)
+    if prep_error is not None:
+        raise SandboxError(f"could not prepare /tests and /logs/verifier: {prep_error}")
     try:
         sandbox.copy_out("/logs/verifier", out_dir)
     except SandboxError:
-        pass  # the reward is read below; the copy is for people
+        pass  # the reward is already read; the copy is for people
     _flatten(out_dir)
-    if res.timed_out:
-        return VerifierResult(None, "timeout", f"verifier exceeded timeout_sec={timeout:.0f}s", res.exit_code, duration)
-    if res.exit_code == SETUP_FAILED_RC:
-        return VerifierResult(None, "error", "verifier setup failed (see verifier/test-stdout.txt)",
-                              res.exit_code, duration)
-    reward, why = parse_reward(_read(sandbox, "/logs/verifier/reward.txt"), _read(sandbox, "/logs/verifier/reward.json"))
+    if res.timed_out or rc in (124, 137):
+        return VerifierResult(None, "timeout", f"verifier exceeded timeout_sec={timeout:.0f}s",
+                              124 if rc is None else rc, res.duration_s)
+    if rc is None:
+        raise SandboxError(f"the verifier did not report (exec exit {res.exit_code}): {res.stderr.strip()[-500:]}")
+    if rc == SETUP_FAILED_RC:
+        return VerifierResult(None, "error", "verifier setup failed (see verifier/test-stdout.txt)", rc,
+                              res.duration_s)
+    reward, why = parse_reward(files.get("reward.txt"), files.get("reward.json"))
     if reward is None:
-        return VerifierResult(None, "error", f"{why} (test.sh exit {res.exit_code})", res.exit_code, duration)
-    return VerifierResult(reward, "ok", None, res.exit_code, duration)
+        return VerifierResult(None, "error", f"{why} (test.sh exit {rc})", rc, res.duration_s)
+    return VerifierResult(reward, "ok", None, rc, res.duration_s)
 
 
 def run_host_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path,

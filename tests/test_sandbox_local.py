@@ -89,8 +89,6 @@ def test_pool_bounds_and_fresh_sandboxes(tmp_path):
 
 
 def test_warm_pool_serves_keys_evicts_idle_and_never_reuses(tmp_path):
-    import time
-
     from sandbox import make_sandbox
     from sandbox.pool import WarmPool
 
@@ -102,9 +100,7 @@ def test_warm_pool_serves_keys_evicts_idle_and_never_reuses(tmp_path):
         assert not pool.prewarm("c", factory)  # full: two alive
         a = pool.acquire("a", factory, timeout=10)  # waits for the one starting for "a"
         assert pool.warm_hits == 1 and pool.cold_starts == 0
-        deadline = time.monotonic() + 10
-        while not pool._idle.get("b") and time.monotonic() < deadline:
-            time.sleep(0.05)
+        assert pool.wait_warm(timeout=10) and len(pool._idle["b"]) == 1  # "b" is started and idle
         c = pool.acquire("c", factory, timeout=10)  # no room: the idle "b" is evicted
         assert pool.cold_starts == 1 and not pool._idle.get("b")
         a.run("export LEAK=1")

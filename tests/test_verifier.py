@@ -1,0 +1,77 @@
+"""The in-container verifier: one archive and one exec per run, the reward read from the
+exec's own output. The program's output format (pure) and the real thing in a podman
+container (fixtures next to test.sh, reward.json, no reward, a timeout, a /tests the
+agent left behind)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tasks.verifier import _parse_verifier_output
+
+DATA = Path(__file__).parent / "data" / "tasks" / "echo-hello"
+
+
+def test_output_parsing():
+    out = ("__TMAX_t1_rc__ 0\n__TMAX_t1_file__ reward.txt\n1\n\n"
+           "__TMAX_t1_file__ reward.json\n{\"reward\": 0.5}\n__TMAX_t1_end__\n")
+    assert _parse_verifier_output(out, "t1") == (None, 0, {"reward.txt": "1\n", "reward.json": '{"reward": 0.5}'})
+    assert _parse_verifier_output("__TMAX_t1_rc__ 3\n__TMAX_t1_end__\n", "t1") == (None, 3, {})
+    assert _parse_verifier_output("__TMAX_t1_rc__ 0\n__TMAX_t1_file__ reward.txt\n\n__TMAX_t1_end__\n",
+                                  "t1") == (None, 0, {"reward.txt": ""})
+    # Another run's markers (or none at all) are not this run's report.
+    assert _parse_verifier_output("__TMAX_t2_rc__ 0\n", "t1") == (None, None, {})
+    assert _parse_verifier_output("__TMAX_t1_prep__ mv: cannot move\n", "t1")[0] == "mv: cannot move"
+
+
+def _task(tmp_path: Path, name: str, test_sh: str, timeout: float = 60):
+    from tasks.model import Task
+
+    d = tmp_path / name
+    shutil.copytree(DATA, d)
+    (d / "tests" / "test.sh").write_text(test_sh)
+    (d / "tests" / "fixture.txt").write_text("from the fixture\n")
+    toml = (d / "task.toml").read_text().replace("timeout_sec = 120.0\n\n[agent]",
+                                                 f"timeout_sec = {timeout}\n\n[agent]")
+    (d / "task.toml").write_text(toml)
+    return Task.load(d)
+
+
+@pytest.fixture(scope="module")
+def container(base_image):
+    from sandbox.base import SandboxSpec
+    from sandbox.podman import PodmanSandbox
+
+    sb = PodmanSandbox(SandboxSpec(image=base_image, workdir="/tmp"))
+    sb.start()
+    yield sb
+    sb.close()
+
+
+@pytest.mark.podman
+def test_reward_fixtures_and_a_stale_tests_dir(container, tmp_path):
+    from tasks.verifier import run_verifier
+
+    container.exec(["bash", "-c", "mkdir -p /tests && echo planted > /tests/planted.txt"])
+    task = _task(tmp_path, "json", '#!/bin/bash\nhere=$(dirname "${BASH_SOURCE[0]}")\n'
+                 'ls /tests\ncat "$here/fixture.txt"; pwd\necho \'{"reward": 0.25}\' > /logs/verifier/reward.json\n')
+    res = run_verifier(container, task, "/tmp", tmp_path / "out-json")
+    assert (res.status, res.reward, res.exit_code) == ("ok", 0.25, 0)
+    log = (tmp_path / "out-json" / "test-stdout.txt").read_text()
+    assert "from the fixture" in log and "planted" not in log and "/tmp" in log
+    assert (tmp_path / "out-json" / "reward.json").exists()
+
+
+@pytest.mark.podman
+def test_no_reward_and_timeout(container, tmp_path):
+    from tasks.verifier import run_verifier
+
+    none = run_verifier(container, _task(tmp_path, "none", "#!/bin/bash\nrm -f /logs/verifier/*\nexit 3\n"),
+                        "/tmp", tmp_path / "out-none")
+    assert none.status == "error" and none.exit_code == 3 and "was written" in none.error
+    slow = run_verifier(container, _task(tmp_path, "slow", "#!/bin/bash\nsleep 60\n", timeout=2),
+                        "/tmp", tmp_path / "out-slow")
+    assert slow.status == "timeout" and slow.reward is None and slow.duration_s < 30
