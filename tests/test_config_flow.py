@@ -84,8 +84,8 @@ READ_BY: dict[str, tuple[str, str]] = {
     "eval.sandbox": ("training/recipe.py", "sandbox"),
     "run.out_dir": ("tmax_cli/learn_cmd.py", "out_dir"),
     "run.concurrency": ("training/loop.py", "concurrency"),
-    "run.rollout_workers": ("training/loop.py", "rollout_workers"),
-    "run.slots_per_worker": ("training/loop.py", "slots_per_worker"),
+    "run.rollout_workers": ("training/cluster/actors.py", "rollout_workers"),
+    "run.slots_per_worker": ("training/cluster/actors.py", "slots_per_worker"),
     "run.checkpoint_every": ("training/loop.py", "checkpoint_every"),
     "run.keep_checkpoints": ("training/loop.py", "keep_checkpoints"),
     "run.wandb": ("training/loop.py", "wandb"),
@@ -93,7 +93,7 @@ READ_BY: dict[str, tuple[str, str]] = {
     "run.tensorboard": ("training/loop.py", "tensorboard"),
     "run.ray_address": ("training/loop.py", "ray_address"),
     "run.ray_num_cpus": ("training/loop.py", "ray_num_cpus"),
-    "run.torch_threads": ("training/loop.py", "torch_threads"),
+    "run.torch_threads": ("training/cluster/actors.py", "torch_threads"),
 }
 
 
