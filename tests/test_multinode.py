@@ -70,6 +70,7 @@ def test_resource_check_against_live_cluster(two_nodes):
 def _samples(vocab: int, n: int = 6, seed: int = 0) -> list:
     """Episodes of unequal lengths: prompt, then sampled tokens with sampler logprobs a
     little below the policy's (ratios near 1), some masked out as observations."""
+    from agents.policy import TokenTrace
     from training.learner.packing import TrainSample
 
     rng = random.Random(seed)
@@ -79,7 +80,8 @@ def _samples(vocab: int, n: int = 6, seed: int = 0) -> list:
         ids = [rng.randrange(vocab) for _ in range(rng.randint(6, 20))]
         mask = [0 if 3 <= j < 5 else 1 for j in range(len(ids))]
         logprobs = [-rng.uniform(6.0, 9.0) * m for m in mask]
-        out.append(TrainSample(prompt, ids, logprobs, mask, advantage=(1.0 if i % 2 else -0.5) * (1 + i / 10)))
+        trace = TokenTrace(prompt, ids, logprobs, mask)
+        out.append(TrainSample(trace, advantage=(1.0 if i % 2 else -0.5) * (1 + i / 10)))
     return out
 
 
