@@ -146,7 +146,7 @@ class Episode:
         container = getattr(self.sandbox, "container", None)
         return getattr(container, "id", None)
 
-    def verify(self, out_dir: Path, timeout: float) -> VerifierResult:
+    def verify(self, out_dir: Path | None, timeout: float) -> VerifierResult:
         """Copy tests/ in now (never before), run test.sh, read the reward. SandboxError
         propagates: the caller labels it an infrastructure error."""
         assert self.sandbox is not None

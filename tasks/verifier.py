@@ -221,13 +221,13 @@ def _parse_verifier_output(out: str, tag: str) -> tuple[str | None, int | None, 
     return None, int(rc.group(1)) if rc else None, files
 
 
-def run_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path,
+def run_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path | None,
                  timeout: float | None = None) -> VerifierResult:
     """Stage tests/ (and the rewritten test.sh) in one archive, then one exec moves them to
-    /tests, runs the script and prints the reward; /logs/verifier is copied out for people.
+    /tests, runs the script and prints the reward; /logs/verifier is copied out to `out_dir`
+    for people (None: nobody reads it, so it stays in the sandbox).
     SandboxError propagates: the caller labels it an infrastructure error."""
     timeout = timeout or task.config.verifier.timeout_sec
-    out_dir.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:12]
     stage = f"/tmp/.tmax-verifier-{tag}"
     script_text = verifier_script(task)
@@ -245,11 +245,7 @@ def run_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path,
     prep_error, rc, files = _parse_verifier_output(res.output, tag)
     if prep_error is not None:
         raise SandboxError(f"could not prepare /tests and /logs/verifier: {prep_error}")
-    try:
-        sandbox.copy_out("/logs/verifier", out_dir)
-    except SandboxError:
-        pass  # the reward is already read; the copy is for people
-    _flatten(out_dir)
+    _keep_logs(sandbox, "/logs/verifier", out_dir)
     if res.timed_out or rc in (124, 137):
         return VerifierResult(None, "timeout", f"verifier exceeded timeout_sec={timeout:.0f}s",
                               124 if rc is None else rc, res.duration_s)
@@ -264,7 +260,7 @@ def run_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path,
     return VerifierResult(reward, "ok", None, rc, res.duration_s)
 
 
-def run_host_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path,
+def run_host_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path | None,
                       timeout: float | None = None) -> VerifierResult:
     """The verifier on a host sandbox (`bwrap`, `local`), which has no private /tests or
     /logs: test.sh runs from a per-trial copy of `tests/` in a fresh directory under the
@@ -272,7 +268,6 @@ def run_host_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path,
     things are (the generated nano tasks honour them), and the reward is read from that
     trial's own logs dir. The directory is created only now, after the agent stopped."""
     timeout = timeout or task.config.verifier.timeout_sec
-    out_dir.mkdir(parents=True, exist_ok=True)
     root = f"/tmp/tmax-verifier-{uuid.uuid4().hex[:12]}"
     tests, logs = f"{root}/tests", f"{root}/logs"
     try:
@@ -288,11 +283,7 @@ def run_host_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path,
         log = shlex.quote(f"{logs}/verifier/test-stdout.txt")
         res = sandbox.exec(["bash", "-c", f"bash {shlex.quote(tests + '/test.sh')} > {log} 2>&1"],
                            timeout=timeout, workdir=workdir, env=env)
-        try:
-            sandbox.copy_out(f"{logs}/verifier", out_dir)
-        except SandboxError:
-            pass  # the reward is read below; the copy is for people
-        _flatten(out_dir)
+        _keep_logs(sandbox, f"{logs}/verifier", out_dir)
         if res.timed_out:
             return VerifierResult(None, "timeout", f"verifier exceeded timeout_sec={timeout:.0f}s", res.exit_code,
                                   res.duration_s)
@@ -311,6 +302,19 @@ def run_host_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path,
             sandbox.exec(["rm", "-rf", root], timeout=60)
         except SandboxError:
             pass
+
+
+def _keep_logs(sandbox: Sandbox, logs: str, out_dir: Path | None) -> None:
+    """Copy the verifier's logs out for people; the reward is read without them, so a
+    failed copy loses nothing, and a learn rollout that records nothing skips it."""
+    if out_dir is None:
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        sandbox.copy_out(logs, out_dir)
+    except SandboxError:
+        pass
+    _flatten(out_dir)
 
 
 def _flatten(out_dir: Path) -> None:

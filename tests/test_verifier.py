@@ -75,3 +75,33 @@ def test_no_reward_and_timeout(container, tmp_path):
     slow = run_verifier(container, _task(tmp_path, "slow", "#!/bin/bash\nsleep 60\n", timeout=2),
                         "/tmp", tmp_path / "out-slow")
     assert slow.status == "timeout" and slow.reward is None and slow.duration_s < 30
+
+
+@pytest.mark.podman
+def test_reward_without_a_log_copy(container, tmp_path):
+    """A learn rollout that records nothing passes no out_dir: the reward still comes from
+    the exec's own output, and nothing is copied out."""
+    from tasks.verifier import run_verifier
+
+    task = _task(tmp_path, "nolog", "#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n")
+    res = run_verifier(container, task, "/tmp", None)
+    assert (res.status, res.reward) == ("ok", 1.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nolog"]
+
+
+def test_host_reward_without_a_log_copy(tmp_path):
+    from sandbox.base import SandboxSpec
+    from sandbox.local import LocalSandbox
+    from tasks.verifier import run_host_verifier
+
+    task = _task(tmp_path, "hostnolog", '#!/bin/bash\necho 1 > "$TMAX_LOGS_DIR/verifier/reward.txt"\n')
+    work = tmp_path / "work"
+    work.mkdir()
+    sb = LocalSandbox(SandboxSpec(workdir=str(work)))
+    sb.start()
+    try:
+        res = run_host_verifier(sb, task, str(work), None)
+    finally:
+        sb.close()
+    assert (res.status, res.reward) == ("ok", 1.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hostnolog", "work"]

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -167,7 +166,7 @@ def env_settings(cfg: RolloutConfig) -> EnvSettings:
     return EnvSettings(kind=cfg.sandbox, rewrite=default_config(list(cfg.image_map)))
 
 
-def _score(ep: Episode, out_dir: Path, timeout: float) -> tuple[float, dict]:
+def _score(ep: Episode, out_dir: Path | None, timeout: float) -> tuple[float, dict]:
     """The verifier's reward after a submit (tests/ are copied in only now)."""
     try:
         res = ep.verify(out_dir, timeout)
@@ -210,11 +209,8 @@ INFRA_STATUSES = {
 
 
 def _verify(ep: Any, timeout: float, record_dir: Path | None) -> tuple[float, dict | None]:
-    """The verifier's reward, its output kept under the episode's record dir (if any)."""
-    if record_dir is not None:
-        return _score(ep, record_dir / "verifier", timeout)
-    with tempfile.TemporaryDirectory(prefix="tmax-verifier-out-") as tmp:
-        return _score(ep, Path(tmp), timeout)
+    """The verifier's reward, its logs kept under the episode's record dir (if any)."""
+    return _score(ep, record_dir / "verifier" if record_dir is not None else None, timeout)
 
 
 def run_episode(
