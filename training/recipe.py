@@ -56,7 +56,9 @@ def build_stage(cfg: LearnConfig, out: Path, seed: int, log: Log) -> tuple[str, 
     return str(model_dir), str(train_dir), str(held_dir)
 
 
-def sft_stage(cfg: LearnConfig, model_dir: str, train_dir: str, out: Path, log: Log) -> dict:
+def sft_stage(cfg: LearnConfig, model_dir: str, prepared: Any, out: Path, log: Log) -> dict:
+    """Teacher demonstrations on the train tasks whose environment is ready (`prepared`,
+    a `training.rollout.PreparedTasks`), then SFT on them."""
     from transformers import AutoTokenizer
 
     from training.learner.sft import collect_demos, select_sft_tasks, train_sft
@@ -66,9 +68,9 @@ def sft_stage(cfg: LearnConfig, model_dir: str, train_dir: str, out: Path, log: 
         log(f"SFT checkpoint exists: {sft_dir}")
         return json.loads((sft_dir / "sft.json").read_text()) | {"checkpoint": str(sft_dir), "skipped": True}
     tok = AutoTokenizer.from_pretrained(model_dir)
-    chosen = select_sft_tasks(list_task_dirs(train_dir), cfg.sft.task_fraction, cfg.algo.seed)
+    chosen = select_sft_tasks(prepared.runnable, cfg.sft.task_fraction, cfg.algo.seed)
     t0 = time.monotonic()
-    demos = collect_demos(chosen, tok, cfg)
+    demos = collect_demos(chosen, tok, cfg, images=prepared.images)
     t_demo = time.monotonic() - t0
     solved = sum(1 for r in demos if r.reward >= 1.0)
     who = "oracle" if cfg.sft.teacher_accuracy >= 1.0 else f"teacher (accuracy {cfg.sft.teacher_accuracy:g})"
@@ -149,7 +151,7 @@ def run_recipe(cfg: LearnConfig, out_dir: str | Path, *, seed: int | None = None
     times["environments_s"] = time.monotonic() - t
 
     t = time.monotonic()
-    sft = sft_stage(cfg, model_dir, train_dir, out, log) if "sft" in stages else {"checkpoint": model_dir}
+    sft = sft_stage(cfg, model_dir, prepared, out, log) if "sft" in stages else {"checkpoint": model_dir}
     times["sft_s"] = time.monotonic() - t
     start_dir = sft["checkpoint"]
 

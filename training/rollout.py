@@ -29,9 +29,11 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from agents.loop import Agent, AgentConfig
 from agents.policy import TokenSampler, TokenTrace
@@ -41,6 +43,8 @@ from tasks.episode import ENVIRONMENT_ERRORS, EnvSettings, Episode, PreparedTask
 from tasks.images import TaskImage
 from tasks.model import Task
 from training.config import RolloutConfig
+
+T = TypeVar("T")
 
 ROLLOUT_LABEL = "io.tmax.rollout"
 INFRA_KINDS = ("task_load", "environment", "sandbox_start", "sandbox_died", "verifier_no_reward",
@@ -327,6 +331,21 @@ def prewarm(pool: WarmPool | None, task_dir: str, settings: EnvSettings, image: 
         return False
     return Episode(Task.load(task_dir), settings, image=image, pool=pool,
                    labels={ROLLOUT_LABEL: Path(task_dir).name}).prewarm()
+
+
+def run_ahead(task_dirs: list[str], episode: Callable[[int], T], settings: EnvSettings,
+              images: dict[str, TaskImage | None], pool: WarmPool | None, concurrency: int) -> list[T]:
+    """`episode(i)` for every task, `concurrency` at a time in order (the results in that
+    order). With a pool, each episode first starts the container of the one that will take
+    its slot next, so that one finds it warm (the caller owns and closes the pool)."""
+    def one(i: int) -> T:
+        ahead = i + concurrency
+        if ahead < len(task_dirs):
+            prewarm(pool, task_dirs[ahead], settings, images.get(task_dirs[ahead]))
+        return episode(i)
+
+    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="tmax-episode") as ex:
+        return list(ex.map(one, range(len(task_dirs))))
 
 
 def prewarm_queue(queue: Any, workers: list, next_worker: int, per_worker: int, done: set) -> None:

@@ -25,10 +25,13 @@ from agents.policy import SampledTokens
 from training.algo.batching import Group
 from training.config import LearnConfig
 from training.learner.packing import Pack, TrainSample, batch_samples
-from training.rollout import EpisodeRequest, InfraError, Rollout, run_episode
+from training.rollout import EpisodeRequest, InfraError, Rollout, env_settings, run_ahead, run_episode, worker_pool
 
 if TYPE_CHECKING:
     import torch
+
+    from sandbox.pool import WarmPool
+    from tasks.images import TaskImage
 
     from training.algo.dppo import LossStats
 
@@ -71,24 +74,28 @@ class ScriptedSampler:
         return SampledTokens(ids, [0.0] * len(ids), "stop", 0)
 
 
-def oracle_demo(task_dir: str | Path, tokenizer: Any, cfg: LearnConfig) -> Rollout:
+def oracle_demo(task_dir: str | Path, tokenizer: Any, cfg: LearnConfig, *, image: TaskImage | None = None,
+                pool: WarmPool | None = None) -> Rollout:
     """Play a nano task's oracle through the harness; raises DemoError unless it scores 1."""
     from training.nano.tasks import oracle_steps
 
-    r = play_demo(task_dir, oracle_steps(task_dir), tokenizer, cfg)
+    r = play_demo(task_dir, oracle_steps(task_dir), tokenizer, cfg, image=image, pool=pool)
     if r.reward < 1.0:
         raise DemoError(f"{task_dir}: the oracle scored {r.reward} ({r.status})")
     return r
 
 
-def play_demo(task_dir: str | Path, steps: list[tuple[str, str]], tokenizer: Any, cfg: LearnConfig) -> Rollout:
-    """Play scripted (THOUGHT, command) steps through the harness; the verifier scores it."""
+def play_demo(task_dir: str | Path, steps: list[tuple[str, str]], tokenizer: Any, cfg: LearnConfig, *,
+              image: TaskImage | None = None, pool: WarmPool | None = None) -> Rollout:
+    """Play scripted (THOUGHT, command) steps through the harness; the verifier scores it.
+    `image` and `pool` as for `run_episode`."""
     turns = [assistant_ids(tokenizer, t, c) for t, c in steps]
     req = EpisodeRequest(str(task_dir), 0, 0, 0)
-    return run_episode(req, ScriptedSampler(turns), tokenizer, cfg.rollout)
+    return run_episode(req, ScriptedSampler(turns), tokenizer, cfg.rollout, image=image, pool=pool)
 
 
-def teacher_demo(task_dir: str | Path, tokenizer: Any, cfg: LearnConfig) -> Rollout:
+def teacher_demo(task_dir: str | Path, tokenizer: Any, cfg: LearnConfig, *, image: TaskImage | None = None,
+                 pool: WarmPool | None = None) -> Rollout:
     """The oracle when `sft.teacher_accuracy` is 1, else an imperfect teacher whose choice
     is drawn from a generator seeded by the run seed and the task (reproducible). A
     teacher demo is kept whatever its reward; only an oracle demo must pass."""
@@ -96,10 +103,10 @@ def teacher_demo(task_dir: str | Path, tokenizer: Any, cfg: LearnConfig) -> Roll
 
     acc = cfg.sft.teacher_accuracy
     if acc >= 1.0:
-        return oracle_demo(task_dir, tokenizer, cfg)
+        return oracle_demo(task_dir, tokenizer, cfg, image=image, pool=pool)
     rng = random.Random(f"teacher-{cfg.algo.seed}-{Path(task_dir).name}")
     steps, right = teacher_steps(task_dir, acc, rng)
-    r = play_demo(task_dir, steps, tokenizer, cfg)
+    r = play_demo(task_dir, steps, tokenizer, cfg, image=image, pool=pool)
     if right and r.reward < 1.0:
         raise DemoError(f"{task_dir}: the oracle scored {r.reward} ({r.status})")
     return r
@@ -115,22 +122,31 @@ class SFTResult:
     seconds: float
 
 
-def collect_demos(task_dirs: list[str], tokenizer: Any, cfg: LearnConfig,
-                  out_jsonl: Path | None = None) -> list[Rollout]:
-    """One demonstration per task, `run.concurrency` at a time (in task order)."""
-    from concurrent.futures import ThreadPoolExecutor
+def collect_demos(task_dirs: list[str], tokenizer: Any, cfg: LearnConfig, out_jsonl: Path | None = None,
+                  images: dict[str, TaskImage | None] | None = None) -> list[Rollout]:
+    """One demonstration per task, `run.concurrency` at a time (in task order). `images`:
+    the tasks' environments resolved before (`prepare_tasks`); with them, podman demos
+    take containers from a warm pool started ahead, as rollouts do (without, each episode
+    resolves its image and starts its own container)."""
+    images = images or {}
+    slots = cfg.run.concurrency
+    pool = worker_pool(cfg.rollout, slots) if images else None
 
-    def one(d: str) -> Rollout:
+    def one(i: int) -> Rollout:
+        d = task_dirs[i]
         for attempt in range(cfg.rollout.max_infra_retries + 1):
             try:
-                return teacher_demo(d, tokenizer, cfg)
+                return teacher_demo(d, tokenizer, cfg, image=images.get(d), pool=pool)
             except InfraError:
                 if attempt == cfg.rollout.max_infra_retries:
                     raise
         raise AssertionError("unreachable")
 
-    with ThreadPoolExecutor(max_workers=cfg.run.concurrency, thread_name_prefix="tmax-demo") as ex:
-        demos = list(ex.map(one, task_dirs))
+    try:
+        demos = run_ahead(task_dirs, one, env_settings(cfg.rollout), images, pool, slots)
+    finally:
+        if pool is not None:
+            pool.close()
     if out_jsonl is not None:
         out_jsonl.write_text("".join(r.to_json() + "\n" for r in demos))
     return demos
