@@ -27,6 +27,7 @@ def test_podman_rl_run_uses_containers_and_learns_from_their_verifier(tmp_path, 
     from training.nano.tasks import write_splits
     from training.loop import train
     from training.learner.sft import collect_demos, train_sft
+    from training.rollout import prepare_tasks
 
     build_nano_model(tmp_path / "base", seed=0, spec=NanoSpec(hidden_size=64, intermediate_size=128,
                                                               num_hidden_layers=2))
@@ -43,8 +44,14 @@ def test_podman_rl_run_uses_containers_and_learns_from_their_verifier(tmp_path, 
     cfg.sft.teacher_accuracy, cfg.sft.batch_size, cfg.sft.epochs, cfg.sft.lr = 1.0, 4, 60.0, 3e-3
 
     tok = AutoTokenizer.from_pretrained(tmp_path / "base")
-    demos = collect_demos([str(p) for p in splits["train"]], tok, cfg)
+    # Demonstrations as the recipe plays them: on the prepared images, two at a time, each
+    # starting the container of the one after the next.
+    prepared = prepare_tasks(cfg.rollout, [str(p) for p in splits["train"]])
+    demo_cfg = cfg.model_copy(deep=True)
+    demo_cfg.run.concurrency = 2
+    demos = collect_demos(prepared.runnable, tok, demo_cfg, images=prepared.images)
     assert all(d.container_id and d.sandbox == "podman" and d.reward == 1.0 for d in demos)
+    assert len({d.container_id for d in demos}) == 4 and any(d.warm_start for d in demos)
     sft = train_sft(str(tmp_path / "base"), demos, cfg, tmp_path / "sft")
 
     run = Path.cwd() / "runs" / "test-learn-podman" / uuid.uuid4().hex[:8]
