@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import threading
 import time
 
@@ -238,8 +239,8 @@ def test_rejected_command_is_not_run_and_feedback_goes_back(open_box, tmp_path):
 
 
 class Interrupter(AgentHooks):
-    """Sends SIGINT to the main thread shortly after a command (or a model call)
-    starts, like a person pressing Ctrl-C."""
+    """Sends SIGINT to the main thread while a command runs (or shortly after a model call
+    starts), like a person pressing Ctrl-C."""
 
     def __init__(self, on_command=None, on_step=None, guidance=("stop that",)):
         self.on_command, self.on_step = on_command, on_step
@@ -247,12 +248,24 @@ class Interrupter(AgentHooks):
         self.asked = 0
         self.fired = False
 
-    def _later(self):
-        # Once only: a real SIGINT to the main thread (blocking reads are interrupted too).
-        if not self.fired:
-            self.fired = True
-            main = threading.main_thread().ident
-            threading.Timer(0.7, signal.pthread_kill, (main, signal.SIGINT)).start()
+    def _later(self, running: str | None = None):
+        # Once only: a real SIGINT to the main thread (blocking reads are interrupted too),
+        # once the `running` command is a process (the local sandbox's, so pgrep sees it):
+        # a fixed delay can land before the command starts on a loaded machine.
+        if self.fired:
+            return
+        self.fired = True
+        main = threading.main_thread().ident
+
+        def press():
+            deadline = time.monotonic() + 15
+            while running and time.monotonic() < deadline and subprocess.run(
+                    ["pgrep", "-f", f"^{running}$"], capture_output=True).returncode != 0:
+                time.sleep(0.05)
+            time.sleep(0.3)
+            signal.pthread_kill(main, signal.SIGINT)
+
+        threading.Thread(target=press, daemon=True).start()
 
     def on_step_start(self, step):
         if step == self.on_step:
@@ -260,7 +273,7 @@ class Interrupter(AgentHooks):
 
     def on_model_turn(self, step, turn, command):
         if command and self.on_command and self.on_command in command:
-            self._later()
+            self._later(self.on_command)
 
     def on_interrupt(self):
         self.asked += 1
