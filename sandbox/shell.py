@@ -67,9 +67,16 @@ INTERRUPT_GRACE_S = 5.0  # how long the prompt may take to return after Ctrl-C
 _NO_TTY_NOTE = ("needs an interactive terminal, and commands here have none; edit files with"
                 " sed -i, ed, python or a heredoc (cat > FILE <<EOF), and read them with cat, head or sed -n")
 _NO_EDITOR = f"sh -c 'echo \"tmax: an editor {_NO_TTY_NOTE}\" >&2; exit 1' tmax-no-editor"
+# Vim started by path (`/usr/bin/vi`), past the shell functions below, would wait for keys
+# on the pty: its init quits at once when input is not a terminal, unless it runs as a
+# script (`vim -e`/`-es`), and then reads the user's vimrc as usual.
+_VIMINIT = ("if !has('ttyin') && empty(filter(copy(v:argv), 'v:val =~# \"^-[eE]\"'))"
+            f" | echoerr 'tmax: vim {_NO_TTY_NOTE}.' | cquit | endif"
+            " | if filereadable(expand('~/.vimrc')) | source ~/.vimrc | endif")
 NO_TTY_SETUP = [
     "export TERM=dumb PAGER=cat GIT_PAGER=cat MANPAGER=cat SYSTEMD_PAGER=''",
     f"export EDITOR={shlex.quote(_NO_EDITOR)} VISUAL={shlex.quote(_NO_EDITOR)} GIT_EDITOR={shlex.quote(_NO_EDITOR)}",
+    f"export VIMINIT={shlex.quote(_VIMINIT)}",
     f"__tmax_no_tty() {{ echo \"tmax: $1 {_NO_TTY_NOTE}.\" >&2; return 1; }}",
     "for __tmax_p in vi vim nvim view vimdiff nano pico emacs joe mcedit; do"
     " eval \"$__tmax_p() { __tmax_no_tty $__tmax_p; }\"; done",

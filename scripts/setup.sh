@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 VENV=${TMAX_VENV:-.venv}
 need_apt=()
-for pkg in podman bubblewrap debootstrap uidmap slirp4netns tmux slurm-wlm munge; do
+for pkg in podman bubblewrap debootstrap uidmap slirp4netns tmux vim slurm-wlm munge; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if ((${#need_apt[@]})); then

@@ -255,6 +255,12 @@ def test_programs_that_need_a_terminal_fail_fast(sh, tmp_path):
     t0 = time.monotonic()
     r = sh.run("vi f.txt", timeout=30)
     assert r.exit_code == 1 and "vi needs an interactive terminal" in r.output and time.monotonic() - t0 < 5
+    # By path, past the shell function: vim's own init quits; vim as a script (-es) still works.
+    t0 = time.monotonic()
+    r = sh.run("/usr/bin/vim f.txt", timeout=30)
+    assert r.exit_code == 1 and "vim needs an interactive terminal" in r.output and time.monotonic() - t0 < 5
+    assert sh.run("/usr/bin/vim -es -c '%s/one/uno/' -c wq f.txt && head -1 f.txt").output == "uno\n"
+    sh.run("sed -i s/uno/one/ f.txt")
     assert sh.run("less f.txt; less f.txt | wc -l").output == "one\ntwo\n2\n"  # pagers print through
     r = sh.run('sh -c "$EDITOR f.txt"; echo rc=$?; echo $TERM $PAGER $GIT_PAGER')
     assert r.output.startswith("tmax: an editor needs an interactive terminal") and r.output.endswith("rc=1\ndumb cat cat\n")
