@@ -262,19 +262,25 @@ def _print_comparison(console, comp) -> None:
     ks = {j.k for j in comp.jobs}
     # pass@k only says something new when some job has more than one attempt per task.
     k_col = None if ks == {1} else (f"pass@{next(iter(ks))} (CI)" if len(ks) == 1 else "pass@k (CI)")
-    t = Table(title="per job: rates over tasks with 95% bootstrap CI; infra errors left out of the rates")
-    t.add_column("job", no_wrap=True)
-    t.add_column("agent / model")
-    for col in ("trials", "infra", "pass@1 (CI)", k_col, "steps", "tokens", "wall s"):
+    # Two narrow tables rather than one wide one: both stay readable in 80 columns.
+    rates = Table(title="per job: rates over tasks with 95% bootstrap CI; infra errors left out of the rates")
+    cost = Table(title="per job: mean cost of a trial")
+    for t in (rates, cost):
+        t.add_column("job", overflow="fold")
+    rates.add_column("agent / model", overflow="fold")
+    for col in ("trials", "infra", "pass@1 (CI)", k_col):
         if col:
-            t.add_column(col, justify="right", no_wrap="CI" in col)
+            rates.add_column(col, justify="right")
+    for col in ("steps", "tokens", "wall s"):
+        cost.add_column(col, justify="right")
     for j in comp.jobs:
         fmt = lambda v, d=0: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
         at_k = [(f"k={j.k} " if len(ks) > 1 else "") + _pct(j.pass_at_k, j.pass_at_k_ci)] if k_col else []
-        t.add_row(j.name, j.agent + (f" / {j.model}" if j.model else ""), str(j.n_trials), str(j.n_infra_errors),
-                  _pct(j.pass_at_1, j.pass_at_1_ci), *at_k, fmt(j.mean_steps, 1), fmt(j.mean_tokens),
-                  fmt(j.mean_wall_s, 1))
-    console.print(t)
+        rates.add_row(j.name, j.agent + (f" / {j.model}" if j.model else ""), str(j.n_trials), str(j.n_infra_errors),
+                      _pct(j.pass_at_1, j.pass_at_1_ci), *at_k)
+        cost.add_row(j.name, fmt(j.mean_steps, 1), fmt(j.mean_tokens), fmt(j.mean_wall_s, 1))
+    console.print(rates)
+    console.print(cost)
     for p in comp.pairs:
         pt = Table(title=f"A = {p.a}  vs  B = {p.b}: {p.n_common_tasks} common tasks, both {p.both}, neither {p.neither}, "
                          f"McNemar exact p = {p.p_value:.4g}")
