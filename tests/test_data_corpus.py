@@ -49,15 +49,57 @@ def test_report_counts_and_balance(tmp_path):
     assert data["counts"]["task_complexity"] == {"moderate": 2, "short": 2, "complex": 1, "intricate": 1}
     assert data["counts"]["primitive_skills"] == {"Cron scheduling": 6, "Log rotation": 6}
     assert data["balance"]["domain"] == pytest.approx(2.749459 / 9, abs=1e-5)
-    # skill_type 3/1/1/1 over its fixed list; task_complexity 2/2/1/1 over 4
-    h_skill = -(0.5 * math.log(0.5) + 3 * (1 / 6) * math.log(1 / 6))
-    assert data["balance"]["skill_type"] == pytest.approx(math.exp(h_skill) / len(BUCKETS["skill_type"]), abs=1e-5)
+    # skill_type 3/1/1/1 over the 29 names: H = -(1/2 ln 1/2 + 3 * 1/6 ln 1/6) = ln(12) / 2,
+    # exp(H) = sqrt(12) = 3.464102, / 29 = 0.119452
+    assert data["balance"]["skill_type"] == pytest.approx(0.119452, abs=1e-5)
+    # task_complexity 2/2/1/1 over 4
     h_cx = -(2 * (1 / 3) * math.log(1 / 3) + 2 * (1 / 6) * math.log(1 / 6))
     assert data["balance"]["task_complexity"] == pytest.approx(math.exp(h_cx) / 4, abs=1e-5)
     hist = data["pass_at_k"]["oracle"]
     assert hist["k"] == 2 and hist["tasks"] == 5
     assert hist["counts"][9] == 4 and hist["counts"][0] == 1  # pass@2: four 1.0, one 0.0
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+# Per-domain persona counts of the original (reference §2.3).
+PERSONAS_PER_DOMAIN = {"security": 9, "software_engineering": 15, "file_operations": 7, "data_querying": 6,
+                       "data_science": 6, "debugging": 12, "scientific_computing": 5, "data_processing": 7,
+                       "system_administration": 18}
+
+
+def test_bundled_axes_have_the_reference_cardinalities():
+    axes = load_axes()
+    domains = axes.domains
+    assert list(domains) == list(PERSONAS_PER_DOMAIN)
+    # skill types: 4-7 per domain, 52 (domain, type) pairs, 29 names, each once in the bucket list
+    assert all(4 <= len(d.skill_types) <= 7 and len(set(d.skill_types)) == len(d.skill_types) for d in domains.values())
+    assert sum(len(d.skill_types) for d in domains.values()) == 52
+    assert len(BUCKETS["skill_type"]) == len(set(BUCKETS["skill_type"])) == 29
+    assert set(BUCKETS["skill_type"]) == {s for d in domains.values() for s in d.skill_types}
+    assert domains["security"].skill_types == ["Systems", "Data Processing", "Web Security", "Algorithmic", "Testing"]
+    assert {"Mathematical", "Multi-Language"} <= set(domains["software_engineering"].skill_types)
+    assert "Forensics" in domains["debugging"].skill_types
+    # primitive skills: 20-40 per domain, distinct within it, 283 in all
+    assert all(20 <= len(d.skills) <= 40 and len(set(d.skills)) == len(d.skills) for d in domains.values())
+    assert sum(len(d.skills) for d in domains.values()) == 283
+    assert "Graph traversal and dependency resolution" in domains["software_engineering"].skills
+    assert "Cryptographic hashing and checksum verification" in domains["security"].skills
+    assert "Git bisection for regression finding" in domains["debugging"].skills
+    # personas: the original's count per domain, 85 slots, 73 distinct (some shared between domains)
+    assert {name: len(d.scenarios) for name, d in domains.items()} == PERSONAS_PER_DOMAIN
+    slots = [p for d in domains.values() for p in d.scenarios]
+    assert len(slots) == 85 and len(set(slots)) == 73
+    assert all(len(set(d.scenarios)) == len(d.scenarios) for d in domains.values())
+    assert all(3 <= len(d.anchors) <= 7 for d in domains.values())
+    assert "a JWT implementation that accepts tokens with algorithm=none" in domains["security"].anchors
+    # the domain-free axes of reference §2.1
+    assert axes.languages == {"Python": 0.35, "C": 0.15, "Bash": 0.15, "C++": 0.1, "Rust": 0.07, "Go": 0.07,
+                              "multi-language": 0.06, "any (model's choice)": 0.05}
+    assert list(axes.task_complexity) == ["short", "moderate", "complex", "intricate"]
+    assert axes.new_task_complexity == ["intricate"] and len(axes.command_complexity) == 3
+    assert len(axes.verifier_kinds) == 5 and axes.verifier_kinds[0] == "exact_text"
+    assert len(axes.fixture_kinds) == 7 and axes.fixture_kinds[0] == "text_only"
+    assert axes.anchor_probability == 0.35
 
 
 # --- decontamination ---------------------------------------------------------------------

@@ -9,9 +9,11 @@ verifier-kind and fixture-kind axes are up-weighted: with multiplier M the new b
 gets weight M against the legacy bucket (P(new) = M / (M + 1)), uniform inside each
 bucket; M = inf means always new.
 
-The bundled lists are a compact version of the original's (its 9 domains, each with its
-skill types, personas and anchors; fewer primitive skills per domain). The balance score
-divides by the length of each axis's fixed list (`AxesConfig.buckets`).
+The bundled lists have the original's cardinalities: 9 domains; 4-7 skill types per domain
+(52 pairs, 29 distinct names); 20-40 primitive skills per domain (283); 5-18 personas per
+domain (85 slots, 73 distinct: some are shared between domains); 3-7 anchors per domain.
+The balance score divides by the length of each axis's fixed list (`AxesConfig.buckets`;
+skill_type N = 29), so it is comparable to the paper's.
 """
 
 from __future__ import annotations
