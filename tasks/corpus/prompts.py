@@ -64,8 +64,8 @@ VERIFIERS: dict[str, tuple[str, tuple[str, ...]]] = {
                          "measured value and the threshold in the failure message",
                          ("numpy", "scipy", "sklearn", "PIL", "imageio", "torch", "torchvision", "Bio", "pandas",
                           "matplotlib")),
-    "adversarial_corpus": ("every evil/ file must be rejected or sanitised and every clean/ file preserved; "
-                           "report 'X of Y evil bypassed' and 'Z of W clean modified'", ("bs4", "lxml")),
+    "adversarial_corpus": ("require every evil/ file to be rejected or sanitised and every clean/ file preserved, "
+                           "and report 'X of Y evil bypassed' and 'Z of W clean modified'", ("bs4", "lxml")),
     "fuzz_equivalence": ("run the oracle and the agent's program on N seeded random inputs and require "
                          "bit-exact agreement; on a mismatch show the input and both outputs", ("numpy",)),
     "multi_protocol": ("connect to the declared host:port and drive real protocol requests", ("requests",)),
