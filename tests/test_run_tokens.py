@@ -67,7 +67,8 @@ def test_rated_runs_feed_sft_and_rl_groups(tmp_path):
     assert [r.task_id for r in accepted(runs)] == ["run:a-good"]
     stream = RatedStream(runs, per_step=1)
     batches = [stream.next_batch() for _ in range(3)]
-    assert [b.samples[0].advantage for b in batches] == [1.0 - RATED_BASELINE, 0.0 - RATED_BASELINE, 1.0 - RATED_BASELINE]  # cycles a, b, a
+    cycle = [1.0 - RATED_BASELINE, 0.0 - RATED_BASELINE, 1.0 - RATED_BASELINE]  # a, b, a
+    assert [b.samples[0].advantage for b in batches] == cycle
     assert [b.metrics for b in batches[:2]] == [{"train/rated_sessions": 1.0, "train/rated_reward_mean": 1.0},
                                                 {"train/rated_sessions": 1.0, "train/rated_reward_mean": 0.0}]
     resumed = RatedStream(runs, per_step=2, position=stream.position)  # a checkpoint's position: b, a
@@ -214,7 +215,8 @@ def test_rated_sessions_move_the_policy_their_way_in_a_real_learner_step(tmp_pat
     learner = Learner(str(model_dir), LearnerConfig(lr=1e-3, temperature=1.0))
     sessions = {"good": ([1, 2, 3], [10, 11, 12, 13], [1, 1, 0, 1]), "bad": ([1, 2, 4], [20, 21, 22, 23], [1, 1, 0, 1])}
     for name, (prompt, ids, mask) in sessions.items():
-        write_session(tmp_path / "runs", name, 1.0 if name == "good" else 0.0, trace=sampled_by(learner, prompt, ids, mask))
+        write_session(tmp_path / "runs", name, 1.0 if name == "good" else 0.0,
+                      trace=sampled_by(learner, prompt, ids, mask))
     samples = RatedStream(load_runs(tmp_path / "runs"), per_step=2).next_batch().samples
     assert sorted(s.advantage for s in samples) == [-0.5, 0.5]
 
