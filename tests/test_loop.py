@@ -13,6 +13,7 @@ from agents.policy import TokenTrace
 from training.loop import PromptStream
 from training.report import rollout_metrics
 from training.rollout import Rollout
+from training.runs_data import RatedStream, load_runs
 
 
 def _rollout(reward=0.0, mask=(1, 1, 0, 1), steps=2, truncated=False) -> Rollout:
@@ -57,7 +58,7 @@ def test_prompt_stream_is_seeded_and_resumable():
 def test_resume_starts_from_the_latest_checkpoint_or_says_there_is_none(tmp_path):
     from training.loop import TrainingError, resume_point
 
-    assert resume_point(tmp_path, resume=False) == (0, 0, None)
+    assert resume_point(tmp_path, resume=False) == (0, {}, None)
     with pytest.raises(TrainingError, match="--resume: no checkpoint under"):
         resume_point(tmp_path, resume=True)
 
@@ -87,16 +88,33 @@ def _mechanics_run(tmp_path: Path, steps: int, checkpoint_every: int) -> tuple[L
     return cfg, Path.cwd() / "runs" / "test-loop" / uuid.uuid4().hex[:8]
 
 
+def _rated_sessions(cfg: LearnConfig, model_dir: Path, root: Path) -> Path:
+    """A /good and a /bad `tmax run --tokens` session of the model in `model_dir`, their
+    logprobs the model's own (as `tmax serve` of it records them)."""
+    from rated_sessions import sampled_by, write_session
+    from training.learner.learner import Learner
+    from training.loop import learner_config
+
+    learner = Learner(str(model_dir), learner_config(cfg))
+    for name, reward, ids in (("a-good", 1.0, [10, 11, 12, 13]), ("b-bad", 0.0, [20, 21, 22, 23])):
+        write_session(root, name, reward, trace=sampled_by(learner, [1, 2, 3], ids, [1, 1, 0, 1]),
+                      model_dir=str(model_dir))
+    return root
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.vllm
 def test_ray_run_saves_on_ctrl_c_resumes_and_checkpoints(tmp_path):
     """Real steps on Ray with vLLM (one run, interrupted and resumed: each start of Ray and
     vLLM costs a minute here). A random model gets reward 0 everywhere, so the zero-std
-    filter is off to let batches through (advantages 0: the mechanics, not learning, are
-    under test). Ctrl-C after step 1 (a KeyboardInterrupt in the driver) ends the run with
-    the newest weights saved although no checkpoint was due; --resume continues from them
-    to step 3, pushing weights and writing the metrics, rollouts and a final checkpoint."""
+    filter is off to let batches through (task advantages 0: the mechanics are under test).
+    Two rated `tmax run` sessions of the same model (/good, /bad) join the steps as
+    `tmax learn --from-runs` adds them, one per step: they are all that moves the weights.
+    Ctrl-C after step 1 (a KeyboardInterrupt in the driver) ends the run with the newest
+    weights saved although no checkpoint was due; --resume (a new rated stream, as a new
+    process has) continues from them to step 3, pushing weights and writing the metrics,
+    rollouts and a final checkpoint."""
     import shutil
 
     from training.learner import checkpoint as ckpt
@@ -104,13 +122,14 @@ def test_ray_run_saves_on_ctrl_c_resumes_and_checkpoints(tmp_path):
 
     cfg, run = _mechanics_run(tmp_path, steps=3, checkpoint_every=100)
     base, tasks = str(tmp_path / "base"), str(tmp_path / "tasks" / "train")
+    sessions = _rated_sessions(cfg, tmp_path / "base", tmp_path / "sessions")
 
     def press_ctrl_c(step, metrics):
         if step == 1:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        train(cfg, base, tasks, run, progress=False, on_step=press_ctrl_c)
+        train(cfg, base, tasks, run, progress=False, on_step=press_ctrl_c, rated=RatedStream(load_runs(sessions)))
     saved = ckpt.latest_checkpoint(run)
     assert saved is not None
     # Step 1's weights, or step 2's when its update was in flight at Ctrl-C (it finishes and
@@ -118,7 +137,7 @@ def test_ray_run_saves_on_ctrl_c_resumes_and_checkpoints(tmp_path):
     saved_step = ckpt.load_trainer_state(saved)["step"]
     assert saved_step in (1, 2)
 
-    res = train(cfg, base, tasks, run, resume=True, progress=False)
+    res = train(cfg, base, tasks, run, resume=True, progress=False, rated=RatedStream(load_runs(sessions)))
     assert res.steps == 3 and res.final_checkpoint.endswith("step_3")
     assert ckpt.load_trainer_state(res.final_checkpoint)["step"] == 3
     rows = [json.loads(x) for x in Path(res.metrics_path).read_text().splitlines()]
@@ -130,7 +149,12 @@ def test_ray_run_saves_on_ctrl_c_resumes_and_checkpoints(tmp_path):
         assert key in rows[-1], key
     assert 0 < rows[-1]["perf/learner_busy_frac"] <= 1 and 0 < rows[-1]["perf/sampler_busy_frac"] <= 1
     assert rows[-1]["perf/sampled_tokens_per_s"] > 0 and rows[-1]["perf/env_steps_per_s"] > 0
-    # Same weights on both sides, fp32: the engine's logprobs match the trainer's.
+    # The rated sessions cycle /good, /bad, /good over steps 1-3, across the resume; with the
+    # task advantages all 0, their +-0.5 is what the gradient comes from.
+    for r in rows:
+        assert (r["train/rated_sessions"], r["train/rated_reward_mean"]) == (1.0, 1.0 if r["step"] % 2 else 0.0), r
+        assert r["optim/grad_norm"] > 0 and r["val/avg_group_performance_post_filter"] == 0.0, r
+    # Same weights on both sides, fp32: the engine's logprobs (and the rated sessions' own) match the trainer's.
     assert rows[0]["debug/vllm_vs_local_logprob_diff_max"] < 1e-3
     rollouts = [json.loads(x) for x in Path(res.rollouts_path).read_text().splitlines()]
     assert len(rollouts) >= 4 and all(len(r["ids"]) == len(r["mask"]) == len(r["logprobs"]) for r in rollouts)

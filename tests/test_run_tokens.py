@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from agents.policy import TokenTrace, Usage
-from agents.rating import read_reward, write_reward
+from agents.policy import Usage
+from agents.rating import read_reward
 from agents.records import Recorder
+from rated_sessions import sampled_by, write_session
 from training.runs_data import RATED_BASELINE, RatedStream, RunsDataError, accepted, load_runs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,34 +56,51 @@ def test_chat_tokenizer_matches_transformers_without_importing_torch(nano_dir):
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 
-def _session(root: Path, name: str, reward: float | None, sampled: int = 3) -> Path:
-    d = root / name
-    trace = TokenTrace(prompt_ids=[1, 2], ids=[5] * sampled + [7], logprobs=[-0.5] * sampled + [0.0],
-                       mask=[1] * sampled + [0], turn_versions=[0])
-    Recorder(d).save([{"role": "system", "content": "s"}], [], Usage(), 4, trace=trace)
-    (d / "run.json").write_text(json.dumps({"model_dir": "/models/x"}))
-    if reward is not None:
-        write_reward(d, reward, "user")
-    return d
-
-
 def test_rated_runs_feed_sft_and_rl_groups(tmp_path):
-    _session(tmp_path, "a-good", 1.0)
-    _session(tmp_path, "b-bad", 0.0)
-    _session(tmp_path, "c-unrated", None)
-    _session(tmp_path / "nested", "d-good-empty", 1.0, sampled=0)
+    write_session(tmp_path, "a-good", 1.0)
+    write_session(tmp_path, "b-bad", 0.0)
+    write_session(tmp_path, "c-unrated", None)
+    write_session(tmp_path / "nested", "d-good-empty", 1.0, sampled=0)
     (tmp_path / "cfg-only").mkdir()
     runs = load_runs(tmp_path)
     assert [r.dir.name for r in runs] == ["a-good", "b-bad", "c-unrated", "d-good-empty"]
     assert [r.task_id for r in accepted(runs)] == ["run:a-good"]
     stream = RatedStream(runs, per_step=1)
-    advantages = [stream.next_samples()[0].advantage for _ in range(3)]
-    assert advantages == [1.0 - RATED_BASELINE, 0.0 - RATED_BASELINE, 1.0 - RATED_BASELINE]  # cycles a, b, a
+    batches = [stream.next_batch() for _ in range(3)]
+    cycle = [1.0 - RATED_BASELINE, 0.0 - RATED_BASELINE, 1.0 - RATED_BASELINE]  # a, b, a
+    assert [b.samples[0].advantage for b in batches] == cycle
+    assert [b.metrics for b in batches[:2]] == [{"train/rated_sessions": 1.0, "train/rated_reward_mean": 1.0},
+                                                {"train/rated_sessions": 1.0, "train/rated_reward_mean": 0.0}]
+    resumed = RatedStream(runs, per_step=2, position=stream.position)  # a checkpoint's position: b, a
+    assert resumed.next_batch().metrics == {"train/rated_sessions": 2.0, "train/rated_reward_mean": 0.5}
     with pytest.raises(RunsDataError, match="no session"):
         load_runs(tmp_path / "cfg-only")
     (tmp_path / "a-good" / "reward.json").write_text('{"reward": "yes"}')
     with pytest.raises(ValueError, match="must be a number"):
         read_reward(tmp_path / "a-good")
+
+
+def test_learn_from_runs_refuses_a_bad_dir_or_unrated_sessions_before_starting(tmp_path):
+    from typer.testing import CliRunner
+
+    from tmax_cli.main import app
+
+    def learn(runs: Path) -> tuple[int, str]:
+        r = CliRunner().invoke(app, ["learn", "--out", str(tmp_path / "out"), "--from-runs", str(runs)])
+        return r.exit_code, " ".join(r.output.split())  # rich wraps long lines
+
+    assert learn(tmp_path / "missing") == (2, f"tmax learn: --from-runs: {tmp_path / 'missing'} is not a directory")
+    (tmp_path / "empty").mkdir()
+    code, out = learn(tmp_path / "empty")
+    assert code == 2 and "has tokens.json (record them with `tmax run --tokens`)" in out, out
+    write_session(tmp_path / "unrated", "s1", None)
+    write_session(tmp_path / "unrated", "s2", 1.0, sampled=0)
+    code, out = learn(tmp_path / "unrated")
+    assert code == 2 and "no rated session with sampled tokens (rate them with /good, /bad or --verify)" in out, out
+    (tmp_path / "unrated" / "s1" / "reward.json").write_text('{"reward": "yes"}')
+    code, out = learn(tmp_path / "unrated")
+    assert code == 2 and "must be a number" in out, out
+    assert not (tmp_path / "out").exists()  # nothing started
 
 
 def _tmax(*args: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -197,13 +215,9 @@ def test_rated_sessions_move_the_policy_their_way_in_a_real_learner_step(tmp_pat
     learner = Learner(str(model_dir), LearnerConfig(lr=1e-3, temperature=1.0))
     sessions = {"good": ([1, 2, 3], [10, 11, 12, 13], [1, 1, 0, 1]), "bad": ([1, 2, 4], [20, 21, 22, 23], [1, 1, 0, 1])}
     for name, (prompt, ids, mask) in sessions.items():
-        # The sampler's logprobs are the model's own (as vLLM serving these weights records them).
-        logprobs = learner.logprobs([TrainSample(TokenTrace(prompt, ids, [0.0] * len(ids), mask), 0.0)])[0]
-        trace = TokenTrace(prompt_ids=prompt, ids=ids, logprobs=[lp if m else 0.0 for lp, m in zip(logprobs, mask)],
-                           mask=mask, turn_versions=[0])
-        Recorder(tmp_path / "runs" / name).save([{"role": "system", "content": "s"}], [], Usage(), 4, trace=trace)
-        write_reward(tmp_path / "runs" / name, 1.0 if name == "good" else 0.0, "user")
-    samples = RatedStream(load_runs(tmp_path / "runs"), per_step=2).next_samples()
+        write_session(tmp_path / "runs", name, 1.0 if name == "good" else 0.0,
+                      trace=sampled_by(learner, prompt, ids, mask))
+    samples = RatedStream(load_runs(tmp_path / "runs"), per_step=2).next_batch().samples
     assert sorted(s.advantage for s in samples) == [-0.5, 0.5]
 
     def sampled_logprob(s: TrainSample) -> float:

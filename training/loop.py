@@ -148,6 +148,7 @@ class LoopState:
     useless: int = 0  # groups in a row without reward variance
     train_ref: Any = None  # the learner's step in flight
     batch: Any = None  # the `Batch` it trains on
+    rated_batch: Any = None  # the rated sessions it also trains on (`training.runs_data.RatedBatch`)
 
 
 class Trainer:
@@ -288,7 +289,8 @@ class Trainer:
         s.batch = self.acc.take(s.step)
         samples = batch_samples(s.batch.groups, s.batch.advantages)
         if self.rated is not None:
-            samples += self.rated.next_samples()  # single-sample groups, A = R - baseline
+            s.rated_batch = self.rated.next_batch()  # single-sample groups, A = R - baseline
+            samples += s.rated_batch.samples
         if not samples:
             self.bar.note(f"step {s.step}: every group was filtered; skipping")
             return
@@ -338,6 +340,7 @@ class Trainer:
         return {
             **s.batch.metrics,
             **rollout_metrics([x for g in s.batch.groups for x in g.items]),
+            **(s.rated_batch.metrics if s.rated_batch is not None else {}),
             "train/reward_all_rollouts": sum(x.reward for x in since) / max(1, len(since)),
             "time/getting_response": c.wait_s,
             "time/step_total": now - c.train_started + c.wait_s,
@@ -357,7 +360,7 @@ class Trainer:
 
     def save(self, step: int, timeout_s: float | None = None) -> Path:
         """The learner's weights and optimizer as the checkpoint of `step`, with the prompt
-        position a resumed run continues from."""
+        and rated-session positions a resumed run continues from."""
         import ray
 
         from training.learner import checkpoint as ckpt
@@ -365,6 +368,8 @@ class Trainer:
         s = self.state
         path = ckpt.checkpoint_path(self.run_dir, step)
         extra = {"prompt_position": self.stream.position - len(s.groups) - len(s.ready), "config": self.cfg.name}
+        if self.rated is not None:
+            extra["rated_position"] = self.rated.position
         ray.get(self.actors.learner.save(str(path), step, extra), timeout=timeout_s)
         return path
 
@@ -412,17 +417,18 @@ class Trainer:
                          str(self.rollouts_path), png, summ)
 
 
-def resume_point(run_dir: Path, resume: bool) -> tuple[int, int, str | None]:
-    """(first step, prompt position, checkpoint to load) of a fresh or resumed run."""
+def resume_point(run_dir: Path, resume: bool) -> tuple[int, dict[str, Any], str | None]:
+    """(first step, the checkpoint's stream positions, checkpoint to load) of a fresh or
+    resumed run."""
     from training.learner import checkpoint as ckpt
 
     if not resume:
-        return 0, 0, None
+        return 0, {}, None
     latest = ckpt.latest_checkpoint(run_dir)
     if latest is None:
         raise TrainingError(f"--resume: no checkpoint under {run_dir / 'checkpoints'}")
     state = ckpt.load_trainer_state(latest)
-    return int(state["step"]), int(state["extra"].get("prompt_position", 0)), str(latest)
+    return int(state["step"]), state["extra"], str(latest)
 
 
 def train(
@@ -456,11 +462,13 @@ def train(
     if prepared is None:
         prepared = prepare_tasks(cfg.rollout, list_task_dirs(train_tasks), run_dir / "train_tasks.json",
                                  progress=progress)
-    start_step, stream_pos, resume_from = resume_point(run_dir, resume)
+    start_step, positions, resume_from = resume_point(run_dir, resume)
     model_dir = resume_from or model_dir  # the engines serve the checkpoint's weights
     if start_step >= cfg.algo.steps:
         raise TrainingError(f"nothing to do: the run is at step {start_step} of {cfg.algo.steps}")
-    stream = PromptStream(prepared.runnable, cfg.algo.seed, stream_pos)
+    stream = PromptStream(prepared.runnable, cfg.algo.seed, int(positions.get("prompt_position", 0)))
+    if rated is not None:
+        rated.position = int(positions.get("rated_position", rated.position))
 
     started_ray = init_ray(cfg.run.ray_address, cfg.run.ray_num_cpus)
     t_setup = time.monotonic()

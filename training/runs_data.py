@@ -90,21 +90,38 @@ def model_dir_of(runs: list[RatedRun]) -> str:
     return dirs.pop()
 
 
+@dataclass
+class RatedBatch:
+    """The rated sessions one RL step adds: their samples and what the step's metrics row
+    says about them."""
+
+    samples: list[TrainSample]
+    rewards: list[float]
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return {"train/rated_sessions": float(len(self.rewards)),
+                "train/rated_reward_mean": sum(self.rewards) / max(1, len(self.rewards))}
+
+
 class RatedStream:
     """The rated sessions as extra single-sample groups, `per_step` of them per RL step,
-    in a fixed cycle."""
+    in a fixed cycle; `position` (sessions handed out so far) is saved in checkpoints so a
+    resumed run continues the cycle."""
 
-    def __init__(self, runs: list[RatedRun], per_step: int = 1, baseline: float = RATED_BASELINE) -> None:
+    def __init__(self, runs: list[RatedRun], per_step: int = 1, baseline: float = RATED_BASELINE,
+                 position: int = 0) -> None:
         self.rated = [r for r in runs if r.reward is not None and r.rollout.num_sampled > 0]
         if not self.rated:
             raise RunsDataError("no rated session with sampled tokens (rate them with /good, /bad or --verify)")
         self.per_step = per_step
         self.baseline = baseline
-        self._next = 0
+        self.position = position
 
-    def next_samples(self) -> list[TrainSample]:
+    def next_batch(self) -> RatedBatch:
         """The next `per_step` sessions, each a group of one with A = R - baseline."""
-        picked = [self.rated[(self._next + k) % len(self.rated)] for k in range(min(self.per_step, len(self.rated)))]
-        self._next += len(picked)
-        groups = [Group(r.rollout.task_id, [float(r.reward)], [r.rollout]) for r in picked]
-        return batch_samples(groups, [[float(r.reward) - self.baseline] for r in picked])
+        picked = [self.rated[(self.position + k) % len(self.rated)] for k in range(min(self.per_step, len(self.rated)))]
+        self.position += len(picked)
+        rewards = [float(r.reward) for r in picked]
+        groups = [Group(r.rollout.task_id, [reward], [r.rollout]) for r, reward in zip(picked, rewards)]
+        return RatedBatch(batch_samples(groups, [[reward - self.baseline] for reward in rewards]), rewards)
