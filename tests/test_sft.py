@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -84,7 +85,6 @@ def test_demos_pass_their_verifier_and_sft_learns(nano):
     for d in demos:
         assert 0 < d.num_sampled < len(d.trace.mask)
     res = train_sft(str(root / "base"), demos, cfg, root / "sft")
-    import json
 
     losses = json.loads((Path(res.checkpoint) / "sft.json").read_text())["losses"]
     assert res.steps == len(losses) == 12  # ceil(6 / 4) batches x 6 epochs
@@ -114,3 +114,25 @@ def test_teacher_demos_keep_their_failures_and_are_seeded(nano):
     assert [r.reward for r in a] == [r.reward for r in b] and [r.ids for r in a] == [r.ids for r in b]
     assert {r.reward for r in a} == {0.0, 1.0}, [r.reward for r in a]  # seed 0 draws both with 6 tasks
     assert all(r.status == "submitted" for r in a)
+
+
+def test_learn_sft_warm_starts_under_a_list_of_harnesses(tmp_path):
+    """`tmax learn sft` end to end with `rollout.harness` a list: the demonstrations rotate
+    over the harnesses, every one solves its task, and SFT trains on all of them."""
+    from typer.testing import CliRunner
+
+    from tmax_cli.main import app
+
+    config = tmp_path / "demos.toml"
+    config.write_text(
+        'extends = "nano"\n[tasks]\nn_train = 3\nn_heldout = 1\n'
+        '[rollout]\nharness = ["tmax", "mini-swe", "terminus-2"]\n'
+        "per_turn_max_tokens = 128\nresponse_budget = 1024\ncontext_budget = 2048\n"
+        "[sft]\nteacher_accuracy = 1.0\nepochs = 1.0\nbatch_size = 3\n")
+    out = tmp_path / "learn"
+    res = CliRunner().invoke(app, ["learn", "--config", str(config), "--out", str(out), "--no-progress", "sft"])
+    assert res.exit_code == 0, res.output[-3000:]
+    demos = [json.loads(line) for line in (out / "sft" / "demos.jsonl").read_text().splitlines()]
+    assert [(d["group_id"], d["harness"]) for d in demos] == list(enumerate(HARNESSES))
+    assert all(d["reward"] == 1.0 for d in demos)
+    assert json.loads((out / "sft" / "sft.json").read_text())["demos"] == 3

@@ -1,13 +1,15 @@
 """SFT warm start on oracle trajectories, rendered through the same harness.
 
-A demonstration is not hand-made text: the oracle's (THOUGHT, command) steps are played
-by a scripted `TokenSampler` inside the real loop (`agents.loop.Agent` + `TokenPolicy`)
-in a real sandbox, and the task's verifier checks the result. So the tokens trained on
-are exactly the ones a rollout would have: the prompt rendered with the chat template
-and tools, each assistant turn as the template renders it, each real observation as the
-template renders a tool message. Loss on assistant tokens only (mask 1): a demonstration
-is a `TrainSample` like any rollout, packed and run through the RL learner's forward, with
-a cross-entropy loss in place of the policy loss.
+A demonstration is not hand-made text: the oracle's (THOUGHT, command) steps, written as
+the model of the demo's harness (`rollout.harness`) would write them (`Harness.demo_turns`),
+are played by a scripted `TokenSampler` inside the real loop (`agents.loop.Agent` +
+`TokenPolicy`) in a real sandbox, and the task's verifier checks the result. So the
+tokens trained on are exactly the ones a rollout would have: the prompt rendered with the
+chat template (and tools), each assistant turn as the template renders it, each real
+observation as the template renders that harness's observation message. Loss on
+assistant tokens only (mask 1): a demonstration is a `TrainSample` like any rollout, packed
+and run through the RL learner's forward, with a cross-entropy loss in place of the policy
+loss.
 """
 
 from __future__ import annotations
