@@ -8,7 +8,9 @@ record, stop at a budget) is shared; a harness supplies the small protocol aroun
 * `format_error`      the feedback for a response without a usable action;
 * `execute`           run the action in the sandbox -> a `CommandResult`;
 * `observe`           the result -> (observation text, whether the episode is finished);
-* `close`             release what it started in the sandbox.
+* `close`             release what it started in the sandbox;
+* `demo_turns`        a scripted (THOUGHT, command) step written as this harness's model
+                      would write it (SFT demonstrations play these through the loop).
 
 Three harnesses exist (`agents.harnesses`): `tmax` (Vanillux2, below), `mini-swe`
 (`agents.mini_swe`) and `terminus-2` (`agents.terminus`). Token policies see only
@@ -22,7 +24,7 @@ from typing import Any, Protocol
 from agents.observation import ObservationLimits, format_observation
 from agents.parsing import Action, parse_action
 from agents.prompts import SUBMIT_MARKER, format_error_feedback, instance_message, system_message
-from agents.tools import TOOLS
+from agents.tools import BASH_TOOL_NAME, TOOLS
 from sandbox.base import CommandResult, Sandbox
 
 
@@ -42,6 +44,12 @@ class Harness(Protocol):
 
     def close(self) -> None:
         """Release what the harness started in the sandbox (e.g. a tmux server)."""
+        ...
+
+    def demo_turns(self, thought: str, command: str) -> list[dict[str, Any]]:
+        """The assistant message(s) that play one scripted step: `parse` of each gives the
+        step's action back. The submit command (`SUBMIT_COMMAND`) ends the episode, so a
+        harness that asks to confirm a submission answers the confirmation here too."""
         ...
 
 
@@ -70,3 +78,7 @@ class TmaxHarness:
 
     def close(self) -> None:
         pass
+
+    def demo_turns(self, thought: str, command: str) -> list[dict[str, Any]]:
+        call = {"type": "function", "function": {"name": BASH_TOOL_NAME, "arguments": {"command": command}}}
+        return [{"role": "assistant", "content": thought, "tool_calls": [call]}]

@@ -152,3 +152,6 @@ class MiniSweHarness:
 
     def close(self) -> None:
         pass
+
+    def demo_turns(self, thought: str, command: str) -> list[dict[str, Any]]:
+        return [{"role": "assistant", "content": f"{thought}\n\n```bash\n{command}\n```"}]

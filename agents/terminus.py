@@ -16,7 +16,7 @@ from typing import Any
 
 from agents.observation import ObservationLimits, truncate
 from agents.parsing import THINK_CLOSE, Action
-from agents.prompts import render
+from agents.prompts import SUBMIT_MARKER, render
 from agents.tmux import TmuxSession
 from sandbox.base import CommandResult, Sandbox
 
@@ -170,3 +170,14 @@ class TerminusHarness:
         if self._session is not None:
             self._session.close()
             self._session = None
+
+    def demo_turns(self, thought: str, command: str) -> list[dict[str, Any]]:
+        """A command is typed and run (Enter) with the default wait; the submit command
+        becomes `task_complete` (no keystrokes), sent twice: the second one confirms."""
+        analysis = thought.removeprefix("THOUGHT:").strip()
+        if SUBMIT_MARKER in command:
+            done = {"analysis": analysis, "plan": "The task is complete.", "commands": [], "task_complete": True}
+            return [{"role": "assistant", "content": json.dumps(done, ensure_ascii=False)} for _ in range(2)]
+        keys = [{"keystrokes": command + "\n", "duration": DEFAULT_DURATION_S}]
+        step = {"analysis": analysis, "plan": "Run the command.", "commands": keys, "task_complete": False}
+        return [{"role": "assistant", "content": json.dumps(step, ensure_ascii=False)}]

@@ -55,10 +55,10 @@ def instrument() -> None:
 
 def one_episode(task_dir: str, tok, cfg, image, pool) -> dict:
     from training.nano.tasks import oracle_steps
-    from training.learner.sft import ScriptedSampler, assistant_ids
+    from training.learner.sft import ScriptedSampler, scripted_turns
     from training.rollout import EpisodeRequest, run_episode
 
-    turns = [assistant_ids(tok, t, c) for t, c in oracle_steps(task_dir)]
+    turns = scripted_turns(tok, oracle_steps(task_dir))
     CALLS.clear()
     t0 = time.monotonic()
     r = run_episode(EpisodeRequest(task_dir, 0, 0, 0), ScriptedSampler(turns), tok, cfg, image=image, pool=pool)

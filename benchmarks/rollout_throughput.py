@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def scripted_samplers(tok, task_dirs: list[str]):
     """Each task's oracle turns, replayed: a fresh sampler per episode."""
-    from training.learner.sft import ScriptedSampler, assistant_ids
+    from training.learner.sft import ScriptedSampler, scripted_turns
     from training.nano.tasks import oracle_steps
 
-    turns = {d: [assistant_ids(tok, t, c) for t, c in oracle_steps(d)] for d in task_dirs}
+    turns = {d: scripted_turns(tok, oracle_steps(d)) for d in task_dirs}
     return lambda d: ScriptedSampler(list(turns[d]))
 
 

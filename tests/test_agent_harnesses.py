@@ -67,3 +67,24 @@ def test_terminus_needs_two_task_complete_in_a_row():
     assert h.observe(more, screen, ObservationLimits()) == ("New Terminal Output:\n$", False)  # resets
     assert not h.observe(done, screen, ObservationLimits())[1]
     assert h.observe(done, screen, ObservationLimits())[1]
+
+
+@pytest.mark.parametrize("name", HARNESSES)
+def test_demo_turns_parse_back_to_the_step(name):
+    """A scripted step written as the harness's model would write it parses back to that
+    step's action; the submit step ends the episode (terminus-2: after its confirmation)."""
+    h = make_harness(name)
+    h.initial_messages("task")
+    command = 'printf "%s\\n" "a b" | sort > out.txt'
+    [turn] = h.demo_turns("THOUGHT: sort it.", command)
+    act = h.parse(turn)
+    assert not act.is_format_error and not act.submit
+    if name == "terminus-2":
+        assert act.commands == ((command + "\n", 1.0),) and not act.task_complete
+    else:
+        assert act.command == command
+    submit = h.demo_turns("THOUGHT: done.", f"echo {MARKER}")
+    assert len(submit) == (2 if name == "terminus-2" else 1)
+    output = CommandResult(f"{MARKER}\n", 0)
+    finished = [h.observe(a, output, ObservationLimits())[1] for a in map(h.parse, submit)]
+    assert finished == [False] * (len(submit) - 1) + [True]

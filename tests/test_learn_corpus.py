@@ -16,7 +16,7 @@ from agents.prompts import SUBMIT_COMMAND
 from tmax_cli.main import app
 from training.config import preset
 from training.rollout import EpisodeRequest, prepare_tasks, run_episode
-from training.learner.sft import ScriptedSampler, assistant_ids
+from training.learner.sft import ScriptedSampler, scripted_turns
 
 sys.path.insert(0, str(Path(__file__).parent))
 from data_scripted_generator import Responder  # noqa: E402
@@ -60,11 +60,11 @@ def test_generated_tasks_train_through_the_rollout_path(corpus, tokenizer):
     assert sorted(prepared.runnable) == tasks and not prepared.dropped
 
     for i, task in enumerate(tasks):
-        solve = [assistant_ids(tokenizer, "Do what the task asks.", _solution_command(Path(task))),
-                 assistant_ids(tokenizer, "Done.", SUBMIT_COMMAND)]
+        solve = scripted_turns(tokenizer, [("Do what the task asks.", _solution_command(Path(task))),
+                                           ("Done.", SUBMIT_COMMAND)])
         good = run_episode(EpisodeRequest(task, i, 0, 1), ScriptedSampler(solve), tokenizer, cfg)
         assert good.status == "submitted" and good.sandbox == "bwrap"
         assert good.reward == 1.0, good.verifier
-        idle = [assistant_ids(tokenizer, "Nothing to do.", "true"), assistant_ids(tokenizer, "Done.", SUBMIT_COMMAND)]
+        idle = scripted_turns(tokenizer, [("Nothing to do.", "true"), ("Done.", SUBMIT_COMMAND)])
         bad = run_episode(EpisodeRequest(task, i, 1, 2), ScriptedSampler(idle), tokenizer, cfg)
         assert bad.status == "submitted" and bad.reward == 0.0

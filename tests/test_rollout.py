@@ -12,7 +12,7 @@ import pytest
 from agents.prompts import SUBMIT_COMMAND
 from training.config import preset
 from training.rollout import EpisodeRequest, InfraError, run_episode
-from training.learner.sft import ScriptedSampler, assistant_ids
+from training.learner.sft import ScriptedSampler, scripted_turns
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def _cfg(kind="local", **rollout):
 def _oracle_turns(tok, task_dir):
     from training.nano.tasks import oracle_steps
 
-    return [assistant_ids(tok, t, c) for t, c in oracle_steps(task_dir)]
+    return scripted_turns(tok, oracle_steps(task_dir))
 
 
 def _spans(mask):
@@ -115,7 +115,7 @@ def test_format_error_ends_episode_without_verifier(nano):
 
 def test_tool_call_budget_ends_episode_with_zero_reward(nano):
     tok, splits, root = nano
-    turn = assistant_ids(tok, "THOUGHT: look.", "ls")
+    [turn] = scripted_turns(tok, [("THOUGHT: look.", "ls")])
     r = run_episode(EpisodeRequest(str(splits["train"][0]), 0, 0, 1), ScriptedSampler([turn] * 10), tok,
                     _cfg(max_tool_calls=3))
     assert r.status == "max_steps" and r.steps == 3 and r.reward == 0.0
@@ -124,7 +124,7 @@ def test_tool_call_budget_ends_episode_with_zero_reward(nano):
 
 def test_response_budget_counts_tool_tokens_and_keeps_overlong_negative(nano):
     tok, splits, root = nano
-    turn = assistant_ids(tok, "THOUGHT: print a lot.", "seq 1 200")
+    [turn] = scripted_turns(tok, [("THOUGHT: print a lot.", "seq 1 200")])
     budget = len(turn) * 2 + 20  # two turns fit, the long observation does not
     r = run_episode(EpisodeRequest(str(splits["train"][0]), 0, 0, 1), ScriptedSampler([turn] * 10), tok,
                     _cfg(response_budget=budget, per_turn_max_tokens=len(turn), max_tool_calls=8))
@@ -134,7 +134,7 @@ def test_response_budget_counts_tool_tokens_and_keeps_overlong_negative(nano):
 
 def test_submit_without_solving_scores_zero(nano):
     tok, splits, root = nano
-    turn = assistant_ids(tok, "THOUGHT: done.", SUBMIT_COMMAND)
+    [turn] = scripted_turns(tok, [("THOUGHT: done.", SUBMIT_COMMAND)])
     r = run_episode(EpisodeRequest(str(splits["train"][0]), 0, 0, 1), ScriptedSampler([turn]), tok, _cfg())
     assert r.submitted and r.reward == 0.0 and r.verifier["status"] == "ok"
 
@@ -163,7 +163,7 @@ def test_environment_that_cannot_be_made_is_infrastructure(nano, tmp_path):
 
 def test_tests_are_not_visible_before_submit(nano):
     tok, splits, root = nano
-    look = assistant_ids(tok, "THOUGHT: peek.", "ls -a .. ; ls ../tests")
+    [look] = scripted_turns(tok, [("THOUGHT: peek.", "ls -a .. ; ls ../tests")])
     r = run_episode(EpisodeRequest(str(splits["train"][0]), 0, 0, 1), ScriptedSampler([look, look]), tok,
                     _cfg(max_tool_calls=2))
     obs = tok.decode([i for i, m in zip(r.trace.ids, r.trace.mask) if m == 0])

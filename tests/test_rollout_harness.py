@@ -1,15 +1,19 @@
 """Token-exact training under another harness: a nano rollout under mini-swe (the action is a
 fenced bash block in plain text, no tool call) yields the same kind of trace as Vanillux2 —
 sampled spans verbatim with their logprobs (mask 1), observations as template tokens (mask 0,
-logprob 0) — and the trace is the chat template's rendering of the conversation."""
+logprob 0) — and the trace is the chat template's rendering of the conversation, under
+mini-swe and terminus-2 (JSON keystrokes in a tmux session) alike."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 
 from agents.policy import SampledTokens
 from tests.test_rollout import _spans
 from training.config import RolloutConfig, preset
+from training.learner.sft import scripted_turns
 from training.rollout import EpisodeRequest, run_episode
 
 
@@ -40,10 +44,6 @@ def nano(tmp_path_factory):
     return AutoTokenizer.from_pretrained(root / "tok"), splits
 
 
-def _mini_turn(tok, thought: str, command: str) -> list[int]:
-    return tok.encode(f"{thought}\n\n```bash\n{command}\n```{tok.eos_token}", add_special_tokens=False)
-
-
 def test_harness_rotates_per_group():
     cfg = RolloutConfig(harness=["tmax", "mini-swe", "terminus-2"])
     assert [cfg.harness_for(g) for g in range(4)] == ["tmax", "mini-swe", "terminus-2", "tmax"]
@@ -56,7 +56,7 @@ def test_mini_swe_rollout_token_trace(nano):
 
     tok, splits = nano
     task = splits["train"][1]
-    turns = [_mini_turn(tok, t, c) for t, c in oracle_steps(task)]
+    turns = scripted_turns(tok, oracle_steps(task), "mini-swe")
     cfg = preset("nano").rollout
     cfg.sandbox, cfg.harness = "local", ["tmax", "mini-swe"]
     sampler = LogprobSampler(turns)
@@ -78,7 +78,9 @@ def test_mini_swe_rollout_token_trace(nano):
     assert "```bash" in prompt and "<tools>" not in prompt
 
 
-def test_mini_swe_trace_is_the_template_rendering(nano):
+@pytest.mark.parametrize("harness", ["mini-swe", pytest.param("terminus-2", marks=pytest.mark.skipif(
+    shutil.which("tmux") is None, reason="tmux is not installed"))])
+def test_trace_is_the_template_rendering(nano, harness):
     """What training sees equals the chat template's rendering of the whole conversation."""
     from agents.harnesses import make_harness
     from agents.loop import Agent, AgentConfig
@@ -93,11 +95,14 @@ def test_mini_swe_trace_is_the_template_rendering(nano):
     ep = Episode(task, EnvSettings(kind="local"))
     try:
         sandbox = ep.open()
-        turns = [_mini_turn(tok, t, c) for t, c in oracle_steps(task_dir)]
+        turns = scripted_turns(tok, oracle_steps(task_dir), harness)
         policy = TokenPolicy(LogprobSampler(turns), tok, temperature=1.0, top_p=1.0)
         agent = Agent(policy, sandbox, AgentConfig(max_steps=6, max_format_errors=1),
-                      harness=make_harness("mini-swe", ep.workdir))
-        res = agent.run(task.instruction)
+                      harness=make_harness(harness, ep.workdir))
+        try:
+            res = agent.run(task.instruction)
+        finally:
+            agent.harness.close()
     finally:
         ep.close()
     assert res.status == "submitted"

@@ -18,7 +18,7 @@ from training.config import preset
 from training.rollout import (
     ROLLOUT_LABEL, EpisodeRequest, InfraError, env_settings, prepare_tasks, prewarm, run_episode,
 )
-from training.learner.sft import ScriptedSampler, assistant_ids
+from training.learner.sft import ScriptedSampler, scripted_turns
 
 pytestmark = pytest.mark.podman
 
@@ -46,7 +46,7 @@ def nano(tmp_path_factory, base_image):
 def _oracle_turns(tok, task_dir):
     from training.nano.tasks import oracle_steps
 
-    return [assistant_ids(tok, t, c) for t, c in oracle_steps(task_dir)]
+    return scripted_turns(tok, oracle_steps(task_dir))
 
 
 def test_images_resolved_up_front_and_unbuildable_dropped(nano):
@@ -70,9 +70,9 @@ def test_limits_from_task_toml_and_no_tests_before_submit(nano):
     tok, splits, cfg, prepared, _ = nano
     task = str(splits["train"][1])
     # cgroup v1 or v2 file names
-    look = assistant_ids(tok, "THOUGHT: look.", "cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us 2>/dev/null || "
-                         "cat /sys/fs/cgroup/cpu.max; cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null"
-                         " || cat /sys/fs/cgroup/memory.max; ls /sys/class/net; ls /tests /logs/verifier")
+    [look] = scripted_turns(tok, [("THOUGHT: look.", "cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us 2>/dev/null || "
+                                   "cat /sys/fs/cgroup/cpu.max; cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null"
+                                   " || cat /sys/fs/cgroup/memory.max; ls /sys/class/net; ls /tests /logs/verifier")])
     c = cfg.model_copy(update={"max_tool_calls": 2, "observation_max_chars": 2000, "per_turn_max_tokens": 300,
                                "response_budget": 1000, "context_budget": 2048})
     r = run_episode(EpisodeRequest(task, 0, 0, 1), ScriptedSampler([look, look]), tok, c,
@@ -87,7 +87,7 @@ def test_limits_from_task_toml_and_no_tests_before_submit(nano):
 def test_warm_pool_hands_out_a_fresh_started_container(nano):
     tok, splits, cfg, prepared, _ = nano
     task = str(splits["train"][2])
-    submit = assistant_ids(tok, "THOUGHT: done.", SUBMIT_COMMAND)
+    [submit] = scripted_turns(tok, [("THOUGHT: done.", SUBMIT_COMMAND)])
     settings = env_settings(cfg)
     with WarmPool(2) as pool:
         assert prewarm(pool, task, settings, prepared.images[task])
@@ -110,7 +110,7 @@ def test_warm_pool_hands_out_a_fresh_started_container(nano):
 def test_container_killed_mid_episode_is_an_infra_error(nano):
     tok, splits, cfg, prepared, _ = nano
     task = str(splits["train"][0])
-    wait = assistant_ids(tok, "THOUGHT: wait.", "sleep 30")
+    [wait] = scripted_turns(tok, [("THOUGHT: wait.", "sleep 30")])
     label = f"{ROLLOUT_LABEL}={splits['train'][0].name}"
     killed: list[str] = []
 

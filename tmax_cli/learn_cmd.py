@@ -229,10 +229,11 @@ def sft(
         _sft_from_runs(cfg, from_runs, run_dir)
         return
     try:
-        from training.recipe import build_stage, sft_stage
+        from training.recipe import build_stage, prepare_recipe_tasks, sft_stage
 
         model_dir, train_dir, _ = build_stage(cfg, run_dir, cfg.algo.seed, _echo)
-        res = sft_stage(cfg, model_dir, train_dir, run_dir, _echo)
+        prepared = prepare_recipe_tasks(cfg, train_dir, "", run_dir, _echo)
+        res = sft_stage(cfg, model_dir, prepared, run_dir, _echo)
     except Exception as e:  # noqa: BLE001
         _fail(e)
     typer.echo(json.dumps(res, indent=2))

@@ -1,13 +1,15 @@
 """SFT warm start on oracle trajectories, rendered through the same harness.
 
-A demonstration is not hand-made text: the oracle's (THOUGHT, command) steps are played
-by a scripted `TokenSampler` inside the real loop (`agents.loop.Agent` + `TokenPolicy`)
-in a real sandbox, and the task's verifier checks the result. So the tokens trained on
-are exactly the ones a rollout would have: the prompt rendered with the chat template
-and tools, each assistant turn as the template renders it, each real observation as the
-template renders a tool message. Loss on assistant tokens only (mask 1): a demonstration
-is a `TrainSample` like any rollout, packed and run through the RL learner's forward, with
-a cross-entropy loss in place of the policy loss.
+A demonstration is not hand-made text: the oracle's (THOUGHT, command) steps, written as
+the model of the demo's harness (`rollout.harness`) would write them (`Harness.demo_turns`),
+are played by a scripted `TokenSampler` inside the real loop (`agents.loop.Agent` +
+`TokenPolicy`) in a real sandbox, and the task's verifier checks the result. So the
+tokens trained on are exactly the ones a rollout would have: the prompt rendered with the
+chat template (and tools), each assistant turn as the template renders it, each real
+observation as the template renders that harness's observation message. Loss on
+assistant tokens only (mask 1): a demonstration is a `TrainSample` like any rollout, packed
+and run through the RL learner's forward, with a cross-entropy loss in place of the policy
+loss.
 """
 
 from __future__ import annotations
@@ -40,14 +42,12 @@ class DemoError(RuntimeError):
     """An oracle demonstration could not be produced (it failed its own verifier)."""
 
 
-def assistant_ids(tokenizer: Any, thought: str, command: str) -> list[int]:
-    """The token ids of one assistant turn (THOUGHT + bash call + end of turn) exactly as
-    the chat template renders it after a generation prompt."""
-    msg = {"role": "assistant", "content": thought,
-           "tool_calls": [{"type": "function", "function": {"name": "bash", "arguments": {"command": command}}}]}
+def assistant_ids(tokenizer: Any, message: dict[str, Any]) -> list[int]:
+    """The token ids of one assistant message (up to its end of turn) exactly as the chat
+    template renders it after a generation prompt."""
     base = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
     prefix = tokenizer.apply_chat_template(base, add_generation_prompt=True, tokenize=False)
-    full = tokenizer.apply_chat_template(base + [msg], tokenize=False)
+    full = tokenizer.apply_chat_template(base + [message], tokenize=False)
     if not full.startswith(prefix):
         raise DemoError("the chat template does not render an assistant turn after its generation prompt")
     text = full[len(prefix):]
@@ -56,6 +56,15 @@ def assistant_ids(tokenizer: Any, thought: str, command: str) -> list[int]:
     if end < 0:
         raise DemoError(f"the chat template does not end assistant turns with {eot!r}")
     return list(tokenizer.encode(text[: end + len(eot)], add_special_tokens=False))
+
+
+def scripted_turns(tokenizer: Any, steps: list[tuple[str, str]], harness: str = "tmax") -> list[list[int]]:
+    """The sampled turns that play (THOUGHT, command) steps under `harness`, each written
+    as that harness's model would (`Harness.demo_turns`; terminus-2 adds its confirmation)."""
+    from agents.harnesses import make_harness
+
+    h = make_harness(harness)
+    return [assistant_ids(tokenizer, m) for thought, command in steps for m in h.demo_turns(thought, command)]
 
 
 class ScriptedSampler:
@@ -70,32 +79,34 @@ class ScriptedSampler:
             raise DemoError("the oracle script has no more turns")
         ids = self.turns.pop(0)
         if len(ids) > max_tokens:
-            raise DemoError(f"an oracle turn of {len(ids)} tokens exceeds the per-turn budget of {max_tokens}")
+            raise DemoError(f"an oracle turn of {len(ids)} tokens exceeds the per-turn budget of {max_tokens} "
+                            "(rollout.per_turn_max_tokens)")
         return SampledTokens(ids, [0.0] * len(ids), "stop", 0)
 
 
-def oracle_demo(task_dir: str | Path, tokenizer: Any, cfg: LearnConfig, *, image: TaskImage | None = None,
-                pool: WarmPool | None = None) -> Rollout:
+def oracle_demo(task_dir: str | Path, tokenizer: Any, cfg: LearnConfig, *, group_id: int = 0,
+                image: TaskImage | None = None, pool: WarmPool | None = None) -> Rollout:
     """Play a nano task's oracle through the harness; raises DemoError unless it scores 1."""
     from training.nano.tasks import oracle_steps
 
-    r = play_demo(task_dir, oracle_steps(task_dir), tokenizer, cfg, image=image, pool=pool)
+    r = play_demo(task_dir, oracle_steps(task_dir), tokenizer, cfg, group_id=group_id, image=image, pool=pool)
     if r.reward < 1.0:
         raise DemoError(f"{task_dir}: the oracle scored {r.reward} ({r.status})")
     return r
 
 
 def play_demo(task_dir: str | Path, steps: list[tuple[str, str]], tokenizer: Any, cfg: LearnConfig, *,
-              image: TaskImage | None = None, pool: WarmPool | None = None) -> Rollout:
-    """Play scripted (THOUGHT, command) steps through the harness; the verifier scores it.
-    `image` and `pool` as for `run_episode`."""
-    turns = [assistant_ids(tokenizer, t, c) for t, c in steps]
-    req = EpisodeRequest(str(task_dir), 0, 0, 0)
+              group_id: int = 0, image: TaskImage | None = None, pool: WarmPool | None = None) -> Rollout:
+    """Play scripted (THOUGHT, command) steps through the harness of group `group_id`
+    (`rollout.harness_for`), as its rollouts would run; the verifier scores it. `image`
+    and `pool` as for `run_episode`."""
+    turns = scripted_turns(tokenizer, steps, cfg.rollout.harness_for(group_id))
+    req = EpisodeRequest(str(task_dir), group_id, 0, 0)
     return run_episode(req, ScriptedSampler(turns), tokenizer, cfg.rollout, image=image, pool=pool)
 
 
-def teacher_demo(task_dir: str | Path, tokenizer: Any, cfg: LearnConfig, *, image: TaskImage | None = None,
-                 pool: WarmPool | None = None) -> Rollout:
+def teacher_demo(task_dir: str | Path, tokenizer: Any, cfg: LearnConfig, *, group_id: int = 0,
+                 image: TaskImage | None = None, pool: WarmPool | None = None) -> Rollout:
     """The oracle when `sft.teacher_accuracy` is 1, else an imperfect teacher whose choice
     is drawn from a generator seeded by the run seed and the task (reproducible). A
     teacher demo is kept whatever its reward; only an oracle demo must pass."""
@@ -103,10 +114,10 @@ def teacher_demo(task_dir: str | Path, tokenizer: Any, cfg: LearnConfig, *, imag
 
     acc = cfg.sft.teacher_accuracy
     if acc >= 1.0:
-        return oracle_demo(task_dir, tokenizer, cfg, image=image, pool=pool)
+        return oracle_demo(task_dir, tokenizer, cfg, group_id=group_id, image=image, pool=pool)
     rng = random.Random(f"teacher-{cfg.algo.seed}-{Path(task_dir).name}")
     steps, right = teacher_steps(task_dir, acc, rng)
-    r = play_demo(task_dir, steps, tokenizer, cfg, image=image, pool=pool)
+    r = play_demo(task_dir, steps, tokenizer, cfg, group_id=group_id, image=image, pool=pool)
     if right and r.reward < 1.0:
         raise DemoError(f"{task_dir}: the oracle scored {r.reward} ({r.status})")
     return r
@@ -124,7 +135,8 @@ class SFTResult:
 
 def collect_demos(task_dirs: list[str], tokenizer: Any, cfg: LearnConfig, out_jsonl: Path | None = None,
                   images: dict[str, TaskImage | None] | None = None) -> list[Rollout]:
-    """One demonstration per task, `run.concurrency` at a time (in task order). `images`:
+    """One demonstration per task, `run.concurrency` at a time (in task order); demo i is
+    group i, so a list of `rollout.harness` names gives demos under each in turn. `images`:
     the tasks' environments resolved before (`prepare_tasks`); with them, podman demos
     take containers from a warm pool started ahead, as rollouts do (without, each episode
     resolves its image and starts its own container)."""
@@ -136,7 +148,7 @@ def collect_demos(task_dirs: list[str], tokenizer: Any, cfg: LearnConfig, out_js
         d = task_dirs[i]
         for attempt in range(cfg.rollout.max_infra_retries + 1):
             try:
-                return teacher_demo(d, tokenizer, cfg, image=images.get(d), pool=pool)
+                return teacher_demo(d, tokenizer, cfg, group_id=i, image=images.get(d), pool=pool)
             except InfraError:
                 if attempt == cfg.rollout.max_infra_retries:
                     raise
