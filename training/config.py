@@ -20,6 +20,16 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 PRESETS = ("nano", "nano-podman", "tmax-9b")
 
 
+
+def _known_harnesses(key: str, v: str | list[str]) -> str | list[str]:
+    from agents.harnesses import HARNESSES
+
+    names = [v] if isinstance(v, str) else v
+    bad = [n for n in names if n not in HARNESSES]
+    if not names or bad:
+        raise ValueError(f"{key} {bad or names!r}: choose from {', '.join(HARNESSES)}")
+    return v
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -76,13 +86,7 @@ class RolloutConfig(_Strict):
     @field_validator("harness")
     @classmethod
     def _known_harness(cls, v: str | list[str]) -> str | list[str]:
-        from agents.harnesses import HARNESSES
-
-        names = [v] if isinstance(v, str) else v
-        bad = [n for n in names if n not in HARNESSES]
-        if not names or bad:
-            raise ValueError(f"rollout.harness {bad or names!r}: choose from {', '.join(HARNESSES)}")
-        return v
+        return _known_harnesses("rollout.harness", v)
 
     def harness_for(self, group_id: int) -> str:
         """The harness of a group: every sample of a group shares it, groups rotate."""
@@ -156,6 +160,14 @@ class EvalConfig(_Strict):
     max_steps: int = Field(64, ge=1)
     # Where held-out trials run (`tmax bench -e`): host sandboxes need no image per task.
     sandbox: Literal["local", "bwrap", "podman"] = "podman"
+    # The harness of held-out trials (`tmax bench -a`); None: the first of `rollout.harness`,
+    # the one the model trained under. Another name asks how well the training carries over.
+    harness: str | None = None
+
+    @field_validator("harness")
+    @classmethod
+    def _known_harness(cls, v: str | None) -> str | None:
+        return v if v is None else _known_harnesses("eval.harness", v)
 
 
 class RunConfig(_Strict):

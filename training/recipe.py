@@ -89,17 +89,18 @@ def sft_stage(cfg: LearnConfig, model_dir: str, prepared: Any, out: Path, log: L
 
 
 def heldout_eval(cfg: LearnConfig, engine: Any, held_dir: str, jobs_dir: Path, name: str, log: Log) -> dict:
-    """A `tmax bench` job (tmax agent, trials in `eval.sandbox`) against the server of
-    `engine` (a `training.cluster.actors.EngineGroup`)."""
+    """A `tmax bench` job (the `eval.harness` agent, else the harness trained under; trials
+    in `eval.sandbox`) against the server of `engine` (a `training.cluster.actors.EngineGroup`)."""
     from tasks.job import Job, JobConfig
 
     info = engine.info()
     r = cfg.rollout
+    harness = cfg.eval.harness or r.harness_for(0)
     kwargs = {"temperature": cfg.eval.temperature, "top_p": 1.0, "max_steps": cfg.eval.max_steps,
               "max_tokens": r.per_turn_max_tokens, "command_timeout": r.command_timeout,
               "max_format_errors": r.max_format_errors, "observation_max_chars": r.observation_max_chars,
               "context_budget": r.context_budget}
-    jc = JobConfig(job_name=name, jobs_dir=str(jobs_dir), dataset=held_dir, agent="tmax", model=info["model"],
+    jc = JobConfig(job_name=name, jobs_dir=str(jobs_dir), dataset=held_dir, agent=harness, model=info["model"],
                    base_url=info["base_url"], agent_kwargs=kwargs, n_attempts=cfg.eval.attempts,
                    n_concurrent=cfg.eval.concurrency, environment=cfg.eval.sandbox)
     t0 = time.monotonic()
@@ -111,7 +112,7 @@ def heldout_eval(cfg: LearnConfig, engine: Any, held_dir: str, jobs_dir: Path, n
     infra = sum(1 for t in trials if t.get("tmax", {}).get("outcome") == "infra_error")
     out = {"pass_rate": passed / n if n else 0.0, "passed": passed, "trials": n, "infra_errors": infra,
            "seconds": time.monotonic() - t0, "job_dir": str(job.dir)}
-    log(f"held-out eval [{name}]: {passed}/{n} passed ({out['pass_rate']:.1%}), {infra} infra errors, "
+    log(f"held-out eval [{name}, {harness} harness]: {passed}/{n} passed ({out['pass_rate']:.1%}), {infra} infra errors, "
         f"{out['seconds']:.0f}s")
     return out
 
