@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandbox.base import Sandbox, SandboxError
+from sandbox.base import IMAGE_USER, Sandbox, SandboxError
 from tasks.model import Task
 
 VENV = "/opt/tmax-verifier"
@@ -241,7 +241,8 @@ def run_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path | Non
         sandbox.copy_in(Path(tmp), stage)
     script_path = SCRIPT_PATH if rewritten else "/tests/test.sh"
     res = sandbox.exec(["bash", "-c", _verifier_command(stage, script_path, rewritten, timeout, tag)],
-                       timeout=timeout + GRACE_S, workdir=workdir, env=dict(task.config.verifier.env) or None)
+                       timeout=timeout + GRACE_S, workdir=workdir, env=dict(task.config.verifier.env) or None,
+                       user=task.config.verifier.user or IMAGE_USER)
     prep_error, rc, files = _parse_verifier_output(res.output, tag)
     if prep_error is not None:
         raise SandboxError(f"could not prepare /tests and /logs/verifier: {prep_error}")
