@@ -1,7 +1,7 @@
 """`[agent] user` on podman: the agent's shell, its one-off execs and the oracle's solve.sh
-run as that user in its home, while the verifier keeps the image's USER (root) and writes
-its reward; a task without the field keeps root; an image without the user is the task's
-own defect (AgentUserError)."""
+run as that user in its home, while the verifier keeps the image's USER (root) unless
+`[verifier] user` says otherwise, and writes its reward; a task without the field keeps
+root; an image without the user is the task's own defect (AgentUserError)."""
 
 from __future__ import annotations
 
@@ -40,12 +40,14 @@ fi
 """
 
 
-def make_task(root: Path, name: str, user: str | None, expect: str, owner: str) -> Path:
+def make_task(root: Path, name: str, user: str | None, expect: str, owner: str,
+              verifier_user: str | None = None) -> Path:
     d = root / name
     (d / "environment").mkdir(parents=True)
     (d / "environment" / "Dockerfile").write_text(DOCKERFILE)
     agent = f'\n[agent]\ntimeout_sec = 60.0\nuser = "{user}"\n' if user else ""
-    (d / "task.toml").write_text(f'version = "1.0"\n{agent}\n[verifier]\ntimeout_sec = 60.0\n')
+    verifier = f'user = "{verifier_user}"\n' if verifier_user else ""
+    (d / "task.toml").write_text(f'version = "1.0"\n{agent}\n[verifier]\ntimeout_sec = 60.0\n{verifier}')
     (d / "instruction.md").write_text("Write who you are to /tmp/who.txt.\n")
     (d / "tests").mkdir()
     (d / "tests" / "test.sh").write_text(TEST_SH.format(expect=expect, owner=owner))
@@ -59,6 +61,7 @@ def tasks(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("user-tasks")
     make_task(root, "as-user", "user", "user /home/user /home/user", "user")
     make_task(root, "as-root", None, "root /root /home/user", "root")
+    make_task(root, "verifier-as-user", "user", "user /home/user /home/user", "user", verifier_user="user")
     return root
 
 
@@ -67,9 +70,10 @@ def test_oracle_runs_as_the_agent_user_and_the_verifier_as_root(tasks, tmp_path)
                         n_concurrent=2))
     data = job.run()
     rewards = {r["task"]: r["mean_reward"] for r in data["tmax_score"]["tasks"]}
-    assert rewards == {"as-user": 1.0, "as-root": 1.0}
-    logs = sorted(tmp_path.glob("agent-user/as-*/verifier/test-stdout.txt"))
-    assert len(logs) == 2 and all("verifier: root" in p.read_text() for p in logs)
+    assert rewards == {"as-user": 1.0, "as-root": 1.0, "verifier-as-user": 1.0}
+    verifier_ids = {p.parent.parent.name.split("__")[0]: p.read_text().split("verifier: ")[1].split()[0]
+                    for p in tmp_path.glob("agent-user/*/verifier/test-stdout.txt")}
+    assert verifier_ids == {"as-user": "root", "as-root": "root", "verifier-as-user": "user"}
 
 
 def test_agent_shell_and_execs_run_as_the_user_in_its_home(tasks, tmp_path):
@@ -83,6 +87,9 @@ def test_agent_shell_and_execs_run_as_the_user_in_its_home(tasks, tmp_path):
         assert box.exec(["id", "-un"], user=IMAGE_USER).output.strip() == "root"
         denied = box.run("touch /etc/agent-was-here")
         assert denied.exit_code != 0 and "Permission denied" in denied.output
+        # The harness (root) still interrupts the user's commands.
+        slow = box.run("sleep 30", timeout=1)
+        assert slow.timed_out and box.run("id -un").output.strip() == "user"
         result = ep.verify(tmp_path / "verifier", 60)
     # The verifier ran (as root: it created /logs) and scored: who.txt was never written.
     assert result.status == "ok" and result.reward == 0.0
