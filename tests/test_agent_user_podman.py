@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
+from agents.tmux import TmuxSession
 from sandbox.base import IMAGE_USER, AgentUserError
 from tasks.episode import EnvSettings, Episode
 from tasks.job import Job, JobConfig
@@ -90,6 +92,16 @@ def test_agent_shell_and_execs_run_as_the_user_in_its_home(tasks, tmp_path):
         # The harness (root) still interrupts the user's commands.
         slow = box.run("sleep 30", timeout=1)
         assert slow.timed_out and box.run("id -un").output.strip() == "user"
+        if shutil.which("tmux"):  # terminus-2's tmux server, started through exec, is the user's too
+            tmux = TmuxSession(box, ep.workdir)
+            tmux.start()
+            tmux.send_keys("echo who=$(id -un)")
+            tmux.send_keys("Enter")
+            deadline = time.monotonic() + 10
+            while "who=user" not in tmux.capture() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert "who=user" in tmux.capture()
+            tmux.close()
         result = ep.verify(tmp_path / "verifier", 60)
     # The verifier ran (as root: it created /logs) and scored: who.txt was never written.
     assert result.status == "ok" and result.reward == 0.0

@@ -89,6 +89,8 @@ def test_generate_20_tasks_with_broken_gates(tmp_path):
         kept = sorted(d for d in out.iterdir() if d.is_dir() and not d.name.startswith((".", "_")))
         rejected = {case_of(d): d for d in (out / "_rejected").iterdir()}
         assert len(kept) == 16 and set(rejected) == set(EXPECTED_REJECTED)
+        # Tasks for a normal user; bwrap cannot switch user and runs them as the invoking one.
+        assert all(Task.load(d).config.agent.user == "user" for d in kept)
         states = {s["task"]: s for s in summary["tasks"]}
         for case, gate in EXPECTED_REJECTED.items():
             assert states[rejected[case].name]["failed_gate"] == gate
