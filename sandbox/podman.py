@@ -3,9 +3,9 @@
 The container runs `sleep infinity`; the agent's persistent shell is `podman exec -it CID
 bash` on a pty, and harness work goes through `exec_run`. With `SandboxSpec.user` set, the
 shell and every exec not told otherwise run as that user (`--user`; podman sets HOME from
-its passwd entry), while the container itself keeps the image's USER. Network is off unless asked,
-cpu / memory / pids are limited, and every container carries the tmax label so
-`tmax sandbox clean` finds leftovers of crashed runs.
+its passwd entry), while the container itself keeps the image's USER. Network is off
+unless asked, cpu / memory / pids are limited, and every container carries the tmax label
+so `tmax sandbox clean` finds leftovers of crashed runs.
 """
 
 from __future__ import annotations

@@ -205,7 +205,8 @@ def _verifier_command(stage: str, script_path: str, rewritten: bool, timeout: fl
         f"  echo \"__TMAX_{tag}_prep__ $err\"; rm -rf {q(stage)}; exit 0",
         "fi",
         f"rm -rf {q(stage)}",
-        f"timeout --kill-after=10 {int(math.ceil(timeout))} {run_as}bash {script_path} > /logs/verifier/test-stdout.txt 2>&1",
+        f"timeout --kill-after=10 {int(math.ceil(timeout))} {run_as}bash {script_path}"
+        " > /logs/verifier/test-stdout.txt 2>&1",
         f"echo \"__TMAX_{tag}_rc__ $?\"",
         "for f in reward.txt reward.json; do",
         f"  [ -f /logs/verifier/$f ] && {{ echo \"__TMAX_{tag}_file__ $f\"; cat /logs/verifier/$f; echo; }}",

@@ -9,8 +9,8 @@
     oracle   solution/solve.sh, then the verifier, gives reward 1
 
 `oracle` runs solve.sh as the agent's user, as Harbor's oracle agent does; the tests run
-as the verifier's user. `initial` and `nop` share one trial (the initial-state check is that trial's "agent" and
-changes nothing); `oracle` is a second trial. Trials run with bench's machinery
+as the verifier's user. `initial` and `nop` share one trial (the initial-state check is
+that trial's "agent" and changes nothing); `oracle` is a second trial. Trials run with bench's machinery
 (`tasks.trial.run_trial`) and keep their Harbor trial directories under the work dir.
 A task without `solution/` is `unverified` (failed: ["oracle"]) unless another gate failed.
 """
