@@ -20,11 +20,20 @@ NAME_PREFIX = "tmax-"
 
 DEFAULT_COMMAND_TIMEOUT_S = 120.0
 
+# `exec(..., user=IMAGE_USER)` runs as the image's own USER (the harness's identity, e.g.
+# root for a verifier that writes /logs), not as the agent's user.
+IMAGE_USER = ""
+
 
 class SandboxError(RuntimeError):
     """Infrastructure failure of a sandbox (could not start, died, lost its shell).
 
     Callers label these as infrastructure errors; they are never the agent's fault."""
+
+
+class AgentUserError(SandboxError):
+    """The image does not let the agent's user (`SandboxSpec.user`) open its shell: no such
+    user, or the workdir is closed to it. The task's environment is at fault."""
 
 
 @dataclass
@@ -56,6 +65,10 @@ class SandboxSpec:
     labels: dict[str, str] = field(default_factory=dict)
     mounts: list[tuple[str, str, bool]] = field(default_factory=list)  # (host, target, read_only)
     name: str | None = None
+    # The agent's user (name or UID) in a podman container: its shell and every `exec` not
+    # told otherwise run as it. None: the image's USER. Host sandboxes cannot switch user
+    # and run as the invoking user whatever this says.
+    user: str | None = None
     # bwrap: host paths hidden in the jail on top of the usual credential files, and
     # paths of that default list to show after all.
     masked: list[str] = field(default_factory=list)
@@ -83,8 +96,10 @@ class Sandbox(Protocol):
         timeout: float | None = None,
         workdir: str | None = None,
         env: dict[str, str] | None = None,
+        user: str | None = None,
     ) -> CommandResult:
-        """Run a one-off process outside the agent's shell, stdout and stderr separate."""
+        """Run a one-off process outside the agent's shell, stdout and stderr separate; as
+        `user` (podman), by default the agent's user, IMAGE_USER for the image's USER."""
         ...
 
     def copy_in(self, src: Path, dst: str) -> None:

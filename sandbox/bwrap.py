@@ -157,7 +157,8 @@ class BwrapSandbox(ShellSandbox):
             raise
 
     def exec(self, argv: list[str], timeout: float | None = None, workdir: str | None = None,
-             env: dict[str, str] | None = None) -> CommandResult:
+             env: dict[str, str] | None = None, user: str | None = None) -> CommandResult:
+        # `user` is ignored: a host sandbox runs as the invoking user.
         self._shell()
         full = self.bwrap_argv(self._env(env), workdir or self.spec.workdir or self.target) + list(argv)
         return run_process(full, timeout, env={})

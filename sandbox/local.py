@@ -43,7 +43,8 @@ class LocalSandbox(ShellSandbox):
         self.shell.start()
 
     def exec(self, argv: list[str], timeout: float | None = None, workdir: str | None = None,
-             env: dict[str, str] | None = None) -> CommandResult:
+             env: dict[str, str] | None = None, user: str | None = None) -> CommandResult:
+        # `user` is ignored: a host sandbox runs as the invoking user.
         full_env = {**os.environ, **self.spec.env, **(env or {})}  # later sources win on repeated keys
         return run_process(argv, timeout, cwd=workdir or self.workdir, env=full_env)
 

@@ -1,9 +1,11 @@
 """A podman container, driven through podman-py against the REST service.
 
 The container runs `sleep infinity`; the agent's persistent shell is `podman exec -it CID
-bash` on a pty, and harness work goes through `exec_run`. Network is off unless asked,
-cpu / memory / pids are limited, and every container carries the tmax label so
-`tmax sandbox clean` finds leftovers of crashed runs.
+bash` on a pty, and harness work goes through `exec_run`. With `SandboxSpec.user` set, the
+shell and every exec not told otherwise run as that user (`--user`; podman sets HOME from
+its passwd entry), while the container itself keeps the image's USER. Network is off
+unless asked, cpu / memory / pids are limited, and every container carries the tmax label
+so `tmax sandbox clean` finds leftovers of crashed runs.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 
 from sandbox import podman_service
 from sandbox.base import (
-    LABEL_KEY, LABEL_VALUE, NAME_PREFIX, CommandResult, SandboxError, SandboxSpec,
+    IMAGE_USER, AgentUserError, LABEL_KEY, LABEL_VALUE, NAME_PREFIX, CommandResult, SandboxError, SandboxSpec,
 )
 from sandbox.hostexec import MAX_EXEC_CHARS
 from sandbox.shell import BASH_ARGV, PersistentShell, ShellSandbox
@@ -127,13 +129,17 @@ class PodmanSandbox(ShellSandbox):
             if name in self.ulimits
         )
         inner = shlex.join(BASH_ARGV)
-        argv += ["exec", "-it", self.container.id, "bash", "-c", f"{soft}; exec {inner}" if soft else f"exec {inner}"]
+        argv += ["exec", "-it", *(["--user", self.spec.user] if self.spec.user else []), self.container.id,
+                 "bash", "-c", f"{soft}; exec {inner}" if soft else f"exec {inner}"]
         self.shell = PersistentShell(argv, workdir=self.workdir, kill_inner=self._kill_inner,
                                      kill_foreground_inner=self._kill_foreground_inner)
         try:
             self.shell.start()
-        except SandboxError:
+        except SandboxError as e:
             self.close()
+            if self.spec.user:
+                raise AgentUserError(f"podman sandbox: no shell as user {self.spec.user!r} in {self.workdir}"
+                                     f" of {self.image}: {e}") from e
             raise
 
     def _kill_inner(self, pid: int) -> None:
@@ -188,9 +194,10 @@ class PodmanSandbox(ShellSandbox):
     # -- commands ---------------------------------------------------------------------
 
     def exec(self, argv: list[str], timeout: float | None = None, workdir: str | None = None,
-             env: dict[str, str] | None = None) -> CommandResult:
-        """One-off process via the REST API, stdout and stderr separate. A timeout is
-        enforced inside with coreutils `timeout` (the API cannot cancel an exec)."""
+             env: dict[str, str] | None = None, user: str | None = None) -> CommandResult:
+        """One-off process via the REST API, stdout and stderr separate, as `user` (None:
+        the agent's user). A timeout is enforced inside with coreutils `timeout` (the API
+        cannot cancel an exec)."""
         if self.container is None:
             raise SandboxError("sandbox is not started")
         from podman.errors import APIError
@@ -208,7 +215,8 @@ class PodmanSandbox(ShellSandbox):
             try:
                 with podman_service.client(self.runtime, timeout=None if timeout is None else timeout + 60) as c:
                     ct = c.containers.get(self.container.id)
-                    result["r"] = ct.exec_run(cmd, demux=True, workdir=workdir, environment=env)
+                    result["r"] = ct.exec_run(cmd, demux=True, workdir=workdir, environment=env,
+                                             user=self.spec.user if user is None else user)
             except Exception as e:  # reported below, on the caller's thread
                 result["e"] = e
 
@@ -254,7 +262,7 @@ class PodmanSandbox(ShellSandbox):
         except (NotFound, APIError):
             pass
         # Most targets' parent exists: only a refused archive pays for the mkdir exec.
-        mk = self.exec(["mkdir", "-p", parent])
+        mk = self.exec(["mkdir", "-p", parent], user=IMAGE_USER)
         if mk.exit_code != 0:
             raise SandboxError(f"copy_in: cannot create {parent}: {mk.stderr.strip()}")
         try:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from sandbox.base import LABEL_KEY, LABEL_VALUE, NAME_PREFIX, SandboxError
+from sandbox.base import IMAGE_USER, LABEL_KEY, LABEL_VALUE, NAME_PREFIX, SandboxError
 
 
 COPY_BATCH = 1000  # paths per cp call, well below the argument-length limit
@@ -195,7 +195,7 @@ class ContainerSnapshots:
         self._exec(["mkdir", "-p", SNAP_DIR], "making the snapshot directory")
 
     def _exec(self, argv: list[str], what: str) -> str:
-        r = self.box.exec(argv, timeout=300)
+        r = self.box.exec(argv, timeout=300, user=IMAGE_USER)  # the whole filesystem: not the agent's user
         if r.exit_code != 0:
             raise SandboxError(f"undo: {what} failed in the container: {(r.stderr or r.output).strip()[-500:]}")
         return r.output

@@ -1,7 +1,8 @@
 """The Harbor task format: one directory per task.
 
     task.toml        timeouts, resources, metadata (TB2 schema `version = "1.0"` or newer
-                     `schema_version` with `memory_mb` / `storage_mb`)
+                     `schema_version` with `memory_mb` / `storage_mb`), and the users
+                     `[agent] user` / `[verifier] user` run as (default: the image's USER)
     instruction.md   the prompt, verbatim
     environment/     Dockerfile + build context (docker-compose environments are refused)
     tests/test.sh    the verifier, copied to /tests after the agent stops
@@ -63,12 +64,24 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class VerifierSection(_Section):
+class _RunsAs(_Section):
+    # Harbor's `user`: a user name or UID to run this phase as; None keeps the image's USER.
+    user: str | None = None
+
+    @field_validator("user", mode="before")
+    @classmethod
+    def _user(cls, v: Any) -> Any:
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("a user name or UID, not an empty string (leave it out for the image's USER)")
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+
+class VerifierSection(_RunsAs):
     timeout_sec: float = Field(600.0, gt=0)
     env: dict[str, str] = Field(default_factory=dict)
 
 
-class AgentSection(_Section):
+class AgentSection(_RunsAs):
     timeout_sec: float = Field(600.0, gt=0)
 
 

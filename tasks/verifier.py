@@ -1,7 +1,8 @@
 """Run a task's verifier in its sandbox and read the reward.
 
 Harbor's protocol: after the agent stops, `tests/` is copied to `/tests`, `/logs/verifier`
-exists, and `bash /tests/test.sh` runs as root in the image WORKDIR; the reward is the
+exists, and `bash /tests/test.sh` runs as the image's USER (root), or as `[verifier] user`,
+in the image WORKDIR; the reward is the
 number in `/logs/verifier/reward.txt` (or `reward.json`).
 
 Offline, TB2's test.sh cannot bootstrap uv (installer and CPython come from GitHub), so
@@ -22,7 +23,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandbox.base import Sandbox, SandboxError
+from sandbox.base import IMAGE_USER, Sandbox, SandboxError
 from tasks.model import Task
 
 VENV = "/opt/tmax-verifier"
@@ -184,20 +185,28 @@ def _read(sandbox: Sandbox, path: str) -> str | None:
 GRACE_S = 30.0  # past the in-container timeout, before the exec itself is given up
 
 
-def _verifier_command(stage: str, script_path: str, rewritten: bool, timeout: float, tag: str) -> str:
+def _verifier_command(stage: str, script_path: str, rewritten: bool, timeout: float, tag: str,
+                      user: str | None = None) -> str:
     """One bash program: move the staged tests/ to /tests (and the rewritten script to
     SCRIPT_PATH), run test.sh under `timeout`, then print its exit status and the reward
-    files between markers, so one exec does what took one per step."""
+    files between markers, so one exec does what took one per step. With `user` (`[verifier]
+    user`), the image's USER prepares and test.sh runs as that user (util-linux `runuser`),
+    owning /tests and /logs/verifier."""
     q = shlex.quote
     moves = f"mv {q(stage)}/tests /tests"
     if rewritten:
         moves += f" && mv {q(stage)}/test.sh {SCRIPT_PATH}"
+    run_as = ""
+    if user:
+        moves += f" && chown -R {q(user)} /tests /logs/verifier" + (f" {SCRIPT_PATH}" if rewritten else "")
+        run_as = f"runuser -u \"$(id -nu {q(user)})\" -- "
     return "\n".join([
         f"if ! err=$({{ rm -rf /tests && mkdir -p /logs/verifier && {moves}; }} 2>&1); then",
         f"  echo \"__TMAX_{tag}_prep__ $err\"; rm -rf {q(stage)}; exit 0",
         "fi",
         f"rm -rf {q(stage)}",
-        f"timeout --kill-after=10 {int(math.ceil(timeout))} bash {script_path} > /logs/verifier/test-stdout.txt 2>&1",
+        f"timeout --kill-after=10 {int(math.ceil(timeout))} {run_as}bash {script_path}"
+        " > /logs/verifier/test-stdout.txt 2>&1",
         f"echo \"__TMAX_{tag}_rc__ $?\"",
         "for f in reward.txt reward.json; do",
         f"  [ -f /logs/verifier/$f ] && {{ echo \"__TMAX_{tag}_file__ $f\"; cat /logs/verifier/$f; echo; }}",
@@ -240,8 +249,9 @@ def run_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path | Non
             (Path(tmp) / "test.sh").write_text(script_text)
         sandbox.copy_in(Path(tmp), stage)
     script_path = SCRIPT_PATH if rewritten else "/tests/test.sh"
-    res = sandbox.exec(["bash", "-c", _verifier_command(stage, script_path, rewritten, timeout, tag)],
-                       timeout=timeout + GRACE_S, workdir=workdir, env=dict(task.config.verifier.env) or None)
+    program = _verifier_command(stage, script_path, rewritten, timeout, tag, task.config.verifier.user)
+    res = sandbox.exec(["bash", "-c", program], timeout=timeout + GRACE_S, workdir=workdir,
+                       env=dict(task.config.verifier.env) or None, user=IMAGE_USER)
     prep_error, rc, files = _parse_verifier_output(res.output, tag)
     if prep_error is not None:
         raise SandboxError(f"could not prepare /tests and /logs/verifier: {prep_error}")

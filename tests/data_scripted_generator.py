@@ -6,7 +6,9 @@ Cases: good | parse_then_ok | build_then_ok | build_always | nop_then_ok | nop_a
 oracle_then_ok | oracle_always | initial_always. "_then_ok" answers break the gate on the
 first try and answer correctly once the gate's error is fed back. The canned tasks work in
 /app rather than the prompts' /home/user: the bwrap sandbox shows the workspace at a new
-top-level directory or an existing host path, and the host has no /home/user.
+top-level directory or an existing host path, and the host has no /home/user. On podman
+(`podman_setup`) the Dockerfiles also create the agent's user, as the prompts ask, and
+give it /app (`PODMAN_USER_SETUP`); a host sandbox runs as the invoking user anyway.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import re
 import threading
 
 BASE = "localhost/tmax-base:bookworm"
+PODMAN_USER_SETUP = "RUN useradd -m user && chmod -R 777 /home/user && mkdir -p /app && chown user /app\n"
 LOG = "boot ok\nERROR disk full\nwarn slow\nERROR fan\nok\nERROR again\nend\n"
 
 TEMPLATE = ("<task>CASE={case}\nCount the lines of /app/data/events.log that contain the word ERROR and "

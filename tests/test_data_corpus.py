@@ -133,6 +133,7 @@ def test_combine_union_and_balanced(tmp_path):
 def test_import_harbor(tmp_path):
     data = run_json("import", str(DATA / "import" / "harbor"), "-o", str(tmp_path), "--format", "harbor")
     assert data["imported"] == ["task_000001_ab12cd34"]
+    assert Task.load(tmp_path / "task_000001_ab12cd34").config.agent.user is None  # as its task.toml says
     assert "Dockerfile" in data["errors"]["task_000002_broken"]
     assert not (tmp_path / "task_000002_broken").exists()
     rep = run_json("report", str(tmp_path))
@@ -161,6 +162,8 @@ def test_import_native(tmp_path):
     assert docker.startswith("FROM ubuntu:22.04") and "ENV LC_ALL=C.UTF-8" in docker
     assert "COPY fixtures/ /app/fixtures/" in docker
     assert "useradd -m user" in (task.environment_dir / "post_install.sh").read_text()
+    # The def creates the user itself; the agent runs as it, in its home.
+    assert task.config.agent.user == "user" and "useradd" not in docker and docker.endswith("WORKDIR /home/user\n")
     assert (task.environment_dir / "fixtures" / "sample.txt").is_file()
     assert (task.tests_dir / "test_initial_state.py").is_file() and not task.has_solution
     assert "dedup.csv keeps the first" in (task.path / "truth.md").read_text()
@@ -169,6 +172,8 @@ def test_import_native(tmp_path):
 def test_def_without_post_uses_setup_sh():
     docker, files = dockerfile_from_def("Bootstrap: docker\nFrom: ubuntu:22.04\n", "echo hi > /x\n", False)
     assert "RUN bash /tmp/post_install.sh" in docker and "echo hi" in files["post_install.sh"]
+    # A setup.sh delta lacks the standard preamble: the user and its home are put back.
+    assert "RUN useradd -m user && chmod -R 777 /home/user\nWORKDIR /home/user\n" in docker
 
 
 def test_import_refuses_unknown_format(tmp_path):

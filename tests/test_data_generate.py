@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -21,7 +22,7 @@ from tasks.model import Task
 from tmax_cli.main import app
 
 sys.path.insert(0, str(Path(__file__).parent))
-from data_scripted_generator import Responder  # noqa: E402
+from data_scripted_generator import PODMAN_USER_SETUP, Responder  # noqa: E402
 from scripted_server import ScriptedServer  # noqa: E402
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
@@ -88,6 +89,8 @@ def test_generate_20_tasks_with_broken_gates(tmp_path):
         kept = sorted(d for d in out.iterdir() if d.is_dir() and not d.name.startswith((".", "_")))
         rejected = {case_of(d): d for d in (out / "_rejected").iterdir()}
         assert len(kept) == 16 and set(rejected) == set(EXPECTED_REJECTED)
+        # Tasks for a normal user; bwrap cannot switch user and runs them as the invoking one.
+        assert all(Task.load(d).config.agent.user == "user" for d in kept)
         states = {s["task"]: s for s in summary["tasks"]}
         for case, gate in EXPECTED_REJECTED.items():
             assert states[rejected[case].name]["failed_gate"] == gate
@@ -133,7 +136,8 @@ def test_generate_on_podman(tmp_path):
 
     if not image_exists(BASE_TAG):
         pytest.skip("needs the base image")
-    setup = "RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends python3-minimal\n"
+    setup = ("RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends python3-minimal\n"
+             + PODMAN_USER_SETUP)
     out = tmp_path / "corpus"
     with ScriptedServer(Responder(["good", "build_then_ok"], podman_setup=setup)) as srv:
         r = CliRunner().invoke(app, ["data", "generate", "-o", str(out), "-N", "2", "--base-url", srv.base_url,
@@ -143,7 +147,9 @@ def test_generate_on_podman(tmp_path):
             for t in json.loads(r.stdout)["tasks"]}
     assert rows["good"]["status"] == "kept" and rows["good"]["rounds"] == 1
     assert rows["build_then_ok"]["status"] == "kept" and rows["build_then_ok"]["rounds"] == 2
-    assert Task.load(out / rows["good"]["task"]).has_solution
+    good = Task.load(out / rows["good"]["task"])
+    # The oracle gate ran solve.sh as the agent's user, which owns what it wrote.
+    assert good.has_solution and good.config.agent.user == "user" and good.config.verifier.user is None
 
 
 @pytest.mark.bwrap
@@ -186,6 +192,31 @@ def test_prompts_and_parsers():
     assert prompts.feedback_text("build", "e" * 900).endswith("e" * 500) and len(prompts.feedback_text("b", "e" * 900)) < 540
     with pytest.raises(ValueError, match="stay inside"):
         write_task(TaskParts("t", axes, "do", dockerfile="FROM b", env_files={"../escape": "x"}), Path("/tmp/never"))
+    # The agent is a normal user in its home; the image keeps root for the verifier.
+    env_system = prompts.environment_messages("security", "t", "truth", "init", "final")[0]["content"]
+    assert "useradd -m user" in env_system and "WORKDIR /home/user" in env_system and "no USER line" in env_system
+    with pytest.raises(prompts.ParseError, match="keep root"):
+        prompts.parse_environment("<dockerfile>FROM b\nRUN useradd -m user\nUSER user\n</dockerfile><solve>ls</solve>")
+    assert prompts.parse_environment("<dockerfile>FROM b\nUSER nobody\nUSER root\n</dockerfile><solve>ls</solve>")
+
+
+def test_generated_task_toml_names_the_agent_user_and_loads_in_harbor(tmp_path):
+    from harbor_env import HARBOR_PYTHON
+
+    from tasks.corpus.package import TaskParts, write_task
+
+    parts = TaskParts("t1", initial_state(0, 0, "rl_v2").axes, "do it", dockerfile="FROM b", final_test="x = 1\n",
+                      solution="ls")
+    task = Task.load(write_task(parts, tmp_path / "t1"))
+    assert task.config.agent.user == "user" and task.config.verifier.user is None
+    if not HARBOR_PYTHON.exists():
+        pytest.skip("no .venv-harbor")
+    check = ("import sys; from harbor.models.task.config import TaskConfig; "
+             "c = TaskConfig.model_validate_toml(open(sys.argv[1]).read()); print(c.agent.user, c.verifier.user)")
+    proc = subprocess.run([str(HARBOR_PYTHON), "-c", check, str(task.path / "task.toml")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["user", "None"]
 
 
 @pytest.mark.bwrap

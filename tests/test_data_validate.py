@@ -86,13 +86,19 @@ def test_gates_on_podman(tmp_path):
     shutil.copytree(DATA / "good", root / "broken-build")
     (root / "broken-build" / "environment" / "Dockerfile").write_text(
         f"FROM {BASE_TAG}\nRUN echo setup failed >&2; exit 3\n")
+    # The same image as `good`, whose agent user it never created: the task's defect.
+    shutil.copytree(root / "good", root / "no-agent-user")
+    with open(root / "no-agent-user" / "task.toml", "a") as f:
+        f.write('user = "user"\n')  # the last table of the file is [agent]
     r = runner.invoke(app, ["data", "validate", str(root), "-e", "podman", "-n", "2", "--json"])
     assert r.exit_code == 0, r.output
     got = {t["task"]: (t["verdict"], t["failed"]) for t in json.loads(r.stdout)["tasks"]}
     assert got == {"good": ("ok", []), "wrong-solution": ("rejected", ["oracle"]),
-                   "broken-build": ("rejected", ["build"])}
+                   "broken-build": ("rejected", ["build"]), "no-agent-user": ("rejected", ["build"])}
     reasons = {t["task"]: t["reasons"] for t in json.loads(r.stdout)["tasks"]}
     assert "setup failed" in reasons["broken-build"]["build"]
+    assert "[agent] user = 'user'" in reasons["no-agent-user"]["build"]
+    assert "unable to find user user" in reasons["no-agent-user"]["build"]
 
 
 @pytest.mark.bwrap

@@ -38,6 +38,7 @@ def test_all_sample_tasks_load():
     tasks = load_tasks(SAMPLE)
     assert len(tasks) == 36
     assert all(t.config.environment.memory_mb in (2048, 4096) for t in tasks)
+    assert all(t.config.agent.user is None and t.config.verifier.user is None for t in tasks)  # root, as before
 
 
 def test_newer_schema_fields(tmp_path):
@@ -48,6 +49,17 @@ def test_newer_schema_fields(tmp_path):
     assert t.config.schema_version == "1.1"
     assert t.config.environment.memory_mb == 3000 and t.config.environment.storage_mb == 5000
     assert t.config.environment.allow_internet is False
+
+
+def test_agent_and_verifier_users(tmp_path):
+    d = make_task(tmp_path)
+    assert Task.load(d).config.agent.user is None  # the image's USER
+    (d / "task.toml").write_text('[agent]\nuser = "user"\n[verifier]\nuser = 1000\n')
+    cfg = Task.load(d).config
+    assert (cfg.agent.user, cfg.verifier.user) == ("user", "1000")  # Harbor allows a name or a UID
+    (d / "task.toml").write_text('[agent]\nuser = ""\n')
+    msg = _err(d)
+    assert "task.toml: [agent] user:" in msg and "not an empty string" in msg
 
 
 @pytest.mark.parametrize("value,mb", [("2G", 2048), ("512M", 512), ("4Gi", 4096), (1024, 1024), ("1.5G", 1536)])

@@ -1,7 +1,7 @@
 """`tmax data import`: the published corpus layouts, converted to Harbor tasks.
 
 harbor         the Harbor export: task directories with the axes in `[metadata]`;
-               copied as they are (each must load)
+               copied as they are (each must load), `[agent] user` included
 open-instruct  the RL training copy: `instruction.md`, `tests/`, optional
                `environment/seeds/` (uploaded to /workspace) and `image.txt` naming a
                prebuilt image; becomes a Dockerfile FROM that image (also set as
@@ -9,7 +9,8 @@ open-instruct  the RL training copy: `instruction.md`, `tests/`, optional
 native         the generator's own layout: `task.json` (axes, description, truth),
                `test_initial_state.py`, `test_final_state.py`, `container.def` (+ `setup.sh`)
                and `fixtures/`; the def's `From` and `%post` / `%environment` become a
-               Dockerfile (the %post runs as a copied script), fixtures go to /app/fixtures
+               Dockerfile (the %post runs as a copied script), fixtures go to /app/fixtures;
+               the agent runs as `user` in /home/user (`[agent] user`), as in the original
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import tomli_w
 
 from tasks.corpus.axes import TaskAxes
 from tasks.corpus.corpus import normalized_axes
-from tasks.corpus.package import LITE_RUNNER, TEST_SH, TaskParts, write_executable, write_task
+from tasks.corpus.package import AGENT_USER, HOME, LITE_RUNNER, TEST_SH, TaskParts, write_executable, write_task
 from tasks.model import Task, TaskError
 
 FORMATS = ("harbor", "open-instruct", "native")
@@ -105,7 +106,10 @@ def dockerfile_from_def(text: str, setup_sh: str | None, has_fixtures: bool) -> 
     if post.strip():
         files["post_install.sh"] = "#!/bin/bash\nset -e\n" + post + "\n"
         lines += ["COPY post_install.sh /tmp/post_install.sh", "RUN bash /tmp/post_install.sh && rm /tmp/post_install.sh"]
-    lines.append("WORKDIR /home/user")
+    if not re.search(r"\buseradd\b", post):
+        # A setup.sh delta has the standard preamble (useradd, chmod) stripped: put it back.
+        lines.append(f"RUN useradd -m {AGENT_USER} && chmod -R 777 {HOME}")
+    lines.append(f"WORKDIR {HOME}")
     return "\n".join(lines) + "\n", files
 
 

@@ -1,6 +1,7 @@
 """Writing a synthesized task as a Harbor task directory (what `tasks.model.Task.load` reads).
 
-    task.toml                     [metadata] holds the axes; [task] name and description
+    task.toml                     [metadata] holds the axes; [task] name and description;
+                                  [agent] user = "user" (the agent is not root)
     instruction.md                what the agent sees
     environment/Dockerfile        + build-context files the generator wrote
     tests/test.sh                 runs test_final_state.py, writes reward.txt (1 or 0)
@@ -27,6 +28,10 @@ import tomli_w
 from tasks.corpus.axes import TaskAxes
 
 LITE_RUNNER = Path(__file__).with_name("pytest_lite.py")
+# The agent of a generated task is a normal user working in its home, as in the original
+# corpus; the image keeps root as its USER, so the verifier can write /logs.
+AGENT_USER = "user"
+HOME = f"/home/{AGENT_USER}"
 AGENT_TIMEOUT_S = 600.0
 VERIFIER_TIMEOUT_S = 120.0
 
@@ -65,15 +70,19 @@ class TaskParts:
     dockerfile: str = ""
     env_files: dict[str, str] = field(default_factory=dict)  # build context, relative paths
     solution: str | None = None
+    agent_user: str | None = AGENT_USER  # [agent] user; None: the image's USER
 
 
 def task_toml(parts: TaskParts) -> dict:
+    agent: dict = {"timeout_sec": AGENT_TIMEOUT_S}
+    if parts.agent_user:
+        agent["user"] = parts.agent_user
     return {
         "schema_version": "1.1",
         "task": {"name": f"tmax/{parts.name}", "description": parts.axes.scenario},
         # `source` as in the published Harbor export: legacy or v2.
         "metadata": {"source": "legacy" if parts.axes.corpus_kind == "legacy" else "v2", **parts.axes.metadata()},
-        "agent": {"timeout_sec": AGENT_TIMEOUT_S},
+        "agent": agent,
         "verifier": {"timeout_sec": VERIFIER_TIMEOUT_S},
         "environment": {"cpus": 1, "memory_mb": 2048, "allow_internet": True},
     }

@@ -12,10 +12,10 @@ from __future__ import annotations
 import re
 
 from tasks.corpus.axes import AxesConfig, TaskAxes, load_axes
+from tasks.corpus.package import AGENT_USER, HOME
 
 TEMPERATURE = {"template": 1.0, "initial": 0.6, "final": 0.6, "environment": 0.6}
 FEEDBACK_CHARS = 500
-HOME = "/home/user"
 
 
 class ParseError(ValueError):
@@ -24,8 +24,8 @@ class ParseError(ValueError):
 
 _UNIVERSAL = f"""## Universal task requirements
 - Challenging, but easy to verify automatically; self-contained; realistic.
-- The agent works in a Linux terminal, in its home {HOME}, as a normal user (not root) unless
-  the task says otherwise. Use full absolute paths. No tasks about the latest information.
+- The agent works in a Linux terminal, in its home {HOME}, as the normal user `{AGENT_USER}` (not
+  root) unless the task says otherwise. Use full absolute paths. No tasks about the latest information.
 - Never leak the solution or the verifier into the task text."""
 
 
@@ -106,9 +106,13 @@ def environment_messages(domain: str, task: str, truth: str, initial_test: str, 
                          feedback: str | None = None) -> list[dict]:
     system = ("You write the environment of a terminal task as a Dockerfile plus its build-context files, and a "
               "reference solution. The Dockerfile must start FROM localhost/tmax-base:bookworm, create the "
-              f"pre-existing state (files, data, packages; prefer COPY of context files) and end with WORKDIR "
-              f"{HOME}; never create the task's outputs. The tests run with python3 (pytest when it is "
-              "installed), so the image must have python3. The solution is a bash script that does the task "
+              "pre-existing state (files, data, packages; prefer COPY of context files), then create the agent's "
+              f"user with `RUN useradd -m {AGENT_USER} && chmod -R 777 {HOME}` (so it can write all of its "
+              "home; anything else it must change must be writable by it too), and end with WORKDIR "
+              f"{HOME}. Keep root as the image's USER (no USER line): the agent runs as `{AGENT_USER}`, the "
+              "tests as root. Never create "
+              "the task's outputs. The tests run with python3 (pytest when it is installed), so the image must "
+              f"have python3. The solution is a bash script that `{AGENT_USER}` runs in {HOME} to do the task "
               "from the initial state. Answer with:\n<dockerfile>...</dockerfile>\n"
               "<file path=\"relative/path\">contents</file> (zero or more)\n<solve>#!/bin/bash ...</solve>")
     user = (f"Domain: {domain}\n\n{_task_block(task, truth)}\n\n## Initial-state test\n```python\n{initial_test}\n```"
@@ -148,6 +152,10 @@ def parse_environment(text: str) -> tuple[str, dict[str, str], str]:
         raise ParseError("the answer needs <dockerfile>...</dockerfile> and <solve>...</solve> blocks")
     if "{{" in dockerfile:
         raise ParseError("the Dockerfile still holds a {{ }} placeholder")
+    users = re.findall(r"^\s*USER\s+(\S+)", dockerfile, re.MULTILINE | re.IGNORECASE)
+    if users and users[-1].split(":")[0] not in ("root", "0"):
+        raise ParseError(f"the Dockerfile ends as `USER {users[-1]}`: keep root as the image's USER (the agent "
+                         f"runs as `{AGENT_USER}` from task.toml; the tests must write /logs as root)")
     files = {m.group(1): m.group(2).lstrip("\n") for m in
              re.finditer(r'<file path="([^"]+)">(.*?)</file>', text, re.DOTALL)}
     return dockerfile.strip() + "\n", files, solve.strip() + "\n"

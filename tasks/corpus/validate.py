@@ -1,14 +1,16 @@
 """The validation gates of a task, each recorded per task.
 
     load     task.toml parses, the required files are there (`tasks.model.Task.load`)
-    build    the image builds with bench's offline rewrites (podman), or the Dockerfile
-             fits a host sandbox (bwrap, local: `tasks.hostenv`)
+    build    the image builds with bench's offline rewrites (podman) and its `[agent] user`
+             can open a shell there, or the Dockerfile fits a host sandbox (bwrap, local:
+             `tasks.hostenv`, which run as the invoking user)
     initial  tests/test_initial_state.py passes on the untouched environment (if present)
     nop      the verifier on the untouched environment gives reward 0
     oracle   solution/solve.sh, then the verifier, gives reward 1
 
-`initial` and `nop` share one trial (the initial-state check is that trial's "agent" and
-changes nothing); `oracle` is a second trial. Trials run with bench's machinery
+`oracle` runs solve.sh as the agent's user, as Harbor's oracle agent does; the tests run
+as the verifier's user. `initial` and `nop` share one trial (the initial-state check is
+that trial's "agent" and changes nothing); `oracle` is a second trial. Trials run with bench's machinery
 (`tasks.trial.run_trial`) and keep their Harbor trial directories under the work dir.
 A task without `solution/` is `unverified` (failed: ["oracle"]) unless another gate failed.
 """
@@ -26,10 +28,12 @@ from typing import Callable, Literal
 from pydantic import BaseModel, Field
 
 from agents.records import write_json_atomic
-from sandbox.base import SandboxError
+from sandbox import make_sandbox
+from sandbox.base import IMAGE_USER, AgentUserError, SandboxError
 from tasks.corpus.package import LITE_RUNNER, run_tests_command
+from tasks.episode import EnvSettings, sandbox_spec
 from tasks.hostenv import HOST_KINDS, HostEnvError, check_dockerfile
-from tasks.images import ImageBuildError, ensure_image
+from tasks.images import ImageBuildError, TaskImage, ensure_image
 from tasks.model import Task, TaskError
 from tasks.offline import RewriteConfig, default_config
 from tasks.runners import AgentRun, OracleAgent
@@ -54,7 +58,8 @@ class GateReport(BaseModel):
 
 class InitialCheckAgent:
     """The `initial` gate as a trial agent: runs the initial-state test in the fresh
-    environment from a private directory and touches nothing else."""
+    environment from a private directory and touches nothing else. It is a test, so it
+    runs as the verifier does (the image's USER unless `[verifier] user` says otherwise)."""
 
     name = "initial-check"
     version = "1"
@@ -68,12 +73,13 @@ class InitialCheckAgent:
             shutil.copyfile(test, Path(tmp) / INITIAL_TEST)
             shutil.copyfile(LITE_RUNNER, Path(tmp) / "pytest_lite.py")
             sandbox.copy_in(Path(tmp), remote)
+        user = task.config.verifier.user or IMAGE_USER
         try:
             res = sandbox.exec(["bash", "-c", run_tests_command(f"{remote}/{INITIAL_TEST}") + " 2>&1"],
-                               timeout=timeout, workdir=workdir)
+                               timeout=timeout, workdir=workdir, user=user)
         finally:
             try:
-                sandbox.exec(["rm", "-rf", remote], timeout=60)
+                sandbox.exec(["rm", "-rf", remote], timeout=60, user=IMAGE_USER)
             except SandboxError:
                 pass
         status = "passed" if res.exit_code == 0 and not res.timed_out else "failed"
@@ -96,10 +102,28 @@ def _build(task: Task, env_kind: str, rewrite: RewriteConfig) -> str | None:
     try:
         if env_kind in HOST_KINDS:
             check_dockerfile(task)
-        else:
-            ensure_image(task, rewrite)
+            return None
+        image = ensure_image(task, rewrite)
     except (ImageBuildError, HostEnvError, OSError, ValueError) as e:
         return str(e)
+    return _agent_user_problem(task, image, rewrite)
+
+
+def _agent_user_problem(task: Task, image: TaskImage, rewrite: RewriteConfig) -> str | None:
+    """The image must let `[agent] user` open a shell in its WORKDIR (the user exists and
+    may enter it): a task's own defect, told apart here from the trials' infrastructure."""
+    user = task.config.agent.user
+    if not user:
+        return None
+    sandbox = make_sandbox("podman", sandbox_spec(task, EnvSettings(rewrite=rewrite), image, None))
+    try:
+        sandbox.start()
+    except AgentUserError as e:
+        return f"[agent] user = {user!r} in task.toml: {e}"
+    except SandboxError:
+        return None  # infrastructure: the trials meet it again and label it so
+    finally:
+        sandbox.close()
     return None
 
 
