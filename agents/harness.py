@@ -8,6 +8,7 @@ record, stop at a budget) is shared; a harness supplies the small protocol aroun
 * `format_error`      the feedback for a response without a usable action;
 * `execute`           run the action in the sandbox -> a `CommandResult`;
 * `observe`           the result -> (observation text, whether the episode is finished);
+* `interrupt`         Ctrl-C for the action in flight (`force`: kill it), from another thread;
 * `close`             release what it started in the sandbox;
 * `demo_turns`        a scripted (THOUGHT, command) step written as this harness's model
                       would write it (SFT demonstrations play these through the loop).
@@ -42,6 +43,11 @@ class Harness(Protocol):
 
     def observe(self, action: Action, result: CommandResult, limits: ObservationLimits) -> tuple[str, bool]: ...
 
+    def interrupt(self, sandbox: Sandbox, force: bool = False) -> None:
+        """Stop the action `execute` is running (called from another thread); `force` when
+        an earlier interrupt was ignored."""
+        ...
+
     def close(self) -> None:
         """Release what the harness started in the sandbox (e.g. a tmux server)."""
         ...
@@ -75,6 +81,9 @@ class TmaxHarness:
     def observe(self, action: Action, result: CommandResult, limits: ObservationLimits) -> tuple[str, bool]:
         observation = format_observation(result, limits)
         return observation, action.submit or SUBMIT_MARKER in observation
+
+    def interrupt(self, sandbox: Sandbox, force: bool = False) -> None:
+        sandbox.interrupt(force=force)
 
     def close(self) -> None:
         pass

@@ -18,7 +18,7 @@ Vanillux2 semantics (the Tmax evaluation harness):
 * a sandbox failure is an infrastructure error (`sandbox_error`), never the agent's.
 
 Ctrl-C during the model call or a command interrupts only that: the command is stopped
-with `sandbox.interrupt()` (the shell survives) and `hooks.on_interrupt()` decides whether
+with `harness.interrupt()` (the shell survives) and `hooks.on_interrupt()` decides whether
 to continue with guidance or stop.
 """
 
@@ -339,7 +339,7 @@ class Agent:
             except KeyboardInterrupt:
                 interrupts += 1
                 # A second Ctrl-C means the command ignored the first: kill its whole group.
-                self.sandbox.interrupt(force=interrupts > 1)
+                self.harness.interrupt(self.sandbox, force=interrupts > 1)
         if "error" in box:
             err = box["error"]
             if isinstance(err, SandboxError):

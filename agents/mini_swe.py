@@ -2,8 +2,10 @@
 
 * No tools: the action is the one fenced ```bash block in the message content; zero or
   several blocks are a format error.
-* Every command runs as a fresh process (`sandbox.exec`): `cd` and `export` do not
-  persist, and the prompt says so.
+* Every command runs as a fresh process (`bash -c`): `cd` and `export` do not persist,
+  and the prompt says so. It is launched from the sandbox's shell, whose own state never
+  changes, so Ctrl-C, the kill of a second Ctrl-C and timeouts reach it as in the tmax
+  harness; its output goes through a pipe with stderr merged, as in mini-swe-agent.
 * The observation is `<returncode>` + `<output>` (head/tail with a warning when long);
   a timed-out command gets its own message.
 * The episode is submitted when the first line of a command's output is the submit marker
@@ -13,6 +15,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 from typing import Any
 
 from agents.observation import ObservationLimits, strip_compose_noise
@@ -131,7 +134,12 @@ class MiniSweHarness:
 
     def execute(self, sandbox: Sandbox, action: Action, timeout: float) -> CommandResult:
         assert action.command is not None
-        return sandbox.exec(["bash", "-c", action.command], timeout=timeout, workdir=self.workdir)
+        cd = f"cd {shlex.quote(self.workdir)} && " if self.workdir else ""
+        line = f"({cd}exec bash -c {shlex.quote(action.command)}) </dev/null 2>&1 | cat; (exit ${{PIPESTATUS[0]}})"
+        return sandbox.run(line, timeout=timeout)
+
+    def interrupt(self, sandbox: Sandbox, force: bool = False) -> None:
+        sandbox.interrupt(force=force)
 
     def observe(self, action: Action, result: CommandResult, limits: ObservationLimits) -> tuple[str, bool]:
         output = _output(result)

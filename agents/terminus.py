@@ -5,11 +5,13 @@
   `{keystrokes, duration}`; duration in seconds, default 1, at most 60) and `task_complete`.
 * It sees the terminal: the new output since its last look, or the whole screen.
 * `task_complete: true` once asks for a confirmation; a second one in a row ends the episode.
+* Ctrl-C (`interrupt`) is typed into the terminal; a second one kills its foreground job.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +24,7 @@ from sandbox.base import CommandResult, Sandbox
 
 MAX_DURATION_S = 60.0
 DEFAULT_DURATION_S = 1.0
+INTERRUPT_GRACE_S = 5.0  # how long a Ctrl-C may take to end the job in the terminal
 
 PROMPT_TEMPLATE = """\
 You are an AI assistant solving command-line tasks in a Linux environment. You drive a \
@@ -121,6 +124,7 @@ class TerminusHarness:
         self._session: TmuxSession | None = None
         self._last_history = ""
         self._pending_completion = False
+        self._stop = threading.Event()  # set by `interrupt`: stop typing and waiting
 
     def initial_messages(self, task: str) -> list[dict[str, Any]]:
         self._pending_completion = False
@@ -136,14 +140,40 @@ class TerminusHarness:
     def execute(self, sandbox: Sandbox, action: Action, timeout: float) -> CommandResult:
         assert isinstance(action, KeystrokeAction)
         t0 = time.monotonic()
+        self._stop.clear()
         if self._session is None or self._session.sandbox is not sandbox:
             self._session = TmuxSession(sandbox, self.workdir)
             self._session.start()
         for keys, duration in action.commands:
+            if self._stop.is_set():
+                break
             self._session.send_keys(keys)
             left = timeout - (time.monotonic() - t0)
-            time.sleep(max(0.0, min(duration, left)))
-        return CommandResult(output=self._view(), exit_code=0, duration_s=time.monotonic() - t0)
+            self._stop.wait(max(0.0, min(duration, left)))
+        interrupted = self._stop.is_set()
+        if interrupted:
+            self._settle(t0 + timeout)
+        return CommandResult(output=self._view(), exit_code=130 if interrupted else 0,
+                             duration_s=time.monotonic() - t0)
+
+    def _settle(self, deadline: float) -> None:
+        """After a Ctrl-C, wait (a few seconds at most) for the job in the terminal to end,
+        so that a second Ctrl-C still finds one that ignored the first."""
+        assert self._session is not None
+        end = min(deadline, time.monotonic() + INTERRUPT_GRACE_S)
+        while time.monotonic() < end and self._session.foreground_busy():
+            time.sleep(0.2)
+
+    def interrupt(self, sandbox: Sandbox, force: bool = False) -> None:
+        """Ctrl-C typed into the terminal and no more keys or waiting; `force` (the Ctrl-C
+        was ignored) also kills what runs in the terminal's foreground."""
+        self._stop.set()
+        session = self._session
+        if session is None or not session.started:
+            return
+        session.send_keys("C-c")
+        if force:
+            session.kill_foreground()
 
     def _view(self) -> str:
         """New terminal output since the last look when that is well defined, else the screen."""

@@ -88,6 +88,24 @@ class TmuxSession:
         """Key names (`C-c`, `Enter`) are sent as keys, anything else as literal text."""
         self._tmux("send-keys", "-t", "main", keys)
 
+    def _foreground(self) -> tuple[str, str]:
+        """(the pane's shell pid, the terminal's foreground process group): field 8 of
+        /proc/PID/stat."""
+        pid = self._tmux("display-message", "-p", "-t", "main", "#{pane_pid}").strip()
+        res = self.sandbox.exec(["sh", "-c", 'cut -d" " -f8 /proc/"$1"/stat', "sh", pid], timeout=30)
+        return pid, res.output.strip()
+
+    def foreground_busy(self) -> bool:
+        """Whether a job, not the shell, holds the terminal."""
+        pid, group = self._foreground()
+        return group.isdigit() and int(group) > 0 and group != pid
+
+    def kill_foreground(self) -> None:
+        """SIGKILL the job that holds the terminal (never the shell)."""
+        pid, group = self._foreground()
+        if group.isdigit() and int(group) > 0 and group != pid:
+            self.sandbox.exec(["kill", "-KILL", "--", f"-{group}"], timeout=30)
+
     def capture(self, history: bool = False) -> str:
         args = ["capture-pane", "-p", "-t", "main"] + (["-S", "-"] if history else [])
         return self._tmux(*args)

@@ -145,7 +145,7 @@ class TmaxAgent:
         def fire() -> None:
             stop.set()
             try:
-                sandbox.interrupt()
+                harness.interrupt(sandbox)
             except Exception:
                 pass
 

@@ -4,6 +4,7 @@ client, a real persistent shell in a real sandbox."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import threading
@@ -13,6 +14,7 @@ import pytest
 from scripted_server import ScriptedServer
 
 from agents.chat_policy import ChatPolicy
+from agents.harnesses import make_harness
 from agents.loop import Agent, AgentConfig, AgentHooks
 from agents.prompts import FORMAT_ERROR_TEXT, REJECTED_TOOL_TEXT, SUBMIT_MARKER, SYSTEM_TEMPLATE
 from agents.records import load_run, Recorder
@@ -50,11 +52,12 @@ class Sleeps:
         self.calls.append(s)
 
 
-def agent_for(srv, box, tmp_path=None, hooks=None, timeout=30.0, **cfg):
+def agent_for(srv, box, tmp_path=None, hooks=None, timeout=30.0, harness="tmax", **cfg):
     sleeps = Sleeps()
     policy = ChatPolicy(model=srv.model, base_url=srv.base_url, timeout=timeout)
     recorder = Recorder(tmp_path / "run") if tmp_path is not None else None
-    agent = Agent(policy, box, AgentConfig(**cfg), recorder=recorder, hooks=hooks, sleep=sleeps)
+    agent = Agent(policy, box, AgentConfig(**cfg), recorder=recorder, hooks=hooks, sleep=sleeps,
+                  harness=make_harness(harness))
     return agent, sleeps
 
 
@@ -242,8 +245,8 @@ class Interrupter(AgentHooks):
     """Sends SIGINT to the main thread while a command runs (or shortly after a model call
     starts), like a person pressing Ctrl-C."""
 
-    def __init__(self, on_command=None, on_step=None, guidance=("stop that",)):
-        self.on_command, self.on_step = on_command, on_step
+    def __init__(self, on_command=None, on_step=None, guidance=("stop that",), presses=1):
+        self.on_command, self.on_step, self.presses = on_command, on_step, presses
         self.guidance = list(guidance)
         self.asked = 0
         self.fired = False
@@ -262,8 +265,9 @@ class Interrupter(AgentHooks):
             while running and time.monotonic() < deadline and subprocess.run(
                     ["pgrep", "-f", f"^{running}$"], capture_output=True).returncode != 0:
                 time.sleep(0.05)
-            time.sleep(0.3)
-            signal.pthread_kill(main, signal.SIGINT)
+            for _ in range(self.presses):  # a second press: the first one was ignored
+                time.sleep(0.3 if _ == 0 else 1.0)
+                signal.pthread_kill(main, signal.SIGINT)
 
         threading.Thread(target=press, daemon=True).start()
 
@@ -294,6 +298,48 @@ def test_ctrl_c_interrupts_the_command_and_keeps_the_shell(open_box):
     assert tool["role"] == "tool" and tool["content"].endswith("(exit_code=130)")
     assert user == {"role": "user", "content": "The user interrupted you and says: stop that"}
     assert reqs[2]["messages"][-1]["content"] == "KEEP=1\n\n(exit_code=0)"
+
+
+def _turn(harness: str, command: str, wait: float = 40) -> dict:
+    """A scripted turn that runs `command` under `harness` (terminus-2 then waits `wait` s)."""
+    if harness == "mini-swe":
+        return {"content": f"THOUGHT: run it.\n\n```bash\n{command}\n```"}
+    keys = [{"keystrokes": command + "\n", "duration": wait}]
+    return {"content": json.dumps({"analysis": "a", "plan": "p", "commands": keys, "task_complete": False})}
+
+
+def _submit(harness: str) -> list[dict]:
+    if harness == "mini-swe":
+        return [_turn(harness, f"echo {SUBMIT_MARKER}")]
+    done = {"content": json.dumps({"analysis": "a", "plan": "p", "commands": [], "task_complete": True})}
+    return [done, done]  # the second one confirms
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+@pytest.mark.parametrize("harness", ["mini-swe", "terminus-2"])
+def test_ctrl_c_reaches_the_command_under_every_harness(open_box, harness, presses):
+    """Ctrl-C stops a mini-swe command (a fresh process) and one typed into terminus-2's
+    terminal; a second Ctrl-C kills a command that ignores the first. Either way the
+    next command runs."""
+    sleeper = f"sleep 3{presses}.{os.getpid() % 1000:03d}"  # this run's own process
+    command = sleeper if presses == 1 else f"bash -c \"trap '' INT; {sleeper}\""
+    hooks = Interrupter(on_command=sleeper, presses=presses)
+    script = [_turn(harness, command), _turn(harness, "echo after", wait=1), *_submit(harness)]
+    with ScriptedServer(script) as srv:
+        agent, _ = agent_for(srv, open_box(), hooks=hooks, harness=harness)
+        t0 = time.monotonic()
+        result = agent.run("task")
+        reqs = srv.requests
+    assert time.monotonic() - t0 < 20 and result.status == "submitted" and hooks.asked == 1
+    gone = time.monotonic() + 5  # nothing left running (a killed process takes a moment to go)
+    while subprocess.run(["pgrep", "-f", f"^{sleeper}$"]).returncode == 0 and time.monotonic() < gone:
+        time.sleep(0.1)
+    assert subprocess.run(["pgrep", "-f", f"^{sleeper}$"]).returncode == 1
+    observed, guidance = (m["content"] for m in reqs[1]["messages"][-2:])
+    assert guidance == "The user interrupted you and says: stop that"
+    if harness == "mini-swe":
+        assert observed.startswith(f"<returncode>{130 if presses == 1 else 137}</returncode>")
+    assert "after" in reqs[2]["messages"][-1]["content"]
 
 
 def test_ctrl_c_without_guidance_stops(open_box):

@@ -445,6 +445,7 @@ def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, sa
         meta["model_dir"] = str(token_setup.model_dir)  # what `tmax learn sft --from-runs` starts from
         _write_json_atomic(run_dir / "run.json", meta)
     box = None
+    agent_harness = make_harness(harness, spec.workdir)
 
     # SIGTERM / SIGHUP end the run like a Ctrl-C answered with "quit", so the sandbox is
     # removed; a running command's process group is killed at once.
@@ -452,7 +453,7 @@ def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, sa
         if isinstance(hooks, InteractiveHooks):
             hooks.stopping = True
         if box is not None:
-            box.interrupt(force=True)
+            agent_harness.interrupt(box, force=True)
         raise KeyboardInterrupt
 
     old_handlers = {s: signal.signal(s, _terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
@@ -493,7 +494,7 @@ def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, sa
 
             hooks.rate = lambda word: rate(run_dir, word)
         agent = Agent(policy, box, config=config, recorder=Recorder(run_dir), hooks=hooks,
-                      harness=make_harness(harness, spec.workdir))
+                      harness=agent_harness)
         if saved is not None:
             display.warn(
                 f"Resumed {len(saved.messages)} messages from {resume.resolve()}. This is a new shell: the working directory, "
