@@ -84,7 +84,7 @@ def test_agent_shell_and_execs_run_as_the_user_in_its_home(tasks, tmp_path):
         box = ep.open()
         shell = box.run("id -un; echo $HOME; pwd; touch mine.txt; stat -c %U mine.txt")
         assert shell.exit_code == 0 and shell.output.split() == ["user", "/home/user", "/home/user", "user"]
-        one_off = box.exec(["sh", "-c", "id -un; echo $HOME; pwd"], workdir=ep.workdir)  # mini-swe, tmux
+        one_off = box.exec(["sh", "-c", "id -un; echo $HOME; pwd"], workdir=ep.workdir)  # tmux, the oracle
         assert one_off.output.split() == ["user", "/home/user", "/home/user"]
         assert box.exec(["id", "-un"], user=IMAGE_USER).output.strip() == "root"
         denied = box.run("touch /etc/agent-was-here")
