@@ -56,6 +56,9 @@ class PodmanSandbox(ShellSandbox):
         self.shell: PersistentShell | None = None
         self.workdir: str | None = None
         self._closed = False
+        # `close` may come from another thread while `start` creates the container (a job's
+        # Ctrl-C): it waits for the container to exist, then removes it; `start` then stops.
+        self._life = threading.RLock()
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -96,6 +99,56 @@ class PodmanSandbox(ShellSandbox):
         return kw
 
     def start(self) -> None:
+        with self._life:
+            if self._closed:
+                raise SandboxError("podman sandbox: closed before it started")
+            self._start_container()
+            container = self.container
+        argv = ["podman"]
+        if podman_service.configured_url():
+            # The service may be elsewhere: let the CLI reach the container through it.
+            argv += ["--url", podman_service.configured_url()]
+        # `podman exec` can hand the shell the CLI's own soft limits instead of the
+        # container's; lowering a soft limit is always allowed, so apply the configured ones.
+        soft = "; ".join(
+            f"ulimit -S -{flag} {self.ulimits[name][0]} 2>/dev/null"
+            for name, flag in (("nofile", "n"), ("nproc", "u"))
+            if name in self.ulimits
+        )
+        inner = shlex.join(BASH_ARGV)
+        argv += ["exec", "-it", *(["--user", self.spec.user] if self.spec.user else []), container.id,
+                 "bash", "-c", f"{soft}; exec {inner}" if soft else f"exec {inner}"]
+        self.shell = PersistentShell(argv, workdir=self.workdir, kill_inner=self._kill_inner,
+                                     kill_foreground_inner=self._kill_foreground_inner)
+        try:
+            self.shell.start()
+        except Exception as e:
+            closed_meanwhile = self._closed
+            self.close()
+            if closed_meanwhile:  # its pty may be gone under it: any error means "closed"
+                raise SandboxError("podman sandbox: closed while its shell was starting") from e
+            if not isinstance(e, SandboxError):
+                raise
+            if self.spec.user:
+                raise AgentUserError(f"podman sandbox: no shell as user {self.spec.user!r} in {self.workdir}"
+                                     f" of {self.image}: {e}") from e
+            raise
+
+    def _kill_inner(self, pid: int) -> None:
+        # The `podman exec` client dying does not end the bash it started: hang it up
+        # (bash passes SIGHUP on to its jobs), then kill it.
+        if self.container is not None:
+            self.container.exec_run(["sh", "-c", f"kill -HUP {pid}; sleep 0.2; kill -KILL {pid}"], demux=True)
+
+    def _kill_foreground_inner(self, pid: int) -> None:
+        # The pty seen from the host belongs to the `podman exec` client; the command's
+        # group is the foreground group (field 8 of /proc/PID/stat) of the shell's own pty.
+        if self.container is not None:
+            script = (f"g=$(cut -d' ' -f8 /proc/{pid}/stat); "
+                      f"[ \"$g\" -gt 0 ] && [ \"$g\" != {pid} ] && kill -KILL -- -\"$g\"")
+            self.container.exec_run(["bash", "-c", script], demux=True)
+
+    def _start_container(self) -> None:
         from podman.errors import APIError, ImageNotFound
 
         self.client = podman_service.client(self.runtime)
@@ -117,46 +170,12 @@ class PodmanSandbox(ShellSandbox):
             self.close()
             raise SandboxError(f"podman sandbox: container {self.name} is {self.container.status}, not running")
         self.workdir = self.container.attrs.get("Config", {}).get("WorkingDir") or "/"
-        argv = ["podman"]
-        if podman_service.configured_url():
-            # The service may be elsewhere: let the CLI reach the container through it.
-            argv += ["--url", podman_service.configured_url()]
-        # `podman exec` can hand the shell the CLI's own soft limits instead of the
-        # container's; lowering a soft limit is always allowed, so apply the configured ones.
-        soft = "; ".join(
-            f"ulimit -S -{flag} {self.ulimits[name][0]} 2>/dev/null"
-            for name, flag in (("nofile", "n"), ("nproc", "u"))
-            if name in self.ulimits
-        )
-        inner = shlex.join(BASH_ARGV)
-        argv += ["exec", "-it", *(["--user", self.spec.user] if self.spec.user else []), self.container.id,
-                 "bash", "-c", f"{soft}; exec {inner}" if soft else f"exec {inner}"]
-        self.shell = PersistentShell(argv, workdir=self.workdir, kill_inner=self._kill_inner,
-                                     kill_foreground_inner=self._kill_foreground_inner)
-        try:
-            self.shell.start()
-        except SandboxError as e:
-            self.close()
-            if self.spec.user:
-                raise AgentUserError(f"podman sandbox: no shell as user {self.spec.user!r} in {self.workdir}"
-                                     f" of {self.image}: {e}") from e
-            raise
-
-    def _kill_inner(self, pid: int) -> None:
-        # The `podman exec` client dying does not end the bash it started: hang it up
-        # (bash passes SIGHUP on to its jobs), then kill it.
-        if self.container is not None:
-            self.container.exec_run(["sh", "-c", f"kill -HUP {pid}; sleep 0.2; kill -KILL {pid}"], demux=True)
-
-    def _kill_foreground_inner(self, pid: int) -> None:
-        # The pty seen from the host belongs to the `podman exec` client; the command's
-        # group is the foreground group (field 8 of /proc/PID/stat) of the shell's own pty.
-        if self.container is not None:
-            script = (f"g=$(cut -d' ' -f8 /proc/{pid}/stat); "
-                      f"[ \"$g\" -gt 0 ] && [ \"$g\" != {pid} ] && kill -KILL -- -\"$g\"")
-            self.container.exec_run(["bash", "-c", script], demux=True)
 
     def close(self) -> None:
+        with self._life:
+            self._close()
+
+    def _close(self) -> None:
         if self._closed:
             return
         self._closed = True

@@ -142,6 +142,30 @@ def test_network_on_request_and_close_removes(base_image):
     sb.close()  # idempotent
 
 
+def test_close_during_start_leaves_no_container(base_image):
+    """A job's Ctrl-C closes sandboxes from another thread, maybe while `start` is still
+    creating the container: wherever the close lands, no container is left behind."""
+    import threading
+
+    for delay in (0.0, 0.05, 0.15, 0.3, 0.5, 0.8):
+        sb = make_sandbox("podman", SandboxSpec(image=base_image))
+        starting = threading.Thread(target=lambda: _start_quietly(sb))
+        starting.start()
+        time.sleep(delay)
+        sb.close()
+        starting.join(60)
+        left = subprocess.run(["podman", "ps", "-a", "-q", "--filter", f"name=^{sb.name}$"],
+                              capture_output=True, text=True).stdout.split()
+        assert left == [], f"closed {delay} s into start: {sb.name} was left"
+
+
+def _start_quietly(sb) -> None:
+    try:
+        sb.start()
+    except SandboxError:
+        pass  # closed before or while starting
+
+
 def test_missing_image_is_a_clear_error(podman_service):
     sb = make_sandbox("podman", SandboxSpec(image="localhost/tmax-no-such-image:0"))
     with pytest.raises(SandboxError, match="not found"):
