@@ -32,6 +32,11 @@ def _small_config():
     return cfg
 
 
+# One rerun: on 2 CPU cores the float sums of SFT follow thread scheduling, so the policy RL
+# starts from varies between runs of the same seed, and about one start in several is so
+# confident that few groups have reward variance and 12 steps raise the reward by less than
+# the bar (measured: 0.23 -> 0.31). Two such starts in a row is a real failure to learn.
+@pytest.mark.flaky(reruns=1)
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.vllm
