@@ -32,10 +32,11 @@ def _small_config():
     return cfg
 
 
-# One rerun: on 2 CPU cores the float sums of SFT follow thread scheduling, so the policy RL
-# starts from varies between runs of the same seed, and about one start in several is so
-# confident that few groups have reward variance and 12 steps raise the reward by less than
-# the bar (measured: 0.23 -> 0.31). Two such starts in a row is a real failure to learn.
+# One rerun: what RL samples varies between runs of the same seed (vLLM on 2 CPU cores,
+# asynchronous rollouts finishing in a different order), and now and then a run from the
+# same SFT start raises the reward by less than the bar in 12 steps (seen once: 0.23 -> 0.31
+# with a very confident start, few groups with reward variance). Two such runs in a row is
+# a real failure to learn.
 @pytest.mark.flaky(reruns=1)
 @pytest.mark.slow
 @pytest.mark.ray
