@@ -126,6 +126,22 @@ class StepClock:
         t = time.monotonic()
         return cls(run_start=t, wait_started=t, last_tick=t, step_wall_start=t)
 
+    def tick(self, sampling: bool, now: float) -> None:
+        """Credit the time since the last tick to the sampler when episodes were in flight.
+        (An approximation: it counts the interval as busy when episodes are pending at its end.)"""
+        if sampling:
+            self.busy_s += now - self.last_tick
+        self.last_tick = now
+
+    def new_step(self, now: float) -> None:
+        """The next step's wall starts here; sampler time before it belongs to the last step."""
+        self.busy_s, self.step_wall_start, self.last_tick = 0.0, now, now
+
+    def sampler_busy_frac(self, now: float) -> float:
+        """Share of the step's wall with at least one episode in flight. 0 is a real value: with
+        async steps, a step's batch (and the next one's) can all be sampled during the step before."""
+        return min(1.0, self.busy_s / max(1e-9, now - self.step_wall_start))
+
 
 @dataclass
 class LoopState:
@@ -216,10 +232,7 @@ class Trainer:
         import ray
 
         s, c = self.state, self.state.clock
-        now = time.monotonic()
-        if s.pending:
-            c.busy_s += now - c.last_tick
-        c.last_tick = now
+        c.tick(bool(s.pending), time.monotonic())
         wait_on = list(s.pending) + ([s.train_ref] if s.train_ref is not None else [])
         if not wait_on and not (s.ready or self.acc.full):  # nothing can finish, nothing can start
             raise TrainingError(f"step {s.step + 1}: no episode in flight, none queued and no batch to train "
@@ -313,12 +326,13 @@ class Trainer:
             where = f"resume from {last} with --resume" if last else "no checkpoint was written yet"
             raise TrainingError(f"the learner died during step {s.step + 1}: {e}; {where}") from e
         train_s = time.monotonic() - c.train_started
+        c.tick(bool(s.pending), time.monotonic())
         s.train_ref = None
         t_sync = time.monotonic()
         sync_s = self.sync.push(s.step + 1)
         s.version = s.step = s.step + 1
         metrics.update(self.step_metrics(train_s, sync_s, time.monotonic() - t_sync))
-        c.busy_s, c.step_wall_start = 0.0, time.monotonic()
+        c.new_step(time.monotonic())
         s.since_step = []
         if s.step % self.cfg.run.checkpoint_every == 0 or s.step == a.steps:
             t_save = time.monotonic()
@@ -351,7 +365,7 @@ class Trainer:
             "infra/requeued": float(s.requeued),
             **s.infra.metrics(),
             "training_step": float(s.step),
-            "perf/sampler_busy_frac": min(1.0, c.busy_s / step_wall),
+            "perf/sampler_busy_frac": c.sampler_busy_frac(now),
             "perf/learner_busy_frac": min(1.0, train_s / step_wall),
             "perf/sampled_tokens_per_s": sum(x.num_sampled for x in since) / step_wall,
             "perf/env_steps_per_s": sum(x.steps for x in since) / step_wall,
