@@ -46,6 +46,7 @@ class WarmPool:
         self._starting: dict[Hashable, int] = {}  # warm starts under way, per key
         self._waiters: dict[Hashable, int] = {}  # acquires waiting for those, per key
         self._in_use: dict[int, Sandbox] = {}
+        self._cold_starting = 0  # acquires starting their own sandbox, outside the lock
         self._total = 0
         self._closed = False
         self._warmers: list[threading.Thread] = []
@@ -139,20 +140,32 @@ class WarmPool:
                 if self._total < self.capacity:
                     self._total += 1
                     self.cold_starts += 1
+                    self._cold_starting += 1
                     break
                 self._cond.wait(wait)
         if evicted is not None:
             evicted.close()
+        return self._cold_start(factory)
+
+    def _cold_start(self, factory: Factory) -> Sandbox:
+        """Start a sandbox for an acquire (its slot is counted). A pool closed meanwhile closes
+        it and refuses: `close` waits for cold starts, so none outlives a closed pool."""
+        handed_out = False
         try:
             sb = _started(factory)
-        except BaseException:
             with self._cond:
-                self._total -= 1
+                if not self._closed:
+                    self._in_use[id(sb)] = sb
+                    handed_out = True
+                    return sb
+            sb.close()
+            raise SandboxError("sandbox pool is closed")
+        finally:
+            with self._cond:
+                self._cold_starting -= 1
+                if not handed_out:
+                    self._total -= 1
                 self._cond.notify_all()
-            raise
-        with self._cond:
-            self._in_use[id(sb)] = sb
-        return sb
 
     def release(self, sb: Sandbox) -> None:
         """Destroy a sandbox handed out by `acquire` (with `close_in_background`, in a
@@ -194,6 +207,7 @@ class WarmPool:
         for t in threads:
             t.join(timeout=120)
         with self._cond:
+            self._cond.wait_for(lambda: self._cold_starting == 0, timeout=120)
             idle = [sb for sbs in self._idle.values() for sb in sbs]
             self._idle = {}
             self._total -= len(idle)

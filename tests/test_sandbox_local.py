@@ -109,3 +109,42 @@ def test_warm_pool_serves_keys_evicts_idle_and_never_reuses(tmp_path):
         assert a2 is not a and a2.run("echo ${LEAK:-clean}").output == "clean\n"
         pool.release(a2)
         pool.release(c)
+
+
+def test_closing_the_pool_during_a_cold_start_leaves_no_sandbox(tmp_path):
+    """A rollout worker shutting down closes its pool while an episode is still starting its
+    own sandbox (no warm one): close waits for that start, and the new sandbox is closed
+    and refused, not handed out to outlive the pool (its process is killed next)."""
+    from sandbox.local import LocalSandbox
+    from sandbox.pool import WarmPool
+
+    starting, made = threading.Event(), []
+
+    class SlowToStart(LocalSandbox):
+        def start(self) -> None:
+            starting.set()
+            time.sleep(1.0)
+            super().start()
+            self.started_at = time.monotonic()
+
+    def factory():
+        made.append(SlowToStart(SandboxSpec(workdir=str(tmp_path))))
+        return made[-1]
+
+    pool, errors = WarmPool(2), []
+
+    def episode():
+        try:
+            pool.acquire("task", factory, timeout=10)
+        except SandboxError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=episode)
+    t.start()
+    assert starting.wait(5)
+    pool.close(in_use=True)
+    closed_at = time.monotonic()
+    t.join(5)
+    assert made[0].started_at <= closed_at  # close waited for the start
+    assert made[0].shell is None  # and the sandbox is closed
+    assert errors == ["sandbox pool is closed"] and pool._total == 0
