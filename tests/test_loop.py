@@ -103,7 +103,7 @@ def _rated_sessions(cfg: LearnConfig, model_dir: Path, root: Path) -> Path:
 
 
 def test_step_clock_credits_sampling_time_to_its_step():
-    from training.loop import StepClock
+    from training.report import StepClock
 
     c = StepClock(run_start=0.0, wait_started=0.0, last_tick=0.0, step_wall_start=0.0)
     c.tick(True, 2.0)  # episodes in flight for 2 s

@@ -33,7 +33,7 @@ from training.cluster.actors import Actors, EngineGroup, start_actors
 from training.cluster.launch import init_ray
 from training.config import LearnConfig, dump_toml
 from training.learner.packing import batch_samples
-from training.report import MetricsSink, Progress, reward_curve, rollout_metrics, run_summary, summary
+from training.report import MetricsSink, Progress, StepClock, reward_curve, rollout_metrics, run_summary, summary
 from training.rollout import EpisodeRequest, InfraCounts, Rollout, append_jsonl, prepare_tasks, prewarm_queue
 from training.weights.learner_side import WeightSync
 
@@ -107,40 +107,6 @@ def list_task_dirs(root: str | Path) -> list[str]:
     if not dirs:
         raise TrainingError(f"no Harbor tasks (dirs with task.toml) under {root}")
     return dirs
-
-
-@dataclass
-class StepClock:
-    """Wall-time bookkeeping of the step being gathered and trained."""
-
-    run_start: float
-    wait_started: float  # end of the previous step: from here the loop waits for a batch
-    last_tick: float
-    step_wall_start: float
-    wait_s: float = 0.0
-    train_started: float = 0.0
-    busy_s: float = 0.0  # time with at least one episode in flight (sampler busy)
-
-    @classmethod
-    def now(cls) -> "StepClock":
-        t = time.monotonic()
-        return cls(run_start=t, wait_started=t, last_tick=t, step_wall_start=t)
-
-    def tick(self, sampling: bool, now: float) -> None:
-        """Credit the time since the last tick to the sampler when episodes were in flight.
-        (An approximation: it counts the interval as busy when episodes are pending at its end.)"""
-        if sampling:
-            self.busy_s += now - self.last_tick
-        self.last_tick = now
-
-    def new_step(self, now: float) -> None:
-        """The next step's wall starts here; sampler time before it belongs to the last step."""
-        self.busy_s, self.step_wall_start, self.last_tick = 0.0, now, now
-
-    def sampler_busy_frac(self, now: float) -> float:
-        """Share of the step's wall with at least one episode in flight. 0 is a real value: with
-        async steps, a step's batch (and the next one's) can all be sampled during the step before."""
-        return min(1.0, self.busy_s / max(1e-9, now - self.step_wall_start))
 
 
 @dataclass

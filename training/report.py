@@ -1,5 +1,6 @@
 """What a run reports: per-step metrics (one JSON line per step, always; wandb /
-tensorboard when asked for), the console progress bar, the reward curve and the summary.
+tensorboard when asked for), the step clock behind its time figures, the console progress
+bar, the reward curve and the summary.
 
 The JSONL file is the record of a run: each line is written with a single write and
 flushed, so a crash loses at most the line being written, and `read_metrics` skips a
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -224,3 +226,37 @@ def rollout_metrics(rollouts: list) -> dict[str, float]:
         "time/sandbox_start_mean_s": sum(r.timings.get("sandbox_start_s", 0.0) for r in rollouts) / n,
         "env/warm_start_frac": sum(1 for r in rollouts if r.warm_start) / n,
     }
+
+
+@dataclass
+class StepClock:
+    """Wall-time bookkeeping of the step being gathered and trained."""
+
+    run_start: float
+    wait_started: float  # end of the previous step: from here the loop waits for a batch
+    last_tick: float
+    step_wall_start: float
+    wait_s: float = 0.0
+    train_started: float = 0.0
+    busy_s: float = 0.0  # time with at least one episode in flight (sampler busy)
+
+    @classmethod
+    def now(cls) -> "StepClock":
+        t = time.monotonic()
+        return cls(run_start=t, wait_started=t, last_tick=t, step_wall_start=t)
+
+    def tick(self, sampling: bool, now: float) -> None:
+        """Credit the time since the last tick to the sampler when episodes were in flight.
+        (An approximation: it counts the interval as busy when episodes are pending at its end.)"""
+        if sampling:
+            self.busy_s += now - self.last_tick
+        self.last_tick = now
+
+    def new_step(self, now: float) -> None:
+        """The next step's wall starts here; sampler time before it belongs to the last step."""
+        self.busy_s, self.step_wall_start, self.last_tick = 0.0, now, now
+
+    def sampler_busy_frac(self, now: float) -> float:
+        """Share of the step's wall with at least one episode in flight. 0 is a real value: with
+        async steps, a step's batch (and the next one's) can all be sampled during the step before."""
+        return min(1.0, self.busy_s / max(1e-9, now - self.step_wall_start))
