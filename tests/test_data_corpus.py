@@ -55,10 +55,58 @@ def test_report_counts_and_balance(tmp_path):
     # task_complexity 2/2/1/1 over 4
     h_cx = -(2 * (1 / 3) * math.log(1 / 3) + 2 * (1 / 6) * math.log(1 / 6))
     assert data["balance"]["task_complexity"] == pytest.approx(math.exp(h_cx) / 4, abs=1e-5)
-    hist = data["pass_at_k"]["oracle"]
-    assert hist["k"] == 2 and hist["tasks"] == 5
-    assert hist["counts"][9] == 4 and hist["counts"][0] == 1  # pass@2: four 1.0, one 0.0
+    hist = data["success_rate"]["oracle"]
+    assert hist["k"] == [2, 2] and hist["n"] == [2, 2] and hist["tasks"] == 5
+    # c/n: three tasks 2/2, one 1/2, one 0/2 (pass@2 would put the 1/2 task with the 2/2 ones)
+    assert (hist["counts"][9], hist["counts"][5], hist["counts"][0]) == (3, 1, 1)
+    assert data["missing"]["domain"] == 0 and data["outside_buckets"]["domain"] == {}
+    assert set(data["balance"]) == {"domain", "skill_type", "primitive_skills", "scenario", "language",
+                                    "task_complexity", "command_complexity", "verifier_kind", "fixture_kind"}
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+TB2 = Path("/work/shared/tb2-sample")
+
+
+@pytest.mark.skipif(not TB2.is_dir(), reason="needs the Terminal-Bench 2.0 sample")
+def test_report_on_labelled_and_unlabelled_tasks_states_what_is_missing(tmp_path):
+    """TB2 tasks carry no axes but a `category`: it becomes the domain where it names one,
+    the rest is reported outside the buckets, and nothing lacking an axis is hidden."""
+    root = tmp_path / "mixed"
+    for d in (DATA / "report").iterdir():
+        if d.is_dir() and not d.name.startswith("."):
+            (root / d.name).parent.mkdir(parents=True, exist_ok=True)
+            (root / d.name).symlink_to(d.resolve())
+    tb2 = sorted(d for d in TB2.iterdir() if (d / "task.toml").is_file())
+    for d in tb2:
+        (root / d.name).symlink_to(d)
+    # an importer's placeholder value, outside the declared buckets
+    unknown = root / "imported-unknown"
+    unknown.mkdir()
+    (unknown / "task.toml").write_text('[metadata]\ndomain = "unknown"\nskill_type = "unknown"\n')
+    data = run_json("report", str(root))
+    assert data["n"] == 6 + len(tb2) + 1
+    assert all(0 <= b <= 1 for b in data["balance"].values()), data["balance"]
+    # 6 labelled tasks have a skill type; TB2's tasks lack it and are counted, not dropped
+    assert data["missing"]["skill_type"] == len(tb2)
+    assert data["outside_buckets"]["skill_type"] == {"unknown": 1}
+    dom = data["counts"]["domain"]
+    assert dom["software_engineering"] >= 1 and "software-engineering" not in dom
+    assert data["outside_buckets"]["domain"]["unknown"] == 1
+    assert "games" in data["outside_buckets"]["domain"]  # a TB2 category with no domain
+    labelled = {v: c for v, c in dom.items() if v not in data["outside_buckets"]["domain"]}
+    assert data["balance"]["domain"] == pytest.approx(balance_score(labelled, 9), abs=1e-6)
+    assert data["missing"]["domain"] == data["n"] - sum(dom.values())
+
+
+def test_balance_never_exceeds_one_with_values_outside_the_buckets(tmp_path):
+    """Nine domains, one task each, plus one "unknown": before, 10 values over N = 9 gave 1.111."""
+    for i, d in enumerate(list(BUCKETS["domain"]) + ["unknown"]):
+        (tmp_path / f"t{i}").mkdir()
+        (tmp_path / f"t{i}" / "task.toml").write_text(f'[metadata]\ndomain = "{d}"\n')
+    data = run_json("report", str(tmp_path))
+    assert data["balance"]["domain"] == pytest.approx(1.0)
+    assert data["outside_buckets"]["domain"] == {"unknown": 1}
 
 
 # Per-domain persona counts of the original (reference §2.3).
@@ -106,13 +154,29 @@ def test_bundled_axes_have_the_reference_cardinalities():
 
 def test_decontam_finds_the_planted_copy_only(tmp_path):
     data = run_json("decontam", str(DATA / "decontam"), "--against", str(DATA / "bench"))
-    assert data == {"hits": [{"task": "planted", "benchmark_task": "alpha", "shared_ngrams": 8}], "checked": 3}
+    assert data == {"hits": [{"task": "planted", "benchmark_task": "alpha", "shared_ngrams": 8}], "checked": 3,
+                    "unreadable": {}}
     # 8-grams also catch the near miss (12 shared words -> 5 eight-grams)
     data = run_json("decontam", str(DATA / "decontam"), "--against", str(DATA / "bench"), "--n", "8")
     assert {(h["task"], h["shared_ngrams"]) for h in data["hits"]} == {("planted", 13), ("near-miss", 5)}
     out = tmp_path / "clean"
     data = run_json("decontam", str(DATA / "decontam"), "--against", str(DATA / "bench"), "--drop", str(out))
     assert sorted(p.name for p in out.iterdir()) == ["clean", "near-miss"] == sorted(data["kept"])
+
+
+def test_decontam_reports_an_unreadable_task_and_checks_the_rest(tmp_path):
+    import shutil
+
+    root = tmp_path / "corpus"
+    shutil.copytree(DATA / "decontam", root)
+    (root / "clean" / "task.toml").write_text("[metadata\n")
+    r = runner.invoke(app, ["data", "decontam", str(root), "--against", str(DATA / "bench"), "--json"])
+    assert r.exit_code == 1, r.output  # not a clean result: one task was not checked
+    data = json.loads(r.stdout)
+    assert data["checked"] == 2 and [h["task"] for h in data["hits"]] == ["planted"]
+    assert list(data["unreadable"]) == ["clean"] and "task.toml" in data["unreadable"]["clean"]
+    r = runner.invoke(app, ["data", "decontam", str(root), "--against", str(DATA / "bench")])
+    assert "unreadable" in r.output and "clean" in r.output
 
 
 # --- combine -----------------------------------------------------------------------------
@@ -193,14 +257,16 @@ def test_task_summary_unbiased_and_without_infra_errors():
     assert s["pass_at_k"]["4"] == 1.0 and len(s["pass_at_k"]) == 5
 
 
-def test_band():
+def test_band_filters_on_the_success_rate():
     assert parse_band("0.1:0.9") == (0.1, 0.9)
     for bad in ("0.9:0.1", "x", "0.2", "1:2"):
         with pytest.raises(ValueError):
             parse_band(bad)
-    sums = {"a": {"pass_at_k": {"1": 0.0, "2": 0.0}}, "b": {"pass_at_k": {"1": 0.5, "2": 0.8}},
-            "c": {"pass_at_k": {"1": 1.0, "2": 1.0}}, "d": {"pass_at_k": {"1": 0.5}}}
-    assert in_band(sums, 2, (0.1, 0.9)) == ["b"]
+    sums = {"a": {"num_runs": 2, "num_success": 0}, "b": {"num_runs": 2, "num_success": 1},
+            "c": {"num_runs": 2, "num_success": 2}, "d": {"num_runs": 0, "num_success": 0},
+            "e": {"num_runs": 8, "num_success": 1}}
+    # b (1 of 2) and e (1 of 8) have pass@k = 1 at k = n; their rates 0.5 and 0.125 are in band
+    assert in_band(sums, (0.1, 0.9)) == ["b", "e"]
 
 
 # --- custom axes -------------------------------------------------------------------------
@@ -243,10 +309,13 @@ def test_custom_axes_file_drives_sampling_and_balance(tmp_path):
     draws = [sample_axes(random.Random(i), "rl_v2", axes) for i in range(50)]
     assert {d.domain for d in draws} == {"security", "debugging"}
     assert {d.verifier_kind for d in draws} == {"metric_threshold"} and {d.language for d in draws} == {"Python"}
-    # report: N = 2 domains here; the formula divides by N whatever values occur (3/2/1 here)
+    # report: N = 2 domains here. The corpus has security 3, debugging 2 and data_science 1,
+    # which this file does not declare: it is reported apart and the balance is over 3/2
+    # (before, 3/2/1 over N = 2 gave 1.375)
     data = run_json("report", str(DATA / "report"), "--axes", str(path))
-    h = -(0.5 * math.log(0.5) + (1 / 3) * math.log(1 / 3) + (1 / 6) * math.log(1 / 6))
+    h = -(0.6 * math.log(0.6) + 0.4 * math.log(0.4))
     assert data["balance"]["domain"] == pytest.approx(math.exp(h) / 2, abs=1e-5)
+    assert data["outside_buckets"]["domain"] == {"data_science": 1}
 
 
 def test_bad_axes_file_names_the_field(tmp_path):

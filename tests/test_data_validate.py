@@ -75,7 +75,7 @@ def test_solve_pass_at_k_and_band(tmp_path):
     summary = json.loads((root / ".tmax-solve" / "oracle" / "good.json").read_text())
     assert summary["num_runs"] == 2 and summary["num_success"] == 2
     rep = runner.invoke(app, ["data", "report", str(root), "--json"])
-    assert json.loads(rep.stdout)["pass_at_k"]["oracle"]["counts"][9] == 1
+    assert json.loads(rep.stdout)["success_rate"]["oracle"]["counts"][9] == 1
 
 
 @pytest.mark.podman
@@ -116,9 +116,11 @@ def test_solve_with_the_tmax_agent(tmp_path):
              {"bash": "echo 9 > /app/count.txt"}, {"bash": SUBMIT_COMMAND}]
     with ScriptedServer(turns) as srv:
         r = runner.invoke(app, ["data", "solve", str(root), "-a", "tmax", "-m", srv.model, "--base-url",
-                                srv.base_url, "-k", "2", "-n", "1", "-e", "bwrap", "--json"])
+                                srv.base_url, "-k", "2", "-n", "1", "-e", "bwrap", "--band", "0.1:0.9", "--json"])
     assert r.exit_code == 0, r.output
-    s = json.loads(r.stdout)["tasks"]["good"]
-    assert (s["num_runs"], s["num_success"]) == (2, 1)
+    data = json.loads(r.stdout)
+    s = data["tasks"]["good"]
+    assert (s["num_attempts"], s["num_runs"], s["num_success"], s["success_rate"]) == (2, 2, 1, 0.5)
     assert s["pass_at_k"] == {"1": 0.5, "2": 1.0}
+    assert data["band"] == ["good"]  # solved 1 of 2 times: in band (pass@2 = 1 would have left it out)
     assert (root / ".tmax-solve" / "tmax_scripted-model" / "good.json").is_file()

@@ -154,11 +154,11 @@ def solve_cmd(
     base_url: Optional[str] = typer.Option(None, "--base-url", envvar="TMAX_BASE_URL"),
     env: str = _ENV,
     concurrent: int = typer.Option(2, "-n", "--n-concurrent"),
-    band: Optional[str] = typer.Option(None, "--band", help="Keep tasks with pass@k in LO:HI."),
+    band: Optional[str] = typer.Option(None, "--band", help="Keep tasks whose success rate c/n is in LO:HI."),
     out: Optional[Path] = typer.Option(None, "--out", help="With --band: write the kept tasks here (symlinks)."),
     as_json: bool = _JSON,
 ) -> None:
-    """Difficulty as pass@k of a bench agent; per-task summaries under DIR/.tmax-solve/."""
+    """Difficulty as the success rate c/n (and pass@k) of a bench agent; summaries under DIR/.tmax-solve/."""
     from tasks.corpus.combine import write_links
     from tasks.corpus.corpus import read_corpus
     from tasks.corpus.solve import in_band, parse_band, solve_corpus
@@ -178,19 +178,20 @@ def solve_cmd(
                                      n_concurrent=concurrent, progress_fn=progress)
     except (ValueError, JobError, DatasetError) as e:
         _fail(str(e))
-    kept = in_band(summaries, k, lo_hi) if lo_hi else None
+    kept = in_band(summaries, lo_hi) if lo_hi else None
     if kept is not None and out is not None:
         write_links([t for t in read_corpus(corpus) if t.name in set(kept)], out)
-    data = {"tasks": {t: {"num_runs": s["num_runs"], "num_success": s["num_success"],
-                          "pass_at_k": s["pass_at_k"]} for t, s in summaries.items()}, "band": kept}
+    data = {"tasks": {t: {key: s[key] for key in ("num_attempts", "num_runs", "num_success", "success_rate",
+                                                    "pass_at_k")} for t, s in summaries.items()}, "band": kept}
     if as_json:
         _emit_json(data)
     else:
         for t, s in summaries.items():
-            _console().print(f"{t}: {s['num_success']}/{s['num_runs']}  pass@{k} "
-                             f"{s['pass_at_k'].get(str(k), float('nan')):.3f}")
+            rate = "n/a" if s["success_rate"] is None else f"{s['success_rate']:.3f}"
+            _console().print(f"{t}: solved {s['num_success']}/{s['num_runs']} (rate {rate}; k = "
+                             f"{s['num_attempts']} attempts, n = {s['num_runs']} scored)")
         if kept is not None:
-            _console().print(f"{len(kept)} task(s) in band {band}" + (f" → {out}" if out else ""))
+            _console().print(f"{len(kept)} task(s) with a success rate in {band}" + (f" → {out}" if out else ""))
 
 
 @data_app.command("import")
@@ -230,7 +231,7 @@ def report_cmd(
     axes: Optional[Path] = _AXES,
     as_json: bool = _JSON,
 ) -> None:
-    """Counts per axis, balance exp(H)/N (N from the axes file), pass@k histograms."""
+    """Counts per axis, tasks lacking each axis, balance exp(H)/N over the declared buckets, success-rate histograms."""
     from tasks.corpus.axes import AxesError, load_axes
     from tasks.corpus.corpus import CorpusError
     from tasks.corpus.report import build_report, write_png
@@ -250,18 +251,32 @@ def report_cmd(
 def _print_report(data: dict, png: Optional[Path]) -> None:
     from rich.table import Table
 
+    from tasks.corpus.report import histogram_title
+
     console = _console()
     console.print(f"[bold]{data['n']}[/] tasks")
+    for name, why in data["unreadable"].items():
+        console.print(f"[red]unreadable[/] {name}: {why}")
     for axis, counts in data["counts"].items():
-        t = Table(title=f"{axis}" + (f"  balance {data['balance'][axis]:.3f}" if axis in data["balance"] else ""),
-                  title_justify="left")
+        title = axis
+        if axis in data["balance"]:
+            title += f"  balance {data['balance'][axis]:.3f} over {data['buckets'][axis]} buckets"
+        if data["missing"].get(axis):
+            title += f"  ({data['missing'][axis]} of {data['n']} task(s) lack it)"
+        outside = data["outside_buckets"].get(axis) or {}
+        if outside:
+            title += f"  ({sum(outside.values())} value(s) outside the buckets, not in the balance)"
+        t = Table(title=title, title_justify="left")
         t.add_column("value")
         t.add_column("tasks", justify="right")
         for v, c in list(counts.items())[:20]:
-            t.add_row(v, str(c))
+            t.add_row(v + (" [yellow](outside the buckets)[/]" if v in outside else ""), str(c))
         console.print(t)
-    for tag, h in data["pass_at_k"].items():
-        console.print(f"pass@{h['k']} histogram ({tag}): {h['counts']}")
+    for axis in data["balance"]:
+        if axis not in data["counts"]:
+            console.print(f"{axis}: [yellow]no task has it[/] ({data['missing'][axis]} of {data['n']} lack it)")
+    for tag, h in data["success_rate"].items():
+        console.print(f"{histogram_title(tag, h)}: {h['counts']} over bins {h['bins']}")
     if png:
         console.print(f"chart: {png}")
 
@@ -286,7 +301,15 @@ def decontam_cmd(
         _fail(str(e))
     if as_json:
         _emit_json(data)
-        return
+    else:
+        _print_hits(data, n, drop)
+    if data["unreadable"]:  # those tasks were not checked: not a clean result
+        raise typer.Exit(1)
+
+
+def _print_hits(data: dict, n: int, drop: Optional[Path]) -> None:
+    for name, why in data["unreadable"].items():
+        _console().print(f"[red]unreadable[/] {name}: {why} (not checked)")
     for h in data["hits"]:
         _console().print(f"[red]hit[/] {h['task']} ~ {h['benchmark_task']}: {h['shared_ngrams']} shared {n}-grams")
     n_hit = len({h['task'] for h in data['hits']})

@@ -13,7 +13,7 @@ The bundled lists have the original's cardinalities: 9 domains; 4-7 skill types 
 (52 pairs, 29 distinct names); 20-40 primitive skills per domain (283); 5-18 personas per
 domain (85 slots, 73 distinct: some are shared between domains); 3-7 anchors per domain.
 The balance score divides by the length of each axis's fixed list (`AxesConfig.buckets`;
-skill_type N = 29), so it is comparable to the paper's.
+skill_type N = 29, primitive skills 283, personas 73), so it is comparable to the paper's.
 """
 
 from __future__ import annotations
@@ -85,9 +85,13 @@ class AxesConfig(BaseModel):
 
     def buckets(self) -> dict[str, tuple[str, ...]]:
         """The fixed bucket order of every axis the balance score is computed for."""
-        skill_types = dict.fromkeys(s for d in self.domains.values() for s in d.skill_types)
-        return {"domain": tuple(self.domains), "skill_type": tuple(skill_types), "language": tuple(self.languages),
-                "task_complexity": tuple(self.task_complexity), "command_complexity": tuple(self.command_complexity),
+        def distinct(attr: str) -> tuple[str, ...]:
+            return tuple(dict.fromkeys(v for d in self.domains.values() for v in getattr(d, attr)))
+
+        return {"domain": tuple(self.domains), "skill_type": distinct("skill_types"),
+                "primitive_skills": distinct("skills"), "scenario": distinct("scenarios"),
+                "language": tuple(self.languages), "task_complexity": tuple(self.task_complexity),
+                "command_complexity": tuple(self.command_complexity),
                 "verifier_kind": tuple(self.verifier_kinds), "fixture_kind": tuple(self.fixture_kinds)}
 
     def fingerprint(self) -> str:

@@ -23,7 +23,11 @@ def _all(corpora: list[Path]) -> list[CorpusTask]:
     seen: dict[str, Path] = {}
     out = []
     for c in corpora:
-        for t in read_corpus(c):
+        corpus = read_corpus(c)
+        if corpus.unreadable:  # a combined corpus would silently lose them
+            name, why = next(iter(corpus.unreadable.items()))
+            raise CombineError(f"{len(corpus.unreadable)} task(s) of {c} do not read, e.g. {name}: {why}")
+        for t in corpus:
             if t.name in seen:
                 raise CombineError(f"task {t.name} is in both {seen[t.name]} and {c}")
             seen[t.name] = c

@@ -37,7 +37,8 @@ def _benchmark(bench_dir: Path) -> dict[str, str]:
 
 
 def find_hits(corpus: Path, bench_dir: Path, n: int = DEFAULT_N) -> dict:
-    """{"hits": [{task, benchmark_task, shared_ngrams}], "checked": N}."""
+    """{"hits": [{task, benchmark_task, shared_ngrams}], "checked": N, "unreadable": {task: why}};
+    a task whose task.toml does not read is reported and the rest are checked."""
     if n < 1:
         raise ValueError("n must be at least 1")
     bench = {name: ngrams(text, n) for name, text in _benchmark(bench_dir).items()}
@@ -46,7 +47,8 @@ def find_hits(corpus: Path, bench_dir: Path, n: int = DEFAULT_N) -> dict:
     for name, grams in bench.items():
         for g in grams:
             index.setdefault(g, []).append(name)
-    tasks = read_corpus(corpus)
+    corpus_read = read_corpus(corpus)
+    tasks = corpus_read.tasks
     hits = []
     for t in tasks:
         shared: dict[str, int] = {}
@@ -54,7 +56,7 @@ def find_hits(corpus: Path, bench_dir: Path, n: int = DEFAULT_N) -> dict:
             for b in index.get(g, ()):
                 shared[b] = shared.get(b, 0) + 1
         hits += [{"task": t.name, "benchmark_task": b, "shared_ngrams": k} for b, k in sorted(shared.items())]
-    return {"hits": hits, "checked": len(tasks)}
+    return {"hits": hits, "checked": len(tasks), "unreadable": corpus_read.unreadable}
 
 
 def copy_without(corpus: Path, dest: Path, drop: set[str]) -> list[str]:

@@ -2,9 +2,11 @@
 
 The attempts run as a bench job (`tasks.job.Job`, k attempts per task) under
 `<corpus>/.tmax-solve/jobs/`, so a rerun resumes. Per task a summary is written to
-`<corpus>/.tmax-solve/<tag>/<task>.json`: runs, successes and the unbiased pass@k for
-every k up to the number of scored runs. Infrastructure errors are left out (they are
-not the agent's failures): n counts only the attempts that reached a verdict.
+`<corpus>/.tmax-solve/<tag>/<task>.json`: attempts (k), scored runs (n), successes (c),
+the success rate c/n and the unbiased pass@k for every k up to n. Infrastructure errors
+are left out (they are not the agent's failures): n counts only the attempts that
+reached a verdict. `--band` filters on c/n: pass@k at k = n is 1 as soon as one attempt
+succeeds, so it cannot tell a task solved 1 of 8 times from one solved 8 of 8 times.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from agents.records import write_json_atomic
-from tasks.corpus.report import SOLVE_DIR
+from tasks.corpus.report import SOLVE_DIR, success_rate
 from tasks.job import Job, JobConfig, trial_row
 from tasks.scoring import SUCCESS, pass_at_k
 
@@ -29,7 +31,8 @@ def task_summary(task: str, rows: list[dict], agent: str, model: str | None) -> 
     c = sum(1 for r in scored if r["reward"] is not None and float(r["reward"]) >= SUCCESS)
     return {
         "task": task, "agent": agent, "model": model,
-        "num_runs": n, "num_success": c, "num_infra_errors": len(rows) - n,
+        "num_attempts": len(rows), "num_runs": n, "num_success": c, "num_infra_errors": len(rows) - n,
+        "success_rate": c / n if n else None,
         "pass_at_k": {str(k): pass_at_k(n, c, k) for k in range(1, n + 1)},
         "results": [{"trial": r["trial"], "outcome": r["outcome"], "reward": r["reward"]} for r in rows],
     }
@@ -67,8 +70,8 @@ def parse_band(text: str) -> tuple[float, float]:
     return band
 
 
-def in_band(summaries: dict[str, dict], k: int, band: tuple[float, float]) -> list[str]:
-    """Tasks whose pass@k lies in [LO, HI] (tasks with fewer than k scored runs are left out)."""
+def in_band(summaries: dict[str, dict], band: tuple[float, float]) -> list[str]:
+    """Tasks whose success rate c/n lies in [LO, HI] (tasks without a scored run are left out)."""
     lo, hi = band
-    return sorted(t for t, s in summaries.items()
-                  if str(k) in s["pass_at_k"] and lo <= s["pass_at_k"][str(k)] <= hi)
+    rates = {t: success_rate(s) for t, s in summaries.items()}
+    return sorted(t for t, r in rates.items() if r is not None and lo <= r <= hi)
