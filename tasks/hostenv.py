@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sandbox.base import SandboxSpec
+from tasks.dockerfile import instructions
 from tasks.model import Task
 
 HOST_KINDS = ("bwrap", "local")
@@ -50,28 +51,6 @@ class HostPlan:
     workdir: str  # the final WORKDIR (absolute image path)
     copies: list[Copy] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
-
-
-def _logical_lines(text: str) -> list[tuple[int, str]]:
-    """(first line number, instruction) with continuations joined, comments dropped."""
-    out: list[tuple[int, str]] = []
-    buf, start = "", 0
-    for n, raw in enumerate(text.splitlines(), 1):
-        s = raw.strip()
-        if not buf and (not s or s.startswith("#")):
-            continue
-        if buf and s.startswith("#"):  # comment lines inside a continuation are skipped
-            continue
-        if not buf:
-            start = n
-        if s.endswith("\\"):
-            buf += s[:-1] + " "
-            continue
-        out.append((start, buf + s))
-        buf = ""
-    if buf.strip():
-        out.append((start, buf.strip()))
-    return out
 
 
 def _args(rest: str) -> list[str]:
@@ -113,9 +92,8 @@ def check_dockerfile(task: Task) -> HostPlan:
     workdir, seen_from = "/", False
     copies: list[Copy] = []
     env: dict[str, str] = {}
-    for n, line in _logical_lines(text):
-        op, _, rest = line.partition(" ")
-        op, rest = op.upper(), rest.strip()
+    for ins in instructions(text):
+        n, line, op, rest = ins.line, " ".join(ins.text.split()), ins.op, ins.value
         if op == "FROM":
             words = [w for w in rest.split() if not w.startswith("--")]
             if seen_from:

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import re
 import shutil
 import tomllib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from tasks.dockerfile import Instruction, from_parts, instructions
 from tasks.model import Task, TaskError
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -125,10 +125,6 @@ def default_config(image_map: list[str] | None = None, ca_bundle: Path | None | 
     return RewriteConfig(rules=rules, patches=plist, ca_bundle=ca)
 
 
-_FROM_RE = re.compile(r"^(\s*FROM\s+)((?:--\S+\s+)*)(\S+)(.*)$", re.IGNORECASE)
-_STAGE_RE = re.compile(r"\s+AS\s+(\S+)", re.IGNORECASE)
-
-
 @dataclass
 class RewrittenDockerfile:
     text: str
@@ -136,58 +132,67 @@ class RewrittenDockerfile:
     notes: list[str]
 
 
+def _rewritten_from(ins: Instruction, cfg: RewriteConfig, stages: set[str], bases: list[str],
+                    notes: list[str]) -> list[str]:
+    """The lines that replace one FROM: the mapped image, then the CA env and setup steps."""
+    parts = from_parts(ins.value)
+    if parts.image.lower() in stages:  # FROM an earlier stage: nothing to map
+        if parts.stage:
+            stages.add(parts.stage.lower())
+        return ins.text.splitlines()
+    if parts.stage:
+        stages.add(parts.stage.lower())
+    rule = cfg.match(parts.image)
+    target = rule.target if rule else parts.image
+    if rule:
+        notes.append(f"FROM {parts.image} -> {target}")
+    bases.append(target)
+    out = [" ".join(["FROM", *parts.flags, target] + ([parts.as_word, parts.stage] if parts.stage else []))]
+    if cfg.ca_bundle:
+        out.append("ENV " + " ".join(f"{k}={v}" for k, v in cfg.ca_env.items()))
+    setup = rule.setup if rule else None
+    if setup:
+        if setup.env:
+            out.append("ENV " + " ".join(f"{k}={v}" for k, v in setup.env))
+        out += [f"RUN {cmd}" for cmd in setup.run]
+        if setup.workdir:
+            out.append(f"WORKDIR {setup.workdir}")
+    return out
+
+
 def rewrite_dockerfile(text: str, cfg: RewriteConfig) -> RewrittenDockerfile:
-    """Re-target each FROM (keeping `AS stage`), then insert the setup steps and CA env."""
+    """Re-target each FROM (keeping `AS stage`), then insert the setup steps and CA env;
+    every other line stays as written."""
+    lines = text.splitlines()
     out: list[str] = []
     stages: set[str] = set()
     bases: list[str] = []
     notes: list[str] = []
-    for line in text.splitlines():
-        m = _FROM_RE.match(line)
-        if not m:
-            out.append(line)
+    cursor = 0
+    for ins in instructions(text):
+        if ins.op != "FROM":
             continue
-        head, flags, image, rest = m.groups()
-        stage = _STAGE_RE.match(rest)
-        if image.lower() in stages:  # FROM an earlier stage: nothing to map
-            out.append(line)
-            if stage:
-                stages.add(stage.group(1).lower())
-            continue
-        if stage:
-            stages.add(stage.group(1).lower())
-        rule = cfg.match(image)
-        target = rule.target if rule else image
-        if rule:
-            notes.append(f"FROM {image} -> {target}")
-        bases.append(target)
-        out.append(f"{head}{flags}{target}{rest}")
-        if cfg.ca_bundle:
-            out.append("ENV " + " ".join(f"{k}={v}" for k, v in cfg.ca_env.items()))
-        setup = rule.setup if rule else None
-        if setup:
-            if setup.env:
-                out.append("ENV " + " ".join(f"{k}={v}" for k, v in setup.env))
-            for cmd in setup.run:
-                out.append(f"RUN {cmd}")
-            if setup.workdir:
-                out.append(f"WORKDIR {setup.workdir}")
+        out += lines[cursor:ins.start]
+        out += _rewritten_from(ins, cfg, stages, bases, notes)
+        cursor = ins.end + 1
+    out += lines[cursor:]
+    rewritten = "\n".join(out) + "\n"
     # buildah (podman 4.3) does not create a WORKDIR that no later step touches, and a
     # container cannot start in a missing directory; Docker always creates it.
-    workdir = _last_workdir(out)
+    workdir = last_workdir(rewritten)
     if workdir:
-        out.append(f"RUN mkdir -p {workdir}")
-    return RewrittenDockerfile("\n".join(out) + "\n", bases, notes)
+        rewritten += f"RUN mkdir -p {workdir}\n"
+    return RewrittenDockerfile(rewritten, bases, notes)
 
 
-def _last_workdir(lines: list[str]) -> str | None:
+def last_workdir(text: str) -> str | None:
+    """The final stage's WORKDIR (relative ones joined), None if unset or variable."""
     wd = None
-    for line in lines:
-        if _FROM_RE.match(line):
+    for ins in instructions(text):
+        if ins.op == "FROM":
             wd = None
-        m = re.match(r"^\s*WORKDIR\s+(\S+)\s*$", line, re.IGNORECASE)
-        if m:
-            wd = m.group(1) if m.group(1).startswith("/") or wd is None else f"{wd.rstrip('/')}/{m.group(1)}"
+        elif ins.op == "WORKDIR" and ins.value:
+            wd = ins.value if ins.value.startswith("/") or wd is None else f"{wd.rstrip('/')}/{ins.value}"
     return wd if wd and "$" not in wd else None
 
 

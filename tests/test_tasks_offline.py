@@ -41,6 +41,27 @@ def test_ubuntu_multistage_keeps_stage_names():
     assert not any("python3" in l for l in out.text.splitlines())
 
 
+def test_continued_lines_are_read_as_one_instruction():
+    """A FROM or WORKDIR split over lines (and a comment inside a RUN) reads as Docker reads it;
+    before, a line-by-line regex took `\\` for the image and missed the WORKDIR."""
+    text = ("FROM \\\n    python:3.12-slim\nRUN apt-get update && \\\n    # a comment inside\n"
+            "    apt-get install -y jq\nWORKDIR \\\n  /srv/app\n")
+    out = rewrite_dockerfile(text, cfg())
+    assert out.base_images == [BASE]
+    lines = out.text.splitlines()
+    assert lines[0] == f"FROM {BASE}" and "python:3.12-slim" not in out.text
+    assert "    apt-get install -y jq" in lines  # the rest is kept as written
+    assert lines[-1] == "RUN mkdir -p /srv/app"
+
+
+def test_generated_dockerfile_user_read_across_a_continuation():
+    from tasks.corpus.prompts import ParseError, parse_environment
+
+    answer = "<dockerfile>\nFROM x\nUSER \\\n  user\n</dockerfile>\n<solve>\ntrue\n</solve>"
+    with pytest.raises(ParseError, match="USER user"):
+        parse_environment(answer)
+
+
 def test_cli_image_map_wins_and_adds_no_setup():
     c = default_config(image_map=["python:*=localhost/mypy:3.13"], ca_bundle=None)
     out = rewrite_dockerfile("FROM python:3.13-slim-bookworm\n", c)

@@ -13,6 +13,7 @@ import re
 
 from tasks.corpus.axes import AxesConfig, TaskAxes, load_axes
 from tasks.corpus.package import AGENT_USER, HOME
+from tasks.dockerfile import instructions
 
 TEMPERATURE = {"template": 1.0, "initial": 0.6, "final": 0.6, "environment": 0.6}
 FEEDBACK_CHARS = 500
@@ -152,7 +153,7 @@ def parse_environment(text: str) -> tuple[str, dict[str, str], str]:
         raise ParseError("the answer needs <dockerfile>...</dockerfile> and <solve>...</solve> blocks")
     if "{{" in dockerfile:
         raise ParseError("the Dockerfile still holds a {{ }} placeholder")
-    users = re.findall(r"^\s*USER\s+(\S+)", dockerfile, re.MULTILINE | re.IGNORECASE)
+    users = [i.value for i in instructions(dockerfile) if i.op == "USER" and i.value]
     if users and users[-1].split(":")[0] not in ("root", "0"):
         raise ParseError(f"the Dockerfile ends as `USER {users[-1]}`: keep root as the image's USER (the agent "
                          f"runs as `{AGENT_USER}` from task.toml; the tests must write /logs as root)")
