@@ -323,3 +323,36 @@ def test_bad_axes_file_names_the_field(tmp_path):
     path.write_text(CUSTOM_AXES.replace('skills = ["a", "b", "c", "d", "e"]', 'skills = ["a"]'))
     r = runner.invoke(app, ["data", "report", str(DATA / "report"), "--axes", str(path)])
     assert r.exit_code == 2 and "domains.security.skills" in r.output
+
+
+# --- packaging ---------------------------------------------------------------------------
+
+def test_rewriting_a_task_keeps_the_old_one_until_the_new_one_is_in_place(tmp_path, monkeypatch):
+    """A crash while the new task moves in leaves the old task, never no task (before, the
+    old directory was deleted first)."""
+    import os
+
+    from tasks.corpus.axes import TaskAxes
+    from tasks.corpus.package import TaskParts, write_task
+
+    parts = TaskParts(name="t", axes=TaskAxes(domain="security", skill_type="Systems"), instruction="first",
+                      final_test="def test_x():\n    pass\n", dockerfile="FROM x\n")
+    dest = write_task(parts, tmp_path / "t")
+    parts.instruction = "second"
+    write_task(parts, dest)
+    assert (dest / "instruction.md").read_text() == "second\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["t"]  # nothing left aside
+
+    real_replace = os.replace
+
+    def crash_on_move_in(src, dst):
+        if Path(dst) == dest and ".old-" not in Path(src).name:  # the new task, not the old one coming back
+            raise OSError("disk full")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", crash_on_move_in)
+    parts.instruction = "third"
+    with pytest.raises(OSError, match="disk full"):
+        write_task(parts, dest)
+    assert (dest / "instruction.md").read_text() == "second\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["t"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -28,7 +27,7 @@ from pydantic import BaseModel, Field
 from agents.records import write_json_atomic
 from tasks.corpus import prompts
 from tasks.corpus.axes import CORPUS_KINDS, AxesConfig, TaskAxes, load_axes, sample_axes
-from tasks.corpus.package import TaskParts, write_task
+from tasks.corpus.package import TaskParts, replace_dir, write_task
 from tasks.corpus.validate import GateReport, validate_task
 from tasks.hostenv import ENV_KINDS
 from tasks.offline import default_config
@@ -187,11 +186,9 @@ class Generator:
     def _finish(self, st: TaskState, status: str) -> None:
         staged = self.state_dir / "staging" / st.name
         dest = self.out / st.name if status == "kept" else self.out / REJECTED_DIR / st.name
-        if dest.exists():
-            shutil.rmtree(dest)
         if staged.exists():
             dest.parent.mkdir(parents=True, exist_ok=True)
-            staged.rename(dest)
+            replace_dir(staged, dest)
         st.status = status
         self.save(st)
         self.emit(st.name, f"{status} (gate {st.failed_gate})" if st.failed_gate else status)

@@ -126,10 +126,24 @@ def write_task(parts: TaskParts, dest: Path) -> Path:
         shutil.copyfile(LITE_RUNNER, tests / "pytest_lite.py")
         if parts.solution:
             write_executable(tmp / "solution" / "solve.sh", parts.solution)
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
+        replace_dir(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
+
+
+def replace_dir(new: Path, dest: Path) -> None:
+    """Put directory `new` at `dest`. An old `dest` is moved aside first and removed only
+    once `new` is in place (moved back if that fails), so a crash never leaves neither."""
+    if not dest.exists():
+        os.replace(new, dest)
+        return
+    aside = dest.with_name(f".{dest.name}.old-{os.getpid()}-{id(new):x}")
+    os.replace(dest, aside)
+    try:
+        os.replace(new, dest)
+    except BaseException:
+        os.replace(aside, dest)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
