@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tasks.corpus.axes import load_axes
-from tasks.corpus.importers import dockerfile_from_def
+from tasks.corpus.import_native import dockerfile_from_def
 from tasks.corpus.report import balance_score
 from tasks.corpus.solve import in_band, parse_band, task_summary
 from tasks.model import Task
@@ -206,17 +206,44 @@ def test_import_harbor(tmp_path):
 
 
 def test_import_open_instruct(tmp_path):
-    data = run_json("import", str(DATA / "import" / "open-instruct"), "-o", str(tmp_path), "--format", "open-instruct")
-    assert data["imported"] == ["oi_0001"] and "image.txt" in data["errors"]["oi_0002"]
+    """The RL training copy as published (see `tasks/corpus/import_open_instruct.py` for the
+    layout): per-task folders with optional image.txt / setup.sh / seeds, and dataset rows
+    (`train.jsonl`) with the field names messages / ground_truth / dataset / env_config{env_name,
+    image, task_id} / source."""
+    r = runner.invoke(app, ["data", "import", str(DATA / "import" / "open-instruct"), "-o", str(tmp_path),
+                            "--format", "open-instruct", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["imported"] == ["oi_0001", "oi_0002", "oi_0003", "oi_0004"]
+    assert "image.txt" in data["errors"]["oi_0005"] and "setup.sh" in data["errors"]["oi_0005"]
+    assert "no task folder" in data["errors"]["oi_0009"]  # a row whose folder is missing
+    # the row's env_config.image comes before image.txt
     task = Task.load(tmp_path / "oi_0001")
-    assert task.config.environment.docker_image == "registry.example.org/tmax/oi_0001:latest"
-    assert "COPY seeds/ /workspace/" in task.dockerfile.read_text()
+    assert task.config.environment.docker_image == "registry.example.org/tmax/oi_0001:v2"
+    assert task.dockerfile.read_text() == ("FROM registry.example.org/tmax/oi_0001:v2\nCOPY seeds/ /workspace/\n"
+                                           "WORKDIR /workspace\n")
     assert (task.tests_dir / "test.sh").is_file() and (task.tests_dir / "pytest_lite.py").is_file()
+    meta = task.config.metadata
+    assert (meta["env_name"], meta["ground_truth"], meta["task_id"]) == ("swerl_vanillux_sandbox", "oi_0001", "oi_0001")
+    # no image.txt: the row names the image
+    assert Task.load(tmp_path / "oi_0002").config.environment.docker_image.endswith("oi_0002:latest")
+    # setup.sh is the environment: a RUN step on the defs' base, the seeds after it; no image named
+    task = Task.load(tmp_path / "oi_0003")
+    docker = task.dockerfile.read_text()
+    assert docker.startswith("FROM ubuntu:22.04\n") and "RUN bash -e /tmp/tmax-setup.sh" in docker
+    assert docker.index("RUN bash -e") < docker.index("COPY seeds/ /workspace/")
+    assert "useradd -m user" in (task.environment_dir / "setup.sh").read_text()
+    assert task.config.environment.docker_image is None
+    # no instruction.md: the row's user message
+    assert Task.load(tmp_path / "oi_0004").instruction.strip() == "Write hello to /workspace/hello.txt."
 
 
 def test_import_native(tmp_path):
+    """The generator's layout (documented in `tasks/corpus/import_native.py`): task.json,
+    container.def with %environment / %post / %files, setup.sh, fixtures/, task_summary.txt and
+    solutions/*summary.json."""
     data = run_json("import", str(DATA / "import" / "native"), "-o", str(tmp_path), "--format", "native")
-    assert data == {"imported": ["task_000007_0badf00d"], "errors": {}}
+    assert data == {"imported": ["task_000007_0badf00d", "task_000008_1ntr1cat"], "errors": {}}
     task = Task.load(tmp_path / "task_000007_0badf00d")
     meta = task.config.metadata
     assert meta["domain"] == "data_processing" and meta["task_complexity"] == "short"
@@ -226,6 +253,8 @@ def test_import_native(tmp_path):
     assert docker.startswith("FROM ubuntu:22.04") and "ENV LC_ALL=C.UTF-8" in docker
     assert "COPY fixtures/ /app/fixtures/" in docker
     assert "useradd -m user" in (task.environment_dir / "post_install.sh").read_text()
+    # A full def installs what it needs itself: no shared base layer.
+    assert "apt-get install" not in docker
     # The def creates the user itself; the agent runs as it, in its home.
     assert task.config.agent.user == "user" and "useradd" not in docker and docker.endswith("WORKDIR /home/user\n")
     assert (task.environment_dir / "fixtures" / "sample.txt").is_file()
@@ -233,9 +262,51 @@ def test_import_native(tmp_path):
     assert "dedup.csv keeps the first" in (task.path / "truth.md").read_text()
 
 
-def test_def_without_post_uses_setup_sh():
-    docker, files = dockerfile_from_def("Bootstrap: docker\nFrom: ubuntu:22.04\n", "echo hi > /x\n", False)
+def test_import_native_intricate_files_and_summaries(tmp_path):
+    run_json("import", str(DATA / "import" / "native"), "-o", str(tmp_path), "--format", "native")
+    task = Task.load(tmp_path / "task_000008_1ntr1cat")
+    docker = task.dockerfile.read_text()
+    # base_image = "intricate": the shared intricate layer, before the task's own files and %post
+    assert "ffmpeg" in docker and "tesseract-ocr" in docker and "numpy" in docker and "Pillow" in docker
+    # %files destinations: the relative source and the original build's absolute one
+    assert "COPY fixtures/labels.json /opt/labels/labels.json" in docker
+    assert "COPY fixtures/img.png /app/fixtures/img.png" in docker
+    assert "COPY fixtures/ /app/fixtures/" not in docker
+    assert docker.index("pip3 install") < docker.index("COPY fixtures/labels.json") < docker.index("post_install")
+    assert (task.environment_dir / "fixtures" / "labels.json").is_file()
+    meta = task.config.metadata
+    assert meta["task_complexity"] == "intricate" and meta["base_image"] == "intricate"
+    assert meta["task_summary"].startswith("Intricate ML labelling task")
+    sol = meta["solutions"]["gemini_gemini-3.1-pro-preview_vanillux"]
+    assert (sol["num_runs"], sol["num_success"]) == (8, 3) and sol["pass_at_k"]["1"] == pytest.approx(3 / 8)
+    assert list(meta["solutions"]) == ["gemini_gemini-3.1-pro-preview_vanillux"]  # the empty summary.json is skipped
+    rep = run_json("report", str(tmp_path))
+    hist = rep["success_rate"]["gemini_gemini-3.1-pro-preview_vanillux"]
+    assert hist["tasks"] == 1 and hist["counts"][3] == 1 and hist["n"] == [8, 8]  # 3/8 = 0.375
+
+
+def test_native_files_line_naming_a_missing_source(tmp_path):
+    import shutil
+
+    src = tmp_path / "src" / "task_000009_deadbeef"
+    shutil.copytree(DATA / "import" / "native" / "task_000008_1ntr1cat", src)
+    (src / "fixtures" / "labels.json").unlink()
+    r = runner.invoke(app, ["data", "import", str(src.parent), "-o", str(tmp_path / "out"), "--format", "native",
+                            "--json"])
+    assert r.exit_code == 1  # nothing imported
+    data = json.loads(r.stdout)
+    assert data["imported"] == []
+    assert "%files line `fixtures/labels.json /opt/labels/labels.json`" in data["errors"]["task_000009_deadbeef"]
+    assert not (tmp_path / "out" / "task_000009_deadbeef").exists()
+
+
+def test_def_without_post_uses_setup_sh_on_the_domain_base():
+    docker, files = dockerfile_from_def("Bootstrap: docker\nFrom: ubuntu:22.04\n", "echo hi > /x\n", False,
+                                        domain="security")
     assert "RUN bash /tmp/post_install.sh" in docker and "echo hi" in files["post_install.sh"]
+    # the delta ran on the domain's shared base: python3 and pytest, plus the domain's tools
+    assert "python3" in docker and "pytest" in docker and "nmap" in docker
+    assert docker.index("nmap") < docker.index("post_install.sh")
     # A setup.sh delta lacks the standard preamble: the user and its home are put back.
     assert "RUN useradd -m user && chmod -R 777 /home/user\nWORKDIR /home/user\n" in docker
 
@@ -356,3 +427,29 @@ def test_rewriting_a_task_keeps_the_old_one_until_the_new_one_is_in_place(tmp_pa
         write_task(parts, dest)
     assert (dest / "instruction.md").read_text() == "second\n"
     assert [p.name for p in tmp_path.iterdir()] == ["t"]
+
+
+@pytest.mark.podman
+def test_imported_setup_sh_builds_and_runs_on_podman(tmp_path):
+    """The setup.sh of an open-instruct task is the image: it runs at build time, before the seeds."""
+    import shutil
+    import subprocess
+
+    from tasks.images import BASE_TAG, ensure_image, image_exists
+    from tasks.offline import default_config
+
+    if shutil.which("podman") is None or not image_exists(BASE_TAG):
+        pytest.skip("needs podman and the base image")
+    src = tmp_path / "src"
+    shutil.copytree(DATA / "import" / "open-instruct" / "oi_0003", src / "oi_0003")
+    run_json("import", str(src), "-o", str(tmp_path / "out"), "--format", "open-instruct")
+    image = ensure_image(Task.load(tmp_path / "out" / "oi_0003"), default_config())
+    try:
+        out = subprocess.run(["podman", "run", "--rm", image.tag, "bash", "-c",
+                              "cat /workspace/logs/setup.txt /workspace/users.txt; id -u user; pwd"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split()[:3] == ["seeded", "by", "setup"] and "alice" in out.stdout
+        assert out.stdout.strip().endswith("/workspace")
+    finally:
+        subprocess.run(["podman", "rmi", "-f", image.tag], capture_output=True, timeout=120)

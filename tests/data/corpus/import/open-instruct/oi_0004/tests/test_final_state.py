@@ -1,0 +1,2 @@
+def test_hello():
+    assert open("/workspace/hello.txt").read().strip() == "hello"
