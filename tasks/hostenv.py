@@ -29,7 +29,8 @@ from tasks.model import Task
 
 HOST_KINDS = ("bwrap", "local")
 ENV_KINDS = ("podman", *HOST_KINDS)
-HOST_BASE_IMAGES = ("localhost/tmax-base:bookworm",)
+# The host has python3, so it also stands in for the base of generated tasks.
+HOST_BASE_IMAGES = ("localhost/tmax-base:bookworm", "localhost/tmax-base:bookworm-python")
 _ARCHIVES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
 
 
@@ -83,7 +84,7 @@ def check_dockerfile(task: Task) -> HostPlan:
     makes the task need podman."""
     rel = task.dockerfile.relative_to(task.path)
     text = task.dockerfile.read_text(encoding="utf-8", errors="replace")
-    rule = (f"bwrap/local run a task only when its Dockerfile is FROM {HOST_BASE_IMAGES[0]} plus WORKDIR, "
+    rule = (f"bwrap/local run a task only when its Dockerfile is FROM {' or '.join(HOST_BASE_IMAGES)} plus WORKDIR, "
             "COPY/ADD of local files and ENV; run it with -e podman")
 
     def fail(n: int, line: str, why: str) -> HostEnvError:

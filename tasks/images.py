@@ -28,6 +28,8 @@ from tasks.offline import RewriteConfig, RewrittenDockerfile, copy_patched, rewr
 
 TAG_REPO = "localhost/tmax-task"
 BASE_TAG = "localhost/tmax-base:bookworm"
+# The base of generated tasks: BASE_TAG plus python3 (tasks/data/image_map.toml builds it).
+PYTHON_BASE_TAG = "localhost/tmax-base:bookworm-python"
 
 
 class ImageBuildError(RuntimeError):

@@ -17,7 +17,8 @@ import pytest
 from typer.testing import CliRunner
 
 from tasks.corpus.axes import sample_axes
-from tasks.corpus.generate import initial_state
+from tasks.corpus.axes import load_axes, stratified_plan
+from tasks.corpus.report import balance_score
 from tasks.model import Task
 from tmax_cli.main import app
 
@@ -37,12 +38,21 @@ def case_of(task_dir: Path) -> str:
     return (task_dir / "instruction.md").read_text().split("\n")[0].removeprefix("CASE=")
 
 
-def test_axes_are_seeded_and_independent_of_order():
-    a = [initial_state(7, i, "rl_v2").axes for i in range(5)]
-    b = [initial_state(7, i, "rl_v2").axes for i in reversed(range(5))][::-1]
-    assert a == b
-    assert [x.name for x in (initial_state(7, 0, "legacy"), initial_state(8, 0, "legacy"))][0] != \
-        initial_state(8, 0, "legacy").name
+def test_plan_is_seeded_and_stratified():
+    a, b = stratified_plan(100, 7, "rl_v2"), stratified_plan(100, 7, "rl_v2")
+    assert a == b and stratified_plan(100, 8, "rl_v2") != a
+    buckets = load_axes().buckets()
+    domains = Counter(t.domain for t in a)
+    assert max(domains.values()) - min(domains.values()) <= 1 and len(domains) == 9  # 11 or 12 each
+    assert balance_score(domains, 9) >= 0.999
+    # within a domain, its skill types differ by at most one task
+    for d in domains:
+        skills = Counter(t.skill_type for t in a if t.domain == d)
+        assert max(skills.values()) - min(skills.values()) <= 1
+    # the other axes follow their weights to the unit: Python 0.35, intricate 3/4 in rl_v2
+    assert Counter(t.language for t in a)["Python"] == 35
+    assert Counter(t.task_complexity for t in a)["intricate"] == 75
+    assert balance_score(Counter(t.command_complexity for t in a), len(buckets["command_complexity"])) > 0.999
 
 
 def test_corpus_kind_weights():
@@ -74,7 +84,13 @@ def test_generate_20_tasks_with_broken_gates(tmp_path):
         assert r.exit_code == 0, r.output
         summary = json.loads(r.stdout)
         requests = srv.requests
-        assert summary["counts"] == {"kept": 16, "rejected": 4, "pending": 0}
+        # the 4 tasks that always fail are rejected and their slots re-drawn (and kept)
+        rows = summary["tasks"]
+        assert summary["counts"] == {"kept": 20, "rejected": 4, "pending": 0}, [r for r in rows if r["status"] != "kept"]
+        for slot in range(20):  # every slot ends kept, in the stratum of its first task
+            tasks = [t for t in rows if t["slot"] == slot]
+            assert [t["status"] for t in tasks] == ["rejected"] * (len(tasks) - 1) + ["kept"]
+            assert len({(t["domain"], t["skill_type"]) for t in tasks}) == 1
 
         # The retry loop: each "_then_ok" case got its gate's error back and then passed.
         fed_back = Counter()
@@ -88,7 +104,10 @@ def test_generate_20_tasks_with_broken_gates(tmp_path):
 
         kept = sorted(d for d in out.iterdir() if d.is_dir() and not d.name.startswith((".", "_")))
         rejected = {case_of(d): d for d in (out / "_rejected").iterdir()}
-        assert len(kept) == 16 and set(rejected) == set(EXPECTED_REJECTED)
+        assert len(kept) == 20 and set(rejected) == set(EXPECTED_REJECTED)
+        for case, gate in EXPECTED_REJECTED.items():  # every reject keeps its gate and reason
+            why = json.loads((rejected[case] / "rejection.json").read_text())
+            assert why["failed_gate"] == gate and why["reason"]
         # Tasks for a normal user; bwrap cannot switch user and runs them as the invoking one.
         assert all(Task.load(d).config.agent.user == "user" for d in kept)
         states = {s["task"]: s for s in summary["tasks"]}
@@ -116,7 +135,7 @@ def test_generate_20_tasks_with_broken_gates(tmp_path):
     r = runner.invoke(app, ["data", "validate", str(out), "-e", "bwrap", "-n", "4", "--json"])
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
-    assert data["counts"]["ok"] == 16 and data["counts"]["tasks"] == 16
+    assert data["counts"]["ok"] == 20 and data["counts"]["tasks"] == 20
     assert all(t["verdict"] == "ok" and t["failed"] == [] for t in data["tasks"])
     # ... and the rejected ones are rejected again, naming their gate.
     r = runner.invoke(app, ["data", "validate", str(out / "_rejected"), "-e", "bwrap", "--json"])
@@ -173,7 +192,7 @@ def test_prompts_and_parsers():
     from tasks.corpus import prompts
     from tasks.corpus.package import TaskParts, write_task
 
-    axes = initial_state(0, 0, "rl_v2").axes
+    axes = stratified_plan(1, 0, "rl_v2")[0]
     user = prompts.template_messages(axes)[1]["content"]
     assert f"Category: {axes.skill_type}" in user and "## v2 Axes" in user and f"Verifier kind: {axes.verifier_kind}" in user
     assert "## Previous failures" not in user
@@ -205,7 +224,7 @@ def test_generated_task_toml_names_the_agent_user_and_loads_in_harbor(tmp_path):
 
     from tasks.corpus.package import TaskParts, write_task
 
-    parts = TaskParts("t1", initial_state(0, 0, "rl_v2").axes, "do it", dockerfile="FROM b", final_test="x = 1\n",
+    parts = TaskParts("t1", stratified_plan(1, 0, "rl_v2")[0], "do it", dockerfile="FROM b", final_test="x = 1\n",
                       solution="ls")
     task = Task.load(write_task(parts, tmp_path / "t1"))
     assert task.config.agent.user == "user" and task.config.verifier.user is None
@@ -240,3 +259,50 @@ def test_resume_mid_task_keeps_finished_stages(tmp_path):
         r = CliRunner().invoke(app, [*args, "--base-url", srv.base_url])
         assert [stage_of(b) for b in srv.requests] == ["final", "environment"]
     assert json.loads(r.stdout)["counts"]["kept"] == 1
+
+
+@pytest.mark.bwrap
+@pytest.mark.slow
+@needs_bwrap
+def test_stratified_generation_of_100_tasks_keeps_the_domain_balance(tmp_path):
+    """100 slots, five of whose tasks always fail a gate: each rejected task is re-drawn
+    from its stratum, so the kept corpus is as balanced as the plan (the paper: 0.998)."""
+    out = tmp_path / "corpus"
+    with ScriptedServer(Responder(["nop_always"] * 5)) as srv:
+        r = CliRunner().invoke(app, ["data", "generate", "-o", str(out), "-N", "100", "--base-url", srv.base_url,
+                                     "-m", srv.model, "-e", "bwrap", "-n", "8", "--max-retries", "0", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["counts"] == {"kept": 100, "rejected": 5, "pending": 0}
+    report = json.loads(CliRunner().invoke(app, ["data", "report", str(out), "--json"]).stdout)
+    assert report["n"] == 100 and report["missing"]["domain"] == 0
+    assert report["balance"]["domain"] >= 0.99, report["counts"]["domain"]
+
+
+@pytest.mark.bwrap
+@needs_bwrap
+def test_nothing_kept_exits_non_zero_and_every_reject_keeps_its_reason(tmp_path):
+    out = tmp_path / "corpus"
+    # a template that never parses (no retry allowed) and a task whose final test passes untouched
+    with ScriptedServer(Responder(["parse_then_ok", "nop_always"])) as srv:
+        r = CliRunner().invoke(app, ["data", "generate", "-o", str(out), "-N", "2", "--base-url", srv.base_url,
+                                     "-m", srv.model, "-e", "bwrap", "-n", "1", "--max-retries", "0",
+                                     "--max-redraws", "0", "--json"])
+    assert r.exit_code == 1, r.output
+    assert json.loads(r.stdout)["counts"] == {"kept": 0, "rejected": 2, "pending": 0}
+    reasons = {json.loads(p.read_text())["failed_gate"]: json.loads(p.read_text())["reason"]
+               for p in (out / "_rejected").glob("*/rejection.json")}
+    assert set(reasons) == {"parse", "nop"} and "<truth>" in reasons["parse"]
+    assert "untouched environment" in reasons["nop"]
+
+
+@pytest.mark.bwrap
+@needs_bwrap
+def test_validate_one_task_writes_nothing_into_it(tmp_path):
+    root = tmp_path / "corpus"
+    shutil.copytree(Path(__file__).parent / "data" / "corpus" / "validate" / "good", root / "good")
+    before = sorted(p.relative_to(root) for p in (root / "good").rglob("*"))
+    r = CliRunner().invoke(app, ["data", "validate", str(root / "good"), "-e", "bwrap", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["counts"]["ok"] == 1
+    assert sorted(p.relative_to(root) for p in (root / "good").rglob("*")) == before
+    assert (root / ".tmax-validate" / "good" / "gates.json").is_file()

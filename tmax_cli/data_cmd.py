@@ -61,6 +61,7 @@ def generate_cmd(
     seed: int = typer.Option(0, "--seed", help="Seed of the axis draws (same seed, same axes)."),
     concurrent: int = typer.Option(4, "-n", "--n-concurrent", help="Tasks generated at once."),
     retries: int = typer.Option(3, "--max-retries", help="Extra rounds after a failed gate or parse."),
+    redraws: int = typer.Option(3, "--max-redraws", help="New tasks from the same stratum after a rejected one."),
     env: str = _ENV,
     axes: Optional[Path] = _AXES,
     as_json: bool = _JSON,
@@ -71,15 +72,17 @@ def generate_cmd(
 
     try:
         cfg = GenerateConfig(out=str(out), n=n, seed=seed, corpus_kind=kind, model=model, base_url=base_url,
-                             n_concurrent=concurrent, max_retries=retries, environment=env,
+                             n_concurrent=concurrent, max_retries=retries, max_redraws=redraws, environment=env,
                              axes_file=str(axes) if axes else None)
     except ValueError as e:
         _fail(str(e))
     bar, tid = _bar(n, "generate")
 
     def on_event(name: str, what: str) -> None:
-        if what.startswith(("kept", "rejected", "endpoint error", "infrastructure error")):
+        # the bar counts slots: filled (kept), unfilled, or left for a rerun
+        if what.startswith(("kept", "slot", "endpoint error", "infrastructure error")):
             bar.advance(tid)
+        if what.startswith(("kept", "rejected", "slot", "endpoint error", "infrastructure error")):
             colour = "green" if what.startswith("kept") else "red"
             bar.console.print(f"[{colour}]{what:>22}[/] {name}")
         bar.update(tid, info=f"{name}: {what}")
@@ -90,8 +93,9 @@ def generate_cmd(
             states = gen.run()
     except (GenerateError, AxesError) as e:
         _fail(str(e))
-    rows = [{"task": s.name, "status": s.status, "failed_gate": s.failed_gate, "rounds": len(s.rounds),
-             "calls": s.calls} for s in states]
+    rows = [{"task": s.name, "slot": s.index, "attempt": s.attempt, "domain": s.axes.domain,
+             "skill_type": s.axes.skill_type, "status": s.status, "failed_gate": s.failed_gate,
+             "rounds": len(s.rounds), "calls": s.calls} for s in states]
     summary = {"out": str(gen.out), "tasks": rows,
                "counts": {k: sum(1 for r in rows if r["status"] == k) for k in ("kept", "rejected", "pending")}}
     if as_json:
@@ -103,6 +107,9 @@ def generate_cmd(
         _console().print("[yellow]some tasks are unfinished (endpoint or infrastructure errors): rerun the same "
                          "command to resume them[/]")
         raise typer.Exit(1)
+    if not summary["counts"]["kept"]:
+        _console().print(f"[red]no task was kept[/]: the reasons are in {gen.out / '_rejected'}/*/rejection.json")
+        raise typer.Exit(1)
 
 
 @data_app.command("validate")
@@ -110,18 +117,19 @@ def validate_cmd(
     corpus: Path = typer.Argument(..., help="Corpus (or one task) directory."),
     env: str = _ENV,
     concurrent: int = typer.Option(2, "-n", "--n-concurrent", help="Tasks validated at once."),
-    work: Optional[Path] = typer.Option(None, "--work-dir", help="Trial directories (default DIR/.tmax-validate)."),
+    work: Optional[Path] = typer.Option(None, "--work-dir", help="Trial directories (default DIR/.tmax-validate; "
+                                        "for one task, beside it)."),
     as_json: bool = _JSON,
 ) -> None:
     """Run the gates load, build, initial, nop, oracle on every task."""
-    from tasks.corpus.validate import corpus_task_dirs, counts, validate_corpus
+    from tasks.corpus.validate import corpus_task_dirs, counts, default_work_dir, validate_corpus
     from tasks.hostenv import ENV_KINDS
 
     if env not in ENV_KINDS:
         _fail(f"unknown environment {env!r}: {', '.join(ENV_KINDS)}")
     if not corpus.is_dir():
         _fail(f"{corpus}: no such directory")
-    work = work or corpus / ".tmax-validate"
+    work = work or default_work_dir(corpus)
     bar, tid = _bar(len(corpus_task_dirs(corpus)), "validate")
 
     def on_done(r) -> None:

@@ -3,7 +3,9 @@
 The values live in `tasks/data/axes.toml` (or a file of the same shape given with
 `--axes`, to grow a corpus for other domains), validated by `AxesConfig`. An axis draw is
 an independent product conditional on the domain: skill type, primitive skills, scenario
-and anchor depend on the domain; everything else is drawn on its own. The corpus kind
+and anchor depend on the domain; everything else is drawn on its own. `generate` does not draw tasks one by one
+but plans the corpus (`stratified_plan`): quotas per stratum (domain x skill type) and per
+value of every other axis, so even 100 tasks are as balanced as integers allow. The corpus kind
 (`legacy | sft_v2 | rl_v2`) sets how strongly the "new" buckets of the task-complexity,
 verifier-kind and fixture-kind axes are up-weighted: with multiplier M the new bucket
 gets weight M against the legacy bucket (P(new) = M / (M + 1)), uniform inside each
@@ -148,41 +150,103 @@ class TaskAxes(BaseModel):
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
-def _upweighted(rng: random.Random, axes: AxesConfig, axis: str, multiplier: float) -> str:
+def axis_weights(axes: AxesConfig, axis: str, corpus_kind: str) -> dict[str, float]:
+    """Sampling weights of an axis that does not depend on the domain, for a corpus kind."""
+    if axis == "language":
+        return dict(axes.languages)
+    if axis == "command_complexity":
+        return dict.fromkeys(axes.command_complexity, 1.0)
+    multiplier = UPWEIGHT[corpus_kind][axis]
     legacy, new = axes.split(axis)
     if multiplier == 0 or not new:
-        return rng.choice(legacy)
+        return dict.fromkeys(legacy, 1.0 / len(legacy))
     if math.isinf(multiplier):
-        return rng.choice(new)
-    weights = [1.0 / len(legacy)] * len(legacy) + [multiplier / len(new)] * len(new)
-    return rng.choices(legacy + new, weights=weights)[0]
+        return dict.fromkeys(new, 1.0 / len(new))
+    return {**dict.fromkeys(legacy, 1.0 / len(legacy)), **dict.fromkeys(new, multiplier / len(new))}
 
 
-def sample_axes(rng: random.Random, corpus_kind: str = "legacy", axes: AxesConfig | None = None) -> TaskAxes:
-    """One independent draw (conditional on the domain) with the corpus kind's weights."""
+FREE_AXES = ("language", "task_complexity", "command_complexity", "verifier_kind", "fixture_kind")
+
+
+def _check_kind(corpus_kind: str) -> None:
     if corpus_kind not in UPWEIGHT:
         raise ValueError(f"unknown corpus kind {corpus_kind!r}: choose one of {', '.join(CORPUS_KINDS)}")
-    axes = axes or load_axes()
-    m = UPWEIGHT[corpus_kind]
-    domain = rng.choice(list(axes.domains))
+
+
+def axes_in_stratum(rng: random.Random, axes: AxesConfig, corpus_kind: str, domain: str, skill_type: str,
+                    free: dict[str, str]) -> TaskAxes:
+    """A draw with its stratum and its domain-free axes given: primitive skills, scenario
+    and anchor come from the domain's pools."""
     d = axes.domains[domain]
-    draw = TaskAxes(
-        domain=domain,
-        skill_type=rng.choice(d.skill_types),
-        primitive_skills=rng.sample(d.skills, rng.randint(3, 5)),
-        scenario=rng.choice(d.scenarios),
-        language=rng.choices(list(axes.languages), weights=list(axes.languages.values()))[0],
-        task_complexity=_upweighted(rng, axes, "task_complexity", m["task_complexity"]),
-        command_complexity=rng.choice(list(axes.command_complexity)),
-        verifier_kind=_upweighted(rng, axes, "verifier_kind", m["verifier_kind"]),
-        fixture_kind=_upweighted(rng, axes, "fixture_kind", m["fixture_kind"]),
-        anchor=rng.choice(d.anchors) if d.anchors and rng.random() < axes.anchor_probability else None,
-        corpus_kind=corpus_kind,
-    )
+    draw = TaskAxes(domain=domain, skill_type=skill_type, primitive_skills=rng.sample(d.skills, rng.randint(3, 5)),
+                    scenario=rng.choice(d.scenarios),
+                    anchor=rng.choice(d.anchors) if d.anchors and rng.random() < axes.anchor_probability else None,
+                    corpus_kind=corpus_kind, **free)
     is_new = (draw.task_complexity in axes.new_task_complexity or draw.verifier_kind != axes.verifier_kinds[0]
               or draw.fixture_kind != axes.fixture_kinds[0])
     draw.base_image = "intricate" if is_new else domain
     return draw
+
+
+def sample_axes(rng: random.Random, corpus_kind: str = "legacy", axes: AxesConfig | None = None) -> TaskAxes:
+    """One independent draw (conditional on the domain) with the corpus kind's weights."""
+    _check_kind(corpus_kind)
+    axes = axes or load_axes()
+    domain = rng.choice(list(axes.domains))
+    skill_type = rng.choice(axes.domains[domain].skill_types)
+    free = {}
+    for axis in FREE_AXES:
+        w = axis_weights(axes, axis, corpus_kind)
+        free[axis] = rng.choices(list(w), weights=list(w.values()))[0]
+    return axes_in_stratum(rng, axes, corpus_kind, domain, skill_type, free)
+
+
+def largest_remainder(n: int, weights: dict[str, float], rng: random.Random) -> dict[str, int]:
+    """Integer quotas summing to n, proportional to the weights (Hamilton's method); the
+    leftover units go to the largest remainders, ties in a seeded random order."""
+    total = sum(weights.values())
+    exact = {k: n * w / total for k, w in weights.items()}
+    quotas = {k: math.floor(v) for k, v in exact.items()}
+    keys = list(exact)
+    rng.shuffle(keys)
+    for k in sorted(keys, key=lambda k: quotas[k] - exact[k])[:n - sum(quotas.values())]:
+        quotas[k] += 1
+    return quotas
+
+
+def _spread(quotas: dict[str, int], rng: random.Random) -> list[str]:
+    values = [v for v, c in quotas.items() for _ in range(c)]
+    rng.shuffle(values)
+    return values
+
+
+def stratified_plan(n: int, seed: int, corpus_kind: str = "legacy", axes: AxesConfig | None = None) -> list[TaskAxes]:
+    """n draws whose strata (domain x skill type) and other domain-free axes follow their
+    weights as closely as integers allow: largest-remainder quotas over the domains, then
+    over the skill types of each domain, then over each other axis, shuffled together with
+    a seeded RNG. Slot i's own RNG draws the rest (skills, scenario, anchor)."""
+    _check_kind(corpus_kind)
+    axes = axes or load_axes()
+    rng = random.Random(f"tmax-data-plan:{seed}:{corpus_kind}")
+    strata: list[tuple[str, str]] = []
+    for domain, q in largest_remainder(n, dict.fromkeys(axes.domains, 1.0), rng).items():
+        skills = largest_remainder(q, dict.fromkeys(axes.domains[domain].skill_types, 1.0), rng)
+        strata += [(domain, s) for s, c in skills.items() for _ in range(c)]
+    rng.shuffle(strata)
+    free = {axis: _spread(largest_remainder(n, axis_weights(axes, axis, corpus_kind), rng), rng) for axis in FREE_AXES}
+    return [axes_in_stratum(random.Random(f"tmax-data:{seed}:{i}"), axes, corpus_kind, d, s,
+                            {axis: free[axis][i] for axis in FREE_AXES})
+            for i, (d, s) in enumerate(strata)]
+
+
+def redraw(slot: TaskAxes, seed: int, index: int, attempt: int, axes: AxesConfig) -> TaskAxes:
+    """A fresh task for a slot whose earlier attempt was rejected: the same stratum and
+    domain-free axes, new skills, scenario and anchor."""
+    if attempt == 0:
+        return slot
+    free = {axis: getattr(slot, axis) for axis in FREE_AXES}
+    return axes_in_stratum(random.Random(f"tmax-data:{seed}:{index}:{attempt}"), axes, slot.corpus_kind,
+                           slot.domain, slot.skill_type, free)
 
 
 def normalize_complexity(value: str, table: dict[str, str]) -> str:

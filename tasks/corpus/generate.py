@@ -1,12 +1,16 @@
 """`tmax data generate`: the four-stage synthesis pipeline, gated and resumable.
 
-Per task: sample the axes (a seeded RNG per task index, so a corpus is reproducible
-and independent of concurrency), then template -> initial-state test -> final-state
+The corpus is planned first (`axes.stratified_plan`): N slots whose strata (domain x
+skill type) and other axes follow largest-remainder quotas, each slot's remaining draws from
+its own seeded RNG (reproducible, independent of concurrency). Per slot: template -> initial-state test -> final-state
 test -> environment + reference solution through an OpenAI-compatible endpoint. The
 packaged task runs through the validation gates (`tasks.corpus.validate`); a failed gate
 is fed back to the stage that owns it (build / initial / oracle -> the environment
 stage, nop -> the final-test stage) for at most `max_retries` more rounds. Kept tasks
-land in `<out>/<name>/`, rejected ones in `<out>/_rejected/<name>/`.
+land in `<out>/<name>/`. A rejected task goes to `<out>/_rejected/<name>/` with
+`rejection.json` (the gate, its reason, every round; a task that never parsed keeps only
+that) and its slot is re-drawn from the same stratum (`axes.redraw`), at most
+`max_redraws` times, so the kept corpus keeps the plan's balance.
 
 State lives in `<out>/.generate/<name>.json`, rewritten after every stage, so a rerun
 skips finished tasks and resumes unfinished ones where they stopped.
@@ -16,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -26,7 +29,7 @@ from pydantic import BaseModel, Field
 
 from agents.records import write_json_atomic
 from tasks.corpus import prompts
-from tasks.corpus.axes import CORPUS_KINDS, AxesConfig, TaskAxes, load_axes, sample_axes
+from tasks.corpus.axes import CORPUS_KINDS, AxesConfig, TaskAxes, load_axes, redraw, stratified_plan
 from tasks.corpus.package import TaskParts, replace_dir, write_task
 from tasks.corpus.validate import GateReport, validate_task
 from tasks.hostenv import ENV_KINDS
@@ -51,18 +54,20 @@ class GenerateConfig(BaseModel):
     base_url: str
     n_concurrent: int = Field(4, ge=1)
     max_retries: int = Field(3, ge=0)
+    max_redraws: int = Field(3, ge=0)  # new tasks for a slot whose task was rejected
     environment: str = "podman"
     max_tokens: int = Field(32768, ge=1)
     axes_file: str | None = None  # None: the bundled tasks/data/axes.toml
 
     def identity(self, axes: AxesConfig) -> dict:
         """What a resumed run must share with the first (the rest may change)."""
-        return {"seed": self.seed, "corpus_kind": self.corpus_kind, "axes": axes.fingerprint()}
+        return {"seed": self.seed, "n": self.n, "corpus_kind": self.corpus_kind, "axes": axes.fingerprint()}
 
 
 class TaskState(BaseModel):
     name: str
-    index: int
+    index: int  # the slot of the plan
+    attempt: int = 0  # > 0: a re-draw after a rejected task
     axes: TaskAxes
     status: str = "pending"  # pending | kept | rejected
     task: str | None = None
@@ -76,13 +81,9 @@ class TaskState(BaseModel):
     failed_gate: str | None = None
 
 
-def task_name(seed: int, index: int) -> str:
-    return f"task_{index:06d}_{hashlib.sha256(f'{seed}:{index}'.encode()).hexdigest()[:8]}"
-
-
-def initial_state(seed: int, index: int, corpus_kind: str, axes: AxesConfig | None = None) -> TaskState:
-    rng = random.Random(f"tmax-data:{seed}:{index}")
-    return TaskState(name=task_name(seed, index), index=index, axes=sample_axes(rng, corpus_kind, axes))
+def task_name(seed: int, index: int, attempt: int = 0) -> str:
+    key = f"{seed}:{index}" + (f":{attempt}" if attempt else "")
+    return f"task_{index:06d}_{hashlib.sha256(key.encode()).hexdigest()[:8]}"
 
 
 class Generator:
@@ -96,6 +97,7 @@ class Generator:
 
         self.config = config
         self.axes = load_axes(config.axes_file)
+        self.plan = stratified_plan(config.n, config.seed, config.corpus_kind, self.axes)
         self.out = Path(config.out).expanduser().resolve()
         self.state_dir = self.out / STATE_DIR
         self.client = OpenAI(base_url=config.base_url, api_key=api_key or "dummy", max_retries=2)
@@ -114,12 +116,13 @@ class Generator:
                                     "(a resumed corpus keeps its seed, corpus kind and axes)")
         write_json_atomic(path, {"identity": want, "config": self.config.model_dump()})
 
-    def load(self, index: int) -> TaskState:
-        fresh = initial_state(self.config.seed, index, self.config.corpus_kind, self.axes)
-        path = self.state_dir / f"{fresh.name}.json"
+    def load(self, index: int, attempt: int = 0) -> TaskState:
+        name = task_name(self.config.seed, index, attempt)
+        path = self.state_dir / f"{name}.json"
         if path.is_file():
             return TaskState.model_validate_json(path.read_text())
-        return fresh
+        axes = redraw(self.plan[index], self.config.seed, index, attempt, self.axes)
+        return TaskState(name=name, index=index, attempt=attempt, axes=axes)
 
     def save(self, st: TaskState) -> None:
         write_json_atomic(self.state_dir / f"{st.name}.json", st.model_dump())
@@ -135,13 +138,16 @@ class Generator:
     def _ask(self, st: TaskState, stage: str, build: Callable[[str | None], list[dict]], parse: Callable):
         """One stage with bounded retries on unparseable answers (the error is fed back)."""
         feedback = st.feedback.get(stage)
+        last = ""
         for _ in range(self.config.max_retries + 1):
             text = self._chat(st, stage, build(feedback))
             try:
                 return parse(text)
             except prompts.ParseError as e:
-                feedback = prompts.feedback_text("parse", str(e))
-        raise prompts.ParseError(f"stage {stage}: no parseable answer after {self.config.max_retries + 1} tries")
+                last = str(e)
+                feedback = prompts.feedback_text("parse", last)
+        raise prompts.ParseError(f"stage {stage}: no parseable answer after {self.config.max_retries + 1} tries "
+                                 f"(the last: {last})")
 
     def _stages(self, st: TaskState) -> None:
         if st.task is None:
@@ -186,18 +192,25 @@ class Generator:
     def _finish(self, st: TaskState, status: str) -> None:
         staged = self.state_dir / "staging" / st.name
         dest = self.out / st.name if status == "kept" else self.out / REJECTED_DIR / st.name
+        dest.parent.mkdir(parents=True, exist_ok=True)
         if staged.exists():
-            dest.parent.mkdir(parents=True, exist_ok=True)
             replace_dir(staged, dest)
+        if status == "rejected":  # every reject keeps its reason, a parse failure included
+            dest.mkdir(exist_ok=True)
+            last = st.rounds[-1] if st.rounds else {}
+            write_json_atomic(dest / "rejection.json", {
+                "task": st.name, "slot": st.index, "attempt": st.attempt, "failed_gate": st.failed_gate,
+                "reason": (last.get("reasons") or {}).get(st.failed_gate or "", ""), "rounds": st.rounds,
+                "axes": st.axes.metadata()})
         st.status = status
         self.save(st)
         self.emit(st.name, f"{status} (gate {st.failed_gate})" if st.failed_gate else status)
 
-    def run_one(self, index: int) -> TaskState:
+    def run_one(self, index: int, attempt: int = 0) -> TaskState:
         """Generate one task to its end; an endpoint failure leaves it pending (a rerun resumes)."""
         from openai import OpenAIError
 
-        st = self.load(index)
+        st = self.load(index, attempt)
         try:
             return self._run_one(st)
         except OpenAIError as e:
@@ -205,6 +218,20 @@ class Generator:
             self.save(st)
             self.emit(st.name, f"endpoint error: {type(e).__name__}: {e}")
             return st
+
+    def run_slot(self, index: int) -> list[TaskState]:
+        """A slot's tasks: the first, then a re-draw from its stratum after each rejection."""
+        out = []
+        for attempt in range(self.config.max_redraws + 1):
+            st = self.run_one(index, attempt)
+            out.append(st)
+            if st.status != "rejected":
+                break
+            if attempt < self.config.max_redraws:
+                self.emit(st.name, f"redrawn from {st.axes.domain} / {st.axes.skill_type}")
+            else:
+                self.emit(st.name, f"slot {index} unfilled: {attempt + 1} task(s) rejected")
+        return out
 
     def _run_one(self, st: TaskState) -> TaskState:
         if st.status in ("kept", "rejected"):
@@ -245,7 +272,7 @@ class Generator:
         self._check_identity()
         results: list[TaskState] = []
         with ThreadPoolExecutor(max_workers=self.config.n_concurrent, thread_name_prefix="tmax-gen") as pool:
-            futures = [pool.submit(self.run_one, i) for i in range(self.config.n)]
+            futures = [pool.submit(self.run_slot, i) for i in range(self.config.n)]
             for f in as_completed(futures):
-                results.append(f.result())
-        return sorted(results, key=lambda s: s.index)
+                results += f.result()
+        return sorted(results, key=lambda s: (s.index, s.attempt))

@@ -14,6 +14,7 @@ import re
 from tasks.corpus.axes import AxesConfig, TaskAxes, load_axes
 from tasks.corpus.package import AGENT_USER, HOME
 from tasks.dockerfile import instructions
+from tasks.images import PYTHON_BASE_TAG
 
 TEMPERATURE = {"template": 1.0, "initial": 0.6, "final": 0.6, "environment": 0.6}
 FEEDBACK_CHARS = 500
@@ -106,14 +107,15 @@ def final_test_messages(task: str, truth: str, initial_test: str, feedback: str 
 def environment_messages(domain: str, task: str, truth: str, initial_test: str, final_test: str,
                          feedback: str | None = None) -> list[dict]:
     system = ("You write the environment of a terminal task as a Dockerfile plus its build-context files, and a "
-              "reference solution. The Dockerfile must start FROM localhost/tmax-base:bookworm, create the "
+              f"reference solution. The Dockerfile must start FROM {PYTHON_BASE_TAG} (Debian bookworm with "
+              "python3 and pip), create the "
               "pre-existing state (files, data, packages; prefer COPY of context files), then create the agent's "
               f"user with `RUN useradd -m {AGENT_USER} && chmod -R 777 {HOME}` (so it can write all of its "
               "home; anything else it must change must be writable by it too), and end with WORKDIR "
               f"{HOME}. Keep root as the image's USER (no USER line): the agent runs as `{AGENT_USER}`, the "
               "tests as root. Never create "
-              "the task's outputs. The tests run with python3 (pytest when it is installed), so the image must "
-              f"have python3. The solution is a bash script that `{AGENT_USER}` runs in {HOME} to do the task "
+              "the task's outputs. The tests run with the base's python3 (pytest when it is installed). "
+              f"The solution is a bash script that `{AGENT_USER}` runs in {HOME} to do the task "
               "from the initial state. Answer with:\n<dockerfile>...</dockerfile>\n"
               "<file path=\"relative/path\">contents</file> (zero or more)\n<solve>#!/bin/bash ...</solve>")
     user = (f"Domain: {domain}\n\n{_task_block(task, truth)}\n\n## Initial-state test\n```python\n{initial_test}\n```"

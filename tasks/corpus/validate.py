@@ -212,6 +212,16 @@ def _gates(path: Path, work: Path, env_kind: str, rewrite: RewriteConfig) -> Gat
     return report
 
 
+WORK_DIR = ".tmax-validate"
+
+
+def default_work_dir(root: Path) -> Path:
+    """Where validation keeps its trials: beside the tasks, never inside one (a single task
+    directory is validated from its parent's work dir)."""
+    root = Path(root)
+    return (root.parent if (root / "task.toml").is_file() else root) / WORK_DIR
+
+
 def corpus_task_dirs(root: Path) -> list[Path]:
     """Every direct sub-directory of a corpus that is (or tries to be) a task: it has a
     task.toml or an instruction.md. A missing task.toml then fails the `load` gate."""
