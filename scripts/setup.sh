@@ -36,6 +36,7 @@ fi
 "$VENV/bin/python" -c "import tomli_w" 2>/dev/null || "$VENV/bin/pip" install -q "tomli-w>=1.0"
 "$VENV/bin/python" -c "import pytest_rerunfailures" 2>/dev/null || "$VENV/bin/pip" install -q "pytest-rerunfailures>=14"
 "$VENV/bin/python" -c "import dockerfile_parse" 2>/dev/null || "$VENV/bin/pip" install -q "dockerfile-parse>=2.0"
+"$VENV/bin/python" -c "import tenacity" 2>/dev/null || "$VENV/bin/pip" install -q "tenacity>=8.2"
 
 # Harbor (PyPI `harbor`, Python >= 3.12) in its own small venv: tests load tmax job directories
 # and ATIF trajectories with Harbor's own models. Skipped where no Python 3.12+ exists.

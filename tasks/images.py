@@ -13,6 +13,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import tempfile
@@ -21,6 +22,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from sandbox.base import LABEL_KEY, LABEL_VALUE
 from tasks.model import Task, tree_hash
@@ -32,12 +35,42 @@ BASE_TAG = "localhost/tmax-base:bookworm"
 PYTHON_BASE_TAG = "localhost/tmax-base:bookworm-python"
 
 
-class ImageBuildError(RuntimeError):
-    """The task's image could not be built: an infrastructure error, with a log."""
+# What a failed build's log says about whose fault it is. A mirror or registry that does not
+# answer is transient (the build is retried); podman's own storage or runtime failing is the
+# machine's; anything else is a step of the Dockerfile failing: the task's fault.
+_TRANSIENT = re.compile(
+    r"Temporary failure (resolving|in name resolution)|Could not resolve|Failed to fetch|Connection (timed out|refused|"
+    r"reset)|Network is unreachable|TLS handshake timeout|i/o timeout|Hash Sum mismatch|Read timed out|"
+    r"Max retries exceeded with url|\b(502|503|504) (Bad Gateway|Service Unavailable|Gateway Time-?out)|"
+    r"429 Too Many Requests|unexpected EOF|toomanyrequests", re.IGNORECASE)
+_INFRA = re.compile(
+    r"no space left on device|cannot connect to Podman|database is locked|creating overlay mount|setting up storage|"
+    r"OCI runtime (error|create failed)|cannot set up namespace|insufficient UIDs", re.IGNORECASE)
+BUILD_KINDS = ("task", "transient", "infra")
+BUILD_ATTEMPTS = 3  # a transient failure is retried this many times in all
 
-    def __init__(self, message: str, log_path: Path | None = None):
+
+class ImageBuildError(RuntimeError):
+    """The task's image could not be built, with a log and whose fault it is (`kind`):
+    "task" (a step of its Dockerfile failed), "transient" (a mirror or registry did not
+    answer, after the retries) or "infra" (podman, the machine, a missing base image, a
+    timeout). Bench and learn treat every kind as an infrastructure error; `tmax data
+    validate` rejects a task only for its own."""
+
+    def __init__(self, message: str, log_path: Path | None = None, kind: str = "infra"):
         self.log_path = log_path
+        self.kind = kind
         super().__init__(message + (f" (build log: {log_path})" if log_path else ""))
+
+
+def classify_build_log(text: str) -> str:
+    """task | transient | infra, from the tail of a failed build's log."""
+    tail = text[-20000:]
+    if _INFRA.search(tail):
+        return "infra"
+    if _TRANSIENT.search(tail):
+        return "transient"
+    return "task"
 
 
 @dataclass
@@ -161,35 +194,54 @@ def ensure_image(task: Task, cfg: RewriteConfig, *, use_prebuilt: bool = True, f
                 raise ImageBuildError(f"{task.name}: base image {base} is not available{hint}")
         timeout = build_timeout or task.config.environment.build_timeout_sec
         t0 = time.monotonic()
-        with tempfile.TemporaryDirectory(prefix=f"tmax-build-{task.name}-") as tmp:
-            ctx = Path(tmp) / "context"
-            notes = copy_patched(task, "environment", ctx, cfg)
-            dockerfile = Path(tmp) / "Dockerfile.tmax"
-            dockerfile.write_text(rewritten.text)
-            argv = ["podman", "--runtime", "runc", "build", "--layers", "-f", str(dockerfile), "-t", tag,
-                    "--label", f"{LABEL_KEY}={LABEL_VALUE}", "--label", f"io.tmax.task={task.name}",
-                    "--ulimit", "nofile=1024:20000", "--ulimit", "nproc=4096:4096"]
-            if cfg.ca_bundle:
-                argv += ["--volume", f"{cfg.ca_bundle}:{cfg.ca_mount[0][1]}:ro"]
-            argv.append(str(ctx))
-            logs.mkdir(parents=True, exist_ok=True)
-            with open(log_path, "w") as log:
-                log.write(f"# task {task.name} -> {tag}\n")
-                for n in rewritten.notes + notes:
-                    log.write(f"# {n}\n")
-                log.write("# Dockerfile:\n" + "".join(f"#   {x}\n" for x in rewritten.text.splitlines()))
-                log.write("$ " + " ".join(argv) + "\n")
-                log.flush()
-                rc = _run_logged(argv, log, timeout, progress, cancel)
-        elapsed = time.monotonic() - t0
-        if rc == "timeout":
-            raise ImageBuildError(f"{task.name}: image build exceeded build_timeout_sec={timeout:.0f}s", log_path)
-        if rc == "cancelled":
-            raise ImageBuildError(f"{task.name}: image build cancelled", log_path)
-        if rc != 0:
-            raise ImageBuildError(f"{task.name}: image build failed (podman build exit {rc}): "
-                                  f"{_tail(log_path)}", log_path)
-        return TaskImage(tag, image_workdir(tag), built=True, log_path=log_path, build_s=elapsed)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_text("")
+        for attempt in Retrying(retry=retry_if_exception(_is_transient), stop=stop_after_attempt(BUILD_ATTEMPTS),
+                                wait=wait_exponential(multiplier=2, max=30), reraise=True):
+            with attempt:
+                _build(task, cfg, tag, rewritten, log_path, timeout, progress, cancel)
+        return TaskImage(tag, image_workdir(tag), built=True, log_path=log_path, build_s=time.monotonic() - t0)
+
+
+def _is_transient(e: BaseException) -> bool:
+    return isinstance(e, ImageBuildError) and e.kind == "transient"
+
+
+def _build(task: Task, cfg: RewriteConfig, tag: str, rewritten: RewrittenDockerfile, log_path: Path, timeout: float,
+           progress: Callable[[str], None] | None, cancel: threading.Event | None) -> None:
+    """One `podman build`, its output appended to the log; ImageBuildError with its kind."""
+    with tempfile.TemporaryDirectory(prefix=f"tmax-build-{task.name}-") as tmp:
+        ctx = Path(tmp) / "context"
+        notes = copy_patched(task, "environment", ctx, cfg)
+        dockerfile = Path(tmp) / "Dockerfile.tmax"
+        dockerfile.write_text(rewritten.text)
+        argv = ["podman", "--runtime", "runc", "build", "--layers", "-f", str(dockerfile), "-t", tag,
+                "--label", f"{LABEL_KEY}={LABEL_VALUE}", "--label", f"io.tmax.task={task.name}",
+                "--ulimit", "nofile=1024:20000", "--ulimit", "nproc=4096:4096"]
+        if cfg.ca_bundle:
+            argv += ["--volume", f"{cfg.ca_bundle}:{cfg.ca_mount[0][1]}:ro"]
+        argv.append(str(ctx))
+        start = log_path.stat().st_size
+        with open(log_path, "a") as log:
+            log.write(f"# task {task.name} -> {tag}\n")
+            for n in rewritten.notes + notes:
+                log.write(f"# {n}\n")
+            log.write("# Dockerfile:\n" + "".join(f"#   {x}\n" for x in rewritten.text.splitlines()))
+            log.write("$ " + " ".join(argv) + "\n")
+            log.flush()
+            rc = _run_logged(argv, log, timeout, progress, cancel)
+    if rc == "timeout":
+        raise ImageBuildError(f"{task.name}: image build exceeded build_timeout_sec={timeout:.0f}s", log_path)
+    if rc == "cancelled":
+        raise ImageBuildError(f"{task.name}: image build cancelled", log_path)
+    if rc != 0:
+        with open(log_path, errors="replace") as f:
+            f.seek(start)
+            kind = classify_build_log(f.read())
+        what = {"task": "a step of its Dockerfile failed", "transient": "a mirror or registry did not answer",
+                "infra": "podman or the machine failed"}[kind]
+        raise ImageBuildError(f"{task.name}: image build failed (podman build exit {rc}; {what}): "
+                              f"{_tail(log_path)}", log_path, kind)
 
 
 def _run_logged(argv: list[str], log, timeout: float, progress, cancel) -> int | str:

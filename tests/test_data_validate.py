@@ -90,13 +90,25 @@ def test_gates_on_podman(tmp_path):
     shutil.copytree(root / "good", root / "no-agent-user")
     with open(root / "no-agent-user" / "task.toml", "a") as f:
         f.write('user = "user"\n')  # the last table of the file is [agent]
+    # A mirror that does not answer: transient, retried, then an infrastructure error (not judged).
+    shutil.copytree(DATA / "good", root / "mirror-down")
+    (root / "mirror-down" / "environment" / "Dockerfile").write_text(
+        f"FROM {BASE_TAG}\nRUN echo \"E: Failed to fetch http://deb.debian.org/debian/pool/x.deb  Temporary failure "
+        "resolving 'deb.debian.org'\" >&2; exit 100\n")
     r = runner.invoke(app, ["data", "validate", str(root), "-e", "podman", "-n", "2", "--json"])
     assert r.exit_code == 0, r.output
     got = {t["task"]: (t["verdict"], t["failed"]) for t in json.loads(r.stdout)["tasks"]}
     assert got == {"good": ("ok", []), "wrong-solution": ("rejected", ["oracle"]),
-                   "broken-build": ("rejected", ["build"]), "no-agent-user": ("rejected", ["build"])}
+                   "broken-build": ("rejected", ["build"]), "no-agent-user": ("rejected", ["build"]),
+                   "mirror-down": ("infra_error", ["build"])}
+    assert json.loads(r.stdout)["counts"]["infra_error"] == 1
     reasons = {t["task"]: t["reasons"] for t in json.loads(r.stdout)["tasks"]}
     assert "setup failed" in reasons["broken-build"]["build"]
+    assert "a step of its Dockerfile failed" in reasons["broken-build"]["build"]
+    assert reasons["mirror-down"]["build"].startswith("infrastructure error: ")
+    assert "a mirror or registry did not answer" in reasons["mirror-down"]["build"]
+    log = reasons["mirror-down"]["build"].split("(build log: ")[1].rstrip(")")
+    assert Path(log).read_text().count("$ podman") == 3  # tried three times
     assert "[agent] user = 'user'" in reasons["no-agent-user"]["build"]
     assert "unable to find user user" in reasons["no-agent-user"]["build"]
 
@@ -124,3 +136,46 @@ def test_solve_with_the_tmax_agent(tmp_path):
     assert s["pass_at_k"] == {"1": 0.5, "2": 1.0}
     assert data["band"] == ["good"]  # solved 1 of 2 times: in band (pass@2 = 1 would have left it out)
     assert (root / ".tmax-solve" / "tmax_scripted-model" / "good.json").is_file()
+
+
+@pytest.mark.bwrap
+@needs_bwrap
+def test_validate_killed_midway_resumes_without_redoing_finished_tasks(tmp_path):
+    """Kill `validate` once two tasks have finished: the rerun reads their results back
+    (same content, no infrastructure error) and runs only the others."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    root = tmp_path / "corpus"
+    for name in ("a-good", "b-good", "c-slow", "d-good"):
+        shutil.copytree(DATA / "good", root / name)
+    with open(root / "c-slow" / "solution" / "solve.sh", "a") as f:
+        f.write("sleep 30\n")  # still running when the first run is killed
+    cmd = [sys.executable, "-m", "tmax_cli.main", "data", "validate", str(root), "-e", "bwrap", "-n", "1", "--jsonl"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    first = []
+    try:
+        for line in proc.stdout:
+            first.append(json.loads(line)["task"])
+            if len(first) == 2:
+                break
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert first == ["a-good", "b-good"]
+    results = root / ".tmax-validate" / "results"
+    stamps = {t: (results / f"{t}.json").stat().st_mtime_ns for t in first}
+    trial = root / ".tmax-validate" / "a-good" / "nop" / "result.json"
+    trial_stamp = trial.stat().st_mtime_ns
+    # the rerun: c-slow is fast again (a changed task is validated afresh anyway)
+    shutil.copyfile(DATA / "good" / "solution" / "solve.sh", root / "c-slow" / "solution" / "solve.sh")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [json.loads(x) for x in out.stdout.splitlines()]
+    done = {x["task"]: x for x in lines if "task" in x}
+    assert {t for t, x in done.items() if x["resumed"]} == {"a-good", "b-good"}
+    assert all(x["verdict"] == "ok" for x in done.values()) and lines[-1]["counts"]["ok"] == 4
+    assert {t: (results / f"{t}.json").stat().st_mtime_ns for t in first} == stamps
+    assert trial.stat().st_mtime_ns == trial_stamp  # its trials were not run again

@@ -43,11 +43,43 @@ def _emit_json(data) -> None:
 
 
 def _bar(total: int, label: str):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    """A progress bar with tasks done / total, the rate in tasks per hour and the ETA."""
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+    from rich.text import Text
 
-    bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=_console())
+    class RateColumn(ProgressColumn):
+        def render(self, task) -> Text:
+            return Text(f"{task.speed * 3600:.0f} tasks/h" if task.speed else "-- tasks/h", style="cyan")
+
+    bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), RateColumn(),
+                   TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                   console=_console())
     return bar, bar.add_task(label, total=total, info="")
+
+
+def _emit_line(data) -> None:
+    """One JSON line on stdout, as soon as it is known (`--jsonl`)."""
+    typer.echo(json.dumps(data, default=str))
+
+
+_JSONL = typer.Option(False, "--jsonl", help="Print one JSON line per task as it finishes, then a summary line.")
+_RAY = typer.Option(False, "--ray", help="Run the task jobs on a Ray cluster (--address / RAY_ADDRESS, else a "
+                                         "local one).")
+_ADDRESS = typer.Option(None, "--address", help="Ray cluster address (implies --ray).")
+_RAY_RESOURCE = typer.Option(None, "--ray-resource", help="Only nodes advertising this Ray resource run jobs.")
+
+
+def _backend(ray: bool, address: Optional[str], resource: Optional[str], n_concurrent: int):
+    """The scheduler backend: local threads, or Ray (the trainer's cluster code)."""
+    if not (ray or address):
+        return None
+    from training.cluster.corpus_backend import RayBackend
+
+    try:
+        return RayBackend(address, resource=resource)
+    except Exception as e:  # cannot connect, no such resource
+        _fail(f"Ray: {e}")
 
 
 @data_app.command("generate")
@@ -116,12 +148,16 @@ def generate_cmd(
 def validate_cmd(
     corpus: Path = typer.Argument(..., help="Corpus (or one task) directory."),
     env: str = _ENV,
-    concurrent: int = typer.Option(2, "-n", "--n-concurrent", help="Tasks validated at once."),
+    concurrent: int = typer.Option(2, "-n", "--n-concurrent", help="Tasks validated at once (local)."),
     work: Optional[Path] = typer.Option(None, "--work-dir", help="Trial directories (default DIR/.tmax-validate; "
                                         "for one task, beside it)."),
+    ray: bool = _RAY,
+    address: Optional[str] = _ADDRESS,
+    ray_resource: Optional[str] = _RAY_RESOURCE,
     as_json: bool = _JSON,
+    jsonl: bool = _JSONL,
 ) -> None:
-    """Run the gates load, build, initial, nop, oracle on every task."""
+    """Run the gates load, build, initial, nop, oracle on every task; a rerun resumes."""
     from tasks.corpus.validate import corpus_task_dirs, counts, default_work_dir, validate_corpus
     from tasks.hostenv import ENV_KINDS
 
@@ -130,27 +166,41 @@ def validate_cmd(
     if not corpus.is_dir():
         _fail(f"{corpus}: no such directory")
     work = work or default_work_dir(corpus)
+    backend = _backend(ray, address, ray_resource, concurrent)
     bar, tid = _bar(len(corpus_task_dirs(corpus)), "validate")
 
-    def on_done(r) -> None:
-        colour = {"ok": "green", "unverified": "yellow"}.get(r.verdict, "red")
+    def on_done(r, resumed: bool) -> None:
+        if jsonl:
+            _emit_line({"task": r.task, "verdict": r.verdict, "failed": r.failed, "reasons": r.reasons,
+                        "infra_errors": r.infra_errors, "resumed": resumed})
+        colour = {"ok": "green", "unverified": "yellow", "infra_error": "magenta"}.get(r.verdict, "red")
         infra = f"  [red](infrastructure error in {', '.join(r.infra_errors)})[/]" if r.infra_errors else ""
-        bar.console.print(f"[{colour}]{r.verdict:>10}[/] {r.task}"
+        bar.console.print(f"[{colour}]{r.verdict:>10}[/] {r.task}" + ("  [dim](done before)[/]" if resumed else "")
                           + (f"  failed: {', '.join(r.failed)}" if r.failed else "") + infra)
-        bar.advance(tid)
+        if resumed:  # not part of this run's rate
+            bar.update(tid, total=bar.tasks[0].total - 1)
+        else:
+            bar.advance(tid)
 
-    with bar:
-        reports = validate_corpus(corpus, work, env, concurrent, on_done)
+    try:
+        with bar:
+            reports = validate_corpus(corpus, work, env, concurrent, on_done, backend)
+    finally:
+        if backend is not None:
+            backend.close()
     data = {"tasks": [r.model_dump(include={"task", "verdict", "failed", "reasons"}) for r in reports],
             "counts": counts(reports)}
-    if as_json:
+    if jsonl:
+        _emit_line({"counts": data["counts"]})
+    elif as_json:
         _emit_json(data)
     else:
         for r in reports:
             for gate, why in r.reasons.items():
                 _console().print(f"[bold]{r.task}[/] {gate}: [dim]{why[:300]}[/]")
         c = data["counts"]
-        _console().print(f"ok {c['ok']} · rejected {c['rejected']} · unverified {c['unverified']} (of {c['tasks']})")
+        _console().print(f"ok {c['ok']} · rejected {c['rejected']} · unverified {c['unverified']} · "
+                         f"infrastructure errors {c['infra_error']} (of {c['tasks']}; a rerun retries those)")
 
 
 @data_app.command("solve")

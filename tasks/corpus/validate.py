@@ -10,18 +10,21 @@
 
 `oracle` runs solve.sh as the agent's user, as Harbor's oracle agent does; the tests run
 as the verifier's user. `initial` and `nop` share one trial (the initial-state check is
-that trial's "agent" and changes nothing); `oracle` is a second trial. Trials run with bench's machinery
-(`tasks.trial.run_trial`) and keep their Harbor trial directories under the work dir.
-A task without `solution/` is `unverified` (failed: ["oracle"]) unless another gate failed.
+that trial's "agent" and changes nothing); `oracle` is a second trial, run at the same
+time. Trials run with bench's machinery (`tasks.trial.run_trial`) and keep their Harbor
+trial directories under the work dir. A task without `solution/` is `unverified` (failed:
+["oracle"]) unless another gate failed. A build that fails for the infrastructure (a mirror
+that did not answer after the retries, podman itself) is an infrastructure error, not the
+task's rejection. A corpus is validated as scheduler jobs (`tasks.corpus.scheduler`): per
+task a result as it finishes, so a rerun resumes.
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
-import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Literal
 
@@ -31,10 +34,11 @@ from agents.records import write_json_atomic
 from sandbox import make_sandbox
 from sandbox.base import IMAGE_USER, AgentUserError, SandboxError
 from tasks.corpus.package import LITE_RUNNER, run_tests_command
+from tasks.corpus.scheduler import Backend, Finished, Job, LocalBackend, run_jobs
 from tasks.episode import EnvSettings, sandbox_spec
 from tasks.hostenv import HOST_KINDS, HostEnvError, check_dockerfile
 from tasks.images import ImageBuildError, TaskImage, ensure_image
-from tasks.model import Task, TaskError
+from tasks.model import Task, TaskError, tree_hash
 from tasks.offline import RewriteConfig, default_config
 from tasks.runners import AgentRun, OracleAgent
 from tasks.trial import TrialEnv, TrialPlan, run_trial
@@ -47,7 +51,7 @@ REASON_CHARS = 1500
 
 class GateReport(BaseModel):
     task: str
-    verdict: Literal["ok", "rejected", "unverified"]
+    verdict: Literal["ok", "rejected", "unverified", "infra_error"]  # infra_error: not judged, run it again
     failed: list[str] = Field(default_factory=list)
     reasons: dict[str, str] = Field(default_factory=dict)
     gates: dict[str, str] = Field(default_factory=dict)  # gate -> ok | failed | skipped
@@ -97,16 +101,19 @@ def _verdict(name: str, gates: dict[str, str], reasons: dict[str, str], no_solut
     return GateReport(task=name, verdict=verdict, failed=failed, reasons=reasons, gates=gates)
 
 
-def _build(task: Task, env_kind: str, rewrite: RewriteConfig) -> str | None:
-    """None when the environment can be made, else why not."""
+def _build(task: Task, env_kind: str, rewrite: RewriteConfig) -> tuple[str | None, bool]:
+    """(None when the environment can be made, else why not; whether that is the
+    infrastructure's doing rather than the task's)."""
     try:
         if env_kind in HOST_KINDS:
             check_dockerfile(task)
-            return None
+            return None, False
         image = ensure_image(task, rewrite)
-    except (ImageBuildError, HostEnvError, OSError, ValueError) as e:
-        return str(e)
-    return _agent_user_problem(task, image, rewrite)
+    except ImageBuildError as e:
+        return str(e), e.kind != "task"
+    except (HostEnvError, OSError, ValueError) as e:
+        return str(e), False
+    return _agent_user_problem(task, image, rewrite), False
 
 
 def _agent_user_problem(task: Task, image: TaskImage, rewrite: RewriteConfig) -> str | None:
@@ -146,7 +153,13 @@ def _trial_problem(result: dict, trial_dir: Path) -> str:
 
 def _run_gates(task: Task, work: Path, env_kind: str, rewrite: RewriteConfig,
                gates: dict[str, str], reasons: dict[str, str], infra: list[str]) -> None:
-    nop = _trial(task, InitialCheckAgent(), env_kind, rewrite, work / "nop")
+    # The two trials are independent environments: run them at once.
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="tmax-gates") as pool:
+        nop_run = pool.submit(_trial, task, InitialCheckAgent(), env_kind, rewrite, work / "nop")
+        oracle_run = pool.submit(_trial, task, OracleAgent(rewrite), env_kind, rewrite, work / "oracle") \
+            if task.has_solution else None
+        nop = nop_run.result()
+        oracle = oracle_run.result() if oracle_run else None
     if nop["tmax"]["outcome"] == "infra_error":
         infra += ["initial", "nop"]
     meta = (nop.get("agent_result") or {}).get("metadata") or {}
@@ -165,10 +178,9 @@ def _run_gates(task: Task, work: Path, env_kind: str, rewrite: RewriteConfig,
         gates["nop"] = "failed"
         reasons["nop"] = ("the verifier gives reward 1 on the untouched environment (the final test "
                           "passes before any work)") if outcome == "pass" else _trial_problem(nop, work / "nop")
-    if not task.has_solution:
+    if oracle is None:
         gates["oracle"], reasons["oracle"] = "failed", NO_SOLUTION
         return
-    oracle = _trial(task, OracleAgent(rewrite), env_kind, rewrite, work / "oracle")
     if oracle["tmax"]["outcome"] == "infra_error":
         infra.append("oracle")
     if oracle["tmax"]["outcome"] == "pass":
@@ -198,21 +210,29 @@ def _gates(path: Path, work: Path, env_kind: str, rewrite: RewriteConfig) -> Gat
         gates["load"], reasons["load"] = "failed", str(e)
         return _verdict(path.name, gates, reasons, False)
     gates["load"] = "ok"
-    why = _build(task, env_kind, rewrite)
+    why, infra_fault = _build(task, env_kind, rewrite)
     if why:
-        gates["build"], reasons["build"] = "failed", why
-        return _verdict(task.name, gates, reasons, not task.has_solution)
+        gates["build"], reasons["build"] = "failed", ("infrastructure error: " if infra_fault else "") + why
+        return _with_infra(_verdict(task.name, gates, reasons, not task.has_solution), ["build"] if infra_fault else [])
     gates["build"] = "ok"
     infra: list[str] = []
     _run_gates(task, work, env_kind, rewrite, gates, reasons, infra)
     for gate in infra:
         reasons[gate] = "infrastructure error: " + reasons.get(gate, "")
-    report = _verdict(task.name, gates, reasons, not task.has_solution)
+    return _with_infra(_verdict(task.name, gates, reasons, not task.has_solution), infra)
+
+
+def _with_infra(report: GateReport, infra: list[str]) -> GateReport:
+    """A gate the infrastructure failed leaves the task unjudged, unless a gate of its own
+    failed too (then it is rejected for that)."""
     report.infra_errors = infra
+    if infra and not set(report.failed) - set(infra):
+        report.verdict = "infra_error"
     return report
 
 
 WORK_DIR = ".tmax-validate"
+RESULTS_DIR = "results"  # one <task>.json per finished task: what a rerun resumes from
 
 
 def default_work_dir(root: Path) -> Path:
@@ -232,26 +252,46 @@ def corpus_task_dirs(root: Path) -> list[Path]:
                   and ((d / "task.toml").exists() or (d / "instruction.md").exists()))
 
 
+def validate_job(path: str, work: str, env_kind: str) -> dict:
+    """One task's gates as a scheduler job (plain arguments, so it runs on any node)."""
+    return validate_task(Path(path), Path(work), env_kind, default_config()).model_dump()
+
+
+def task_identity(task_dir: Path, env_kind: str) -> str:
+    """What a validation result stands for: the task's content and where it ran."""
+    try:
+        return f"{env_kind}:{tree_hash(task_dir)}"
+    except OSError:
+        return f"{env_kind}:unreadable"
+
+
 def validate_corpus(root: Path, work: Path, env_kind: str = "podman", n_concurrent: int = 2,
-                    on_done: Callable[[GateReport], None] | None = None) -> list[GateReport]:
-    """Validate every task of a corpus concurrently; reports come back in name order."""
-    dirs = corpus_task_dirs(root)
-    rewrite = default_config()
-    lock = threading.Lock()
-    reports: list[GateReport] = []
-    with ThreadPoolExecutor(max_workers=max(1, n_concurrent), thread_name_prefix="tmax-validate") as pool:
-        futures = [pool.submit(validate_task, d, work / d.name, env_kind, rewrite) for d in dirs]
-        for f in as_completed(futures):
-            r = f.result()
-            with lock:
-                reports.append(r)
-            if on_done:
-                on_done(r)
-    return sorted(reports, key=lambda r: r.task)
+                    on_done: Callable[[GateReport, bool], None] | None = None,
+                    backend: Backend | None = None) -> list[GateReport]:
+    """Validate every task of a corpus as scheduler jobs; reports come back in name order.
+    A task validated before (same content, same environment kind, no infrastructure error)
+    is not run again: its result is read from `<work>/results/`."""
+    work = Path(work).resolve()
+    jobs = [Job(d.name, validate_job, (str(d.resolve()), str(work / d.name), env_kind), task_identity(d, env_kind))
+            for d in corpus_task_dirs(root)]
+    own = backend is None
+    backend = backend or LocalBackend(n_concurrent)
+
+    def finished(f: Finished) -> None:
+        if on_done:
+            on_done(GateReport.model_validate(f.result), f.resumed)
+
+    try:
+        results = run_jobs(jobs, work / RESULTS_DIR, backend, done=lambda r: not r.get("infra_errors"),
+                           on_finished=finished)
+    finally:
+        if own:
+            backend.close()
+    return sorted((GateReport.model_validate(r) for r in results.values()), key=lambda r: r.task)
 
 
 def counts(reports: list[GateReport]) -> dict:
-    out = {"tasks": len(reports), "ok": 0, "rejected": 0, "unverified": 0}
+    out = {"tasks": len(reports), "ok": 0, "rejected": 0, "unverified": 0, "infra_error": 0}
     per_gate = {g: 0 for g in GATES}
     for r in reports:
         out[r.verdict] += 1
