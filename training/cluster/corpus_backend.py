@@ -12,14 +12,18 @@ node sees at the same path (as the trainer's run directory is).
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
 from concurrent.futures import Future
 from typing import Any, Callable
 
 from training.cluster.launch import init_ray
 
 
-def _call(fn: Callable[..., dict], *args: Any) -> dict:
-    return fn(*args)
+def _call(fn: Callable[..., dict], *args: Any) -> tuple[dict, str]:
+    import ray
+
+    return fn(*args), ray.get_runtime_context().get_node_id()
 
 
 class RayBackend:
@@ -37,9 +41,25 @@ class RayBackend:
         if resource:
             opts["resources"] = {resource: 1}
         self._remote = ray.remote(**opts)(_call)
+        self.jobs_per_node: Counter = Counter()
+        self._lock = threading.Lock()
 
     def submit(self, fn: Callable[..., dict], *args: Any) -> Future:
-        return self._remote.remote(fn, *args).future()
+        """The job's result; the node it ran on is counted in `jobs_per_node`."""
+        out: Future = Future()
+
+        def done(ray_future: Future) -> None:
+            try:
+                result, node = ray_future.result()
+            except BaseException as e:  # the job raised, or its worker died
+                out.set_exception(e)
+                return
+            with self._lock:
+                self.jobs_per_node[node] += 1
+            out.set_result(result)
+
+        self._remote.remote(fn, *args).future().add_done_callback(done)
+        return out
 
     def close(self) -> None:
         import ray
