@@ -189,9 +189,13 @@ def ensure_image(task: Task, cfg: RewriteConfig, *, use_prebuilt: bool = True, f
             return TaskImage(tag, image_workdir(tag), built=False, log_path=log_path if log_path.exists() else None)
         for base in rewritten.base_images:
             if not image_exists(base):
-                hint = " (build it with `tmax sandbox build-base`)" if base == BASE_TAG else \
-                    " (no registry is reachable: map it with --image-map FROM=TO)"
-                raise ImageBuildError(f"{task.name}: base image {base} is not available{hint}")
+                # The tmax base missing is the machine's problem; another image that cannot be
+                # had is the Dockerfile's choice (it must be mapped or changed).
+                if base == BASE_TAG:
+                    raise ImageBuildError(f"{task.name}: base image {base} is not available (build it with "
+                                          "`tmax sandbox build-base`)")
+                raise ImageBuildError(f"{task.name}: base image {base} is not available (no registry is reachable: "
+                                      "map it with --image-map FROM=TO)", kind="task")
         timeout = build_timeout or task.config.environment.build_timeout_sec
         t0 = time.monotonic()
         log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -96,7 +96,11 @@ def generate_cmd(
     redraws: int = typer.Option(3, "--max-redraws", help="New tasks from the same stratum after a rejected one."),
     env: str = _ENV,
     axes: Optional[Path] = _AXES,
+    ray: bool = _RAY,
+    address: Optional[str] = _ADDRESS,
+    ray_resource: Optional[str] = _RAY_RESOURCE,
     as_json: bool = _JSON,
+    jsonl: bool = _JSONL,
 ) -> None:
     """Generate tasks: template, initial test, final test, environment + solution, then the gates."""
     from tasks.corpus.axes import AxesError
@@ -108,29 +112,40 @@ def generate_cmd(
                              axes_file=str(axes) if axes else None)
     except ValueError as e:
         _fail(str(e))
+    backend = _backend(ray, address, ray_resource, concurrent)
     bar, tid = _bar(n, "generate")
 
-    def on_event(name: str, what: str) -> None:
-        # the bar counts slots: filled (kept), unfilled, or left for a rerun
-        if what.startswith(("kept", "slot", "endpoint error", "infrastructure error")):
+    def on_slot(states, resumed: bool) -> None:
+        for st in states:
+            what = st.status + (f" (gate {st.failed_gate})" if st.failed_gate else "") + \
+                (f": {st.pending_why}" if st.status == "pending" and st.pending_why else "")
+            if jsonl:
+                _emit_line({"task": st.name, "slot": st.index, "attempt": st.attempt, "status": st.status,
+                            "failed_gate": st.failed_gate, "domain": st.axes.domain, "resumed": resumed})
+            colour = {"kept": "green", "pending": "yellow"}.get(st.status, "red")
+            bar.console.print(f"[{colour}]{what}[/] {st.name}" + ("  [dim](done before)[/]" if resumed else ""))
+        if resumed:
+            bar.update(tid, total=bar.tasks[0].total - 1)
+        else:
             bar.advance(tid)
-        if what.startswith(("kept", "rejected", "slot", "endpoint error", "infrastructure error")):
-            colour = "green" if what.startswith("kept") else "red"
-            bar.console.print(f"[{colour}]{what:>22}[/] {name}")
-        bar.update(tid, info=f"{name}: {what}")
 
     try:
-        gen = Generator(cfg, api_key=api_key, on_event=on_event)
+        gen = Generator(cfg, api_key=api_key)
         with bar:
-            states = gen.run()
+            states = gen.run(backend, on_slot)
     except (GenerateError, AxesError) as e:
         _fail(str(e))
+    finally:
+        if backend is not None:
+            backend.close()
     rows = [{"task": s.name, "slot": s.index, "attempt": s.attempt, "domain": s.axes.domain,
              "skill_type": s.axes.skill_type, "status": s.status, "failed_gate": s.failed_gate,
              "rounds": len(s.rounds), "calls": s.calls} for s in states]
     summary = {"out": str(gen.out), "tasks": rows,
                "counts": {k: sum(1 for r in rows if r["status"] == k) for k in ("kept", "rejected", "pending")}}
-    if as_json:
+    if jsonl:
+        _emit_line({"counts": summary["counts"]})
+    elif as_json:
         _emit_json(summary)
     else:
         c = summary["counts"]

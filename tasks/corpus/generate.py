@@ -13,15 +13,15 @@ that) and its slot is re-drawn from the same stratum (`axes.redraw`), at most
 `max_redraws` times, so the kept corpus keeps the plan's balance.
 
 State lives in `<out>/.generate/<name>.json`, rewritten after every stage, so a rerun
-skips finished tasks and resumes unfinished ones where they stopped.
+skips finished tasks and resumes unfinished ones where they stopped. Each slot is one job of
+`tasks.corpus.scheduler` (local threads, or Ray nodes that see the corpus directory);
+`<out>/.generate/slots/` holds the finished slots.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import threading
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Callable
 
@@ -31,6 +31,7 @@ from agents.records import write_json_atomic
 from tasks.corpus import prompts
 from tasks.corpus.axes import CORPUS_KINDS, AxesConfig, TaskAxes, load_axes, redraw, stratified_plan
 from tasks.corpus.package import TaskParts, replace_dir, write_task
+from tasks.corpus.scheduler import Backend, Finished, Job, LocalBackend, run_jobs
 from tasks.corpus.validate import GateReport, validate_task
 from tasks.hostenv import ENV_KINDS
 from tasks.offline import default_config
@@ -79,6 +80,7 @@ class TaskState(BaseModel):
     rounds: list[dict] = Field(default_factory=list)  # per gate round: failed gates and reasons
     calls: int = 0
     failed_gate: str | None = None
+    pending_why: str | None = None  # why a pending task stopped (endpoint or infrastructure error)
 
 
 def task_name(seed: int, index: int, attempt: int = 0) -> str:
@@ -87,8 +89,7 @@ def task_name(seed: int, index: int, attempt: int = 0) -> str:
 
 
 class Generator:
-    def __init__(self, config: GenerateConfig, api_key: str | None = None,
-                 on_event: Callable[[str, str], None] | None = None):
+    def __init__(self, config: GenerateConfig, api_key: str | None = None):
         if config.corpus_kind not in CORPUS_KINDS:
             raise GenerateError(f"unknown corpus kind {config.corpus_kind!r}: {', '.join(CORPUS_KINDS)}")
         if config.environment not in ENV_KINDS:
@@ -100,10 +101,9 @@ class Generator:
         self.plan = stratified_plan(config.n, config.seed, config.corpus_kind, self.axes)
         self.out = Path(config.out).expanduser().resolve()
         self.state_dir = self.out / STATE_DIR
+        self.api_key = api_key
         self.client = OpenAI(base_url=config.base_url, api_key=api_key or "dummy", max_retries=2)
         self.rewrite = default_config()
-        self.emit = on_event or (lambda name, what: None)
-        self._lock = threading.Lock()
 
     # --- state ----------------------------------------------------------------------------
     def _check_identity(self) -> None:
@@ -151,22 +151,18 @@ class Generator:
 
     def _stages(self, st: TaskState) -> None:
         if st.task is None:
-            self.emit(st.name, "template")
             st.task, st.truth = self._ask(st, "template", lambda fb: prompts.template_messages(st.axes, fb, self.axes),
                                           prompts.parse_template)
             self.save(st)
         if st.initial_test is None:
-            self.emit(st.name, "initial test")
             st.initial_test = self._ask(st, "initial", lambda fb: prompts.initial_test_messages(st.task, st.truth),
                                         prompts.parse_python)
             self.save(st)
         if st.final_test is None:
-            self.emit(st.name, "final test")
             st.final_test = self._ask(st, "final", lambda fb: prompts.final_test_messages(
                 st.task, st.truth, st.initial_test, fb, st.axes.verifier_kind), prompts.parse_python)
             self.save(st)
         if st.environment is None:
-            self.emit(st.name, "environment")
             dockerfile, files, solve = self._ask(st, "environment", lambda fb: prompts.environment_messages(
                 st.axes.domain, st.task, st.truth, st.initial_test, st.final_test, fb), prompts.parse_environment)
             st.environment = {"dockerfile": dockerfile, "files": files, "solve": solve}
@@ -186,7 +182,6 @@ class Generator:
         except ValueError as e:  # a file path outside the build context
             return GateReport(task=st.name, verdict="rejected", failed=["load"], reasons={"load": str(e)},
                               gates={"load": "failed"})
-        self.emit(st.name, "gates")
         return validate_task(staged, self.state_dir / "gates" / st.name, self.config.environment, self.rewrite)
 
     def _finish(self, st: TaskState, status: str) -> None:
@@ -204,7 +199,6 @@ class Generator:
                 "axes": st.axes.metadata()})
         st.status = status
         self.save(st)
-        self.emit(st.name, f"{status} (gate {st.failed_gate})" if st.failed_gate else status)
 
     def run_one(self, index: int, attempt: int = 0) -> TaskState:
         """Generate one task to its end; an endpoint failure leaves it pending (a rerun resumes)."""
@@ -215,8 +209,8 @@ class Generator:
             return self._run_one(st)
         except OpenAIError as e:
             st.status = "pending"
+            st.pending_why = f"endpoint error: {type(e).__name__}: {e}"
             self.save(st)
-            self.emit(st.name, f"endpoint error: {type(e).__name__}: {e}")
             return st
 
     def run_slot(self, index: int) -> list[TaskState]:
@@ -227,15 +221,10 @@ class Generator:
             out.append(st)
             if st.status != "rejected":
                 break
-            if attempt < self.config.max_redraws:
-                self.emit(st.name, f"redrawn from {st.axes.domain} / {st.axes.skill_type}")
-            else:
-                self.emit(st.name, f"slot {index} unfilled: {attempt + 1} task(s) rejected")
         return out
 
     def _run_one(self, st: TaskState) -> TaskState:
         if st.status in ("kept", "rejected"):
-            self.emit(st.name, f"{st.status} (done before)")
             return st
         while True:
             try:
@@ -247,7 +236,8 @@ class Generator:
                 return st
             report = self._gate_round(st)
             if report.infra_errors:  # not the task's failure: stop, a rerun resumes here
-                self.emit(st.name, f"infrastructure error in gates {', '.join(report.infra_errors)}")
+                st.pending_why = f"infrastructure error in gates {', '.join(report.infra_errors)}"
+                self.save(st)
                 return st
             st.rounds.append({"failed": report.failed, "reasons": report.reasons})
             if report.verdict == "ok":
@@ -267,12 +257,34 @@ class Generator:
                 st.environment = None
             self.save(st)
 
-    def run(self) -> list[TaskState]:
+    def run(self, backend: Backend | None = None,
+            on_slot: Callable[[list[TaskState], bool], None] | None = None) -> list[TaskState]:
+        """Every slot as a scheduler job (local threads unless a backend is given). A slot
+        whose tasks all finished before is read back, not run; `on_slot(states, resumed)`."""
         self.out.mkdir(parents=True, exist_ok=True)
         self._check_identity()
-        results: list[TaskState] = []
-        with ThreadPoolExecutor(max_workers=self.config.n_concurrent, thread_name_prefix="tmax-gen") as pool:
-            futures = [pool.submit(self.run_slot, i) for i in range(self.config.n)]
-            for f in as_completed(futures):
-                results += f.result()
-        return sorted(results, key=lambda s: (s.index, s.attempt))
+        spec = self.config.model_dump_json()
+        jobs = [Job(f"slot_{i:06d}", generate_slot, (spec, self.api_key, i), json.dumps(self.config.identity(self.axes)))
+                for i in range(self.config.n)]
+        own = backend is None
+        backend = backend or LocalBackend(self.config.n_concurrent)
+
+        def finished(f: Finished) -> None:
+            if on_slot:
+                on_slot([TaskState.model_validate(x) for x in f.result["states"]], f.resumed)
+
+        try:
+            results = run_jobs(jobs, self.state_dir / "slots", backend,
+                               done=lambda r: all(x["status"] != "pending" for x in r["states"]), on_finished=finished)
+        finally:
+            if own:
+                backend.close()
+        states = [TaskState.model_validate(x) for r in results.values() for x in r["states"]]
+        return sorted(states, key=lambda s: (s.index, s.attempt))
+
+
+def generate_slot(spec: str, api_key: str | None, index: int) -> dict:
+    """One slot as a scheduler job, on any node: its tasks' states (the task directories and
+    per-task state files are written under the corpus as it goes)."""
+    gen = Generator(GenerateConfig.model_validate_json(spec), api_key=api_key)
+    return {"states": [st.model_dump() for st in gen.run_slot(index)]}
