@@ -186,6 +186,7 @@ def ensure_image(task: Task, cfg: RewriteConfig, *, use_prebuilt: bool = True, f
     log_path = logs / f"{task.name}-{tag.rsplit(':', 1)[1]}.log"
     with _tag_lock(tag), _FileLock(cache_dir() / "locks" / (hashlib.sha1(tag.encode()).hexdigest() + ".lock")):
         if not force and image_exists(tag):
+            record_use(tag)
             return TaskImage(tag, image_workdir(tag), built=False, log_path=log_path if log_path.exists() else None)
         for base in rewritten.base_images:
             if not image_exists(base):
@@ -204,6 +205,7 @@ def ensure_image(task: Task, cfg: RewriteConfig, *, use_prebuilt: bool = True, f
                                 wait=wait_exponential(multiplier=2, max=30), reraise=True):
             with attempt:
                 _build(task, cfg, tag, rewritten, log_path, timeout, progress, cancel)
+        record_use(tag)
         return TaskImage(tag, image_workdir(tag), built=True, log_path=log_path, build_s=time.monotonic() - t0)
 
 
@@ -284,3 +286,73 @@ def _tail(path: Path, n: int = 6) -> str:
     except OSError:
         return ""
     return " | ".join(lines[-n:])[-800:]
+
+
+# --- image hygiene: when each task image was last used, and pruning the least recent ---------
+
+TASK_LABEL = "io.tmax.task"  # set on every image `ensure_image` builds
+
+
+def _use_stamp(tag: str) -> Path:
+    return cache_dir() / "image-use" / hashlib.sha1(tag.encode()).hexdigest()
+
+
+def record_use(tag: str) -> None:
+    """Note that a task image was used now (its last-use time orders `prune_images`)."""
+    stamp = _use_stamp(tag)
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(tag + "\n")  # rewriting updates the mtime
+
+
+@dataclass
+class ImageUse:
+    id: str
+    names: list[str]
+    size: int  # bytes; layers shared with other images are counted in each
+    last_used: float  # epoch seconds: the latest use stamp of its names, else its creation
+
+
+def task_images(labels: dict[str, str] | None = None) -> list[ImageUse]:
+    """The task images tmax built (labelled by `ensure_image`; never the base image or a
+    pulled one), least recently used first; `labels` narrows them further."""
+    r = _podman("images", "--format", "json", "--filter", f"label={LABEL_KEY}={LABEL_VALUE}")
+    if r.returncode != 0:
+        raise ImageBuildError(f"podman images failed: {r.stderr.strip()[-500:]}")
+    want = {LABEL_KEY: LABEL_VALUE, **(labels or {})}
+    out = []
+    for img in json.loads(r.stdout or "[]"):
+        names = img.get("Names") or []
+        have = img.get("Labels") or {}
+        # every label must match (podman ORs repeated label filters, so they are checked here)
+        if TASK_LABEL not in have or not names or any(have.get(k) != v for k, v in want.items()):
+            continue  # the base image, an unnamed build-cache layer, or not asked for
+        stamps = [_use_stamp(n).stat().st_mtime for n in names if _use_stamp(n).is_file()]
+        out.append(ImageUse(img["Id"], names, int(img.get("Size") or 0), max(stamps, default=float(img["Created"]))))
+    return sorted(out, key=lambda i: i.last_used)
+
+
+@dataclass
+class PruneReport:
+    removed: list[ImageUse]
+    kept: list[ImageUse]
+    errors: list[str]
+
+
+def prune_images(keep_bytes: int, labels: dict[str, str] | None = None, dry_run: bool = False) -> PruneReport:
+    """Remove tmax-built task images, least recently used first, until the rest take at
+    most `keep_bytes`. An image a container still uses is left (and reported)."""
+    images = task_images(labels)
+    total = sum(i.size for i in images)
+    rep = PruneReport([], [], [])
+    for img in images:
+        if total <= keep_bytes:
+            rep.kept.append(img)
+            continue
+        r = subprocess.CompletedProcess([], 0, "", "") if dry_run else _podman("rmi", img.id)
+        if r.returncode != 0:
+            rep.errors.append(f"{img.names[0]}: {r.stderr.strip()[-300:]}")
+            rep.kept.append(img)
+            continue
+        rep.removed.append(img)
+        total -= img.size
+    return rep

@@ -70,6 +70,28 @@ _ADDRESS = typer.Option(None, "--address", help="Ray cluster address (implies --
 _RAY_RESOURCE = typer.Option(None, "--ray-resource", help="Only nodes advertising this Ray resource run jobs.")
 
 
+_DISK = typer.Option(None, "--disk-budget-gb", help="Keep tmax's task images under this many GB: after each "
+                                                    "task, the least recently used are pruned.")
+
+
+def _disk_keeper(budget_gb: Optional[float], console):
+    """Called after each finished job: prune task images down to the budget (podman)."""
+    if budget_gb is None:
+        return lambda: None
+    from tasks.images import ImageBuildError, prune_images
+
+    def keep() -> None:
+        try:
+            rep = prune_images(int(budget_gb * 1e9))
+        except ImageBuildError as e:
+            console.print(f"[yellow]disk budget: {e}[/]")
+            return
+        if rep.removed:
+            console.print(f"[dim]disk budget: pruned {len(rep.removed)} least recently used image(s)[/]")
+
+    return keep
+
+
 def _backend(ray: bool, address: Optional[str], resource: Optional[str], n_concurrent: int):
     """The scheduler backend: local threads, or Ray (the trainer's cluster code)."""
     if not (ray or address):
@@ -99,6 +121,7 @@ def generate_cmd(
     ray: bool = _RAY,
     address: Optional[str] = _ADDRESS,
     ray_resource: Optional[str] = _RAY_RESOURCE,
+    disk_budget: Optional[float] = _DISK,
     as_json: bool = _JSON,
     jsonl: bool = _JSONL,
 ) -> None:
@@ -114,8 +137,10 @@ def generate_cmd(
         _fail(str(e))
     backend = _backend(ray, address, ray_resource, concurrent)
     bar, tid = _bar(n, "generate")
+    keep_disk = _disk_keeper(disk_budget, bar.console)
 
     def on_slot(states, resumed: bool) -> None:
+        keep_disk()
         for st in states:
             what = st.status + (f" (gate {st.failed_gate})" if st.failed_gate else "") + \
                 (f": {st.pending_why}" if st.status == "pending" and st.pending_why else "")
@@ -169,6 +194,7 @@ def validate_cmd(
     ray: bool = _RAY,
     address: Optional[str] = _ADDRESS,
     ray_resource: Optional[str] = _RAY_RESOURCE,
+    disk_budget: Optional[float] = _DISK,
     as_json: bool = _JSON,
     jsonl: bool = _JSONL,
 ) -> None:
@@ -183,8 +209,10 @@ def validate_cmd(
     work = work or default_work_dir(corpus)
     backend = _backend(ray, address, ray_resource, concurrent)
     bar, tid = _bar(len(corpus_task_dirs(corpus)), "validate")
+    keep_disk = _disk_keeper(disk_budget, bar.console)
 
     def on_done(r, resumed: bool) -> None:
+        keep_disk()
         if jsonl:
             _emit_line({"task": r.task, "verdict": r.verdict, "failed": r.failed, "reasons": r.reasons,
                         "infra_errors": r.infra_errors, "resumed": resumed})

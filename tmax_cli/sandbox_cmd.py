@@ -1,4 +1,4 @@
-"""`tmax sandbox build-base | clean`."""
+"""`tmax sandbox build-base | clean | prune`."""
 
 from __future__ import annotations
 
@@ -54,6 +54,51 @@ def clean_cmd(
     for what, items in (("containers", rep.containers), ("images", rep.images),
                         ("podman services", rep.services), ("temp dirs", rep.dirs)):
         typer.echo(f"{verb} {len(items)} {what}" + (f": {', '.join(items)}" if items else ""))
+    for e in rep.errors:
+        typer.echo(f"error: {e}", err=True)
+    if rep.errors:
+        raise typer.Exit(1)
+
+
+def parse_labels(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise typer.BadParameter(f"--label {item!r}: expected KEY=VALUE")
+        out[k] = v
+    return out
+
+
+@sandbox_app.command("prune")
+def prune_cmd(
+    keep_gb: float = typer.Option(0.0, "--keep-gb", min=0, help="Keep at most this many GB of task images."),
+    label: list[str] = typer.Option([], "--label", help="Only images with this label (KEY=VALUE; repeatable)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Only list what would be removed."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
+) -> None:
+    """Remove task images tmax built, least recently used first, down to --keep-gb (the
+    base image and images pulled from a registry are never removed)."""
+    import json
+
+    from tasks.images import ImageBuildError, prune_images
+
+    try:
+        rep = prune_images(int(keep_gb * 1e9), parse_labels(label), dry_run=dry_run)
+    except ImageBuildError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    gb = lambda imgs: round(sum(i.size for i in imgs) / 1e9, 3)  # noqa: E731
+    data = {"dry_run": dry_run, "removed": [i.names[0] for i in rep.removed], "removed_gb": gb(rep.removed),
+            "kept": [i.names[0] for i in rep.kept], "kept_gb": gb(rep.kept), "errors": rep.errors}
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+    else:
+        verb = "would remove" if dry_run else "removed"
+        typer.echo(f"{verb} {len(rep.removed)} image(s), {data['removed_gb']} GB; kept {len(rep.kept)}, "
+                   f"{data['kept_gb']} GB")
+        for name in data["removed"]:
+            typer.echo(f"  {name}")
     for e in rep.errors:
         typer.echo(f"error: {e}", err=True)
     if rep.errors:

@@ -1,0 +1,61 @@
+"""`tmax sandbox prune`: task images tmax built, least recently used first, down to --keep-gb.
+Only this test's own images are ever candidates: they carry a label unique to the run, and
+the command is narrowed to it with --label."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import uuid
+
+import pytest
+from typer.testing import CliRunner
+
+from sandbox.base import LABEL_KEY, LABEL_VALUE
+from tasks.images import BASE_TAG, TASK_LABEL, image_exists, record_use, task_images
+from tmax_cli.main import app
+
+pytestmark = pytest.mark.podman
+
+
+def _build(tag: str, test_label: str, ctx) -> None:
+    (ctx / "Dockerfile").write_text(f"FROM {BASE_TAG}\nRUN echo {tag} > /built-by-test\n")
+    r = subprocess.run(["podman", "build", "-q", "-t", tag, "--label", f"{LABEL_KEY}={LABEL_VALUE}",
+                        "--label", f"{TASK_LABEL}={tag.rsplit(':', 1)[1]}", "--label", test_label, str(ctx)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.skipif(shutil.which("podman") is None or not image_exists(BASE_TAG), reason="needs podman and the base image")
+def test_prune_removes_the_least_recently_used_first(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMAX_CACHE_DIR", str(tmp_path / "cache"))
+    run = uuid.uuid4().hex[:10]
+    label = f"io.tmax.test={run}"
+    tags = [f"localhost/tmax-test-prune-{run}:img{i}" for i in range(3)]
+    try:
+        for t in tags:
+            _build(t, label, tmp_path)
+        for t in (tags[0], tags[1], tags[2], tags[0]):  # img1 is now the least recently used
+            record_use(t)
+            time.sleep(0.02)
+        mine = task_images({"io.tmax.test": run})
+        assert [i.names[0] for i in mine] == [tags[1], tags[2], tags[0]]
+        size = {i.names[0]: i.size for i in mine}
+        keep = (size[tags[2]] + size[tags[0]] + 1000) / 1e9
+        r = CliRunner().invoke(app, ["sandbox", "prune", "--keep-gb", f"{keep:.9f}", "--label", label, "--dry-run",
+                                     "--json"])
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout)["removed"] == [tags[1]] and image_exists(tags[1])
+        r = CliRunner().invoke(app, ["sandbox", "prune", "--keep-gb", f"{keep:.9f}", "--label", label, "--json"])
+        assert r.exit_code == 0, r.output
+        data = json.loads(r.stdout)
+        assert data["removed"] == [tags[1]] and set(data["kept"]) == {tags[0], tags[2]}
+        assert not image_exists(tags[1]) and image_exists(tags[0]) and image_exists(tags[2])
+        assert image_exists(BASE_TAG)
+    finally:
+        for t in tags:
+            subprocess.run(["podman", "rmi", "-f", t], capture_output=True, timeout=120)
+    assert os.environ["TMAX_CACHE_DIR"] == str(tmp_path / "cache")
