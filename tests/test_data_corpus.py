@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -453,3 +454,38 @@ def test_imported_setup_sh_builds_and_runs_on_podman(tmp_path):
         assert out.stdout.strip().endswith("/workspace")
     finally:
         subprocess.run(["podman", "rmi", "-f", image.tag], capture_output=True, timeout=120)
+
+
+# --- export / import of datasets -----------------------------------------------------------
+
+def test_export_and_import_round_trip_byte_for_byte(tmp_path):
+    """hf and parquet rows rebuild every task byte for byte (executable bits included); the
+    tarball holds the same directories."""
+    import tarfile
+
+    pytest.importorskip("datasets")
+    from tasks.model import tree_hash
+
+    src = DATA / "validate"
+    names = ["good", "no-solution", "nop-passes"]
+    corpus = tmp_path / "corpus"
+    import shutil
+
+    for n in names:
+        shutil.copytree(src / n, corpus / n)
+    (corpus / "good" / "environment" / "files" / "blob.bin").write_bytes(bytes(range(256)) * 4)
+    (corpus / "good" / "solution" / "solve.sh").chmod(0o755)
+    want = {n: tree_hash(corpus / n) for n in names}
+    for fmt, out, spec in (("hf", tmp_path / "ds", "hf:{}"), ("parquet", tmp_path / "c.parquet", "parquet:{}")):
+        data = run_json("export", str(corpus), "-o", str(out), "--format", fmt)
+        assert data["exported"] == 3
+        back = run_json("import", spec.format(out), "-o", str(tmp_path / f"back-{fmt}"))
+        assert sorted(back["imported"]) == names and back["errors"] == {}
+        assert {n: tree_hash(tmp_path / f"back-{fmt}" / n) for n in names} == want
+    assert os.access(tmp_path / "back-hf" / "good" / "solution" / "solve.sh", os.X_OK)
+    row = __import__("datasets").load_from_disk(str(tmp_path / "ds"))[0]
+    assert set(row) == {"name", "instruction", "metadata", "files"} and json.loads(row["metadata"])["domain"]
+    run_json("export", str(corpus), "-o", str(tmp_path / "c.tar.gz"), "--format", "tar")
+    with tarfile.open(tmp_path / "c.tar.gz") as tar:
+        tar.extractall(tmp_path / "untar", filter="data")
+    assert {n: tree_hash(tmp_path / "untar" / n) for n in names} == want

@@ -3,7 +3,8 @@
     tmax data generate -o OUT -N N --base-url URL -m MODEL [--kind legacy|sft_v2|rl_v2] [--seed S]
     tmax data validate DIR [-e podman|bwrap|local] [-n N]
     tmax data solve DIR -a AGENT -k K [--band LO:HI --out DIR]
-    tmax data import SRC -o OUT --format harbor|open-instruct|native
+    tmax data import SRC -o OUT --format harbor|open-instruct|native   (or SRC = hf:DIR | parquet:FILE)
+    tmax data export DIR -o OUT --format hf|parquet|tar
     tmax data report DIR [--png FILE]
     tmax data decontam DIR --against BENCH_DIR [--n 13] [--drop OUT]
     tmax data combine A B ... -o OUT --mode union|balanced [--total N]
@@ -297,12 +298,13 @@ def solve_cmd(
 
 @data_app.command("import")
 def import_cmd(
-    src: Path = typer.Argument(..., help="Directory of source tasks."),
+    src: str = typer.Argument(..., help="Directory of source tasks, or hf:DIR / parquet:FILE of an export."),
     out: Path = typer.Option(..., "-o", "--out", help="Where the Harbor tasks go."),
-    fmt: str = typer.Option(..., "--format", help="harbor | open-instruct | native."),
+    fmt: Optional[str] = typer.Option(None, "--format", help="harbor | open-instruct | native (for a directory)."),
     as_json: bool = _JSON,
 ) -> None:
-    """Convert a published corpus layout to Harbor tasks."""
+    """Convert a published corpus layout, or a dataset made by `tmax data export`, to Harbor tasks."""
+    from tasks.corpus.export import DATASET_PREFIXES, ExportError, import_dataset
     from tasks.corpus.importers import import_corpus
 
     bar, tid = _bar(0, "import")
@@ -313,15 +315,47 @@ def import_cmd(
             bar.console.print(f"[red]skipped[/] {name}: {error}")
 
     try:
-        with bar:
-            data = import_corpus(src, out, fmt, on_task)
-    except ValueError as e:
+        if src.startswith(DATASET_PREFIXES):
+            data = import_dataset(src, out)
+        elif fmt is None:
+            _fail("--format is needed for a directory (harbor | open-instruct | native)")
+        else:
+            with bar:
+                data = import_corpus(Path(src), out, fmt, on_task)
+    except (ValueError, ExportError) as e:
         _fail(str(e))
     if as_json:
         _emit_json(data)
     else:
+        for name, why in data["errors"].items():
+            _console().print(f"[red]skipped[/] {name}: {why}")
         _console().print(f"imported {len(data['imported'])} task(s) to {out}; {len(data['errors'])} error(s)")
     if not data["imported"]:
+        raise typer.Exit(1)
+
+
+@data_app.command("export")
+def export_cmd(
+    corpus: Path = typer.Argument(..., help="Corpus directory."),
+    out: Path = typer.Option(..., "-o", "--out", help="hf: a directory; parquet: a file; tar: a .tar.gz file."),
+    fmt: str = typer.Option("hf", "--format", help="hf | parquet | tar."),
+    as_json: bool = _JSON,
+) -> None:
+    """Write the corpus as a dataset: one row per task with every file and the metadata."""
+    from tasks.corpus.corpus import CorpusError
+    from tasks.corpus.export import ExportError, export_corpus
+
+    try:
+        data = export_corpus(corpus, out, fmt)
+    except (ExportError, CorpusError) as e:
+        _fail(str(e))
+    if as_json:
+        _emit_json(data)
+    else:
+        for name, why in data["unreadable"].items():
+            _console().print(f"[red]unreadable[/] {name}: {why} (not exported)")
+        _console().print(f"exported {data['exported']} task(s) to {out} ({fmt})")
+    if data["unreadable"]:
         raise typer.Exit(1)
 
 
