@@ -76,6 +76,14 @@ def test_solve_pass_at_k_and_band(tmp_path):
     assert summary["num_runs"] == 2 and summary["num_success"] == 2
     rep = runner.invoke(app, ["data", "report", str(root), "--json"])
     assert json.loads(rep.stdout)["success_rate"]["oracle"]["counts"][9] == 1
+    # each task is a scheduler job: a rerun reads both back and runs no trial
+    trials = sorted((root / ".tmax-solve" / "jobs").rglob("result.json"))
+    stamps = [t.stat().st_mtime_ns for t in trials]
+    r = runner.invoke(app, ["data", "solve", str(root), "-a", "oracle", "-k", "2", "-e", "bwrap", "--jsonl"])
+    assert r.exit_code == 0, r.output
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert {x["task"]: x["resumed"] for x in lines if "task" in x} == {"good": True, "wrong-solution": True}
+    assert [t.stat().st_mtime_ns for t in trials] == stamps
 
 
 @pytest.mark.podman

@@ -255,10 +255,14 @@ def solve_cmd(
     model: Optional[str] = typer.Option(None, "-m", "--model"),
     base_url: Optional[str] = typer.Option(None, "--base-url", envvar="TMAX_BASE_URL"),
     env: str = _ENV,
-    concurrent: int = typer.Option(2, "-n", "--n-concurrent"),
+    concurrent: int = typer.Option(2, "-n", "--n-concurrent", help="Tasks solved at once (local)."),
     band: Optional[str] = typer.Option(None, "--band", help="Keep tasks whose success rate c/n is in LO:HI."),
     out: Optional[Path] = typer.Option(None, "--out", help="With --band: write the kept tasks here (symlinks)."),
+    ray: bool = _RAY,
+    address: Optional[str] = _ADDRESS,
+    ray_resource: Optional[str] = _RAY_RESOURCE,
     as_json: bool = _JSON,
+    jsonl: bool = _JSONL,
 ) -> None:
     """Difficulty as the success rate c/n (and pass@k) of a bench agent; summaries under DIR/.tmax-solve/."""
     from tasks.corpus.combine import write_links
@@ -267,25 +271,41 @@ def solve_cmd(
     from tasks.dataset import DatasetError
     from tasks.job import JobError
 
-    bar, tid = _bar(0, "solve")
-
-    def progress(kind, p, r) -> None:
-        bar.update(tid, total=p.total, completed=p.done, info=f"running {p.running}")
-
     try:
         lo_hi = parse_band(band) if band else None
+    except ValueError as e:
+        _fail(str(e))
+    from tasks.corpus.validate import corpus_task_dirs
+
+    backend = _backend(ray, address, ray_resource, concurrent)
+    bar, tid = _bar(len(corpus_task_dirs(corpus)) if corpus.is_dir() else 0, "solve")
+
+    def on_task(s: dict, resumed: bool) -> None:
+        if jsonl:
+            _emit_line({**{key: s[key] for key in ("task", "num_attempts", "num_runs", "num_success",
+                                                     "success_rate")}, "resumed": resumed})
+        bar.console.print(f"{s['task']}: solved {s['num_success']}/{s['num_runs']}"
+                          + ("  [dim](done before)[/]" if resumed else ""))
+        bar.advance(tid)
+
+    try:
         with bar:
             summaries = solve_corpus(corpus, agent, k, model=model, base_url=base_url,
                                      api_key=os.environ.get("OPENAI_API_KEY"), environment=env,
-                                     n_concurrent=concurrent, progress_fn=progress)
+                                     n_concurrent=concurrent, backend=backend, on_task=on_task)
     except (ValueError, JobError, DatasetError) as e:
         _fail(str(e))
+    finally:
+        if backend is not None:
+            backend.close()
     kept = in_band(summaries, lo_hi) if lo_hi else None
     if kept is not None and out is not None:
         write_links([t for t in read_corpus(corpus) if t.name in set(kept)], out)
     data = {"tasks": {t: {key: s[key] for key in ("num_attempts", "num_runs", "num_success", "success_rate",
                                                     "pass_at_k")} for t, s in summaries.items()}, "band": kept}
-    if as_json:
+    if jsonl:
+        _emit_line({"band": kept})
+    elif as_json:
         _emit_json(data)
     else:
         for t, s in summaries.items():

@@ -1,7 +1,8 @@
 """`tmax data solve`: difficulty of every task as pass@k of a bench agent.
 
-The attempts run as a bench job (`tasks.job.Job`, k attempts per task) under
-`<corpus>/.tmax-solve/jobs/`, so a rerun resumes. Per task a summary is written to
+Each task is a job of `tasks.corpus.scheduler` (local threads, or Ray): a bench job
+(`tasks.job.Job`, k attempts) of that task under `<corpus>/.tmax-solve/jobs/<tag>/`, so a
+rerun resumes, and a task solved before (same content, same settings) is read back. Per task a summary is written to
 `<corpus>/.tmax-solve/<tag>/<task>.json`: attempts (k), scored runs (n), successes (c),
 the success rate c/n and the unbiased pass@k for every k up to n. Infrastructure errors
 are left out (they are not the agent's failures): n counts only the attempts that
@@ -11,12 +12,13 @@ succeeds, so it cannot tell a task solved 1 of 8 times from one solved 8 of 8 ti
 
 from __future__ import annotations
 
-from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
 from agents.records import write_json_atomic
 from tasks.corpus.report import SOLVE_DIR, success_rate
+from tasks.corpus import scheduler
+from tasks.dataset import load_tasks
 from tasks.job import Job, JobConfig, trial_row
 from tasks.scoring import SUCCESS, pass_at_k
 
@@ -38,25 +40,44 @@ def task_summary(task: str, rows: list[dict], agent: str, model: str | None) -> 
     }
 
 
+def solve_task(corpus: str, task: str, spec: str, api_key: str | None) -> dict:
+    """k attempts of one task as a scheduler job (plain arguments, so it runs on any node):
+    a bench job of that task alone under `<corpus>/.tmax-solve/jobs/<tag>/`, which resumes
+    its own trials; the summary is written where `report` reads it and returned."""
+    cfg = JobConfig.model_validate_json(spec).model_copy(update={"include": [task], "job_name": task})
+    job = Job(cfg, api_key=api_key)
+    job.run(retry_infra=True)
+    rows = [trial_row(r) for r in job.results() if r["task_name"] == task]
+    summary = task_summary(task, rows, cfg.agent, cfg.model)
+    tag = solver_tag(cfg.agent, cfg.model)
+    write_json_atomic(Path(corpus) / SOLVE_DIR / tag / f"{task}.json", summary)
+    return summary
+
+
 def solve_corpus(corpus: Path, agent: str, k: int, *, model: str | None = None, base_url: str | None = None,
                  api_key: str | None = None, environment: str = "podman", n_concurrent: int = 2,
-                 agent_kwargs: dict | None = None, progress_fn: Callable | None = None) -> dict[str, dict]:
-    """Run k attempts per task and write the summaries; returns {task: summary}."""
+                 agent_kwargs: dict | None = None, backend: scheduler.Backend | None = None,
+                 on_task: Callable[[dict, bool], None] | None = None) -> dict[str, dict]:
+    """k attempts per task, each task a scheduler job (local threads, or the backend given);
+    a task solved before with the same content and settings is read back. {task: summary}."""
     corpus = Path(corpus).expanduser().resolve()
     tag = solver_tag(agent, model)
-    cfg = JobConfig(job_name=tag, jobs_dir=str(corpus / SOLVE_DIR / "jobs"), dataset=str(corpus), agent=agent,
+    cfg = JobConfig(job_name=tag, jobs_dir=str(corpus / SOLVE_DIR / "jobs" / tag), dataset=str(corpus), agent=agent,
                     model=model, base_url=base_url, agent_kwargs=agent_kwargs or {}, n_attempts=k,
-                    n_concurrent=n_concurrent, environment=environment)
-    job = Job(cfg, api_key=api_key)
-    job.run(progress_fn)
-    by_task: dict[str, list[dict]] = defaultdict(list)
-    for r in job.results():
-        by_task[r["task_name"]].append(trial_row(r))
-    out = {}
-    for task in sorted(by_task):
-        out[task] = task_summary(task, by_task[task], agent, model)
-        write_json_atomic(corpus / SOLVE_DIR / tag / f"{task}.json", out[task])
-    return out
+                    n_concurrent=1, environment=environment)
+    spec = cfg.model_dump_json()
+    jobs = [scheduler.Job(t.name, solve_task, (str(corpus), t.name, spec, api_key), f"{spec}:{t.checksum()}")
+            for t in load_tasks(corpus)]
+    own = backend is None
+    backend = backend or scheduler.LocalBackend(n_concurrent)
+    try:
+        results = scheduler.run_jobs(jobs, corpus / SOLVE_DIR / "jobs" / tag / ".results", backend,
+                           done=lambda r: not r["num_infra_errors"],
+                           on_finished=lambda f: on_task and on_task(f.result, f.resumed))
+    finally:
+        if own:
+            backend.close()
+    return dict(sorted(results.items()))
 
 
 def parse_band(text: str) -> tuple[float, float]:
