@@ -187,3 +187,14 @@ def test_validate_killed_midway_resumes_without_redoing_finished_tasks(tmp_path)
     assert all(x["verdict"] == "ok" for x in done.values()) and lines[-1]["counts"]["ok"] == 4
     assert {t: (results / f"{t}.json").stat().st_mtime_ns for t in first} == stamps
     assert trial.stat().st_mtime_ns == trial_stamp  # its trials were not run again
+
+
+@pytest.mark.bwrap
+@needs_bwrap
+def test_solve_reports_a_task_that_does_not_load_and_solves_the_rest(tmp_path):
+    root = copy_corpus(tmp_path, ["good", "bad-toml"])
+    r = runner.invoke(app, ["data", "solve", str(root), "-a", "oracle", "-k", "1", "-e", "bwrap", "--json"])
+    assert r.exit_code == 1, r.output  # not a clean result
+    data = json.loads(r.stdout)
+    assert list(data["tasks"]) == ["good"] and data["tasks"]["good"]["num_success"] == 1
+    assert list(data["unreadable"]) == ["bad-toml"] and "task.toml" in data["unreadable"]["bad-toml"]

@@ -290,7 +290,7 @@ def solve_cmd(
 
     try:
         with bar:
-            summaries = solve_corpus(corpus, agent, k, model=model, base_url=base_url,
+            summaries, unreadable = solve_corpus(corpus, agent, k, model=model, base_url=base_url,
                                      api_key=os.environ.get("OPENAI_API_KEY"), environment=env,
                                      n_concurrent=concurrent, backend=backend, on_task=on_task)
     except (ValueError, JobError, DatasetError) as e:
@@ -302,9 +302,12 @@ def solve_cmd(
     if kept is not None and out is not None:
         write_links([t for t in read_corpus(corpus) if t.name in set(kept)], out)
     data = {"tasks": {t: {key: s[key] for key in ("num_attempts", "num_runs", "num_success", "success_rate",
-                                                    "pass_at_k")} for t, s in summaries.items()}, "band": kept}
+                                                    "pass_at_k")} for t, s in summaries.items()}, "band": kept,
+            "unreadable": unreadable}
+    for name, why in unreadable.items():
+        _console().print(f"[red]unreadable[/] {name}: {why} (not solved)")
     if jsonl:
-        _emit_line({"band": kept})
+        _emit_line({"band": kept, "unreadable": unreadable})
     elif as_json:
         _emit_json(data)
     else:
@@ -314,6 +317,8 @@ def solve_cmd(
                              f"{s['num_attempts']} attempts, n = {s['num_runs']} scored)")
         if kept is not None:
             _console().print(f"{len(kept)} task(s) with a success rate in {band}" + (f" → {out}" if out else ""))
+    if unreadable:  # those tasks were not solved: not a clean result
+        raise typer.Exit(1)
 
 
 @data_app.command("import")

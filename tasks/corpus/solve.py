@@ -18,8 +18,9 @@ from typing import Callable
 from agents.records import write_json_atomic
 from tasks.corpus.report import SOLVE_DIR, success_rate
 from tasks.corpus import scheduler
-from tasks.dataset import load_tasks
+from tasks.dataset import task_dirs
 from tasks.job import Job, JobConfig, trial_row
+from tasks.model import Task, TaskError
 from tasks.scoring import SUCCESS, pass_at_k
 
 
@@ -57,17 +58,24 @@ def solve_task(corpus: str, task: str, spec: str, api_key: str | None) -> dict:
 def solve_corpus(corpus: Path, agent: str, k: int, *, model: str | None = None, base_url: str | None = None,
                  api_key: str | None = None, environment: str = "podman", n_concurrent: int = 2,
                  agent_kwargs: dict | None = None, backend: scheduler.Backend | None = None,
-                 on_task: Callable[[dict, bool], None] | None = None) -> dict[str, dict]:
+                 on_task: Callable[[dict, bool], None] | None = None) -> tuple[dict[str, dict], dict[str, str]]:
     """k attempts per task, each task a scheduler job (local threads, or the backend given);
-    a task solved before with the same content and settings is read back. {task: summary}."""
+    a task solved before with the same content and settings is read back. ({task: summary},
+    {task that does not load: why}): the others are solved all the same."""
     corpus = Path(corpus).expanduser().resolve()
     tag = solver_tag(agent, model)
     cfg = JobConfig(job_name=tag, jobs_dir=str(corpus / SOLVE_DIR / "jobs" / tag), dataset=str(corpus), agent=agent,
                     model=model, base_url=base_url, agent_kwargs=agent_kwargs or {}, n_attempts=k,
                     n_concurrent=1, environment=environment)
     spec = cfg.model_dump_json()
-    jobs = [scheduler.Job(t.name, solve_task, (str(corpus), t.name, spec, api_key), f"{spec}:{t.checksum()}")
-            for t in load_tasks(corpus)]
+    jobs, unreadable = [], {}
+    for d in task_dirs(corpus):
+        try:
+            t = Task.load(d)
+        except TaskError as e:
+            unreadable[d.name] = str(e)
+            continue
+        jobs.append(scheduler.Job(t.name, solve_task, (str(corpus), t.name, spec, api_key), f"{spec}:{t.checksum()}"))
     own = backend is None
     backend = backend or scheduler.LocalBackend(n_concurrent)
     try:
@@ -77,7 +85,7 @@ def solve_corpus(corpus: Path, agent: str, k: int, *, model: str | None = None, 
     finally:
         if own:
             backend.close()
-    return dict(sorted(results.items()))
+    return dict(sorted(results.items())), unreadable
 
 
 def parse_band(text: str) -> tuple[float, float]:
