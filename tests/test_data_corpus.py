@@ -66,7 +66,7 @@ def test_report_counts_and_balance(tmp_path):
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
-TB2 = Path("/work/shared/tb2-sample")
+TB2 = Path(__file__).resolve().parents[2] / "shared" / "tb2-sample"
 
 
 @pytest.mark.skipif(not TB2.is_dir(), reason="needs the Terminal-Bench 2.0 sample")
