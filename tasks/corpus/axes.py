@@ -243,7 +243,7 @@ def redraw(slot: TaskAxes, seed: int, index: int, attempt: int, axes: AxesConfig
     """A fresh task for a slot whose earlier attempt was rejected: the same stratum and
     domain-free axes, new skills, scenario and anchor."""
     if attempt == 0:
-        return slot
+        return slot.model_copy(deep=True)
     free = {axis: getattr(slot, axis) for axis in FREE_AXES}
     return axes_in_stratum(random.Random(f"tmax-data:{seed}:{index}:{attempt}"), axes, slot.corpus_kind,
                            slot.domain, slot.skill_type, free)

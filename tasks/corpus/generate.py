@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
@@ -83,6 +84,12 @@ class TaskState(BaseModel):
     pending_why: str | None = None  # why a pending task stopped (endpoint or infrastructure error)
 
 
+@lru_cache(maxsize=4)
+def _plan(n: int, seed: int, corpus_kind: str, axes_file: str | None) -> list[TaskAxes]:
+    """The corpus plan, once per process (every slot job of a corpus needs the same one)."""
+    return stratified_plan(n, seed, corpus_kind, load_axes(axes_file))
+
+
 def task_name(seed: int, index: int, attempt: int = 0) -> str:
     key = f"{seed}:{index}" + (f":{attempt}" if attempt else "")
     return f"task_{index:06d}_{hashlib.sha256(key.encode()).hexdigest()[:8]}"
@@ -98,7 +105,7 @@ class Generator:
 
         self.config = config
         self.axes = load_axes(config.axes_file)
-        self.plan = stratified_plan(config.n, config.seed, config.corpus_kind, self.axes)
+        self.plan = _plan(config.n, config.seed, config.corpus_kind, config.axes_file)
         self.out = Path(config.out).expanduser().resolve()
         self.state_dir = self.out / STATE_DIR
         self.api_key = api_key
