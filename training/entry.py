@@ -47,25 +47,31 @@ def placement_plan(cfg: LearnConfig) -> PlacementPlan | None:
 def learn(cfg: LearnConfig, out: Path, *, resume: bool = False, progress: bool = True, from_runs: Path | None = None,
           runs_per_step: int = 1, on_step: Any = None, log: Log = print) -> RunResult:
     """DPPO from `model.path` on `tasks.train` into `out`; with the nano build flags, from
-    the recipe's SFT checkpoint (built first where missing) into `out/rl`."""
+    the recipe's SFT checkpoint (built first where missing) into `out/rl`. The cluster is
+    joined, and checked against the plan, before any of that work."""
     plan = placement_plan(cfg)
     rated = _rated_stream(from_runs, runs_per_step, plan) if from_runs is not None else None
-    if cfg.model.build_nano or cfg.tasks.generate_nano:
-        model_dir, train_dir, held_dir = build_stage(cfg, out, cfg.algo.seed, log)
-        # Every train and held-out task's environment (image) before the first step.
-        prepared = prepare_recipe_tasks(cfg, train_dir, held_dir, out, log)
-        start, rl_dir = sft_stage(cfg, model_dir, prepared, out, log)["checkpoint"], out / "rl"
-    else:
-        if not cfg.model.path or not cfg.tasks.train:
-            raise ConfigError("the config needs model.path and tasks.train (or the nano build flags)")
-        start, train_dir, rl_dir = cfg.model.path, cfg.tasks.train, out
-        prepared = prepare_recipe_tasks(cfg, train_dir, cfg.tasks.heldout, out, log)
+    if not (cfg.model.build_nano or cfg.tasks.generate_nano) and not (cfg.model.path and cfg.tasks.train):
+        raise ConfigError("the config needs model.path and tasks.train (or the nano build flags)")
     with ray_session(cfg, plan, log) as placement:
+        start, train_dir, rl_dir, prepared = _rl_inputs(cfg, out, log)
         res = train(cfg, start, train_dir, rl_dir, resume=resume, progress=progress, placement=placement,
                     on_step=on_step, prepared=prepared, rated=rated)
     if (rl_dir / "placement.json").is_file():
         log(f"actors placed: {(rl_dir / 'placement.json').read_text()}")
     return res
+
+
+def _rl_inputs(cfg: LearnConfig, out: Path, log: Log) -> tuple[str, str, Path, Any]:
+    """(start model, train task dir, RL run dir, prepared train tasks): the nano recipe's
+    build and SFT checkpoint under `out` (made where missing), else the config's model and
+    tasks. Every train and held-out task's environment (image) is ready before the first step."""
+    if cfg.model.build_nano or cfg.tasks.generate_nano:
+        model_dir, train_dir, held_dir = build_stage(cfg, out, cfg.algo.seed, log)
+        prepared = prepare_recipe_tasks(cfg, train_dir, held_dir, out, log)
+        return sft_stage(cfg, model_dir, prepared, out, log)["checkpoint"], train_dir, out / "rl", prepared
+    prepared = prepare_recipe_tasks(cfg, cfg.tasks.train, cfg.tasks.heldout, out, log)
+    return cfg.model.path, cfg.tasks.train, out, prepared
 
 
 def _rated_stream(from_runs: Path, per_step: int, plan: PlacementPlan | None) -> Any:
