@@ -65,6 +65,25 @@ def test_dry_run_for_eight_nodes_writes_the_whole_run(tmp_path):
     assert job == asked
 
 
+def test_settings_come_from_the_preset_then_the_environment_then_the_flags(tmp_path):
+    from training.config import ConfigError, preset, resolve
+
+    env = {"TMAX_LEARN_ALGO__STEPS": "7", "TMAX_LEARN_ALGO__SEED": "3", "TMAX_LEARN_ROLLOUT__SANDBOX": "bwrap",
+           "TMAX_LEARN_TASKS__GENERATOR": '{kinds = ["sort"]}', "TMAX_LEARN_ROLLOUT__IMAGE_MAP": '["a=b"]',
+           "TMAX_LEARN_NAME": "mine", "UNRELATED": "1"}
+    cfg = resolve(None, {"algo": {"seed": 5}}, environ=env)
+    assert (cfg.algo.steps, cfg.algo.seed, cfg.rollout.sandbox, cfg.name) == (7, 5, "bwrap", "mine")
+    assert cfg.tasks.generator == {"kinds": ["sort"]} and cfg.rollout.image_map == ["a=b"]
+    assert cfg.engine == preset("nano").engine
+    file = tmp_path / "c.toml"
+    file.write_text('extends = "nano-podman"\n[algo]\nsteps = 2\n')
+    assert resolve(file, environ={}).algo.steps == 2 and resolve(file, environ=env).algo.steps == 7
+    with pytest.raises(ConfigError, match="algo.stepz"):
+        resolve(None, environ={"TMAX_LEARN_ALGO__STEPZ": "1"})
+    with pytest.raises(ConfigError, match="algo.steps"):
+        resolve(None, environ={"TMAX_LEARN_ALGO__STEPS": "many"})
+
+
 def _wait_for_step(proc: subprocess.Popen, metrics: Path, log: Path, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -49,6 +49,7 @@ def learn(cfg: LearnConfig, out: Path, *, resume: bool = False, progress: bool =
     """DPPO from `model.path` on `tasks.train` into `out`; with the nano build flags, from
     the recipe's SFT checkpoint (built first where missing) into `out/rl`. The cluster is
     joined, and checked against the plan, before any of that work."""
+    out = Path(out)
     plan = placement_plan(cfg)
     rated = _rated_stream(from_runs, runs_per_step, plan) if from_runs is not None else None
     if not (cfg.model.build_nano or cfg.tasks.generate_nano) and not (cfg.model.path and cfg.tasks.train):
@@ -88,6 +89,7 @@ def _rated_stream(from_runs: Path, per_step: int, plan: PlacementPlan | None) ->
 
 def sft(cfg: LearnConfig, out: Path, log: Log = print) -> dict:
     """Build what is missing, then the SFT warm start on the train tasks (into `out/sft`)."""
+    out = Path(out)
     model_dir, train_dir, _ = build_stage(cfg, out, cfg.algo.seed, log)
     prepared = prepare_recipe_tasks(cfg, train_dir, "", out, log)
     return sft_stage(cfg, model_dir, prepared, out, log)
@@ -110,6 +112,7 @@ def recipe(cfg: LearnConfig, out: Path, *, progress: bool = True, log: Log = pri
     or "rl" (SFT + eval). One machine: the held-out evals share the RL run's engine."""
     if cfg.cluster.nodes is not None:
         raise ConfigError("the recipe runs on one machine (its evals share the RL engine); drop --nodes (cluster.nodes)")
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     times: dict[str, float] = {}
     t0 = time.monotonic()
@@ -177,7 +180,7 @@ def dry_run(cfg: LearnConfig, out: Path) -> str:
     where both are and the script, for the console."""
     from training.cluster.slurm import sbatch_script
 
-    plan = placement_plan(cfg)
+    out, plan = Path(out), placement_plan(cfg)
     if plan is None:
         raise ConfigError("--dry-run prints a multi-node plan; pass --nodes N (or set cluster.nodes)")
     job_cfg = cfg.model_copy(deep=True)
