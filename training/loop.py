@@ -30,6 +30,7 @@ from typing import Any
 from agents.records import write_json_atomic, write_text_atomic
 from training.algo.batching import BatchAccumulator, BatchConfig, Group
 from training.cluster.actors import Actors, EngineGroup, start_actors
+from training.cluster.launch import connect
 from training.config import LearnConfig, dump_toml
 from training.learner.packing import batch_samples
 from training.report import MetricsSink, Progress, StepClock, reward_curve, rollout_metrics, run_summary, summary
@@ -426,7 +427,8 @@ def train(
     prepared: Any = None,
 ) -> RunResult:
     """Run DPPO from `model_dir` (or, with `resume`, from the run's latest checkpoint) on the
-    Ray this process is connected to (`training.entry` connects it, per `cfg.cluster`).
+    Ray this process is connected to (`training.entry` connects it, per `cfg.cluster`), else
+    on one started here the same way (`launch.connect`) and stopped at the end.
 
     `engine_handle` reuses running engines (an `EngineGroup` serving `model_dir`); `keep_engine`
     leaves them running (the recipe evaluates on them). `placement` (`training.cluster.placement`)
@@ -447,6 +449,7 @@ def train(
     if rated is not None:
         rated.position = int(positions.get("rated_position", rated.position))
 
+    ray_handle = connect(cfg.cluster)  # the caller's Ray when there is one (left running)
     t_setup = time.monotonic()
     actors: Actors | None = None
     trainer: Trainer | None = None
@@ -466,4 +469,6 @@ def train(
             trainer.close()
         if actors is not None:
             actors.close(keep_engines=keep_engine)
+        if not keep_engine:  # kept engines live on this Ray
+            ray_handle.shutdown()
     return trainer.result(setup_s, prepared)
