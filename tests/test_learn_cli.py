@@ -63,6 +63,13 @@ def test_dry_run_for_eight_nodes_writes_the_whole_run(tmp_path):
     asked = preset("nano", {"rollout": {"sandbox": "podman", "image_map": ["A=B"]}, "eval": {"sandbox": "podman"},
                             "cluster": {"nodes": 8}, "run": {"out_dir": str(out)}})
     assert job == asked
+    # The job's own command line (`--config` alone) keeps every setting of the file.
+    again = tmp_path / "again"
+    r = tmax_learn("--config", str(out / "learn.toml"), "--dry-run", "-o", str(again), cwd=tmp_path,
+                   env=learn_env(), timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert load_config(again / "learn.toml") == asked.model_copy(update={"run": asked.run.model_copy(
+        update={"out_dir": str(again)})})
 
 
 def test_settings_come_from_the_preset_then_the_environment_then_the_flags(tmp_path):

@@ -38,8 +38,10 @@ def _flag_settings(o: dict) -> dict:
             ("cluster", "engines_per_node"): "engines_per_node", ("cluster", "address"): "address"}
     over: dict = {}
     for (section, key), flag in keys.items():
-        if o.get(flag) is not None and o.get(flag) != []:
-            over.setdefault(section, {})[key] = list(o[flag]) if flag == "image_map" else o[flag]
+        value = o.get(flag)
+        if value is None or (flag == "image_map" and not value):  # not given (a repeatable flag: empty)
+            continue
+        over.setdefault(section, {})[key] = list(value) if flag == "image_map" else value
     return over
 
 
