@@ -61,8 +61,9 @@ def _out(cfg, out: Optional[Path]) -> Path:
 
 def _echo(msg: str) -> None:
     from rich.console import Console
+    from rich.markup import escape
 
-    Console(stderr=True).print(f"[cyan]learn[/] {msg}")
+    Console(stderr=True).print(f"[cyan]learn[/] {escape(msg)}")  # a message's [brackets] are text
 
 
 def _bad_input(e: Exception) -> None:
