@@ -33,13 +33,18 @@ RESULT = "result.json"
 def write_json_atomic(path: Path, obj: Any, indent: int | None = 2) -> None:
     """Write JSON so that a reader sees the old file or the new one, never half of one
     (every results file of tmax is written this way)."""
+    write_text_atomic(path, json.dumps(obj, indent=indent, default=str, ensure_ascii=False) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, then rename it over `path`: a reader
+    (or a later step that trusts the file) sees the old content or the new, never half."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=indent, default=str, ensure_ascii=False)
-            f.write("\n")
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         try:

@@ -1,6 +1,7 @@
 """The nano recipe end to end: build -> SFT -> held-out eval -> DPPO RL -> held-out eval.
 
-Prints the held-out pass rate after SFT and after RL, the wall time of every stage, and
+The recipe is `tmax learn nano`'s (`training.entry.recipe`). Prints the held-out pass rate
+after SFT and after RL, the wall time of every stage, and
 the trainer's step time against a bare forward/backward on the same batch (the last RL
 batch, replayed on the final checkpoint). `--json` prints one JSON object with (among
 others) `sft_pass_rate`, `rl_pass_rate`, `minutes_total`, `trainer_overhead_ratio`.
@@ -82,14 +83,14 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from training.config import load_config, preset
-    from training.recipe import run_recipe
+    from training import entry
+    from training.config import resolve
 
     over = {"algo": {k: v for k, v in (("seed", args.seed), ("steps", args.steps)) if v is not None}}
-    cfg = load_config(args.config, over) if args.config else preset("nano", over)
+    cfg = resolve(args.config, over)  # `tmax learn nano`'s config: the file, TMAX_LEARN_* variables, the flags
     out = Path(args.out).resolve() / f"seed{cfg.algo.seed}"
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
-    res = run_recipe(cfg, out, progress=not args.json, log=log)
+    res = entry.recipe(cfg, out, progress=not args.json, log=log)
     ckpt = (res.get("rl") or {}).get("checkpoint")
     samples = last_batch_samples(out / "rl", cfg) if ckpt else []
     if samples:

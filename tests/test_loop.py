@@ -13,7 +13,6 @@ from agents.policy import TokenTrace
 from training.loop import PromptStream
 from training.report import rollout_metrics
 from training.rollout import Rollout
-from training.runs_data import RatedStream, load_runs
 
 
 def _rollout(reward=0.0, mask=(1, 1, 0, 1), steps=2, truncated=False) -> Rollout:
@@ -133,11 +132,12 @@ def test_ray_run_saves_on_ctrl_c_resumes_and_checkpoints(tmp_path):
     rollouts and a final checkpoint."""
     import shutil
 
+    from training.entry import learn
     from training.learner import checkpoint as ckpt
-    from training.loop import train
 
     cfg, run = _mechanics_run(tmp_path, steps=3, checkpoint_every=100)
-    base, tasks = str(tmp_path / "base"), str(tmp_path / "tasks" / "train")
+    cfg.model.path, cfg.tasks.train = str(tmp_path / "base"), str(tmp_path / "tasks" / "train")
+    cfg.model.build_nano = cfg.tasks.generate_nano = False
     sessions = _rated_sessions(cfg, tmp_path / "base", tmp_path / "sessions")
 
     def press_ctrl_c(step, metrics):
@@ -145,7 +145,7 @@ def test_ray_run_saves_on_ctrl_c_resumes_and_checkpoints(tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        train(cfg, base, tasks, run, progress=False, on_step=press_ctrl_c, rated=RatedStream(load_runs(sessions)))
+        learn(cfg, run, progress=False, on_step=press_ctrl_c, from_runs=sessions)
     saved = ckpt.latest_checkpoint(run)
     assert saved is not None
     # Step 1's weights, or step 2's when its update was in flight at Ctrl-C (it finishes and
@@ -153,7 +153,7 @@ def test_ray_run_saves_on_ctrl_c_resumes_and_checkpoints(tmp_path):
     saved_step = ckpt.load_trainer_state(saved)["step"]
     assert saved_step in (1, 2)
 
-    res = train(cfg, base, tasks, run, resume=True, progress=False, rated=RatedStream(load_runs(sessions)))
+    res = learn(cfg, run, resume=True, progress=False, from_runs=sessions)
     assert res.steps == 3 and res.final_checkpoint.endswith("step_3")
     assert ckpt.load_trainer_state(res.final_checkpoint)["step"] == 3
     rows = [json.loads(x) for x in Path(res.metrics_path).read_text().splitlines()]
@@ -189,6 +189,6 @@ def test_podman_preset_and_cli_sandbox_override():
     pod = preset("nano-podman")
     assert (pod.rollout.sandbox, pod.eval.sandbox, pod.rollout.pool_size) == ("podman", "podman", 2)
     assert pod.algo == preset("nano").algo  # only where episodes run differs
-    cfg = _config(Path("nano-podman"), None, None, "bwrap", ["ubuntu:24.04=localhost/u:24.04"])
+    cfg = _config({"config": Path("nano-podman"), "sandbox": "bwrap", "image_map": ["ubuntu:24.04=localhost/u:24.04"]})
     assert (cfg.rollout.sandbox, cfg.eval.sandbox) == ("bwrap", "bwrap")
     assert cfg.rollout.image_map == ["ubuntu:24.04=localhost/u:24.04"]

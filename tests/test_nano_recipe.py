@@ -46,12 +46,12 @@ def _small_config():
 @pytest.mark.vllm
 @pytest.mark.timeout(1500)
 def test_sft_then_rl_raises_training_reward():
-    from training.recipe import run_recipe
+    from training.entry import recipe
 
     cfg = _small_config()
     # Outside /tmp: sandboxes of a later bwrap run get a private /tmp.
     out = Path.cwd() / "runs" / "test-nano-recipe" / uuid.uuid4().hex[:8]
-    res = run_recipe(cfg, out, progress=False, log=print, stages=("sft", "rl"))
+    res = recipe(cfg, out, progress=False, log=print, stages=("sft", "rl"))
     assert res["rl"]["steps"] == cfg.algo.steps
     rows = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, cfg.algo.steps + 1))

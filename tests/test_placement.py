@@ -1,11 +1,9 @@
-"""Placement plans, the dry-run text / sbatch script and the resource check (no Ray here;
+"""Placement plans, the plan text / sbatch script and the resource check (no Ray here;
 the live-cluster versions are in test_multinode.py)."""
 
 from __future__ import annotations
 
 import os
-
-import json
 import shutil
 import subprocess
 
@@ -21,7 +19,7 @@ from training.cluster.placement import (
     make_plan,
     nodes_from_ray,
 )
-from training.cluster.slurm import dry_run_text, sbatch_script
+from training.cluster.slurm import sbatch_script
 
 
 def test_eight_nodes_is_the_paper_layout():
@@ -32,21 +30,21 @@ def test_eight_nodes_is_the_paper_layout():
     assert p.node_roles() == [[ROLE_TRAIN]] * 2 + [[ROLE_INFER]] * 6
 
 
-def test_dry_run_text_for_eight_nodes():
-    text = dry_run_text(make_plan(8, gpus_per_node=8), ["--config", "my run.toml"])
+def test_plan_text_and_sbatch_script_for_eight_nodes():
+    plan = make_plan(8, gpus_per_node=8)
+    text = plan.describe()
     assert "16 rank(s) on 2 train node(s)" in text
     assert "48 x TP 1 on 6 inference node(s)" in text
     assert "node 1      train        learner ranks 8-15" in text
     assert "node 7      inference    engines 40-47" in text
-    plan_json = json.loads(text.split("plan (json): ")[1].split("\n")[0])
-    assert plan_json["learner_ranks"] == 16 and plan_json["engines"] == 48
-    script = text.split("----\n", 1)[1]
+    assert plan.to_dict()["learner_ranks"] == 16 and plan.to_dict()["engines"] == 48
+    script = sbatch_script(plan, ["--config", "my run.toml"])
     assert script.startswith("#!/bin/bash\n")
     for line in ("#SBATCH --nodes=8", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=1",
                  "export RAY_AUTH_MODE=\"${RAY_AUTH_MODE:-disabled}\" RAY_USAGE_STATS_ENABLED=0"):
         assert line in script.splitlines()
-    # The driver command reproduces the plan and quotes user arguments.
-    assert "exec tmax learn --nodes 8 --gpus-per-node 8 --train-nodes 2 --config 'my run.toml'" in script
+    # The driver command quotes its arguments.
+    assert "exec tmax learn --config 'my run.toml'" in script
 
 
 def test_sbatch_script_is_valid_bash(tmp_path):
@@ -138,7 +136,7 @@ def test_cluster_mode_and_env(monkeypatch):
     env = cluster.ray_env({"RAY_AUTH_MODE": "token"})
     assert env["RAY_AUTH_MODE"] == "token" and env["RAY_USAGE_STATS_ENABLED"] == "0"
     assert cluster.ray_env({})["RAY_AUTH_MODE"] == "disabled"
-    # What every tmax process applies before Ray (launch.init_ray too) keeps the user's mode.
+    # What every tmax process applies before Ray (launch.connect) keeps the user's mode.
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     cluster.apply_ray_env()
     assert os.environ["RAY_AUTH_MODE"] == "token"

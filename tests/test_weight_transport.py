@@ -164,15 +164,15 @@ def test_ray_weight_sync_over_gloo(nano_dir, base_model, prompt, tmp_path):
     import ray
 
     from training.cluster.actors import EngineGroup, LearnerGroup
-    from training.cluster.launch import init_ray
+    from training.cluster.launch import connect
     from training.loop import learner_config
     from training.weights.learner_side import WeightSync
 
     cfg = preset("nano")
     cfg.engine.weight_transport = "gloo"
     cfg.engine.weight_timeout_s = 120.0
-    cfg.run.ray_num_cpus = 4
-    started = init_ray(num_cpus=cfg.run.ray_num_cpus)
+    cfg.cluster.num_cpus = 4
+    ray_handle = connect(cfg.cluster)
     learner = engines = None
     try:
         learner = LearnerGroup.start([{"num_cpus": 0.5}], str(nano_dir), learner_config(cfg), None, 1)
@@ -214,8 +214,7 @@ def test_ray_weight_sync_over_gloo(nano_dir, base_model, prompt, tmp_path):
             engines.kill()
         if learner is not None:
             learner.kill()
-        if started:
-            ray.shutdown()
+        ray_handle.shutdown()
 
 
 def _wait_restarted(actor, timeout_s: float = 600.0) -> None:

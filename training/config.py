@@ -6,19 +6,27 @@ the same with every episode in a podman container; `tmax-9b` is the paper's sett
 calls, temperature 1.0, async 4). All ship as TOML under
 `training/configs/`; a user file is validated against the same model, so a typo in a
 key is an error rather than a silently ignored setting.
+
+Where a setting comes from, later wins: the preset or file (`extends` first), then
+`TMAX_LEARN_<SECTION>__<KEY>` environment variables (values in TOML syntax, e.g.
+`TMAX_LEARN_ALGO__STEPS=5`, `TMAX_LEARN_TASKS__GENERATOR='{kinds = ["sort"]}'`), then the
+`tmax learn` flags. `dump_toml` writes the result back (`tomli-w`): the run directory's
+`config.toml` and the one file a Slurm job of `--dry-run` runs.
 """
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Mapping
 
+import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 PRESETS = ("nano", "nano-podman", "tmax-9b")
-
+ENV_PREFIX = "TMAX_LEARN_"
 
 
 def _known_harnesses(key: str, v: str | list[str]) -> str | list[str]:
@@ -181,8 +189,6 @@ class RunConfig(_Strict):
     wandb: bool = False
     wandb_project: str = "tmax"
     tensorboard: bool = False
-    ray_address: str | None = None
-    ray_num_cpus: int | None = None
     torch_threads: int | None = None
     # How N > 1 learner ranks split the work: FSDP2 shards parameters and optimizer state
     # (gloo on CPU, NCCL on GPU); replicate keeps a full copy per rank and all-reduces grads.
@@ -199,6 +205,26 @@ class RunConfig(_Strict):
         return self
 
 
+class ClusterConfig(_Strict):
+    """Where the run's actors go and which Ray they use (`tmax learn --nodes` and its flags).
+
+    `nodes` unset: one machine, one learner rank and one engine, on a private local Ray
+    (or the cluster at `address`). Set: a placement plan over that many Ray nodes
+    (`training.cluster.placement`): learner ranks on `train_nodes`, vLLM engines of `tp`
+    GPUs on the rest, each role pinned by placement groups."""
+
+    nodes: int | None = Field(None, ge=1)
+    gpus_per_node: int = Field(8, ge=0)  # 0: a CPU-only cluster
+    train_nodes: int | None = Field(None, ge=1)  # default: 2 of 8, 1 below 4 nodes
+    tp: int = Field(1, ge=1)  # tensor-parallel size of each engine
+    learners_per_node: int | None = Field(None, ge=1)  # default: one per GPU; 1 on CPU
+    engines_per_node: int | None = Field(None, ge=1)  # default: GPUs / tp; 1 on CPU
+    # Ray to join (else RAY_ADDRESS, else Ray started inside a Slurm allocation, else local).
+    address: str | None = None
+    # Logical CPUs of every Ray node tmax starts (None: the machine's cores).
+    num_cpus: int | None = Field(None, ge=1)
+
+
 class LearnConfig(_Strict):
     name: str = "custom"
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -209,6 +235,7 @@ class LearnConfig(_Strict):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @model_validator(mode="after")
     def _budgets_consistent(self) -> "LearnConfig":
@@ -253,7 +280,7 @@ def load_config(path: str | Path, overrides: dict | None = None) -> LearnConfig:
     try:
         return LearnConfig.model_validate(data)
     except ValidationError as e:
-        lines = [f"{p}: invalid config"]
+        lines = [f"{p}{' with TMAX_LEARN_* / flag settings' if overrides else ''}: invalid config"]
         for err in e.errors():
             loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
             lines.append(f"  {loc}: {err['msg']}")
@@ -266,27 +293,40 @@ def preset(name: str, overrides: dict | None = None) -> LearnConfig:
     return load_config(CONFIG_DIR / f"{name}.toml", overrides)
 
 
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict:
+    """Settings from `TMAX_LEARN_<SECTION>__<KEY>` variables (`TMAX_LEARN_NAME` for the
+    top-level key), as a nested dict; a value is read as TOML, else kept as text."""
+    out: dict = {}
+    for var, raw in sorted((os.environ if environ is None else environ).items()):
+        if not var.upper().startswith(ENV_PREFIX) or not raw:
+            continue
+        path = var[len(ENV_PREFIX):].lower().split("__")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{var}: {'.'.join(path[:-1])} is not a section")
+        node[path[-1]] = value
+    return out
+
+
+def resolve(config: str | Path | None, flags: dict | None = None, environ: Mapping[str, str] | None = None) -> LearnConfig:
+    """The config of a run: `config` (a file, or a preset name; None: the nano preset),
+    then the environment's `TMAX_LEARN_*` settings, then `flags` (nested like the file)."""
+    over = _merge(env_overrides(environ), flags or {})
+    if config is None or (not Path(config).exists() and str(config) in PRESETS):
+        return preset(str(config or "nano"), over)
+    return load_config(config, over)
+
+
 def dump_toml(cfg: LearnConfig) -> str:
-    """Serialise a config back to TOML (saved next to every run for reproducibility)."""
+    """The config as TOML (unset optional keys left out): `load_config` of it gives `cfg` back."""
+    return tomli_w.dumps(_without_none(cfg.model_dump()))
 
-    def val(v) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(v, list):
-            return "[" + ", ".join(val(x) for x in v) + "]"
-        if isinstance(v, dict):
-            return "{" + ", ".join(f"{k} = {val(x)}" for k, x in v.items()) + "}"
-        raise TypeError(type(v))
 
-    data = cfg.model_dump()
-    lines = [f"name = {val(data.pop('name'))}"]
-    for section, body in data.items():
-        lines.append(f"\n[{section}]")
-        for k, v in body.items():
-            if v is not None:
-                lines.append(f"{k} = {val(v)}")
-    return "\n".join(lines) + "\n"
+def _without_none(d: dict) -> dict:
+    return {k: _without_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}

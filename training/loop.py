@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agents.records import write_json_atomic
+from agents.records import write_json_atomic, write_text_atomic
 from training.algo.batching import BatchAccumulator, BatchConfig, Group
 from training.cluster.actors import Actors, EngineGroup, start_actors
-from training.cluster.launch import init_ray
+from training.cluster.launch import connect
 from training.config import LearnConfig, dump_toml
 from training.learner.packing import batch_samples
 from training.report import MetricsSink, Progress, StepClock, reward_curve, rollout_metrics, run_summary, summary
@@ -426,18 +426,17 @@ def train(
     rated: Any = None,
     prepared: Any = None,
 ) -> RunResult:
-    """Run DPPO from `model_dir` (or, with `resume`, from the run's latest checkpoint).
+    """Run DPPO from `model_dir` (or, with `resume`, from the run's latest checkpoint) on the
+    Ray this process is connected to (`training.entry` connects it, per `cfg.cluster`), else
+    on one started here the same way (`launch.connect`) and stopped at the end.
 
     `engine_handle` reuses running engines (an `EngineGroup` serving `model_dir`); `keep_engine`
     leaves them running (the recipe evaluates on them). `placement` (`training.cluster.placement`)
     spreads the actors over the cluster per its plan. `prepared` (`training.rollout.PreparedTasks`)
     skips resolving the task environments again. `rated` (`training.runs_data.RatedStream`) adds
     rated `tmax run` sessions to each step."""
-    import ray
-
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(dump_toml(cfg))
+    write_text_atomic(run_dir / "config.toml", dump_toml(cfg))
     # Every task's image is resolved (built) here, before the first step: the loop never builds.
     if prepared is None:
         prepared = prepare_tasks(cfg.rollout, list_task_dirs(train_tasks), run_dir / "train_tasks.json",
@@ -450,7 +449,7 @@ def train(
     if rated is not None:
         rated.position = int(positions.get("rated_position", rated.position))
 
-    started_ray = init_ray(cfg.run.ray_address, cfg.run.ray_num_cpus)
+    ray_handle = connect(cfg.cluster)  # the caller's Ray when there is one (left running)
     t_setup = time.monotonic()
     actors: Actors | None = None
     trainer: Trainer | None = None
@@ -470,6 +469,6 @@ def train(
             trainer.close()
         if actors is not None:
             actors.close(keep_engines=keep_engine)
-        if started_ray and not keep_engine:
-            ray.shutdown()
+        if not keep_engine:  # kept engines live on this Ray
+            ray_handle.shutdown()
     return trainer.result(setup_s, prepared)

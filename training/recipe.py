@@ -1,37 +1,61 @@
-"""The nano recipe: build -> SFT -> held-out eval -> DPPO RL -> held-out eval.
+"""The nano recipe's stages: build, task environments, SFT, held-out eval.
 
-Everything runs through the real components: the tiny model and tasks are built here,
-SFT demonstrations are oracle episodes played through the harness, RL is the Ray
-training loop with a vLLM engine, and both held-out evaluations are `tmax bench` jobs
-(`tasks.job.Job`, the `tmax` agent, trials in host or podman sandboxes) against that vLLM server, once with
-the SFT checkpoint loaded and once with the final RL checkpoint loaded. There is no
-special evaluation path.
+`training.entry` runs them in order (`tmax learn`: build -> SFT -> RL; `tmax learn nano`:
+build -> SFT -> eval -> RL -> eval). Everything runs through the real components: the tiny
+model and tasks are built here, SFT demonstrations are teacher episodes played through the
+harness, RL is the Ray training loop with a vLLM engine, and both held-out evaluations are
+`tmax bench` jobs (`tasks.job.Job`, the `tmax` agent, trials in host or podman sandboxes)
+against that vLLM server, once with the SFT checkpoint loaded and once with the final RL
+checkpoint loaded. There is no special evaluation path.
 
 Layout of a recipe directory:
 
     base/        the nano model as built (tokenizer + random weights)
     tasks/       train/ and heldout/ Harbor task dirs
-    sft/         SFT checkpoint (HF) + sft.json, demos.jsonl
+    sft/         SFT checkpoint (HF) + sft.json (written last: SFT is done), demos.jsonl
     rl/          the RL run (metrics.jsonl, rollouts.jsonl, checkpoints/, reward_curve.png)
     eval/        bench job dirs: sft/, rl/
     recipe.json  pass rates, stage timings
+
+A later run in the same directory trusts what it finds (it skips building base/ and
+tasks/, and SFT when sft/sft.json exists), so each is written whole or not at all.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
+import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-from agents.records import write_json_atomic
+from agents.records import write_text_atomic
 from training.config import LearnConfig
-from training.cluster.actors import start_engines
-from training.cluster.launch import init_ray
-from training.loop import list_task_dirs, train
-from training.weights.learner_side import load_checkpoint
+from training.loop import list_task_dirs
+
+if TYPE_CHECKING:
+    from training.rollout import PreparedTasks
 
 Log = Callable[[str], None]
+T = TypeVar("T")
+
+
+def _built(dest: Path, make: Callable[[Path], T]) -> T:
+    """`make` a directory beside `dest`, then rename it to `dest` (replacing a partial one):
+    a later run never trusts half a model or half a task set."""
+    tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        result = make(tmp)
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return result
 
 
 def build_stage(cfg: LearnConfig, out: Path, seed: int, log: Log) -> tuple[str, str, str]:
@@ -43,7 +67,7 @@ def build_stage(cfg: LearnConfig, out: Path, seed: int, log: Log) -> tuple[str, 
     if not (model_dir / "config.json").is_file():
         if not cfg.model.build_nano:
             raise FileNotFoundError(f"no model at {model_dir} and model.build_nano is off")
-        info = build_nano_model(model_dir, seed=seed)
+        info = _built(model_dir, lambda d: build_nano_model(d, seed=seed))
         log(f"built nano model: {info['params']:,} params, vocab {info['vocab_size']}")
     tasks = out / "tasks"
     train_dir = Path(cfg.tasks.train) if cfg.tasks.train else tasks / "train"
@@ -51,12 +75,12 @@ def build_stage(cfg: LearnConfig, out: Path, seed: int, log: Log) -> tuple[str, 
     if not train_dir.is_dir() or not held_dir.is_dir():
         if not cfg.tasks.generate_nano:
             raise FileNotFoundError(f"no tasks at {train_dir} / {held_dir} and tasks.generate_nano is off")
-        write_splits(tasks, cfg.tasks.n_train, cfg.tasks.n_heldout, seed=seed, **cfg.tasks.generator)
+        _built(tasks, lambda d: write_splits(d, cfg.tasks.n_train, cfg.tasks.n_heldout, seed=seed, **cfg.tasks.generator))
         log(f"wrote {cfg.tasks.n_train} train and {cfg.tasks.n_heldout} held-out tasks to {tasks}")
     return str(model_dir), str(train_dir), str(held_dir)
 
 
-def sft_stage(cfg: LearnConfig, model_dir: str, prepared: Any, out: Path, log: Log) -> dict:
+def sft_stage(cfg: LearnConfig, model_dir: str, prepared: PreparedTasks, out: Path, log: Log) -> dict:
     """Teacher demonstrations on the train tasks whose environment is ready (`prepared`,
     a `training.rollout.PreparedTasks`), then SFT on them."""
     from transformers import AutoTokenizer
@@ -81,8 +105,8 @@ def sft_stage(cfg: LearnConfig, model_dir: str, prepared: Any, out: Path, log: L
         if step % 20 == 0 or step == total:
             log(f"SFT step {step}/{total}: loss {loss:.3f} ({time.monotonic() - t1:.0f}s)")
 
-    res = train_sft(model_dir, demos, cfg, sft_dir, log=step_log)
-    (sft_dir / "demos.jsonl").write_text("".join(r.to_json() + "\n" for r in demos))
+    res = train_sft(model_dir, demos, cfg, sft_dir, log=step_log)  # replaces sft_dir whole
+    write_text_atomic(sft_dir / "demos.jsonl", "".join(r.to_json() + "\n" for r in demos))
     log(f"SFT: {res.steps} steps, final loss {res.final_loss:.3f}, {res.seconds:.1f}s")
     return {"checkpoint": res.checkpoint, "demos": res.demos, "demos_solved": solved, "steps": res.steps, "final_loss": res.final_loss,
             "demo_s": t_demo, "train_s": res.seconds}
@@ -117,7 +141,7 @@ def heldout_eval(cfg: LearnConfig, engine: Any, held_dir: str, jobs_dir: Path, n
     return out
 
 
-def prepare_recipe_tasks(cfg: LearnConfig, train_dir: str, held_dir: str, out: Path, log: Log) -> Any:
+def prepare_recipe_tasks(cfg: LearnConfig, train_dir: str, held_dir: str, out: Path, log: Log) -> PreparedTasks:
     """Every train and held-out task's environment, resolved (images built) before SFT and
     RL; returns the train tasks' (`training.rollout.PreparedTasks`). `held_dir` may be
     empty (no held-out set)."""
@@ -133,67 +157,3 @@ def prepare_recipe_tasks(cfg: LearnConfig, train_dir: str, held_dir: str, out: P
         f"{len(held.runnable)} held-out ({cfg.eval.sandbox}); "
         f"{len(train_tasks.dropped) + len(held.dropped)} dropped")
     return train_tasks
-
-
-def run_recipe(cfg: LearnConfig, out_dir: str | Path, *, seed: int | None = None, progress: bool = True,
-               log: Log = print, stages: tuple[str, ...] = ("sft", "rl", "eval")) -> dict:
-    """The whole recipe. `stages` can drop "eval" (RL only) or "rl" (SFT + eval)."""
-    import ray
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    seed = cfg.algo.seed if seed is None else seed
-    times: dict[str, float] = {}
-    t0 = time.monotonic()
-    model_dir, train_dir, held_dir = build_stage(cfg, out, seed, log)
-    times["build_s"] = time.monotonic() - t0
-    t = time.monotonic()
-    prepared = prepare_recipe_tasks(cfg, train_dir, held_dir, out, log)
-    times["environments_s"] = time.monotonic() - t
-
-    t = time.monotonic()
-    sft = sft_stage(cfg, model_dir, prepared, out, log) if "sft" in stages else {"checkpoint": model_dir}
-    times["sft_s"] = time.monotonic() - t
-    start_dir = sft["checkpoint"]
-
-    result: dict[str, Any] = {"seed": seed, "sft": sft}
-    started = init_ray(cfg.run.ray_address, cfg.run.ray_num_cpus)
-    engine = None
-    try:
-        t = time.monotonic()
-        engine = start_engines(cfg, start_dir, out / "rl")
-        times["engine_start_s"] = time.monotonic() - t
-        log(f"vLLM engine up in {times['engine_start_s']:.0f}s")
-        if "eval" in stages:
-            t = time.monotonic()
-            result["sft_eval"] = heldout_eval(cfg, engine, held_dir, out / "eval", f"sft-s{seed}", log)
-            times["sft_eval_s"] = time.monotonic() - t
-        if "rl" in stages:
-            t = time.monotonic()
-            run = train(cfg, start_dir, train_dir, out / "rl", progress=progress, engine_handle=engine,
-                        keep_engine=True, prepared=prepared)
-            times["rl_s"] = time.monotonic() - t
-            result["rl"] = {"steps": run.steps, "checkpoint": run.final_checkpoint, "summary": run.summary,
-                            "curve": run.curve_png}
-            log(f"RL: {run.steps} steps in {times['rl_s']:.0f}s; reward curve {run.curve_png}")
-            if "eval" in stages and run.final_checkpoint:
-                t = time.monotonic()
-                load_checkpoint(engine, run.final_checkpoint, run.steps)
-                result["rl_eval"] = heldout_eval(cfg, engine, held_dir, out / "eval", f"rl-s{seed}", log)
-                times["rl_eval_s"] = time.monotonic() - t
-    finally:
-        # Also on failure: the engine actor owns a vLLM server that must not outlive the run.
-        if engine is not None:
-            engine.close()
-            engine.kill()
-        if started:
-            ray.shutdown()
-    times["total_s"] = time.monotonic() - t0
-    result["times"] = {k: round(v, 1) for k, v in times.items()}
-    if "sft_eval" in result:
-        result["sft_pass_rate"] = result["sft_eval"]["pass_rate"]
-    if "rl_eval" in result:
-        result["rl_pass_rate"] = result["rl_eval"]["pass_rate"]
-    result["minutes_total"] = round(times["total_s"] / 60, 2)
-    write_json_atomic(out / "recipe.json", result)
-    return result

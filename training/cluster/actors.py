@@ -140,10 +140,10 @@ def _engine_class():
         (`training.inference.engine`); each turn is tagged with the oldest weights version
         that produced it."""
 
-        def __init__(self, model_dir: str, ecfg: Any, seed: int, work_dir: str | None = None):
+        def __init__(self, model_dir: str, ecfg: Any, seed: int, work_dir: str | None = None, tp: int | None = None):
             from training.inference.engine import VLLMEngine
 
-            self.engine = VLLMEngine.from_config(ecfg, model_dir, work_dir)
+            self.engine = VLLMEngine.from_config(ecfg, model_dir, work_dir, tensor_parallel_size=tp)
             self._sampler = self.engine.sampler(seed)
 
         def node_id(self) -> str:
@@ -298,14 +298,16 @@ class EngineGroup:
         self.engines = engines
 
     @classmethod
-    def start(cls, cfg: Any, model_dir: str, run_dir: str | Path, options: list[dict]) -> "EngineGroup":
-        """Engine i gets seed `algo.seed + i` and its own work dir; not waited for (`ready`)."""
+    def start(cls, cfg: Any, model_dir: str, run_dir: str | Path, options: list[dict],
+              tp: int | None = None) -> "EngineGroup":
+        """Engine i gets seed `algo.seed + i` and its own work dir, each over `tp` GPUs;
+        not waited for (`ready`)."""
         EngineActor = _engine_class()
         engines = []
         for i, opts in enumerate(options):
             work = Path(run_dir).resolve() / ("engine" if len(options) == 1 else f"engine{i}")
             work.mkdir(parents=True, exist_ok=True)
-            engines.append(EngineActor.options(**opts).remote(model_dir, cfg.engine, cfg.algo.seed + i, str(work)))
+            engines.append(EngineActor.options(**opts).remote(model_dir, cfg.engine, cfg.algo.seed + i, str(work), tp))
         return cls(engines)
 
     def ready(self) -> list[Any]:
@@ -351,7 +353,12 @@ def close_all(actors: list[Any], timeout_s: float) -> None:
 
 
 def _cpus(cfg: Any) -> float:
-    return float(cfg.run.ray_num_cpus or os.cpu_count() or 2)
+    return float(cfg.cluster.num_cpus or os.cpu_count() or 2)
+
+
+def _tp(pl: Placement | None) -> int | None:
+    """Each engine's tensor-parallel size: the plan's; None on one machine (vLLM's default)."""
+    return pl.plan.tp if pl is not None else None
 
 
 def engine_options(cfg: Any, pl: Placement | None) -> list[dict]:
@@ -381,7 +388,7 @@ def start_engines(cfg: Any, model_dir: str, run_dir: str | Path, pl: Placement |
     """The engines of the layout, serving `model_dir`, ready (servers healthy) on return."""
     import ray
 
-    engines = EngineGroup.start(cfg, model_dir, run_dir, engine_options(cfg, pl))
+    engines = EngineGroup.start(cfg, model_dir, run_dir, engine_options(cfg, pl), _tp(pl))
     try:
         ray.get(engines.ready())
     except BaseException:
@@ -430,7 +437,7 @@ def start_actors(cfg: Any, model_dir: str, resume_from: str | None, run_dir: str
     workers: list = []
     try:
         learner = LearnerGroup.start(learner_options(cfg, pl), model_dir, lcfg, resume_from, cfg.run.torch_threads)
-        engines = engines or EngineGroup.start(cfg, model_dir, run_dir, engine_options(cfg, pl))
+        engines = engines or EngineGroup.start(cfg, model_dir, run_dir, engine_options(cfg, pl), _tp(pl))
         # Start-up errors of any rank or engine surface here, before any episode runs.
         ray.get(learner.setups + (engines.ready() if own else []))
         RolloutWorker = _worker_class()

@@ -1,11 +1,13 @@
-"""Getting a Ray cluster for `tmax learn`: connect, start one inside Slurm, or start locally.
+"""Getting a Ray cluster for `tmax learn`: the one way tmax starts or joins Ray (`connect`).
 
-The mode comes from the environment, as the launchers of other RL frameworks do it:
+The mode comes from the `[cluster]` config and the environment, as the launchers of other
+RL frameworks do it:
 
-* `--address` or `RAY_ADDRESS`  -> connect to a running cluster;
-* inside a Slurm allocation      -> `ray start --head` here, `srun ... ray start --address`
-                                    on every other allocated node, then connect;
-* otherwise                      -> a local single-node cluster in this process.
+* `cluster.address` or `RAY_ADDRESS` -> connect to a running cluster;
+* a placed run (`cluster.nodes`) inside a Slurm allocation
+                                     -> `ray start --head` here, `srun ... ray start --address`
+                                        on every other allocated node, then connect;
+* otherwise                          -> a private single-node cluster bound to 127.0.0.1.
 
 Every Ray process must agree on `RAY_AUTH_MODE`: after a first `ray.init()` writes an auth
 token, a head started without the variable enables token auth and workers that were not
@@ -14,9 +16,6 @@ set) and every command and child process gets the same environment.
 
 Nodes started by tmax carry a role resource (`tmax_train` / `tmax_infer`) so the
 placement groups of `training.cluster.placement` land on exactly the planned nodes.
-
-`init_ray` is the plain single-machine start (or a connect to `run.ray_address`) that
-`tmax learn` without `--nodes` and the recipe use.
 """
 
 from __future__ import annotations
@@ -30,10 +29,10 @@ import time
 from dataclasses import dataclass, field
 
 from training.cluster.placement import PlacementPlan
+from training.config import ClusterConfig
 from training.net import node_ip
 
 DEFAULT_PORT = 6379
-DEFAULT_OBJECT_STORE_MB = 200
 
 
 # Every Ray process (driver, raylet, workers) must agree on these (see above).
@@ -152,7 +151,7 @@ def worker_start_cmds(
 
 @dataclass
 class ClusterHandle:
-    mode: str  # address | slurm | local
+    mode: str  # address | slurm | local | existing (a Ray this process had joined before)
     address: str
     _procs: list[subprocess.Popen] = field(default_factory=list)
     _stop_head: bool = False
@@ -160,6 +159,8 @@ class ClusterHandle:
     def shutdown(self) -> None:
         import ray
 
+        if self.mode == "existing":
+            return
         if ray.is_initialized():
             ray.shutdown()
         for p in self._procs:  # srun steps of the workers
@@ -187,90 +188,94 @@ def wait_for_nodes(expected: int, timeout_s: float = 300.0) -> int:
     raise ClusterError(f"only {alive} of {expected} Ray node(s) joined within {timeout_s:g}s")
 
 
+def runtime_env() -> dict:
+    """Ray's `runtime_env` for the driver: every worker gets the shared variables."""
+    return {"env_vars": {k: os.environ[k] for k in RAY_ENV_KEYS}}
+
+
 def connect(
-    plan: PlacementPlan,
-    address: str | None = None,
-    num_cpus: int | None = None,
-    object_store_mb: int = DEFAULT_OBJECT_STORE_MB,
+    cluster: ClusterConfig,
+    plan: PlacementPlan | None = None,
     port: int = DEFAULT_PORT,
     join_timeout_s: float = 300.0,
 ) -> ClusterHandle:
-    """Connect to, or start, the cluster the plan runs on (see the module docstring)."""
-    apply_ray_env()
-    import ray
-
-    mode = resolve_mode(address)
-    if mode == "address":
-        addr = address or os.environ["RAY_ADDRESS"]
-        try:
-            ray.init(address=addr, log_to_driver=True)
-        except Exception as e:  # ConnectionError, auth errors, version mismatch
-            raise ClusterError(
-                f"cannot connect to the Ray cluster at {addr}: {e}. Check the address, that the head runs"
-                f" the same Ray version, and that RAY_AUTH_MODE={os.environ['RAY_AUTH_MODE']} matches it."
-            ) from None
-        return ClusterHandle("address", addr)
-    if mode == "slurm":
-        hosts = slurm_hostnames()
-        if len(hosts) < plan.nodes:
-            raise ClusterError(f"the Slurm allocation has {len(hosts)} node(s), the plan needs {plan.nodes}")
-        ip = node_ip()
-        # `num_cpus` (run.ray_num_cpus) sets the logical CPUs of every node Ray starts here.
-        head = subprocess.run(head_start_cmd(plan, port, ip, num_cpus=num_cpus), env=ray_env(), capture_output=True, text=True, timeout=300)
-        if head.returncode != 0:
-            raise ClusterError(f"ray start --head failed on {hosts[0]}: {head.stderr.strip()[-2000:]}")
-        handle = ClusterHandle("slurm", f"{ip}:{port}", _stop_head=True)
-        for cmd in worker_start_cmds(plan, hosts, f"{ip}:{port}", num_cpus=num_cpus):
-            handle._procs.append(subprocess.Popen(cmd, env=ray_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-        try:
-            ray.init(address=f"{ip}:{port}")
-            wait_for_nodes(len(hosts), join_timeout_s)
-        except Exception:
-            handle.shutdown()
-            raise
-        return handle
-    # Local: this machine is the only node, so the plan must be a 1-node plan.
-    if plan.nodes > 1:
-        raise ClusterError(
-            f"--nodes {plan.nodes} needs a Ray cluster: pass --address (or set RAY_ADDRESS), run inside a Slurm"
-            " allocation, or use --dry-run to get an sbatch script"
-        )
-    resources: dict[str, float] = {}
-    for roles in plan.node_roles():
-        for r in roles:
-            resources[r] = resources.get(r, 0.0) + 1.0
-    ray.init(
-        num_cpus=num_cpus,
-        resources=resources,
-        object_store_memory=object_store_mb * 1024 * 1024,
-        include_dashboard=False,
-    )
-    return ClusterHandle("local", "local")
-
-
-def init_ray(address: str | None = None, num_cpus: int | None = None) -> bool:
-    """Connect to `address` / RAY_ADDRESS, or start a private local cluster bound to
-    127.0.0.1. Returns True when this process started (and must stop) the cluster."""
+    """Connect to, or start, the Ray cluster of a run (see the module docstring). A Ray
+    this process is already connected to is used as it is (and left running)."""
     apply_ray_env()  # keeps a RAY_AUTH_MODE the user set, else "disabled"
     import ray
 
     if ray.is_initialized():
-        return False
-    runtime_env = {"env_vars": {k: os.environ[k] for k in RAY_ENV_KEYS}}
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
-        return False
+        return ClusterHandle("existing", "this process's Ray")
+    mode = resolve_mode(cluster.address)
+    if mode == "address":
+        return _join(cluster.address or os.environ["RAY_ADDRESS"])
+    if mode == "slurm" and plan is not None:
+        return _start_in_slurm(plan, cluster.num_cpus, port, join_timeout_s)
+    if plan is not None and plan.nodes > 1:
+        raise ClusterError(
+            f"--nodes {plan.nodes} needs a Ray cluster: pass --address (or set RAY_ADDRESS), run inside a Slurm"
+            " allocation, or use --dry-run to get an sbatch script"
+        )
+    return _start_local(plan, cluster.num_cpus)
+
+
+def _join(addr: str) -> ClusterHandle:
+    import ray
+
+    try:
+        ray.init(address=addr, runtime_env=runtime_env(), log_to_driver=False)
+    except Exception as e:  # ConnectionError, auth errors, version mismatch
+        raise ClusterError(
+            f"cannot connect to the Ray cluster at {addr}: {e}. Check the address, that the head runs"
+            f" the same Ray version, and that RAY_AUTH_MODE={os.environ['RAY_AUTH_MODE']} matches it."
+        ) from None
+    return ClusterHandle("address", addr)
+
+
+def _start_in_slurm(plan: PlacementPlan, num_cpus: int | None, port: int, join_timeout_s: float) -> ClusterHandle:
+    """The head here, a worker per other allocated node; `num_cpus` is every node's logical CPUs."""
+    import ray
+
+    hosts = slurm_hostnames()
+    if len(hosts) < plan.nodes:
+        raise ClusterError(f"the Slurm allocation has {len(hosts)} node(s), the plan needs {plan.nodes}")
+    ip = node_ip()
+    head = subprocess.run(head_start_cmd(plan, port, ip, num_cpus=num_cpus), env=ray_env(), capture_output=True,
+                          text=True, timeout=300)
+    if head.returncode != 0:
+        raise ClusterError(f"ray start --head failed on {hosts[0]}: {head.stderr.strip()[-2000:]}")
+    handle = ClusterHandle("slurm", f"{ip}:{port}", _stop_head=True)
+    for cmd in worker_start_cmds(plan, hosts, f"{ip}:{port}", num_cpus=num_cpus):
+        handle._procs.append(subprocess.Popen(cmd, env=ray_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    try:
+        ray.init(address=f"{ip}:{port}", runtime_env=runtime_env(), log_to_driver=False)
+        wait_for_nodes(len(hosts), join_timeout_s)
+    except Exception:
+        handle.shutdown()
+        raise
+    return handle
+
+
+def _start_local(plan: PlacementPlan | None, num_cpus: int | None) -> ClusterHandle:
+    """A new private cluster in this process, bound to 127.0.0.1 (a one-node plan's role
+    resources on it)."""
+    import ray
+
+    resources: dict[str, float] = {}
+    for roles in plan.node_roles() if plan is not None else []:
+        for r in roles:
+            resources[r] = resources.get(r, 0.0) + 1.0
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # single node: bind loopback
     ray.init(
         # "local": always a new private cluster; without it ray.init joins whatever cluster
         # another process on this machine last started.
         address="local",
         num_cpus=num_cpus or os.cpu_count(),
+        resources=resources,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
-        runtime_env=runtime_env,
+        runtime_env=runtime_env(),
         log_to_driver=False,
         configure_logging=False,
     )
-    return True
+    return ClusterHandle("local", "127.0.0.1")

@@ -21,9 +21,12 @@ inside them), so `--dry-run` works without Ray.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from training.weights.transports import describe_transport
+
+if TYPE_CHECKING:
+    from training.config import LearnConfig
 
 ROLE_TRAIN = "tmax_train"
 ROLE_INFER = "tmax_infer"
@@ -198,6 +201,15 @@ def make_plan(
         colocated=colocated,
         notes=notes,
     )
+
+
+def plan_for(cfg: "LearnConfig") -> PlacementPlan | None:
+    """The plan of a run's `[cluster]` section; None for a run on one machine without one."""
+    c = cfg.cluster
+    if c.nodes is None:
+        return None
+    return make_plan(c.nodes, c.gpus_per_node, c.train_nodes, tp=c.tp, sandbox_workers=cfg.run.rollout_workers,
+                     learners_per_node=c.learners_per_node, engines_per_node=c.engines_per_node)
 
 
 def _split_nodes(nodes: int, train_nodes: int | None) -> tuple[int, int]:

@@ -1,10 +1,8 @@
-"""Slurm: the sbatch script `tmax learn --dry-run` prints for a placement plan."""
+"""Slurm: the sbatch script `tmax learn --dry-run` writes for a placement plan."""
 
 from __future__ import annotations
 
-import json
 import shlex
-from typing import Any
 
 from training.cluster.placement import PlacementPlan
 
@@ -19,7 +17,7 @@ def sbatch_script(
 ) -> str:
     """A ready sbatch script: one task per node; the batch step runs `tmax learn` on the
     first node, and tmax starts Ray on every allocated node itself (training/cluster/launch.py).
-    `learn_args` are the `tmax learn` arguments, passed through quoted."""
+    `learn_args` are the `tmax learn` arguments (`--config FILE`: the whole run), quoted."""
     args = " ".join(shlex.quote(a) for a in learn_args)
     lines = [
         "#!/bin/bash",
@@ -51,28 +49,3 @@ def sbatch_script(
         "",
     ]
     return "\n".join(lines)
-
-
-def learn_args_for(plan: PlacementPlan, extra: list[str] | None = None) -> list[str]:
-    """The `tmax learn` flags that reproduce this plan (used in the sbatch script)."""
-    args = [
-        "--nodes",
-        str(plan.nodes),
-        "--gpus-per-node",
-        str(plan.gpus_per_node),
-        "--train-nodes",
-        str(plan.train_nodes),
-    ]
-    return args + list(extra or [])
-
-
-def dry_run_text(plan: PlacementPlan, extra_learn_args: list[str] | None = None, **sbatch_kw: Any) -> str:
-    """`tmax learn --dry-run`: the plan, its JSON and an sbatch script."""
-    script = sbatch_script(plan, learn_args_for(plan, extra_learn_args), **sbatch_kw)
-    return (
-        plan.describe()
-        + "\n\nplan (json): "
-        + json.dumps(plan.to_dict(), sort_keys=True)
-        + "\n\n# ---- sbatch script (save as tmax-learn.sbatch, submit with `sbatch tmax-learn.sbatch`) ----\n"
-        + script
-    )

@@ -212,6 +212,7 @@ def engine_spec(
     kv_cache_gb: int = 1,
     gpu_memory_utilization: float | None = None,
     extra_args: list[str] | None = None,
+    tensor_parallel_size: int | None = None,
 ) -> ServeSpec:
     """The dev-mode server (weight-push extension) a training engine runs."""
     return ServeSpec(
@@ -225,6 +226,7 @@ def engine_spec(
         gpu_memory_utilization=gpu_memory_utilization,
         dev=True,
         extra_args=list(extra_args or []),
+        tensor_parallel_size=tensor_parallel_size,
     )
 
 
@@ -285,9 +287,11 @@ class VLLMEngine(EngineWeights):
             self.max_model_len = self._served_max_len()
 
     @classmethod
-    def from_config(cls, ecfg: "EngineConfig", model_dir: str | Path, work_dir: str | Path | None = None) -> "VLLMEngine":
-        """The engine a training run starts: its server set up by every `engine.*` key."""
-        return cls(model_dir, work_dir=work_dir, **server_options(ecfg))
+    def from_config(cls, ecfg: "EngineConfig", model_dir: str | Path, work_dir: str | Path | None = None,
+                    tensor_parallel_size: int | None = None) -> "VLLMEngine":
+        """The engine a training run starts: its server set up by every `engine.*` key, over
+        `tensor_parallel_size` GPUs (a placed run's `cluster.tp`; None: the visible GPUs)."""
+        return cls(model_dir, work_dir=work_dir, tensor_parallel_size=tensor_parallel_size, **server_options(ecfg))
 
     @property
     def base_url(self) -> str:

@@ -14,7 +14,6 @@ loss.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agents.policy import SampledTokens
+from agents.records import write_json_atomic
 from training.algo.batching import Group
 from training.config import LearnConfig
 from training.learner.packing import Pack, TrainSample, batch_samples
@@ -218,7 +218,8 @@ def train_sft(model_dir: str, demos: list[Rollout], cfg: LearnConfig, out_dir: s
             log(step + 1, total, losses[-1])
     path = ckpt.save_checkpoint(out_dir, learner.model, step=0, optimizer=None,
                                 extra={"sft_steps": total, "sft_demos": len(demos)}, tokenizer_dir=model_dir)
-    (Path(path) / "sft.json").write_text(json.dumps({"steps": total, "demos": len(demos), "losses": losses}))
+    # The marker that SFT is done (the recipe skips SFT when it exists): written last, atomically.
+    write_json_atomic(Path(path) / "sft.json", {"steps": total, "demos": len(demos), "losses": losses})
     tail = losses[-max(1, len(losses) // 10):]
     return SFTResult(str(path), len(demos), tokens, total, sum(tail) / len(tail), time.monotonic() - t0)
 

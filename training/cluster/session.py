@@ -1,0 +1,38 @@
+"""A run's Ray, from start to end: the cluster (`launch.connect`, the one way tmax starts
+or joins Ray) and, for a placed run, the check that the cluster can hold the plan and the
+placement groups that pin learners and engines to their nodes. Everything is given back
+when the run ends, however it ends."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+from training.cluster import launch, placement
+from training.cluster.launch import ClusterError
+from training.cluster.placement import Placement, PlacementPlan
+from training.config import LearnConfig
+
+
+@contextmanager
+def ray_session(cfg: LearnConfig, plan: PlacementPlan | None, log: Callable[[str], None]) -> Iterator[Placement | None]:
+    """Ray per `cfg.cluster`; yields the reserved placement of `plan` (None without one)."""
+    if plan is not None:
+        log(plan.describe(cfg.engine.weight_transport))
+    handle = launch.connect(cfg.cluster, plan)
+    log(f"ray cluster: {handle.mode} ({handle.address})")
+    try:
+        if plan is None:
+            yield None
+            return
+        missing = placement.check_live_cluster(plan)
+        if missing:
+            raise ClusterError("the Ray cluster cannot hold this plan:\n" + "\n".join(f"  - {m}" for m in missing))
+        pl = placement.reserve(plan)
+        try:
+            log(f"placement groups ready: learners on {pl.learner_nodes}, engines on {pl.engine_nodes}")
+            yield pl
+        finally:
+            pl.remove()
+    finally:
+        handle.shutdown()
