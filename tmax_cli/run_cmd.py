@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 import typer
 
 from tmax_cli.config import DEFAULT_IMAGE, ConfigError, RunSettings, default_run_dir, resolve_run_settings
-from tmax_cli.run_setup import discover_model, keep_long_output, load_saved, saved_workdir, sandbox_spec
+from tmax_cli.run_setup import broad_workspace, discover_model, keep_long_output, load_saved, saved_workdir, sandbox_spec
 
 # Exit status by outcome, so scripts can branch on it (documented in --help).
 EXIT_CODES = {
@@ -50,6 +50,16 @@ def _fail(msg: str, json_mode: bool) -> typer.Exit:
         print(json.dumps({"type": "error", "error": msg}), flush=True)
     typer.secho(f"tmax run: {msg}", err=True, fg="red")
     return typer.Exit(EXIT_USAGE)
+
+
+def _confirm_workspace(why: str | None, yes: bool, json_mode: bool) -> None:
+    """Ask before a workspace that makes the jail hardly one; refuse where nobody can answer."""
+    if why is None or yes:
+        return
+    if json_mode or not sys.stdin.isatty():
+        raise ConfigError(f"{why}; pass --yes to allow it, or start from a project directory (--workdir DIR)")
+    if not typer.confirm(f"{why}. Go on?", default=False):
+        raise ConfigError("stopped: start from a project directory or pass --workdir DIR")
 
 
 def _write_json_atomic(path: Path, data: Any) -> None:
@@ -327,6 +337,7 @@ def run(
     expose: list[str] = typer.Option(
         [], "--expose", help="A credential path the bwrap jail masks by default (~/.ssh, ~/.aws, ...) to show inside; repeatable."
     ),
+    yes: bool = typer.Option(False, "--yes", help="Do not ask before making your whole home directory the bwrap workspace."),
 ) -> None:
     """Run the agent on a task in a persistent shell.
 
@@ -351,6 +362,8 @@ def run(
         if resume is not None and workdir is None:
             workdir = saved_workdir(resume, settings.sandbox)
         spec = sandbox_spec(settings, workdir, network)
+        if spec.workspace is not None:
+            _confirm_workspace(broad_workspace(settings.sandbox, spec.workspace), yes, json_mode)
         if settings.model is None:
             settings.model = discover_model(settings.base_url, settings.api_key)
             settings.sources["model"] = f"{settings.base_url}/models"
