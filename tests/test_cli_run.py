@@ -430,6 +430,29 @@ def test_json_exit_status_by_outcome(env, ws, tmp_path, script, extra, status, c
     assert events[-1]["type"] == "done" and events[-1]["status"] == status
 
 
+@pytest.mark.parametrize(
+    "reply",
+    [
+        {"raw": "<html><body>502 Bad Gateway</body></html>", "content_type": "text/html"},
+        {"raw": '{"id": "chatcmpl-1", "choices": [{"message": {"role": "assi'},
+        {"raw": ""},
+        {"raw": '{"error": {"message": "upstream model overloaded", "code": 503}}'},
+    ],
+    ids=["html", "truncated-json", "empty-body", "error-object"],
+)
+def test_json_a_200_that_is_not_a_completion_is_a_model_error(env, ws, tmp_path, reply):
+    """Such a reply used to crash the run (AttributeError / JSONDecodeError, exit 1): no `done`
+    event, run.json left "running"."""
+    with ScriptedServer([{"bash": "echo first"}, reply]) as srv:
+        rc, events, stderr = run_json(run_args(srv, ws, tmp_path / "run", "--sandbox", "local", "--mode", "yolo"), env, ws)
+        assert len(srv.requests) == 2  # not retried: asking again does not make it a completion
+    assert rc == 6, stderr
+    done = events[-1]
+    assert done["type"] == "done" and done["status"] == "model_error" and "answered 200" in done["error"]
+    meta = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert meta["status"] == "model_error" and meta["finished_at"] and meta["steps"] == 1
+
+
 @pytest.mark.podman
 def test_json_sandbox_failure_is_infrastructure(env, ws, tmp_path):
     # A podman image that cannot exist: the sandbox fails to start, which is not the agent's fault.

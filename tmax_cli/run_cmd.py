@@ -28,6 +28,7 @@ EXIT_CODES = {
     "model_error": 6,
     "sandbox_error": 7,
     "interrupted": 130,
+    "internal_error": 1,
 }
 EXIT_USAGE = 2  # bad flags, config or resume path
 QUIT_WORDS = ("/q", "/quit", "/exit")
@@ -542,6 +543,11 @@ def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, sa
         status, error = "sandbox_error", f"sandbox failure (infrastructure, not the agent): {e}"
     except KeyboardInterrupt:
         status, error = "interrupted", "interrupted by the user"
+    except Exception as e:  # a defect, not the agent's or the sandbox's doing: still a final record
+        import traceback
+
+        traceback.print_exc()
+        status, error = "internal_error", f"tmax failed: {type(e).__name__}: {e}"
     finally:
         display.stop_spinner()
         for s, h in old_handlers.items():
