@@ -217,12 +217,16 @@ class BwrapSandbox(ShellSandbox):
         finally:
             Path(full[4]).unlink(missing_ok=True)  # the arguments file: read once at the start
 
+    def writable_dirs(self) -> list[tuple[str, Path]]:
+        """(path inside, host directory) of every place the jail can write."""
+        assert self.workspace and self.tmp_host and self.home_host, "the sandbox is not started"
+        return [(self.target, self.workspace), ("/tmp", self.tmp_host), ("/root-home", self.home_host)]
+
     def host_path(self, inside: str) -> Path:
         """Where a writable path inside the jail lives on the host."""
         p = Path(os.path.normpath(inside if os.path.isabs(inside) else os.path.join(self.target, inside)))
-        for root, host in ((Path(self.target), self.workspace), (Path("/tmp"), self.tmp_host),
-                           (Path("/root-home"), self.home_host)):
-            if host is not None and (p == root or root in p.parents):
+        for root, host in self.writable_dirs():
+            if p == Path(root) or Path(root) in p.parents:
                 return host / p.relative_to(root)
         raise SandboxError(f"bwrap sandbox: {inside} is not under the workspace ({self.target}) or /tmp;"
                            " the rest of the filesystem is read-only")

@@ -66,11 +66,13 @@ INTERRUPT_GRACE_S = 5.0  # how long the prompt may take to return after Ctrl-C
 # for keys until the timeout. The user's own definitions made later still win.
 _NO_TTY_NOTE = ("needs an interactive terminal, and commands here have none; edit files with"
                 " sed -i, ed, python or a heredoc (cat > FILE <<EOF), and read them with cat, head or sed -n")
+_NO_INPUT_NOTE = ("got no input: standard input is empty for commands here (nobody types); pass input with a"
+                  " heredoc (<<'EOF' ... EOF), a pipe or a file, and code with python3 -c 'CODE'")
 _NO_EDITOR = f"sh -c 'echo \"tmax: an editor {_NO_TTY_NOTE}\" >&2; exit 1' tmax-no-editor"
 # Vim started by path (`/usr/bin/vi`), past the shell functions below, would wait for keys
 # on the pty: its init quits at once when input is not a terminal, unless it runs as a
 # script (`vim -e`/`-es`), and then reads the user's vimrc as usual.
-_VIMINIT = ("if !has('ttyin') && empty(filter(copy(v:argv), 'v:val =~# \"^-[eE]\"'))"
+_VIMINIT = ("if (!has('ttyin') || !empty($TMAX_NO_TTY)) && empty(filter(copy(v:argv), 'v:val =~# \"^-[eE]\"'))"
             f" | echoerr 'tmax: vim {_NO_TTY_NOTE}.' | cquit | endif"
             " | if filereadable(expand('~/.vimrc')) | source ~/.vimrc | endif")
 NO_TTY_SETUP = [
@@ -82,6 +84,20 @@ NO_TTY_SETUP = [
     " eval \"$__tmax_p() { __tmax_no_tty $__tmax_p; }\"; done",
     "for __tmax_p in less more most; do"
     " eval \"$__tmax_p() { command $__tmax_p \\\"\\$@\\\" | cat; return \\${PIPESTATUS[0]}; }\"; done",
+    # `watch` redraws until a key stops it; `top` and `htop` likewise: fail at once or print once.
+    "watch() { echo \"tmax: watch repeats until a key stops it, and nobody types here; run the command once,"
+    " or a bounded loop: for i in 1 2 3; do CMD; sleep 2; done\" >&2; return 1; }",
+    "htop() { __tmax_no_tty htop; }; btop() { __tmax_no_tty btop; }",
+    "top() { case \" $* \" in *' -b'*|*' -n'*) command top \"$@\";; *) command top -b -n 1 \"$@\";; esac; }",
+    # `script` gives its command a terminal of its own, which nobody types into: vim there
+    # must still quit at once (VIMINIT reads TMAX_NO_TTY).
+    "script() { TMAX_NO_TTY=1 command script \"$@\"; }",
+    # Programs that read their input from stdin find it empty: say so instead of a silent no-op.
+    f"__tmax_no_input() {{ echo \"tmax: $1 {_NO_INPUT_NOTE}\" >&2; }}",
+    "for __tmax_p in python python3; do eval \"$__tmax_p() { if [ \\$# -eq 0 ] && [ /dev/stdin -ef /dev/null ];"
+    " then __tmax_no_input '$__tmax_p with no script'; fi; command $__tmax_p \\\"\\$@\\\"; }\"; done",
+    "read() { builtin read \"$@\" && return 0; set -- $?;"
+    " [ /dev/stdin -ef /dev/null ] && __tmax_no_input read; return $1; }",
     "unset __tmax_p",
 ]
 
@@ -320,7 +336,7 @@ class PersistentShell:
         # the previous command's exit code, and a non-zero one cannot trip `set -e`
         # (a condition never does).
         return (
-            f"__tmax_rc=$?; __tmax_seq={self._seq}; IFS= read -r -d '' __tmax_cmd <<'{delim}' || :;"
+            f"__tmax_rc=$?; __tmax_seq={self._seq}; IFS= builtin read -r -d '' __tmax_cmd <<'{delim}' || :;"
             ' if __tmax_ret "$__tmax_rc"; then eval "$__tmax_cmd"; else eval "$__tmax_cmd"; fi </dev/null\n'
             f"{command}\n{delim}\n"
             # An empty line: it re-prints the prompt with `$?` unchanged. After a syntax

@@ -29,7 +29,7 @@ import subprocess
 import tarfile
 import tempfile
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -44,7 +44,9 @@ class SnapshotStore(Protocol):
         """Snapshot the current state as number n."""
         ...
 
-    def restore(self, n: int) -> None: ...
+    def restore(self, n: int) -> "Restored":
+        """Put snapshot n back; says which paths that changed."""
+        ...
 
     def drop(self, n: int) -> None: ...
 
@@ -58,73 +60,153 @@ def _run(argv: list[str], what: str, cwd: Path | None = None) -> bytes:
     return r.stdout
 
 
+Key = tuple[int, ...]
+
+
+@dataclass
+class Restored:
+    """What a restore changed, as paths seen inside the sandbox."""
+
+    changed: list[str] = field(default_factory=list)  # put back as they were
+    removed: list[str] = field(default_factory=list)  # created since the snapshot: deleted
+    recreated: list[str] = field(default_factory=list)  # deleted since the snapshot: back
+
+    def __add__(self, other: "Restored") -> "Restored":
+        return Restored(self.changed + other.changed, self.removed + other.removed, self.recreated + other.recreated)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.changed or self.removed or self.recreated)
+
+
+def _scan(root: Path) -> tuple[dict[str, Key], set[str]]:
+    """Regular files and symlinks under root (rel path -> inode, size, mtime, ctime, mode) and
+    the directories. Sockets, pipes and devices belong to processes and are left alone."""
+    files: dict[str, Key] = {}
+    dirs: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root)
+        dirs.add(rel_dir)
+        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            rel = os.path.normpath(os.path.join(rel_dir, name))
+            st = os.lstat(os.path.join(dirpath, name))
+            if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
+                files[rel] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
+    return files, dirs
+
+
 class DirectorySnapshots:
-    """Snapshots of one host directory (the workspace of a local or bwrap sandbox).
+    """Snapshots of one host directory (the workspace of a local or bwrap sandbox, or the
+    jail's private /tmp and home), shown inside the sandbox as `inside`.
 
     Each snapshot is a tree of its own. A file whose inode, size, mtime and ctime are as they
     were at the previous snapshot is hard-linked to that snapshot's copy (never to the live
     file, so in-place writes cannot reach a snapshot); any other file is copied
-    (`cp --reflink=auto`: a clone where the filesystem can, a copy elsewhere)."""
+    (`cp --reflink=auto`: a clone where the filesystem can, a copy elsewhere). A restore
+    touches only what differs from the snapshot, and says which paths those were."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, inside: str | None = None) -> None:
         self.root = Path(root).resolve()
+        self.inside = inside or str(self.root)
         self.store = Path(tempfile.mkdtemp(prefix=NAME_PREFIX + "undo-"))
         if self.store == self.root or self.root in self.store.parents:
             self.close()
             raise SandboxError(f"undo: the workspace {self.root} contains the temp directory; "
                                "snapshots cannot be kept inside what they copy")
-        self._last: tuple[int, dict[str, tuple[int, ...]]] | None = None  # (snapshot, path -> stat key)
+        self._manifests: dict[int, tuple[dict[str, Key], set[str]]] = {}
+        self._last: int | None = None  # the snapshot whose copies unchanged files link to
 
     def _path(self, n: int) -> Path:
         return self.store / str(n)
 
     def save(self, n: int) -> None:
         dst = self._path(n)
-        prev_n, prev = self._last if self._last and self._path(self._last[0]).is_dir() else (None, {})
-        seen: dict[str, tuple[int, ...]] = {}
-        copies: list[str] = []
-        dirs: list[str] = []
-        for dirpath, dirnames, filenames in os.walk(self.root):
-            rel_dir = os.path.relpath(dirpath, self.root)
-            dirs.append(rel_dir)
+        prev_n = self._last if self._last in self._manifests else None
+        prev = self._manifests[prev_n][0] if prev_n is not None else {}
+        files, dirs = _scan(self.root)
+        for rel_dir in sorted(dirs):
             (dst / rel_dir).mkdir(parents=True, exist_ok=True)
-            for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
-                rel = os.path.normpath(os.path.join(rel_dir, name))
-                st = os.lstat(self.root / rel)
-                key = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
-                seen[rel] = key
-                if prev_n is not None and prev.get(rel) == key and stat.S_ISREG(st.st_mode):
-                    os.link(self._path(prev_n) / rel, dst / rel)
-                else:
-                    copies.append(rel)
-        for i in range(0, len(copies), COPY_BATCH):
-            # cp keeps modes, times and symlinks; directories get theirs below.
-            _run(["cp", "-a", "--reflink=auto", "--parents", "-t", str(dst), "--", *copies[i:i + COPY_BATCH]],
-                 f"copying {self.root}", cwd=self.root)
-        for rel_dir in reversed(dirs):  # children first: their entries change a parent's mtime
-            shutil.copystat(self.root / rel_dir, dst / rel_dir, follow_symlinks=False)
-        self._last = (n, seen)
-
-    def restore(self, n: int) -> None:
-        # The root itself stays (bwrap bind-mounts it); only what is inside is replaced.
-        for entry in self.root.iterdir():
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
+        copies: list[str] = []
+        for rel, key in files.items():
+            if prev_n is not None and prev.get(rel) == key and stat.S_ISREG(key[4]):
+                os.link(self._path(prev_n) / rel, dst / rel)
             else:
-                entry.unlink()
-        _run(["cp", "-a", "--reflink=auto", f"{self._path(n)}/.", str(self.root)], f"restoring {self.root}")
-        self._last = None  # the restored files are new inodes: the next snapshot copies all
+                copies.append(rel)
+        self._copy(self.root, dst, copies, f"copying {self.root}")
+        for rel_dir in sorted(dirs, reverse=True):  # children first: their entries change a parent's mtime
+            shutil.copystat(self.root / rel_dir, dst / rel_dir, follow_symlinks=False)
+        self._manifests[n] = (files, dirs)
+        self._last = n
+
+    @staticmethod
+    def _copy(src: Path, dst: Path, rels: list[str], what: str) -> None:
+        for i in range(0, len(rels), COPY_BATCH):
+            # cp keeps modes, times and symlinks; --parents recreates the directories on the way.
+            _run(["cp", "-a", "--reflink=auto", "--parents", "-t", str(dst), "--", *rels[i:i + COPY_BATCH]],
+                 what, cwd=src)
+
+    def restore(self, n: int) -> Restored:
+        # The root itself stays (bwrap bind-mounts it); only what differs inside is replaced.
+        snap_files, snap_dirs = self._manifests[n]
+        files, dirs = _scan(self.root)
+        added = sorted(p for p in files if p not in snap_files)
+        changed = sorted(p for p in snap_files if p in files and files[p] != snap_files[p])
+        deleted = sorted(p for p in snap_files if p not in files)
+        for rel in added + changed:
+            (self.root / rel).unlink()
+        added_dirs = sorted(dirs - snap_dirs, reverse=True)
+        kept_dirs = []
+        for rel in added_dirs:  # deepest first
+            try:
+                (self.root / rel).rmdir()
+            except OSError:  # it holds what a process made there (a socket): left alone
+                kept_dirs.append(rel)
+        added_dirs = [d for d in added_dirs if d not in kept_dirs]
+        for rel in sorted(snap_dirs - dirs):
+            (self.root / rel).mkdir(parents=True, exist_ok=True)
+        self._copy(self._path(n), self.root, changed + deleted, f"restoring {self.root}")
+        self._last = None  # the restored files are new inodes: the next snapshot copies them
+        shown = lambda rels: [os.path.join(self.inside, r) for r in rels]  # noqa: E731
+        return Restored(shown(changed), shown(added + [d for d in added_dirs if not any(
+            a.startswith(d + "/") for a in added)]), shown(deleted))
 
     def drop(self, n: int) -> None:
+        self._manifests.pop(n, None)
         shutil.rmtree(self._path(n), ignore_errors=True)
 
     def close(self) -> None:
         shutil.rmtree(self.store, ignore_errors=True)
 
 
+class SnapshotGroup:
+    """Several directories snapshotted and restored together (a jail's workspace, /tmp, home)."""
+
+    def __init__(self, stores: list[DirectorySnapshots]) -> None:
+        self.stores = stores
+
+    def save(self, n: int) -> None:
+        for s in self.stores:
+            s.save(n)
+
+    def restore(self, n: int) -> Restored:
+        restored = Restored()
+        for s in self.stores:
+            restored = restored + s.restore(n)
+        return restored
+
+    def drop(self, n: int) -> None:
+        for s in self.stores:
+            s.drop(n)
+
+    def close(self) -> None:
+        for s in self.stores:
+            s.close()
+
+
 @dataclass
 class Undone:
     commands: list[str]  # oldest first
+    restored: Restored = field(default_factory=Restored)
 
 
 class UndoHistory:
@@ -159,10 +241,10 @@ class UndoHistory:
                              f"the last {self.keep})")
         undone = [self._entries.pop() for _ in range(k)]
         target = undone[-1][0]
-        self.store.restore(target)
+        restored = self.store.restore(target)
         for n, _ in undone:
             self.store.drop(n)
-        return Undone([cmd for _, cmd in reversed(undone)])
+        return Undone([cmd for _, cmd in reversed(undone)], restored)
 
     def close(self) -> None:
         self.store.close()
@@ -230,7 +312,7 @@ class ContainerSnapshots:
         self._exec(["sh", "-c", f"rm -f -- {drops} && exec \"$@\"", "sh", *tar], "archiving the changes")
         self._diffs[n] = diff
 
-    def restore(self, n: int) -> None:
+    def restore(self, n: int) -> Restored:
         target, now = self._diffs[n], self.diff()
         # Gone at the snapshot, or added since: remove. Changed or deleted since (but as in the
         # image at the snapshot): take the image's version.
@@ -241,7 +323,21 @@ class ContainerSnapshots:
             self._exec(["rm", "-rf", "--", *sorted(remove, reverse=True)], "removing files added since")
         if from_image:
             self._restore_from_image(sorted(from_image), now)
-        self._exec(["tar", "-x", "-p", "-f", f"{SNAP_DIR}/{n}.tar", "-C", "/"], "extracting the snapshot")
+        # tar --compare first: the archived paths that differ now are the ones the extraction restores.
+        archive = f"{SNAP_DIR}/{n}.tar"
+        compared = self._exec(["sh", "-c", 'tar -d -f "$1" -C / 2>&1; exec tar -x -p -f "$1" -C /', "sh", archive],
+                              "extracting the snapshot")
+        differ: dict[str, str] = {}
+        for line in compared.splitlines():
+            path, _, why = line.partition(": ")
+            if why and not path.startswith("tar"):
+                differ.setdefault("/" + path.rstrip("/"), why)
+        gone = {p for p, why in differ.items() if "No such file" in why}
+        return Restored(
+            changed=sorted({*(p for p in differ if p not in gone), *(p for p in from_image if now[p] == _CHANGED)}),
+            removed=sorted(remove),
+            recreated=sorted({*gone, *(p for p in from_image if now[p] == _DELETED)}),
+        )
 
     def _restore_from_image(self, paths: list[str], now: dict[str, str]) -> None:
         # A deleted directory comes back whole; a changed one only as itself (its changed
@@ -272,7 +368,8 @@ def snapshot_store(box: Any) -> SnapshotStore:
     if box.kind == "podman":
         return ContainerSnapshots(box)
     if box.kind == "bwrap":
-        return DirectorySnapshots(box.workspace)
+        # Everything the jail can write: the workspace, its private /tmp and home.
+        return SnapshotGroup([DirectorySnapshots(host, inside) for inside, host in box.writable_dirs()])
     if box.kind == "local":
         return DirectorySnapshots(Path(box.workdir))
     raise SandboxError(f"undo: no snapshots for sandbox kind {box.kind!r}")

@@ -219,6 +219,7 @@ def test_ctrl_c_during_a_command_then_guidance(env, ws, tmp_path, spawn):
         t = spawn(run_args(srv, ws, tmp_path / "run", "--sandbox", "local", "--mode", "yolo"), env, ws)
         t.expect("Waiting a long time.")
         t.expect("Running")
+        t.expect("a second Ctrl-C kills it")  # the screen says how to stop a command that ignores Ctrl-C
         time.sleep(1.0)
         started = time.monotonic()
         t.child.sendintr()

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from sandbox.shell import PersistentShell, clean_output
+from sandbox.shell import _NO_INPUT_NOTE, PersistentShell, clean_output
 
 
 @pytest.fixture
@@ -146,7 +146,7 @@ def test_stdin_readers_do_not_hang(sh):
     t0 = time.monotonic()
     r = sh.run("cat; read -r x; echo read=$?; python3 -c 'import sys; print(len(sys.stdin.read()))'", timeout=10)
     assert time.monotonic() - t0 < 5
-    assert r.output.splitlines() == ["read=1", "0"]
+    assert r.output.splitlines() == [f"tmax: read {_NO_INPUT_NOTE}", "read=1", "0"]
 
 
 def test_exit_restarts_with_note(sh):
@@ -264,3 +264,22 @@ def test_programs_that_need_a_terminal_fail_fast(sh, tmp_path):
     assert sh.run("less f.txt; less f.txt | wc -l").output == "one\ntwo\n2\n"  # pagers print through
     r = sh.run('sh -c "$EDITOR f.txt"; echo rc=$?; echo $TERM $PAGER $GIT_PAGER')
     assert r.output.startswith("tmax: an editor needs an interactive terminal") and r.output.endswith("rc=1\ndumb cat cat\n")
+
+
+def test_full_screen_programs_fail_fast_and_empty_input_gets_a_note(sh, tmp_path):
+    """`watch` and vim inside `script` used to wait for keys until the timeout; `python3` with
+    no script and `read x` ended silently."""
+    t0 = time.monotonic()
+    r = sh.run("watch -n 1 date", timeout=20)
+    assert r.exit_code == 1 and "tmax: watch repeats until a key stops it" in r.output
+    r = sh.run("script -qc 'vim f.txt' /dev/null", timeout=20)
+    assert "vim needs an interactive terminal" in r.output and not r.timed_out
+    assert time.monotonic() - t0 < 10
+    assert sh.run("top | head -1", timeout=20).output.startswith("top - ")  # printed once, not redrawn
+    r = sh.run("python3; echo rc=$?")
+    assert r.output == f"tmax: python3 with no script {_NO_INPUT_NOTE}\nrc=0\n"
+    r = sh.run("read x; echo rc=$?")
+    assert r.output == f"tmax: read {_NO_INPUT_NOTE}\nrc=1\n"
+    # Input given any other way: no note, and read behaves as the builtin.
+    r = sh.run("echo 'print(6*7)' | python3; IFS=: read a b <<< 'x:y'; echo $a-$b; printf '1\\n2\\n' | while read n; do echo n$n; done")
+    assert r.output == "42\nx-y\nn1\nn2\n"

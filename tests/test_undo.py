@@ -28,7 +28,9 @@ def test_directory_snapshots_restore_deleted_changed_and_added(tmp_path):
         assert history.available == 2
         with pytest.raises(ValueError, match="only 2 command"):
             history.undo(3)
-        assert history.undo(2).commands == ["rm a, add b", "third"]
+        undone = history.undo(2)
+        assert undone.commands == ["rm a, add b", "third"]
+        assert (undone.restored.recreated, undone.restored.removed) == ([f"{root}/sub/a.txt"], [f"{root}/b"])
         assert (root / "sub" / "a.txt").read_text() == "v0+v1"
         assert not (root / "b").exists()
         assert history.available == 0
@@ -84,21 +86,33 @@ def _undo_session(kind: str, script: list[dict], ws, tmp_path, spawn, env, destr
     told = user_texts(requests[follow_up])[-1]
     assert told.startswith("[The user undid your last 2 commands") and told.endswith("check the files")
     assert f"1. {destroy}\n2. {SUBMIT}" in told
-    return [m["content"] for m in requests[follow_up + 1]["messages"] if m["role"] == "tool"][-1]
+    return [m["content"] for m in requests[follow_up + 1]["messages"] if m["role"] == "tool"][-1], told
 
 
 @pytest.mark.bwrap
 @pytest.mark.skipif(not bwrap_works(), reason="bubblewrap cannot run here")
 @pytest.mark.parametrize("kind", ["bwrap", "local"])
 def test_undo_in_a_pty_session_restores_the_workspace(kind, env, ws, tmp_path, spawn):  # noqa: F811
+    """The model is told exactly which paths came back and what the undo could not reach: in
+    bwrap it used to hear that everything was gone while /tmp and $HOME kept their files."""
     (ws / "keep.txt").write_text("v1\n")
     (ws / "del.txt").write_text("gone\n")
-    destroy = "mkdir -p sub && cd sub && rm ../del.txt && echo v2 > ../keep.txt && touch new.txt"
-    script = [{"bash": destroy}, {"bash": SUBMIT}, {"bash": "pwd; cat keep.txt del.txt; ls -1"}, {"bash": SUBMIT}]
-    seen = _undo_session(kind, script, ws, tmp_path, spawn, env, destroy)
+    outside = "/tmp/o.txt ~/h.txt" if kind == "bwrap" else str(tmp_path / "outside.txt")
+    destroy = f"mkdir -p sub && cd sub && rm ../del.txt && echo v2 > ../keep.txt && touch new.txt && tee {outside} </dev/null"
+    script = [{"bash": destroy}, {"bash": SUBMIT}, {"bash": f"pwd; cat keep.txt del.txt; ls -1; ls {outside}"}, {"bash": SUBMIT}]
+    seen, told = _undo_session(kind, script, ws, tmp_path, spawn, env, destroy)
     # The shell stood in sub/, which the undo removed: it is back in the workdir.
-    assert seen.startswith(f"{ws}\nv1\ngone\ndel.txt\nkeep.txt\n\n(exit_code=0)"), seen
+    assert seen.startswith(f"{ws}\nv1\ngone\ndel.txt\nkeep.txt\n"), seen
     assert (ws / "keep.txt").read_text() == "v1\n" and not (ws / "sub").exists()
+    assert f"Put back as they were: {ws}/keep.txt" in told, told
+    assert f"Brought back (deleted since): {ws}/del.txt" in told, told
+    if kind == "bwrap":
+        assert f"Deleted (created since): {ws}/sub/new.txt, /tmp/o.txt, /root-home/h.txt" in told, told
+        assert "No such file" in seen and "/tmp/o.txt" in seen  # gone inside the jail too
+    else:
+        assert f"Deleted (created since): {ws}/sub/new.txt\n" in told, told
+        assert f"Only files under {ws} are tracked" in told
+        assert (tmp_path / "outside.txt").exists()  # not tracked, and the model was told so
 
 
 @pytest.mark.podman
@@ -107,6 +121,8 @@ def test_undo_in_a_pty_session_restores_the_container(env, ws, tmp_path, spawn, 
     destroy = "rm /root/del.txt /etc/issue && echo v2 > /root/keep.txt && echo x >> /etc/debian_version && mkdir /root/new"
     check = "cat /root/keep.txt /root/del.txt; ls -d /root/new; test -f /etc/issue && echo issue-back; tail -c 2 /etc/debian_version"
     script = [{"bash": setup}, {"bash": destroy}, {"bash": SUBMIT}, {"bash": check}, {"bash": SUBMIT}]
-    seen = _undo_session("podman", script, ws, tmp_path, spawn, env, destroy)
+    seen, told = _undo_session("podman", script, ws, tmp_path, spawn, env, destroy)
     assert seen.startswith("v1\ngone\nls: cannot access '/root/new'"), seen
     assert "issue-back" in seen and "\nx\n" not in seen, seen
+    assert "Put back as they were: /etc/debian_version, /root/keep.txt" in told, told
+    assert "Deleted (created since): /root/new" in told and "/etc/issue" in told and "/root/del.txt" in told, told

@@ -32,6 +32,7 @@ EXIT_CODES = {
 }
 EXIT_USAGE = 2  # bad flags, config or resume path
 QUIT_WORDS = ("/q", "/quit", "/exit")
+RUNNING_TEXT = "Running… (Ctrl-C interrupts the command; a second Ctrl-C kills it)"
 
 # The model must know that a resumed session has a fresh shell, or it will rely on state
 # (cwd, variables, background jobs) that no longer exists.
@@ -235,7 +236,7 @@ def _make_hooks_classes():
                 return answer
             if self.undo is not None:
                 self.undo.before(command)
-            self.display.start_spinner("Running… (Ctrl-C to interrupt)")
+            self.display.start_spinner(RUNNING_TEXT)
             return None
 
         def on_observation(self, step: int, result: Any, observation: str) -> None:

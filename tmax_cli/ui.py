@@ -27,7 +27,7 @@ HELP = (
     "At a command: Enter runs it, other text rejects it and tells the model why. "
     "Anywhere: /y yolo (run without asking) · /c confirm each command · /undo [K] restore the files from "
     "before the last K commands (with --undo-steps) · /good, /bad rate the session · /q quit · /h help · "
-    "Ctrl-C interrupts the model or the command."
+    "Ctrl-C interrupts the model or the command; a second Ctrl-C kills a command that ignores it."
 )
 
 
