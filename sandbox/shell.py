@@ -101,6 +101,35 @@ NO_TTY_SETUP = [
     "unset __tmax_p",
 ]
 
+LOST_STATE = "lost: unexported variables, functions, aliases and background jobs"
+# Options the harness owns (history off) or that belong to the terminal, never restored.
+_OWN_OPTIONS = "history|emacs|vi|monitor|interactive-comments|posix|onecmd|noexec"
+
+
+def save_state_function(path: str) -> str:
+    """`__tmax_save`: cwd, exported variables and options into `path`, with builtins only
+    (it runs before every command; a process per command would cost milliseconds)."""
+    return (f"__tmax_save() {{ {{ builtin export -p; builtin printf '__tmax_cwd=%q\\n__tmax_opts=%q\\n"
+            f"__tmax_shopts=%q\\n' \"$PWD\" \"$SHELLOPTS\" \"$BASHOPTS\"; }} >| {shlex.quote(path)} 2>/dev/null; }}")
+
+
+def restore_state_script(path: str) -> str:
+    """Run in a new shell: take back what `__tmax_save` wrote; prints cwd=, vars= and opts=."""
+    q = shlex.quote(path)
+    return "\n".join([
+        "__tmax_env0=$(builtin export -p); __tmax_o0=:$SHELLOPTS:$BASHOPTS:",
+        f"__tmax_cwd=; [ -r {q} ] && . {q} >/dev/null 2>&1",
+        'if [ -n "$__tmax_cwd" ] && builtin cd -- "$__tmax_cwd" 2>/dev/null; then echo "cwd=$PWD"; else echo cwd=; fi',
+        f'for __tmax_p in ${{__tmax_opts//:/ }}; do case $__tmax_p in {_OWN_OPTIONS}) ;; *) set -o "$__tmax_p";; esac; done',
+        'for __tmax_p in ${__tmax_shopts//:/ }; do shopt -s "$__tmax_p" 2>/dev/null; done',
+        'printf "vars="; for __tmax_p in $(compgen -e); do case $__tmax_p in PWD|OLDPWD|SHLVL|_) continue;; esac;'
+        ' grep -qxF -- "$(declare -p "$__tmax_p")" <<<"$__tmax_env0" || printf "%s " "$__tmax_p"; done; echo',
+        'printf "opts="; for __tmax_p in ${SHELLOPTS//:/ } ${BASHOPTS//:/ }; do'
+        ' case $__tmax_o0 in *":$__tmax_p:"*) ;; *) printf "%s " "$__tmax_p";; esac; done; echo',
+        "unset __tmax_p __tmax_env0 __tmax_o0 __tmax_cwd __tmax_opts __tmax_shopts",
+    ])
+
+
 # Control characters that readline would act on if they reached it inside a command
 # (Ctrl-C raises SIGINT, ESC starts a key sequence, DEL deletes); commands keep \t and \n.
 _COMMAND_CTRL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
@@ -156,6 +185,9 @@ class PersistentShell:
         self.inner_pid: int | None = None
         self.restarts = 0
         self.start_s = 0.0
+        # Where the shell writes its cwd, exported variables and options at the start of every
+        # command line (builtins only: no process), so a restarted shell can take them back.
+        self.state_file = f"/tmp/.tmax-shell-{self.tag}"
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -202,7 +234,10 @@ class PersistentShell:
                 f"shell {shlex.join(self.argv)} did not start"
                 f" ({'timed out' if timed_out else 'exited'}): {detail}"
             )
-        setup = [*NO_TTY_SETUP, "echo $$"]
+        # The saved state may hold secrets from the environment: only this user may read it.
+        state = shlex.quote(self.state_file)
+        setup = [*NO_TTY_SETUP, save_state_function(self.state_file),
+                 f"[ -e {state} ] || (umask 077; : > {state}) 2>/dev/null", "echo $$"]
         setup += [f"export {k}={shlex.quote(v)}" for k, v in self.env.items()]
         res = self._run_raw("\n".join(setup), time.monotonic() + self.start_timeout)
         if res[1] != 0 or res[2] or res[3]:
@@ -240,10 +275,25 @@ class PersistentShell:
         except Exception:
             pass
 
-    def restart(self) -> None:
+    def restart(self) -> str:
+        """A new shell in place of a dead one, with the cwd, exported variables and options
+        the old one had before its last command; returns what was restored and what was lost."""
         self._kill()
         self.restarts += 1
         self.start()
+        return self._restore_state()
+
+    def _restore_state(self) -> str:
+        res = self._run_raw(restore_state_script(self.state_file), time.monotonic() + self.start_timeout)
+        lines = dict(line.split("=", 1) for line in clean_output(res[0]).splitlines() if "=" in line)
+        if res[1] != 0 or res[2] or res[3] or "cwd" not in lines:
+            return f"{LOST_STATE}; nothing could be restored (the saved state was unreadable)"
+        restored = [f"cwd {lines['cwd']}" if lines["cwd"] else "cwd (its directory is gone: back in the start directory)"]
+        names = lines.get("vars", "").split()
+        restored.append(f"exported variables ({', '.join(names)})" if names else "no exported variables of your own")
+        if lines.get("opts", "").strip():
+            restored.append(f"shell options ({lines['opts'].strip()})")
+        return f"restored {'; '.join(restored)}; {LOST_STATE}"
 
     # -- commands ----------------------------------------------------------------
 
@@ -252,12 +302,13 @@ class PersistentShell:
         and its exit code. Never raises for the command's own behaviour; raises
         SandboxError only if the shell cannot be (re)started."""
         t0 = time.monotonic()
+        pre_note = None
         if not self.alive:
             was_started = self._child is not None or self.restarts > 0 or self.start_s > 0
-            self.restart() if was_started else self.start()
-            pre_note = "the shell had exited and was restarted; shell state was reset" if was_started else None
-        else:
-            pre_note = None
+            if was_started:
+                pre_note = f"the shell had exited and was restarted: {self.restart()}"
+            else:
+                self.start()
         deadline = None if timeout is None else t0 + timeout
         self._interrupted = False
         out, rc, timed_out, eof, dropped = self._run_command(command, deadline)
@@ -265,18 +316,15 @@ class PersistentShell:
         if eof:
             status = self._exit_status()
             rc = status if status is not None else 1
-            msg = f"the shell exited (status {rc}) and was restarted; cwd, variables and jobs were reset"
-            self._restart_quietly()
-            note = msg
+            note = f"the shell exited (status {rc}) and was restarted: {self._restart_quietly()}"
         elif timed_out:
             recovered = self._recover_after_timeout()
             rc = 124
             if recovered:
                 note = f"command timed out after {timeout:g} s and was interrupted"
             else:
-                self._restart_quietly()
                 note = (f"command timed out after {timeout:g} s; the shell did not respond to Ctrl-C"
-                        " and was restarted; cwd, variables and jobs were reset")
+                        f" and was restarted: {self._restart_quietly()}")
         elif self._interrupted:
             note = "interrupted"
         return CommandResult(
@@ -325,7 +373,7 @@ class PersistentShell:
         with self._write_lock:
             self._child.send(data)
 
-    def _wrap(self, command: str) -> str:
+    def _wrap(self, command: str, save: bool = True) -> str:
         self._seq += 1
         # Normalise line ends and drop control characters readline would act on.
         command = command.replace("\r\n", "\n").replace("\r", "\n")
@@ -336,7 +384,7 @@ class PersistentShell:
         # the previous command's exit code, and a non-zero one cannot trip `set -e`
         # (a condition never does).
         return (
-            f"__tmax_rc=$?; __tmax_seq={self._seq}; IFS= builtin read -r -d '' __tmax_cmd <<'{delim}' || :;"
+            f"__tmax_rc=$?; __tmax_seq={self._seq};{' __tmax_save;' if save else ''} IFS= builtin read -r -d '' __tmax_cmd <<'{delim}' || :;"
             ' if __tmax_ret "$__tmax_rc"; then eval "$__tmax_cmd"; else eval "$__tmax_cmd"; fi </dev/null\n'
             f"{command}\n{delim}\n"
             # An empty line: it re-prints the prompt with `$?` unchanged. After a syntax
@@ -347,13 +395,13 @@ class PersistentShell:
         )
 
     def _run_raw(self, command: str, deadline: float | None) -> tuple[str, int, bool, bool]:
-        out, rc, timed_out, eof, _ = self._run_command(command, deadline)
+        out, rc, timed_out, eof, _ = self._run_command(command, deadline, save=False)
         return out, rc, timed_out, eof
 
-    def _run_command(self, command: str, deadline: float | None) -> tuple[str, int, bool, bool, int]:
+    def _run_command(self, command: str, deadline: float | None, save: bool = True) -> tuple[str, int, bool, bool, int]:
         if self._child is None:
             raise SandboxError("shell is not started")
-        text = self._wrap(command)
+        text = self._wrap(command, save)
         buf = BoundedOutput(self.max_output_chars)
         self._running = True
         try:
@@ -460,12 +508,13 @@ class PersistentShell:
             return 128 + child.signalstatus
         return None
 
-    def _restart_quietly(self) -> None:
+    def _restart_quietly(self) -> str:
         try:
-            self.restart()
+            return self.restart()
         except SandboxError:
             # Leave it dead: the next run() tries again and raises if that fails.
             self._child = None
+            return "the new shell did not start yet; the next command tries again"
 
 
 class ShellSandbox:

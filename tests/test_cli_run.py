@@ -362,7 +362,9 @@ def test_bwrap_shell_is_persistent_again_after_each_restart(env, ws, tmp_path):
         restarted, setter, probe = observations[3 * i: 3 * i + 3]
         assert "restarted" in (restarted["note"] or ""), (restart, restarted)
         assert setter["exit_code"] == 0 and setter["note"] is None, (restart, setter)
-        assert probe["observation"] == f"A=v{i}\n{ws}/d{i}\n\n(exit_code=0)", (restart, probe)
+        # The restarted shell is where the old one was: each directory is made inside the last.
+        where = "/".join(f"d{j}" for j in range(i + 1))
+        assert probe["observation"] == f"A=v{i}\n{ws}/{where}\n\n(exit_code=0)", (restart, probe)
 
 
 def test_json_events(env, ws, tmp_path):
