@@ -57,5 +57,4 @@ class LocalSandbox(ShellSandbox):
     def close(self) -> None:
         if self.shell is not None:
             self.shell.close()
-            Path(self.shell.state_file).unlink(missing_ok=True)  # on the host's own /tmp
             self.shell = None

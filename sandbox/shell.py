@@ -75,6 +75,9 @@ _NO_EDITOR = f"sh -c 'echo \"tmax: an editor {_NO_TTY_NOTE}\" >&2; exit 1' tmax-
 _VIMINIT = ("if (!has('ttyin') || !empty($TMAX_NO_TTY)) && empty(filter(copy(v:argv), 'v:val =~# \"^-[eE]\"'))"
             f" | echoerr 'tmax: vim {_NO_TTY_NOTE}.' | cquit | endif"
             " | if filereadable(expand('~/.vimrc')) | source ~/.vimrc | endif")
+# What NO_TTY_SETUP exports: a program that does get a terminal (a tmux session) starts without it.
+NO_TTY_VARS = ("PAGER", "GIT_PAGER", "MANPAGER", "SYSTEMD_PAGER", "EDITOR", "VISUAL", "GIT_EDITOR", "VIMINIT",
+               "TMAX_NO_TTY")
 NO_TTY_SETUP = [
     "export TERM=dumb PAGER=cat GIT_PAGER=cat MANPAGER=cat SYSTEMD_PAGER=''",
     f"export EDITOR={shlex.quote(_NO_EDITOR)} VISUAL={shlex.quote(_NO_EDITOR)} GIT_EDITOR={shlex.quote(_NO_EDITOR)}",
@@ -108,9 +111,11 @@ _OWN_OPTIONS = "history|emacs|vi|monitor|interactive-comments|posix|onecmd|noexe
 
 def save_state_function(path: str) -> str:
     """`__tmax_save`: cwd, exported variables and options into `path`, with builtins only
-    (it runs before every command; a process per command would cost milliseconds)."""
+    (it runs before every command; a process per command would cost milliseconds). The file
+    is overwritten in place, not truncated (on ext4 a truncate-and-rewrite waits for the disk,
+    ~4 ms), and ends in `return`, so what an earlier, longer state left after it is never read."""
     return (f"__tmax_save() {{ {{ builtin export -p; builtin printf '__tmax_cwd=%q\\n__tmax_opts=%q\\n"
-            f"__tmax_shopts=%q\\n' \"$PWD\" \"$SHELLOPTS\" \"$BASHOPTS\"; }} >| {shlex.quote(path)} 2>/dev/null; }}")
+            f"__tmax_shopts=%q\\nreturn 0\\n' \"$PWD\" \"$SHELLOPTS\" \"$BASHOPTS\"; }} 1<> {shlex.quote(path)} 2>/dev/null; }}")
 
 
 def restore_state_script(path: str) -> str:
@@ -258,8 +263,14 @@ class PersistentShell:
         self.start_s = time.monotonic() - t0
 
     def close(self) -> None:
-        # The sandbox owning the shell tears down everything inside it.
+        # The sandbox owning the shell tears down everything inside it; a shell on this very
+        # host (plain bash) leaves its state file in the host's /tmp, so it goes here.
         self._kill(inner=False)
+        if self.argv == BASH_ARGV:
+            try:
+                os.unlink(self.state_file)
+            except OSError:
+                pass
 
     def _kill(self, inner: bool = True) -> None:
         child, self._child = self._child, None
