@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 
 from sandbox.base import Sandbox, SandboxError
-from sandbox.shell import NO_TTY_VARS
+from sandbox.shell_setup import NO_TTY_VARS
 
 PRIVATE_DIR = "/tmp/.tmax-tmux"
 READY_TIMEOUT_S = 15.0

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from sandbox.shell import _NO_INPUT_NOTE, PersistentShell, clean_output
+from sandbox.shell import PersistentShell, clean_output
+from sandbox.shell_setup import _NO_INPUT_NOTE
 
 
 @pytest.fixture
