@@ -120,6 +120,11 @@ class PersistentShell:
         # Where the shell writes its cwd, exported variables and options at the start of every
         # command line (builtins only: no process), so a restarted shell can take them back.
         self.state_file = f"/tmp/.tmax-shell-{self.tag}"
+        # Called from the reading thread while a command of `run` runs: each piece of its output
+        # as it arrives, and "" about twice a second when nothing does (for elapsed-time displays).
+        # What `run` returns is the same either way.
+        self.on_output: Callable[[str], None] | None = None
+        self._streaming = False
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -249,7 +254,11 @@ class PersistentShell:
                 self.start()
         deadline = None if timeout is None else t0 + timeout
         self._interrupted = False
-        out, rc, timed_out, eof, dropped = self._run_command(command, deadline)
+        self._streaming = self.on_output is not None
+        try:
+            out, rc, timed_out, eof, dropped = self._run_command(command, deadline)
+        finally:
+            self._streaming = False
         note = pre_note
         if eof:
             status = self._exit_status()
@@ -384,6 +393,7 @@ class PersistentShell:
                 # EOF after the shell itself exited, so liveness is checked directly.
                 data = self._child.read_nonblocking(1 << 16, timeout=0.5 if wait is None else min(wait, 0.5))
             except pexpect.TIMEOUT:
+                self._stream("")
                 if not self._child.isalive():
                     pending += self._drain()
                     sink.add(pending)
@@ -393,7 +403,23 @@ class PersistentShell:
                 pending += self._decoder.decode(b"", final=True)
                 sink.add(pending)
                 return ("" if buf is not None else sink.text()[0]), 1, False, True
-            pending += self._decoder.decode(data)
+            text = self._decoder.decode(data)
+            pending += text
+            self._stream(text)
+
+    def _stream(self, text: str) -> None:
+        """Hand a piece of a running command's output to `on_output`, less any prompt marker
+        (or the start of one, cut at the end of the piece)."""
+        if not self._streaming or self.on_output is None:
+            return
+        text = self._marker_rx.sub("", text)  # the prompt brings its own newlines
+        cut = text.rfind("\n__TM")
+        if cut >= 0 and f"__TMAX_{self.tag}_".startswith(text[cut + 1:][:len(self.tag) + 7]):
+            text = text[:cut]
+        try:
+            self.on_output(text)
+        except Exception:
+            pass  # a display must never break the command it shows
 
     def _drain(self) -> str:
         """Whatever is still buffered on the pty of a dead shell."""
@@ -471,3 +497,7 @@ class ShellSandbox:
     def interrupt(self, force: bool = False) -> None:
         if self.shell is not None:
             self.shell.interrupt(force)
+
+    def watch_output(self, listener: Callable[[str], None] | None) -> None:
+        """Show each command's output as it arrives (`PersistentShell.on_output`); None: stop."""
+        self._shell().on_output = listener

@@ -544,3 +544,33 @@ def test_resume_continues_the_conversation(env, ws, tmp_path):
 def test_resume_bad_path(env, ws, tmp_path):
     rc, events, stderr = run_json(["--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--sandbox", "local", "--resume", str(tmp_path / "nope"), "x"], env, ws)
     assert rc == 2 and "cannot resume" in stderr and events[-1]["type"] == "error"
+
+
+def test_json_progress_events_while_a_long_command_runs(env, ws, tmp_path):
+    """A long command used to show nothing until it ended; the model's observation is unchanged."""
+    command = "for i in 1 2 3 4; do echo tick$i; sleep 0.7; done"
+    with ScriptedServer([{"bash": command}, {"bash": SUBMIT}]) as srv:
+        rc, events, stderr = run_json(run_args(srv, ws, tmp_path / "run", "--sandbox", "local", "--mode", "yolo"), env, ws)
+    assert rc == 0, stderr
+    progress = [e for e in events if e["type"] == "progress"]
+    assert len(progress) >= 2 and all(e["step"] == 1 for e in progress)
+    assert progress[0]["output"].startswith("tick1") and progress[-1]["elapsed_s"] >= 1
+    assert [e["elapsed_s"] for e in progress] == sorted(e["elapsed_s"] for e in progress)
+    assert "".join(e["output"] for e in progress).split() == [f"tick{i}" for i in range(1, len("".join(
+        e["output"] for e in progress).split()) + 1)]
+    types = [e["type"] for e in events]
+    assert types.index("command") < types.index("progress") < types.index("observation")
+    observation = next(e for e in events if e["type"] == "observation")["observation"]
+    assert observation == "tick1\ntick2\ntick3\ntick4\n\n(exit_code=0)"
+
+
+def test_the_screen_shows_a_running_command_live(env, ws, tmp_path, spawn):
+    command = "echo first-$((1+1)); sleep 2.5; echo done-$((2+3))"  # the output differs from the command
+    with ScriptedServer([{"bash": command}, {"bash": SUBMIT}]) as srv:
+        t = spawn(run_args(srv, ws, tmp_path / "run", "--sandbox", "local", "--mode", "yolo"), env, ws)
+        t.expect("first-2")  # before the command ends: its output so far, live
+        t.expect(r"Running… \(Ctrl-C interrupts the command; a second Ctrl-C kills it\) · [12]s")
+        assert "done-5" not in t.screen
+        t.expect("done-5", timeout=30)
+        t.answer(FOLLOW_UP, "")
+        assert t.finish() == 0

@@ -207,6 +207,7 @@ def _converse(run: RunRequest, task: str, run_dir: Path, session: Any, config: A
         display.start_spinner(f"Starting the {run.settings.sandbox} sandbox…")
     box = session.start()
     display.stop_spinner()
+    box.watch_output(hooks.on_command_output)  # what the model gets is the same; this is for the screen
     if run.undo_steps:
         from tmax_cli.run_undo import UndoControl
 

@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 from agents.loop import AgentHooks
+from sandbox.shell_output import clean_output
 from tmax_cli.run_setup import keep_long_output
 
 QUIT_WORDS = ("/q", "/quit", "/exit")
 RUNNING_TEXT = "Running… (Ctrl-C interrupts the command; a second Ctrl-C kills it)"
 WAITING_TEXT = "Waiting for the model… (Ctrl-C to interrupt)"
+PROGRESS_EVERY_S = 1.0  # --json: the fastest progress events come while a command prints
+PROGRESS_IDLE_S = 5.0  # --json: a progress event (elapsed time only) while it prints nothing
 
 
 def usage_dict(u: Any) -> dict[str, int]:
@@ -33,13 +38,33 @@ class JsonHooks(AgentHooks):
         self.session_usage = session_usage  # the agent's running totals (resets per run())
         self.run_dir: Path | None = None  # where long outputs are kept
         self.output_limit = 10_000
+        self.step = 0
+        self.command_started: float | None = None  # monotonic time the running command started
+        self._last_progress = 0.0
+        self._pending = ""  # output not yet sent in a progress event
+        self._emit_lock = threading.Lock()
 
     def emit(self, type_: str, **fields: Any) -> None:
-        sys.stdout.write(json.dumps({"type": type_, **fields}, default=str) + "\n")
-        sys.stdout.flush()
+        with self._emit_lock:  # progress comes from the thread reading the command
+            sys.stdout.write(json.dumps({"type": type_, **fields}, default=str) + "\n")
+            sys.stdout.flush()
 
     def on_step_start(self, step: int) -> None:
+        self.step = step
         self.emit("step", step=step)
+
+    def on_command_output(self, text: str) -> None:
+        """From the reading thread: a `progress` event with the output since the last one, at
+        most every PROGRESS_EVERY_S while output comes, every PROGRESS_IDLE_S while none does."""
+        if self.command_started is None:
+            return
+        self._pending += text
+        now = time.monotonic()
+        quiet = now - self._last_progress
+        if (self._pending and quiet >= PROGRESS_EVERY_S) or quiet >= PROGRESS_IDLE_S:
+            self._last_progress = now
+            output, self._pending = clean_output(self._pending), ""
+            self.emit("progress", step=self.step, elapsed_s=round(now - self.command_started, 1), output=output)
 
     def on_model_turn(self, step: int, turn: Any, command: str | None) -> None:
         self.emit(
@@ -55,9 +80,12 @@ class JsonHooks(AgentHooks):
 
     def approve(self, step: int, command: str) -> str | None:
         self.emit("command", step=step, command=command)
+        self.command_started = self._last_progress = time.monotonic()
+        self._pending = ""
         return None
 
     def on_observation(self, step: int, result: Any, observation: str) -> None:
+        self.command_started = None
         kept = keep_long_output(self.run_dir, step, result, self.output_limit)
         self.emit(
             "observation",
@@ -96,6 +124,7 @@ class InteractiveHooks(AgentHooks):
         self.rate: Callable[[str], str] | None = None  # /good, /bad (agents.rating.rate)
         self.run_dir: Path | None = None  # where long outputs are kept
         self.output_limit = 10_000
+        self.live: Any = None  # tmax_cli.ui.LiveOutput of the running command
 
     # `/y` and `/c` work at every prompt; returns True when the input was a mode command.
     def _mode_command(self, text: str) -> bool:
@@ -179,10 +208,15 @@ class InteractiveHooks(AgentHooks):
             return answer
         if self.undo is not None:
             self.undo.before(command)
-        self.display.start_spinner(RUNNING_TEXT)
+        self.live = self.display.start_live(RUNNING_TEXT)
         return None
 
+    def on_command_output(self, text: str) -> None:
+        if self.live is not None:
+            self.live.add(text)
+
     def on_observation(self, step: int, result: Any, observation: str) -> None:
+        self.live = None
         self.display.stop_spinner()
         kept = keep_long_output(self.run_dir, step, result, self.output_limit)
         self.display.output(result.output, result.exit_code, result.duration_s, result.timed_out, result.note,
