@@ -4,10 +4,10 @@
 keeps the last `keep`; `undo(k)` puts the files back as they were before the k-th last
 command. Two stores, chosen per sandbox kind by `snapshot_store(box)`:
 
-* `DirectorySnapshots` (local, bwrap): the workspace directory, copied with
-  `cp -a --reflink=auto` (copy-on-write clones where the filesystem has them, a plain copy
-  elsewhere). Hard-link trees were rejected: a command writing a file in place (`>>`,
-  `sed -i` keeps the inode on some tools, editors) would change the snapshot too.
+* `WatchedSnapshots` (local, bwrap; `sandbox.watched`): a change log. inotify says what a
+  command changed; only those paths are copied (the old version into the snapshot's
+  pre-images, the new one into a mirror of the directory), so a snapshot costs in proportion
+  to what changed, not to the size of the workspace. bwrap's /tmp and $HOME are logged too.
 * `ContainerSnapshots` (podman): diff-based. The container's changes against its image
   (`podman diff`) are archived inside the container with tar; a restore deletes what was
   added since, extracts the archive, and takes files changed since from the image itself.
@@ -21,22 +21,18 @@ Nothing here runs when undo is off (no store is made).
 from __future__ import annotations
 
 import io
-import os
 import shlex
-import shutil
-import stat
 import subprocess
 import tarfile
-import tempfile
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from sandbox.base import IMAGE_USER, LABEL_KEY, LABEL_VALUE, NAME_PREFIX, SandboxError
+from sandbox.base import IMAGE_USER, LABEL_KEY, LABEL_VALUE, SandboxError
+from sandbox.watched import WatchedSnapshots
 
 
-COPY_BATCH = 1000  # paths per cp call, well below the argument-length limit
 
 
 class SnapshotStore(Protocol):
@@ -60,9 +56,6 @@ def _run(argv: list[str], what: str, cwd: Path | None = None) -> bytes:
     return r.stdout
 
 
-Key = tuple[int, ...]
-
-
 @dataclass
 class Restored:
     """What a restore changed, as paths seen inside the sandbox."""
@@ -79,109 +72,10 @@ class Restored:
         return not (self.changed or self.removed or self.recreated)
 
 
-def _scan(root: Path) -> tuple[dict[str, Key], set[str]]:
-    """Regular files and symlinks under root (rel path -> inode, size, mtime, ctime, mode) and
-    the directories. Sockets, pipes and devices belong to processes and are left alone."""
-    files: dict[str, Key] = {}
-    dirs: set[str] = set()
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel_dir = os.path.relpath(dirpath, root)
-        dirs.add(rel_dir)
-        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
-            rel = os.path.normpath(os.path.join(rel_dir, name))
-            st = os.lstat(os.path.join(dirpath, name))
-            if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
-                files[rel] = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
-    return files, dirs
-
-
-class DirectorySnapshots:
-    """Snapshots of one host directory (the workspace of a local or bwrap sandbox, or the
-    jail's private /tmp and home), shown inside the sandbox as `inside`.
-
-    Each snapshot is a tree of its own. A file whose inode, size, mtime and ctime are as they
-    were at the previous snapshot is hard-linked to that snapshot's copy (never to the live
-    file, so in-place writes cannot reach a snapshot); any other file is copied
-    (`cp --reflink=auto`: a clone where the filesystem can, a copy elsewhere). A restore
-    touches only what differs from the snapshot, and says which paths those were."""
-
-    def __init__(self, root: Path, inside: str | None = None) -> None:
-        self.root = Path(root).resolve()
-        self.inside = inside or str(self.root)
-        self.store = Path(tempfile.mkdtemp(prefix=NAME_PREFIX + "undo-"))
-        if self.store == self.root or self.root in self.store.parents:
-            self.close()
-            raise SandboxError(f"undo: the workspace {self.root} contains the temp directory; "
-                               "snapshots cannot be kept inside what they copy")
-        self._manifests: dict[int, tuple[dict[str, Key], set[str]]] = {}
-        self._last: int | None = None  # the snapshot whose copies unchanged files link to
-
-    def _path(self, n: int) -> Path:
-        return self.store / str(n)
-
-    def save(self, n: int) -> None:
-        dst = self._path(n)
-        prev_n = self._last if self._last in self._manifests else None
-        prev = self._manifests[prev_n][0] if prev_n is not None else {}
-        files, dirs = _scan(self.root)
-        for rel_dir in sorted(dirs):
-            (dst / rel_dir).mkdir(parents=True, exist_ok=True)
-        copies: list[str] = []
-        for rel, key in files.items():
-            if prev_n is not None and prev.get(rel) == key and stat.S_ISREG(key[4]):
-                os.link(self._path(prev_n) / rel, dst / rel)
-            else:
-                copies.append(rel)
-        self._copy(self.root, dst, copies, f"copying {self.root}")
-        for rel_dir in sorted(dirs, reverse=True):  # children first: their entries change a parent's mtime
-            shutil.copystat(self.root / rel_dir, dst / rel_dir, follow_symlinks=False)
-        self._manifests[n] = (files, dirs)
-        self._last = n
-
-    @staticmethod
-    def _copy(src: Path, dst: Path, rels: list[str], what: str) -> None:
-        for i in range(0, len(rels), COPY_BATCH):
-            # cp keeps modes, times and symlinks; --parents recreates the directories on the way.
-            _run(["cp", "-a", "--reflink=auto", "--parents", "-t", str(dst), "--", *rels[i:i + COPY_BATCH]],
-                 what, cwd=src)
-
-    def restore(self, n: int) -> Restored:
-        # The root itself stays (bwrap bind-mounts it); only what differs inside is replaced.
-        snap_files, snap_dirs = self._manifests[n]
-        files, dirs = _scan(self.root)
-        added = sorted(p for p in files if p not in snap_files)
-        changed = sorted(p for p in snap_files if p in files and files[p] != snap_files[p])
-        deleted = sorted(p for p in snap_files if p not in files)
-        for rel in added + changed:
-            (self.root / rel).unlink()
-        added_dirs = sorted(dirs - snap_dirs, reverse=True)
-        kept_dirs = []
-        for rel in added_dirs:  # deepest first
-            try:
-                (self.root / rel).rmdir()
-            except OSError:  # it holds what a process made there (a socket): left alone
-                kept_dirs.append(rel)
-        added_dirs = [d for d in added_dirs if d not in kept_dirs]
-        for rel in sorted(snap_dirs - dirs):
-            (self.root / rel).mkdir(parents=True, exist_ok=True)
-        self._copy(self._path(n), self.root, changed + deleted, f"restoring {self.root}")
-        self._last = None  # the restored files are new inodes: the next snapshot copies them
-        shown = lambda rels: [os.path.join(self.inside, r) for r in rels]  # noqa: E731
-        return Restored(shown(changed), shown(added + [d for d in added_dirs if not any(
-            a.startswith(d + "/") for a in added)]), shown(deleted))
-
-    def drop(self, n: int) -> None:
-        self._manifests.pop(n, None)
-        shutil.rmtree(self._path(n), ignore_errors=True)
-
-    def close(self) -> None:
-        shutil.rmtree(self.store, ignore_errors=True)
-
-
 class SnapshotGroup:
     """Several directories snapshotted and restored together (a jail's workspace, /tmp, home)."""
 
-    def __init__(self, stores: list[DirectorySnapshots]) -> None:
+    def __init__(self, stores: list[Any]) -> None:
         self.stores = stores
 
     def save(self, n: int) -> None:
@@ -369,7 +263,7 @@ def snapshot_store(box: Any) -> SnapshotStore:
         return ContainerSnapshots(box)
     if box.kind == "bwrap":
         # Everything the jail can write: the workspace, its private /tmp and home.
-        return SnapshotGroup([DirectorySnapshots(host, inside) for inside, host in box.writable_dirs()])
+        return SnapshotGroup([WatchedSnapshots(host, inside) for inside, host in box.writable_dirs()])
     if box.kind == "local":
-        return DirectorySnapshots(Path(box.workdir))
+        return WatchedSnapshots(Path(box.workdir))
     raise SandboxError(f"undo: no snapshots for sandbox kind {box.kind!r}")

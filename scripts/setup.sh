@@ -36,6 +36,7 @@ fi
 "$VENV/bin/python" -c "import tomli_w" 2>/dev/null || "$VENV/bin/pip" install -q "tomli-w>=1.0"
 "$VENV/bin/python" -c "import pytest_rerunfailures" 2>/dev/null || "$VENV/bin/pip" install -q "pytest-rerunfailures>=14"
 "$VENV/bin/python" -c "import pydantic_settings" 2>/dev/null || "$VENV/bin/pip" install -q "pydantic-settings>=2.3"
+"$VENV/bin/python" -c "import inotify_simple" 2>/dev/null || "$VENV/bin/pip" install -q "inotify-simple>=1.3"
 
 # Harbor (PyPI `harbor`, Python >= 3.12) in its own small venv: tests load tmax job directories
 # and ATIF trajectories with Harbor's own models. Skipped where no Python 3.12+ exists.
