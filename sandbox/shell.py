@@ -55,7 +55,7 @@ import pexpect
 from sandbox.base import DEFAULT_COMMAND_TIMEOUT_S, CommandResult, SandboxError
 from sandbox.hostexec import default_signals, on_lasting_thread
 from sandbox.shell_output import BoundedOutput, clean_output
-from sandbox.shell_setup import LOST_STATE, NO_TTY_SETUP, restore_state_script, save_state_function
+from sandbox.shell_setup import NO_TTY_SETUP, restore_state_script, restored_note, save_state_function
 
 BASH_ARGV = ["bash", "--norc", "--noprofile"]
 DEFAULT_MAX_OUTPUT_CHARS = 1_000_000  # head + tail kept per command; the rest is counted
@@ -228,15 +228,8 @@ class PersistentShell:
 
     def _restore_state(self) -> str:
         res = self._run_raw(restore_state_script(self.state_file), time.monotonic() + self.start_timeout)
-        lines = dict(line.split("=", 1) for line in clean_output(res[0]).splitlines() if "=" in line)
-        if res[1] != 0 or res[2] or res[3] or "cwd" not in lines:
-            return f"{LOST_STATE}; nothing could be restored (the saved state was unreadable)"
-        restored = [f"cwd {lines['cwd']}" if lines["cwd"] else "cwd (its directory is gone: back in the start directory)"]
-        names = lines.get("vars", "").split()
-        restored.append(f"exported variables ({', '.join(names)})" if names else "no exported variables of your own")
-        if lines.get("opts", "").strip():
-            restored.append(f"shell options ({lines['opts'].strip()})")
-        return f"restored {'; '.join(restored)}; {LOST_STATE}"
+        ok = res[1] == 0 and not res[2] and not res[3]
+        return restored_note(clean_output(res[0]) if ok else None)
 
     # -- commands ----------------------------------------------------------------
 

@@ -79,3 +79,17 @@ def restore_state_script(path: str) -> str:
         ' case $__tmax_o0 in *":$__tmax_p:"*) ;; *) printf "%s " "$__tmax_p";; esac; done; echo',
         "unset __tmax_p __tmax_env0 __tmax_o0 __tmax_cwd __tmax_opts __tmax_shopts",
     ])
+
+
+def restored_note(printed: str | None) -> str:
+    """What the model is told after a restart, from what `restore_state_script` printed
+    (None: it failed)."""
+    lines = dict(line.split("=", 1) for line in (printed or "").splitlines() if "=" in line)
+    if "cwd" not in lines:
+        return f"{LOST_STATE}; nothing could be restored (the saved state was unreadable)"
+    restored = [f"cwd {lines['cwd']}" if lines["cwd"] else "cwd (its directory is gone: back in the start directory)"]
+    names = lines.get("vars", "").split()
+    restored.append(f"exported variables ({', '.join(names)})" if names else "no exported variables of your own")
+    if lines.get("opts", "").strip():
+        restored.append(f"shell options ({lines['opts'].strip()})")
+    return f"restored {'; '.join(restored)}; {LOST_STATE}"
