@@ -211,7 +211,10 @@ def _converse(run: RunRequest, task: str, run_dir: Path, session: Any, config: A
     if run.undo_steps:
         from tmax_cli.run_undo import UndoControl
 
+        if not run.json_mode:
+            display.start_spinner("Preparing undo: one copy of the workspace (instant where the filesystem clones)…")
         hooks.undo = UndoControl(box, run.undo_steps)
+        display.stop_spinner()
     if not run.json_mode:
         from agents.rating import rate
 
