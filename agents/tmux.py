@@ -1,5 +1,9 @@
 """A tmux session inside a sandbox, driven through one-off `exec` calls (Terminus-2 style).
 
+The server itself is started from the sandbox's persistent shell, so it lives as long as the
+sandbox: in bwrap every `exec` is a jail of its own, and a server started there would die
+with it. The clients reach it through its socket in the shared /tmp.
+
 Task images rarely ship tmux and trials run offline, so when a container has none the
 host's tmux binary is copied in with the shared libraries it needs that are not part of
 glibc (the base images are the host's Debian release), under a private directory, and
