@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from sandbox.base import IMAGE_USER, LABEL_KEY, LABEL_VALUE, SandboxError
-from sandbox.watched import WatchedSnapshots
+from sandbox.watched import JAIL_TMP_IGNORED, OWN_PREFIX, WatchedSnapshots
 
 
 
@@ -263,7 +263,8 @@ def snapshot_store(box: Any) -> SnapshotStore:
         return ContainerSnapshots(box)
     if box.kind == "bwrap":
         # Everything the jail can write: the workspace, its private /tmp and home.
-        return SnapshotGroup([WatchedSnapshots(host, inside) for inside, host in box.writable_dirs()])
+        return SnapshotGroup([WatchedSnapshots(host, inside, JAIL_TMP_IGNORED if inside == "/tmp" else OWN_PREFIX)
+                              for inside, host in box.writable_dirs()])
     if box.kind == "local":
         return WatchedSnapshots(Path(box.workdir))
     raise SandboxError(f"undo: no snapshots for sandbox kind {box.kind!r}")

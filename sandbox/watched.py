@@ -34,8 +34,11 @@ from sandbox.base import NAME_PREFIX, SandboxError
 
 WATCHED = (flags.CREATE | flags.DELETE | flags.MODIFY | flags.CLOSE_WRITE | flags.MOVED_FROM | flags.MOVED_TO
            | flags.ATTRIB | flags.DELETE_SELF | flags.DONT_FOLLOW | flags.EXCL_UNLINK)
-# tmax's own files in a jail's /tmp (the shell's saved state, the tmux bundle): never undone.
-OWN_PREFIX = ".tmax-"
+# tmax's own files (the shell's saved state, the tmux bundle in a jail's /tmp): never undone.
+OWN_PREFIX = (".tmax-",)
+# Also never undone in a jail's private /tmp: tmux's socket directory (removing it would cut
+# the terminal off).
+JAIL_TMP_IGNORED = (*OWN_PREFIX, "tmux-")
 ABSENT, FILE, DIR = "absent", "file", "dir"  # what a path was at the snapshot (a DIR comes back whole)
 
 
@@ -82,8 +85,9 @@ class PreImages:
 class WatchedSnapshots:
     """Snapshots of one host directory shown inside the sandbox as `inside`."""
 
-    def __init__(self, root: Path, inside: str | None = None) -> None:
+    def __init__(self, root: Path, inside: str | None = None, ignored: tuple[str, ...] = OWN_PREFIX) -> None:
         self.root = Path(root).resolve()
+        self.ignored = ignored  # top-level names starting so are not tracked
         self.inside = inside or str(self.root)
         self.store = Path(tempfile.mkdtemp(prefix=NAME_PREFIX + "undo-"))
         if self.store == self.root or self.root in self.store.parents:
@@ -129,7 +133,7 @@ class WatchedSnapshots:
                 if parent is None or not ev.name:
                     continue
                 rel = os.path.normpath(os.path.join(parent, ev.name))
-                if rel.startswith(OWN_PREFIX):
+                if rel.startswith(self.ignored):
                     continue
                 changed.add(rel)
                 if ev.mask & flags.ISDIR and ev.mask & (flags.CREATE | flags.MOVED_TO):
@@ -152,7 +156,7 @@ class WatchedSnapshots:
             return out
 
         live, mirror = listing(self.root), listing(self.mirror)
-        return {p for p in live.keys() | mirror.keys() if live.get(p) != mirror.get(p) and not p.startswith(OWN_PREFIX)}
+        return {p for p in live.keys() | mirror.keys() if live.get(p) != mirror.get(p) and not p.startswith(self.ignored)}
 
     # -- the log ------------------------------------------------------------------------
 
