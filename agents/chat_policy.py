@@ -93,6 +93,18 @@ def _usage(raw: Any) -> Usage:
     )
 
 
+def _check_completion(response: Any, base_url: Any) -> None:
+    """A 200 is not always a chat completion: a proxy's HTML page comes back as text, and some
+    servers put an error object in a 200. Neither gets better by asking again."""
+    if isinstance(response, str):
+        raise FatalModelError(f"the server at {base_url} answered 200 with something that is not a chat completion "
+                              f"({response[:200]!r}); check --base-url (an OpenAI-compatible API, usually ending in /v1)")
+    error = getattr(response, "error", None)
+    if error:
+        detail = error.get("message", error) if isinstance(error, dict) else error
+        raise FatalModelError(f"the server at {base_url} answered 200 with an error: {detail}")
+
+
 class ChatPolicy:
     def __init__(
         self,
@@ -168,6 +180,7 @@ class ChatPolicy:
         t0 = time.monotonic()
         response = self._create(kwargs)
         latency = time.monotonic() - t0
+        _check_completion(response, self.client.base_url)
         if not response.choices:
             raise ModelError("the model server returned no choices")
         choice = response.choices[0]
@@ -191,6 +204,9 @@ class ChatPolicy:
                     raise map_openai_error(e) from e
             except openai.OpenAIError as e:
                 raise map_openai_error(e) from e
+            except ValueError as e:  # a 200 whose JSON body is cut off or empty
+                raise FatalModelError(f"the server at {self.client.base_url} answered 200 with a body that is not "
+                                      f"valid JSON ({e}); check --base-url") from e
         raise AssertionError("unreachable")
 
     @staticmethod

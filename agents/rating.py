@@ -35,3 +35,22 @@ def read_reward(run_dir: str | Path) -> float | None:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ValueError(f"{path}: reward must be a number, got {value!r}")
     return float(value)
+
+
+RATINGS = {"/good": 1.0, "/bad": 0.0}
+VERIFY_TIMEOUT_S = 600.0
+
+
+def rate(run_dir: str | Path, word: str) -> str:
+    """`/good` or `/bad`: store the reward; returns the line to show."""
+    reward = RATINGS[word]
+    write_reward(run_dir, reward, "user")
+    return f"Session rated {word[1:]} (reward {reward:g}), saved in {Path(run_dir) / REWARD}."
+
+
+def verify(box: Any, command: str, run_dir: str | Path, timeout: float = VERIFY_TIMEOUT_S) -> dict[str, Any]:
+    """Run `command` in the sandbox (outside the agent's shell); exit status 0 is reward 1."""
+    result = box.exec(["bash", "-c", command], timeout=timeout)
+    reward = 1.0 if result.exit_code == 0 else 0.0
+    return write_reward(run_dir, reward, "verify", command=command, exit_code=result.exit_code,
+                        output=(result.output + result.stderr)[-2000:])

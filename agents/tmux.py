@@ -1,5 +1,9 @@
 """A tmux session inside a sandbox, driven through one-off `exec` calls (Terminus-2 style).
 
+The server itself is started from the sandbox's persistent shell, so it lives as long as the
+sandbox: in bwrap every `exec` is a jail of its own, and a server started there would die
+with it. The clients reach it through its socket in the shared /tmp.
+
 Task images rarely ship tmux and trials run offline, so when a container has none the
 host's tmux binary is copied in with the shared libraries it needs that are not part of
 glibc (the base images are the host's Debian release), under a private directory, and
@@ -19,6 +23,7 @@ import uuid
 from pathlib import Path
 
 from sandbox.base import Sandbox, SandboxError
+from sandbox.shell_setup import NO_TTY_VARS
 
 PRIVATE_DIR = "/tmp/.tmax-tmux"
 READY_TIMEOUT_S = 15.0
@@ -76,7 +81,15 @@ class TmuxSession:
         self.argv = self._find_tmux()
         shell = "env -u LD_LIBRARY_PATH TERM=xterm-256color bash --login"
         cwd = ["-c", self.workdir] if self.workdir else []
-        self._tmux("new-session", "-d", "-s", "main", "-x", str(self.width), "-y", str(self.height), *cwd, shell)
+        new = [*self.argv, "-L", self.socket, "new-session", "-d", "-s", "main", "-x", str(self.width),
+               "-y", str(self.height), *cwd, shell]
+        # The server is started from the sandbox's own shell, not a one-off exec: a bwrap exec is
+        # a jail of its own whose processes die with it. The no-terminal settings of that shell
+        # stay out of the terminal, where editors and pagers do work.
+        unset = " ".join(f"-u {name}" for name in NO_TTY_VARS)
+        res = self.sandbox.run(f"env {unset} {shlex.join(new)}", timeout=30)
+        if res.exit_code != 0:
+            raise SandboxError(f"tmux new-session failed (exit {res.exit_code}): {res.output[-500:]}")
         # Long outputs stay reachable through the history, not only what fits on screen.
         self._tmux("set-option", "-t", "main", "history-limit", "50000")
         # Keys sent before the shell has drawn its prompt would be echoed but run late.
@@ -88,23 +101,25 @@ class TmuxSession:
         """Key names (`C-c`, `Enter`) are sent as keys, anything else as literal text."""
         self._tmux("send-keys", "-t", "main", keys)
 
-    def _foreground(self) -> tuple[str, str]:
-        """(the pane's shell pid, the terminal's foreground process group): field 8 of
-        /proc/PID/stat."""
-        pid = self._tmux("display-message", "-p", "-t", "main", "#{pane_pid}").strip()
-        res = self.sandbox.exec(["sh", "-c", 'cut -d" " -f8 /proc/"$1"/stat', "sh", pid], timeout=30)
-        return pid, res.output.strip()
+    def _in_server(self, script: str) -> str:
+        """Run a shell script where the tmux server runs (`run-shell`), with `#{pane_pid}` and
+        other formats filled in: only there are the pane's processes visible (a bwrap exec has
+        a pid namespace of its own). Its output comes back through a file in /tmp."""
+        out = f"/tmp/.{self.socket}-{uuid.uuid4().hex[:8]}.out"  # Ctrl-C may ask while a step asks too
+        run = shlex.join([*self.argv, "-L", self.socket, "run-shell", "-t", "main", f"({script}) > {out} 2>&1"])
+        res = self.sandbox.exec(["sh", "-c", f"{run}; cat {out}; rm -f {out}"], timeout=30)
+        return res.output
 
     def foreground_busy(self) -> bool:
-        """Whether a job, not the shell, holds the terminal."""
-        pid, group = self._foreground()
+        """Whether a job, not the shell, holds the terminal: the terminal's foreground process
+        group (field 8 of /proc/PID/stat) is not the shell's."""
+        pid, _, group = self._in_server('echo #{pane_pid} $(cut -d" " -f8 /proc/#{pane_pid}/stat)').strip().partition(" ")
         return group.isdigit() and int(group) > 0 and group != pid
 
     def kill_foreground(self) -> None:
         """SIGKILL the job that holds the terminal (never the shell)."""
-        pid, group = self._foreground()
-        if group.isdigit() and int(group) > 0 and group != pid:
-            self.sandbox.exec(["kill", "-KILL", "--", f"-{group}"], timeout=30)
+        self._in_server('g=$(cut -d" " -f8 /proc/#{pane_pid}/stat);'
+                        ' [ "$g" -gt 0 ] && [ "$g" != #{pane_pid} ] && kill -s KILL -- "-$g"')
 
     def capture(self, history: bool = False) -> str:
         args = ["capture-pane", "-p", "-t", "main"] + (["-S", "-"] if history else [])

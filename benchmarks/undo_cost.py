@@ -8,11 +8,20 @@ archive them each step. For podman, `podman commit` (the alternative that was re
 is timed on the same container for comparison.
 
     python benchmarks/undo_cost.py [--steps 20] [--files 200] [--kb 16] [--skip-podman] [--skip-bwrap]
+    python benchmarks/undo_cost.py --json [--sandbox bwrap] [--steps 20]
+
+`--json` measures one sandbox (bwrap where it works, else local) on a small tree (200 files,
+3.1 MiB) and a large one (20,000 files, 270 MB, like a real repository with its build
+outputs) and prints milliseconds per command with undo on and off: small_ms_on,
+small_ms_off, large_ms_on, large_ms_off (medians), plus the one-off cost of starting undo
+(setup_ms: the mirror of the tree) and of one restore.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -58,17 +67,34 @@ def _commit_ms(box, n: int) -> float:
     return statistics.median(times)
 
 
-def measure(kind: str, args) -> dict[str, float]:
-    ws = Path(tempfile.mkdtemp(prefix="tmax-undo-bench-"))
+def _host_tree(root: Path, files: int, kb: float) -> None:
+    """files of kb KiB each, 100 to a directory (a repository's shape, not one flat folder)."""
+    size = int(kb * 1024)
+    for i in range(files):
+        d = root / f"d{i // 100}"
+        if i % 100 == 0:
+            d.mkdir()
+        (d / f"f{i}.bin").write_bytes(os.urandom(size))
+    (root / "f1.bin").write_bytes(os.urandom(size))
+
+
+def measure(kind: str, args, files: int | None = None, kb: float | None = None) -> dict[str, float]:
+    files, kb = files or args.files, kb or args.kb
+    ws = Path(tempfile.mkdtemp(prefix="tmax-undo-bench-", dir=args.dir))
     spec = SandboxSpec(workdir=str(ws)) if kind == "local" else SandboxSpec(workspace=ws) if kind == "bwrap" else SandboxSpec()
     box = make_sandbox(kind, spec)
     box.start()
     try:
         where = "/root/work" if kind == "podman" else str(ws if kind == "local" else box.target)
-        _fill(lambda c: box.run(c, timeout=120), args.files, args.kb, where)
+        if kind == "podman":
+            _fill(lambda c: box.run(c, timeout=600), files, int(kb), where)
+        else:
+            _host_tree(ws, files, kb)
         box.run(f"cd {where}", timeout=10)
         plain = _steps(box, args.steps, None)
+        t0 = time.perf_counter()
         history = UndoHistory(snapshot_store(box), KEEP)
+        setup_ms = (time.perf_counter() - t0) * 1000
         try:
             undo = _steps(box, args.steps, history)
             t0 = time.perf_counter()
@@ -76,13 +102,31 @@ def measure(kind: str, args) -> dict[str, float]:
             restore_ms = (time.perf_counter() - t0) * 1000
         finally:
             history.close()
-        row = {"plain_ms": statistics.median(plain), "undo_ms": statistics.median(undo), "restore_ms": restore_ms}
+        row = {"plain_ms": statistics.median(plain), "undo_ms": statistics.median(undo), "restore_ms": restore_ms,
+               "setup_ms": setup_ms}
         if kind == "podman":
             row["commit_ms"] = _commit_ms(box, min(args.steps, 5))
         return row
     finally:
         box.close()
         shutil.rmtree(ws, ignore_errors=True)
+
+
+SMALL = (200, 16)  # files, KiB each: 3.1 MiB
+LARGE = (20_000, 13.5)  # 270 MB
+
+
+def measure_sizes(args) -> dict[str, float | str]:
+    from tmax_cli.config import bwrap_works
+
+    kind = args.sandbox or ("bwrap" if bwrap_works() else "local")
+    out: dict[str, float | str] = {"sandbox": kind, "steps": args.steps}
+    for name, (files, kb) in (("small", SMALL), ("large", LARGE)):
+        r = measure(kind, args, files, kb)
+        out.update({f"{name}_ms_on": round(r["undo_ms"], 1), f"{name}_ms_off": round(r["plain_ms"], 1),
+                    f"{name}_setup_ms": round(r["setup_ms"]), f"{name}_restore_ms": round(r["restore_ms"])})
+    out["large_on_minus_off_ms"] = round(out["large_ms_on"] - out["large_ms_off"], 1)  # type: ignore[operator]
+    return out
 
 
 def main() -> None:
@@ -92,7 +136,13 @@ def main() -> None:
     p.add_argument("--kb", type=int, default=16)
     p.add_argument("--skip-podman", action="store_true")
     p.add_argument("--skip-bwrap", action="store_true")
+    p.add_argument("--json", action="store_true", help="small and large tree on one sandbox, as one JSON object")
+    p.add_argument("--sandbox", choices=["local", "bwrap"], default=None, help="with --json (default: bwrap where it works)")
+    p.add_argument("--dir", default=None, help="where the workspaces are made (default: the temp directory)")
     args = p.parse_args()
+    if args.json:
+        print(json.dumps(measure_sizes(args)))
+        return
     kinds = ["local"] + ([] if args.skip_bwrap else ["bwrap"]) + ([] if args.skip_podman else ["podman"])
     mib = args.files * args.kb / 1024
     print(f"{args.steps} steps, workspace {args.files} files x {args.kb} KiB = {mib:.1f} MiB; medians per step")

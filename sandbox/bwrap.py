@@ -15,7 +15,9 @@ apply, because the terminal here is a pty created for this sandbox alone.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -34,6 +36,7 @@ CREDENTIAL_PATHS = (
     "/etc/shadow", "/etc/gshadow", "/run/containers/0/auth.json",
 )
 SKIP_TOP = {"proc", "dev", "tmp"}
+MASK_SCAN_FILES = 2000  # files per masked directory checked for hard links (credential dirs are small)
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -52,6 +55,7 @@ class BwrapSandbox(ShellSandbox):
         self.target = ""
         self.tmp_host: Path | None = None
         self.home_host: Path | None = None
+        self._mask_args: list[str] | None = None
 
     # -- construction ---------------------------------------------------------------
 
@@ -122,35 +126,82 @@ class BwrapSandbox(ShellSandbox):
         a += ["--chdir", chdir]
         return a
 
-    def mask_args(self) -> list[str]:
-        """Cover each credential path that exists: a directory with an empty read-only
-        tmpfs, a file with an empty read-only file."""
-        assert self._own_dir is not None
-        empty = Path(self._own_dir) / "masked"
-        empty.touch(mode=0o444)
+    def masked_paths(self) -> list[Path]:
+        """The host paths to hide: credential paths and `spec.masked`, less what is exposed,
+        what the jail cannot see anyway and what lies inside another masked directory (a
+        mount below a read-only tmpfs cannot be made: bwrap would fail with exit 7)."""
         exposed = [Path(os.path.realpath(os.path.expanduser(p))) for p in self.spec.exposed]
-        args: list[str] = []
+        paths: list[Path] = []
         for raw in (*CREDENTIAL_PATHS, *self.spec.masked):
             path = Path(os.path.realpath(os.path.expanduser(raw)))
             shown = any(path == e or e in path.parents for e in exposed)
             # The jail has its own /tmp, /proc and /dev: host files there are out of sight.
             in_jail = path.parts[1:2] and path.parts[1] not in SKIP_TOP or self.workspace in path.parents
-            if shown or not in_jail or not path.exists():
+            # Masking the workspace or a directory holding it would hide the work itself.
+            holds_workspace = self.workspace is not None and (path == self.workspace or path in self.workspace.parents)
+            if shown or not in_jail or holds_workspace or not path.exists() or path in paths:
                 continue
+            paths.append(path)
+        dirs = [p for p in paths if p.is_dir()]
+        return [p for p in paths if not any(d in p.parents for d in dirs)]
+
+    def jail_argv(self, env: dict[str, str], chdir: str, command: list[str]) -> list[str]:
+        """`command` in the jail, with bwrap's own arguments read from a file (`--args`):
+        the jail's pid 1 is bwrap, and its /proc/1/cmdline would otherwise show the host's
+        paths, the masked credential files and the environment to whatever runs inside."""
+        assert self._own_dir is not None
+        fd, path = tempfile.mkstemp(prefix="args-", dir=self._own_dir)
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"".join(a.encode() + b"\0" for a in self.bwrap_argv(env, chdir)[1:]))
+        return ["sh", "-c", 'f=$1; shift; exec bwrap --args 3 "$@" 3<"$f"', "tmax-bwrap", path, *command]
+
+    def refuse_linked_masks(self, paths: list[Path]) -> None:
+        """A hard link to a masked file, made in the workspace, would show its contents: masks
+        go by path, links share the inode. Refuse to start while a masked file has a second
+        link on the workspace's filesystem (finding the link itself would mean walking the
+        whole workspace)."""
+        assert self.workspace is not None
+        device = self.workspace.stat().st_dev
+        for path in paths:
+            files = [path] if not path.is_dir() else (Path(d) / f for d, _, names in os.walk(path) for f in names)
+            for n, f in enumerate(files):
+                if n >= MASK_SCAN_FILES:
+                    break
+                try:
+                    st = f.lstat()
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode) and st.st_nlink > 1 and st.st_dev == device:
+                    raise SandboxError(
+                        f"bwrap sandbox: {f} is masked in the jail but has {st.st_nlink} hard links on the workspace's "
+                        f"filesystem; a link inside {self.workspace} would show its contents. Remove the extra link "
+                        f"(find {shlex.quote(str(self.workspace))} -samefile {shlex.quote(str(f))}) or --expose {path}")
+
+    def mask_args(self) -> list[str]:
+        """Cover each masked path: a directory with an empty read-only tmpfs, a file with an
+        empty read-only file."""
+        assert self._own_dir is not None
+        empty = Path(self._own_dir) / "masked"
+        empty.touch(mode=0o444)
+        args: list[str] = []
+        paths = self.masked_paths()
+        self.refuse_linked_masks(paths)
+        for path in paths:
             if path.is_dir():
                 args += ["--tmpfs", str(path), "--remount-ro", str(path)]
             else:
                 args += ["--ro-bind", str(empty), str(path)]
+        self._mask_args = args
         return args
 
     # -- Sandbox ----------------------------------------------------------------------
 
     def start(self) -> None:
-        self._prepare()
-        chdir = self.spec.workdir or self.target
-        argv = self.bwrap_argv(self._env(), chdir) + BASH_ARGV
-        self.shell = PersistentShell(argv, workdir=chdir, spawn_env={})
         try:
+            self._prepare()
+            chdir = self.spec.workdir or self.target
+            argv = self.jail_argv(self._env(), chdir, BASH_ARGV)
+            self.shell = PersistentShell(argv, workdir=chdir, spawn_env={})
             self.shell.start()
         except SandboxError:
             self.close()
@@ -160,15 +211,22 @@ class BwrapSandbox(ShellSandbox):
              env: dict[str, str] | None = None, user: str | None = None) -> CommandResult:
         # `user` is ignored: a host sandbox runs as the invoking user.
         self._shell()
-        full = self.bwrap_argv(self._env(env), workdir or self.spec.workdir or self.target) + list(argv)
-        return run_process(full, timeout, env={})
+        full = self.jail_argv(self._env(env), workdir or self.spec.workdir or self.target, list(argv))
+        try:
+            return run_process(full, timeout, env={})
+        finally:
+            Path(full[4]).unlink(missing_ok=True)  # the arguments file: read once at the start
+
+    def writable_dirs(self) -> list[tuple[str, Path]]:
+        """(path inside, host directory) of every place the jail can write."""
+        assert self.workspace and self.tmp_host and self.home_host, "the sandbox is not started"
+        return [(self.target, self.workspace), ("/tmp", self.tmp_host), ("/root-home", self.home_host)]
 
     def host_path(self, inside: str) -> Path:
         """Where a writable path inside the jail lives on the host."""
         p = Path(os.path.normpath(inside if os.path.isabs(inside) else os.path.join(self.target, inside)))
-        for root, host in ((Path(self.target), self.workspace), (Path("/tmp"), self.tmp_host),
-                           (Path("/root-home"), self.home_host)):
-            if host is not None and (p == root or root in p.parents):
+        for root, host in self.writable_dirs():
+            if p == Path(root) or Path(root) in p.parents:
                 return host / p.relative_to(root)
         raise SandboxError(f"bwrap sandbox: {inside} is not under the workspace ({self.target}) or /tmp;"
                            " the rest of the filesystem is read-only")
@@ -193,3 +251,4 @@ class BwrapSandbox(ShellSandbox):
         if self._own_dir is not None:
             shutil.rmtree(self._own_dir, ignore_errors=True)
             self._own_dir = None
+        self._mask_args = None

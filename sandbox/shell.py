@@ -55,35 +55,12 @@ import pexpect
 from sandbox.base import DEFAULT_COMMAND_TIMEOUT_S, CommandResult, SandboxError
 from sandbox.hostexec import default_signals, on_lasting_thread
 from sandbox.shell_output import BoundedOutput, clean_output
+from sandbox.shell_setup import NO_TTY_SETUP, restore_state_script, restored_note, save_state_function
 
 BASH_ARGV = ["bash", "--norc", "--noprofile"]
 DEFAULT_MAX_OUTPUT_CHARS = 1_000_000  # head + tail kept per command; the rest is counted
 START_TIMEOUT_S = 30.0
 INTERRUPT_GRACE_S = 5.0  # how long the prompt may take to return after Ctrl-C
-
-# Commands have no terminal to talk to (stdin is /dev/null, nobody types): pagers print
-# straight through, and full-screen editors fail at once with a note instead of waiting
-# for keys until the timeout. The user's own definitions made later still win.
-_NO_TTY_NOTE = ("needs an interactive terminal, and commands here have none; edit files with"
-                " sed -i, ed, python or a heredoc (cat > FILE <<EOF), and read them with cat, head or sed -n")
-_NO_EDITOR = f"sh -c 'echo \"tmax: an editor {_NO_TTY_NOTE}\" >&2; exit 1' tmax-no-editor"
-# Vim started by path (`/usr/bin/vi`), past the shell functions below, would wait for keys
-# on the pty: its init quits at once when input is not a terminal, unless it runs as a
-# script (`vim -e`/`-es`), and then reads the user's vimrc as usual.
-_VIMINIT = ("if !has('ttyin') && empty(filter(copy(v:argv), 'v:val =~# \"^-[eE]\"'))"
-            f" | echoerr 'tmax: vim {_NO_TTY_NOTE}.' | cquit | endif"
-            " | if filereadable(expand('~/.vimrc')) | source ~/.vimrc | endif")
-NO_TTY_SETUP = [
-    "export TERM=dumb PAGER=cat GIT_PAGER=cat MANPAGER=cat SYSTEMD_PAGER=''",
-    f"export EDITOR={shlex.quote(_NO_EDITOR)} VISUAL={shlex.quote(_NO_EDITOR)} GIT_EDITOR={shlex.quote(_NO_EDITOR)}",
-    f"export VIMINIT={shlex.quote(_VIMINIT)}",
-    f"__tmax_no_tty() {{ echo \"tmax: $1 {_NO_TTY_NOTE}.\" >&2; return 1; }}",
-    "for __tmax_p in vi vim nvim view vimdiff nano pico emacs joe mcedit; do"
-    " eval \"$__tmax_p() { __tmax_no_tty $__tmax_p; }\"; done",
-    "for __tmax_p in less more most; do"
-    " eval \"$__tmax_p() { command $__tmax_p \\\"\\$@\\\" | cat; return \\${PIPESTATUS[0]}; }\"; done",
-    "unset __tmax_p",
-]
 
 # Control characters that readline would act on if they reached it inside a command
 # (Ctrl-C raises SIGINT, ESC starts a key sequence, DEL deletes); commands keep \t and \n.
@@ -140,6 +117,14 @@ class PersistentShell:
         self.inner_pid: int | None = None
         self.restarts = 0
         self.start_s = 0.0
+        # Where the shell writes its cwd, exported variables and options at the start of every
+        # command line (builtins only: no process), so a restarted shell can take them back.
+        self.state_file = f"/tmp/.tmax-shell-{self.tag}"
+        # Called from the reading thread while a command of `run` runs: each piece of its output
+        # as it arrives, and "" about twice a second when nothing does (for elapsed-time displays).
+        # What `run` returns is the same either way.
+        self.on_output: Callable[[str], None] | None = None
+        self._streaming = False
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -186,7 +171,10 @@ class PersistentShell:
                 f"shell {shlex.join(self.argv)} did not start"
                 f" ({'timed out' if timed_out else 'exited'}): {detail}"
             )
-        setup = [*NO_TTY_SETUP, "echo $$"]
+        # The saved state may hold secrets from the environment: only this user may read it.
+        state = shlex.quote(self.state_file)
+        setup = [*NO_TTY_SETUP, save_state_function(self.state_file),
+                 f"[ -e {state} ] || (umask 077; : > {state}) 2>/dev/null", "echo $$"]
         setup += [f"export {k}={shlex.quote(v)}" for k, v in self.env.items()]
         res = self._run_raw("\n".join(setup), time.monotonic() + self.start_timeout)
         if res[1] != 0 or res[2] or res[3]:
@@ -207,8 +195,14 @@ class PersistentShell:
         self.start_s = time.monotonic() - t0
 
     def close(self) -> None:
-        # The sandbox owning the shell tears down everything inside it.
+        # The sandbox owning the shell tears down everything inside it; a shell on this very
+        # host (plain bash) leaves its state file in the host's /tmp, so it goes here.
         self._kill(inner=False)
+        if self.argv == BASH_ARGV:
+            try:
+                os.unlink(self.state_file)
+            except OSError:
+                pass
 
     def _kill(self, inner: bool = True) -> None:
         child, self._child = self._child, None
@@ -224,10 +218,18 @@ class PersistentShell:
         except Exception:
             pass
 
-    def restart(self) -> None:
+    def restart(self) -> str:
+        """A new shell in place of a dead one, with the cwd, exported variables and options
+        the old one had before its last command; returns what was restored and what was lost."""
         self._kill()
         self.restarts += 1
         self.start()
+        return self._restore_state()
+
+    def _restore_state(self) -> str:
+        res = self._run_raw(restore_state_script(self.state_file), time.monotonic() + self.start_timeout)
+        ok = res[1] == 0 and not res[2] and not res[3]
+        return restored_note(clean_output(res[0]) if ok else None)
 
     # -- commands ----------------------------------------------------------------
 
@@ -236,31 +238,33 @@ class PersistentShell:
         and its exit code. Never raises for the command's own behaviour; raises
         SandboxError only if the shell cannot be (re)started."""
         t0 = time.monotonic()
+        pre_note = None
         if not self.alive:
             was_started = self._child is not None or self.restarts > 0 or self.start_s > 0
-            self.restart() if was_started else self.start()
-            pre_note = "the shell had exited and was restarted; shell state was reset" if was_started else None
-        else:
-            pre_note = None
+            if was_started:
+                pre_note = f"the shell had exited and was restarted: {self.restart()}"
+            else:
+                self.start()
         deadline = None if timeout is None else t0 + timeout
         self._interrupted = False
-        out, rc, timed_out, eof, dropped = self._run_command(command, deadline)
+        self._streaming = self.on_output is not None
+        try:
+            out, rc, timed_out, eof, dropped = self._run_command(command, deadline)
+        finally:
+            self._streaming = False
         note = pre_note
         if eof:
             status = self._exit_status()
             rc = status if status is not None else 1
-            msg = f"the shell exited (status {rc}) and was restarted; cwd, variables and jobs were reset"
-            self._restart_quietly()
-            note = msg
+            note = f"the shell exited (status {rc}) and was restarted: {self._restart_quietly()}"
         elif timed_out:
             recovered = self._recover_after_timeout()
             rc = 124
             if recovered:
                 note = f"command timed out after {timeout:g} s and was interrupted"
             else:
-                self._restart_quietly()
                 note = (f"command timed out after {timeout:g} s; the shell did not respond to Ctrl-C"
-                        " and was restarted; cwd, variables and jobs were reset")
+                        f" and was restarted: {self._restart_quietly()}")
         elif self._interrupted:
             note = "interrupted"
         return CommandResult(
@@ -309,7 +313,7 @@ class PersistentShell:
         with self._write_lock:
             self._child.send(data)
 
-    def _wrap(self, command: str) -> str:
+    def _wrap(self, command: str, save: bool = True) -> str:
         self._seq += 1
         # Normalise line ends and drop control characters readline would act on.
         command = command.replace("\r\n", "\n").replace("\r", "\n")
@@ -320,7 +324,7 @@ class PersistentShell:
         # the previous command's exit code, and a non-zero one cannot trip `set -e`
         # (a condition never does).
         return (
-            f"__tmax_rc=$?; __tmax_seq={self._seq}; IFS= read -r -d '' __tmax_cmd <<'{delim}' || :;"
+            f"__tmax_rc=$?; __tmax_seq={self._seq};{' __tmax_save;' if save else ''} IFS= builtin read -r -d '' __tmax_cmd <<'{delim}' || :;"
             ' if __tmax_ret "$__tmax_rc"; then eval "$__tmax_cmd"; else eval "$__tmax_cmd"; fi </dev/null\n'
             f"{command}\n{delim}\n"
             # An empty line: it re-prints the prompt with `$?` unchanged. After a syntax
@@ -331,13 +335,13 @@ class PersistentShell:
         )
 
     def _run_raw(self, command: str, deadline: float | None) -> tuple[str, int, bool, bool]:
-        out, rc, timed_out, eof, _ = self._run_command(command, deadline)
+        out, rc, timed_out, eof, _ = self._run_command(command, deadline, save=False)
         return out, rc, timed_out, eof
 
-    def _run_command(self, command: str, deadline: float | None) -> tuple[str, int, bool, bool, int]:
+    def _run_command(self, command: str, deadline: float | None, save: bool = True) -> tuple[str, int, bool, bool, int]:
         if self._child is None:
             raise SandboxError("shell is not started")
-        text = self._wrap(command)
+        text = self._wrap(command, save)
         buf = BoundedOutput(self.max_output_chars)
         self._running = True
         try:
@@ -382,6 +386,7 @@ class PersistentShell:
                 # EOF after the shell itself exited, so liveness is checked directly.
                 data = self._child.read_nonblocking(1 << 16, timeout=0.5 if wait is None else min(wait, 0.5))
             except pexpect.TIMEOUT:
+                self._stream("")
                 if not self._child.isalive():
                     pending += self._drain()
                     sink.add(pending)
@@ -391,7 +396,23 @@ class PersistentShell:
                 pending += self._decoder.decode(b"", final=True)
                 sink.add(pending)
                 return ("" if buf is not None else sink.text()[0]), 1, False, True
-            pending += self._decoder.decode(data)
+            text = self._decoder.decode(data)
+            pending += text
+            self._stream(text)
+
+    def _stream(self, text: str) -> None:
+        """Hand a piece of a running command's output to `on_output`, less any prompt marker
+        (or the start of one, cut at the end of the piece)."""
+        if not self._streaming or self.on_output is None:
+            return
+        text = self._marker_rx.sub("", text)  # the prompt brings its own newlines
+        cut = text.rfind("\n__TM")
+        if cut >= 0 and f"__TMAX_{self.tag}_".startswith(text[cut + 1:][:len(self.tag) + 7]):
+            text = text[:cut]
+        try:
+            self.on_output(text)
+        except Exception:
+            pass  # a display must never break the command it shows
 
     def _drain(self) -> str:
         """Whatever is still buffered on the pty of a dead shell."""
@@ -444,12 +465,13 @@ class PersistentShell:
             return 128 + child.signalstatus
         return None
 
-    def _restart_quietly(self) -> None:
+    def _restart_quietly(self) -> str:
         try:
-            self.restart()
+            return self.restart()
         except SandboxError:
             # Leave it dead: the next run() tries again and raises if that fails.
             self._child = None
+            return "the new shell did not start yet; the next command tries again"
 
 
 class ShellSandbox:
@@ -468,3 +490,7 @@ class ShellSandbox:
     def interrupt(self, force: bool = False) -> None:
         if self.shell is not None:
             self.shell.interrupt(force)
+
+    def watch_output(self, listener: Callable[[str], None] | None) -> None:
+        """Show each command's output as it arrives (`PersistentShell.on_output`); None: stop."""
+        self._shell().on_output = listener

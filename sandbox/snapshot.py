@@ -4,10 +4,10 @@
 keeps the last `keep`; `undo(k)` puts the files back as they were before the k-th last
 command. Two stores, chosen per sandbox kind by `snapshot_store(box)`:
 
-* `DirectorySnapshots` (local, bwrap): the workspace directory, copied with
-  `cp -a --reflink=auto` (copy-on-write clones where the filesystem has them, a plain copy
-  elsewhere). Hard-link trees were rejected: a command writing a file in place (`>>`,
-  `sed -i` keeps the inode on some tools, editors) would change the snapshot too.
+* `WatchedSnapshots` (local, bwrap; `sandbox.watched`): a change log. inotify says what a
+  command changed; only those paths are copied (the old version into the snapshot's
+  pre-images, the new one into a mirror of the directory), so a snapshot costs in proportion
+  to what changed, not to the size of the workspace. bwrap's /tmp and $HOME are logged too.
 * `ContainerSnapshots` (podman): diff-based. The container's changes against its image
   (`podman diff`) are archived inside the container with tar; a restore deletes what was
   added since, extracts the archive, and takes files changed since from the image itself.
@@ -21,22 +21,18 @@ Nothing here runs when undo is off (no store is made).
 from __future__ import annotations
 
 import io
-import os
 import shlex
-import shutil
-import stat
 import subprocess
 import tarfile
-import tempfile
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from sandbox.base import IMAGE_USER, LABEL_KEY, LABEL_VALUE, NAME_PREFIX, SandboxError
+from sandbox.base import IMAGE_USER, LABEL_KEY, LABEL_VALUE, SandboxError
+from sandbox.watched import JAIL_TMP_IGNORED, OWN_PREFIX, WatchedSnapshots
 
 
-COPY_BATCH = 1000  # paths per cp call, well below the argument-length limit
 
 
 class SnapshotStore(Protocol):
@@ -44,7 +40,9 @@ class SnapshotStore(Protocol):
         """Snapshot the current state as number n."""
         ...
 
-    def restore(self, n: int) -> None: ...
+    def restore(self, n: int) -> "Restored":
+        """Put snapshot n back; says which paths that changed."""
+        ...
 
     def drop(self, n: int) -> None: ...
 
@@ -58,73 +56,51 @@ def _run(argv: list[str], what: str, cwd: Path | None = None) -> bytes:
     return r.stdout
 
 
-class DirectorySnapshots:
-    """Snapshots of one host directory (the workspace of a local or bwrap sandbox).
+@dataclass
+class Restored:
+    """What a restore changed, as paths seen inside the sandbox."""
 
-    Each snapshot is a tree of its own. A file whose inode, size, mtime and ctime are as they
-    were at the previous snapshot is hard-linked to that snapshot's copy (never to the live
-    file, so in-place writes cannot reach a snapshot); any other file is copied
-    (`cp --reflink=auto`: a clone where the filesystem can, a copy elsewhere)."""
+    changed: list[str] = field(default_factory=list)  # put back as they were
+    removed: list[str] = field(default_factory=list)  # created since the snapshot: deleted
+    recreated: list[str] = field(default_factory=list)  # deleted since the snapshot: back
 
-    def __init__(self, root: Path) -> None:
-        self.root = Path(root).resolve()
-        self.store = Path(tempfile.mkdtemp(prefix=NAME_PREFIX + "undo-"))
-        if self.store == self.root or self.root in self.store.parents:
-            self.close()
-            raise SandboxError(f"undo: the workspace {self.root} contains the temp directory; "
-                               "snapshots cannot be kept inside what they copy")
-        self._last: tuple[int, dict[str, tuple[int, ...]]] | None = None  # (snapshot, path -> stat key)
+    def __add__(self, other: "Restored") -> "Restored":
+        return Restored(self.changed + other.changed, self.removed + other.removed, self.recreated + other.recreated)
 
-    def _path(self, n: int) -> Path:
-        return self.store / str(n)
+    @property
+    def empty(self) -> bool:
+        return not (self.changed or self.removed or self.recreated)
+
+
+class SnapshotGroup:
+    """Several directories snapshotted and restored together (a jail's workspace, /tmp, home)."""
+
+    def __init__(self, stores: list[Any]) -> None:
+        self.stores = stores
 
     def save(self, n: int) -> None:
-        dst = self._path(n)
-        prev_n, prev = self._last if self._last and self._path(self._last[0]).is_dir() else (None, {})
-        seen: dict[str, tuple[int, ...]] = {}
-        copies: list[str] = []
-        dirs: list[str] = []
-        for dirpath, dirnames, filenames in os.walk(self.root):
-            rel_dir = os.path.relpath(dirpath, self.root)
-            dirs.append(rel_dir)
-            (dst / rel_dir).mkdir(parents=True, exist_ok=True)
-            for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
-                rel = os.path.normpath(os.path.join(rel_dir, name))
-                st = os.lstat(self.root / rel)
-                key = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
-                seen[rel] = key
-                if prev_n is not None and prev.get(rel) == key and stat.S_ISREG(st.st_mode):
-                    os.link(self._path(prev_n) / rel, dst / rel)
-                else:
-                    copies.append(rel)
-        for i in range(0, len(copies), COPY_BATCH):
-            # cp keeps modes, times and symlinks; directories get theirs below.
-            _run(["cp", "-a", "--reflink=auto", "--parents", "-t", str(dst), "--", *copies[i:i + COPY_BATCH]],
-                 f"copying {self.root}", cwd=self.root)
-        for rel_dir in reversed(dirs):  # children first: their entries change a parent's mtime
-            shutil.copystat(self.root / rel_dir, dst / rel_dir, follow_symlinks=False)
-        self._last = (n, seen)
+        for s in self.stores:
+            s.save(n)
 
-    def restore(self, n: int) -> None:
-        # The root itself stays (bwrap bind-mounts it); only what is inside is replaced.
-        for entry in self.root.iterdir():
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
-        _run(["cp", "-a", "--reflink=auto", f"{self._path(n)}/.", str(self.root)], f"restoring {self.root}")
-        self._last = None  # the restored files are new inodes: the next snapshot copies all
+    def restore(self, n: int) -> Restored:
+        restored = Restored()
+        for s in self.stores:
+            restored = restored + s.restore(n)
+        return restored
 
     def drop(self, n: int) -> None:
-        shutil.rmtree(self._path(n), ignore_errors=True)
+        for s in self.stores:
+            s.drop(n)
 
     def close(self) -> None:
-        shutil.rmtree(self.store, ignore_errors=True)
+        for s in self.stores:
+            s.close()
 
 
 @dataclass
 class Undone:
     commands: list[str]  # oldest first
+    restored: Restored = field(default_factory=Restored)
 
 
 class UndoHistory:
@@ -159,10 +135,10 @@ class UndoHistory:
                              f"the last {self.keep})")
         undone = [self._entries.pop() for _ in range(k)]
         target = undone[-1][0]
-        self.store.restore(target)
+        restored = self.store.restore(target)
         for n, _ in undone:
             self.store.drop(n)
-        return Undone([cmd for _, cmd in reversed(undone)])
+        return Undone([cmd for _, cmd in reversed(undone)], restored)
 
     def close(self) -> None:
         self.store.close()
@@ -230,7 +206,7 @@ class ContainerSnapshots:
         self._exec(["sh", "-c", f"rm -f -- {drops} && exec \"$@\"", "sh", *tar], "archiving the changes")
         self._diffs[n] = diff
 
-    def restore(self, n: int) -> None:
+    def restore(self, n: int) -> Restored:
         target, now = self._diffs[n], self.diff()
         # Gone at the snapshot, or added since: remove. Changed or deleted since (but as in the
         # image at the snapshot): take the image's version.
@@ -241,7 +217,21 @@ class ContainerSnapshots:
             self._exec(["rm", "-rf", "--", *sorted(remove, reverse=True)], "removing files added since")
         if from_image:
             self._restore_from_image(sorted(from_image), now)
-        self._exec(["tar", "-x", "-p", "-f", f"{SNAP_DIR}/{n}.tar", "-C", "/"], "extracting the snapshot")
+        # tar --compare first: the archived paths that differ now are the ones the extraction restores.
+        archive = f"{SNAP_DIR}/{n}.tar"
+        compared = self._exec(["sh", "-c", 'tar -d -f "$1" -C / 2>&1; exec tar -x -p -f "$1" -C /', "sh", archive],
+                              "extracting the snapshot")
+        differ: dict[str, str] = {}
+        for line in compared.splitlines():
+            path, _, why = line.partition(": ")
+            if why and not path.startswith("tar"):
+                differ.setdefault("/" + path.rstrip("/"), why)
+        gone = {p for p, why in differ.items() if "No such file" in why}
+        return Restored(
+            changed=sorted({*(p for p in differ if p not in gone), *(p for p in from_image if now[p] == _CHANGED)}),
+            removed=sorted(remove),
+            recreated=sorted({*gone, *(p for p in from_image if now[p] == _DELETED)}),
+        )
 
     def _restore_from_image(self, paths: list[str], now: dict[str, str]) -> None:
         # A deleted directory comes back whole; a changed one only as itself (its changed
@@ -272,7 +262,9 @@ def snapshot_store(box: Any) -> SnapshotStore:
     if box.kind == "podman":
         return ContainerSnapshots(box)
     if box.kind == "bwrap":
-        return DirectorySnapshots(box.workspace)
+        # Everything the jail can write: the workspace, its private /tmp and home.
+        return SnapshotGroup([WatchedSnapshots(host, inside, JAIL_TMP_IGNORED if inside == "/tmp" else OWN_PREFIX)
+                              for inside, host in box.writable_dirs()])
     if box.kind == "local":
-        return DirectorySnapshots(Path(box.workdir))
+        return WatchedSnapshots(Path(box.workdir))
     raise SandboxError(f"undo: no snapshots for sandbox kind {box.kind!r}")

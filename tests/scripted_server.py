@@ -14,6 +14,8 @@ Turn keys (all optional):
     usage            {"prompt_tokens": ..., "completion_tokens": ..., "total_tokens": ...}
     delay            seconds to wait before answering (client timeouts)
     status           answer with this HTTP error status instead (with "message")
+    raw              answer 200 with exactly this body instead (a proxy's HTML page, a cut-off reply)
+    content_type     the Content-Type of a `raw` body (default application/json)
     error            "context_length" | "max_tokens_too_large" | "auth" | "not_found" | "server": canned vLLM-style errors
     max_model_len    (a server option, not a turn key) reported per model by GET /v1/models, as vLLM does
 
@@ -156,6 +158,13 @@ def _handler(state: _State) -> type[BaseHTTPRequestHandler]:
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the client gave up (a timeout test); nothing to do
 
+        def _send_raw(self, data: bytes, content_type: str) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
         def _error(self, status: int, kind: str, message: str) -> None:
             self._send(status, {"error": {"message": message, "type": kind, "param": None, "code": status}, "object": "error"})
 
@@ -196,7 +205,9 @@ def _handler(state: _State) -> type[BaseHTTPRequestHandler]:
                 return
             if turn.get("delay"):
                 time.sleep(float(turn["delay"]))
-            if "error" in turn:
+            if "raw" in turn:
+                self._send_raw(turn["raw"].encode(), turn.get("content_type", "application/json"))
+            elif "error" in turn:
                 status, kind, message = CANNED_ERRORS[turn["error"]]
                 self._error(status, kind, turn.get("message", message))
             elif "status" in turn:

@@ -87,3 +87,56 @@ def test_terminus_drives_a_tmux_session_and_confirms_completion(tmp_path):
     assert "parsing errors" in last[1]
     assert any("Are you sure" in t for t in last)
     assert any("echo term > t.txt" in t for t in last)
+
+
+# --------------------------------------------------------------------------- every harness in every sandbox
+def _keys(k: list[str], done: bool = False) -> dict:
+    return {"content": json.dumps({"analysis": "a", "plan": "p", "task_complete": done,
+                                   "commands": [{"keystrokes": s, "duration": 0.5} for s in k]})}
+
+
+def _bash_block(command: str) -> dict:
+    return {"content": f"THOUGHT: next.\n\n```bash\n{command}\n```"}
+
+
+# Per harness: the turns (write a file, then show it and where the shell stands) and what the
+# second observation must hold. tmax and terminus-2 keep a shell (or terminal) for the whole
+# run, so the `cd` of the first step holds in the second; mini-swe starts a process per command.
+MATRIX_TURNS = {
+    "tmax": ([{"bash": "mkdir -p sub && cd sub && echo matrix-ok > t.txt"}, {"bash": "cat t.txt; pwd"}, {"bash": SUBMIT}],
+             ["matrix-ok", "/sub"]),
+    "mini-swe": ([_bash_block("mkdir -p sub && echo matrix-ok > sub/t.txt"), _bash_block("cat sub/t.txt; pwd"),
+                  _bash_block(SUBMIT)], ["matrix-ok"]),
+    "terminus-2": ([_keys(["mkdir -p sub && cd sub && echo matrix-ok > t.txt\n"]), _keys(["cat t.txt; pwd\n"]),
+                    _keys([], True), _keys([], True)], ["matrix-ok", "/sub"]),
+}
+SANDBOXES = [
+    "local",
+    pytest.param("bwrap", marks=[pytest.mark.bwrap, pytest.mark.skipif(shutil.which("bwrap") is None, reason="no bubblewrap")]),
+    pytest.param("podman", marks=[pytest.mark.podman, pytest.mark.skipif(shutil.which("podman") is None, reason="no podman")]),
+]
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+@pytest.mark.parametrize("harness", list(MATRIX_TURNS))
+def test_every_harness_runs_in_every_sandbox(tmp_path, harness, sandbox, request):
+    """terminus-2 used to stop at its first step in bwrap: each step's tmux ran in a jail of its
+    own, which took the tmux server with it."""
+    turns, expected = MATRIX_TURNS[harness]
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    where = ["--workdir", "/tmp"] if sandbox == "podman" else ["--workdir", str(ws)]
+    if sandbox == "podman":
+        where += ["--image", request.getfixturevalue("base_image")]
+    with ScriptedServer(turns) as srv:
+        proc = subprocess.run(
+            [sys.executable, "-m", "tmax_cli.main", "run", "--json", "--harness", harness, "--sandbox", sandbox, *where,
+             "--mode", "yolo", "--base-url", srv.base_url, "--model", srv.model, "-o", str(tmp_path / "run"), "go"],
+            env=_env(tmp_path), capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+    events = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert events[-1]["status"] == "submitted" and events[-1]["steps"] == len(turns)
+    second = [e for e in events if e["type"] == "observation"][1]["observation"]
+    for text in expected:
+        assert text in second, (text, second)

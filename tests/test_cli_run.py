@@ -219,6 +219,7 @@ def test_ctrl_c_during_a_command_then_guidance(env, ws, tmp_path, spawn):
         t = spawn(run_args(srv, ws, tmp_path / "run", "--sandbox", "local", "--mode", "yolo"), env, ws)
         t.expect("Waiting a long time.")
         t.expect("Running")
+        t.expect("a second Ctrl-C kills it")  # the screen says how to stop a command that ignores Ctrl-C
         time.sleep(1.0)
         started = time.monotonic()
         t.child.sendintr()
@@ -361,7 +362,9 @@ def test_bwrap_shell_is_persistent_again_after_each_restart(env, ws, tmp_path):
         restarted, setter, probe = observations[3 * i: 3 * i + 3]
         assert "restarted" in (restarted["note"] or ""), (restart, restarted)
         assert setter["exit_code"] == 0 and setter["note"] is None, (restart, setter)
-        assert probe["observation"] == f"A=v{i}\n{ws}/d{i}\n\n(exit_code=0)", (restart, probe)
+        # The restarted shell is where the old one was: each directory is made inside the last.
+        where = "/".join(f"d{j}" for j in range(i + 1))
+        assert probe["observation"] == f"A=v{i}\n{ws}/{where}\n\n(exit_code=0)", (restart, probe)
 
 
 def test_json_events(env, ws, tmp_path):
@@ -428,6 +431,29 @@ def test_json_exit_status_by_outcome(env, ws, tmp_path, script, extra, status, c
         rc, events, stderr = run_json(run_args(srv, ws, tmp_path / "run", "--sandbox", "local", *extra), env, ws)
     assert rc == code, stderr
     assert events[-1]["type"] == "done" and events[-1]["status"] == status
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        {"raw": "<html><body>502 Bad Gateway</body></html>", "content_type": "text/html"},
+        {"raw": '{"id": "chatcmpl-1", "choices": [{"message": {"role": "assi'},
+        {"raw": ""},
+        {"raw": '{"error": {"message": "upstream model overloaded", "code": 503}}'},
+    ],
+    ids=["html", "truncated-json", "empty-body", "error-object"],
+)
+def test_json_a_200_that_is_not_a_completion_is_a_model_error(env, ws, tmp_path, reply):
+    """Such a reply used to crash the run (AttributeError / JSONDecodeError, exit 1): no `done`
+    event, run.json left "running"."""
+    with ScriptedServer([{"bash": "echo first"}, reply]) as srv:
+        rc, events, stderr = run_json(run_args(srv, ws, tmp_path / "run", "--sandbox", "local", "--mode", "yolo"), env, ws)
+        assert len(srv.requests) == 2  # not retried: asking again does not make it a completion
+    assert rc == 6, stderr
+    done = events[-1]
+    assert done["type"] == "done" and done["status"] == "model_error" and "answered 200" in done["error"]
+    meta = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert meta["status"] == "model_error" and meta["finished_at"] and meta["steps"] == 1
 
 
 @pytest.mark.podman
@@ -518,3 +544,33 @@ def test_resume_continues_the_conversation(env, ws, tmp_path):
 def test_resume_bad_path(env, ws, tmp_path):
     rc, events, stderr = run_json(["--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--sandbox", "local", "--resume", str(tmp_path / "nope"), "x"], env, ws)
     assert rc == 2 and "cannot resume" in stderr and events[-1]["type"] == "error"
+
+
+def test_json_progress_events_while_a_long_command_runs(env, ws, tmp_path):
+    """A long command used to show nothing until it ended; the model's observation is unchanged."""
+    command = "for i in 1 2 3 4; do echo tick$i; sleep 0.7; done"
+    with ScriptedServer([{"bash": command}, {"bash": SUBMIT}]) as srv:
+        rc, events, stderr = run_json(run_args(srv, ws, tmp_path / "run", "--sandbox", "local", "--mode", "yolo"), env, ws)
+    assert rc == 0, stderr
+    progress = [e for e in events if e["type"] == "progress"]
+    assert len(progress) >= 2 and all(e["step"] == 1 for e in progress)
+    assert progress[0]["output"].startswith("tick1") and progress[-1]["elapsed_s"] >= 1
+    assert [e["elapsed_s"] for e in progress] == sorted(e["elapsed_s"] for e in progress)
+    assert "".join(e["output"] for e in progress).split() == [f"tick{i}" for i in range(1, len("".join(
+        e["output"] for e in progress).split()) + 1)]
+    types = [e["type"] for e in events]
+    assert types.index("command") < types.index("progress") < types.index("observation")
+    observation = next(e for e in events if e["type"] == "observation")["observation"]
+    assert observation == "tick1\ntick2\ntick3\ntick4\n\n(exit_code=0)"
+
+
+def test_the_screen_shows_a_running_command_live(env, ws, tmp_path, spawn):
+    command = "echo first-$((1+1)); sleep 2.5; echo done-$((2+3))"  # the output differs from the command
+    with ScriptedServer([{"bash": command}, {"bash": SUBMIT}]) as srv:
+        t = spawn(run_args(srv, ws, tmp_path / "run", "--sandbox", "local", "--mode", "yolo"), env, ws)
+        t.expect("first-2")  # before the command ends: its output so far, live
+        t.expect(r"Running… \(Ctrl-C interrupts the command; a second Ctrl-C kills it\) · [12]s")
+        assert "done-5" not in t.screen
+        t.expect("done-5", timeout=30)
+        t.answer(FOLLOW_UP, "")
+        assert t.finish() == 0

@@ -130,15 +130,25 @@ def test_timeouts_tokens_and_expose_from_flag_env_file(cfg_home, monkeypatch):
     s = resolve_run_settings(sandbox="local", command_timeout=3, max_tokens=100)
     assert (s.command_timeout, s.max_tokens) == (3.0, 100)
     monkeypatch.setenv("TMAX_COMMAND_TIMEOUT", "soon")
-    with pytest.raises(ConfigError, match="command_timeout must be a number of seconds, got 'soon' \\(from \\$TMAX_COMMAND_TIMEOUT\\)"):
+    with pytest.raises(ConfigError, match="command_timeout: Input should be a valid number.*got 'soon' \\(from \\$TMAX_COMMAND_TIMEOUT\\)"):
         resolve_run_settings(sandbox="local")
 
 
 def test_bad_flags(cfg_home):
-    with pytest.raises(ConfigError, match="mode 'auto'"):
+    with pytest.raises(ConfigError, match="mode: Input should be 'confirm' or 'yolo', got 'auto' \\(from --mode\\)"):
         resolve_run_settings(base_url="http://x/v1", sandbox="local", mode="auto")
-    with pytest.raises(ConfigError, match="at least 1"):
+    with pytest.raises(ConfigError, match="max_steps: Input should be greater than or equal to 1, got 0 \\(from --max-steps\\)"):
         resolve_run_settings(base_url="http://x/v1", sandbox="local", max_steps=0)
+
+
+def test_only_the_documented_variables_are_read(cfg_home, monkeypatch):
+    """pydantic-settings would read $MODEL or $SANDBOX for fields of those names; tmax reads
+    only the variables it documents."""
+    for name, value in (("MODEL", "stray"), ("SANDBOX", "podman"), ("BASE_URL", "http://stray/v1"), ("MAX_STEPS", "1")):
+        monkeypatch.setenv(name, value)
+    s = resolve_run_settings(base_url="http://x/v1", sandbox="local")
+    assert (s.model, s.sandbox, s.max_steps, s.base_url) == (None, "local", None, "http://x/v1")
+    assert s.sources["sandbox"] == "--sandbox" and s.sources["model"] == "default"
 
 
 def test_default_sandbox_matches_bwrap_probe():

@@ -46,3 +46,18 @@ def test_state_sticks_after_a_restart_on_a_worker_thread(box, restart):
     for _ in range(2):
         r = run_on_a_thread(box, "echo A=$A; basename $PWD")
         assert (r.output, r.note) == ("A=kept\nsub\n", None)
+
+
+@pytest.mark.parametrize("restart", ["exit", "kill -9 $$", "exec bash"])
+def test_a_restarted_shell_comes_back_as_it_was(box, restart):
+    """cwd, exported variables and the options a command set survive the restart, and the note
+    says what came back and what did not (it used to say that all of it was reset)."""
+    r = box.run("mkdir -p /tmp/back/sub && cd /tmp/back/sub && export A='two words' && set -o pipefail"
+                " && shopt -s globstar && B=plain && f() { :; }")
+    assert r.exit_code == 0, r.output
+    r = run_on_a_thread(box, restart)
+    assert "restarted: restored cwd /tmp/back/sub; exported variables (A" in r.note
+    assert "shell options (pipefail globstar)" in r.note
+    assert "lost: unexported variables, functions" in r.note
+    r = box.run("pwd; echo \"$A|${B:-}\"; shopt -o pipefail; shopt globstar; type -t f || echo no-f")
+    assert r.output.split() == ["/tmp/back/sub", "two", "words|", "pipefail", "on", "globstar", "on", "no-f"], r.output

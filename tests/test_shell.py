@@ -10,6 +10,7 @@ import time
 import pytest
 
 from sandbox.shell import PersistentShell, clean_output
+from sandbox.shell_setup import _NO_INPUT_NOTE
 
 
 @pytest.fixture
@@ -131,8 +132,8 @@ def test_timeout_when_the_shell_itself_ignores_ctrl_c_restarts(sh):
     sh.run("cd /; trap '' INT")
     r = sh.run("while :; do :; done", timeout=1)  # a builtin loop: nothing to kill but the shell
     assert r.timed_out and r.exit_code == 124 and "restarted" in r.note
-    r = sh.run("pwd")  # a fresh shell, back in the initial workdir
-    assert r.exit_code == 0 and r.output.strip() != "/"
+    r = sh.run("pwd")  # a fresh shell, back where the old one was
+    assert r.exit_code == 0 and r.output.strip() == "/"
 
 
 def test_force_interrupt_kills_the_whole_foreground_group(sh):
@@ -146,16 +147,17 @@ def test_stdin_readers_do_not_hang(sh):
     t0 = time.monotonic()
     r = sh.run("cat; read -r x; echo read=$?; python3 -c 'import sys; print(len(sys.stdin.read()))'", timeout=10)
     assert time.monotonic() - t0 < 5
-    assert r.output.splitlines() == ["read=1", "0"]
+    assert r.output.splitlines() == [f"tmax: read {_NO_INPUT_NOTE}", "read=1", "0"]
 
 
 def test_exit_restarts_with_note(sh):
-    sh.run("export GONE=1")
+    sh.run("export KEPT=1; PLAIN=1")
     r = sh.run("exit 7")
     assert r.exit_code == 7
-    assert "exited" in r.note and "restarted" in r.note
-    r = sh.run("echo ${GONE:-unset}")
-    assert r.output == "unset\n" and r.note is None
+    assert "exited" in r.note and "restarted" in r.note and "exported variables (KEPT" in r.note
+    assert "lost: unexported variables, functions, aliases and background jobs" in r.note
+    r = sh.run("echo ${KEPT:-unset} ${PLAIN:-unset}")
+    assert r.output == "1 unset\n" and r.note is None
 
 
 def test_dead_shell_is_restarted(sh):
@@ -264,3 +266,22 @@ def test_programs_that_need_a_terminal_fail_fast(sh, tmp_path):
     assert sh.run("less f.txt; less f.txt | wc -l").output == "one\ntwo\n2\n"  # pagers print through
     r = sh.run('sh -c "$EDITOR f.txt"; echo rc=$?; echo $TERM $PAGER $GIT_PAGER')
     assert r.output.startswith("tmax: an editor needs an interactive terminal") and r.output.endswith("rc=1\ndumb cat cat\n")
+
+
+def test_full_screen_programs_fail_fast_and_empty_input_gets_a_note(sh, tmp_path):
+    """`watch` and vim inside `script` used to wait for keys until the timeout; `python3` with
+    no script and `read x` ended silently."""
+    t0 = time.monotonic()
+    r = sh.run("watch -n 1 date", timeout=20)
+    assert r.exit_code == 1 and "tmax: watch repeats until a key stops it" in r.output
+    r = sh.run("script -qc 'vim f.txt' /dev/null", timeout=20)
+    assert "vim needs an interactive terminal" in r.output and not r.timed_out
+    assert time.monotonic() - t0 < 10
+    assert sh.run("top | head -1", timeout=20).output.startswith("top - ")  # printed once, not redrawn
+    r = sh.run("python3; echo rc=$?")
+    assert r.output == f"tmax: python3 with no script {_NO_INPUT_NOTE}\nrc=0\n"
+    r = sh.run("read x; echo rc=$?")
+    assert r.output == f"tmax: read {_NO_INPUT_NOTE}\nrc=1\n"
+    # Input given any other way: no note, and read behaves as the builtin.
+    r = sh.run("echo 'print(6*7)' | python3; IFS=: read a b <<< 'x:y'; echo $a-$b; printf '1\\n2\\n' | while read n; do echo n$n; done")
+    assert r.output == "42\nx-y\nn1\nn2\n"

@@ -17,7 +17,8 @@ when XDG_CONFIG_HOME is unset), with flat keys:
     expose = ["~/.ssh"]        # credential paths the bwrap jail may show (masked otherwise)
 
 The file is validated by a pydantic model: an unknown key or a wrong type is an error
-naming the key and the file.
+naming the key and the file. The precedence is pydantic-settings' (`RunSources`): the
+flags are its init values, then the documented environment variables, then the file.
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ import os
 import shutil
 import subprocess
 import tomllib
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from agents.policy import DEFAULT_MODEL_TIMEOUT_S
 from sandbox.base import DEFAULT_COMMAND_TIMEOUT_S
@@ -84,13 +87,14 @@ def default_run_dir() -> Path:
     return data_dir() / "runs" / stamp
 
 
-def load_file(path: Path | None = None) -> dict[str, Any]:
-    """The config file's settings ({} when there is no file); bad content is a ConfigError."""
-    path = path or config_path()
+def _file_source(path: Path) -> dict[str, Any]:
+    """The config file's settings ({} when there is no file), validated strictly (TOML has
+    types: `max_steps = "ten"` or `= true` is a mistake worth naming); bad content is a
+    ConfigError naming the file."""
     if not path.exists():
         return {}
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = TomlConfigSettingsSource(RunSources, toml_file=path)()
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
     except OSError as e:
@@ -102,6 +106,10 @@ def load_file(path: Path | None = None) -> dict[str, Any]:
     return data
 
 
+def load_file(path: Path | None = None) -> dict[str, Any]:
+    return _file_source(path or config_path())
+
+
 def _first_problem(e: ValidationError) -> str:
     err = e.errors()[0]
     key = ".".join(str(part) for part in err["loc"])
@@ -110,12 +118,63 @@ def _first_problem(e: ValidationError) -> str:
     return f"{key}: {err['msg']}, got {type(err['input']).__name__} {err['input']!r}"
 
 
-def _from_env(names: tuple[str, ...]) -> tuple[str | None, str | None]:
-    for name in names:
-        value = os.environ.get(name)
-        if value:
-            return value, f"${name}"
-    return None, None
+# Environment variables per setting, checked in this order; the first one set wins.
+ENV_NAMES = {"base_url": BASE_URL_ENV, "api_key": API_KEY_ENV, "model": MODEL_ENV,
+             "command_timeout": COMMAND_TIMEOUT_ENV, "model_timeout": MODEL_TIMEOUT_ENV}
+FLAGS = {"base_url": "--base-url", "model": "--model", "api_key": "--api-key", "sandbox": "--sandbox", "mode": "--mode",
+         "image": "--image", "max_steps": "--max-steps", "max_tokens": "--max-tokens",
+         "command_timeout": "--command-timeout", "model_timeout": "--model-timeout"}
+
+
+class NamedEnvSource(PydanticBaseSettingsSource):
+    """Exactly the documented variables (`ENV_NAMES`), not one per field: a stray $MODEL or
+    $SANDBOX in someone's shell must not change a run."""
+
+    def found(self) -> dict[str, tuple[str, str]]:
+        """setting -> (value, variable it came from)."""
+        out = {}
+        for key, names in ENV_NAMES.items():
+            name = next((n for n in names if os.environ.get(n)), None)
+            if name is not None:
+                out[key] = (os.environ[name], name)
+        return out
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        value, name = self.found().get(field_name, (None, ""))
+        return value, name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return {key: value for key, (value, _) in self.found().items()}
+
+
+class RunSources(BaseSettings):
+    """Flag > environment > config file, merged by pydantic-settings (`settings_customise_sources`);
+    None where no source sets a value (the defaults depend on each other: see resolve_run_settings).
+    `expose` is not here: the file's list and the flags' add up."""
+
+    model_config = SettingsConfigDict(extra="ignore")
+
+    base_url: str | None = None
+    model: str | None = None
+    api_key: str | None = None
+    sandbox: Literal[SANDBOX_KINDS] | None = None  # type: ignore[valid-type]
+    mode: Literal[MODES] | None = None  # type: ignore[valid-type]
+    image: str | None = None
+    max_steps: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    command_timeout: float | None = Field(None, gt=0)
+    model_timeout: float | None = Field(None, gt=0)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource) -> tuple[PydanticBaseSettingsSource, ...]:
+        file = _CONFIG_FILE.get()
+        return (init_settings, NamedEnvSource(settings_cls),
+                *([TomlConfigSettingsSource(settings_cls, toml_file=file)] if file is not None else []))
+
+
+_CONFIG_FILE: ContextVar[Path | None] = ContextVar("tmax_config_file", default=None)
 
 
 @dataclass
@@ -135,18 +194,6 @@ class RunSettings:
     sources: dict[str, str] = field(default_factory=dict)
 
 
-def _pick(flag_value: Any, flag_name: str, env: tuple[str, ...] | None, key: str, file: dict, path: Path):
-    if flag_value is not None:
-        return flag_value, flag_name
-    if env:
-        value, src = _from_env(env)
-        if value is not None:
-            return value, src
-    if key in file:
-        return file[key], str(path)
-    return None, None
-
-
 def missing_setting_message(what: str, flag: str, env: tuple[str, ...], path: Path, key: str) -> str:
     envs = " / ".join(f"${e}" for e in env)
     return (
@@ -155,96 +202,51 @@ def missing_setting_message(what: str, flag: str, env: tuple[str, ...], path: Pa
     )
 
 
-def resolve_run_settings(
-    *,
-    base_url: str | None = None,
-    model: str | None = None,
-    api_key: str | None = None,
-    sandbox: str | None = None,
-    mode: str | None = None,
-    image: str | None = None,
-    max_steps: int | None = None,
-    max_tokens: int | None = None,
-    command_timeout: float | None = None,
-    model_timeout: float | None = None,
-    expose: list[str] | None = None,
-    path: Path | None = None,
-) -> RunSettings:
-    """Merge flags, environment and config file; raise ConfigError naming every source tried."""
-    path = path or config_path()
-    file = load_file(path)
-    sources: dict[str, str] = {}
-
-    url, sources["base_url"] = _pick(base_url, "--base-url", BASE_URL_ENV, "base_url", file, path)
-    if not url:
-        raise ConfigError(missing_setting_message("base URL", "--base-url", BASE_URL_ENV, path, "base_url"))
-    if not url.startswith(("http://", "https://")):
-        raise ConfigError(f"base URL {url!r} (from {sources['base_url']}) must start with http:// or https://")
-
-    name, sources["model"] = _pick(model, "--model", MODEL_ENV, "model", file, path)
-    key, sources["api_key"] = _pick(api_key, "--api-key", API_KEY_ENV, "api_key", file, path)
-    if key is None:
-        # Local OpenAI-compatible servers (vLLM) accept any key; the client needs a string.
-        key, sources["api_key"] = "EMPTY", "default"
-
-    kind, sources["sandbox"] = _pick(sandbox, "--sandbox", None, "sandbox", file, path)
-    if kind is None:
-        kind, sources["sandbox"] = default_sandbox(), "default"
-    if kind not in SANDBOX_KINDS:
-        raise ConfigError(f"sandbox {kind!r} (from {sources['sandbox']}) is not one of {', '.join(SANDBOX_KINDS)}")
-
-    approval, sources["mode"] = _pick(mode, "--mode", None, "mode", file, path)
-    if approval is None:
-        # People watch what runs on their own machine; isolated sandboxes run freely.
-        approval, sources["mode"] = ("confirm" if kind == "local" else "yolo"), "default"
-    if approval not in MODES:
-        raise ConfigError(f"mode {approval!r} (from {sources['mode']}) is not one of {', '.join(MODES)}")
-
-    img, sources["image"] = _pick(image, "--image", None, "image", file, path)
-    if img is None:
-        img, sources["image"] = DEFAULT_IMAGE, "default"
-
-    steps, sources["max_steps"] = _pick(max_steps, "--max-steps", None, "max_steps", file, path)
-    if steps is not None and steps < 1:
-        raise ConfigError(f"max_steps must be at least 1, got {steps} (from {sources['max_steps']})")
-
-    tokens, sources["max_tokens"] = _pick(max_tokens, "--max-tokens", None, "max_tokens", file, path)
-    if tokens is not None and tokens < 1:
-        raise ConfigError(f"max_tokens must be at least 1, got {tokens} (from {sources['max_tokens']})")
-    cmd_s = _seconds(command_timeout, "--command-timeout", COMMAND_TIMEOUT_ENV, "command_timeout", file, path, sources)
-    model_s = _seconds(model_timeout, "--model-timeout", MODEL_TIMEOUT_ENV, "model_timeout", file, path, sources)
-    shown = list(file.get("expose", [])) + list(expose or [])
-
-    return RunSettings(
-        base_url=url.rstrip("/"),
-        model=name,
-        api_key=key,
-        sandbox=kind,
-        mode=approval,
-        image=img,
-        max_steps=steps,
-        max_tokens=tokens,
-        command_timeout=cmd_s if cmd_s is not None else DEFAULT_COMMAND_TIMEOUT_S,
-        model_timeout=model_s if model_s is not None else DEFAULT_MODEL_TIMEOUT_S,
-        expose=shown,
-        sources=sources,
-    )
-
-
-def _seconds(flag_value: float | None, flag: str, env: tuple[str, ...], key: str, file: dict, path: Path,
-             sources: dict[str, str]) -> float | None:
-    """A positive number of seconds from flag, environment or file (None: the default)."""
-    value, sources[key] = _pick(flag_value, flag, env, key, file, path)
-    if value is None:
-        sources[key] = "default"
-        return None
+def _merge(flags: dict[str, Any], path: Path) -> tuple[RunSources, dict[str, str]]:
+    """The merged settings and where each came from."""
+    file = _file_source(path)
+    env = NamedEnvSource(RunSources).found()
+    sources = {k: FLAGS[k] for k in flags}
+    sources.update({k: f"${name}" for k, (_, name) in env.items() if k not in sources})
+    sources.update({k: str(path) for k in file if k not in sources and k in RunSources.model_fields})
+    token = _CONFIG_FILE.set(path if file else None)
     try:
-        seconds = float(value)
-    except ValueError:
-        raise ConfigError(f"{key} must be a number of seconds, got {value!r} (from {sources[key]})") from None
-    if not seconds > 0:
-        raise ConfigError(f"{key} must be more than 0 seconds, got {value!r} (from {sources[key]})")
-    return seconds
+        return RunSources(**flags), sources
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = str(err["loc"][0])
+        raise ConfigError(f"{key}: {err['msg']}, got {err['input']!r} (from {sources.get(key, 'default')})") from None
+    finally:
+        _CONFIG_FILE.reset(token)
+
+
+def resolve_run_settings(*, path: Path | None = None, expose: list[str] | None = None, **flags: Any) -> RunSettings:
+    """Merge flags, environment and config file; raise ConfigError naming every source tried.
+    `flags`: the RunSources fields as given on the command line (None: not given)."""
+    path = path or config_path()
+    unknown = set(flags) - set(RunSources.model_fields)
+    if unknown:
+        raise TypeError(f"resolve_run_settings: unknown settings {sorted(unknown)}")
+    merged, sources = _merge({k: v for k, v in flags.items() if v is not None}, path)
+    s = merged.model_dump()
+    if not s["base_url"]:
+        raise ConfigError(missing_setting_message("base URL", "--base-url", BASE_URL_ENV, path, "base_url"))
+    if not s["base_url"].startswith(("http://", "https://")):
+        raise ConfigError(f"base URL {s['base_url']!r} (from {sources['base_url']}) must start with http:// or https://")
+    # Local OpenAI-compatible servers (vLLM) accept any key; the client needs a string.
+    defaults = {"api_key": "EMPTY", "sandbox": default_sandbox, "image": DEFAULT_IMAGE,
+                "command_timeout": DEFAULT_COMMAND_TIMEOUT_S, "model_timeout": DEFAULT_MODEL_TIMEOUT_S}
+    for key, default in defaults.items():
+        if s[key] is None:
+            s[key], sources[key] = default() if callable(default) else default, "default"
+    if s["mode"] is None:
+        # People watch what runs on their own machine; isolated sandboxes run freely.
+        s["mode"], sources["mode"] = ("confirm" if s["sandbox"] == "local" else "yolo"), "default"
+    for key in ("model", "max_steps", "max_tokens"):
+        sources.setdefault(key, "default")
+    s["base_url"] = s["base_url"].rstrip("/")
+    shown = list(_file_source(path).get("expose", [])) + list(expose or [])
+    return RunSettings(**s, expose=shown, sources=sources)
 
 
 _bwrap_ok: bool | None = None

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from tmax_cli.config import ConfigError, RunSettings, config_path
+from tmax_cli.config import ConfigError, RunSettings, config_path, data_dir
 
 
 # --------------------------------------------------------------------------- model
@@ -78,6 +78,20 @@ def keep_long_output(run_dir: Optional[Path], step: int, result: Any, limit: int
     return path
 
 
+def broad_workspace(sandbox: str, host_dir: Path) -> Optional[str]:
+    """Why a jail with this working directory would hardly be one (None when it is fine):
+    the workspace is the one writable place, so $HOME or / makes every file there writable."""
+    if sandbox != "bwrap":
+        return None
+    if host_dir == Path("/"):
+        raise ConfigError("the bwrap jail cannot make / its workspace (that is the whole host, writable); "
+                          "start from a project directory or pass --workdir DIR (--sandbox local runs on the host unjailed)")
+    if host_dir == Path.home().resolve():
+        return (f"the workspace would be your whole home directory {host_dir}: every file in it, "
+                "dotfiles included, becomes writable for the agent")
+    return None
+
+
 def sandbox_spec(settings: RunSettings, workdir: Optional[Path], network: bool):
     from sandbox.base import SandboxSpec
 
@@ -89,7 +103,8 @@ def sandbox_spec(settings: RunSettings, workdir: Optional[Path], network: bool):
         raise ConfigError(f"--workdir {host_dir} is not a directory")
     if settings.sandbox == "bwrap":
         # The working directory is the one writable place in the otherwise read-only host;
-        # tmax's own config file (it may hold the API key) is masked like other credentials.
+        # tmax's own files (the config may hold the API key; past runs and the typed-prompt
+        # history hold other sessions) are masked like other credentials.
         return SandboxSpec(workdir=str(host_dir), workspace=host_dir, network=network,
-                           masked=[str(config_path())], exposed=list(settings.expose))
+                           masked=[str(config_path().parent), str(data_dir())], exposed=list(settings.expose))
     return SandboxSpec(workdir=str(host_dir))

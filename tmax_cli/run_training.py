@@ -1,6 +1,6 @@
 """Sessions that train the model: `tmax run --tokens` samples token ids through a vLLM
 server (`tmax serve`) and records the session as `tokens.json`, exactly like a `tmax learn`
-rollout; `/good`, `/bad` and `--verify CMD` store its reward (`agents.rating`).
+rollout. (`/good`, `/bad` and `--verify CMD`, which store its reward, are `agents.rating`.)
 
 Nothing here imports torch or transformers: the tokenizer and chat template come from
 `agents.chat_tokenizer`, the sampler is training's `VLLMSampler` over HTTP.
@@ -12,12 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agents.rating import write_reward
 from tmax_cli.config import ConfigError
 from training.inference.engine import VLLMSampler
-
-VERIFY_TIMEOUT_S = 600.0
-
 
 class ServedSampler(VLLMSampler):
     """`VLLMSampler` against a plain `tmax serve`: no dev endpoints, weights fixed for the
@@ -94,21 +90,3 @@ def prepare_tokens(base_url: str, model: str, api_key: str | None, tokenizer_dir
         raise ConfigError(f"--tokens: cannot read the tokenizer in {root}: {e}") from e
     max_len = card.get("max_model_len") if isinstance(card.get("max_model_len"), int) else None
     return TokenSetup(base_url, model, api_key, root.resolve(), max_len, tokenizer)
-
-
-RATINGS = {"/good": 1.0, "/bad": 0.0}
-
-
-def rate(run_dir: Path, word: str) -> str:
-    """`/good` or `/bad`: store the reward; returns the line to show."""
-    reward = RATINGS[word]
-    write_reward(run_dir, reward, "user")
-    return f"Session rated {word[1:]} (reward {reward:g}), saved in {run_dir / 'reward.json'}."
-
-
-def verify(box: Any, command: str, run_dir: Path) -> dict[str, Any]:
-    """Run `command` in the sandbox (outside the agent's shell); exit status 0 is reward 1."""
-    result = box.exec(["bash", "-c", command], timeout=VERIFY_TIMEOUT_S)
-    reward = 1.0 if result.exit_code == 0 else 0.0
-    return write_reward(run_dir, reward, "verify", command=command, exit_code=result.exit_code,
-                        output=(result.output + result.stderr)[-2000:])

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
+import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,8 @@ from rich.console import Console, Group
 from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.text import Text
+
+from sandbox.shell_output import clean_output
 
 # Live output is clipped for the screen only; a live run keeps the whole of a long output in
 # its run directory (`outputs/`), a saved trajectory shows what the model saw.
@@ -27,7 +32,7 @@ HELP = (
     "At a command: Enter runs it, other text rejects it and tells the model why. "
     "Anywhere: /y yolo (run without asking) · /c confirm each command · /undo [K] restore the files from "
     "before the last K commands (with --undo-steps) · /good, /bad rate the session · /q quit · /h help · "
-    "Ctrl-C interrupts the model or the command."
+    "Ctrl-C interrupts the model or the command; a second Ctrl-C kills a command that ignores it."
 )
 
 
@@ -51,6 +56,37 @@ def split_exit_code(observation: str) -> tuple[str, int | None]:
     return observation[: m.start()], int(m.group(1))
 
 
+LIVE_LINES = 8  # last lines of a running command's output shown under the spinner
+
+
+class LiveOutput:
+    """A running command as the screen shows it: the status line with the time it has run,
+    then the last lines of its output. Rendered by rich at each refresh (so the time moves
+    on without output); `add` is called from the thread reading the command."""
+
+    def __init__(self, title: str) -> None:
+        self.title = title
+        self.started = time.monotonic()
+        self._lines: deque[str] = deque(maxlen=LIVE_LINES)
+        self._partial = ""
+        self._lock = threading.Lock()
+
+    def add(self, text: str) -> None:
+        if not text:
+            return
+        with self._lock:
+            lines = (self._partial + text.replace("\r\n", "\n")).split("\n")
+            self._partial = lines.pop()
+            self._lines.extend(clean_output(line) for line in lines)
+
+    def __rich__(self) -> Any:
+        with self._lock:
+            shown = [*self._lines, clean_output(self._partial)] if self._partial else list(self._lines)
+        head = Text(f"{self.title} · {time.monotonic() - self.started:.0f}s")
+        tail = [line for line in shown if line.strip()][-LIVE_LINES:]
+        return Group(head, Text("\n".join(tail), style="dim")) if tail else head
+
+
 class Display:
     """Step-by-step rendering shared by the live run and the saved-trajectory viewer."""
 
@@ -63,6 +99,14 @@ class Display:
         self.stop_spinner()
         self._status = self.console.status(Text(text), spinner="dots")
         self._status.start()
+
+    def start_live(self, title: str) -> LiveOutput:
+        """A spinner over a running command's elapsed time and last output lines."""
+        live = LiveOutput(title)
+        self.stop_spinner()
+        self._status = self.console.status(live, spinner="dots", refresh_per_second=4)
+        self._status.start()
+        return live
 
     def stop_spinner(self) -> None:
         if self._status is not None:
