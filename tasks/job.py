@@ -90,6 +90,15 @@ def harbor_environment(kind: str) -> dict[str, str | None]:
     return {"type": None, "import_path": f"sandbox.{kind}", "kind": kind}
 
 
+def dataset_source(dataset: str) -> str | None:
+    """What Harbor records as a trial's `source`: a dataset directory's name, a registry
+    dataset's name, nothing for a single task directory."""
+    path = Path(dataset).expanduser()
+    if path.exists():
+        return None if (path / "task.toml").is_file() else path.resolve().name
+    return dataset.split("@", 1)[0]
+
+
 def trial_name(identity: str, task: str, attempt: int) -> str:
     return f"{task}__{hashlib.sha256(f'{identity}/{task}/{attempt}'.encode()).hexdigest()[:7]}"
 
@@ -181,7 +190,7 @@ class Job:
                 name = trial_name(self.identity, task.name, attempt)
                 cfg = {
                     # Harbor's TaskConfig takes a path or a registry name, never both.
-                    "task": {"path": str(task.path), "source": self.config.dataset,
+                    "task": {"path": str(task.path), "source": dataset_source(self.config.dataset),
                              "checksum": self.checksums[task.name]},
                     "trial_name": name,
                     "trials_dir": str(self.dir),
@@ -279,9 +288,9 @@ class Job:
 
     def _evals_key(self) -> str:
         """The key Harbor gives this job's scores: agent, model and the trials' source."""
-        name = self.agent.name
-        model = self.config.model
-        return f"{name}__{model}__{self.config.dataset}" if model else f"{name}__{self.config.dataset}"
+        name, model = self.agent.name, self.config.model
+        source = dataset_source(self.config.dataset) or "adhoc"
+        return f"{name}__{model}__{source}" if model else f"{name}__{source}"
 
     # --- running -------------------------------------------------------------------------
     def pending(self, retry_infra: bool = False) -> tuple[list[TrialPlan], int]:

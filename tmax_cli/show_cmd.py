@@ -80,6 +80,7 @@ def load_run(path: Path) -> dict[str, Any]:
     if atif_meta and path.is_dir() and (run_dir / MESSAGES).is_file():
         # A tmax bench trial keeps the messages exactly as sent beside the ATIF: show those.
         messages = _messages(_read_json(run_dir / MESSAGES, required=True), run_dir / MESSAGES)[0]
+        atif_meta.pop("format")
     timing = _read_json(run_dir / "timing.json", required=False) or []
     if not isinstance(timing, list):
         raise ShowError(f"{run_dir / 'timing.json'} should hold a list of per-step records")
@@ -97,6 +98,19 @@ def _text(content: Any) -> str:
     return content or ""
 
 
+def _call_text(call: dict[str, Any]) -> str:
+    """An ATIF tool call as the command it stands for (bash, terminus keystrokes, other tools)."""
+    fn = call.get("function") or {}
+    try:
+        args = json.loads(fn.get("arguments") or "{}")
+    except (TypeError, ValueError):
+        args = {"raw": fn.get("arguments")}
+    for key in ("command", "keystrokes", "cmd"):
+        if isinstance(args, dict) and isinstance(args.get(key), str):
+            return args[key]
+    return f"{fn.get('name') or '?'}({json.dumps(args) if args else ''})"
+
+
 def render(run: dict[str, Any], display: Any, show_system: bool = False) -> None:
     from agents.harnesses import HARNESSES, make_harness
     from tmax_cli.ui import fmt_tokens, split_exit_code
@@ -104,12 +118,15 @@ def render(run: dict[str, Any], display: Any, show_system: bool = False) -> None
     messages = run["trajectory"]
     timing = {t.get("step"): t for t in run["timing"] if isinstance(t, dict)}
     meta = run["run"]
+    # ATIF pairs each action with its observation already: its tool calls are shown as they
+    # are, whatever the harness (Harbor's terminus-2 has no tool calls in its model's replies).
+    atif = meta.get("format") == "atif"
     harness = make_harness(meta.get("harness") if meta.get("harness") in HARNESSES else "tmax")
     # What the next user message answers: an action given as text ("observation") or a
     # response without a usable action ("format_error"); tool calls get tool messages.
     pending: str | None = None
     if meta:
-        bits = [f"{k} {meta[k]}" for k in ("model", "harness", "sandbox", "mode") if meta.get(k)]
+        bits = [f"{k} {meta[k]}" for k in ("model", "harness", "sandbox", "mode", "format") if meta.get(k)]
         if meta.get("resumed_from"):
             bits.append(f"resumed from {meta['resumed_from']}")
         display.info(" · ".join(bits))
@@ -142,6 +159,11 @@ def render(run: dict[str, Any], display: Any, show_system: bool = False) -> None
             step += 1
             display.step_header(step)
             display.thought(content)
+            if atif:
+                for call in msg.get("tool_calls") or []:
+                    display.command(_call_text(call))
+                pending = "observation"
+                continue
             action = harness.parse(msg)
             pending = "format_error" if action.command is None else (None if action.tool_call_id else "observation")
             if action.command is not None:
