@@ -104,6 +104,8 @@ class PodmanSandbox(ShellSandbox):
                 raise SandboxError("podman sandbox: closed before it started")
             self._start_container()
             container = self.container
+        if not self.spec.shell:
+            return
         argv = ["podman"]
         if podman_service.configured_url():
             # The service may be elsewhere: let the CLI reach the container through it.

@@ -141,6 +141,20 @@ def service_url(runtime: str = DEFAULT_RUNTIME) -> str:
         return _service.url
 
 
+def prestart(runtime: str = DEFAULT_RUNTIME) -> None:
+    """Import podman-py and start the service on a background thread, so that a caller who
+    will need them soon overlaps that with other work. Errors surface at the first real use."""
+    def work() -> None:
+        try:
+            import podman  # noqa: F401
+
+            service_url(runtime)
+        except Exception:
+            pass
+
+    threading.Thread(target=work, daemon=True, name="tmax-podman-prestart").start()
+
+
 def stop_service() -> None:
     global _service
     with _lock:

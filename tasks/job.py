@@ -34,7 +34,7 @@ from tasks.model import Task, load_config
 from tasks.offline import default_config
 from tasks.runners import make_agent
 from tasks.scoring import score
-from tasks.trial import CANCELLED, TrialEnv, TrialPlan, now_iso, run_trial
+from tasks.trial import CANCELLED, TrialEnv, TrialPlan, now_iso, run_trial, wait_for_closes
 
 # Fields that do not change what a trial means; they stay out of the identity.
 VOLATILE = {"base_url", "n_concurrent", "jobs_dir", "job_name", "created_at", "retry_infra", "api_key_env"}
@@ -329,10 +329,15 @@ class Job:
         for r in self.results():
             _count(prog, r)
         self.write_result(prog)
+        if todo and self.sandbox_kind == "podman":
+            from sandbox.podman_service import prestart
+
+            prestart()  # the REST service starts while the first trial looks up its image
         env = TrialEnv(agent=self.agent, rewrite=self.rewrite, timeout_multiplier=self.config.timeout_multiplier,
                        use_prebuilt=self.config.use_prebuilt, sandbox_kind=self.sandbox_kind,
                        override_cpus=self.config.override_cpus, override_memory_mb=self.config.override_memory_mb,
-                       cancel=self.cancel, on_sandbox=self._on_sandbox, model_name=self.config.model)
+                       cancel=self.cancel, on_sandbox=self._on_sandbox, model_name=self.config.model,
+                       close_in_background=True)
         emit = progress_fn or (lambda *a: None)
         emit("start", prog, None)
 
@@ -368,10 +373,12 @@ class Job:
             self.interrupt()
             pool.shutdown(wait=True, cancel_futures=True)
             self.write_result(prog)
+            wait_for_closes()
             emit("cancelled", prog, None)
             raise
         pool.shutdown(wait=True)
         data = self.write_result(prog, finished=True)
+        wait_for_closes()  # every container of the job is gone when it ends
         emit("end", prog, None)
         return data
 
