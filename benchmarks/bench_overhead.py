@@ -38,13 +38,13 @@ HARBOR = REPO / ".venv-harbor" / "bin" / "harbor"
 
 FLOOR_SCRIPT = r"""
 set -e
-cid=$(podman run -d --network none -w "$WORKDIR" "$IMAGE" sleep infinity)
+cid=$(podman run -d --network none --label io.tmax.bench=floor -w "$WORKDIR" "$IMAGE" sleep infinity)
+trap 'podman rm -f -t 0 "$cid" > /dev/null' EXIT  # removal is part of the floor, and happens on failure too
 podman cp "$TASK/solution" "$cid:/solution"
 podman exec -w "$WORKDIR" "$cid" bash /solution/solve.sh > "$OUT/oracle.txt" 2>&1 || true
 podman cp "$TASK/tests" "$cid:/tests"
 podman exec -w "$WORKDIR" "$cid" bash -c 'mkdir -p /logs/verifier && bash /tests/test.sh' > "$OUT/test.txt" 2>&1 || true
 podman cp "$cid:/logs/verifier" "$OUT/verifier"
-podman rm -f -t 0 "$cid" > /dev/null
 cat "$OUT/verifier/reward.txt"
 """
 

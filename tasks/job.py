@@ -171,7 +171,8 @@ class Job:
             raise JobError(f"{job_dir}: not a job directory (no readable config.json)")
         cfg = dict(data.get("tmax_job") or {})
         if not cfg:
-            raise JobError(f"{job_dir}/config.json was not written by tmax bench")
+            raise JobError(f"{job_dir}/config.json was not written by tmax bench (a Harbor job resumes with "
+                           "`harbor job resume`; report and compare read it as it is)")
         env = overrides.get("environment")
         if env is not None and env != cfg.get("environment", "podman"):
             raise JobError(f"{job_dir} runs its trials with -e {cfg.get('environment', 'podman')}, not {env}: the "

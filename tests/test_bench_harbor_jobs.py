@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from harbor_env import harbor_check
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,6 +65,9 @@ def test_report_and_compare_on_a_job_real_harbor_wrote(tmp_path):
     assert comp["pairs"][0]["p_value"] == 1.0 and "more than half" in comp["paired_outcome"]
     table = tmax("bench", "compare", str(job), str(other))
     assert table.returncode == 0 and "McNemar exact" in table.stdout and "more than half" in table.stdout
+    # tmax cannot rerun Harbor's agents: resume says so instead of failing somewhere inside.
+    res = tmax("bench", "resume", str(job))
+    assert res.returncode == 2 and "harbor job resume" in res.stderr and listing(job) == before
 
 
 def test_categories_come_from_the_task_toml_the_trial_names(tmp_path):
@@ -156,3 +160,20 @@ def test_reads_another_agents_job(tmp_path):
     shown = tmax("show", str(job / "echo-hello__c"))  # no result.json, chat messages in agent/
     assert shown.returncode == 0, shown.stderr
     assert "echo hi" in shown.stdout
+
+
+@pytest.mark.podman
+def test_overhead_benchmark_runs(tmp_path):
+    """benchmarks/bench_overhead.py, once, without Harbor: the figures it promises, from real runs
+    (the timing itself is for the benchmark to print, not for a test to judge)."""
+    if subprocess.run(["podman", "image", "exists", "localhost/tmax-base:bookworm"]).returncode != 0:
+        pytest.skip("podman or the base image is missing")
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_overhead.py"), "--runs", "1", "--no-harbor",
+                           "--json"], capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["tmax_s"] > 0 and out["floor_s"] > 0
+    assert out["overhead_s"] == pytest.approx(out["tmax_s"] - out["floor_s"], abs=0.002)
+    assert out["harbor_skipped"] == "not asked (--no-harbor)"
+    assert not subprocess.run(["podman", "ps", "-a", "-q", "--filter", "label=io.tmax.job=r0"],
+                              capture_output=True, text=True).stdout.strip()  # tmax left no container

@@ -111,6 +111,14 @@ def _call_text(call: dict[str, Any]) -> str:
     return f"{fn.get('name') or '?'}({json.dumps(args) if args else ''})"
 
 
+def _show_meta(meta: dict[str, Any], display: Any) -> None:
+    if meta:
+        bits = [f"{k} {meta[k]}" for k in ("model", "harness", "sandbox", "mode", "format") if meta.get(k)]
+        if meta.get("resumed_from"):
+            bits.append(f"resumed from {meta['resumed_from']}")
+        display.info(" · ".join(bits))
+
+
 def render(run: dict[str, Any], display: Any, show_system: bool = False) -> None:
     from agents.harnesses import HARNESSES, make_harness
     from tmax_cli.ui import fmt_tokens, split_exit_code
@@ -125,11 +133,7 @@ def render(run: dict[str, Any], display: Any, show_system: bool = False) -> None
     # What the next user message answers: an action given as text ("observation") or a
     # response without a usable action ("format_error"); tool calls get tool messages.
     pending: str | None = None
-    if meta:
-        bits = [f"{k} {meta[k]}" for k in ("model", "harness", "sandbox", "mode", "format") if meta.get(k)]
-        if meta.get("resumed_from"):
-            bits.append(f"resumed from {meta['resumed_from']}")
-        display.info(" · ".join(bits))
+    _show_meta(meta, display)
 
     step = 0
     seen_task = False
