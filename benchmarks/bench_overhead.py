@@ -1,7 +1,7 @@
 """tmax's own cost per bench trial: the same oracle trial through `tmax bench run`, through a
 bare podman-CLI script, and (when Harbor is installed) through `harbor run -e podman`.
 
-    python benchmarks/bench_overhead.py [--task DIR] [--runs 3] [--json] [--no-harbor]
+    python benchmarks/bench_overhead.py [--task DIR] [--runs 3] [--json] [--no-harbor] [--baseline CHECKOUT]
 
 The floor script does only what any harness must: start a container from the task's image,
 copy solution/ in, run solve.sh, copy tests/ in, run test.sh, copy the verifier's output
@@ -14,7 +14,9 @@ the load average is printed with them. The image is built (and cached) before ti
     floor_s     wall time of the bare podman script
     overhead_s  tmax_s - floor_s: what tmax adds to a trial
     harbor_s    wall time of `harbor run -p TASK -a oracle -e podman` (needs .venv-harbor and a
-                podman compose frontend on PATH), and harbor_ratio = harbor_s / tmax_s
+                podman compose frontend on PATH), and harbor_ratio = harbor_s / tmax_s; a Harbor
+                run that fails (its preflight gives `podman info` 10 s) is listed, not fatal
+    baseline_s  with --baseline: the same as tmax_s for another checkout of tmax (before a change)
 """
 
 from __future__ import annotations
@@ -66,12 +68,13 @@ def _image(task_dir: Path):
     return ensure_image(Task.load(task_dir), default_config([]))
 
 
-def run_tmax(task_dir: Path, out: Path, name: str) -> float:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def run_tmax(task_dir: Path, out: Path, name: str, repo: Path = REPO) -> float:
+    env = {**os.environ, "PYTHONPATH": str(repo)}
     elapsed, _ = _timed([sys.executable, "-m", "tmax_cli.main", "bench", "run", str(task_dir), "-a", "oracle",
                          "-o", str(out), "--job-name", name], env=env)
-    result = json.loads((out / name / "result.json").read_text())
-    assert result["stats"]["evals"], f"tmax job {name} has no scores"
+    (trial,) = [d for d in (out / name).iterdir() if d.is_dir() and not d.name.startswith(".")]
+    outcome = json.loads((trial / "result.json").read_text())["tmax"]["outcome"]
+    assert outcome in ("pass", "fail"), f"tmax job {name}: {outcome}"
     return elapsed
 
 
@@ -98,30 +101,46 @@ def run_harbor(task_dir: Path, out: Path, name: str) -> float:
     return elapsed
 
 
-def measure(task_dir: Path, runs: int, with_harbor: bool) -> dict:
+def measure(task_dir: Path, runs: int, with_harbor: bool, baseline: Path | None = None) -> dict:
     image = _image(task_dir)
     why_no_harbor = harbor_missing() if with_harbor else "not asked (--no-harbor)"
-    times: dict[str, list[float]] = {"tmax": [], "floor": [], "harbor": []}
+    times: dict[str, list[float]] = {"tmax": [], "floor": [], "harbor": [], "baseline": []}
+    harbor_failures: list[str] = []
+
+    def harbor(name: str) -> None:
+        try:
+            times["harbor"].append(run_harbor(task_dir, root, name))
+        except RuntimeError as e:
+            harbor_failures.append(str(e)[-300:])
+
     with tempfile.TemporaryDirectory(prefix="tmax-bench-overhead-") as tmp:
         root = Path(tmp)
         if why_no_harbor is None:
-            run_harbor(task_dir, root, "warmup")  # Harbor builds (caches) its own image first
+            harbor("warmup")  # Harbor builds (caches) its own image first
+            times["harbor"].clear()
         for i in range(runs):
             times["tmax"].append(run_tmax(task_dir, root / "tmax", f"r{i}"))
             times["floor"].append(run_floor(task_dir, image, root / f"floor{i}"))
+            if baseline is not None:
+                times["baseline"].append(run_tmax(task_dir, root / "baseline", f"b{i}", repo=baseline))
             if why_no_harbor is None:
-                times["harbor"].append(run_harbor(task_dir, root, f"h{i}"))
+                harbor(f"h{i}")
     tmax_s, floor_s = statistics.median(times["tmax"]), statistics.median(times["floor"])
     out = {
         "task": task_dir.name, "runs": runs, "tmax_s": round(tmax_s, 3), "floor_s": round(floor_s, 3),
         "overhead_s": round(tmax_s - floor_s, 3), "load_avg": [round(x, 2) for x in os.getloadavg()],
         "cpus": os.cpu_count(), "samples": {k: [round(x, 3) for x in v] for k, v in times.items() if v},
     }
+    if times["baseline"]:
+        out["baseline_s"] = round(statistics.median(times["baseline"]), 3)
+        out["baseline_overhead_s"] = round(out["baseline_s"] - floor_s, 3)
     if times["harbor"]:
         out["harbor_s"] = round(statistics.median(times["harbor"]), 3)
         out["harbor_ratio"] = round(out["harbor_s"] / tmax_s, 2)
     else:
-        out["harbor_skipped"] = why_no_harbor
+        out["harbor_skipped"] = why_no_harbor or "every Harbor run failed"
+    if harbor_failures:
+        out["harbor_failures"] = harbor_failures
     return out
 
 
@@ -131,8 +150,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-harbor", action="store_true")
+    ap.add_argument("--baseline", type=Path, help="another tmax checkout to time the same way (e.g. before a change)")
     args = ap.parse_args()
-    out = measure(args.task.resolve(), args.runs, not args.no_harbor)
+    out = measure(args.task.resolve(), args.runs, not args.no_harbor, args.baseline.resolve() if args.baseline else None)
     if args.json:
         print(json.dumps(out, indent=2))
         return
@@ -140,6 +160,8 @@ def main() -> None:
     print(f"  tmax     {out['tmax_s']:.2f} s")
     print(f"  floor    {out['floor_s']:.2f} s  (bare podman CLI)")
     print(f"  overhead {out['overhead_s']:.2f} s")
+    if "baseline_s" in out:
+        print(f"  baseline {out['baseline_s']:.2f} s  (overhead {out['baseline_overhead_s']:.2f} s)")
     if "harbor_s" in out:
         print(f"  harbor   {out['harbor_s']:.2f} s  ({out['harbor_ratio']:.1f}x tmax)")
     else:
