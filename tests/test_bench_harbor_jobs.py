@@ -177,3 +177,16 @@ def test_overhead_benchmark_runs(tmp_path):
     assert out["harbor_skipped"] == "not asked (--no-harbor)"
     assert not subprocess.run(["podman", "ps", "-a", "-q", "--filter", "label=io.tmax.job=r0"],
                               capture_output=True, text=True).stdout.strip()  # tmax left no container
+
+
+def test_the_bench_path_imports_no_other_command():
+    """`tmax bench` pays for its own imports only: `tmax run`'s config and training stay out
+    (sub-commands are imported on first use), and podman-py waits for the first container."""
+    code = ("import sys, tmax_cli.main, tmax_cli.bench_cmd, tasks.job, tasks.trial, sandbox.podman; "
+            "print(sorted({m.split('.')[0] if not m.startswith('tmax_cli') else m for m in sys.modules "
+            "if m.startswith(('training', 'tmax_cli.run_cmd', 'tmax_cli.serve_cmd', 'tmax_cli.config', 'podman', "
+            "'requests'))}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
