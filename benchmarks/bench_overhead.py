@@ -17,6 +17,9 @@ the load average is printed with them. The image is built (and cached) before ti
                 podman compose frontend on PATH), and harbor_ratio = harbor_s / tmax_s; a Harbor
                 run that fails (its preflight gives `podman info` 10 s) is listed, not fatal
     baseline_s  with --baseline: the same as tmax_s for another checkout of tmax (before a change)
+    *_cpu_s     CPU seconds (user + system) of that command and every process it waited for
+                (podman CLI calls, the REST service tmax starts); on a loaded machine they vary
+                far less than wall time
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -51,10 +55,20 @@ cat "$OUT/verifier/reward.txt"
 """
 
 
-def _timed(argv: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> tuple[float, str]:
-    t0 = time.monotonic()
+CPU: dict[str, list[float]] = {}  # arm -> CPU seconds of each run
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _timed(argv: list[str], env: dict[str, str] | None = None, cwd: Path | None = None,
+           arm: str = "") -> tuple[float, str]:
+    t0, c0 = time.monotonic(), _cpu()
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=1800)
     elapsed = time.monotonic() - t0
+    CPU.setdefault(arm, []).append(_cpu() - c0)
     if proc.returncode != 0:
         raise RuntimeError(f"{argv[:4]}... failed ({proc.returncode}): {(proc.stdout + proc.stderr)[-2000:]}")
     return elapsed, proc.stdout
@@ -71,7 +85,7 @@ def _image(task_dir: Path):
 def run_tmax(task_dir: Path, out: Path, name: str, repo: Path = REPO) -> float:
     env = {**os.environ, "PYTHONPATH": str(repo)}
     elapsed, _ = _timed([sys.executable, "-m", "tmax_cli.main", "bench", "run", str(task_dir), "-a", "oracle",
-                         "-o", str(out), "--job-name", name], env=env)
+                         "-o", str(out), "--job-name", name], env=env, arm="tmax" if repo == REPO else "baseline")
     (trial,) = [d for d in (out / name).iterdir() if d.is_dir() and not d.name.startswith(".")]
     outcome = json.loads((trial / "result.json").read_text())["tmax"]["outcome"]
     assert outcome in ("pass", "fail"), f"tmax job {name}: {outcome}"
@@ -81,7 +95,7 @@ def run_tmax(task_dir: Path, out: Path, name: str, repo: Path = REPO) -> float:
 def run_floor(task_dir: Path, image, out: Path) -> float:
     out.mkdir(parents=True)
     env = {**os.environ, "IMAGE": image.tag, "WORKDIR": image.workdir or "/", "TASK": str(task_dir), "OUT": str(out)}
-    elapsed, reward = _timed(["bash", "-c", FLOOR_SCRIPT], env=env)
+    elapsed, reward = _timed(["bash", "-c", FLOOR_SCRIPT], env=env, arm="floor")
     assert reward.strip() in ("0", "1"), f"floor script gave no reward: {reward!r}"
     return elapsed
 
@@ -97,7 +111,7 @@ def harbor_missing() -> str | None:
 
 def run_harbor(task_dir: Path, out: Path, name: str) -> float:
     elapsed, _ = _timed([str(HARBOR), "run", "-p", str(task_dir), "-a", "oracle", "-e", "podman", "-o", str(out),
-                         "--job-name", name, "-y"], cwd=out)
+                         "--job-name", name, "-y"], cwd=out, arm="harbor")
     return elapsed
 
 
@@ -131,6 +145,9 @@ def measure(task_dir: Path, runs: int, with_harbor: bool, baseline: Path | None 
         "overhead_s": round(tmax_s - floor_s, 3), "load_avg": [round(x, 2) for x in os.getloadavg()],
         "cpus": os.cpu_count(), "samples": {k: [round(x, 3) for x in v] for k, v in times.items() if v},
     }
+    for arm in ("tmax", "floor", "baseline", "harbor"):
+        if times[arm]:  # the runs that were timed (not Harbor's warm-up or failures)
+            out[f"{arm}_cpu_s"] = round(statistics.median(CPU[arm][-len(times[arm]):]), 3)
     if times["baseline"]:
         out["baseline_s"] = round(statistics.median(times["baseline"]), 3)
         out["baseline_overhead_s"] = round(out["baseline_s"] - floor_s, 3)
@@ -159,7 +176,7 @@ def main() -> None:
     print(f"{out['task']}: median of {out['runs']} (load average {out['load_avg']} on {out['cpus']} cpus)")
     print(f"  tmax     {out['tmax_s']:.2f} s")
     print(f"  floor    {out['floor_s']:.2f} s  (bare podman CLI)")
-    print(f"  overhead {out['overhead_s']:.2f} s")
+    print(f"  overhead {out['overhead_s']:.2f} s  (CPU: tmax {out['tmax_cpu_s']:.2f} s, floor {out['floor_cpu_s']:.2f} s)")
     if "baseline_s" in out:
         print(f"  baseline {out['baseline_s']:.2f} s  (overhead {out['baseline_overhead_s']:.2f} s)")
     if "harbor_s" in out:

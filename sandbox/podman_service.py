@@ -101,7 +101,7 @@ class PodmanService:
                 break
             if sock.exists() and ping(self.url):
                 return self.url
-            time.sleep(0.1)
+            time.sleep(0.05)
         tail = (self.dir / "service.log").read_text(errors="replace")[-2000:]
         self.stop()
         raise SandboxError(f"podman service did not come up on {self.url}: {tail}")

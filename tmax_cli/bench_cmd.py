@@ -95,6 +95,15 @@ def _run_job(job, retry_infra: bool) -> None:
     _print_report(console, data.get("tmax_score"), job.dir)
 
 
+def _prestart_podman(environment: str | None) -> None:
+    """Start podman's REST service now, so it comes up while the job's imports, tasks and
+    images are loaded (it takes most of a second on a busy machine)."""
+    if (environment or "podman") == "podman":
+        from sandbox.podman_service import prestart
+
+        prestart()
+
+
 def _make_job(dataset: str, agent: str, model: Optional[str], base_url: Optional[str], attempts: int,
               concurrent: int, include: list[str], exclude: list[str], limit: Optional[int], jobs_dir: Path,
               job_name: Optional[str], timeout_multiplier: float, image_map: list[str], prebuilt: bool,
@@ -147,6 +156,7 @@ def run_cmd(
     api_key_env: str = _KEYENV, environment: str = _ENV,
 ) -> None:
     """Run an agent on tasks; results land in JOBS_DIR/JOB_NAME as each trial ends."""
+    _prestart_podman(environment)
     job = _make_job(dataset, agent, model, base_url, attempts, concurrent, include, exclude, limit, jobs_dir,
                     job_name, timeout_multiplier, image_map, prebuilt, ak, api_key_env, environment)
     _run_job(job, retry_infra)
@@ -165,6 +175,7 @@ def terminal_bench_cmd(
 ) -> None:
     """Terminal-Bench 2.0 by the paper's protocol: 5 attempts per task, the tasks' own timeouts,
     errors scored 0, unbiased pass@k."""
+    _prestart_podman(environment)
     job = _make_job(dataset, agent, model, base_url, 5, concurrent, include, exclude, limit, jobs_dir,
                     job_name, 1.0, image_map, prebuilt, ak, api_key_env, environment)
     _run_job(job, retry_infra)
@@ -186,6 +197,8 @@ def resume_cmd(
     from tasks.job import Job, JobError, _read_json
 
     cfg = (_read_json(job_dir / "config.json") or {}).get("tmax_job") or {}
+    if cfg:
+        _prestart_podman(environment or cfg.get("environment"))
     key = os.environ.get(cfg.get("api_key_env") or "OPENAI_API_KEY")
     try:
         job = Job.open(job_dir, base_url=base_url, n_concurrent=concurrent, api_key=key, environment=environment)
