@@ -10,6 +10,9 @@ A run's chat messages map to ATIF steps:
 
 Per-step timing (`timing.json`) goes to each agent step's `extra`; the run's token totals to
 `final_metrics`. `from_atif` turns a trajectory back into chat messages for `tmax show`.
+
+In a bench trial's agent/ the ATIF is `trajectory.json` (the path Harbor's viewer and
+tools read) and the chat messages, exactly as sent, move to `messages.json`.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 SCHEMA_VERSION = "ATIF-v1.6"
-ATIF_FILE = "trajectory.atif.json"
+ATIF_FILE = "trajectory.atif.json"  # where bench trials kept the ATIF before it took trajectory.json
 
 
 def _text(content: Any) -> str:
@@ -132,15 +135,20 @@ def from_atif(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 def write_atif(run_dir: Path, *, agent_name: str, agent_version: str, model_name: str | None = None,
                session_id: str | None = None, tools: list[dict[str, Any]] | None = None) -> Path | None:
-    """Write `trajectory.atif.json` beside a run's saved files; None when there is no run."""
-    from agents.records import TRAJECTORY, load_run, write_json_atomic
+    """Make a finished run's `trajectory.json` ATIF, the messages moving to `messages.json`;
+    None when there is no run."""
+    import os
+
+    from agents.records import MESSAGES, TRAJECTORY, load_run, write_json_atomic
 
     run_dir = Path(run_dir)
-    if not (run_dir / TRAJECTORY).is_file():
+    if not (run_dir / TRAJECTORY).is_file() and not (run_dir / MESSAGES).is_file():
         return None
     saved = load_run(run_dir)
     extra = {"status": saved.result.get("status")} if saved.result else None
     doc = to_atif(saved.messages, saved.timing, asdict(saved.usage), agent_name=agent_name,
                   agent_version=agent_version, model_name=model_name, session_id=session_id, tools=tools, extra=extra)
-    write_json_atomic(run_dir / ATIF_FILE, doc)
-    return run_dir / ATIF_FILE
+    if not (run_dir / MESSAGES).is_file():
+        os.replace(run_dir / TRAJECTORY, run_dir / MESSAGES)
+    write_json_atomic(run_dir / TRAJECTORY, doc)
+    return run_dir / TRAJECTORY

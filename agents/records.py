@@ -8,6 +8,9 @@ the step in flight.
     tokens.json      the TokenTrace, when the policy keeps one (token-level training)
     result.json      {status, steps, error} once the episode (or a follow-up) ends
 
+A `tmax bench` trial's agent/ ends with trajectory.json in ATIF (what Harbor reads there,
+`agents.atif.write_atif`) and the messages moved to messages.json; `load_run` reads either.
+
 Every file is written to a temporary name in the same directory and renamed over the
 old one, so readers never see a half-written file.
 """
@@ -24,6 +27,7 @@ from typing import Any
 from agents.policy import TokenTrace, Usage
 
 TRAJECTORY = "trajectory.json"
+MESSAGES = "messages.json"  # the chat messages once trajectory.json became ATIF
 TIMING = "timing.json"
 USAGE = "usage.json"
 TOKENS = "tokens.json"
@@ -104,13 +108,14 @@ def _read(path: Path) -> Any:
 def load_run(dir: str | os.PathLike[str]) -> SavedRun:
     """Read a run directory back (for `tmax show` and `tmax run --resume`)."""
     d = Path(dir)
-    if d.is_file() and d.name == TRAJECTORY:
+    if d.is_file() and d.name in (TRAJECTORY, MESSAGES):
         d = d.parent
-    if not (d / TRAJECTORY).is_file():
+    source = d / MESSAGES if (d / MESSAGES).is_file() else d / TRAJECTORY
+    if not source.is_file():
         raise FileNotFoundError(f"no {TRAJECTORY} in {d}: not a tmax run directory")
-    messages = _read(d / TRAJECTORY)
+    messages = _read(source)
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-        raise ValueError(f"{d / TRAJECTORY} is not a list of chat messages")
+        raise ValueError(f"{source} is not a list of chat messages")
     timing = _read(d / TIMING) if (d / TIMING).is_file() else []
     usage_raw = _read(d / USAGE) if (d / USAGE).is_file() else {}
     usage = Usage(**{k: int(usage_raw.get(k, 0)) for k in ("prompt_tokens", "completion_tokens", "total_tokens", "reasoning_tokens")})

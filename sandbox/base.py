@@ -73,6 +73,9 @@ class SandboxSpec:
     # paths of that default list to show after all.
     masked: list[str] = field(default_factory=list)
     exposed: list[str] = field(default_factory=list)
+    # podman: start the agent's persistent shell. False for agents that only exec and copy
+    # (the oracle, nop): the container is ready without paying for a shell nobody types in.
+    shell: bool = True
 
 
 @runtime_checkable

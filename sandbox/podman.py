@@ -104,6 +104,8 @@ class PodmanSandbox(ShellSandbox):
                 raise SandboxError("podman sandbox: closed before it started")
             self._start_container()
             container = self.container
+        if not self.spec.shell:
+            return
         argv = ["podman"]
         if podman_service.configured_url():
             # The service may be elsewhere: let the CLI reach the container through it.
@@ -153,18 +155,16 @@ class PodmanSandbox(ShellSandbox):
 
         self.client = podman_service.client(self.runtime)
         try:
-            if not self.client.images.exists(self.image):
-                raise SandboxError(f"podman sandbox: image {self.image} not found"
-                                   " (build the base image with `tmax sandbox build-base`)")
+            # No separate existence check (one round trip less): create refuses a missing image.
             self.container = self.client.containers.create(self.image, ["sleep", "infinity"],
                                                            **self.create_kwargs())
             self.container.start()
             self.container.reload()
-        except ImageNotFound as e:
+        except (ImageNotFound, APIError) as e:
             self.close()
-            raise SandboxError(f"podman sandbox: image {self.image} not found: {e}") from e
-        except APIError as e:
-            self.close()
+            if isinstance(e, ImageNotFound) or "image not known" in str(e):
+                raise SandboxError(f"podman sandbox: image {self.image} not found (build the base image with "
+                                   f"`tmax sandbox build-base`): {e}") from e
             raise SandboxError(f"podman sandbox: could not start a container from {self.image}: {e}") from e
         if self.container.status != "running":
             self.close()

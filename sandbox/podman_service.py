@@ -101,7 +101,7 @@ class PodmanService:
                 break
             if sock.exists() and ping(self.url):
                 return self.url
-            time.sleep(0.1)
+            time.sleep(0.05)
         tail = (self.dir / "service.log").read_text(errors="replace")[-2000:]
         self.stop()
         raise SandboxError(f"podman service did not come up on {self.url}: {tail}")
@@ -139,6 +139,20 @@ def service_url(runtime: str = DEFAULT_RUNTIME) -> str:
             _service = svc
             atexit.register(stop_service)
         return _service.url
+
+
+def prestart(runtime: str = DEFAULT_RUNTIME) -> None:
+    """Import podman-py and start the service on a background thread, so that a caller who
+    will need them soon overlaps that with other work. Errors surface at the first real use."""
+    def work() -> None:
+        try:
+            import podman  # noqa: F401
+
+            service_url(runtime)
+        except Exception:
+            pass
+
+    threading.Thread(target=work, daemon=True, name="tmax-podman-prestart").start()
 
 
 def stop_service() -> None:

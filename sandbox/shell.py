@@ -481,7 +481,7 @@ class ShellSandbox:
 
     def _shell(self) -> PersistentShell:
         if self.shell is None:
-            raise SandboxError("sandbox is not started")
+            raise SandboxError("sandbox is not started (or was started without a shell: SandboxSpec.shell=False)")
         return self.shell
 
     def run(self, command: str, timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S) -> CommandResult:

@@ -1,27 +1,31 @@
 """Compare jobs over the same tasks (any agents, harnesses, models): `tmax bench compare`.
 
 Per job: pass@1 and pass@k (k = the smallest number of scored attempts any task has), each
-the mean over tasks of the unbiased per-task estimate, with a 95 % bootstrap interval
-(tasks resampled with replacement); mean steps, tokens and wall time per trial.
-Infrastructure errors are not the agent's: they are left out of every rate and counted apart.
+the mean over tasks of the unbiased per-task estimate, with a 95 % interval whose method
+is named (`tasks.scoring.rate_interval`: exact for few tasks, a nested bootstrap for
+many); mean steps, tokens and wall time per trial. Infrastructure errors are not the
+agent's: they are left out of every rate and counted apart.
 
-Per pair of jobs (A, B), on the tasks both scored: a task is *solved* by a job when most of
-its scored attempts passed. The discordant tasks (solved by A not B, and the reverse) get
-McNemar's exact test: two-sided binomial p of the smaller count under p = 1/2.
+Per pair of jobs (A, B), on the tasks both scored, each task becomes one paired 0/1
+outcome per job: *solved* when more than half of its scored attempts passed (one attempt:
+it passed; k attempts: a majority, a tie counting as not solved). The discordant tasks
+(solved by A not B, and the reverse) get McNemar's exact test: the two-sided binomial p
+of the smaller count under p = 1/2.
+
+Job directories come from tmax, Harbor or other agents (`tasks.job.load_job_results`).
 """
 
 from __future__ import annotations
 
-import random
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from math import comb
 from pathlib import Path
 
 from tasks.job import load_job_results
-from tasks.scoring import pass_at_k
+from tasks.scoring import pass_at_k, rate_interval
 
-BOOTSTRAP_SAMPLES = 2000
+SOLVED_RULE = "a task is solved when more than half of its scored attempts passed"
 INFRA = "infra_error"
 
 
@@ -38,6 +42,7 @@ class JobSummary:
     pass_at_1_ci: tuple[float, float]
     pass_at_k: float
     pass_at_k_ci: tuple[float, float]
+    ci_method: str
     mean_steps: float | None
     mean_tokens: float | None
     mean_wall_s: float | None
@@ -66,21 +71,19 @@ def mcnemar_exact(b: int, c: int) -> float:
     return min(1.0, 2 * tail)
 
 
-def bootstrap_ci(values: list[float], seed: int = 0, samples: int = BOOTSTRAP_SAMPLES) -> tuple[float, float]:
-    """95 % percentile interval of the mean of `values` (one value per task)."""
-    if not values:
-        return (0.0, 0.0)
-    rng = random.Random(seed)
-    n = len(values)
-    means = sorted(sum(rng.choice(values) for _ in range(n)) / n for _ in range(samples))
-    return (means[int(0.025 * (samples - 1))], means[int(0.975 * (samples - 1))])
-
-
 def _seconds(r: dict) -> float | None:
     try:
         return (datetime.fromisoformat(r["finished_at"]) - datetime.fromisoformat(r["started_at"])).total_seconds()
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def _steps(r: dict) -> int | None:
+    """Agent steps of a trial: tmax's metadata, else the ATIF's agent-step count (any harness)."""
+    meta = (r.get("agent_result") or {}).get("metadata") or {}  # Harbor writes "metadata": null
+    if isinstance(meta.get("steps"), int):
+        return meta["steps"]
+    return r.get("tmax", {}).get("agent_steps")
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -97,16 +100,19 @@ def summarize_job(job_dir: Path) -> JobSummary:
     k = min((n for n, _ in per_task.values()), default=1)
     at1 = [pass_at_k(n, c, 1) for n, c in per_task.values()]
     atk = [pass_at_k(n, c, k) for n, c in per_task.values()]
-    agent = ((cfg.get("agents") or [{}])[0]) if isinstance(cfg.get("agents"), list) else {}
-    steps = [float(s) for r in scored if isinstance(s := (r.get("agent_result") or {}).get("metadata", {}).get("steps"), int)]
+    ci1, method = rate_interval(list(per_task.values()), 1)
+    cik, _ = rate_interval(list(per_task.values()), k)
+    agents = cfg.get("agents")
+    agent = (agents[0] or {}) if isinstance(agents, list) and agents else {}
+    steps = [float(s) for r in scored if isinstance(s := _steps(r), int)]
     tokens = [float((r.get("agent_result") or {}).get("n_input_tokens") or 0)
               + float((r.get("agent_result") or {}).get("n_output_tokens") or 0) for r in scored]
     walls = [s for r in scored if (s := _seconds(r)) is not None]
     return JobSummary(
         name=job_dir.name, path=str(job_dir), agent=str(agent.get("name") or "?"), model=agent.get("model_name"),
         n_trials=len(results), n_infra_errors=len(results) - len(scored), k=k,
-        pass_at_1=_mean(at1) or 0.0, pass_at_1_ci=bootstrap_ci(at1), pass_at_k=_mean(atk) or 0.0,
-        pass_at_k_ci=bootstrap_ci(atk), mean_steps=_mean(steps), mean_tokens=_mean(tokens), mean_wall_s=_mean(walls),
+        pass_at_1=_mean(at1) or 0.0, pass_at_1_ci=ci1, pass_at_k=_mean(atk) or 0.0,
+        pass_at_k_ci=cik, ci_method=method, mean_steps=_mean(steps), mean_tokens=_mean(tokens), mean_wall_s=_mean(walls),
         per_task=per_task)
 
 
@@ -130,7 +136,8 @@ class Comparison:
     pairs: list[PairSummary]
 
     def to_dict(self) -> dict:
-        return {"jobs": [asdict(j) for j in self.jobs], "pairs": [asdict(p) for p in self.pairs]}
+        return {"jobs": [asdict(j) for j in self.jobs], "pairs": [asdict(p) for p in self.pairs],
+                "paired_outcome": SOLVED_RULE}
 
 
 def compare_jobs(job_dirs: list[Path]) -> Comparison:
@@ -155,7 +162,8 @@ def write_compare_chart(comp: Comparison, path: Path) -> Path:
         ax.bar([x + offset for x in xs], vals, width=0.34, yerr=[lo, hi], capsize=3, label=label)
     ax.set_xticks(list(xs), [j.name for j in comp.jobs], rotation=15, fontsize=8)
     ax.set_ylim(0, 105)
-    ax.set_ylabel("% of tasks (95 % bootstrap CI)")
+    methods = sorted({j.ci_method for j in comp.jobs})
+    ax.set_ylabel(f"% of tasks (95 % CI: {'; '.join(methods)})", fontsize=7)
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

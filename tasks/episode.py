@@ -64,7 +64,7 @@ def sandbox_spec(task: Task, settings: EnvSettings, image: TaskImage | None, hos
 
 def pool_key(spec: SandboxSpec) -> tuple:
     """Episodes whose sandboxes are interchangeable before the agent starts share a key."""
-    return (spec.image, spec.workdir, spec.network, spec.cpus, spec.memory_mb, spec.user,
+    return (spec.image, spec.workdir, spec.network, spec.cpus, spec.memory_mb, spec.user, spec.shell,
             tuple(sorted(spec.labels.items())))
 
 
@@ -86,12 +86,15 @@ class Episode:
             result = ep.verify(out_dir, timeout)
 
     `image` is the task's already resolved image (otherwise it is resolved here); `pool`
-    (a `sandbox.pool.WarmPool`) hands out a container started ahead of need."""
+    (a `sandbox.pool.WarmPool`) hands out a container started ahead of need; `shell=False`
+    starts no persistent shell (for agents that only exec and copy)."""
 
     def __init__(self, task: Task, settings: EnvSettings, *, image: TaskImage | None = None, pool: Any = None,
                  name: str | None = None, labels: dict[str, str] | None = None,
-                 on_sandbox: Callable[[Any], None] | None = None, cancel: threading.Event | None = None):
+                 on_sandbox: Callable[[Any], None] | None = None, cancel: threading.Event | None = None,
+                 shell: bool = True):
         self.task, self.settings, self.image, self.pool = task, settings, image, pool
+        self.shell = shell  # whether the agent needs the sandbox's persistent shell
         self.name, self.labels, self.on_sandbox, self.cancel = name, dict(labels or {}), on_sandbox, cancel
         self.host: HostEnv | None = None
         self.sandbox: Sandbox | None = None
@@ -103,7 +106,9 @@ class Episode:
         return self.settings.kind in HOST_KINDS
 
     def spec(self) -> SandboxSpec:
-        return sandbox_spec(self.task, self.settings, self.image, self.host, self.name, self.labels)
+        spec = sandbox_spec(self.task, self.settings, self.image, self.host, self.name, self.labels)
+        spec.shell = self.shell
+        return spec
 
     def open(self) -> Sandbox:
         """Resolve the environment and start the sandbox. ImageBuildError, HostEnvError and
@@ -141,6 +146,7 @@ class Episode:
         if self.pool is None or self.host_kind or self.image is None:
             return False
         spec = sandbox_spec(self.task, self.settings, self.image, None, None, self.labels)
+        spec.shell = self.shell
         return self.pool.prewarm(pool_key(spec), lambda: make_sandbox(self.settings.kind, spec))
 
     @property

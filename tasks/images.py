@@ -101,21 +101,29 @@ def image_id(tag: str) -> str | None:
 
 
 def image_workdir(tag: str) -> str:
+    return present_workdir(tag) or "/"
+
+
+def present_workdir(tag: str) -> str | None:
+    """The image's WORKDIR ("/" when unset), or None when the image is not here: whether it
+    exists and where it starts in one `podman image inspect`."""
     r = _podman("image", "inspect", "--format", "{{.Config.WorkingDir}}", tag)
-    return (r.stdout.strip() or "/") if r.returncode == 0 else "/"
+    return (r.stdout.strip() or "/") if r.returncode == 0 else None
 
 
 _pull_failed: set[str] = set()
 _pull_lock = threading.Lock()
 
 
-def try_pull(image: str, timeout: float = 60) -> bool:
-    """Use a prebuilt image if it is here or pullable; remember failures per process."""
-    if image_exists(image):
-        return True
+def try_pull(image: str, timeout: float = 60) -> str | None:
+    """A prebuilt image's WORKDIR if it is here or pullable, else None; failures are
+    remembered per process."""
+    workdir = present_workdir(image)
+    if workdir is not None:
+        return workdir
     with _pull_lock:
         if image in _pull_failed:
-            return False
+            return None
     try:
         ok = _podman("pull", "--quiet", image, timeout=timeout).returncode == 0
     except subprocess.TimeoutExpired:
@@ -123,7 +131,8 @@ def try_pull(image: str, timeout: float = 60) -> bool:
     if not ok:
         with _pull_lock:
             _pull_failed.add(image)
-    return ok
+        return None
+    return image_workdir(image)
 
 
 def image_tag(task: Task, cfg: RewriteConfig) -> tuple[str, RewrittenDockerfile]:
@@ -178,16 +187,17 @@ def ensure_image(task: Task, cfg: RewriteConfig, *, use_prebuilt: bool = True, f
                  cancel: threading.Event | None = None) -> TaskImage:
     """The task's image, from cache, a pullable prebuilt `docker_image`, or a fresh build."""
     prebuilt = task.config.environment.docker_image
-    if use_prebuilt and prebuilt and not force and try_pull(prebuilt):
-        return TaskImage(prebuilt, image_workdir(prebuilt), built=False)
+    if use_prebuilt and prebuilt and not force and (workdir := try_pull(prebuilt)) is not None:
+        return TaskImage(prebuilt, workdir, built=False)
 
     tag, rewritten = image_tag(task, cfg)
     logs = cache_dir() / "build-logs"
     log_path = logs / f"{task.name}-{tag.rsplit(':', 1)[1]}.log"
     with _tag_lock(tag), _FileLock(cache_dir() / "locks" / (hashlib.sha1(tag.encode()).hexdigest() + ".lock")):
-        if not force and image_exists(tag):
+        workdir = None if force else present_workdir(tag)
+        if workdir is not None:
             record_use(tag)
-            return TaskImage(tag, image_workdir(tag), built=False, log_path=log_path if log_path.exists() else None)
+            return TaskImage(tag, workdir, built=False, log_path=log_path if log_path.exists() else None)
         for base in rewritten.base_images:
             if not image_exists(base):
                 # The tmax base missing is the machine's problem; another image that cannot be

@@ -27,14 +27,14 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, Field, field_validator
 
-from agents.records import write_json_atomic
+from agents.records import TRAJECTORY, write_json_atomic
 from tasks.dataset import load_tasks
 from tasks.hostenv import ENV_KINDS
-from tasks.model import Task
+from tasks.model import Task, load_config
 from tasks.offline import default_config
 from tasks.runners import make_agent
 from tasks.scoring import score
-from tasks.trial import CANCELLED, TrialEnv, TrialPlan, now_iso, run_trial
+from tasks.trial import CANCELLED, TrialEnv, TrialPlan, now_iso, run_trial, wait_for_closes
 
 # Fields that do not change what a trial means; they stay out of the identity.
 VOLATILE = {"base_url", "n_concurrent", "jobs_dir", "job_name", "created_at", "retry_infra", "api_key_env"}
@@ -88,6 +88,15 @@ def harbor_environment(kind: str) -> dict[str, str | None]:
     if kind == "podman":
         return {"type": "podman"}
     return {"type": None, "import_path": f"sandbox.{kind}", "kind": kind}
+
+
+def dataset_source(dataset: str) -> str | None:
+    """What Harbor records as a trial's `source`: a dataset directory's name, a registry
+    dataset's name, nothing for a single task directory."""
+    path = Path(dataset).expanduser()
+    if path.exists():
+        return None if (path / "task.toml").is_file() else path.resolve().name
+    return dataset.split("@", 1)[0]
 
 
 def trial_name(identity: str, task: str, attempt: int) -> str:
@@ -162,7 +171,8 @@ class Job:
             raise JobError(f"{job_dir}: not a job directory (no readable config.json)")
         cfg = dict(data.get("tmax_job") or {})
         if not cfg:
-            raise JobError(f"{job_dir}/config.json was not written by tmax bench")
+            raise JobError(f"{job_dir}/config.json was not written by tmax bench (a Harbor job resumes with "
+                           "`harbor job resume`; report and compare read it as it is)")
         env = overrides.get("environment")
         if env is not None and env != cfg.get("environment", "podman"):
             raise JobError(f"{job_dir} runs its trials with -e {cfg.get('environment', 'podman')}, not {env}: the "
@@ -181,7 +191,7 @@ class Job:
                 name = trial_name(self.identity, task.name, attempt)
                 cfg = {
                     # Harbor's TaskConfig takes a path or a registry name, never both.
-                    "task": {"path": str(task.path), "source": self.config.dataset,
+                    "task": {"path": str(task.path), "source": dataset_source(self.config.dataset),
                              "checksum": self.checksums[task.name]},
                     "trial_name": name,
                     "trials_dir": str(self.dir),
@@ -246,20 +256,15 @@ class Job:
                 n_cancelled += 1
             else:
                 results.append(r)
-        rows = [trial_row(r) for r in results]
-        sc = score(rows) if rows else None
-        key = f"{self.config.agent}__{self.config.model or 'none'}__{Path(self.config.dataset).name}"
-        reward_stats: dict[str, list[str]] = {}
-        exc_stats: dict[str, list[str]] = {}
-        for r in results:
-            rw = r.get("tmax", {}).get("reward")
-            if rw is not None:
-                reward_stats.setdefault(str(float(rw)), []).append(r["trial_name"])
-            if r.get("exception_info"):
-                exc_stats.setdefault(r["exception_info"]["exception_type"], []).append(r["trial_name"])
+        sc = score([trial_row(r) for r in results]) if results else None
         running = progress.running if progress else 0
         existing = _read_json(self.dir / "result.json") or {}
+        n_errored = sum(1 for r in results if r.get("exception_info"))
+        tokens = {k: sum(int((r.get("agent_result") or {}).get(k) or 0) for r in results)
+                  for k in ("n_input_tokens", "n_cache_tokens", "n_output_tokens")}
+        # Harbor 0.26's JobResult: counts, scores and tokens all under "stats".
         data = {
+            "schema_version": 1,
             "id": self.job_id,
             "started_at": existing.get("started_at") or now_iso(),
             "updated_at": now_iso(),
@@ -267,28 +272,26 @@ class Job:
             "n_total_trials": len(plans),
             "stats": {
                 "n_completed_trials": len(results),
-                "n_errored_trials": sum(1 for r in results if r.get("exception_info")),
+                "n_errored_trials": n_errored,
                 "n_running_trials": running,
-                "n_pending_trials": len(plans) - len(results) - running,
+                "n_pending_trials": max(0, len(plans) - len(results) - running),
                 "n_cancelled_trials": n_cancelled,
                 "n_retries": len(list((self.dir / ".retries").glob("*"))) if (self.dir / ".retries").is_dir() else 0,
+                "evals": {self._evals_key(): _eval_stats(results, sc)} if results else {},
+                **tokens,
+                "cost_usd": None,
             },
-            "evals": {key: {
-                "n_trials": len(results),
-                "n_errors": sum(1 for r in results if r.get("exception_info")),
-                "metrics": [{"mean": sc.mean_reward if sc else 0.0}],
-                "pass_at_k": {str(k): v for k, v in (sc.pass_at_k.items() if sc else [])},
-                "reward_stats": {"reward": reward_stats},
-                "exception_stats": exc_stats,
-            }},
-            "n_input_tokens": sum(r.get("agent_result", {}).get("n_input_tokens", 0) or 0 for r in results),
-            "n_cache_tokens": 0,
-            "n_output_tokens": sum(r.get("agent_result", {}).get("n_output_tokens", 0) or 0 for r in results),
-            "cost_usd": None,
+            "trial_results": [],
             "tmax_score": sc.to_dict() if sc else None,
         }
         write_json_atomic(self.dir / "result.json", data)
         return data
+
+    def _evals_key(self) -> str:
+        """The key Harbor gives this job's scores: agent, model and the trials' source."""
+        name, model = self.agent.name, self.config.model
+        source = dataset_source(self.config.dataset) or "adhoc"
+        return f"{name}__{model}__{source}" if model else f"{name}__{source}"
 
     # --- running -------------------------------------------------------------------------
     def pending(self, retry_infra: bool = False) -> tuple[list[TrialPlan], int]:
@@ -327,10 +330,15 @@ class Job:
         for r in self.results():
             _count(prog, r)
         self.write_result(prog)
+        if todo and self.sandbox_kind == "podman":
+            from sandbox.podman_service import prestart
+
+            prestart()  # the REST service starts while the first trial looks up its image
         env = TrialEnv(agent=self.agent, rewrite=self.rewrite, timeout_multiplier=self.config.timeout_multiplier,
                        use_prebuilt=self.config.use_prebuilt, sandbox_kind=self.sandbox_kind,
                        override_cpus=self.config.override_cpus, override_memory_mb=self.config.override_memory_mb,
-                       cancel=self.cancel, on_sandbox=self._on_sandbox, model_name=self.config.model)
+                       cancel=self.cancel, on_sandbox=self._on_sandbox, model_name=self.config.model,
+                       close_in_background=True)
         emit = progress_fn or (lambda *a: None)
         emit("start", prog, None)
 
@@ -366,10 +374,12 @@ class Job:
             self.interrupt()
             pool.shutdown(wait=True, cancel_futures=True)
             self.write_result(prog)
+            wait_for_closes()
             emit("cancelled", prog, None)
             raise
         pool.shutdown(wait=True)
         data = self.write_result(prog, finished=True)
+        wait_for_closes()  # every container of the job is gone when it ends
         emit("end", prog, None)
         return data
 
@@ -380,6 +390,27 @@ class Job:
             live = list(self._sandboxes.values())
         for sb in live:
             _close_quietly(sb)
+
+
+def _eval_stats(results: list[dict], sc: Any) -> dict:
+    """Harbor's AgentDatasetStats for one agent on one dataset: the mean (errors count 0)
+    and pass@k, the trials by reward and by exception."""
+    reward_stats: dict[str, list[str]] = {}
+    exc_stats: dict[str, list[str]] = {}
+    for r in results:
+        rw = ((r.get("verifier_result") or {}).get("rewards") or {}).get("reward")
+        if rw is not None:
+            reward_stats.setdefault(str(float(rw)), []).append(r["trial_name"])
+        if r.get("exception_info"):
+            exc_stats.setdefault(r["exception_info"]["exception_type"], []).append(r["trial_name"])
+    return {
+        "n_trials": sum(len(v) for v in reward_stats.values()),
+        "n_errors": sum(1 for r in results if r.get("exception_info")),
+        "metrics": [{"mean": sc.mean_reward}],
+        "pass_at_k": {str(k): v for k, v in sc.pass_at_k.items()},
+        "reward_stats": {"reward": reward_stats},
+        "exception_stats": exc_stats,
+    }
 
 
 def _close_quietly(sb: Any) -> None:
@@ -404,22 +435,31 @@ def trial_row(r: dict) -> dict:
 
 
 def load_job_results(job_dir: Path) -> tuple[dict, list[dict]]:
-    """(config.json, finished trial results) of any job directory, for reports."""
+    """(config.json, finished trial results) of any job directory, for reports: tmax's,
+    Harbor's, or another agent's. A trial without a readable result.json has not finished
+    and is left out; one without tmax's fields gets them derived (`_derive_tmax`)."""
     cfg = _read_json(job_dir / "config.json")
     if cfg is None:
         raise JobError(f"{job_dir}: not a job directory (no readable config.json)")
     results = []
+    categories: dict[str, str | None] = {}
     for d in sorted(job_dir.iterdir()):
         if d.is_dir() and not d.name.startswith("."):
             r = _read_json(d / "result.json")
-            if r and r.get("tmax", {}).get("outcome") != CANCELLED:
-                if "tmax" not in r:  # a Harbor job directory: derive the outcome
-                    r["tmax"] = _harbor_outcome(r)
-                results.append(r)
+            if not isinstance(r, dict) or not r.get("task_name") or not r.get("trial_name"):
+                continue
+            if (r.get("tmax") or {}).get("outcome") == CANCELLED:
+                continue
+            if not isinstance(r.get("tmax"), dict):
+                r["tmax"] = _derive_tmax(r, d, categories)
+            results.append(r)
     return cfg, results
 
 
-def _harbor_outcome(r: dict) -> dict:
+def _derive_tmax(r: dict, trial_dir: Path, categories: dict[str, str | None]) -> dict:
+    """tmax's outcome fields for a trial another tool wrote: the outcome from the reward and
+    exception, the category from the task's task.toml when it is reachable, else from the
+    trial config, and the agent's steps from an ATIF trajectory."""
     rewards = (r.get("verifier_result") or {}).get("rewards") or {}
     reward = rewards.get("reward")
     exc = (r.get("exception_info") or {}).get("exception_type")
@@ -431,4 +471,28 @@ def _harbor_outcome(r: dict) -> dict:
         outcome = "infra_error"
     else:
         outcome = "pass" if reward is not None and float(reward) >= 1.0 - 1e-9 else "fail"
-    return {"outcome": outcome, "reward": reward, "category": None}
+    task_cfg = ((r.get("config") or {}).get("task") or {})
+    key = str(task_cfg.get("path") or r["task_name"])
+    if key not in categories:
+        categories[key] = _task_category(task_cfg)
+    return {"outcome": outcome, "reward": reward, "category": categories[key],
+            "agent_steps": _atif_agent_steps(trial_dir / "agent" / TRAJECTORY)}
+
+
+def _task_category(task_cfg: dict) -> str | None:
+    path = task_cfg.get("path")
+    if path:
+        try:
+            category = load_config(Path(path).expanduser() / "task.toml").metadata.get("category")
+            if category:
+                return str(category)
+        except Exception:  # the task is elsewhere or unreadable: fall back to the config
+            pass
+    return task_cfg.get("category") or (task_cfg.get("metadata") or {}).get("category")
+
+
+def _atif_agent_steps(path: Path) -> int | None:
+    doc = _read_json(path) if path.is_file() else None
+    if isinstance(doc, dict) and isinstance(doc.get("steps"), list):
+        return sum(1 for s in doc["steps"] if isinstance(s, dict) and s.get("source") == "agent")
+    return None

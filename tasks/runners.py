@@ -34,6 +34,7 @@ class AgentRun:
 class TrialAgent(Protocol):
     name: str
     version: str
+    uses_shell: bool  # whether it types into the sandbox's persistent shell (else exec/copy only)
 
     def run(self, sandbox: Sandbox, task: Task, workdir: str, agent_dir: Path, timeout: float,
             cancel: threading.Event) -> AgentRun: ...
@@ -42,6 +43,7 @@ class TrialAgent(Protocol):
 class NopAgent:
     name = "nop"
     version = "1"
+    uses_shell = False
 
     def run(self, sandbox, task, workdir, agent_dir, timeout, cancel) -> AgentRun:
         return AgentRun()
@@ -52,6 +54,7 @@ class OracleAgent:
 
     name = "oracle"
     version = "1"
+    uses_shell = False
 
     def __init__(self, rewrite: RewriteConfig):
         self.rewrite = rewrite
@@ -65,10 +68,11 @@ class OracleAgent:
             sol = Path(tmp) / "solution"
             notes = copy_patched(task, "solution", sol, self.rewrite)
             sandbox.copy_in(sol, "/solution")
-        res = run_long(sandbox, "bash /solution/solve.sh", timeout, workdir=workdir, log_path="/tmp/tmax-oracle.txt")
+        # One exec starts solve.sh, waits for it and brings back the end of its log.
+        res = run_long(sandbox, "bash /solution/solve.sh", timeout, workdir=workdir, log_path="/tmp/tmax-oracle.txt",
+                       tail_bytes=2_000_000)
         agent_dir.mkdir(parents=True, exist_ok=True)
-        out = sandbox.exec(["bash", "-c", "tail -c 2000000 /tmp/tmax-oracle.txt"], timeout=60)
-        (agent_dir / "oracle.txt").write_text("".join(f"# tmax: {n}\n" for n in notes) + out.output,
+        (agent_dir / "oracle.txt").write_text("".join(f"# tmax: {n}\n" for n in notes) + res.output,
                                               errors="replace")
         timed_out = res.timed_out
         return AgentRun(timed_out=timed_out,
@@ -101,6 +105,7 @@ class TmaxAgent:
     the running command is interrupted and the loop is stopped at its next step."""
 
     version = "0.1.0"
+    uses_shell = True
 
     def __init__(self, model: str, base_url: str, api_key: str | None = None, kwargs: dict[str, Any] | None = None,
                  harness: str = "tmax"):

@@ -3,7 +3,13 @@
 * mean reward over all trials, errored trials counted as 0 (Harbor's `metrics.mean`);
 * the same mean leaving infrastructure errors out (they are not the agent's failure);
 * unbiased pass@k (Chen et al. 2021) per task, averaged over tasks, for k = 1..K;
-* a per-task table.
+* a per-task table;
+* a 95 % interval for a rate over tasks (`rate_interval`), with the method named: exact
+  (Clopper-Pearson) when each task contributes one 0/1 outcome and the tasks are few,
+  Wilson's score interval over tasks when they are few but a task's rate is a fraction
+  (several attempts: a rate in [0, 1] varies no more than a 0/1 outcome with the same
+  mean, so the interval is conservative), else a bootstrap over tasks with each task's
+  attempts resampled inside it (the two levels of the protocol's randomness).
 A trial "succeeds" for pass@k when its reward is 1.
 """
 
@@ -11,10 +17,17 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
-from math import comb
+from math import comb, sqrt
+from random import Random
 
 OUTCOMES = ("pass", "fail", "agent_timeout", "infra_error", "verifier_error")
 SUCCESS = 1.0 - 1e-9
+# Below this many tasks a bootstrap cannot show the uncertainty (6 of 6 solved resamples to
+# [100 %, 100 %]): the interval is exact (or Wilson's) instead.
+FEW_TASKS = 30
+BOOTSTRAP_SAMPLES = 2000
+Z95 = 1.959963984540054
+EXACT, WILSON, BOOTSTRAP = "exact Clopper-Pearson", "Wilson score", "bootstrap over tasks, attempts nested"
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -24,6 +37,67 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def _binom_cdf(k: int, n: int, p: float) -> float:
+    return sum(comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k + 1))
+
+
+def _solve_decreasing(f, target: float) -> float:
+    """The p in [0, 1] where the decreasing f(p) crosses `target` (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) > target else (lo, mid)
+    return (lo + hi) / 2
+
+
+def clopper_pearson(successes: int, n: int, alpha: float = 0.05) -> tuple[float, float]:
+    """Exact binomial interval: the p whose tail probabilities of `successes` are alpha/2."""
+    if n == 0:
+        return (0.0, 1.0)
+    lo = 0.0 if successes == 0 else _solve_decreasing(lambda p: _binom_cdf(successes - 1, n, p), 1 - alpha / 2)
+    hi = 1.0 if successes == n else _solve_decreasing(lambda p: _binom_cdf(successes, n, p), alpha / 2)
+    return (lo, hi)
+
+
+def wilson(rate: float, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson's score interval for a rate observed over n units."""
+    if n == 0:
+        return (0.0, 1.0)
+    centre = (rate + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * sqrt(rate * (1 - rate) / n + z * z / (4 * n * n))
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def nested_bootstrap(per_task: list[tuple[int, int]], k: int, seed: int = 0,
+                     samples: int = BOOTSTRAP_SAMPLES) -> tuple[float, float]:
+    """95 % percentile interval of mean pass@k: tasks resampled with replacement, and each
+    drawn task's n attempts resampled with replacement inside it."""
+    rng = Random(seed)
+    means = []
+    for _ in range(samples):
+        total = 0.0
+        for _ in per_task:
+            n, c = per_task[rng.randrange(len(per_task))]
+            c_star = sum(rng.random() < c / n for _ in range(n)) if 0 < c < n else c
+            total += pass_at_k(n, c_star, k)
+        means.append(total / len(per_task))
+    means.sort()
+    return (means[int(0.025 * (samples - 1))], means[int(0.975 * (samples - 1))])
+
+
+def rate_interval(per_task: list[tuple[int, int]], k: int = 1) -> tuple[tuple[float, float], str]:
+    """95 % interval of mean pass@k over tasks given (attempts, successes) per task, and
+    the method that made it (see the module docstring)."""
+    if not per_task:
+        return (0.0, 1.0), EXACT
+    rates = [pass_at_k(n, c, k) for n, c in per_task]
+    if len(per_task) < FEW_TASKS:
+        if all(r in (0.0, 1.0) for r in rates):
+            return clopper_pearson(int(sum(rates)), len(rates)), EXACT
+        return wilson(sum(rates) / len(rates), len(rates)), WILSON
+    return nested_bootstrap(per_task, k), BOOTSTRAP
 
 
 @dataclass
@@ -48,6 +122,8 @@ class Score:
     pass_at_k: dict[int, float]
     tasks: list[TaskRow] = field(default_factory=list)
     categories: dict[str, float] = field(default_factory=dict)  # mean reward per category
+    pass_at_1_ci: tuple[float, float] | None = None  # 95 %, by `ci_method`
+    ci_method: str | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -78,6 +154,7 @@ def score(trials: list[dict]) -> Score:
     # pass@k for every k that all tasks have enough attempts for.
     kmax = min((r.n for r in rows), default=0)
     pk = {k: sum(pass_at_k(r.n, r.successes, k) for r in rows) / len(rows) for k in range(1, kmax + 1)}
+    ci, method = rate_interval([(r.n, r.successes) for r in rows], 1) if rows else (None, None)
     cats: dict[str, list[float]] = defaultdict(list)
     for r, t in zip(rewards, trials):
         cats[t.get("category") or "uncategorized"].append(r)
@@ -92,4 +169,6 @@ def score(trials: list[dict]) -> Score:
         pass_at_k=pk,
         tasks=rows,
         categories={c: sum(v) / len(v) for c, v in sorted(cats.items())},
+        pass_at_1_ci=ci,
+        ci_method=method,
     )

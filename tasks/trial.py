@@ -9,11 +9,14 @@ workspace stands in for the image and the verifier runs from a per-trial copy of
     <trial>/exception.txt         the traceback when something went wrong
 
 Outcomes: pass | fail | agent_timeout | infra_error | verifier_error (| cancelled, which
-is never scored and is rerun on resume). The container (or host workspace) is always removed.
+is never scored and is rerun on resume). The container (or host workspace) is always removed:
+with `TrialEnv.close_in_background` after result.json is written, on a thread of its own
+(`wait_for_closes` returns once every such removal is done; a job waits before it ends).
 """
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 import traceback
@@ -65,6 +68,40 @@ class TrialEnv:
     # Called with each live sandbox (and None when it is closed) so Ctrl-C can close them.
     on_sandbox: Callable[[str, Any], None] | None = None
     model_name: str | None = None
+    # Remove the container after result.json is written, off the trial's critical path.
+    close_in_background: bool = False
+
+
+_closing: set[threading.Thread] = set()
+_closing_lock = threading.Lock()
+
+
+def _close_later(episode: Episode) -> None:
+    def work() -> None:
+        try:
+            episode.close()
+        finally:
+            with _closing_lock:
+                _closing.discard(threading.current_thread())
+
+    th = threading.Thread(target=work, daemon=True, name="tmax-trial-close")
+    with _closing_lock:
+        _closing.add(th)
+    th.start()
+
+
+def wait_for_closes() -> None:
+    """Return once every container handed to a background close is removed."""
+    while True:
+        with _closing_lock:
+            pending = list(_closing)
+        if not pending:
+            return
+        for th in pending:
+            th.join()
+
+
+atexit.register(wait_for_closes)  # nothing is left behind when the process ends
 
 
 class _Phase:
@@ -117,7 +154,7 @@ def run_trial(plan: TrialPlan, env: TrialEnv) -> dict:
     labels = {JOB_LABEL: plan.job_name, TRIAL_LABEL: plan.trial_name}
     on_sandbox = (lambda sb: env.on_sandbox(plan.trial_name, sb)) if env.on_sandbox else None
     episode = Episode(plan.task, settings, name=episode_name(plan.trial_name), labels=labels, on_sandbox=on_sandbox,
-                      cancel=env.cancel)
+                      cancel=env.cancel, shell=env.agent.uses_shell)
     try:
         _run_phases(plan, env, episode, run)
     except _Cancelled:
@@ -126,15 +163,23 @@ def run_trial(plan: TrialPlan, env: TrialEnv) -> dict:
         run.fail(env.cancel, e, str(e))
     except Exception as e:  # a harness bug: still an infrastructure error, never the agent's
         run.fail(env.cancel, e, f"internal error: {e}")
+    except BaseException:  # KeyboardInterrupt, SystemExit: no result, the container goes now
+        episode.close()
+        raise
     finally:
         image = episode.image
-        episode.close()
-    if run.outcome not in ("pass", "fail", "agent_timeout", "verifier_error"):
-        run.reward = None  # infra errors and cancellations carry no reward
-    if run.exc and run.exc.get("exception_traceback"):
-        (plan.trial_dir / "exception.txt").write_text(run.exc["exception_traceback"])
-    result = _result(plan, env, run, image)
-    write_json_atomic(plan.trial_dir / "result.json", result)
+        if not env.close_in_background:
+            episode.close()
+    try:
+        if run.outcome not in ("pass", "fail", "agent_timeout", "verifier_error"):
+            run.reward = None  # infra errors and cancellations carry no reward
+        if run.exc and run.exc.get("exception_traceback"):
+            (plan.trial_dir / "exception.txt").write_text(run.exc["exception_traceback"])
+        result = _result(plan, env, run, image)
+        write_json_atomic(plan.trial_dir / "result.json", result)
+    finally:
+        if env.close_in_background:
+            _close_later(episode)
     return result
 
 

@@ -69,21 +69,23 @@ def test_harness_solves_and_fails(tmp_path, harness):
         assert r["agent_result"]["metadata"]["status"] == "submitted"
         assert r["agent_info"]["name"] == harness
         assert ("tools" in first) == (harness == "tmax")
-        atif = json.loads((trial["dir"] / "agent" / "trajectory.atif.json").read_text())
+        atif = json.loads((trial["dir"] / "agent" / "trajectory.json").read_text())
         agent_steps = [s for s in atif["steps"] if s["source"] == "agent"]
         assert len(agent_steps) == len(turns)
         assert all(s.get("observation") for s in agent_steps)
+        messages = json.loads((trial["dir"] / "agent" / "messages.json").read_text())  # as sent to the model
+        assert sum(m["role"] == "assistant" for m in messages) == len(turns)
         if harness == "terminus-2":
             screen = agent_steps[0]["observation"]["results"][0]["content"]
             assert f"echo {word} > hello.txt" in screen
-
-
-def test_harbor_reads_the_atif_trajectories(tmp_path):
-    """Harbor's own models load a scripted mini-swe job: results and the ATIF trajectory."""
-    turns = script("mini-swe", "hello")
-    with ScriptedServer(turns) as srv:
-        trial = bench(tmp_path, "mini-swe", srv, "atif")
-    assert trial["result"]["tmax"]["outcome"] == "pass"
-    loaded = harbor_check(tmp_path / "atif")
+        shown = subprocess.run([sys.executable, "-m", "tmax_cli.main", "show", str(trial["dir"])], capture_output=True,
+                               text=True, env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "160"}, timeout=60)
+        assert shown.returncode == 0 and f"echo {word} > hello.txt" in shown.stdout, shown.stderr
+        assert "no valid bash call" not in shown.stdout
+    # Harbor's own models take every trial's agent/trajectory.json as ATIF, and its viewer serves them.
+    loaded = harbor_check(tmp_path / f"{harness}-hello", tmp_path / f"{harness}-goodbye")
     assert loaded["failures"] == []
-    assert (loaded["jobs"], loaded["trials"], loaded["atif"]) == (1, 1, 1)
+    assert (loaded["jobs"], loaded["trials"], loaded["atif"]) == (2, 2, 2)
+    (evals,) = loaded["evals"][f"{harness}-hello"].values()
+    assert evals["metrics"] == [{"mean": 1.0}] and evals["pass_at_k"] == {"1": 1.0}
+    assert all(t > 0 for t in loaded["tokens"][f"{harness}-hello"])

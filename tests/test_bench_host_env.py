@@ -189,8 +189,10 @@ def test_tmax_agent_with_scripted_server_on_bwrap(nano, tmp_path, private_tmp):
     (r,) = trial_results(job.dir).values()
     assert r["tmax"]["outcome"] == "pass" and r["tmax"]["reward"] == 1.0, r["exception_info"]
     assert r["agent_result"]["metadata"]["status"] == "submitted"
-    traj = json.loads((job.dir / r["trial_name"] / "agent" / "trajectory.json").read_text())
+    agent_dir = job.dir / r["trial_name"] / "agent"
+    traj = json.loads((agent_dir / "messages.json").read_text())  # as sent; trajectory.json is ATIF
     assert any("/app" in str(m.get("content")) for m in traj if m["role"] == "tool")
+    assert json.loads((agent_dir / "trajectory.json").read_text())["schema_version"] == "ATIF-v1.6"
 
 
 @pytest.mark.bwrap

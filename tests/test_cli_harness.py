@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.atif import ATIF_FILE, write_atif
+from agents.atif import write_atif
 from scripted_server import ScriptedServer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,11 +63,13 @@ def test_mini_swe_runs_each_command_in_a_fresh_process(tmp_path):
     assert "pwd > where.txt" in shown.stdout and "<returncode>0</returncode>" in shown.stdout
     assert "no valid bash call" not in shown.stdout
 
-    # The same run written as ATIF, alone in a directory, shows the same steps.
+    # The same run written as ATIF (trajectory.json; the messages move to messages.json),
+    # alone in a directory, shows the same steps.
     write_atif(out, agent_name="mini-swe", agent_version="test", model_name="scripted")
+    assert json.loads((out / "messages.json").read_text())[-1]["role"] == "user"
     atif_dir = tmp_path / "atif-only"
     atif_dir.mkdir()
-    shutil.copy(out / ATIF_FILE, atif_dir / ATIF_FILE)
+    shutil.copy(out / "trajectory.json", atif_dir / "trajectory.json")
     from_atif = tmax(tmp_path, "show", str(atif_dir))
     assert from_atif.returncode == 0, from_atif.stderr
     assert "pwd > where.txt" in from_atif.stdout and "no valid bash call" not in from_atif.stdout

@@ -95,6 +95,15 @@ def _run_job(job, retry_infra: bool) -> None:
     _print_report(console, data.get("tmax_score"), job.dir)
 
 
+def _prestart_podman(environment: str | None) -> None:
+    """Start podman's REST service now, so it comes up while the job's imports, tasks and
+    images are loaded (it takes most of a second on a busy machine)."""
+    if (environment or "podman") == "podman":
+        from sandbox.podman_service import prestart
+
+        prestart()
+
+
 def _make_job(dataset: str, agent: str, model: Optional[str], base_url: Optional[str], attempts: int,
               concurrent: int, include: list[str], exclude: list[str], limit: Optional[int], jobs_dir: Path,
               job_name: Optional[str], timeout_multiplier: float, image_map: list[str], prebuilt: bool,
@@ -147,6 +156,7 @@ def run_cmd(
     api_key_env: str = _KEYENV, environment: str = _ENV,
 ) -> None:
     """Run an agent on tasks; results land in JOBS_DIR/JOB_NAME as each trial ends."""
+    _prestart_podman(environment)
     job = _make_job(dataset, agent, model, base_url, attempts, concurrent, include, exclude, limit, jobs_dir,
                     job_name, timeout_multiplier, image_map, prebuilt, ak, api_key_env, environment)
     _run_job(job, retry_infra)
@@ -165,6 +175,7 @@ def terminal_bench_cmd(
 ) -> None:
     """Terminal-Bench 2.0 by the paper's protocol: 5 attempts per task, the tasks' own timeouts,
     errors scored 0, unbiased pass@k."""
+    _prestart_podman(environment)
     job = _make_job(dataset, agent, model, base_url, 5, concurrent, include, exclude, limit, jobs_dir,
                     job_name, 1.0, image_map, prebuilt, ak, api_key_env, environment)
     _run_job(job, retry_infra)
@@ -186,6 +197,8 @@ def resume_cmd(
     from tasks.job import Job, JobError, _read_json
 
     cfg = (_read_json(job_dir / "config.json") or {}).get("tmax_job") or {}
+    if cfg:
+        _prestart_podman(environment or cfg.get("environment"))
     key = os.environ.get(cfg.get("api_key_env") or "OPENAI_API_KEY")
     try:
         job = Job.open(job_dir, base_url=base_url, n_concurrent=concurrent, api_key=key, environment=environment)
@@ -209,6 +222,9 @@ def _print_report(console, sc: dict | None, job_dir: Path) -> None:
     console.print(t)
     excl = sc["mean_reward_excl_infra"]
     pk = "  ".join(f"pass@{k} {v * 100:.1f}%" for k, v in sc["pass_at_k"].items())
+    if sc.get("pass_at_1_ci"):
+        lo, hi = sc["pass_at_1_ci"]
+        pk += f"  (pass@1 95% CI {lo * 100:.1f}-{hi * 100:.1f}%, {sc['ci_method']})"
     console.print(
         f"[bold]mean reward {sc['mean_reward'] * 100:.2f}%[/] over {sc['n_trials']} trials / {sc['n_tasks']} tasks "
         f"(errors count 0) · excluding {sc['n_infra_errors']} infra errors: "
@@ -216,11 +232,24 @@ def _print_report(console, sc: dict | None, job_dir: Path) -> None:
         + ", ".join(f"{k} {v}" for k, v in sorted(sc["outcomes"].items())))
 
 
+def _created_by_tmax(job_dir: Path) -> bool:
+    from tasks.job import _read_json
+
+    return bool((_read_json(job_dir / "config.json") or {}).get("tmax_job"))
+
+
+def _default_chart_dir(job_dir: Path) -> Path | None:
+    """Charts go into a job directory tmax created; never, unasked, into another tool's."""
+    return job_dir if _created_by_tmax(job_dir) else None
+
+
 @bench_app.command("report")
 def report_cmd(
-    job_dir: Path = typer.Argument(..., help="A job directory (tmax or Harbor)."),
+    job_dir: Path = typer.Argument(..., help="A job directory (tmax, Harbor or another agent's)."),
     as_json: bool = typer.Option(False, "--json", help="Print the scores as JSON."),
-    chart_dir: Optional[Path] = typer.Option(None, "--chart-dir", help="Where the PNG charts go (default: the job dir)."),
+    chart_dir: Optional[Path] = typer.Option(None, "--chart-dir",
+                                             help="Where the PNG charts go (default: the job dir when tmax "
+                                                  "created it; otherwise no charts unless this is given)."),
     no_chart: bool = typer.Option(False, "--no-chart", help="Do not write PNG charts."),
 ) -> None:
     """Scores of a job: mean reward (errors count 0), without infra errors, pass@k, per task."""
@@ -237,10 +266,11 @@ def report_cmd(
         _fail(f"{job_dir}: no finished trials")
     sc = score([trial_row(r) for r in results])
     charts = []
-    if not no_chart:
+    out_dir = None if no_chart else (chart_dir or _default_chart_dir(job_dir))
+    if out_dir is not None:
         from tasks.charts import write_charts
 
-        charts = write_charts(sc, chart_dir or job_dir, title=job_dir.name)
+        charts = write_charts(sc, out_dir, title=job_dir.name)
     if as_json:
         data = sc.to_dict()
         data["charts"] = [str(p) for p in charts]
@@ -259,11 +289,14 @@ def _pct(x: float, ci: tuple[float, float] | None = None) -> str:
 def _print_comparison(console, comp) -> None:
     from rich.table import Table
 
+    from tasks.compare import SOLVED_RULE
+
     ks = {j.k for j in comp.jobs}
     # pass@k only says something new when some job has more than one attempt per task.
     k_col = None if ks == {1} else (f"pass@{next(iter(ks))} (CI)" if len(ks) == 1 else "pass@k (CI)")
     # Two narrow tables rather than one wide one: both stay readable in 80 columns.
-    rates = Table(title="per job: rates over tasks with 95% bootstrap CI; infra errors left out of the rates")
+    methods = "; ".join(sorted({j.ci_method for j in comp.jobs}))
+    rates = Table(title=f"per job: rates over tasks with 95% CI ({methods}); infra errors left out of the rates")
     cost = Table(title="per job: mean cost of a trial")
     for t in (rates, cost):
         t.add_column("job", overflow="fold")
@@ -283,7 +316,7 @@ def _print_comparison(console, comp) -> None:
     console.print(cost)
     for p in comp.pairs:
         pt = Table(title=f"A = {p.a}  vs  B = {p.b}: {p.n_common_tasks} common tasks, both {p.both}, neither {p.neither}, "
-                         f"McNemar exact p = {p.p_value:.4g}")
+                         f"McNemar exact p = {p.p_value:.4g} ({SOLVED_RULE})")
         pt.add_column(f"solved by A not B ({len(p.a_not_b)})")
         pt.add_column(f"solved by B not A ({len(p.b_not_a)})")
         for i in range(max(len(p.a_not_b), len(p.b_not_a))):
@@ -295,11 +328,14 @@ def _print_comparison(console, comp) -> None:
 def compare_cmd(
     job_dirs: list[Path] = typer.Argument(..., help="Two or more job directories (tmax or Harbor) over the same tasks."),
     as_json: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
-    chart: Optional[Path] = typer.Option(None, "--chart", help="PNG path (default: compare.png in the first job dir)."),
+    chart: Optional[Path] = typer.Option(None, "--chart", help="PNG path (default: compare.png in the first job dir "
+                                                               "when tmax created it; otherwise no chart unless "
+                                                               "this is given)."),
     no_chart: bool = typer.Option(False, "--no-chart", help="Do not write the PNG."),
 ) -> None:
-    """pass@1 / pass@k with 95% bootstrap intervals per job, and per-task paired differences
-    with McNemar's exact test, for jobs of any agents, harnesses or models."""
+    """pass@1 / pass@k with 95% intervals per job (exact for few tasks, bootstrap for many),
+    and per-task paired differences with McNemar's exact test, for jobs of any agents,
+    harnesses or models (tmax or Harbor job directories)."""
     from rich.console import Console
 
     from tasks.compare import compare_jobs, write_compare_chart
@@ -314,7 +350,9 @@ def compare_cmd(
     empty = [j.name for j in comp.jobs if not j.per_task]
     if empty:
         _fail(f"no scored trials in: {', '.join(empty)}")
-    png = None if no_chart else write_compare_chart(comp, chart or job_dirs[0] / "compare.png")
+    default = job_dirs[0] / "compare.png" if _created_by_tmax(job_dirs[0]) else None
+    target = None if no_chart else (chart or default)
+    png = write_compare_chart(comp, target) if target else None
     if as_json:
         typer.echo(json.dumps({**comp.to_dict(), "chart": str(png) if png else None}, indent=2))
         return

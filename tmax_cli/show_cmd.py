@@ -1,6 +1,10 @@
-"""`tmax show PATH`: replay a saved run (trajectory.json + timing.json + usage.json, or an
-ATIF trajectory.atif.json) with the same step rendering as `tmax run`, under the harness
-the run used (run.json's `harness`, or the ATIF agent name)."""
+"""`tmax show PATH`: replay a saved run with the same step rendering as `tmax run`.
+
+PATH is a run directory, a trial directory (its `agent/`: tmax bench or Harbor), or a
+trajectory file. The trajectory is chat messages (`tmax run`) or ATIF from any harness
+(tmax, mini-swe, terminus-2, Harbor's own agents), told apart by its content. Chat
+messages are parsed with the harness the run used (run.json's `harness`); ATIF steps
+carry their actions as tool calls, which are shown as they are."""
 
 from __future__ import annotations
 
@@ -26,44 +30,62 @@ def _read_json(path: Path, required: bool) -> Any:
         raise ShowError(f"{path} is not readable JSON: {e}") from e
 
 
-def _load_atif(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def _from_atif(doc: dict[str, Any], path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from agents.atif import from_atif
 
-    doc = _read_json(path, required=True)
     try:
         messages = from_atif(doc)
     except (ValueError, KeyError, TypeError) as e:
         raise ShowError(f"{path} is not an ATIF trajectory: {e}") from e
     agent = doc.get("agent") or {}
-    meta = {"harness": agent.get("name"), "model": agent.get("model_name")}
+    meta = {"harness": agent.get("name"), "model": agent.get("model_name"), "format": "atif"}
     return messages, {k: v for k, v in meta.items() if v}
 
 
+def _run_dir(path: Path) -> Path:
+    """The directory holding the run's files: PATH itself, or a trial's agent/ (tmax bench,
+    Harbor), or the directory of a named file."""
+    if path.is_file():
+        return path.parent
+    if not (path / "trajectory.json").exists() and (path / "agent").is_dir():
+        return path / "agent"
+    return path
+
+
+def _messages(doc: Any, where: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Chat messages from a trajectory file, whatever wrote it: a list of messages, an object
+    with "messages", or ATIF (any harness); the format is read from the content."""
+    if isinstance(doc, dict) and isinstance(doc.get("steps"), list):
+        return _from_atif(doc, where)
+    if isinstance(doc, dict) and isinstance(doc.get("messages"), list):
+        doc = doc["messages"]
+    if not isinstance(doc, list) or not all(isinstance(m, dict) and "role" in m for m in doc):
+        raise ShowError(f"{where} is not a trajectory (expected a list of chat messages or ATIF steps)")
+    return doc, {}
+
+
 def load_run(path: Path) -> dict[str, Any]:
-    """The saved files of a run directory (or of the directory holding a trajectory.json),
-    or an ATIF file (read when it is named, or when the directory has no trajectory.json)."""
+    """The saved files of a run directory, a trial directory (its agent/), or one trajectory
+    file; chat messages or ATIF, told apart by content."""
     from agents.atif import ATIF_FILE
+    from agents.records import MESSAGES
 
     if not path.exists():
         raise ShowError(f"{path} does not exist")
-    run_dir = path if path.is_dir() else path.parent
+    run_dir = _run_dir(path)
     traj_file = path if path.is_file() else run_dir / "trajectory.json"
-    atif_meta: dict[str, Any] = {}
-    if traj_file.name == ATIF_FILE or (path.is_dir() and not traj_file.exists() and (run_dir / ATIF_FILE).exists()):
-        messages, atif_meta = _load_atif(run_dir / ATIF_FILE if path.is_dir() else path)
-    else:
-        messages = _read_json(traj_file, required=True)
-    if isinstance(messages, dict) and isinstance(messages.get("messages"), list):
-        messages = messages["messages"]
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-        raise ShowError(f"{traj_file} is not a trajectory (expected a list of chat messages)")
+    if path.is_dir() and not traj_file.exists() and (run_dir / ATIF_FILE).exists():
+        traj_file = run_dir / ATIF_FILE  # tmax bench trials before trajectory.json became ATIF
+    messages, atif_meta = _messages(_read_json(traj_file, required=True), traj_file)
+    if atif_meta and path.is_dir() and (run_dir / MESSAGES).is_file():
+        # A tmax bench trial keeps the messages exactly as sent beside the ATIF: show those.
+        messages = _messages(_read_json(run_dir / MESSAGES, required=True), run_dir / MESSAGES)[0]
+        atif_meta.pop("format")
     timing = _read_json(run_dir / "timing.json", required=False) or []
     if not isinstance(timing, list):
         raise ShowError(f"{run_dir / 'timing.json'} should hold a list of per-step records")
     usage = _read_json(run_dir / "usage.json", required=False) or {}
     meta = _read_json(run_dir / "run.json", required=False) or {}  # written by `tmax run`
-    if not meta.get("harness") and (run_dir / ATIF_FILE).exists() and not atif_meta:
-        atif_meta = _load_atif(run_dir / ATIF_FILE)[1]  # a bench trial: the ATIF names the harness
     meta = {**atif_meta, **meta}
     result = _read_json(run_dir / "result.json", required=False) or {}  # written by the agent
     return {"dir": str(run_dir), "trajectory": messages, "timing": timing, "usage": usage, "result": result, "run": meta}
@@ -76,6 +98,27 @@ def _text(content: Any) -> str:
     return content or ""
 
 
+def _call_text(call: dict[str, Any]) -> str:
+    """An ATIF tool call as the command it stands for (bash, terminus keystrokes, other tools)."""
+    fn = call.get("function") or {}
+    try:
+        args = json.loads(fn.get("arguments") or "{}")
+    except (TypeError, ValueError):
+        args = {"raw": fn.get("arguments")}
+    for key in ("command", "keystrokes", "cmd"):
+        if isinstance(args, dict) and isinstance(args.get(key), str):
+            return args[key]
+    return f"{fn.get('name') or '?'}({json.dumps(args) if args else ''})"
+
+
+def _show_meta(meta: dict[str, Any], display: Any) -> None:
+    if meta:
+        bits = [f"{k} {meta[k]}" for k in ("model", "harness", "sandbox", "mode", "format") if meta.get(k)]
+        if meta.get("resumed_from"):
+            bits.append(f"resumed from {meta['resumed_from']}")
+        display.info(" · ".join(bits))
+
+
 def render(run: dict[str, Any], display: Any, show_system: bool = False) -> None:
     from agents.harnesses import HARNESSES, make_harness
     from tmax_cli.ui import fmt_tokens, split_exit_code
@@ -83,15 +126,14 @@ def render(run: dict[str, Any], display: Any, show_system: bool = False) -> None
     messages = run["trajectory"]
     timing = {t.get("step"): t for t in run["timing"] if isinstance(t, dict)}
     meta = run["run"]
+    # ATIF pairs each action with its observation already: its tool calls are shown as they
+    # are, whatever the harness (Harbor's terminus-2 has no tool calls in its model's replies).
+    atif = meta.get("format") == "atif"
     harness = make_harness(meta.get("harness") if meta.get("harness") in HARNESSES else "tmax")
     # What the next user message answers: an action given as text ("observation") or a
     # response without a usable action ("format_error"); tool calls get tool messages.
     pending: str | None = None
-    if meta:
-        bits = [f"{k} {meta[k]}" for k in ("model", "harness", "sandbox", "mode") if meta.get(k)]
-        if meta.get("resumed_from"):
-            bits.append(f"resumed from {meta['resumed_from']}")
-        display.info(" · ".join(bits))
+    _show_meta(meta, display)
 
     step = 0
     seen_task = False
@@ -121,6 +163,11 @@ def render(run: dict[str, Any], display: Any, show_system: bool = False) -> None
             step += 1
             display.step_header(step)
             display.thought(content)
+            if atif:
+                for call in msg.get("tool_calls") or []:
+                    display.command(_call_text(call))
+                pending = "observation"
+                continue
             action = harness.parse(msg)
             pending = "format_error" if action.command is None else (None if action.tool_call_id else "observation")
             if action.command is not None:
@@ -153,7 +200,8 @@ def render(run: dict[str, Any], display: Any, show_system: bool = False) -> None
 
 
 def show(
-    path: Path = typer.Argument(..., help="A run directory (or its trajectory.json)."),
+    path: Path = typer.Argument(..., help="A run directory, a trial directory, or a trajectory file "
+                                          "(chat messages or ATIF)."),
     json_mode: bool = typer.Option(False, "--json", help="Print the saved files as one JSON object instead."),
     system: bool = typer.Option(False, "--system", help="Also show the system prompt."),
     export: Optional[str] = typer.Option(

@@ -67,6 +67,7 @@ class InitialCheckAgent:
 
     name = "initial-check"
     version = "1"
+    uses_shell = False
 
     def run(self, sandbox, task, workdir, agent_dir, timeout, cancel) -> AgentRun:
         test = task.tests_dir / INITIAL_TEST
