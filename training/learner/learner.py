@@ -167,6 +167,7 @@ class Learner:
         )
         self.step = 0
         self.extra: dict = {}
+        self.timings: dict[str, float] = {}  # seconds of the last backward's forwards and backwards
 
     # -- forward -----------------------------------------------------------------------
 
@@ -278,7 +279,8 @@ class Learner:
         return self._backward(samples, loss_fn)[0]
 
     def _backward(self, samples: list[TrainSample], loss_fn: PackLoss | None) -> tuple[LossStats, int]:
-        """`backward`, and the number of tokens this rank's forwards computed."""
+        """`backward`, and the number of tokens this rank's forwards computed; the seconds
+        spent in forwards and backwards go to `self.timings`."""
         validate_samples(samples, self.vocab_size)
         loss_fn = loss_fn or self.rl_loss
         rows = self._rows(samples)
@@ -292,14 +294,21 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=False)
         stats = LossStats()
         computed = 0
+        forward_s = backward_s = 0.0
         for r in range(max_rows):
+            t0 = time.perf_counter()
             pack = build_pack(samples, rows[r]) if r < len(rows) else _spare_pack()
             computed += len(pack.trie) if r < len(rows) else 0
             new = self.pack_logprobs(pack)
             loss, st = loss_fn(new, pack.to(self.device), total_tokens)
+            t1 = time.perf_counter()
             (loss * self.dp.loss_scale).backward()
+            forward_s, backward_s = forward_s + t1 - t0, backward_s + time.perf_counter() - t1
             stats.add(st)
+        t2 = time.perf_counter()
         self.dp.reduce_gradients(self.params)
+        self.timings = {"time/learner_forward": forward_s,
+                        "time/learner_backward": backward_s + time.perf_counter() - t2}
         return self._reduce_stats(stats), computed
 
     def _reduce_stats(self, stats: LossStats) -> LossStats:
@@ -322,6 +331,7 @@ class Learner:
         step's metrics."""
         t0 = time.perf_counter()
         stats, computed = self._backward(samples, loss_fn)
+        t_opt = time.perf_counter()
         grad_norm = self.dp.clip_grad_norm(self.params, self.cfg.max_grad_norm)
         lr = self.current_lr()
         for group in self.optimizer.param_groups:
@@ -329,6 +339,7 @@ class Learner:
         self.optimizer.step()
         self.step += 1
         seconds = time.perf_counter() - t0
+        optimizer_s = time.perf_counter() - t_opt
         # Tokens of the samples, and tokens the forwards computed (each shared prefix once).
         tokens, computed = self.dp.all_reduce(torch.tensor([float(sum(len(s) for s in samples)), float(computed)])).tolist()
         metrics = stats.summarize(self.cfg.loss.loss_fn)
@@ -338,6 +349,8 @@ class Learner:
                 "lr": lr,
                 "training_step": float(self.step),
                 "time/training": seconds,
+                **self.timings,
+                "time/learner_optimizer": optimizer_s,
                 "learner/tokens": tokens,
                 "learner/tokens_computed": computed,
                 "learner_tokens_per_second_step": tokens / max(seconds, 1e-9),
