@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 import time
 from pathlib import Path
@@ -98,19 +97,11 @@ def learner_replay(ckpt: str, samples: list, cfg, repeats: int = 3) -> dict:
 
 
 def prefix_cache_hit_rate(base_url: str) -> float | None:
-    """Hits over queries of vLLM's prefix cache counters (Prometheus /metrics)."""
-    import httpx
+    """Hit prompt tokens over queried ones, vLLM's prefix cache over the run."""
+    from training.inference.engine import prefix_cache_counts
 
-    try:
-        text = httpx.get(base_url.removesuffix("/v1") + "/metrics", timeout=10).text
-    except httpx.HTTPError:
-        return None
-
-    def total(name: str) -> float:
-        return sum(float(v) for v in re.findall(rf"^vllm:{name}_total\{{[^}}]*\}} (\S+)$", text, re.M))
-
-    queries = total("prefix_cache_queries")
-    return round(total("prefix_cache_hits") / queries, 3) if queries else None
+    queries, hits = prefix_cache_counts(base_url)
+    return round(hits / queries, 3) if queries else None
 
 
 def start_model(cfg, out: Path, args, log) -> tuple[str, str, object]:
