@@ -1,7 +1,7 @@
 """Where a nano RL step goes: a few DPPO steps through the real loop, then per step the
 seconds and share of the step's wall of each part, on the sampler side and the learner side.
 
-    python benchmarks/step_profile.py [--steps N] [--sft-steps N] [--model DIR] [--out DIR] [--json]
+    python benchmarks/step_profile.py [--steps N] [--sft-steps N] [--model DIR] [--replays N] [--out DIR] [--json]
 
 Sampler side (from the episodes that finished during the step, in slot-seconds divided by
 `run.concurrency`, the episodes running at once): `sampling` (waiting for the engine),
@@ -124,6 +124,7 @@ def main() -> None:
     ap.add_argument("--sft-steps", type=int, default=64)
     ap.add_argument("--model", default=None, help="start checkpoint (default: nano model + --sft-steps of SFT)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--replays", type=int, default=2, help="learner replays of the last batch each way (0: none)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -161,7 +162,8 @@ def main() -> None:
         "learner_tokens_per_loss_token": _mean(s["learner_tokens_per_loss_token"] for s in steps),
         "per_sample_tokens_per_loss_token": _mean(s["per_sample_tokens_per_loss_token"] for s in steps),
         "prefix_cache_hit_rate": hit_rate,
-        "learner_replay": learner_replay(run.final_checkpoint, samples, cfg) if samples and run.final_checkpoint else None,
+        "learner_replay": (learner_replay(run.final_checkpoint, samples, cfg, args.replays)
+                           if samples and run.final_checkpoint and args.replays else None),
     }
     result["tokens_ratio_before_over_after"] = round(
         result["per_sample_tokens_per_loss_token"] / result["learner_tokens_per_loss_token"], 2)
