@@ -5,7 +5,9 @@ sum of its sequences' gradients.
 
 The trie's nodes are cut into chains (`PrefixTrie.chains`); a chain's queries attend to
 its ancestors' keys (all of them) and to the chain's own keys causally, one
-scaled-dot-product call per chain. No [nodes x nodes] mask is ever made: the cost is the
+scaled-dot-product call per chain, its mask the lower-right causal bias (torch's
+`causal_lower_right`: on CUDA a flash / memory-efficient kernel with no mask in memory; on
+CPU the chain's [chain x keys] mask). No [nodes x nodes] mask is ever made: the cost is the
 sum over nodes of their depth, what each sequence alone would cost minus the prefixes it
 shares.
 
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from training.algo.prefix_trie import PrefixTrie
 
@@ -38,7 +41,7 @@ class TrieChains:
 
     ranges: list[tuple[int, int]]
     keys: list[torch.Tensor]
-    masks: list[torch.Tensor | None]
+    masks: list[CausalBias | None]
 
     @classmethod
     def of(cls, trie: PrefixTrie, device: torch.device) -> "TrieChains":
@@ -47,8 +50,9 @@ class TrieChains:
             n, above = c.end - c.start, len(c.ancestors)
             ranges.append((c.start, c.end))
             keys.append(torch.tensor([*c.ancestors, *range(c.start, c.end)], dtype=torch.long, device=device))
-            # Query j sees every ancestor and chain nodes 0..j: key k allowed iff k <= j + above.
-            masks.append(torch.ones(n, above + n, dtype=torch.bool, device=device).tril(above) if above else None)
+            # Query j sees every ancestor and chain nodes 0..j: key k allowed iff k <= j + above,
+            # causal aligned to the lower right.
+            masks.append(causal_lower_right(n, above + n) if above else None)
         return cls(ranges, keys, masks)
 
 
