@@ -212,3 +212,28 @@ def test_train_step_reports_tokens_computed_beside_tokens(model_dir):
     # One row per sample (a budget below any sample) computes every token of every sample.
     alone = Learner(model_dir, LearnerConfig(pack_length=2, lr=1e-3)).train_step(samples)
     assert alone["learner/tokens_computed"] == alone["learner/tokens"]
+
+
+def test_linear_attention_hybrid_falls_back_to_one_row_per_sample(tmp_path):
+    """A Gated-DeltaNet hybrid's linear layers run along the row and cannot attend over a
+    trie: the learner finds out at start and computes one row per sample, still exact."""
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+    cfg = Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, max_position_embeddings=512, layer_types=["linear_attention", "full_attention"],
+        mlp_only_layers=[0, 1])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path))
+    samples = sft_batch(n=3)
+    learner = Learner(tmp_path, LearnerConfig(pack_length=4096))
+    assert not learner.packing
+    stats = learner.backward(samples, loss_fn=sft_loss)
+
+    def ce(new, old, adv, mask, denominator):
+        return -(new * mask).sum() / denominator, None
+
+    ref_loss, ref_grads = per_sample(tmp_path, samples, 1.0, ce)
+    assert stats.loss_sum / stats.tokens == pytest.approx(ref_loss, rel=1e-5)
+    assert_same_gradients(learner, ref_grads)

@@ -144,9 +144,13 @@ class Learner:
         torch.manual_seed(self.cfg.seed)
         self.device = _resolve_device(self.cfg.device)
         register()
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(self.model_dir), dtype=getattr(torch, self.cfg.dtype), attn_implementation=TRIE_ATTENTION
-        ).to(self.device)
+        dtype = getattr(torch, self.cfg.dtype)
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=dtype,
+                                                              attn_implementation=TRIE_ATTENTION)
+        except ValueError:  # a model class without pluggable attention: one row per sample
+            self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=dtype)
+        self.model.to(self.device)
         self.model.config.use_cache = False
         if self.cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -177,6 +181,8 @@ class Learner:
         against each one alone, instead of trusting every architecture to."""
         from training.algo.prefix_trie import build_trie
 
+        if self.model.config._attn_implementation != TRIE_ATTENTION:
+            return False
         g = torch.Generator().manual_seed(0)
         a = torch.randint(0, self.vocab_size, (6,), generator=g).tolist()
         b = a[:4] + torch.randint(0, self.vocab_size, (3,), generator=g).tolist()
