@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 from agents import prompts  # noqa: E402
 from agents.policy import ContextOverflow, TokenSampler  # noqa: E402
 from agents.tools import TOOLS  # noqa: E402
-from training.inference.engine import VLLMEngine  # noqa: E402
+from training.inference.engine import VLLMEngine, prefix_cache_counts  # noqa: E402
 from training.nano.model import build_nano_model  # noqa: E402
 
 TOL = 1e-4
@@ -98,6 +98,20 @@ def test_seeds_make_sampling_reproducible(engine, prompt):
     # Unseeded calls: seed_base + call index, so two samplers with one base agree.
     x, y = engine.sampler(seed_base=100), engine.sampler(seed_base=100)
     assert [x.sample(prompt, 8, 1.0, 1.0).ids for _ in range(2)] == [y.sample(prompt, 8, 1.0, 1.0).ids for _ in range(2)]
+
+
+def test_prefix_caching_is_on_and_a_repeated_prompt_hits_it(engine, prompt):
+    """The CPU backend caches prompt prefixes: a group's samples and an episode's turns
+    reuse their prompt's KV instead of recomputing it."""
+    s = engine.sampler()
+    s.sample(prompt, 4, 1.0, 1.0, seed=1)
+    queries, hits = prefix_cache_counts(engine.base_url)
+    s.sample(prompt, 4, 1.0, 1.0, seed=2)
+    queries2, hits2 = prefix_cache_counts(engine.base_url)
+    assert queries2 - queries >= len(prompt) - 16
+    # Every full block of the prompt hits (128-token blocks on CPU; the block holding the
+    # last prompt token is computed again).
+    assert hits2 - hits >= len(prompt) - 128
 
 
 def test_weight_push_changes_next_samples(engine, model, prompt):

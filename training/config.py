@@ -193,6 +193,10 @@ class RunConfig(_Strict):
     # How N > 1 learner ranks split the work: FSDP2 shards parameters and optimizer state
     # (gloo on CPU, NCCL on GPU); replicate keeps a full copy per rank and all-reduces grads.
     learner_strategy: Literal["fsdp", "replicate"] = "fsdp"
+    # Tokens one learner forward computes at most: the prefix trie of its micro-batch, where
+    # a prompt its samples share counts once, so a larger budget shares more. None: the
+    # rollout's context_budget (one longest sample).
+    learner_pack_tokens: int | None = Field(None, ge=2)
 
     @model_validator(mode="after")
     def _pool_covers_concurrency(self) -> "RunConfig":

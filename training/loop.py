@@ -51,7 +51,7 @@ def learner_config(cfg: LearnConfig):
     return LearnerConfig(
         lr=a.lr, warmup_steps=a.warmup_steps, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_eps,
         weight_decay=a.weight_decay, max_grad_norm=a.grad_clip, temperature=cfg.rollout.temperature or 1.0,
-        pack_length=cfg.rollout.context_budget, dtype="float32", seed=a.seed, strategy=cfg.run.learner_strategy,
+        pack_length=cfg.run.learner_pack_tokens or cfg.rollout.context_budget, dtype="float32", seed=a.seed, strategy=cfg.run.learner_strategy,
         loss=LossConfig(loss_fn=a.loss, divergence=a.divergence, delta=a.delta, clip_low=a.clip_low,
                         clip_high=a.clip_high),
     )

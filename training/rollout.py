@@ -248,6 +248,9 @@ def run_episode(
         t1 = time.monotonic()
         result = agent.run(task.instruction)
         t_agent = time.monotonic() - t1
+        # The agent's time split: waiting for the model, and commands running in the sandbox.
+        t_llm = sum(t.get("llm_s", 0.0) for t in agent.timing)
+        t_exec = sum(t.get("bash_s", 0.0) for t in agent.timing)
         if result.status in INFRA_STATUSES:
             kind, what = INFRA_STATUSES[result.status]
             raise InfraError(kind, f"{what}: {result.error}")
@@ -277,6 +280,8 @@ def run_episode(
         timings={
             "sandbox_start_s": round(t_sandbox, 4),
             "agent_s": round(t_agent, 4),
+            "llm_s": round(t_llm, 4),
+            "exec_s": round(t_exec, 4),
             "verifier_s": round(t_verify, 4),
             "total_s": round(time.monotonic() - t0, 4),
         },

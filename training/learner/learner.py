@@ -3,11 +3,14 @@
 A `TrainSample` (training.learner.packing) is one trajectory as the sampler saw it, its
 `TokenTrace`: `prompt_ids` then `ids`, where `ids` interleaves sampled tokens (mask 1, the
 sampler's post-temperature logprob) with observation / template tokens (mask 0), and its
-advantage. The learner packs several samples into one row
-(position ids restart at 0 per sample, which transformers turns into a block-diagonal
-causal mask), runs the backbone, and projects only the hidden states that predict a loss
-token through the LM head, in fp32, chunk by chunk. Token t is predicted from position
-t - 1, so the loss tokens are exactly the sampled tokens. The loss is DPPO's policy loss,
+advantage. The learner packs several samples into one row as
+the prefix trie of their tokens (training.learner.packing): the system prompt every sample
+starts with, a group's task prompt and identical leading turns are computed once, each
+node attending to its ancestors only (training.learner.trie_attention), so the loss and
+gradients are those of one forward per sample. It runs the backbone over the row and
+projects only the hidden states that predict a loss token through the LM head, in fp32,
+chunk by chunk. Token t is predicted from position t - 1 of its sample, so the loss tokens
+are exactly the sampled tokens. The loss is DPPO's policy loss,
 or any `PackLoss` of the same shape (SFT's cross-entropy, training.learner.sft).
 
 Data parallelism is behind `DataParallel`: the learner all-reduces the loss-token count
@@ -44,6 +47,7 @@ from training.learner import checkpoint as ckpt
 from agents.policy import TokenTrace
 from training.learner.packing import Pack, TrainSample, build_pack, pack_samples, validate_samples
 from training.learner.parallel import STRATEGIES, DataParallel
+from training.learner.trie_attention import TRIE_ATTENTION, TrieChains, no_mask, register
 
 # A loss over one pack: (trainer logprobs of pack.targets, the pack on the learner's
 # device, the global loss-token count) -> (loss to backpropagate, its statistics).
@@ -69,7 +73,7 @@ class LearnerConfig:
     warmup_steps: int = 0
     max_grad_norm: float = 1.0
     temperature: float = 1.0  # logits / T, matching the sampler's processed logprobs
-    pack_length: int = 67584  # max tokens per packed row (prompt + response)
+    pack_length: int = 67584  # max tokens a packed row computes (nodes of its samples' prefix trie)
     head_chunk: int = 1024  # loss positions per fp32 LM-head chunk (recomputed in backward)
     gradient_checkpointing: bool = False
     # Parameter (and optimizer state) dtype. Keep float32 master weights and set `autocast`
@@ -124,8 +128,8 @@ class _LossForward(torch.nn.Module):
         self.model, self.lm_head = backbone, head
         self._fn = fn
 
-    def forward(self, input_ids, position_ids, pred_pos, targets):
-        return self._fn(input_ids, position_ids, pred_pos, targets)
+    def forward(self, input_ids, position_ids, pred_pos, targets, chains):
+        return self._fn(input_ids, position_ids, pred_pos, targets, chains)
 
 
 class Learner:
@@ -139,9 +143,14 @@ class Learner:
             raise FileNotFoundError(f"no HF model at {self.model_dir} (config.json missing)")
         torch.manual_seed(self.cfg.seed)
         self.device = _resolve_device(self.cfg.device)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(self.model_dir), dtype=getattr(torch, self.cfg.dtype)
-        ).to(self.device)
+        register()
+        dtype = getattr(torch, self.cfg.dtype)
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=dtype,
+                                                              attn_implementation=TRIE_ATTENTION)
+        except ValueError:  # a model class without pluggable attention: one row per sample
+            self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=dtype)
+        self.model.to(self.device)
         self.model.config.use_cache = False
         if self.cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -153,7 +162,7 @@ class Learner:
         if self.dp.world_size > 1 and self.dp.strategy != self.cfg.strategy:
             raise ValueError(f"strategy {self.cfg.strategy!r} but the data-parallel backend is {self.dp.strategy!r}")
         # Before sharding: a local forward, no collectives.
-        self.packing = self._packing_works()
+        self.packing = self._trie_works()
         # Sharded (FSDP) before the optimizer exists, so AdamW's state is made per shard.
         self.net = self.dp.wrap(_LossForward(self.backbone, self.head, self._pack_logprobs))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -162,26 +171,44 @@ class Learner:
         )
         self.step = 0
         self.extra: dict = {}
+        self.timings: dict[str, float] = {}  # seconds of the last backward's forwards and backwards
 
     # -- forward -----------------------------------------------------------------------
 
-    def _packing_works(self) -> bool:
-        """Packing relies on the attention backend honouring position-id restarts; check it
-        once on random tokens instead of trusting every architecture / backend to."""
-        with torch.no_grad():
-            g = torch.Generator().manual_seed(0)
-            a = torch.randint(0, self.vocab_size, (1, 6), generator=g).to(self.device)
-            b = torch.randint(0, self.vocab_size, (1, 5), generator=g).to(self.device)
-            pos = torch.cat([torch.arange(6), torch.arange(5)])[None].to(self.device)
-            packed = self._hidden(torch.cat([a, b], 1), pos)[0, 6:].float()
-            alone = self._hidden(b, torch.arange(5)[None].to(self.device))[0].float()
-            # Relative error: a few bf16 ulps when packing works, O(1) when it leaks.
-            return bool((packed - alone).abs().mean() <= 0.02 * alone.abs().mean())
+    def _trie_works(self) -> bool:
+        """Packing relies on every layer attending over the prefix trie (a linear-attention
+        hybrid does not): check it once on random tokens, two sequences sharing a prefix,
+        against each one alone, instead of trusting every architecture to."""
+        from training.algo.prefix_trie import build_trie
 
-    def _hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        if self.model.config._attn_implementation != TRIE_ATTENTION:
+            return False
+        g = torch.Generator().manual_seed(0)
+        a = torch.randint(0, self.vocab_size, (6,), generator=g).tolist()
+        b = a[:4] + torch.randint(0, self.vocab_size, (3,), generator=g).tolist()
+        trie = build_trie([a, b])
+        dev = self.device
+        with torch.no_grad():
+            ids, pos = torch.tensor([trie.tokens], device=dev), torch.tensor([trie.depths], device=dev)
+            try:
+                packed = self._hidden(ids, pos, TrieChains.of(trie, dev))[0]
+            except (TypeError, ValueError, KeyError):
+                return False
+            for seq, path in zip((a, b), trie.paths):
+                alone = self._hidden(torch.tensor([seq], device=dev), torch.arange(len(seq), device=dev)[None])[0]
+                # Relative error: a few bf16 ulps when the trie is honoured, O(1) when not.
+                err = (packed[path].float() - alone.float()).abs().mean()
+                if not err <= 0.02 * alone.float().abs().mean():
+                    return False
+        return True
+
+    def _hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                chains: TrieChains | None = None) -> torch.Tensor:
+        """The backbone's last hidden states; with `chains`, over a prefix trie's nodes."""
         dtype = getattr(torch, self.cfg.autocast) if self.cfg.autocast else None
+        trie = {} if chains is None else {"attention_mask": no_mask(self.model.config), "prefix_trie": chains}
         with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
-            out = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+            out = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False, **trie)
         return out.last_hidden_state
 
     def _head_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -196,10 +223,12 @@ class Learner:
     def pack_logprobs(self, pack: Pack) -> torch.Tensor:
         """Trainer logprobs of `pack.targets` (with gradient). Under FSDP a collective."""
         dev = self.device
-        return self.net(pack.input_ids.to(dev), pack.position_ids.to(dev), pack.pred_pos.to(dev), pack.targets.to(dev))
+        chains = TrieChains.of(pack.trie, dev) if self.packing else None
+        return self.net(pack.input_ids.to(dev), pack.position_ids.to(dev), pack.pred_pos.to(dev),
+                        pack.targets.to(dev), chains)
 
-    def _pack_logprobs(self, input_ids, position_ids, pred_pos, targets) -> torch.Tensor:
-        hidden = self._hidden(input_ids, position_ids)[0]
+    def _pack_logprobs(self, input_ids, position_ids, pred_pos, targets, chains) -> torch.Tensor:
+        hidden = self._hidden(input_ids, position_ids, chains)[0]
         sel = hidden.index_select(0, pred_pos)
         chunk = self.cfg.head_chunk
         if sel.shape[0] <= chunk:
@@ -253,6 +282,11 @@ class Learner:
         """Zero the gradients and accumulate the gradient of the global token-mean loss
         (`loss_fn`, the policy loss by default) over this rank's samples, reduced over
         ranks. No optimizer step."""
+        return self._backward(samples, loss_fn)[0]
+
+    def _backward(self, samples: list[TrainSample], loss_fn: PackLoss | None) -> tuple[LossStats, int]:
+        """`backward`, and the number of tokens this rank's forwards computed; the seconds
+        spent in forwards and backwards go to `self.timings`."""
         validate_samples(samples, self.vocab_size)
         loss_fn = loss_fn or self.rl_loss
         rows = self._rows(samples)
@@ -265,14 +299,23 @@ class Learner:
         max_rows = int(self.dp.all_reduce(torch.tensor([float(len(rows))]), op="max")[0])
         self.optimizer.zero_grad(set_to_none=False)
         stats = LossStats()
+        computed = 0
+        forward_s = backward_s = 0.0
         for r in range(max_rows):
+            t0 = time.perf_counter()
             pack = build_pack(samples, rows[r]) if r < len(rows) else _spare_pack()
+            computed += len(pack.trie) if r < len(rows) else 0
             new = self.pack_logprobs(pack)
             loss, st = loss_fn(new, pack.to(self.device), total_tokens)
+            t1 = time.perf_counter()
             (loss * self.dp.loss_scale).backward()
+            forward_s, backward_s = forward_s + t1 - t0, backward_s + time.perf_counter() - t1
             stats.add(st)
+        t2 = time.perf_counter()
         self.dp.reduce_gradients(self.params)
-        return self._reduce_stats(stats)
+        self.timings = {"time/learner_forward": forward_s,
+                        "time/learner_backward": backward_s + time.perf_counter() - t2}
+        return self._reduce_stats(stats), computed
 
     def _reduce_stats(self, stats: LossStats) -> LossStats:
         if self.dp.world_size == 1:
@@ -293,7 +336,8 @@ class Learner:
         """Exactly one AdamW step on `samples` (`loss_fn` as in `backward`); returns the
         step's metrics."""
         t0 = time.perf_counter()
-        stats = self.backward(samples, loss_fn)
+        stats, computed = self._backward(samples, loss_fn)
+        t_opt = time.perf_counter()
         grad_norm = self.dp.clip_grad_norm(self.params, self.cfg.max_grad_norm)
         lr = self.current_lr()
         for group in self.optimizer.param_groups:
@@ -301,7 +345,9 @@ class Learner:
         self.optimizer.step()
         self.step += 1
         seconds = time.perf_counter() - t0
-        tokens = self.dp.all_reduce(torch.tensor([float(sum(len(s) for s in samples))]))[0].item()
+        optimizer_s = time.perf_counter() - t_opt
+        # Tokens of the samples, and tokens the forwards computed (each shared prefix once).
+        tokens, computed = self.dp.all_reduce(torch.tensor([float(sum(len(s) for s in samples)), float(computed)])).tolist()
         metrics = stats.summarize(self.cfg.loss.loss_fn)
         metrics.update(
             {
@@ -309,7 +355,10 @@ class Learner:
                 "lr": lr,
                 "training_step": float(self.step),
                 "time/training": seconds,
+                **self.timings,
+                "time/learner_optimizer": optimizer_s,
                 "learner/tokens": tokens,
+                "learner/tokens_computed": computed,
                 "learner_tokens_per_second_step": tokens / max(seconds, 1e-9),
             }
         )

@@ -5,8 +5,9 @@
 * `batch_samples`: the one conversion from finished groups and their advantages to samples
   (RL batches, rated `tmax run` sessions and SFT demonstrations all go through it);
 * `shard`: the token-balanced split over data-parallel ranks;
-* `pack_samples` / `build_pack`: several samples in one row (`Pack`), the loss positions
-  and their targets.
+* `pack_samples` / `build_pack`: several samples in one row (`Pack`) as the prefix trie of
+  their tokens (training.algo.prefix_trie: a prefix they share is computed once), the loss
+  positions and their targets.
 
 torch is imported where tensors are built, so the training driver can import the
 conversion without it.
@@ -17,6 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
+
+from training.algo.prefix_trie import PrefixTrie, build_trie, pack_by_prefix
 
 if TYPE_CHECKING:
     import torch
@@ -34,6 +37,10 @@ class TrainSample:
 
     def __len__(self) -> int:
         return len(self.trace.prompt_ids) + len(self.trace.ids)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [*self.trace.prompt_ids, *self.trace.ids]
 
     @property
     def num_loss_tokens(self) -> int:
@@ -66,40 +73,31 @@ def shard(samples: list[TrainSample], rank: int, world_size: int) -> list[TrainS
 
 @dataclass
 class Pack:
-    """One packed row. `pred_pos[j]` is the row position whose hidden state predicts
-    `targets[j]` (the token at pred_pos[j] + 1 of the same sample)."""
+    """One packed row: the nodes of the prefix trie of its samples' tokens (`trie`), each
+    distinct prefix once, position ids the nodes' depths. `pred_pos[j]` is the node whose
+    hidden state predicts `targets[j]` (the parent of the target's node in its sample)."""
 
-    input_ids: torch.Tensor  # [1, L]
-    position_ids: torch.Tensor  # [1, L]
+    input_ids: torch.Tensor  # [1, nodes]
+    position_ids: torch.Tensor  # [1, nodes]
     pred_pos: torch.Tensor  # [n]
     targets: torch.Tensor  # [n]
     old_logprobs: torch.Tensor  # [n]
     advantages: torch.Tensor  # [n]
     loss_mask: torch.Tensor  # [n]
     spans: list[tuple[int, int, int]]  # (sample index, first response pred index in this pack, count)
+    trie: PrefixTrie
 
     def to(self, device: "torch.device") -> "Pack":
         """The same row with its tensors on `device`."""
-        moved = {k: v.to(device) for k, v in vars(self).items() if k != "spans"}
-        return Pack(**moved, spans=self.spans)
+        moved = {k: v.to(device) for k, v in vars(self).items() if k not in ("spans", "trie")}
+        return Pack(**moved, spans=self.spans, trie=self.trie)
 
 
 def pack_samples(samples: list[TrainSample], pack_length: int) -> list[list[int]]:
-    """Sample indices per row, first-fit decreasing; a sample longer than `pack_length`
-    gets a row of its own."""
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(samples)), key=lambda i: -len(samples[i])):
-        n = len(samples[i])
-        for r, free in enumerate(room):
-            if n <= free:
-                rows[r].append(i)
-                room[r] -= n
-                break
-        else:
-            rows.append([i])
-            room.append(pack_length - n)
-    return rows
+    """Sample indices per row: samples sharing a prefix go together while the row's trie
+    stays within `pack_length` nodes (`pack_by_prefix`); a sample longer than that gets a
+    row of its own."""
+    return pack_by_prefix([s.tokens for s in samples], pack_length)
 
 
 def build_pack(samples: list[TrainSample], indices: list[int], all_positions: bool = False) -> Pack:
@@ -107,39 +105,36 @@ def build_pack(samples: list[TrainSample], indices: list[int], all_positions: bo
     response token (for diagnostics)."""
     import torch
 
-    ids: list[int] = []
-    pos: list[int] = []
+    trie = build_trie([samples[i].tokens for i in indices])
     pred: list[int] = []
     tgt: list[int] = []
     old: list[float] = []
     adv: list[float] = []
     lmask: list[float] = []
     spans: list[tuple[int, int, int]] = []
-    for i in indices:
+    for path, i in zip(trie.paths, indices):
         t, a = samples[i].trace, samples[i].advantage
-        offset, first = len(ids), len(pred)
-        ids.extend(t.prompt_ids)
-        ids.extend(t.ids)
-        pos.extend(range(len(samples[i])))
+        first, n_prompt = len(pred), len(t.prompt_ids)
         for k, (tok, lp, m) in enumerate(zip(t.ids, t.logprobs, t.mask)):
             if not (m or all_positions):
                 continue
-            # Token at sequence position p is predicted by the hidden state at p - 1.
-            pred.append(offset + len(t.prompt_ids) + k - 1)
+            # The token at sequence position p is predicted by the node at p - 1 of its path.
+            pred.append(path[n_prompt + k - 1])
             tgt.append(tok)
             old.append(lp if m else 0.0)
             adv.append(a if m else 0.0)
             lmask.append(float(m))
         spans.append((i, first, len(pred) - first))
     return Pack(
-        input_ids=torch.tensor([ids], dtype=torch.long),
-        position_ids=torch.tensor([pos], dtype=torch.long),
+        input_ids=torch.tensor([trie.tokens], dtype=torch.long),
+        position_ids=torch.tensor([trie.depths], dtype=torch.long),
         pred_pos=torch.tensor(pred, dtype=torch.long),
         targets=torch.tensor(tgt, dtype=torch.long),
         old_logprobs=torch.tensor(old, dtype=torch.float32),
         advantages=torch.tensor(adv, dtype=torch.float32),
         loss_mask=torch.tensor(lmask, dtype=torch.float32),
         spans=spans,
+        trie=trie,
     )
 
 

@@ -200,7 +200,8 @@ def train_sft(model_dir: str, demos: list[Rollout], cfg: LearnConfig, out_dir: s
     total = max(1, round(math.ceil(len(examples) / s.batch_size) * s.epochs))
     learner = Learner(model_dir, LearnerConfig(
         lr=s.lr, weight_decay=0.0, warmup_steps=max(1, int(total * s.warmup_ratio)),
-        max_grad_norm=cfg.algo.grad_clip, pack_length=cfg.rollout.context_budget, seed=cfg.algo.seed))
+        max_grad_norm=cfg.algo.grad_clip, pack_length=cfg.run.learner_pack_tokens or cfg.rollout.context_budget,
+        seed=cfg.algo.seed))
     rng = random.Random(cfg.algo.seed)
     order: list[int] = []
     losses: list[float] = []
