@@ -128,11 +128,9 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    import ray
-
     from benchmarks.nano_recipe import last_batch_samples
     from training.cluster.actors import start_engines
-    from training.cluster.launch import init_ray
+    from training.cluster.launch import connect
     from training.config import preset
     from training.loop import train
 
@@ -142,7 +140,7 @@ def main() -> None:
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     start, train_dir, prepared = start_model(cfg, out, args, log)
     run_dir = out / f"rl-{int(time.time())}"
-    started = init_ray(cfg.run.ray_address, cfg.run.ray_num_cpus)
+    cluster = connect(cfg.cluster)
     engine = None
     try:
         engine = start_engines(cfg, start, run_dir)
@@ -153,8 +151,7 @@ def main() -> None:
         if engine is not None:
             engine.close()
             engine.kill()
-        if started:
-            ray.shutdown()
+        cluster.shutdown()
     steps = step_rows(run_dir, cfg.run.concurrency)
     samples = last_batch_samples(run_dir, cfg)
     result = {

@@ -1,6 +1,6 @@
 """Corpus jobs on a Ray cluster: the Ray backend of `tasks.corpus.scheduler`.
 
-The cluster is the trainer's (`training.cluster.launch.init_ray`): `--address` /
+The cluster is the trainer's (`training.cluster.launch.connect`): `--address` /
 `RAY_ADDRESS` connects to a running one, without either a private local cluster starts.
 Each job is a Ray task with `cpus_per_job` CPUs and, optionally, a custom resource that
 only the nodes able to run the jobs advertise (e.g. start nodes with podman as
@@ -17,7 +17,8 @@ from collections import Counter
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from training.cluster.launch import init_ray
+from training.cluster.launch import connect
+from training.config import ClusterConfig
 
 
 def _call(fn: Callable[..., dict], *args: Any) -> tuple[dict, str]:
@@ -30,7 +31,7 @@ class RayBackend:
     def __init__(self, address: str | None = None, cpus_per_job: float = 1.0, resource: str | None = None):
         import ray
 
-        self._started = init_ray(address)
+        self._cluster = connect(ClusterConfig(address=address))
         total = ray.cluster_resources()
         cap = total.get(resource, 0.0) if resource else total.get("CPU", 1.0) / cpus_per_job
         if resource and not cap:
@@ -62,7 +63,4 @@ class RayBackend:
         return out
 
     def close(self) -> None:
-        import ray
-
-        if self._started:
-            ray.shutdown()
+        self._cluster.shutdown()  # leaves a cluster this process had joined before running
