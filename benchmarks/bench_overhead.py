@@ -16,6 +16,8 @@ the load average is printed with them. The image is built (and cached) before ti
     harbor_s    wall time of `harbor run -p TASK -a oracle -e podman` (needs .venv-harbor and a
                 podman compose frontend on PATH), and harbor_ratio = harbor_s / tmax_s; a Harbor
                 run that fails (its preflight gives `podman info` 10 s) is listed, not fatal
+                Offline, Harbor builds the task's Dockerfile as written: its FROM image must be
+                here under that name (e.g. `podman tag localhost/tmax-base:bookworm ubuntu:24.04`).
     baseline_s  with --baseline: the same as tmax_s for another checkout of tmax (before a change)
     *_cpu_s     CPU seconds (user + system) of that command and every process it waited for
                 (podman CLI calls, the REST service tmax starts); on a loaded machine they vary
