@@ -118,3 +118,17 @@ def test_home_as_workspace_needs_yes(home):
         assert rc == 0, stderr
     rc, events, stderr = run_json(["--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--workdir", "/", "go"], env, home)
     assert rc == 2 and "cannot make / its workspace" in events[-1]["error"], stderr
+
+
+def test_home_as_workspace_asks_at_a_terminal(home):
+    import pexpect
+
+    args = ["-m", "tmax_cli.main", "run", "--base-url", "http://127.0.0.1:9/v1", "--model", "m",
+            "--workdir", str(home / "home"), "go"]
+    child = pexpect.spawn(sys.executable, args, env=_env(home), cwd=str(home), encoding="utf-8", timeout=60)
+    child.expect("whole home directory")
+    child.expect(r"Go on\? \[y/N\]")
+    child.sendline("n")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 2 and "start from a project directory" in child.before
