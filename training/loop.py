@@ -169,6 +169,15 @@ class Trainer:
         except KeyboardInterrupt:
             self.save_on_interrupt()
             raise
+        except Exception as e:
+            from training.learner import checkpoint as ckpt
+
+            if not ckpt.is_disk_full(e):
+                raise
+            last = ckpt.latest_checkpoint(self.run_dir)
+            raise TrainingError(f"the run stopped at step {s.step}: {getattr(e, 'cause', None) or e} (under "
+                                f"{self.run_dir}). The last complete checkpoint, {last}, is intact: free space "
+                                "and continue with --resume") from e
 
     def open_prompt(self) -> None:
         s, a = self.state, self.cfg.algo
@@ -404,6 +413,7 @@ def resume_point(run_dir: Path, resume: bool) -> tuple[int, dict[str, Any], str 
 
     if not resume:
         return 0, {}, None
+    ckpt.remove_partial(run_dir)  # a killed run's half-written checkpoint is never loaded
     latest = ckpt.latest_checkpoint(run_dir)
     if latest is None:
         raise TrainingError(f"--resume: no checkpoint under {run_dir / 'checkpoints'}")
