@@ -46,6 +46,8 @@ class EnvSettings:
     use_prebuilt: bool = True
     override_cpus: float | None = None
     override_memory_mb: int | None = None
+    # Labels every sandbox carries (a training run's id, so its leftovers can be found).
+    labels: dict[str, str] = field(default_factory=dict)
 
 
 def sandbox_spec(task: Task, settings: EnvSettings, image: TaskImage | None, host: HostEnv | None,
@@ -93,7 +95,8 @@ class Episode:
                  name: str | None = None, labels: dict[str, str] | None = None,
                  on_sandbox: Callable[[Any], None] | None = None, cancel: threading.Event | None = None):
         self.task, self.settings, self.image, self.pool = task, settings, image, pool
-        self.name, self.labels, self.on_sandbox, self.cancel = name, dict(labels or {}), on_sandbox, cancel
+        self.name, self.on_sandbox, self.cancel = name, on_sandbox, cancel
+        self.labels = {**settings.labels, **(labels or {})}
         self.host: HostEnv | None = None
         self.sandbox: Sandbox | None = None
         self.workdir = ""

@@ -225,8 +225,9 @@ class Trainer:
                 continue  # the train step
             try:
                 out = ray.get(ref)
-            except ray.exceptions.RayError as e:  # a dead worker: infrastructure
+            except ray.exceptions.RayError as e:  # a dead worker: infrastructure; Ray restarts it
                 out = {"infra_error": f"rollout worker failed: {e}", "kind": "worker"}
+                self.actors.remove_orphaned_containers()  # the episodes it ran left theirs
             if "infra_error" in out:
                 self.requeue(req, out["kind"], out["infra_error"])
             else:

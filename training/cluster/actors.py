@@ -192,7 +192,8 @@ def _worker_class():
         """Runs episodes, `slots` at a time (Ray threads), each in its own fresh sandbox;
         on podman from a warm pool of containers started ahead of need."""
 
-        def __init__(self, model_dir: str, rcfg: Any, sampler: Any, images: dict, slots: int = 1):
+        def __init__(self, model_dir: str, rcfg: Any, sampler: Any, images: dict, slots: int = 1,
+                     labels: dict | None = None):
             from transformers import AutoTokenizer
 
             from training.rollout import env_settings, worker_pool
@@ -201,7 +202,7 @@ def _worker_class():
             self.cfg = rcfg
             self.sampler = sampler
             self.images = images  # task dir -> TaskImage, resolved before training
-            self.settings = env_settings(rcfg)
+            self.settings = env_settings(rcfg, labels)
             self.pool = worker_pool(rcfg, slots)
 
         def node_id(self) -> str:
@@ -358,7 +359,7 @@ def engine_options(cfg: Any, pl: Placement | None) -> list[dict]:
     """`.options(...)` of every engine: the plan's bundles, or one engine on this node."""
     threads = cfg.run.concurrency + 4
     if pl is None:
-        return [{"num_cpus": min(1.0, _cpus(cfg) / 4), "max_concurrency": threads}]
+        return [{"num_cpus": min(1.0, _cpus(cfg) / 4), "max_concurrency": threads, "max_restarts": -1}]
     return [pl.engine_options(i, max_restarts=-1, max_concurrency=threads) for i in range(pl.plan.engines)]
 
 
@@ -373,7 +374,7 @@ def worker_options(cfg: Any, pl: Placement | None) -> list[dict]:
     threads = rc.slots_per_worker + PREWARM_CALL_SLOTS
     if pl is None:
         cpus = min(0.5, _cpus(cfg) / (4 * rc.rollout_workers))
-        return [{"num_cpus": cpus, "max_concurrency": threads}] * rc.rollout_workers
+        return [{"num_cpus": cpus, "max_concurrency": threads, "max_restarts": -1}] * rc.rollout_workers
     return [pl.sandbox_options(max_restarts=-1, max_concurrency=threads)] * pl.plan.sandbox_workers
 
 
@@ -399,6 +400,14 @@ class Actors:
     engines: EngineGroup
     workers: list[Any]
     own_engines: bool = True  # False: the caller's engines, which it stops itself
+    labels: dict[str, str] | None = None  # every container of the run carries them (`run_labels`)
+
+    def remove_orphaned_containers(self) -> list[str]:
+        """The run's containers on this node whose worker process is gone (a worker Ray
+        killed or restarted, or the previous process of a resumed run): removed, named."""
+        from sandbox.cleanup import remove_orphaned
+
+        return remove_orphaned(self.labels).containers if self.labels else []
 
     def close(self, keep_engines: bool = False) -> None:
         """Close the workers' warm pools (their idle containers), then kill every actor;
@@ -423,9 +432,12 @@ def start_actors(cfg: Any, model_dir: str, resume_from: str | None, run_dir: str
     (already serving `model_dir`); `images` maps task dirs to their resolved images."""
     import ray
 
+    from training.rollout import run_labels
+
     if engines is not None and pl is not None:
         raise ValueError("a placed run starts its own engines; running engines cannot be reused with a placement")
     own = engines is None
+    labels = run_labels(run_dir) if cfg.rollout.sandbox == "podman" else None
     learner: LearnerGroup | None = None
     workers: list = []
     try:
@@ -435,9 +447,10 @@ def start_actors(cfg: Any, model_dir: str, resume_from: str | None, run_dir: str
         ray.get(learner.setups + (engines.ready() if own else []))
         RolloutWorker = _worker_class()
         workers = [RolloutWorker.options(**o).remote(model_dir, cfg.rollout, engines.sampler(i), images,
-                                                     cfg.run.slots_per_worker)
+                                                     cfg.run.slots_per_worker, labels)
                    for i, o in enumerate(worker_options(cfg, pl))]
-        actors = Actors(learner, engines, workers, own)
+        actors = Actors(learner, engines, workers, own, labels)
+        actors.remove_orphaned_containers()  # a killed earlier process of this run left them
         if pl is not None:
             write_placement(Path(run_dir) / "placement.json", pl, actors)
     except BaseException:
