@@ -174,10 +174,7 @@ class Trainer:
 
             if not ckpt.is_disk_full(e):
                 raise
-            last = ckpt.latest_checkpoint(self.run_dir)
-            raise TrainingError(f"the run stopped at step {s.step}: {getattr(e, 'cause', None) or e} (under "
-                                f"{self.run_dir}). The last complete checkpoint, {last}, is intact: free space "
-                                "and continue with --resume") from e
+            raise TrainingError(f"the run stopped at step {s.step}: {ckpt.full_disk_report(self.run_dir, e)}") from e
 
     def open_prompt(self) -> None:
         s, a = self.state, self.cfg.algo

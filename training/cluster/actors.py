@@ -5,13 +5,15 @@
   token-balanced share (`learner.packing.shard`); the learner all-reduces the global
   loss-token count, so the loss stays the exact token mean of the whole batch. Calls
   return rank 0's ref (metrics are already reduced over ranks).
-* `EngineGroup`: N vLLM engine actors (`EngineActor`). With a placement they are
-  restarted by Ray when they die; `training.weights.learner_side.WeightSync` brings them
-  the learner's weights (and re-forms a gloo / NCCL weight group with a restarted one).
-* rollout workers (`RolloutWorker`) anywhere with free CPU; worker i samples from engine
-  i mod N through a `FailoverSampler`, and from the next live engine while that one is
-  down. An episode whose worker died fails with a Ray actor error, which the loop
-  re-queues (never scores).
+* `EngineGroup`: N vLLM engine actors (`EngineActor`), restarted by Ray when they die (an
+  actor whose vLLM server died exits, so a dead server counts). A restarted engine reloads
+  the last weights it was pushed at their version (object-store transport; on a process
+  group, `training.weights.learner_side.WeightSync` re-forms the group at the next sync).
+* rollout workers (`RolloutWorker`) anywhere with free CPU, restarted by Ray; worker i
+  samples from engine i mod N through a `FailoverSampler` (`training.cluster.failover`),
+  from the next live engine while that one is down, waiting for a restart when none is.
+  An episode whose worker died fails with a Ray actor error, which the loop re-queues
+  (never scores); the loop then removes the containers the dead worker left (run label).
 
 Without a placement every actor gets plain CPU options on the local cluster (1 learner
 rank, 1 engine, `run.rollout_workers` workers); with one, the plan's counts and bundles,
@@ -21,12 +23,14 @@ and where every actor landed is written to `placement.json` in the run directory
 from __future__ import annotations
 
 import functools
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agents.records import write_json_atomic
+from training.cluster.failover import FailoverSampler
 from training.cluster.placement import Placement
 
 # Gloo / NCCL collectives of the learner group give up after this long (a dead rank).
@@ -34,32 +38,8 @@ GROUP_TIMEOUT_S = 600.0
 # Ray threads per rollout worker beyond its episode slots, so prewarm calls are not
 # queued behind running episodes.
 PREWARM_CALL_SLOTS = 2
-
-
-class FailoverSampler:
-    """`agents.policy.TokenSampler` over the engine actors (picklable): turns go to the
-    worker's own engine, and while it is down (dead, or restarting under Ray) to the
-    next live one, so an engine failure costs no episode. Every turn keeps the logprobs
-    and the weights version of the engine that sampled it, so mixing engines within an
-    episode is exact for the loss."""
-
-    def __init__(self, engines: list[Any], first: int = 0):
-        self.engines = engines
-        self.first = first
-
-    def sample(self, prompt_ids, max_tokens, temperature, top_p, seed=None):
-        import ray
-
-        from agents.policy import ModelError
-
-        errors = []
-        for k in range(len(self.engines)):
-            engine = self.engines[(self.first + k) % len(self.engines)]
-            try:
-                return ray.get(engine.sample.remote(list(prompt_ids), max_tokens, temperature, top_p, seed))
-            except ray.exceptions.RayActorError as e:
-                errors.append(type(e).__name__)
-        raise ModelError(f"every engine actor is down ({', '.join(errors)})")
+# Next to an engine's weights.safetensors: the version it holds.
+WEIGHTS_VERSION = "weights.version.json"
 
 
 def _node_id() -> str:
@@ -141,10 +121,37 @@ def _engine_class():
         that produced it."""
 
         def __init__(self, model_dir: str, ecfg: Any, seed: int, work_dir: str | None = None):
+            import threading
+
             from training.inference.engine import VLLMEngine
 
             self.engine = VLLMEngine.from_config(ecfg, model_dir, work_dir)
             self._sampler = self.engine.sampler(seed)
+            self._closing = False
+            if ray.get_runtime_context().was_current_actor_reconstructed:
+                self._restore_weights()
+            threading.Thread(target=self._exit_with_server, daemon=True).start()
+
+        def _exit_with_server(self) -> None:
+            """A vLLM server that dies takes its actor with it, so Ray restarts both (a live
+            actor without a server would fail every turn)."""
+            import time
+
+            while not self._closing:
+                time.sleep(1.0)
+                server = self.engine.server
+                if server is not None and not server.alive() and not self._closing:
+                    os._exit(1)
+
+        def _restore_weights(self) -> None:
+            """A restarted engine starts on the run's first weights: load the last ones it
+            was pushed (object-store transport, kept in its work dir) at their version, so
+            it rejoins at the current policy version, not at the next sync."""
+            from safetensors.torch import load_file
+
+            path, version = self.engine.work_dir / "weights.safetensors", self.engine.work_dir / WEIGHTS_VERSION
+            if path.is_file() and version.is_file():
+                self.engine.push_weights(load_file(str(path)), int(json.loads(version.read_text())["version"]))
 
         def node_id(self) -> str:
             return _node_id()
@@ -157,7 +164,10 @@ def _engine_class():
             return self._sampler.sample(prompt_ids, max_tokens, temperature, top_p, seed)
 
         def push_weights(self, weights: dict, version: int) -> float:
-            return self.engine.push_weights(weights, version)
+            seconds = self.engine.push_weights(weights, version)
+            # The version of weights.safetensors, for a restart of this actor (`_restore_weights`).
+            write_json_atomic(self.engine.work_dir / WEIGHTS_VERSION, {"version": int(version)})
+            return seconds
 
         def num_workers(self) -> int:
             return self.engine.num_workers()
@@ -176,6 +186,7 @@ def _engine_class():
             return self.engine.weight_group
 
         def close(self) -> None:
+            self._closing = True
             self.engine.close()
 
     return EngineActor

@@ -97,6 +97,22 @@ def is_disk_full(e: BaseException) -> bool:
     return "No space left on device" in str(cause)
 
 
+def full_disk_report(run_dir: str | Path, e: BaseException) -> str:
+    """What a run stopped by a full disk tells its user: where, how much is free, how much a
+    checkpoint needs, and which checkpoint `--resume` continues from."""
+    cause = getattr(e, "cause", None) or e
+    run_dir = Path(run_dir)
+    last = latest_checkpoint(run_dir)
+    if isinstance(cause, DiskFullError):
+        needed = cause.needed
+    else:  # a write elsewhere in the run (an engine's weights, a log): a checkpoint's size
+        needed = sum(f.stat().st_size for f in last.rglob("*") if f.is_file()) if last else 0
+    free = shutil.disk_usage(run_dir).free
+    return (f"the filesystem of {run_dir} is full: {free / 2**20:.1f} MiB free, a checkpoint needs about "
+            f"{needed / 2**20:.1f} MiB ({cause}). " + (f"The last complete checkpoint, {last}, is intact: free "
+            "space and continue with --resume" if last else "No checkpoint was written yet"))
+
+
 def tensors_bytes(tree: Any) -> int:
     """Bytes of every distinct tensor in a (nested) state dict (tied weights count once)."""
     seen: dict[tuple[int, int], int] = {}
