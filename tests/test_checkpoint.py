@@ -209,3 +209,22 @@ def test_a_killed_saves_temp_directories_are_never_loaded_and_are_removed(model_
     assert ckpt.latest_checkpoint(run).name == "step_1"
     assert sorted(p.name for p in ckpt.remove_partial(run)) == [".step_1.old-cafef00d", ".step_2.tmp-deadbeef"]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_1", "step_3"]
+
+
+def test_resume_drops_a_killed_runs_cut_lines_and_steps_past_its_checkpoint(tmp_path):
+    from training.loop import resume_point
+
+    run = tmp_path / "run"
+    path = ckpt.checkpoint_path(run, 2)
+    path.mkdir(parents=True)
+    torch.save({"format": 1, "step": 2, "optimizer": {}}, path / ckpt.STATE_PT)
+    (path / ckpt.STATE_JSON).write_text(json.dumps({"step": 2, "extra": {"prompt_position": 5}}))
+    # Killed during step 3's record, after step 3 was logged but before its checkpoint.
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.1}) + "\n" for s in (1, 2, 3))
+                                       + '{"step": 4, "lo')
+    (run / "rollouts.jsonl").write_text('{"group_id": 1}\n{"group_id": 2, "ids": [1, 2')
+    assert resume_point(run, resume=True) == (2, {"prompt_position": 5}, str(path))
+    with MetricsSink(run) as sink:  # the resumed run appends step 3 again
+        sink.log(3, {"loss": 0.2})
+    assert [(r["step"], r["loss"]) for r in read_metrics(run / "metrics.jsonl")] == [(1, 0.1), (2, 0.1), (3, 0.2)]
+    assert (run / "rollouts.jsonl").read_text() == '{"group_id": 1}\n'

@@ -33,7 +33,9 @@ from training.cluster.actors import Actors, EngineGroup, start_actors
 from training.cluster.launch import init_ray
 from training.config import LearnConfig, dump_toml
 from training.learner.packing import batch_samples
-from training.report import MetricsSink, Progress, StepClock, reward_curve, rollout_metrics, run_summary, summary
+from training.report import (
+    MetricsSink, Progress, StepClock, reward_curve, rollout_metrics, run_summary, summary, trim_jsonl,
+)
 from training.rollout import EpisodeRequest, InfraCounts, Rollout, append_jsonl, prepare_tasks, prewarm_queue
 from training.weights.learner_side import WeightSync
 
@@ -416,7 +418,12 @@ def resume_point(run_dir: Path, resume: bool) -> tuple[int, dict[str, Any], str 
     if latest is None:
         raise TrainingError(f"--resume: no checkpoint under {run_dir / 'checkpoints'}")
     state = ckpt.load_trainer_state(latest)
-    return int(state["step"]), state["extra"], str(latest)
+    step = int(state["step"])
+    # A killed run's cut last lines, and the metrics of steps past the checkpoint (trained
+    # again now), leave the record: every step appears once.
+    trim_jsonl(run_dir / "metrics.jsonl", lambda record: int(record.get("step", 0)) <= step)
+    trim_jsonl(run_dir / "rollouts.jsonl")
+    return step, state["extra"], str(latest)
 
 
 def train(
