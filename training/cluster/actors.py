@@ -25,7 +25,8 @@ from __future__ import annotations
 import functools
 import json
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,8 @@ GROUP_TIMEOUT_S = 600.0
 # Ray threads per rollout worker beyond its episode slots, so prewarm calls are not
 # queued behind running episodes.
 PREWARM_CALL_SLOTS = 2
+# A failed rollout worker gets no episode for this long (Ray is restarting it).
+WORKER_RETRY_S = 2.0
 # Next to an engine's weights.safetensors: the version it holds.
 WEIGHTS_VERSION = "weights.version.json"
 
@@ -412,6 +415,26 @@ class Actors:
     workers: list[Any]
     own_engines: bool = True  # False: the caller's engines, which it stops itself
     labels: dict[str, str] | None = None  # every container of the run carries them (`run_labels`)
+    # Failed workers (restarting under Ray): index -> [failed at, next episode no sooner than].
+    down: dict[int, list] = field(default_factory=dict)
+
+    def next_live_worker(self, start: int) -> int | None:
+        """The first worker from `start` on (round-robin) that may take an episode now."""
+        n, now = len(self.workers), time.monotonic()
+        return next((w % n for w in range(start, start + n) if self.down.get(w % n, [0, 0])[1] <= now), None)
+
+    def worker_up(self, index: int) -> None:
+        self.down.pop(index, None)
+
+    def worker_failed(self, index: int, sent_at: float) -> bool:
+        """An episode failed with worker `index`'s death: it gets no episode for 2 s (Ray
+        restarts it), and the containers of the episodes it ran are removed. True when the
+        episode ran (sent before the failure was first seen), False when the restarting
+        worker refused it."""
+        down = self.down.setdefault(index, [time.monotonic(), 0.0])
+        down[1] = time.monotonic() + WORKER_RETRY_S
+        self.remove_orphaned_containers()
+        return sent_at < down[0]
 
     def remove_orphaned_containers(self) -> list[str]:
         """The run's containers on this node whose worker process is gone (a worker Ray
@@ -463,24 +486,8 @@ def start_actors(cfg: Any, model_dir: str, resume_from: str | None, run_dir: str
         actors = Actors(learner, engines, workers, own, labels)
         actors.remove_orphaned_containers()  # a killed earlier process of this run left them
         if pl is not None:
-            write_placement(Path(run_dir) / "placement.json", pl, actors)
+            pl.write(Path(run_dir) / "placement.json", actors)
     except BaseException:
         Actors(learner or LearnerGroup([]), engines or EngineGroup([]), workers, own).close()
         raise
     return actors
-
-
-def write_placement(path: Path, pl: Placement, actors: Actors) -> dict:
-    """Plan, bundle nodes and the node every actor reports it runs on, written atomically."""
-    import ray
-
-    out = {
-        "plan": pl.plan.to_dict(),
-        "learner_bundle_nodes": pl.learner_nodes,
-        "engine_bundle_nodes": pl.engine_nodes,
-        "learner_rank_nodes": ray.get([a.node_id.remote() for a in actors.learner.ranks]),
-        "engine_nodes": ray.get([e.node_id.remote() for e in actors.engines.engines]),
-        "worker_nodes": ray.get([w.node_id.remote() for w in actors.workers]),
-    }
-    write_json_atomic(path, out)
-    return out
