@@ -15,7 +15,7 @@ The last driver finishes the run's steps.
 Per fault kind: injected, detected (the run noticed: episodes re-queued, an engine restarted,
 the driver stopped with the learner's error), recovered (a step finished after it, in the
 same or the resumed driver), seconds to recover and episodes re-queued. Checks:
-`infra_rewards_in_loss` (rollouts recorded from a killed container: must be 0),
+`infra_rewards_in_loss` (scored episodes that ran commands in a killed container: must be 0),
 `duplicate_groups_in_loss` (an episode recorded twice: must be 0), `steps_lost` (steps
 trained twice because a driver died after them and before their checkpoint),
 `leftover_containers` / `leftover_processes` after the last driver (must be 0).
@@ -182,7 +182,10 @@ def _in_driver_faults(chaos: Chaos, driver: subprocess.Popen, faults: list[Fault
 
 
 def _never_scored(chaos: Chaos, short_id: str) -> bool:
-    return not any((r.get("container_id") or "").startswith(short_id) for r in _rollouts(chaos.run))
+    """No episode that ran a command in the container was scored (an episode that ended on
+    a format error before its first command never needed it)."""
+    return not any((r.get("container_id") or "").startswith(short_id) and r.get("steps", 0) > 0
+                   for r in _rollouts(chaos.run))
 
 
 def _rollouts(run: Path) -> list[dict]:
@@ -225,19 +228,36 @@ def _driver_killing_fault(chaos: Chaos, driver: subprocess.Popen, kind: str, rng
     return f
 
 
-def _setup(root: Path, preset: str, steps: int) -> Path:
+def _warm_start(root: Path, tasks: list[str]) -> Path:
+    """A few SFT steps on oracle demonstrations (host sandbox): enough for the policy to
+    issue commands, so its episodes use their containers (a random model ends every
+    episode on a format error before its first command, and a killed container would go
+    unnoticed because nothing needed it)."""
+    from transformers import AutoTokenizer
+
+    from training.config import preset
+    from training.learner.sft import collect_demos, train_sft
     from training.nano.model import build_nano_model
-    from training.nano.tasks import write_splits
 
     build_nano_model(root / "base")
-    write_splits(root / "tasks", 6, 1)
+    cfg = preset("nano")
+    cfg.sft.epochs, cfg.sft.teacher_accuracy = 6.0, 1.0
+    demos = collect_demos(tasks, AutoTokenizer.from_pretrained(root / "base"), cfg)
+    return Path(train_sft(str(root / "base"), demos, cfg, root / "sft").checkpoint)
+
+
+def _setup(root: Path, preset: str, steps: int) -> Path:
+    from training.nano.tasks import write_splits
+
+    tasks = [str(d) for d in write_splits(root / "tasks", 24, 1)["train"]]
+    model = _warm_start(root, tasks)
     cfg = root / "chaos.toml"
-    # A random model scores 0: the zero-std filter is off so batches train (the mechanics
+    # Rewards may all be equal: the zero-std filter is off so batches train (the mechanics
     # are under test, as in tests/test_loop.py).
     cfg.write_text(f"""extends = "{preset}"
 name = "chaos"
 [model]
-path = "{root / 'base'}"
+path = "{model}"
 build_nano = false
 [tasks]
 train = "{root / 'tasks' / 'train'}"
@@ -271,9 +291,10 @@ def _checks(chaos: Chaos, steps: int) -> dict:
         "steps_completed": int(ckpt.load_trainer_state(final)["step"]) if final else 0,
         "steps_target": steps,
         "steps_lost": sum(n - 1 for n in seen_steps.values()),
-        "infra_rewards_in_loss": sum(1 for r in rollouts
-                                     if any((r.get("container_id") or "").startswith(c[:12])
-                                            for c in chaos.killed_containers)),
+        # A scored episode whose container was killed under it: it ran commands there.
+        "infra_rewards_in_loss": sum(1 for r in rollouts if r.get("steps", 0) > 0
+                                     and any((r.get("container_id") or "").startswith(c[:12])
+                                             for c in chaos.killed_containers)),
         "duplicate_groups_in_loss": len(keys) - len(set(keys)),
         "leftover_containers": len(chaos.containers()),
         "leftover_processes": len([p for needle in ("vllm.entrypoints", "ray::", "raylet", "gcs_server")
