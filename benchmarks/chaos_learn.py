@@ -4,6 +4,7 @@ SIGKILLed and the run resumed; prints what was injected, detected and recovered.
     python benchmarks/chaos_learn.py --json                      # nano-podman, every fault
     python benchmarks/chaos_learn.py --json --preset nano        # host sandboxes (no containers)
     python benchmarks/chaos_learn.py --json --short              # one of each but the learner
+    python benchmarks/chaos_learn.py --json --model DIR          # from a nano checkpoint, no SFT first
 
 A fresh nano model and generated tasks; the driver is `python -m tmax_cli.main learn` in its
 own process, so it can be SIGKILLed. While it runs, this script kills, at seeded moments
@@ -246,11 +247,11 @@ def _warm_start(root: Path, tasks: list[str]) -> Path:
     return Path(train_sft(str(root / "base"), demos, cfg, root / "sft").checkpoint)
 
 
-def _setup(root: Path, preset: str, steps: int) -> Path:
+def _setup(root: Path, preset: str, steps: int, model: Path | None) -> Path:
     from training.nano.tasks import write_splits
 
     tasks = [str(d) for d in write_splits(root / "tasks", 24, 1)["train"]]
-    model = _warm_start(root, tasks)
+    model = model or _warm_start(root, tasks)
     cfg = root / "chaos.toml"
     # Rewards may all be equal: the zero-std filter is off so batches train (the mechanics
     # are under test, as in tests/test_loop.py).
@@ -311,6 +312,7 @@ def main() -> None:
     ap.add_argument("--short", action="store_true", help="one container, the engine, a worker, the driver")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--model", type=Path, default=None, help="start from this nano checkpoint (default: a short SFT)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -323,7 +325,7 @@ def main() -> None:
     steps = args.steps or len(in_driver) + len(tail) + 2
     root = args.out or Path(tempfile.mkdtemp(prefix="tmax-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
-    chaos = Chaos(root / "run", _setup(root, args.preset, steps), uuid.uuid4().hex[:12], root / "drivers.log")
+    chaos = Chaos(root / "run", _setup(root, args.preset, steps, args.model), uuid.uuid4().hex[:12], root / "drivers.log")
     t0 = time.monotonic()
     driver = chaos.start_driver(resume=False)
     try:
