@@ -59,8 +59,11 @@ class SandboxSpec:
     workspace_target: str | None = None  # where the workspace appears inside; default same path
     network: bool = False
     cpus: float | None = None
-    memory_mb: int | None = None
-    pids_limit: int | None = 4096
+    memory_mb: int | None = None  # podman: memory and memory+swap cap (the cgroup OOM-kills past it)
+    pids_limit: int | None = 4096  # podman: processes and threads at once (fork fails past it)
+    # podman: the largest file any process inside may write (RLIMIT_FSIZE; past it the write
+    # fails with EFBIG / SIGXFSZ). podman can cap the whole writable layer only on XFS.
+    storage_mb: int | None = None
     env: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
     mounts: list[tuple[str, str, bool]] = field(default_factory=list)  # (host, target, read_only)

@@ -52,25 +52,38 @@ def labelled_images(include_base: bool) -> list[str]:
     return ids
 
 
+def _remove_containers(rep: CleanReport, labels: dict[str, str] | None, all_owners: bool, dry_run: bool) -> None:
+    try:
+        for c in labelled_containers(labels):
+            cid, names = c.get("Id", ""), c.get("Names") or []
+            owner = (c.get("Labels") or {}).get(OWNER_LABEL, "")
+            if not all_owners and owner.isdigit() and _pid_alive(int(owner)):
+                continue
+            rep.containers.append(names[0] if names else cid[:12])
+            if not dry_run:
+                r = _podman("rm", "-f", "-t", "0", cid)
+                if r.returncode != 0:
+                    rep.errors.append(f"container {cid[:12]}: {r.stderr.strip()}")
+    except (RuntimeError, json.JSONDecodeError) as e:
+        rep.errors.append(f"listing containers: {e}")
+
+
+def remove_orphaned(labels: dict[str, str]) -> CleanReport:
+    """Remove only the containers carrying `labels` whose owning process is gone (a killed
+    rollout worker's, or a killed run's found by its run label); nothing else is touched."""
+    rep = CleanReport()
+    if shutil.which("podman"):
+        _remove_containers(rep, labels, all_owners=False, dry_run=False)
+    return rep
+
+
 def clean(images: bool = False, include_base: bool = False, dry_run: bool = False, all_owners: bool = False,
           labels: dict[str, str] | None = None, tmpdir: str | None = None) -> CleanReport:
     """Remove leftovers. Containers whose owning tmax process is still alive are kept
     unless `all_owners`; `labels` narrows the selection (tests use a unique label)."""
     rep = CleanReport()
     if shutil.which("podman"):
-        try:
-            for c in labelled_containers(labels):
-                cid, names = c.get("Id", ""), c.get("Names") or []
-                owner = (c.get("Labels") or {}).get(OWNER_LABEL, "")
-                if not all_owners and owner.isdigit() and _pid_alive(int(owner)):
-                    continue
-                rep.containers.append(names[0] if names else cid[:12])
-                if not dry_run:
-                    r = _podman("rm", "-f", "-t", "0", cid)
-                    if r.returncode != 0:
-                        rep.errors.append(f"container {cid[:12]}: {r.stderr.strip()}")
-        except (RuntimeError, json.JSONDecodeError) as e:
-            rep.errors.append(f"listing containers: {e}")
+        _remove_containers(rep, labels, all_owners, dry_run)
         if images:
             for iid in labelled_images(include_base):
                 rep.images.append(iid.removeprefix("sha256:")[:12])

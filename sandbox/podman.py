@@ -4,8 +4,9 @@ The container runs `sleep infinity`; the agent's persistent shell is `podman exe
 bash` on a pty, and harness work goes through `exec_run`. With `SandboxSpec.user` set, the
 shell and every exec not told otherwise run as that user (`--user`; podman sets HOME from
 its passwd entry), while the container itself keeps the image's USER. Network is off
-unless asked, cpu / memory / pids are limited, and every container carries the tmax label
-so `tmax sandbox clean` finds leftovers of crashed runs.
+unless asked, cpu / memory / pids / file size are limited (docs/DESIGN.md, "Limits"), an
+init (catatonit) reaps orphans so a fork bomb's leftovers give their pids back, and every
+container carries the tmax label so `tmax sandbox clean` finds leftovers of crashed runs.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class PodmanSandbox(ShellSandbox):
         self.spec = spec or SandboxSpec()
         self.runtime = runtime
         self.ulimits = dict(DEFAULT_ULIMITS if ulimits is None else ulimits)
+        if self.spec.storage_mb:
+            size = int(self.spec.storage_mb) * 1024 * 1024
+            self.ulimits.setdefault("fsize", (size, size))  # bytes
         self.image = self.spec.image or DEFAULT_IMAGE
         self.name = self.spec.name or f"{NAME_PREFIX}{secrets.token_hex(6)}"
         self.client = None
@@ -73,6 +77,9 @@ class PodmanSandbox(ShellSandbox):
             "ulimits": [{"Name": k, "Soft": soft, "Hard": hard} for k, (soft, hard) in self.ulimits.items()],
             "environment": dict(s.env),
             "stop_signal": 9,  # an int: podman 4.3 rejects signal names here
+            # PID 1 reaps orphans: `sleep infinity` would keep every orphaned zombie, and each
+            # holds one of the pids the limit allows, for the container's whole life.
+            "init": True,
         }
         if s.cpus:
             # nano_cpus is dropped on the way to podman 4.3; period/quota is honoured.
@@ -80,6 +87,7 @@ class PodmanSandbox(ShellSandbox):
             kw["cpu_quota"] = int(s.cpus * 100_000)
         if s.memory_mb:
             kw["mem_limit"] = f"{int(s.memory_mb)}m"
+            kw["memswap_limit"] = f"{int(s.memory_mb)}m"  # no swap on top: the limit is the limit
         if s.pids_limit:
             kw["pids_limit"] = int(s.pids_limit)
         mounts = []
@@ -110,13 +118,16 @@ class PodmanSandbox(ShellSandbox):
         if podman_service.configured_url():
             # The service may be elsewhere: let the CLI reach the container through it.
             argv += ["--url", podman_service.configured_url()]
-        # `podman exec` can hand the shell the CLI's own soft limits instead of the
-        # container's; lowering a soft limit is always allowed, so apply the configured ones.
+        # `podman exec` can hand the shell the CLI's own limits instead of the container's;
+        # lowering a limit is always allowed, so apply the configured ones. The file size cap
+        # is lowered hard as well (bash counts it in KiB), so the agent cannot raise it back.
         soft = "; ".join(
             f"ulimit -S -{flag} {self.ulimits[name][0]} 2>/dev/null"
             for name, flag in (("nofile", "n"), ("nproc", "u"))
             if name in self.ulimits
         )
+        if "fsize" in self.ulimits:
+            soft = "; ".join(filter(None, [soft, f"ulimit -f {self.ulimits['fsize'][1] // 1024} 2>/dev/null"]))
         inner = shlex.join(BASH_ARGV)
         argv += ["exec", "-it", *(["--user", self.spec.user] if self.spec.user else []), container.id,
                  "bash", "-c", f"{soft}; exec {inner}" if soft else f"exec {inner}"]

@@ -6,10 +6,11 @@ task:
 
 * the environment is the task's image (`tasks.images`, with the offline rewrites and
   patches) on podman, or a fresh host workspace (`tasks.hostenv`) on bwrap / local;
-* the sandbox gets the task's limits from task.toml (cpus, memory, network only with
-  `allow_internet`) and its `[agent] user`, the same for bench and learn: on podman the
-  agent's shell and execs run as that user while the verifier keeps the image's USER
-  (or `[verifier] user`); host sandboxes run as the invoking user;
+* the sandbox gets the task's limits from task.toml (cpus, memory, pids, storage as a
+  per-file cap, network only with `allow_internet`; docs/DESIGN.md "Limits") and its
+  `[agent] user`, the same for bench and learn: on podman the agent's shell and execs run
+  as that user while the verifier keeps the image's USER (or `[verifier] user`); host
+  sandboxes run as the invoking user, and bwrap applies only the network setting;
 * the task's `tests/` enter the sandbox only when the verifier runs, after the agent.
 
 `prepare_environments` resolves (builds) every task's environment up front, so a run
@@ -45,6 +46,8 @@ class EnvSettings:
     use_prebuilt: bool = True
     override_cpus: float | None = None
     override_memory_mb: int | None = None
+    # Labels every sandbox carries (a training run's id, so its leftovers can be found).
+    labels: dict[str, str] = field(default_factory=dict)
 
 
 def sandbox_spec(task: Task, settings: EnvSettings, image: TaskImage | None, host: HostEnv | None,
@@ -57,15 +60,15 @@ def sandbox_spec(task: Task, settings: EnvSettings, image: TaskImage | None, hos
     return SandboxSpec(
         image=image.tag, workdir=image.workdir, network=ecfg.allow_internet,
         cpus=settings.override_cpus or ecfg.cpus, memory_mb=settings.override_memory_mb or ecfg.memory_mb,
-        env=dict(settings.rewrite.ca_env), mounts=list(settings.rewrite.ca_mount), labels=dict(labels or {}),
-        name=name, user=task.config.agent.user,
+        pids_limit=ecfg.pids_limit, storage_mb=ecfg.storage_mb, env=dict(settings.rewrite.ca_env),
+        mounts=list(settings.rewrite.ca_mount), labels=dict(labels or {}), name=name, user=task.config.agent.user,
     )
 
 
 def pool_key(spec: SandboxSpec) -> tuple:
     """Episodes whose sandboxes are interchangeable before the agent starts share a key."""
-    return (spec.image, spec.workdir, spec.network, spec.cpus, spec.memory_mb, spec.user, spec.shell,
-            tuple(sorted(spec.labels.items())))
+    return (spec.image, spec.workdir, spec.network, spec.cpus, spec.memory_mb, spec.pids_limit, spec.storage_mb,
+            spec.user, spec.shell, tuple(sorted(spec.labels.items())))
 
 
 def resolve_environment(task: Task, settings: EnvSettings, cancel: threading.Event | None = None) -> TaskImage | None:
@@ -95,7 +98,8 @@ class Episode:
                  shell: bool = True):
         self.task, self.settings, self.image, self.pool = task, settings, image, pool
         self.shell = shell  # whether the agent needs the sandbox's persistent shell
-        self.name, self.labels, self.on_sandbox, self.cancel = name, dict(labels or {}), on_sandbox, cancel
+        self.name, self.on_sandbox, self.cancel = name, on_sandbox, cancel
+        self.labels = {**settings.labels, **(labels or {})}
         self.host: HostEnv | None = None
         self.sandbox: Sandbox | None = None
         self.workdir = ""

@@ -86,11 +86,14 @@ class AgentSection(_RunsAs):
 
 
 class EnvironmentSection(_Section):
+    # Defaults for a task that declares nothing are Harbor's (1 cpu, 2 GiB memory, 10 GiB
+    # storage, internet allowed); `pids_limit` is tmax's own key (Harbor has none).
     build_timeout_sec: float = Field(600.0, gt=0)
     docker_image: str | None = None
     cpus: float = Field(1.0, gt=0)
     memory_mb: int = Field(2048, gt=0)
-    storage_mb: int | None = Field(None, gt=0)
+    storage_mb: int = Field(10240, gt=0)
+    pids_limit: int = Field(4096, gt=0)
     gpus: int = Field(0, ge=0)
     allow_internet: bool = True
 
@@ -113,7 +116,7 @@ class EnvironmentSection(_Section):
     @field_validator("memory_mb", "storage_mb", mode="before")
     @classmethod
     def _sizes(cls, v: Any) -> Any:
-        return None if v is None else parse_size_mb(v)
+        return parse_size_mb(v)
 
 
 class TaskConfig(_Section):

@@ -140,3 +140,91 @@ def test_metrics_jsonl_every_step_and_console_summary(tmp_path):
 def test_asking_for_wandb_without_it_is_a_clear_error(tmp_path):
     with pytest.raises(RuntimeError, match="wandb is not installed"):
         MetricsSink(tmp_path, wandb=True)
+
+
+# ------------------------------------------------------------------ a full disk, a killed run
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 32 MiB tmpfs: a filesystem that fills (needs root and mount)."""
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def _fill(path, leave: int) -> None:
+    import shutil
+
+    with open(path, "wb") as f:
+        f.write(b"\0" * (shutil.disk_usage(path.parent).free - leave))
+
+
+def test_full_disk_stops_the_save_naming_path_and_space_and_keeps_the_last_checkpoint(model_dir, small_fs,
+                                                                                       monkeypatch):
+    import pickle
+
+    learner = Learner(model_dir, LearnerConfig(lr=1e-3))
+    learner.train_step(batch(0))
+    run = small_fs / "run"
+    learner.save(ckpt.checkpoint_path(run, 1), step=1)
+    _fill(small_fs / "ballast", leave=64 * 1024)
+    learner.train_step(batch(1))
+    with pytest.raises(ckpt.DiskFullError) as e:
+        learner.save(ckpt.checkpoint_path(run, 2), step=2)
+    assert str(run / "checkpoints") in str(e.value) and "needs about" in str(e.value) and "MiB are free" in str(e.value)
+    assert e.value.needed > e.value.free and ckpt.is_disk_full(e.value)
+    assert pickle.loads(pickle.dumps(e.value)).needed == e.value.needed  # crosses Ray whole
+    # Nothing half-written; the last complete checkpoint still loads.
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_1"]
+    assert Learner.load(ckpt.latest_checkpoint(run), LearnerConfig(lr=1e-3)).step == 1
+    # A write that outruns the estimate (the disk filled meanwhile) reports the same way.
+    with monkeypatch.context() as m:
+        m.setattr(ckpt, "require_space", lambda path, needed: None)
+        with pytest.raises(ckpt.DiskFullError):
+            learner.save(ckpt.checkpoint_path(run, 2), step=2)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_1"]
+    # Space freed: the save goes through.
+    (small_fs / "ballast").unlink()
+    learner.save(ckpt.checkpoint_path(run, 2), step=2)
+    assert ckpt.load_trainer_state(ckpt.latest_checkpoint(run))["step"] == 2
+
+
+def test_a_killed_saves_temp_directories_are_never_loaded_and_are_removed(model_dir, tmp_path):
+    learner = Learner(model_dir, LearnerConfig(lr=1e-3))
+    run = tmp_path / "run"
+    learner.save(ckpt.checkpoint_path(run, 1), step=1)
+    # What a SIGKILL mid-save leaves: a temp dir with the weights but no trainer state yet,
+    # and the old copy of a checkpoint being replaced.
+    half = run / "checkpoints" / ".step_2.tmp-deadbeef"
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(b"partial")
+    (run / "checkpoints" / ".step_1.old-cafef00d").mkdir()
+    (run / "checkpoints" / "step_3").mkdir()  # a directory without trainer state is no checkpoint
+    assert ckpt.latest_checkpoint(run).name == "step_1"
+    assert sorted(p.name for p in ckpt.remove_partial(run)) == [".step_1.old-cafef00d", ".step_2.tmp-deadbeef"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_1", "step_3"]
+
+
+def test_resume_drops_a_killed_runs_cut_lines_and_steps_past_its_checkpoint(tmp_path):
+    from training.loop import resume_point
+
+    run = tmp_path / "run"
+    path = ckpt.checkpoint_path(run, 2)
+    path.mkdir(parents=True)
+    torch.save({"format": 1, "step": 2, "optimizer": {}}, path / ckpt.STATE_PT)
+    (path / ckpt.STATE_JSON).write_text(json.dumps({"step": 2, "extra": {"prompt_position": 5}}))
+    # Killed during step 3's record, after step 3 was logged but before its checkpoint.
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.1}) + "\n" for s in (1, 2, 3))
+                                       + '{"step": 4, "lo')
+    (run / "rollouts.jsonl").write_text('{"group_id": 1}\n{"group_id": 2, "ids": [1, 2')
+    assert resume_point(run, resume=True) == (2, {"prompt_position": 5}, str(path))
+    with MetricsSink(run) as sink:  # the resumed run appends step 3 again
+        sink.log(3, {"loss": 0.2})
+    assert [(r["step"], r["loss"]) for r in read_metrics(run / "metrics.jsonl")] == [(1, 0.1), (2, 0.1), (3, 0.2)]
+    assert (run / "rollouts.jsonl").read_text() == '{"group_id": 1}\n'

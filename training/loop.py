@@ -34,6 +34,7 @@ from training.cluster.launch import connect
 from training.config import LearnConfig, dump_toml
 from training.learner.packing import batch_samples
 from training.report import MetricsSink, Progress, StepClock, reward_curve, rollout_metrics, run_summary, summary
+from training.report import trim_jsonl
 from training.rollout import EpisodeRequest, InfraCounts, Rollout, append_jsonl, prepare_tasks, prewarm_queue
 from training.weights.learner_side import WeightSync
 
@@ -127,6 +128,7 @@ class LoopState:
     infra: InfraCounts = field(default_factory=InfraCounts)
     prewarmed: set[tuple] = field(default_factory=set)  # requests whose container was started ahead
     next_worker: int = 0  # round-robin dispatch position
+    worker_of: dict[Any, tuple] = field(default_factory=dict)  # episode ref -> (worker index, sent at)
     useless: int = 0  # groups in a row without reward variance
     train_ref: Any = None  # the learner's step in flight
     batch: Any = None  # the `Batch` it trains on
@@ -169,6 +171,12 @@ class Trainer:
         except KeyboardInterrupt:
             self.save_on_interrupt()
             raise
+        except Exception as e:
+            from training.learner.checkpoint import full_disk_report, is_disk_full
+
+            if not is_disk_full(e):
+                raise
+            raise TrainingError(f"the run stopped at step {s.step}: {full_disk_report(self.run_dir, e)}") from e
 
     def open_prompt(self) -> None:
         s, a = self.state, self.cfg.algo
@@ -186,9 +194,12 @@ class Trainer:
         s, workers = self.state, self.actors.workers
         can_overlap = s.train_ref is None or self.cfg.algo.async_steps > 0
         while s.queue and len(s.pending) < self.cfg.run.concurrency and can_overlap:
-            req = s.queue.popleft()
-            s.pending[workers[s.next_worker % len(workers)].run.remote(req, s.version)] = req
-            s.next_worker += 1
+            w = self.actors.next_live_worker(s.next_worker)
+            if w is None:
+                break  # every worker is restarting
+            req, s.next_worker = s.queue.popleft(), w + 1
+            ref = workers[w].run.remote(req, s.version)
+            s.pending[ref], s.worker_of[ref] = req, (w, time.monotonic())
         r = self.cfg.rollout
         if r.pool_size and r.sandbox == "podman":
             prewarm_queue(s.queue, workers, s.next_worker, r.pool_size, s.prewarmed)
@@ -200,6 +211,9 @@ class Trainer:
         s, c = self.state, self.state.clock
         c.tick(bool(s.pending), time.monotonic())
         wait_on = list(s.pending) + ([s.train_ref] if s.train_ref is not None else [])
+        if not wait_on and s.queue:  # every worker is restarting: wait for their next try
+            time.sleep(0.5)
+            return []
         if not wait_on and not (s.ready or self.acc.full):  # nothing can finish, nothing can start
             raise TrainingError(f"step {s.step + 1}: no episode in flight, none queued and no batch to train "
                                 f"({len(s.groups)} open groups, {len(s.ready)} ready)")
@@ -211,27 +225,31 @@ class Trainer:
 
         s = self.state
         for ref in done:
-            req = s.pending.pop(ref, None)
+            req, (worker, sent) = s.pending.pop(ref, None), s.worker_of.pop(ref, (None, 0.0))
             if req is None:
                 continue  # the train step
             try:
                 out = ray.get(ref)
-            except ray.exceptions.RayError as e:  # a dead worker: infrastructure
-                out = {"infra_error": f"rollout worker failed: {e}", "kind": "worker"}
+                self.actors.worker_up(worker)
+            except ray.exceptions.RayError as e:  # a dead worker: infrastructure; Ray restarts it
+                out = {"infra_error": f"rollout worker failed: {e}", "kind": "worker",
+                       "ran": self.actors.worker_failed(worker, sent)}
             if "infra_error" in out:
-                self.requeue(req, out["kind"], out["infra_error"])
+                self.requeue(req, out["kind"], out["infra_error"], attempt=out.get("ran", True))
             else:
                 self.add_rollout(req, out["rollout"])
 
-    def requeue(self, req: EpisodeRequest, kind: str, error: str) -> None:
-        """Dropped and re-queued at the front, never scored; too many attempts end the run."""
+    def requeue(self, req: EpisodeRequest, kind: str, error: str, attempt: bool = True) -> None:
+        """Dropped and re-queued at the front, never scored; too many attempts end the run.
+        An episode a restarting worker refused never ran: re-queued, not counted."""
         s = self.state
-        s.requeued += 1
-        s.infra.add(kind, req.task_dir, error)
-        if req.attempt >= self.cfg.rollout.max_infra_retries:
-            raise TrainingError(f"episode {req.key} of {req.task_dir} failed {req.attempt + 1} times on "
-                                f"infrastructure: {error}")
-        req.attempt += 1
+        if attempt:
+            s.requeued += 1
+            s.infra.add(kind, req.task_dir, error)
+            if req.attempt >= self.cfg.rollout.max_infra_retries:
+                raise TrainingError(f"episode {req.key} of {req.task_dir} failed {req.attempt + 1} times on "
+                                    f"infrastructure: {error}")
+            req.attempt += 1
         s.queue.appendleft(req)
 
     def add_rollout(self, req: EpisodeRequest, r: Rollout) -> None:
@@ -404,11 +422,16 @@ def resume_point(run_dir: Path, resume: bool) -> tuple[int, dict[str, Any], str 
 
     if not resume:
         return 0, {}, None
+    ckpt.remove_partial(run_dir)  # a killed run's half-written checkpoint is never loaded
     latest = ckpt.latest_checkpoint(run_dir)
     if latest is None:
         raise TrainingError(f"--resume: no checkpoint under {run_dir / 'checkpoints'}")
     state = ckpt.load_trainer_state(latest)
-    return int(state["step"]), state["extra"], str(latest)
+    step = int(state["step"])
+    # A killed run's cut last lines and steps past the checkpoint (trained again) leave the record.
+    trim_jsonl(run_dir / "metrics.jsonl", lambda record: int(record.get("step", 0)) <= step)
+    trim_jsonl(run_dir / "rollouts.jsonl")
+    return step, state["extra"], str(latest)
 
 
 def train(

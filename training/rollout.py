@@ -47,6 +47,7 @@ from training.config import RolloutConfig
 T = TypeVar("T")
 
 ROLLOUT_LABEL = "io.tmax.rollout"
+RUN_LABEL = "io.tmax.run"  # the run directory's id: a resumed run finds what the killed one left
 INFRA_KINDS = ("task_load", "environment", "sandbox_start", "sandbox_died", "verifier_no_reward",
                "verifier_error", "model", "interrupted", "worker")
 
@@ -162,12 +163,19 @@ def token_policy(sampler: TokenSampler, tokenizer: Any, cfg: RolloutConfig, seed
 # ---- the episode --------------------------------------------------------------------
 
 
-def env_settings(cfg: RolloutConfig) -> EnvSettings:
+def env_settings(cfg: RolloutConfig, labels: dict[str, str] | None = None) -> EnvSettings:
     """The environment of every rollout: as in bench (images with the offline rewrites,
-    or host workspaces), in `cfg.sandbox`."""
+    or host workspaces), in `cfg.sandbox`; every sandbox carries `labels` (`run_labels`)."""
     from tasks.offline import default_config
 
-    return EnvSettings(kind=cfg.sandbox, rewrite=default_config(list(cfg.image_map)))
+    return EnvSettings(kind=cfg.sandbox, rewrite=default_config(list(cfg.image_map)), labels=dict(labels or {}))
+
+
+def run_labels(run_dir: str | Path) -> dict[str, str]:
+    """The label of every container of the run in `run_dir`, the same across resumes."""
+    import hashlib
+
+    return {RUN_LABEL: hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]}
 
 
 def _score(ep: Episode, out_dir: Path | None, timeout: float) -> tuple[float, dict]:

@@ -5,13 +5,15 @@
   token-balanced share (`learner.packing.shard`); the learner all-reduces the global
   loss-token count, so the loss stays the exact token mean of the whole batch. Calls
   return rank 0's ref (metrics are already reduced over ranks).
-* `EngineGroup`: N vLLM engine actors (`EngineActor`). With a placement they are
-  restarted by Ray when they die; `training.weights.learner_side.WeightSync` brings them
-  the learner's weights (and re-forms a gloo / NCCL weight group with a restarted one).
-* rollout workers (`RolloutWorker`) anywhere with free CPU; worker i samples from engine
-  i mod N through a `FailoverSampler`, and from the next live engine while that one is
-  down. An episode whose worker died fails with a Ray actor error, which the loop
-  re-queues (never scores).
+* `EngineGroup`: N vLLM engine actors (`EngineActor`), restarted by Ray when they die (an
+  actor whose vLLM server died exits, so a dead server counts). A restarted engine reloads
+  the last weights it was pushed at their version (object-store transport; on a process
+  group, `training.weights.learner_side.WeightSync` re-forms the group at the next sync).
+* rollout workers (`RolloutWorker`) anywhere with free CPU, restarted by Ray; worker i
+  samples from engine i mod N through a `FailoverSampler` (`training.cluster.failover`),
+  from the next live engine while that one is down, waiting for a restart when none is.
+  An episode whose worker died fails with a Ray actor error, which the loop re-queues
+  (never scores); the loop then removes the containers the dead worker left (run label).
 
 Without a placement every actor gets plain CPU options on the local cluster (1 learner
 rank, 1 engine, `run.rollout_workers` workers); with one, the plan's counts and bundles,
@@ -21,12 +23,15 @@ and where every actor landed is written to `placement.json` in the run directory
 from __future__ import annotations
 
 import functools
+import json
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agents.records import write_json_atomic
+from training.cluster.failover import FailoverSampler
 from training.cluster.placement import Placement
 
 # Gloo / NCCL collectives of the learner group give up after this long (a dead rank).
@@ -34,32 +39,10 @@ GROUP_TIMEOUT_S = 600.0
 # Ray threads per rollout worker beyond its episode slots, so prewarm calls are not
 # queued behind running episodes.
 PREWARM_CALL_SLOTS = 2
-
-
-class FailoverSampler:
-    """`agents.policy.TokenSampler` over the engine actors (picklable): turns go to the
-    worker's own engine, and while it is down (dead, or restarting under Ray) to the
-    next live one, so an engine failure costs no episode. Every turn keeps the logprobs
-    and the weights version of the engine that sampled it, so mixing engines within an
-    episode is exact for the loss."""
-
-    def __init__(self, engines: list[Any], first: int = 0):
-        self.engines = engines
-        self.first = first
-
-    def sample(self, prompt_ids, max_tokens, temperature, top_p, seed=None):
-        import ray
-
-        from agents.policy import ModelError
-
-        errors = []
-        for k in range(len(self.engines)):
-            engine = self.engines[(self.first + k) % len(self.engines)]
-            try:
-                return ray.get(engine.sample.remote(list(prompt_ids), max_tokens, temperature, top_p, seed))
-            except ray.exceptions.RayActorError as e:
-                errors.append(type(e).__name__)
-        raise ModelError(f"every engine actor is down ({', '.join(errors)})")
+# A failed rollout worker gets no episode for this long (Ray is restarting it).
+WORKER_RETRY_S = 2.0
+# Next to an engine's weights.safetensors: the version it holds.
+WEIGHTS_VERSION = "weights.version.json"
 
 
 def _node_id() -> str:
@@ -141,10 +124,37 @@ def _engine_class():
         that produced it."""
 
         def __init__(self, model_dir: str, ecfg: Any, seed: int, work_dir: str | None = None, tp: int | None = None):
+            import threading
+
             from training.inference.engine import VLLMEngine
 
             self.engine = VLLMEngine.from_config(ecfg, model_dir, work_dir, tensor_parallel_size=tp)
             self._sampler = self.engine.sampler(seed)
+            self._closing = False
+            if ray.get_runtime_context().was_current_actor_reconstructed:
+                self._restore_weights()
+            threading.Thread(target=self._exit_with_server, daemon=True).start()
+
+        def _exit_with_server(self) -> None:
+            """A vLLM server that dies takes its actor with it, so Ray restarts both (a live
+            actor without a server would fail every turn)."""
+            import time
+
+            while not self._closing:
+                time.sleep(1.0)
+                server = self.engine.server
+                if server is not None and not server.alive() and not self._closing:
+                    os._exit(1)
+
+        def _restore_weights(self) -> None:
+            """A restarted engine starts on the run's first weights: load the last ones it
+            was pushed (object-store transport, kept in its work dir) at their version, so
+            it rejoins at the current policy version, not at the next sync."""
+            from safetensors.torch import load_file
+
+            path, version = self.engine.work_dir / "weights.safetensors", self.engine.work_dir / WEIGHTS_VERSION
+            if path.is_file() and version.is_file():
+                self.engine.push_weights(load_file(str(path)), int(json.loads(version.read_text())["version"]))
 
         def node_id(self) -> str:
             return _node_id()
@@ -157,7 +167,10 @@ def _engine_class():
             return self._sampler.sample(prompt_ids, max_tokens, temperature, top_p, seed)
 
         def push_weights(self, weights: dict, version: int) -> float:
-            return self.engine.push_weights(weights, version)
+            seconds = self.engine.push_weights(weights, version)
+            # The version of weights.safetensors, for a restart of this actor (`_restore_weights`).
+            write_json_atomic(self.engine.work_dir / WEIGHTS_VERSION, {"version": int(version)})
+            return seconds
 
         def num_workers(self) -> int:
             return self.engine.num_workers()
@@ -176,6 +189,7 @@ def _engine_class():
             return self.engine.weight_group
 
         def close(self) -> None:
+            self._closing = True
             self.engine.close()
 
     return EngineActor
@@ -192,7 +206,8 @@ def _worker_class():
         """Runs episodes, `slots` at a time (Ray threads), each in its own fresh sandbox;
         on podman from a warm pool of containers started ahead of need."""
 
-        def __init__(self, model_dir: str, rcfg: Any, sampler: Any, images: dict, slots: int = 1):
+        def __init__(self, model_dir: str, rcfg: Any, sampler: Any, images: dict, slots: int = 1,
+                     labels: dict | None = None):
             from transformers import AutoTokenizer
 
             from training.rollout import env_settings, worker_pool
@@ -201,7 +216,7 @@ def _worker_class():
             self.cfg = rcfg
             self.sampler = sampler
             self.images = images  # task dir -> TaskImage, resolved before training
-            self.settings = env_settings(rcfg)
+            self.settings = env_settings(rcfg, labels)
             self.pool = worker_pool(rcfg, slots)
 
         def node_id(self) -> str:
@@ -365,7 +380,7 @@ def engine_options(cfg: Any, pl: Placement | None) -> list[dict]:
     """`.options(...)` of every engine: the plan's bundles, or one engine on this node."""
     threads = cfg.run.concurrency + 4
     if pl is None:
-        return [{"num_cpus": min(1.0, _cpus(cfg) / 4), "max_concurrency": threads}]
+        return [{"num_cpus": min(1.0, _cpus(cfg) / 4), "max_concurrency": threads, "max_restarts": -1}]
     return [pl.engine_options(i, max_restarts=-1, max_concurrency=threads) for i in range(pl.plan.engines)]
 
 
@@ -380,7 +395,7 @@ def worker_options(cfg: Any, pl: Placement | None) -> list[dict]:
     threads = rc.slots_per_worker + PREWARM_CALL_SLOTS
     if pl is None:
         cpus = min(0.5, _cpus(cfg) / (4 * rc.rollout_workers))
-        return [{"num_cpus": cpus, "max_concurrency": threads}] * rc.rollout_workers
+        return [{"num_cpus": cpus, "max_concurrency": threads, "max_restarts": -1}] * rc.rollout_workers
     return [pl.sandbox_options(max_restarts=-1, max_concurrency=threads)] * pl.plan.sandbox_workers
 
 
@@ -406,6 +421,34 @@ class Actors:
     engines: EngineGroup
     workers: list[Any]
     own_engines: bool = True  # False: the caller's engines, which it stops itself
+    labels: dict[str, str] | None = None  # every container of the run carries them (`run_labels`)
+    # Failed workers (restarting under Ray): index -> [failed at, next episode no sooner than].
+    down: dict[int, list] = field(default_factory=dict)
+
+    def next_live_worker(self, start: int) -> int | None:
+        """The first worker from `start` on (round-robin) that may take an episode now."""
+        n, now = len(self.workers), time.monotonic()
+        return next((w % n for w in range(start, start + n) if self.down.get(w % n, [0, 0])[1] <= now), None)
+
+    def worker_up(self, index: int) -> None:
+        self.down.pop(index, None)
+
+    def worker_failed(self, index: int, sent_at: float) -> bool:
+        """An episode failed with worker `index`'s death: it gets no episode for 2 s (Ray
+        restarts it), and the containers of the episodes it ran are removed. True when the
+        episode ran (sent before the failure was first seen), False when the restarting
+        worker refused it."""
+        down = self.down.setdefault(index, [time.monotonic(), 0.0])
+        down[1] = time.monotonic() + WORKER_RETRY_S
+        self.remove_orphaned_containers()
+        return sent_at < down[0]
+
+    def remove_orphaned_containers(self) -> list[str]:
+        """The run's containers on this node whose worker process is gone (a worker Ray
+        killed or restarted, or the previous process of a resumed run): removed, named."""
+        from sandbox.cleanup import remove_orphaned
+
+        return remove_orphaned(self.labels).containers if self.labels else []
 
     def close(self, keep_engines: bool = False) -> None:
         """Close the workers' warm pools (their idle containers), then kill every actor;
@@ -430,9 +473,12 @@ def start_actors(cfg: Any, model_dir: str, resume_from: str | None, run_dir: str
     (already serving `model_dir`); `images` maps task dirs to their resolved images."""
     import ray
 
+    from training.rollout import run_labels
+
     if engines is not None and pl is not None:
         raise ValueError("a placed run starts its own engines; running engines cannot be reused with a placement")
     own = engines is None
+    labels = run_labels(run_dir) if cfg.rollout.sandbox == "podman" else None
     learner: LearnerGroup | None = None
     workers: list = []
     try:
@@ -442,28 +488,13 @@ def start_actors(cfg: Any, model_dir: str, resume_from: str | None, run_dir: str
         ray.get(learner.setups + (engines.ready() if own else []))
         RolloutWorker = _worker_class()
         workers = [RolloutWorker.options(**o).remote(model_dir, cfg.rollout, engines.sampler(i), images,
-                                                     cfg.run.slots_per_worker)
+                                                     cfg.run.slots_per_worker, labels)
                    for i, o in enumerate(worker_options(cfg, pl))]
-        actors = Actors(learner, engines, workers, own)
+        actors = Actors(learner, engines, workers, own, labels)
+        actors.remove_orphaned_containers()  # a killed earlier process of this run left them
         if pl is not None:
-            write_placement(Path(run_dir) / "placement.json", pl, actors)
+            pl.write(Path(run_dir) / "placement.json", actors)
     except BaseException:
         Actors(learner or LearnerGroup([]), engines or EngineGroup([]), workers, own).close()
         raise
     return actors
-
-
-def write_placement(path: Path, pl: Placement, actors: Actors) -> dict:
-    """Plan, bundle nodes and the node every actor reports it runs on, written atomically."""
-    import ray
-
-    out = {
-        "plan": pl.plan.to_dict(),
-        "learner_bundle_nodes": pl.learner_nodes,
-        "engine_bundle_nodes": pl.engine_nodes,
-        "learner_rank_nodes": ray.get([a.node_id.remote() for a in actors.learner.ranks]),
-        "engine_nodes": ray.get([e.node_id.remote() for e in actors.engines.engines]),
-        "worker_nodes": ray.get([w.node_id.remote() for w in actors.workers]),
-    }
-    write_json_atomic(path, out)
-    return out

@@ -408,6 +408,24 @@ class Placement:
         opts.update(extra)
         return opts
 
+    def write(self, path: Any, actors: Any) -> dict:
+        """Plan, bundle nodes and the node every actor (`training.cluster.actors.Actors`)
+        reports it runs on, written atomically to `path`."""
+        import ray
+
+        from agents.records import write_json_atomic
+
+        out = {
+            "plan": self.plan.to_dict(),
+            "learner_bundle_nodes": self.learner_nodes,
+            "engine_bundle_nodes": self.engine_nodes,
+            "learner_rank_nodes": ray.get([a.node_id.remote() for a in actors.learner.ranks]),
+            "engine_nodes": ray.get([e.node_id.remote() for e in actors.engines.engines]),
+            "worker_nodes": ray.get([w.node_id.remote() for w in actors.workers]),
+        }
+        write_json_atomic(path, out)
+        return out
+
     def sandbox_options(self, **extra: Any) -> dict[str, Any]:
         opts: dict[str, Any] = {"num_cpus": self.plan.cpus_per_sandbox_worker}
         opts.update(extra)

@@ -9,11 +9,14 @@ Layout of one checkpoint directory (`<run>/checkpoints/step_<N>`):
     trainer_state.json   step, time and the caller's `extra` dict (readable, JSON)
 
 Writes go to a hidden sibling temp directory that is renamed into place, so a crash never
-leaves a half-written checkpoint under the final name.
+leaves a half-written checkpoint under the final name; `remove_partial` deletes the temp
+directories a killed run left. Before writing, the filesystem must have room for the
+checkpoint's tensors (`DiskFullError` names the path and the bytes needed otherwise).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -73,6 +76,72 @@ def restore_rng(state: dict[str, Any]) -> None:
         np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
 
 
+class DiskFullError(OSError):
+    """The filesystem under a run cannot hold what must be written next."""
+
+    def __init__(self, path: str | Path, needed: int, free: int):
+        self.path, self.needed, self.free = Path(path), needed, free
+        super().__init__(errno.ENOSPC, f"{path}: no space for a checkpoint: it needs about {needed / 2**20:.1f} MiB, "
+                                       f"{free / 2**20:.1f} MiB are free")
+
+    def __reduce__(self):  # crosses Ray's process boundary whole
+        return (DiskFullError, (self.path, self.needed, self.free))
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """An out-of-space error, raised here or in a Ray actor (whose error wraps it as `cause`);
+    safetensors reports one as its own error type, with the OS message."""
+    cause = getattr(e, "cause", None) or e
+    if isinstance(cause, OSError):
+        return cause.errno in (errno.ENOSPC, errno.EDQUOT)
+    return "No space left on device" in str(cause)
+
+
+def full_disk_report(run_dir: str | Path, e: BaseException) -> str:
+    """What a run stopped by a full disk tells its user: where, how much is free, how much a
+    checkpoint needs, and which checkpoint `--resume` continues from."""
+    cause = getattr(e, "cause", None) or e
+    run_dir = Path(run_dir)
+    last = latest_checkpoint(run_dir)
+    if isinstance(cause, DiskFullError):
+        needed = cause.needed
+    else:  # a write elsewhere in the run (an engine's weights, a log): a checkpoint's size
+        needed = sum(f.stat().st_size for f in last.rglob("*") if f.is_file()) if last else 0
+    free = shutil.disk_usage(run_dir).free
+    return (f"the filesystem of {run_dir} is full: {free / 2**20:.1f} MiB free, a checkpoint needs about "
+            f"{needed / 2**20:.1f} MiB ({cause}). " + (f"The last complete checkpoint, {last}, is intact: free "
+            "space and continue with --resume" if last else "No checkpoint was written yet"))
+
+
+def tensors_bytes(tree: Any) -> int:
+    """Bytes of every distinct tensor in a (nested) state dict (tied weights count once)."""
+    seen: dict[tuple[int, int], int] = {}
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            seen[(x.data_ptr(), x.numel())] = x.numel() * x.element_size()
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(tree)
+    return sum(seen.values())
+
+
+def require_space(path: str | Path, needed: int) -> None:
+    """Raise DiskFullError unless the filesystem of `path` (or its nearest existing parent)
+    has `needed` bytes free."""
+    where = Path(path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if free < needed:
+        raise DiskFullError(path, needed, free)
+
+
 def _replace_dir(tmp: Path, final: Path) -> None:
     if final.exists():
         old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
@@ -106,6 +175,15 @@ def save_checkpoint(
         extra_json = json.dumps({"step": step, "time": time.time(), "extra": extra}, indent=2)
     except TypeError as e:
         raise ValueError(f"checkpoint extra must be JSON-serialisable: {e}") from e
+    state = {"format": 1, "step": step, "rng": rng_state()}
+    if optimizer_state is not None:
+        state["optimizer"] = optimizer_state
+    elif optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
+    # Tensors plus 5% and 1 MiB for metadata, tokenizer files and filesystem overhead.
+    needed = tensors_bytes([state_dict if state_dict is not None else model.state_dict(), state])
+    needed += needed // 20 + 2**20
+    require_space(final.parent, needed)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
@@ -116,16 +194,13 @@ def save_checkpoint(
                 src = Path(tokenizer_dir) / name
                 if src.is_file():
                     shutil.copy2(src, tmp / name)
-        state = {"format": 1, "step": step, "rng": rng_state()}
-        if optimizer_state is not None:
-            state["optimizer"] = optimizer_state
-        elif optimizer is not None:
-            state["optimizer"] = optimizer.state_dict()
         torch.save(state, tmp / STATE_PT)
         (tmp / STATE_JSON).write_text(extra_json)
         _replace_dir(tmp, final)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(e):  # the estimate was short: the same error as before the write
+            raise DiskFullError(final.parent, needed, shutil.disk_usage(final.parent).free) from e
         raise
     return final
 
@@ -151,6 +226,18 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found) if (p / STATE_JSON).is_file()]
+
+
+def remove_partial(run_dir: str | Path) -> list[Path]:
+    """Delete the temp and replaced-checkpoint directories a killed run left behind (never
+    loaded: only complete `step_N` directories count); returns what was removed."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    partial = [p for p in root.iterdir() if p.name.startswith(".step_") and (".tmp-" in p.name or ".old-" in p.name)]
+    for p in partial:
+        shutil.rmtree(p, ignore_errors=True)
+    return partial
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

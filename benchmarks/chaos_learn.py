@@ -1,0 +1,371 @@
+"""A chaos run of `tmax learn`: every part killed on a seeded schedule, then the driver
+SIGKILLed and the run resumed; prints what was injected, detected and recovered.
+
+    python benchmarks/chaos_learn.py --json                      # nano-podman, every fault
+    python benchmarks/chaos_learn.py --json --preset nano        # host sandboxes (no containers)
+    python benchmarks/chaos_learn.py --json --short              # one of each but the learner
+    python benchmarks/chaos_learn.py --json --model DIR          # from a nano checkpoint, no SFT first
+
+A fresh nano model and generated tasks; the driver is `python -m tmax_cli.main learn` in its
+own process, so it can be SIGKILLed. While it runs, this script kills, at seeded moments
+after a step has finished: task containers (`--container-kills`, podman only), the vLLM
+server process, a rollout worker actor process and the learner rank process (the driver
+then stops; the run is resumed), and finally the driver itself with SIGKILL (resumed again).
+The last driver finishes the run's steps.
+
+Per fault kind: injected, detected (the run noticed: episodes re-queued, an engine restarted,
+the driver stopped with the learner's error), recovered (a step finished after it, in the
+same or the resumed driver), seconds to recover and episodes re-queued. Checks:
+`infra_rewards_in_loss` (scored episodes that ran commands in a killed container: must be 0),
+`duplicate_groups_in_loss` (an episode recorded twice: must be 0), `steps_lost` (steps
+trained twice because a driver died after them and before their checkpoint),
+`leftover_containers` / `leftover_processes` after the last driver (must be 0).
+Timings come from a machine shared with other work: compare, do not quote as absolutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TAG_ENV = "TMAX_CHAOS_RUN"  # every process of the run inherits it: how its processes are found
+STEP_WAIT_S = 1800.0
+
+
+@dataclass
+class Fault:
+    kind: str
+    injected: bool = False
+    detected: bool = False
+    recovered: bool = False
+    seconds_to_recover: float | None = None
+    episodes_requeued: int = 0
+    target: str = ""
+    t_inject: float = 0.0
+    rows_before: int = 0
+    requeued_before: float = 0.0
+
+
+@dataclass
+class Chaos:
+    run: Path
+    cfg: Path
+    tag: str
+    log: Path
+    drivers: list = field(default_factory=list)
+    killed_containers: set = field(default_factory=set)
+
+    # -- the driver --------------------------------------------------------------------
+
+    def start_driver(self, resume: bool) -> subprocess.Popen:
+        argv = [sys.executable, "-m", "tmax_cli.main", "learn", "-c", str(self.cfg), "-o", str(self.run),
+                "--no-progress"] + (["--resume"] if resume else [])
+        env = {**os.environ, TAG_ENV: self.tag, "PYTHONPATH": str(ROOT)}
+        out = open(self.log, "a")
+        out.write(f"\n==== driver {len(self.drivers) + 1} {'--resume' if resume else ''}\n")
+        out.flush()
+        p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.drivers.append(p)
+        return p
+
+    def rows(self) -> list[dict]:
+        path = self.run / "metrics.jsonl"
+        if not path.is_file():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line being written
+        return out
+
+    def wait_rows(self, n: int, driver: subprocess.Popen, timeout: float = STEP_WAIT_S) -> bool:
+        """Until metrics.jsonl has `n` rows; False if the driver ended first or time ran out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(self.rows()) >= n:
+                return True
+            if driver.poll() is not None:
+                return len(self.rows()) >= n
+            time.sleep(0.5)
+        return False
+
+    # -- the run's processes and containers --------------------------------------------
+
+    def processes(self, needle: str) -> list:
+        import psutil
+
+        found = []
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            text = " ".join(p.info["cmdline"] or [])
+            if needle not in text:
+                continue
+            try:
+                if p.environ().get(TAG_ENV) == self.tag:
+                    found.append(p)
+            except psutil.Error:
+                continue
+        return found
+
+    def containers(self) -> list[str]:
+        from training.rollout import run_labels
+
+        [(key, value)] = run_labels(self.run).items()
+        r = subprocess.run(["podman", "ps", "-q", "--no-trunc", "--filter", f"label={key}={value}"],
+                           capture_output=True, text=True)
+        return r.stdout.split()
+
+
+def _requeued(rows: list[dict]) -> float:
+    return float(rows[-1].get("infra/requeued", 0.0)) if rows else 0.0
+
+
+def _inject(chaos: Chaos, fault: Fault, rng: random.Random) -> bool:
+    """Kill the fault's target; False when there was none to kill within a minute."""
+    needles = {"engine": "vllm.entrypoints", "worker": "ray::RolloutWorker", "learner": "ray::LearnerRank"}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if fault.kind == "container":
+            ids = [c for c in chaos.containers() if c not in chaos.killed_containers]
+            if ids:
+                cid = rng.choice(ids)
+                subprocess.run(["podman", "kill", cid], capture_output=True)
+                chaos.killed_containers.add(cid)
+                fault.target = cid[:12]
+                return True
+        else:
+            procs = chaos.processes(needles[fault.kind])
+            if procs:
+                p = rng.choice(procs)
+                fault.target = f"pid {p.pid}"
+                p.send_signal(signal.SIGKILL)
+                return True
+        time.sleep(0.5)
+    return False
+
+
+def _in_driver_faults(chaos: Chaos, driver: subprocess.Popen, faults: list[Fault], rng: random.Random) -> None:
+    """Faults the running driver must survive: each injected at a seeded moment after a
+    step, recovered when a later step finishes."""
+    for f in faults:
+        if not chaos.wait_rows(len(chaos.rows()) + (1 if f is faults[0] else 0), driver):
+            return
+        time.sleep(rng.uniform(0.0, 3.0))
+        rows = chaos.rows()
+        f.rows_before, f.requeued_before = len(rows), _requeued(rows)
+        f.t_inject = time.monotonic()
+        engine_pids = {p.pid for p in chaos.processes("vllm.entrypoints")}
+        f.injected = _inject(chaos, f, rng)
+        if not f.injected or not chaos.wait_rows(f.rows_before + 1, driver):
+            continue
+        f.recovered = True
+        f.seconds_to_recover = round(time.monotonic() - f.t_inject, 1)
+        rows = chaos.rows()
+        f.episodes_requeued = int(_requeued(rows) - f.requeued_before)
+        if f.kind == "engine":  # a new vLLM server serves the run
+            f.detected = bool({p.pid for p in chaos.processes("vllm.entrypoints")} - engine_pids)
+        else:
+            f.detected = f.episodes_requeued > 0 or f.kind == "container" and _never_scored(chaos, f.target)
+
+
+def _never_scored(chaos: Chaos, short_id: str) -> bool:
+    """No episode that ran a command in the container was scored (an episode that ended on
+    a format error before its first command never needed it)."""
+    return not any((r.get("container_id") or "").startswith(short_id) and r.get("steps", 0) > 0
+                   for r in _rollouts(chaos.run))
+
+
+def _rollouts(run: Path) -> list[dict]:
+    path = run / "rollouts.jsonl"
+    out = []
+    for line in (path.read_text().splitlines() if path.is_file() else []):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def _driver_killing_fault(chaos: Chaos, driver: subprocess.Popen, kind: str, rng: random.Random) -> Fault:
+    """The learner rank (the driver must stop with its error) or the driver (SIGKILL); then
+    a resumed driver, recovered when it finishes a step."""
+    f = Fault(kind)
+    if not chaos.wait_rows(len(chaos.rows()) + 1, driver):
+        return f
+    time.sleep(rng.uniform(0.0, 3.0))
+    f.rows_before, f.requeued_before = len(chaos.rows()), _requeued(chaos.rows())
+    f.t_inject = time.monotonic()
+    if kind == "driver":
+        driver.send_signal(signal.SIGKILL)
+        f.injected, f.target = True, f"pid {driver.pid}"
+        driver.wait()
+        f.detected = True  # nothing to detect: the next driver is started with --resume
+    else:
+        f.injected = _inject(chaos, f, rng)
+        try:
+            rc = driver.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            rc = None
+        f.detected = rc not in (None, 0) and "learner died" in chaos.log.read_text()
+    if f.injected:
+        resumed = chaos.start_driver(resume=True)
+        if chaos.wait_rows(f.rows_before + 1, resumed):
+            f.recovered = True
+            f.seconds_to_recover = round(time.monotonic() - f.t_inject, 1)
+    return f
+
+
+def _warm_start(root: Path, tasks: list[str]) -> Path:
+    """A few SFT steps on oracle demonstrations (host sandbox): enough for the policy to
+    issue commands, so its episodes use their containers (a random model ends every
+    episode on a format error before its first command, and a killed container would go
+    unnoticed because nothing needed it)."""
+    from transformers import AutoTokenizer
+
+    from training.config import preset
+    from training.learner.sft import collect_demos, train_sft
+    from training.nano.model import build_nano_model
+
+    build_nano_model(root / "base")
+    cfg = preset("nano")
+    cfg.sft.epochs, cfg.sft.teacher_accuracy = 6.0, 1.0
+    demos = collect_demos(tasks, AutoTokenizer.from_pretrained(root / "base"), cfg)
+    return Path(train_sft(str(root / "base"), demos, cfg, root / "sft").checkpoint)
+
+
+def _setup(root: Path, preset: str, steps: int, model: Path | None) -> Path:
+    from training.nano.tasks import write_splits
+
+    tasks = [str(d) for d in write_splits(root / "tasks", 24, 1)["train"]]
+    model = model or _warm_start(root, tasks)
+    cfg = root / "chaos.toml"
+    # Rewards may all be equal: the zero-std filter is off so batches train (the mechanics
+    # are under test, as in tests/test_loop.py).
+    cfg.write_text(f"""extends = "{preset}"
+name = "chaos"
+[model]
+path = "{model}"
+build_nano = false
+[tasks]
+train = "{root / 'tasks' / 'train'}"
+generate_nano = false
+[algo]
+steps = {steps}
+prompts_per_step = 1
+group_size = 2
+filter_zero_std = false
+active_sampling = false
+[run]
+checkpoint_every = 1
+concurrency = 2
+rollout_workers = 1
+slots_per_worker = 2
+""")
+    return cfg
+
+
+def _checks(chaos: Chaos, steps: int) -> dict:
+    from training.learner import checkpoint as ckpt
+
+    rows, rollouts = chaos.rows(), _rollouts(chaos.run)
+    seen_steps: dict[int, int] = {}
+    for r in rows:
+        seen_steps[int(r["step"])] = seen_steps.get(int(r["step"]), 0) + 1
+    keys = [(r["group_id"], r["sample_index"]) for r in rollouts]
+    final = ckpt.latest_checkpoint(chaos.run)
+    time.sleep(30)  # a killed driver's processes end on their own watchdogs: give them time
+    return {
+        "steps_completed": int(ckpt.load_trainer_state(final)["step"]) if final else 0,
+        "steps_target": steps,
+        "steps_lost": sum(n - 1 for n in seen_steps.values()),
+        # A scored episode whose container was killed under it: it ran commands there.
+        "infra_rewards_in_loss": sum(1 for r in rollouts if r.get("steps", 0) > 0
+                                     and any((r.get("container_id") or "").startswith(c[:12])
+                                             for c in chaos.killed_containers)),
+        "duplicate_groups_in_loss": len(keys) - len(set(keys)),
+        "leftover_containers": len(chaos.containers()),
+        "leftover_processes": len([p for needle in ("vllm.entrypoints", "ray::", "raylet", "gcs_server")
+                                   for p in chaos.processes(needle)]),
+        "drivers": [d.returncode for d in chaos.drivers],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="nano-podman", choices=["nano-podman", "nano"])
+    ap.add_argument("--steps", type=int, default=0, help="steps of the run (default: enough for every fault)")
+    ap.add_argument("--container-kills", type=int, default=3)
+    ap.add_argument("--short", action="store_true", help="one container, the engine, a worker, the driver")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--model", type=Path, default=None, help="start from this nano checkpoint (default: a short SFT)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    rng = random.Random(args.seed)
+    podman = args.preset == "nano-podman"
+    kills = (1 if args.short else args.container_kills) if podman else 0
+    in_driver = [Fault("container") for _ in range(kills)] + [Fault("engine"), Fault("worker")]
+    rng.shuffle(in_driver)
+    tail = ["driver"] if args.short else ["learner", "driver"]
+    steps = args.steps or len(in_driver) + len(tail) + 2
+    root = args.out or Path(tempfile.mkdtemp(prefix="tmax-chaos-"))
+    root.mkdir(parents=True, exist_ok=True)
+    chaos = Chaos(root / "run", _setup(root, args.preset, steps, args.model), uuid.uuid4().hex[:12], root / "drivers.log")
+    t0 = time.monotonic()
+    driver = chaos.start_driver(resume=False)
+    try:
+        _in_driver_faults(chaos, driver, in_driver, rng)
+        faults = list(in_driver)
+        for kind in tail:
+            faults.append(_driver_killing_fault(chaos, chaos.drivers[-1], kind, rng))
+        chaos.drivers[-1].wait(timeout=STEP_WAIT_S)
+    finally:
+        for d in chaos.drivers:
+            if d.poll() is None:
+                d.send_signal(signal.SIGINT)
+                try:
+                    d.wait(timeout=300)
+                except subprocess.TimeoutExpired:
+                    d.kill()
+    by_kind: dict[str, dict] = {}
+    for f in faults:
+        k = by_kind.setdefault(f.kind, {"injected": 0, "detected": 0, "recovered": 0, "seconds_to_recover": [],
+                                        "episodes_requeued": 0})
+        k["injected"] += f.injected
+        k["detected"] += f.detected
+        k["recovered"] += f.recovered
+        k["episodes_requeued"] += f.episodes_requeued
+        if f.seconds_to_recover is not None:
+            k["seconds_to_recover"].append(f.seconds_to_recover)
+    out = {"preset": args.preset, "seed": args.seed, "run_dir": str(chaos.run), "wall_s": round(time.monotonic() - t0, 1),
+           "faults_injected": sum(f.injected for f in faults), "faults_recovered": sum(f.recovered for f in faults),
+           "faults": by_kind, "schedule": [asdict(f) for f in faults], **_checks(chaos, steps)}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        for kind, k in by_kind.items():
+            print(f"{kind:10s} injected {k['injected']} detected {k['detected']} recovered {k['recovered']} "
+                  f"requeued {k['episodes_requeued']} recover_s {k['seconds_to_recover']}")
+        print({k: v for k, v in out.items() if k not in ("faults", "schedule")})
+    ok = (out["faults_injected"] == out["faults_recovered"] == len(faults) and out["infra_rewards_in_loss"] == 0
+          and out["duplicate_groups_in_loss"] == 0 and out["steps_completed"] == steps)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Soak of the podman rollout path: many episodes at high concurrency through one warm pool,
+as a rollout worker runs them; reports leaks, driver memory and per-episode overhead.
+
+    python benchmarks/soak_podman.py --json [--episodes 1000] [--concurrency 64] [--pool 8] [--tasks 16]
+
+Each episode is a real `training.rollout.run_episode` (harness, token policy, verifier in the
+container) replaying the task's oracle turns, so the policy costs nothing and what is
+measured is the sandbox path. Every container carries this soak's own run label, so the leak
+count sees only its containers. Reported:
+
+* `leaked_containers`: containers of this soak still present after the pool closed (must be 0);
+* `leaked_processes`: processes this one started that are still alive then (must be 0);
+* `rss_first100_mb` / `rss_last100_mb`: this process's RSS, mean over the first and the last
+  100 finished episodes (flat memory: the ratio near 1);
+* `overhead_p50_s` / `overhead_p99_s`: episode time outside the agent (sandbox start,
+  verifier, the rest of run_episode), and `infra_errors` by kind.
+
+Timings depend on the machine's load: measure with nothing else running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+
+def _stray(p) -> bool:
+    """A child process that should be gone after the soak (the podman service stays)."""
+    import psutil
+
+    try:
+        return "system service" not in " ".join(p.cmdline())
+    except psutil.Error:
+        return False
+
+
+def soak(episodes: int, concurrency: int, pool_size: int, n_tasks: int, seed: int) -> dict:
+    import psutil
+    from transformers import AutoTokenizer
+
+    from rollout_throughput import scripted_samplers
+    from sandbox.pool import WarmPool
+    from training.config import preset
+    from training.nano.model import build_tokenizer
+    from training.nano.tasks import write_splits
+    from training.rollout import EpisodeRequest, InfraError, env_settings, prepare_tasks, run_ahead, run_episode
+
+    me = psutil.Process()
+    label = {"io.tmax.soak": uuid.uuid4().hex[:12]}
+    with tempfile.TemporaryDirectory(prefix="tmax-soak-") as tmp:
+        tasks = [str(d) for d in write_splits(Path(tmp) / "tasks", n_tasks, 1, seed=seed)["train"]]
+        build_tokenizer(seed).save_pretrained(Path(tmp) / "tok")
+        tok = AutoTokenizer.from_pretrained(Path(tmp) / "tok")
+        rcfg = preset("nano-podman").rollout
+        images = prepare_tasks(rcfg, tasks, log=lambda m: print(m, file=sys.stderr)).images
+        settings = env_settings(rcfg, label)
+        sampler_for = scripted_samplers(tok, tasks)
+        order = [tasks[i % len(tasks)] for i in range(episodes)]
+        children_before = {p.pid for p in me.children(recursive=True)}
+        results: list[dict] = []
+        lock = threading.Lock()
+
+        def one(i: int) -> dict:
+            d = order[i]
+            try:
+                r = run_episode(EpisodeRequest(d, i, 0, i), sampler_for(d), tok, rcfg, settings=settings,
+                                image=images[d], pool=pool)
+                t = r.timings
+                row = {"ok": True, "reward": r.reward, "warm": r.warm_start,
+                       "overhead_s": t["total_s"] - t["agent_s"], "total_s": t["total_s"]}
+            except InfraError as e:
+                row = {"ok": False, "kind": e.kind}
+            row["rss_mb"] = me.memory_info().rss / 2**20
+            with lock:
+                results.append(row)
+            return row
+
+        pool = WarmPool(concurrency + pool_size)
+        t0 = time.monotonic()
+        try:
+            run_ahead(order, one, settings, images, pool, concurrency)
+        finally:
+            pool.close()
+        wall = time.monotonic() - t0
+        time.sleep(5)  # removals finish on background threads
+        left = subprocess.run(["podman", "ps", "-aq", "--filter", f"label=io.tmax.soak={label['io.tmax.soak']}"],
+                              capture_output=True, text=True).stdout.split()
+        leaked = [p for p in me.children(recursive=True) if p.pid not in children_before and _stray(p)]
+    ok = [r for r in results if r["ok"]]
+    over = [r["overhead_s"] for r in ok]
+    kinds: dict[str, int] = {}
+    for r in results:
+        if not r["ok"]:
+            kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
+    rss = [r["rss_mb"] for r in results]
+    first, last = statistics.mean(rss[:100]), statistics.mean(rss[-100:])
+    return {"episodes": len(results), "concurrency": concurrency, "pool": pool_size, "seconds": round(wall, 1),
+            "episodes_per_min": round(60 * len(results) / wall, 1), "solved": sum(r["reward"] >= 1 for r in ok),
+            "warm_starts": sum(r["warm"] for r in ok), "infra_errors": kinds,
+            "leaked_containers": len(left), "leaked_processes": len(leaked),
+            "rss_first100_mb": round(first, 1), "rss_last100_mb": round(last, 1),
+            "rss_last_vs_first": round(last / first, 3),
+            "overhead_p50_s": round(_percentile(over, 0.5), 3), "overhead_p99_s": round(_percentile(over, 0.99), 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--episodes", type=int, default=1000)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--pool", type=int, default=8, help="containers started ahead beyond the running episodes")
+    ap.add_argument("--tasks", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    out = soak(args.episodes, args.concurrency, args.pool, args.tasks, args.seed)
+    print(json.dumps(out, indent=None if args.json else 2))
+    ok = out["leaked_containers"] == 0 and out["leaked_processes"] == 0
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
