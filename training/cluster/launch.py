@@ -266,16 +266,19 @@ def _start_local(plan: PlacementPlan | None, num_cpus: int | None) -> ClusterHan
         for r in roles:
             resources[r] = resources.get(r, 0.0) + 1.0
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # single node: bind loopback
-    ray.init(
-        # "local": always a new private cluster; without it ray.init joins whatever cluster
-        # another process on this machine last started.
-        address="local",
-        num_cpus=num_cpus or os.cpu_count(),
-        resources=resources,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        runtime_env=runtime_env(),
-        log_to_driver=False,
-        configure_logging=False,
-    )
+    try:
+        ray.init(
+            # "local": always a new private cluster; without it ray.init joins whatever cluster
+            # another process on this machine last started.
+            address="local",
+            num_cpus=num_cpus or os.cpu_count(),
+            resources=resources,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            runtime_env=runtime_env(),
+            log_to_driver=False,
+            configure_logging=False,
+        )
+    except Exception as e:  # e.g. its raylet not registered in time on an overloaded machine
+        raise ClusterError(f"infrastructure: a local Ray cluster did not start: {e}") from e
     return ClusterHandle("local", "127.0.0.1")
