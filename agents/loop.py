@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -62,6 +63,21 @@ class AgentConfig:
     # Opt-in (agents.budget): observations end with the steps, time and context left.
     budget_hints: bool = False
     time_budget_s: float | None = None  # only shown by budget hints; None: no limit
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> AgentConfig:
+        """The one way an AgentConfig is made from settings: `tmax run`'s, a bench job's
+        agent kwargs (`--ak`), the learn config's rollout section (`training.rollout`).
+        A setting left None keeps its default; a name this class does not have is an error."""
+        names = set(cls.__dataclass_fields__)
+        unknown = sorted(set(settings) - names)
+        if unknown:
+            raise ValueError(f"unknown agent setting(s) {', '.join(map(repr, unknown))}; "
+                             f"known: {', '.join(sorted(names))}")
+        values = {k: v for k, v in settings.items() if v is not None}
+        if "backoff_s" in values:
+            values["backoff_s"] = tuple(values["backoff_s"])  # JSON gives a list
+        return cls(**values)
 
     @property
     def observation_limits(self) -> ObservationLimits:

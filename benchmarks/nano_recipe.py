@@ -82,6 +82,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
+    from tmax_cli.progress import learn_progress
     from training.config import load_config, preset
     from training.recipe import run_recipe
 
@@ -89,7 +90,7 @@ def main() -> None:
     cfg = load_config(args.config, over) if args.config else preset("nano", over)
     out = Path(args.out).resolve() / f"seed{cfg.algo.seed}"
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
-    res = run_recipe(cfg, out, progress=not args.json, log=log)
+    res = run_recipe(cfg, out, progress=learn_progress(not args.json), log=log)
     ckpt = (res.get("rl") or {}).get("checkpoint")
     samples = last_batch_samples(out / "rl", cfg) if ckpt else []
     if samples:

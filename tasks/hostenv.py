@@ -23,11 +23,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sandbox.base import SandboxSpec
+from sandbox.base import HOST_KINDS, SandboxSpec
 from tasks.model import Task
 
-HOST_KINDS = ("bwrap", "local")
-ENV_KINDS = ("podman", *HOST_KINDS)
 HOST_BASE_IMAGES = ("localhost/tmax-base:bookworm",)
 _ARCHIVES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
 

@@ -60,10 +60,12 @@ def test_on_appends_budget_and_warns_near_the_end(tmp_path):
 def test_learn_and_bench_configs_switch_it_on():
     from tasks.runners import TmaxAgent
     from training.config import RolloutConfig
-    from training.rollout import agent_config
+    from training.rollout import EpisodeSettings, agent_settings
 
-    assert agent_config(RolloutConfig()).budget_hints is False
-    assert agent_config(RolloutConfig(budget_hints=True)).budget_hints is True
+    assert EpisodeSettings.of(RolloutConfig()).agent.budget_hints is False
+    assert EpisodeSettings.of(RolloutConfig(budget_hints=True)).agent.budget_hints is True
+    # The held-out bench trials of the recipe take the rollout section's settings too.
+    assert agent_settings(RolloutConfig(budget_hints=True))["budget_hints"] is True
     assert TmaxAgent("m", "http://x", kwargs={"budget_hints": True}).kwargs["budget_hints"] is True
 
 

@@ -104,7 +104,7 @@ def test_agent_shell_and_execs_run_as_the_user_in_its_home(tasks, tmp_path):
             tmux.close()
         result = ep.verify(tmp_path / "verifier", 60)
     # The verifier ran (as root: it created /logs) and scored: who.txt was never written.
-    assert result.status == "ok" and result.reward == 0.0
+    assert result.kind == "ok" and result.reward == 0.0
 
 
 def test_an_image_without_the_agent_user_is_the_tasks_defect(tasks, tmp_path):

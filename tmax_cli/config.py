@@ -34,10 +34,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agents.policy import DEFAULT_MODEL_TIMEOUT_S
-from sandbox.base import DEFAULT_COMMAND_TIMEOUT_S
+from sandbox.base import DEFAULT_COMMAND_TIMEOUT_S, KINDS as SANDBOX_KINDS
 from training.config import ConfigError
 
-SANDBOX_KINDS = ("local", "bwrap", "podman")
 MODES = ("confirm", "yolo")
 DEFAULT_IMAGE = "localhost/tmax-base:bookworm"
 

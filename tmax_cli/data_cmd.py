@@ -115,10 +115,10 @@ def validate_cmd(
 ) -> None:
     """Run the gates load, build, initial, nop, oracle on every task."""
     from tasks.corpus.validate import corpus_task_dirs, counts, validate_corpus
-    from tasks.hostenv import ENV_KINDS
+    from sandbox.base import KINDS
 
-    if env not in ENV_KINDS:
-        _fail(f"unknown environment {env!r}: {', '.join(ENV_KINDS)}")
+    if env not in KINDS:
+        _fail(f"unknown environment {env!r}: {', '.join(KINDS)}")
     if not corpus.is_dir():
         _fail(f"{corpus}: no such directory")
     work = work or corpus / ".tmax-validate"

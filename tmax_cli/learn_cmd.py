@@ -17,6 +17,8 @@ from typing import Optional
 
 import typer
 
+from tmax_cli.progress import learn_progress
+
 learn_app = typer.Typer(
     help="Train the agent with DPPO (RL) on Ray; `tmax learn nano` runs the whole CPU recipe.",
     invoke_without_command=True,
@@ -134,7 +136,7 @@ def learn(
             start, train_dir, rl_dir = cfg.model.path, cfg.tasks.train, run_dir
             prepared = prepare_recipe_tasks(cfg, train_dir, cfg.tasks.heldout, Path(rl_dir), _echo)
         if plan is None:
-            res = train(cfg, start, train_dir, rl_dir, resume=resume, progress=not no_progress, prepared=prepared,
+            res = train(cfg, start, train_dir, rl_dir, resume=resume, progress=learn_progress(not no_progress), prepared=prepared,
                         rated=rated)
         else:
             res = _placed_train(cfg, plan, address, start, train_dir, rl_dir, resume, not no_progress, prepared)
@@ -203,7 +205,7 @@ def _placed_train(cfg, plan, address, start, train_dir, rl_dir, resume, progress
         pl = placement.reserve(plan)
         try:
             _echo(f"placement groups ready: learners on {pl.learner_nodes}, engines on {pl.engine_nodes}")
-            res = train(cfg, start, train_dir, rl_dir, resume=resume, progress=progress, placement=pl,
+            res = train(cfg, start, train_dir, rl_dir, resume=resume, progress=learn_progress(progress), placement=pl,
                         on_step=None if progress else _log_step, prepared=prepared)
         finally:
             pl.remove()
@@ -264,7 +266,7 @@ def nano(
     try:
         from training.recipe import run_recipe
 
-        res = run_recipe(cfg, run_dir, progress=o.get("progress", True) and not as_json, log=_echo)
+        res = run_recipe(cfg, run_dir, progress=learn_progress(o.get("progress", True) and not as_json), log=_echo)
     except Exception as e:  # noqa: BLE001
         _fail(e)
     if as_json:

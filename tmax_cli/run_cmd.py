@@ -343,10 +343,9 @@ def run(
             base_url=base_url, model=model, api_key=api_key, sandbox=sandbox, mode=mode, image=image, max_steps=max_steps,
             max_tokens=max_tokens, command_timeout=command_timeout, model_timeout=model_timeout, expose=expose,
         )
-        from agents.harnesses import HARNESSES
+        from agents.harnesses import check_harness
 
-        if harness not in HARNESSES:
-            raise ConfigError(f"--harness {harness!r}: choose one of {', '.join(HARNESSES)}")
+        check_harness(harness, "--harness")
         saved = load_saved(resume) if resume is not None else None
         if resume is not None and workdir is None:
             workdir = saved_workdir(resume, settings.sandbox)
@@ -359,7 +358,7 @@ def run(
             from tmax_cli.run_training import prepare_tokens
 
             token_setup = prepare_tokens(settings.base_url, settings.model, settings.api_key, tokenizer)
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:
         raise _fail(str(e), json_mode) from None
     raise typer.Exit(_run(settings, spec, task, json_mode, saved, resume, output, harness=harness, undo_steps=undo_steps,
                           budget_hints=budget_hints, token_setup=token_setup, verify=verify))
@@ -425,13 +424,9 @@ def _run(settings: RunSettings, spec: Any, task: str | None, json_mode: bool, sa
     }
     _write_json_atomic(run_dir / "run.json", meta)
 
-    config = AgentConfig(command_timeout=settings.command_timeout)
+    config = AgentConfig.from_settings({"command_timeout": settings.command_timeout, "max_steps": settings.max_steps,
+                                        "max_tokens": settings.max_tokens, "budget_hints": budget_hints})
     hooks.run_dir, hooks.output_limit = run_dir, config.observation_max_chars
-    if settings.max_steps is not None:
-        config.max_steps = settings.max_steps
-    if settings.max_tokens is not None:
-        config.max_tokens = settings.max_tokens
-    config.budget_hints = budget_hints
     policy = token_setup.policy(config) if token_setup is not None else ChatPolicy(
         model=settings.model,
         base_url=settings.base_url,
