@@ -38,6 +38,7 @@ from agents.policy import ContextOverflow, FatalModelError, ModelError, ModelTur
 from agents.prompts import REJECTED_TOOL_TEXT, render
 from agents.records import Recorder, SavedRun
 from sandbox.base import CommandResult, Sandbox, SandboxError
+from sandbox.waiting import retry_call
 
 INTERRUPT_TEMPLATE = "The user interrupted you and says: {{guidance}}"
 REJECTION_TEMPLATE = "The user did not run your command and says: {{feedback}}"
@@ -296,17 +297,8 @@ class Agent:
 
     def _query(self) -> ModelTurn:
         cfg = self.config
-        attempts = max(1, cfg.retries)
-        for attempt in range(1, attempts + 1):
-            try:
-                return self.policy.complete(self.messages, self.tools)
-            except ModelError as e:
-                if attempt >= attempts:
-                    raise
-                delay = cfg.backoff_s[min(attempt - 1, len(cfg.backoff_s) - 1)] if cfg.backoff_s else 0.0
-                self.hooks.on_retry(attempt, e, delay)
-                self._sleep(delay)
-        raise AssertionError("unreachable")
+        return retry_call(lambda: self.policy.complete(self.messages, self.tools), attempts=cfg.retries,
+                          backoff_s=cfg.backoff_s, retry_on=ModelError, on_retry=self.hooks.on_retry, sleep=self._sleep)
 
     def _format_error(self, step: int, message: dict[str, Any], action: Action, llm_s: float) -> None:
         feedback = self.harness.format_error(action)

@@ -13,7 +13,6 @@ import fcntl
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import tempfile
 import threading
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sandbox.base import LABEL_KEY, LABEL_VALUE
+from sandbox.proctree import end_process_tree
 from tasks.model import Task, tree_hash
 from tasks.offline import RewriteConfig, RewrittenDockerfile, copy_patched, rewrite_dockerfile
 
@@ -200,24 +200,12 @@ def _run_logged(argv: list[str], log, timeout: float, progress, cancel) -> int |
             pass
         reason = "timeout" if time.monotonic() > deadline else "cancelled" if cancel and cancel.is_set() else None
         if reason:
-            _kill_group(proc)
+            end_process_tree(proc.pid, grace_s=10)
+            proc.wait()
             log.write(f"\n# tmax: build {reason}\n")
             return reason
         if progress:
             progress("building")
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def _tail(path: Path, n: int = 6) -> str:
