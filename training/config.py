@@ -14,6 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
+import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from sandbox.base import SandboxKind
@@ -270,26 +271,10 @@ def preset(name: str, overrides: dict | None = None) -> LearnConfig:
 
 
 def dump_toml(cfg: LearnConfig) -> str:
-    """Serialise a config back to TOML (saved next to every run for reproducibility)."""
+    """Serialise a config back to TOML (saved next to every run for reproducibility);
+    unset (None) settings are left out, as TOML has no null."""
 
-    def val(v) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(v, list):
-            return "[" + ", ".join(val(x) for x in v) + "]"
-        if isinstance(v, dict):
-            return "{" + ", ".join(f"{k} = {val(x)}" for k, x in v.items()) + "}"
-        raise TypeError(type(v))
+    def drop_none(d: dict) -> dict:
+        return {k: drop_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}
 
-    data = cfg.model_dump()
-    lines = [f"name = {val(data.pop('name'))}"]
-    for section, body in data.items():
-        lines.append(f"\n[{section}]")
-        for k, v in body.items():
-            if v is not None:
-                lines.append(f"{k} = {val(v)}")
-    return "\n".join(lines) + "\n"
+    return tomli_w.dumps(drop_none(cfg.model_dump()))
