@@ -239,8 +239,9 @@ def report_cmd(
     charts = []
     if not no_chart:
         from tasks.charts import write_charts
+        from tmax_cli.ui import optional_chart
 
-        charts = write_charts(sc, chart_dir or job_dir, title=job_dir.name)
+        charts = optional_chart(lambda: write_charts(sc, chart_dir or job_dir, title=job_dir.name)) or []
     if as_json:
         data = sc.to_dict()
         data["charts"] = [str(p) for p in charts]
@@ -304,6 +305,7 @@ def compare_cmd(
 
     from tasks.compare import compare_jobs, write_compare_chart
     from tasks.job import JobError
+    from tmax_cli.ui import optional_chart
 
     if len(job_dirs) < 2:
         _fail("give at least two job directories")
@@ -314,7 +316,7 @@ def compare_cmd(
     empty = [j.name for j in comp.jobs if not j.per_task]
     if empty:
         _fail(f"no scored trials in: {', '.join(empty)}")
-    png = None if no_chart else write_compare_chart(comp, chart or job_dirs[0] / "compare.png")
+    png = None if no_chart else optional_chart(lambda: write_compare_chart(comp, chart or job_dirs[0] / "compare.png"))
     if as_json:
         typer.echo(json.dumps({**comp.to_dict(), "chart": str(png) if png else None}, indent=2))
         return

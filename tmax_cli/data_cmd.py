@@ -234,13 +234,14 @@ def report_cmd(
     from tasks.corpus.axes import AxesError, load_axes
     from tasks.corpus.corpus import CorpusError
     from tasks.corpus.report import build_report, write_png
+    from tmax_cli.ui import optional_chart
 
     try:
         data = build_report(corpus, load_axes(axes))
     except (CorpusError, AxesError) as e:
         _fail(str(e))
-    if png:
-        write_png(data, png)
+    if png and optional_chart(lambda: write_png(data, png)) is None:
+        png = None
     if as_json:
         _emit_json(data)
         return

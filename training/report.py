@@ -160,10 +160,9 @@ def reward_curve(metrics_path: Path, out_png: Path) -> str | None:
     rows = read_metrics(metrics_path)
     if not rows:
         return None
-    import matplotlib
+    from tasks.charts import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -95,10 +95,9 @@ def build_report(root: Path, axes: AxesConfig | None = None) -> dict:
 
 
 def write_png(report: dict, path: Path) -> Path:
-    import matplotlib
+    from tasks.charts import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     axes = [a for a in ("domain", "skill_type", "task_complexity", "language") if a in report["counts"]]
     hists = report.get("pass_at_k") or {}
