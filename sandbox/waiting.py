@@ -7,16 +7,23 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, retry_if_result, stop_after_attempt, stop_after_delay, wait_fixed
+from tenacity import (
+    RetryCallState, Retrying, retry_if_exception_type, retry_if_result, stop_after_attempt, stop_before_delay,
+    wait_exponential, wait_fixed,
+)
 
 T = TypeVar("T")
 
 
-def wait_until(check: Callable[[], T], timeout_s: float, interval_s: float = 1.0) -> T:
-    """Call `check` every `interval_s` seconds until it returns something truthy, which is
-    returned, or `timeout_s` has passed, when its last (falsy) answer is returned. An
-    exception from `check` ends the wait at once: a check raises to give up early."""
-    retrying = Retrying(stop=stop_after_delay(timeout_s), wait=wait_fixed(interval_s),
+def wait_until(check: Callable[[], T], timeout_s: float, interval_s: float = 1.0,
+               max_interval_s: float | None = None) -> T:
+    """Call `check` every `interval_s` seconds (growing by half each time up to
+    `max_interval_s`, when given) until it returns something truthy, which is returned, or
+    `timeout_s` has passed, when its last (falsy) answer is returned. An exception from
+    `check` ends the wait at once: a check raises to give up early."""
+    wait = (wait_exponential(multiplier=interval_s, exp_base=1.5, min=interval_s, max=max_interval_s)
+            if max_interval_s else wait_fixed(interval_s))
+    retrying = Retrying(stop=stop_before_delay(timeout_s), wait=wait,
                         retry=retry_if_result(lambda answer: not answer),
                         retry_error_callback=lambda state: state.outcome.result() if state.outcome else None)
     return retrying(check)

@@ -14,8 +14,9 @@ import uuid
 from dataclasses import dataclass
 
 from sandbox.base import Sandbox, SandboxError
+from sandbox.waiting import wait_until
 
-POLL_S = (0.3, 3.0)  # first and longest interval between polls
+POLL_S = (0.3, 3.0)  # first and longest interval between polls (growing by half each time)
 GRACE_S = 30.0
 
 
@@ -41,15 +42,14 @@ def run_long(sandbox: Sandbox, command: str, timeout: float, workdir: str | None
     if r.exit_code != 0 or not r.output.strip().isdigit():
         raise SandboxError(f"could not start a command in the sandbox: {r.output}{r.stderr}".strip())
     pid = r.output.strip()
-    deadline = t0 + timeout + GRACE_S
-    wait = POLL_S[0]
-    while True:
-        time.sleep(wait)
-        wait = min(wait * 1.5, POLL_S[1])
+
+    def exit_status() -> tuple[int] | None:  # a tuple: an exit status of 0 is an answer too
         p = sandbox.exec(["cat", rc_file], timeout=30)
-        if p.exit_code == 0 and p.output.strip().lstrip("-").isdigit():
-            rc = int(p.output.strip())
-            return LongResult(rc, rc in (124, 137), time.monotonic() - t0)
-        if time.monotonic() > deadline:
-            sandbox.exec(["bash", "-c", f"kill -KILL -{pid} 2>/dev/null; kill -KILL {pid} 2>/dev/null; true"], timeout=30)
-            return LongResult(124, True, time.monotonic() - t0)
+        ok = p.exit_code == 0 and p.output.strip().lstrip("-").isdigit()
+        return (int(p.output.strip()),) if ok else None
+
+    done = wait_until(exit_status, t0 + timeout + GRACE_S - time.monotonic(), *POLL_S)
+    if done:
+        return LongResult(done[0], done[0] in (124, 137), time.monotonic() - t0)
+    sandbox.exec(["bash", "-c", f"kill -KILL -{pid} 2>/dev/null; kill -KILL {pid} 2>/dev/null; true"], timeout=30)
+    return LongResult(124, True, time.monotonic() - t0)
