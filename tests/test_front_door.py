@@ -68,6 +68,7 @@ def test_run_fixes_the_failing_build(tmp_path):
 
 @pytest.mark.podman
 @pytest.mark.slow
+@pytest.mark.timeout(2700)
 def test_terminal_bench_oracle_offline(tmp_path):
     if not SAMPLE.is_dir() or shutil.which("podman") is None or subprocess.run(
             ["podman", "image", "exists", "localhost/tmax-base:bookworm"]).returncode != 0:

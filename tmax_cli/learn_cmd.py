@@ -17,8 +17,6 @@ from typing import Optional
 
 import typer
 
-from tmax_cli.progress import learn_progress
-
 learn_app = typer.Typer(
     help="Train the agent with DPPO (RL) on Ray; `tmax learn nano` runs the whole CPU recipe.",
     invoke_without_command=True,
@@ -136,8 +134,10 @@ def learn(
             start, train_dir, rl_dir = cfg.model.path, cfg.tasks.train, run_dir
             prepared = prepare_recipe_tasks(cfg, train_dir, cfg.tasks.heldout, Path(rl_dir), _echo)
         if plan is None:
-            res = train(cfg, start, train_dir, rl_dir, resume=resume, progress=learn_progress(not no_progress), prepared=prepared,
-                        rated=rated)
+            from tmax_cli.progress import learn_progress
+
+            res = train(cfg, start, train_dir, rl_dir, resume=resume, progress=learn_progress(not no_progress),
+                        prepared=prepared, rated=rated)
         else:
             res = _placed_train(cfg, plan, address, start, train_dir, rl_dir, resume, not no_progress, prepared)
     except typer.Exit:
@@ -205,6 +205,8 @@ def _placed_train(cfg, plan, address, start, train_dir, rl_dir, resume, progress
         pl = placement.reserve(plan)
         try:
             _echo(f"placement groups ready: learners on {pl.learner_nodes}, engines on {pl.engine_nodes}")
+            from tmax_cli.progress import learn_progress
+
             res = train(cfg, start, train_dir, rl_dir, resume=resume, progress=learn_progress(progress), placement=pl,
                         on_step=None if progress else _log_step, prepared=prepared)
         finally:
@@ -264,6 +266,7 @@ def nano(
     cfg = _config(o.get("config"), o.get("steps"), o.get("seed"), o.get("sandbox"), o.get("image_map"))
     run_dir = _out(cfg, o.get("out"))
     try:
+        from tmax_cli.progress import learn_progress
         from training.recipe import run_recipe
 
         res = run_recipe(cfg, run_dir, progress=learn_progress(o.get("progress", True) and not as_json), log=_echo)
