@@ -23,6 +23,7 @@ from pathlib import Path
 
 from sandbox.base import LABEL_KEY, LABEL_VALUE
 from sandbox.proctree import end_process_tree
+from sandbox.waiting import wait_until
 from tasks.model import Task, tree_hash
 from tasks.offline import RewriteConfig, RewrittenDockerfile, copy_patched, rewrite_dockerfile
 
@@ -191,21 +192,35 @@ def ensure_image(task: Task, cfg: RewriteConfig, *, use_prebuilt: bool = True, f
 
 
 def _run_logged(argv: list[str], log, timeout: float, progress, cancel) -> int | str:
+    """The build's exit status, or why it was stopped ("timeout", "cancelled")."""
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def ended() -> tuple[int] | None:  # a tuple: exit status 0 is an answer too
         try:
-            return proc.wait(timeout=1.0)
+            return (proc.wait(timeout=1.0),)
         except subprocess.TimeoutExpired:
             pass
-        reason = "timeout" if time.monotonic() > deadline else "cancelled" if cancel and cancel.is_set() else None
-        if reason:
-            end_process_tree(proc.pid, grace_s=10)
-            proc.wait()
-            log.write(f"\n# tmax: build {reason}\n")
-            return reason
+        if cancel is not None and cancel.is_set():
+            raise _Cancelled()
         if progress:
             progress("building")
+        return None
+
+    try:
+        done = wait_until(ended, timeout, 0)
+        reason = "timeout"
+    except _Cancelled:
+        done, reason = None, "cancelled"
+    if done:
+        return done[0]
+    end_process_tree(proc.pid, grace_s=10)
+    proc.wait()
+    log.write(f"\n# tmax: build {reason}\n")
+    return reason
+
+
+class _Cancelled(Exception):
+    """The build was cancelled while it was awaited."""
 
 
 def _tail(path: Path, n: int = 6) -> str:
