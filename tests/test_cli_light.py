@@ -29,19 +29,17 @@ def light_tmax(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def oracle_and_nop(tmp_path_factory) -> list[Path]:
-    """An oracle job and a nop job over two generated tasks, on the local sandbox."""
-    from tasks.job import Job, JobConfig
+    """An oracle job and a nop job over two generated tasks on the local sandbox, each run
+    by `tmax bench run` on the light install."""
     from training.nano.tasks import write_splits
 
     root = tmp_path_factory.mktemp("light")
     write_splits(root / "tasks", 0, 2, seed=5)
-    dirs = []
     for agent in ("oracle", "nop"):
-        job = Job(JobConfig(job_name=agent, jobs_dir=str(root / "jobs"), dataset=str(root / "tasks" / "heldout"),
-                            agent=agent, environment="local"))
-        job.run()
-        dirs.append(job.dir)
-    return dirs
+        proc = light_tmax("bench", "run", str(root / "tasks" / "heldout"), "-a", agent, "-e", "local",
+                          "-o", str(root / "jobs"), "--job-name", agent)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return [root / "jobs" / "oracle", root / "jobs" / "nop"]
 
 
 def test_the_extras_are_really_blocked():
