@@ -10,13 +10,19 @@ HARNESSES = ("tmax", "mini-swe", "terminus-2")
 DEFAULT_HARNESS = "tmax"
 
 
+def check_harness(name: str, setting: str = "harness") -> str:
+    """`name` if it is a harness; otherwise a ValueError naming the `setting` it came from."""
+    if name not in HARNESSES:
+        raise ValueError(f"unknown {setting} {name!r}: choose one of {', '.join(HARNESSES)}")
+    return name
+
+
 def make_harness(name: str, workdir: str | None = None) -> Harness:
     """A fresh harness (harnesses keep per-episode state). `workdir` is where mini-swe's
     one-off processes and the terminus tmux session start."""
+    check_harness(name)
     if name == "tmax":
         return TmaxHarness()
     if name == "mini-swe":
         return MiniSweHarness(workdir)
-    if name == "terminus-2":
-        return TerminusHarness(workdir)
-    raise ValueError(f"unknown harness {name!r}: choose one of {', '.join(HARNESSES)}")
+    return TerminusHarness(workdir)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -37,6 +38,7 @@ from agents.policy import ContextOverflow, FatalModelError, ModelError, ModelTur
 from agents.prompts import REJECTED_TOOL_TEXT, render
 from agents.records import Recorder, SavedRun
 from sandbox.base import CommandResult, Sandbox, SandboxError
+from sandbox.waiting import retry_call
 
 INTERRUPT_TEMPLATE = "The user interrupted you and says: {{guidance}}"
 REJECTION_TEMPLATE = "The user did not run your command and says: {{feedback}}"
@@ -62,6 +64,21 @@ class AgentConfig:
     # Opt-in (agents.budget): observations end with the steps, time and context left.
     budget_hints: bool = False
     time_budget_s: float | None = None  # only shown by budget hints; None: no limit
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> AgentConfig:
+        """The one way an AgentConfig is made from settings: `tmax run`'s, a bench job's
+        agent kwargs (`--ak`), the learn config's rollout section (`training.rollout`).
+        A setting left None keeps its default; a name this class does not have is an error."""
+        names = set(cls.__dataclass_fields__)
+        unknown = sorted(set(settings) - names)
+        if unknown:
+            raise ValueError(f"unknown agent setting(s) {', '.join(map(repr, unknown))}; "
+                             f"known: {', '.join(sorted(names))}")
+        values = {k: v for k, v in settings.items() if v is not None}
+        if "backoff_s" in values:
+            values["backoff_s"] = tuple(values["backoff_s"])  # JSON gives a list
+        return cls(**values)
 
     @property
     def observation_limits(self) -> ObservationLimits:
@@ -280,17 +297,8 @@ class Agent:
 
     def _query(self) -> ModelTurn:
         cfg = self.config
-        attempts = max(1, cfg.retries)
-        for attempt in range(1, attempts + 1):
-            try:
-                return self.policy.complete(self.messages, self.tools)
-            except ModelError as e:
-                if attempt >= attempts:
-                    raise
-                delay = cfg.backoff_s[min(attempt - 1, len(cfg.backoff_s) - 1)] if cfg.backoff_s else 0.0
-                self.hooks.on_retry(attempt, e, delay)
-                self._sleep(delay)
-        raise AssertionError("unreachable")
+        return retry_call(lambda: self.policy.complete(self.messages, self.tools), attempts=cfg.retries,
+                          backoff_s=cfg.backoff_s, retry_on=ModelError, on_retry=self.hooks.on_retry, sleep=self._sleep)
 
     def _format_error(self, step: int, message: dict[str, Any], action: Action, llm_s: float) -> None:
         feedback = self.harness.format_error(action)

@@ -21,6 +21,7 @@ from agents.parsing import THINK_CLOSE, Action
 from agents.prompts import SUBMIT_MARKER, render
 from agents.tmux import TmuxSession
 from sandbox.base import CommandResult, Sandbox
+from sandbox.waiting import wait_until
 
 MAX_DURATION_S = 60.0
 DEFAULT_DURATION_S = 1.0
@@ -160,9 +161,8 @@ class TerminusHarness:
         """After a Ctrl-C, wait (a few seconds at most) for the job in the terminal to end,
         so that a second Ctrl-C still finds one that ignored the first."""
         assert self._session is not None
-        end = min(deadline, time.monotonic() + INTERRUPT_GRACE_S)
-        while time.monotonic() < end and self._session.foreground_busy():
-            time.sleep(0.2)
+        session = self._session
+        wait_until(lambda: not session.foreground_busy(), min(deadline - time.monotonic(), INTERRUPT_GRACE_S), 0.2)
 
     def interrupt(self, sandbox: Sandbox, force: bool = False) -> None:
         """Ctrl-C typed into the terminal and no more keys or waiting; `force` (the Ctrl-C

@@ -83,6 +83,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
+    from tmax_cli.progress import learn_progress
     from training import entry
     from training.config import resolve
 
@@ -90,7 +91,7 @@ def main() -> None:
     cfg = resolve(args.config, over)  # `tmax learn nano`'s config: the file, TMAX_LEARN_* variables, the flags
     out = Path(args.out).resolve() / f"seed{cfg.algo.seed}"
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
-    res = entry.recipe(cfg, out, progress=not args.json, log=log)
+    res = entry.recipe(cfg, out, progress=learn_progress(not args.json), log=log)
     ckpt = (res.get("rl") or {}).get("checkpoint")
     samples = last_batch_samples(out / "rl", cfg) if ckpt else []
     if samples:

@@ -78,20 +78,20 @@ def main() -> None:
     from training.config import preset
     from training.nano.model import build_tokenizer
     from training.nano.tasks import write_splits
-    from training.rollout import env_settings, prepare_tasks, prewarm
+    from training.rollout import EpisodeSettings, prepare_tasks, prewarm
 
-    cfg = preset("nano").rollout.model_copy(update={"sandbox": "podman"})
+    cfg = EpisodeSettings.of(preset("nano").rollout.model_copy(update={"sandbox": "podman"}))
     with tempfile.TemporaryDirectory(prefix="tmax-episode-profile-") as tmp:
         build_tokenizer(0).save_pretrained(Path(tmp) / "tok")
         tok = AutoTokenizer.from_pretrained(Path(tmp) / "tok")
         dirs = [str(d) for d in write_splits(Path(tmp) / "tasks", 3, 1, seed=0)["train"]]
-        images = prepare_tasks(cfg, dirs, log=lambda m: None).images
+        images = prepare_tasks(cfg.env, dirs, log=lambda m: None).images
         instrument()
         one_episode(dirs[0], tok, cfg, images[dirs[0]], None)  # unmeasured: warms caches
         cold = one_episode(dirs[1], tok, cfg, images[dirs[1]], None)
         pool = WarmPool(2)
         try:
-            prewarm(pool, dirs[2], env_settings(cfg), images[dirs[2]])
+            prewarm(pool, dirs[2], cfg.env, images[dirs[2]])
             time.sleep(8)  # let the warm start finish, as it would behind a running episode
             warm = one_episode(dirs[2], tok, cfg, images[dirs[2]], pool)
         finally:

@@ -46,19 +46,16 @@ def served_sampler(sampler):
 
 def run_mode(kind: str, task_dirs: list[str], tok, cfg, concurrency: int, pool_size: int, sampler_for) -> dict:
     """Run one episode per task, `concurrency` at a time; warm when pool_size > 0."""
-    from training.rollout import (
-        EpisodeRequest, env_settings, prepare_tasks, prewarm, run_ahead, run_episode, worker_pool,
-    )
+    from training.rollout import EpisodeRequest, EpisodeSettings, prepare_tasks, prewarm, run_ahead, run_episode
 
-    rcfg = cfg.rollout.model_copy(update={"sandbox": kind, "pool_size": pool_size})
-    images = prepare_tasks(rcfg, task_dirs, log=lambda m: print(m, file=sys.stderr)).images
-    settings = env_settings(rcfg)
-    pool = worker_pool(rcfg, concurrency)
+    episode = EpisodeSettings.of(cfg.rollout.model_copy(update={"sandbox": kind, "pool_size": pool_size}))
+    settings = episode.env
+    images = prepare_tasks(settings, task_dirs, log=lambda m: print(m, file=sys.stderr)).images
+    pool = episode.worker_pool(concurrency)
 
     def one(i: int) -> dict:
         d = task_dirs[i]
-        r = run_episode(EpisodeRequest(d, i, 0, i), sampler_for(d), tok, rcfg, settings=settings,
-                        image=images[d], pool=pool)
+        r = run_episode(EpisodeRequest(d, i, 0, i), sampler_for(d), tok, episode, image=images[d], pool=pool)
         return {"reward": r.reward, "warm": r.warm_start, "start_s": r.timings["sandbox_start_s"],
                 "sampled": sum(r.trace.mask)}
 

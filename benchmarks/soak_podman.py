@@ -59,7 +59,7 @@ def soak(episodes: int, concurrency: int, pool_size: int, n_tasks: int, seed: in
     from training.config import preset
     from training.nano.model import build_tokenizer
     from training.nano.tasks import write_splits
-    from training.rollout import EpisodeRequest, InfraError, env_settings, prepare_tasks, run_ahead, run_episode
+    from training.rollout import EpisodeRequest, EpisodeSettings, InfraError, prepare_tasks, run_ahead, run_episode
 
     me = psutil.Process()
     label = {"io.tmax.soak": uuid.uuid4().hex[:12]}
@@ -68,8 +68,9 @@ def soak(episodes: int, concurrency: int, pool_size: int, n_tasks: int, seed: in
         build_tokenizer(seed).save_pretrained(Path(tmp) / "tok")
         tok = AutoTokenizer.from_pretrained(Path(tmp) / "tok")
         rcfg = preset("nano-podman").rollout
-        images = prepare_tasks(rcfg, tasks, log=lambda m: print(m, file=sys.stderr)).images
-        settings = env_settings(rcfg, label)
+        episode = EpisodeSettings.of(rcfg, label)
+        settings = episode.env
+        images = prepare_tasks(settings, tasks, log=lambda m: print(m, file=sys.stderr)).images
         sampler_for = scripted_samplers(tok, tasks)
         order = [tasks[i % len(tasks)] for i in range(episodes)]
         children_before = {p.pid for p in me.children(recursive=True)}
@@ -79,8 +80,7 @@ def soak(episodes: int, concurrency: int, pool_size: int, n_tasks: int, seed: in
         def one(i: int) -> dict:
             d = order[i]
             try:
-                r = run_episode(EpisodeRequest(d, i, 0, i), sampler_for(d), tok, rcfg, settings=settings,
-                                image=images[d], pool=pool)
+                r = run_episode(EpisodeRequest(d, i, 0, i), sampler_for(d), tok, episode, image=images[d], pool=pool)
                 t = r.timings
                 row = {"ok": True, "reward": r.reward, "warm": r.warm_start,
                        "overhead_s": t["total_s"] - t["agent_s"], "total_s": t["total_s"]}

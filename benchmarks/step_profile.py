@@ -134,6 +134,7 @@ def main() -> None:
 
     from benchmarks.nano_recipe import last_batch_samples
     from training.cluster.actors import start_engines
+    from tmax_cli.progress import learn_progress
     from training.cluster.launch import connect
     from training.config import preset
     from training.loop import train
@@ -148,7 +149,7 @@ def main() -> None:
     engine = None
     try:
         engine = start_engines(cfg, start, run_dir)
-        run = train(cfg, start, train_dir, run_dir, progress=not args.json, engine_handle=engine,
+        run = train(cfg, start, train_dir, run_dir, progress=learn_progress(not args.json), engine_handle=engine,
                     keep_engine=True, prepared=prepared)
         hit_rate = prefix_cache_hit_rate(engine.info()["base_url"])
     finally:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from sandbox.base import (
-    DEFAULT_COMMAND_TIMEOUT_S, LABEL_KEY, LABEL_VALUE, NAME_PREFIX, CommandResult, Sandbox, SandboxError, SandboxSpec,
+    DEFAULT_COMMAND_TIMEOUT_S, HOST_KINDS, KINDS, LABEL_KEY, LABEL_VALUE, NAME_PREFIX, CommandResult, Sandbox,
+    SandboxError, SandboxKind, SandboxSpec,
 )
-
-KINDS = ("local", "bwrap", "podman")
 
 
 def make_sandbox(kind: str, spec: SandboxSpec | None = None, **options) -> Sandbox:
@@ -29,6 +28,6 @@ def make_sandbox(kind: str, spec: SandboxSpec | None = None, **options) -> Sandb
 
 
 __all__ = [
-    "CommandResult", "DEFAULT_COMMAND_TIMEOUT_S", "KINDS", "LABEL_KEY", "LABEL_VALUE", "NAME_PREFIX",
-    "Sandbox", "SandboxError", "SandboxSpec", "make_sandbox",
+    "CommandResult", "DEFAULT_COMMAND_TIMEOUT_S", "HOST_KINDS", "KINDS", "LABEL_KEY", "LABEL_VALUE", "NAME_PREFIX",
+    "Sandbox", "SandboxError", "SandboxKind", "SandboxSpec", "make_sandbox",
 ]

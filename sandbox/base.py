@@ -10,10 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, get_args, runtime_checkable
 
 # Every resource tmax creates carries this label (podman) or name prefix, so
 # `tmax sandbox clean` can find leftovers of crashed runs.
+# The sandbox kinds, defined here only: configs type a kind as `SandboxKind`.
+SandboxKind = Literal["local", "bwrap", "podman"]
+KINDS: tuple[str, ...] = get_args(SandboxKind)
+HOST_KINDS = ("bwrap", "local")  # no image: the agent works in a fresh host workspace
+
 LABEL_KEY = "io.tmax.managed"
 LABEL_VALUE = "1"
 NAME_PREFIX = "tmax-"

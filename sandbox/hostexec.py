@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import threading
@@ -12,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from sandbox.base import CommandResult, SandboxError
+from sandbox.proctree import end_process_tree
 
 T = TypeVar("T")
 
@@ -83,10 +83,7 @@ def run_process(argv: list[str], timeout: float | None = None, cwd: str | None =
         timed_out = False
         rc = proc.returncode
     except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        end_process_tree(proc.pid, grace_s=0)
         out, err = proc.communicate()
         timed_out, rc = True, 124
     if rc is not None and rc < 0:

@@ -30,6 +30,7 @@ from sandbox.base import (
 )
 from sandbox.hostexec import MAX_EXEC_CHARS
 from sandbox.shell import BASH_ARGV, PersistentShell, ShellSandbox
+from sandbox.waiting import wait_until
 
 log = logging.getLogger(__name__)
 
@@ -201,18 +202,18 @@ class PodmanSandbox(ShellSandbox):
                 pass  # already gone, or busy: checked below
             # A remove can lose a race with an exec session still winding down (Ctrl-C during
             # a command) or time out on a loaded machine: make sure the container is gone.
-            for attempt in range(4):
+            def removed() -> bool:
                 try:
                     if self.client is None or not self.client.containers.exists(ct.id):
-                        break
+                        return True
                 except Exception:
-                    pass
-                if attempt == 3:
-                    log.warning("podman sandbox: container %s is still there after removal; "
-                                "`tmax sandbox clean` removes it", self.name)
-                    break
-                time.sleep(0.5 * (attempt + 1))
+                    pass  # a busy service: try again
                 subprocess.run(["podman", "rm", "-f", "-t", "0", ct.id], capture_output=True, timeout=120)
+                return False
+
+            if not wait_until(removed, 3.0, 1.0):
+                log.warning("podman sandbox: container %s is still there after removal; "
+                            "`tmax sandbox clean` removes it", self.name)
             self.container = None
         if self.client is not None:
             try:

@@ -20,11 +20,14 @@ import signal
 import subprocess
 import tempfile
 import threading
-import time
 from pathlib import Path
+
+import psutil
 
 from sandbox.base import NAME_PREFIX, SandboxError
 from sandbox.hostexec import on_lasting_thread
+from sandbox.proctree import parent_death_hook
+from sandbox.waiting import wait_until
 
 DEFAULT_RUNTIME = "runc"
 SERVICE_DIR_PREFIX = NAME_PREFIX + "podman-"
@@ -49,21 +52,11 @@ def ping(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def _set_parent_death_signal() -> None:
-    """In the child: get SIGTERM when the spawning thread's process dies (Linux)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
 def _spawn_tied_to_process(argv: list[str], **kw) -> subprocess.Popen:
     """Popen whose child is signalled if this process dies, even by SIGKILL (when exit
     handlers never run); forked on the lasting thread so the signal follows the process."""
     try:
-        return on_lasting_thread(lambda: subprocess.Popen(argv, preexec_fn=_set_parent_death_signal, **kw))
+        return on_lasting_thread(lambda: subprocess.Popen(argv, preexec_fn=parent_death_hook(), **kw))
     except Exception as e:
         raise SandboxError(f"could not start the podman service: {e}") from e
 
@@ -95,13 +88,18 @@ class PodmanService:
             log.close()
         (self.dir / "service.pid").write_text(str(self.proc.pid))
         (self.dir / "owner.pid").write_text(str(os.getpid()))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            if sock.exists() and ping(self.url):
+        proc = self.proc
+
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise _Exited()
+            return sock.exists() and ping(self.url)
+
+        try:
+            if wait_until(up, timeout, 0.1):
                 return self.url
-            time.sleep(0.05)
+        except _Exited:
+            pass
         tail = (self.dir / "service.log").read_text(errors="replace")[-2000:]
         self.stop()
         raise SandboxError(f"podman service did not come up on {self.url}: {tail}")
@@ -170,14 +168,18 @@ def client(runtime: str = DEFAULT_RUNTIME, timeout: float | None = 120):
     return PodmanClient(base_url=service_url(runtime), timeout=timeout)
 
 
-def _pid_alive(pid: int) -> bool:
+class _Exited(Exception):
+    """The service process ended while it was awaited."""
+
+
+def _stop_pid(pid: int, grace_s: float = 5.0) -> None:
+    """SIGTERM `pid` and give it `grace_s` to exit."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        proc = psutil.Process(pid)
+        proc.terminate()
+        proc.wait(timeout=grace_s)
+    except (psutil.Error, psutil.TimeoutExpired):
+        pass
 
 
 def clean_stale_services(base_dir: str | None = None) -> list[str]:
@@ -190,20 +192,16 @@ def clean_stale_services(base_dir: str | None = None) -> list[str]:
             pid = int((d / "service.pid").read_text())
         except (OSError, ValueError):
             owner, pid = -1, -1
-        if owner > 0 and _pid_alive(owner):
+        if owner > 0 and psutil.pid_exists(owner):
             continue
-        if pid > 0 and _pid_alive(pid):
+        if pid > 0 and psutil.pid_exists(pid):
             # Only signal the PID if it is still the service on this directory's socket.
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
             except OSError:
                 cmdline = ""
             if str(d / "podman.sock") in cmdline:
-                os.kill(pid, signal.SIGTERM)
-                for _ in range(50):
-                    if not _pid_alive(pid):
-                        break
-                    time.sleep(0.1)
+                _stop_pid(pid)
         shutil.rmtree(d, ignore_errors=True)
         removed.append(str(d))
     return removed

@@ -34,6 +34,8 @@ else
 fi
 # Dependencies added after a venv was made (the branch above installs without them).
 "$VENV/bin/python" -c "import tomli_w" 2>/dev/null || "$VENV/bin/pip" install -q "tomli-w>=1.0"
+"$VENV/bin/python" -c "import psutil" 2>/dev/null || "$VENV/bin/pip" install -q "psutil>=5.9"
+"$VENV/bin/python" -c "import tenacity" 2>/dev/null || "$VENV/bin/pip" install -q "tenacity>=8.3"
 "$VENV/bin/python" -c "import pytest_rerunfailures" 2>/dev/null || "$VENV/bin/pip" install -q "pytest-rerunfailures>=14"
 "$VENV/bin/python" -c "import dockerfile_parse" 2>/dev/null || "$VENV/bin/pip" install -q "dockerfile-parse>=2.0"
 "$VENV/bin/python" -c "import tenacity" 2>/dev/null || "$VENV/bin/pip" install -q "tenacity>=8.2"

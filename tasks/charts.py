@@ -1,10 +1,33 @@
-"""PNG charts of a scored job: pass rate per task and per category (matplotlib)."""
+"""PNG charts of a scored job: pass rate per task and per category (matplotlib).
+
+matplotlib comes with the `bench` (or `train`) extra; without it every chart of tmax is
+skipped with `ChartsUnavailable`, which the CLI reports as a one-line note."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from tasks.scoring import Score
+
+NO_MATPLOTLIB = "no chart: matplotlib is not installed (pip install 'tmax[bench]')"
+
+
+class ChartsUnavailable(RuntimeError):
+    """matplotlib is missing: the chart is skipped, the rest of the command goes on."""
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (no display on servers); every chart of tmax
+    starts here. ChartsUnavailable when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        raise ChartsUnavailable(NO_MATPLOTLIB) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _bar(ax, labels: list[str], values: list[float], title: str) -> None:
@@ -19,10 +42,7 @@ def _bar(ax, labels: list[str], values: list[float], title: str) -> None:
 
 
 def write_charts(sc: Score, out_dir: Path, title: str = "") -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on servers
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []

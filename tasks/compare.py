@@ -148,10 +148,9 @@ def compare_jobs(job_dirs: list[Path]) -> Comparison:
 
 def write_compare_chart(comp: Comparison, path: Path) -> Path:
     """One PNG: pass@1 and pass@k per job with their 95 % intervals."""
-    import matplotlib
+    from tasks.charts import pyplot
 
-    matplotlib.use("Agg")  # no display on servers
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(1.8 + 1.4 * len(comp.jobs), 3.6))
     xs = range(len(comp.jobs))

@@ -32,7 +32,7 @@ from tasks.hostenv import prepare as prepare_host
 from tasks.images import ImageBuildError, TaskImage, ensure_image
 from tasks.model import Task
 from tasks.offline import RewriteConfig
-from tasks.verifier import VerifierResult, run_host_verifier, run_verifier
+from tasks.verifier import VerifierKind, VerifierResult, run_host_verifier, run_verifier
 
 ENVIRONMENT_ERRORS = (ImageBuildError, HostEnvError)
 
@@ -160,11 +160,14 @@ class Episode:
         return getattr(container, "id", None)
 
     def verify(self, out_dir: Path | None, timeout: float) -> VerifierResult:
-        """Copy tests/ in now (never before), run test.sh, read the reward. SandboxError
-        propagates: the caller labels it an infrastructure error."""
+        """Copy tests/ in now (never before), run test.sh, read the reward. A sandbox that
+        fails meanwhile comes back as `VerifierKind.INFRA`, never as a reward."""
         assert self.sandbox is not None
         run = run_host_verifier if self.host is not None else run_verifier
-        return run(self.sandbox, self.task, self.workdir, out_dir, timeout)
+        try:
+            return run(self.sandbox, self.task, self.workdir, out_dir, timeout)
+        except SandboxError as e:
+            return VerifierResult(None, VerifierKind.INFRA, f"the verifier could not run: {e}")
 
     def close(self) -> None:
         try:

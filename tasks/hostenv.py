@@ -23,12 +23,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sandbox.base import SandboxSpec
+from sandbox.base import HOST_KINDS, SandboxSpec
 from tasks.dockerfile import instructions
 from tasks.model import Task
 
-HOST_KINDS = ("bwrap", "local")
-ENV_KINDS = ("podman", *HOST_KINDS)
 # The host has python3, so it also stands in for the base of generated tasks.
 HOST_BASE_IMAGES = ("localhost/tmax-base:bookworm", "localhost/tmax-base:bookworm-python")
 _ARCHIVES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")

@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import re
-import signal
 import subprocess
 import tempfile
 import threading
@@ -26,6 +25,8 @@ from pathlib import Path
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from sandbox.base import LABEL_KEY, LABEL_VALUE
+from sandbox.proctree import end_process_tree
+from sandbox.waiting import wait_until
 from tasks.model import Task, tree_hash
 from tasks.offline import RewriteConfig, RewrittenDockerfile, copy_patched, rewrite_dockerfile
 
@@ -261,33 +262,35 @@ def _build(task: Task, cfg: RewriteConfig, tag: str, rewritten: RewrittenDockerf
 
 
 def _run_logged(argv: list[str], log, timeout: float, progress, cancel) -> int | str:
+    """The build's exit status, or why it was stopped ("timeout", "cancelled")."""
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def ended() -> tuple[int] | None:  # a tuple: exit status 0 is an answer too
         try:
-            return proc.wait(timeout=1.0)
+            return (proc.wait(timeout=1.0),)
         except subprocess.TimeoutExpired:
             pass
-        reason = "timeout" if time.monotonic() > deadline else "cancelled" if cancel and cancel.is_set() else None
-        if reason:
-            _kill_group(proc)
-            log.write(f"\n# tmax: build {reason}\n")
-            return reason
+        if cancel is not None and cancel.is_set():
+            raise _Cancelled()
         if progress:
             progress("building")
+        return None
+
+    try:
+        done = wait_until(ended, timeout, 0)
+        reason = "timeout"
+    except _Cancelled:
+        done, reason = None, "cancelled"
+    if done:
+        return done[0]
+    end_process_tree(proc.pid, grace_s=10)
+    proc.wait()
+    log.write(f"\n# tmax: build {reason}\n")
+    return reason
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+class _Cancelled(Exception):
+    """The build was cancelled while it was awaited."""
 
 
 def _tail(path: Path, n: int = 6) -> str:

@@ -28,8 +28,8 @@ from typing import Any, Callable
 from pydantic import BaseModel, Field, field_validator
 
 from agents.records import TRAJECTORY, write_json_atomic
+from sandbox.base import KINDS
 from tasks.dataset import load_tasks
-from tasks.hostenv import ENV_KINDS
 from tasks.model import Task, load_config
 from tasks.offline import default_config
 from tasks.runners import make_agent
@@ -70,8 +70,8 @@ class JobConfig(BaseModel):
     @field_validator("environment")
     @classmethod
     def _known_environment(cls, v: str) -> str:
-        if v not in ENV_KINDS:
-            raise ValueError(f"unknown environment {v!r}: choose one of {', '.join(ENV_KINDS)}")
+        if v not in KINDS:
+            raise ValueError(f"unknown environment {v!r}: choose one of {', '.join(KINDS)}")
         return v
 
     def identity(self, task_checksums: dict[str, str]) -> str:

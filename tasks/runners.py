@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from agents.harnesses import HARNESSES
+from agents.harnesses import HARNESSES, check_harness
+from agents.loop import AgentConfig
 from sandbox.base import Sandbox, SandboxError
 from tasks.longexec import run_long
 from tasks.model import Task
@@ -111,17 +112,17 @@ class TmaxAgent:
                  harness: str = "tmax"):
         self.model, self.base_url, self.api_key = model, base_url, api_key or "dummy"
         self.kwargs = dict(kwargs or {})
-        self.name = harness
+        self.name = check_harness(harness, "agent")
+        AgentConfig.from_settings(self.kwargs)  # a bad agent kwarg fails the job before any trial
 
     def _agent(self, sandbox, workdir: str, agent_dir: Path, hooks, timeout: float):
         """The loop for this harness, its settings from the agent kwargs, recording into agent_dir."""
         from agents.chat_policy import ChatPolicy
         from agents.harnesses import make_harness
-        from agents.loop import Agent, AgentConfig
+        from agents.loop import Agent
         from agents.records import Recorder
 
-        cfg_fields = set(AgentConfig.__dataclass_fields__)
-        config = AgentConfig(**{k: v for k, v in self.kwargs.items() if k in cfg_fields})
+        config = AgentConfig.from_settings(self.kwargs)
         config.time_budget_s = config.time_budget_s or timeout  # what budget hints show, if on
         policy = ChatPolicy(base_url=self.base_url, model=self.model, api_key=self.api_key,
                             temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_tokens)

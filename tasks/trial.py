@@ -33,8 +33,17 @@ from tasks.model import Task
 from tasks.offline import RewriteConfig
 from tasks.runners import TrialAgent
 from tasks.scoring import SUCCESS
+from tasks.verifier import VerifierKind
 
 CANCELLED = "cancelled"
+# A verifier that ran but gave no reward, as Harbor's exception types name it.
+HARBOR_VERIFIER_ERRORS = {
+    VerifierKind.TIMEOUT: "VerifierTimeoutError",
+    VerifierKind.NO_REWARD: "RewardFileNotFoundError",
+    VerifierKind.EMPTY_REWARD: "RewardFileEmptyError",
+    VerifierKind.PARSE_ERROR: "VerifierOutputParseError",
+    VerifierKind.SETUP_FAILED: "VerifierError",
+}
 TRIAL_LABEL = "io.tmax.trial"
 JOB_LABEL = "io.tmax.job"
 
@@ -209,14 +218,11 @@ def _run_phases(plan: TrialPlan, env: TrialEnv, episode: Episode, run: _TrialRun
     with _Phase(run.times, "verifier"):
         vr = episode.verify(plan.trial_dir / "verifier", task.config.verifier.timeout_sec * mult)
     check_cancel()
-    run.verifier_status, run.verifier_s, run.reward = vr.status, round(vr.duration_s, 3), vr.reward
-    if vr.status == "timeout":
-        run.exc = _exception("VerifierTimeoutError", vr.error or "verifier timed out")
-        run.outcome = "verifier_error"
-    elif vr.status == "error":
-        kind = "RewardFileNotFoundError" if "reward.txt or reward.json was written" in (vr.error or "") \
-            else "VerifierError"
-        run.exc = _exception(kind, vr.error or "verifier failed")
+    run.verifier_status, run.verifier_s, run.reward = vr.kind.value, round(vr.duration_s, 3), vr.reward
+    if vr.kind == VerifierKind.INFRA:
+        run.outcome, run.exc = "infra_error", _exception("SandboxError", vr.error or "the verifier could not run")
+    elif vr.kind != VerifierKind.OK:
+        run.exc = _exception(HARBOR_VERIFIER_ERRORS[vr.kind], vr.error or "verifier failed")
         run.outcome = "verifier_error"
     elif agent_run.timed_out:
         run.outcome = "agent_timeout"

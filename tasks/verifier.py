@@ -21,7 +21,9 @@ import shutil
 import tempfile
 import uuid
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
+from typing import NamedTuple
 
 from sandbox.base import IMAGE_USER, Sandbox, SandboxError
 from tasks.model import Task
@@ -38,13 +40,34 @@ _UVX_VALUE_OPTS = {"-p", "--python", "--index", "--index-url", "--extra-index-ur
 _UVX_PIN_OPTS = {"-w", "--with"}
 
 
+class VerifierKind(StrEnum):
+    """How a verifier run ended. Bench (`tasks.trial`) and learn (`training.rollout`) map
+    the kind to their own outcomes; the message is only for people."""
+
+    OK = "ok"  # a reward was read
+    TIMEOUT = "verifier_timeout"  # test.sh ran past its timeout (the agent may have left it hanging)
+    NO_REWARD = "no_reward"  # test.sh ended without writing reward.txt / reward.json
+    EMPTY_REWARD = "empty_reward"  # reward.txt exists but is empty
+    PARSE_ERROR = "parse_error"  # the reward file holds no usable number
+    SETUP_FAILED = "setup_failed"  # the verifier's own dependencies could not be installed
+    INFRA = "infra"  # the sandbox failed while the verifier was being staged or run
+
+
 @dataclass
 class VerifierResult:
     reward: float | None
-    status: str  # ok | timeout | error
+    kind: VerifierKind
     error: str | None = None
     exit_code: int | None = None
     duration_s: float = 0.0
+
+
+class RewardRead(NamedTuple):
+    """What the reward files said: the reward clamped to [0, 1], or why there is none."""
+
+    reward: float | None
+    kind: VerifierKind
+    error: str | None = None
 
 
 def _logical_lines(text: str) -> list[str]:
@@ -142,39 +165,40 @@ def verifier_script(task: Task) -> str:
     return script
 
 
-def parse_reward(text: str | None, json_text: str | None) -> tuple[float | None, str | None]:
-    """(reward clamped to [0, 1], None) or (None, why not)."""
+def parse_reward(text: str | None, json_text: str | None) -> RewardRead:
+    """The reward from reward.txt (preferred) or reward.json, clamped to [0, 1]."""
     if text is not None and text.strip():
         try:
             value = float(text.strip().split()[0])
         except ValueError:
-            return None, f"reward.txt is not a number: {text.strip()[:80]!r}"
+            return RewardRead(None, VerifierKind.PARSE_ERROR, f"reward.txt is not a number: {text.strip()[:80]!r}")
         if math.isnan(value):
-            return None, "reward.txt is NaN"
-        return min(1.0, max(0.0, value)), None
+            return RewardRead(None, VerifierKind.PARSE_ERROR, "reward.txt is NaN")
+        return RewardRead(min(1.0, max(0.0, value)), VerifierKind.OK)
     if json_text is not None and json_text.strip():
-        try:
-            data = json.loads(json_text)
-        except json.JSONDecodeError as e:
-            return None, f"reward.json is not JSON: {e}"
-        if isinstance(data, (int, float)) and not isinstance(data, bool):
-            value = float(data)
-        elif isinstance(data, dict):
-            nums = {k: v for k, v in data.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            if "reward" in nums:
-                value = float(nums["reward"])
-            elif nums:
-                value = float(next(iter(nums.values())))
-            else:
-                return None, "reward.json has no numeric reward"
-        else:
-            return None, "reward.json has no numeric reward"
-        if math.isnan(value):
-            return None, "reward.json reward is NaN"
-        return min(1.0, max(0.0, value)), None
+        return _parse_reward_json(json_text)
     if text is not None:
-        return None, "reward.txt is empty"
-    return None, "no /logs/verifier/reward.txt or reward.json was written"
+        return RewardRead(None, VerifierKind.EMPTY_REWARD, "reward.txt is empty")
+    return RewardRead(None, VerifierKind.NO_REWARD, "no /logs/verifier/reward.txt or reward.json was written")
+
+
+def _parse_reward_json(json_text: str) -> RewardRead:
+    try:
+        data = json.loads(json_text)
+    except json.JSONDecodeError as e:
+        return RewardRead(None, VerifierKind.PARSE_ERROR, f"reward.json is not JSON: {e}")
+    value: float | None = None
+    if isinstance(data, (int, float)) and not isinstance(data, bool):
+        value = float(data)
+    elif isinstance(data, dict):
+        nums = {k: v for k, v in data.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if nums:
+            value = float(nums["reward"] if "reward" in nums else next(iter(nums.values())))
+    if value is None:
+        return RewardRead(None, VerifierKind.PARSE_ERROR, "reward.json has no numeric reward")
+    if math.isnan(value):
+        return RewardRead(None, VerifierKind.PARSE_ERROR, "reward.json reward is NaN")
+    return RewardRead(min(1.0, max(0.0, value)), VerifierKind.OK)
 
 
 def _read(sandbox: Sandbox, path: str) -> str | None:
@@ -257,17 +281,25 @@ def run_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path | Non
         raise SandboxError(f"could not prepare /tests and /logs/verifier: {prep_error}")
     _keep_logs(sandbox, "/logs/verifier", out_dir)
     if res.timed_out or rc in (124, 137):
-        return VerifierResult(None, "timeout", f"verifier exceeded timeout_sec={timeout:.0f}s",
-                              124 if rc is None else rc, res.duration_s)
+        return _timed_out(timeout, 124 if rc is None else rc, res.duration_s)
     if rc is None:
         raise SandboxError(f"the verifier did not report (exec exit {res.exit_code}): {res.stderr.strip()[-500:]}")
+    return _scored(rc, parse_reward(files.get("reward.txt"), files.get("reward.json")), res.duration_s)
+
+
+def _timed_out(timeout: float, rc: int | None, duration_s: float) -> VerifierResult:
+    return VerifierResult(None, VerifierKind.TIMEOUT, f"verifier exceeded timeout_sec={timeout:.0f}s", rc, duration_s)
+
+
+def _scored(rc: int | None, read: RewardRead, duration_s: float, logs: str = "/logs/verifier") -> VerifierResult:
+    """test.sh ended on its own with exit status `rc`: its reward, or why there is none."""
     if rc == SETUP_FAILED_RC:
-        return VerifierResult(None, "error", "verifier setup failed (see verifier/test-stdout.txt)", rc,
-                              res.duration_s)
-    reward, why = parse_reward(files.get("reward.txt"), files.get("reward.json"))
-    if reward is None:
-        return VerifierResult(None, "error", f"{why} (test.sh exit {rc})", rc, res.duration_s)
-    return VerifierResult(reward, "ok", None, rc, res.duration_s)
+        return VerifierResult(None, VerifierKind.SETUP_FAILED, "verifier setup failed (see verifier/test-stdout.txt)",
+                              rc, duration_s)
+    if read.reward is None:
+        why = (read.error or "").replace("/logs/verifier", logs)
+        return VerifierResult(None, read.kind, f"{why} (test.sh exit {rc})", rc, duration_s)
+    return VerifierResult(read.reward, VerifierKind.OK, None, rc, duration_s)
 
 
 def run_host_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path | None,
@@ -295,18 +327,9 @@ def run_host_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path 
                            timeout=timeout, workdir=workdir, env=env)
         _keep_logs(sandbox, f"{logs}/verifier", out_dir)
         if res.timed_out:
-            return VerifierResult(None, "timeout", f"verifier exceeded timeout_sec={timeout:.0f}s", res.exit_code,
-                                  res.duration_s)
-        if res.exit_code == SETUP_FAILED_RC:
-            return VerifierResult(None, "error", "verifier setup failed (see verifier/test-stdout.txt)",
-                                  res.exit_code, res.duration_s)
-        reward, why = parse_reward(_read(sandbox, f"{logs}/verifier/reward.txt"),
-                                   _read(sandbox, f"{logs}/verifier/reward.json"))
-        if reward is None:
-            why = (why or "").replace("/logs/verifier", "$TMAX_LOGS_DIR/verifier")
-            return VerifierResult(None, "error", f"{why} (test.sh exit {res.exit_code})", res.exit_code,
-                                  res.duration_s)
-        return VerifierResult(reward, "ok", None, res.exit_code, res.duration_s)
+            return _timed_out(timeout, res.exit_code, res.duration_s)
+        read = parse_reward(_read(sandbox, f"{logs}/verifier/reward.txt"), _read(sandbox, f"{logs}/verifier/reward.json"))
+        return _scored(res.exit_code, read, res.duration_s, logs="$TMAX_LOGS_DIR/verifier")
     finally:
         try:
             sandbox.exec(["rm", "-rf", root], timeout=60)

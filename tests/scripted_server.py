@@ -47,10 +47,11 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+import httpx
 
 CANNED_ERRORS: dict[str, tuple[int, str, str]] = {
     "context_length": (
@@ -255,8 +256,7 @@ class ScriptedServer:
         if self._state is not None:
             with self._state.lock:
                 return list(self._state.requests)
-        with urllib.request.urlopen(f"http://{self.host}:{self.port}/_requests", timeout=10) as r:
-            return json.load(r)
+        return httpx.get(f"http://{self.host}:{self.port}/_requests", timeout=10).json()
 
     def start(self) -> "ScriptedServer":
         if self.process:

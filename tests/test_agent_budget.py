@@ -60,10 +60,12 @@ def test_on_appends_budget_and_warns_near_the_end(tmp_path):
 def test_learn_and_bench_configs_switch_it_on():
     from tasks.runners import TmaxAgent
     from training.config import RolloutConfig
-    from training.rollout import agent_config
+    from training.rollout import EpisodeSettings, agent_settings
 
-    assert agent_config(RolloutConfig()).budget_hints is False
-    assert agent_config(RolloutConfig(budget_hints=True)).budget_hints is True
+    assert EpisodeSettings.of(RolloutConfig()).agent.budget_hints is False
+    assert EpisodeSettings.of(RolloutConfig(budget_hints=True)).agent.budget_hints is True
+    # The held-out bench trials of the recipe take the rollout section's settings too.
+    assert agent_settings(RolloutConfig(budget_hints=True))["budget_hints"] is True
     assert TmaxAgent("m", "http://x", kwargs={"budget_hints": True}).kwargs["budget_hints"] is True
 
 
@@ -79,3 +81,18 @@ def test_run_flag_appends_hints(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert observations[0].startswith("hi\n\n(exit_code=0)\n\n[budget: 4 of 5 steps left · ")
     assert "elapsed, no time limit" in observations[0]
+
+
+def test_bench_agent_kwargs_are_agent_settings(tmp_path):
+    """`--ak` sets `AgentConfig` fields; a name it does not have is a clear error before any
+    trial runs, not a setting silently dropped."""
+    from typer.testing import CliRunner
+
+    from tmax_cli.main import app
+
+    task = Path(__file__).parent / "data" / "tasks" / "echo-hello"
+    r = CliRunner().invoke(app, ["bench", "run", str(task), "-a", "tmax", "-m", "m", "--base-url", "http://127.0.0.1:9/v1",
+                                 "--ak", "max_step=3", "-o", str(tmp_path / "jobs")])
+    assert r.exit_code == 2, r.output
+    assert "unknown agent setting(s) 'max_step'" in r.output and "max_steps" in r.output
+    assert not (tmp_path / "jobs").exists()

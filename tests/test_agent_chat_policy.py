@@ -88,11 +88,10 @@ def test_timeout_and_connection_errors_are_retryable():
 
 
 def test_scripted_server_as_a_process_and_models_endpoint():
-    import urllib.request
+    import httpx
 
     with ScriptedServer([{"bash": "ls"}], model="proc-model", process=True) as srv:
-        with urllib.request.urlopen(srv.base_url + "/models", timeout=5) as r:
-            assert json.load(r)["data"][0]["id"] == "proc-model"
+        assert httpx.get(srv.base_url + "/models", timeout=5).json()["data"][0]["id"] == "proc-model"
         turn = policy(srv).complete(MESSAGES, TOOLS)
         assert turn.message["tool_calls"][0]["function"]["name"] == "bash"
         assert srv.requests[0]["messages"] == MESSAGES

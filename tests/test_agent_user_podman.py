@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import tomli_w
 
 from agents.tmux import TmuxSession
 from sandbox.base import IMAGE_USER, AgentUserError
@@ -47,9 +48,10 @@ def make_task(root: Path, name: str, user: str | None, expect: str, owner: str,
     d = root / name
     (d / "environment").mkdir(parents=True)
     (d / "environment" / "Dockerfile").write_text(DOCKERFILE)
-    agent = f'\n[agent]\ntimeout_sec = 60.0\nuser = "{user}"\n' if user else ""
-    verifier = f'user = "{verifier_user}"\n' if verifier_user else ""
-    (d / "task.toml").write_text(f'version = "1.0"\n{agent}\n[verifier]\ntimeout_sec = 60.0\n{verifier}')
+    toml: dict = {"version": "1.0", "verifier": {"timeout_sec": 60.0, **({"user": verifier_user} if verifier_user else {})}}
+    if user:
+        toml["agent"] = {"timeout_sec": 60.0, "user": user}
+    (d / "task.toml").write_text(tomli_w.dumps(toml))
     (d / "instruction.md").write_text("Write who you are to /tmp/who.txt.\n")
     (d / "tests").mkdir()
     (d / "tests" / "test.sh").write_text(TEST_SH.format(expect=expect, owner=owner))
@@ -104,7 +106,7 @@ def test_agent_shell_and_execs_run_as_the_user_in_its_home(tasks, tmp_path):
             tmux.close()
         result = ep.verify(tmp_path / "verifier", 60)
     # The verifier ran (as root: it created /logs) and scored: who.txt was never written.
-    assert result.status == "ok" and result.reward == 0.0
+    assert result.kind == "ok" and result.reward == 0.0
 
 
 def test_an_image_without_the_agent_user_is_the_tasks_defect(tasks, tmp_path):

@@ -225,6 +225,26 @@ def test_verifier_timeout_on_host(tmp_path, private_tmp):
     assert r["exception_info"]["exception_type"] == "VerifierTimeoutError"
 
 
+@pytest.mark.parametrize("test_sh,verifier_status,exception_type", [
+    ("exit 3\n", "no_reward", "RewardFileNotFoundError"),
+    (': > "$TMAX_LOGS_DIR/verifier/reward.txt"\n', "empty_reward", "RewardFileEmptyError"),
+    ('echo yes > "$TMAX_LOGS_DIR/verifier/reward.txt"\n', "parse_error", "VerifierOutputParseError"),
+    ("exit 97\n", "setup_failed", "VerifierError"),
+])
+def test_verifier_without_reward_is_typed(tmp_path, private_tmp, test_sh, verifier_status, exception_type):
+    """Each way a verifier gives no reward reaches result.json as its own kind and Harbor
+    exception type, mapped from the verifier's result kind rather than its message."""
+    task = make_task(tmp_path / "t", "FROM localhost/tmax-base:bookworm\nWORKDIR /app\n")
+    (task.path / "tests" / "test.sh").write_text(test_sh)
+    job = Job(JobConfig(job_name="v", jobs_dir=str(tmp_path / "jobs"), dataset=str(task.path), agent="nop",
+                        environment="local"))
+    job.run()
+    (r,) = trial_results(job.dir).values()
+    assert r["tmax"]["outcome"] == "verifier_error" and r["tmax"]["reward"] is None
+    assert r["tmax"]["verifier_status"] == verifier_status
+    assert r["exception_info"]["exception_type"] == exception_type
+
+
 def test_environment_is_part_of_the_identity(nano, tmp_path):
     base = dict(job_name="ident", jobs_dir=str(tmp_path / "jobs"), dataset=str(nano), agent="nop")
     podman, bwrap = JobConfig(**base), JobConfig(**base, environment="bwrap")

@@ -59,9 +59,7 @@ READ_BY: dict[str, tuple[str, str]] = {
     "tasks.n_train": ("training/recipe.py", "n_train"),
     "tasks.n_heldout": ("training/recipe.py", "n_heldout"),
     "tasks.generator": ("training/recipe.py", "generator"),
-    "rollout.test_timeout": ("training/rollout.py", "test_timeout"),
     "rollout.max_infra_retries": ("training/loop.py", "max_infra_retries"),
-    "rollout.harness": ("training/rollout.py", "harness_for"),
     "algo.prompts_per_step": ("training/loop.py", "prompts_per_step"),
     "algo.group_size": ("training/loop.py", "group_size"),
     "algo.steps": ("training/loop.py", "steps"),
@@ -129,6 +127,8 @@ def _arrivals(cfg: LearnConfig, d: dict) -> dict[str, list[tuple[object, object]
         "rollout.sandbox": [(env.kind, r.sandbox)],
         "rollout.image_map": [([f"{m.pattern}={m.target}" for m in env.rewrite.rules[:1]], r.image_map)],
         "rollout.pool_size": [(d["pool"].capacity, d["slots"] + r.pool_size)],
+        "rollout.test_timeout": [(d["episode"].test_timeout, r.test_timeout)],
+        "rollout.harness": [([d["episode"].harness_for(g) for g in range(2)], r.harness)],
         "algo.loss": [(learner.loss.loss_fn, a.loss)],
         "algo.divergence": [(learner.loss.divergence, a.divergence)],
         "algo.delta": [(learner.loss.delta, a.delta)],
@@ -222,7 +222,7 @@ def built(cfg, tokenizer, tmp_path_factory):
     from training.cluster.actors import _tp
     from training.cluster.placement import Placement, plan_for
     from training.loop import learner_config
-    from training.rollout import agent_config, env_settings, token_policy, worker_pool
+    from training.rollout import EpisodeSettings
 
     model_dir = tmp_path_factory.mktemp("model")
     (model_dir / "config.json").write_text(json.dumps({"hidden_size": 4096}))
@@ -239,14 +239,15 @@ def built(cfg, tokenizer, tmp_path_factory):
     finally:
         mp.undo()
     slots = 2
-    pool = worker_pool(cfg.rollout.model_copy(update={"sandbox": "podman"}), slots)
+    episode = EpisodeSettings.of(cfg.rollout)
+    pool = EpisodeSettings.of(cfg.rollout.model_copy(update={"sandbox": "podman"})).worker_pool(slots)
     assert isinstance(pool, WarmPool)
     import tomllib
 
     return {
         "gpu_argv": gpu.argv, "gpu_env": gpu.env, "cpu_env": cpu.env, "server_options": options,
-        "agent": agent_config(cfg.rollout), "policy": token_policy(None, tokenizer, cfg.rollout, cfg.algo.seed),
-        "learner": learner_config(cfg), "env": env_settings(cfg.rollout), "pool": pool, "slots": slots,
+        "agent": episode.agent, "policy": episode.token_policy(None, tokenizer, cfg.algo.seed), "episode": episode,
+        "learner": learner_config(cfg), "env": episode.env, "pool": pool, "slots": slots,
         "dumped": tomllib.loads(dump_toml(cfg)),
         "plan": plan_for(cfg),
     }
@@ -290,18 +291,18 @@ def test_a_prompt_over_max_prompt_tokens_ends_the_episode_before_any_sample(cfg,
     reward std and is filtered (the paper filters over-long prompts out)."""
     from agents.loop import Agent
     from sandbox import SandboxSpec, make_sandbox
-    from training.rollout import agent_config, token_policy
+    from training.rollout import EpisodeSettings
 
     class NeverCalled:
         def sample(self, *args, **kwargs):
             raise AssertionError("a prompt over the limit was sampled")
 
-    short = cfg.rollout.model_copy(update={"max_prompt_tokens": 16})
-    policy = token_policy(NeverCalled(), tokenizer, short, seed=1)
+    short = EpisodeSettings.of(cfg.rollout.model_copy(update={"max_prompt_tokens": 16}))
+    policy = short.token_policy(NeverCalled(), tokenizer, seed=1)
     box = make_sandbox("local", SandboxSpec(workdir=str(tmp_path)))
     box.start()
     try:
-        result = Agent(policy, box, agent_config(short)).run("Sort lemon.txt into out.txt.")
+        result = Agent(policy, box, short.agent).run("Sort lemon.txt into out.txt.")
     finally:
         box.close()
     assert result.status == "context_overflow" and "over the limit of 16" in (result.error or "")

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from agents.prompts import SUBMIT_COMMAND
 from tmax_cli.main import app
 from training.config import preset
-from training.rollout import EpisodeRequest, prepare_tasks, run_episode
+from training.rollout import EpisodeRequest, EpisodeSettings, prepare_tasks, run_episode
 from training.learner.sft import ScriptedSampler, scripted_turns
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -56,15 +56,16 @@ def test_generated_tasks_train_through_the_rollout_path(corpus, tokenizer):
     cfg.sandbox = "bwrap"
     tasks = sorted(str(d) for d in corpus.iterdir() if d.is_dir() and not d.name.startswith((".", "_")))
     assert len(tasks) == 2
-    prepared = prepare_tasks(cfg, tasks)
+    episode = EpisodeSettings.of(cfg)
+    prepared = prepare_tasks(episode.env, tasks)
     assert sorted(prepared.runnable) == tasks and not prepared.dropped
 
     for i, task in enumerate(tasks):
         solve = scripted_turns(tokenizer, [("Do what the task asks.", _solution_command(Path(task))),
                                            ("Done.", SUBMIT_COMMAND)])
-        good = run_episode(EpisodeRequest(task, i, 0, 1), ScriptedSampler(solve), tokenizer, cfg)
+        good = run_episode(EpisodeRequest(task, i, 0, 1), ScriptedSampler(solve), tokenizer, episode)
         assert good.status == "submitted" and good.sandbox == "bwrap"
         assert good.reward == 1.0, good.verifier
         idle = scripted_turns(tokenizer, [("Nothing to do.", "true"), ("Done.", SUBMIT_COMMAND)])
-        bad = run_episode(EpisodeRequest(task, i, 1, 2), ScriptedSampler(idle), tokenizer, cfg)
+        bad = run_episode(EpisodeRequest(task, i, 1, 2), ScriptedSampler(idle), tokenizer, episode)
         assert bad.status == "submitted" and bad.reward == 0.0

@@ -43,7 +43,7 @@ def test_full_disk_stops_the_run_and_resume_finishes_it_after_space_is_freed(tmp
                 f.write(b"\0" * (shutil.disk_usage(small_fs).free - 128 * 1024))
 
     with pytest.raises(TrainingError) as e:
-        train(cfg, base, tasks, run, progress=False, on_step=fill_the_disk)
+        train(cfg, base, tasks, run, on_step=fill_the_disk)
     msg = str(e.value)
     assert f"the filesystem of {run} is full" in msg and "MiB free, a checkpoint needs about" in msg, msg
     assert "step_1, is intact" in msg and "--resume" in msg, msg
@@ -52,7 +52,7 @@ def test_full_disk_stops_the_run_and_resume_finishes_it_after_space_is_freed(tmp
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_1"]
 
     ballast.unlink()
-    res = train(cfg, base, tasks, run, resume=True, progress=False)
+    res = train(cfg, base, tasks, run, resume=True)
     assert res.steps == 2 and ckpt.load_trainer_state(res.final_checkpoint)["step"] == 2
     rows = [json.loads(x) for x in Path(res.metrics_path).read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

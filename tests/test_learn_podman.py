@@ -27,7 +27,7 @@ def test_podman_rl_run_uses_containers_and_learns_from_their_verifier(tmp_path, 
     from training.nano.model import NanoSpec, build_nano_model
     from training.nano.tasks import write_splits
     from training.learner.sft import collect_demos, train_sft
-    from training.rollout import prepare_tasks
+    from training.rollout import env_settings, prepare_tasks
 
     build_nano_model(tmp_path / "base", seed=0, spec=NanoSpec(hidden_size=64, intermediate_size=128,
                                                               num_hidden_layers=2))
@@ -46,7 +46,7 @@ def test_podman_rl_run_uses_containers_and_learns_from_their_verifier(tmp_path, 
     tok = AutoTokenizer.from_pretrained(tmp_path / "base")
     # Demonstrations as the recipe plays them: on the prepared images, two at a time, each
     # starting the container of the one after the next.
-    prepared = prepare_tasks(cfg.rollout, [str(p) for p in splits["train"]])
+    prepared = prepare_tasks(env_settings(cfg.rollout.sandbox, cfg.rollout.image_map), [str(p) for p in splits["train"]])
     demo_cfg = cfg.model_copy(deep=True)
     demo_cfg.run.concurrency = 2
     demos = collect_demos(prepared.runnable, tok, demo_cfg, images=prepared.images)
@@ -57,7 +57,7 @@ def test_podman_rl_run_uses_containers_and_learns_from_their_verifier(tmp_path, 
     run = Path.cwd() / "runs" / "test-learn-podman" / uuid.uuid4().hex[:8]
     cfg.model.path, cfg.tasks.train = sft.checkpoint, str(tmp_path / "tasks" / "train")
     cfg.model.build_nano = cfg.tasks.generate_nano = False
-    res = learn(cfg, run, progress=False)
+    res = learn(cfg, run)
     assert res.steps == 2
     assert res.summary["tasks_dropped"] == 0 and res.summary["env/infra_errors"] == 0
     rows = [json.loads(x) for x in Path(res.metrics_path).read_text().splitlines()]

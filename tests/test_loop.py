@@ -145,7 +145,7 @@ def test_ray_run_saves_on_ctrl_c_resumes_and_checkpoints(tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        learn(cfg, run, progress=False, on_step=press_ctrl_c, from_runs=sessions)
+        learn(cfg, run, on_step=press_ctrl_c, from_runs=sessions)
     saved = ckpt.latest_checkpoint(run)
     assert saved is not None
     # Step 1's weights, or step 2's when its update was in flight at Ctrl-C (it finishes and
@@ -153,7 +153,7 @@ def test_ray_run_saves_on_ctrl_c_resumes_and_checkpoints(tmp_path):
     saved_step = ckpt.load_trainer_state(saved)["step"]
     assert saved_step in (1, 2)
 
-    res = learn(cfg, run, resume=True, progress=False, from_runs=sessions)
+    res = learn(cfg, run, resume=True, from_runs=sessions)
     assert res.steps == 3 and res.final_checkpoint.endswith("step_3")
     assert ckpt.load_trainer_state(res.final_checkpoint)["step"] == 3
     rows = [json.loads(x) for x in Path(res.metrics_path).read_text().splitlines()]

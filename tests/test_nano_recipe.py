@@ -51,7 +51,7 @@ def test_sft_then_rl_raises_training_reward():
     cfg = _small_config()
     # Outside /tmp: sandboxes of a later bwrap run get a private /tmp.
     out = Path.cwd() / "runs" / "test-nano-recipe" / uuid.uuid4().hex[:8]
-    res = recipe(cfg, out, progress=False, log=print, stages=("sft", "rl"))
+    res = recipe(cfg, out, log=print, stages=("sft", "rl"))
     assert res["rl"]["steps"] == cfg.algo.steps
     rows = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, cfg.algo.steps + 1))

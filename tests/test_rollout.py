@@ -11,7 +11,7 @@ import pytest
 
 from agents.prompts import SUBMIT_COMMAND
 from training.config import preset
-from training.rollout import EpisodeRequest, InfraError, run_episode
+from training.rollout import EpisodeRequest, EpisodeSettings, InfraError, run_episode
 from training.learner.sft import ScriptedSampler, scripted_turns
 
 
@@ -34,7 +34,7 @@ def _cfg(kind="local", **rollout):
     cfg.rollout.sandbox = kind
     for k, v in rollout.items():
         setattr(cfg.rollout, k, v)
-    return cfg.rollout
+    return EpisodeSettings.of(cfg.rollout)
 
 
 def _oracle_turns(tok, task_dir):
@@ -148,6 +148,20 @@ def test_broken_verifier_is_infrastructure_not_reward_zero(nano, tmp_path):
     with pytest.raises(InfraError, match="reward") as e:
         run_episode(EpisodeRequest(str(task), 0, 0, 1), ScriptedSampler(turns), tok, _cfg())
     assert e.value.kind == "verifier_no_reward"
+
+
+@pytest.mark.parametrize("write,kind", [(": >", "verifier_no_reward"), ("echo nan >", "verifier_error")])
+def test_verifier_result_kind_sets_the_infra_kind(nano, tmp_path, write, kind):
+    """An empty reward file counts as no reward, an unreadable one as a verifier error:
+    mapped from the verifier's result kind, not from the words of its message."""
+    tok, splits, root = nano
+    task = tmp_path / "odd-reward"
+    shutil.copytree(splits["train"][0], task)
+    (task / "tests" / "test.sh").write_text(f'#!/bin/bash\n{write} "$TMAX_LOGS_DIR/verifier/reward.txt"\n')
+    with pytest.raises(InfraError) as e:
+        run_episode(EpisodeRequest(str(task), 0, 0, 1), ScriptedSampler(_oracle_turns(tok, splits["train"][0])), tok,
+                    _cfg())
+    assert e.value.kind == kind
 
 
 def test_environment_that_cannot_be_made_is_infrastructure(nano, tmp_path):

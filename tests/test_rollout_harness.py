@@ -14,7 +14,7 @@ from agents.policy import SampledTokens
 from tests.test_rollout import _spans
 from training.config import RolloutConfig, preset
 from training.learner.sft import scripted_turns
-from training.rollout import EpisodeRequest, run_episode
+from training.rollout import EpisodeRequest, EpisodeSettings, run_episode
 
 
 class LogprobSampler:
@@ -60,7 +60,7 @@ def test_mini_swe_rollout_token_trace(nano):
     cfg = preset("nano").rollout
     cfg.sandbox, cfg.harness = "local", ["tmax", "mini-swe"]
     sampler = LogprobSampler(turns)
-    r = run_episode(EpisodeRequest(str(task), 1, 0, 3), sampler, tok, cfg)  # group 1: mini-swe
+    r = run_episode(EpisodeRequest(str(task), 1, 0, 3), sampler, tok, EpisodeSettings.of(cfg))  # group 1: mini-swe
     assert r.harness == "mini-swe"
     assert r.status == "submitted" and r.reward == 1.0
     assert len(r.trace.ids) == len(r.trace.logprobs) == len(r.trace.mask)

@@ -16,7 +16,7 @@ from agents.prompts import SUBMIT_COMMAND
 from sandbox.pool import WarmPool
 from training.config import preset
 from training.rollout import (
-    ROLLOUT_LABEL, EpisodeRequest, InfraError, env_settings, prepare_tasks, prewarm, run_episode,
+    ROLLOUT_LABEL, EpisodeRequest, EpisodeSettings, InfraError, prepare_tasks, prewarm, run_episode,
 )
 from training.learner.sft import ScriptedSampler, scripted_turns
 
@@ -34,12 +34,12 @@ def nano(tmp_path_factory, base_image):
     tok = build_tokenizer(0)
     tok.save_pretrained(root / "tok")
     splits = write_splits(root / "tasks", 3, 1, seed=0)
-    cfg = preset("nano-podman").rollout
+    cfg = EpisodeSettings.of(preset("nano-podman").rollout)
     broken = root / "broken" / "needs-a-missing-base"
     shutil.copytree(splits["train"][0], broken)
     (broken / "environment" / "Dockerfile").write_text("FROM localhost/tmax-no-such-base:1\nWORKDIR /app\n")
     dirs = [str(d) for d in splits["train"]] + [str(broken)]
-    prepared = prepare_tasks(cfg, dirs, root / "report.json", log=lambda m: None)
+    prepared = prepare_tasks(cfg.env, dirs, root / "report.json", log=lambda m: None)
     return AutoTokenizer.from_pretrained(root / "tok"), splits, cfg, prepared, str(broken)
 
 
@@ -73,8 +73,9 @@ def test_limits_from_task_toml_and_no_tests_before_submit(nano):
     [look] = scripted_turns(tok, [("THOUGHT: look.", "cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us 2>/dev/null || "
                                    "cat /sys/fs/cgroup/cpu.max; cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null"
                                    " || cat /sys/fs/cgroup/memory.max; ls /sys/class/net; ls /tests /logs/verifier")])
-    c = cfg.model_copy(update={"max_tool_calls": 2, "observation_max_chars": 2000, "per_turn_max_tokens": 300,
-                               "response_budget": 1000, "context_budget": 2048})
+    c = EpisodeSettings.of(preset("nano-podman").rollout.model_copy(update={
+        "max_tool_calls": 2, "observation_max_chars": 2000, "per_turn_max_tokens": 300, "response_budget": 1000,
+        "context_budget": 2048}))
     r = run_episode(EpisodeRequest(task, 0, 0, 1), ScriptedSampler([look, look]), tok, c,
                     image=prepared.images[task])
     obs = tok.decode([i for i, m in zip(r.trace.ids, r.trace.mask) if m == 0])
@@ -88,7 +89,7 @@ def test_warm_pool_hands_out_a_fresh_started_container(nano):
     tok, splits, cfg, prepared, _ = nano
     task = str(splits["train"][2])
     [submit] = scripted_turns(tok, [("THOUGHT: done.", SUBMIT_COMMAND)])
-    settings = env_settings(cfg)
+    settings = cfg.env
     with WarmPool(2) as pool:
         assert prewarm(pool, task, settings, prepared.images[task])
         deadline = time.monotonic() + 60
@@ -96,7 +97,7 @@ def test_warm_pool_hands_out_a_fresh_started_container(nano):
             time.sleep(0.2)
         ids = []
         for i in range(2):
-            r = run_episode(EpisodeRequest(task, 0, i, 1), ScriptedSampler([submit]), tok, cfg, settings=settings,
+            r = run_episode(EpisodeRequest(task, 0, i, 1), ScriptedSampler([submit]), tok, cfg,
                             image=prepared.images[task], pool=pool)
             assert r.reward == 0.0 and r.verifier["status"] == "ok"
             ids.append((r.container_id, r.warm_start))

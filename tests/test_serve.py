@@ -10,9 +10,9 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
+import httpx
 import pytest
 from typer.testing import CliRunner
 
@@ -159,10 +159,9 @@ def _overfit_one_tool_call(model_dir: Path) -> None:
 
 
 def _get(url: str, body: dict | None = None) -> dict:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())
+    r = httpx.post(url, json=body, timeout=120) if body is not None else httpx.get(url, timeout=120)
+    r.raise_for_status()
+    return r.json()
 
 
 @pytest.mark.vllm

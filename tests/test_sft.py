@@ -13,6 +13,7 @@ from training.config import preset
 from training.learner.sft import (
     DemoError, ScriptedSampler, collect_demos, oracle_demo, scripted_turns, select_sft_tasks, train_sft,
 )
+from training.rollout import EpisodeSettings
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def test_oracle_demo_under_each_harness(nano, harness):
     # Terminus-2's JSON turns and screens take more tokens than the nano preset allows.
     cfg.rollout.per_turn_max_tokens, cfg.rollout.response_budget, cfg.rollout.context_budget = 128, 1024, 2048
     task = splits["train"][0]
-    r = oracle_demo(task, tok, cfg)
+    r = oracle_demo(task, tok, EpisodeSettings.of(cfg.rollout))
     assert (r.harness, r.status, r.reward) == (harness, "submitted", 1.0)
     turns = scripted_turns(tok, oracle_steps(task), harness)
     assert len(turns) == len(oracle_steps(task)) + (harness == "terminus-2")

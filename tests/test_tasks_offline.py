@@ -184,16 +184,17 @@ def test_every_sample_verifier_is_rewritten():
     (None, '{"reward": 0.5}', 0.5), (None, "0.75", 0.75), (None, '{"accuracy": 0.2}', 0.2),
 ])
 def test_reward_parsing(txt, js, expect):
-    assert parse_reward(txt, js) == (expect, None)
+    assert parse_reward(txt, js) == (expect, "ok", None)
 
 
-@pytest.mark.parametrize("txt,js,why", [
-    (None, None, "no /logs/verifier/reward.txt"), ("", None, "empty"), ("yes", None, "not a number"),
-    ("nan", None, "NaN"), (None, "{", "not JSON"), (None, '{"a": "b"}', "no numeric"),
+@pytest.mark.parametrize("txt,js,kind,why", [
+    (None, None, "no_reward", "no /logs/verifier/reward.txt"), ("", None, "empty_reward", "empty"),
+    ("yes", None, "parse_error", "not a number"), ("nan", None, "parse_error", "NaN"),
+    (None, "{", "parse_error", "not JSON"), (None, '{"a": "b"}', "parse_error", "no numeric"),
 ])
-def test_reward_errors(txt, js, why):
-    reward, err = parse_reward(txt, js)
-    assert reward is None and why in err
+def test_reward_errors(txt, js, kind, why):
+    reward, got, err = parse_reward(txt, js)
+    assert reward is None and got == kind and why in err
 
 
 @needs_sample

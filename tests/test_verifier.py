@@ -59,7 +59,7 @@ def test_reward_fixtures_and_a_stale_tests_dir(container, tmp_path):
     task = _task(tmp_path, "json", '#!/bin/bash\nhere=$(dirname "${BASH_SOURCE[0]}")\n'
                  'ls /tests\ncat "$here/fixture.txt"; pwd\necho \'{"reward": 0.25}\' > /logs/verifier/reward.json\n')
     res = run_verifier(container, task, "/tmp", tmp_path / "out-json")
-    assert (res.status, res.reward, res.exit_code) == ("ok", 0.25, 0)
+    assert (res.kind, res.reward, res.exit_code) == ("ok", 0.25, 0)
     log = (tmp_path / "out-json" / "test-stdout.txt").read_text()
     assert "from the fixture" in log and "planted" not in log and "/tmp" in log
     assert (tmp_path / "out-json" / "reward.json").exists()
@@ -71,10 +71,10 @@ def test_no_reward_and_timeout(container, tmp_path):
 
     none = run_verifier(container, _task(tmp_path, "none", "#!/bin/bash\nrm -f /logs/verifier/*\nexit 3\n"),
                         "/tmp", tmp_path / "out-none")
-    assert none.status == "error" and none.exit_code == 3 and "was written" in none.error
+    assert none.kind == "no_reward" and none.exit_code == 3 and "was written" in none.error
     slow = run_verifier(container, _task(tmp_path, "slow", "#!/bin/bash\nsleep 60\n", timeout=2),
                         "/tmp", tmp_path / "out-slow")
-    assert slow.status == "timeout" and slow.reward is None and slow.duration_s < 30
+    assert slow.kind == "verifier_timeout" and slow.reward is None and slow.duration_s < 30
 
 
 @pytest.mark.podman
@@ -85,7 +85,7 @@ def test_reward_without_a_log_copy(container, tmp_path):
 
     task = _task(tmp_path, "nolog", "#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n")
     res = run_verifier(container, task, "/tmp", None)
-    assert (res.status, res.reward) == ("ok", 1.0)
+    assert (res.kind, res.reward) == ("ok", 1.0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nolog"]
 
 
@@ -103,5 +103,5 @@ def test_host_reward_without_a_log_copy(tmp_path):
         res = run_host_verifier(sb, task, str(work), None)
     finally:
         sb.close()
-    assert (res.status, res.reward) == ("ok", 1.0)
+    assert (res.kind, res.reward) == ("ok", 1.0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hostnolog", "work"]

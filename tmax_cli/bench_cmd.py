@@ -269,8 +269,9 @@ def report_cmd(
     out_dir = None if no_chart else (chart_dir or _default_chart_dir(job_dir))
     if out_dir is not None:
         from tasks.charts import write_charts
+        from tmax_cli.ui import optional_chart
 
-        charts = write_charts(sc, out_dir, title=job_dir.name)
+        charts = optional_chart(lambda: write_charts(sc, out_dir, title=job_dir.name)) or []
     if as_json:
         data = sc.to_dict()
         data["charts"] = [str(p) for p in charts]
@@ -340,6 +341,7 @@ def compare_cmd(
 
     from tasks.compare import compare_jobs, write_compare_chart
     from tasks.job import JobError
+    from tmax_cli.ui import optional_chart
 
     if len(job_dirs) < 2:
         _fail("give at least two job directories")
@@ -352,7 +354,7 @@ def compare_cmd(
         _fail(f"no scored trials in: {', '.join(empty)}")
     default = job_dirs[0] / "compare.png" if _created_by_tmax(job_dirs[0]) else None
     target = None if no_chart else (chart or default)
-    png = write_compare_chart(comp, target) if target else None
+    png = optional_chart(lambda: write_compare_chart(comp, target)) if target else None
     if as_json:
         typer.echo(json.dumps({**comp.to_dict(), "chart": str(png) if png else None}, indent=2))
         return

@@ -37,10 +37,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from agents.policy import DEFAULT_MODEL_TIMEOUT_S
-from sandbox.base import DEFAULT_COMMAND_TIMEOUT_S
+from sandbox.base import DEFAULT_COMMAND_TIMEOUT_S, KINDS as SANDBOX_KINDS
 from training.config import ConfigError
 
-SANDBOX_KINDS = ("local", "bwrap", "podman")
 MODES = ("confirm", "yolo")
 DEFAULT_IMAGE = "localhost/tmax-base:bookworm"
 

@@ -200,11 +200,11 @@ def validate_cmd(
     jsonl: bool = _JSONL,
 ) -> None:
     """Run the gates load, build, initial, nop, oracle on every task; a rerun resumes."""
+    from sandbox.base import KINDS
     from tasks.corpus.validate import corpus_task_dirs, counts, default_work_dir, validate_corpus
-    from tasks.hostenv import ENV_KINDS
 
-    if env not in ENV_KINDS:
-        _fail(f"unknown environment {env!r}: {', '.join(ENV_KINDS)}")
+    if env not in KINDS:
+        _fail(f"unknown environment {env!r}: {', '.join(KINDS)}")
     if not corpus.is_dir():
         _fail(f"{corpus}: no such directory")
     work = work or default_work_dir(corpus)
@@ -395,13 +395,14 @@ def report_cmd(
     from tasks.corpus.axes import AxesError, load_axes
     from tasks.corpus.corpus import CorpusError
     from tasks.corpus.report import build_report, write_png
+    from tmax_cli.ui import optional_chart
 
     try:
         data = build_report(corpus, load_axes(axes))
     except (CorpusError, AxesError) as e:
         _fail(str(e))
-    if png:
-        write_png(data, png)
+    if png and optional_chart(lambda: write_png(data, png)) is None:
+        png = None
     if as_json:
         _emit_json(data)
         return

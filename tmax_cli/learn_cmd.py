@@ -130,6 +130,7 @@ def learn(
     runs_per_step: int = typer.Option(1, "--runs-per-step", min=1, help="With --from-runs: rated sessions added to each step."),
 ) -> None:
     """Run DPPO. With no config: the nano recipe's RL stage."""
+    from tmax_cli.progress import learn_progress
     from training import entry
 
     o = dict(ctx.params)
@@ -142,7 +143,8 @@ def learn(
     if dry_run:
         typer.echo(_call(lambda: entry.dry_run(cfg, run_dir)))
         return
-    res = _call(lambda: entry.learn(cfg, run_dir, resume=resume, progress=o["progress"], from_runs=from_runs,
+    bars = learn_progress(o["progress"])
+    res = _call(lambda: entry.learn(cfg, run_dir, resume=resume, progress=bars, from_runs=from_runs,
                                     runs_per_step=runs_per_step, on_step=None if o["progress"] else _log_step,
                                     log=_echo))
     _echo(f"done: {res.steps} steps; checkpoint {res.final_checkpoint}; reward curve {res.curve_png}")
@@ -174,12 +176,14 @@ def nano(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with the results."),
 ) -> None:
     """The whole nano recipe: build -> SFT -> held-out eval -> DPPO -> held-out eval."""
+    from tmax_cli.progress import learn_progress
     from training import entry
 
     o = ctx.obj or {}
     cfg = _config(o)
     run_dir = _out(cfg, o.get("out"))
-    res = _call(lambda: entry.recipe(cfg, run_dir, progress=o.get("progress", True) and not as_json, log=_echo))
+    bars = learn_progress(o.get("progress", True) and not as_json)
+    res = _call(lambda: entry.recipe(cfg, run_dir, progress=bars, log=_echo))
     if as_json:
         typer.echo(json.dumps(res))
     else:

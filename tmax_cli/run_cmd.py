@@ -132,10 +132,9 @@ def run(
             base_url=base_url, model=model, api_key=api_key, sandbox=sandbox, mode=mode, image=image, max_steps=max_steps,
             max_tokens=max_tokens, command_timeout=command_timeout, model_timeout=model_timeout, expose=expose,
         )
-        from agents.harnesses import HARNESSES
+        from agents.harnesses import check_harness
 
-        if harness not in HARNESSES:
-            raise ConfigError(f"--harness {harness!r}: choose one of {', '.join(HARNESSES)}")
+        check_harness(harness, "--harness")
         saved = load_saved(resume) if resume is not None else None
         if resume is not None and workdir is None:
             workdir = saved_workdir(resume, settings.sandbox)
@@ -150,7 +149,7 @@ def run(
             from tmax_cli.run_training import prepare_tokens
 
             token_setup = prepare_tokens(settings.base_url, settings.model, settings.api_key, tokenizer)
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:
         raise _fail(str(e), json_mode) from None
     from tmax_cli.run_drive import RunRequest, drive
 

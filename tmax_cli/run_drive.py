@@ -81,12 +81,8 @@ def _agent_config(run: RunRequest) -> Any:
     from agents.loop import AgentConfig
 
     s = run.settings
-    config = AgentConfig(command_timeout=s.command_timeout, budget_hints=run.budget_hints)
-    if s.max_steps is not None:
-        config.max_steps = s.max_steps
-    if s.max_tokens is not None:
-        config.max_tokens = s.max_tokens
-    return config
+    return AgentConfig.from_settings({"command_timeout": s.command_timeout, "max_steps": s.max_steps,
+                                      "max_tokens": s.max_tokens, "budget_hints": run.budget_hints})
 
 
 def _policy(run: RunRequest, config: Any) -> Any:

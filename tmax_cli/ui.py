@@ -12,7 +12,8 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from rich.console import Console, Group
 from rich.panel import Panel
@@ -20,6 +21,7 @@ from rich.syntax import Syntax
 from rich.text import Text
 
 from sandbox.shell_output import clean_output
+T = TypeVar("T")
 
 # Live output is clipped for the screen only; a live run keeps the whole of a long output in
 # its run directory (`outputs/`), a saved trajectory shows what the model saw.
@@ -229,3 +231,17 @@ class Prompter:
         # Piped input is not echoed; show it so a log of the session reads like the terminal.
         sys.stdout.write(line if line.endswith("\n") else line + "\n")
         return line.rstrip("\n")
+
+
+def optional_chart(make: Callable[[], T]) -> T | None:
+    """A chart (`make()`), or None with a one-line note on stderr when matplotlib (an
+    extra) is missing: the command still does everything else."""
+    from rich.markup import escape
+
+    from tasks.charts import ChartsUnavailable
+
+    try:
+        return make()
+    except ChartsUnavailable as e:
+        Console(stderr=True, highlight=False).print(f"[yellow]note:[/] {escape(str(e))}")
+        return None

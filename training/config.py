@@ -24,18 +24,21 @@ from typing import Literal, Mapping
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from sandbox.base import SandboxKind
+
 CONFIG_DIR = Path(__file__).parent / "configs"
 PRESETS = ("nano", "nano-podman", "tmax-9b")
 ENV_PREFIX = "TMAX_LEARN_"
 
 
 def _known_harnesses(key: str, v: str | list[str]) -> str | list[str]:
-    from agents.harnesses import HARNESSES
+    from agents.harnesses import check_harness
 
     names = [v] if isinstance(v, str) else v
-    bad = [n for n in names if n not in HARNESSES]
-    if not names or bad:
-        raise ValueError(f"{key} {bad or names!r}: choose from {', '.join(HARNESSES)}")
+    if not names:
+        raise ValueError(f"{key} is an empty list: name at least one harness")
+    for n in names:
+        check_harness(n, key)
     return v
 
 class _Strict(BaseModel):
@@ -79,7 +82,7 @@ class RolloutConfig(_Strict):
     max_format_errors: int = Field(1, ge=1)
     # Opt-in budget hints (agents.budget) after each observation; off keeps Vanillux2 exact.
     budget_hints: bool = False
-    sandbox: Literal["local", "bwrap", "podman"] = "podman"
+    sandbox: SandboxKind = "podman"
     # podman: `FROM=TO` base-image rewrites for building task images offline (as
     # `tmax bench --image-map`), on top of the built-in map.
     image_map: list[str] = Field(default_factory=list)
@@ -167,7 +170,7 @@ class EvalConfig(_Strict):
     temperature: float = Field(0.7, ge=0)
     max_steps: int = Field(64, ge=1)
     # Where held-out trials run (`tmax bench -e`): host sandboxes need no image per task.
-    sandbox: Literal["local", "bwrap", "podman"] = "podman"
+    sandbox: SandboxKind = "podman"
     # The harness of held-out trials (`tmax bench -a`); None: the first of `rollout.harness`,
     # the one the model trained under. Another name asks how well the training carries over.
     harness: str | None = None

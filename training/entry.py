@@ -29,6 +29,7 @@ from training.cluster.placement import PlanError, PlacementPlan, plan_for
 from training.cluster.session import ray_session
 from training.config import ConfigError, LearnConfig, dump_toml
 from training.loop import RunResult, train
+from training.report import LearnProgress
 from training.recipe import build_stage, heldout_eval, prepare_recipe_tasks, sft_stage
 
 Log = Callable[[str], None]
@@ -44,7 +45,8 @@ def placement_plan(cfg: LearnConfig) -> PlacementPlan | None:
         raise ConfigError(str(e)) from None
 
 
-def learn(cfg: LearnConfig, out: Path, *, resume: bool = False, progress: bool = True, from_runs: Path | None = None,
+def learn(cfg: LearnConfig, out: Path, *, resume: bool = False, progress: LearnProgress | None = None,
+          from_runs: Path | None = None,
           runs_per_step: int = 1, on_step: Any = None, log: Log = print) -> RunResult:
     """DPPO from `model.path` on `tasks.train` into `out`; with the nano build flags, from
     the recipe's SFT checkpoint (built first where missing) into `out/rl`. The cluster is
@@ -106,7 +108,7 @@ def sft_from_runs(cfg: LearnConfig, runs_dir: Path, out: Path, log: Log = print)
     return asdict(train_on_runs(runs_dir, cfg, out / "sft-runs", log=step_log))
 
 
-def recipe(cfg: LearnConfig, out: Path, *, progress: bool = True, log: Log = print,
+def recipe(cfg: LearnConfig, out: Path, *, progress: LearnProgress | None = None, log: Log = print,
            stages: tuple[str, ...] = ("sft", "rl", "eval")) -> dict:
     """The whole nano recipe into `out` (`recipe.json`). `stages` can drop "eval" (RL only)
     or "rl" (SFT + eval). One machine: the held-out evals share the RL run's engine."""
@@ -139,7 +141,8 @@ def recipe(cfg: LearnConfig, out: Path, *, progress: bool = True, log: Log = pri
 
 
 def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, train_dir: str, held_dir: str, prepared: Any,
-                  stages: tuple[str, ...], progress: bool, log: Log, result: dict, times: dict) -> None:
+                  stages: tuple[str, ...], progress: LearnProgress | None, log: Log, result: dict,
+                  times: dict) -> None:
     """One engine serving `start`: the held-out eval of it, RL on it, the held-out eval of
     RL's final checkpoint loaded into it. Fills `result` and `times`."""
     from training.cluster.actors import start_engines

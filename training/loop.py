@@ -33,9 +33,11 @@ from training.cluster.actors import Actors, EngineGroup, start_actors
 from training.cluster.launch import connect
 from training.config import LearnConfig, dump_toml
 from training.learner.packing import batch_samples
-from training.report import MetricsSink, Progress, StepClock, reward_curve, rollout_metrics, run_summary, summary
+from training.report import LearnProgress, MetricsSink, NoProgress, StepClock, reward_curve, rollout_metrics, run_summary, summary
 from training.report import trim_jsonl
-from training.rollout import EpisodeRequest, InfraCounts, Rollout, append_jsonl, prepare_tasks, prewarm_queue
+from training.rollout import (
+    EpisodeRequest, InfraCounts, Rollout, append_jsonl, env_settings, prepare_tasks, prewarm_queue,
+)
 from training.weights.learner_side import WeightSync
 
 
@@ -140,7 +142,7 @@ class Trainer:
     `start_step` to `algo.steps`; `close()` ends logging and cancels episodes in flight."""
 
     def __init__(self, cfg: LearnConfig, run_dir: Path, actors: Actors, sync: WeightSync, stream: PromptStream,
-                 start_step: int, *, progress: bool = True, on_step: Any = None, rated: Any = None):
+                 start_step: int, *, progress: LearnProgress | None = None, on_step: Any = None, rated: Any = None):
         a, rc = cfg.algo, cfg.run
         self.cfg, self.run_dir, self.actors, self.sync, self.stream = cfg, run_dir, actors, sync, stream
         self.start_step, self.on_step, self.rated = start_step, on_step, rated
@@ -148,7 +150,8 @@ class Trainer:
                                                 active_sampling=a.active_sampling, max_staleness=a.async_steps))
         self.sink = MetricsSink(run_dir, wandb=rc.wandb, tensorboard=rc.tensorboard, project=rc.wandb_project,
                                 run_name=run_dir.name, config=cfg.model_dump())
-        self.bar = Progress(a.steps, start_step, enabled=progress)
+        self.bar = progress or NoProgress()
+        self.bar.begin(a.steps, start_step)
         self.rollouts_path = run_dir / "rollouts.jsonl"
         self.max_useless = max(200, 25 * a.prompts_per_step)
         # Group ids stay unique across resumes.
@@ -441,7 +444,7 @@ def train(
     run_dir: str | Path,
     *,
     resume: bool = False,
-    progress: bool = True,
+    progress: LearnProgress | None = None,
     engine_handle: EngineGroup | None = None,
     keep_engine: bool = False,
     on_step: Any = None,
@@ -462,8 +465,8 @@ def train(
     write_text_atomic(run_dir / "config.toml", dump_toml(cfg))
     # Every task's image is resolved (built) here, before the first step: the loop never builds.
     if prepared is None:
-        prepared = prepare_tasks(cfg.rollout, list_task_dirs(train_tasks), run_dir / "train_tasks.json",
-                                 progress=progress)
+        prepared = prepare_tasks(env_settings(cfg.rollout.sandbox, cfg.rollout.image_map), list_task_dirs(train_tasks),
+                                 run_dir / "train_tasks.json", progress=progress.environments if progress else None)
     start_step, positions, resume_from = resume_point(run_dir, resume)
     model_dir = resume_from or model_dir  # the engines serve the checkpoint's weights
     if start_step >= cfg.algo.steps:

@@ -116,14 +116,13 @@ def heldout_eval(cfg: LearnConfig, engine: Any, held_dir: str, jobs_dir: Path, n
     """A `tmax bench` job (the `eval.harness` agent, else the harness trained under; trials
     in `eval.sandbox`) against the server of `engine` (a `training.cluster.actors.EngineGroup`)."""
     from tasks.job import Job, JobConfig
+    from training.rollout import agent_settings
 
     info = engine.info()
-    r = cfg.rollout
-    harness = cfg.eval.harness or r.harness_for(0)
-    kwargs = {"temperature": cfg.eval.temperature, "top_p": 1.0, "max_steps": cfg.eval.max_steps,
-              "max_tokens": r.per_turn_max_tokens, "command_timeout": r.command_timeout,
-              "max_format_errors": r.max_format_errors, "observation_max_chars": r.observation_max_chars,
-              "context_budget": r.context_budget}
+    harness = cfg.eval.harness or cfg.rollout.harness_for(0)
+    # The training episodes' settings, with the eval section's sampling and step limit.
+    kwargs = agent_settings(cfg.rollout) | {"temperature": cfg.eval.temperature, "top_p": 1.0,
+                                            "max_steps": cfg.eval.max_steps}
     jc = JobConfig(job_name=name, jobs_dir=str(jobs_dir), dataset=held_dir, agent=harness, model=info["model"],
                    base_url=info["base_url"], agent_kwargs=kwargs, n_attempts=cfg.eval.attempts,
                    n_concurrent=cfg.eval.concurrency, environment=cfg.eval.sandbox)
@@ -145,14 +144,15 @@ def prepare_recipe_tasks(cfg: LearnConfig, train_dir: str, held_dir: str, out: P
     """Every train and held-out task's environment, resolved (images built) before SFT and
     RL; returns the train tasks' (`training.rollout.PreparedTasks`). `held_dir` may be
     empty (no held-out set)."""
-    from training.rollout import PreparedTasks, prepare_tasks
+    from training.rollout import PreparedTasks, env_settings, prepare_tasks
 
     out.mkdir(parents=True, exist_ok=True)
     held = PreparedTasks({}, {})
     if held_dir:
-        held_cfg = cfg.rollout.model_copy(update={"sandbox": cfg.eval.sandbox})
-        held = prepare_tasks(held_cfg, list_task_dirs(held_dir), out / "heldout_tasks.json", log=log)
-    train_tasks = prepare_tasks(cfg.rollout, list_task_dirs(train_dir), out / "train_tasks.json", log=log)
+        held_env = env_settings(cfg.eval.sandbox, cfg.rollout.image_map)
+        held = prepare_tasks(held_env, list_task_dirs(held_dir), out / "heldout_tasks.json", log=log)
+    train_env = env_settings(cfg.rollout.sandbox, cfg.rollout.image_map)
+    train_tasks = prepare_tasks(train_env, list_task_dirs(train_dir), out / "train_tasks.json", log=log)
     log(f"task environments ready: {len(train_tasks.runnable)} train ({cfg.rollout.sandbox}), "
         f"{len(held.runnable)} held-out ({cfg.eval.sandbox}); "
         f"{len(train_tasks.dropped) + len(held.dropped)} dropped")

@@ -15,7 +15,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 # The few metrics worth a console line, in display order, with short labels.
 CONSOLE_KEYS = (
@@ -146,31 +146,37 @@ def summary(metrics: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-class Progress:
-    """A rich progress bar with ETA and the key metrics of the last step."""
+class LearnProgress(Protocol):
+    """What a run tells the display that follows it (the CLI draws it: `tmax_cli.progress`);
+    training itself draws nothing."""
 
-    def __init__(self, total: int, start: int, enabled: bool):
-        self.p = None
-        if not enabled:
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    def environments(self, done: int, total: int) -> None:
+        """`done` of `total` task environments resolved, before the first step."""
 
-        self.p = Progress(TextColumn("[bold]learn"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
-        self.p.start()
-        self.task = self.p.add_task("learn", total=total, completed=start, info="waiting for the first batch")
+    def begin(self, total: int, done: int) -> None:
+        """Training of `total` steps starts, `done` of them already run (a resume)."""
 
     def update(self, step: int, info: dict[str, str]) -> None:
-        if self.p is not None:
-            self.p.update(self.task, completed=step, info="  ".join(f"{k} {v}" for k, v in info.items()))
+        """`step` finished; `info` holds its key figures, label -> text."""
 
     def note(self, text: str) -> None:
-        if self.p is not None:
-            self.p.console.print(text)
+        """A line for people, between the updates."""
 
-    def close(self) -> None:
-        if self.p is not None:
-            self.p.stop()
+    def close(self) -> None: ...
+
+
+class NoProgress:
+    """The display of a run nobody watches (logs only)."""
+
+    def environments(self, done: int, total: int) -> None: ...
+
+    def begin(self, total: int, done: int) -> None: ...
+
+    def update(self, step: int, info: dict[str, str]) -> None: ...
+
+    def note(self, text: str) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def reward_curve(metrics_path: Path, out_png: Path) -> str | None:
@@ -179,10 +185,9 @@ def reward_curve(metrics_path: Path, out_png: Path) -> str | None:
     rows = read_metrics(metrics_path)
     if not rows:
         return None
-    import matplotlib
+    from tasks.charts import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))

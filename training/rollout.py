@@ -37,11 +37,12 @@ from typing import Any, TypeVar
 
 from agents.loop import Agent, AgentConfig
 from agents.policy import TokenSampler, TokenTrace
-from sandbox.base import SandboxError
+from agents.records import write_json_atomic
 from sandbox.pool import WarmPool
 from tasks.episode import ENVIRONMENT_ERRORS, EnvSettings, Episode, PreparedTasks
 from tasks.images import TaskImage
 from tasks.model import Task
+from tasks.verifier import VerifierKind
 from training.config import RolloutConfig
 
 T = TypeVar("T")
@@ -126,49 +127,22 @@ class Rollout:
         return cls(trace=trace, **record)
 
 
-def agent_config(cfg: RolloutConfig, max_steps: int | None = None) -> AgentConfig:
-    return AgentConfig(
-        max_steps=max_steps or cfg.max_tool_calls,
-        command_timeout=cfg.command_timeout,
-        max_format_errors=cfg.max_format_errors,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        max_tokens=cfg.per_turn_max_tokens,
-        context_budget=cfg.context_budget,
-        observation_max_chars=cfg.observation_max_chars,
-        budget_hints=cfg.budget_hints,
-        # A failing inference server is an infrastructure problem: retry briefly, then let
-        # the training loop re-queue the episode rather than wait out long back-offs.
-        retries=3,
-        backoff_s=(0.5, 1.0),
-    )
+def agent_settings(r: RolloutConfig) -> dict[str, Any]:
+    """The rollout section in `AgentConfig`'s names: the settings of every training episode
+    and, with the eval section's sampling on top, of the held-out bench trials."""
+    return {"max_steps": r.max_tool_calls, "command_timeout": r.command_timeout,
+            "max_format_errors": r.max_format_errors, "temperature": r.temperature, "top_p": r.top_p,
+            "max_tokens": r.per_turn_max_tokens, "context_budget": r.context_budget,
+            "observation_max_chars": r.observation_max_chars, "budget_hints": r.budget_hints}
 
 
-def token_policy(sampler: TokenSampler, tokenizer: Any, cfg: RolloutConfig, seed: int | None):
-    from agents.token_policy import TokenPolicy
-
-    return TokenPolicy(
-        sampler,
-        tokenizer,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        max_response_tokens=cfg.response_budget,
-        max_context_tokens=cfg.context_budget,
-        max_turn_tokens=cfg.per_turn_max_tokens,
-        max_prompt_tokens=cfg.max_prompt_tokens,
-        seed=seed,
-    )
-
-
-# ---- the episode --------------------------------------------------------------------
-
-
-def env_settings(cfg: RolloutConfig, labels: dict[str, str] | None = None) -> EnvSettings:
-    """The environment of every rollout: as in bench (images with the offline rewrites,
-    or host workspaces), in `cfg.sandbox`; every sandbox carries `labels` (`run_labels`)."""
+def env_settings(kind: str, image_map: list[str], labels: dict[str, str] | None = None) -> EnvSettings:
+    """Episodes' environments as in bench: images with the offline rewrites (`image_map`
+    on top of the built-in map), or host workspaces, in sandbox `kind`; every sandbox
+    carries `labels` (`run_labels`)."""
     from tasks.offline import default_config
 
-    return EnvSettings(kind=cfg.sandbox, rewrite=default_config(list(cfg.image_map)), labels=dict(labels or {}))
+    return EnvSettings(kind=kind, rewrite=default_config(list(image_map)), labels=dict(labels or {}))
 
 
 def run_labels(run_dir: str | Path) -> dict[str, str]:
@@ -178,20 +152,76 @@ def run_labels(run_dir: str | Path) -> dict[str, str]:
     return {RUN_LABEL: hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]}
 
 
-def _score(ep: Episode, out_dir: Path | None, timeout: float) -> tuple[float, dict]:
-    """The verifier's reward after a submit (tests/ are copied in only now)."""
-    try:
-        res = ep.verify(out_dir, timeout)
-    except SandboxError as e:
-        raise InfraError("verifier_error", f"verifier could not run: {e}") from e
-    info = {"status": res.status, "exit_code": res.exit_code, "duration_s": res.duration_s,
+@dataclass(frozen=True)
+class EpisodeSettings:
+    """What every episode of a run takes from the learn config, made once from its rollout
+    section (`EpisodeSettings.of`) and handed down: to the SFT demonstrations, the rollout
+    workers and each episode. Plain data, so it travels to Ray actors as it is."""
+
+    env: EnvSettings
+    agent: AgentConfig
+    response_budget: int  # model + tool tokens of one trajectory
+    max_prompt_tokens: int
+    test_timeout: float  # the verifier's limit, at most the task's own
+    harnesses: tuple[str, ...]  # rotated per group
+    pool_size: int = 0  # podman: containers each worker starts ahead of need
+    max_infra_retries: int = 3
+
+    @classmethod
+    def of(cls, r: RolloutConfig, labels: dict[str, str] | None = None) -> EpisodeSettings:
+        # A failing inference server is an infrastructure problem: retry briefly, then let
+        # the training loop re-queue the episode rather than wait out long back-offs.
+        agent = AgentConfig.from_settings({**agent_settings(r), "retries": 3, "backoff_s": (0.5, 1.0)})
+        harnesses = (r.harness,) if isinstance(r.harness, str) else tuple(r.harness)
+        return cls(env=env_settings(r.sandbox, r.image_map, labels), agent=agent, response_budget=r.response_budget,
+                   max_prompt_tokens=r.max_prompt_tokens, test_timeout=r.test_timeout, harnesses=harnesses,
+                   pool_size=r.pool_size, max_infra_retries=r.max_infra_retries)
+
+    def harness_for(self, group_id: int) -> str:
+        """The harness of a group: every sample of a group shares it, groups rotate."""
+        return self.harnesses[group_id % len(self.harnesses)]
+
+    def token_policy(self, sampler: TokenSampler, tokenizer: Any, seed: int | None):
+        """The token policy of one episode: the agent's sampling, the run's token budgets."""
+        from agents.token_policy import TokenPolicy
+
+        a = self.agent
+        return TokenPolicy(sampler, tokenizer, temperature=a.temperature, top_p=a.top_p,
+                           max_response_tokens=self.response_budget, max_context_tokens=a.context_budget,
+                           max_turn_tokens=a.max_tokens, max_prompt_tokens=self.max_prompt_tokens, seed=seed)
+
+    def worker_pool(self, slots: int) -> WarmPool | None:
+        """A rollout worker's pool: its running episodes plus `pool_size` started ahead (podman)."""
+        if self.env.kind != "podman" or self.pool_size == 0:
+            return None
+        return WarmPool(slots + self.pool_size)
+
+
+# ---- the episode --------------------------------------------------------------------
+
+
+# A verifier run that gave no reward: the infrastructure kind it is counted under.
+# A verifier timeout is not among them: it is scored 0 (see `_score`).
+VERIFIER_INFRA_KINDS = {
+    VerifierKind.NO_REWARD: "verifier_no_reward",
+    VerifierKind.EMPTY_REWARD: "verifier_no_reward",
+    VerifierKind.PARSE_ERROR: "verifier_error",
+    VerifierKind.SETUP_FAILED: "verifier_error",
+    VerifierKind.INFRA: "verifier_error",
+}
+
+
+def _score(ep: Episode, timeout: float, record_dir: Path | None) -> tuple[float, dict]:
+    """The verifier's reward after a submit (tests/ are copied in only now), its logs kept
+    under the episode's record dir (if any)."""
+    res = ep.verify(record_dir / "verifier" if record_dir is not None else None, timeout)
+    info = {"status": res.kind.value, "exit_code": res.exit_code, "duration_s": res.duration_s,
             "in_sandbox": ep.settings.kind}
-    if res.status == "timeout":
+    if res.kind == VerifierKind.TIMEOUT:
         # A test that hangs is the agent's doing (it left a broken state): reward 0.
         return 0.0, info
-    if res.reward is None:
-        kind = "verifier_no_reward" if "was written" in (res.error or "") else "verifier_error"
-        raise InfraError(kind, f"verifier {res.status}: {res.error}")
+    if res.kind != VerifierKind.OK or res.reward is None:
+        raise InfraError(VERIFIER_INFRA_KINDS[res.kind], f"verifier {res.kind.value}: {res.error}")
     return res.reward, info
 
 
@@ -220,18 +250,12 @@ INFRA_STATUSES = {
 }
 
 
-def _verify(ep: Any, timeout: float, record_dir: Path | None) -> tuple[float, dict | None]:
-    """The verifier's reward, its logs kept under the episode's record dir (if any)."""
-    return _score(ep, record_dir / "verifier" if record_dir is not None else None, timeout)
-
-
 def run_episode(
     req: EpisodeRequest,
     sampler: TokenSampler,
     tokenizer: Any,
-    cfg: RolloutConfig,
+    episode: EpisodeSettings,
     *,
-    settings: EnvSettings | None = None,
     image: TaskImage | None = None,
     pool: Any = None,
     record_dir: Path | None = None,
@@ -245,14 +269,14 @@ def run_episode(
     from agents.records import Recorder
 
     t0 = time.monotonic()
-    ep = _open(req, settings or env_settings(cfg), image, pool)
+    ep = _open(req, episode.env, image, pool)
     t_sandbox = time.monotonic() - t0
     task, sandbox_id, warm = ep.task, ep.sandbox_id, ep.warm
-    harness = make_harness(cfg.harness_for(req.group_id), ep.workdir)
+    harness = make_harness(episode.harness_for(req.group_id), ep.workdir)
     try:
-        policy = token_policy(sampler, tokenizer, cfg, req.seed)
+        policy = episode.token_policy(sampler, tokenizer, req.seed)
         recorder = Recorder(record_dir) if record_dir is not None else None
-        agent = Agent(policy, ep.sandbox, agent_config(cfg), recorder=recorder, harness=harness)
+        agent = Agent(policy, ep.sandbox, episode.agent, recorder=recorder, harness=harness)
         t1 = time.monotonic()
         result = agent.run(task.instruction)
         t_agent = time.monotonic() - t1
@@ -267,7 +291,7 @@ def run_episode(
         submitted = result.status == "submitted"
         if submitted:
             t2 = time.monotonic()
-            reward, vinfo = _verify(ep, min(cfg.test_timeout, task.config.verifier.timeout_sec), record_dir)
+            reward, vinfo = _score(ep, min(episode.test_timeout, task.config.verifier.timeout_sec), record_dir)
             t_verify = time.monotonic() - t2
     finally:
         harness.close()
@@ -304,38 +328,26 @@ def run_episode(
 # ---- environments before training, warm pools, infrastructure counts -----------------
 
 
-def prepare_tasks(cfg: RolloutConfig, task_dirs: list[str], report: Path | None = None, progress: bool = False,
-                  log: Any = None) -> PreparedTasks:
+def prepare_tasks(env: EnvSettings, task_dirs: list[str], report: Path | None = None,
+                  progress: Callable[[int, int], None] | None = None, log: Any = None) -> PreparedTasks:
     """Resolve every task's environment (`tasks.episode.prepare_environments`) before the
     first step. Unbuildable tasks are dropped, listed with their reason (and in `report`
-    as JSON); only when none is left does this raise."""
-    from rich.progress import Progress
-
+    as JSON); only when none is left does this raise. `progress(done, total)` follows it."""
     from tasks.episode import prepare_environments
 
     say = log or (lambda m: print(m, file=sys.stderr))
-    settings = env_settings(cfg)
-    with Progress(transient=True, disable=not progress) as bar:
-        job = bar.add_task(f"task environments ({cfg.sandbox})", total=len(task_dirs))
-        prepared = prepare_environments(task_dirs, settings, lambda done, total, d, err: bar.update(job, completed=done))
+    prepared = prepare_environments(task_dirs, env, (lambda done, total, d, err: progress(done, total))
+                                    if progress else None)
     for d, why in prepared.dropped.items():
         say(f"dropped task {Path(d).name}: {why}")
     if report is not None:
-        report.write_text(json.dumps({"sandbox": cfg.sandbox, "runnable": prepared.runnable,
-                                      "dropped": prepared.dropped}, indent=2))
+        write_json_atomic(report, {"sandbox": env.kind, "runnable": prepared.runnable, "dropped": prepared.dropped})
     if prepared.dropped:
         say(f"{len(prepared.dropped)} of {len(task_dirs)} tasks dropped (environment failed); "
             f"{len(prepared.runnable)} left")
     if not prepared.runnable:
-        raise InfraError("environment", f"no task of {len(task_dirs)} has a working {cfg.sandbox} environment")
+        raise InfraError("environment", f"no task of {len(task_dirs)} has a working {env.kind} environment")
     return prepared
-
-
-def worker_pool(cfg: RolloutConfig, slots: int) -> WarmPool | None:
-    """A rollout worker's pool: its running episodes plus `pool_size` started ahead (podman)."""
-    if cfg.sandbox != "podman" or cfg.pool_size == 0:
-        return None
-    return WarmPool(slots + cfg.pool_size)
 
 
 def prewarm(pool: WarmPool | None, task_dir: str, settings: EnvSettings, image: TaskImage | None) -> bool:

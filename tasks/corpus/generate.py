@@ -29,12 +29,12 @@ from typing import Callable
 from pydantic import BaseModel, Field
 
 from agents.records import write_json_atomic
+from sandbox.base import KINDS
 from tasks.corpus import prompts
 from tasks.corpus.axes import CORPUS_KINDS, AxesConfig, TaskAxes, load_axes, redraw, stratified_plan
 from tasks.corpus.package import TaskParts, replace_dir, write_task
 from tasks.corpus.scheduler import Backend, Finished, Job, LocalBackend, run_jobs
 from tasks.corpus.validate import GateReport, validate_task
-from tasks.hostenv import ENV_KINDS
 from tasks.offline import default_config
 
 STATE_DIR = ".generate"
@@ -99,8 +99,8 @@ class Generator:
     def __init__(self, config: GenerateConfig, api_key: str | None = None):
         if config.corpus_kind not in CORPUS_KINDS:
             raise GenerateError(f"unknown corpus kind {config.corpus_kind!r}: {', '.join(CORPUS_KINDS)}")
-        if config.environment not in ENV_KINDS:
-            raise GenerateError(f"unknown environment {config.environment!r}: {', '.join(ENV_KINDS)}")
+        if config.environment not in KINDS:
+            raise GenerateError(f"unknown environment {config.environment!r}: {', '.join(KINDS)}")
         from openai import OpenAI
 
         self.config = config

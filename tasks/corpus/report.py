@@ -130,10 +130,9 @@ def histogram_title(tag: str, h: dict) -> str:
 
 
 def write_png(report: dict, path: Path) -> Path:
-    import matplotlib
+    from tasks.charts import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     axes = [a for a in ("domain", "skill_type", "task_complexity", "language") if a in report["counts"]]
     hists = report.get("success_rate") or {}

@@ -206,18 +206,14 @@ def _worker_class():
         """Runs episodes, `slots` at a time (Ray threads), each in its own fresh sandbox;
         on podman from a warm pool of containers started ahead of need."""
 
-        def __init__(self, model_dir: str, rcfg: Any, sampler: Any, images: dict, slots: int = 1,
-                     labels: dict | None = None):
+        def __init__(self, model_dir: str, episode: Any, sampler: Any, images: dict, slots: int = 1):
             from transformers import AutoTokenizer
 
-            from training.rollout import env_settings, worker_pool
-
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-            self.cfg = rcfg
+            self.episode = episode  # a `training.rollout.EpisodeSettings`
             self.sampler = sampler
             self.images = images  # task dir -> TaskImage, resolved before training
-            self.settings = env_settings(rcfg, labels)
-            self.pool = worker_pool(rcfg, slots)
+            self.pool = episode.worker_pool(slots)
 
         def node_id(self) -> str:
             return _node_id()
@@ -225,7 +221,7 @@ def _worker_class():
         def prewarm(self, task_dir: str) -> bool:
             from training.rollout import prewarm
 
-            return prewarm(self.pool, task_dir, self.settings, self.images.get(task_dir))
+            return prewarm(self.pool, task_dir, self.episode.env, self.images.get(task_dir))
 
         def pool_stats(self) -> dict:
             p = self.pool
@@ -235,8 +231,8 @@ def _worker_class():
             from training.rollout import run_episode
 
             try:
-                r = run_episode(req, self.sampler, self.tokenizer, self.cfg, settings=self.settings,
-                                image=self.images.get(req.task_dir), pool=self.pool, start_version=version)
+                r = run_episode(req, self.sampler, self.tokenizer, self.episode, image=self.images.get(req.task_dir),
+                                pool=self.pool, start_version=version)
             except InfraError as e:
                 return {"infra_error": str(e), "kind": e.kind}
             return {"rollout": r}
@@ -473,7 +469,7 @@ def start_actors(cfg: Any, model_dir: str, resume_from: str | None, run_dir: str
     (already serving `model_dir`); `images` maps task dirs to their resolved images."""
     import ray
 
-    from training.rollout import run_labels
+    from training.rollout import EpisodeSettings, run_labels
 
     if engines is not None and pl is not None:
         raise ValueError("a placed run starts its own engines; running engines cannot be reused with a placement")
@@ -487,8 +483,9 @@ def start_actors(cfg: Any, model_dir: str, resume_from: str | None, run_dir: str
         # Start-up errors of any rank or engine surface here, before any episode runs.
         ray.get(learner.setups + (engines.ready() if own else []))
         RolloutWorker = _worker_class()
-        workers = [RolloutWorker.options(**o).remote(model_dir, cfg.rollout, engines.sampler(i), images,
-                                                     cfg.run.slots_per_worker, labels)
+        episode = EpisodeSettings.of(cfg.rollout, labels)
+        workers = [RolloutWorker.options(**o).remote(model_dir, episode, engines.sampler(i), images,
+                                                     cfg.run.slots_per_worker)
                    for i, o in enumerate(worker_options(cfg, pl))]
         actors = Actors(learner, engines, workers, own, labels)
         actors.remove_orphaned_containers()  # a killed earlier process of this run left them

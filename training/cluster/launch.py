@@ -25,9 +25,9 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 
+from sandbox.waiting import wait_until
 from training.cluster.placement import PlacementPlan
 from training.config import ClusterConfig
 from training.net import node_ip
@@ -178,13 +178,16 @@ def wait_for_nodes(expected: int, timeout_s: float = 300.0) -> int:
     """Block until `expected` nodes are alive; a clear error names how many joined."""
     import ray
 
-    deadline = time.monotonic() + timeout_s
-    alive = 0
-    while time.monotonic() < deadline:
-        alive = sum(1 for n in ray.nodes() if n.get("Alive"))
-        if alive >= expected:
-            return alive
-        time.sleep(2.0)
+    counts: list[int] = []
+
+    def enough() -> bool:
+        counts.append(sum(1 for n in ray.nodes() if n.get("Alive")))
+        return counts[-1] >= expected
+
+    wait_until(enough, timeout_s, 2.0)
+    alive = counts[-1]
+    if alive >= expected:
+        return alive
     raise ClusterError(f"only {alive} of {expected} Ray node(s) joined within {timeout_s:g}s")
 
 

@@ -10,8 +10,10 @@ engine core keeps its GBs of memory and a CPU core after its API server is gone.
 
 The guard is the process-group leader (the caller starts it in a new session), runs the
 command as its child in the same group, and polls the owner. When the owner is gone it
-sends SIGTERM to the group, then SIGKILL after a grace period. It exits with the
-command's status, so the caller sees the server's exit code as before. Stdlib only.
+ends everything else in the group (`sandbox.proctree.end_process_tree`: SIGTERM, then
+SIGKILL after a grace period). It exits with the command's status, so the caller sees the
+server's exit code as before. It runs as a script by file path, with the interpreter of
+the installed package.
 """
 
 from __future__ import annotations
@@ -21,36 +23,19 @@ import signal
 import subprocess
 import sys
 
+import psutil
+
+from sandbox.proctree import end_process_tree
+
 POLL_S = 1.0
 GRACE_S = 20.0
 
 
-# Like sandbox.podman_service's liveness check, written again on purpose: the guard runs as
-# a script by file path, outside the package, and must import nothing but the stdlib.
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _end_group(grace_s: float, child: subprocess.Popen) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the guard outlives its own SIGTERM to finish the job
-    pgid = os.getpgrp()
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        child.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
-    # Grandchildren (engine core, workers) may outlive the server: end the group. The guard
-    # is in the group too, so this is its last act.
-    os.killpg(pgid, signal.SIGKILL)
+    # Grandchildren (engine core, workers) may outlive the server: the whole group the guard leads.
+    end_process_tree(os.getpid(), grace_s)
+    child.poll()
 
 
 def main(argv: list[str]) -> int:
@@ -72,7 +57,7 @@ def main(argv: list[str]) -> int:
             return rc if rc >= 0 else 128 - rc
         except subprocess.TimeoutExpired:
             pass
-        if not _alive(owner) or os.getppid() != parent:
+        if not psutil.pid_exists(owner) or os.getppid() != parent:
             _end_group(GRACE_S, child)
             return 1
 

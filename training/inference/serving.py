@@ -17,16 +17,17 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import httpx
+
+from sandbox.proctree import end_process_tree, parent_death_hook
+from sandbox.waiting import wait_until
 
 DEFAULT_MODEL = "allenai/tmax-9b"
 DEFAULT_MAX_MODEL_LEN = 65536
@@ -247,29 +248,9 @@ def port_is_free(host: str, port: int) -> bool:
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
+        return httpx.get(url, timeout=timeout).status_code == 200
+    except (httpx.HTTPError, OSError, ValueError):
         return False
-
-
-def _die_with_parent():
-    """A pre-exec hook asking Linux to SIGTERM the server when its parent dies, also on
-    SIGKILL (where atexit never runs). The kernel ties this to the *thread* that forked, so
-    it is used only when the server is started from the main thread."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    parent = os.getpid()
-
-    def hook() -> None:
-        libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent died before the hook ran
-            os._exit(1)
-
-    return hook
 
 
 class VLLMServer:
@@ -318,7 +299,8 @@ class VLLMServer:
                 stdout=self._log or subprocess.DEVNULL,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent() if threading.current_thread() is threading.main_thread() else None,
+                # SIGTERM at the parent's death is tied to the forking thread: only the main one lasts.
+                preexec_fn=parent_death_hook() if threading.current_thread() is threading.main_thread() else None,
             )
         except OSError as e:
             raise ServerError(f"could not start vLLM ({self.command.argv[0]}): {e}") from e
@@ -332,16 +314,16 @@ class VLLMServer:
         return "\n".join(lines[-n:])
 
     def wait_healthy(self, timeout: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def healthy() -> bool:
             if self.proc is None:
                 raise ServerError("server not started")
             rc = self.proc.poll()
             if rc is not None:
                 raise ServerError(f"vLLM exited with code {rc} during start-up; log {self.log_path}:\n{self.log_tail()}")
-            if http_ok(self.url + "/health"):
-                return
-            time.sleep(1.0)
+            return http_ok(self.url + "/health")
+
+        if wait_until(healthy, timeout, 1.0):
+            return
         self.stop()
         raise ServerError(f"vLLM was not healthy after {timeout:.0f} s; log {self.log_path}:\n{self.log_tail()}")
 
@@ -352,18 +334,9 @@ class VLLMServer:
         proc, self.proc = self.proc, None
         atexit.unregister(self.stop)
         if proc is not None:
-            try:
-                pgid = os.getpgid(proc.pid)
-            except ProcessLookupError:
-                pgid = None
-            if pgid is not None:
-                _signal_group(pgid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=grace_s)
-                except subprocess.TimeoutExpired:
-                    pass
-                # Children (engine core, workers) may outlive the API server: end the group.
-                _signal_group(pgid, signal.SIGKILL)
+            # The guard, the API server and the children (engine core, workers) that may
+            # outlive it: the whole group the guard leads.
+            end_process_tree(proc.pid, grace_s)
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -379,9 +352,3 @@ class VLLMServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

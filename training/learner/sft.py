@@ -27,7 +27,7 @@ from agents.records import write_json_atomic
 from training.algo.batching import Group
 from training.config import LearnConfig
 from training.learner.packing import Pack, TrainSample, batch_samples
-from training.rollout import EpisodeRequest, InfraError, Rollout, env_settings, run_ahead, run_episode, worker_pool
+from training.rollout import EpisodeRequest, EpisodeSettings, InfraError, Rollout, run_ahead, run_episode
 
 if TYPE_CHECKING:
     import torch
@@ -84,29 +84,29 @@ class ScriptedSampler:
         return SampledTokens(ids, [0.0] * len(ids), "stop", 0)
 
 
-def oracle_demo(task_dir: str | Path, tokenizer: Any, cfg: LearnConfig, *, group_id: int = 0,
+def oracle_demo(task_dir: str | Path, tokenizer: Any, episode: EpisodeSettings, *, group_id: int = 0,
                 image: TaskImage | None = None, pool: WarmPool | None = None) -> Rollout:
     """Play a nano task's oracle through the harness; raises DemoError unless it scores 1."""
     from training.nano.tasks import oracle_steps
 
-    r = play_demo(task_dir, oracle_steps(task_dir), tokenizer, cfg, group_id=group_id, image=image, pool=pool)
+    r = play_demo(task_dir, oracle_steps(task_dir), tokenizer, episode, group_id=group_id, image=image, pool=pool)
     if r.reward < 1.0:
         raise DemoError(f"{task_dir}: the oracle scored {r.reward} ({r.status})")
     return r
 
 
-def play_demo(task_dir: str | Path, steps: list[tuple[str, str]], tokenizer: Any, cfg: LearnConfig, *,
+def play_demo(task_dir: str | Path, steps: list[tuple[str, str]], tokenizer: Any, episode: EpisodeSettings, *,
               group_id: int = 0, image: TaskImage | None = None, pool: WarmPool | None = None) -> Rollout:
     """Play scripted (THOUGHT, command) steps through the harness of group `group_id`
-    (`rollout.harness_for`), as its rollouts would run; the verifier scores it. `image`
+    (`episode.harness_for`), as its rollouts would run; the verifier scores it. `image`
     and `pool` as for `run_episode`."""
-    turns = scripted_turns(tokenizer, steps, cfg.rollout.harness_for(group_id))
+    turns = scripted_turns(tokenizer, steps, episode.harness_for(group_id))
     req = EpisodeRequest(str(task_dir), group_id, 0, 0)
-    return run_episode(req, ScriptedSampler(turns), tokenizer, cfg.rollout, image=image, pool=pool)
+    return run_episode(req, ScriptedSampler(turns), tokenizer, episode, image=image, pool=pool)
 
 
-def teacher_demo(task_dir: str | Path, tokenizer: Any, cfg: LearnConfig, *, group_id: int = 0,
-                 image: TaskImage | None = None, pool: WarmPool | None = None) -> Rollout:
+def teacher_demo(task_dir: str | Path, tokenizer: Any, cfg: LearnConfig, episode: EpisodeSettings, *,
+                 group_id: int = 0, image: TaskImage | None = None, pool: WarmPool | None = None) -> Rollout:
     """The oracle when `sft.teacher_accuracy` is 1, else an imperfect teacher whose choice
     is drawn from a generator seeded by the run seed and the task (reproducible). A
     teacher demo is kept whatever its reward; only an oracle demo must pass."""
@@ -114,10 +114,10 @@ def teacher_demo(task_dir: str | Path, tokenizer: Any, cfg: LearnConfig, *, grou
 
     acc = cfg.sft.teacher_accuracy
     if acc >= 1.0:
-        return oracle_demo(task_dir, tokenizer, cfg, group_id=group_id, image=image, pool=pool)
+        return oracle_demo(task_dir, tokenizer, episode, group_id=group_id, image=image, pool=pool)
     rng = random.Random(f"teacher-{cfg.algo.seed}-{Path(task_dir).name}")
     steps, right = teacher_steps(task_dir, acc, rng)
-    r = play_demo(task_dir, steps, tokenizer, cfg, group_id=group_id, image=image, pool=pool)
+    r = play_demo(task_dir, steps, tokenizer, episode, group_id=group_id, image=image, pool=pool)
     if right and r.reward < 1.0:
         raise DemoError(f"{task_dir}: the oracle scored {r.reward} ({r.status})")
     return r
@@ -142,20 +142,21 @@ def collect_demos(task_dirs: list[str], tokenizer: Any, cfg: LearnConfig, out_js
     resolves its image and starts its own container)."""
     images = images or {}
     slots = cfg.run.concurrency
-    pool = worker_pool(cfg.rollout, slots) if images else None
+    episode = EpisodeSettings.of(cfg.rollout)
+    pool = episode.worker_pool(slots) if images else None
 
     def one(i: int) -> Rollout:
         d = task_dirs[i]
-        for attempt in range(cfg.rollout.max_infra_retries + 1):
+        for attempt in range(episode.max_infra_retries + 1):
             try:
-                return teacher_demo(d, tokenizer, cfg, group_id=i, image=images.get(d), pool=pool)
+                return teacher_demo(d, tokenizer, cfg, episode, group_id=i, image=images.get(d), pool=pool)
             except InfraError:
-                if attempt == cfg.rollout.max_infra_retries:
+                if attempt == episode.max_infra_retries:
                     raise
         raise AssertionError("unreachable")
 
     try:
-        demos = run_ahead(task_dirs, one, env_settings(cfg.rollout), images, pool, slots)
+        demos = run_ahead(task_dirs, one, episode.env, images, pool, slots)
     finally:
         if pool is not None:
             pool.close()

@@ -29,12 +29,13 @@ in a podman container and on the `local` / `bwrap` sandboxes.
 
 from __future__ import annotations
 
-import json
 import random
 import shutil
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import tomli_w
 
 from agents.prompts import SUBMIT_COMMAND
 
@@ -259,42 +260,19 @@ fi
 """
 
 
-def _toml_str(s: str) -> str:
-    return json.dumps(s)  # a JSON string of plain ASCII is a valid TOML basic string
-
-
-def _task_toml(t: NanoTask) -> str:
-    params = "\n".join(f"{k} = {_toml_str(v) if isinstance(v, str) else v}" for k, v in t.params.items())
-    commands = ", ".join(_toml_str(c) for c in t.commands)
-    return f"""version = "1.0"
-
-[metadata]
-author_name = "tmax nano task generator"
-difficulty = "easy"
-category = "nano-{t.kind.split('_')[0]}"
-tags = ["nano", {_toml_str(t.kind)}]
-
-[metadata.nano]
-kind = {_toml_str(t.kind)}
-split = {_toml_str(t.split)}
-commands = [{commands}]
-
-[metadata.nano.params]
-{params}
-
-[verifier]
-timeout_sec = 30.0
-
-[agent]
-timeout_sec = 300.0
-
-[environment]
-build_timeout_sec = 300.0
-cpus = 1
-memory_mb = 512
-storage_mb = 1024
-allow_internet = false
-"""
+def _task_toml(t: NanoTask) -> dict:
+    return {
+        "version": "1.0",
+        "metadata": {
+            "author_name": "tmax nano task generator", "difficulty": "easy",
+            "category": f"nano-{t.kind.split('_')[0]}", "tags": ["nano", t.kind],
+            "nano": {"kind": t.kind, "split": t.split, "commands": list(t.commands), "params": dict(t.params)},
+        },
+        "verifier": {"timeout_sec": 30.0},
+        "agent": {"timeout_sec": 300.0},
+        "environment": {"build_timeout_sec": 300.0, "cpus": 1, "memory_mb": 512, "storage_mb": 1024,
+                        "allow_internet": False},
+    }
 
 
 def write_task(t: NanoTask, task_dir: Path) -> Path:
@@ -305,7 +283,7 @@ def write_task(t: NanoTask, task_dir: Path) -> Path:
     env, tests, sol = task_dir / "environment", task_dir / "tests", task_dir / "solution"
     for d in (env / "files", tests, sol):
         d.mkdir(parents=True)
-    (task_dir / "task.toml").write_text(_task_toml(t))
+    (task_dir / "task.toml").write_text(tomli_w.dumps(_task_toml(t)))
     (task_dir / "instruction.md").write_text(t.instruction + "\n")
     copy = "COPY files/ ./\n" if t.files else ""
     (env / "Dockerfile").write_text(f"FROM {BASE_IMAGE}\nWORKDIR {WORKDIR}\n{copy}")

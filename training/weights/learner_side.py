@@ -6,12 +6,12 @@ step. Ray and torch are imported lazily: importing this module is cheap."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 from typing import TYPE_CHECKING
 
+from sandbox.waiting import wait_until
 from training.weights.transports import DEFAULT_BUCKET_MB, resolve_transport
 
 if TYPE_CHECKING:
@@ -170,13 +170,14 @@ class WeightSync:
     def _group_members(self) -> list:
         """The engines that receive this sync, re-forming the group when that set changed.
         While no engine is up (all restarting), wait for one, up to the start-up timeout."""
-        deadline = time.monotonic() + self.ecfg.startup_timeout_s
-        live, stale = self._probe()
-        while not live:
-            if time.monotonic() > deadline:
-                raise RuntimeError("no engine can take the weights: every engine actor is down")
-            time.sleep(2.0)
+        def some_live() -> tuple[list, list] | None:
             live, stale = self._probe()
+            return (live, stale) if live else None
+
+        found = wait_until(some_live, self.ecfg.startup_timeout_s, 2.0)
+        if not found:
+            raise RuntimeError("no engine can take the weights: every engine actor is down")
+        live, stale = found
         if stale or len(live) != len(self.members):
             self._form_group(live)
         return live

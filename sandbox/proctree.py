@@ -1,0 +1,82 @@
+"""Processes tmax starts and must not leave behind: ending one with everything it started,
+and tying a child to its parent's life.
+
+Every child that can fork (a sandbox command, an image build, a vLLM server and its
+engine core, the podman service) ends through `end_process_tree`, and a child that must
+die with its parent, even one SIGKILLed, gets `parent_death_hook` as its pre-exec hook.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+import psutil
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _tree(pid: int) -> dict[int, psutil.Process]:
+    """`pid`, its descendants, and the other members of the process group it leads (orphans
+    whose parent exited stay in the group): collected before any signal, since a child
+    whose parent dies is re-parented and no longer found below it."""
+    found: dict[int, psutil.Process] = {}
+    try:
+        root = psutil.Process(pid)
+        found[pid] = root
+        found.update((c.pid, c) for c in root.children(recursive=True))
+    except psutil.NoSuchProcess:
+        pass
+    for other in psutil.pids():
+        if other in found:
+            continue
+        try:
+            if os.getpgid(other) == pid:
+                found[other] = psutil.Process(other)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            pass
+    found.pop(os.getpid(), None)  # a guard ending its own group outlives the signals it sends
+    return found
+
+
+def end_process_tree(pid: int, grace_s: float = 10.0) -> None:
+    """End process `pid`, everything it started and, when it leads its own process group (a
+    child started with `start_new_session=True`), whatever is left in that group: SIGTERM,
+    then SIGKILL for what still runs after `grace_s` (SIGKILL at once when 0). Processes
+    already gone are skipped; the calling process is never signalled."""
+    procs = list(_tree(pid).values())
+    if grace_s > 0:
+        for p in procs:
+            try:
+                p.terminate()
+            except psutil.Error:
+                pass
+        _, procs = psutil.wait_procs(procs, timeout=grace_s)
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=5)
+
+
+def parent_death_hook(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A pre-exec hook (Popen's `preexec_fn`) asking Linux to send the child `sig` when its
+    parent dies, by SIGKILL too, where no exit handler runs. The kernel ties this to the
+    *thread* that forked the child, so fork from a thread that lasts (the main thread, or
+    `sandbox.hostexec.on_lasting_thread`). None where there is no such call (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = os.getpid()
+
+    def hook() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, int(sig))
+        if os.getppid() != parent:  # the parent died before the hook ran
+            os._exit(1)
+
+    return hook
