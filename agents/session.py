@@ -8,9 +8,11 @@
   infrastructure, not the agent), and it is closed on the way out whatever happened.
 * Signals: SIGTERM and SIGHUP end the run like a Ctrl-C answered with "quit" (so the
   sandbox is removed) and kill a running command's process group at once. A process
-  started in the background by a script inherits SIGINT ignored: Ctrl-C (kill -INT) must
-  still stop a command and the run, so SIGINT raises KeyboardInterrupt while the session
-  is open. The previous handlers come back on exit.
+  started in the background by a script inherits SIGINT ignored, and one started by a
+  process that blocks it (a Ray worker, some job runners) inherits it blocked: Ctrl-C
+  (kill -INT) must still stop a command and the run, so while the session is open SIGINT
+  raises KeyboardInterrupt and the three signals are unblocked. The previous handlers and
+  signal mask come back on exit.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any, Callable
 
 from sandbox import make_sandbox
 from sandbox.base import Sandbox, SandboxError, SandboxSpec
+
+_HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class RunSession:
@@ -32,10 +36,14 @@ class RunSession:
         self.box: Sandbox | None = None
         self.close_error: str | None = None  # what went wrong while closing, for the caller to show
         self._old_handlers: dict[int, Any] = {}
+        self._old_mask: set[signal.Signals] = set()
 
     def __enter__(self) -> "RunSession":
         self._old_handlers = {s: signal.signal(s, self._terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
         self._old_handlers[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
+        # A blocked signal survives exec and a handler does not unblock it: Ctrl-C would
+        # stay pending until the run ends. Threads started later inherit this mask.
+        self._old_mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED)
         return self
 
     def start(self) -> Sandbox:
@@ -58,6 +66,7 @@ class RunSession:
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._old_handlers.items():
             signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, self._old_mask)
         if self.box is None:
             return
         try:

@@ -15,8 +15,11 @@ BASE_IMAGE = os.environ.get("TMAX_TEST_IMAGE", "localhost/tmax-base:bookworm")
 # Tests press Ctrl-C (SIGINT) on this process and on the commands they start, as a person at
 # a terminal would. Started in the background by a script, pytest inherits SIGINT ignored, and
 # its children with it: Python's own handler here lets them start with the default again.
+# Started by a process that blocks SIGINT (a Ray worker, some job runners), it inherits it
+# blocked: a press would stay pending, so the agent loop would never see it.
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 # Task fixtures carry their own tests (test_initial_state.py, ...): they are data, run by the
 # verifiers of the tasks under test, never collected by this suite.

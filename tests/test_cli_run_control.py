@@ -80,6 +80,29 @@ def test_background_run_is_interruptible_and_time_boxed(env, ws, tmp_path):
     assert _wait_gone(marker, 5)
 
 
+def test_ctrl_c_stops_a_slow_model_call_when_started_with_sigint_blocked(env, ws, tmp_path):
+    """A parent that blocks SIGINT (a Ray worker, some job runners) passes the block on
+    through exec: Ctrl-C must still interrupt the model call at once, not stay pending."""
+    block_then_exec = ("import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}); "
+                       "os.execv(sys.executable, sys.argv[1:])")
+    with ScriptedServer([{"delay": 20, "bash": "echo slow"}]) as srv:
+        args = run_args(srv, ws, tmp_path / "run", "--sandbox", JAIL)
+        proc = subprocess.Popen([sys.executable, "-c", block_then_exec, sys.executable, "-m", "tmax_cli.main", "run",
+                                 "--json", *args], env=env, cwd=str(ws), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL, text=True)
+        deadline = time.monotonic() + 30
+        while not srv.requests and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert srv.requests, proc.stderr.read() if proc.poll() is not None else "no model call"
+        pressed = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        waited = time.monotonic() - pressed
+    events = [json.loads(line) for line in out.splitlines()]
+    assert events[-1]["status"] == "interrupted" and proc.returncode == 130, err
+    assert waited < 10 and not any(e["type"] == "command" for e in events)
+
+
 def test_sigterm_stops_a_command_that_ignores_ctrl_c(env, ws, tmp_path):
     """A supervisor's time box (`timeout`, a CI limit) ends the run and the command at once."""
     marker = f"5{os.getpid() % 1000}.{time.monotonic_ns() % 1000}"
