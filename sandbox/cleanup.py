@@ -11,9 +11,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from sandbox.base import LABEL_KEY, LABEL_VALUE, NAME_PREFIX
 from sandbox.images import BASE_LABEL_KEY
-from sandbox.podman_service import _pid_alive, clean_stale_services
+from sandbox.podman_service import clean_stale_services
 
 OWNER_LABEL = "io.tmax.pid"  # the tmax process that made a container
 
@@ -57,7 +59,7 @@ def _remove_containers(rep: CleanReport, labels: dict[str, str] | None, all_owne
         for c in labelled_containers(labels):
             cid, names = c.get("Id", ""), c.get("Names") or []
             owner = (c.get("Labels") or {}).get(OWNER_LABEL, "")
-            if not all_owners and owner.isdigit() and _pid_alive(int(owner)):
+            if not all_owners and owner.isdigit() and psutil.pid_exists(int(owner)):
                 continue
             rep.containers.append(names[0] if names else cid[:12])
             if not dry_run:
