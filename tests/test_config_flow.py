@@ -46,6 +46,9 @@ SET: dict[str, dict] = {
             "checkpoint_every": 4, "keep_checkpoints": 5, "wandb": True, "wandb_project": "flow",
             "tensorboard": True, "ray_address": "10.0.0.1:6379", "ray_num_cpus": 3, "torch_threads": 2,
             "learner_strategy": "replicate"},
+    "guard": {"enabled": True, "window": 5, "min_history": 2, "mad_k": 3.0, "min_policy_alarms": 2, "patience": 2,
+              "max_infra_rate": 0.4, "stall_groups": 7, "confirm_steps": 3, "remedy": "skip_batch", "lr_factor": 0.3,
+              "group_factor": 3, "max_rollbacks": 5},
 }
 
 # Keys read inside code that needs Ray, a server or a whole run: (module, attribute read).
@@ -95,6 +98,13 @@ READ_BY: dict[str, tuple[str, str]] = {
     "run.ray_address": ("training/loop.py", "ray_address"),
     "run.ray_num_cpus": ("training/loop.py", "ray_num_cpus"),
     "run.torch_threads": ("training/cluster/actors.py", "torch_threads"),
+    "guard.enabled": ("training/rollback.py", "enabled"),
+    "guard.stall_groups": ("training/rollback.py", "stall_groups"),
+    "guard.confirm_steps": ("training/rollback.py", "confirm_steps"),
+    "guard.remedy": ("training/rollback.py", "remedy"),
+    "guard.lr_factor": ("training/rollback.py", "lr_factor"),
+    "guard.group_factor": ("training/rollback.py", "group_factor"),
+    "guard.max_rollbacks": ("training/rollback.py", "max_rollbacks"),
 }
 
 
@@ -104,6 +114,7 @@ def _arrivals(cfg: LearnConfig, d: dict) -> dict[str, list[tuple[object, object]
     r, a, e = cfg.rollout, cfg.algo, cfg.engine
     argv, gpu_env, cpu_env = d["gpu_argv"], d["gpu_env"], d["cpu_env"]
     agent, policy, learner, env = d["agent"], d["policy"], d["learner"], d["env"]
+    g, det = cfg.guard, d["detector"]
 
     def flag(name: str) -> str:
         return argv[argv.index(name) + 1]
@@ -148,6 +159,12 @@ def _arrivals(cfg: LearnConfig, d: dict) -> dict[str, list[tuple[object, object]
         "engine.extra_args": [(argv[-len(e.extra_args):], e.extra_args)],
         "engine.startup_timeout_s": [(d["server_options"]["startup_timeout_s"], e.startup_timeout_s)],
         "run.learner_strategy": [(learner.strategy, cfg.run.learner_strategy)],
+        "guard.window": [(det.window, g.window)],
+        "guard.min_history": [(det.min_history, g.min_history)],
+        "guard.mad_k": [(det.mad_k, g.mad_k)],
+        "guard.min_policy_alarms": [(det.min_policy_alarms, g.min_policy_alarms)],
+        "guard.patience": [(det.patience, g.patience)],
+        "guard.max_infra_rate": [(det.max_infra_rate, g.max_infra_rate)],
         # Dev mode, which the training engine always runs in.
         "_engine_dev_mode": [(gpu_env.get("VLLM_SERVER_DEV_MODE"), "1")],
     }
@@ -234,7 +251,7 @@ def built(cfg, tokenizer, tmp_path_factory):
         "gpu_argv": gpu.argv, "gpu_env": gpu.env, "cpu_env": cpu.env, "server_options": options,
         "agent": agent_config(cfg.rollout), "policy": token_policy(None, tokenizer, cfg.rollout, cfg.algo.seed),
         "learner": learner_config(cfg), "env": env_settings(cfg.rollout), "pool": pool, "slots": slots,
-        "dumped": tomllib.loads(dump_toml(cfg)),
+        "dumped": tomllib.loads(dump_toml(cfg)), "detector": cfg.guard.detector(),
     }
 
 

@@ -104,14 +104,15 @@ class RunGuard:
         v = self.detector.judge(s.step + 1, row, remember=False)
         if not v.collapse:
             return False
-        if s.train_ref is not None:  # a step of the collapsing policy still training: dropped too
+        in_flight = s.train_ref is not None
+        if in_flight:  # a step of the collapsing policy still training: dropped too
             import ray
 
             ray.get(s.train_ref)
             s.train_ref = None
         attempted = s.step + 1
         row.update({"guard/stall": 1.0, "guard/alarms": float(len(v.alarms))})
-        self._act(t, v, row, steps_lost=s.step - self._target_step(t))
+        self._act(t, v, row, steps_lost=s.step + int(in_flight) - self._target_step(t))
         t.sink.log(attempted, row)
         return True
 
