@@ -221,14 +221,16 @@ def test_summary_report_and_curve_show_rollbacks(tmp_path):
     assert guard_report({"guard": {"events": []}}) == ["collapse guard: no rollback"]
 
 
-def test_cli_learn_report_lists_events_with_their_signals(tmp_path):
+def test_cli_learn_report_lists_events_with_their_signals(tmp_path, monkeypatch):
+    """The README's `tmax learn report runs/nano`, on a nano recipe directory (RL run in rl/)."""
     from typer.testing import CliRunner
 
     from tmax_cli.main import app
 
-    (tmp_path / "rl").mkdir()
-    (tmp_path / "rl" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _event_rows()))
-    res = CliRunner().invoke(app, ["learn", "report", str(tmp_path)])
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "nano" / "rl").mkdir(parents=True)
+    (tmp_path / "runs" / "nano" / "rl" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _event_rows()))
+    res = CliRunner().invoke(app, "learn report runs/nano".split())
     assert res.exit_code == 0, res.output
     assert "1 rollback(s), 2 step(s) lost" in res.output and "identical 1.0 (baseline 0.3" in res.output
     res = CliRunner().invoke(app, ["learn", "report", str(tmp_path / "nothing")])
