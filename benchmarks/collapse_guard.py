@@ -82,6 +82,7 @@ def main() -> None:
 
     import ray
 
+    from agents.records import write_json_atomic
     from training.cluster.actors import start_engines
     from training.cluster.launch import init_ray
     from training.config import preset
@@ -97,8 +98,16 @@ def main() -> None:
     prepared = prepare_recipe_tasks(base, train_dir, held_dir, out, log)
     start = sft_stage(base, model_dir, prepared, out, log)["checkpoint"]
     result: dict = {"seed": args.seed, "lr": args.lr}
+    # Written after every run, so an interrupted benchmark keeps what it measured; the pair
+    # and the healthy runs can run as two processes on one SFT checkpoint.
+    report = out / ("collapse_guard_healthy.json" if args.skip_collapse else "collapse_guard.json")
+
+    def save() -> None:
+        result["minutes_total"] = round((time.monotonic() - t0) / 60, 1)
+        write_json_atomic(report, result)
+
     started = init_ray(base.run.ray_address, base.run.ray_num_cpus)
-    engine = start_engines(base, start, out / "engine")
+    engine = start_engines(base, start, out / f"engine-{report.stem}")
     try:
         if not args.skip_collapse:
             result["heldout_sft"] = heldout_eval(base, engine, held_dir, out / "eval", "sft", log)["pass_rate"]
@@ -113,6 +122,7 @@ def main() -> None:
                     g = run["summary"]["guard"]
                     result.update(rollbacks=g["rollbacks"], steps_lost=g["steps_lost"], on_stopped=g["stopped"],
                                   on_events=g["events"])
+                save()
             result["gain_points"] = round(100 * (result["heldout_on"] - result["heldout_off"]), 1)
         result["healthy"] = []
         for seed in [int(x) for x in args.healthy_seeds.split(",") if x.strip()]:
@@ -122,13 +132,13 @@ def main() -> None:
             result["healthy"].append({"seed": seed, "rollbacks": s["guard"]["rollbacks"], "steps": s["steps"],
                                       "error": run["error"], "reward_first_quarter": s["reward_first_quarter"],
                                       "reward_last_quarter": s["reward_last_quarter"], "seconds": run["seconds"]})
+            save()
     finally:
         engine.close()
         engine.kill()
         if started:
             ray.shutdown()
-    result["minutes_total"] = round((time.monotonic() - t0) / 60, 1)
-    (out / "collapse_guard.json").write_text(json.dumps(result, indent=2))
+    save()
     if args.json:
         print(json.dumps(result))
         return
