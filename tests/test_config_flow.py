@@ -47,7 +47,7 @@ SET: dict[str, dict] = {
             "tensorboard": True, "ray_address": "10.0.0.1:6379", "ray_num_cpus": 3, "torch_threads": 2,
             "learner_strategy": "replicate"},
     "guard": {"enabled": True, "window": 5, "min_history": 2, "mad_k": 3.0, "min_policy_alarms": 2, "patience": 2,
-              "max_infra_rate": 0.4, "stall_groups": 7, "confirm_steps": 3, "remedy": "skip_batch", "lr_factor": 0.3,
+              "max_infra_rate": 0.4, "min_episodes": 3, "stall_groups": 7, "confirm_steps": 3, "remedy": "skip_batch", "lr_factor": 0.3,
               "group_factor": 3, "max_rollbacks": 5},
 }
 
@@ -165,6 +165,7 @@ def _arrivals(cfg: LearnConfig, d: dict) -> dict[str, list[tuple[object, object]
         "guard.min_policy_alarms": [(det.min_policy_alarms, g.min_policy_alarms)],
         "guard.patience": [(det.patience, g.patience)],
         "guard.max_infra_rate": [(det.max_infra_rate, g.max_infra_rate)],
+        "guard.min_episodes": [(det.min_episodes, g.min_episodes)],
         # Dev mode, which the training engine always runs in.
         "_engine_dev_mode": [(gpu_env.get("VLLM_SERVER_DEV_MODE"), "1")],
     }

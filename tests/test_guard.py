@@ -32,7 +32,7 @@ def test_recorded_collapse_is_detected_before_the_policy_is_gone():
     rows = _series("collapse_lr2e-3.jsonl")
     verdicts = replay(rows)
     first = next(v for v in verdicts if v.collapse)
-    broken = next(r["step"] for r in rows if r["health/format_error_rate"] >= 0.5 or r["train/reward_all_rollouts"] < 0.1)
+    broken = next(r["step"] for r in rows if r["health/format_error_rate"] >= 0.5 or r["health/reward"] < 0.1)
     assert first.step <= broken, [v.describe() for v in verdicts]
     kinds = {a.role for a in first.alarms}
     assert kinds == {"outcome", "policy"}, first.describe()
@@ -55,7 +55,7 @@ def test_infra_error_burst_on_a_healthy_run_is_not_a_collapse():
     are "infra" (not judged, kept out of the baseline) and the run stays healthy after."""
     rows = [dict(r) for r in _series("healthy_nano.jsonl")]
     for r in rows[5:8]:
-        r.update({"health/infra_error_rate": 0.5, "train/reward_all_rollouts": 0.0, "health/submit_rate": 0.0,
+        r.update({"health/infra_error_rate": 0.5, "health/reward": 0.0, "health/submit_rate": 0.0,
                   "health/format_error_rate": 0.0, "health/turns": 0.0, "health/response_tokens": 0.0})
     verdicts = replay(rows)
     assert [v.status for v in verdicts[5:8]] == ["infra"] * 3
@@ -70,7 +70,7 @@ def test_infra_error_burst_on_a_healthy_run_is_not_a_collapse():
 
 
 def _row(step, reward=0.5, fmt=0.05, entropy=0.8, identical=0.2, **extra):
-    return {"step": step, "train/reward_all_rollouts": reward, "health/format_error_rate": fmt,
+    return {"step": step, "health/episodes": 64.0, "health/reward": reward, "health/format_error_rate": fmt,
             "health/sampled_entropy": entropy, "health/identical_sample_frac": identical, **extra}
 
 
@@ -124,6 +124,16 @@ def test_health_metrics_over_every_episode_since_the_step():
     assert m["health/sampled_entropy"] == pytest.approx((7 * 0.5 + 2 * 2.0) / 9)
     assert m["health/turns"] == pytest.approx(10 / 6) and m["health/response_tokens"] == pytest.approx(9 / 6)
     assert m["health/infra_error_rate"] == pytest.approx(2 / 8)
+    assert m["health/reward"] == pytest.approx(4 / 6) and m["health/episodes"] == 6
+    # No episode finished during the step: nothing measured, rather than rates of 0.
+    assert health_metrics([], requeued=3) == {"health/episodes": 0.0, "health/infra_error_rate": 1.0}
+
+
+def test_rollout_signals_of_a_handful_of_episodes_are_not_judged():
+    base = [_row(i) for i in range(1, 5)]
+    few = _row(5, reward=0.0, fmt=1.0, entropy=0.1, identical=1.0, **{"health/episodes": 3.0})
+    assert replay(base + [few])[-1].status == "healthy"
+    assert replay(base + [few], DetectorConfig(min_episodes=2))[-1].collapse
 
 
 # -- checkpoints: health marks, pruning, resume ---------------------------------------------

@@ -213,6 +213,7 @@ class GuardConfig(_Strict):
     min_policy_alarms: int = Field(1, ge=1)
     patience: int = Field(1, ge=1)
     max_infra_rate: float = Field(0.25, ge=0, le=1)
+    min_episodes: int = Field(8, ge=1)  # fewer finished since the last step: rollout signals not judged
     # Zero-variance groups in a row after which the episodes sampled since the last step
     # are judged (a collapsed policy fails every episode, so no batch ever fills).
     stall_groups: int = Field(16, ge=1)
@@ -229,7 +230,7 @@ class GuardConfig(_Strict):
 
         return DetectorConfig(window=self.window, min_history=self.min_history, mad_k=self.mad_k,
                               min_policy_alarms=self.min_policy_alarms, patience=self.patience,
-                              max_infra_rate=self.max_infra_rate)
+                              max_infra_rate=self.max_infra_rate, min_episodes=self.min_episodes)
 
 
 class LearnConfig(_Strict):

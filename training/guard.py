@@ -18,7 +18,10 @@ metrics.jsonl) and returns a `Verdict`. The rule:
    gradient norm) alarm together, for `patience` judged steps in a row. Either kind alone
    is not enough: a policy that sharpens as it learns (lower entropy, more identical
    samples) has rising reward, and a reward dip without a change in the policy is noise.
-3. **Infrastructure veto.** A step whose infra-error rate (episodes re-queued for
+3. **Enough episodes.** The rollout-side signals (`health/*`) are rates over the episodes
+   finished since the last step; with fewer than `min_episodes` of them only the learner's
+   signals are judged.
+4. **Infrastructure veto.** A step whose infra-error rate (episodes re-queued for
    infrastructure failures over episodes attempted) is above `max_infra_rate` is not
    judged ("infra"): trouble with sandboxes or the inference server never reads as a
    policy collapse, and such a step does not enter the baseline either.
@@ -38,6 +41,7 @@ Role = Literal["outcome", "policy"]
 Status = Literal["warming", "healthy", "alarm", "collapse", "infra"]
 
 INFRA_RATE = "health/infra_error_rate"
+EPISODES = "health/episodes"
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,7 @@ class Signal:
 
 
 SIGNALS: tuple[Signal, ...] = (
-    Signal("reward", "train/reward_all_rollouts", "down", "outcome", 0.2),
+    Signal("reward", "health/reward", "down", "outcome", 0.2),
     Signal("format_errors", "health/format_error_rate", "up", "outcome", 0.2),
     Signal("submit_rate", "health/submit_rate", "down", "outcome", 0.2),
     Signal("entropy", "health/sampled_entropy", "both", "policy", 0.05, 0.5),
@@ -79,6 +83,7 @@ class DetectorConfig:
     min_policy_alarms: int = 1
     patience: int = 1
     max_infra_rate: float = 0.25
+    min_episodes: int = 8
 
 
 @dataclass(frozen=True)
@@ -129,6 +134,9 @@ class Detector:
         if infra > self.cfg.max_infra_rate:
             return Verdict(step, "infra", infra_rate=infra)
         values = {s.name: v for s in self.signals if (v := _number(row.get(s.key))) is not None}
+        if (_number(row.get(EPISODES)) or 0.0) < self.cfg.min_episodes:
+            # Rates over a handful of episodes are noise: judge the learner's signals only.
+            values = {k: v for k, v in values.items() if not self._rollout_side(k)}
         if len(self.history) < self.cfg.min_history:
             if remember:
                 self._remember(step, values)
@@ -146,6 +154,9 @@ class Detector:
         if not meets and remember:
             self._remember(step, values)
         return Verdict(step, "alarm" if alarms else "healthy", alarms, infra)
+
+    def _rollout_side(self, name: str) -> bool:
+        return next(s for s in self.signals if s.name == name).key.startswith("health/")
 
     def rewind(self, step: int) -> None:
         """Forget what was learned after `step` (the run went back to its checkpoint)."""

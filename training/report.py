@@ -292,7 +292,11 @@ def health_metrics(rollouts: list, requeued: int = 0) -> dict[str, float]:
     """The collapse guard's rollout-side signals (`health/*`) over every episode finished
     since the last step (filtered groups included), and the infra-error rate among the
     episodes attempted (finished + re-queued after an infrastructure failure)."""
-    n = max(1, len(rollouts))
+    infra = {"health/episodes": float(len(rollouts)),
+             "health/infra_error_rate": requeued / max(1, len(rollouts) + requeued)}
+    if not rollouts:  # no episode finished during the step: nothing to measure (not zeros)
+        return infra
+    n = len(rollouts)
     sampled = [lp for r in rollouts for lp, m in zip(r.trace.logprobs, r.trace.mask) if m]
     groups: dict[int, list] = {}
     for r in rollouts:
@@ -301,6 +305,8 @@ def health_metrics(rollouts: list, requeued: int = 0) -> dict[str, float]:
     # differ, 1 when all are the same.
     shares = [(len(g) - len(set(g))) / (len(g) - 1) for g in groups.values() if len(g) > 1]
     return {
+        **infra,
+        "health/reward": sum(r.reward for r in rollouts) / n,
         "health/format_error_rate": sum(1 for r in rollouts if r.status == "format_errors") / n,
         "health/submit_rate": sum(1 for r in rollouts if r.submitted) / n,
         "health/turns": sum(r.steps for r in rollouts) / n,
@@ -308,7 +314,6 @@ def health_metrics(rollouts: list, requeued: int = 0) -> dict[str, float]:
         # Mean -log p of the sampled tokens: a Monte-Carlo estimate of the policy's entropy.
         "health/sampled_entropy": -sum(sampled) / max(1, len(sampled)),
         "health/identical_sample_frac": sum(shares) / len(shares) if shares else 0.0,
-        "health/infra_error_rate": requeued / max(1, len(rollouts) + requeued),
     }
 
 

@@ -98,9 +98,7 @@ class RunGuard:
         s = t.state
         if not self.enabled or not s.useless or s.useless % self.cfg.stall_groups:
             return False
-        rewards = [r.reward for r in s.since_step]
-        row = {"train/reward_all_rollouts": sum(rewards) / max(1, len(rewards)),
-               **health_metrics(s.since_step, s.requeued - self._requeued)}
+        row = health_metrics(s.since_step, s.requeued - self._requeued)
         v = self.detector.judge(s.step + 1, row, remember=False)
         if not v.collapse:
             return False
