@@ -159,7 +159,8 @@ def reward_curve(metrics_path: Path, out_png: Path) -> str | None:
     dashed line labelled with the step the run went back to."""
     if not metrics_path.exists():
         return None
-    rows = [r for r in read_metrics(metrics_path) if "guard/stall" not in r]
+    logged = read_metrics(metrics_path)
+    rows = [r for r in logged if "guard/stall" not in r]  # a judged stall is not a step
     if not rows:
         return None
     import matplotlib
@@ -175,12 +176,11 @@ def reward_curve(metrics_path: Path, out_png: Path) -> str | None:
         ys = [r.get(key) for r in rows]
         if any(isinstance(y, (int, float)) for y in ys):
             ax.plot(xs, [y if isinstance(y, (int, float)) else float("nan") for y in ys], marker=".", label=label)
-    events = guard_events(read_metrics(metrics_path))
-    for n, ev in enumerate(e for e in events if e["kind"] == "rollback"):
-        x = _row_of(rows, ev)
+    events = _event_positions(logged)
+    for n, (x, ev) in enumerate((x, e) for x, e in events if e["kind"] == "rollback"):
         ax.axvline(x + 0.5, color="red", linestyle="--", alpha=0.8, label="guard rollback" if n == 0 else None)
-        ax.text(x + 0.6, 0.97, f"-> step {ev['to_step']}", color="red", fontsize=7, va="top", rotation=90)
-        ax.axvspan(x - (ev["step"] - ev["to_step"]) + 0.5, x + 0.5, color="red", alpha=0.06)
+        ax.text(x + 0.6, 0.97, f"back to step {ev['to_step']}", color="red", fontsize=7, va="top", rotation=90)
+        ax.axvspan(x - ev["steps_lost"] + 0.5, x + 0.5, color="red", alpha=0.06)
     ax.set_xlabel("logged step (rolled-back steps included)" if events else "training step")
     ax.set_ylabel("mean reward")
     ax.set_ylim(-0.02, 1.02)
@@ -193,12 +193,15 @@ def reward_curve(metrics_path: Path, out_png: Path) -> str | None:
     return str(out_png)
 
 
-def _row_of(rows: list[dict], event: dict) -> int:
-    """1-based position of the row that carries `event` (the last row of its step)."""
-    for i in range(len(rows), 0, -1):
-        if rows[i - 1].get("guard/event") == event:
-            return i
-    return len(rows)
+def _event_positions(logged: list[dict]) -> list[tuple[int, dict]]:
+    """(x, event) of each guard event: x = the steps plotted up to its row (a stall's row
+    is not plotted: its event sits after the last step before it)."""
+    out, x = [], 0
+    for r in logged:
+        x += "guard/stall" not in r
+        if isinstance(r.get("guard/event"), dict):
+            out.append((x, r["guard/event"]))
+    return out
 
 
 def guard_events(rows: list[dict]) -> list[dict]:
