@@ -77,6 +77,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="RL steps (default: the preset's)")
     ap.add_argument("--healthy-seeds", default="0,1,2", help="RL seeds of the default-LR runs with the guard on")
     ap.add_argument("--skip-collapse", action="store_true", help="only the healthy runs")
+    ap.add_argument("--variants", default="off,on", help="which runs of the pair (one per process: run them side by side)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -100,7 +101,9 @@ def main() -> None:
     result: dict = {"seed": args.seed, "lr": args.lr}
     # Written after every run, so an interrupted benchmark keeps what it measured; the pair
     # and the healthy runs can run as two processes on one SFT checkpoint.
-    report = out / ("collapse_guard_healthy.json" if args.skip_collapse else "collapse_guard.json")
+    variants = [v for v in args.variants.split(",") if v in ("off", "on")]
+    stem = "collapse_guard" + ("_" + "_".join(variants) if variants != ["off", "on"] else "")
+    report = out / (f"{stem}_healthy.json" if args.skip_collapse else f"{stem}.json")
 
     def save() -> None:
         result["minutes_total"] = round((time.monotonic() - t0) / 60, 1)
@@ -110,8 +113,11 @@ def main() -> None:
     engine = start_engines(base, start, out / f"engine-{report.stem}")
     try:
         if not args.skip_collapse:
-            result["heldout_sft"] = heldout_eval(base, engine, held_dir, out / "eval", "sft", log)["pass_rate"]
+            if "off" in variants:
+                result["heldout_sft"] = heldout_eval(base, engine, held_dir, out / "eval", "sft", log)["pass_rate"]
             for name, guard in (("off", False), ("on", True)):
+                if name not in variants:
+                    continue
                 cfg = variant(base, lr=args.lr, guard=guard, steps=args.steps)
                 run = rl_run(cfg, f"collapse-{name}", start, train_dir, prepared, engine, out, log)
                 result[f"heldout_{name}"] = heldout_eval(base, engine, held_dir, out / "eval", f"collapse-{name}",
@@ -123,7 +129,8 @@ def main() -> None:
                     result.update(rollbacks=g["rollbacks"], steps_lost=g["steps_lost"], on_stopped=g["stopped"],
                                   on_events=g["events"])
                 save()
-            result["gain_points"] = round(100 * (result["heldout_on"] - result["heldout_off"]), 1)
+            if "heldout_on" in result and "heldout_off" in result:
+                result["gain_points"] = round(100 * (result["heldout_on"] - result["heldout_off"]), 1)
         result["healthy"] = []
         for seed in [int(x) for x in args.healthy_seeds.split(",") if x.strip()]:
             run = rl_run(variant(base, seed=seed, guard=True, steps=args.steps), f"healthy-s{seed}", start,
@@ -142,7 +149,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(result))
         return
-    if "heldout_on" in result:
+    if "gain_points" in result:
         print(f"held-out after SFT {result['heldout_sft']:.1%}; RL at LR {args.lr:g}: guard off "
               f"{result['heldout_off']:.1%}, guard on {result['heldout_on']:.1%} ({result['gain_points']:+.1f} points); "
               f"{result['rollbacks']} rollbacks, {result['steps_lost']} steps lost")
