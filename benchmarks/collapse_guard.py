@@ -113,7 +113,7 @@ def main() -> None:
     engine = start_engines(base, start, out / f"engine-{report.stem}")
     try:
         if not args.skip_collapse:
-            if "off" in variants:
+            if len(variants) == 2:  # a split pair (one process per side) skips the SFT eval
                 result["heldout_sft"] = heldout_eval(base, engine, held_dir, out / "eval", "sft", log)["pass_rate"]
             for name, guard in (("off", False), ("on", True)):
                 if name not in variants:

@@ -46,7 +46,7 @@ SET: dict[str, dict] = {
             "checkpoint_every": 4, "keep_checkpoints": 5, "wandb": True, "wandb_project": "flow",
             "tensorboard": True, "ray_address": "10.0.0.1:6379", "ray_num_cpus": 3, "torch_threads": 2,
             "learner_strategy": "replicate"},
-    "guard": {"enabled": True, "window": 5, "min_history": 2, "mad_k": 3.0, "min_policy_alarms": 2, "patience": 2,
+    "guard": {"enabled": True, "window": 5, "min_history": 3, "mad_k": 3.0, "min_policy_alarms": 2, "patience": 2,
               "max_infra_rate": 0.4, "min_episodes": 3, "stall_groups": 7, "confirm_steps": 3, "remedy": "skip_batch", "lr_factor": 0.3,
               "group_factor": 3, "max_rollbacks": 5},
 }

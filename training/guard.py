@@ -26,7 +26,9 @@ metrics.jsonl) and returns a `Verdict`. The rule:
    judged ("infra"): trouble with sandboxes or the inference server never reads as a
    policy collapse, and such a step does not enter the baseline either.
 
-The first `min_history` steps only build the baseline ("warming").
+The first `min_history` steps only build the baseline ("warming"): at least two, because the
+first step trains on samples of the very weights it starts from, so its train/inference
+logprob difference is exactly 0 and any later step would look like a jump from it.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ class DetectorConfig:
     """The rule's knobs (`training.config.GuardConfig` carries them in a run config)."""
 
     window: int = 8
-    min_history: int = 1
+    min_history: int = 2
     mad_k: float = 4.0
     min_policy_alarms: int = 1
     patience: int = 1
