@@ -1,5 +1,6 @@
 """The collapse guard: the detector on recorded metric series (a real collapse, a real
-noisy healthy run, an infrastructure-error burst), checkpoint health marks and resume,
+noisy run that did not collapse, an infrastructure-error burst on it), checkpoint health
+marks and resume,
 the learner's in-place restore, the health signals and what a run reports."""
 
 from __future__ import annotations
@@ -26,44 +27,48 @@ def _series(name: str) -> list[dict]:
 # -- the detector on recorded series -------------------------------------------------------
 
 
-def test_recorded_collapse_is_detected_before_the_policy_is_gone():
-    """The nano recipe's RL stage at LR 2e-3 with the guard off (benchmarks/collapse_guard.py):
-    the detector fires at the first step whose rollouts show the collapse, not later."""
+def test_recorded_collapse_is_detected_at_the_step_it_shows():
+    """Recorded: the nano RL stage at LR 2e-3 (benchmarks/collapse_guard.py, seed 0, from a
+    96-step SFT) up to its collapse: format errors 0.47 -> 0.98, submits 0.52 -> 0.02. The
+    last row is the guard's judgement of a stall (no batch filled any more). The detector
+    fires there, not before (steps 1-4 swing by +-0.2 and are not collapses)."""
     rows = _series("collapse_lr2e-3.jsonl")
     verdicts = replay(rows)
-    first = next(v for v in verdicts if v.collapse)
-    broken = next(r["step"] for r in rows if r["health/format_error_rate"] >= 0.5 or r["health/reward"] < 0.1)
-    assert first.step <= broken, [v.describe() for v in verdicts]
-    kinds = {a.role for a in first.alarms}
-    assert kinds == {"outcome", "policy"}, first.describe()
-    # Nothing before the collapse looked like one.
-    assert all(not v.collapse for v in verdicts if v.step < first.step)
+    gone = next(i for i, r in enumerate(rows) if r["health/submit_rate"] < 0.1)
+    assert [v.collapse for v in verdicts] == [i == gone for i in range(len(rows))], [v.describe() for v in verdicts]
+    fired = verdicts[gone]
+    assert {a.role for a in fired.alarms} == {"outcome", "policy"}, fired.describe()
+    assert {"format_errors", "submit_rate"} <= {a.signal for a in fired.alarms}
 
 
-def test_recorded_noisy_healthy_run_never_triggers():
-    """The default nano recipe's RL stage (reward rising through +-0.15 batch noise, the
-    policy sharpening: entropy down, more identical samples): no collapse at any step."""
-    rows = _series("healthy_nano.jsonl")
-    assert len(rows) >= 15
+def test_recorded_noisy_run_never_triggers():
+    """Recorded: the same RL stage with the guard off, which had not collapsed by its last
+    step: format errors swing 0.44 -> 0.72 -> 0.54 -> 0.78 -> 0.44, and the first step's
+    logprob difference is exactly 0 (no update yet), the next ones 4-11. No collapse, and
+    none either with a one-step baseline (which flags step 2: why min_history is 2)."""
+    rows = _series("noisy_lr2e-3.jsonl")
+    assert len(rows) >= 5
     verdicts = replay(rows)
     assert not any(v.collapse for v in verdicts), [v.describe() for v in verdicts if v.alarms]
+    assert any(v.collapse for v in replay(rows, DetectorConfig(min_history=1)))
 
 
-def test_infra_error_burst_on_a_healthy_run_is_not_a_collapse():
-    """The recorded healthy run with an infrastructure burst laid over steps 6-8: half the
-    episodes failed on infrastructure and, worst case, the rest scored nothing. Those steps
-    are "infra" (not judged, kept out of the baseline) and the run stays healthy after."""
-    rows = [dict(r) for r in _series("healthy_nano.jsonl")]
-    for r in rows[5:8]:
+def test_infra_error_burst_is_not_a_collapse():
+    """The recorded noisy run with an inference-server outage laid over steps 4-5: half the
+    episodes were re-queued as infrastructure failures, and the rest got no completion, so
+    they ended at once without a tool call (format errors, no submit, reward 0). Those steps
+    are "infra" (not judged, kept out of the baseline) and the run goes on healthy after;
+    the same rows without the infra label are judged, and alarm."""
+    rows = [dict(r) for r in _series("noisy_lr2e-3.jsonl")]
+    for r in rows[3:5]:
         r.update({"health/infra_error_rate": 0.5, "health/reward": 0.0, "health/submit_rate": 0.0,
-                  "health/format_error_rate": 0.0, "health/turns": 0.0, "health/response_tokens": 0.0})
+                  "health/format_error_rate": 1.0, "health/turns": 1.0, "health/response_tokens": 0.0})
     verdicts = replay(rows)
-    assert [v.status for v in verdicts[5:8]] == ["infra"] * 3
+    assert [v.status for v in verdicts[3:5]] == ["infra"] * 2
     assert not any(v.collapse for v in verdicts)
-    # The same burst without the infra label would have been judged (and found a collapse).
-    for r in rows[5:8]:
+    for r in rows[3:5]:
         r["health/infra_error_rate"] = 0.0
-    assert any(v.collapse for v in replay(rows))
+    assert [v.status for v in replay(rows)[3:5]] == ["alarm"] * 2
 
 
 # -- the rule ------------------------------------------------------------------------------
