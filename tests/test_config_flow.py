@@ -47,6 +47,9 @@ SET: dict[str, dict] = {
             "tensorboard": True, "torch_threads": 2, "learner_strategy": "replicate", "learner_pack_tokens": 5000},
     "cluster": {"nodes": 3, "gpus_per_node": 4, "train_nodes": 2, "tp": 2, "learners_per_node": 2,
                 "engines_per_node": 1, "address": "10.0.0.1:6379", "num_cpus": 3},
+    "guard": {"enabled": True, "window": 5, "min_history": 3, "mad_k": 3.0, "min_policy_alarms": 2, "patience": 2,
+              "max_infra_rate": 0.4, "min_episodes": 3, "stall_groups": 7, "confirm_steps": 3, "remedy": "skip_batch", "lr_factor": 0.3,
+              "group_factor": 3, "max_rollbacks": 5},
 }
 
 # Keys read inside code that needs Ray, a server or a whole run: (module, attribute read).
@@ -94,6 +97,13 @@ READ_BY: dict[str, tuple[str, str]] = {
     "cluster.address": ("training/cluster/launch.py", "address"),
     "cluster.num_cpus": ("training/cluster/launch.py", "num_cpus"),
     "run.torch_threads": ("training/cluster/actors.py", "torch_threads"),
+    "guard.enabled": ("training/rollback.py", "enabled"),
+    "guard.stall_groups": ("training/rollback.py", "stall_groups"),
+    "guard.confirm_steps": ("training/rollback.py", "confirm_steps"),
+    "guard.remedy": ("training/rollback.py", "remedy"),
+    "guard.lr_factor": ("training/rollback.py", "lr_factor"),
+    "guard.group_factor": ("training/rollback.py", "group_factor"),
+    "guard.max_rollbacks": ("training/rollback.py", "max_rollbacks"),
 }
 
 
@@ -104,6 +114,7 @@ def _arrivals(cfg: LearnConfig, d: dict) -> dict[str, list[tuple[object, object]
     argv, gpu_env, cpu_env = d["gpu_argv"], d["gpu_env"], d["cpu_env"]
     agent, policy, learner, env = d["agent"], d["policy"], d["learner"], d["env"]
     plan, c = d["plan"], cfg.cluster
+    g, det = cfg.guard, d["detector"]
 
     def flag(name: str) -> str:
         return argv[argv.index(name) + 1]
@@ -158,6 +169,13 @@ def _arrivals(cfg: LearnConfig, d: dict) -> dict[str, list[tuple[object, object]
         "cluster.tp": [(plan.tp, c.tp), (flag("--tensor-parallel-size"), str(c.tp))],
         "cluster.learners_per_node": [(plan.learners_per_node, c.learners_per_node)],
         "cluster.engines_per_node": [(plan.engines_per_node, c.engines_per_node)],
+        "guard.window": [(det.window, g.window)],
+        "guard.min_history": [(det.min_history, g.min_history)],
+        "guard.mad_k": [(det.mad_k, g.mad_k)],
+        "guard.min_policy_alarms": [(det.min_policy_alarms, g.min_policy_alarms)],
+        "guard.patience": [(det.patience, g.patience)],
+        "guard.max_infra_rate": [(det.max_infra_rate, g.max_infra_rate)],
+        "guard.min_episodes": [(det.min_episodes, g.min_episodes)],
         # Dev mode, which the training engine always runs in.
         "_engine_dev_mode": [(gpu_env.get("VLLM_SERVER_DEV_MODE"), "1")],
     }
@@ -249,7 +267,7 @@ def built(cfg, tokenizer, tmp_path_factory):
         "gpu_argv": gpu.argv, "gpu_env": gpu.env, "cpu_env": cpu.env, "server_options": options,
         "agent": episode.agent, "policy": episode.token_policy(None, tokenizer, cfg.algo.seed), "episode": episode,
         "learner": learner_config(cfg), "env": episode.env, "pool": pool, "slots": slots,
-        "dumped": tomllib.loads(dump_toml(cfg)),
+        "dumped": tomllib.loads(dump_toml(cfg)), "detector": cfg.guard.detector(),
         "plan": plan_for(cfg),
     }
 

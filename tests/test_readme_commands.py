@@ -41,6 +41,7 @@ RUN_BY: dict[str, str] = {
         "tests/test_data_corpus.py::test_export_and_import_round_trip_byte_for_byte",
     "tmax data import hf:data/all.hf -o data/all-again":
         "tests/test_data_corpus.py::test_export_and_import_round_trip_byte_for_byte",
+    "tmax learn report runs/nano": "tests/test_guard.py::test_cli_learn_report_lists_events_with_their_signals",
     "tmax learn nano": "tests/test_nano_recipe.py::test_sft_then_rl_raises_training_reward",
     "tmax learn": "tests/test_learn_cli.py::test_bare_learn_trains_and_stops_on_ctrl_c_and_steps_1_finishes",
     "tmax learn sft": "tests/test_sft.py::test_learn_sft_warm_starts_under_a_list_of_harnesses",

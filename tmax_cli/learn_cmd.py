@@ -5,6 +5,7 @@
     tmax learn --resume             continue the run in --out from its latest checkpoint
     tmax learn sft                  only the SFT warm start
     tmax learn nano [--json]        the whole recipe: build -> SFT -> eval -> RL -> eval
+    tmax learn report RUN_DIR       a run's summary and the collapse guard's events
     tmax learn --nodes N            the same run spread over N Ray nodes (--dry-run: the plan,
                                     the run's whole config and an sbatch script, without Ray)
 
@@ -149,6 +150,37 @@ def learn(
                                     log=_echo))
     _echo(f"done: {res.steps} steps; checkpoint {res.final_checkpoint}; reward curve {res.curve_png}")
     typer.echo(json.dumps(res.summary, indent=2))
+    _guard_verdict(res.summary)
+
+
+def _guard_verdict(summary: dict) -> None:
+    """The collapse guard's events; a run the guard stopped exits 1."""
+    from training.report import guard_report
+
+    for line in guard_report(summary):
+        _echo(line)
+    if (summary.get("guard") or {}).get("stopped"):
+        raise typer.Exit(1)
+
+
+@learn_app.command("report")
+def report(run_dir: Path = typer.Argument(..., help="A `tmax learn` run directory (with metrics.jsonl).")) -> None:
+    """A run's summary from its metrics.jsonl, with the collapse guard's rollbacks and the
+    signals that triggered each."""
+    from training.report import guard_report, run_summary
+
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        metrics = run_dir / "rl" / "metrics.jsonl"  # a recipe directory
+    if not metrics.is_file():
+        typer.secho(f"tmax learn report: no metrics.jsonl in {run_dir} (or {run_dir / 'rl'})", fg=typer.colors.RED,
+                    err=True)
+        raise typer.Exit(2)
+    summ = run_summary(metrics, 0.0, 0.0)
+    for key in ("steps", "updates", "reward_first_quarter", "reward_last_quarter", "mask_frac_kept_mean"):
+        typer.echo(f"{key}: {summ[key]}")
+    for line in guard_report(summ):
+        typer.echo(line)
 
 
 @learn_app.command("sft")

@@ -230,6 +230,38 @@ class ClusterConfig(_Strict):
     address: str | None = None
     # Logical CPUs of every Ray node tmax starts (None: the machine's cores).
     num_cpus: int | None = Field(None, ge=1)
+class GuardConfig(_Strict):
+    """The collapse guard (`training.guard` detects, `training.rollback` acts): on a
+    detected collapse the step is dropped, the run goes back to its last checkpoint marked
+    healthy, `remedy` is applied and training continues; after `max_rollbacks` it stops."""
+
+    enabled: bool = False
+    # The detector's rule (see training/guard.py): rolling median / MAD over `window`
+    # healthy steps, alarm beyond max(mad_k * 1.4826 * MAD, the signal's floor).
+    window: int = Field(8, ge=1)
+    min_history: int = Field(2, ge=1)
+    mad_k: float = Field(4.0, gt=0)
+    min_policy_alarms: int = Field(1, ge=1)
+    patience: int = Field(1, ge=1)
+    max_infra_rate: float = Field(0.25, ge=0, le=1)
+    min_episodes: int = Field(8, ge=1)  # fewer finished since the last step: rollout signals not judged
+    # Zero-variance groups in a row after which the episodes sampled since the last step
+    # are judged (a collapsed policy fails every episode, so no batch ever fills).
+    stall_groups: int = Field(16, ge=1)
+    # Steps without an alarm after a checkpoint before it is marked healthy (None: the
+    # staleness limit + 1, by when every episode sampled from it has been judged).
+    confirm_steps: int | None = Field(None, ge=1)
+    remedy: Literal["lower_lr", "raise_group_size", "skip_batch"] = "lower_lr"
+    lr_factor: float = Field(0.5, gt=0, lt=1)
+    group_factor: int = Field(2, ge=2)
+    max_rollbacks: int = Field(3, ge=1)
+
+    def detector(self):
+        from training.guard import DetectorConfig
+
+        return DetectorConfig(window=self.window, min_history=self.min_history, mad_k=self.mad_k,
+                              min_policy_alarms=self.min_policy_alarms, patience=self.patience,
+                              max_infra_rate=self.max_infra_rate, min_episodes=self.min_episodes)
 
 
 class LearnConfig(_Strict):
@@ -243,6 +275,7 @@ class LearnConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     run: RunConfig = Field(default_factory=RunConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
 
     @model_validator(mode="after")
     def _budgets_consistent(self) -> "LearnConfig":

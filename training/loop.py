@@ -35,6 +35,7 @@ from training.config import LearnConfig, dump_toml
 from training.learner.packing import batch_samples
 from training.report import LearnProgress, MetricsSink, NoProgress, StepClock, reward_curve, rollout_metrics, run_summary, summary
 from training.report import trim_jsonl
+from training.rollback import RunGuard
 from training.rollout import (
     EpisodeRequest, InfraCounts, Rollout, append_jsonl, env_settings, prepare_tasks, prewarm_queue,
 )
@@ -158,11 +159,13 @@ class Trainer:
         self.state = LoopState(step=start_step, version=start_step, next_group=start_step * 100_000)
         for _ in range(a.prompts_per_step * max(1, a.async_steps)):
             self.open_prompt()
+        self.guard = RunGuard(self)  # collapse guard: health signals, rollbacks (training/rollback.py)
 
     def run(self) -> None:
         s = self.state
+        self.guard.begin(self)
         try:
-            while s.step < self.cfg.algo.steps:
+            while s.step < self.cfg.algo.steps and not self.guard.stopped:
                 self.dispatch()
                 done = self.wait()
                 self.collect(done)
@@ -275,6 +278,8 @@ class Trainer:
             fate = self.acc.offer(s.ready.popleft(), consume_step)
             self.open_prompt()
             s.useless = s.useless + 1 if fate == "filtered" else 0
+            if self.guard.on_stall(self):
+                return
             if s.useless and s.useless % 50 == 0:
                 self.bar.note(f"{s.useless} groups in a row without reward variance (all solved or all failed)")
             if s.useless >= self.max_useless:
@@ -320,16 +325,17 @@ class Trainer:
         s.version = s.step = s.step + 1
         metrics.update(self.step_metrics(train_s, sync_s, time.monotonic() - t_sync))
         c.new_step(time.monotonic())
+        step, rolled_back = s.step, self.guard.after_step(self, metrics)  # may go back to a healthy step
         s.since_step = []
-        if s.step % self.cfg.run.checkpoint_every == 0 or s.step == a.steps:
+        if not rolled_back and (s.step % self.cfg.run.checkpoint_every == 0 or s.step == a.steps):
             t_save = time.monotonic()
             self.save(s.step)
             ckpt.prune_checkpoints(self.run_dir, self.cfg.run.keep_checkpoints)
             metrics["time/saving"] = time.monotonic() - t_save
-        self.sink.log(s.step, metrics)
+        self.sink.log(step, metrics)
         self.bar.update(s.step, summary(metrics))
         if self.on_step is not None:
-            self.on_step(s.step, metrics)
+            self.on_step(step, metrics)
         c.wait_started = time.monotonic()
 
     def step_metrics(self, train_s: float, sync_s: float, sync_call_s: float) -> dict[str, float]:
@@ -368,7 +374,8 @@ class Trainer:
 
         s = self.state
         path = ckpt.checkpoint_path(self.run_dir, step)
-        extra = {"prompt_position": self.stream.position - len(s.groups) - len(s.ready), "config": self.cfg.name}
+        extra = {"prompt_position": self.stream.position - len(s.groups) - len(s.ready), "config": self.cfg.name,
+                 "guard": self.guard.state()}
         if self.rated is not None:
             extra["rated_position"] = self.rated.position
         ray.get(self.actors.learner.save(str(path), step, extra), timeout=timeout_s)

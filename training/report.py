@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,30 +175,40 @@ class NoProgress:
 
     def update(self, step: int, info: dict[str, str]) -> None: ...
 
-    def note(self, text: str) -> None: ...
+    def note(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)  # notes (guard events, interrupts) are never dropped
 
     def close(self) -> None: ...
 
 
 def reward_curve(metrics_path: Path, out_png: Path) -> str | None:
+    """Training reward per logged step. The x axis is the order of the rows, so the steps a
+    collapse-guard rollback discarded stay visible (faded), and each rollback is a red
+    dashed line labelled with the step the run went back to."""
     if not metrics_path.exists():
         return None
-    rows = read_metrics(metrics_path)
+    logged = read_metrics(metrics_path)
+    rows = [r for r in logged if "guard/stall" not in r]  # a judged stall is not a step
     if not rows:
         return None
     from tasks.charts import pyplot
 
     plt = pyplot()
 
-    steps = [r["step"] for r in rows]
+    xs = list(range(1, len(rows) + 1))
     fig, ax = plt.subplots(figsize=(7, 4))
     for key, label in (("train/reward_all_rollouts", "all rollouts"),
                        ("val/avg_group_performance_pre_filter", "groups, pre-filter"),
                        ("val/avg_group_performance_post_filter", "groups, post-filter")):
         ys = [r.get(key) for r in rows]
         if any(isinstance(y, (int, float)) for y in ys):
-            ax.plot(steps, [y if isinstance(y, (int, float)) else float("nan") for y in ys], marker=".", label=label)
-    ax.set_xlabel("training step")
+            ax.plot(xs, [y if isinstance(y, (int, float)) else float("nan") for y in ys], marker=".", label=label)
+    events = _event_positions(logged)
+    for n, (x, ev) in enumerate((x, e) for x, e in events if e["kind"] == "rollback"):
+        ax.axvline(x + 0.5, color="red", linestyle="--", alpha=0.8, label="guard rollback" if n == 0 else None)
+        ax.text(x + 0.6, 0.97, f"back to step {ev['to_step']}", color="red", fontsize=7, va="top", rotation=90)
+        ax.axvspan(x - ev["steps_lost"] + 0.5, x + 0.5, color="red", alpha=0.06)
+    ax.set_xlabel("logged step (rolled-back steps included)" if events else "training step")
     ax.set_ylabel("mean reward")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
@@ -209,8 +220,55 @@ def reward_curve(metrics_path: Path, out_png: Path) -> str | None:
     return str(out_png)
 
 
+def _event_positions(logged: list[dict]) -> list[tuple[int, dict]]:
+    """(x, event) of each guard event: x = the steps plotted up to its row (a stall's row
+    is not plotted: its event sits after the last step before it)."""
+    out, x = [], 0
+    for r in logged:
+        x += "guard/stall" not in r
+        if isinstance(r.get("guard/event"), dict):
+            out.append((x, r["guard/event"]))
+    return out
+
+
+def guard_events(rows: list[dict]) -> list[dict]:
+    """The collapse guard's events (rollbacks, a stop) recorded in metrics rows, in order."""
+    return [r["guard/event"] for r in rows if isinstance(r.get("guard/event"), dict)]
+
+
+def guard_summary(rows: list[dict]) -> dict[str, Any]:
+    events = guard_events(rows)
+    rollbacks = [e for e in events if e["kind"] == "rollback"]
+    stop = next((e for e in events if e["kind"] == "stop"), None)
+    return {"rollbacks": len(rollbacks), "steps_lost": sum(e["steps_lost"] for e in rollbacks),
+            "stopped": stop is not None, "stop_reason": stop["reason"] if stop else None, "events": events}
+
+
+def guard_report(summary: dict[str, Any]) -> list[str]:
+    """Console lines for the guard section of a run summary (`tmax learn report`)."""
+    g = summary.get("guard") or {}
+    if not g.get("events"):
+        return ["collapse guard: no rollback"]
+    lines = [f"collapse guard: {g['rollbacks']} rollback(s), {g['steps_lost']} step(s) lost"
+             + (f"; stopped: {g['stop_reason']}" if g.get("stopped") else "")]
+    for e in g["events"]:
+        lines.append(f"  {describe_event(e)}")
+        lines += [f"      {a['signal']} {a['value']} (baseline {a['baseline']}, limit +-{a['threshold']})"
+                  for a in e.get("alarms", [])]
+    return lines
+
+
+def describe_event(e: dict) -> str:
+    if e["kind"] == "rollback":
+        return (f"step {e['step']}: collapse ({', '.join(a['signal'] for a in e['alarms'])}) -> back to step "
+                f"{e['to_step']}, {e['remedy']}" + (f" (LR x{e['lr_scale']:g})" if e["remedy"] == "lower_lr" else "")
+                + (f" (group size {e['group_size']})" if e["remedy"] == "raise_group_size" else ""))
+    return f"step {e['step']}: stopped: {e['reason']}"
+
+
 def run_summary(metrics_path: Path, setup_s: float, run_s: float) -> dict[str, Any]:
-    rows = read_metrics(metrics_path) if metrics_path.exists() else []
+    logged = read_metrics(metrics_path) if metrics_path.exists() else []
+    rows = [r for r in logged if "guard/stall" not in r]  # judged stalls are not steps
 
     def avg(key: str, part: list[dict]) -> float | None:
         vals = [r[key] for r in part if isinstance(r.get(key), (int, float))]
@@ -219,7 +277,8 @@ def run_summary(metrics_path: Path, setup_s: float, run_s: float) -> dict[str, A
     k = max(1, len(rows) // 4)
     first, last = rows[:k], rows[-k:]
     return {
-        "steps": len(rows),
+        "steps": int(rows[-1]["step"]) if rows else 0,
+        "updates": len(rows),
         "setup_s": round(setup_s, 1),
         "run_s": round(run_s, 1),
         "reward_first_quarter": avg("train/reward_all_rollouts", first),
@@ -231,6 +290,7 @@ def run_summary(metrics_path: Path, setup_s: float, run_s: float) -> dict[str, A
         "train_step_s_mean": avg("time/training", rows),
         "weight_sync_s_mean": avg("time/weight_sync", rows),
         "episodes": rows[-1].get("episode") if rows else 0,
+        "guard": guard_summary(logged),
     }
 
 
@@ -255,6 +315,35 @@ def rollout_metrics(rollouts: list) -> dict[str, float]:
         "time/episode_mean_s": sum(r.timings.get("total_s", 0.0) for r in rollouts) / n,
         "time/sandbox_start_mean_s": sum(r.timings.get("sandbox_start_s", 0.0) for r in rollouts) / n,
         "env/warm_start_frac": sum(1 for r in rollouts if r.warm_start) / n,
+    }
+
+
+def health_metrics(rollouts: list, requeued: int = 0) -> dict[str, float]:
+    """The collapse guard's rollout-side signals (`health/*`) over every episode finished
+    since the last step (filtered groups included), and the infra-error rate among the
+    episodes attempted (finished + re-queued after an infrastructure failure)."""
+    infra = {"health/episodes": float(len(rollouts)),
+             "health/infra_error_rate": requeued / max(1, len(rollouts) + requeued)}
+    if not rollouts:  # no episode finished during the step: nothing to measure (not zeros)
+        return infra
+    n = len(rollouts)
+    sampled = [lp for r in rollouts for lp, m in zip(r.trace.logprobs, r.trace.mask) if m]
+    groups: dict[int, list] = {}
+    for r in rollouts:
+        groups.setdefault(r.group_id, []).append(tuple(t for t, m in zip(r.ids, r.trace.mask) if m))
+    # Per group of k >= 2 finished samples: (k - distinct responses) / (k - 1), 0 when all
+    # differ, 1 when all are the same.
+    shares = [(len(g) - len(set(g))) / (len(g) - 1) for g in groups.values() if len(g) > 1]
+    return {
+        **infra,
+        "health/reward": sum(r.reward for r in rollouts) / n,
+        "health/format_error_rate": sum(1 for r in rollouts if r.status == "format_errors") / n,
+        "health/submit_rate": sum(1 for r in rollouts if r.submitted) / n,
+        "health/turns": sum(r.steps for r in rollouts) / n,
+        "health/response_tokens": sum(r.num_sampled for r in rollouts) / n,
+        # Mean -log p of the sampled tokens: a Monte-Carlo estimate of the policy's entropy.
+        "health/sampled_entropy": -sum(sampled) / max(1, len(sampled)),
+        "health/identical_sample_frac": sum(shares) / len(shares) if shares else 0.0,
     }
 
 

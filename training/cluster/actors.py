@@ -104,6 +104,9 @@ def _learner_class():
         def save(self, path: str, step: int, extra: dict) -> str:
             return str(self.learner.save(path, step, extra))
 
+        def restore(self, path: str, lr_scale: float) -> int:
+            return self.learner.restore(path, lr_scale)
+
         def close(self) -> None:
             from training.learner.parallel import destroy_learner_group
 
@@ -290,6 +293,10 @@ class LearnerGroup:
 
     def save(self, path: str, step: int, extra: dict) -> Any:
         return self._all(lambda a: a.save.remote(path, step, extra))
+
+    def restore(self, path: str, lr_scale: float = 1.0) -> Any:
+        """Every rank back to checkpoint `path` (the collapse guard's rollback)."""
+        return self._all(lambda a: a.restore.remote(path, lr_scale))
 
     def kill(self) -> None:
         import ray

@@ -7,6 +7,9 @@ Layout of one checkpoint directory (`<run>/checkpoints/step_<N>`):
     tokenizer.json, tokenizer_config.json, chat_template.jinja, ...   copied from the source model
     trainer_state.pt     optimizer state, step, RNG states (torch.load with weights_only)
     trainer_state.json   step, time and the caller's `extra` dict (readable, JSON)
+    health.json          the collapse guard's mark, when it has judged the checkpoint:
+                         "healthy" (no alarm in the steps after it) or "collapsed" (the run
+                         rolled back past it); no file = not judged
 
 Writes go to a hidden sibling temp directory that is renamed into place, so a crash never
 leaves a half-written checkpoint under the final name; `remove_partial` deletes the temp
@@ -43,6 +46,8 @@ TOKENIZER_FILES = (
 )
 STATE_PT = "trainer_state.pt"
 STATE_JSON = "trainer_state.json"
+HEALTH_JSON = "health.json"
+HEALTH_MARKS = ("healthy", "collapsed")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -240,15 +245,39 @@ def remove_partial(run_dir: str | Path) -> list[Path]:
     return partial
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    found = list_checkpoints(run_dir)
+def mark_health(path: str | Path, mark: str, detail: dict | None = None) -> None:
+    """Record the guard's judgement of a checkpoint (atomically, next to its state)."""
+    from agents.records import write_json_atomic
+
+    if mark not in HEALTH_MARKS:
+        raise ValueError(f"health mark must be one of {', '.join(HEALTH_MARKS)}, got {mark!r}")
+    write_json_atomic(Path(path) / HEALTH_JSON, {"mark": mark, "time": time.time(), **(detail or {})})
+
+
+def health(path: str | Path) -> str | None:
+    """The checkpoint's health mark, or None when the guard never judged it."""
+    p = Path(path) / HEALTH_JSON
+    try:
+        return json.loads(p.read_text()).get("mark")
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def latest_checkpoint(run_dir: str | Path, healthy_only: bool = False) -> Path | None:
+    """The newest checkpoint a run may continue from: never one marked "collapsed" (the
+    guard rolled back past it); with `healthy_only`, the newest marked "healthy"."""
+    found = [p for p in list_checkpoints(run_dir)
+             if (health(p) == "healthy" if healthy_only else health(p) != "collapsed")]
     return found[-1] if found else None
 
 
 def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` checkpoints; returns what was removed."""
+    """Delete all but the newest `keep` checkpoints, and never the newest one marked
+    healthy (the guard's rollback target); returns what was removed."""
     found = list_checkpoints(run_dir)
     doomed = found[:-keep] if keep > 0 else found
+    target = latest_checkpoint(run_dir, healthy_only=True)
+    doomed = [p for p in doomed if p != target]
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
     return doomed

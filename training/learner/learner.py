@@ -172,6 +172,7 @@ class Learner:
         self.step = 0
         self.extra: dict = {}
         self.timings: dict[str, float] = {}  # seconds of the last backward's forwards and backwards
+        self.lr_scale = 1.0  # the collapse guard's remedy multiplies the LR schedule by this
 
     # -- forward -----------------------------------------------------------------------
 
@@ -329,8 +330,8 @@ class Learner:
     def current_lr(self) -> float:
         """LR of the next optimizer step (1-based step count, linear warmup)."""
         if self.cfg.warmup_steps <= 0:
-            return self.cfg.lr
-        return self.cfg.lr * min(1.0, (self.step + 1) / self.cfg.warmup_steps)
+            return self.cfg.lr * self.lr_scale
+        return self.cfg.lr * self.lr_scale * min(1.0, (self.step + 1) / self.cfg.warmup_steps)
 
     def train_step(self, samples: list[TrainSample], loss_fn: PackLoss | None = None) -> dict[str, float]:
         """Exactly one AdamW step on `samples` (`loss_fn` as in `backward`); returns the
@@ -390,6 +391,22 @@ class Learner:
             state_dict=self.dp.full_state_dict(self.model),
             write=self.dp.rank == 0,
         )
+
+    def restore(self, path: str | Path, lr_scale: float = 1.0) -> int:
+        """Go back to checkpoint `path` in place: weights, optimizer, step, RNG (the
+        collapse guard's rollback; the model and its shards stay where they are). Every
+        rank calls it. Returns the checkpoint's step."""
+        from transformers import AutoModelForCausalLM
+
+        src = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, self.cfg.dtype))
+        self.dp.load_full_state_dict(self.model, src.state_dict())
+        state = ckpt.load_trainer_state(path)
+        self.dp.load_optimizer_state(self.optimizer, state["optimizer"])
+        self.step = int(state["step"])
+        self.extra = state.get("extra", {})
+        self.lr_scale = lr_scale
+        ckpt.restore_rng(state["rng"])
+        return self.step
 
     @classmethod
     def load(cls, path: str | Path, cfg: LearnerConfig | None = None, dp: DataParallel | None = None) -> "Learner":

@@ -1,0 +1,163 @@
+"""The collapse guard on the nano recipe: RL at a collapsing LR with the guard off and on,
+then the default recipe's RL with the guard on over several seeds (it must stay quiet).
+
+One SFT warm start (the nano preset's, built once under --out and reused by every run) and
+one vLLM engine serve all RL runs; before each run the engine goes back to the SFT
+weights. The off and on runs share the seed, steps and everything else but `[guard]`.
+After each of them the held-out set is evaluated (`tmax bench`, as the recipe does) on the
+weights the run ended with: its last step, or, for a run that died, the last weights it
+pushed. A run that dies (the collapsed policy never fills a batch, so the loop gives up) is
+reported with its error and evaluated as it was left.
+
+    python benchmarks/collapse_guard.py [--out DIR] [--seed N] [--lr 2e-3] [--steps N]
+                                        [--healthy-seeds 0,1,2] [--skip-collapse] [--json]
+
+`--json` prints one object: heldout_sft, heldout_off, heldout_on, rollbacks, steps_lost,
+off_error, on_events, healthy (per seed: rollbacks, steps, reward first/last quarter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def rl_run(cfg, name: str, start: str, train_dir: str, prepared, engine, out: Path, log) -> dict:
+    """One RL stage from the SFT checkpoint on the shared engine; its summary or its error."""
+    from training.loop import TrainingError, train
+    from training.weights.learner_side import load_checkpoint
+
+    import shutil
+
+    shutil.rmtree(out / name, ignore_errors=True)  # a rerun starts afresh
+    load_checkpoint(engine, start, 0)  # every run starts from the same weights
+    t = time.monotonic()
+    res: dict = {"name": name, "lr": cfg.algo.lr, "seed": cfg.algo.seed, "guard": cfg.guard.enabled}
+    try:
+        run = train(cfg, start, train_dir, out / name, progress=False, engine_handle=engine, keep_engine=True,
+                    prepared=prepared)
+        res.update(steps=run.steps, summary=run.summary, error=None)
+    except TrainingError as e:
+        res.update(steps=None, summary=None, error=str(e))
+        log(f"{name}: the run died: {e}")
+    res["seconds"] = round(time.monotonic() - t, 1)
+    if res["summary"] is None:
+        from training.report import run_summary
+
+        res["summary"] = run_summary(out / name / "metrics.jsonl", 0.0, res["seconds"])
+    g = res["summary"]["guard"]
+    log(f"{name}: {res['summary']['steps']} steps, {g['rollbacks']} rollbacks, {g['steps_lost']} steps lost, "
+        f"reward {res['summary']['reward_first_quarter']} -> {res['summary']['reward_last_quarter']}, "
+        f"{res['seconds']:.0f}s")
+    return res
+
+
+def variant(base, *, lr: float | None = None, seed: int | None = None, guard: bool, steps: int | None):
+    cfg = base.model_copy(deep=True)
+    if lr is not None:
+        cfg.algo.lr = lr
+    if seed is not None:
+        cfg.algo.seed = seed
+    if steps is not None:
+        cfg.algo.steps = steps
+    cfg.guard.enabled = guard
+    return cfg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="runs/bench-collapse-guard")
+    ap.add_argument("--seed", type=int, default=0, help="recipe seed (model, tasks, SFT) and RL seed of the pair")
+    ap.add_argument("--lr", type=float, default=2e-3, help="the collapsing RL learning rate")
+    ap.add_argument("--steps", type=int, default=None, help="RL steps (default: the preset's)")
+    ap.add_argument("--healthy-seeds", default="0,1,2", help="RL seeds of the default-LR runs with the guard on")
+    ap.add_argument("--skip-collapse", action="store_true", help="only the healthy runs")
+    ap.add_argument("--variants", default="off,on", help="which runs of the pair (one per process: run them side by side)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    import ray
+
+    from agents.records import write_json_atomic
+    from training.cluster.actors import start_engines
+    from training.cluster.launch import init_ray
+    from training.config import preset
+    from training.recipe import build_stage, heldout_eval, prepare_recipe_tasks, sft_stage
+
+    log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
+    base = preset("nano", {"algo": {"seed": args.seed}})
+    # A rollback goes back to the newest checkpoint marked healthy: keep them close.
+    base.run.checkpoint_every = 2
+    out = Path(args.out).resolve() / f"seed{args.seed}"
+    t0 = time.monotonic()
+    model_dir, train_dir, held_dir = build_stage(base, out, args.seed, log)
+    prepared = prepare_recipe_tasks(base, train_dir, held_dir, out, log)
+    start = sft_stage(base, model_dir, prepared, out, log)["checkpoint"]
+    result: dict = {"seed": args.seed, "lr": args.lr}
+    # Written after every run, so an interrupted benchmark keeps what it measured; the pair
+    # and the healthy runs can run as two processes on one SFT checkpoint.
+    variants = [v for v in args.variants.split(",") if v in ("off", "on")]
+    stem = "collapse_guard" + ("_" + "_".join(variants) if variants != ["off", "on"] else "")
+    report = out / (f"{stem}_healthy.json" if args.skip_collapse else f"{stem}.json")
+
+    def save() -> None:
+        result["minutes_total"] = round((time.monotonic() - t0) / 60, 1)
+        write_json_atomic(report, result)
+
+    started = init_ray(base.run.ray_address, base.run.ray_num_cpus)
+    engine = start_engines(base, start, out / f"engine-{report.stem}")
+    try:
+        if not args.skip_collapse:
+            if len(variants) == 2:  # a split pair (one process per side) skips the SFT eval
+                result["heldout_sft"] = heldout_eval(base, engine, held_dir, out / "eval", "sft", log)["pass_rate"]
+            for name, guard in (("off", False), ("on", True)):
+                if name not in variants:
+                    continue
+                cfg = variant(base, lr=args.lr, guard=guard, steps=args.steps)
+                run = rl_run(cfg, f"collapse-{name}", start, train_dir, prepared, engine, out, log)
+                result[f"heldout_{name}"] = heldout_eval(base, engine, held_dir, out / "eval", f"collapse-{name}",
+                                                         log)["pass_rate"]
+                result[f"{name}_error"] = run["error"]
+                result[f"{name}_steps"] = run["summary"]["steps"]
+                if guard:
+                    g = run["summary"]["guard"]
+                    result.update(rollbacks=g["rollbacks"], steps_lost=g["steps_lost"], on_stopped=g["stopped"],
+                                  on_events=g["events"])
+                save()
+            if "heldout_on" in result and "heldout_off" in result:
+                result["gain_points"] = round(100 * (result["heldout_on"] - result["heldout_off"]), 1)
+        result["healthy"] = []
+        for seed in [int(x) for x in args.healthy_seeds.split(",") if x.strip()]:
+            run = rl_run(variant(base, seed=seed, guard=True, steps=args.steps), f"healthy-s{seed}", start,
+                         train_dir, prepared, engine, out, log)
+            s = run["summary"]
+            result["healthy"].append({"seed": seed, "rollbacks": s["guard"]["rollbacks"], "steps": s["steps"],
+                                      "error": run["error"], "reward_first_quarter": s["reward_first_quarter"],
+                                      "reward_last_quarter": s["reward_last_quarter"], "seconds": run["seconds"]})
+            save()
+    finally:
+        engine.close()
+        engine.kill()
+        if started:
+            ray.shutdown()
+    save()
+    if args.json:
+        print(json.dumps(result))
+        return
+    if "gain_points" in result:
+        print(f"held-out after SFT {result['heldout_sft']:.1%}; RL at LR {args.lr:g}: guard off "
+              f"{result['heldout_off']:.1%}, guard on {result['heldout_on']:.1%} ({result['gain_points']:+.1f} points); "
+              f"{result['rollbacks']} rollbacks, {result['steps_lost']} steps lost")
+    for h in result["healthy"]:
+        print(f"healthy seed {h['seed']}: {h['rollbacks']} rollbacks over {h['steps']} steps, reward "
+              f"{h['reward_first_quarter']} -> {h['reward_last_quarter']}")
+    print(f"total {result['minutes_total']} min")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""Collapse detection over a run's own per-step metrics (pure: no Ray, no torch, no I/O).
+
+A `Detector` is fed one metrics row per training step (the dict `tmax learn` writes to
+metrics.jsonl) and returns a `Verdict`. The rule:
+
+1. **Per signal, a robust change test.** For each signal in `SIGNALS` present in the row,
+   the baseline is the median m of its last `window` values from steps judged healthy and
+   the spread is s = 1.4826 * MAD of those values (a robust standard deviation). The signal
+   alarms when it moves in its bad direction by more than
+   max(`mad_k` * s, floor + rel_floor * |m|): the floor is the smallest change that means
+   something for that signal (one step's batch mean reward moves by about +-0.15 from
+   sampling alone), so a short or very steady history never alarms on noise. A non-finite
+   loss or gradient norm alarms at once.
+2. **Combination.** A step is a collapse when at least one *outcome* signal (training
+   reward, format-error rate, submit rate) and at least `min_policy_alarms` *policy*
+   signals (entropy of the sampled tokens, share of identical samples in a group, mean
+   turns, response length, DPPO mask kept fraction, train/inference logprob difference,
+   gradient norm) alarm together, for `patience` judged steps in a row. Either kind alone
+   is not enough: a policy that sharpens as it learns (lower entropy, more identical
+   samples) has rising reward, and a reward dip without a change in the policy is noise.
+3. **Enough episodes.** The rollout-side signals (`health/*`) are rates over the episodes
+   finished since the last step; with fewer than `min_episodes` of them only the learner's
+   signals are judged.
+4. **Infrastructure veto.** A step whose infra-error rate (episodes re-queued for
+   infrastructure failures over episodes attempted) is above `max_infra_rate` is not
+   judged ("infra"): trouble with sandboxes or the inference server never reads as a
+   policy collapse, and such a step does not enter the baseline either.
+
+The first `min_history` steps only build the baseline ("warming"): at least two, because the
+first step trains on samples of the very weights it starts from, so its train/inference
+logprob difference is exactly 0 and any later step would look like a jump from it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+Direction = Literal["up", "down", "both"]
+Role = Literal["outcome", "policy"]
+Status = Literal["warming", "healthy", "alarm", "collapse", "infra"]
+
+INFRA_RATE = "health/infra_error_rate"
+EPISODES = "health/episodes"
+
+
+@dataclass(frozen=True)
+class Signal:
+    """One health signal: the metrics key it is read from and which change is bad."""
+
+    name: str
+    key: str
+    bad: Direction
+    role: Role
+    floor: float  # smallest absolute change that counts
+    rel_floor: float = 0.0  # plus this share of the baseline's magnitude
+
+
+SIGNALS: tuple[Signal, ...] = (
+    Signal("reward", "health/reward", "down", "outcome", 0.2),
+    Signal("format_errors", "health/format_error_rate", "up", "outcome", 0.2),
+    Signal("submit_rate", "health/submit_rate", "down", "outcome", 0.2),
+    Signal("entropy", "health/sampled_entropy", "both", "policy", 0.05, 0.5),
+    Signal("identical", "health/identical_sample_frac", "up", "policy", 0.25),
+    Signal("turns", "health/turns", "both", "policy", 0.5, 0.25),
+    Signal("length", "health/response_tokens", "both", "policy", 0.0, 0.35),
+    Signal("mask_kept", "debug/dppo_mask_frac_kept", "down", "policy", 0.05),
+    Signal("logprob_diff_max", "debug/vllm_vs_local_logprob_diff_max", "up", "policy", 0.5, 1.0),
+    Signal("logprob_diff_mean", "debug/vllm_vs_local_logprob_diff_mean", "up", "policy", 0.02, 1.0),
+    Signal("grad_norm", "optim/grad_norm", "up", "policy", 0.0, 2.0),
+)
+# Keys whose non-finite value is an alarm by itself (the update already blew up).
+FINITE_KEYS = ("loss/policy_avg", "optim/grad_norm")
+
+
+@dataclass(frozen=True)
+class DetectorConfig:
+    """The rule's knobs (`training.config.GuardConfig` carries them in a run config)."""
+
+    window: int = 8
+    min_history: int = 2
+    mad_k: float = 4.0
+    min_policy_alarms: int = 1
+    patience: int = 1
+    max_infra_rate: float = 0.25
+    min_episodes: int = 8
+
+
+@dataclass(frozen=True)
+class Alarm:
+    signal: str
+    value: float
+    baseline: float
+    threshold: float  # the change that was needed
+    role: Role
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"signal": self.signal, "value": _round(self.value), "baseline": _round(self.baseline),
+                "threshold": _round(self.threshold), "role": self.role}
+
+    def describe(self) -> str:
+        return f"{self.signal} {_round(self.value)} (baseline {_round(self.baseline)}, limit +-{_round(self.threshold)})"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    step: int
+    status: Status
+    alarms: tuple[Alarm, ...] = ()
+    infra_rate: float = 0.0
+
+    @property
+    def collapse(self) -> bool:
+        return self.status == "collapse"
+
+    def describe(self) -> str:
+        if self.status == "infra":
+            return f"step {self.step}: infra-error rate {self.infra_rate:.0%}, not judged"
+        return f"step {self.step}: {self.status}" + (": " + "; ".join(a.describe() for a in self.alarms)
+                                                      if self.alarms else "")
+
+
+@dataclass
+class Detector:
+    cfg: DetectorConfig = field(default_factory=DetectorConfig)
+    signals: tuple[Signal, ...] = SIGNALS
+    history: list[tuple[int, dict[str, float]]] = field(default_factory=list)  # (step, values) of healthy steps
+    streak: int = 0  # judged steps in a row that met the collapse rule
+
+    def judge(self, step: int, row: Mapping[str, Any], remember: bool = True) -> Verdict:
+        """The verdict on `step`'s metrics `row`; healthy steps join the baseline (unless
+        `remember` is off: a row that is not a training step, such as a stall's)."""
+        infra = _number(row.get(INFRA_RATE)) or 0.0
+        if infra > self.cfg.max_infra_rate:
+            return Verdict(step, "infra", infra_rate=infra)
+        values = {s.name: v for s in self.signals if (v := _number(row.get(s.key))) is not None}
+        if (_number(row.get(EPISODES)) or 0.0) < self.cfg.min_episodes:
+            # Rates over a handful of episodes are noise: judge the learner's signals only.
+            values = {k: v for k, v in values.items() if not self._rollout_side(k)}
+        if len(self.history) < self.cfg.min_history:
+            if remember:
+                self._remember(step, values)
+            return Verdict(step, "warming", infra_rate=infra)
+        alarms = tuple(a for s in self.signals if (a := self._test(s, values.get(s.name))) is not None)
+        alarms += tuple(Alarm(k, float(row[k]), 0.0, 0.0, "policy") for k in FINITE_KEYS
+                        if k in row and not _is_finite(row[k]))
+        outcome = sum(1 for a in alarms if a.role == "outcome")
+        policy = sum(1 for a in alarms if a.role == "policy")
+        nonfinite = any(a.signal in FINITE_KEYS for a in alarms)
+        meets = nonfinite or (outcome >= 1 and policy >= self.cfg.min_policy_alarms)
+        self.streak = self.streak + 1 if meets else 0
+        if meets and self.streak >= self.cfg.patience:
+            return Verdict(step, "collapse", alarms, infra)
+        if not meets and remember:
+            self._remember(step, values)
+        return Verdict(step, "alarm" if alarms else "healthy", alarms, infra)
+
+    def _rollout_side(self, name: str) -> bool:
+        return next(s for s in self.signals if s.name == name).key.startswith("health/")
+
+    def rewind(self, step: int) -> None:
+        """Forget what was learned after `step` (the run went back to its checkpoint)."""
+        self.history = [(s, v) for s, v in self.history if s <= step]
+        self.streak = 0
+
+    def _remember(self, step: int, values: dict[str, float]) -> None:
+        self.history.append((step, values))
+        # Keep only what the window can use.
+        del self.history[:-max(self.cfg.window, self.cfg.min_history)]
+
+    def _test(self, s: Signal, x: float | None) -> Alarm | None:
+        past = [v[s.name] for _, v in self.history[-self.cfg.window:] if s.name in v]
+        if x is None or len(past) < max(1, self.cfg.min_history):
+            return None
+        m = statistics.median(past)
+        spread = 1.4826 * statistics.median(abs(v - m) for v in past)
+        limit = max(self.cfg.mad_k * spread, s.floor + s.rel_floor * abs(m))
+        change = {"up": x - m, "down": m - x, "both": abs(x - m)}[s.bad]
+        return Alarm(s.name, x, m, limit, s.role) if change > limit else None
+
+
+def replay(rows: list[Mapping[str, Any]], cfg: DetectorConfig | None = None) -> list[Verdict]:
+    """The verdicts a detector gives on recorded metrics rows, in order (no rollback)."""
+    d = Detector(cfg or DetectorConfig())
+    return [d.judge(int(r.get("step", i + 1)), r) for i, r in enumerate(rows)]
+
+
+def _number(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def _is_finite(v: Any) -> bool:
+    # metrics.jsonl writes NaN / inf as strings ("nan", "inf").
+    try:
+        return math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return True  # not a number at all: nothing to judge
+
+
+def _round(v: float) -> float | str:
+    return round(v, 4) if math.isfinite(v) else str(v)  # JSON has no NaN / inf
