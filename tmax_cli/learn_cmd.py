@@ -131,14 +131,14 @@ def learn(
     runs_per_step: int = typer.Option(1, "--runs-per-step", min=1, help="With --from-runs: rated sessions added to each step."),
 ) -> None:
     """Run DPPO. With no config: the nano recipe's RL stage."""
-    from tmax_cli.progress import learn_progress
-    from training import entry
-
     o = dict(ctx.params)
     o["progress"] = not no_progress and sys.stderr.isatty()
     ctx.obj = o
     if ctx.invoked_subcommand is not None:
         return
+    from tmax_cli.progress import learn_progress
+    from training import entry
+
     cfg = _config(o)
     run_dir = _out(cfg, out)
     if dry_run:
