@@ -39,7 +39,7 @@ def rl_run(cfg, name: str, start: str, train_dir: str, prepared, engine, out: Pa
     t = time.monotonic()
     res: dict = {"name": name, "lr": cfg.algo.lr, "seed": cfg.algo.seed, "guard": cfg.guard.enabled}
     try:
-        run = train(cfg, start, train_dir, out / name, progress=False, engine_handle=engine, keep_engine=True,
+        run = train(cfg, start, train_dir, out / name, engine_handle=engine, keep_engine=True,
                     prepared=prepared)
         res.update(steps=run.steps, summary=run.summary, error=None)
     except TrainingError as e:
@@ -81,11 +81,9 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    import ray
-
     from agents.records import write_json_atomic
     from training.cluster.actors import start_engines
-    from training.cluster.launch import init_ray
+    from training.cluster.launch import connect
     from training.config import preset
     from training.recipe import build_stage, heldout_eval, prepare_recipe_tasks, sft_stage
 
@@ -109,7 +107,7 @@ def main() -> None:
         result["minutes_total"] = round((time.monotonic() - t0) / 60, 1)
         write_json_atomic(report, result)
 
-    started = init_ray(base.run.ray_address, base.run.ray_num_cpus)
+    cluster = connect(base.cluster)
     engine = start_engines(base, start, out / f"engine-{report.stem}")
     try:
         if not args.skip_collapse:
@@ -143,8 +141,7 @@ def main() -> None:
     finally:
         engine.close()
         engine.kill()
-        if started:
-            ray.shutdown()
+        cluster.shutdown()
     save()
     if args.json:
         print(json.dumps(result))

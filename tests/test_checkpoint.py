@@ -212,7 +212,7 @@ def test_a_killed_saves_temp_directories_are_never_loaded_and_are_removed(model_
 
 
 def test_resume_drops_a_killed_runs_cut_lines_and_steps_past_its_checkpoint(tmp_path):
-    from training.loop import resume_point
+    from training.learner.checkpoint import resume_point
 
     run = tmp_path / "run"
     path = ckpt.checkpoint_path(run, 2)
@@ -223,7 +223,7 @@ def test_resume_drops_a_killed_runs_cut_lines_and_steps_past_its_checkpoint(tmp_
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.1}) + "\n" for s in (1, 2, 3))
                                        + '{"step": 4, "lo')
     (run / "rollouts.jsonl").write_text('{"group_id": 1}\n{"group_id": 2, "ids": [1, 2')
-    assert resume_point(run, resume=True) == (2, {"prompt_position": 5}, str(path))
+    assert resume_point(run) == (2, {"prompt_position": 5}, str(path))
     with MetricsSink(run) as sink:  # the resumed run appends step 3 again
         sink.log(3, {"loss": 0.2})
     assert [(r["step"], r["loss"]) for r in read_metrics(run / "metrics.jsonl")] == [(1, 0.1), (2, 0.1), (3, 0.2)]

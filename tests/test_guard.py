@@ -154,7 +154,7 @@ def _fake_checkpoint(run_dir: Path, step: int) -> Path:
 
 
 def test_health_marks_steer_resume_and_pruning(tmp_path):
-    from training.loop import resume_point
+    from training.learner.checkpoint import resume_point
 
     for step in (0, 2, 4, 6):
         _fake_checkpoint(tmp_path, step)
@@ -164,7 +164,7 @@ def test_health_marks_steer_resume_and_pruning(tmp_path):
         ckpt.mark_health(ckpt.checkpoint_path(tmp_path, step), "collapsed", {"detected_at": 7})
     assert ckpt.health(ckpt.checkpoint_path(tmp_path, 4)) == "collapsed"
     # --resume never continues from a checkpoint the guard rolled back past.
-    assert resume_point(tmp_path, resume=True)[0] == 2
+    assert resume_point(tmp_path)[0] == 2
     assert ckpt.latest_checkpoint(tmp_path, healthy_only=True).name == "step_2"
     with pytest.raises(ValueError, match="health mark"):
         ckpt.mark_health(ckpt.checkpoint_path(tmp_path, 2), "fine")
@@ -174,7 +174,7 @@ def test_health_marks_steer_resume_and_pruning(tmp_path):
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_2", "step_6"]
     # An unjudged checkpoint (a run without the guard) is resumed as before.
     _fake_checkpoint(tmp_path, 8)
-    assert resume_point(tmp_path, resume=True)[0] == 8
+    assert resume_point(tmp_path)[0] == 8
 
 
 def test_learner_restores_a_checkpoint_in_place(tmp_path):

@@ -44,19 +44,9 @@ def _emit_json(data) -> None:
 
 
 def _bar(total: int, label: str):
-    """A progress bar with tasks done / total, the rate in tasks per hour and the ETA."""
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
-    from rich.text import Text
+    from tmax_cli.progress import task_jobs_bar
 
-    class RateColumn(ProgressColumn):
-        def render(self, task) -> Text:
-            return Text(f"{task.speed * 3600:.0f} tasks/h" if task.speed else "-- tasks/h", style="cyan")
-
-    bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), RateColumn(),
-                   TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
-                   console=_console())
-    return bar, bar.add_task(label, total=total, info="")
+    return task_jobs_bar(total, label, _console())
 
 
 def _emit_line(data) -> None:

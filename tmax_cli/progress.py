@@ -1,10 +1,15 @@
-"""Progress bars of `tmax learn`, drawn with rich from what the run reports
+"""Progress bars, drawn with rich: `tmax learn`'s from what the run reports
 (`training.report.LearnProgress`): the task environments being resolved, then the steps
-with their ETA and key figures."""
+with their ETA and key figures; `tmax data`'s corpus jobs with their rate and ETA."""
 
 from __future__ import annotations
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TaskID, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn)
+from rich.text import Text
 
 
 class RichLearnProgress:
@@ -55,3 +60,16 @@ class RichLearnProgress:
 def learn_progress(enabled: bool) -> RichLearnProgress | None:
     """The bars of a run people watch; None for logs only (`--no-progress`, `--json`)."""
     return RichLearnProgress() if enabled else None
+
+
+class _TasksPerHour(ProgressColumn):
+    def render(self, task: Any) -> Text:
+        return Text(f"{task.speed * 3600:.0f} tasks/h" if task.speed else "-- tasks/h", style="cyan")
+
+
+def task_jobs_bar(total: int, label: str, console: Console) -> tuple[Progress, TaskID]:
+    """A corpus job's bar: tasks done / total, the rate in tasks per hour and the ETA."""
+    bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), _TasksPerHour(),
+                   TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                   console=console)
+    return bar, bar.add_task(label, total=total, info="")

@@ -32,9 +32,9 @@ from training.algo.batching import BatchAccumulator, BatchConfig, Group
 from training.cluster.actors import Actors, EngineGroup, start_actors
 from training.cluster.launch import connect
 from training.config import LearnConfig, dump_toml
+from training.learner import checkpoint as ckpt
 from training.learner.packing import batch_samples
 from training.report import LearnProgress, MetricsSink, NoProgress, StepClock, reward_curve, rollout_metrics, run_summary, summary
-from training.report import trim_jsonl
 from training.rollback import RunGuard
 from training.rollout import (
     EpisodeRequest, InfraCounts, Rollout, append_jsonl, env_settings, prepare_tasks, prewarm_queue,
@@ -200,7 +200,7 @@ class Trainer:
         s, workers = self.state, self.actors.workers
         can_overlap = s.train_ref is None or self.cfg.algo.async_steps > 0
         while s.queue and len(s.pending) < self.cfg.run.concurrency and can_overlap:
-            w = self.actors.next_live_worker(s.next_worker)
+            w = self.actors.workers_down.next_live(s.next_worker, len(self.actors.workers))
             if w is None:
                 break  # every worker is restarting
             req, s.next_worker = s.queue.popleft(), w + 1
@@ -236,7 +236,7 @@ class Trainer:
                 continue  # the train step
             try:
                 out = ray.get(ref)
-                self.actors.worker_up(worker)
+                self.actors.workers_down.up(worker)
             except ray.exceptions.RayError as e:  # a dead worker: infrastructure; Ray restarts it
                 out = {"infra_error": f"rollout worker failed: {e}", "kind": "worker",
                        "ran": self.actors.worker_failed(worker, sent)}
@@ -308,7 +308,6 @@ class Trainer:
         checkpoint every `checkpoint_every` steps and at the last."""
         import ray
 
-        from training.learner import checkpoint as ckpt
 
         s, c, a = self.state, self.state.clock, self.cfg.algo
         try:
@@ -370,7 +369,6 @@ class Trainer:
         and rated-session positions a resumed run continues from."""
         import ray
 
-        from training.learner import checkpoint as ckpt
 
         s = self.state
         path = ckpt.checkpoint_path(self.run_dir, step)
@@ -387,7 +385,6 @@ class Trainer:
         just saved, so --resume continues from here."""
         import ray
 
-        from training.learner import checkpoint as ckpt
 
         s = self.state
         self.bar.note(f"interrupted at step {s.step}: saving a checkpoint")
@@ -411,7 +408,6 @@ class Trainer:
 
     def result(self, setup_s: float, prepared: Any) -> RunResult:
         """Reward curve and summary.json of the finished run."""
-        from training.learner import checkpoint as ckpt
 
         final = ckpt.latest_checkpoint(self.run_dir)
         metrics = self.run_dir / "metrics.jsonl"
@@ -423,25 +419,6 @@ class Trainer:
         write_json_atomic(self.run_dir / "summary.json", summ)
         return RunResult(str(self.run_dir), self.state.step, str(final) if final else None, str(metrics),
                          str(self.rollouts_path), png, summ)
-
-
-def resume_point(run_dir: Path, resume: bool) -> tuple[int, dict[str, Any], str | None]:
-    """(first step, the checkpoint's stream positions, checkpoint to load) of a fresh or
-    resumed run."""
-    from training.learner import checkpoint as ckpt
-
-    if not resume:
-        return 0, {}, None
-    ckpt.remove_partial(run_dir)  # a killed run's half-written checkpoint is never loaded
-    latest = ckpt.latest_checkpoint(run_dir)
-    if latest is None:
-        raise TrainingError(f"--resume: no checkpoint under {run_dir / 'checkpoints'}")
-    state = ckpt.load_trainer_state(latest)
-    step = int(state["step"])
-    # A killed run's cut last lines and steps past the checkpoint (trained again) leave the record.
-    trim_jsonl(run_dir / "metrics.jsonl", lambda record: int(record.get("step", 0)) <= step)
-    trim_jsonl(run_dir / "rollouts.jsonl")
-    return step, state["extra"], str(latest)
 
 
 def train(
@@ -474,7 +451,7 @@ def train(
     if prepared is None:
         prepared = prepare_tasks(env_settings(cfg.rollout.sandbox, cfg.rollout.image_map), list_task_dirs(train_tasks),
                                  run_dir / "train_tasks.json", progress=progress.environments if progress else None)
-    start_step, positions, resume_from = resume_point(run_dir, resume)
+    start_step, positions, resume_from = ckpt.resume_point(run_dir) if resume else (0, {}, None)
     model_dir = resume_from or model_dir  # the engines serve the checkpoint's weights
     if start_step >= cfg.algo.steps:
         raise TrainingError(f"nothing to do: the run is at step {start_step} of {cfg.algo.steps}")

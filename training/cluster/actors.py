@@ -25,13 +25,12 @@ from __future__ import annotations
 import functools
 import json
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agents.records import write_json_atomic
-from training.cluster.failover import FailoverSampler
+from training.cluster.failover import FailoverSampler, WorkersDown
 from training.cluster.placement import Placement
 
 # Gloo / NCCL collectives of the learner group give up after this long (a dead rank).
@@ -40,7 +39,6 @@ GROUP_TIMEOUT_S = 600.0
 # queued behind running episodes.
 PREWARM_CALL_SLOTS = 2
 # A failed rollout worker gets no episode for this long (Ray is restarting it).
-WORKER_RETRY_S = 2.0
 # Next to an engine's weights.safetensors: the version it holds.
 WEIGHTS_VERSION = "weights.version.json"
 
@@ -425,26 +423,14 @@ class Actors:
     workers: list[Any]
     own_engines: bool = True  # False: the caller's engines, which it stops itself
     labels: dict[str, str] | None = None  # every container of the run carries them (`run_labels`)
-    # Failed workers (restarting under Ray): index -> [failed at, next episode no sooner than].
-    down: dict[int, list] = field(default_factory=dict)
-
-    def next_live_worker(self, start: int) -> int | None:
-        """The first worker from `start` on (round-robin) that may take an episode now."""
-        n, now = len(self.workers), time.monotonic()
-        return next((w % n for w in range(start, start + n) if self.down.get(w % n, [0, 0])[1] <= now), None)
-
-    def worker_up(self, index: int) -> None:
-        self.down.pop(index, None)
+    workers_down: WorkersDown = field(default_factory=WorkersDown)  # restarting under Ray
 
     def worker_failed(self, index: int, sent_at: float) -> bool:
-        """An episode failed with worker `index`'s death: it gets no episode for 2 s (Ray
-        restarts it), and the containers of the episodes it ran are removed. True when the
-        episode ran (sent before the failure was first seen), False when the restarting
-        worker refused it."""
-        down = self.down.setdefault(index, [time.monotonic(), 0.0])
-        down[1] = time.monotonic() + WORKER_RETRY_S
+        """An episode failed with worker `index`'s death: the worker rests while Ray restarts
+        it and the containers of the episodes it ran are removed. True when the episode ran
+        (sent before the failure was first seen), False when the restarting worker refused it."""
         self.remove_orphaned_containers()
-        return sent_at < down[0]
+        return self.workers_down.failed(index, sent_at)
 
     def remove_orphaned_containers(self) -> list[str]:
         """The run's containers on this node whose worker process is gone (a worker Ray

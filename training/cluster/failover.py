@@ -1,5 +1,6 @@
-"""`FailoverSampler`: a rollout worker's turns over the engine actors, surviving engines
-that die (Ray restarts them; `training.cluster.actors.EngineActor` exits with its server)."""
+"""Surviving actors that die while Ray restarts them: `FailoverSampler`, a rollout worker's
+turns over the engine actors (`training.cluster.actors.EngineActor` exits with its server),
+and `WorkersDown`, which rollout workers may take an episode now."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any
 
 # How long a turn waits for a restarting engine when none is up (a vLLM start, loaded).
 ENGINE_RESTART_WAIT_S = 600.0
+# How long a failed rollout worker gets no episode, at a time, while Ray restarts it.
+WORKER_RETRY_S = 2.0
 
 
 class FailoverSampler:
@@ -42,3 +45,27 @@ class FailoverSampler:
                 raise ModelError(f"every engine actor is down ({', '.join(errors)}) "
                                  f"and none came back within {self.restart_wait_s:.0f} s")
             time.sleep(1.0)
+
+
+
+class WorkersDown:
+    """Rollout workers that failed (restarting under Ray): index -> [failed at, next episode
+    no sooner than]. The loop sends episodes round-robin to the others meanwhile."""
+
+    def __init__(self) -> None:
+        self.down: dict[int, list[float]] = {}
+
+    def next_live(self, start: int, n: int) -> int | None:
+        """The first of `n` workers from `start` on (round-robin) that may take an episode now."""
+        now = time.monotonic()
+        return next((w % n for w in range(start, start + n) if self.down.get(w % n, [0, 0])[1] <= now), None)
+
+    def up(self, index: int) -> None:
+        self.down.pop(index, None)
+
+    def failed(self, index: int, sent_at: float) -> bool:
+        """Worker `index` failed: no episode for `WORKER_RETRY_S`. True when an episode sent
+        at `sent_at` ran (it was sent before the failure was first seen)."""
+        down = self.down.setdefault(index, [time.monotonic(), 0.0])
+        down[1] = time.monotonic() + WORKER_RETRY_S
+        return sent_at < down[0]

@@ -281,3 +281,22 @@ def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
     return doomed
+
+
+def resume_point(run_dir: str | Path) -> tuple[int, dict[str, Any], str]:
+    """(step, the trainer state's extras such as stream positions, checkpoint path) to resume
+    the run in `run_dir` from: its newest complete checkpoint the guard did not reject. A
+    killed save's leftovers are removed first, and the records are cut back to that step."""
+    from training.report import trim_jsonl
+
+    run_dir = Path(run_dir)
+    remove_partial(run_dir)  # a killed run's half-written checkpoint is never loaded
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        raise FileNotFoundError(f"--resume: no checkpoint under {run_dir / 'checkpoints'}")
+    state = load_trainer_state(latest)
+    step = int(state["step"])
+    # A killed run's cut last lines and steps past the checkpoint (trained again) leave the record.
+    trim_jsonl(run_dir / "metrics.jsonl", lambda record: int(record.get("step", 0)) <= step)
+    trim_jsonl(run_dir / "rollouts.jsonl")
+    return step, state["extra"], str(latest)
