@@ -52,10 +52,8 @@ MODEL_TIMEOUT_ENV = ("TMAX_MODEL_TIMEOUT",)
 
 
 
-class RunFile(BaseModel):
-    """The config file's keys: all optional, strictly typed, no others."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
+class RunKeys(BaseModel):
+    """The settings of `tmax run` that a flag, a variable or the config file can set."""
 
     base_url: str | None = None
     model: str | None = None
@@ -67,6 +65,13 @@ class RunFile(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     command_timeout: float | None = Field(None, gt=0)
     model_timeout: float | None = Field(None, gt=0)
+
+
+class RunFile(RunKeys):
+    """The config file's keys: all optional, strictly typed, no others."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     expose: list[str] = Field(default_factory=list)
 
 
@@ -146,23 +151,12 @@ class NamedEnvSource(PydanticBaseSettingsSource):
         return {key: value for key, (value, _) in self.found().items()}
 
 
-class RunSources(BaseSettings):
+class RunSources(BaseSettings, RunKeys):
     """Flag > environment > config file, merged by pydantic-settings (`settings_customise_sources`);
     None where no source sets a value (the defaults depend on each other: see resolve_run_settings).
     `expose` is not here: the file's list and the flags' add up."""
 
     model_config = SettingsConfigDict(extra="ignore")
-
-    base_url: str | None = None
-    model: str | None = None
-    api_key: str | None = None
-    sandbox: Literal[SANDBOX_KINDS] | None = None  # type: ignore[valid-type]
-    mode: Literal[MODES] | None = None  # type: ignore[valid-type]
-    image: str | None = None
-    max_steps: int | None = Field(None, ge=1)
-    max_tokens: int | None = Field(None, ge=1)
-    command_timeout: float | None = Field(None, gt=0)
-    model_timeout: float | None = Field(None, gt=0)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
