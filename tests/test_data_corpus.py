@@ -456,6 +456,42 @@ def test_imported_setup_sh_builds_and_runs_on_podman(tmp_path):
         subprocess.run(["podman", "rmi", "-f", image.tag], capture_output=True, timeout=120)
 
 
+@pytest.mark.podman
+def test_imported_native_task_builds_with_its_base_layer_and_files_destinations(tmp_path):
+    """The native layout through the image path bench and validate use: the shared base layer
+    under the task's own steps, %files at their destinations, the setup.sh delta, the user.
+    The fixture's intricate layer (torch, ffmpeg, postgresql... several GB) is too big for a
+    test; the same fixture as a setup.sh delta on the common + data_querying base is built."""
+    import shutil
+    import subprocess
+
+    from tasks.images import BASE_TAG, ensure_image, image_exists
+    from tasks.offline import default_config
+
+    if shutil.which("podman") is None or not image_exists(BASE_TAG):
+        pytest.skip("needs podman and the base image")
+    src = tmp_path / "src" / "task_000010_0de17a00"
+    shutil.copytree(DATA / "import" / "native" / "task_000008_1ntr1cat", src)
+    meta = json.loads((src / "task.json").read_text())
+    meta.update(name=src.name, domain="data_querying", base_image="default")
+    (src / "task.json").write_text(json.dumps(meta))
+    d = (src / "container.def").read_text()
+    (src / "container.def").write_text(d[:d.index("%post")])  # no %post: setup.sh is the delta
+    (src / "setup.sh").write_text("sqlite3 /opt/labels/labels.db 'create table t(x); insert into t values (3);'\n")
+    run_json("import", str(src.parent), "-o", str(tmp_path / "out"), "--format", "native")
+    image = ensure_image(Task.load(tmp_path / "out" / src.name), default_config())
+    try:
+        probe = ("python3 -m pytest --version >/dev/null && jq -r .CAT /opt/labels/labels.json && "
+                 "sqlite3 /opt/labels/labels.db 'select x from t' && test -s /app/fixtures/img.png && "
+                 "test ! -e /app/fixtures/labels.json && id -un user && echo $LC_ALL && pwd")
+        out = subprocess.run(["podman", "run", "--rm", image.tag, "bash", "-c", probe],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert out.stdout.split() == ["3", "3", "user", "C.UTF-8", "/home/user"]
+    finally:
+        subprocess.run(["podman", "rmi", "-f", image.tag], capture_output=True, timeout=120)
+
+
 # --- export / import of datasets -----------------------------------------------------------
 
 def test_export_and_import_round_trip_byte_for_byte(tmp_path):
