@@ -457,6 +457,54 @@ def test_imported_setup_sh_builds_and_runs_on_podman(tmp_path):
 
 
 @pytest.mark.podman
+def test_imported_harbor_task_builds_as_it_was_written(tmp_path):
+    import shutil
+    import subprocess
+
+    from tasks.images import BASE_TAG, ensure_image, image_exists
+    from tasks.offline import default_config
+
+    if shutil.which("podman") is None or not image_exists(BASE_TAG):
+        pytest.skip("needs podman and the base image")
+    run_json("import", str(DATA / "import" / "harbor"), "-o", str(tmp_path), "--format", "harbor")
+    image = ensure_image(Task.load(tmp_path / "task_000001_ab12cd34"), default_config())
+    try:
+        out = subprocess.run(["podman", "run", "--rm", image.tag, "bash", "-c", "id -un user; pwd"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["user", "/home/user"]
+    finally:
+        subprocess.run(["podman", "rmi", "-f", image.tag], capture_output=True, timeout=120)
+
+
+@pytest.mark.podman
+def test_imported_dataset_row_builds_on_its_mapped_image(tmp_path):
+    """A dataset row's env_config.image is the task's image: offline it is not pulled, so it is
+    built from the row's FROM through --image-map, with the folder's seeds in /workspace."""
+    import shutil
+    import subprocess
+
+    from tasks.images import BASE_TAG, ensure_image, image_exists
+    from tasks.offline import default_config
+
+    if shutil.which("podman") is None or not image_exists(BASE_TAG):
+        pytest.skip("needs podman and the base image")
+    run_json("import", str(DATA / "import" / "open-instruct"), "-o", str(tmp_path), "--format", "open-instruct")
+    task = Task.load(tmp_path / "oi_0001")
+    assert task.config.environment.docker_image == "registry.example.org/tmax/oi_0001:v2"
+    image = ensure_image(task, default_config([f"registry.example.org/tmax/*={BASE_TAG}"]))
+    try:
+        assert image.built and image.workdir == "/workspace"
+        out = subprocess.run(["podman", "run", "--rm", image.tag, "bash", "-c", "cat numbers.txt; pwd"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        expected = (DATA / "import" / "open-instruct" / "oi_0001" / "environment" / "seeds" / "numbers.txt")
+        assert out.stdout == expected.read_text() + "/workspace\n"
+    finally:
+        subprocess.run(["podman", "rmi", "-f", image.tag], capture_output=True, timeout=120)
+
+
+@pytest.mark.podman
 def test_imported_native_task_builds_with_its_base_layer_and_files_destinations(tmp_path):
     """The native layout through the image path bench and validate use: the shared base layer
     under the task's own steps, %files at their destinations, the setup.sh delta, the user.
