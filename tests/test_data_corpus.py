@@ -505,6 +505,7 @@ def test_imported_dataset_row_builds_on_its_mapped_image(tmp_path):
 
 
 @pytest.mark.podman
+@pytest.mark.slow  # the base layer's apt + pip install: about 90 s on a loaded 2-core machine
 def test_imported_native_task_builds_with_its_base_layer_and_files_destinations(tmp_path):
     """The native layout through the image path bench and validate use: the shared base layer
     under the task's own steps, %files at their destinations, the setup.sh delta, the user.

@@ -96,3 +96,9 @@ def test_disk_budget_of_validate_prunes_the_least_recently_used_of_its_own_image
                              capture_output=True, text=True, timeout=120).stdout.split()
         for i in ids:
             subprocess.run(["podman", "rmi", "-f", i], capture_output=True, timeout=120)
+
+
+def test_a_malformed_image_scope_is_named(monkeypatch):
+    monkeypatch.setenv("TMAX_IMAGE_LABELS", "io.tmax.test=a,oops")
+    r = CliRunner().invoke(app, ["sandbox", "prune", "--dry-run"])
+    assert r.exit_code == 1 and "TMAX_IMAGE_LABELS: 'oops': expected KEY=VALUE" in r.output
