@@ -1,6 +1,6 @@
-"""`tmax sandbox prune`: task images tmax built, least recently used first, down to --keep-gb.
-Only this test's own images are ever candidates: they carry a label unique to the run, and
-the command is narrowed to it with --label."""
+"""`tmax sandbox prune` and `--disk-budget-gb`: task images tmax built, least recently used
+first, down to a size. Only these tests' own images are ever candidates: they carry a label
+unique to the run, and the pruning is narrowed to it (--label, $TMAX_IMAGE_LABELS)."""
 
 from __future__ import annotations
 
