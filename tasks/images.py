@@ -233,8 +233,10 @@ def _build(task: Task, cfg: RewriteConfig, tag: str, rewritten: RewrittenDockerf
         dockerfile = Path(tmp) / "Dockerfile.tmax"
         dockerfile.write_text(rewritten.text)
         argv = ["podman", "--runtime", "runc", "build", "--layers", "-f", str(dockerfile), "-t", tag,
-                "--label", f"{LABEL_KEY}={LABEL_VALUE}", "--label", f"io.tmax.task={task.name}",
+                "--label", f"{LABEL_KEY}={LABEL_VALUE}", "--label", f"{TASK_LABEL}={task.name}",
                 "--ulimit", "nofile=1024:20000", "--ulimit", "nproc=4096:4096"]
+        for k, v in scope_labels().items():
+            argv += ["--label", f"{k}={v}"]
         if cfg.ca_bundle:
             argv += ["--volume", f"{cfg.ca_bundle}:{cfg.ca_mount[0][1]}:ro"]
         argv.append(str(ctx))
@@ -304,6 +306,30 @@ def _tail(path: Path, n: int = 6) -> str:
 # --- image hygiene: when each task image was last used, and pruning the least recent ---------
 
 TASK_LABEL = "io.tmax.task"  # set on every image `ensure_image` builds
+# Labels (KEY=VALUE,...) set on every task image this process builds and required of every
+# image it prunes: one job's (or one user's) images, pruned apart from the others on a
+# shared podman store.
+SCOPE_ENV = "TMAX_IMAGE_LABELS"
+
+
+def parse_labels(items) -> dict[str, str]:
+    """KEY=VALUE items as a dict; ValueError names a malformed one."""
+    out = {}
+    for item in items:
+        k, sep, v = item.strip().partition("=")
+        if not sep or not k:
+            raise ValueError(f"{item!r}: expected KEY=VALUE")
+        out[k] = v
+    return out
+
+
+def scope_labels() -> dict[str, str]:
+    """The labels of $TMAX_IMAGE_LABELS (none when unset)."""
+    raw = os.environ.get(SCOPE_ENV, "")
+    try:
+        return parse_labels(x for x in raw.split(",") if x.strip())
+    except ValueError as e:
+        raise ImageBuildError(f"{SCOPE_ENV}: {e}") from None
 
 
 def _use_stamp(tag: str) -> Path:
@@ -327,11 +353,11 @@ class ImageUse:
 
 def task_images(labels: dict[str, str] | None = None) -> list[ImageUse]:
     """The task images tmax built (labelled by `ensure_image`; never the base image or a
-    pulled one), least recently used first; `labels` narrows them further."""
+    pulled one), least recently used first; $TMAX_IMAGE_LABELS and `labels` narrow them."""
     r = _podman("images", "--format", "json", "--filter", f"label={LABEL_KEY}={LABEL_VALUE}")
     if r.returncode != 0:
         raise ImageBuildError(f"podman images failed: {r.stderr.strip()[-500:]}")
-    want = {LABEL_KEY: LABEL_VALUE, **(labels or {})}
+    want = {LABEL_KEY: LABEL_VALUE, **scope_labels(), **(labels or {})}
     out = []
     for img in json.loads(r.stdout or "[]"):
         names = img.get("Names") or []

@@ -456,6 +456,91 @@ def test_imported_setup_sh_builds_and_runs_on_podman(tmp_path):
         subprocess.run(["podman", "rmi", "-f", image.tag], capture_output=True, timeout=120)
 
 
+@pytest.mark.podman
+def test_imported_harbor_task_builds_as_it_was_written(tmp_path):
+    import shutil
+    import subprocess
+
+    from tasks.images import BASE_TAG, ensure_image, image_exists
+    from tasks.offline import default_config
+
+    if shutil.which("podman") is None or not image_exists(BASE_TAG):
+        pytest.skip("needs podman and the base image")
+    run_json("import", str(DATA / "import" / "harbor"), "-o", str(tmp_path), "--format", "harbor")
+    image = ensure_image(Task.load(tmp_path / "task_000001_ab12cd34"), default_config())
+    try:
+        out = subprocess.run(["podman", "run", "--rm", image.tag, "bash", "-c", "id -un user; pwd"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["user", "/home/user"]
+    finally:
+        subprocess.run(["podman", "rmi", "-f", image.tag], capture_output=True, timeout=120)
+
+
+@pytest.mark.podman
+def test_imported_dataset_row_builds_on_its_mapped_image(tmp_path):
+    """A dataset row's env_config.image is the task's image: offline it is not pulled, so it is
+    built from the row's FROM through --image-map, with the folder's seeds in /workspace."""
+    import shutil
+    import subprocess
+
+    from tasks.images import BASE_TAG, ensure_image, image_exists
+    from tasks.offline import default_config
+
+    if shutil.which("podman") is None or not image_exists(BASE_TAG):
+        pytest.skip("needs podman and the base image")
+    run_json("import", str(DATA / "import" / "open-instruct"), "-o", str(tmp_path), "--format", "open-instruct")
+    task = Task.load(tmp_path / "oi_0001")
+    assert task.config.environment.docker_image == "registry.example.org/tmax/oi_0001:v2"
+    image = ensure_image(task, default_config([f"registry.example.org/tmax/*={BASE_TAG}"]))
+    try:
+        assert image.built and image.workdir == "/workspace"
+        out = subprocess.run(["podman", "run", "--rm", image.tag, "bash", "-c", "cat numbers.txt; pwd"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        expected = (DATA / "import" / "open-instruct" / "oi_0001" / "environment" / "seeds" / "numbers.txt")
+        assert out.stdout == expected.read_text() + "/workspace\n"
+    finally:
+        subprocess.run(["podman", "rmi", "-f", image.tag], capture_output=True, timeout=120)
+
+
+@pytest.mark.podman
+@pytest.mark.slow  # the base layer's apt + pip install: about 90 s on a loaded 2-core machine
+def test_imported_native_task_builds_with_its_base_layer_and_files_destinations(tmp_path):
+    """The native layout through the image path bench and validate use: the shared base layer
+    under the task's own steps, %files at their destinations, the setup.sh delta, the user.
+    The fixture's intricate layer (torch, ffmpeg, postgresql... several GB) is too big for a
+    test; the same fixture as a setup.sh delta on the common + data_querying base is built."""
+    import shutil
+    import subprocess
+
+    from tasks.images import BASE_TAG, ensure_image, image_exists
+    from tasks.offline import default_config
+
+    if shutil.which("podman") is None or not image_exists(BASE_TAG):
+        pytest.skip("needs podman and the base image")
+    src = tmp_path / "src" / "task_000010_0de17a00"
+    shutil.copytree(DATA / "import" / "native" / "task_000008_1ntr1cat", src)
+    meta = json.loads((src / "task.json").read_text())
+    meta.update(name=src.name, domain="data_querying", base_image="default")
+    (src / "task.json").write_text(json.dumps(meta))
+    d = (src / "container.def").read_text()
+    (src / "container.def").write_text(d[:d.index("%post")])  # no %post: setup.sh is the delta
+    (src / "setup.sh").write_text("sqlite3 /opt/labels/labels.db 'create table t(x); insert into t values (3);'\n")
+    run_json("import", str(src.parent), "-o", str(tmp_path / "out"), "--format", "native")
+    image = ensure_image(Task.load(tmp_path / "out" / src.name), default_config())
+    try:
+        probe = ("python3 -m pytest --version >/dev/null && jq -r .CAT /opt/labels/labels.json && "
+                 "sqlite3 /opt/labels/labels.db 'select x from t' && test -s /app/fixtures/img.png && "
+                 "test ! -e /app/fixtures/labels.json && id -un user && echo $LC_ALL && pwd")
+        out = subprocess.run(["podman", "run", "--rm", image.tag, "bash", "-c", probe],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert out.stdout.split() == ["3", "3", "user", "C.UTF-8", "/home/user"]
+    finally:
+        subprocess.run(["podman", "rmi", "-f", image.tag], capture_output=True, timeout=120)
+
+
 # --- export / import of datasets -----------------------------------------------------------
 
 def test_export_and_import_round_trip_byte_for_byte(tmp_path):

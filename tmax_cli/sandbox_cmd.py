@@ -60,14 +60,13 @@ def clean_cmd(
         raise typer.Exit(1)
 
 
-def parse_labels(items: list[str]) -> dict[str, str]:
-    out = {}
-    for item in items:
-        k, sep, v = item.partition("=")
-        if not sep or not k:
-            raise typer.BadParameter(f"--label {item!r}: expected KEY=VALUE")
-        out[k] = v
-    return out
+def _labels_option(items: list[str]) -> dict[str, str]:
+    from tasks.images import parse_labels
+
+    try:
+        return parse_labels(items)
+    except ValueError as e:
+        raise typer.BadParameter(f"--label {e}") from None
 
 
 @sandbox_app.command("prune")
@@ -84,7 +83,7 @@ def prune_cmd(
     from tasks.images import ImageBuildError, prune_images
 
     try:
-        rep = prune_images(int(keep_gb * 1e9), parse_labels(label), dry_run=dry_run)
+        rep = prune_images(int(keep_gb * 1e9), _labels_option(label), dry_run=dry_run)
     except ImageBuildError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
