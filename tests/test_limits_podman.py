@@ -19,7 +19,7 @@ import pytest
 from agents.prompts import SUBMIT_COMMAND
 from training.config import preset
 from training.learner.sft import ScriptedSampler, scripted_turns
-from training.rollout import EpisodeRequest, prepare_tasks, run_episode
+from training.rollout import EpisodeRequest, EpisodeSettings, prepare_tasks, run_episode
 
 pytestmark = pytest.mark.podman
 
@@ -36,11 +36,11 @@ def nano(tmp_path_factory, base_image):
     root = tmp_path_factory.mktemp("limits")
     build_tokenizer(0).save_pretrained(root / "tok")
     [task] = write_splits(root / "tasks", 1, 0, seed=0)["train"]
-    cfg = preset("nano-podman").rollout.model_copy(update={
+    episode = EpisodeSettings.of(preset("nano-podman").rollout.model_copy(update={
         "max_tool_calls": 4, "observation_max_chars": 2000, "per_turn_max_tokens": 300,
-        "response_budget": 1500, "context_budget": 4096})
-    prepared = prepare_tasks(cfg, [str(task)], root / "report.json", log=lambda m: None)
-    return AutoTokenizer.from_pretrained(root / "tok"), task, cfg, prepared.images[str(task)], root
+        "response_budget": 1500, "context_budget": 4096}))
+    prepared = prepare_tasks(episode.env, [str(task)], root / "report.json", log=lambda m: None)
+    return AutoTokenizer.from_pretrained(root / "tok"), task, episode, prepared.images[str(task)], root
 
 
 def _with_environment(nano, name: str, **environment) -> str:
@@ -59,9 +59,9 @@ def _with_environment(nano, name: str, **environment) -> str:
 
 def _episode(nano, task_dir: str, *commands: str) -> tuple[object, str]:
     """Run the agent's `commands` then submit; the Rollout and every observation it saw."""
-    tok, _, cfg, image, _ = nano
+    tok, _, episode, image, _ = nano
     turns = scripted_turns(tok, [("THOUGHT: try.", c) for c in commands] + [("THOUGHT: done.", SUBMIT_COMMAND)])
-    r = run_episode(EpisodeRequest(task_dir, 0, 0, 1), ScriptedSampler(turns), tok, cfg, image=image)
+    r = run_episode(EpisodeRequest(task_dir, 0, 0, 1), ScriptedSampler(turns), tok, episode, image=image)
     obs = tok.decode([i for i, m in zip(r.trace.ids, r.trace.mask) if m == 0])
     # The agent's outcome: it ran to its submit and the verifier scored it.
     assert r.status == "submitted" and r.verifier["status"] == "ok", (r.status, r.error, obs[-800:])
