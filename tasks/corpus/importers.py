@@ -71,18 +71,22 @@ def import_corpus(src: Path, out: Path, fmt: str,
             on_task(name, why)
     for d in dirs:
         dest = out / d.name
+        # Converted beside `dest` and renamed into place once it loads: a killed import
+        # leaves no half-written task under its real name.
+        staging = out / f".{d.name}.importing"
         try:
             if dest.exists():
                 raise ConversionError(f"{dest} already exists")
-            convert(d, dest)
-            Task.load(dest)
+            shutil.rmtree(staging, ignore_errors=True)
+            convert(d, staging)
+            Task.load(staging)
+            staging.rename(dest)
             imported.append(d.name)
             if on_task:
                 on_task(d.name, None)
         except (*_SOURCE_ERRORS, TaskError, OSError, ValueError) as e:
-            if dest.exists() and not isinstance(e, ConversionError):
-                shutil.rmtree(dest, ignore_errors=True)
-            errors[d.name] = str(e)
+            shutil.rmtree(staging, ignore_errors=True)
+            errors[d.name] = str(e).replace(str(staging), str(dest))
             if on_task:
                 on_task(d.name, str(e))
     return {"imported": imported, "errors": errors}

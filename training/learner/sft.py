@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agents.policy import SampledTokens
-from agents.records import write_json_atomic
+from agents.records import write_json_atomic, write_text_atomic
 from training.algo.batching import Group
 from training.config import LearnConfig
 from training.learner.packing import Pack, TrainSample, batch_samples
@@ -161,7 +161,7 @@ def collect_demos(task_dirs: list[str], tokenizer: Any, cfg: LearnConfig, out_js
         if pool is not None:
             pool.close()
     if out_jsonl is not None:
-        out_jsonl.write_text("".join(r.to_json() + "\n" for r in demos))
+        write_text_atomic(out_jsonl, "".join(r.to_json() + "\n" for r in demos))
     return demos
 
 
