@@ -201,11 +201,6 @@ def _parse_reward_json(json_text: str) -> RewardRead:
     return RewardRead(min(1.0, max(0.0, value)), VerifierKind.OK)
 
 
-def _read(sandbox: Sandbox, path: str) -> str | None:
-    r = sandbox.exec(["cat", path], timeout=60)
-    return r.output if r.exit_code == 0 else None
-
-
 GRACE_S = 30.0  # past the in-container timeout, before the exec itself is given up
 
 
@@ -302,39 +297,64 @@ def _scored(rc: int | None, read: RewardRead, duration_s: float, logs: str = "/l
     return VerifierResult(read.reward, VerifierKind.OK, None, rc, duration_s)
 
 
+def _host_verifier_command(tests: str, logs: str, timeout: float, tag: str, clean: str | None) -> str:
+    """One bash program for a host sandbox: create the logs dir, run test.sh under
+    `timeout`, print its exit status and the reward files between the same markers as
+    `_verifier_command`, and remove `clean` (the trial's directory) unless None."""
+    q = shlex.quote
+    return "\n".join([
+        f"if ! err=$(mkdir -p {q(logs)}/verifier 2>&1); then echo \"__TMAX_{tag}_prep__ $err\"; exit 0; fi",
+        f"timeout --kill-after=10 {int(math.ceil(timeout))} bash {q(tests)}/test.sh"
+        f" > {q(logs)}/verifier/test-stdout.txt 2>&1",
+        f"echo \"__TMAX_{tag}_rc__ $?\"",
+        "for f in reward.txt reward.json; do",
+        f"  [ -f {q(logs)}/verifier/$f ] && {{ echo \"__TMAX_{tag}_file__ $f\"; cat {q(logs)}/verifier/$f; echo; }}",
+        "done",
+        f"echo \"__TMAX_{tag}_end__\"",
+        *([f"rm -rf {q(clean)}"] if clean else []),
+    ])
+
+
 def run_host_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path | None,
                       timeout: float | None = None) -> VerifierResult:
     """The verifier on a host sandbox (`bwrap`, `local`), which has no private /tests or
     /logs: test.sh runs from a per-trial copy of `tests/` in a fresh directory under the
     sandbox's /tmp, with TMAX_WORKDIR / TMAX_TESTS_DIR / TMAX_LOGS_DIR saying where
     things are (the generated nano tasks honour them), and the reward is read from that
-    trial's own logs dir. The directory is created only now, after the agent stopped."""
+    trial's own logs dir. The directory is created only now, after the agent stopped.
+    One exec runs it all (a process start costs more than a nano task's test); the
+    directory goes with it unless the logs are copied out first (`out_dir`)."""
     timeout = timeout or task.config.verifier.timeout_sec
-    root = f"/tmp/tmax-verifier-{uuid.uuid4().hex[:12]}"
+    tag = uuid.uuid4().hex[:12]
+    root = f"/tmp/tmax-verifier-{tag}"
     tests, logs = f"{root}/tests", f"{root}/logs"
+    cleaned = False
     try:
         sandbox.copy_in(task.tests_dir, tests)
         with tempfile.TemporaryDirectory(prefix="tmax-verifier-") as tmp:
             script = Path(tmp) / "test.sh"
             script.write_text(verifier_script(task))
             sandbox.copy_in(script, f"{tests}/test.sh")  # over the copy: fixtures stay next to it
-        prep = sandbox.exec(["mkdir", "-p", f"{logs}/verifier"], timeout=60)
-        if prep.exit_code != 0:
-            raise SandboxError(f"could not create the verifier logs dir: {prep.output}{prep.stderr}")
         env = {**task.config.verifier.env, "TMAX_WORKDIR": workdir, "TMAX_TESTS_DIR": tests, "TMAX_LOGS_DIR": logs}
-        log = shlex.quote(f"{logs}/verifier/test-stdout.txt")
-        res = sandbox.exec(["bash", "-c", f"bash {shlex.quote(tests + '/test.sh')} > {log} 2>&1"],
-                           timeout=timeout, workdir=workdir, env=env)
+        program = _host_verifier_command(tests, logs, timeout, tag, None if out_dir else root)
+        res = sandbox.exec(["bash", "-c", program], timeout=timeout + GRACE_S, workdir=workdir, env=env)
+        prep_error, rc, files = _parse_verifier_output(res.output, tag)
+        cleaned = out_dir is None and f"__TMAX_{tag}_end__" in res.output
+        if prep_error is not None:
+            raise SandboxError(f"could not create the verifier logs dir: {prep_error}")
         _keep_logs(sandbox, f"{logs}/verifier", out_dir)
-        if res.timed_out:
-            return _timed_out(timeout, res.exit_code, res.duration_s)
-        read = parse_reward(_read(sandbox, f"{logs}/verifier/reward.txt"), _read(sandbox, f"{logs}/verifier/reward.json"))
-        return _scored(res.exit_code, read, res.duration_s, logs="$TMAX_LOGS_DIR/verifier")
+        if res.timed_out or rc in (124, 137):
+            return _timed_out(timeout, 124 if rc is None else rc, res.duration_s)
+        if rc is None:
+            raise SandboxError(f"the verifier did not report (exec exit {res.exit_code}): {res.stderr.strip()[-500:]}")
+        read = parse_reward(files.get("reward.txt"), files.get("reward.json"))
+        return _scored(rc, read, res.duration_s, logs="$TMAX_LOGS_DIR/verifier")
     finally:
-        try:
-            sandbox.exec(["rm", "-rf", root], timeout=60)
-        except SandboxError:
-            pass
+        if not cleaned:
+            try:
+                sandbox.exec(["rm", "-rf", root], timeout=60)
+            except SandboxError:
+                pass
 
 
 def _keep_logs(sandbox: Sandbox, logs: str, out_dir: Path | None) -> None:

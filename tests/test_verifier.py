@@ -105,3 +105,47 @@ def test_host_reward_without_a_log_copy(tmp_path):
         sb.close()
     assert (res.kind, res.reward) == ("ok", 1.0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hostnolog", "work"]
+
+
+def _host_run(tmp_path: Path, task, out_dir: Path | None):
+    """run_host_verifier on a local sandbox; (result, whether the trial's directory is
+    left), the directory named by the test.sh itself (other runs use /tmp meanwhile)."""
+    from sandbox.base import SandboxSpec
+    from sandbox.local import LocalSandbox
+    from tasks.verifier import run_host_verifier
+
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    sb = LocalSandbox(SandboxSpec(workdir=str(work)))
+    sb.start()
+    try:
+        res = run_host_verifier(sb, task, str(work), out_dir)
+    finally:
+        sb.close()
+    tests_dir = Path((work / "where").read_text().strip())
+    return res, tests_dir.parent.exists()
+
+
+def test_host_verifier_in_one_exec_scores_times_out_and_cleans_up(tmp_path):
+    """The host verifier's one program: the reward, no reward, a timeout (test.sh killed,
+    its directory removed), and the logs copied out before the directory goes."""
+    where = 'echo "$TMAX_TESTS_DIR" > "$TMAX_WORKDIR/where"\n'
+    ok = _task(tmp_path, "hostok", f'#!/bin/bash\n{where}echo pass\necho 0.5 > "$TMAX_LOGS_DIR/verifier/reward.txt"\n')
+    res, left = _host_run(tmp_path, ok, None)
+    assert (res.kind, res.reward, left) == ("ok", 0.5, False)
+
+    none = _task(tmp_path, "hostnone", f"#!/bin/bash\n{where}exit 3\n")
+    res, left = _host_run(tmp_path, none, None)
+    assert (res.kind, res.reward, res.exit_code, left) == ("no_reward", None, 3, False)
+    assert "test.sh exit 3" in res.error and "$TMAX_LOGS_DIR/verifier" in res.error
+
+    slow = _task(tmp_path, "hostslow", f"#!/bin/bash\n{where}sleep 30\n", timeout=1)
+    res, left = _host_run(tmp_path, slow, None)
+    assert (res.kind, res.reward, left) == ("verifier_timeout", None, False)
+    assert res.duration_s < 15
+
+    logs = tmp_path / "logs"
+    res, left = _host_run(tmp_path, ok, logs)
+    assert (res.kind, res.reward, left) == ("ok", 0.5, False)
+    assert (logs / "reward.txt").read_text().strip() == "0.5"
+    assert (logs / "test-stdout.txt").read_text().strip() == "pass"
