@@ -44,13 +44,44 @@ def test_recorded_collapse_is_detected_at_the_step_it_shows():
 def test_recorded_noisy_run_never_triggers():
     """Recorded: the same RL stage with the guard off, which had not collapsed by its last
     step: format errors swing 0.44 -> 0.72 -> 0.54 -> 0.78 -> 0.44, and the first step's
-    logprob difference is exactly 0 (no update yet), the next ones 4-11. No collapse, and
-    none either with a one-step baseline (which flags step 2: why min_history is 2)."""
+    logprob difference is exactly 0 (no update yet), the next ones 4-11. Step 2 alarms on
+    outcomes alone (format errors, submits), which is not a collapse. Judged from that
+    first step, the logprob differences would have supplied the policy alarm: why they
+    wait for two steps of baseline."""
+    import dataclasses
+
+    from training import guard
+
     rows = _series("noisy_lr2e-3.jsonl")
     assert len(rows) >= 5
     verdicts = replay(rows)
     assert not any(v.collapse for v in verdicts), [v.describe() for v in verdicts if v.alarms]
-    assert any(v.collapse for v in replay(rows, DetectorConfig(min_history=1)))
+    assert {a.role for a in verdicts[1].alarms} == {"outcome"}, verdicts[1].describe()
+    eager = tuple(dataclasses.replace(s, min_history=1) for s in guard.SIGNALS)
+    d = Detector(signals=eager)
+    assert [d.judge(int(r["step"]), r).status for r in rows[:2]] == ["warming", "collapse"]
+
+
+def test_recorded_fast_collapse_is_caught_at_its_first_step():
+    """Recorded: the nano RL stage at LR 5e-3 from the preset's SFT (seed 0, guard off),
+    collapsed from its second step: format errors 0.06 -> 0.57 -> 0.73, submits 0.94 ->
+    0.43, entropy up, identical samples down (varied garbage, not one command), until no
+    group had mixed rewards and the run gave up. Caught at step 2, judged against step 1
+    alone: the signals' floors, not a spread that the collapse itself would widen."""
+    rows = _series("collapse_lr5e-3.jsonl")
+    verdicts = replay(rows)
+    assert [v.status for v in verdicts[:2]] == ["warming", "collapse"], [v.describe() for v in verdicts]
+    signals = {a.signal for a in verdicts[1].alarms}
+    assert {"format_errors", "submit_rate"} <= signals and {"entropy", "identical"} <= signals
+
+
+def test_recorded_healthy_recipe_never_triggers():
+    """Recorded: the default nano recipe's 20 RL steps (seed 0; held-out 25.8 % -> 75.8 %).
+    A policy that sharpens as it learns alarms now and then (logprob differences, more
+    identical samples), never on an outcome at the same step."""
+    verdicts = replay(_series("healthy_nano_seed0.jsonl"))
+    assert len(verdicts) == 20
+    assert not any(v.collapse for v in verdicts), [v.describe() for v in verdicts if v.alarms]
 
 
 def test_infra_error_burst_is_not_a_collapse():

@@ -239,7 +239,7 @@ class GuardConfig(_Strict):
     # The detector's rule (see training/guard.py): rolling median / MAD over `window`
     # healthy steps, alarm beyond max(mad_k * 1.4826 * MAD, the signal's floor).
     window: int = Field(8, ge=1)
-    min_history: int = Field(2, ge=1)
+    min_history: int = Field(1, ge=1)
     mad_k: float = Field(4.0, gt=0)
     min_policy_alarms: int = Field(1, ge=1)
     patience: int = Field(1, ge=1)

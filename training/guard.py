@@ -26,9 +26,13 @@ metrics.jsonl) and returns a `Verdict`. The rule:
    judged ("infra"): trouble with sandboxes or the inference server never reads as a
    policy collapse, and such a step does not enter the baseline either.
 
-The first `min_history` steps only build the baseline ("warming"): at least two, because the
-first step trains on samples of the very weights it starts from, so its train/inference
-logprob difference is exactly 0 and any later step would look like a jump from it.
+The first `min_history` steps (one by default) only build the baseline ("warming"); from
+then on a signal is judged once it has its own `Signal.min_history` healthy values. With a
+short history the floors, not the spread, set the limit: a collapse that starts at the
+second step is caught there instead of widening the spread it is measured against. The
+train/inference logprob differences wait for two steps, because the first step trains on
+samples of the very weights it starts from, so its difference is exactly 0 and any later
+step would look like a jump from it.
 """
 
 from __future__ import annotations
@@ -56,6 +60,10 @@ class Signal:
     role: Role
     floor: float  # smallest absolute change that counts
     rel_floor: float = 0.0  # plus this share of the baseline's magnitude
+    # Healthy steps the baseline needs before this signal is judged. Two for the
+    # train/inference logprob difference: the first step trains on samples of the very
+    # weights it starts from, so its difference is exactly 0 and says nothing of the next.
+    min_history: int = 1
 
 
 SIGNALS: tuple[Signal, ...] = (
@@ -63,12 +71,13 @@ SIGNALS: tuple[Signal, ...] = (
     Signal("format_errors", "health/format_error_rate", "up", "outcome", 0.2),
     Signal("submit_rate", "health/submit_rate", "down", "outcome", 0.2),
     Signal("entropy", "health/sampled_entropy", "both", "policy", 0.05, 0.5),
-    Signal("identical", "health/identical_sample_frac", "up", "policy", 0.25),
+    # Both ways: a policy collapses onto one command (up) or into varied garbage (down).
+    Signal("identical", "health/identical_sample_frac", "both", "policy", 0.25),
     Signal("turns", "health/turns", "both", "policy", 0.5, 0.25),
     Signal("length", "health/response_tokens", "both", "policy", 0.0, 0.35),
     Signal("mask_kept", "debug/dppo_mask_frac_kept", "down", "policy", 0.05),
-    Signal("logprob_diff_max", "debug/vllm_vs_local_logprob_diff_max", "up", "policy", 0.5, 1.0),
-    Signal("logprob_diff_mean", "debug/vllm_vs_local_logprob_diff_mean", "up", "policy", 0.02, 1.0),
+    Signal("logprob_diff_max", "debug/vllm_vs_local_logprob_diff_max", "up", "policy", 0.5, 1.0, min_history=2),
+    Signal("logprob_diff_mean", "debug/vllm_vs_local_logprob_diff_mean", "up", "policy", 0.02, 1.0, min_history=2),
     Signal("grad_norm", "optim/grad_norm", "up", "policy", 0.0, 2.0),
 )
 # Keys whose non-finite value is an alarm by itself (the update already blew up).
@@ -80,7 +89,7 @@ class DetectorConfig:
     """The rule's knobs (`training.config.GuardConfig` carries them in a run config)."""
 
     window: int = 8
-    min_history: int = 2
+    min_history: int = 1
     mad_k: float = 4.0
     min_policy_alarms: int = 1
     patience: int = 1
@@ -172,7 +181,7 @@ class Detector:
 
     def _test(self, s: Signal, x: float | None) -> Alarm | None:
         past = [v[s.name] for _, v in self.history[-self.cfg.window:] if s.name in v]
-        if x is None or len(past) < max(1, self.cfg.min_history):
+        if x is None or len(past) < max(s.min_history, self.cfg.min_history):
             return None
         m = statistics.median(past)
         spread = 1.4826 * statistics.median(abs(v - m) for v in past)
