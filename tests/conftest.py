@@ -1,10 +1,12 @@
-"""Shared fixtures: a podman service for the session and the base image."""
+"""Shared fixtures: a podman service for the session, the base image, and one Ray cluster
+for the session's in-process training runs."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import signal
+import subprocess
 import time
 import warnings
 
@@ -58,13 +60,17 @@ _HEAVY = ("vllm.entrypoints", "VLLM::EngineCore", "raylet", "gcs_server")
 _SESSION = os.environ.setdefault("TMAX_TEST_SESSION", f"{os.getpid()}-{time.time_ns()}")
 
 
+# The processes of the session's shared Ray cluster (`ray_head`): meant to outlive a module.
+_SHARED: set[int] = set()
+
+
 def _heavy_processes() -> dict[int, str]:
     import psutil
 
     found = {}
     for p in psutil.process_iter(["pid", "cmdline", "name"]):
         text = " ".join(p.info["cmdline"] or []) or (p.info["name"] or "")
-        if not any(k in text for k in _HEAVY) or "pytest" in text:
+        if not any(k in text for k in _HEAVY) or "pytest" in text or p.info["pid"] in _SHARED:
             continue
         try:
             if p.environ().get("TMAX_TEST_SESSION") == _SESSION:
@@ -92,3 +98,53 @@ def _no_leftover_servers(request):
             psutil.Process(pid).kill()
         except psutil.Error:
             pass
+
+
+@pytest.fixture(scope="session")
+def ray_head(tmp_path_factory):
+    """The address of one Ray cluster for the whole session, started on first use with
+    `ray start --head` (a start costs ~10 s here, and each in-process run would otherwise
+    start and stop its own). Runs join it through `RAY_ADDRESS` (`shared_ray`), the way
+    `tmax learn` joins a running cluster, and leave it running when they end; the actors of
+    a run die with its connection (Ray ends a job's actors when its driver disconnects)."""
+    pytest.importorskip("ray")
+    import psutil
+
+    from sandbox.proctree import end_process_tree
+    from sandbox.waiting import wait_until
+    from training.cluster.launch import ray_bin, ray_env
+    from training.net import free_port, node_ip
+
+    ip, port = node_ip(), free_port()
+    log = tmp_path_factory.mktemp("ray-head") / "ray-start.log"
+    # 8 logical CPUs: room for the actors of any one run (the presets ask for 4).
+    argv = [ray_bin(), "start", "--head", "--block", f"--port={port}", f"--node-ip-address={ip}", "--num-cpus=8",
+            "--include-dashboard=false", "--disable-usage-stats", f"--object-store-memory={1024 ** 3}"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, env=ray_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def started() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray start --head exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        return "Ray runtime started" in log.read_text(errors="replace")
+
+    try:
+        if not wait_until(started, 180.0, 0.5):
+            raise RuntimeError(f"ray start --head did not start within 180 s:\n{log.read_text()[-3000:]}")
+        _SHARED.update(c.pid for c in psutil.Process(proc.pid).children(recursive=True))  # its raylet, GCS...
+        yield f"{ip}:{port}"
+    finally:
+        end_process_tree(proc.pid, grace_s=20.0)
+        _SHARED.clear()
+
+
+@pytest.fixture
+def shared_ray(ray_head, monkeypatch):
+    """`RAY_ADDRESS` set to the session's cluster for this test: a run started in this
+    process joins it (`training.cluster.launch`, mode "address") and disconnects at its end."""
+    monkeypatch.setenv("RAY_ADDRESS", ray_head)
+    yield ray_head
+    import ray
+
+    if ray.is_initialized():  # a test that failed before its run disconnected
+        ray.shutdown()

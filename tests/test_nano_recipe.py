@@ -45,7 +45,7 @@ def _small_config():
 @pytest.mark.ray
 @pytest.mark.vllm
 @pytest.mark.timeout(1500)
-def test_sft_then_rl_raises_training_reward():
+def test_sft_then_rl_raises_training_reward(shared_ray):
     from training.entry import recipe
 
     cfg = _small_config()

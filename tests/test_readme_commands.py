@@ -43,7 +43,7 @@ RUN_BY: dict[str, str] = {
         "tests/test_data_corpus.py::test_export_and_import_round_trip_byte_for_byte",
     "tmax learn report runs/nano": "tests/test_guard.py::test_cli_learn_report_lists_events_with_their_signals",
     "tmax learn nano": "tests/test_nano_recipe.py::test_sft_then_rl_raises_training_reward",
-    "tmax learn": "tests/test_learn_cli.py::test_bare_learn_trains_and_stops_on_ctrl_c_and_steps_1_finishes",
+    "tmax learn": "tests/test_learn_cli.py::test_bare_learn_trains_and_stops_on_ctrl_c",
     "tmax learn sft": "tests/test_sft.py::test_learn_sft_warm_starts_under_a_list_of_harnesses",
     "tmax learn nano -c nano-podman": "tests/test_learn_podman.py::test_podman_rl_run_uses_containers_and_learns_from_their_verifier",
     "tmax learn -c my.toml -e podman --image-map ubuntu:24.04=localhost/my-ubuntu:24.04":
