@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -100,50 +101,82 @@ def _no_leftover_servers(request):
             pass
 
 
+class _RayHead:
+    """A Ray head started with `ray start --head --block` in its own process group, ended
+    with everything it started; started again when it died (`ray stop`, which the Slurm
+    test's run calls at its end, stops every Ray on the machine)."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir, self.proc, self.address = log_dir, None, ""
+
+    def alive(self) -> bool:
+        import psutil
+
+        return self.proc is not None and self.proc.poll() is None and all(psutil.pid_exists(p) for p in _SHARED)
+
+    def start(self) -> str:
+        import psutil
+
+        from sandbox.waiting import wait_until
+        from training.cluster.launch import ray_bin, ray_env
+        from training.net import free_port, node_ip
+
+        self.stop()
+        ip, port = node_ip(), free_port()
+        log = self.log_dir / f"ray-start-{port}.log"
+        # 8 logical CPUs: room for the actors of any one run (the presets ask for 4).
+        argv = [ray_bin(), "start", "--head", "--block", f"--port={port}", f"--node-ip-address={ip}", "--num-cpus=8",
+                "--include-dashboard=false", "--disable-usage-stats", f"--object-store-memory={1024 ** 3}"]
+        with log.open("wb") as out:
+            proc = self.proc = subprocess.Popen(argv, env=ray_env(), stdout=out, stderr=subprocess.STDOUT,
+                                                start_new_session=True)
+
+        def started() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"ray start --head exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            return "Ray runtime started" in log.read_text(errors="replace")
+
+        if not wait_until(started, 180.0, 0.5):
+            self.stop()
+            raise RuntimeError(f"ray start --head did not start within 180 s:\n{log.read_text()[-3000:]}")
+        # Its raylet and GCS: what `alive` checks and the leftover check leaves alone.
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            if child.name() in ("raylet", "gcs_server"):
+                _SHARED.add(child.pid)
+        self.address = f"{ip}:{port}"
+        return self.address
+
+    def stop(self) -> None:
+        from sandbox.proctree import end_process_tree
+
+        if self.proc is not None:
+            end_process_tree(self.proc.pid, grace_s=20.0)
+            self.proc = None
+        _SHARED.clear()
+
+
 @pytest.fixture(scope="session")
 def ray_head(tmp_path_factory):
-    """The address of one Ray cluster for the whole session, started on first use with
-    `ray start --head` (a start costs ~10 s here, and each in-process run would otherwise
-    start and stop its own). Runs join it through `RAY_ADDRESS` (`shared_ray`), the way
-    `tmax learn` joins a running cluster, and leave it running when they end; the actors of
-    a run die with its connection (Ray ends a job's actors when its driver disconnects)."""
+    """One Ray cluster for the whole session, started on first use (a start costs ~10 s
+    here, and each in-process run would otherwise start and stop its own). Runs join it
+    through `RAY_ADDRESS` (`shared_ray`), the way `tmax learn` joins a running cluster, and
+    leave it running when they end; the actors of a run die with its connection (Ray ends
+    a job's actors when its driver disconnects)."""
     pytest.importorskip("ray")
-    import psutil
-
-    from sandbox.proctree import end_process_tree
-    from sandbox.waiting import wait_until
-    from training.cluster.launch import ray_bin, ray_env
-    from training.net import free_port, node_ip
-
-    ip, port = node_ip(), free_port()
-    log = tmp_path_factory.mktemp("ray-head") / "ray-start.log"
-    # 8 logical CPUs: room for the actors of any one run (the presets ask for 4).
-    argv = [ray_bin(), "start", "--head", "--block", f"--port={port}", f"--node-ip-address={ip}", "--num-cpus=8",
-            "--include-dashboard=false", "--disable-usage-stats", f"--object-store-memory={1024 ** 3}"]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, env=ray_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def started() -> bool:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ray start --head exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        return "Ray runtime started" in log.read_text(errors="replace")
-
+    head = _RayHead(tmp_path_factory.mktemp("ray-head"))
     try:
-        if not wait_until(started, 180.0, 0.5):
-            raise RuntimeError(f"ray start --head did not start within 180 s:\n{log.read_text()[-3000:]}")
-        _SHARED.update(c.pid for c in psutil.Process(proc.pid).children(recursive=True))  # its raylet, GCS...
-        yield f"{ip}:{port}"
+        yield head
     finally:
-        end_process_tree(proc.pid, grace_s=20.0)
-        _SHARED.clear()
+        head.stop()
 
 
 @pytest.fixture
 def shared_ray(ray_head, monkeypatch):
     """`RAY_ADDRESS` set to the session's cluster for this test: a run started in this
     process joins it (`training.cluster.launch`, mode "address") and disconnects at its end."""
-    monkeypatch.setenv("RAY_ADDRESS", ray_head)
-    yield ray_head
+    address = ray_head.address if ray_head.alive() else ray_head.start()
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    yield address
     import ray
 
     if ray.is_initialized():  # a test that failed before its run disconnected
