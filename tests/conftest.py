@@ -117,6 +117,7 @@ class _RayHead:
     def start(self) -> str:
         import psutil
 
+        from sandbox.proctree import parent_death_hook
         from sandbox.waiting import wait_until
         from training.cluster.launch import ray_bin, ray_env
         from training.net import free_port, node_ip
@@ -124,12 +125,15 @@ class _RayHead:
         self.stop()
         ip, port = node_ip(), free_port()
         log = self.log_dir / f"ray-start-{port}.log"
-        # 8 logical CPUs: room for the actors of any one run (the presets ask for 4).
+        # 8 logical CPUs: room for the actors of any one run (the presets ask for 4). Free
+        # ports, not Ray's fixed defaults, which a head that `tmax learn` starts (Slurm) uses.
         argv = [ray_bin(), "start", "--head", "--block", f"--port={port}", f"--node-ip-address={ip}", "--num-cpus=8",
-                "--include-dashboard=false", "--disable-usage-stats", f"--object-store-memory={1024 ** 3}"]
+                f"--ray-client-server-port={free_port()}", "--include-dashboard=false", "--disable-usage-stats",
+                f"--object-store-memory={1024 ** 3}"]
         with log.open("wb") as out:
+            # Ended with pytest, too, when pytest is killed (`--block` stops what it started).
             proc = self.proc = subprocess.Popen(argv, env=ray_env(), stdout=out, stderr=subprocess.STDOUT,
-                                                start_new_session=True)
+                                                start_new_session=True, preexec_fn=parent_death_hook())
 
         def started() -> bool:
             if proc.poll() is not None:
