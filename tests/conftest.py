@@ -1,12 +1,15 @@
-"""Shared fixtures: a podman service for the session and the base image."""
+"""Shared fixtures: a podman service for the session, the base image, and one Ray cluster
+for the session's in-process training runs."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import signal
+import subprocess
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -58,13 +61,17 @@ _HEAVY = ("vllm.entrypoints", "VLLM::EngineCore", "raylet", "gcs_server")
 _SESSION = os.environ.setdefault("TMAX_TEST_SESSION", f"{os.getpid()}-{time.time_ns()}")
 
 
+# The processes of the session's shared Ray cluster (`ray_head`): meant to outlive a module.
+_SHARED: set[int] = set()
+
+
 def _heavy_processes() -> dict[int, str]:
     import psutil
 
     found = {}
     for p in psutil.process_iter(["pid", "cmdline", "name"]):
         text = " ".join(p.info["cmdline"] or []) or (p.info["name"] or "")
-        if not any(k in text for k in _HEAVY) or "pytest" in text:
+        if not any(k in text for k in _HEAVY) or "pytest" in text or p.info["pid"] in _SHARED:
             continue
         try:
             if p.environ().get("TMAX_TEST_SESSION") == _SESSION:
@@ -92,3 +99,89 @@ def _no_leftover_servers(request):
             psutil.Process(pid).kill()
         except psutil.Error:
             pass
+
+
+class _RayHead:
+    """A Ray head started with `ray start --head --block` in its own process group, ended
+    with everything it started; started again when it died (`ray stop`, which the Slurm
+    test's run calls at its end, stops every Ray on the machine)."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir, self.proc, self.address = log_dir, None, ""
+
+    def alive(self) -> bool:
+        import psutil
+
+        return self.proc is not None and self.proc.poll() is None and all(psutil.pid_exists(p) for p in _SHARED)
+
+    def start(self) -> str:
+        import psutil
+
+        from sandbox.proctree import parent_death_hook
+        from sandbox.waiting import wait_until
+        from training.cluster.launch import ray_bin, ray_env
+        from training.net import free_port, node_ip
+
+        self.stop()
+        ip, port = node_ip(), free_port()
+        log = self.log_dir / f"ray-start-{port}.log"
+        # 8 logical CPUs: room for the actors of any one run (the presets ask for 4). Free
+        # ports, not Ray's fixed defaults, which a head that `tmax learn` starts (Slurm) uses.
+        argv = [ray_bin(), "start", "--head", "--block", f"--port={port}", f"--node-ip-address={ip}", "--num-cpus=8",
+                f"--ray-client-server-port={free_port()}", "--include-dashboard=false", "--disable-usage-stats",
+                f"--object-store-memory={1024 ** 3}"]
+        with log.open("wb") as out:
+            # Ended with pytest, too, when pytest is killed (`--block` stops what it started).
+            proc = self.proc = subprocess.Popen(argv, env=ray_env(), stdout=out, stderr=subprocess.STDOUT,
+                                                start_new_session=True, preexec_fn=parent_death_hook())
+
+        def started() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"ray start --head exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            return "Ray runtime started" in log.read_text(errors="replace")
+
+        if not wait_until(started, 180.0, 0.5):
+            self.stop()
+            raise RuntimeError(f"ray start --head did not start within 180 s:\n{log.read_text()[-3000:]}")
+        # Its raylet and GCS: what `alive` checks and the leftover check leaves alone.
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            if child.name() in ("raylet", "gcs_server"):
+                _SHARED.add(child.pid)
+        self.address = f"{ip}:{port}"
+        return self.address
+
+    def stop(self) -> None:
+        from sandbox.proctree import end_process_tree
+
+        if self.proc is not None:
+            end_process_tree(self.proc.pid, grace_s=20.0)
+            self.proc = None
+        _SHARED.clear()
+
+
+@pytest.fixture(scope="session")
+def ray_head(tmp_path_factory):
+    """One Ray cluster for the whole session, started on first use (a start costs ~10 s
+    here, and each in-process run would otherwise start and stop its own). Runs join it
+    through `RAY_ADDRESS` (`shared_ray`), the way `tmax learn` joins a running cluster, and
+    leave it running when they end; the actors of a run die with its connection (Ray ends
+    a job's actors when its driver disconnects)."""
+    pytest.importorskip("ray")
+    head = _RayHead(tmp_path_factory.mktemp("ray-head"))
+    try:
+        yield head
+    finally:
+        head.stop()
+
+
+@pytest.fixture
+def shared_ray(ray_head, monkeypatch):
+    """`RAY_ADDRESS` set to the session's cluster for this test: a run started in this
+    process joins it (`training.cluster.launch`, mode "address") and disconnects at its end."""
+    address = ray_head.address if ray_head.alive() else ray_head.start()
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    yield address
+    import ray
+
+    if ray.is_initialized():  # a test that failed before its run disconnected
+        ray.shutdown()

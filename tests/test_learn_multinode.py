@@ -2,7 +2,8 @@
 real run on a 2-node Ray cluster made here (`ray.cluster_utils.Cluster`) of the default
 config, `tmax learn --nodes 2 --gpus-per-node 0 --steps 1` (the nano recipe sized small by
 `TMAX_LEARN_*` settings): the nano model and tasks built, SFT, then 2 gloo learner ranks on
-the train node, 2 vLLM-cpu engines on the inference node, local sandboxes, one DPPO step."""
+the train node, 2 vLLM-cpu engines on the inference node, local sandboxes, one DPPO step,
+and the run's end as the CLI reports it (exit 0, the summary on stdout, the config it ran)."""
 
 from __future__ import annotations
 
@@ -121,9 +122,15 @@ def test_two_node_run_through_the_cli(tmp_path):
             ray.shutdown()
         c.shutdown()
 
-    # The default config's recipe ran: the model and tasks built, SFT done, then RL.
+    # The default config's recipe ran: the model and tasks built, SFT done, then RL, to its
+    # end: the run's summary on stdout.
     assert (run / "base" / "config.json").is_file() and (run / "sft" / "sft.json").is_file()
+    summary = json.loads(r.stdout[r.stdout.index("{"):])
+    assert summary["steps"] == 1 and summary["episodes"] >= 2
     rl = run / "rl"
+    # The run records the config it ran: the preset, the TMAX_LEARN_* settings, the flags.
+    ran = (rl / "config.toml").read_text()
+    assert "steps = 1\n" in ran and "n_train = 4\n" in ran and "filter_zero_std = false\n" in ran
     # The step completed, with rewards logged on the console (no terminal: no progress bar)
     # and in the metrics.
     rows = [json.loads(x) for x in (rl / "metrics.jsonl").read_text().splitlines()]

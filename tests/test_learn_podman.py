@@ -19,7 +19,7 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm, pytest.mark.podman]
 
 
-def test_podman_rl_run_uses_containers_and_learns_from_their_verifier(tmp_path, base_image):
+def test_podman_rl_run_uses_containers_and_learns_from_their_verifier(tmp_path, base_image, shared_ray):
     from transformers import AutoTokenizer
 
     from training.config import preset

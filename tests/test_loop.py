@@ -119,7 +119,7 @@ def test_step_clock_credits_sampling_time_to_its_step():
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.vllm
-def test_ray_run_saves_on_ctrl_c_resumes_and_checkpoints(tmp_path):
+def test_ray_run_saves_on_ctrl_c_resumes_and_checkpoints(tmp_path, shared_ray):
     """Real steps on Ray with vLLM (one run, interrupted and resumed: each start of Ray and
     vLLM costs a minute here). A random model gets reward 0 everywhere, so the zero-std
     filter is off to let batches through (task advantages 0: the mechanics are under test).

