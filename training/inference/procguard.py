@@ -11,9 +11,11 @@ engine core keeps its GBs of memory and a CPU core after its API server is gone.
 The guard is the process-group leader (the caller starts it in a new session), runs the
 command as its child in the same group, and polls the owner. When the owner is gone it
 ends everything else in the group (`sandbox.proctree.end_process_tree`: SIGTERM, then
-SIGKILL after a grace period). It exits with the command's status, so the caller sees the
-server's exit code as before. It runs as a script by file path, with the interpreter of
-the installed package.
+SIGKILL after a grace period). So it does when the command itself dies (an API server
+killed under its engine core, which would otherwise run on, orphaned, holding its memory
+and a core). It exits with the command's status, so the caller sees the server's exit
+code as before. It runs as a script by file path, with the interpreter of the installed
+package.
 """
 
 from __future__ import annotations
@@ -54,9 +56,11 @@ def main(argv: list[str]) -> int:
     while True:
         try:
             rc = child.wait(timeout=POLL_S)
-            return rc if rc >= 0 else 128 - rc
         except subprocess.TimeoutExpired:
             pass
+        else:
+            _end_group(GRACE_S, child)  # what the command started and left behind
+            return rc if rc >= 0 else 128 - rc
         if not psutil.pid_exists(owner) or os.getppid() != parent:
             _end_group(GRACE_S, child)
             return 1
