@@ -38,7 +38,8 @@ GROUP_TIMEOUT_S = 600.0
 # Ray threads per rollout worker beyond its episode slots, so prewarm calls are not
 # queued behind running episodes.
 PREWARM_CALL_SLOTS = 2
-# A failed rollout worker gets no episode for this long (Ray is restarting it).
+# How long a failed weight push waits to see whether the vLLM server is going down.
+SERVER_EXIT_WAIT_S = 30.0
 # Next to an engine's weights.safetensors: the version it holds.
 WEIGHTS_VERSION = "weights.version.json"
 
@@ -143,9 +144,16 @@ def _engine_class():
 
             while not self._closing:
                 time.sleep(1.0)
-                server = self.engine.server
-                if server is not None and not server.alive() and not self._closing:
-                    os._exit(1)
+                self._exit_if_server_died()
+
+        def _exit_if_server_died(self, wait_s: float = 0.0) -> None:
+            """Exit (Ray restarts the actor) when the vLLM server is gone, or goes within
+            `wait_s` (its guard first ends the engine core it left)."""
+            from sandbox.waiting import wait_until
+
+            server = self.engine.server
+            if server is not None and wait_until(lambda: not server.alive(), wait_s, 0.5) and not self._closing:
+                os._exit(1)
 
         def _restore_weights(self) -> None:
             """A restarted engine starts on the run's first weights: load the last ones it
@@ -168,7 +176,13 @@ def _engine_class():
             return self._sampler.sample(prompt_ids, max_tokens, temperature, top_p, seed)
 
         def push_weights(self, weights: dict, version: int) -> float:
-            seconds = self.engine.push_weights(weights, version)
+            try:
+                seconds = self.engine.push_weights(weights, version)
+            except self.engine.error:
+                # The server died during the sync: the actor goes with it, and the caller
+                # sees a dead engine (`push_to_engines` waits for its restart), not a failure.
+                self._exit_if_server_died(SERVER_EXIT_WAIT_S)
+                raise
             # The version of weights.safetensors, for a restart of this actor (`_restore_weights`).
             write_json_atomic(self.engine.work_dir / WEIGHTS_VERSION, {"version": int(version)})
             return seconds

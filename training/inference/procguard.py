@@ -31,6 +31,8 @@ from sandbox.proctree import end_process_tree
 
 POLL_S = 1.0
 GRACE_S = 20.0
+# What a dead command left in its group (an engine core without its API server) gets less.
+ORPHAN_GRACE_S = 5.0
 
 
 def _end_group(grace_s: float, child: subprocess.Popen) -> None:
@@ -59,7 +61,7 @@ def main(argv: list[str]) -> int:
         except subprocess.TimeoutExpired:
             pass
         else:
-            _end_group(GRACE_S, child)  # what the command started and left behind
+            _end_group(ORPHAN_GRACE_S, child)  # what the command started and left behind
             return rc if rc >= 0 else 128 - rc
         if not psutil.pid_exists(owner) or os.getppid() != parent:
             _end_group(GRACE_S, child)
