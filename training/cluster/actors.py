@@ -283,6 +283,13 @@ class LearnerGroup:
     def rank0(self) -> Any:
         return self.ranks[0]
 
+    def died_in(self, e: BaseException) -> bool:
+        """Whether `e` is the death of one of these ranks (a call on it, or on what it made)."""
+        import ray
+
+        return (isinstance(e, ray.exceptions.RayActorError)
+                and e.actor_id in {a._actor_id.hex() for a in self.ranks})
+
     def _all(self, call: Any) -> Any:
         import ray
 
