@@ -92,7 +92,10 @@ class Chaos:
         out = open(self.log, "a")
         out.write(f"\n==== driver {len(self.drivers) + 1} {'--resume' if resume else ''}\n")
         out.flush()
-        p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        # SIGINT as a terminal's (this script may run in the background, SIGINT ignored): the
+        # way every driver left at the end is stopped.
+        p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.drivers.append(p)
         return p
 

@@ -27,7 +27,7 @@ import sys
 
 import psutil
 
-from sandbox.proctree import end_process_tree
+from sandbox.proctree import end_process_tree, parent_death_hook
 
 POLL_S = 1.0
 GRACE_S = 20.0
@@ -48,7 +48,9 @@ def main(argv: list[str]) -> int:
         return 2
     owner, command = int(argv[0]), argv[2:]
     parent = os.getppid()
-    child = subprocess.Popen(command)  # inherits stdio, env, cwd and the process group
+    # Inherits stdio, env, cwd and the process group; SIGTERMed should the guard itself be
+    # SIGKILLed (Ray kills a dying worker's children), so the server never runs unguarded.
+    child = subprocess.Popen(command, preexec_fn=parent_death_hook())
 
     def on_term(signum: int, frame: object) -> None:
         _end_group(GRACE_S, child)
