@@ -13,9 +13,12 @@ server process, a rollout worker actor process and the learner rank process (the
 then stops; the run is resumed), and finally the driver itself with SIGKILL (resumed again).
 The last driver finishes the run's steps.
 
-Per fault kind: injected, detected (the run noticed: episodes re-queued, an engine restarted,
-the driver stopped with the learner's error), recovered (a step finished after it, in the
-same or the resumed driver), seconds to recover and episodes re-queued. Checks:
+Per fault kind: injected, detected (the run noticed: a container's episodes re-queued, or
+none scored that ran a command in it; a new engine or worker process in place of the killed
+one, Ray having restarted the actor; the driver stopped with the learner's error; a killed
+driver counts as detected, its successor being started with --resume), recovered (a step
+finished after it, in the same or the resumed driver), seconds to recover and episodes
+re-queued. Checks:
 `infra_rewards_in_loss` (scored episodes that ran commands in a killed container: must be 0),
 `duplicate_groups_in_loss` (an episode recorded twice: must be 0), `steps_lost` (steps
 trained twice because a driver died after them and before their checkpoint),
@@ -193,17 +196,19 @@ def _in_driver_faults(chaos: Chaos, driver: subprocess.Popen, faults: list[Fault
         f.seconds_to_recover = round(time.monotonic() - f.t_inject, 1)
         rows = chaos.rows()
         f.episodes_requeued = int(_requeued(rows) - f.requeued_before)
-        if f.kind == "container":  # its episode was re-queued, or never needed it
+        if f.kind == "container":  # its episode was re-queued, or none needed it after the kill
             f.detected = f.episodes_requeued > 0 or _never_scored(chaos, f.target)
-        else:  # Ray restarted the actor: a new process (a new vLLM server) serves the run
-            f.detected = bool({p.pid for p in chaos.processes(TARGETS[f.kind])} - before)
+        else:  # episodes re-queued, or a new process (Ray restarted the actor) serves the run
+            f.detected = f.episodes_requeued > 0 or bool({p.pid for p in chaos.processes(TARGETS[f.kind])} - before)
 
 
 def _never_scored(chaos: Chaos, short_id: str) -> bool:
-    """No episode that ran a command in the container was scored (an episode that ended on
-    a format error before its first command never needed it)."""
+    """No episode recorded after the kill ran a command in the container (one that ended on
+    a format error before its first command never needed it; one scored before the kill
+    was done with it)."""
+    [since] = [n for c, n in chaos.killed_containers.items() if c.startswith(short_id)]
     return not any((r.get("container_id") or "").startswith(short_id) and r.get("steps", 0) > 0
-                   for r in _rollouts(chaos.run))
+                   for r in _rollouts(chaos.run)[since:])
 
 
 def _rollouts(run: Path) -> list[dict]:
