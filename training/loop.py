@@ -30,6 +30,7 @@ from typing import Any
 from agents.records import write_json_atomic, write_text_atomic
 from training.algo.batching import BatchAccumulator, BatchConfig, Group
 from training.cluster.actors import Actors, EngineGroup, start_actors
+from training.cluster.failover import actor_died
 from training.cluster.launch import connect
 from training.config import LearnConfig, dump_toml
 from training.learner import checkpoint as ckpt
@@ -180,7 +181,7 @@ class Trainer:
         except Exception as e:
             from training.learner.checkpoint import full_disk_report, is_disk_full
 
-            if self.actors.learner.died_in(e):  # training, syncing or saving: the step stops here
+            if actor_died(e, self.actors.learner.ranks):  # training, syncing or saving: the step stops
                 raise self.learner_died(e) from e
             if not is_disk_full(e):
                 raise

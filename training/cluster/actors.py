@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from agents.records import write_json_atomic
-from training.cluster.failover import FailoverSampler, WorkersDown
+from sandbox.waiting import wait_until
+from training.cluster.failover import SERVER_EXIT_WAIT_S, FailoverSampler, WorkersDown
 from training.cluster.placement import Placement
 
 # Gloo / NCCL collectives of the learner group give up after this long (a dead rank).
@@ -38,8 +39,6 @@ GROUP_TIMEOUT_S = 600.0
 # Ray threads per rollout worker beyond its episode slots, so prewarm calls are not
 # queued behind running episodes.
 PREWARM_CALL_SLOTS = 2
-# How long a failed weight push waits to see whether the vLLM server is going down.
-SERVER_EXIT_WAIT_S = 30.0
 # Next to an engine's weights.safetensors: the version it holds.
 WEIGHTS_VERSION = "weights.version.json"
 
@@ -147,10 +146,7 @@ def _engine_class():
                 self._exit_if_server_died()
 
         def _exit_if_server_died(self, wait_s: float = 0.0) -> None:
-            """Exit (Ray restarts the actor) when the vLLM server is gone, or goes within
-            `wait_s` (its guard first ends the engine core it left)."""
-            from sandbox.waiting import wait_until
-
+            """Exit (Ray restarts the actor) when the vLLM server is gone, or goes within `wait_s`."""
             server = self.engine.server
             if server is not None and wait_until(lambda: not server.alive(), wait_s, 0.5) and not self._closing:
                 os._exit(1)
@@ -178,9 +174,7 @@ def _engine_class():
         def push_weights(self, weights: dict, version: int) -> float:
             try:
                 seconds = self.engine.push_weights(weights, version)
-            except self.engine.error:
-                # The server died during the sync: the actor goes with it, and the caller
-                # sees a dead engine (`push_to_engines` waits for its restart), not a failure.
+            except self.engine.error:  # a server that died: the caller sees a dead engine
                 self._exit_if_server_died(SERVER_EXIT_WAIT_S)
                 raise
             # The version of weights.safetensors, for a restart of this actor (`_restore_weights`).
@@ -282,13 +276,6 @@ class LearnerGroup:
     @property
     def rank0(self) -> Any:
         return self.ranks[0]
-
-    def died_in(self, e: BaseException) -> bool:
-        """Whether `e` is the death of one of these ranks (a call on it, or on what it made)."""
-        import ray
-
-        return (isinstance(e, ray.exceptions.RayActorError)
-                and e.actor_id in {a._actor_id.hex() for a in self.ranks})
 
     def _all(self, call: Any) -> Any:
         import ray

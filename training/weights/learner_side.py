@@ -85,8 +85,9 @@ def push_to_engines(engines: list, weights: Any, version: int, wait_s: float = 6
     is not an engine's failure: its error is raised."""
     import ray
 
+    from training.cluster.failover import actor_died
+
     ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
-    ids = {e._actor_id.hex() for e in engines}
 
     def one_round() -> list[float] | None:
         seconds = []
@@ -94,7 +95,7 @@ def push_to_engines(engines: list, weights: Any, version: int, wait_s: float = 6
             try:
                 seconds.append(float(ray.get(call)))
             except ray.exceptions.RayActorError as err:
-                if err.actor_id not in ids:
+                if not actor_died(err, engines):
                     raise  # the learner that holds the weights died
         return seconds or None
 
