@@ -12,9 +12,9 @@ from typing import Any
 ENGINE_RESTART_WAIT_S = 600.0
 # How long a failed rollout worker gets no episode, at a time, while Ray restarts it.
 WORKER_RETRY_S = 2.0
-# How long an engine whose weight push failed waits to see whether its vLLM server is going
-# down (its guard first ends the engine core the server left).
-SERVER_EXIT_WAIT_S = 30.0
+# How long an engine whose request failed (a turn, a weight push) waits to see whether its
+# vLLM server is going down (it then exits, and Ray restarts it).
+SERVER_EXIT_WAIT_S = 5.0
 
 
 def actor_died(e: BaseException, actors: list[Any]) -> bool:
