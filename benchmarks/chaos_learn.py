@@ -230,7 +230,7 @@ def _driver_killing_fault(chaos: Chaos, driver: subprocess.Popen, kind: str, rng
     f = Fault(kind)
     if not chaos.wait_rows(max(1, len(chaos.rows())), driver):
         return f
-    time.sleep(rng.uniform(0.0, 3.0))
+    time.sleep(rng.uniform(0.0, 0.5))  # short: a quick run's last steps must not all pass meanwhile
     f.rows_before, f.requeued_before = len(chaos.rows()), _requeued(chaos.rows())
     if f.rows_before >= steps or driver.poll() is not None:
         return f  # the run ended first: not injected (more --steps)
@@ -399,7 +399,7 @@ def main() -> None:
     rng.shuffle(in_driver)
     tail = ["driver"] if args.short else ["learner", "driver"]
     # A step per fault to recover in, and room for steps that finish while a fault is injected.
-    steps = args.steps or len(in_driver) + len(tail) + 3
+    steps = args.steps or len(in_driver) + len(tail) + 4
     root = args.out or Path(tempfile.mkdtemp(prefix="tmax-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
     chaos = Chaos(root / "run", _setup(root, args.preset, steps, args.model), uuid.uuid4().hex[:12],
