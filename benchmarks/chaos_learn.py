@@ -13,9 +13,12 @@ server process, a rollout worker actor process and the learner rank process (the
 then stops; the run is resumed), and finally the driver itself with SIGKILL (resumed again).
 The last driver finishes the run's steps.
 
-Per fault kind: injected, detected (the run noticed: episodes re-queued, an engine restarted,
-the driver stopped with the learner's error), recovered (a step finished after it, in the
-same or the resumed driver), seconds to recover and episodes re-queued. Checks:
+Per fault kind: injected, detected (the run noticed: a container's episodes re-queued, or
+none scored that ran a command in it; a new engine or worker process in place of the killed
+one, Ray having restarted the actor; the driver stopped with the learner's error; a killed
+driver counts as detected, its successor being started with --resume), recovered (a step
+finished after it, in the same or the resumed driver), seconds to recover and episodes
+re-queued. Checks:
 `infra_rewards_in_loss` (scored episodes that ran commands in a killed container: must be 0),
 `duplicate_groups_in_loss` (an episode recorded twice: must be 0), `steps_lost` (steps
 trained twice because a driver died after them and before their checkpoint),
@@ -42,7 +45,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 TAG_ENV = "TMAX_CHAOS_RUN"  # every process of the run inherits it: how its processes are found
-STEP_WAIT_S = 1800.0
+# What each kind of fault kills (a process command-line needle; containers by run label).
+TARGETS = {"engine": "vllm.entrypoints", "worker": "ray::RolloutWorker", "learner": "ray::LearnerRank"}
+# Processes of the run that must be gone once its last driver ended.
+RUN_PROCESSES = ("vllm.entrypoints", "VLLM::EngineCore", "procguard.py", "ray::", "raylet", "gcs_server")
 
 
 @dataclass
@@ -65,10 +71,22 @@ class Chaos:
     cfg: Path
     tag: str
     log: Path
+    step_wait_s: float = 1800.0  # the longest wait for a step (or the run) to finish
     drivers: list = field(default_factory=list)
-    killed_containers: set = field(default_factory=set)
+    killed_containers: dict = field(default_factory=dict)  # container id -> rollouts recorded before its kill
+    steps_lost: int = 0  # steps a killed driver logged past the checkpoint its successor resumed from
 
     # -- the driver --------------------------------------------------------------------
+
+    def resume(self) -> subprocess.Popen:
+        """A driver with --resume; first the steps the dead one logged past its last
+        complete checkpoint (trained again by the resumed run) are counted as lost."""
+        from training.learner import checkpoint as ckpt
+
+        last = ckpt.latest_checkpoint(self.run)
+        at = int(ckpt.load_trainer_state(last)["step"]) if last else 0
+        self.steps_lost += max([0] + [int(r["step"]) - at for r in self.rows()])
+        return self.start_driver(resume=True)
 
     def start_driver(self, resume: bool) -> subprocess.Popen:
         argv = [sys.executable, "-m", "tmax_cli.main", "learn", "-c", str(self.cfg), "-o", str(self.run),
@@ -77,7 +95,10 @@ class Chaos:
         out = open(self.log, "a")
         out.write(f"\n==== driver {len(self.drivers) + 1} {'--resume' if resume else ''}\n")
         out.flush()
-        p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        # SIGINT as a terminal's (this script may run in the background, SIGINT ignored): the
+        # way every driver left at the end is stopped.
+        p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.drivers.append(p)
         return p
 
@@ -93,9 +114,9 @@ class Chaos:
                 pass  # a line being written
         return out
 
-    def wait_rows(self, n: int, driver: subprocess.Popen, timeout: float = STEP_WAIT_S) -> bool:
+    def wait_rows(self, n: int, driver: subprocess.Popen) -> bool:
         """Until metrics.jsonl has `n` rows; False if the driver ended first or time ran out."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + self.step_wait_s
         while time.monotonic() < deadline:
             if len(self.rows()) >= n:
                 return True
@@ -136,7 +157,6 @@ def _requeued(rows: list[dict]) -> float:
 
 def _inject(chaos: Chaos, fault: Fault, rng: random.Random) -> bool:
     """Kill the fault's target; False when there was none to kill within a minute."""
-    needles = {"engine": "vllm.entrypoints", "worker": "ray::RolloutWorker", "learner": "ray::LearnerRank"}
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if fault.kind == "container":
@@ -144,11 +164,11 @@ def _inject(chaos: Chaos, fault: Fault, rng: random.Random) -> bool:
             if ids:
                 cid = rng.choice(ids)
                 subprocess.run(["podman", "kill", cid], capture_output=True)
-                chaos.killed_containers.add(cid)
+                chaos.killed_containers[cid] = len(_rollouts(chaos.run))
                 fault.target = cid[:12]
                 return True
         else:
-            procs = chaos.processes(needles[fault.kind])
+            procs = chaos.processes(TARGETS[fault.kind])
             if procs:
                 p = rng.choice(procs)
                 fault.target = f"pid {p.pid}"
@@ -168,7 +188,7 @@ def _in_driver_faults(chaos: Chaos, driver: subprocess.Popen, faults: list[Fault
         rows = chaos.rows()
         f.rows_before, f.requeued_before = len(rows), _requeued(rows)
         f.t_inject = time.monotonic()
-        engine_pids = {p.pid for p in chaos.processes("vllm.entrypoints")}
+        before = {p.pid for p in chaos.processes(TARGETS.get(f.kind, "-"))}
         f.injected = _inject(chaos, f, rng)
         if not f.injected or not chaos.wait_rows(f.rows_before + 1, driver):
             continue
@@ -176,17 +196,19 @@ def _in_driver_faults(chaos: Chaos, driver: subprocess.Popen, faults: list[Fault
         f.seconds_to_recover = round(time.monotonic() - f.t_inject, 1)
         rows = chaos.rows()
         f.episodes_requeued = int(_requeued(rows) - f.requeued_before)
-        if f.kind == "engine":  # a new vLLM server serves the run
-            f.detected = bool({p.pid for p in chaos.processes("vllm.entrypoints")} - engine_pids)
-        else:
-            f.detected = f.episodes_requeued > 0 or f.kind == "container" and _never_scored(chaos, f.target)
+        if f.kind == "container":  # its episode was re-queued, or none needed it after the kill
+            f.detected = f.episodes_requeued > 0 or _never_scored(chaos, f.target)
+        else:  # episodes re-queued, or a new process (Ray restarted the actor) serves the run
+            f.detected = f.episodes_requeued > 0 or bool({p.pid for p in chaos.processes(TARGETS[f.kind])} - before)
 
 
 def _never_scored(chaos: Chaos, short_id: str) -> bool:
-    """No episode that ran a command in the container was scored (an episode that ended on
-    a format error before its first command never needed it)."""
+    """No episode recorded after the kill ran a command in the container (one that ended on
+    a format error before its first command never needed it; one scored before the kill
+    was done with it)."""
+    [since] = [n for c, n in chaos.killed_containers.items() if c.startswith(short_id)]
     return not any((r.get("container_id") or "").startswith(short_id) and r.get("steps", 0) > 0
-                   for r in _rollouts(chaos.run))
+                   for r in _rollouts(chaos.run)[since:])
 
 
 def _rollouts(run: Path) -> list[dict]:
@@ -200,14 +222,18 @@ def _rollouts(run: Path) -> list[dict]:
     return out
 
 
-def _driver_killing_fault(chaos: Chaos, driver: subprocess.Popen, kind: str, rng: random.Random) -> Fault:
-    """The learner rank (the driver must stop with its error) or the driver (SIGKILL); then
-    a resumed driver, recovered when it finishes a step."""
+def _driver_killing_fault(chaos: Chaos, driver: subprocess.Popen, kind: str, rng: random.Random,
+                          steps: int) -> Fault:
+    """The learner rank (the driver must stop with its error) or the driver (SIGKILL), at a
+    seeded moment after the last fault's recovery (or the first step), while steps are left;
+    then a resumed driver, recovered when it finishes a step."""
     f = Fault(kind)
-    if not chaos.wait_rows(len(chaos.rows()) + 1, driver):
+    if not chaos.wait_rows(max(1, len(chaos.rows())), driver):
         return f
-    time.sleep(rng.uniform(0.0, 3.0))
+    time.sleep(rng.uniform(0.0, 0.5))  # short: a quick run's last steps must not all pass meanwhile
     f.rows_before, f.requeued_before = len(chaos.rows()), _requeued(chaos.rows())
+    if f.rows_before >= steps or driver.poll() is not None:
+        return f  # the run ended first: not injected (more --steps)
     f.t_inject = time.monotonic()
     if kind == "driver":
         driver.send_signal(signal.SIGKILL)
@@ -222,7 +248,7 @@ def _driver_killing_fault(chaos: Chaos, driver: subprocess.Popen, kind: str, rng
             rc = None
         f.detected = rc not in (None, 0) and "learner died" in chaos.log.read_text()
     if f.injected:
-        resumed = chaos.start_driver(resume=True)
+        resumed = chaos.resume()
         if chaos.wait_rows(f.rows_before + 1, resumed):
             f.recovered = True
             f.seconds_to_recover = round(time.monotonic() - f.t_inject, 1)
@@ -253,8 +279,8 @@ def _setup(root: Path, preset: str, steps: int, model: Path | None) -> Path:
     tasks = [str(d) for d in write_splits(root / "tasks", 24, 1)["train"]]
     model = model or _warm_start(root, tasks)
     cfg = root / "chaos.toml"
-    # Rewards may all be equal: the zero-std filter is off so batches train (the mechanics
-    # are under test, as in tests/test_loop.py).
+    # Rewards may all be equal: the zero-std filter is off so batches train, and the collapse
+    # guard is off (the mechanics are under test, as in tests/test_loop.py).
     cfg.write_text(f"""extends = "{preset}"
 name = "chaos"
 [model]
@@ -274,34 +300,83 @@ checkpoint_every = 1
 concurrency = 2
 rollout_workers = 1
 slots_per_worker = 2
+[guard]
+enabled = false
 """)
     return cfg
+
+
+def _leftovers(chaos: Chaos, wait_s: float = 90.0) -> tuple[list[str], list[str]]:
+    """The run's containers and processes still there once every driver ended: a killed
+    driver's processes end on their own watchdogs, so they get up to `wait_s` to go."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        procs = sorted({f"{p.pid} {' '.join(p.cmdline())[:80]}" for needle in RUN_PROCESSES
+                        for p in chaos.processes(needle) if p.is_running()})
+        containers = chaos.containers()
+        if not (procs or containers) or time.monotonic() > deadline:
+            return containers, procs
+        time.sleep(2.0)
 
 
 def _checks(chaos: Chaos, steps: int) -> dict:
     from training.learner import checkpoint as ckpt
 
-    rows, rollouts = chaos.rows(), _rollouts(chaos.run)
-    seen_steps: dict[int, int] = {}
-    for r in rows:
-        seen_steps[int(r["step"])] = seen_steps.get(int(r["step"]), 0) + 1
+    rollouts = _rollouts(chaos.run)
     keys = [(r["group_id"], r["sample_index"]) for r in rollouts]
     final = ckpt.latest_checkpoint(chaos.run)
-    time.sleep(30)  # a killed driver's processes end on their own watchdogs: give them time
+    containers, procs = _leftovers(chaos)
     return {
         "steps_completed": int(ckpt.load_trainer_state(final)["step"]) if final else 0,
         "steps_target": steps,
-        "steps_lost": sum(n - 1 for n in seen_steps.values()),
-        # A scored episode whose container was killed under it: it ran commands there.
-        "infra_rewards_in_loss": sum(1 for r in rollouts if r.get("steps", 0) > 0
-                                     and any((r.get("container_id") or "").startswith(c[:12])
-                                             for c in chaos.killed_containers)),
+        "steps_lost": chaos.steps_lost,
+        # A scored episode recorded after its container was killed that ran commands there.
+        "infra_rewards_in_loss": sum(1 for i, r in enumerate(rollouts) if r.get("steps", 0) > 0
+                                     and any((r.get("container_id") or "").startswith(c[:12]) and i >= n
+                                             for c, n in chaos.killed_containers.items())),
         "duplicate_groups_in_loss": len(keys) - len(set(keys)),
-        "leftover_containers": len(chaos.containers()),
-        "leftover_processes": len([p for needle in ("vllm.entrypoints", "ray::", "raylet", "gcs_server")
-                                   for p in chaos.processes(needle)]),
+        "leftover_containers": len(containers),
+        "leftover_processes": len(procs),
+        "leftovers": containers + procs,
         "drivers": [d.returncode for d in chaos.drivers],
     }
+
+
+def _run(chaos: Chaos, in_driver: list[Fault], tail: list[str], rng: random.Random, steps: int) -> list[Fault]:
+    """The first driver with the faults it must survive, then the driver-killing ones (each
+    followed by a resumed driver); the last driver is waited for. Every driver left is
+    interrupted on the way out."""
+    driver = chaos.start_driver(resume=False)
+    faults = list(in_driver)
+    try:
+        _in_driver_faults(chaos, driver, in_driver, rng)
+        for kind in tail:
+            faults.append(_driver_killing_fault(chaos, chaos.drivers[-1], kind, rng, steps))
+        chaos.wait_rows(steps, chaos.drivers[-1])
+        chaos.drivers[-1].wait(timeout=600)
+    finally:
+        for d in chaos.drivers:
+            if d.poll() is None:
+                d.send_signal(signal.SIGINT)
+                try:
+                    d.wait(timeout=300)
+                except subprocess.TimeoutExpired:
+                    d.kill()
+    return faults
+
+
+def _by_kind(faults: list[Fault]) -> dict[str, dict]:
+    by_kind: dict[str, dict] = {}
+    for f in faults:
+        k = by_kind.setdefault(f.kind, {"injected": 0, "detected": 0, "recovered": 0, "seconds_to_recover": [],
+                                        "episodes_requeued": 0})
+        k["injected"] += f.injected
+        k["detected"] += f.detected
+        k["recovered"] += f.recovered
+        k["episodes_requeued"] += f.episodes_requeued
+        if f.seconds_to_recover is not None:
+            k["seconds_to_recover"].append(f.seconds_to_recover)
+    return by_kind
 
 
 def main() -> None:
@@ -313,6 +388,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--model", type=Path, default=None, help="start from this nano checkpoint (default: a short SFT)")
+    ap.add_argument("--step-timeout", type=float, default=1800.0, help="the longest wait for one step, in seconds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -322,48 +398,27 @@ def main() -> None:
     in_driver = [Fault("container") for _ in range(kills)] + [Fault("engine"), Fault("worker")]
     rng.shuffle(in_driver)
     tail = ["driver"] if args.short else ["learner", "driver"]
-    steps = args.steps or len(in_driver) + len(tail) + 2
+    # A step per fault to recover in, and room for steps that finish while a fault is injected.
+    steps = args.steps or len(in_driver) + len(tail) + 4
     root = args.out or Path(tempfile.mkdtemp(prefix="tmax-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
-    chaos = Chaos(root / "run", _setup(root, args.preset, steps, args.model), uuid.uuid4().hex[:12], root / "drivers.log")
+    chaos = Chaos(root / "run", _setup(root, args.preset, steps, args.model), uuid.uuid4().hex[:12],
+                  root / "drivers.log", args.step_timeout)
     t0 = time.monotonic()
-    driver = chaos.start_driver(resume=False)
-    try:
-        _in_driver_faults(chaos, driver, in_driver, rng)
-        faults = list(in_driver)
-        for kind in tail:
-            faults.append(_driver_killing_fault(chaos, chaos.drivers[-1], kind, rng))
-        chaos.drivers[-1].wait(timeout=STEP_WAIT_S)
-    finally:
-        for d in chaos.drivers:
-            if d.poll() is None:
-                d.send_signal(signal.SIGINT)
-                try:
-                    d.wait(timeout=300)
-                except subprocess.TimeoutExpired:
-                    d.kill()
-    by_kind: dict[str, dict] = {}
-    for f in faults:
-        k = by_kind.setdefault(f.kind, {"injected": 0, "detected": 0, "recovered": 0, "seconds_to_recover": [],
-                                        "episodes_requeued": 0})
-        k["injected"] += f.injected
-        k["detected"] += f.detected
-        k["recovered"] += f.recovered
-        k["episodes_requeued"] += f.episodes_requeued
-        if f.seconds_to_recover is not None:
-            k["seconds_to_recover"].append(f.seconds_to_recover)
+    faults = _run(chaos, in_driver, tail, rng, steps)
     out = {"preset": args.preset, "seed": args.seed, "run_dir": str(chaos.run), "wall_s": round(time.monotonic() - t0, 1),
            "faults_injected": sum(f.injected for f in faults), "faults_recovered": sum(f.recovered for f in faults),
-           "faults": by_kind, "schedule": [asdict(f) for f in faults], **_checks(chaos, steps)}
+           "faults": _by_kind(faults), "schedule": [asdict(f) for f in faults], **_checks(chaos, steps)}
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        for kind, k in by_kind.items():
+        for kind, k in out["faults"].items():
             print(f"{kind:10s} injected {k['injected']} detected {k['detected']} recovered {k['recovered']} "
                   f"requeued {k['episodes_requeued']} recover_s {k['seconds_to_recover']}")
         print({k: v for k, v in out.items() if k not in ("faults", "schedule")})
     ok = (out["faults_injected"] == out["faults_recovered"] == len(faults) and out["infra_rewards_in_loss"] == 0
-          and out["duplicate_groups_in_loss"] == 0 and out["steps_completed"] == steps)
+          and out["duplicate_groups_in_loss"] == 0 and out["steps_completed"] == steps
+          and out["leftover_containers"] == out["leftover_processes"] == 0)
     sys.exit(0 if ok else 1)
 
 

@@ -1,5 +1,5 @@
 """Processes tmax starts and must not leave behind: ending one with everything it started,
-and tying a child to its parent's life.
+and tying a child to its parent's life; `end_orphans` finds what an owner that died left.
 
 Every child that can fork (a sandbox command, an image build, a vLLM server and its
 engine core, the podman service) ends through `end_process_tree`, and a child that must
@@ -46,7 +46,11 @@ def end_process_tree(pid: int, grace_s: float = 10.0) -> None:
     child started with `start_new_session=True`), whatever is left in that group: SIGTERM,
     then SIGKILL for what still runs after `grace_s` (SIGKILL at once when 0). Processes
     already gone are skipped; the calling process is never signalled."""
-    procs = list(_tree(pid).values())
+    _end(list(_tree(pid).values()), grace_s)
+
+
+def _end(procs: list[psutil.Process], grace_s: float) -> None:
+    """SIGTERM, then SIGKILL for what still runs after `grace_s` (at once when 0)."""
     if grace_s > 0:
         for p in procs:
             try:
@@ -80,3 +84,21 @@ def parent_death_hook(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
             os._exit(1)
 
     return hook
+
+
+def end_orphans(env_key: str, scope: str, grace_s: float = 5.0) -> list[int]:
+    """End the processes whose environment says `env_key` = "<scope>:<owner pid>" for an owner
+    that is gone: what a SIGKILLed owner's children (and theirs) left running. Another
+    scope, or a live owner, is left alone. SIGTERM, then SIGKILL after `grace_s`; returns
+    the pids found."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            value = p.environ().get(env_key, "")
+        except psutil.Error:
+            continue
+        owner_scope, _, owner = value.rpartition(":")
+        if owner_scope == scope and owner.isdigit() and p.pid != os.getpid() and not psutil.pid_exists(int(owner)):
+            found.append(p)
+    _end(found, grace_s)
+    return [p.pid for p in found]

@@ -10,6 +10,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
+
 GUARD = Path(__file__).resolve().parents[1] / "training" / "inference" / "procguard.py"
 
 
@@ -56,6 +58,25 @@ def test_grandchild_dies_with_a_killed_owner(tmp_path: Path) -> None:
         assert _gone(grandchild, 15.0), "the guard left the grandchild running after its owner was killed"
     finally:
         owner.kill()
+
+
+def test_grandchild_dies_with_a_killed_command(tmp_path: Path) -> None:
+    # A vLLM API server SIGKILLed under its engine core: the guard ends the orphan too.
+    pidfile = tmp_path / "grandchild.pid"
+    owner_pid = os.getpid()
+    guard = subprocess.Popen([sys.executable, str(GUARD), str(owner_pid), "--", "bash", "-c",
+                              f"sleep 300 & echo $! > {pidfile}; wait"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not (pidfile.is_file() and pidfile.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        grandchild = int(pidfile.read_text())
+        [command] = psutil.Process(guard.pid).children()  # bash; the sleep is its child
+        os.kill(command.pid, signal.SIGKILL)
+        assert guard.wait(timeout=30) == 128 + signal.SIGKILL
+        assert _gone(grandchild, 15.0), "the guard left the command's child running after the command was killed"
+    finally:
+        guard.kill()
 
 
 def test_exit_status_passes_through(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from agents.records import write_json_atomic, write_text_atomic
 from training.cluster.placement import PlanError, PlacementPlan, plan_for
-from training.cluster.session import ray_session
+from training.cluster.session import own_run_processes, ray_session
 from training.config import ConfigError, LearnConfig, dump_toml
 from training.loop import RunResult, train
 from training.report import LearnProgress
@@ -56,6 +56,9 @@ def learn(cfg: LearnConfig, out: Path, *, resume: bool = False, progress: LearnP
     rated = _rated_stream(from_runs, runs_per_step, plan) if from_runs is not None else None
     if not (cfg.model.build_nano or cfg.tasks.generate_nano) and not (cfg.model.path and cfg.tasks.train):
         raise ConfigError("the config needs model.path and tasks.train (or the nano build flags)")
+    left = own_run_processes(out)
+    if left:
+        log(f"ended {len(left)} processes a killed earlier driver of {out} left running")
     with ray_session(cfg, plan, log) as placement:
         start, train_dir, rl_dir, prepared = _rl_inputs(cfg, out, log)
         res = train(cfg, start, train_dir, rl_dir, resume=resume, progress=progress, placement=placement,

@@ -30,6 +30,7 @@ from typing import Any
 from agents.records import write_json_atomic, write_text_atomic
 from training.algo.batching import BatchAccumulator, BatchConfig, Group
 from training.cluster.actors import Actors, EngineGroup, start_actors
+from training.cluster.failover import actor_died
 from training.cluster.launch import connect
 from training.config import LearnConfig, dump_toml
 from training.learner import checkpoint as ckpt
@@ -180,9 +181,16 @@ class Trainer:
         except Exception as e:
             from training.learner.checkpoint import full_disk_report, is_disk_full
 
+            if actor_died(e, self.actors.learner.ranks):  # training, syncing or saving: the step stops
+                raise self.learner_died(e) from e
             if not is_disk_full(e):
                 raise
             raise TrainingError(f"the run stopped at step {s.step}: {full_disk_report(self.run_dir, e)}") from e
+
+    def learner_died(self, e: Exception) -> TrainingError:
+        last = ckpt.latest_checkpoint(self.run_dir)
+        where = f"resume from {last} with --resume" if last else "no checkpoint was written yet"
+        return TrainingError(f"the learner died during step {self.state.step + 1}: {e}; {where}")
 
     def open_prompt(self) -> None:
         s, a = self.state, self.cfg.algo
@@ -310,12 +318,7 @@ class Trainer:
 
 
         s, c, a = self.state, self.state.clock, self.cfg.algo
-        try:
-            metrics = ray.get(s.train_ref)
-        except ray.exceptions.RayActorError as e:
-            last = ckpt.latest_checkpoint(self.run_dir)
-            where = f"resume from {last} with --resume" if last else "no checkpoint was written yet"
-            raise TrainingError(f"the learner died during step {s.step + 1}: {e}; {where}") from e
+        metrics = ray.get(s.train_ref)  # a dead learner: see run()
         train_s = time.monotonic() - c.train_started
         c.tick(bool(s.pending), time.monotonic())
         s.train_ref = None

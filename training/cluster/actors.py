@@ -12,12 +12,11 @@
 * rollout workers (`RolloutWorker`) anywhere with free CPU, restarted by Ray; worker i
   samples from engine i mod N through a `FailoverSampler` (`training.cluster.failover`),
   from the next live engine while that one is down, waiting for a restart when none is.
-  An episode whose worker died fails with a Ray actor error, which the loop re-queues
-  (never scores); the loop then removes the containers the dead worker left (run label).
+  A dead worker's episodes fail with a Ray actor error: re-queued, never scored, and the
+  loop removes the containers it left (run label).
 
-Without a placement every actor gets plain CPU options on the local cluster (1 learner
-rank, 1 engine, `run.rollout_workers` workers); with one, the plan's counts and bundles,
-and where every actor landed is written to `placement.json` in the run directory.
+Without a placement: plain CPU options on the local cluster (1 learner rank, 1 engine,
+`run.rollout_workers` workers); with one, the plan's counts and bundles (`placement.json`).
 """
 
 from __future__ import annotations
@@ -25,12 +24,14 @@ from __future__ import annotations
 import functools
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agents.records import write_json_atomic
-from training.cluster.failover import FailoverSampler, WorkersDown
+from sandbox.waiting import wait_until
+from training.cluster.failover import SERVER_EXIT_WAIT_S, FailoverSampler, WorkersDown
 from training.cluster.placement import Placement
 
 # Gloo / NCCL collectives of the learner group give up after this long (a dead rank).
@@ -38,7 +39,6 @@ GROUP_TIMEOUT_S = 600.0
 # Ray threads per rollout worker beyond its episode slots, so prewarm calls are not
 # queued behind running episodes.
 PREWARM_CALL_SLOTS = 2
-# A failed rollout worker gets no episode for this long (Ray is restarting it).
 # Next to an engine's weights.safetensors: the version it holds.
 WEIGHTS_VERSION = "weights.version.json"
 
@@ -117,6 +117,8 @@ def _learner_class():
 def _engine_class():
     import ray
 
+    from agents.policy import ModelError
+
     @ray.remote
     class EngineActor:
         """Holds one inference engine. Rollout workers sample through it (threaded). A
@@ -137,20 +139,19 @@ def _engine_class():
             threading.Thread(target=self._exit_with_server, daemon=True).start()
 
         def _exit_with_server(self) -> None:
-            """A vLLM server that dies takes its actor with it, so Ray restarts both (a live
-            actor without a server would fail every turn)."""
-            import time
-
+            """A vLLM server that dies takes its actor with it, so Ray restarts both."""
             while not self._closing:
                 time.sleep(1.0)
-                server = self.engine.server
-                if server is not None and not server.alive() and not self._closing:
-                    os._exit(1)
+                self._exit_if_server_died()
+
+        def _exit_if_server_died(self, wait_s: float = 0.0) -> None:  # gone, or going within wait_s
+            server = self.engine.server
+            if server is not None and wait_until(lambda: not server.alive(), wait_s, 0.5) and not self._closing:
+                os._exit(1)
 
         def _restore_weights(self) -> None:
-            """A restarted engine starts on the run's first weights: load the last ones it
-            was pushed (object-store transport, kept in its work dir) at their version, so
-            it rejoins at the current policy version, not at the next sync."""
+            """A restarted engine reloads the last weights it was pushed (object store, kept in its
+            work dir) at their version: it rejoins at the current policy version, not the next sync."""
             from safetensors.torch import load_file
 
             path, version = self.engine.work_dir / "weights.safetensors", self.engine.work_dir / WEIGHTS_VERSION
@@ -165,10 +166,18 @@ def _engine_class():
                     "version": self.engine.policy_version, "mixed_turns": self.engine.mixed_turns}
 
         def sample(self, prompt_ids: list, max_tokens: int, temperature: float, top_p: float, seed: int | None):
-            return self._sampler.sample(prompt_ids, max_tokens, temperature, top_p, seed)
+            try:
+                return self._sampler.sample(prompt_ids, max_tokens, temperature, top_p, seed)
+            except ModelError:  # a server that died: the caller sees a dead engine and waits
+                self._exit_if_server_died(SERVER_EXIT_WAIT_S)
+                raise
 
         def push_weights(self, weights: dict, version: int) -> float:
-            seconds = self.engine.push_weights(weights, version)
+            try:
+                seconds = self.engine.push_weights(weights, version)
+            except self.engine.error:  # a server that died: the caller sees a dead engine
+                self._exit_if_server_died(SERVER_EXIT_WAIT_S)
+                raise
             # The version of weights.safetensors, for a restart of this actor (`_restore_weights`).
             write_json_atomic(self.engine.work_dir / WEIGHTS_VERSION, {"version": int(version)})
             return seconds
@@ -340,8 +349,8 @@ class EngineGroup:
         return FailoverSampler(self.engines, index % len(self.engines))
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Stop every engine's vLLM server, best effort: used on every exit path, failures
-        included, where an actor may already be dead (its server then dies with it)."""
+        """Stop every engine's vLLM server, best effort (on every exit path: an actor may already
+        be dead, its server then dead with it)."""
         close_all(self.engines, timeout_s)
 
     def kill(self) -> None:

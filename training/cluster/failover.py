@@ -1,6 +1,7 @@
 """Surviving actors that die while Ray restarts them: `FailoverSampler`, a rollout worker's
 turns over the engine actors (`training.cluster.actors.EngineActor` exits with its server),
-and `WorkersDown`, which rollout workers may take an episode now."""
+`WorkersDown`, which rollout workers may take an episode now, and `actor_died`, whether an
+error is the death of given actors."""
 
 from __future__ import annotations
 
@@ -11,6 +12,16 @@ from typing import Any
 ENGINE_RESTART_WAIT_S = 600.0
 # How long a failed rollout worker gets no episode, at a time, while Ray restarts it.
 WORKER_RETRY_S = 2.0
+# How long an engine whose request failed (a turn, a weight push) waits to see whether its
+# vLLM server is going down (it then exits, and Ray restarts it).
+SERVER_EXIT_WAIT_S = 5.0
+
+
+def actor_died(e: BaseException, actors: list[Any]) -> bool:
+    """Whether `e` is the death of one of `actors` (a call on it, or on a result it made)."""
+    import ray
+
+    return isinstance(e, ray.exceptions.RayActorError) and e.actor_id in {a._actor_id.hex() for a in actors}
 
 
 class FailoverSampler:

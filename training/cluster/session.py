@@ -5,13 +5,33 @@ when the run ends, however it ends."""
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterator
 
 from training.cluster import launch, placement
 from training.cluster.launch import ClusterError
 from training.cluster.placement import Placement, PlacementPlan
 from training.config import LearnConfig
+
+# "<run id>:<driver pid>" in the environment of every process a `tmax learn` driver starts
+# (Ray's, the engines' vLLM servers): how a later driver of the run finds what a killed one left.
+RUN_ENV = "TMAX_LEARN_RUN"
+
+
+def own_run_processes(run_dir: str | Path) -> list[int]:
+    """Mark every process started from here on as this driver's, for the run in `run_dir`,
+    and end the processes a dead driver of the same run left (a SIGKILLed driver's Ray
+    processes, engines and vLLM servers, where they outlived it); returns their pids.
+    Called before the run's Ray starts, so Ray's processes inherit the mark."""
+    from sandbox.proctree import end_orphans
+    from training.rollout import RUN_LABEL, run_labels
+
+    run_id = run_labels(run_dir)[RUN_LABEL]
+    left = end_orphans(RUN_ENV, run_id)
+    os.environ[RUN_ENV] = f"{run_id}:{os.getpid()}"
+    return left
 
 
 @contextmanager

@@ -11,9 +11,11 @@ engine core keeps its GBs of memory and a CPU core after its API server is gone.
 The guard is the process-group leader (the caller starts it in a new session), runs the
 command as its child in the same group, and polls the owner. When the owner is gone it
 ends everything else in the group (`sandbox.proctree.end_process_tree`: SIGTERM, then
-SIGKILL after a grace period). It exits with the command's status, so the caller sees the
-server's exit code as before. It runs as a script by file path, with the interpreter of
-the installed package.
+SIGKILL after a grace period). So it does when the command itself dies (an API server
+killed under its engine core, which would otherwise run on, orphaned, holding its memory
+and a core). It exits with the command's status, so the caller sees the server's exit
+code as before. It runs as a script by file path, with the interpreter of the installed
+package.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ import sys
 
 import psutil
 
-from sandbox.proctree import end_process_tree
+from sandbox.proctree import end_process_tree, parent_death_hook
 
 POLL_S = 1.0
 GRACE_S = 20.0
+# What a dead command left in its group (an engine core without its API server) gets less.
+ORPHAN_GRACE_S = 5.0
 
 
 def _end_group(grace_s: float, child: subprocess.Popen) -> None:
@@ -44,7 +48,9 @@ def main(argv: list[str]) -> int:
         return 2
     owner, command = int(argv[0]), argv[2:]
     parent = os.getppid()
-    child = subprocess.Popen(command)  # inherits stdio, env, cwd and the process group
+    # Inherits stdio, env, cwd and the process group; SIGTERMed should the guard itself be
+    # SIGKILLed (Ray kills a dying worker's children), so the server never runs unguarded.
+    child = subprocess.Popen(command, preexec_fn=parent_death_hook())
 
     def on_term(signum: int, frame: object) -> None:
         _end_group(GRACE_S, child)
@@ -54,9 +60,11 @@ def main(argv: list[str]) -> int:
     while True:
         try:
             rc = child.wait(timeout=POLL_S)
-            return rc if rc >= 0 else 128 - rc
         except subprocess.TimeoutExpired:
             pass
+        else:
+            _end_group(ORPHAN_GRACE_S, child)  # what the command started and left behind
+            return rc if rc >= 0 else 128 - rc
         if not psutil.pid_exists(owner) or os.getppid() != parent:
             _end_group(GRACE_S, child)
             return 1

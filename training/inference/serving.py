@@ -328,7 +328,16 @@ class VLLMServer:
         raise ServerError(f"vLLM was not healthy after {timeout:.0f} s; log {self.log_path}:\n{self.log_tail()}")
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        """The server runs: its guard, and under it the server (a guard still ending what a
+        killed server left is no live server)."""
+        import psutil
+
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        try:
+            return bool(psutil.Process(self.proc.pid).children())
+        except psutil.Error:
+            return False
 
     def stop(self, grace_s: float = 30.0) -> None:
         proc, self.proc = self.proc, None

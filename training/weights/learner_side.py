@@ -75,22 +75,33 @@ class WeightSourceMixin:
             group.close()
 
 
-def push_to_engines(engines: list, weights: Any, version: int) -> float:
+def push_to_engines(engines: list, weights: Any, version: int, wait_s: float = 600.0) -> float:
     """The object-store transport: `weights` (a dict or the ref of one) to every engine's
-    `push_weights`; returns the slowest engine's seconds. An engine that died is skipped:
-    Ray restarts it, and the next sync brings it up to date; until then its turns carry
-    the old version and the staleness limit drops them."""
+    `push_weights`; returns the slowest engine's seconds. An engine that died (before or
+    during the push) is skipped: Ray restarts it, it reloads the last weights it took, and
+    the next sync brings it up to date; until then its turns carry the old version and the
+    staleness limit drops them. While no engine is up (all restarting), the push waits for
+    one, up to `wait_s`, and sends the weights again. A dead learner (the weights' source)
+    is not an engine's failure: its error is raised."""
     import ray
 
+    from training.cluster.failover import actor_died
+
     ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
-    seconds = []
-    for call in [e.push_weights.remote(ref, version) for e in engines]:
-        try:
-            seconds.append(float(ray.get(call)))
-        except ray.exceptions.RayActorError:
-            continue
+
+    def one_round() -> list[float] | None:
+        seconds = []
+        for call in [e.push_weights.remote(ref, version) for e in engines]:
+            try:
+                seconds.append(float(ray.get(call)))
+            except ray.exceptions.RayActorError as err:
+                if not actor_died(err, engines):
+                    raise  # the learner that holds the weights died
+        return seconds or None
+
+    seconds = wait_until(one_round, wait_s, 2.0)
     if not seconds:
-        raise RuntimeError("no engine took the weights: every engine actor died")
+        raise RuntimeError(f"no engine took the weights: every engine actor was down for {wait_s:.0f} s")
     return max(seconds)
 
 
@@ -187,7 +198,8 @@ class WeightSync:
         import ray
 
         if self.transport == "object_store":
-            return push_to_engines(self.engines, self.learner.named_weights(), version)
+            return push_to_engines(self.engines, self.learner.named_weights(), version,
+                                   self.ecfg.startup_timeout_s)
         engines = self._group_members()
         update = self.learner.prepare_weights(version)
         receives = [e.receive_weights.remote(update) for e in engines]
