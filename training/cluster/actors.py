@@ -22,14 +22,12 @@ Without a placement: plain CPU options on the local cluster (1 learner rank, 1 e
 from __future__ import annotations
 
 import functools
-import json
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agents.records import write_json_atomic
 from sandbox.waiting import wait_until
 from training.cluster.failover import SERVER_EXIT_WAIT_S, FailoverSampler, WorkersDown
 from training.cluster.placement import Placement
@@ -39,8 +37,6 @@ GROUP_TIMEOUT_S = 600.0
 # Ray threads per rollout worker beyond its episode slots, so prewarm calls are not
 # queued behind running episodes.
 PREWARM_CALL_SLOTS = 2
-# Next to an engine's weights.safetensors: the version it holds.
-WEIGHTS_VERSION = "weights.version.json"
 
 
 def _node_id() -> str:
@@ -135,7 +131,7 @@ def _engine_class():
             self._sampler = self.engine.sampler(seed)
             self._closing = False
             if ray.get_runtime_context().was_current_actor_reconstructed:
-                self._restore_weights()
+                self.engine.reload_last_push()
             threading.Thread(target=self._exit_with_server, daemon=True).start()
 
         def _exit_with_server(self) -> None:
@@ -148,15 +144,6 @@ def _engine_class():
             server = self.engine.server
             if server is not None and wait_until(lambda: not server.alive(), wait_s, 0.5) and not self._closing:
                 os._exit(1)
-
-        def _restore_weights(self) -> None:
-            """A restarted engine reloads the last weights it was pushed (object store, kept in its
-            work dir) at their version: it rejoins at the current policy version, not the next sync."""
-            from safetensors.torch import load_file
-
-            path, version = self.engine.work_dir / "weights.safetensors", self.engine.work_dir / WEIGHTS_VERSION
-            if path.is_file() and version.is_file():
-                self.engine.push_weights(load_file(str(path)), int(json.loads(version.read_text())["version"]))
 
         def node_id(self) -> str:
             return _node_id()
@@ -178,8 +165,6 @@ def _engine_class():
             except self.engine.error:  # a server that died: the caller sees a dead engine
                 self._exit_if_server_died(SERVER_EXIT_WAIT_S)
                 raise
-            # The version of weights.safetensors, for a restart of this actor (`_restore_weights`).
-            write_json_atomic(self.engine.work_dir / WEIGHTS_VERSION, {"version": int(version)})
             return seconds
 
         def num_workers(self) -> int:

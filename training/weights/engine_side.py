@@ -34,10 +34,16 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from agents.records import write_json_atomic
+
 if TYPE_CHECKING:
     import torch
 
     from training.weights.protocol import WeightUpdate
+
+
+# Next to an engine's weights.safetensors: the version it holds.
+WEIGHTS_VERSION = "weights.version.json"
 
 
 class EngineWeights:
@@ -84,7 +90,19 @@ class EngineWeights:
             if os.path.exists(tmp):
                 os.unlink(tmp)
         self._sync(lambda: self._rpc("push_file", str(path), str(int(version))), len(state), version)
+        # The version of weights.safetensors, for a restarted engine (`reload_last_push`).
+        write_json_atomic(self.work_dir / WEIGHTS_VERSION, {"version": int(version)})
         return time.perf_counter() - t0
+
+    def reload_last_push(self) -> None:
+        """Load the last weights pushed through a file (kept in the work dir) at their
+        version: an engine restarted after its server died rejoins at the current policy
+        version, not at the next sync."""
+        from safetensors.torch import load_file
+
+        path, version = self.work_dir / "weights.safetensors", self.work_dir / WEIGHTS_VERSION
+        if path.is_file() and version.is_file():
+            self.push_weights(load_file(str(path)), int(json.loads(version.read_text())["version"]))
 
     # -- process-group transport -------------------------------------------------------
 
