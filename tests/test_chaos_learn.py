@@ -51,7 +51,8 @@ def test_the_next_driver_of_a_run_ends_what_a_dead_one_left(tmp_path, monkeypatc
     def started_by(owner: str) -> subprocess.Popen:
         return subprocess.Popen(["sleep", "300"], env={**os.environ, RUN_ENV: owner})
 
-    monkeypatch.delenv(RUN_ENV, raising=False)
+    monkeypatch.setenv(RUN_ENV, "")  # so that the mark this test sets goes with it
+    monkeypatch.delenv(RUN_ENV)
     left, live, other = (started_by(f"{run_id}:{dead.pid}"), started_by(f"{run_id}:{os.getpid()}"),
                          started_by(f"another-run:{dead.pid}"))
     try:
@@ -59,6 +60,11 @@ def test_the_next_driver_of_a_run_ends_what_a_dead_one_left(tmp_path, monkeypatc
         assert left.wait(timeout=10) is not None
         assert live.poll() is None and other.poll() is None
         assert os.environ[RUN_ENV] == f"{run_id}:{os.getpid()}"  # this driver's processes inherit it
+        # The mark is not a config setting: a config resolved under it (as the driver's does)
+        # still loads.
+        from training.config import resolve
+
+        assert resolve("nano").name == "nano"
     finally:
         for p in (left, live, other):
             p.kill()

@@ -17,7 +17,7 @@ from training.config import LearnConfig
 
 # "<run id>:<driver pid>" in the environment of every process a `tmax learn` driver starts
 # (Ray's, the engines' vLLM servers): how a later driver of the run finds what a killed one left.
-RUN_ENV = "TMAX_LEARN_RUN"
+RUN_ENV = "TMAX_RUN_MARK"  # not under TMAX_LEARN_*, whose variables are config settings
 
 
 def own_run_processes(run_dir: str | Path) -> list[int]:
