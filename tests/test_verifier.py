@@ -89,27 +89,8 @@ def test_reward_without_a_log_copy(container, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nolog"]
 
 
-def test_host_reward_without_a_log_copy(tmp_path):
-    from sandbox.base import SandboxSpec
-    from sandbox.local import LocalSandbox
-    from tasks.verifier import run_host_verifier
-
-    task = _task(tmp_path, "hostnolog", '#!/bin/bash\necho 1 > "$TMAX_LOGS_DIR/verifier/reward.txt"\n')
-    work = tmp_path / "work"
-    work.mkdir()
-    sb = LocalSandbox(SandboxSpec(workdir=str(work)))
-    sb.start()
-    try:
-        res = run_host_verifier(sb, task, str(work), None)
-    finally:
-        sb.close()
-    assert (res.kind, res.reward) == ("ok", 1.0)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hostnolog", "work"]
-
-
-def _host_run(tmp_path: Path, task, out_dir: Path | None):
-    """run_host_verifier on a local sandbox; (result, whether the trial's directory is
-    left), the directory named by the test.sh itself (other runs use /tmp meanwhile)."""
+def _host_verify(tmp_path: Path, task, out_dir: Path | None):
+    """run_host_verifier on a local sandbox working in tmp_path/work."""
     from sandbox.base import SandboxSpec
     from sandbox.local import LocalSandbox
     from tasks.verifier import run_host_verifier
@@ -119,10 +100,23 @@ def _host_run(tmp_path: Path, task, out_dir: Path | None):
     sb = LocalSandbox(SandboxSpec(workdir=str(work)))
     sb.start()
     try:
-        res = run_host_verifier(sb, task, str(work), out_dir)
+        return run_host_verifier(sb, task, str(work), out_dir)
     finally:
         sb.close()
-    tests_dir = Path((work / "where").read_text().strip())
+
+
+def test_host_reward_without_a_log_copy(tmp_path):
+    task = _task(tmp_path, "hostnolog", '#!/bin/bash\necho 1 > "$TMAX_LOGS_DIR/verifier/reward.txt"\n')
+    res = _host_verify(tmp_path, task, None)
+    assert (res.kind, res.reward) == ("ok", 1.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hostnolog", "work"]
+
+
+def _host_run(tmp_path: Path, task, out_dir: Path | None):
+    """(result, whether the trial's directory is left), the directory named by the
+    test.sh itself (other runs use /tmp meanwhile)."""
+    res = _host_verify(tmp_path, task, out_dir)
+    tests_dir = Path((tmp_path / "work" / "where").read_text().strip())
     return res, tests_dir.parent.exists()
 
 
