@@ -88,5 +88,5 @@ def import_corpus(src: Path, out: Path, fmt: str,
             shutil.rmtree(staging, ignore_errors=True)
             errors[d.name] = str(e).replace(str(staging), str(dest))
             if on_task:
-                on_task(d.name, str(e))
+                on_task(d.name, errors[d.name])
     return {"imported": imported, "errors": errors}
