@@ -48,6 +48,8 @@ TAG_ENV = "TMAX_CHAOS_RUN"  # every process of the run inherits it: how its proc
 # What each kind of fault kills (a process command-line needle; containers by run label).
 TARGETS = {"engine": "vllm.entrypoints", "worker": "ray::RolloutWorker", "learner": "ray::LearnerRank"}
 # Processes of the run that must be gone once its last driver ended.
+# How long a killed actor's successor may take to appear (a vLLM server on CPU starts in ~1 min).
+RESTART_WAIT_S = 300.0
 RUN_PROCESSES = ("vllm.entrypoints", "VLLM::EngineCore", "procguard.py", "ray::", "raylet", "gcs_server")
 
 
@@ -128,12 +130,14 @@ class Chaos:
     # -- the run's processes and containers --------------------------------------------
 
     def processes(self, needle: str) -> list:
+        """The run's processes whose command line holds `needle`; the guard that runs a vLLM
+        server (its command line holds the server's) counts only when named itself."""
         import psutil
 
         found = []
         for p in psutil.process_iter(["pid", "cmdline"]):
             text = " ".join(p.info["cmdline"] or [])
-            if needle not in text:
+            if needle not in text or ("procguard.py" in text and "procguard.py" not in needle):
                 continue
             try:
                 if p.environ().get(TAG_ENV) == self.tag:
@@ -199,7 +203,19 @@ def _in_driver_faults(chaos: Chaos, driver: subprocess.Popen, faults: list[Fault
         if f.kind == "container":  # its episode was re-queued, or none needed it after the kill
             f.detected = f.episodes_requeued > 0 or _never_scored(chaos, f.target)
         else:  # episodes re-queued, or a new process (Ray restarted the actor) serves the run
-            f.detected = f.episodes_requeued > 0 or bool({p.pid for p in chaos.processes(TARGETS[f.kind])} - before)
+            f.detected = f.episodes_requeued > 0 or _restarted(chaos, f.kind, before, driver)
+
+
+def _restarted(chaos: Chaos, kind: str, before: set[int], driver: subprocess.Popen) -> bool:
+    """A process of the kind that was not there before the kill appears while the driver
+    runs. Waited for: the step after a kill can finish from episodes already sampled, before
+    Ray has restarted the actor."""
+    deadline = time.monotonic() + RESTART_WAIT_S
+    while time.monotonic() < deadline and driver.poll() is None:
+        if {p.pid for p in chaos.processes(TARGETS[kind])} - before:
+            return True
+        time.sleep(0.5)
+    return bool({p.pid for p in chaos.processes(TARGETS[kind])} - before)
 
 
 def _never_scored(chaos: Chaos, short_id: str) -> bool:

@@ -88,6 +88,9 @@ def soak(episodes: int, concurrency: int, pool_size: int, n_tasks: int, seed: in
             row["rss_mb"] = me.memory_info().rss / 2**20
             with lock:
                 results.append(row)
+                if len(results) % 50 == 0:  # a long soak shows where it is
+                    print(f"soak: {len(results)}/{episodes} episodes, {time.monotonic() - t0:.0f} s, "
+                          f"RSS {row['rss_mb']:.0f} MB", file=sys.stderr, flush=True)
             return row
 
         pool = WarmPool(concurrency + pool_size)
