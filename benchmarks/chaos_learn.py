@@ -5,13 +5,16 @@ SIGKILLed and the run resumed; prints what was injected, detected and recovered.
     python benchmarks/chaos_learn.py --json --preset nano        # host sandboxes (no containers)
     python benchmarks/chaos_learn.py --json --short              # one of each but the learner
     python benchmarks/chaos_learn.py --json --model DIR          # from a nano checkpoint, no SFT first
+    python benchmarks/chaos_learn.py --json --learner-ranks 2    # two learner ranks (FSDP over gloo)
 
 A fresh nano model and generated tasks; the driver is `python -m tmax_cli.main learn` in its
 own process, so it can be SIGKILLed. While it runs, this script kills, at seeded moments
 after a step has finished: task containers (`--container-kills`, podman only), the vLLM
 server process, a rollout worker actor process and the learner rank process (the driver
 then stops; the run is resumed), and finally the driver itself with SIGKILL (resumed again).
-The last driver finishes the run's steps.
+The last driver finishes the run's steps. With `--learner-ranks N` the learner is N ranks
+on this machine: one of them is killed, the whole group stops, and the resumed driver forms
+a new one.
 
 Per fault kind: injected, detected (the run noticed: a container's episodes re-queued, or
 none scored that ran a command in it; a new engine or worker process in place of the killed
@@ -289,7 +292,7 @@ def _warm_start(root: Path, tasks: list[str]) -> Path:
     return Path(train_sft(str(root / "base"), demos, cfg, root / "sft").checkpoint)
 
 
-def _setup(root: Path, preset: str, steps: int, model: Path | None) -> Path:
+def _setup(root: Path, preset: str, steps: int, model: Path | None, learner_ranks: int) -> Path:
     from training.nano.tasks import write_splits
 
     tasks = [str(d) for d in write_splits(root / "tasks", 24, 1)["train"]]
@@ -318,8 +321,18 @@ rollout_workers = 1
 slots_per_worker = 2
 [guard]
 enabled = false
-""")
+""" + (_cluster(learner_ranks) if learner_ranks > 1 else ""))
     return cfg
+
+
+def _cluster(learner_ranks: int) -> str:
+    # One CPU node that holds the learner ranks and the engine (`training.cluster.placement`).
+    return f"""[cluster]
+nodes = 1
+gpus_per_node = 0
+learners_per_node = {learner_ranks}
+engines_per_node = 1
+"""
 
 
 def _leftovers(chaos: Chaos, wait_s: float = 90.0) -> tuple[list[str], list[str]]:
@@ -404,6 +417,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--model", type=Path, default=None, help="start from this nano checkpoint (default: a short SFT)")
+    ap.add_argument("--learner-ranks", type=int, default=1, help="learner ranks on this machine (one is killed)")
     ap.add_argument("--step-timeout", type=float, default=1800.0, help="the longest wait for one step, in seconds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -418,11 +432,11 @@ def main() -> None:
     steps = args.steps or len(in_driver) + len(tail) + 4
     root = args.out or Path(tempfile.mkdtemp(prefix="tmax-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
-    chaos = Chaos(root / "run", _setup(root, args.preset, steps, args.model), uuid.uuid4().hex[:12],
+    chaos = Chaos(root / "run", _setup(root, args.preset, steps, args.model, args.learner_ranks), uuid.uuid4().hex[:12],
                   root / "drivers.log", args.step_timeout)
     t0 = time.monotonic()
     faults = _run(chaos, in_driver, tail, rng, steps)
-    out = {"preset": args.preset, "seed": args.seed, "run_dir": str(chaos.run), "wall_s": round(time.monotonic() - t0, 1),
+    out = {"preset": args.preset, "seed": args.seed, "learner_ranks": args.learner_ranks, "run_dir": str(chaos.run), "wall_s": round(time.monotonic() - t0, 1),
            "faults_injected": sum(f.injected for f in faults), "faults_recovered": sum(f.recovered for f in faults),
            "faults": _by_kind(faults), "schedule": [asdict(f) for f in faults], **_checks(chaos, steps)}
     if args.json:

@@ -60,6 +60,7 @@ def test_default_model_on_cpu_uses_the_cpu_build():
     assert _flag(argv, "--port") == "8000"
     assert "--tensor-parallel-size" not in argv and "--dtype" not in argv
     assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # the engine core runs the model: no worker process
     assert "VLLM_SERVER_DEV_MODE" not in env
 
 
@@ -69,6 +70,7 @@ def test_gpus_set_tensor_parallel_size():
     assert "serve" in argv[:2] or "--model" in argv  # `vllm serve MODEL` where the script exists
     assert "allenai/tmax-9b" in argv and _flag(argv, "--port") == "9001"
     assert "VLLM_CPU_KVCACHE_SPACE" not in env and "--enforce-eager" not in argv
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
 
 
 def test_visible_gpus_follows_cuda_visible_devices(monkeypatch):

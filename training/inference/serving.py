@@ -210,6 +210,10 @@ def build_command(spec: ServeSpec) -> ServeCommand:
     if device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(int(spec.kv_cache_gb))
         env["HF_HUB_OFFLINE"] = "1"  # CPU machines here have no model hub
+        # The engine core runs the model itself (vLLM's uniproc executor, as on one GPU)
+        # instead of through a worker process of its own: one process fewer to start, the
+        # imports of torch and vLLM that dominate a CPU start (benchmarks/engine_start.py).
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     argv = _launcher(spec, device, model) + [
         "--served-model-name", served,
         "--host", spec.host,

@@ -1,0 +1,95 @@
+"""vLLM on CPU, the two process layouts side by side: seconds from launch to healthy, and
+sampling throughput of concurrent requests, on a nano model.
+
+    python benchmarks/engine_start.py [--rounds 3] [--requests 16] [--tokens 128] [--json]
+
+- `uni` (what `training.inference.serving` starts on CPU): the API server and one engine-core
+  process that runs the model itself (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, vLLM's uniproc
+  executor, as on a single GPU);
+- `mp` (vLLM's CPU default): the API server, an engine core, and a worker process that
+  runs the model; one more process to start (imports of torch and vLLM) and a message
+  queue between the scheduler and the model.
+
+Rounds alternate the layouts so that a noisy machine loads both alike; the ratios are what
+to read. Each request samples `--tokens` tokens with EOS ignored, all sent at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+LAYOUT_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def _serve(model: Path, layout: str, log: Path):
+    from training.inference.serving import ServeSpec, VLLMServer
+    from training.net import free_port
+
+    server = VLLMServer(ServeSpec(model=str(model), port=free_port(), dev=True), log_path=log)
+    if layout == "mp":
+        server.command.env.pop(LAYOUT_ENV, None)
+    t0 = time.monotonic()
+    server.start()
+    server.wait_healthy()
+    return server, time.monotonic() - t0
+
+
+def _throughput(base_url: str, model: str, requests: int, tokens: int) -> float:
+    import httpx
+
+    body = {"model": model, "prompt": list(range(10, 74)), "max_tokens": tokens, "temperature": 1.0,
+            "ignore_eos": True}
+
+    def one(i: int) -> int:
+        r = httpx.post(base_url + "/completions", json={**body, "seed": i}, timeout=600)
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"]
+
+    one(0)  # warm
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(requests) as ex:
+        n = sum(ex.map(one, range(requests)))
+    return n / (time.monotonic() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    from training.nano.model import build_nano_model
+
+    res: dict[str, dict[str, list[float]]] = {k: {"start_s": [], "tokens_per_s": []} for k in ("uni", "mp")}
+    with tempfile.TemporaryDirectory(prefix="tmax-engine-start-") as tmp:
+        model = Path(tmp) / "nano"
+        build_nano_model(model)
+        for r in range(args.rounds):
+            for layout in (("uni", "mp") if r % 2 == 0 else ("mp", "uni")):
+                server, start_s = _serve(model, layout, Path(tmp) / f"{layout}-{r}.log")
+                try:
+                    tps = _throughput(server.base_url, server.served_model_name, args.requests, args.tokens)
+                finally:
+                    server.stop()
+                res[layout]["start_s"].append(round(start_s, 1))
+                res[layout]["tokens_per_s"].append(round(tps, 1))
+                print(f"round {r} {layout}: start {start_s:.1f} s, {tps:.0f} tokens/s", file=sys.stderr)
+    med = {k: {m: statistics.median(v) for m, v in d.items()} for k, d in res.items()}
+    out = {"rounds": res, "median": med,
+           "start_mp_over_uni": round(med["mp"]["start_s"] / med["uni"]["start_s"], 2),
+           "throughput_uni_over_mp": round(med["uni"]["tokens_per_s"] / med["mp"]["tokens_per_s"], 2)}
+    print(json.dumps(out, indent=None if args.json else 2))
+
+
+if __name__ == "__main__":
+    main()
