@@ -121,6 +121,20 @@ def test_placed_learner_group_steps_like_one_rank(two_nodes, tmp_path):
         # Every rank joins the save (a gather); rank 0 writes a loadable checkpoint.
         path = ray.get(two.save(str(tmp_path / "ckpt"), 1, {"prompt_position": 3}), timeout=300)
         assert (tmp_path / "ckpt" / "config.json").is_file() and path
+
+        # A rank dies: what the group hands back is the survivor's failed collective (gloo:
+        # "Connection closed by peer"); the death behind it is found (the loop then stops
+        # the step with the resume hint instead of a bare traceback).
+        from training.cluster.failover import group_member_died
+
+        ray.kill(two.ranks[1])
+        with pytest.raises(ray.exceptions.RayError) as err:
+            ray.get(two.train_step(samples), timeout=300)
+        died = group_member_died(err.value, two.ranks)
+        assert isinstance(died, ray.exceptions.RayActorError), err.value
+        assert died.actor_id == two.ranks[1]._actor_id.hex()
+        assert group_member_died(err.value, one.ranks) is None  # every member of that group is alive
+        assert group_member_died(ValueError("not Ray's"), two.ranks) is None
     finally:
         for g in groups:
             g.kill()

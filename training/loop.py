@@ -30,7 +30,7 @@ from typing import Any
 from agents.records import write_json_atomic, write_text_atomic
 from training.algo.batching import BatchAccumulator, BatchConfig, Group
 from training.cluster.actors import Actors, EngineGroup, start_actors
-from training.cluster.failover import actor_died
+from training.cluster.failover import group_member_died
 from training.cluster.launch import connect
 from training.config import LearnConfig, dump_toml
 from training.learner import checkpoint as ckpt
@@ -181,8 +181,9 @@ class Trainer:
         except Exception as e:
             from training.learner.checkpoint import full_disk_report, is_disk_full
 
-            if actor_died(e, self.actors.learner.ranks):  # training, syncing or saving: the step stops
-                raise self.learner_died(e) from e
+            died = group_member_died(e, self.actors.learner.ranks)  # training, syncing or saving
+            if died is not None:  # the step stops; with N ranks, the survivors' collectives fail too
+                raise self.learner_died(died) from e
             if not is_disk_full(e):
                 raise
             raise TrainingError(f"the run stopped at step {s.step}: {full_disk_report(self.run_dir, e)}") from e
