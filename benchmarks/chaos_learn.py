@@ -50,9 +50,9 @@ sys.path.insert(0, str(ROOT))
 TAG_ENV = "TMAX_CHAOS_RUN"  # every process of the run inherits it: how its processes are found
 # What each kind of fault kills (a process command-line needle; containers by run label).
 TARGETS = {"engine": "vllm.entrypoints", "worker": "ray::RolloutWorker", "learner": "ray::LearnerRank"}
-# Processes of the run that must be gone once its last driver ended.
 # How long a killed actor's successor may take to appear (a vLLM server on CPU starts in ~1 min).
 RESTART_WAIT_S = 300.0
+# Processes of the run that must be gone once its last driver ended.
 RUN_PROCESSES = ("vllm.entrypoints", "VLLM::EngineCore", "procguard.py", "ray::", "raylet", "gcs_server")
 
 
@@ -213,12 +213,13 @@ def _restarted(chaos: Chaos, kind: str, before: set[int], driver: subprocess.Pop
     """A process of the kind that was not there before the kill appears while the driver
     runs. Waited for: the step after a kill can finish from episodes already sampled, before
     Ray has restarted the actor."""
-    deadline = time.monotonic() + RESTART_WAIT_S
-    while time.monotonic() < deadline and driver.poll() is None:
-        if {p.pid for p in chaos.processes(TARGETS[kind])} - before:
-            return True
-        time.sleep(0.5)
-    return bool({p.pid for p in chaos.processes(TARGETS[kind])} - before)
+    from sandbox.waiting import wait_until
+
+    def new_process() -> bool:
+        return bool({p.pid for p in chaos.processes(TARGETS[kind])} - before)
+
+    wait_until(lambda: new_process() or driver.poll() is not None, RESTART_WAIT_S, 0.5)
+    return new_process()
 
 
 def _never_scored(chaos: Chaos, short_id: str) -> bool:
@@ -432,11 +433,12 @@ def main() -> None:
     steps = args.steps or len(in_driver) + len(tail) + 4
     root = args.out or Path(tempfile.mkdtemp(prefix="tmax-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
-    chaos = Chaos(root / "run", _setup(root, args.preset, steps, args.model, args.learner_ranks), uuid.uuid4().hex[:12],
-                  root / "drivers.log", args.step_timeout)
+    cfg = _setup(root, args.preset, steps, args.model, args.learner_ranks)
+    chaos = Chaos(root / "run", cfg, uuid.uuid4().hex[:12], root / "drivers.log", args.step_timeout)
     t0 = time.monotonic()
     faults = _run(chaos, in_driver, tail, rng, steps)
-    out = {"preset": args.preset, "seed": args.seed, "learner_ranks": args.learner_ranks, "run_dir": str(chaos.run), "wall_s": round(time.monotonic() - t0, 1),
+    out = {"preset": args.preset, "seed": args.seed, "learner_ranks": args.learner_ranks, "run_dir": str(chaos.run),
+           "wall_s": round(time.monotonic() - t0, 1),
            "faults_injected": sum(f.injected for f in faults), "faults_recovered": sum(f.recovered for f in faults),
            "faults": _by_kind(faults), "schedule": [asdict(f) for f in faults], **_checks(chaos, steps)}
     if args.json:
