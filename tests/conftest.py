@@ -65,6 +65,23 @@ _SESSION = os.environ.setdefault("TMAX_TEST_SESSION", f"{os.getpid()}-{time.time
 _SHARED: set[int] = set()
 
 
+def pytest_configure(config):
+    """Under pytest-xdist each worker is its own session: its own marker, so one worker's
+    leftover check never stops the servers a test on the other worker is using."""
+    global _SESSION
+    if hasattr(config, "workerinput"):
+        _SESSION = os.environ["TMAX_TEST_SESSION"] = f"{os.getpid()}-{time.time_ns()}"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules with a `slow` test first (kept whole, in their order): xdist hands out a
+    module at a time, and the long ones started last would leave one worker running them
+    alone at the end."""
+    slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module.__name__ not in slow)
+
+
+
 def _heavy_processes() -> dict[int, str]:
     import psutil
 
@@ -103,8 +120,7 @@ def _no_leftover_servers(request):
 
 class _RayHead:
     """A Ray head started with `ray start --head --block` in its own process group, ended
-    with everything it started; started again when it died (`ray stop`, which the Slurm
-    test's run calls at its end, stops every Ray on the machine)."""
+    with everything it started; started again when it died."""
 
     def __init__(self, log_dir: Path):
         self.log_dir, self.proc, self.address = log_dir, None, ""

@@ -3,7 +3,8 @@
 dry run was asked: the default config sized small by `TMAX_LEARN_*` settings, one step,
 `--sandbox bwrap --image-map A=B`) sees the allocation, starts the Ray head inside it
 (`ray start --head`, not a local in-process cluster), builds, SFTs, completes a DPPO step
-with every episode in bwrap, and stops Ray again.
+with every episode in bwrap, and stops its own Ray head again, leaving another cluster on
+the machine (the session's shared one) running.
 
 The cluster is a single-machine Slurm (munge + slurmctld + slurmd) that
 `scripts/slurm-local.sh` installs and starts; the test skips only where it cannot start."""
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_learn_cli import SMALL_NANO
+from training.cluster.launch import DEFAULT_PORT
 from training.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,11 +71,20 @@ def _wait_for_job(job_id: str, env: dict[str, str], timeout_s: float) -> str:
     return acct.stdout
 
 
+def _gcs_servers_on(port: int) -> list[int]:
+    import psutil
+
+    return [p.pid for p in psutil.process_iter(["name", "cmdline"])
+            if p.info["name"] == "gcs_server" and f"--gcs_server_port={port}" in " ".join(p.info["cmdline"] or [])]
+
+
 @pytest.mark.timeout(900)
-def test_learn_step_through_sbatch(tmp_path, slurm_env):
+def test_learn_step_through_sbatch(tmp_path, slurm_env, ray_head):
     pytest.importorskip("vllm")
     if shutil.which("bwrap") is None:
         pytest.skip("bubblewrap is not installed")
+    if not ray_head.alive():
+        ray_head.start()
     run = tmp_path / "run"
     script = _sbatch_script(run, slurm_env)
     assert "#SBATCH --nodes=1" in script.read_text()
@@ -99,3 +110,7 @@ def test_learn_step_through_sbatch(tmp_path, slurm_env):
     ran = load_config(rl / "config.toml")
     assert (ran.rollout.sandbox, ran.eval.sandbox, ran.rollout.image_map) == ("bwrap", "bwrap", ["A=B"])
     assert (ran.tasks.n_train, ran.algo.steps, ran.cluster.nodes) == (4, 1, 1)
+    # The job stopped the head it started (on Ray's default port) and nothing else: the
+    # session's cluster, on the same machine, still runs.
+    assert _gcs_servers_on(DEFAULT_PORT) == []
+    assert ray_head.alive()

@@ -25,8 +25,11 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from sandbox.proctree import end_process_tree, parent_death_hook
 from sandbox.waiting import wait_until
 from training.cluster.placement import PlacementPlan
 from training.config import ClusterConfig
@@ -154,7 +157,7 @@ class ClusterHandle:
     mode: str  # address | slurm | local | existing (a Ray this process had joined before)
     address: str
     _procs: list[subprocess.Popen] = field(default_factory=list)
-    _stop_head: bool = False
+    _head: subprocess.Popen | None = None  # `ray start --head --block` this process started
 
     def shutdown(self) -> None:
         import ray
@@ -170,8 +173,9 @@ class ClusterHandle:
                     p.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     p.kill()
-        if self._stop_head:
-            subprocess.run([ray_bin(), "stop"], env=ray_env(), capture_output=True, timeout=120)
+        if self._head is not None:
+            # This head and what it started, not `ray stop`, which stops every Ray on the node.
+            end_process_tree(self._head.pid, grace_s=20.0)
 
 
 def wait_for_nodes(expected: int, timeout_s: float = 300.0) -> int:
@@ -235,6 +239,27 @@ def _join(addr: str) -> ClusterHandle:
     return ClusterHandle("address", addr)
 
 
+def _start_head(cmd: list[str], host: str, timeout_s: float = 300.0) -> subprocess.Popen:
+    """`ray start --head --block` in its own session, returned once Ray says it started:
+    ending that process tree later stops this head only (a node may run other clusters)."""
+    fd, log = tempfile.mkstemp(prefix="tmax-ray-head-", suffix=".log")
+    with os.fdopen(fd, "wb") as out:
+        proc = subprocess.Popen([*cmd, "--block"], env=ray_env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=parent_death_hook())
+
+    def started() -> bool:
+        text = Path(log).read_text(errors="replace")
+        if proc.poll() is not None:
+            raise ClusterError(f"ray start --head failed on {host} (exit {proc.returncode}): {text.strip()[-2000:]}")
+        return "Ray runtime started" in text
+
+    if not wait_until(started, timeout_s, 0.5):
+        end_process_tree(proc.pid, grace_s=5.0)
+        raise ClusterError(f"ray start --head on {host} did not start within {timeout_s:g}s (log: {log})")
+    os.unlink(log)  # the head keeps writing to the open file; nothing is left behind
+    return proc
+
+
 def _start_in_slurm(plan: PlacementPlan, num_cpus: int | None, port: int, join_timeout_s: float) -> ClusterHandle:
     """The head here, a worker per other allocated node; `num_cpus` is every node's logical CPUs."""
     import ray
@@ -243,11 +268,8 @@ def _start_in_slurm(plan: PlacementPlan, num_cpus: int | None, port: int, join_t
     if len(hosts) < plan.nodes:
         raise ClusterError(f"the Slurm allocation has {len(hosts)} node(s), the plan needs {plan.nodes}")
     ip = node_ip()
-    head = subprocess.run(head_start_cmd(plan, port, ip, num_cpus=num_cpus), env=ray_env(), capture_output=True,
-                          text=True, timeout=300)
-    if head.returncode != 0:
-        raise ClusterError(f"ray start --head failed on {hosts[0]}: {head.stderr.strip()[-2000:]}")
-    handle = ClusterHandle("slurm", f"{ip}:{port}", _stop_head=True)
+    handle = ClusterHandle("slurm", f"{ip}:{port}", _head=_start_head(head_start_cmd(plan, port, ip, num_cpus=num_cpus),
+                                                                     hosts[0]))
     for cmd in worker_start_cmds(plan, hosts, f"{ip}:{port}", num_cpus=num_cpus):
         handle._procs.append(subprocess.Popen(cmd, env=ray_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     try:
