@@ -1,7 +1,8 @@
 """Where a nano RL step goes: a few DPPO steps through the real loop, then per step the
 seconds and share of the step's wall of each part, on the sampler side and the learner side.
 
-    python benchmarks/step_profile.py [--steps N] [--sft-steps N] [--model DIR] [--replays N] [--out DIR] [--json]
+    python benchmarks/step_profile.py [--steps N] [--sft-steps N] [--model DIR] [--replays N] [--config FILE]
+                                      [--out DIR] [--json]
 
 Sampler side (from the episodes that finished during the step, in slot-seconds divided by
 `run.concurrency`, the episodes running at once): `sampling` (waiting for the engine),
@@ -128,6 +129,7 @@ def main() -> None:
     ap.add_argument("--sft-steps", type=int, default=None, help="SFT steps (default: the preset's)")
     ap.add_argument("--model", default=None, help="start checkpoint (default: nano model + --sft-steps of SFT)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config", default=None, help="TOML config (default: the nano preset)")
     ap.add_argument("--replays", type=int, default=2, help="learner replays of the last batch each way (0: none)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -136,11 +138,12 @@ def main() -> None:
     from training.cluster.actors import start_engines
     from tmax_cli.progress import learn_progress
     from training.cluster.launch import connect
-    from training.config import preset
+    from training.config import resolve
     from training.loop import train
 
-    cfg = preset("nano", {"algo": {"seed": args.seed, "steps": args.steps},
-                          "run": {"checkpoint_every": args.steps}})
+    # `tmax learn`'s config: the file (default: the nano preset), TMAX_LEARN_* variables, these flags.
+    cfg = resolve(args.config, {"algo": {"seed": args.seed, "steps": args.steps},
+                                "run": {"checkpoint_every": args.steps}})
     out = Path(args.out).resolve() / f"seed{args.seed}"
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     start, train_dir, prepared = start_model(cfg, out, args, log)

@@ -109,7 +109,10 @@ def test_warm_pool_hands_out_a_fresh_started_container(nano):
 
 
 def test_container_killed_mid_episode_is_an_infra_error(nano):
-    tok, splits, cfg, prepared, _ = nano
+    tok, splits, _, prepared, _ = nano
+    # A command timeout above the `sleep 30`: the kill lands mid-command however slowly a
+    # loaded machine lists and kills the container.
+    cfg = EpisodeSettings.of(preset("nano-podman").rollout.model_copy(update={"command_timeout": 60.0}))
     task = str(splits["train"][0])
     [wait] = scripted_turns(tok, [("THOUGHT: wait.", "sleep 30")])
     label = f"{ROLLOUT_LABEL}={splits['train'][0].name}"

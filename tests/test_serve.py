@@ -62,6 +62,8 @@ def test_default_model_on_cpu_uses_the_cpu_build():
     assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # the engine core runs the model: no worker process
     assert "VLLM_SERVER_DEV_MODE" not in env
+    assert "OMP_NUM_THREADS" not in env  # vLLM's own thread choice unless asked
+    assert _dry(["--cpu-threads", "1"])[1]["OMP_NUM_THREADS"] == "1"
 
 
 def test_gpus_set_tensor_parallel_size():
@@ -71,6 +73,7 @@ def test_gpus_set_tensor_parallel_size():
     assert "allenai/tmax-9b" in argv and _flag(argv, "--port") == "9001"
     assert "VLLM_CPU_KVCACHE_SPACE" not in env and "--enforce-eager" not in argv
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+    assert "OMP_NUM_THREADS" not in _dry(["--cpu-threads", "1"], gpus="0")[1]  # a CPU setting only
 
 
 def test_visible_gpus_follows_cuda_visible_devices(monkeypatch):

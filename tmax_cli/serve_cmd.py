@@ -37,6 +37,9 @@ def serve(
     device: str = typer.Option("auto", help="auto | cpu | gpu (auto: gpu when one is visible)."),
     dtype: str = typer.Option("auto", help="Weights dtype (auto: float32 for tiny models on CPU)."),
     kv_cache_gb: int = typer.Option(1, help="CPU only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."),
+    cpu_threads: Optional[int] = typer.Option(
+        None, min=1, help="CPU only: the engine's torch threads (OMP_NUM_THREADS; default: vLLM's choice, every core)."
+    ),
     enforce_eager: Optional[bool] = typer.Option(
         None, "--enforce-eager/--no-enforce-eager", help="Skip CUDA graphs / torch.compile (default: on for CPU)."
     ),
@@ -64,6 +67,7 @@ def serve(
         dtype=dtype,
         enforce_eager=enforce_eager,
         kv_cache_gb=kv_cache_gb,
+        cpu_threads=cpu_threads,
         dev=dev,
         extra_args=list(vllm_arg or []),
     )

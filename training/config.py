@@ -135,6 +135,7 @@ class EngineConfig(_Strict):
     dtype: str = "auto"
     enforce_eager: bool = False
     kv_cache_gb: float = Field(1.0, gt=0)  # VLLM_CPU_KVCACHE_SPACE on CPU (whole GiB, at least 1)
+    cpu_threads: int | None = Field(None, ge=1)  # CPU only: the engine's OMP_NUM_THREADS (None: vLLM's choice)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # GPU only
     extra_args: list[str] = Field(default_factory=list)
     startup_timeout_s: float = Field(600.0, gt=0)

@@ -217,6 +217,7 @@ def server_options(ecfg: "EngineConfig") -> dict[str, Any]:
         "enforce_eager": ecfg.enforce_eager,
         # VLLM_CPU_KVCACHE_SPACE takes whole GiB.
         "kv_cache_gb": max(1, int(round(ecfg.kv_cache_gb))),
+        "cpu_threads": ecfg.cpu_threads,
         "gpu_memory_utilization": ecfg.gpu_memory_utilization,
         "extra_args": list(ecfg.extra_args),
         "startup_timeout_s": ecfg.startup_timeout_s,
@@ -232,6 +233,7 @@ def engine_spec(
     dtype: str = "auto",
     enforce_eager: bool | None = None,
     kv_cache_gb: int = 1,
+    cpu_threads: int | None = None,
     gpu_memory_utilization: float | None = None,
     extra_args: list[str] | None = None,
     tensor_parallel_size: int | None = None,
@@ -245,6 +247,7 @@ def engine_spec(
         dtype=dtype,
         enforce_eager=enforce_eager,
         kv_cache_gb=kv_cache_gb,
+        cpu_threads=cpu_threads,
         gpu_memory_utilization=gpu_memory_utilization,
         dev=True,
         extra_args=list(extra_args or []),

@@ -54,6 +54,7 @@ class ServeSpec:
     dtype: str = "auto"  # auto: float32 for tiny local models on CPU, else vLLM's choice
     enforce_eager: bool | None = None  # default: on for CPU (starts faster, no compile cache)
     kv_cache_gb: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE (GiB)
+    cpu_threads: int | None = None  # CPU only: the engine's torch threads (OMP_NUM_THREADS); None: vLLM's choice
     gpu_memory_utilization: float | None = None
     max_logprobs: int = 20
     # Training setup: dev endpoints (/collective_rpc, /reset_prefix_cache), the weight-push
@@ -214,6 +215,11 @@ def build_command(spec: ServeSpec) -> ServeCommand:
         # instead of through a worker process of its own: one process fewer to start, the
         # imports of torch and vLLM that dominate a CPU start (benchmarks/engine_start.py).
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if spec.cpu_threads:
+            # Fewer threads than cores leaves cores to what shares the machine (a learner,
+            # sandboxes): for a tiny model, one thread costs a third less CPU per token
+            # for a tenth fewer tokens/s (benchmarks/engine_cpu.py).
+            env["OMP_NUM_THREADS"] = str(spec.cpu_threads)
     argv = _launcher(spec, device, model) + [
         "--served-model-name", served,
         "--host", spec.host,
