@@ -74,9 +74,11 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Modules with a `slow` test first (kept whole, in their order): xdist hands out a
-    module at a time, and the long ones started last would leave one worker running them
-    alone at the end."""
+    """Under pytest-xdist, modules with a `slow` test first (kept whole, in their order):
+    xdist hands out a module at a time, and the long ones started last would leave one
+    worker running them alone at the end. A single process keeps the files' order."""
+    if not getattr(config.option, "numprocesses", None):
+        return
     slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.module.__name__ not in slow)
 
