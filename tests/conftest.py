@@ -83,7 +83,6 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.module.__name__ not in slow)
 
 
-
 def _heavy_processes() -> dict[int, str]:
     import psutil
 

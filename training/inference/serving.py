@@ -217,8 +217,8 @@ def build_command(spec: ServeSpec) -> ServeCommand:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if spec.cpu_threads:
             # Fewer threads than cores leaves cores to what shares the machine (a learner,
-            # sandboxes): for a tiny model, one thread costs a third less CPU per token
-            # for a tenth fewer tokens/s (benchmarks/engine_cpu.py).
+            # sandboxes): for a tiny model, one thread samples as fast for 0.6x the CPU
+            # (benchmarks/engine_cpu.py).
             env["OMP_NUM_THREADS"] = str(spec.cpu_threads)
     argv = _launcher(spec, device, model) + [
         "--served-model-name", served,
