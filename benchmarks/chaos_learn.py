@@ -49,11 +49,11 @@ sys.path.insert(0, str(ROOT))
 
 TAG_ENV = "TMAX_CHAOS_RUN"  # every process of the run inherits it: how its processes are found
 # What each kind of fault kills (a process command-line needle; containers by run label).
-TARGETS = {"engine": "vllm.entrypoints", "worker": "ray::RolloutWorker", "learner": "ray::LearnerRank"}
+TARGETS = {"engine": "vllm_cpu_main.py", "worker": "ray::RolloutWorker", "learner": "ray::LearnerRank"}
 # How long a killed actor's successor may take to appear (a vLLM server on CPU starts in ~1 min).
 RESTART_WAIT_S = 300.0
 # Processes of the run that must be gone once its last driver ended.
-RUN_PROCESSES = ("vllm.entrypoints", "VLLM::EngineCore", "procguard.py", "ray::", "raylet", "gcs_server")
+RUN_PROCESSES = ("vllm_cpu_main.py", "VLLM::EngineCore", "procguard.py", "ray::", "raylet", "gcs_server")
 
 
 @dataclass

