@@ -467,13 +467,15 @@ def start_actors(cfg: Any, model_dir: str, resume_from: str | None, run_dir: str
     try:
         learner = LearnerGroup.start(learner_options(cfg, pl), model_dir, lcfg, resume_from, cfg.run.torch_threads)
         engines = engines or EngineGroup.start(cfg, model_dir, run_dir, engine_options(cfg, pl), _tp(pl))
-        # Start-up errors of any rank or engine surface here, before any episode runs.
-        ray.get(learner.setups + (engines.ready() if own else []))
+        # The workers start while the engines do (a worker needs its engine only for its
+        # first episode): their imports overlap the vLLM start instead of following it.
         RolloutWorker = _worker_class()
         episode = EpisodeSettings.of(cfg.rollout, labels)
         workers = [RolloutWorker.options(**o).remote(model_dir, episode, engines.sampler(i), images,
                                                      cfg.run.slots_per_worker)
                    for i, o in enumerate(worker_options(cfg, pl))]
+        # Start-up errors of any rank or engine surface here, before any episode runs.
+        ray.get(learner.setups + (engines.ready() if own else []))
         actors = Actors(learner, engines, workers, own, labels)
         actors.remove_orphaned_containers()  # a killed earlier process of this run left them
         if pl is not None:
