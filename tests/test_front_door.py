@@ -26,9 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 TMAX = [sys.executable, "-m", "tmax_cli.main"]
 # The sample next to the checkout, as the other bench tests find it (or where TMAX_TB2_SAMPLE says).
 SAMPLE = Path(os.environ.get("TMAX_TB2_SAMPLE") or REPO.parent / "shared" / "tb2-sample")
-# A sample task with a small image, a short oracle and a short verifier (each trial's
-# verifier installs its test tools, so every task here costs 5 of them).
-TB2_TASKS = ("regex-log",)
+# A sample task with a small image, a short oracle and the shortest verifier of the light
+# subset (each trial's verifier installs its test tools, so every task here costs 5 of them).
+TB2_TASKS = ("sqlite-db-truncate",)
 
 MAKEFILE = "app: main.c\n\tgcc -Wall -o app main.c\n"
 BROKEN_MAIN = '#include <stdio.h>\nint main(void) {\n    printf("built\\n")\n    return 0;\n}\n'
