@@ -79,6 +79,15 @@ def remove_orphaned(labels: dict[str, str]) -> CleanReport:
     return rep
 
 
+def remove_labelled(labels: dict[str, str]) -> CleanReport:
+    """Remove every container carrying `labels`, whatever its owner: what is left of a run
+    once it ended (a container a worker's pool started as the pool closed, say)."""
+    rep = CleanReport()
+    if shutil.which("podman"):
+        _remove_containers(rep, labels, all_owners=True, dry_run=False)
+    return rep
+
+
 def clean(images: bool = False, include_base: bool = False, dry_run: bool = False, all_owners: bool = False,
           labels: dict[str, str] | None = None, tmpdir: str | None = None) -> CleanReport:
     """Remove leftovers. Containers whose owning tmax process is still alive are kept

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -27,7 +28,7 @@ def test_podman_rl_run_uses_containers_and_learns_from_their_verifier(tmp_path, 
     from training.nano.model import NanoSpec, build_nano_model
     from training.nano.tasks import write_splits
     from training.learner.sft import collect_demos, train_sft
-    from training.rollout import env_settings, prepare_tasks
+    from training.rollout import RUN_LABEL, env_settings, prepare_tasks, run_labels
 
     build_nano_model(tmp_path / "base", seed=0, spec=NanoSpec(hidden_size=64, intermediate_size=128,
                                                               num_hidden_layers=2))
@@ -77,4 +78,8 @@ def test_podman_rl_run_uses_containers_and_learns_from_their_verifier(tmp_path, 
         rewards[r["group_id"]].add(r["reward"])
     assert any(len(v) > 1 for v in rewards.values()), rewards
     assert max(r["optim/grad_norm"] for r in rows) > 0
+    # Nothing of the run is left: every container carrying its label is gone.
+    left = subprocess.run(["podman", "ps", "-aq", "--filter", f"label={RUN_LABEL}={run_labels(run)[RUN_LABEL]}"],
+                          capture_output=True, text=True).stdout.split()
+    assert left == []
     shutil.rmtree(run, ignore_errors=True)  # kept for a look when an assertion fails

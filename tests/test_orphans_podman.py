@@ -1,6 +1,6 @@
 """A killed run's or rollout worker's containers are found by the run label and removed
 when their owning process is gone; a live owner's containers, and every container without
-the label, are left alone."""
+the label, are left alone. Once a run ended, every container with its label goes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from sandbox.cleanup import remove_orphaned
+from sandbox.cleanup import remove_labelled, remove_orphaned
 from training.rollout import RUN_LABEL, run_labels
 
 pytestmark = pytest.mark.podman
@@ -39,6 +39,10 @@ def test_remove_orphaned_takes_only_the_runs_containers_of_dead_owners(base_imag
         rep = remove_orphaned(run)
         assert len(rep.containers) == 1 and not rep.errors
         assert not _exists(orphan) and _exists(live) and _exists(elsewhere)
+        # A run that ended removes what carries its label, a live owner's too (`Actors.close`).
+        rep = remove_labelled(run)
+        assert len(rep.containers) == 1 and not rep.errors
+        assert not _exists(live) and _exists(elsewhere)
     finally:
         for cid in (orphan, live, elsewhere):  # one at a time: a missing one fails the whole rm
             subprocess.run(["podman", "rm", "-f", "-t", "0", cid], capture_output=True)

@@ -434,8 +434,9 @@ class Actors:
         return remove_orphaned(self.labels).containers if self.labels else []
 
     def close(self, keep_engines: bool = False) -> None:
-        """Close the workers' warm pools (their idle containers), then kill every actor;
-        engines the run started are stopped unless `keep_engines`."""
+        """Close the workers' warm pools (their idle containers), kill every actor and remove
+        the run's containers left on this node; engines the run started are stopped unless
+        `keep_engines`."""
         import ray
 
         close_all(self.workers, 120.0)
@@ -444,6 +445,12 @@ class Actors:
                 ray.kill(w)
             except Exception:
                 pass
+        if self.labels:
+            # The run is over: any container of it on this node is a leftover, whoever
+            # started it (a prewarm that raced the pool's close, a worker that did not answer).
+            from sandbox.cleanup import remove_labelled
+
+            remove_labelled(self.labels)
         if self.own_engines and not keep_engines:
             self.engines.close()
             self.engines.kill()
