@@ -27,9 +27,12 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
 def _fork_engine_core() -> None:
-    from vllm.platforms.cpu import CpuPlatform
+    try:
+        from vllm.platforms.cpu import CpuPlatform
 
-    update = CpuPlatform.check_and_update_config.__func__
+        update = CpuPlatform.check_and_update_config.__func__
+    except (ImportError, AttributeError):
+        return  # a vLLM laid out otherwise keeps its own start method
 
     def check_and_update_config(cls, vllm_config) -> None:
         update(cls, vllm_config)
