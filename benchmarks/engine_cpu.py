@@ -1,7 +1,10 @@
 """The vLLM engine's CPU cost on a nano model, by its torch threads (`engine.cpu_threads`):
-vLLM's default (every core) against one thread, under a rollout-like load.
+vLLM's default (every core) against one thread, under a rollout-like load; with
+`--start-method`, the engine core forked (tmax's CPU launcher) against spawned (vLLM's CPU
+default) instead.
 
-    python benchmarks/engine_cpu.py [--model DIR] [--rounds 2] [--clients 8] [--episodes 48] [--json]
+    python benchmarks/engine_cpu.py [--model DIR] [--rounds 2] [--clients 8] [--episodes 48]
+                                    [--start-method] [--json]
 
 The load is what the nano RL run sends: `--clients` episodes at a time, each three turns of
 up to 64 tokens at temperature 1, the first on the harness's real prompt (system prompt,
@@ -25,7 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SETTINGS = {"vllm_default": None, "one_thread": 1}
+# name: (engine.cpu_threads, the engine core's start method: None is tmax's fork)
+SETTINGS = {"vllm_default": (None, None), "one_thread": (1, None)}
+START_METHODS = {"forked_core": (None, None), "spawned_core": (None, "spawn")}
 
 
 def first_prompts(model: Path, n: int) -> list[list[int]]:
@@ -51,10 +56,17 @@ def server_cpu_s(engine) -> float:
     return sum(p.cpu_times().user + p.cpu_times().system for p in [root, *root.children(recursive=True)])
 
 
-def one_round(model: Path, cpu_threads: int | None, starts: list[list[int]], clients: int, work: Path) -> dict:
+def one_round(model: Path, setting: tuple[int | None, str | None], starts: list[list[int]], clients: int,
+              work: Path) -> dict:
+    import os
+
     from training.config import preset
     from training.inference.engine import VLLMEngine
 
+    cpu_threads, start_method = setting
+    os.environ.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
+    if start_method:
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = start_method  # the server inherits it
     ecfg = preset("nano").engine.model_copy(update={"cpu_threads": cpu_threads})
     engine = VLLMEngine.from_config(ecfg, model, work_dir=work)
     try:
@@ -84,31 +96,34 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--episodes", type=int, default=48)
+    ap.add_argument("--start-method", action="store_true", help="compare the core forked against spawned")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     from training.nano.model import build_nano_model
 
-    res: dict[str, list[dict]] = {k: [] for k in SETTINGS}
+    settings = START_METHODS if args.start_method else SETTINGS
+    res: dict[str, list[dict]] = {k: [] for k in settings}
     with tempfile.TemporaryDirectory(prefix="tmax-engine-cpu-") as tmp:
         model = Path(args.model) if args.model else Path(tmp) / "nano"
         if not args.model:
             build_nano_model(model)
         starts = first_prompts(model, args.episodes)
         for r in range(args.rounds):
-            for name in (list(SETTINGS) if r % 2 == 0 else list(SETTINGS)[::-1]):
-                res[name].append(one_round(model, SETTINGS[name], starts, args.clients, Path(tmp) / f"{name}-{r}"))
+            for name in (list(settings) if r % 2 == 0 else list(settings)[::-1]):
+                res[name].append(one_round(model, settings[name], starts, args.clients, Path(tmp) / f"{name}-{r}"))
     summary = {name: {k: round(statistics.median(x[k] for x in rows), 2) for k in rows[0]} for name, rows in res.items()}
-    a, b = summary["vllm_default"], summary["one_thread"]
+    first, second = list(settings)
+    a, b = summary[first], summary[second]
     summary["ratio_tokens_per_s"] = round(b["tokens_per_s"] / a["tokens_per_s"], 3)
     summary["ratio_cpu_per_token"] = round(b["cpu_s_per_1k_tokens"] / a["cpu_s_per_1k_tokens"], 3)
     if args.json:
         print(json.dumps(summary))
         return
-    for name in SETTINGS:
+    for name in settings:
         s = summary[name]
         print(f"{name:<13} {s['tokens_per_s']:7.1f} tokens/s  {s['cpu_s_per_1k_tokens']:5.2f} CPU s per 1k tokens  "
               f"({s['server_cores']:.2f} cores busy)")
-    print(f"one thread / default: tokens/s x{summary['ratio_tokens_per_s']}, CPU per token x{summary['ratio_cpu_per_token']}")
+    print(f"{second} / {first}: tokens/s x{summary['ratio_tokens_per_s']}, CPU per token x{summary['ratio_cpu_per_token']}")
 
 
 if __name__ == "__main__":
