@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -58,8 +59,6 @@ def server_cpu_s(engine) -> float:
 
 def one_round(model: Path, setting: tuple[int | None, str | None], starts: list[list[int]], clients: int,
               work: Path) -> dict:
-    import os
-
     from training.config import preset
     from training.inference.engine import VLLMEngine
 

@@ -488,6 +488,6 @@ def start_actors(cfg: Any, model_dir: str, resume_from: str | None, run_dir: str
         if pl is not None:
             pl.write(Path(run_dir) / "placement.json", actors)
     except BaseException:
-        Actors(learner or LearnerGroup([]), engines or EngineGroup([]), workers, own).close()
+        Actors(learner or LearnerGroup([]), engines or EngineGroup([]), workers, own, labels).close()
         raise
     return actors
