@@ -105,6 +105,13 @@ def _check_completion(response: Any, base_url: Any) -> None:
         raise FatalModelError(f"the server at {base_url} answered 200 with an error: {detail}")
 
 
+def openai_client(base_url: str | None, api_key: str | None, timeout: float = DEFAULT_MODEL_TIMEOUT_S) -> openai.OpenAI:
+    """The client a `ChatPolicy` talks through. One may serve many policies at once (it is
+    thread-safe): each new one costs ~40 ms of CPU, mostly loading the CA bundle."""
+    # Local servers need no key, but the client insists on one.
+    return openai.OpenAI(base_url=base_url, api_key=api_key or "dummy", timeout=timeout, max_retries=0)
+
+
 class ChatPolicy:
     def __init__(
         self,
@@ -117,7 +124,9 @@ class ChatPolicy:
         top_k: int | None = None,
         timeout: float = DEFAULT_MODEL_TIMEOUT_S,
         extra_body: dict[str, Any] | None = None,
+        client: openai.OpenAI | None = None,
     ) -> None:
+        """`client`: a shared `openai_client` (then base_url, api_key and timeout are its)."""
         self.model = model
         self.temperature = temperature
         self.top_p = top_p
@@ -125,8 +134,7 @@ class ChatPolicy:
         self.extra_body = dict(extra_body or {})
         if top_k is not None:
             self.extra_body["top_k"] = top_k  # not an OpenAI parameter; vLLM reads it from the body
-        # Local servers need no key, but the client insists on one.
-        self.client = openai.OpenAI(base_url=base_url, api_key=api_key or "dummy", timeout=timeout, max_retries=0)
+        self.client = client or openai_client(base_url, api_key, timeout)
         self.window: int | None = None  # the server's context window in tokens, once known
         self._window_asked = False
         # Tokens of the last prompt + completion (the next prompt holds them): room left is

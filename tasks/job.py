@@ -256,7 +256,8 @@ class Job:
                 n_cancelled += 1
             else:
                 results.append(r)
-        sc = score([trial_row(r) for r in results]) if results else None
+        # The interval once the job has finished: not after every trial (see `score`).
+        sc = score([trial_row(r) for r in results], interval=finished) if results else None
         running = progress.running if progress else 0
         existing = _read_json(self.dir / "result.json") or {}
         n_errored = sum(1 for r in results if r.get("exception_info"))

@@ -114,6 +114,16 @@ class TmaxAgent:
         self.kwargs = dict(kwargs or {})
         self.name = check_harness(harness, "agent")
         AgentConfig.from_settings(self.kwargs)  # a bad agent kwarg fails the job before any trial
+        self._client: Any = None  # one OpenAI client for every trial (`_shared_client`)
+        self._client_lock = threading.Lock()
+
+    def _shared_client(self) -> Any:
+        from agents.chat_policy import openai_client
+
+        with self._client_lock:
+            if self._client is None:
+                self._client = openai_client(self.base_url, self.api_key)
+            return self._client
 
     def _agent(self, sandbox, workdir: str, agent_dir: Path, hooks, timeout: float):
         """The loop for this harness, its settings from the agent kwargs, recording into agent_dir."""
@@ -124,8 +134,8 @@ class TmaxAgent:
 
         config = AgentConfig.from_settings(self.kwargs)
         config.time_budget_s = config.time_budget_s or timeout  # what budget hints show, if on
-        policy = ChatPolicy(base_url=self.base_url, model=self.model, api_key=self.api_key,
-                            temperature=config.temperature, top_p=config.top_p, max_tokens=config.max_tokens)
+        policy = ChatPolicy(model=self.model, client=self._shared_client(), temperature=config.temperature,
+                            top_p=config.top_p, max_tokens=config.max_tokens)
         agent_dir.mkdir(parents=True, exist_ok=True)
         return Agent(policy, sandbox, config=config, recorder=Recorder(agent_dir), hooks=hooks,
                      harness=make_harness(self.name, workdir))

@@ -69,9 +69,15 @@ def test_concurrent_oracle_and_nop_leave_no_container(tmp_path):
         name = f"conc-{agent}-{os.getpid()}"
         job = Job(JobConfig(job_name=name, jobs_dir=str(tmp_path / "jobs"), dataset=str(ds), agent=agent,
                             n_attempts=2, n_concurrent=4))
-        data = job.run()
+        running_cis = []
+        data = job.run(lambda kind, prog, r: kind == "trial_end" and running_cis.append(
+            json.loads((job.dir / "result.json").read_text())["tmax_score"]["pass_at_1_ci"]))
         results = trial_results(job.dir)
         assert len(results) == 8
+        # Rescored after every trial, the interval only at the end (a bootstrap is not cheap).
+        lo, hi = data["tmax_score"]["pass_at_1_ci"]
+        assert running_cis == [None] * 8 and lo <= reward <= hi and lo < hi
+        assert data["tmax_score"]["ci_method"] == "exact Clopper-Pearson"
         assert {r["tmax"]["reward"] for r in results.values()} == {reward}
         assert data["stats"]["n_completed_trials"] == 8 and data["stats"]["n_pending_trials"] == 0
         assert data["tmax_score"]["mean_reward"] == reward
