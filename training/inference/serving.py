@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 import httpx
@@ -275,6 +276,7 @@ class VLLMServer:
         self.command = build_command(spec)
         self.log_path = Path(log_path) if log_path else None
         self.proc: subprocess.Popen | None = None
+        self._server: Any = None  # the vLLM server process under the guard (`alive`)
         self._log = None
 
     @property
@@ -348,7 +350,12 @@ class VLLMServer:
         if self.proc is None or self.proc.poll() is not None:
             return False
         try:
-            return bool(psutil.Process(self.proc.pid).children())
+            # The server found once: `children()` reads every process's stat, which an
+            # engine watching its server every second should not pay on a busy node.
+            if self._server is None or self._server.ppid() != self.proc.pid:
+                kids = psutil.Process(self.proc.pid).children()
+                self._server = kids[0] if kids else None
+            return self._server is not None and self._server.status() != psutil.STATUS_ZOMBIE
         except psutil.Error:
             return False
 
