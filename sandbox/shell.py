@@ -179,7 +179,8 @@ class PersistentShell:
         res = self._run_raw("\n".join(setup), time.monotonic() + self.start_timeout)
         if res[1] != 0 or res[2] or res[3]:
             self._kill()
-            raise SandboxError(f"shell setup failed: {clean_output(res[0])[-2000:]}")
+            why = "timed out" if res[2] else "the shell exited" if res[3] else f"exit code {res[1]}"
+            raise SandboxError(f"shell setup failed ({why}): {clean_output(res[0])[-2000:]}")
         first = clean_output(res[0]).strip().splitlines()
         self.inner_pid = int(first[0]) if first and first[0].isdigit() else None
         try:

@@ -161,6 +161,7 @@ class Job:
         self.rewrite = default_config(config.image_map)
         self.agent = make_agent(config.agent, self.rewrite, config.model, config.base_url, api_key,
                                 config.agent_kwargs)
+        self._plans: list[TrialPlan] | None = None  # made once (`plans`): the job rescores after every trial
 
     # --- the job directory -------------------------------------------------------------
     @classmethod
@@ -185,13 +186,19 @@ class Job:
         return cls(JobConfig(**cfg), api_key=api_key)
 
     def plans(self) -> list[TrialPlan]:
+        if self._plans is None:
+            self._plans = self._make_plans()
+        return list(self._plans)
+
+    def _make_plans(self) -> list[TrialPlan]:
         out = []
+        source = dataset_source(self.config.dataset)
         for task in self.tasks:
             for attempt in range(self.config.n_attempts):
                 name = trial_name(self.identity, task.name, attempt)
                 cfg = {
                     # Harbor's TaskConfig takes a path or a registry name, never both.
-                    "task": {"path": str(task.path), "source": dataset_source(self.config.dataset),
+                    "task": {"path": str(task.path), "source": source,
                              "checksum": self.checksums[task.name]},
                     "trial_name": name,
                     "trials_dir": str(self.dir),
