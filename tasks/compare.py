@@ -12,7 +12,7 @@ it passed; k attempts: a majority, a tie counting as not solved). The discordant
 (solved by A not B, and the reverse) get McNemar's exact test: the two-sided binomial p
 of the smaller count under p = 1/2.
 
-Job directories come from tmax, Harbor or other agents (`tasks.job.load_job_results`).
+Job directories come from tmax, Harbor or other agents (`tasks.job_dirs.load_job_results`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from datetime import datetime
 from math import comb
 from pathlib import Path
 
-from tasks.job import load_job_results
+from tasks.job_dirs import load_job_results
 from tasks.scoring import pass_at_k, rate_interval
 
 SOLVED_RULE = "a task is solved when more than half of its scored attempts passed"

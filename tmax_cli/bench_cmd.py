@@ -255,7 +255,8 @@ def report_cmd(
     """Scores of a job: mean reward (errors count 0), without infra errors, pass@k, per task."""
     from rich.console import Console
 
-    from tasks.job import JobError, load_job_results, trial_row
+    from tasks.job import JobError, trial_row
+    from tasks.job_dirs import load_job_results
     from tasks.scoring import score
 
     try:
