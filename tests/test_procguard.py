@@ -87,3 +87,34 @@ def test_exit_status_passes_through(tmp_path: Path) -> None:
 def test_usage_error() -> None:
     r = subprocess.run([sys.executable, str(GUARD), "notapid", "true"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "usage" in r.stderr
+
+
+def test_server_alive_follows_the_guarded_process_across_a_restart(tmp_path: Path) -> None:
+    """`VLLMServer.alive` under its real guard, the server replaced by a `sleep`: alive while
+    the command runs, not once it is killed (the guard then ends too), and alive again
+    after a new start (the server it remembered is gone)."""
+    import dataclasses
+
+    from training.inference.serving import ServeSpec, VLLMServer
+    from training.net import free_port
+
+    srv = VLLMServer(ServeSpec(model="some/model", port=free_port(), device="cpu"), log_path=tmp_path / "log")
+    srv.command = dataclasses.replace(srv.command, argv=["sleep", "300"])
+    try:
+        for _ in range(2):
+            srv.start()
+            deadline = time.monotonic() + 10
+            while not srv.alive() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert srv.alive()
+            (server,) = psutil.Process(srv.proc.pid).children()
+            assert srv.alive() and srv._server.pid == server.pid
+            server.kill()
+            assert _gone(server.pid, 10)
+            deadline = time.monotonic() + 10
+            while srv.alive() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not srv.alive()
+            srv.stop(grace_s=5)
+    finally:
+        srv.stop(grace_s=1)

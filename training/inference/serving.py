@@ -352,7 +352,8 @@ class VLLMServer:
         try:
             # The server found once: `children()` reads every process's stat, which an
             # engine watching its server every second should not pay on a busy node.
-            if self._server is None or self._server.ppid() != self.proc.pid:
+            server = self._server
+            if server is None or not server.is_running() or server.ppid() != self.proc.pid:
                 kids = psutil.Process(self.proc.pid).children()
                 self._server = kids[0] if kids else None
             return self._server is not None and self._server.status() != psutil.STATUS_ZOMBIE
