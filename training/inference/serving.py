@@ -23,8 +23,8 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import httpx
 
