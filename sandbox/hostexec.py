@@ -54,12 +54,20 @@ def default_signals() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
-def _inherits_non_default_signals() -> bool:
-    """Whether a child would inherit an ignored or blocked signal (SIGPIPE and SIGXFSZ
-    aside: Python ignores them, and Popen's restore_signals resets them)."""
+def popen_default_signals(argv: list[str], **kwargs) -> subprocess.Popen:
+    """`subprocess.Popen` whose child starts with every signal at its default action and
+    none blocked, whatever this process inherited. The child inherits the spawning thread's
+    mask, which is cleared for the moment of the spawn (Ray blocks SIGINT in its workers'
+    threads), so Python must run in the child, and Popen give up its faster vfork path,
+    only when a signal is ignored here (SIGPIPE and SIGXFSZ aside: Python ignores them,
+    and Popen's restore_signals resets them)."""
     restored = (signal.SIGPIPE, signal.SIGXFSZ)
     ignored = any(signal.getsignal(s) == signal.SIG_IGN for s in _RESETTABLE if s not in restored)
-    return ignored or bool(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    blocked = signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    try:
+        return subprocess.Popen(argv, preexec_fn=default_signals if ignored else None, **kwargs)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _decode(b: bytes | None) -> str:
@@ -72,10 +80,8 @@ def run_process(argv: list[str], timeout: float | None = None, cwd: str | None =
     group is killed and exit code 124 is returned, like coreutils `timeout`."""
     t0 = time.monotonic()
     try:
-        # preexec_fn only when needed: without it Popen can use the faster vfork path.
-        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                preexec_fn=default_signals if _inherits_non_default_signals() else None)
+        proc = popen_default_signals(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, start_new_session=True)
     except OSError as e:
         raise SandboxError(f"could not run {argv[0]}: {e}") from e
     try:

@@ -1,4 +1,4 @@
-"""A real, persistent, interactive bash session driven through a pty (pexpect).
+"""A real, persistent, interactive bash session driven through a pty.
 
 One bash process lives for the whole episode, so cwd, exported and plain variables,
 functions, aliases, `set` options, traps and background jobs carry over between
@@ -50,10 +50,9 @@ import threading
 import time
 from collections.abc import Callable
 
-import pexpect
-
 from sandbox.base import DEFAULT_COMMAND_TIMEOUT_S, CommandResult, SandboxError
-from sandbox.hostexec import default_signals, on_lasting_thread
+from sandbox.hostexec import on_lasting_thread
+from sandbox.ptyspawn import PtyProcess, ReadTimeout
 from sandbox.shell_output import BoundedOutput, clean_output
 from sandbox.shell_setup import NO_TTY_SETUP, restore_state_script, restored_note, save_state_function
 
@@ -107,7 +106,7 @@ class PersistentShell:
         self.tag = secrets.token_hex(8)
         self._marker_rx = re.compile(r"\r*\n__TMAX_" + self.tag + r"_(\d*)_(\d+)__\r*\n")
         self._keep = 128  # longer than any marker: kept unsearched-committed between reads
-        self._child: pexpect.spawn | None = None
+        self._child: PtyProcess | None = None
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._seq = 0
         self._leftover = ""
@@ -137,15 +136,9 @@ class PersistentShell:
         base_env = dict(os.environ) if self.spawn_env is None else dict(self.spawn_env)
         base_env.update(TERM="dumb", PS1="", PS2="", PROMPT_COMMAND="", HISTFILE="/dev/null")
         try:
-            self._child = on_lasting_thread(lambda: pexpect.spawn(
-                self.argv[0], self.argv[1:], env=base_env, cwd=self.spawn_cwd, echo=False,
-                encoding=None, timeout=None, dimensions=(50, 200), use_poll=True,
-                preexec_fn=default_signals,
-            ))
-        except (pexpect.ExceptionPexpect, OSError) as e:
+            self._child = on_lasting_thread(lambda: PtyProcess(self.argv, base_env, self.spawn_cwd))
+        except OSError as e:
             raise SandboxError(f"could not start shell {shlex.join(self.argv)}: {e}") from e
-        # pexpect's default 50 ms sleep before every write would dominate per-call cost.
-        self._child.delaybeforesend = None
         self._decoder.reset()
         self._leftover = ""
         self._seq = 0
@@ -386,14 +379,14 @@ class PersistentShell:
                 # Wake up now and then: a background job holding the pty open delays
                 # EOF after the shell itself exited, so liveness is checked directly.
                 data = self._child.read_nonblocking(1 << 16, timeout=0.5 if wait is None else min(wait, 0.5))
-            except pexpect.TIMEOUT:
+            except ReadTimeout:
                 self._stream("")
                 if not self._child.isalive():
                     pending += self._drain()
                     sink.add(pending)
                     return ("" if buf is not None else sink.text()[0]), 1, False, True
                 continue
-            except pexpect.EOF:
+            except EOFError:
                 pending += self._decoder.decode(b"", final=True)
                 sink.add(pending)
                 return ("" if buf is not None else sink.text()[0]), 1, False, True
@@ -422,7 +415,7 @@ class PersistentShell:
         for _ in range(64):
             try:
                 out += self._decoder.decode(self._child.read_nonblocking(1 << 16, timeout=0))
-            except (pexpect.TIMEOUT, pexpect.EOF, OSError):
+            except (ReadTimeout, EOFError, OSError):
                 break
         return out + self._decoder.decode(b"", final=True)
 

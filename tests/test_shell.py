@@ -252,6 +252,29 @@ def test_children_start_with_default_signals(tmp_path):
     assert one_off.output == "SigIgn:\t0000000000000000\n"
 
 
+def test_children_start_with_no_signal_blocked():
+    """Ray blocks SIGINT in its workers' threads; a child inherits its spawning thread's mask."""
+    from sandbox.hostexec import run_process
+    from sandbox.ptyspawn import PtyProcess
+
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT, signal.SIGTERM])
+    try:
+        one_off = run_process(["grep", "SigBlk", "/proc/self/status"])  # not through sh: dash clears it
+        on_pty = PtyProcess(["grep", "SigBlk", "/proc/self/status"], dict(os.environ))
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, []) >= {signal.SIGINT, signal.SIGTERM}  # this thread's kept
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    out = b""
+    try:
+        while True:
+            out += on_pty.read_nonblocking(4096, timeout=10)
+    except EOFError:
+        pass
+    on_pty.close()
+    assert one_off.output == "SigBlk:\t0000000000000000\n"
+    assert out.replace(b"\r", b"") == b"SigBlk:\t0000000000000000\n" and on_pty.exitstatus == 0
+
+
 def test_programs_that_need_a_terminal_fail_fast(sh, tmp_path):
     (tmp_path / "f.txt").write_text("one\ntwo\n")
     t0 = time.monotonic()
@@ -285,3 +308,30 @@ def test_full_screen_programs_fail_fast_and_empty_input_gets_a_note(sh, tmp_path
     # Input given any other way: no note, and read behaves as the builtin.
     r = sh.run("echo 'print(6*7)' | python3; IFS=: read a b <<< 'x:y'; echo $a-$b; printf '1\\n2\\n' | while read n; do echo n$n; done")
     assert r.output == "42\nx-y\nn1\nn2\n"
+
+
+def test_the_shell_leads_its_own_session_on_its_own_terminal(sh):
+    """The pty is the shell's controlling terminal (job control, Ctrl-C to the foreground
+    group), set up in this process: no echo, 50 x 200, the shell a session leader."""
+    assert sh.run("[ \"$(ps -o sid= -p $$ | tr -d ' ')\" = \"$$\" ] && echo leader").output == "leader\n"
+    assert sh.run("ps -o tty= -p $$").output.startswith("pts/")  # its controlling terminal
+    # stdin of a command is /dev/null: ask the shell's own terminal.
+    assert sh.run("stty size < /dev/tty").output == "50 200\n"
+    assert "-echo " in sh.run("stty -a < /dev/tty").output
+    pid = sh._child.pid
+    sh.close()
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+def test_spawn_benchmark_runs():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "shell_spawn.py"
+    r = subprocess.run([sys.executable, str(script), "--shells", "2", "--rounds", "1", "--resident-mb", "1",
+                        "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert all(out["median"][k]["wall_ms"] > 0 for k in ("pexpect", "ptyspawn")) and out["wall_pexpect_over_ptyspawn"] > 0
