@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import functools
+import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -54,18 +58,42 @@ def default_signals() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
+@functools.cache
+def _env_resetting_signals() -> list[str] | None:
+    """`env --default-signal` (coreutils >= 8.31), which resets every disposition and
+    execs its command; None where this host's env cannot."""
+    env = shutil.which("env")
+    if env is None or subprocess.run([env, "--default-signal", "true"], capture_output=True).returncode != 0:
+        return None
+    return [env, "--default-signal"]
+
+
 def popen_default_signals(argv: list[str], **kwargs) -> subprocess.Popen:
     """`subprocess.Popen` whose child starts with every signal at its default action and
-    none blocked, whatever this process inherited. The child inherits the spawning thread's
-    mask, which is cleared for the moment of the spawn (Ray blocks SIGINT in its workers'
-    threads), so Python must run in the child, and Popen give up its faster vfork path,
-    only when a signal is ignored here (SIGPIPE and SIGXFSZ aside: Python ignores them,
-    and Popen's restore_signals resets them)."""
+    none blocked, whatever this process inherited, without forking this process: Popen
+    uses vfork unless Python must run in the child, and a fork of a driver holding torch
+    costs it tens of ms of CPU and a page fault on every page it writes afterwards.
+
+    The child inherits the spawning thread's mask, which is cleared for the moment of the
+    spawn (Ray blocks SIGINT in its workers' threads). Ignored signals (a tmax started in the
+    background ignores SIGINT and SIGQUIT) are reset by `env --default-signal` in front of
+    argv; only where env cannot does Python run in the child. SIGPIPE and SIGXFSZ, which
+    Python itself ignores, Popen's restore_signals resets."""
     restored = (signal.SIGPIPE, signal.SIGXFSZ)
     ignored = any(signal.getsignal(s) == signal.SIG_IGN for s in _RESETTABLE if s not in restored)
+    prefix, preexec = [], None
+    if ignored:
+        prefix = _env_resetting_signals() or []
+        preexec = None if prefix else default_signals
+    if prefix:  # as Popen would: a missing program is an OSError here, not env's exit code 127
+        path = (kwargs.get("env") or os.environ).get("PATH", os.defpath)
+        program = shutil.which(argv[0], path=path)
+        if program is None:
+            raise FileNotFoundError(errno.ENOENT, f"No such file or directory: {argv[0]!r}")
+        argv = [*prefix, program, *argv[1:]]
     blocked = signal.pthread_sigmask(signal.SIG_SETMASK, [])
     try:
-        return subprocess.Popen(argv, preexec_fn=default_signals if ignored else None, **kwargs)
+        return subprocess.Popen(argv, preexec_fn=preexec, **kwargs)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from sandbox.base import SandboxError
 from sandbox.shell import PersistentShell, clean_output
 from sandbox.shell_setup import _NO_INPUT_NOTE
 
@@ -250,6 +251,31 @@ def test_children_start_with_default_signals(tmp_path):
     finally:
         s.close()
     assert one_off.output == "SigIgn:\t0000000000000000\n"
+
+
+def test_children_start_without_forking_tmax_even_when_it_ignores_signals(tmp_path):
+    """A fork of a driver holding torch costs it tens of ms of CPU and a fault on every page
+    it writes afterwards. tmax started in the background ignores SIGINT and SIGQUIT; its
+    children still start through vfork (Python's fork hooks never run) and with defaults."""
+    from sandbox.hostexec import run_process
+
+    forks = []
+    os.register_at_fork(before=lambda: forks.append(1))
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGQUIT)}
+    try:
+        s = PersistentShell(workdir=str(tmp_path))
+        s.start()
+        try:
+            assert s.run("grep SigIgn /proc/self/status").output == "SigIgn:\t0000000000000000\n"
+        finally:
+            s.close()
+        assert run_process(["grep", "SigIgn", "/proc/self/status"]).output == "SigIgn:\t0000000000000000\n"
+        with pytest.raises(SandboxError, match="could not run no-such-program"):
+            run_process(["no-such-program"])
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    assert forks == []
 
 
 def test_children_start_with_no_signal_blocked():
