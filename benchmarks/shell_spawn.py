@@ -47,7 +47,7 @@ def with_ptyspawn() -> None:
     child = PtyProcess(["bash", "--norc", "--noprofile"], ENV)
     child.send(b"echo ready-$((40+2))\n")
     _read_until(lambda: child.read_nonblocking(4096, timeout=30), b"ready-42")
-    child.close(force=True)
+    child.close()
 
 
 def measure(fn, shells: int) -> dict:

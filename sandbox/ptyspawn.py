@@ -5,8 +5,9 @@ torch and a gigabyte of memory pays for that fork on every shell it starts (its 
 tables copied, then a fault on each page it writes again), and pexpect's close sleeps a
 tenth of a second or more per shell. Here the pty is opened and configured in this
 process (no echo, a window size), the child is started by `subprocess.Popen`, which uses
-vfork when no Python code has to run in the child (`hostexec.popen_default_signals`), and `setsid --ctty` makes the pty the
-child's controlling terminal before it execs argv, as a login terminal would be.
+vfork when no Python code has to run in the child (`hostexec.popen_default_signals`), and
+`setsid --ctty` makes the pty the child's controlling terminal before it execs argv, as a
+login terminal would be.
 """
 
 from __future__ import annotations
@@ -56,9 +57,12 @@ class PtyProcess:
         finally:
             os.close(slave)  # the child's copies only: EOF here once they are all closed
         self.child_fd = master
-        self.pid = self.proc.pid
         self._poll = select.poll()
         self._poll.register(master, select.POLLIN | select.POLLHUP | select.POLLERR)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
 
     def send(self, data: bytes) -> None:
         view = memoryview(data)
@@ -83,9 +87,9 @@ class PtyProcess:
     def isalive(self) -> bool:
         return self.proc.poll() is None
 
-    def close(self, force: bool = True) -> None:
+    def close(self) -> None:
         """Hang up the terminal (its session leader gets SIGHUP), then SIGKILL the child
-        if it is still there after a short grace and `force` is set."""
+        if it is still there after a short grace."""
         if self.child_fd >= 0:
             os.close(self.child_fd)
             self.child_fd = -1
@@ -94,7 +98,7 @@ class PtyProcess:
             self._signal(sig)
         while self.isalive() and time.monotonic() < deadline:
             time.sleep(0.005)
-        if force and self.isalive():
+        if self.isalive():
             self._signal(signal.SIGKILL)
             self.proc.wait()
 

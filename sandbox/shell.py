@@ -208,7 +208,7 @@ class PersistentShell:
             except Exception:
                 pass  # best effort: the sandbox may already be gone
         try:
-            child.close(force=True)
+            child.close()
         except Exception:
             pass
 
@@ -450,7 +450,7 @@ class PersistentShell:
         if child is None:
             return None
         try:
-            child.close(force=True)
+            child.close()
         except Exception:
             pass
         if child.exitstatus is not None:
