@@ -1,6 +1,13 @@
 """Where one podman episode spends its time: every sandbox call of a scripted nano episode
 (container start or warm take, the agent's shell commands, each exec, copy in / out, the
-verifier, the container's removal), timed and listed in order.
+verifier, the container's removal), timed and listed in order, with the CPU seconds the
+whole machine spent meanwhile (run it on a quiet machine: on 2 cores podman episodes are
+bound by CPU, not by latency).
+
+Side by side in the same run: the verifier with its tests inside its exec against the
+archive copy it falls back to for large tests, and `podman exec` (how the agent's shell
+starts) run as a client of the REST service against the CLI opening the container store
+itself, each repeated and averaged.
 
 The policy is the task's oracle through the real harness and verifier, as in
 `rollout_throughput.py`. Runs the episode cold (it starts its own container) and warm
@@ -15,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 import tempfile
 import time
@@ -22,7 +30,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-CALLS: list[tuple[str, float, str]] = []  # (call, seconds, detail), in order
+CALLS: list[tuple[str, float, float, str]] = []  # (call, seconds, machine CPU seconds, detail), in order
+HZ = os.sysconf("SC_CLK_TCK")
+
+
+def machine_cpu_s() -> float:
+    """CPU seconds every process of the machine has used (busy ticks of /proc/stat)."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / HZ  # less idle and iowait
 
 
 def _timed(cls: type, name: str, detail=lambda *a, **k: "") -> None:
@@ -30,11 +45,11 @@ def _timed(cls: type, name: str, detail=lambda *a, **k: "") -> None:
 
     @functools.wraps(original)
     def wrapper(self, *args, **kwargs):
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), machine_cpu_s()
         try:
             return original(self, *args, **kwargs)
         finally:
-            CALLS.append((name, time.monotonic() - t0, str(detail(*args, **kwargs))[:60]))
+            CALLS.append((name, time.monotonic() - t0, machine_cpu_s() - c0, str(detail(*args, **kwargs))[:60]))
 
     setattr(cls, name, wrapper)
 
@@ -60,16 +75,68 @@ def one_episode(task_dir: str, tok, cfg, image, pool) -> dict:
 
     turns = scripted_turns(tok, oracle_steps(task_dir))
     CALLS.clear()
-    t0 = time.monotonic()
+    t0, c0 = time.monotonic(), machine_cpu_s()
     r = run_episode(EpisodeRequest(task_dir, 0, 0, 0), ScriptedSampler(turns), tok, cfg, image=image, pool=pool)
-    wall = time.monotonic() - t0
-    return {"wall_s": round(wall, 3), "reward": r.reward, "warm": r.warm_start, "timings": r.timings,
-            "calls": [{"call": c, "s": round(s, 3), "detail": d} for c, s, d in CALLS]}
+    wall, cpu = time.monotonic() - t0, machine_cpu_s() - c0
+    return {"wall_s": round(wall, 3), "cpu_s": round(cpu, 3), "reward": r.reward, "warm": r.warm_start,
+            "timings": r.timings,
+            "calls": [{"call": c, "s": round(s, 3), "cpu_s": round(u, 3), "detail": d} for c, s, u, d in CALLS]}
+
+
+def verifier_inline_vs_copy(task_dir: str, image, cfg, rounds: int) -> dict:
+    """Mean wall and machine CPU seconds of the verifier, tests inside its exec against the
+    archive copy (the path larger tests take), alternating in one container."""
+    from sandbox.podman import PodmanSandbox
+    from tasks import verifier
+    from tasks.episode import sandbox_spec
+    from tasks.model import Task
+
+    task = Task.load(task_dir)
+    sb = PodmanSandbox(sandbox_spec(task, cfg.env, image, None, None, {}))
+    sb.start()
+    limit = verifier.INLINE_TESTS_MAX_BYTES
+    out: dict[str, list[tuple[float, float]]] = {"inline": [], "copy": []}
+    try:
+        for _ in range(rounds):
+            for way in out:
+                verifier.INLINE_TESTS_MAX_BYTES = limit if way == "inline" else -1
+                t0, c0 = time.monotonic(), machine_cpu_s()
+                verifier.run_verifier(sb, task, image.workdir, None)
+                out[way].append((time.monotonic() - t0, machine_cpu_s() - c0))
+    finally:
+        verifier.INLINE_TESTS_MAX_BYTES = limit
+        sb.close()
+    return {way: {"wall_s": round(sum(w for w, _ in v) / rounds, 3), "cpu_s": round(sum(c for _, c in v) / rounds, 3)}
+            for way, v in out.items()}
+
+
+def exec_cli_service_vs_local(image: str, rounds: int) -> dict:
+    """Mean wall and machine CPU seconds of `podman exec -i CID true`, as a client of the
+    REST service (how the agent's shell starts) and as the CLI on its own, alternating."""
+    import subprocess
+
+    from sandbox import podman_service
+
+    cid = subprocess.run(["podman", "run", "-d", "--runtime", podman_service.DEFAULT_RUNTIME, "--network", "none",
+                          image, "sleep", "infinity"], capture_output=True, text=True, check=True).stdout.strip()
+    ways = {"service": ["podman", "--url", podman_service.service_url()], "local": ["podman"]}
+    out: dict[str, list[tuple[float, float]]] = {w: [] for w in ways}
+    try:
+        for _ in range(rounds):
+            for way, argv in ways.items():
+                t0, c0 = time.monotonic(), machine_cpu_s()
+                subprocess.run([*argv, "exec", "-i", cid, "true"], check=True, stdin=subprocess.DEVNULL)
+                out[way].append((time.monotonic() - t0, machine_cpu_s() - c0))
+    finally:
+        subprocess.run(["podman", "rm", "-f", "-t", "0", cid], capture_output=True)
+    return {way: {"wall_s": round(sum(w for w, _ in v) / rounds, 3), "cpu_s": round(sum(c for _, c in v) / rounds, 3)}
+            for way, v in out.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--rounds", type=int, default=10, help="repeats of each side-by-side comparison")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -96,14 +163,20 @@ def main() -> None:
             warm = one_episode(dirs[2], tok, cfg, images[dirs[2]], pool)
         finally:
             pool.close()
-    out = {"cold": cold, "warm": warm}
+        verifier_ab = verifier_inline_vs_copy(dirs[0], images[dirs[0]], cfg, args.rounds)
+        exec_ab = exec_cli_service_vs_local(images[dirs[0]].tag, args.rounds)
+    out = {"cold": cold, "warm": warm, "verifier": verifier_ab, "podman_exec": exec_ab}
     if args.json:
         print(json.dumps(out))
         return
-    for name, ep in out.items():
-        print(f"== {name}: {ep['wall_s']} s, reward {ep['reward']}, timings {ep['timings']}")
+    for name in ("cold", "warm"):
+        ep = out[name]
+        print(f"== {name}: {ep['wall_s']} s, {ep['cpu_s']} CPU s, reward {ep['reward']}, timings {ep['timings']}")
         for c in ep["calls"]:
-            print(f"  {c['s']:7.3f}  {c['call']:<8} {c['detail']}")
+            print(f"  {c['s']:7.3f} s {c['cpu_s']:7.3f} CPU s  {c['call']:<8} {c['detail']}")
+    for name in ("verifier", "podman_exec"):
+        print(f"== {name} (mean of {args.rounds}): " + ", ".join(
+            f"{way} {v['wall_s']} s / {v['cpu_s']} CPU s" for way, v in out[name].items()))
 
 
 if __name__ == "__main__":

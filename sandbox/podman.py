@@ -115,10 +115,10 @@ class PodmanSandbox(ShellSandbox):
             container = self.container
         if not self.spec.shell:
             return
-        argv = ["podman"]
-        if podman_service.configured_url():
-            # The service may be elsewhere: let the CLI reach the container through it.
-            argv += ["--url", podman_service.configured_url()]
+        # The CLI as a client of the service that made the container (the configured one or
+        # this process's own): a local `podman exec` opens the container database and storage
+        # itself, about 40 ms more CPU a shell (benchmarks/podman_episode_profile.py).
+        argv = ["podman", "--url", podman_service.service_url(self.runtime)]
         # `podman exec` can hand the shell the CLI's own limits instead of the container's;
         # lowering a limit is always allowed, so apply the configured ones. The file size cap
         # is lowered hard as well (bash counts it in KiB), so the agent cannot raise it back.

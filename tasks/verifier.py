@@ -13,11 +13,14 @@ line (apt installs of test tools, fixture copies, the reward write) is kept.
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import math
 import re
 import shlex
 import shutil
+import tarfile
 import tempfile
 import uuid
 from dataclasses import dataclass
@@ -25,7 +28,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import NamedTuple
 
-from sandbox.base import IMAGE_USER, Sandbox, SandboxError
+from sandbox.base import IMAGE_USER, CommandResult, Sandbox, SandboxError
 from tasks.model import Task
 
 VENV = "/opt/tmax-verifier"
@@ -204,6 +207,35 @@ def _parse_reward_json(json_text: str) -> RewardRead:
 GRACE_S = 30.0  # past the in-container timeout, before the exec itself is given up
 
 
+# Tests up to this size (tar bytes) travel inside the verifier's exec, base64 in its bash
+# program: a container sandbox's archive copy costs one more API call (about 0.14 s of CPU
+# with podman, benchmarks/podman_episode_profile.py). One argument may hold 128 KiB.
+INLINE_TESTS_MAX_BYTES = 48 * 1024
+
+
+def _tar_of(stage: Path) -> bytes:
+    """An uncompressed tar of the stage directory's entries (tests/, the rewritten test.sh)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for entry in sorted(stage.iterdir()):
+            tar.add(str(entry), arcname=entry.name)
+    return buf.getvalue()
+
+
+def _inline_unpack(archive: bytes, stage: str, tag: str) -> str:
+    """Bash that unpacks `archive` (embedded as base64) into `stage`, or prints the
+    no-unpack marker and stops where the image lacks tar or base64."""
+    q = shlex.quote
+    return "\n".join([
+        "if ! command -v tar >/dev/null || ! command -v base64 >/dev/null; then",
+        f"  echo \"__TMAX_{tag}_no_unpack__\"; exit 0",
+        "fi",
+        f"mkdir -p {q(stage)} && printf %s {base64.b64encode(archive).decode()} | base64 -d | tar -xf - -C {q(stage)} || "
+        f"{{ echo \"__TMAX_{tag}_prep__ could not unpack the tests into {stage}\"; rm -rf {q(stage)}; exit 0; }}",
+        "",
+    ])
+
+
 def _verifier_command(stage: str, script_path: str, rewritten: bool, timeout: float, tag: str,
                       user: str | None = None) -> str:
     """One bash program: move the staged tests/ to /tests (and the rewritten script to
@@ -251,8 +283,9 @@ def _parse_verifier_output(out: str, tag: str) -> tuple[str | None, int | None, 
 
 def run_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path | None,
                  timeout: float | None = None) -> VerifierResult:
-    """Stage tests/ (and the rewritten test.sh) in one archive, then one exec moves them to
-    /tests, runs the script and prints the reward; /logs/verifier is copied out to `out_dir`
+    """One exec unpacks tests/ (and the rewritten test.sh; carried in the exec itself when
+    small, else copied in as one archive first), moves them to /tests, runs the script and
+    prints the reward; /logs/verifier is copied out to `out_dir`
     for people (None: nobody reads it, so it stays in the sandbox).
     SandboxError propagates: the caller labels it an infrastructure error."""
     timeout = timeout or task.config.verifier.timeout_sec
@@ -262,15 +295,24 @@ def run_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path | Non
     # Only a rewritten script runs from elsewhere: an unchanged test.sh must run from
     # /tests, since scripts may find their fixtures next to themselves (BASH_SOURCE).
     rewritten = script_text != (task.tests_dir / "test.sh").read_text(encoding="utf-8", errors="replace")
+    script_path = SCRIPT_PATH if rewritten else "/tests/test.sh"
+    program = _verifier_command(stage, script_path, rewritten, timeout, tag, task.config.verifier.user)
+
+    def run(unpack: str) -> CommandResult:
+        return sandbox.exec(["bash", "-c", unpack + program], timeout=timeout + GRACE_S, workdir=workdir,
+                            env=dict(task.config.verifier.env) or None, user=IMAGE_USER)
+
     with tempfile.TemporaryDirectory(prefix="tmax-verifier-") as tmp:
         shutil.copytree(task.tests_dir, Path(tmp) / "tests", symlinks=True)
         if rewritten:
             (Path(tmp) / "test.sh").write_text(script_text)
-        sandbox.copy_in(Path(tmp), stage)
-    script_path = SCRIPT_PATH if rewritten else "/tests/test.sh"
-    program = _verifier_command(stage, script_path, rewritten, timeout, tag, task.config.verifier.user)
-    res = sandbox.exec(["bash", "-c", program], timeout=timeout + GRACE_S, workdir=workdir,
-                       env=dict(task.config.verifier.env) or None, user=IMAGE_USER)
+        archive = _tar_of(Path(tmp))
+        res = run(_inline_unpack(archive, stage, tag)) if len(archive) <= INLINE_TESTS_MAX_BYTES else None
+        if res is None or f"__TMAX_{tag}_no_unpack__" in res.output:
+            # Too big for one argument, or no tar / base64 in the image: the stage goes in
+            # through the sandbox's copy, then the same program runs.
+            sandbox.copy_in(Path(tmp), stage)
+            res = run("")
     prep_error, rc, files = _parse_verifier_output(res.output, tag)
     if prep_error is not None:
         raise SandboxError(f"could not prepare /tests and /logs/verifier: {prep_error}")

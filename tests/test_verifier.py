@@ -1,5 +1,5 @@
-"""The in-container verifier: one archive and one exec per run, the reward read from the
-exec's own output. The program's output format (pure) and the real thing in a podman
+"""The in-container verifier: one exec per run (the tests inside it, or one archive copy
+before it when large), the reward read from the exec's own output. The program's output format (pure) and the real thing in a podman
 container (fixtures next to test.sh, reward.json, no reward, a timeout, a /tests the
 agent left behind)."""
 
@@ -87,6 +87,63 @@ def test_reward_without_a_log_copy(container, tmp_path):
     res = run_verifier(container, task, "/tmp", None)
     assert (res.kind, res.reward) == ("ok", 1.0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nolog"]
+
+
+def _copies(sandbox) -> list[str]:
+    """Where the sandbox's archive copies went during the test (a spy on the real copy_in)."""
+    seen: list[str] = []
+    real = sandbox.copy_in
+
+    def spy(src, dst):
+        seen.append(dst)
+        return real(src, dst)
+
+    sandbox.copy_in = spy
+    return seen
+
+
+@pytest.mark.podman
+def test_small_tests_travel_in_the_exec_large_ones_by_copy(container, tmp_path):
+    """Tests under the inline limit go in with the verifier's one exec (no archive copy);
+    a larger stage is copied in first. Both arrive byte for byte."""
+    import hashlib
+    import os
+
+    from tasks.verifier import INLINE_TESTS_MAX_BYTES, run_verifier
+
+    check = ('#!/bin/bash\ncd "$(dirname "${BASH_SOURCE[0]}")"\n'
+             'sha256sum -c sums.txt > /dev/null && echo 1 > /logs/verifier/reward.txt\n')
+    copies = _copies(container)
+    try:
+        for name, size in (("small", 1000), ("large", INLINE_TESTS_MAX_BYTES + 1)):
+            task = _task(tmp_path, name, check)
+            blob = task.tests_dir / "blob.bin"
+            blob.write_bytes(os.urandom(size))
+            (task.tests_dir / "sums.txt").write_text(f"{hashlib.sha256(blob.read_bytes()).hexdigest()}  blob.bin\n")
+            res = run_verifier(container, task, "/tmp", None)
+            assert (res.kind, res.reward) == ("ok", 1.0), res
+            assert len(copies) == (0 if name == "small" else 1)
+    finally:
+        del container.copy_in
+
+
+@pytest.mark.podman
+def test_an_image_without_tar_gets_its_tests_by_copy(base_image, tmp_path):
+    from sandbox.base import SandboxSpec
+    from sandbox.podman import PodmanSandbox
+    from tasks.verifier import run_verifier
+
+    sb = PodmanSandbox(SandboxSpec(image=base_image, workdir="/tmp", shell=False))
+    sb.start()
+    try:
+        assert sb.exec(["bash", "-c", "rm -f $(command -v tar) && ! command -v tar"]).exit_code == 0
+        copies = _copies(sb)
+        task = _task(tmp_path, "notar", "#!/bin/bash\ncat /tests/fixture.txt && echo 1 > /logs/verifier/reward.txt\n")
+        res = run_verifier(sb, task, "/tmp", tmp_path / "out")
+        assert (res.kind, res.reward) == ("ok", 1.0) and len(copies) == 1
+        assert "from the fixture" in (tmp_path / "out" / "test-stdout.txt").read_text()
+    finally:
+        sb.close()
 
 
 def _host_verify(tmp_path: Path, task, out_dir: Path | None):
