@@ -32,6 +32,7 @@ Timings come from a machine shared with other work: compare, do not quote as abs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -120,15 +121,29 @@ class Chaos:
         return out
 
     def wait_rows(self, n: int, driver: subprocess.Popen) -> bool:
-        """Until metrics.jsonl has `n` rows; False if the driver ended first or time ran out."""
+        """Until metrics.jsonl has `n` rows; False if the driver ended first or time ran out.
+        Polled often: a short run's steps can take well under a second."""
         deadline = time.monotonic() + self.step_wait_s
         while time.monotonic() < deadline:
             if len(self.rows()) >= n:
                 return True
             if driver.poll() is not None:
                 return len(self.rows()) >= n
-            time.sleep(0.5)
+            time.sleep(0.1)
         return False
+
+    @contextlib.contextmanager
+    def paused(self, driver: subprocess.Popen):
+        """The driver stopped (SIGSTOP) while a fault is chosen and injected: it starts no
+        step meanwhile, so a run whose steps take half a second (a random policy on a fast
+        machine) cannot finish before its faults. Its actors keep running, so the fault
+        still lands in the middle of their work."""
+        driver.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            if driver.poll() is None:
+                driver.send_signal(signal.SIGCONT)
 
     # -- the run's processes and containers --------------------------------------------
 
@@ -191,12 +206,13 @@ def _in_driver_faults(chaos: Chaos, driver: subprocess.Popen, faults: list[Fault
     for f in faults:
         if not chaos.wait_rows(len(chaos.rows()) + (1 if f is faults[0] else 0), driver):
             return
-        time.sleep(rng.uniform(0.0, 3.0))
-        rows = chaos.rows()
-        f.rows_before, f.requeued_before = len(rows), _requeued(rows)
-        f.t_inject = time.monotonic()
-        before = {p.pid for p in chaos.processes(TARGETS.get(f.kind, "-"))}
-        f.injected = _inject(chaos, f, rng)
+        with chaos.paused(driver):
+            time.sleep(rng.uniform(0.0, 3.0))
+            rows = chaos.rows()
+            f.rows_before, f.requeued_before = len(rows), _requeued(rows)
+            f.t_inject = time.monotonic()
+            before = {p.pid for p in chaos.processes(TARGETS.get(f.kind, "-"))}
+            f.injected = _inject(chaos, f, rng)
         if not f.injected or not chaos.wait_rows(f.rows_before + 1, driver):
             continue
         f.recovered = True
@@ -250,18 +266,20 @@ def _driver_killing_fault(chaos: Chaos, driver: subprocess.Popen, kind: str, rng
     f = Fault(kind)
     if not chaos.wait_rows(max(1, len(chaos.rows())), driver):
         return f
-    time.sleep(rng.uniform(0.0, 0.5))  # short: a quick run's last steps must not all pass meanwhile
-    f.rows_before, f.requeued_before = len(chaos.rows()), _requeued(chaos.rows())
-    if f.rows_before >= steps or driver.poll() is not None:
-        return f  # the run ended first: not injected (more --steps)
-    f.t_inject = time.monotonic()
-    if kind == "driver":
-        driver.send_signal(signal.SIGKILL)
-        f.injected, f.target = True, f"pid {driver.pid}"
-        driver.wait()
-        f.detected = True  # nothing to detect: the next driver is started with --resume
-    else:
-        f.injected = _inject(chaos, f, rng)
+    with chaos.paused(driver):
+        time.sleep(rng.uniform(0.0, 0.5))
+        f.rows_before, f.requeued_before = len(chaos.rows()), _requeued(chaos.rows())
+        if f.rows_before >= steps or driver.poll() is not None:
+            return f  # the run ended first: not injected (more --steps)
+        f.t_inject = time.monotonic()
+        if kind == "driver":
+            driver.send_signal(signal.SIGKILL)  # a stopped process dies all the same
+            f.injected, f.target = True, f"pid {driver.pid}"
+            driver.wait()
+            f.detected = True  # nothing to detect: the next driver is started with --resume
+        else:
+            f.injected = _inject(chaos, f, rng)
+    if kind != "driver" and f.injected:
         try:
             rc = driver.wait(timeout=600)
         except subprocess.TimeoutExpired:
