@@ -83,6 +83,18 @@ def one_episode(task_dir: str, tok, cfg, image, pool) -> dict:
             "calls": [{"call": c, "s": round(s, 3), "cpu_s": round(u, 3), "detail": d} for c, s, u, d in CALLS]}
 
 
+def alternating(ways: dict, rounds: int) -> dict:
+    """Mean wall and machine CPU seconds of each way (name -> call), the ways alternating."""
+    out: dict[str, list[tuple[float, float]]] = {w: [] for w in ways}
+    for _ in range(rounds):
+        for way, call in ways.items():
+            t0, c0 = time.monotonic(), machine_cpu_s()
+            call()
+            out[way].append((time.monotonic() - t0, machine_cpu_s() - c0))
+    return {way: {"wall_s": round(sum(w for w, _ in v) / rounds, 3), "cpu_s": round(sum(c for _, c in v) / rounds, 3)}
+            for way, v in out.items()}
+
+
 def verifier_inline_vs_copy(task_dir: str, image, cfg, rounds: int) -> dict:
     """Mean wall and machine CPU seconds of the verifier, tests inside its exec against the
     archive copy (the path larger tests take), alternating in one container."""
@@ -95,19 +107,18 @@ def verifier_inline_vs_copy(task_dir: str, image, cfg, rounds: int) -> dict:
     sb = PodmanSandbox(sandbox_spec(task, cfg.env, image, None, None, {}))
     sb.start()
     limit = verifier.INLINE_TESTS_MAX_BYTES
-    out: dict[str, list[tuple[float, float]]] = {"inline": [], "copy": []}
+
+    def verify(max_inline: int):
+        def call() -> None:
+            verifier.INLINE_TESTS_MAX_BYTES = max_inline  # -1: the archive copy larger tests take
+            verifier.run_verifier(sb, task, image.workdir, None)
+        return call
+
     try:
-        for _ in range(rounds):
-            for way in out:
-                verifier.INLINE_TESTS_MAX_BYTES = limit if way == "inline" else -1
-                t0, c0 = time.monotonic(), machine_cpu_s()
-                verifier.run_verifier(sb, task, image.workdir, None)
-                out[way].append((time.monotonic() - t0, machine_cpu_s() - c0))
+        return alternating({"inline": verify(limit), "copy": verify(-1)}, rounds)
     finally:
         verifier.INLINE_TESTS_MAX_BYTES = limit
         sb.close()
-    return {way: {"wall_s": round(sum(w for w, _ in v) / rounds, 3), "cpu_s": round(sum(c for _, c in v) / rounds, 3)}
-            for way, v in out.items()}
 
 
 def exec_cli_service_vs_local(image: str, rounds: int) -> dict:
@@ -119,18 +130,14 @@ def exec_cli_service_vs_local(image: str, rounds: int) -> dict:
 
     cid = subprocess.run(["podman", "run", "-d", "--runtime", podman_service.DEFAULT_RUNTIME, "--network", "none",
                           image, "sleep", "infinity"], capture_output=True, text=True, check=True).stdout.strip()
-    ways = {"service": ["podman", "--url", podman_service.service_url()], "local": ["podman"]}
-    out: dict[str, list[tuple[float, float]]] = {w: [] for w in ways}
+    def podman_exec(*podman: str):
+        return lambda: subprocess.run([*podman, "exec", "-i", cid, "true"], check=True, stdin=subprocess.DEVNULL)
+
     try:
-        for _ in range(rounds):
-            for way, argv in ways.items():
-                t0, c0 = time.monotonic(), machine_cpu_s()
-                subprocess.run([*argv, "exec", "-i", cid, "true"], check=True, stdin=subprocess.DEVNULL)
-                out[way].append((time.monotonic() - t0, machine_cpu_s() - c0))
+        return alternating({"service": podman_exec("podman", "--url", podman_service.service_url()),
+                            "local": podman_exec("podman")}, rounds)
     finally:
         subprocess.run(["podman", "rm", "-f", "-t", "0", cid], capture_output=True)
-    return {way: {"wall_s": round(sum(w for w, _ in v) / rounds, 3), "cpu_s": round(sum(c for _, c in v) / rounds, 3)}
-            for way, v in out.items()}
 
 
 def main() -> None:
