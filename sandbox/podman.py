@@ -11,9 +11,13 @@ container carries the tmax label so `tmax sandbox clean` finds leftovers of cras
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import io
+import json
 import logging
 import os
+import platform
 import secrets
 import shlex
 import shutil
@@ -37,6 +41,53 @@ log = logging.getLogger(__name__)
 DEFAULT_IMAGE = "localhost/tmax-base:bookworm"
 # This machine's hard RLIMIT_NOFILE is 20000 and the runtime may not exceed it.
 DEFAULT_ULIMITS = {"nofile": (1024, 20000), "nproc": (4096, 4096)}
+# containers-common's default seccomp profile (what podman applies when told nothing).
+DEFAULT_SECCOMP_PROFILE = Path("/usr/share/containers/seccomp.json")
+X32_SYSCALL_BIT = 0x40000000
+_seccomp_lock = threading.Lock()
+
+
+def kernel_runs_x32() -> bool:
+    """Whether this kernel takes x32-ABI syscalls (`getpid` through the x32 bit). Most
+    distribution kernels are built without them or turn them off, and then no process can
+    make one: a seccomp filter need not cover that ABI."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return libc.syscall(ctypes.c_long(X32_SYSCALL_BIT | 39)) >= 0
+
+
+@functools.cache
+def _seccomp_profile_text(default: Path) -> str | None:
+    if platform.machine() != "x86_64" or kernel_runs_x32():
+        return None
+    try:
+        profile = json.loads(default.read_text())
+    except (OSError, ValueError):
+        return None
+    for entry in profile.get("archMap") or []:
+        if entry.get("architecture") == "SCMP_ARCH_X86_64":
+            entry["subArchitectures"] = [a for a in entry.get("subArchitectures") or [] if a != "SCMP_ARCH_X32"]
+    return json.dumps(profile, sort_keys=True)
+
+
+def seccomp_profile(default: Path = DEFAULT_SECCOMP_PROFILE) -> str | None:
+    """The path of podman's default seccomp profile less the x32 ABI on a kernel that cannot
+    run it (None: podman's default as it is). The same rules for every ABI a process here
+    can use, 32-bit x86 included; runc compiles the profile for each architecture it lists at
+    every container start and exec, and libseccomp was 14 % of a podman episode's CPU
+    (`benchmarks/podman_episode_profile.py` compares the two)."""
+    text = _seccomp_profile_text(default)
+    if text is None:
+        return None
+    path = Path(tempfile.gettempdir()) / f"{NAME_PREFIX}seccomp-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+    with _seccomp_lock:
+        if not path.exists():  # content-addressed: a file already there holds this profile
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+    return str(path)
 
 
 def _decode(b: bytes | None) -> str:
@@ -82,6 +133,9 @@ class PodmanSandbox(ShellSandbox):
             # holds one of the pids the limit allows, for the container's whole life.
             "init": True,
         }
+        seccomp = seccomp_profile()
+        if seccomp:
+            kw["seccomp_profile_path"] = seccomp
         if s.cpus:
             # nano_cpus is dropped on the way to podman 4.3; period/quota is honoured.
             kw["cpu_period"] = 100_000

@@ -92,6 +92,40 @@ def test_limits_labels_and_ulimits(box):
     assert r.output.strip() == str(512 * 1024 * 1024)
 
 
+def _i386_exit_42(path: Path) -> None:
+    """A static 32-bit x86 ELF that exits 42 (`int 0x80`), written byte by byte."""
+    import struct
+
+    code = bytes([0xB8, 1, 0, 0, 0, 0xBB, 42, 0, 0, 0, 0xCD, 0x80])  # mov eax,1; mov ebx,42; int 0x80
+    base, eh, ph = 0x08048000, 52, 32
+    header = b"\x7fELF" + bytes([1, 1, 1, 0]) + b"\0" * 8 + struct.pack(
+        "<HHIIIIIHHHHHH", 2, 3, 1, base + eh + ph, eh, 0, 0, eh, ph, 1, 0, 0, 0)
+    size = eh + ph + len(code)
+    path.write_bytes(header + struct.pack("<IIIIIIII", 1, 0, base, base, size, size, 5, 0x1000) + code)
+    path.chmod(0o755)
+
+
+def test_seccomp_is_the_default_profile_for_every_abi_the_kernel_runs(box, tmp_path):
+    import json
+    import platform
+
+    from sandbox.podman import DEFAULT_SECCOMP_PROFILE, seccomp_profile
+
+    assert box.run("grep -E '^Seccomp:' /proc/self/status").output.split() == ["Seccomp:", "2"]
+    path = seccomp_profile()
+    if path is not None:  # the same rules as podman's own profile; only an ABI the kernel lacks is left out
+        ours, default = json.loads(Path(path).read_text()), json.loads(DEFAULT_SECCOMP_PROFILE.read_text())
+        assert ours["syscalls"] == default["syscalls"] and ours["defaultAction"] == default["defaultAction"]
+        x86 = next(a for a in ours["archMap"] if a["architecture"] == "SCMP_ARCH_X86_64")
+        assert x86["subArchitectures"] == ["SCMP_ARCH_X86"]
+    if platform.machine() != "x86_64":
+        return
+    _i386_exit_42(tmp_path / "e32")
+    if subprocess.run([tmp_path / "e32"]).returncode == 42:  # the host runs 32-bit programs: so does the container
+        box.copy_in(tmp_path / "e32", "/opt/e32")
+        assert box.run("/opt/e32; echo rc=$?").output.strip() == "rc=42"
+
+
 def test_exec_streams_env_workdir_timeout(box):
     box.run("export ONLY_SHELL=1")
     r = box.exec(["sh", "-c", "pwd; echo ${ONLY_SHELL:-none} $X; echo oops >&2; exit 4"], workdir="/etc", env={"X": "y"})
