@@ -92,10 +92,6 @@ def _podman(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout)
 
 
-def image_exists(tag: str) -> bool:
-    return _podman("image", "exists", tag).returncode == 0
-
-
 def image_id(tag: str) -> str | None:
     r = _podman("image", "inspect", "--format", "{{.Id}}", tag)
     return r.stdout.strip() or None if r.returncode == 0 else None
@@ -136,15 +132,14 @@ def try_pull(image: str, timeout: float = 60) -> str | None:
     return image_workdir(image)
 
 
-def image_tag(task: Task, cfg: RewriteConfig) -> tuple[str, RewrittenDockerfile]:
-    """(tag, rewritten Dockerfile) for a task under a rewrite config."""
+def image_tag(task: Task, cfg: RewriteConfig) -> tuple[str, RewrittenDockerfile, list[str]]:
+    """(tag, rewritten Dockerfile, the base images not here) for a task under a rewrite config."""
     rewritten = rewrite_dockerfile(_patched_dockerfile(task, cfg), cfg)
-    ids = []
-    for base in rewritten.base_images:
-        ids.append(image_id(base) or f"missing:{base}")
-    extra = cfg.fingerprint(task.name) + json.dumps(ids).encode() + rewritten.text.encode()
-    digest = tree_hash(task.environment_dir, extra)[:16]
-    return f"{TAG_REPO}/{task.name.lower()}:{digest}", rewritten
+    ids = {base: image_id(base) for base in dict.fromkeys(rewritten.base_images)}
+    named = [ids[b] or f"missing:{b}" for b in rewritten.base_images]
+    extra = cfg.fingerprint(task.name) + json.dumps(named).encode()
+    digest = tree_hash(task.environment_dir, extra + rewritten.text.encode())[:16]
+    return f"{TAG_REPO}/{task.name.lower()}:{digest}", rewritten, [b for b, i in ids.items() if i is None]
 
 
 def _patched_dockerfile(task: Task, cfg: RewriteConfig) -> str:
@@ -191,7 +186,7 @@ def ensure_image(task: Task, cfg: RewriteConfig, *, use_prebuilt: bool = True, f
     if use_prebuilt and prebuilt and not force and (workdir := try_pull(prebuilt)) is not None:
         return TaskImage(prebuilt, workdir, built=False)
 
-    tag, rewritten = image_tag(task, cfg)
+    tag, rewritten, missing = image_tag(task, cfg)
     logs = cache_dir() / "build-logs"
     log_path = logs / f"{task.name}-{tag.rsplit(':', 1)[1]}.log"
     with _tag_lock(tag), _FileLock(cache_dir() / "locks" / (hashlib.sha1(tag.encode()).hexdigest() + ".lock")):
@@ -199,8 +194,8 @@ def ensure_image(task: Task, cfg: RewriteConfig, *, use_prebuilt: bool = True, f
         if workdir is not None:
             record_use(tag)
             return TaskImage(tag, workdir, built=False, log_path=log_path if log_path.exists() else None)
-        for base in rewritten.base_images:
-            if not image_exists(base):
+        for base in missing:
+            if image_id(base) is None:  # still missing now that we hold the lock
                 # The tmax base missing is the machine's problem; another image that cannot be
                 # had is the Dockerfile's choice (it must be mapped or changed).
                 if base == BASE_TAG:
@@ -232,7 +227,10 @@ def _build(task: Task, cfg: RewriteConfig, tag: str, rewritten: RewrittenDockerf
         notes = copy_patched(task, "environment", ctx, cfg)
         dockerfile = Path(tmp) / "Dockerfile.tmax"
         dockerfile.write_text(rewritten.text)
-        argv = ["podman", "--runtime", "runc", "build", "--layers", "-f", str(dockerfile), "-t", tag,
+        # No intermediate images: with `--layers` every step (and the labels) leaves an image
+        # behind, about 4 per task, and every podman process (each container's cleanup among
+        # them) reads the whole image store. One image per task, and a build costs less CPU.
+        argv = ["podman", "--runtime", "runc", "build", "--layers=false", "-f", str(dockerfile), "-t", tag,
                 "--label", f"{LABEL_KEY}={LABEL_VALUE}", "--label", f"{TASK_LABEL}={task.name}",
                 "--ulimit", "nofile=1024:20000", "--ulimit", "nproc=4096:4096"]
         for k, v in scope_labels().items():

@@ -436,7 +436,8 @@ def test_imported_setup_sh_builds_and_runs_on_podman(tmp_path):
     import shutil
     import subprocess
 
-    from tasks.images import BASE_TAG, ensure_image, image_exists
+    from sandbox.images import image_exists
+    from tasks.images import BASE_TAG, ensure_image
     from tasks.offline import default_config
 
     if shutil.which("podman") is None or not image_exists(BASE_TAG):
@@ -461,7 +462,8 @@ def test_imported_harbor_task_builds_as_it_was_written(tmp_path):
     import shutil
     import subprocess
 
-    from tasks.images import BASE_TAG, ensure_image, image_exists
+    from sandbox.images import image_exists
+    from tasks.images import BASE_TAG, ensure_image
     from tasks.offline import default_config
 
     if shutil.which("podman") is None or not image_exists(BASE_TAG):
@@ -484,7 +486,8 @@ def test_imported_dataset_row_builds_on_its_mapped_image(tmp_path):
     import shutil
     import subprocess
 
-    from tasks.images import BASE_TAG, ensure_image, image_exists
+    from sandbox.images import image_exists
+    from tasks.images import BASE_TAG, ensure_image
     from tasks.offline import default_config
 
     if shutil.which("podman") is None or not image_exists(BASE_TAG):
@@ -514,7 +517,8 @@ def test_imported_native_task_builds_with_its_base_layer_and_files_destinations(
     import shutil
     import subprocess
 
-    from tasks.images import BASE_TAG, ensure_image, image_exists
+    from sandbox.images import image_exists
+    from tasks.images import BASE_TAG, ensure_image
     from tasks.offline import default_config
 
     if shutil.which("podman") is None or not image_exists(BASE_TAG):

@@ -151,7 +151,8 @@ def test_generate_20_tasks_with_broken_gates(tmp_path):
 def test_generate_on_podman(tmp_path):
     """The same pipeline with real image builds: the canned Dockerfiles install python3 on
     the base image (one shared cached layer); a failed build is fed back and fixed."""
-    from tasks.images import BASE_TAG, image_exists
+    from sandbox.images import image_exists
+    from tasks.images import BASE_TAG
 
     if not image_exists(BASE_TAG):
         pytest.skip("needs the base image")

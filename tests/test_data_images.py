@@ -16,7 +16,8 @@ import pytest
 from typer.testing import CliRunner
 
 from sandbox.base import LABEL_KEY, LABEL_VALUE
-from tasks.images import BASE_TAG, TASK_LABEL, image_exists, record_use, task_images
+from sandbox.images import image_exists
+from tasks.images import BASE_TAG, TASK_LABEL, record_use, task_images
 from tmax_cli.main import app
 
 pytestmark = pytest.mark.podman

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tasks.images import BASE_TAG, image_exists
+from sandbox.images import image_exists
+from tasks.images import BASE_TAG
 from tmax_cli.main import app
 
 DATA = Path(__file__).parent / "data" / "corpus" / "validate"
