@@ -1,15 +1,21 @@
 """The nano recipe's held-out eval (`training.recipe.heldout_eval`: a `tmax bench` job of the
-`tmax` harness against the engine's server) by the engine's torch threads
-(`engine.cpu_threads`): vLLM's default (every core) against one thread.
+`tmax` harness against the engine's server), two settings side by side:
 
-    python benchmarks/heldout_eval.py --model DIR [--tasks 64] [--rounds 2] [--json]
+* `--compare threads` (default): the engine's torch threads (`engine.cpu_threads`), vLLM's
+  default (every core) against one thread, in local sandboxes;
+* `--compare warm`: trials in podman containers, each started when its trial begins
+  (`eval.warm_ahead = 0`) against one container started ahead per running trial
+  (`eval.warm_ahead = eval.concurrency`, the nano-podman preset's).
+
+    python benchmarks/heldout_eval.py --model DIR [--compare threads|warm] [--tasks 64] [--rounds 2] [--json]
 
 The eval is the preset's: `--tasks` generated held-out tasks x `eval.attempts`, at
-`eval.concurrency`, in local sandboxes. Printed per setting and round: the eval's wall
-seconds, its pass rate, and the CPU seconds of the engine core, the API server, this
-process (the agents, the job's bookkeeping) and its children (sandbox shells, verifiers).
-Rounds alternate the settings, so a noisy machine loads both alike. Use a trained
-checkpoint (the recipe's `sft/`): a random-weights model writes no commands.
+`eval.concurrency`. Printed per setting and round: the eval's wall seconds, its pass rate,
+and the CPU seconds of the engine core, the API server, this process (the agents, the job's
+bookkeeping) and its children (sandbox shells, verifiers). Rounds alternate the settings,
+so a noisy machine loads both alike. Use a trained checkpoint (the recipe's `sft/`): a
+random-weights model writes no commands. `--compare warm` needs podman and the base image
+(the task images are built once, before the first round).
 """
 
 from __future__ import annotations
@@ -24,7 +30,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SETTINGS = {"vllm_default": None, "one_thread": 1}
+# --compare: setting name -> (engine.cpu_threads, eval.sandbox, eval.warm_ahead or None: the preset's)
+COMPARISONS = {
+    "threads": {"vllm_default": (None, "local", 0), "one_thread": (1, "local", 0)},
+    "warm": {"cold_start": (None, "podman", 0), "warm_ahead": (None, "podman", None)},
+}
 
 
 def _cpu_s(p) -> float:
@@ -46,13 +56,16 @@ def cpu_by_part(engine) -> dict[str, float]:
             "sandboxes": t.children_user + t.children_system}
 
 
-def one_round(model: Path, threads: int | None, held_dir: Path, jobs_dir: Path) -> dict:
+def one_round(model: Path, setting: tuple, held_dir: Path, jobs_dir: Path) -> dict:
     from training.config import preset
     from training.inference.engine import VLLMEngine
     from training.recipe import heldout_eval
 
     cfg = preset("nano")
+    threads, sandbox, warm = setting
     cfg.engine.cpu_threads = threads
+    cfg.eval.sandbox = sandbox
+    cfg.eval.warm_ahead = cfg.eval.concurrency if warm is None else warm
 
     class Group:  # what heldout_eval asks of the recipe's engine group
         def info(self) -> dict:
@@ -69,28 +82,41 @@ def one_round(model: Path, threads: int | None, held_dir: Path, jobs_dir: Path) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, required=True, help="a checkpoint dir (e.g. a recipe run's sft/)")
+    ap.add_argument("--compare", choices=sorted(COMPARISONS), default="threads")
     ap.add_argument("--tasks", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     from training.nano.tasks import write_splits
 
-    runs: dict[str, list[dict]] = {name: [] for name in SETTINGS}
+    settings = COMPARISONS[args.compare]
+    runs: dict[str, list[dict]] = {name: [] for name in settings}
     with tempfile.TemporaryDirectory(prefix="heldout-eval-") as tmp:
         held = Path(tmp) / "tasks"
         write_splits(held, 0, args.tasks, seed=0)
+        if args.compare == "warm":
+            build_images(held / "heldout")
         for r in range(args.rounds):
-            order = list(SETTINGS) if r % 2 == 0 else list(reversed(SETTINGS))
+            order = list(settings) if r % 2 == 0 else list(reversed(settings))
             for name in order:
-                res = one_round(args.model, SETTINGS[name], held / "heldout", Path(tmp) / "jobs")
+                res = one_round(args.model, settings[name], held / "heldout", Path(tmp) / "jobs")
                 runs[name].append(res)
                 if not args.json:
                     print(f"round {r + 1} {name}: {res}", flush=True)
     summary = {name: {"wall_s_median": statistics.median(x["wall_s"] for x in rs), "rounds": rs}
                for name, rs in runs.items()}
-    ratio = summary["vllm_default"]["wall_s_median"] / summary["one_thread"]["wall_s_median"]
-    out = {"settings": summary, "wall_ratio_default_over_one_thread": round(ratio, 2)}
-    print(json.dumps(out, indent=1) if args.json else f"eval wall, vLLM default / one thread: {ratio:.2f}x")
+    first, second = settings
+    ratio = summary[first]["wall_s_median"] / summary[second]["wall_s_median"]
+    out = {"settings": summary, f"wall_ratio_{first}_over_{second}": round(ratio, 2)}
+    print(json.dumps(out, indent=1) if args.json else f"eval wall, {first} / {second}: {ratio:.2f}x")
+
+
+def build_images(task_root: Path) -> None:
+    """Every held-out task's image, so that no round pays for the builds."""
+    from tasks.episode import prepare_environments
+    from training.rollout import env_settings
+
+    prepare_environments(sorted(str(d) for d in task_root.iterdir()), env_settings("podman", []))
 
 
 if __name__ == "__main__":

@@ -34,10 +34,11 @@ from tasks.model import Task
 from tasks.offline import default_config
 from tasks.runners import make_agent
 from tasks.scoring import score
-from tasks.trial import CANCELLED, TrialEnv, TrialPlan, now_iso, run_trial, wait_for_closes
+from tasks.trial import CANCELLED, TrialEnv, TrialPlan, now_iso, prewarm_trial, run_trial, wait_for_closes
 
 # Fields that do not change what a trial means; they stay out of the identity.
-VOLATILE = {"base_url", "n_concurrent", "jobs_dir", "job_name", "created_at", "retry_infra", "api_key_env"}
+VOLATILE = {"base_url", "n_concurrent", "jobs_dir", "job_name", "created_at", "retry_infra", "api_key_env",
+            "warm_ahead"}
 
 
 class JobError(ValueError):
@@ -65,6 +66,9 @@ class JobConfig(BaseModel):
     override_memory_mb: int | None = None
     # Where trials run: podman containers, or the host sandboxes (`tasks.hostenv`).
     environment: str = "podman"
+    # podman: containers started ahead for the trials next in line, beyond the running ones
+    # (0: each trial starts its own when it begins).
+    warm_ahead: int = Field(0, ge=0)
     created_at: str | None = None
 
     @field_validator("environment")
@@ -158,6 +162,7 @@ class Job:
         self.cancel = threading.Event()
         self._lock = threading.Lock()
         self._sandboxes: dict[str, Any] = {}
+        self._pool: Any = None  # the warm pool of a running job (`_warm_pool`)
         self.rewrite = default_config(config.image_map)
         self.agent = make_agent(config.agent, self.rewrite, config.model, config.base_url, api_key,
                                 config.agent_kwargs)
@@ -346,13 +351,16 @@ class Job:
                        use_prebuilt=self.config.use_prebuilt, sandbox_kind=self.sandbox_kind,
                        override_cpus=self.config.override_cpus, override_memory_mb=self.config.override_memory_mb,
                        cancel=self.cancel, on_sandbox=self._on_sandbox, model_name=self.config.model,
-                       close_in_background=True)
+                       close_in_background=True, pool=self._warm_pool())
         emit = progress_fn or (lambda *a: None)
         emit("start", prog, None)
+        ahead = _Ahead(todo, self.config.n_concurrent, self.config.warm_ahead)
 
         def one(plan: TrialPlan) -> dict:
             if self.cancel.is_set():
                 return {}
+            for later in ahead.after(plan):
+                prewarm_trial(later, env)
             with self._lock:
                 prog.running += 1
             emit("trial_start", prog, {"trial_name": plan.trial_name, "task": plan.task.name})
@@ -388,6 +396,8 @@ class Job:
         pool.shutdown(wait=True)
         data = self.write_result(prog, finished=True)
         wait_for_closes()  # every container of the job is gone when it ends
+        if env.pool is not None:
+            env.pool.close()
         emit("end", prog, None)
         return data
 
@@ -396,8 +406,22 @@ class Job:
         self.cancel.set()
         with self._lock:
             live = list(self._sandboxes.values())
+            warm = self._pool
         for sb in live:
             _close_quietly(sb)
+        if warm is not None:
+            warm.close(in_use=True)
+
+    def _warm_pool(self) -> Any:
+        """The job's pool of containers started ahead (podman with `warm_ahead`), else None."""
+        pool = None
+        if self.sandbox_kind == "podman" and self.config.warm_ahead:
+            from sandbox.pool import WarmPool
+
+            pool = WarmPool(self.config.n_concurrent + self.config.warm_ahead)
+        with self._lock:
+            self._pool = pool
+        return pool
 
 
 def _eval_stats(results: list[dict], sc: Any) -> dict:
@@ -419,6 +443,24 @@ def _eval_stats(results: list[dict], sc: Any) -> dict:
         "reward_stats": {"reward": reward_stats},
         "exception_stats": exc_stats,
     }
+
+
+class _Ahead:
+    """Which trials a starting trial starts containers for: the `warm` ones after the
+    `running` that the executor picks up next (it takes them in order), each only once."""
+
+    def __init__(self, todo: list[TrialPlan], running: int, warm: int):
+        self.todo, self.running, self.warm = todo, running, warm
+        self.index = {p.trial_name: i for i, p in enumerate(todo)}
+        self.started: set[int] = set()
+        self.lock = threading.Lock()
+
+    def after(self, plan: TrialPlan) -> list[TrialPlan]:
+        first = self.index[plan.trial_name] + self.running
+        with self.lock:
+            picked = [j for j in range(first, min(first + self.warm, len(self.todo))) if j not in self.started]
+            self.started.update(picked)
+        return [self.todo[j] for j in picked]
 
 
 def _close_quietly(sb: Any) -> None:

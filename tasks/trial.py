@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from agents.records import write_json_atomic
 from sandbox.base import SandboxError
-from tasks.episode import ENVIRONMENT_ERRORS, EnvSettings, Episode, episode_name
+from tasks.episode import ENVIRONMENT_ERRORS, EnvSettings, Episode, episode_name, resolve_environment
 from tasks.model import Task
 from tasks.offline import RewriteConfig
 from tasks.runners import TrialAgent
@@ -79,6 +79,11 @@ class TrialEnv:
     model_name: str | None = None
     # Remove the container after result.json is written, off the trial's critical path.
     close_in_background: bool = False
+    # podman: a `sandbox.pool.WarmPool` trials take their containers from, where
+    # `prewarm_trial` started one ahead for them (None: each trial starts its own), and the
+    # task images resolved meanwhile (task name -> `tasks.images.TaskImage`).
+    pool: Any = None
+    images: dict[str, Any] = field(default_factory=dict)
 
 
 _closing: set[threading.Thread] = set()
@@ -153,17 +158,38 @@ class _TrialRun:
             self.outcome, self.exc = "infra_error", _exception(type(e).__name__, message, traceback.format_exc())
 
 
+def _episode(plan: TrialPlan, env: TrialEnv) -> Episode:
+    settings = EnvSettings(env.sandbox_kind, env.rewrite, env.use_prebuilt, env.override_cpus,
+                           env.override_memory_mb)
+    labels = {JOB_LABEL: plan.job_name, TRIAL_LABEL: plan.trial_name}
+    on_sandbox = (lambda sb: env.on_sandbox(plan.trial_name, sb)) if env.on_sandbox else None
+    return Episode(plan.task, settings, name=episode_name(plan.trial_name), labels=labels, on_sandbox=on_sandbox,
+                   cancel=env.cancel, shell=env.agent.uses_shell, image=env.images.get(plan.task.name),
+                   pool=env.pool)
+
+
+def prewarm_trial(plan: TrialPlan, env: TrialEnv) -> bool:
+    """Start the container of a trial yet to begin in `env.pool` (its image resolved first,
+    once per task); False when there is no pool, no room or no image: a problem with the
+    environment is then met, and reported, by the trial itself."""
+    if env.pool is None or env.cancel.is_set():
+        return False
+    episode = _episode(plan, env)
+    if episode.image is None:
+        try:
+            episode.image = resolve_environment(plan.task, episode.settings, env.cancel)
+        except Exception:
+            return False
+        env.images[plan.task.name] = episode.image
+    return episode.prewarm()
+
+
 def run_trial(plan: TrialPlan, env: TrialEnv) -> dict:
     """Run one trial to its end and return result.json's content (also written to disk)."""
     plan.trial_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(plan.trial_dir / "config.json", plan.config)
     run = _TrialRun()
-    settings = EnvSettings(env.sandbox_kind, env.rewrite, env.use_prebuilt, env.override_cpus,
-                           env.override_memory_mb)
-    labels = {JOB_LABEL: plan.job_name, TRIAL_LABEL: plan.trial_name}
-    on_sandbox = (lambda sb: env.on_sandbox(plan.trial_name, sb)) if env.on_sandbox else None
-    episode = Episode(plan.task, settings, name=episode_name(plan.trial_name), labels=labels, on_sandbox=on_sandbox,
-                      cancel=env.cancel, shell=env.agent.uses_shell)
+    episode = _episode(plan, env)
     try:
         _run_phases(plan, env, episode, run)
     except _Cancelled:

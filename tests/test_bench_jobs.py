@@ -87,6 +87,22 @@ def test_concurrent_oracle_and_nop_leave_no_container(tmp_path):
         assert containers(name) == []
 
 
+def test_trials_take_containers_started_ahead(tmp_path):
+    ds = dataset(tmp_path, 3)
+    name = f"warm-{os.getpid()}"
+    job = Job(JobConfig(job_name=name, jobs_dir=str(tmp_path / "jobs"), dataset=str(ds), agent="oracle",
+                        n_attempts=2, n_concurrent=2, warm_ahead=2))
+    data = job.run()
+    results = trial_results(job.dir)
+    assert len(results) == 6 and {r["tmax"]["outcome"] for r in results.values()} == {"pass"}
+    assert data["stats"]["n_completed_trials"] == 6
+    pool = job._pool
+    # The first two trials start their own; a trial after them takes the container started
+    # for it, unless the pool had no room then (containers being removed still hold theirs).
+    assert pool.warm_hits >= 2 and pool.warm_hits + pool.cold_starts == 6, (pool.warm_hits, pool.cold_starts)
+    assert containers(name) == []
+
+
 def test_identity_ignores_endpoint_and_refuses_a_changed_job(tmp_path):
     ds = dataset(tmp_path, 1)
     base = dict(job_name="ident", jobs_dir=str(tmp_path / "jobs"), dataset=str(ds), agent="nop")
@@ -114,12 +130,13 @@ def _wait_results(job_dir: Path, n: int, proc: subprocess.Popen, timeout: float 
     raise AssertionError("no trial finished in time")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
-def test_killed_job_resumes_without_duplicates(tmp_path, sig):
+@pytest.mark.parametrize("sig,warm", [(signal.SIGKILL, 0), (signal.SIGINT, 0), (signal.SIGINT, 2)])
+def test_killed_job_resumes_without_duplicates(tmp_path, sig, warm):
     ds = dataset(tmp_path, 3)
     jobs = tmp_path / "jobs"
-    name = f"kill-{sig.name.lower()}-{os.getpid()}"
-    args = ["bench", "run", str(ds), "-a", "oracle", "-k", "2", "-n", "1", "-o", str(jobs), "--job-name", name]
+    name = f"kill-{sig.name.lower()}-{warm}-{os.getpid()}"
+    args = ["bench", "run", str(ds), "-a", "oracle", "-k", "2", "-n", "1", "-o", str(jobs), "--job-name", name,
+            "--warm-ahead", str(warm)]
     proc = _run_cli(args)
     try:
         _wait_results(jobs / name, 2, proc)
@@ -135,7 +152,7 @@ def test_killed_job_resumes_without_duplicates(tmp_path, sig):
     assert all(r["exception_info"]["exception_type"] == "CancelledError" for r in cancelled)
     if sig == signal.SIGINT:
         assert proc.returncode == 130 and "tmax bench resume" in out
-        assert containers(name) == []  # Ctrl-C removes the running trial's container
+        assert containers(name) == []  # Ctrl-C removes the running trial's container (and those started ahead)
     remove_containers(name)  # SIGKILL leaves one behind: that is what `tmax sandbox clean` is for
     r = subprocess.run(TMAX + ["bench", "resume", str(jobs / name)], cwd=REPO, capture_output=True, text=True,
                        timeout=600)

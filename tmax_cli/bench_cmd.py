@@ -107,7 +107,7 @@ def _prestart_podman(environment: str | None) -> None:
 def _make_job(dataset: str, agent: str, model: Optional[str], base_url: Optional[str], attempts: int,
               concurrent: int, include: list[str], exclude: list[str], limit: Optional[int], jobs_dir: Path,
               job_name: Optional[str], timeout_multiplier: float, image_map: list[str], prebuilt: bool,
-              ak: list[str], api_key_env: str, environment: str = "podman"):
+              ak: list[str], api_key_env: str, environment: str = "podman", warm_ahead: int = 0):
     from tasks.dataset import DatasetError
     from tasks.job import Job, JobConfig, JobError
 
@@ -117,7 +117,7 @@ def _make_job(dataset: str, agent: str, model: Optional[str], base_url: Optional
                         limit=limit, agent=agent, model=model, base_url=base_url, api_key_env=api_key_env,
                         agent_kwargs=_parse_kwargs(ak), n_attempts=attempts, n_concurrent=concurrent,
                         timeout_multiplier=timeout_multiplier, image_map=image_map, use_prebuilt=prebuilt,
-                        environment=environment)
+                        environment=environment, warm_ahead=warm_ahead)
         return Job(cfg, api_key=os.environ.get(api_key_env))
     except (DatasetError, JobError, ValueError) as e:
         _fail(str(e))
@@ -143,6 +143,9 @@ _KEYENV = typer.Option("OPENAI_API_KEY", "--api-key-env", help="Environment vari
 _ENV = typer.Option("podman", "-e", "--env",
                     help="Where trials run: podman (task images), or bwrap / local (the host stands in for the "
                          "base image; only for tasks whose Dockerfile is FROM + WORKDIR + COPY/ADD + ENV).")
+_WARM = typer.Option(0, "--warm-ahead", min=0,
+                     help="podman: containers started ahead for the trials next in line (worth it when "
+                          "container starts are long against the trials).")
 
 
 @bench_app.command("run")
@@ -153,12 +156,12 @@ def run_cmd(
     concurrent: int = _CONC, include: list[str] = _INC, exclude: list[str] = _EXC, limit: Optional[int] = _LIMIT,
     jobs_dir: Path = _JOBS, job_name: Optional[str] = _NAME, timeout_multiplier: float = _TMULT,
     image_map: list[str] = _IMAP, prebuilt: bool = _PREBUILT, ak: list[str] = _AK, retry_infra: bool = _RETRY,
-    api_key_env: str = _KEYENV, environment: str = _ENV,
+    api_key_env: str = _KEYENV, environment: str = _ENV, warm_ahead: int = _WARM,
 ) -> None:
     """Run an agent on tasks; results land in JOBS_DIR/JOB_NAME as each trial ends."""
     _prestart_podman(environment)
     job = _make_job(dataset, agent, model, base_url, attempts, concurrent, include, exclude, limit, jobs_dir,
-                    job_name, timeout_multiplier, image_map, prebuilt, ak, api_key_env, environment)
+                    job_name, timeout_multiplier, image_map, prebuilt, ak, api_key_env, environment, warm_ahead)
     _run_job(job, retry_infra)
 
 
@@ -171,13 +174,13 @@ def terminal_bench_cmd(
     include: list[str] = _INC, exclude: list[str] = _EXC, limit: Optional[int] = _LIMIT,
     jobs_dir: Path = _JOBS, job_name: Optional[str] = _NAME, image_map: list[str] = _IMAP,
     prebuilt: bool = _PREBUILT, ak: list[str] = _AK, retry_infra: bool = _RETRY, api_key_env: str = _KEYENV,
-    environment: str = _ENV,
+    environment: str = _ENV, warm_ahead: int = _WARM,
 ) -> None:
     """Terminal-Bench 2.0 by the paper's protocol: 5 attempts per task, the tasks' own timeouts,
     errors scored 0, unbiased pass@k."""
     _prestart_podman(environment)
     job = _make_job(dataset, agent, model, base_url, 5, concurrent, include, exclude, limit, jobs_dir,
-                    job_name, 1.0, image_map, prebuilt, ak, api_key_env, environment)
+                    job_name, 1.0, image_map, prebuilt, ak, api_key_env, environment, warm_ahead)
     _run_job(job, retry_infra)
 
 

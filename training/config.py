@@ -172,6 +172,9 @@ class EvalConfig(_Strict):
     max_steps: int = Field(64, ge=1)
     # Where held-out trials run (`tmax bench -e`): host sandboxes need no image per task.
     sandbox: SandboxKind = "podman"
+    # podman: containers started ahead for the trials next in line (`tmax bench
+    # --warm-ahead`); 0: each trial starts its own when it begins.
+    warm_ahead: int = Field(4, ge=0)
     # The harness of held-out trials (`tmax bench -a`); None: the first of `rollout.harness`,
     # the one the model trained under. Another name asks how well the training carries over.
     harness: str | None = None
