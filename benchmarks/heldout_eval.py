@@ -4,8 +4,8 @@
 * `--compare threads` (default): the engine's torch threads (`engine.cpu_threads`), vLLM's
   default (every core) against one thread, in local sandboxes;
 * `--compare warm`: trials in podman containers, each started when its trial begins
-  (`eval.warm_ahead = 0`) against one container started ahead per running trial
-  (`eval.warm_ahead = eval.concurrency`, the nano-podman preset's).
+  (`eval.warm_ahead = 0`, the default) against one container started ahead per running
+  trial (`eval.warm_ahead = eval.concurrency`).
 
     python benchmarks/heldout_eval.py --model DIR [--compare threads|warm] [--tasks 64] [--rounds 2] [--json]
 
@@ -30,10 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# --compare: setting name -> (engine.cpu_threads, eval.sandbox, eval.warm_ahead or None: the preset's)
+# --compare: setting name -> (engine.cpu_threads, eval.sandbox, eval.warm_ahead; -1: eval.concurrency)
 COMPARISONS = {
     "threads": {"vllm_default": (None, "local", 0), "one_thread": (1, "local", 0)},
-    "warm": {"cold_start": (None, "podman", 0), "warm_ahead": (None, "podman", None)},
+    "warm": {"cold_start": (None, "podman", 0), "warm_ahead": (None, "podman", -1)},
 }
 
 
@@ -65,7 +65,7 @@ def one_round(model: Path, setting: tuple, held_dir: Path, jobs_dir: Path) -> di
     threads, sandbox, warm = setting
     cfg.engine.cpu_threads = threads
     cfg.eval.sandbox = sandbox
-    cfg.eval.warm_ahead = cfg.eval.concurrency if warm is None else warm
+    cfg.eval.warm_ahead = cfg.eval.concurrency if warm < 0 else warm
 
     class Group:  # what heldout_eval asks of the recipe's engine group
         def info(self) -> dict:

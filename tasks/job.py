@@ -359,8 +359,9 @@ class Job:
         def one(plan: TrialPlan) -> dict:
             if self.cancel.is_set():
                 return {}
-            for later in ahead.after(plan):
-                prewarm_trial(later, env)
+            for later in ahead.claim(plan):
+                if not prewarm_trial(later, env):
+                    ahead.unclaim(later)  # no room now: a trial starting later tries again
             with self._lock:
                 prog.running += 1
             emit("trial_start", prog, {"trial_name": plan.trial_name, "task": plan.task.name})
@@ -447,20 +448,25 @@ def _eval_stats(results: list[dict], sc: Any) -> dict:
 
 class _Ahead:
     """Which trials a starting trial starts containers for: the `warm` ones after the
-    `running` that the executor picks up next (it takes them in order), each only once."""
+    `running` that the executor picks up next (it takes them in order), each claimed once;
+    a claim whose start found no room is given back for a later trial to retry."""
 
     def __init__(self, todo: list[TrialPlan], running: int, warm: int):
         self.todo, self.running, self.warm = todo, running, warm
         self.index = {p.trial_name: i for i, p in enumerate(todo)}
-        self.started: set[int] = set()
+        self.claimed: set[int] = set()
         self.lock = threading.Lock()
 
-    def after(self, plan: TrialPlan) -> list[TrialPlan]:
+    def claim(self, plan: TrialPlan) -> list[TrialPlan]:
         first = self.index[plan.trial_name] + self.running
         with self.lock:
-            picked = [j for j in range(first, min(first + self.warm, len(self.todo))) if j not in self.started]
-            self.started.update(picked)
+            picked = [j for j in range(first, min(first + self.warm, len(self.todo))) if j not in self.claimed]
+            self.claimed.update(picked)
         return [self.todo[j] for j in picked]
+
+    def unclaim(self, plan: TrialPlan) -> None:
+        with self.lock:
+            self.claimed.discard(self.index[plan.trial_name])
 
 
 def _close_quietly(sb: Any) -> None:

@@ -173,8 +173,9 @@ class EvalConfig(_Strict):
     # Where held-out trials run (`tmax bench -e`): host sandboxes need no image per task.
     sandbox: SandboxKind = "podman"
     # podman: containers started ahead for the trials next in line (`tmax bench
-    # --warm-ahead`); 0: each trial starts its own when it begins.
-    warm_ahead: int = Field(4, ge=0)
+    # --warm-ahead`); 0: each trial starts its own when it begins. Worth it with cores to
+    # spare: on 2 busy cores it only adds contention (docs/RESULTS.md, "Preset nano-podman").
+    warm_ahead: int = Field(0, ge=0)
     # The harness of held-out trials (`tmax bench -a`); None: the first of `rollout.harness`,
     # the one the model trained under. Another name asks how well the training carries over.
     harness: str | None = None
