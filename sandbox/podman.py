@@ -133,7 +133,8 @@ class PodmanSandbox(ShellSandbox):
             # holds one of the pids the limit allows, for the container's whole life.
             "init": True,
         }
-        seccomp = seccomp_profile()
+        remote = (podman_service.configured_url() or "unix://").split("://", 1)[0] != "unix"
+        seccomp = None if remote else seccomp_profile()  # a path on this machine: local services only
         if seccomp:
             kw["seccomp_profile_path"] = seccomp
         if s.cpus:
