@@ -5,9 +5,10 @@ whole machine spent meanwhile (run it on a quiet machine: on 2 cores podman epis
 bound by CPU, not by latency).
 
 Side by side in the same run: the verifier with its tests inside its exec against the
-archive copy it falls back to for large tests, and `podman exec` (how the agent's shell
+archive copy it falls back to for large tests, `podman exec` (how the agent's shell
 starts) run as a client of the REST service against the CLI opening the container store
-itself, each repeated and averaged.
+itself, and a container life under tmax's seccomp profile against podman's default, each
+repeated and averaged.
 
 The policy is the task's oracle through the real harness and verifier, as in
 `rollout_throughput.py`. Runs the episode cold (it starts its own container) and warm
@@ -140,6 +141,32 @@ def exec_cli_service_vs_local(image: str, rounds: int) -> dict:
         subprocess.run(["podman", "rm", "-f", "-t", "0", cid], capture_output=True)
 
 
+def seccomp_tmax_vs_default(image: str, rounds: int) -> dict:
+    """Mean wall and machine CPU seconds of a container life (start with the shell, one
+    exec, removal) under tmax's seccomp profile (`sandbox.podman.seccomp_profile`) and under
+    podman's default, alternating. Equal ways where the kernel runs x32 (no profile of ours)."""
+    import sandbox.podman as podman
+    from sandbox.base import SandboxSpec
+
+    ours = podman.seccomp_profile
+
+    def life(profile):
+        def call() -> None:
+            podman.seccomp_profile = profile
+            sb = podman.PodmanSandbox(SandboxSpec(image=image))
+            try:
+                sb.start()
+                sb.exec(["true"])
+            finally:
+                sb.close()
+        return call
+
+    try:
+        return alternating({"tmax": life(ours), "podman_default": life(lambda: None)}, rounds)
+    finally:
+        podman.seccomp_profile = ours
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
@@ -172,7 +199,8 @@ def main() -> None:
             pool.close()
         verifier_ab = verifier_inline_vs_copy(dirs[0], images[dirs[0]], cfg, args.rounds)
         exec_ab = exec_cli_service_vs_local(images[dirs[0]].tag, args.rounds)
-    out = {"cold": cold, "warm": warm, "verifier": verifier_ab, "podman_exec": exec_ab}
+        seccomp_ab = seccomp_tmax_vs_default(images[dirs[0]].tag, args.rounds)
+    out = {"cold": cold, "warm": warm, "verifier": verifier_ab, "podman_exec": exec_ab, "seccomp": seccomp_ab}
     if args.json:
         print(json.dumps(out))
         return
@@ -181,7 +209,7 @@ def main() -> None:
         print(f"== {name}: {ep['wall_s']} s, {ep['cpu_s']} CPU s, reward {ep['reward']}, timings {ep['timings']}")
         for c in ep["calls"]:
             print(f"  {c['s']:7.3f} s {c['cpu_s']:7.3f} CPU s  {c['call']:<8} {c['detail']}")
-    for name in ("verifier", "podman_exec"):
+    for name in ("verifier", "podman_exec", "seccomp"):
         print(f"== {name} (mean of {args.rounds}): " + ", ".join(
             f"{way} {v['wall_s']} s / {v['cpu_s']} CPU s" for way, v in out[name].items()))
 

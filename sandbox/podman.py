@@ -11,8 +11,8 @@ container carries the tmax label so `tmax sandbox clean` finds leftovers of cras
 
 from __future__ import annotations
 
+import atexit
 import functools
-import hashlib
 import io
 import json
 import logging
@@ -72,21 +72,26 @@ def _seccomp_profile_text(default: Path) -> str | None:
     return json.dumps(profile, sort_keys=True)
 
 
+_seccomp_dir: list[str] = []  # this process's private directory for the profile file
+
+
 def seccomp_profile(default: Path = DEFAULT_SECCOMP_PROFILE) -> str | None:
     """The path of podman's default seccomp profile less the x32 ABI on a kernel that cannot
     run it (None: podman's default as it is). The same rules for every ABI a process here
     can use, 32-bit x86 included; runc compiles the profile for each architecture it lists at
-    every container start and exec, and libseccomp was 14 % of a podman episode's CPU
-    (`benchmarks/podman_episode_profile.py` compares the two)."""
+    every container start and exec, and libseccomp was 14 % of a container life's CPU
+    (`benchmarks/podman_episode_profile.py` compares the two). The file lives in a directory
+    only this process writes (a shared temp path could be planted with a laxer profile)."""
     text = _seccomp_profile_text(default)
     if text is None:
         return None
-    path = Path(tempfile.gettempdir()) / f"{NAME_PREFIX}seccomp-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
     with _seccomp_lock:
-        if not path.exists():  # content-addressed: a file already there holds this profile
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(text)
-            os.replace(tmp, path)
+        if not _seccomp_dir or not os.path.isdir(_seccomp_dir[0]):
+            _seccomp_dir[:] = [tempfile.mkdtemp(prefix=NAME_PREFIX + "seccomp-")]
+            atexit.register(shutil.rmtree, _seccomp_dir[0], True)
+        path = Path(_seccomp_dir[0]) / "profile.json"
+        if not path.is_file():
+            path.write_text(text)
     return str(path)
 
 
