@@ -447,9 +447,9 @@ def _eval_stats(results: list[dict], sc: Any) -> dict:
 
 
 class _Ahead:
-    """Which trials a starting trial starts containers for: the `warm` ones after the
-    `running` that the executor picks up next (it takes them in order), each claimed once;
-    a claim whose start found no room is given back for a later trial to retry."""
+    """Which trials a starting trial starts containers for: the `warm` next in line (the
+    executor takes trials in order, the first `running` at once), each claimed once; a
+    claim whose start found no room is given back for a later trial to retry."""
 
     def __init__(self, todo: list[TrialPlan], running: int, warm: int):
         self.todo, self.running, self.warm = todo, running, warm
@@ -458,7 +458,7 @@ class _Ahead:
         self.lock = threading.Lock()
 
     def claim(self, plan: TrialPlan) -> list[TrialPlan]:
-        first = self.index[plan.trial_name] + self.running
+        first = max(self.index[plan.trial_name] + 1, self.running)
         with self.lock:
             picked = [j for j in range(first, min(first + self.warm, len(self.todo))) if j not in self.claimed]
             self.claimed.update(picked)
