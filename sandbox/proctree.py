@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import psutil
 
@@ -86,13 +86,24 @@ def parent_death_hook(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
     return hook
 
 
+def _fresh_processes() -> Iterator[psutil.Process]:
+    """Every process now, each a new `psutil.Process`. `process_iter` hands out objects it
+    cached on an earlier call: one cached for a pid that has since been reused reads the new
+    process's /proc but refuses to signal it (it takes it for the old one, gone)."""
+    for pid in psutil.pids():
+        try:
+            yield psutil.Process(pid)
+        except psutil.Error:
+            continue
+
+
 def end_orphans(env_key: str, scope: str, grace_s: float = 5.0) -> list[int]:
     """End the processes whose environment says `env_key` = "<scope>:<owner pid>" for an owner
     that is gone: what a SIGKILLed owner's children (and theirs) left running. Another
     scope, or a live owner, is left alone. SIGTERM, then SIGKILL after `grace_s`; returns
     the pids found."""
     found = []
-    for p in psutil.process_iter():
+    for p in _fresh_processes():
         try:
             value = p.environ().get(env_key, "")
         except psutil.Error:

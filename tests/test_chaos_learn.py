@@ -40,6 +40,34 @@ def test_short_host_chaos_run_recovers_every_fault(tmp_path):
     assert r.returncode == 0, (out, log)
 
 
+def test_a_left_process_on_a_reused_pid_is_still_ended(tmp_path, monkeypatch):
+    """psutil's `process_iter` caches Process objects: one cached for an earlier process of
+    the same pid (a long test session reuses pids) reads the new one's environment but
+    refuses to signal it. Planted here by hand in psutil's cache, the way pid reuse leaves it."""
+    import psutil
+
+    from training.cluster.session import RUN_ENV, own_run_processes
+    from training.rollout import RUN_LABEL, run_labels
+
+    if not hasattr(psutil, "_pmap"):
+        pytest.skip("this psutil keeps no process cache")
+    run_id = run_labels(tmp_path / "run")[RUN_LABEL]
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    monkeypatch.setenv(RUN_ENV, "")
+    monkeypatch.delenv(RUN_ENV)
+    left = subprocess.Popen(["sleep", "300"], env={**os.environ, RUN_ENV: f"{run_id}:{dead.pid}"})
+    stale = psutil.Process(left.pid)
+    stale._ident = (left.pid, stale._ident[1] - 100.0)  # as if created for an earlier process
+    monkeypatch.setitem(psutil._pmap, left.pid, stale)
+    try:
+        assert own_run_processes(tmp_path / "run") == [left.pid]
+        assert left.wait(timeout=10) is not None
+    finally:
+        left.kill()
+        left.wait()
+
+
 def test_the_next_driver_of_a_run_ends_what_a_dead_one_left(tmp_path, monkeypatch):
     from training.cluster.session import RUN_ENV, own_run_processes
     from training.rollout import RUN_LABEL, run_labels
