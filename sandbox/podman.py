@@ -58,9 +58,32 @@ def kernel_runs_x32() -> bool:
     return libc.syscall(ctypes.c_long(X32_SYSCALL_BIT | 39)) >= 0
 
 
+def _containers_confs() -> list[Path]:
+    """podman's containers.conf files, in the order it reads them (`man containers.conf`)."""
+    if os.environ.get("CONTAINERS_CONF"):
+        return [Path(os.environ["CONTAINERS_CONF"])]
+    user = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "containers"
+    return [Path("/usr/share/containers/containers.conf"), Path("/etc/containers/containers.conf"),
+            *sorted(Path("/etc/containers/containers.conf.d").glob("*.conf")), user / "containers.conf",
+            *sorted((user / "containers.conf.d").glob("*.conf"))]
+
+
+def _profile_configured() -> bool:
+    """Whether a containers.conf names its own seccomp profile (podman then applies that one)."""
+    import tomllib
+
+    for conf in _containers_confs():
+        try:
+            if tomllib.loads(conf.read_text()).get("containers", {}).get("seccomp_profile"):
+                return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
 @functools.cache
 def _seccomp_profile_text(default: Path) -> str | None:
-    if platform.machine() != "x86_64" or kernel_runs_x32():
+    if platform.machine() != "x86_64" or kernel_runs_x32() or _profile_configured():
         return None
     try:
         profile = json.loads(default.read_text())
@@ -77,7 +100,8 @@ _seccomp_dir: list[str] = []  # this process's private directory for the profile
 
 def seccomp_profile(default: Path = DEFAULT_SECCOMP_PROFILE) -> str | None:
     """The path of podman's default seccomp profile less the x32 ABI on a kernel that cannot
-    run it (None: podman's default as it is). The same rules for every ABI a process here
+    run it (None: what podman applies itself, its default or the profile a containers.conf
+    names). The same rules for every ABI a process here
     can use, 32-bit x86 included; runc compiles the profile for each architecture it lists at
     every container start and exec, and libseccomp was 14 % of a container life's CPU
     (`benchmarks/podman_episode_profile.py` compares the two). The file lives in a directory

@@ -228,7 +228,7 @@ def _build(task: Task, cfg: RewriteConfig, tag: str, rewritten: RewrittenDockerf
         dockerfile = Path(tmp) / "Dockerfile.tmax"
         dockerfile.write_text(rewritten.text)
         # No intermediate images: with `--layers` every step (and the labels) leaves an image
-        # behind, about 4 per task, and every podman process (each container's cleanup among
+        # behind, about 3 per task, and every podman process (each container's cleanup among
         # them) reads the whole image store. One image per task, and a build costs less CPU.
         argv = ["podman", "--runtime", "runc", "build", "--layers=false", "-f", str(dockerfile), "-t", tag,
                 "--label", f"{LABEL_KEY}={LABEL_VALUE}", "--label", f"{TASK_LABEL}={task.name}",

@@ -126,6 +126,21 @@ def test_seccomp_is_the_default_profile_for_every_abi_the_kernel_runs(box, tmp_p
         assert box.run("/opt/e32; echo rc=$?").output.strip() == "rc=42"
 
 
+def test_a_seccomp_profile_named_in_containers_conf_is_left_to_podman(tmp_path, monkeypatch):
+    from sandbox import podman
+
+    conf = tmp_path / "containers.conf"
+    conf.write_text('[containers]\nseccomp_profile = "/etc/my-profile.json"\n')
+    monkeypatch.setenv("CONTAINERS_CONF", str(conf))
+    podman._seccomp_profile_text.cache_clear()
+    try:
+        assert podman.seccomp_profile() is None
+        assert "seccomp_profile_path" not in podman.PodmanSandbox().create_kwargs()
+    finally:
+        monkeypatch.delenv("CONTAINERS_CONF")
+        podman._seccomp_profile_text.cache_clear()
+
+
 def test_exec_streams_env_workdir_timeout(box):
     box.run("export ONLY_SHELL=1")
     r = box.exec(["sh", "-c", "pwd; echo ${ONLY_SHELL:-none} $X; echo oops >&2; exit 4"], workdir="/etc", env={"X": "y"})
