@@ -22,10 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tasks.dataset import load_tasks  # noqa: E402
-from tasks.images import ensure_image  # noqa: E402
-from tasks.job import Job, JobConfig  # noqa: E402
-from tasks.offline import default_config  # noqa: E402
+from tmax.tasks.dataset import load_tasks  # noqa: E402
+from tmax.tasks.images import ensure_image  # noqa: E402
+from tmax.tasks.job import Job, JobConfig  # noqa: E402
+from tmax.tasks.offline import default_config  # noqa: E402
 
 DEFAULT_DATASET = Path(__file__).resolve().parents[2] / "shared" / "tb2-sample"
 # Light tasks with quick oracles and verifiers (python and ubuntu bases).

@@ -9,7 +9,7 @@ out, remove the container. Every figure is the median of `--runs` runs, interlea
 (tmax, floor, Harbor, tmax, ...) so that a change in the machine's load hits all alike;
 the load average is printed with them. The image is built (and cached) before timing.
 
-    tmax_s      wall time of `python -m tmax_cli.main bench run TASK -a oracle` (a fresh process:
+    tmax_s      wall time of `python -m tmax.cli.main bench run TASK -a oracle` (a fresh process:
                 imports, image lookup, container, oracle, verifier, results, removal)
     floor_s     wall time of the bare podman script
     overhead_s  tmax_s - floor_s: what tmax adds to a trial
@@ -77,16 +77,16 @@ def _timed(argv: list[str], env: dict[str, str] | None = None, cwd: Path | None 
 
 
 def _image(task_dir: Path):
-    from tasks.images import ensure_image
-    from tasks.model import Task
-    from tasks.offline import default_config
+    from tmax.tasks.images import ensure_image
+    from tmax.tasks.model import Task
+    from tmax.tasks.offline import default_config
 
     return ensure_image(Task.load(task_dir), default_config([]))
 
 
 def run_tmax(task_dir: Path, out: Path, name: str, repo: Path = REPO) -> float:
     env = {**os.environ, "PYTHONPATH": str(repo)}
-    elapsed, _ = _timed([sys.executable, "-m", "tmax_cli.main", "bench", "run", str(task_dir), "-a", "oracle",
+    elapsed, _ = _timed([sys.executable, "-m", "tmax.cli.main", "bench", "run", str(task_dir), "-a", "oracle",
                          "-o", str(out), "--job-name", name], env=env, arm="tmax" if repo == REPO else "baseline")
     (trial,) = [d for d in (out / name).iterdir() if d.is_dir() and not d.name.startswith(".")]
     outcome = json.loads((trial / "result.json").read_text())["tmax"]["outcome"]

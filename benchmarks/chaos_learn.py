@@ -7,7 +7,7 @@ SIGKILLed and the run resumed; prints what was injected, detected and recovered.
     python benchmarks/chaos_learn.py --json --model DIR          # from a nano checkpoint, no SFT first
     python benchmarks/chaos_learn.py --json --learner-ranks 2    # two learner ranks (FSDP over gloo)
 
-A fresh nano model and generated tasks; the driver is `python -m tmax_cli.main learn` in its
+A fresh nano model and generated tasks; the driver is `python -m tmax.cli.main learn` in its
 own process, so it can be SIGKILLed. While it runs, this script kills, at seeded moments
 after a step has finished: task containers (`--container-kills`, podman only), the vLLM
 server process, a rollout worker actor process and the learner rank process (the driver
@@ -87,7 +87,7 @@ class Chaos:
     def resume(self) -> subprocess.Popen:
         """A driver with --resume; first the steps the dead one logged past its last
         complete checkpoint (trained again by the resumed run) are counted as lost."""
-        from training.learner import checkpoint as ckpt
+        from tmax.training.learner import checkpoint as ckpt
 
         last = ckpt.latest_checkpoint(self.run)
         at = int(ckpt.load_trainer_state(last)["step"]) if last else 0
@@ -95,7 +95,7 @@ class Chaos:
         return self.start_driver(resume=True)
 
     def start_driver(self, resume: bool) -> subprocess.Popen:
-        argv = [sys.executable, "-m", "tmax_cli.main", "learn", "-c", str(self.cfg), "-o", str(self.run),
+        argv = [sys.executable, "-m", "tmax.cli.main", "learn", "-c", str(self.cfg), "-o", str(self.run),
                 "--no-progress"] + (["--resume"] if resume else [])
         env = {**os.environ, TAG_ENV: self.tag, "PYTHONPATH": str(ROOT)}
         out = open(self.log, "a")
@@ -165,7 +165,7 @@ class Chaos:
         return found
 
     def containers(self) -> list[str]:
-        from training.rollout import run_labels
+        from tmax.training.rollout import run_labels
 
         [(key, value)] = run_labels(self.run).items()
         r = subprocess.run(["podman", "ps", "-q", "--no-trunc", "--filter", f"label={key}={value}"],
@@ -229,7 +229,7 @@ def _restarted(chaos: Chaos, kind: str, before: set[int], driver: subprocess.Pop
     """A process of the kind that was not there before the kill appears while the driver
     runs. Waited for: the step after a kill can finish from episodes already sampled, before
     Ray has restarted the actor."""
-    from sandbox.waiting import wait_until
+    from tmax.common.waiting import wait_until
 
     def new_process() -> bool:
         return bool({p.pid for p in chaos.processes(TARGETS[kind])} - before)
@@ -300,9 +300,9 @@ def _warm_start(root: Path, tasks: list[str]) -> Path:
     unnoticed because nothing needed it)."""
     from transformers import AutoTokenizer
 
-    from training.config import preset
-    from training.learner.sft import collect_demos, train_sft
-    from training.nano.model import build_nano_model
+    from tmax.training.config import preset
+    from tmax.training.learner.sft import collect_demos, train_sft
+    from tmax.training.nano.model import build_nano_model
 
     build_nano_model(root / "base")
     cfg = preset("nano")
@@ -312,7 +312,7 @@ def _warm_start(root: Path, tasks: list[str]) -> Path:
 
 
 def _setup(root: Path, preset: str, steps: int, model: Path | None, learner_ranks: int) -> Path:
-    from training.nano.tasks import write_splits
+    from tmax.training.nano.tasks import write_splits
 
     tasks = [str(d) for d in write_splits(root / "tasks", 24, 1)["train"]]
     model = model or _warm_start(root, tasks)
@@ -368,7 +368,7 @@ def _leftovers(chaos: Chaos, wait_s: float = 90.0) -> tuple[list[str], list[str]
 
 
 def _checks(chaos: Chaos, steps: int) -> dict:
-    from training.learner import checkpoint as ckpt
+    from tmax.training.learner import checkpoint as ckpt
 
     rollouts = _rollouts(chaos.run)
     keys = [(r["group_id"], r["sample_index"]) for r in rollouts]

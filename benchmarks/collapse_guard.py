@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def rl_run(cfg, name: str, start: str, train_dir: str, prepared, engine, out: Path, log) -> dict:
     """One RL stage from the SFT checkpoint on the shared engine; its summary or its error."""
-    from training.loop import TrainingError, train
-    from training.weights.learner_side import load_checkpoint
+    from tmax.training.loop import TrainingError, train
+    from tmax.training.weights.learner_side import load_checkpoint
 
     import shutil
 
@@ -47,7 +47,7 @@ def rl_run(cfg, name: str, start: str, train_dir: str, prepared, engine, out: Pa
         log(f"{name}: the run died: {e}")
     res["seconds"] = round(time.monotonic() - t, 1)
     if res["summary"] is None:
-        from training.report import run_summary
+        from tmax.training.report import run_summary
 
         res["summary"] = run_summary(out / name / "metrics.jsonl", 0.0, res["seconds"])
     g = res["summary"]["guard"]
@@ -81,11 +81,11 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from agents.records import write_json_atomic
-    from training.cluster.actors import start_engines
-    from training.cluster.launch import connect
-    from training.config import preset
-    from training.recipe import build_stage, heldout_eval, prepare_recipe_tasks, sft_stage
+    from tmax.common.files import write_json_atomic
+    from tmax.training.cluster.actors import start_engines
+    from tmax.training.cluster.launch import connect
+    from tmax.training.config import preset
+    from tmax.training.recipe import build_stage, heldout_eval, prepare_recipe_tasks, sft_stage
 
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
     base = preset("nano", {"algo": {"seed": args.seed}})

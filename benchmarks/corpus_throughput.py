@@ -38,7 +38,7 @@ def small_corpus(dest: Path, n: int) -> Path:
 
 
 def timed(corpus: Path, work: Path, env: str, backend) -> tuple[float, dict]:
-    from tasks.corpus.validate import counts, validate_corpus
+    from tmax.tasks.corpus.validate import counts, validate_corpus
 
     t0 = time.monotonic()
     reports = validate_corpus(corpus, work, env, backend=backend)
@@ -49,7 +49,7 @@ def two_nodes(cpus: int):
     """A 2-node Ray cluster on this machine; each node advertises the sandbox resource."""
     from ray.cluster_utils import Cluster
 
-    from training.cluster.launch import apply_ray_env
+    from tmax.training.cluster.launch import apply_ray_env
 
     apply_ray_env()
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus, "resources": {RESOURCE: cpus},
@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from tasks.corpus.scheduler import LocalBackend
+    from tmax.tasks.corpus.scheduler import LocalBackend
 
     with tempfile.TemporaryDirectory(prefix="tmax-corpus-bench-") as tmp:
         tmp = Path(tmp)
@@ -86,7 +86,7 @@ def main() -> None:
         if not args.no_ray:
             import ray
 
-            from training.cluster.corpus_backend import RayBackend
+            from tmax.training.cluster.corpus_backend import RayBackend
 
             c = two_nodes(args.cpus_per_node)
             try:

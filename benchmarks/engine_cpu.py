@@ -38,9 +38,9 @@ def first_prompts(model: Path, n: int) -> list[list[int]]:
     """The first prompt of `n` nano train tasks, as the harness renders it."""
     from transformers import AutoTokenizer
 
-    from agents import prompts
-    from agents.tools import TOOLS
-    from training.nano.tasks import generate
+    from tmax.agents import prompts
+    from tmax.agents.tools import TOOLS
+    from tmax.training.nano.tasks import generate
 
     tok = AutoTokenizer.from_pretrained(model)
     out = []
@@ -59,8 +59,8 @@ def server_cpu_s(engine) -> float:
 
 def one_round(model: Path, setting: tuple[int | None, str | None], starts: list[list[int]], clients: int,
               work: Path) -> dict:
-    from training.config import preset
-    from training.inference.engine import VLLMEngine
+    from tmax.training.config import preset
+    from tmax.training.inference.engine import VLLMEngine
 
     cpu_threads, start_method = setting
     os.environ.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--start-method", action="store_true", help="compare the core forked against spawned")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    from training.nano.model import build_nano_model
+    from tmax.training.nano.model import build_nano_model
 
     settings = START_METHODS if args.start_method else SETTINGS
     res: dict[str, list[dict]] = {k: [] for k in settings}

@@ -33,8 +33,8 @@ LAYOUTS = ("fork", "spawn", "mp")
 
 
 def _serve(model: Path, layout: str, log: Path):
-    from training.inference.serving import ServeSpec, VLLMServer
-    from training.net import free_port
+    from tmax.training.inference.serving import ServeSpec, VLLMServer
+    from tmax.training.net import free_port
 
     server = VLLMServer(ServeSpec(model=str(model), port=free_port(), dev=True), log_path=log)
     if layout in ("spawn", "mp"):
@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    from training.nano.model import build_nano_model
+    from tmax.training.nano.model import build_nano_model
 
     res: dict[str, dict[str, list[float]]] = {k: {"start_s": [], "tokens_per_s": []} for k in LAYOUTS}
     with tempfile.TemporaryDirectory(prefix="tmax-engine-start-") as tmp:

@@ -49,7 +49,7 @@ if ROOT not in sys.path:
 PEAK_BF16_TFLOPS = 989.0  # H100/H200 SXM, bf16 dense, no sparsity
 PEAK_CPU_TFLOPS = 1.0  # nominal, only so the CPU smoke path exercises the same formula
 
-from training.weights.learner_side import WeightSourceMixin  # noqa: E402  (cheap: no torch, no Ray)
+from tmax.training.weights.learner_side import WeightSourceMixin  # noqa: E402  (cheap: no torch, no Ray)
 
 RESULT: dict = {"ok": False}
 _CLEANUP: list = []
@@ -97,10 +97,10 @@ def start_learner(model_dir: str, cpu: bool, bf16: bool, pack_length: int):
     import torch
     import torch.distributed as dist
 
-    from training.learner.parallel import RankContext
-    from training.net import free_port
-    from training.learner.learner import Learner, LearnerConfig
-    from training.learner.parallel import FSDPDataParallel
+    from tmax.training.learner.parallel import RankContext
+    from tmax.training.net import free_port
+    from tmax.training.learner.learner import Learner, LearnerConfig
+    from tmax.training.learner.parallel import FSDPDataParallel
 
     backend, device = ("gloo", torch.device("cpu")) if cpu else ("nccl", torch.device("cuda", 0))
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
@@ -110,7 +110,7 @@ def start_learner(model_dir: str, cpu: bool, bf16: bool, pack_length: int):
                         autocast="bfloat16" if bf16 else None, gradient_checkpointing=not cpu,
                         pack_length=pack_length)
     learner = Learner(model_dir, cfg, FSDPDataParallel(RankContext(0, 1, backend, device)))
-    RESULT["learner_path"] = f"training.learner.learner.Learner, FSDP2 over {backend} (1 rank)" + (
+    RESULT["learner_path"] = f"tmax.training.learner.learner.Learner, FSDP2 over {backend} (1 rank)" + (
         ", bf16 autocast, fp32 master weights" if bf16 else ", fp32")
     return learner
 
@@ -129,7 +129,7 @@ class VLLMSide:
     """A real `VLLMEngine` and the weight sync into it over `transport`."""
 
     def __init__(self, model_dir: str, learner, transport: str, dtype: str, max_len: int):
-        from training.inference.engine import VLLMEngine, VLLMSampler
+        from tmax.training.inference.engine import VLLMEngine, VLLMSampler
 
         self.learner, self.transport = learner, transport
         env_gpu = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -153,13 +153,13 @@ class VLLMSide:
         # engine's side runs on this thread pool, as it runs on another actor in training.
         self._receiver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-check-receive")
         if transport != "object_store":
-            from training.net import free_port
+            from tmax.training.net import free_port
 
             port = free_port()
             joined = self._receiver.submit(self.engine.join_weight_group, "127.0.0.1", port, 1, 2, transport, 300.0)
             self.source.join_weight_group("127.0.0.1", port, 2, transport, timeout_s=300.0)
             joined.result(timeout=360)
-        RESULT["engine_path"] = f"training.inference.engine.VLLMEngine (vLLM {_version('vllm')}), weights by {transport}"
+        RESULT["engine_path"] = f"tmax.training.inference.engine.VLLMEngine (vLLM {_version('vllm')}), weights by {transport}"
 
     def sync(self, version: int) -> tuple[float, int]:
         """(seconds, bytes) of one weight sync of the learner's current weights."""
@@ -198,7 +198,7 @@ class HFSide:
         print("gpu_check: vLLM is not importable: falling back to the HF sampler", flush=True)
 
     def sync(self, version: int) -> tuple[float, int]:
-        from training.weights.protocol import load_into
+        from tmax.training.weights.protocol import load_into
 
         t0 = time.perf_counter()
         weights = self.learner.named_weights()
@@ -234,7 +234,7 @@ def _version(name: str) -> str:
 
 
 def build_model(spec: dict) -> str:
-    from training.nano.model import NanoSpec, build_nano_model
+    from tmax.training.nano.model import NanoSpec, build_nano_model
 
     out = tempfile.mkdtemp(prefix="gpu-check-model-")
     _CLEANUP.append(lambda: __import__("shutil").rmtree(out, ignore_errors=True))
@@ -251,8 +251,8 @@ def prompt_vocab(model_dir: str, learner) -> int:
 
 def agreement(learner, prompts, responses, engine_lps) -> list[float]:
     """|learner log-prob - engine log-prob| of every sampled token."""
-    from agents.policy import TokenTrace
-    from training.learner.packing import TrainSample
+    from tmax.agents.policy import TokenTrace
+    from tmax.training.learner.packing import TrainSample
 
     samples = [TrainSample(TokenTrace(p, r, lp, [1] * len(r)), 0.0) for p, r, lp in zip(prompts, responses, engine_lps)]
     mine = learner.logprobs(samples)
@@ -263,8 +263,8 @@ def run_steps(side, learner, sz: dict, vocab: int, syncs: list) -> dict:
     """Sample -> agreement -> train step -> sync, `steps` times; then a last agreement."""
     import random
 
-    from agents.policy import TokenTrace
-    from training.learner.packing import TrainSample
+    from tmax.agents.policy import TokenTrace
+    from tmax.training.learner.packing import TrainSample
 
     rng = random.Random(1)
     n_prompts, group, P, R = sz["prompts"], sz["group"], sz["P"], sz["R"]

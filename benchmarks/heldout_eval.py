@@ -57,9 +57,9 @@ def cpu_by_part(engine) -> dict[str, float]:
 
 
 def one_round(model: Path, setting: tuple, held_dir: Path, jobs_dir: Path) -> dict:
-    from training.config import preset
-    from training.inference.engine import VLLMEngine
-    from training.recipe import heldout_eval
+    from tmax.training.config import preset
+    from tmax.training.inference.engine import VLLMEngine
+    from tmax.training.recipe import heldout_eval
 
     cfg = preset("nano")
     threads, sandbox, warm = setting
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    from training.nano.tasks import write_splits
+    from tmax.training.nano.tasks import write_splits
 
     settings = COMPARISONS[args.compare]
     runs: dict[str, list[dict]] = {name: [] for name in settings}
@@ -113,8 +113,8 @@ def main() -> None:
 
 def build_images(task_root: Path) -> None:
     """Every held-out task's image, so that no round pays for the builds."""
-    from tasks.episode import prepare_environments
-    from training.rollout import env_settings
+    from tmax.tasks.episode import prepare_environments
+    from tmax.training.rollout import env_settings
 
     prepare_environments(sorted(str(d) for d in task_root.iterdir()), env_settings("podman", []))
 

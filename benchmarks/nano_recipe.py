@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def last_batch_samples(run_dir: Path, cfg) -> list:
     """The TrainSamples of the last RL step, rebuilt from rollouts.jsonl (same advantages)."""
-    from training.algo.advantages import group_advantages
-    from training.algo.batching import Group
-    from training.learner.packing import batch_samples
-    from training.rollout import Rollout
+    from tmax.training.algo.advantages import group_advantages
+    from tmax.training.algo.batching import Group
+    from tmax.training.learner.packing import batch_samples
+    from tmax.training.rollout import Rollout
 
     groups: dict[int, list[Rollout]] = {}
     for line in (run_dir / "rollouts.jsonl").read_text().splitlines():
@@ -43,8 +43,8 @@ def trainer_overhead(ckpt: str, samples: list, cfg, repeats: int = 3) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from training.learner.learner import Learner
-    from training.loop import learner_config
+    from tmax.training.learner.learner import Learner
+    from tmax.training.loop import learner_config
 
     if cfg.run.torch_threads:
         torch.set_num_threads(cfg.run.torch_threads)
@@ -83,9 +83,9 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from tmax_cli.progress import learn_progress
-    from training import entry
-    from training.config import resolve
+    from tmax.cli.progress import learn_progress
+    from tmax.training import entry
+    from tmax.training.config import resolve
 
     over = {"algo": {k: v for k, v in (("seed", args.seed), ("steps", args.steps)) if v is not None}}
     cfg = resolve(args.config, over)  # `tmax learn nano`'s config: the file, TMAX_LEARN_* variables, the flags

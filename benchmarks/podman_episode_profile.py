@@ -56,8 +56,8 @@ def _timed(cls: type, name: str, detail=lambda *a, **k: "") -> None:
 
 
 def instrument() -> None:
-    from sandbox.podman import PodmanSandbox
-    from sandbox.pool import WarmPool
+    from tmax.sandbox.podman import PodmanSandbox
+    from tmax.sandbox.pool import WarmPool
 
     _timed(PodmanSandbox, "start")
     _timed(PodmanSandbox, "run", lambda command, *a, **k: command)
@@ -70,9 +70,9 @@ def instrument() -> None:
 
 
 def one_episode(task_dir: str, tok, cfg, image, pool) -> dict:
-    from training.nano.tasks import oracle_steps
-    from training.learner.sft import ScriptedSampler, scripted_turns
-    from training.rollout import EpisodeRequest, run_episode
+    from tmax.training.nano.tasks import oracle_steps
+    from tmax.training.learner.sft import ScriptedSampler, scripted_turns
+    from tmax.training.rollout import EpisodeRequest, run_episode
 
     turns = scripted_turns(tok, oracle_steps(task_dir))
     CALLS.clear()
@@ -99,10 +99,10 @@ def alternating(ways: dict, rounds: int) -> dict:
 def verifier_inline_vs_copy(task_dir: str, image, cfg, rounds: int) -> dict:
     """Mean wall and machine CPU seconds of the verifier, tests inside its exec against the
     archive copy (the path larger tests take), alternating in one container."""
-    from sandbox.podman import PodmanSandbox
-    from tasks import verifier
-    from tasks.episode import sandbox_spec
-    from tasks.model import Task
+    from tmax.sandbox.podman import PodmanSandbox
+    from tmax.tasks import verifier
+    from tmax.tasks.episode import sandbox_spec
+    from tmax.tasks.model import Task
 
     task = Task.load(task_dir)
     sb = PodmanSandbox(sandbox_spec(task, cfg.env, image, None, None, {}))
@@ -127,7 +127,7 @@ def exec_cli_service_vs_local(image: str, rounds: int) -> dict:
     REST service (how the agent's shell starts) and as the CLI on its own, alternating."""
     import subprocess
 
-    from sandbox import podman_service
+    from tmax.sandbox import podman_service
 
     cid = subprocess.run(["podman", "run", "-d", "--runtime", podman_service.DEFAULT_RUNTIME, "--network", "none",
                           image, "sleep", "infinity"], capture_output=True, text=True, check=True).stdout.strip()
@@ -145,8 +145,8 @@ def seccomp_tmax_vs_default(image: str, rounds: int) -> dict:
     """Mean wall and machine CPU seconds of a container life (start with the shell, one
     exec, removal) under tmax's seccomp profile (`sandbox.podman.seccomp_profile`) and under
     podman's default, alternating. Equal ways where the kernel runs x32 (no profile of ours)."""
-    import sandbox.podman as podman
-    from sandbox.base import SandboxSpec
+    import tmax.sandbox.podman as podman
+    from tmax.sandbox.base import SandboxSpec
 
     ours = podman.seccomp_profile
 
@@ -175,11 +175,11 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from sandbox.pool import WarmPool
-    from training.config import preset
-    from training.nano.model import build_tokenizer
-    from training.nano.tasks import write_splits
-    from training.rollout import EpisodeSettings, prepare_tasks, prewarm
+    from tmax.sandbox.pool import WarmPool
+    from tmax.training.config import preset
+    from tmax.training.nano.model import build_tokenizer
+    from tmax.training.nano.tasks import write_splits
+    from tmax.training.rollout import EpisodeSettings, prepare_tasks, prewarm
 
     cfg = EpisodeSettings.of(preset("nano").rollout.model_copy(update={"sandbox": "podman"}))
     with tempfile.TemporaryDirectory(prefix="tmax-episode-profile-") as tmp:

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def scripted_samplers(tok, task_dirs: list[str]):
     """Each task's oracle turns, replayed: a fresh sampler per episode."""
-    from training.learner.sft import ScriptedSampler, scripted_turns
-    from training.nano.tasks import oracle_steps
+    from tmax.training.learner.sft import ScriptedSampler, scripted_turns
+    from tmax.training.nano.tasks import oracle_steps
 
     turns = {d: scripted_turns(tok, oracle_steps(d)) for d in task_dirs}
     return lambda d: ScriptedSampler(list(turns[d]))
@@ -46,7 +46,7 @@ def served_sampler(sampler):
 
 def run_mode(kind: str, task_dirs: list[str], tok, cfg, concurrency: int, pool_size: int, sampler_for) -> dict:
     """Run one episode per task, `concurrency` at a time; warm when pool_size > 0."""
-    from training.rollout import EpisodeRequest, EpisodeSettings, prepare_tasks, prewarm, run_ahead, run_episode
+    from tmax.training.rollout import EpisodeRequest, EpisodeSettings, prepare_tasks, prewarm, run_ahead, run_episode
 
     episode = EpisodeSettings.of(cfg.rollout.model_copy(update={"sandbox": kind, "pool_size": pool_size}))
     settings = episode.env
@@ -91,9 +91,9 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from training.config import preset
-    from training.nano.model import build_tokenizer
-    from training.nano.tasks import write_splits
+    from tmax.training.config import preset
+    from tmax.training.nano.model import build_tokenizer
+    from tmax.training.nano.tasks import write_splits
 
     cfg = preset("nano")
     modes = {"local": ("local", 0), "bwrap": ("bwrap", 0), "podman_cold": ("podman", 0),
@@ -101,7 +101,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tmax-rollout-bench-") as tmp, ExitStack() as stack:
         dirs = [str(d) for d in write_splits(Path(tmp) / "tasks", args.tasks, 1, seed=args.seed)["train"]]
         if args.model:
-            from training.inference.engine import VLLMEngine
+            from tmax.training.inference.engine import VLLMEngine
 
             tok = AutoTokenizer.from_pretrained(args.model)
             engine = stack.enter_context(VLLMEngine.from_config(cfg.engine, args.model, Path(tmp) / "engine"))

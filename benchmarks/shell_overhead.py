@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sandbox import SandboxSpec, make_sandbox  # noqa: E402
+from tmax.sandbox import SandboxSpec, make_sandbox  # noqa: E402
 
 STATE = "/tmp/.vanillux2"
 SETUP = f"mkdir -p {STATE} && pwd > {STATE}/cwd && export -p > {STATE}/env"

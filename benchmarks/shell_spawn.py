@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pexpect  # noqa: E402
 
-from sandbox.ptyspawn import PtyProcess  # noqa: E402
+from tmax.sandbox.ptyspawn import PtyProcess  # noqa: E402
 
 ENV = dict(os.environ, TERM="dumb", PS1="", PS2="")
 

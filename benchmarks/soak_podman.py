@@ -54,11 +54,11 @@ def soak(episodes: int, concurrency: int, pool_size: int, n_tasks: int, seed: in
     from transformers import AutoTokenizer
 
     from rollout_throughput import scripted_samplers
-    from sandbox.pool import WarmPool
-    from training.config import preset
-    from training.nano.model import build_tokenizer
-    from training.nano.tasks import write_splits
-    from training.rollout import EpisodeRequest, EpisodeSettings, InfraError, prepare_tasks, run_ahead, run_episode
+    from tmax.sandbox.pool import WarmPool
+    from tmax.training.config import preset
+    from tmax.training.nano.model import build_tokenizer
+    from tmax.training.nano.tasks import write_splits
+    from tmax.training.rollout import EpisodeRequest, EpisodeSettings, InfraError, prepare_tasks, run_ahead, run_episode
 
     me = psutil.Process()
     label = {"io.tmax.soak": uuid.uuid4().hex[:12]}

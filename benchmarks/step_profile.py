@@ -79,8 +79,8 @@ def learner_replay(ckpt: str, samples: list, cfg, repeats: int = 3) -> dict:
 
     import torch
 
-    from training.learner.learner import Learner
-    from training.loop import learner_config
+    from tmax.training.learner.learner import Learner
+    from tmax.training.loop import learner_config
 
     if cfg.run.torch_threads:
         torch.set_num_threads(cfg.run.torch_threads)
@@ -101,14 +101,14 @@ def learner_replay(ckpt: str, samples: list, cfg, repeats: int = 3) -> dict:
 
 def prefix_cache_hit_rate(base_url: str) -> float | None:
     """Hit prompt tokens over queried ones, vLLM's prefix cache over the run."""
-    from training.inference.engine import prefix_cache_counts
+    from tmax.training.inference.engine import prefix_cache_counts
 
     queries, hits = prefix_cache_counts(base_url)
     return round(hits / queries, 3) if queries else None
 
 
 def start_model(cfg, out: Path, args, log) -> tuple[str, str, object]:
-    from training.recipe import build_stage, prepare_recipe_tasks, sft_stage
+    from tmax.training.recipe import build_stage, prepare_recipe_tasks, sft_stage
 
     model_dir, train_dir, held_dir = build_stage(cfg, out, cfg.algo.seed, log)
     prepared = prepare_recipe_tasks(cfg, train_dir, "", out, log)
@@ -135,11 +135,11 @@ def main() -> None:
     args = ap.parse_args()
 
     from benchmarks.nano_recipe import last_batch_samples
-    from training.cluster.actors import start_engines
-    from tmax_cli.progress import learn_progress
-    from training.cluster.launch import connect
-    from training.config import resolve
-    from training.loop import train
+    from tmax.training.cluster.actors import start_engines
+    from tmax.cli.progress import learn_progress
+    from tmax.training.cluster.launch import connect
+    from tmax.training.config import resolve
+    from tmax.training.loop import train
 
     # `tmax learn`'s config: the file (default: the nano preset), TMAX_LEARN_* variables, these flags.
     cfg = resolve(args.config, {"algo": {"seed": args.seed, "steps": args.steps},

@@ -32,8 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sandbox import SandboxSpec, make_sandbox  # noqa: E402
-from sandbox.snapshot import UndoHistory, snapshot_store  # noqa: E402
+from tmax.sandbox import SandboxSpec, make_sandbox  # noqa: E402
+from tmax.sandbox.snapshot import UndoHistory, snapshot_store  # noqa: E402
 
 KEEP = 5
 
@@ -117,7 +117,7 @@ LARGE = (20_000, 13.5)  # 270 MB
 
 
 def measure_sizes(args) -> dict[str, float | str]:
-    from tmax_cli.config import bwrap_works
+    from tmax.cli.config import bwrap_works
 
     kind = args.sandbox or ("bwrap" if bwrap_works() else "local")
     out: dict[str, float | str] = {"sandbox": kind, "steps": args.steps}

@@ -19,7 +19,7 @@ fi
 echo "== podman configuration"
 bash .ci/podman-setup.sh
 
-if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm, torch, ray, tmax_cli" 2>/dev/null; then
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm, torch, ray, tmax.cli" 2>/dev/null; then
   echo "== Python venv in $VENV"
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q -U pip

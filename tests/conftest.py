@@ -35,7 +35,7 @@ def podman_service():
     (the same code path `tmax bench` uses) and stops at the end of the session."""
     if shutil.which("podman") is None:
         pytest.skip("podman is not installed")
-    from sandbox import podman_service as ps
+    from tmax.sandbox import podman_service as ps
 
     url = ps.service_url()
     yield url
@@ -45,7 +45,7 @@ def podman_service():
 @pytest.fixture(scope="session")
 def base_image(podman_service) -> str:
     """The base image tag, built (debootstrap, a few minutes) if it is missing."""
-    from sandbox.images import build_base, image_exists
+    from tmax.sandbox.images import build_base, image_exists
 
     if not image_exists(BASE_IMAGE):
         build_base(BASE_IMAGE)
@@ -134,10 +134,10 @@ class _RayHead:
     def start(self) -> str:
         import psutil
 
-        from sandbox.proctree import parent_death_hook
-        from sandbox.waiting import wait_until
-        from training.cluster.launch import ray_bin, ray_env
-        from training.net import free_port, node_ip
+        from tmax.common.proctree import parent_death_hook
+        from tmax.common.waiting import wait_until
+        from tmax.training.cluster.launch import ray_bin, ray_env
+        from tmax.training.net import free_port, node_ip
 
         self.stop()
         ip, port = node_ip(), free_port()
@@ -168,7 +168,7 @@ class _RayHead:
         return self.address
 
     def stop(self) -> None:
-        from sandbox.proctree import end_process_tree
+        from tmax.common.proctree import end_process_tree
 
         if self.proc is not None:
             end_process_tree(self.proc.pid, grace_s=20.0)

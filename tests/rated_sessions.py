@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from agents.policy import TokenTrace, Usage
-from agents.rating import write_reward
-from agents.records import Recorder
+from tmax.agents.policy import TokenTrace, Usage
+from tmax.agents.rating import write_reward
+from tmax.agents.records import Recorder
 
 
 def write_session(root: Path, name: str, reward: float | None, *, sampled: int = 3, trace: TokenTrace | None = None,
@@ -29,7 +29,7 @@ def write_session(root: Path, name: str, reward: float | None, *, sampled: int =
 def sampled_by(learner, prompt_ids: list[int], ids: list[int], mask: list[int]) -> TokenTrace:
     """A one-turn trace whose sampled tokens carry `learner`'s own logprobs, as vLLM serving
     the same weights records them (`training.learner.learner.Learner`)."""
-    from training.learner.packing import TrainSample
+    from tmax.training.learner.packing import TrainSample
 
     own = learner.logprobs([TrainSample(TokenTrace(prompt_ids, ids, [0.0] * len(ids), mask), 0.0)])[0]
     return TokenTrace(prompt_ids=prompt_ids, ids=ids, logprobs=[lp if m else 0.0 for lp, m in zip(own, mask)],

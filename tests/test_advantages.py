@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from training.algo.advantages import group_advantages, is_zero_std
+from tmax.training.algo.advantages import group_advantages, is_zero_std
 
 
 def test_centered_is_reward_minus_group_mean_without_std():

@@ -10,11 +10,11 @@ from pathlib import Path
 
 from scripted_server import ScriptedServer
 
-from agents.budget import WARNING_TEXT, Budget, budget_hint
-from agents.chat_policy import ChatPolicy
-from agents.loop import Agent, AgentConfig
-from agents.prompts import SUBMIT_MARKER
-from sandbox import SandboxSpec, make_sandbox
+from tmax.agents.budget import WARNING_TEXT, Budget, budget_hint
+from tmax.agents.chat_policy import ChatPolicy
+from tmax.agents.loop import Agent, AgentConfig
+from tmax.agents.prompts import SUBMIT_MARKER
+from tmax.sandbox import SandboxSpec, make_sandbox
 
 
 def test_hint_text_and_warning_thresholds():
@@ -58,9 +58,9 @@ def test_on_appends_budget_and_warns_near_the_end(tmp_path):
 
 
 def test_learn_and_bench_configs_switch_it_on():
-    from tasks.runners import TmaxAgent
-    from training.config import RolloutConfig
-    from training.rollout import EpisodeSettings, agent_settings
+    from tmax.tasks.runners import TmaxAgent
+    from tmax.training.config import RolloutConfig
+    from tmax.training.rollout import EpisodeSettings, agent_settings
 
     assert EpisodeSettings.of(RolloutConfig()).agent.budget_hints is False
     assert EpisodeSettings.of(RolloutConfig(budget_hints=True)).agent.budget_hints is True
@@ -72,7 +72,7 @@ def test_learn_and_bench_configs_switch_it_on():
 def test_run_flag_appends_hints(tmp_path):
     with ScriptedServer([{"bash": "echo hi"}, {"bash": f"echo {SUBMIT_MARKER}"}]) as srv:
         proc = subprocess.run(
-            [sys.executable, "-m", "tmax_cli.main", "run", "--json", "--budget-hints", "--sandbox", "local", "--workdir", str(tmp_path),
+            [sys.executable, "-m", "tmax.cli.main", "run", "--json", "--budget-hints", "--sandbox", "local", "--workdir", str(tmp_path),
              "--base-url", srv.base_url, "--model", srv.model, "--max-steps", "5", "-o", str(tmp_path / "run"), "go"],
             capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL, cwd=Path(__file__).parent.parent,
             env={**{k: v for k, v in os.environ.items() if not k.startswith(("TMAX_", "OPENAI_"))},
@@ -88,7 +88,7 @@ def test_bench_agent_kwargs_are_agent_settings(tmp_path):
     trial runs, not a setting silently dropped."""
     from typer.testing import CliRunner
 
-    from tmax_cli.main import app
+    from tmax.cli.main import app
 
     task = Path(__file__).parent / "data" / "tasks" / "echo-hello"
     r = CliRunner().invoke(app, ["bench", "run", str(task), "-a", "tmax", "-m", "m", "--base-url", "http://127.0.0.1:9/v1",

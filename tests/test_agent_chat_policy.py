@@ -5,10 +5,10 @@ import json
 import pytest
 from scripted_server import ScriptedServer
 
-from agents.chat_policy import ChatPolicy
-from agents.policy import ContextOverflow, FatalModelError, ModelError
-from agents.prompts import instance_message, system_message
-from agents.tools import TOOLS
+from tmax.agents.chat_policy import ChatPolicy
+from tmax.agents.policy import ContextOverflow, FatalModelError, ModelError
+from tmax.agents.prompts import instance_message, system_message
+from tmax.agents.tools import TOOLS
 
 MESSAGES = [system_message(), instance_message("say hi")]
 

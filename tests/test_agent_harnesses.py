@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from agents.harnesses import HARNESSES, make_harness
-from agents.mini_swe import MiniSweHarness, find_actions
-from agents.observation import ObservationLimits
-from agents.terminus import CONFIRM_TEXT, KeystrokeAction, TerminusHarness, parse_keystrokes
-from sandbox.base import CommandResult
+from tmax.agents.harnesses import HARNESSES, make_harness
+from tmax.agents.mini_swe import MiniSweHarness, find_actions
+from tmax.agents.observation import ObservationLimits
+from tmax.agents.terminus import CONFIRM_TEXT, KeystrokeAction, TerminusHarness, parse_keystrokes
+from tmax.sandbox.base import CommandResult
 
 MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 

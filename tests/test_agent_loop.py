@@ -13,12 +13,12 @@ import time
 import pytest
 from scripted_server import ScriptedServer
 
-from agents.chat_policy import ChatPolicy
-from agents.harnesses import make_harness
-from agents.loop import Agent, AgentConfig, AgentHooks
-from agents.prompts import FORMAT_ERROR_TEXT, REJECTED_TOOL_TEXT, SUBMIT_MARKER, SYSTEM_TEMPLATE
-from agents.records import load_run, Recorder
-from sandbox import SandboxSpec, make_sandbox
+from tmax.agents.chat_policy import ChatPolicy
+from tmax.agents.harnesses import make_harness
+from tmax.agents.loop import Agent, AgentConfig, AgentHooks
+from tmax.agents.prompts import FORMAT_ERROR_TEXT, REJECTED_TOOL_TEXT, SUBMIT_MARKER, SYSTEM_TEMPLATE
+from tmax.agents.records import load_run, Recorder
+from tmax.sandbox import SandboxSpec, make_sandbox
 
 SUBMIT = {"content": "THOUGHT: done.", "bash": f"echo {SUBMIT_MARKER}"}
 

@@ -1,8 +1,8 @@
 """Observation formatting: exact strings."""
 
-from agents.observation import ObservationLimits, format_observation, truncate
-from agents.prompts import TOO_LONG_HINT
-from sandbox.base import CommandResult
+from tmax.agents.observation import ObservationLimits, format_observation, truncate
+from tmax.agents.prompts import TOO_LONG_HINT
+from tmax.sandbox.base import CommandResult
 
 
 def obs(output="", code=0, **kw):

@@ -2,8 +2,8 @@
 
 import json
 
-from agents.parsing import Action, message_from_text, parse_action, parse_text
-from agents.prompts import SUBMIT_MARKER
+from tmax.agents.parsing import Action, message_from_text, parse_action, parse_text
+from tmax.agents.prompts import SUBMIT_MARKER
 
 
 def native(*calls, content="THOUGHT: go"):

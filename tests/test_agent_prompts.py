@@ -1,7 +1,7 @@
 """Vanillux2 prompt structure: the system prompt, the instance template, the format-error
 feedback and the bash tool schema."""
 
-from agents.prompts import (
+from tmax.agents.prompts import (
     FORMAT_ERROR_TEMPLATE,
     INSTANCE_TEMPLATE,
     SUBMIT_MARKER,
@@ -10,7 +10,7 @@ from agents.prompts import (
     instance_message,
     system_message,
 )
-from agents.tools import BASH_TOOL, TOOLS
+from tmax.agents.tools import BASH_TOOL, TOOLS
 
 
 def close_to(n, ref, tolerance=0.05):

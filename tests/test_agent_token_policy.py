@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from agents.loop import Agent, AgentConfig
-from agents.policy import ContextOverflow, SampledTokens
-from agents.prompts import SUBMIT_MARKER
-from agents.token_policy import TokenPolicy
-from agents.tools import TOOLS
-from sandbox import SandboxSpec, make_sandbox
+from tmax.agents.loop import Agent, AgentConfig
+from tmax.agents.policy import ContextOverflow, SampledTokens
+from tmax.agents.prompts import SUBMIT_MARKER
+from tmax.agents.token_policy import TokenPolicy
+from tmax.agents.tools import TOOLS
+from tmax.sandbox import SandboxSpec, make_sandbox
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
             "<tool_response>", "</tool_response>", "<think>", "</think>"]
@@ -267,7 +267,7 @@ def test_first_turn_overflow_raises(base_tokenizer):
 
 
 def test_records_include_tokens(base_tokenizer, box, tmp_path):
-    from agents.records import Recorder, load_run
+    from tmax.agents.records import Recorder, load_run
 
     tok = tokenizer_with(base_tokenizer, HERMES_TEMPLATE)
     policy = TokenPolicy(ScriptedSampler(tok, [hermes_call(f"echo {SUBMIT_MARKER}")]), tok)
@@ -279,7 +279,7 @@ def test_records_include_tokens(base_tokenizer, box, tmp_path):
 def test_failed_sample_is_retried_on_the_same_context(base_tokenizer, box):
     # An engine hiccup (ModelError) on a later turn: the Agent retries, and the retry must
     # sample from exactly the context the failed call prepared, observation added once.
-    from agents.policy import ModelError
+    from tmax.agents.policy import ModelError
 
     tok = tokenizer_with(base_tokenizer, HERMES_TEMPLATE)
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from agents.tmux import TmuxSession
-from sandbox.base import IMAGE_USER, AgentUserError
-from tasks.episode import EnvSettings, Episode
-from tasks.job import Job, JobConfig
-from tasks.model import Task
+from tmax.agents.tmux import TmuxSession
+from tmax.sandbox.base import IMAGE_USER, AgentUserError
+from tmax.tasks.episode import EnvSettings, Episode
+from tmax.tasks.job import Job, JobConfig
+from tmax.tasks.model import Task
 
 pytestmark = [pytest.mark.podman]
 

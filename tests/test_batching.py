@@ -2,7 +2,7 @@
 
 import pytest
 
-from training.algo.batching import FILTERED, KEPT, STALE, BatchAccumulator, BatchConfig, Group
+from tmax.training.algo.batching import FILTERED, KEPT, STALE, BatchAccumulator, BatchConfig, Group
 
 
 def g(name, rewards, version=0):
@@ -100,8 +100,8 @@ def test_standard_advantages_selectable():
 
 
 def rollout(reward, mask=(1, 1, 0, 1), group_id=0, sample_index=0):
-    from agents.policy import TokenTrace
-    from training.rollout import Rollout
+    from tmax.agents.policy import TokenTrace
+    from tmax.training.rollout import Rollout
 
     n = len(mask)
     trace = TokenTrace([1, 2], list(range(3, 3 + n)), [-0.5] * n, list(mask), [0, 1])
@@ -109,7 +109,7 @@ def rollout(reward, mask=(1, 1, 0, 1), group_id=0, sample_index=0):
 
 
 def test_batch_samples_hold_the_traces_with_their_advantages_and_skip_unsampled():
-    from training.learner.packing import batch_samples
+    from tmax.training.learner.packing import batch_samples
 
     items = [rollout(1.0), rollout(0.0), rollout(0.0, mask=(0, 0))]
     a, b = Group("t", [1.0, 0.0, 0.0], items), Group("u", [0.0], [rollout(0.0)])
@@ -124,7 +124,7 @@ def test_batch_samples_hold_the_traces_with_their_advantages_and_skip_unsampled(
 def test_rollout_json_is_flat_and_round_trips():
     import json
 
-    from training.rollout import Rollout
+    from tmax.training.rollout import Rollout
 
     r = rollout(1.0, group_id=3, sample_index=2)
     line = r.to_json()

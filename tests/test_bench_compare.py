@@ -12,8 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from harbor_env import harbor_check
-from tasks.compare import mcnemar_exact
-from tasks.scoring import BOOTSTRAP, EXACT, WILSON, clopper_pearson, rate_interval, wilson
+from tmax.tasks.compare import mcnemar_exact
+from tmax.tasks.scoring import BOOTSTRAP, EXACT, WILSON, clopper_pearson, rate_interval, wilson
 
 TASK = Path(__file__).parent / "data" / "tasks" / "echo-hello"
 N_TASKS = 8
@@ -56,7 +56,7 @@ def oracle_and_nop(tmp_path_factory) -> list[Path]:
     if shutil.which("podman") is None or subprocess.run(
             ["podman", "image", "exists", "localhost/tmax-base:bookworm"]).returncode != 0:
         pytest.skip("podman or the base image is missing")
-    from tasks.job import Job, JobConfig
+    from tmax.tasks.job import Job, JobConfig
 
     tmp_path = tmp_path_factory.mktemp("compare")
     ds = tmp_path / "ds"
@@ -73,7 +73,7 @@ def oracle_and_nop(tmp_path_factory) -> list[Path]:
 
 @pytest.mark.podman
 def test_compare_oracle_against_nop(oracle_and_nop):
-    from tmax_cli.main import app
+    from tmax.cli.main import app
 
     dirs = oracle_and_nop
     res = CliRunner().invoke(app, ["bench", "compare", *map(str, dirs), "--json"])

@@ -23,7 +23,7 @@ ECHO_TASK = Path(__file__).parent / "data" / "tasks" / "echo-hello"
 
 def tmax(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="160", NO_COLOR="1")
-    return subprocess.run([sys.executable, "-m", "tmax_cli.main", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "tmax.cli.main", *args], capture_output=True, text=True, env=env,
                           timeout=120)
 
 
@@ -182,9 +182,9 @@ def test_overhead_benchmark_runs(tmp_path):
 def test_the_bench_path_imports_no_other_command():
     """`tmax bench` pays for its own imports only: `tmax run`'s config and training stay out
     (sub-commands are imported on first use), and podman-py waits for the first container."""
-    code = ("import sys, tmax_cli.main, tmax_cli.bench_cmd, tasks.job, tasks.trial, sandbox.podman; "
-            "print(sorted({m.split('.')[0] if not m.startswith('tmax_cli') else m for m in sys.modules "
-            "if m.startswith(('training', 'tmax_cli.run_cmd', 'tmax_cli.serve_cmd', 'tmax_cli.config', 'podman', "
+    code = ("import sys, tmax.cli.main, tmax.cli.bench_cmd, tasks.job, tasks.trial, sandbox.podman; "
+            "print(sorted({m.split('.')[0] if not m.startswith('tmax.cli') else m for m in sys.modules "
+            "if m.startswith(('training', 'tmax.cli.run_cmd', 'tmax.cli.serve_cmd', 'tmax.cli.config', 'podman', "
             "'requests'))}))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, PYTHONPATH=str(REPO)))

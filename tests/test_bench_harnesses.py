@@ -48,7 +48,7 @@ def script(harness: str, word: str) -> list[dict]:
 
 def bench(tmp_path: Path, harness: str, srv: ScriptedServer, name: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "tmax_cli.main", "bench", "run", str(TASK), "-a", harness, "-m", srv.model,
+    cmd = [sys.executable, "-m", "tmax.cli.main", "bench", "run", str(TASK), "-a", harness, "-m", srv.model,
            "--base-url", srv.base_url, "-o", str(tmp_path), "--job-name", name]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -78,7 +78,7 @@ def test_harness_solves_and_fails(tmp_path, harness):
         if harness == "terminus-2":
             screen = agent_steps[0]["observation"]["results"][0]["content"]
             assert f"echo {word} > hello.txt" in screen
-        shown = subprocess.run([sys.executable, "-m", "tmax_cli.main", "show", str(trial["dir"])], capture_output=True,
+        shown = subprocess.run([sys.executable, "-m", "tmax.cli.main", "show", str(trial["dir"])], capture_output=True,
                                text=True, env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "160"}, timeout=60)
         assert shown.returncode == 0 and f"echo {word} > hello.txt" in shown.stdout, shown.stderr
         assert "no valid bash call" not in shown.stdout

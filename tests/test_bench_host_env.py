@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from sandbox import SandboxSpec, make_sandbox
-from tasks.hostenv import HostEnvError, check_dockerfile, prepare
-from tasks.job import VOLATILE, Job, JobConfig, JobError
-from tasks.model import Task
-from training.nano.tasks import oracle_commands, write_splits
+from tmax.sandbox import SandboxSpec, make_sandbox
+from tmax.tasks.hostenv import HostEnvError, check_dockerfile, prepare
+from tmax.tasks.job import VOLATILE, Job, JobConfig, JobError
+from tmax.tasks.model import Task
+from tmax.training.nano.tasks import oracle_commands, write_splits
 
 REPO = Path(__file__).resolve().parents[1]
-TMAX = [sys.executable, "-m", "tmax_cli.main"]
+TMAX = [sys.executable, "-m", "tmax.cli.main"]
 TB2_REGEX_LOG = REPO.parent / "shared" / "tb2-sample" / "regex-log"
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 
@@ -149,7 +149,7 @@ def test_cli_oracle_passes_on_host(nano, tmp_path, env):
         assert (jobs / "oracle" / name / "agent" / "oracle.txt").is_file()
     cfg = json.loads((jobs / "oracle" / "config.json").read_text())
     # Harbor's environment types have no host sandboxes: they are named by import path.
-    assert cfg["tmax_job"]["environment"] == env and cfg["environment"]["import_path"] == f"sandbox.{env}"
+    assert cfg["tmax_job"]["environment"] == env and cfg["environment"]["import_path"] == f"tmax.sandbox.{env}"
     assert not list(tmp_path.glob("tmax-hostenv-*"))  # workspaces removed
 
 

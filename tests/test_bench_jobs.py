@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from tasks.job import Job, JobConfig, JobError
+from tmax.tasks.job import Job, JobConfig, JobError
 
 pytestmark = [pytest.mark.podman]
 
 REPO = Path(__file__).resolve().parents[1]
 GOOD = Path(__file__).parent / "data" / "tasks" / "echo-hello"
-TMAX = [sys.executable, "-m", "tmax_cli.main"]
+TMAX = [sys.executable, "-m", "tmax.cli.main"]
 
 
 def _podman_ok() -> bool:

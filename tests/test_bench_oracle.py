@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.job import Job, JobConfig
-from tasks.offline import DATA_DIR
+from tmax.tasks.job import Job, JobConfig
+from tmax.tasks.offline import DATA_DIR
 
 pytestmark = [pytest.mark.podman, pytest.mark.slow]
 

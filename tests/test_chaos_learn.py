@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.ray
 @pytest.mark.vllm
 def test_short_host_chaos_run_recovers_every_fault(tmp_path):
-    from training.nano.model import build_nano_model
+    from tmax.training.nano.model import build_nano_model
 
     build_nano_model(tmp_path / "base")  # a random policy: the mechanics are under test
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "chaos_learn.py"), "--json", "--short",
@@ -46,8 +46,8 @@ def test_a_left_process_on_a_reused_pid_is_still_ended(tmp_path, monkeypatch):
     refuses to signal it. Planted here by hand in psutil's cache, the way pid reuse leaves it."""
     import psutil
 
-    from training.cluster.session import RUN_ENV, own_run_processes
-    from training.rollout import RUN_LABEL, run_labels
+    from tmax.training.cluster.session import RUN_ENV, own_run_processes
+    from tmax.training.rollout import RUN_LABEL, run_labels
 
     if not hasattr(psutil, "_pmap"):
         pytest.skip("this psutil keeps no process cache")
@@ -69,8 +69,8 @@ def test_a_left_process_on_a_reused_pid_is_still_ended(tmp_path, monkeypatch):
 
 
 def test_the_next_driver_of_a_run_ends_what_a_dead_one_left(tmp_path, monkeypatch):
-    from training.cluster.session import RUN_ENV, own_run_processes
-    from training.rollout import RUN_LABEL, run_labels
+    from tmax.training.cluster.session import RUN_ENV, own_run_processes
+    from tmax.training.rollout import RUN_LABEL, run_labels
 
     run_id = run_labels(tmp_path / "run")[RUN_LABEL]
     dead = subprocess.Popen(["true"])
@@ -90,7 +90,7 @@ def test_the_next_driver_of_a_run_ends_what_a_dead_one_left(tmp_path, monkeypatc
         assert os.environ[RUN_ENV] == f"{run_id}:{os.getpid()}"  # this driver's processes inherit it
         # The mark is not a config setting: a config resolved under it (as the driver's does)
         # still loads.
-        from training.config import resolve
+        from tmax.training.config import resolve
 
         assert resolve("nano").name == "nano"
     finally:

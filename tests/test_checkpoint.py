@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-from agents.policy import TokenTrace
-from training.learner import checkpoint as ckpt
-from training.learner.learner import Learner, LearnerConfig
-from training.learner.packing import TrainSample
-from training.report import MetricsSink, read_metrics, summary
+from tmax.agents.policy import TokenTrace
+from tmax.training.learner import checkpoint as ckpt
+from tmax.training.learner.learner import Learner, LearnerConfig
+from tmax.training.learner.packing import TrainSample
+from tmax.training.report import MetricsSink, read_metrics, summary
 
 VOCAB = 300
 TEMPLATE = (
@@ -212,7 +212,7 @@ def test_a_killed_saves_temp_directories_are_never_loaded_and_are_removed(model_
 
 
 def test_resume_drops_a_killed_runs_cut_lines_and_steps_past_its_checkpoint(tmp_path):
-    from training.learner.checkpoint import resume_point
+    from tmax.training.learner.checkpoint import resume_point
 
     run = tmp_path / "run"
     path = ckpt.checkpoint_path(run, 2)

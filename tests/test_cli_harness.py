@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.atif import write_atif
+from tmax.agents.atif import write_atif
 from scripted_server import ScriptedServer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,7 +28,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 
 def tmax(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tmax_cli.main", *args], env=_env(tmp_path), capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tmax.cli.main", *args], env=_env(tmp_path), capture_output=True,
                           text=True, timeout=120, stdin=subprocess.DEVNULL)
 
 
@@ -133,7 +133,7 @@ def test_every_harness_runs_in_every_sandbox(tmp_path, harness, sandbox, request
         where += ["--image", request.getfixturevalue("base_image")]
     with ScriptedServer(turns) as srv:
         proc = subprocess.run(
-            [sys.executable, "-m", "tmax_cli.main", "run", "--json", "--harness", harness, "--sandbox", sandbox, *where,
+            [sys.executable, "-m", "tmax.cli.main", "run", "--json", "--harness", harness, "--sandbox", sandbox, *where,
              "--mode", "yolo", "--base-url", srv.base_url, "--model", srv.model, "-o", str(tmp_path / "run"), "go"],
             env=_env(tmp_path), capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
     events = [json.loads(line) for line in proc.stdout.splitlines()]

@@ -22,7 +22,7 @@ LIGHT = f"import sys\nfor m in {EXTRAS!r}: sys.modules[m] = None\n"
 
 def light_tmax(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """`tmax ARGS` as after `pip install -e .` without extras."""
-    code = LIGHT + "from tmax_cli.main import app\napp(prog_name='tmax')\n"
+    code = LIGHT + "from tmax.cli.main import app\napp(prog_name='tmax')\n"
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
                           cwd=REPO, stdin=subprocess.DEVNULL)
 
@@ -31,7 +31,7 @@ def light_tmax(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def oracle_and_nop(tmp_path_factory) -> list[Path]:
     """An oracle job and a nop job over two generated tasks on the local sandbox, each run
     by `tmax bench run` on the light install."""
-    from training.nano.tasks import write_splits
+    from tmax.training.nano.tasks import write_splits
 
     root = tmp_path_factory.mktemp("light")
     write_splits(root / "tasks", 0, 2, seed=5)
@@ -72,7 +72,7 @@ def _command_paths() -> list[list[str]]:
     """Every command and subcommand of `tmax`, as the words typed after `tmax`."""
     import typer
 
-    from tmax_cli.main import app
+    from tmax.cli.main import app
 
     paths: list[list[str]] = []
 
@@ -92,7 +92,7 @@ def test_every_subcommand_has_help_on_the_light_install():
     paths = _command_paths()
     assert ["bench", "compare"] in paths and ["learn", "nano"] in paths and ["run"] in paths
     code = LIGHT + (
-        "import json\nfrom typer.testing import CliRunner\nfrom tmax_cli.main import app\n"
+        "import json\nfrom typer.testing import CliRunner\nfrom tmax.cli.main import app\n"
         f"paths = {paths!r}\nout = {{}}\n"
         "for p in paths:\n"
         "    r = CliRunner().invoke(app, p + ['--help'], prog_name='tmax')\n"

@@ -18,7 +18,7 @@ import pexpect
 import pytest
 
 from scripted_server import ScriptedServer
-from tmax_cli.config import bwrap_works
+from tmax.cli.config import bwrap_works
 
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 APPROVE = "reject with feedback"  # part of the confirm prompt
@@ -54,13 +54,13 @@ def ws(tmp_path):
 
 
 class Tmax:
-    """`python -m tmax_cli.main run ...` in a pty, with the transcript kept for assertions."""
+    """`python -m tmax.cli.main run ...` in a pty, with the transcript kept for assertions."""
 
     def __init__(self, args: list[str], env: dict[str, str], cwd: Path, timeout: float = 30) -> None:
         self.log: list[str] = []
         self.child = pexpect.spawn(
             sys.executable,
-            ["-m", "tmax_cli.main", "run", *args],
+            ["-m", "tmax.cli.main", "run", *args],
             env=env,
             cwd=str(cwd),
             encoding="utf-8",
@@ -195,7 +195,7 @@ def test_confirm_without_a_terminal_reads_stdin(env, ws, tmp_path):
     script = [{"bash": "echo piped > p.txt"}, {"bash": "rm p.txt"}, {"bash": SUBMIT}]
     with ScriptedServer(script) as srv:
         proc = subprocess.run(
-            [sys.executable, "-m", "tmax_cli.main", "run", *run_args(srv, ws, tmp_path / "run", "--sandbox", "local")],
+            [sys.executable, "-m", "tmax.cli.main", "run", *run_args(srv, ws, tmp_path / "run", "--sandbox", "local")],
             input="\nkeep it\n\n\n",  # run, reject, run the submit, no follow-up
             env=env,
             cwd=str(ws),
@@ -332,7 +332,7 @@ def test_bwrap_sandbox_in_a_pty(env, ws, tmp_path, spawn):
 # --------------------------------------------------------------------------- headless --json
 def run_json(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 60) -> tuple[int, list[dict], str]:
     proc = subprocess.run(
-        [sys.executable, "-m", "tmax_cli.main", "run", "--json", *args],
+        [sys.executable, "-m", "tmax.cli.main", "run", "--json", *args],
         env=env,
         cwd=str(cwd),
         capture_output=True,
@@ -403,7 +403,7 @@ def test_json_sigterm_stops_cleanly(env, ws, tmp_path):
     marker = f"{os.getpid() % 1000}.{time.monotonic_ns() % 1000}"  # unique argument to find the process
     with ScriptedServer([{"bash": f"sleep 4{marker}"}]) as srv:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tmax_cli.main", "run", "--json", *run_args(srv, ws, tmp_path / "run", "--sandbox", "local")],
+            [sys.executable, "-m", "tmax.cli.main", "run", "--json", *run_args(srv, ws, tmp_path / "run", "--sandbox", "local")],
             env=env, cwd=str(ws), stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
         )
         events = []

@@ -16,7 +16,7 @@ import pytest
 
 from scripted_server import ScriptedServer
 from test_cli_run import FOLLOW_UP, GUIDANCE, SUBMIT, env, run_args, run_json, spawn, ws  # noqa: F401  (fixtures)
-from tmax_cli.config import bwrap_works
+from tmax.cli.config import bwrap_works
 
 JAIL = "bwrap" if bwrap_works() else "local"
 
@@ -52,7 +52,7 @@ def test_background_run_is_interruptible_and_time_boxed(env, ws, tmp_path):
     ]
     with ScriptedServer(script) as srv:
         args = run_args(srv, ws, tmp_path / "run", "--sandbox", JAIL, "--command-timeout", "5")
-        cmd = " ".join([sys.executable, "-m", "tmax_cli.main", "run", "--json", *(f"'{a}'" for a in args)])
+        cmd = " ".join([sys.executable, "-m", "tmax.cli.main", "run", "--json", *(f"'{a}'" for a in args)])
         proc = subprocess.Popen(["bash", "-c", f"{cmd} & echo $!; wait $!"], env=env, cwd=str(ws),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
         tmax_pid = int(proc.stdout.readline())
@@ -87,7 +87,7 @@ def test_ctrl_c_stops_a_slow_model_call_when_started_with_sigint_blocked(env, ws
                        "os.execv(sys.executable, sys.argv[1:])")
     with ScriptedServer([{"delay": 20, "bash": "echo slow"}]) as srv:
         args = run_args(srv, ws, tmp_path / "run", "--sandbox", JAIL)
-        proc = subprocess.Popen([sys.executable, "-c", block_then_exec, sys.executable, "-m", "tmax_cli.main", "run",
+        proc = subprocess.Popen([sys.executable, "-c", block_then_exec, sys.executable, "-m", "tmax.cli.main", "run",
                                  "--json", *args], env=env, cwd=str(ws), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 stdin=subprocess.DEVNULL, text=True)
         deadline = time.monotonic() + 30
@@ -108,7 +108,7 @@ def test_sigterm_stops_a_command_that_ignores_ctrl_c(env, ws, tmp_path):
     marker = f"5{os.getpid() % 1000}.{time.monotonic_ns() % 1000}"
     with ScriptedServer([{"bash": f"bash -c \"trap '' INT; sleep {marker}\""}]) as srv:
         args = run_args(srv, ws, tmp_path / "run", "--sandbox", JAIL)
-        proc = subprocess.Popen([sys.executable, "-m", "tmax_cli.main", "run", "--json", *args], env=env, cwd=str(ws),
+        proc = subprocess.Popen([sys.executable, "-m", "tmax.cli.main", "run", "--json", *args], env=env, cwd=str(ws),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
         events = []
         for line in proc.stdout:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from scripted_server import ScriptedServer
-from tmax_cli.config import bwrap_works
+from tmax.cli.config import bwrap_works
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.skipif(not bwrap_works(), reason="bubblewrap cannot run here")]
 
@@ -52,7 +52,7 @@ def readme_config(base_url: str, model: str) -> str:
 
 
 def run_json(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 90) -> tuple[int, list[dict], str]:
-    proc = subprocess.run([sys.executable, "-m", "tmax_cli.main", "run", "--json", *args], env=env, cwd=str(cwd),
+    proc = subprocess.run([sys.executable, "-m", "tmax.cli.main", "run", "--json", *args], env=env, cwd=str(cwd),
                           capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     return proc.returncode, [json.loads(line) for line in proc.stdout.splitlines()], proc.stderr
 
@@ -123,7 +123,7 @@ def test_home_as_workspace_needs_yes(home):
 def test_home_as_workspace_asks_at_a_terminal(home):
     import pexpect
 
-    args = ["-m", "tmax_cli.main", "run", "--base-url", "http://127.0.0.1:9/v1", "--model", "m",
+    args = ["-m", "tmax.cli.main", "run", "--base-url", "http://127.0.0.1:9/v1", "--model", "m",
             "--workdir", str(home / "home"), "go"]
     child = pexpect.spawn(sys.executable, args, env=_env(home), cwd=str(home), encoding="utf-8", timeout=60)
     child.expect("whole home directory")

@@ -55,7 +55,7 @@ def save_run(d: Path) -> Path:
 def tmax(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, COLUMNS="120", NO_COLOR="1")
     return subprocess.run(
-        [sys.executable, "-m", "tmax_cli.main", *args], capture_output=True, text=True, env=env, timeout=60
+        [sys.executable, "-m", "tmax.cli.main", *args], capture_output=True, text=True, env=env, timeout=60
     )
 
 
@@ -156,7 +156,7 @@ def test_show_a_run_saved_by_tmax_run(tmp_path):
     ]
     with ScriptedServer(script) as srv:
         proc = subprocess.run(
-            [sys.executable, "-m", "tmax_cli.main", "run", "--json", "--sandbox", "local", "--base-url", srv.base_url,
+            [sys.executable, "-m", "tmax.cli.main", "run", "--json", "--sandbox", "local", "--base-url", srv.base_url,
              "--model", srv.model, "--workdir", str(ws), "-o", str(run_dir), "count the words"],
             capture_output=True, text=True, env=env, timeout=120, stdin=subprocess.DEVNULL,
         )

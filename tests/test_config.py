@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tmax_cli import config
-from tmax_cli.config import ConfigError, resolve_run_settings
+from tmax.cli import config
+from tmax.cli.config import ConfigError, resolve_run_settings
 
 ENV_VARS = ("TMAX_BASE_URL", "OPENAI_BASE_URL", "TMAX_API_KEY", "OPENAI_API_KEY", "TMAX_MODEL")
 
@@ -161,7 +161,7 @@ def test_default_sandbox_matches_bwrap_probe():
 
 def _tmax(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "tmax_cli.main", *args],
+        [sys.executable, "-m", "tmax.cli.main", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -208,8 +208,8 @@ def test_cli_model_discovery_failure_is_clear(tmp_path):
 
 
 def test_learner_strategy_reaches_the_learner():
-    from training.config import ConfigError, preset
-    from training.loop import learner_config
+    from tmax.training.config import ConfigError, preset
+    from tmax.training.loop import learner_config
 
     assert learner_config(preset("nano")).strategy == "fsdp"
     assert learner_config(preset("nano", {"run": {"learner_strategy": "replicate"}})).strategy == "replicate"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from training.config import LearnConfig
+from tmax.training.config import LearnConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,57 +55,57 @@ SET: dict[str, dict] = {
 
 # Keys read inside code that needs Ray, a server or a whole run: (module, attribute read).
 READ_BY: dict[str, tuple[str, str]] = {
-    "model.path": ("training/recipe.py", "path"),
-    "model.build_nano": ("training/recipe.py", "build_nano"),
-    "tasks.train": ("training/recipe.py", "train"),
-    "tasks.heldout": ("training/recipe.py", "heldout"),
-    "tasks.generate_nano": ("training/recipe.py", "generate_nano"),
-    "tasks.n_train": ("training/recipe.py", "n_train"),
-    "tasks.n_heldout": ("training/recipe.py", "n_heldout"),
-    "tasks.generator": ("training/recipe.py", "generator"),
-    "rollout.max_infra_retries": ("training/loop.py", "max_infra_retries"),
-    "algo.prompts_per_step": ("training/loop.py", "prompts_per_step"),
-    "algo.group_size": ("training/loop.py", "group_size"),
-    "algo.steps": ("training/loop.py", "steps"),
-    "algo.async_steps": ("training/loop.py", "async_steps"),
-    "algo.filter_zero_std": ("training/loop.py", "filter_zero_std"),
-    "algo.active_sampling": ("training/loop.py", "active_sampling"),
-    "engine.weight_transport": ("training/weights/learner_side.py", "weight_transport"),
-    "engine.weight_bucket_mb": ("training/weights/learner_side.py", "weight_bucket_mb"),
-    "engine.weight_timeout_s": ("training/weights/learner_side.py", "weight_timeout_s"),
-    "sft.epochs": ("training/learner/sft.py", "epochs"),
-    "sft.lr": ("training/learner/sft.py", "lr"),
-    "sft.batch_size": ("training/learner/sft.py", "batch_size"),
-    "sft.warmup_ratio": ("training/learner/sft.py", "warmup_ratio"),
-    "sft.task_fraction": ("training/recipe.py", "task_fraction"),
-    "sft.teacher_accuracy": ("training/learner/sft.py", "teacher_accuracy"),
-    "sft.torch_threads": ("training/learner/sft.py", "torch_threads"),
-    "eval.attempts": ("training/recipe.py", "attempts"),
-    "eval.concurrency": ("training/recipe.py", "concurrency"),
-    "eval.temperature": ("training/recipe.py", "temperature"),
-    "eval.max_steps": ("training/recipe.py", "max_steps"),
-    "eval.sandbox": ("training/recipe.py", "sandbox"),
-    "eval.harness": ("training/recipe.py", "harness"),
-    "eval.warm_ahead": ("training/recipe.py", "warm_ahead"),
-    "run.out_dir": ("tmax_cli/learn_cmd.py", "out_dir"),
-    "run.concurrency": ("training/loop.py", "concurrency"),
-    "run.rollout_workers": ("training/cluster/actors.py", "rollout_workers"),
-    "run.slots_per_worker": ("training/cluster/actors.py", "slots_per_worker"),
-    "run.checkpoint_every": ("training/loop.py", "checkpoint_every"),
-    "run.keep_checkpoints": ("training/loop.py", "keep_checkpoints"),
-    "run.wandb": ("training/loop.py", "wandb"),
-    "run.wandb_project": ("training/loop.py", "wandb_project"),
-    "run.tensorboard": ("training/loop.py", "tensorboard"),
-    "cluster.address": ("training/cluster/launch.py", "address"),
-    "cluster.num_cpus": ("training/cluster/launch.py", "num_cpus"),
-    "run.torch_threads": ("training/cluster/actors.py", "torch_threads"),
-    "guard.enabled": ("training/rollback.py", "enabled"),
-    "guard.stall_groups": ("training/rollback.py", "stall_groups"),
-    "guard.confirm_steps": ("training/rollback.py", "confirm_steps"),
-    "guard.remedy": ("training/rollback.py", "remedy"),
-    "guard.lr_factor": ("training/rollback.py", "lr_factor"),
-    "guard.group_factor": ("training/rollback.py", "group_factor"),
-    "guard.max_rollbacks": ("training/rollback.py", "max_rollbacks"),
+    "model.path": ("tmax/training/recipe.py", "path"),
+    "model.build_nano": ("tmax/training/recipe.py", "build_nano"),
+    "tasks.train": ("tmax/training/recipe.py", "train"),
+    "tasks.heldout": ("tmax/training/recipe.py", "heldout"),
+    "tasks.generate_nano": ("tmax/training/recipe.py", "generate_nano"),
+    "tasks.n_train": ("tmax/training/recipe.py", "n_train"),
+    "tasks.n_heldout": ("tmax/training/recipe.py", "n_heldout"),
+    "tasks.generator": ("tmax/training/recipe.py", "generator"),
+    "rollout.max_infra_retries": ("tmax/training/loop.py", "max_infra_retries"),
+    "algo.prompts_per_step": ("tmax/training/loop.py", "prompts_per_step"),
+    "algo.group_size": ("tmax/training/loop.py", "group_size"),
+    "algo.steps": ("tmax/training/loop.py", "steps"),
+    "algo.async_steps": ("tmax/training/loop.py", "async_steps"),
+    "algo.filter_zero_std": ("tmax/training/loop.py", "filter_zero_std"),
+    "algo.active_sampling": ("tmax/training/loop.py", "active_sampling"),
+    "engine.weight_transport": ("tmax/training/weights/learner_side.py", "weight_transport"),
+    "engine.weight_bucket_mb": ("tmax/training/weights/learner_side.py", "weight_bucket_mb"),
+    "engine.weight_timeout_s": ("tmax/training/weights/learner_side.py", "weight_timeout_s"),
+    "sft.epochs": ("tmax/training/learner/sft.py", "epochs"),
+    "sft.lr": ("tmax/training/learner/sft.py", "lr"),
+    "sft.batch_size": ("tmax/training/learner/sft.py", "batch_size"),
+    "sft.warmup_ratio": ("tmax/training/learner/sft.py", "warmup_ratio"),
+    "sft.task_fraction": ("tmax/training/recipe.py", "task_fraction"),
+    "sft.teacher_accuracy": ("tmax/training/learner/sft.py", "teacher_accuracy"),
+    "sft.torch_threads": ("tmax/training/learner/sft.py", "torch_threads"),
+    "eval.attempts": ("tmax/training/recipe.py", "attempts"),
+    "eval.concurrency": ("tmax/training/recipe.py", "concurrency"),
+    "eval.temperature": ("tmax/training/recipe.py", "temperature"),
+    "eval.max_steps": ("tmax/training/recipe.py", "max_steps"),
+    "eval.sandbox": ("tmax/training/recipe.py", "sandbox"),
+    "eval.harness": ("tmax/training/recipe.py", "harness"),
+    "eval.warm_ahead": ("tmax/training/recipe.py", "warm_ahead"),
+    "run.out_dir": ("tmax/cli/learn_cmd.py", "out_dir"),
+    "run.concurrency": ("tmax/training/loop.py", "concurrency"),
+    "run.rollout_workers": ("tmax/training/cluster/actors.py", "rollout_workers"),
+    "run.slots_per_worker": ("tmax/training/cluster/actors.py", "slots_per_worker"),
+    "run.checkpoint_every": ("tmax/training/loop.py", "checkpoint_every"),
+    "run.keep_checkpoints": ("tmax/training/loop.py", "keep_checkpoints"),
+    "run.wandb": ("tmax/training/loop.py", "wandb"),
+    "run.wandb_project": ("tmax/training/loop.py", "wandb_project"),
+    "run.tensorboard": ("tmax/training/loop.py", "tensorboard"),
+    "cluster.address": ("tmax/training/cluster/launch.py", "address"),
+    "cluster.num_cpus": ("tmax/training/cluster/launch.py", "num_cpus"),
+    "run.torch_threads": ("tmax/training/cluster/actors.py", "torch_threads"),
+    "guard.enabled": ("tmax/training/rollback.py", "enabled"),
+    "guard.stall_groups": ("tmax/training/rollback.py", "stall_groups"),
+    "guard.confirm_steps": ("tmax/training/rollback.py", "confirm_steps"),
+    "guard.remedy": ("tmax/training/rollback.py", "remedy"),
+    "guard.lr_factor": ("tmax/training/rollback.py", "lr_factor"),
+    "guard.group_factor": ("tmax/training/rollback.py", "group_factor"),
+    "guard.max_rollbacks": ("tmax/training/rollback.py", "max_rollbacks"),
 }
 
 
@@ -224,7 +224,7 @@ def _reads(module: str, section: str, attr: str) -> bool:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from training.nano.model import build_tokenizer
+    from tmax.training.nano.model import build_tokenizer
 
     return build_tokenizer(0)
 
@@ -237,14 +237,14 @@ def cfg() -> LearnConfig:
 @pytest.fixture(scope="module")
 def built(cfg, tokenizer, tmp_path_factory):
     """Every destination that can be built without Ray or a server."""
-    from sandbox.pool import WarmPool
-    from training.config import dump_toml
-    from training.inference.engine import engine_spec, server_options
-    from training.inference.serving import build_command
-    from training.cluster.actors import _tp
-    from training.cluster.placement import Placement, plan_for
-    from training.loop import learner_config
-    from training.rollout import EpisodeSettings
+    from tmax.sandbox.pool import WarmPool
+    from tmax.training.config import dump_toml
+    from tmax.training.inference.engine import engine_spec, server_options
+    from tmax.training.inference.serving import build_command
+    from tmax.training.cluster.actors import _tp
+    from tmax.training.cluster.placement import Placement, plan_for
+    from tmax.training.loop import learner_config
+    from tmax.training.rollout import EpisodeSettings
 
     model_dir = tmp_path_factory.mktemp("model")
     (model_dir / "config.json").write_text(json.dumps({"hidden_size": 4096}))
@@ -304,16 +304,16 @@ def test_keys_read_inside_the_run_are_read(key):
 
 
 def test_the_reader_check_can_fail():
-    assert not _reads("training/recipe.py", "algo", "group_size")
-    assert not _reads("training/loop.py", "engine", "gpu_memory_utilization")
+    assert not _reads("tmax/training/recipe.py", "algo", "group_size")
+    assert not _reads("tmax/training/loop.py", "engine", "gpu_memory_utilization")
 
 
 def test_a_prompt_over_max_prompt_tokens_ends_the_episode_before_any_sample(cfg, tokenizer, tmp_path):
     """Every sample of such a prompt ends unsampled with reward 0, so its group has zero
     reward std and is filtered (the paper filters over-long prompts out)."""
-    from agents.loop import Agent
-    from sandbox import SandboxSpec, make_sandbox
-    from training.rollout import EpisodeSettings
+    from tmax.agents.loop import Agent
+    from tmax.sandbox import SandboxSpec, make_sandbox
+    from tmax.training.rollout import EpisodeSettings
 
     class NeverCalled:
         def sample(self, *args, **kwargs):
@@ -333,7 +333,7 @@ def test_a_prompt_over_max_prompt_tokens_ends_the_episode_before_any_sample(cfg,
 
 def test_engine_from_config_passes_every_server_option(cfg, monkeypatch):
     """`VLLMEngine.from_config` hands `server_options` (and a placed run's TP size) to the engine unchanged."""
-    from training.inference import engine as engine_mod
+    from tmax.training.inference import engine as engine_mod
 
     seen = {}
 

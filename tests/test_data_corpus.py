@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tasks.corpus.axes import load_axes
-from tasks.corpus.import_native import dockerfile_from_def
-from tasks.corpus.report import balance_score
-from tasks.corpus.solve import in_band, parse_band, task_summary
-from tasks.model import Task
-from tmax_cli.main import app
+from tmax.tasks.corpus.axes import load_axes
+from tmax.tasks.corpus.import_native import dockerfile_from_def
+from tmax.tasks.corpus.report import balance_score
+from tmax.tasks.corpus.solve import in_band, parse_band, task_summary
+from tmax.tasks.model import Task
+from tmax.cli.main import app
 
 DATA = Path(__file__).parent / "data" / "corpus"
 runner = CliRunner()
@@ -373,7 +373,7 @@ scenarios = ["on-call engineer"]
 def test_custom_axes_file_drives_sampling_and_balance(tmp_path):
     import random
 
-    from tasks.corpus.axes import sample_axes
+    from tmax.tasks.corpus.axes import sample_axes
 
     path = tmp_path / "axes.toml"
     path.write_text(CUSTOM_AXES)
@@ -404,8 +404,8 @@ def test_rewriting_a_task_keeps_the_old_one_until_the_new_one_is_in_place(tmp_pa
     old directory was deleted first)."""
     import os
 
-    from tasks.corpus.axes import TaskAxes
-    from tasks.corpus.package import TaskParts, write_task
+    from tmax.tasks.corpus.axes import TaskAxes
+    from tmax.tasks.corpus.package import TaskParts, write_task
 
     parts = TaskParts(name="t", axes=TaskAxes(domain="security", skill_type="Systems"), instruction="first",
                       final_test="def test_x():\n    pass\n", dockerfile="FROM x\n")
@@ -436,9 +436,9 @@ def test_imported_setup_sh_builds_and_runs_on_podman(tmp_path):
     import shutil
     import subprocess
 
-    from sandbox.images import image_exists
-    from tasks.images import BASE_TAG, ensure_image
-    from tasks.offline import default_config
+    from tmax.sandbox.images import image_exists
+    from tmax.tasks.images import BASE_TAG, ensure_image
+    from tmax.tasks.offline import default_config
 
     if shutil.which("podman") is None or not image_exists(BASE_TAG):
         pytest.skip("needs podman and the base image")
@@ -462,9 +462,9 @@ def test_imported_harbor_task_builds_as_it_was_written(tmp_path):
     import shutil
     import subprocess
 
-    from sandbox.images import image_exists
-    from tasks.images import BASE_TAG, ensure_image
-    from tasks.offline import default_config
+    from tmax.sandbox.images import image_exists
+    from tmax.tasks.images import BASE_TAG, ensure_image
+    from tmax.tasks.offline import default_config
 
     if shutil.which("podman") is None or not image_exists(BASE_TAG):
         pytest.skip("needs podman and the base image")
@@ -486,9 +486,9 @@ def test_imported_dataset_row_builds_on_its_mapped_image(tmp_path):
     import shutil
     import subprocess
 
-    from sandbox.images import image_exists
-    from tasks.images import BASE_TAG, ensure_image
-    from tasks.offline import default_config
+    from tmax.sandbox.images import image_exists
+    from tmax.tasks.images import BASE_TAG, ensure_image
+    from tmax.tasks.offline import default_config
 
     if shutil.which("podman") is None or not image_exists(BASE_TAG):
         pytest.skip("needs podman and the base image")
@@ -517,9 +517,9 @@ def test_imported_native_task_builds_with_its_base_layer_and_files_destinations(
     import shutil
     import subprocess
 
-    from sandbox.images import image_exists
-    from tasks.images import BASE_TAG, ensure_image
-    from tasks.offline import default_config
+    from tmax.sandbox.images import image_exists
+    from tmax.tasks.images import BASE_TAG, ensure_image
+    from tmax.tasks.offline import default_config
 
     if shutil.which("podman") is None or not image_exists(BASE_TAG):
         pytest.skip("needs podman and the base image")
@@ -553,7 +553,7 @@ def test_export_and_import_round_trip_byte_for_byte(tmp_path):
     import tarfile
 
     pytest.importorskip("datasets")
-    from tasks.model import tree_hash
+    from tmax.tasks.model import tree_hash
 
     src = DATA / "validate"
     names = ["good", "no-solution", "nop-passes"]

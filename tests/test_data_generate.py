@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tasks.corpus.axes import sample_axes
-from tasks.corpus.axes import load_axes, stratified_plan
-from tasks.corpus.report import balance_score
-from tasks.model import Task
-from tmax_cli.main import app
+from tmax.tasks.corpus.axes import sample_axes
+from tmax.tasks.corpus.axes import load_axes, stratified_plan
+from tmax.tasks.corpus.report import balance_score
+from tmax.tasks.model import Task
+from tmax.cli.main import app
 
 sys.path.insert(0, str(Path(__file__).parent))
 from data_scripted_generator import PODMAN_USER_SETUP, Responder  # noqa: E402
@@ -151,8 +151,8 @@ def test_generate_20_tasks_with_broken_gates(tmp_path):
 def test_generate_on_podman(tmp_path):
     """The same pipeline with real image builds: the canned Dockerfiles install python3 on
     the base image (one shared cached layer); a failed build is fed back and fixed."""
-    from sandbox.images import image_exists
-    from tasks.images import BASE_TAG
+    from tmax.sandbox.images import image_exists
+    from tmax.tasks.images import BASE_TAG
 
     if not image_exists(BASE_TAG):
         pytest.skip("needs the base image")
@@ -190,8 +190,8 @@ def test_endpoint_failure_leaves_tasks_pending_and_a_rerun_resumes(tmp_path):
 
 
 def test_prompts_and_parsers():
-    from tasks.corpus import prompts
-    from tasks.corpus.package import TaskParts, write_task
+    from tmax.tasks.corpus import prompts
+    from tmax.tasks.corpus.package import TaskParts, write_task
 
     axes = stratified_plan(1, 0, "rl_v2")[0]
     user = prompts.template_messages(axes)[1]["content"]
@@ -223,7 +223,7 @@ def test_prompts_and_parsers():
 def test_generated_task_toml_names_the_agent_user_and_loads_in_harbor(tmp_path):
     from harbor_env import HARBOR_PYTHON
 
-    from tasks.corpus.package import TaskParts, write_task
+    from tmax.tasks.corpus.package import TaskParts, write_task
 
     parts = TaskParts("t1", stratified_plan(1, 0, "rl_v2")[0], "do it", dockerfile="FROM b", final_test="x = 1\n",
                       solution="ls")

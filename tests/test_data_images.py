@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from sandbox.base import LABEL_KEY, LABEL_VALUE
-from sandbox.images import image_exists
-from tasks.images import BASE_TAG, TASK_LABEL, record_use, task_images
-from tmax_cli.main import app
+from tmax.sandbox.base import LABEL_KEY, LABEL_VALUE
+from tmax.sandbox.images import image_exists
+from tmax.tasks.images import BASE_TAG, TASK_LABEL, record_use, task_images
+from tmax.cli.main import app
 
 pytestmark = pytest.mark.podman
 

@@ -11,9 +11,9 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from tasks.corpus.validate import validate_corpus  # noqa: E402
-from training.cluster import launch as cluster  # noqa: E402
-from training.cluster.corpus_backend import RayBackend  # noqa: E402
+from tmax.tasks.corpus.validate import validate_corpus  # noqa: E402
+from tmax.training.cluster import launch as cluster  # noqa: E402
+from tmax.training.cluster.corpus_backend import RayBackend  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.bwrap, pytest.mark.timeout(600)]
 DATA = Path(__file__).parent / "data" / "corpus" / "validate"

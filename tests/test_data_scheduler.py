@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from tasks.corpus.scheduler import Job, JobError, LocalBackend, run_jobs
-from tasks.images import classify_build_log
+from tmax.tasks.corpus.scheduler import Job, JobError, LocalBackend, run_jobs
+from tmax.tasks.images import classify_build_log
 
 CALLS: list[str] = []
 LOCK = threading.Lock()

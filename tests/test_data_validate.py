@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from sandbox.images import image_exists
-from tasks.images import BASE_TAG
-from tmax_cli.main import app
+from tmax.sandbox.images import image_exists
+from tmax.tasks.images import BASE_TAG
+from tmax.cli.main import app
 
 DATA = Path(__file__).parent / "data" / "corpus" / "validate"
 runner = CliRunner()
@@ -129,7 +129,7 @@ def test_solve_with_the_tmax_agent(tmp_path):
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from agents.prompts import SUBMIT_COMMAND
+    from tmax.agents.prompts import SUBMIT_COMMAND
     from scripted_server import ScriptedServer
 
     root = copy_corpus(tmp_path, ["good"])
@@ -162,7 +162,7 @@ def test_validate_killed_midway_resumes_without_redoing_finished_tasks(tmp_path)
         shutil.copytree(DATA / "good", root / name)
     with open(root / "c-slow" / "solution" / "solve.sh", "a") as f:
         f.write("sleep 30\n")  # still running when the first run is killed
-    cmd = [sys.executable, "-m", "tmax_cli.main", "data", "validate", str(root), "-e", "bwrap", "-n", "1", "--jsonl"]
+    cmd = [sys.executable, "-m", "tmax.cli.main", "data", "validate", str(root), "-e", "bwrap", "-n", "1", "--jsonl"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     first = []
     try:

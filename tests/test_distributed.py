@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from training.learner import parallel as D
-from training.net import free_port
-from training.algo.dppo import LossConfig, policy_loss
-from training.weights import protocol as P
-from training.weights.group import WeightGroup, WeightSender, receive
+from tmax.training.learner import parallel as D
+from tmax.training.net import free_port
+from tmax.training.algo.dppo import LossConfig, policy_loss
+from tmax.training.weights import protocol as P
+from tmax.training.weights.group import WeightGroup, WeightSender, receive
 
 def tiny_model(seed: int = 0):
     from transformers import Qwen3Config, Qwen3ForCausalLM

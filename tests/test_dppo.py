@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from training.algo.dppo import LossConfig, LossStats, binary_kl, binary_tv, dppo_mask, policy_loss
+from tmax.training.algo.dppo import LossConfig, LossStats, binary_kl, binary_tv, dppo_mask, policy_loss
 
 
 def lp(*probs):

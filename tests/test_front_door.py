@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from agents.prompts import SUBMIT_MARKER
+from tmax.agents.prompts import SUBMIT_MARKER
 from scripted_server import ScriptedServer
 
 REPO = Path(__file__).resolve().parents[1]
-TMAX = [sys.executable, "-m", "tmax_cli.main"]
+TMAX = [sys.executable, "-m", "tmax.cli.main"]
 # The sample next to the checkout, as the other bench tests find it (or where TMAX_TB2_SAMPLE says).
 SAMPLE = Path(os.environ.get("TMAX_TB2_SAMPLE") or REPO.parent / "shared" / "tb2-sample")
 # A sample task with a small image, a short oracle and the shortest verifier of the light

@@ -28,8 +28,8 @@ def test_gpu_check_cpu_smoke(tmp_path):
     res = json.loads(proc.stdout.strip().splitlines()[-1])  # the last line is the JSON
     assert res["ok"] is True, res
     assert res["mode"] == "cpu-smoke" and res["transport"] == "gloo" and res["steps"] >= 2
-    assert "training.learner.learner.Learner, FSDP2 over gloo" in res["learner_path"]
-    assert "training.inference.engine.VLLMEngine" in res["engine_path"] and "gloo" in res["engine_path"]
+    assert "tmax.training.learner.learner.Learner, FSDP2 over gloo" in res["learner_path"]
+    assert "tmax.training.inference.engine.VLLMEngine" in res["engine_path"] and "gloo" in res["engine_path"]
     # fp32 on both sides: the engine's log-probs are the learner's to float rounding, on
     # the weights of every sync (a missed or garbled sync would differ by far more).
     assert res["logprob_max_abs_diff"] < 1e-4 and res["logprob_max_abs_diff_after_last_sync"] < 1e-4

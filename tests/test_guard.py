@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from agents.policy import TokenTrace
-from training.guard import Detector, DetectorConfig, replay
-from training.learner import checkpoint as ckpt
-from training.report import guard_report, health_metrics, read_metrics, reward_curve, run_summary
-from training.rollout import Rollout
+from tmax.agents.policy import TokenTrace
+from tmax.training.guard import Detector, DetectorConfig, replay
+from tmax.training.learner import checkpoint as ckpt
+from tmax.training.report import guard_report, health_metrics, read_metrics, reward_curve, run_summary
+from tmax.training.rollout import Rollout
 
 DATA = Path(__file__).parent / "data" / "guard"
 
@@ -50,7 +50,7 @@ def test_recorded_noisy_run_never_triggers():
     wait for two steps of baseline."""
     import dataclasses
 
-    from training import guard
+    from tmax.training import guard
 
     rows = _series("noisy_lr2e-3.jsonl")
     assert len(rows) >= 5
@@ -185,7 +185,7 @@ def _fake_checkpoint(run_dir: Path, step: int) -> Path:
 
 
 def test_health_marks_steer_resume_and_pruning(tmp_path):
-    from training.learner.checkpoint import resume_point
+    from tmax.training.learner.checkpoint import resume_point
 
     for step in (0, 2, 4, 6):
         _fake_checkpoint(tmp_path, step)
@@ -209,9 +209,9 @@ def test_health_marks_steer_resume_and_pruning(tmp_path):
 
 
 def test_learner_restores_a_checkpoint_in_place(tmp_path):
-    from training.learner.learner import Learner, LearnerConfig
-    from training.learner.packing import TrainSample
-    from training.nano.model import build_nano_model
+    from tmax.training.learner.learner import Learner, LearnerConfig
+    from tmax.training.learner.packing import TrainSample
+    from tmax.training.nano.model import build_nano_model
 
     build_nano_model(tmp_path / "m", seed=0)
     learner = Learner(tmp_path / "m", LearnerConfig(lr=1e-2, warmup_steps=4))
@@ -271,7 +271,7 @@ def test_cli_learn_report_lists_events_with_their_signals(tmp_path, monkeypatch)
     """The README's `tmax learn report runs/nano`, on a nano recipe directory (RL run in rl/)."""
     from typer.testing import CliRunner
 
-    from tmax_cli.main import app
+    from tmax.cli.main import app
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs" / "nano" / "rl").mkdir(parents=True)
@@ -284,7 +284,7 @@ def test_cli_learn_report_lists_events_with_their_signals(tmp_path, monkeypatch)
 
 
 def test_guard_section_of_the_config(tmp_path):
-    from training.config import ConfigError, dump_toml, load_config, preset
+    from tmax.training.config import ConfigError, dump_toml, load_config, preset
 
     p = tmp_path / "c.toml"
     p.write_text('extends = "nano"\n[guard]\nenabled = true\nremedy = "raise_group_size"\nmax_rollbacks = 2\n')

@@ -40,14 +40,14 @@ def learn_env(**extra: str) -> dict[str, str]:
 
 
 def tmax_learn(*args: str, cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tmax_cli.main", "learn", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "tmax.cli.main", "learn", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
 def test_dry_run_for_eight_nodes_writes_the_whole_run(tmp_path):
     """`tmax learn --nodes 8 --dry-run --sandbox podman --image-map A=B`: the job's script runs
     `tmax learn --config FILE` and nothing else, and FILE is the whole run as asked."""
-    from training.config import load_config, preset
+    from tmax.training.config import load_config, preset
 
     out = tmp_path / "job"
     r = tmax_learn("--nodes", "8", "--dry-run", "--sandbox", "podman", "--image-map", "A=B", "-o", str(out),
@@ -75,7 +75,7 @@ def test_dry_run_for_eight_nodes_writes_the_whole_run(tmp_path):
 
 
 def test_settings_come_from_the_preset_then_the_environment_then_the_flags(tmp_path):
-    from training.config import ConfigError, preset, resolve
+    from tmax.training.config import ConfigError, preset, resolve
 
     env = {"TMAX_LEARN_ALGO__STEPS": "7", "TMAX_LEARN_ALGO__SEED": "3", "TMAX_LEARN_ROLLOUT__SANDBOX": "bwrap",
            "TMAX_LEARN_TASKS__GENERATOR": '{kinds = ["sort"]}', "TMAX_LEARN_ROLLOUT__IMAGE_MAP": '["a=b"]',
@@ -115,7 +115,7 @@ def test_bare_learn_trains_and_stops_on_ctrl_c(tmp_path):
     # `tmax learn`: the nano recipe's RL stage in ./runs/nano, with what it needs built first.
     log = tmp_path / "learn.log"
     with log.open("w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "tmax_cli.main", "learn"], cwd=tmp_path, env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "tmax.cli.main", "learn"], cwd=tmp_path, env=env,
                                 stdout=f, stderr=subprocess.STDOUT)
     run = tmp_path / "runs" / "nano"
     try:

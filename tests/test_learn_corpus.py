@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from agents.prompts import SUBMIT_COMMAND
-from tmax_cli.main import app
-from training.config import preset
-from training.rollout import EpisodeRequest, EpisodeSettings, prepare_tasks, run_episode
-from training.learner.sft import ScriptedSampler, scripted_turns
+from tmax.agents.prompts import SUBMIT_COMMAND
+from tmax.cli.main import app
+from tmax.training.config import preset
+from tmax.training.rollout import EpisodeRequest, EpisodeSettings, prepare_tasks, run_episode
+from tmax.training.learner.sft import ScriptedSampler, scripted_turns
 
 sys.path.insert(0, str(Path(__file__).parent))
 from data_scripted_generator import Responder  # noqa: E402
@@ -39,7 +39,7 @@ def corpus(tmp_path_factory) -> Path:
 def tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from training.nano.model import build_tokenizer
+    from tmax.training.nano.model import build_tokenizer
 
     root = tmp_path_factory.mktemp("tok")
     build_tokenizer(0).save_pretrained(root)

@@ -17,8 +17,8 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.test_learn_cli import SMALL_NANO, learn_env
-from tmax_cli.main import app
-from training.config import load_config
+from tmax.cli.main import app
+from tmax.training.config import load_config
 
 MB = 1024 * 1024
 
@@ -77,7 +77,7 @@ def test_bad_flags_are_clear_errors(args, message, tmp_path):
 
 
 def _cli(*args: str, env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tmax_cli.main", "learn", *args], env=env, cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "tmax.cli.main", "learn", *args], env=env, cwd=cwd,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -90,8 +90,8 @@ def test_two_node_run_through_the_cli(tmp_path):
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
-    from training.cluster import launch as cluster
-    from training.cluster.placement import ROLE_INFER, ROLE_TRAIN
+    from tmax.training.cluster import launch as cluster
+    from tmax.training.cluster.placement import ROLE_INFER, ROLE_TRAIN
 
     cluster.apply_ray_env()
     # Two rollout workers (one per engine), each with 2 episode slots.

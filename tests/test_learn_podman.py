@@ -23,12 +23,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm, pytest.mark.p
 def test_podman_rl_run_uses_containers_and_learns_from_their_verifier(tmp_path, base_image, shared_ray):
     from transformers import AutoTokenizer
 
-    from training.config import preset
-    from training.entry import learn
-    from training.nano.model import NanoSpec, build_nano_model
-    from training.nano.tasks import write_splits
-    from training.learner.sft import collect_demos, train_sft
-    from training.rollout import RUN_LABEL, env_settings, prepare_tasks, run_labels
+    from tmax.training.config import preset
+    from tmax.training.entry import learn
+    from tmax.training.nano.model import NanoSpec, build_nano_model
+    from tmax.training.nano.tasks import write_splits
+    from tmax.training.learner.sft import collect_demos, train_sft
+    from tmax.training.rollout import RUN_LABEL, env_settings, prepare_tasks, run_labels
 
     build_nano_model(tmp_path / "base", seed=0, spec=NanoSpec(hidden_size=64, intermediate_size=128,
                                                               num_hidden_layers=2))

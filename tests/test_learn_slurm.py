@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from tests.test_learn_cli import SMALL_NANO
-from training.cluster.launch import DEFAULT_PORT
-from training.config import load_config
+from tmax.training.cluster.launch import DEFAULT_PORT
+from tmax.training.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM = REPO / "scripts" / "slurm-local.sh"
@@ -50,7 +50,7 @@ def slurm_env() -> dict[str, str]:
 
 def _sbatch_script(run: Path, env: dict[str, str]) -> Path:
     r = subprocess.run(
-        [sys.executable, "-m", "tmax_cli.main", "learn", "--nodes", "1", "--gpus-per-node", "0", "--steps", "1",
+        [sys.executable, "-m", "tmax.cli.main", "learn", "--nodes", "1", "--gpus-per-node", "0", "--steps", "1",
          "--sandbox", "bwrap", "--image-map", "A=B", "--dry-run", "--out", str(run)],
         env=env | SMALL_NANO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr

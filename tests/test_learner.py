@@ -16,9 +16,9 @@ import textwrap
 import pytest
 import torch
 
-from agents.policy import TokenTrace
-from training.learner.learner import Learner, LearnerConfig
-from training.learner.packing import TrainSample, build_pack, pack_samples, shard
+from tmax.agents.policy import TokenTrace
+from tmax.training.learner.learner import Learner, LearnerConfig
+from tmax.training.learner.packing import TrainSample, build_pack, pack_samples, shard
 
 VOCAB = 300
 
@@ -323,9 +323,9 @@ WORKER = textwrap.dedent(
     """
     import sys, torch, torch.distributed as dist
     sys.path.insert(0, sys.argv[4])
-    from training.learner.learner import Learner, LearnerConfig
-    from training.learner.packing import shard
-    from training.learner.parallel import TorchDataParallel
+    from tmax.training.learner.learner import Learner, LearnerConfig
+    from tmax.training.learner.packing import shard
+    from tmax.training.learner.parallel import TorchDataParallel
     dist.init_process_group("gloo", rank=int(sys.argv[1]), world_size=2)
     samples = torch.load(sys.argv[3], weights_only=False)
     learner = Learner(sys.argv[2], LearnerConfig(pack_length=40, strategy="replicate"), dp=TorchDataParallel())
@@ -370,7 +370,7 @@ def test_two_gloo_ranks_sum_to_the_single_process_gradient(model_dir, tmp_path):
 def test_sft_loss_through_the_learner_is_the_token_mean_cross_entropy(model_dir):
     """SFT's PackLoss on the same packs: the step's loss is the cross-entropy of the mask-1
     tokens, and the step raises their likelihood."""
-    from training.learner.sft import sft_loss
+    from tmax.training.learner.sft import sft_loss
 
     samples = sampled_batch(model_dir, advantages=(1.0, 1.0, 1.0))
     learner = Learner(model_dir, LearnerConfig(lr=1e-3))
@@ -419,8 +419,8 @@ FSDP_CFG = dict(lr=1e-3, pack_length=40, max_grad_norm=0.05, warmup_steps=2)
 def _fsdp_rank(rank: int, port: int, model_dir: str, data: str, out: str) -> None:
     """One of two FSDP2 learner ranks: a step on a very unequal share of the batch, save,
     resume into a second learner on the same group, then one more step on both."""
-    from training.learner import parallel as D
-    from training.learner.parallel import FSDPDataParallel, data_parallel
+    from tmax.training.learner import parallel as D
+    from tmax.training.learner.parallel import FSDPDataParallel, data_parallel
 
     torch.set_num_threads(1)
     ctx = D.init_learner_group(rank, 2, "127.0.0.1", port, backend="gloo", timeout_s=180)
@@ -467,7 +467,7 @@ def fsdp_run(request, model_dir, tmp_path_factory):
     with a separate one."""
     import torch.multiprocessing as mp
 
-    from training.net import free_port
+    from tmax.training.net import free_port
 
     if request.param == "untied":
         model_dir = make_model_dir(tmp_path_factory.mktemp("untied"), tied=False)
@@ -543,7 +543,7 @@ def test_fsdp_full_weights_only_on_rank_zero(fsdp_run):
 def test_fsdp_checkpoint_is_the_full_model_and_optimizer(fsdp_run):
     from transformers import AutoModelForCausalLM
 
-    from training.learner import checkpoint as ckpt
+    from tmax.training.learner import checkpoint as ckpt
 
     ref, ckpt_dir = fsdp_run["ref"], fsdp_run["ckpt"]
     saved = AutoModelForCausalLM.from_pretrained(str(ckpt_dir)).state_dict()
@@ -586,7 +586,7 @@ def test_fsdp_resume_restores_step_optimizer_and_weights(fsdp_run):
 def test_strategy_is_checked():
     with pytest.raises(ValueError, match="strategy must be one of fsdp, replicate"):
         LearnerConfig(strategy="ddp2")
-    from training.learner.parallel import DataParallel, data_parallel
-    from training.learner.parallel import RankContext
+    from tmax.training.learner.parallel import DataParallel, data_parallel
+    from tmax.training.learner.parallel import RankContext
 
     assert type(data_parallel(RankContext(0, 1, "none", torch.device("cpu")), "fsdp")) is DataParallel

@@ -16,10 +16,10 @@ import threading
 
 import pytest
 
-from agents.prompts import SUBMIT_COMMAND
-from training.config import preset
-from training.learner.sft import ScriptedSampler, scripted_turns
-from training.rollout import EpisodeRequest, EpisodeSettings, prepare_tasks, run_episode
+from tmax.agents.prompts import SUBMIT_COMMAND
+from tmax.training.config import preset
+from tmax.training.learner.sft import ScriptedSampler, scripted_turns
+from tmax.training.rollout import EpisodeRequest, EpisodeSettings, prepare_tasks, run_episode
 
 pytestmark = pytest.mark.podman
 
@@ -30,8 +30,8 @@ ALIVE = "echo alive-$((6*7))"
 def nano(tmp_path_factory, base_image):
     from transformers import AutoTokenizer
 
-    from training.nano.model import build_tokenizer
-    from training.nano.tasks import write_splits
+    from tmax.training.nano.model import build_tokenizer
+    from tmax.training.nano.tasks import write_splits
 
     root = tmp_path_factory.mktemp("limits")
     build_tokenizer(0).save_pretrained(root / "tok")

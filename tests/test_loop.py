@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from training.config import ConfigError, LearnConfig, load_config, preset
-from agents.policy import TokenTrace
-from training.loop import PromptStream
-from training.report import rollout_metrics
-from training.rollout import Rollout
+from tmax.training.config import ConfigError, LearnConfig, load_config, preset
+from tmax.agents.policy import TokenTrace
+from tmax.training.loop import PromptStream
+from tmax.training.report import rollout_metrics
+from tmax.training.rollout import Rollout
 
 
 def _rollout(reward=0.0, mask=(1, 1, 0, 1), steps=2, truncated=False) -> Rollout:
@@ -55,7 +55,7 @@ def test_prompt_stream_is_seeded_and_resumable():
 
 
 def test_resume_starts_from_the_latest_checkpoint_or_says_there_is_none(tmp_path):
-    from training.learner.checkpoint import resume_point
+    from tmax.training.learner.checkpoint import resume_point
 
     with pytest.raises(FileNotFoundError, match="--resume: no checkpoint under"):
         resume_point(tmp_path)
@@ -73,8 +73,8 @@ def _mechanics_run(tmp_path: Path, steps: int, checkpoint_every: int) -> tuple[L
     the mechanics, not learning, are under test."""
     import uuid
 
-    from training.nano.model import build_nano_model
-    from training.nano.tasks import write_splits
+    from tmax.training.nano.model import build_nano_model
+    from tmax.training.nano.tasks import write_splits
 
     build_nano_model(tmp_path / "base")
     write_splits(tmp_path / "tasks", 4, 1)
@@ -90,8 +90,8 @@ def _rated_sessions(cfg: LearnConfig, model_dir: Path, root: Path) -> Path:
     """A /good and a /bad `tmax run --tokens` session of the model in `model_dir`, their
     logprobs the model's own (as `tmax serve` of it records them)."""
     from rated_sessions import sampled_by, write_session
-    from training.learner.learner import Learner
-    from training.loop import learner_config
+    from tmax.training.learner.learner import Learner
+    from tmax.training.loop import learner_config
 
     learner = Learner(str(model_dir), learner_config(cfg))
     for name, reward, ids in (("a-good", 1.0, [10, 11, 12, 13]), ("b-bad", 0.0, [20, 21, 22, 23])):
@@ -101,7 +101,7 @@ def _rated_sessions(cfg: LearnConfig, model_dir: Path, root: Path) -> Path:
 
 
 def test_step_clock_credits_sampling_time_to_its_step():
-    from training.report import StepClock
+    from tmax.training.report import StepClock
 
     c = StepClock(run_start=0.0, wait_started=0.0, last_tick=0.0, step_wall_start=0.0)
     c.tick(True, 2.0)  # episodes in flight for 2 s
@@ -131,8 +131,8 @@ def test_ray_run_saves_on_ctrl_c_resumes_and_checkpoints(tmp_path, shared_ray):
     rollouts and a final checkpoint."""
     import shutil
 
-    from training.entry import learn
-    from training.learner import checkpoint as ckpt
+    from tmax.training.entry import learn
+    from tmax.training.learner import checkpoint as ckpt
 
     cfg, run = _mechanics_run(tmp_path, steps=3, checkpoint_every=100)
     cfg.model.path, cfg.tasks.train = str(tmp_path / "base"), str(tmp_path / "tasks" / "train")
@@ -183,7 +183,7 @@ def test_ray_run_saves_on_ctrl_c_resumes_and_checkpoints(tmp_path, shared_ray):
 
 
 def test_podman_preset_and_cli_sandbox_override():
-    from tmax_cli.learn_cmd import _config
+    from tmax.cli.learn_cmd import _config
 
     pod = preset("nano-podman")
     assert (pod.rollout.sandbox, pod.eval.sandbox, pod.rollout.pool_size) == ("podman", "podman", 2)

@@ -16,8 +16,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from training.cluster import launch as cluster  # noqa: E402
-from training.cluster.placement import ROLE_INFER, ROLE_TRAIN, check_live_cluster, make_plan, reserve  # noqa: E402
+from tmax.training.cluster import launch as cluster  # noqa: E402
+from tmax.training.cluster.placement import ROLE_INFER, ROLE_TRAIN, check_live_cluster, make_plan, reserve  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 MB = 1024 * 1024
@@ -70,8 +70,8 @@ def test_resource_check_against_live_cluster(two_nodes):
 def _samples(vocab: int, n: int = 6, seed: int = 0) -> list:
     """Episodes of unequal lengths: prompt, then sampled tokens with sampler logprobs a
     little below the policy's (ratios near 1), some masked out as observations."""
-    from agents.policy import TokenTrace
-    from training.learner.packing import TrainSample
+    from tmax.agents.policy import TokenTrace
+    from tmax.training.learner.packing import TrainSample
 
     rng = random.Random(seed)
     out = []
@@ -86,10 +86,10 @@ def _samples(vocab: int, n: int = 6, seed: int = 0) -> list:
 
 
 def test_placed_learner_group_steps_like_one_rank(two_nodes, tmp_path):
-    from training.cluster.actors import LearnerGroup
-    from training.config import preset
-    from training.loop import learner_config
-    from training.nano.model import build_nano_model
+    from tmax.training.cluster.actors import LearnerGroup
+    from tmax.training.config import preset
+    from tmax.training.loop import learner_config
+    from tmax.training.nano.model import build_nano_model
 
     model = tmp_path / "nano"
     build_nano_model(model, seed=0)
@@ -125,7 +125,7 @@ def test_placed_learner_group_steps_like_one_rank(two_nodes, tmp_path):
         # A rank dies: what the group hands back is the survivor's failed collective (gloo:
         # "Connection closed by peer"); the death behind it is found (the loop then stops
         # the step with the resume hint instead of a bare traceback).
-        from training.cluster.failover import group_member_died
+        from tmax.training.cluster.failover import group_member_died
 
         ray.kill(two.ranks[1])
         with pytest.raises(ray.exceptions.RayError) as err:

@@ -9,11 +9,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from agents import prompts  # noqa: E402
-from agents.parsing import message_from_text, parse_action  # noqa: E402
-from agents.tools import TOOLS  # noqa: E402
-from training.nano import tasks as nano_tasks  # noqa: E402
-from training.nano.model import BASH_CALL_PREFIX, SPECIAL_TOKENS, build_nano_model  # noqa: E402
+from tmax.agents import prompts  # noqa: E402
+from tmax.agents.parsing import message_from_text, parse_action  # noqa: E402
+from tmax.agents.tools import TOOLS  # noqa: E402
+from tmax.training.nano import tasks as nano_tasks  # noqa: E402
+from tmax.training.nano.model import BASH_CALL_PREFIX, SPECIAL_TOKENS, build_nano_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_tool_calls_tokenize_compactly(tok):
 
 def test_oracle_episodes_fit_the_nano_budgets(tok):
     """Prompt and every oracle turn fit the nano preset's token budgets, in both splits."""
-    from training.config import preset
+    from tmax.training.config import preset
 
     budget = preset("nano").rollout
     for split in nano_tasks.SPLITS:

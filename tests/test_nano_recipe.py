@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from training.config import preset
+from tmax.training.config import preset
 
 
 def _small_config():
@@ -53,7 +53,7 @@ def _small_config():
 @pytest.mark.vllm
 @pytest.mark.timeout(1500)
 def test_sft_then_rl_raises_training_reward(shared_ray):
-    from training.entry import recipe
+    from tmax.training.entry import recipe
 
     cfg = _small_config()
     # Outside /tmp: sandboxes of a later bwrap run get a private /tmp.

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from agents.prompts import SUBMIT_COMMAND
-from tasks.hostenv import check_dockerfile, populate
-from tasks.model import Task
-from training.nano import tasks as T
+from tmax.agents.prompts import SUBMIT_COMMAND
+from tmax.tasks.hostenv import check_dockerfile, populate
+from tmax.tasks.model import Task
+from tmax.training.nano import tasks as T
 
 N_TRAIN, N_HELDOUT = 60, 30
 
@@ -49,7 +49,7 @@ def test_splits_written_in_harbor_layout(written):
 
 
 def test_task_loader_accepts_generated_tasks(written):
-    model = pytest.importorskip("tasks.model")
+    model = pytest.importorskip("tmax.tasks.model")
     _, dirs = written
     task = model.Task.load(dirs["heldout"][0])
     assert task.instruction.strip() and task.config.verifier.timeout_sec == 30.0

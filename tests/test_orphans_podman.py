@@ -10,8 +10,8 @@ import uuid
 
 import pytest
 
-from sandbox.cleanup import remove_labelled, remove_orphaned
-from training.rollout import RUN_LABEL, run_labels
+from tmax.sandbox.cleanup import remove_labelled, remove_orphaned
+from tmax.training.rollout import RUN_LABEL, run_labels
 
 pytestmark = pytest.mark.podman
 

@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from training.cluster import launch as cluster
-from training.cluster.placement import (
+from tmax.training.cluster import launch as cluster
+from tmax.training.cluster.placement import (
     ROLE_INFER,
     ROLE_TRAIN,
     NodeInfo,
@@ -19,7 +19,7 @@ from training.cluster.placement import (
     make_plan,
     nodes_from_ray,
 )
-from training.cluster.slurm import sbatch_script
+from tmax.training.cluster.slurm import sbatch_script
 
 
 def test_eight_nodes_is_the_paper_layout():

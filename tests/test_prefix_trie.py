@@ -7,12 +7,12 @@ import random
 import pytest
 import torch
 
-from agents.policy import TokenTrace
-from training.algo.dppo import LossConfig, policy_loss
-from training.algo.prefix_trie import build_trie, pack_by_prefix, shared_prefix_len
-from training.learner.learner import Learner, LearnerConfig
-from training.learner.packing import TrainSample, build_pack, pack_samples
-from training.learner.sft import sft_loss
+from tmax.agents.policy import TokenTrace
+from tmax.training.algo.dppo import LossConfig, policy_loss
+from tmax.training.algo.prefix_trie import build_trie, pack_by_prefix, shared_prefix_len
+from tmax.training.learner.learner import Learner, LearnerConfig
+from tmax.training.learner.packing import TrainSample, build_pack, pack_samples
+from tmax.training.learner.sft import sft_loss
 
 from tests.test_learner import VOCAB, make_model_dir
 

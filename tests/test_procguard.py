@@ -95,8 +95,8 @@ def test_server_alive_follows_the_guarded_process_across_a_restart(tmp_path: Pat
     after a new start (the server it remembered is gone)."""
     import dataclasses
 
-    from training.inference.serving import ServeSpec, VLLMServer
-    from training.net import free_port
+    from tmax.training.inference.serving import ServeSpec, VLLMServer
+    from tmax.training.net import free_port
 
     srv = VLLMServer(ServeSpec(model="some/model", port=free_port(), device="cpu"), log_path=tmp_path / "log")
     srv.command = dataclasses.replace(srv.command, argv=["sleep", "300"])

@@ -9,18 +9,18 @@ import shutil
 
 import pytest
 
-from agents.prompts import SUBMIT_COMMAND
-from training.config import preset
-from training.rollout import EpisodeRequest, EpisodeSettings, InfraError, run_episode
-from training.learner.sft import ScriptedSampler, scripted_turns
+from tmax.agents.prompts import SUBMIT_COMMAND
+from tmax.training.config import preset
+from tmax.training.rollout import EpisodeRequest, EpisodeSettings, InfraError, run_episode
+from tmax.training.learner.sft import ScriptedSampler, scripted_turns
 
 
 @pytest.fixture(scope="module")
 def nano(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from training.nano.model import build_tokenizer
-    from training.nano.tasks import write_splits
+    from tmax.training.nano.model import build_tokenizer
+    from tmax.training.nano.tasks import write_splits
 
     root = tmp_path_factory.mktemp("nano")
     tok = build_tokenizer(0)
@@ -38,7 +38,7 @@ def _cfg(kind="local", **rollout):
 
 
 def _oracle_turns(tok, task_dir):
-    from training.nano.tasks import oracle_steps
+    from tmax.training.nano.tasks import oracle_steps
 
     return scripted_turns(tok, oracle_steps(task_dir))
 
@@ -80,11 +80,11 @@ def test_oracle_episode_tokens_align_and_score(nano, kind):
 def test_context_matches_full_rerender(nano):
     """The token-in/token-out stream equals the tokenizer's encoding of the chat template's
     rendering of the whole conversation, so `tmax bench` (which re-renders) sees the same."""
-    from agents.loop import Agent, AgentConfig
-    from agents.token_policy import TokenPolicy
-    from agents.tools import TOOLS
-    from tasks.episode import EnvSettings, Episode
-    from tasks.model import Task
+    from tmax.agents.loop import Agent, AgentConfig
+    from tmax.agents.token_policy import TokenPolicy
+    from tmax.agents.tools import TOOLS
+    from tmax.tasks.episode import EnvSettings, Episode
+    from tmax.tasks.model import Task
 
     tok, splits, root = nano
     task_dir = splits["train"][2]
@@ -185,7 +185,7 @@ def test_tests_are_not_visible_before_submit(nano):
 
 
 def test_infra_errors_are_counted_by_kind():
-    from training.rollout import InfraCounts
+    from tmax.training.rollout import InfraCounts
 
     counts = InfraCounts()
     counts.add("sandbox_died", "/t/a", "container exited")

@@ -10,11 +10,11 @@ import shutil
 
 import pytest
 
-from agents.policy import SampledTokens
+from tmax.agents.policy import SampledTokens
 from tests.test_rollout import _spans
-from training.config import RolloutConfig, preset
-from training.learner.sft import scripted_turns
-from training.rollout import EpisodeRequest, EpisodeSettings, run_episode
+from tmax.training.config import RolloutConfig, preset
+from tmax.training.learner.sft import scripted_turns
+from tmax.training.rollout import EpisodeRequest, EpisodeSettings, run_episode
 
 
 class LogprobSampler:
@@ -35,8 +35,8 @@ class LogprobSampler:
 def nano(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from training.nano.model import build_tokenizer
-    from training.nano.tasks import write_splits
+    from tmax.training.nano.model import build_tokenizer
+    from tmax.training.nano.tasks import write_splits
 
     root = tmp_path_factory.mktemp("nano-harness")
     build_tokenizer(0).save_pretrained(root / "tok")
@@ -52,7 +52,7 @@ def test_harness_rotates_per_group():
 
 
 def test_mini_swe_rollout_token_trace(nano):
-    from training.nano.tasks import oracle_steps
+    from tmax.training.nano.tasks import oracle_steps
 
     tok, splits = nano
     task = splits["train"][1]
@@ -82,12 +82,12 @@ def test_mini_swe_rollout_token_trace(nano):
     shutil.which("tmux") is None, reason="tmux is not installed"))])
 def test_trace_is_the_template_rendering(nano, harness):
     """What training sees equals the chat template's rendering of the whole conversation."""
-    from agents.harnesses import make_harness
-    from agents.loop import Agent, AgentConfig
-    from agents.token_policy import TokenPolicy
-    from tasks.model import Task
-    from training.nano.tasks import oracle_steps
-    from tasks.episode import EnvSettings, Episode
+    from tmax.agents.harnesses import make_harness
+    from tmax.agents.loop import Agent, AgentConfig
+    from tmax.agents.token_policy import TokenPolicy
+    from tmax.tasks.model import Task
+    from tmax.training.nano.tasks import oracle_steps
+    from tmax.tasks.episode import EnvSettings, Episode
 
     tok, splits = nano
     task_dir = splits["train"][2]

@@ -12,13 +12,13 @@ import time
 
 import pytest
 
-from agents.prompts import SUBMIT_COMMAND
-from sandbox.pool import WarmPool
-from training.config import preset
-from training.rollout import (
+from tmax.agents.prompts import SUBMIT_COMMAND
+from tmax.sandbox.pool import WarmPool
+from tmax.training.config import preset
+from tmax.training.rollout import (
     ROLLOUT_LABEL, EpisodeRequest, EpisodeSettings, InfraError, prepare_tasks, prewarm, run_episode,
 )
-from training.learner.sft import ScriptedSampler, scripted_turns
+from tmax.training.learner.sft import ScriptedSampler, scripted_turns
 
 pytestmark = pytest.mark.podman
 
@@ -27,8 +27,8 @@ pytestmark = pytest.mark.podman
 def nano(tmp_path_factory, base_image):
     from transformers import AutoTokenizer
 
-    from training.nano.model import build_tokenizer
-    from training.nano.tasks import write_splits
+    from tmax.training.nano.model import build_tokenizer
+    from tmax.training.nano.tasks import write_splits
 
     root = tmp_path_factory.mktemp("nano-podman")
     tok = build_tokenizer(0)
@@ -44,7 +44,7 @@ def nano(tmp_path_factory, base_image):
 
 
 def _oracle_turns(tok, task_dir):
-    from training.nano.tasks import oracle_steps
+    from tmax.training.nano.tasks import oracle_steps
 
     return scripted_turns(tok, oracle_steps(task_dir))
 

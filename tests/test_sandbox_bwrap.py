@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from sandbox import SandboxError, SandboxSpec, make_sandbox
-from sandbox.bwrap import available
+from tmax.sandbox import SandboxError, SandboxSpec, make_sandbox
+from tmax.sandbox.bwrap import available
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.skipif(not available(), reason="bubblewrap is not installed")]
 
@@ -107,7 +107,7 @@ def test_dies_with_parent(tmp_path):
     tag = f"tmax-orphan-probe-{os.getpid()}"
     script = textwrap.dedent(f"""
         import sys, time
-        from sandbox import make_sandbox, SandboxSpec
+        from tmax.sandbox import make_sandbox, SandboxSpec
         sb = make_sandbox("bwrap", SandboxSpec())
         sb.start()
         sb.run("exec -a {tag} sleep 300 &")

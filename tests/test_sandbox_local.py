@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from sandbox import KINDS, SandboxError, SandboxSpec, make_sandbox
-from sandbox.base import Sandbox
-from sandbox.pool import SandboxPool
+from tmax.sandbox import KINDS, SandboxError, SandboxSpec, make_sandbox
+from tmax.sandbox.base import Sandbox
+from tmax.sandbox.pool import SandboxPool
 
 
 @pytest.fixture
@@ -89,8 +89,8 @@ def test_pool_bounds_and_fresh_sandboxes(tmp_path):
 
 
 def test_warm_pool_serves_keys_evicts_idle_and_never_reuses(tmp_path):
-    from sandbox import make_sandbox
-    from sandbox.pool import WarmPool
+    from tmax.sandbox import make_sandbox
+    from tmax.sandbox.pool import WarmPool
 
     def factory():
         return make_sandbox("local", SandboxSpec(workdir=str(tmp_path)))
@@ -115,8 +115,8 @@ def test_closing_the_pool_during_a_cold_start_leaves_no_sandbox(tmp_path):
     """A rollout worker shutting down closes its pool while an episode is still starting its
     own sandbox (no warm one): close waits for that start, and the new sandbox is closed
     and refused, not handed out to outlive the pool (its process is killed next)."""
-    from sandbox.local import LocalSandbox
-    from sandbox.pool import WarmPool
+    from tmax.sandbox.local import LocalSandbox
+    from tmax.sandbox.pool import WarmPool
 
     starting, made = threading.Event(), []
 

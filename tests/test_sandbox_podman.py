@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox import LABEL_KEY, SandboxError, SandboxSpec, make_sandbox
+from tmax.sandbox import LABEL_KEY, SandboxError, SandboxSpec, make_sandbox
 
 pytestmark = [pytest.mark.podman, pytest.mark.skipif(shutil.which("podman") is None, reason="podman is not installed")]
 
@@ -109,7 +109,7 @@ def test_seccomp_is_the_default_profile_for_every_abi_the_kernel_runs(box, tmp_p
     import json
     import platform
 
-    from sandbox.podman import DEFAULT_SECCOMP_PROFILE, seccomp_profile
+    from tmax.sandbox.podman import DEFAULT_SECCOMP_PROFILE, seccomp_profile
 
     assert box.run("grep -E '^Seccomp:' /proc/self/status").output.split() == ["Seccomp:", "2"]
     path = seccomp_profile()
@@ -127,7 +127,7 @@ def test_seccomp_is_the_default_profile_for_every_abi_the_kernel_runs(box, tmp_p
 
 
 def test_a_seccomp_profile_named_in_containers_conf_is_left_to_podman(tmp_path, monkeypatch):
-    from sandbox import podman
+    from tmax.sandbox import podman
 
     conf = tmp_path / "containers.conf"
     conf.write_text('[containers]\nseccomp_profile = "/etc/my-profile.json"\n')
@@ -222,7 +222,7 @@ def test_missing_image_is_a_clear_error(podman_service):
 
 
 def test_clean_removes_dead_owners_only(base_image):
-    from sandbox.cleanup import clean
+    from tmax.sandbox.cleanup import clean
 
     run_label = {"io.tmax.test": secrets.token_hex(6)}
     dead = make_sandbox("podman", SandboxSpec(image=base_image, labels={**run_label, "io.tmax.pid": "999999999"}))
@@ -243,7 +243,7 @@ def test_clean_removes_dead_owners_only(base_image):
 
 
 def test_service_lifecycle_and_stale_cleanup(tmp_path):
-    from sandbox.podman_service import PodmanService, clean_stale_services, ping
+    from tmax.sandbox.podman_service import PodmanService, clean_stale_services, ping
 
     svc = PodmanService(base_dir=str(tmp_path))
     url = svc.start()
@@ -263,7 +263,7 @@ def test_service_lifecycle_and_stale_cleanup(tmp_path):
 
 def test_import_rootfs_bakes_ca_and_config(podman_service, tmp_path):
     """The import half of build-base, on a tiny rootfs (host bash and its libraries)."""
-    from sandbox.images import BASE_LABEL_KEY, import_rootfs, prepare_rootfs
+    from tmax.sandbox.images import BASE_LABEL_KEY, import_rootfs, prepare_rootfs
 
     root = tmp_path / "rootfs"
     bash = Path(shutil.which("bash")).resolve()
@@ -300,7 +300,7 @@ def test_import_rootfs_bakes_ca_and_config(podman_service, tmp_path):
 
 
 def test_pool_of_containers(base_image):
-    from sandbox.pool import SandboxPool
+    from tmax.sandbox.pool import SandboxPool
 
     with SandboxPool("podman", SandboxSpec(image=base_image), size=2) as pool:
         a = pool.acquire()
@@ -326,7 +326,7 @@ def test_interrupt_reaches_container(box):
 def test_cli_build_base_cached_and_clean_dry_run(base_image):
     from typer.testing import CliRunner
 
-    from tmax_cli.main import app
+    from tmax.cli.main import app
 
     runner = CliRunner()
     r = runner.invoke(app, ["sandbox", "build-base", "--tag", base_image])
@@ -342,7 +342,7 @@ def test_service_dies_with_killed_owner(tmp_path):
     import sys
 
     code = ("import os, tempfile, time; tempfile.tempdir = os.environ['T'];"
-            "from sandbox import podman_service as ps; ps.service_url();"
+            "from tmax.sandbox import podman_service as ps; ps.service_url();"
             "print(ps._service.proc.pid, flush=True); time.sleep(300)")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                          cwd=str(Path(__file__).resolve().parents[1]), env={**os.environ, "T": str(tmp_path)})
@@ -368,7 +368,7 @@ def test_service_dies_with_killed_owner(tmp_path):
 def test_exec_outlasts_the_client_http_timeout(base_image, monkeypatch):
     # Verifiers and oracle scripts run for minutes: a one-off exec must not be cut by the
     # HTTP timeout of the client that manages the container.
-    from sandbox import podman_service
+    from tmax.sandbox import podman_service
 
     real = podman_service.client
     monkeypatch.setattr(podman_service, "client", lambda runtime="runc", timeout=2: real(runtime, timeout=timeout))

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from sandbox import SandboxSpec, make_sandbox
-from sandbox.bwrap import available as bwrap_available
+from tmax.sandbox import SandboxSpec, make_sandbox
+from tmax.sandbox.bwrap import available as bwrap_available
 
 
 def run_on_a_thread(box, command: str):

@@ -16,9 +16,9 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from tmax_cli.main import app
-from training.inference.serving import ServeSpec, build_command, port_is_free, visible_gpus
-from training.net import free_port
+from tmax.cli.main import app
+from tmax.training.inference.serving import ServeSpec, build_command, port_is_free, visible_gpus
+from tmax.training.net import free_port
 
 runner = CliRunner()
 
@@ -42,7 +42,7 @@ def _flag(argv: list[str], name: str) -> str:
 @pytest.fixture(scope="module")
 def nano_dir(tmp_path_factory):
     pytest.importorskip("transformers")
-    from training.nano.model import build_nano_model
+    from tmax.training.nano.model import build_nano_model
 
     out = tmp_path_factory.mktemp("serve") / "nano-ckpt"
     build_nano_model(out, seed=0)
@@ -97,7 +97,7 @@ def test_nano_checkpoint_gets_hermes_float32_and_capped_length(nano_dir):
 def test_dev_mode_adds_weight_push_setup(nano_dir):
     argv, env = _dry([str(nano_dir), "--dev", "--vllm-arg=--seed", "--vllm-arg=3"])
     assert env["VLLM_SERVER_DEV_MODE"] == "1"
-    assert _flag(argv, "--worker-extension-cls") == "training.weights.vllm_ext.WeightPushExtension"
+    assert _flag(argv, "--worker-extension-cls") == "tmax.training.weights.vllm_ext.WeightPushExtension"
     assert _flag(argv, "--logprobs-mode") == "processed_logprobs"
     assert _flag(argv, "--generation-config") == "vllm"
     assert argv[-2:] == ["--seed", "3"]
@@ -124,7 +124,7 @@ def test_bad_input_is_a_clear_error(tmp_path):
 
 
 def test_serving_module_imports_without_torch():
-    code = "import sys, training.inference.serving, training.inference.engine, tmax_cli.serve_cmd; sys.exit('torch' in sys.modules or 'vllm' in sys.modules)"
+    code = "import sys, training.inference.serving, training.inference.engine, tmax.cli.serve_cmd; sys.exit('torch' in sys.modules or 'vllm' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent).returncode == 0
 
 
@@ -141,7 +141,7 @@ def _overfit_one_tool_call(model_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agents.tools import TOOLS
+    from tmax.agents.tools import TOOLS
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -179,7 +179,7 @@ def test_tmax_serve_starts_prints_base_url_and_stops_on_ctrl_c(nano_dir, tmp_pat
     _overfit_one_tool_call(nano_dir)
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tmax_cli.main", "serve", str(nano_dir), "--port", str(port), "--log", str(tmp_path / "vllm.log"),
+        [sys.executable, "-m", "tmax.cli.main", "serve", str(nano_dir), "--port", str(port), "--log", str(tmp_path / "vllm.log"),
          "--max-model-len", "2048"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -191,7 +191,7 @@ def test_tmax_serve_starts_prints_base_url_and_stops_on_ctrl_c(nano_dir, tmp_pat
         assert line == f"http://127.0.0.1:{port}/v1", (line, proc.stderr.read() if proc.poll() is not None else "")
         models = _get(line + "/models")
         assert [m["id"] for m in models["data"]] == ["nano-ckpt"]
-        from agents.tools import TOOLS
+        from tmax.agents.tools import TOOLS
 
         chat = _get(line + "/chat/completions", {
             "model": "nano-ckpt", "messages": CALL_MESSAGES, "tools": TOOLS, "max_tokens": 64, "temperature": 0, "logprobs": True,

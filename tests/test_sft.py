@@ -7,21 +7,21 @@ from pathlib import Path
 
 import pytest
 
-from agents.harnesses import HARNESSES
+from tmax.agents.harnesses import HARNESSES
 from tests.test_rollout import _spans
-from training.config import preset
-from training.learner.sft import (
+from tmax.training.config import preset
+from tmax.training.learner.sft import (
     DemoError, ScriptedSampler, collect_demos, oracle_demo, scripted_turns, select_sft_tasks, train_sft,
 )
-from training.rollout import EpisodeSettings
+from tmax.training.rollout import EpisodeSettings
 
 
 @pytest.fixture(scope="module")
 def nano(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from training.nano.model import NanoSpec, build_nano_model
-    from training.nano.tasks import write_splits
+    from tmax.training.nano.model import NanoSpec, build_nano_model
+    from tmax.training.nano.tasks import write_splits
 
     root = tmp_path_factory.mktemp("sft")
     # A smaller model than the recipe's keeps this test fast; same architecture.
@@ -50,7 +50,7 @@ def test_oracle_demo_under_each_harness(nano, harness):
     """A demonstration is written as the harness's model would write it (terminus-2: JSON
     keystrokes, and the confirming second `task_complete`), scores 1, and its trace holds
     those turns verbatim as the sampled spans; the rest is the template's observations."""
-    from training.nano.tasks import oracle_steps
+    from tmax.training.nano.tasks import oracle_steps
 
     tok, splits, _ = nano
     cfg = preset("nano")
@@ -122,7 +122,7 @@ def test_learn_sft_warm_starts_under_a_list_of_harnesses(tmp_path):
     over the harnesses, every one solves its task, and SFT trains on all of them."""
     from typer.testing import CliRunner
 
-    from tmax_cli.main import app
+    from tmax.cli.main import app
 
     config = tmp_path / "demos.toml"
     config.write_text(

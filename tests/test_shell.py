@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from sandbox.base import SandboxError
-from sandbox.shell import PersistentShell, clean_output
-from sandbox.shell_setup import _NO_INPUT_NOTE
+from tmax.sandbox.base import SandboxError
+from tmax.sandbox.shell import PersistentShell, clean_output
+from tmax.sandbox.shell_setup import _NO_INPUT_NOTE
 
 
 @pytest.fixture
@@ -236,7 +236,7 @@ def test_previous_exit_code_visible_and_set_e(sh):
 def test_children_start_with_default_signals(tmp_path):
     """A tmax started in the background ignores SIGINT (and Python ignores SIGPIPE): the
     shell's commands and one-off processes must not inherit that."""
-    from sandbox.hostexec import run_process
+    from tmax.sandbox.hostexec import run_process
 
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -257,7 +257,7 @@ def test_children_start_without_forking_tmax_even_when_it_ignores_signals(tmp_pa
     """A fork of a driver holding torch costs it tens of ms of CPU and a fault on every page
     it writes afterwards. tmax started in the background ignores SIGINT and SIGQUIT; its
     children still start through vfork (Python's fork hooks never run) and with defaults."""
-    from sandbox.hostexec import run_process
+    from tmax.sandbox.hostexec import run_process
 
     forks = []
     os.register_at_fork(before=lambda: forks.append(1))
@@ -280,8 +280,8 @@ def test_children_start_without_forking_tmax_even_when_it_ignores_signals(tmp_pa
 
 def test_children_start_with_no_signal_blocked():
     """Ray blocks SIGINT in its workers' threads; a child inherits its spawning thread's mask."""
-    from sandbox.hostexec import run_process
-    from sandbox.ptyspawn import PtyProcess
+    from tmax.sandbox.hostexec import run_process
+    from tmax.sandbox.ptyspawn import PtyProcess
 
     old = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT, signal.SIGTERM])
     try:

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-import tasks.longexec as longexec
-from sandbox import make_sandbox
-from sandbox.base import SandboxSpec
+import tmax.tasks.longexec as longexec
+from tmax.sandbox import make_sandbox
+from tmax.sandbox.base import SandboxSpec
 
 
 class CountingSandbox:

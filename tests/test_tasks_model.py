@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.dataset import DatasetError, load_tasks, resolve, select
-from tasks.model import Task, TaskError, UnsupportedTask, parse_size_mb
+from tmax.tasks.dataset import DatasetError, load_tasks, resolve, select
+from tmax.tasks.model import Task, TaskError, UnsupportedTask, parse_size_mb
 
 SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "tb2-sample"
 GOOD = Path(__file__).parent / "data" / "tasks" / "echo-hello"

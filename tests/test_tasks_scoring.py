@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.scoring import pass_at_k, score
+from tmax.tasks.scoring import pass_at_k, score
 
 
 def test_pass_at_k_formula():
@@ -67,7 +67,7 @@ def test_report_json_on_a_job_dir(tmp_path):
     """`tmax bench report --json` on a hand-written Harbor-style job directory."""
     from typer.testing import CliRunner
 
-    from tmax_cli.main import app
+    from tmax.cli.main import app
 
     job = tmp_path / "job"
     job.mkdir()
@@ -96,7 +96,7 @@ def test_report_json_on_a_job_dir(tmp_path):
 def test_report_on_missing_dir(tmp_path):
     from typer.testing import CliRunner
 
-    from tmax_cli.main import app
+    from tmax.cli.main import app
 
     r = CliRunner().invoke(app, ["bench", "report", str(tmp_path / "nope")])
     assert r.exit_code == 2 and "not a job directory" in " ".join(r.output.split())

@@ -7,10 +7,10 @@ import pytest
 from scripted_server import ScriptedServer
 from test_cli_run import FOLLOW_UP, SUBMIT, env, run_args, spawn, user_texts, ws  # noqa: F401  (fixtures)
 
-from sandbox.snapshot import UndoHistory
-from sandbox.watched import WatchedSnapshots
-from tmax_cli.config import bwrap_works
-from tmax_cli.run_undo import undo_count
+from tmax.sandbox.snapshot import UndoHistory
+from tmax.sandbox.watched import WatchedSnapshots
+from tmax.cli.config import bwrap_works
+from tmax.cli.run_undo import undo_count
 
 
 def test_directory_snapshots_restore_deleted_changed_and_added(tmp_path):

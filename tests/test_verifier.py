@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.verifier import _parse_verifier_output
+from tmax.tasks.verifier import _parse_verifier_output
 
 DATA = Path(__file__).parent / "data" / "tasks" / "echo-hello"
 
@@ -28,7 +28,7 @@ def test_output_parsing():
 
 
 def _task(tmp_path: Path, name: str, test_sh: str, timeout: float = 60):
-    from tasks.model import Task
+    from tmax.tasks.model import Task
 
     d = tmp_path / name
     shutil.copytree(DATA, d)
@@ -42,8 +42,8 @@ def _task(tmp_path: Path, name: str, test_sh: str, timeout: float = 60):
 
 @pytest.fixture(scope="module")
 def container(base_image):
-    from sandbox.base import SandboxSpec
-    from sandbox.podman import PodmanSandbox
+    from tmax.sandbox.base import SandboxSpec
+    from tmax.sandbox.podman import PodmanSandbox
 
     sb = PodmanSandbox(SandboxSpec(image=base_image, workdir="/tmp"))
     sb.start()
@@ -53,7 +53,7 @@ def container(base_image):
 
 @pytest.mark.podman
 def test_reward_fixtures_and_a_stale_tests_dir(container, tmp_path):
-    from tasks.verifier import run_verifier
+    from tmax.tasks.verifier import run_verifier
 
     container.exec(["bash", "-c", "mkdir -p /tests && echo planted > /tests/planted.txt"])
     task = _task(tmp_path, "json", '#!/bin/bash\nhere=$(dirname "${BASH_SOURCE[0]}")\n'
@@ -67,7 +67,7 @@ def test_reward_fixtures_and_a_stale_tests_dir(container, tmp_path):
 
 @pytest.mark.podman
 def test_no_reward_and_timeout(container, tmp_path):
-    from tasks.verifier import run_verifier
+    from tmax.tasks.verifier import run_verifier
 
     none = run_verifier(container, _task(tmp_path, "none", "#!/bin/bash\nrm -f /logs/verifier/*\nexit 3\n"),
                         "/tmp", tmp_path / "out-none")
@@ -81,7 +81,7 @@ def test_no_reward_and_timeout(container, tmp_path):
 def test_reward_without_a_log_copy(container, tmp_path):
     """A learn rollout that records nothing passes no out_dir: the reward still comes from
     the exec's own output, and nothing is copied out."""
-    from tasks.verifier import run_verifier
+    from tmax.tasks.verifier import run_verifier
 
     task = _task(tmp_path, "nolog", "#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n")
     res = run_verifier(container, task, "/tmp", None)
@@ -109,7 +109,7 @@ def test_small_tests_travel_in_the_exec_large_ones_by_copy(container, tmp_path):
     import hashlib
     import os
 
-    from tasks.verifier import INLINE_TESTS_MAX_BYTES, run_verifier
+    from tmax.tasks.verifier import INLINE_TESTS_MAX_BYTES, run_verifier
 
     check = ('#!/bin/bash\ncd "$(dirname "${BASH_SOURCE[0]}")"\n'
              'sha256sum -c sums.txt > /dev/null && echo 1 > /logs/verifier/reward.txt\n')
@@ -129,9 +129,9 @@ def test_small_tests_travel_in_the_exec_large_ones_by_copy(container, tmp_path):
 
 @pytest.mark.podman
 def test_an_image_without_tar_gets_its_tests_by_copy(base_image, tmp_path):
-    from sandbox.base import SandboxSpec
-    from sandbox.podman import PodmanSandbox
-    from tasks.verifier import run_verifier
+    from tmax.sandbox.base import SandboxSpec
+    from tmax.sandbox.podman import PodmanSandbox
+    from tmax.tasks.verifier import run_verifier
 
     sb = PodmanSandbox(SandboxSpec(image=base_image, workdir="/tmp", shell=False))
     sb.start()
@@ -148,9 +148,9 @@ def test_an_image_without_tar_gets_its_tests_by_copy(base_image, tmp_path):
 
 def _host_verify(tmp_path: Path, task, out_dir: Path | None):
     """run_host_verifier on a local sandbox working in tmp_path/work."""
-    from sandbox.base import SandboxSpec
-    from sandbox.local import LocalSandbox
-    from tasks.verifier import run_host_verifier
+    from tmax.sandbox.base import SandboxSpec
+    from tmax.sandbox.local import LocalSandbox
+    from tmax.tasks.verifier import run_host_verifier
 
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)

@@ -19,11 +19,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from training.config import ConfigError, LearnConfig, load_config, preset  # noqa: E402
-from training.net import free_port  # noqa: E402
-from training.weights.group import WeightGroup, WeightSender  # noqa: E402
-from training.weights.protocol import WeightUpdate, make_update  # noqa: E402
-from training.weights.transports import resolve_transport as resolve_weight_transport  # noqa: E402
+from tmax.training.config import ConfigError, LearnConfig, load_config, preset  # noqa: E402
+from tmax.training.net import free_port  # noqa: E402
+from tmax.training.weights.group import WeightGroup, WeightSender  # noqa: E402
+from tmax.training.weights.protocol import WeightUpdate, make_update  # noqa: E402
+from tmax.training.weights.transports import resolve_transport as resolve_weight_transport  # noqa: E402
 
 TOL = 1e-4
 CONTEXT = 4096
@@ -125,7 +125,7 @@ def nano_dir(tmp_path_factory):
     server's frontend can take the tokens on a busy 2-core machine, and while the
     frontend works through that backlog it answers no HTTP call (a sync's `/pause`
     among them); each extra layer slows decoding, not the frontend."""
-    from training.nano.model import NanoSpec, build_nano_model
+    from tmax.training.nano.model import NanoSpec, build_nano_model
 
     out = tmp_path_factory.mktemp("nano-model")
     build_nano_model(out, seed=0, spec=NanoSpec(num_hidden_layers=16))
@@ -141,8 +141,8 @@ def base_model(nano_dir):
 @pytest.fixture(scope="module")
 def prompt(nano_dir):
     transformers = pytest.importorskip("transformers")
-    from agents import prompts
-    from agents.tools import TOOLS
+    from tmax.agents import prompts
+    from tmax.agents.tools import TOOLS
 
     tok = transformers.AutoTokenizer.from_pretrained(nano_dir)
     msgs = [prompts.system_message(), prompts.instance_message("Create a file named lemon.txt that contains river.")]
@@ -163,10 +163,10 @@ def test_ray_weight_sync_over_gloo(nano_dir, base_model, prompt, tmp_path, share
     group with it and brings it the learner's weights."""
     import ray
 
-    from training.cluster.actors import EngineGroup, LearnerGroup
-    from training.cluster.launch import connect
-    from training.loop import learner_config
-    from training.weights.learner_side import WeightSync
+    from tmax.training.cluster.actors import EngineGroup, LearnerGroup
+    from tmax.training.cluster.launch import connect
+    from tmax.training.loop import learner_config
+    from tmax.training.weights.learner_side import WeightSync
 
     cfg = preset("nano")
     cfg.engine.weight_transport = "gloo"
@@ -238,7 +238,7 @@ def _wait_restarted(actor, timeout_s: float = 600.0) -> None:
 
 @pytest.fixture(scope="module")
 def engine(nano_dir, tmp_path_factory):
-    from training.inference.engine import VLLMEngine
+    from tmax.training.inference.engine import VLLMEngine
 
     # The nano model's full 4096 positions: room for a request that runs for many seconds.
     eng = VLLMEngine(nano_dir, max_model_len=CONTEXT, work_dir=tmp_path_factory.mktemp("engine"))
@@ -308,7 +308,7 @@ def _sync_during_long_request(engine, sender, transport, old, new, v_old, seed, 
     """Start a request that fills the context, sync to `new` once it has sampled
     `after_tokens` tokens, and return (its result, the first request sent after the sync,
     the change of `mixed_turns`)."""
-    from training.inference.engine import VLLMSampler
+    from tmax.training.inference.engine import VLLMSampler
 
     sync(engine, sender, old.state_dict(), v_old, transport)
     # ignore_eos: the request runs its full length whatever the random weights sample.

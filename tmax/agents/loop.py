@@ -1,0 +1,368 @@
+"""The agent loop: one class for `tmax run`, `tmax bench` and `tmax learn`.
+
+The prompt, the action parser, how an action runs and what the model sees of it come from
+a harness (`agents.harness`); the default is Vanillux2, described here. mini-swe and
+terminus-2 (`agents.harnesses`) share everything else: steps, format-error counting,
+retries, budgets, records.
+
+Vanillux2 semantics (the Tmax evaluation harness):
+
+* messages start as [system, user(instance template)];
+* every model call is one step, format errors included; at most `max_steps` per episode;
+* only the first tool call is used; a command containing the submit marker runs and then
+  the episode ends; the marker in any observation also ends it;
+* a response without a valid `bash` call gets format-error feedback (a `user` message, or
+  a `tool` reply when the bad call has a usable id); `max_format_errors` in a row end it;
+* model errors are retried (5 attempts, back-off 2/4/8/16 s); auth / not-found /
+  bad-request errors are not; a context overflow ends the episode cleanly;
+* a sandbox failure is an infrastructure error (`sandbox_error`), never the agent's.
+
+Ctrl-C during the model call or a command interrupts only that: the command is stopped
+with `harness.interrupt()` (the shell survives) and `hooks.on_interrupt()` decides whether
+to continue with guidance or stop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from tmax.agents.budget import Budget, budget_hint
+from tmax.agents.harness import Harness, TmaxHarness
+from tmax.agents.observation import ObservationLimits
+from tmax.agents.parsing import Action
+from tmax.agents.policy import ContextOverflow, FatalModelError, ModelError, ModelTurn, Policy, Usage
+from tmax.agents.prompts import REJECTED_TOOL_TEXT, render
+from tmax.agents.records import Recorder, SavedRun
+from tmax.sandbox.base import CommandResult, Sandbox, SandboxError
+from tmax.common.waiting import retry_call
+
+INTERRUPT_TEMPLATE = "The user interrupted you and says: {{guidance}}"
+REJECTION_TEMPLATE = "The user did not run your command and says: {{feedback}}"
+
+
+@dataclass
+class AgentConfig:
+    """Vanillux2 defaults."""
+
+    max_steps: int = 64
+    command_timeout: float = 120.0
+    max_format_errors: int = 64
+    # Sampling settings are applied by whoever builds the policy (ChatPolicy / TokenPolicy).
+    temperature: float = 0.7
+    top_p: float = 0.95
+    max_tokens: int = 16384
+    # Stop once a turn's prompt + completion reaches this many tokens, for servers whose
+    # window is larger than the budget (a smaller window raises ContextOverflow itself).
+    context_budget: int = 65536
+    observation_max_chars: int = 10000
+    retries: int = 5
+    backoff_s: tuple[float, ...] = (2, 4, 8, 16)
+    # Opt-in (agents.budget): observations end with the steps, time and context left.
+    budget_hints: bool = False
+    time_budget_s: float | None = None  # only shown by budget hints; None: no limit
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> AgentConfig:
+        """The one way an AgentConfig is made from settings: `tmax run`'s, a bench job's
+        agent kwargs (`--ak`), the learn config's rollout section (`training.rollout`).
+        A setting left None keeps its default; a name this class does not have is an error."""
+        names = set(cls.__dataclass_fields__)
+        unknown = sorted(set(settings) - names)
+        if unknown:
+            raise ValueError(f"unknown agent setting(s) {', '.join(map(repr, unknown))}; "
+                             f"known: {', '.join(sorted(names))}")
+        values = {k: v for k, v in settings.items() if v is not None}
+        if "backoff_s" in values:
+            values["backoff_s"] = tuple(values["backoff_s"])  # JSON gives a list
+        return cls(**values)
+
+    @property
+    def observation_limits(self) -> ObservationLimits:
+        half = self.observation_max_chars // 2
+        return ObservationLimits(self.observation_max_chars, half, self.observation_max_chars - half)
+
+
+class AgentHooks:
+    """Callbacks for UIs and runners. Every method is optional."""
+
+    def on_step_start(self, step: int) -> None: ...
+
+    def on_model_turn(self, step: int, turn: ModelTurn, command: str | None) -> None: ...
+
+    def approve(self, step: int, command: str) -> str | None:
+        """None runs the command; any text rejects it and goes back to the model."""
+        return None
+
+    def on_observation(self, step: int, result: CommandResult, observation: str) -> None: ...
+
+    def on_format_error(self, step: int, feedback: str, reason: str | None = None) -> None:
+        """`feedback` is what the model is told; `reason` is what the parser found wrong."""
+
+    def on_retry(self, attempt: int, error: Exception, delay_s: float) -> None: ...
+
+    def on_interrupt(self) -> str | None:
+        """Ctrl-C: guidance text to continue, None to stop."""
+        return None
+
+
+@dataclass
+class AgentResult:
+    # submitted | max_steps | context_overflow | format_errors | model_error | interrupted | sandbox_error
+    status: str
+    steps: int
+    usage: Usage
+    messages: list[dict[str, Any]]
+    error: str | None = None
+
+
+@dataclass
+class _Outcome:
+    status: str
+    error: str | None = None
+
+
+class Agent:
+    def __init__(
+        self,
+        policy: Policy,
+        sandbox: Sandbox,
+        config: AgentConfig | None = None,
+        recorder: Recorder | None = None,
+        hooks: AgentHooks | None = None,
+        *,
+        harness: Harness | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.policy = policy
+        self.sandbox = sandbox
+        self.config = config or AgentConfig()
+        self.recorder = recorder
+        self.hooks = hooks or AgentHooks()
+        # What differs between agent styles (prompt, action parser, execution, observation).
+        self.harness = harness or TmaxHarness()
+        self.tools = self.harness.tools
+        self._sleep = sleep  # injectable so tests do not wait through real back-offs
+        self.messages: list[dict[str, Any]] = []
+        self.timing: list[dict[str, Any]] = []
+        self.usage = Usage()
+        self.steps = 0  # model calls over the whole session (follow-ups included)
+        self._last_context_tokens = 0
+
+    # ---- public API -------------------------------------------------------------------
+
+    def run(self, task: str) -> AgentResult:
+        """A fresh episode: [system, user(instance template with the task)]."""
+        if not task.strip():
+            raise ValueError("the task text is empty")
+        self.messages = self.harness.initial_messages(task)
+        self.timing, self.usage, self.steps, self._last_context_tokens = [], Usage(), 0, 0
+        return self._episode()
+
+    def follow_up(self, text: str) -> AgentResult:
+        """Continue the same conversation and shell with a new user message."""
+        if not self.messages:
+            raise RuntimeError("follow_up() needs a conversation: call run() or load() first")
+        self.messages.append({"role": "user", "content": text})
+        return self._episode()
+
+    def load(self, saved: SavedRun) -> None:
+        """Adopt a saved conversation (`tmax run --resume`); then call follow_up() or resume()."""
+        self.messages = [dict(m) for m in saved.messages]
+        self.timing = list(saved.timing)
+        self.usage = Usage(**vars(saved.usage))
+        self.steps = sum(1 for m in self.messages if m.get("role") == "assistant")
+
+    def resume(self) -> AgentResult:
+        """Continue a loaded conversation as it stands (e.g. after a crash mid-episode)."""
+        if not self.messages:
+            raise RuntimeError("resume() needs a conversation: call load() first")
+        return self._episode()
+
+    # ---- the loop ---------------------------------------------------------------------
+
+    def _episode(self) -> AgentResult:
+        try:
+            outcome = self._steps()
+        finally:
+            # Also when a hook or a runner aborts the episode with an exception.
+            self._save()
+        if self.recorder is not None:
+            self.recorder.finish(outcome.status, self.steps, outcome.error)
+        return AgentResult(outcome.status, self.steps, self.usage, self.messages, outcome.error)
+
+    def _steps(self) -> _Outcome:
+        cfg = self.config
+        episode_steps = 0
+        format_errors = 0
+        started = time.monotonic()
+        while True:
+            if episode_steps >= cfg.max_steps:
+                return _Outcome("max_steps")
+            guard = not getattr(self.policy, "enforces_context_budget", False)
+            if guard and self._last_context_tokens >= cfg.context_budget:
+                return _Outcome("context_overflow", f"context budget of {cfg.context_budget} tokens used")
+            step = self.steps + 1
+            self.hooks.on_step_start(step)
+            t0 = time.monotonic()
+            try:
+                turn = self._query()
+            except KeyboardInterrupt:
+                if not self._guidance():
+                    return _Outcome("interrupted")
+                continue
+            except ContextOverflow as e:
+                return _Outcome("context_overflow", str(e))
+            except FatalModelError as e:
+                return _Outcome("model_error", str(e))
+            except ModelError as e:
+                return _Outcome("model_error", f"giving up after {cfg.retries} attempts: {e}")
+            llm_s = time.monotonic() - t0
+            self.steps = step
+            episode_steps += 1
+            self.usage.add(turn.usage)
+            self._last_context_tokens = turn.usage.total_tokens or (turn.usage.prompt_tokens + turn.usage.completion_tokens)
+
+            message = dict(turn.message)
+            action = self.harness.parse(message)
+            self.hooks.on_model_turn(step, turn, action.command)
+
+            if action.is_format_error:
+                format_errors += 1
+                self._format_error(step, message, action, llm_s)
+                if format_errors >= cfg.max_format_errors:
+                    return _Outcome("format_errors", f"{format_errors} format errors in a row")
+                continue
+            format_errors = 0
+            # Only the first call is answered; drop the rest so the history stays valid.
+            if message.get("tool_calls"):
+                message["tool_calls"] = message["tool_calls"][:1]
+            self.messages.append(message)
+            assert action.command is not None
+
+            gate = self._gate(step, action, llm_s)
+            if isinstance(gate, _Outcome):
+                return gate
+            if gate:
+                outcome = self._act(step, action, llm_s, episode_steps, started)
+                if outcome is not None:
+                    return outcome
+
+    def _gate(self, step: int, action: Action, llm_s: float) -> "_Outcome | bool":
+        """Ask the hooks to approve the command: True runs it, False skips it (rejected, or
+        guidance after a Ctrl-C at the prompt), an outcome ends the episode."""
+        assert action.command is not None
+        try:
+            rejection = self.hooks.approve(step, action.command)
+        except KeyboardInterrupt:
+            # Quit or Ctrl-C at the approval prompt: the call still gets an answer so the
+            # saved history stays valid for --resume, then the user decides.
+            self._reply(action, REJECTED_TOOL_TEXT, tool_only=True)
+            self.timing.append({"step": step, "llm_s": round(llm_s, 3), "rejected": True, "cmd": action.command[:200]})
+            self._save()
+            return False if self._guidance() else _Outcome("interrupted")
+        if rejection is None:
+            return True
+        self._reply(action, REJECTED_TOOL_TEXT, tool_only=True)
+        self.messages.append({"role": "user", "content": render(REJECTION_TEMPLATE, feedback=rejection)})
+        self.timing.append({"step": step, "llm_s": round(llm_s, 3), "rejected": True, "cmd": action.command[:200]})
+        self._save()
+        return False
+
+    def _act(self, step: int, action: Action, llm_s: float, episode_steps: int, started: float) -> "_Outcome | None":
+        """Run the approved command and answer the call; an outcome when the episode ends."""
+        cfg = self.config
+        assert action.command is not None
+        try:
+            result, interrupted = self._execute(action)
+        except SandboxError as e:
+            self.timing.append({"step": step, "llm_s": round(llm_s, 3), "sandbox_error": str(e)[:200], "cmd": action.command[:200]})
+            return _Outcome("sandbox_error", str(e))
+        observation, finished = self.harness.observe(action, result, cfg.observation_limits)
+        if cfg.budget_hints:
+            observation += budget_hint(Budget(cfg.max_steps, episode_steps, cfg.context_budget,
+                                              self._last_context_tokens, time.monotonic() - started, cfg.time_budget_s))
+        self._reply(action, observation)
+        self.timing.append({"step": step, "llm_s": round(llm_s, 3), "bash_s": round(result.duration_s, 3),
+                            "return_code": result.exit_code, "cmd": action.command[:200]})
+        self.hooks.on_observation(step, result, observation)
+        self._save()
+        if interrupted:
+            # The user stopped this command; their guidance (if any) comes before any submit.
+            return None if self._guidance() else _Outcome("interrupted")
+        return _Outcome("submitted") if finished else None
+
+    def _query(self) -> ModelTurn:
+        cfg = self.config
+        return retry_call(lambda: self.policy.complete(self.messages, self.tools), attempts=cfg.retries,
+                          backoff_s=cfg.backoff_s, retry_on=ModelError, on_retry=self.hooks.on_retry, sleep=self._sleep)
+
+    def _format_error(self, step: int, message: dict[str, Any], action: Action, llm_s: float) -> None:
+        feedback = self.harness.format_error(action)
+        if message.get("content") is None:
+            message["content"] = ""
+        if action.tool_call_id:
+            # The call was well-formed but wrong (e.g. another tool): answer it as a tool reply.
+            message["tool_calls"] = message["tool_calls"][:1]
+            self.messages.append(message)
+            self.messages.append({"role": "tool", "tool_call_id": action.tool_call_id, "content": feedback})
+        else:
+            # Unusable calls are dropped so later requests never re-send broken arguments.
+            message.pop("tool_calls", None)
+            self.messages.append(message)
+            self.messages.append({"role": "user", "content": feedback})
+        self.timing.append({"step": step, "llm_s": round(llm_s, 3), "format_error": True, "reason": action.error})
+        self.hooks.on_format_error(step, feedback, action.error)
+        self._save()
+
+    def _reply(self, action: Action, text: str, tool_only: bool = False) -> None:
+        """Answer the call: a `tool` message for a native call, else (raw-text call) a user message."""
+        if action.tool_call_id:
+            self.messages.append({"role": "tool", "tool_call_id": action.tool_call_id, "content": text})
+        elif not tool_only:
+            self.messages.append({"role": "user", "content": text})
+
+    def _execute(self, action: Action) -> tuple[CommandResult, bool]:
+        """Run the command in a worker thread so Ctrl-C reaches this (main) thread, which
+        then interrupts the command and waits for the shell to come back."""
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                box["result"] = self.harness.execute(self.sandbox, action, self.config.command_timeout)
+            except BaseException as e:  # handed to the main thread
+                box["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=work, name="tmax-command", daemon=True).start()
+        interrupts = 0
+        while not done.is_set():
+            try:
+                done.wait(0.05)
+            except KeyboardInterrupt:
+                interrupts += 1
+                # A second Ctrl-C means the command ignored the first: kill its whole group.
+                self.harness.interrupt(self.sandbox, force=interrupts > 1)
+        if "error" in box:
+            err = box["error"]
+            if isinstance(err, SandboxError):
+                raise err
+            raise SandboxError(f"the sandbox failed while running a command: {err!r}") from err
+        return box["result"], interrupts > 0
+
+    def _guidance(self) -> bool:
+        guidance = self.hooks.on_interrupt()
+        if guidance is None:
+            return False
+        self.messages.append({"role": "user", "content": render(INTERRUPT_TEMPLATE, guidance=guidance)})
+        self._save()
+        return True
+
+    def _save(self) -> None:
+        if self.recorder is not None:
+            self.recorder.save(self.messages, self.timing, self.usage, self.config.max_steps, trace=getattr(self.policy, "trace", None))

@@ -1,0 +1,166 @@
+"""A policy that works in token ids, for RL: the trainer sees exactly what the sampler saw.
+
+The prompt ([system, user] + tools) is rendered with the tokenizer's chat template once.
+After that the context only grows:
+
+* sampled ids are appended verbatim (mask 1, the sampler's logprobs);
+* each message the Agent added since (tool observation, format-error feedback, user
+  guidance) is appended as the chat template's rendering of just that message, plus the
+  next assistant generation prompt (mask 0, logprob 0).
+
+History is never re-rendered, so a template that rewrites earlier turns (e.g. drops old
+thinking) cannot make the trained sequence differ from the sampled one.
+
+Budgets follow the Tmax RL recipe: a prompt limit (2,048), a response budget counting
+model *and* tool tokens (65,536), a context limit (prompt 2,048 + 65,536), and a per-turn
+cap (16,384); each turn samples at most max(1, min(remaining response, remaining context,
+per-turn cap)). When a budget is used up, or the prompt is over its limit, the policy
+raises ContextOverflow and the episode ends cleanly.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tmax.agents.parsing import message_from_text
+from tmax.agents.policy import ContextOverflow, ModelTurn, TokenSampler, TokenTrace, Usage
+
+# A stand-in conversation to render new messages against. Its assistant content is an
+# anchor: everything after the end-of-turn token that closes it is the new messages'
+# rendering (plus the generation prompt), whatever the template does to earlier turns.
+_ANCHOR = "TMAX-DELTA-ANCHOR"
+_BASE = [
+    {"role": "system", "content": "S"},
+    {"role": "user", "content": "U"},
+    {"role": "assistant", "content": _ANCHOR},
+]
+
+
+class TokenPolicy:
+    # The Agent's own context guard defers to the budgets enforced here.
+    enforces_context_budget = True
+
+    def __init__(
+        self,
+        sampler: TokenSampler,
+        tokenizer: Any,
+        *,
+        temperature: float = 0.7,
+        top_p: float = 0.95,
+        max_response_tokens: int = 65536,
+        max_context_tokens: int = 2048 + 65536,
+        max_turn_tokens: int = 16384,
+        max_prompt_tokens: int | None = None,
+        seed: int | None = None,
+        end_of_turn: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self.sampler = sampler
+        self.tokenizer = tokenizer
+        self.temperature = temperature
+        self.top_p = top_p
+        self.max_response_tokens = max_response_tokens
+        self.max_context_tokens = max_context_tokens
+        self.max_turn_tokens = max_turn_tokens
+        self.max_prompt_tokens = max_prompt_tokens
+        self.seed = seed
+        self.template_kwargs = dict(chat_template_kwargs or {})
+        # The token that ends an assistant turn (Qwen: <|im_end|>, the tokenizer's eos).
+        self.end_of_turn = end_of_turn or tokenizer.eos_token
+        if not self.end_of_turn:
+            raise ValueError("the tokenizer has no eos token; pass end_of_turn= explicitly")
+        eot_ids = tokenizer.encode(self.end_of_turn, add_special_tokens=False)
+        if len(eot_ids) != 1:
+            raise ValueError(f"end-of-turn {self.end_of_turn!r} is not a single token: {eot_ids}")
+        self.end_of_turn_id = eot_ids[0]
+        self._stop_ids = {self.end_of_turn_id}
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            self._stop_ids.add(tokenizer.eos_token_id)
+        self.trace = TokenTrace()
+        self._tools: list[dict[str, Any]] | None = None
+        self._seen = 0  # messages already in the token context
+        self._unsampled = False  # the context holds new messages that no sample has answered yet
+
+    # ---- rendering --------------------------------------------------------------------
+
+    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages,
+            tools=self._tools or None,
+            add_generation_prompt=generation_prompt,
+            tokenize=False,
+            **self.template_kwargs,
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def delta_text(self, new_messages: list[dict[str, Any]]) -> str:
+        """The template's rendering of `new_messages` after an assistant turn, from just
+        after that turn's end-of-turn token up to and including the next generation prompt."""
+        text = self._render(_BASE + list(new_messages), generation_prompt=True)
+        anchor = text.rfind(_ANCHOR)
+        end = text.find(self.end_of_turn, anchor) if anchor >= 0 else -1
+        if end < 0:
+            raise RuntimeError("the chat template does not end assistant turns with the end-of-turn token")
+        return text[end + len(self.end_of_turn) :]
+
+    # ---- Policy -----------------------------------------------------------------------
+
+    def complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> ModelTurn:
+        trace = self.trace
+        if self._unsampled and len(messages) == self._seen:
+            # A retry after a failed sample: the context is already in place.
+            pass
+        elif not trace.prompt_ids:
+            self._tools = list(tools)
+            trace.prompt_ids = self._encode(self._render(messages, generation_prompt=True))
+            if self.max_prompt_tokens is not None and len(trace.prompt_ids) > self.max_prompt_tokens:
+                raise ContextOverflow(
+                    f"the prompt has {len(trace.prompt_ids)} tokens, over the limit of {self.max_prompt_tokens}"
+                )
+        else:
+            new = messages[self._seen :]
+            # Skip our own last assistant message (the Agent appends it, maybe edited).
+            if new and new[0].get("role") == "assistant":
+                new = new[1:]
+            if not new:
+                raise RuntimeError("TokenPolicy.complete() called with no new message since the last turn")
+            if any(m.get("role") == "assistant" for m in new):
+                raise RuntimeError("TokenPolicy cannot take assistant messages it did not sample")
+            ids = self._encode(self.delta_text(new))
+            if not trace.ids or trace.ids[-1] != self.end_of_turn_id:
+                # The last turn was cut by the token cap: close it as the template would.
+                ids = [self.end_of_turn_id] + ids
+            if len(ids) > self._remaining():
+                raise ContextOverflow(f"the next observation ({len(ids)} tokens) does not fit the token budget")
+            trace.extend(ids, None, trainable=False)
+        self._seen = len(messages)
+        self._unsampled = True
+
+        remaining = self._remaining()
+        if remaining <= 0:
+            raise ContextOverflow("the token budget is used up")
+        max_tokens = max(1, min(remaining, self.max_turn_tokens))
+        prompt_len = len(trace.prompt_ids) + len(trace.ids)
+        t0 = time.monotonic()
+        out = self.sampler.sample(trace.context, max_tokens, self.temperature, self.top_p, self.seed)
+        latency = time.monotonic() - t0
+        ids = list(out.ids)
+        if len(out.logprobs) != len(ids):
+            raise ValueError(f"sampler returned {len(ids)} ids but {len(out.logprobs)} logprobs")
+        trace.extend(ids, list(out.logprobs), trainable=True)
+        trace.turn_versions.append(out.policy_version)
+        self._unsampled = False
+
+        body = ids[:-1] if ids and ids[-1] in self._stop_ids else ids
+        text = self.tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        usage = Usage(prompt_tokens=prompt_len, completion_tokens=len(ids), total_tokens=prompt_len + len(ids))
+        return ModelTurn(message=message_from_text(text), usage=usage, finish_reason=out.finish_reason, latency_s=latency)
+
+    def _remaining(self) -> int:
+        """Tokens that may still be added: the smaller of the response and context budgets."""
+        response_left = self.max_response_tokens - len(self.trace.ids)
+        context_left = self.max_context_tokens - len(self.trace.prompt_ids) - len(self.trace.ids)
+        return min(response_left, context_left)

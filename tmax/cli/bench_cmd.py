@@ -1,0 +1,418 @@
+"""`tmax bench`: Harbor-format tasks (Terminal-Bench 2.0) in podman sandboxes, or on the
+host sandboxes (-e bwrap|local) for tasks whose Dockerfile only adds files to the base image.
+
+    tmax bench run PATH|DATASET -a AGENT -m MODEL --base-url URL -k N -n N -i GLOB -x GLOB -l N -e ENV
+    tmax bench terminal-bench -m MODEL --base-url URL      (k = 5, the tasks' own timeouts)
+    tmax bench resume JOB_DIR [--base-url URL] [--retry-infra] [-e ENV]
+    tmax bench report JOB_DIR [--json]
+    tmax bench compare JOB_DIR JOB_DIR... [--json]           (paired, with McNemar's test)
+    tmax bench prepare PATH|DATASET                          (pre-build the images)
+
+Flags follow Harbor's letters: -k is attempts (not agent kwargs: use --ak key=value),
+-n concurrency, -i / -x include / exclude globs, -l a cap on tasks after the filters,
+-e the environment (podman | bwrap | local; part of the job identity).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+bench_app = typer.Typer(help="Benchmark agents on Harbor-format tasks (Terminal-Bench 2.0).", no_args_is_help=True)
+
+EXIT_INTERRUPTED = 130
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[red]error:[/] {msg}")
+    raise typer.Exit(code)
+
+
+def _parse_kwargs(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            _fail(f"--ak {item!r}: expected key=value")
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
+def _fmt_s(s: float | None) -> str:
+    if s is None:
+        return "?"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def _run_job(job, retry_infra: bool) -> None:
+    """Run with a live progress line; Ctrl-C cancels cleanly and says how to resume."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    n = job.config.n_concurrent
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, transient=False)
+    tid = None
+
+    def info(p) -> str:
+        rate = f"{p.pass_rate * 100:.1f}%" if p.pass_rate is not None else "-"
+        return f"running {p.running} · queued {p.queued} · mean reward {rate} · ETA {_fmt_s(p.eta_s(n))}"
+
+    def on_event(kind: str, p, r: dict | None) -> None:
+        nonlocal tid
+        if tid is None:
+            tid = bar.add_task(job.config.job_name, total=p.total, completed=p.done, info=info(p))
+        if kind == "trial_end" and r:
+            t = r["tmax"]
+            colour = {"pass": "green", "fail": "yellow"}.get(t["outcome"], "red")
+            exc = (r.get("exception_info") or {}).get("exception_message", "")
+            reward = "-" if t.get("reward") is None else f"{t['reward']:g}"
+            bar.console.print(f"[{colour}]{t['outcome']:>14}[/] {r['trial_name']}  reward {reward}"
+                              + (f"  [dim]{exc[:160]}[/]" if exc else ""))
+        bar.update(tid, completed=p.done, total=p.total, info=info(p))
+
+    console.print(f"job [bold]{job.dir}[/] · {len(job.tasks)} tasks × {job.config.n_attempts} attempts · "
+                  f"agent {job.config.agent} · env {job.config.environment}" + (f" · model {job.config.model}" if job.config.model else ""))
+    try:
+        with bar:
+            data = job.run(on_event, retry_infra=retry_infra)
+    except KeyboardInterrupt:
+        console.print(f"[yellow]interrupted:[/] running trials were cancelled and their containers removed. "
+                      f"Resume with: tmax bench resume {job.dir}")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    _print_report(console, data.get("tmax_score"), job.dir)
+
+
+def _prestart_podman(environment: str | None) -> None:
+    """Start podman's REST service now, so it comes up while the job's imports, tasks and
+    images are loaded (it takes most of a second on a busy machine)."""
+    if (environment or "podman") == "podman":
+        from tmax.sandbox.podman_service import prestart
+
+        prestart()
+
+
+def _make_job(dataset: str, agent: str, model: Optional[str], base_url: Optional[str], attempts: int,
+              concurrent: int, include: list[str], exclude: list[str], limit: Optional[int], jobs_dir: Path,
+              job_name: Optional[str], timeout_multiplier: float, image_map: list[str], prebuilt: bool,
+              ak: list[str], api_key_env: str, environment: str = "podman", warm_ahead: int = 0):
+    from tmax.tasks.dataset import DatasetError
+    from tmax.tasks.job import Job, JobConfig, JobError
+
+    name = job_name or datetime.now().strftime("%Y-%m-%d__%H-%M-%S")
+    try:
+        cfg = JobConfig(job_name=name, jobs_dir=str(jobs_dir), dataset=dataset, include=include, exclude=exclude,
+                        limit=limit, agent=agent, model=model, base_url=base_url, api_key_env=api_key_env,
+                        agent_kwargs=_parse_kwargs(ak), n_attempts=attempts, n_concurrent=concurrent,
+                        timeout_multiplier=timeout_multiplier, image_map=image_map, use_prebuilt=prebuilt,
+                        environment=environment, warm_ahead=warm_ahead)
+        return Job(cfg, api_key=os.environ.get(api_key_env))
+    except (DatasetError, JobError, ValueError) as e:
+        _fail(str(e))
+
+
+# Options shared by `run` and `terminal-bench`.
+_AGENT = typer.Option("oracle", "-a", "--agent", help="A harness (tmax | mini-swe | terminus-2), oracle or nop.")
+_MODEL = typer.Option(None, "-m", "--model", help="Model name at the endpoint (tmax agent).")
+_BASE_URL = typer.Option(None, "--base-url", envvar="TMAX_BASE_URL",
+                         help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1 (not part of the job identity).")
+_CONC = typer.Option(1, "-n", "--n-concurrent", min=1, help="Trials run at once.")
+_INC = typer.Option([], "-i", "--include", help="Only tasks matching this glob (repeatable).")
+_EXC = typer.Option([], "-x", "--exclude", help="Skip tasks matching this glob (repeatable).")
+_LIMIT = typer.Option(None, "-l", "--n-tasks", min=0, help="At most this many tasks (after -i/-x).")
+_JOBS = typer.Option(Path("jobs"), "-o", "--jobs-dir", help="Where job directories go.")
+_NAME = typer.Option(None, "--job-name", help="Job directory name (default: a timestamp). Reusing one resumes it.")
+_TMULT = typer.Option(1.0, "--timeout-multiplier", min=0.01, help="Scale the agent and verifier timeouts.")
+_IMAP = typer.Option([], "--image-map", help="Re-target a base image: FROM=TO (FROM may be a glob; repeatable).")
+_PREBUILT = typer.Option(True, "--prebuilt/--no-prebuilt", help="Use a task's docker_image when it can be pulled.")
+_AK = typer.Option([], "--ak", "--agent-kwarg", help="Agent setting key=value, e.g. --ak max_steps=32 (repeatable).")
+_RETRY = typer.Option(False, "--retry-infra", help="Rerun trials that ended in an infrastructure error.")
+_KEYENV = typer.Option("OPENAI_API_KEY", "--api-key-env", help="Environment variable holding the API key.")
+_ENV = typer.Option("podman", "-e", "--env",
+                    help="Where trials run: podman (task images), or bwrap / local (the host stands in for the "
+                         "base image; only for tasks whose Dockerfile is FROM + WORKDIR + COPY/ADD + ENV).")
+_WARM = typer.Option(0, "--warm-ahead", min=0,
+                     help="podman: containers started ahead for the trials next in line (worth it when "
+                          "container starts are long against the trials).")
+
+
+@bench_app.command("run")
+def run_cmd(
+    dataset: str = typer.Argument(..., help="A task directory, a dataset directory, or name@version (local cache)."),
+    agent: str = _AGENT, model: Optional[str] = _MODEL, base_url: Optional[str] = _BASE_URL,
+    attempts: int = typer.Option(1, "-k", "--n-attempts", min=1, help="Attempts per task (pass@k)."),
+    concurrent: int = _CONC, include: list[str] = _INC, exclude: list[str] = _EXC, limit: Optional[int] = _LIMIT,
+    jobs_dir: Path = _JOBS, job_name: Optional[str] = _NAME, timeout_multiplier: float = _TMULT,
+    image_map: list[str] = _IMAP, prebuilt: bool = _PREBUILT, ak: list[str] = _AK, retry_infra: bool = _RETRY,
+    api_key_env: str = _KEYENV, environment: str = _ENV, warm_ahead: int = _WARM,
+) -> None:
+    """Run an agent on tasks; results land in JOBS_DIR/JOB_NAME as each trial ends."""
+    _prestart_podman(environment)
+    job = _make_job(dataset, agent, model, base_url, attempts, concurrent, include, exclude, limit, jobs_dir,
+                    job_name, timeout_multiplier, image_map, prebuilt, ak, api_key_env, environment, warm_ahead)
+    _run_job(job, retry_infra)
+
+
+@bench_app.command("terminal-bench")
+def terminal_bench_cmd(
+    dataset: str = typer.Option("terminal-bench@2.0", "--dataset", "-d", help="Dataset name or directory."),
+    agent: str = typer.Option("tmax", "-a", "--agent", help="tmax | mini-swe | terminus-2 | oracle | nop."),
+    model: Optional[str] = _MODEL, base_url: Optional[str] = _BASE_URL,
+    concurrent: int = typer.Option(4, "-n", "--n-concurrent", min=1, help="Trials run at once."),
+    include: list[str] = _INC, exclude: list[str] = _EXC, limit: Optional[int] = _LIMIT,
+    jobs_dir: Path = _JOBS, job_name: Optional[str] = _NAME, image_map: list[str] = _IMAP,
+    prebuilt: bool = _PREBUILT, ak: list[str] = _AK, retry_infra: bool = _RETRY, api_key_env: str = _KEYENV,
+    environment: str = _ENV, warm_ahead: int = _WARM,
+) -> None:
+    """Terminal-Bench 2.0 by the paper's protocol: 5 attempts per task, the tasks' own timeouts,
+    errors scored 0, unbiased pass@k."""
+    _prestart_podman(environment)
+    job = _make_job(dataset, agent, model, base_url, 5, concurrent, include, exclude, limit, jobs_dir,
+                    job_name, 1.0, image_map, prebuilt, ak, api_key_env, environment, warm_ahead)
+    _run_job(job, retry_infra)
+
+
+@bench_app.command("resume")
+def resume_cmd(
+    job_dir: Path = typer.Argument(..., help="The job directory."),
+    base_url: Optional[str] = typer.Option(None, "--base-url", envvar="TMAX_BASE_URL",
+                                           help="A new endpoint (it is not part of the job identity)."),
+    concurrent: Optional[int] = typer.Option(None, "-n", "--n-concurrent", min=1),
+    retry_infra: bool = _RETRY,
+    environment: Optional[str] = typer.Option(None, "-e", "--env",
+                                              help="Only to confirm the job's environment (it is part of its "
+                                                   "identity); default: the one the job was started with."),
+) -> None:
+    """Finish a job: run only the trials that have no result yet."""
+    from tmax.tasks.dataset import DatasetError
+    from tmax.common.files import read_json
+    from tmax.tasks.job import Job, JobError
+
+    cfg = (read_json(job_dir / "config.json") or {}).get("tmax_job") or {}
+    if cfg:
+        _prestart_podman(environment or cfg.get("environment"))
+    key = os.environ.get(cfg.get("api_key_env") or "OPENAI_API_KEY")
+    try:
+        job = Job.open(job_dir, base_url=base_url, n_concurrent=concurrent, api_key=key, environment=environment)
+    except (DatasetError, JobError, ValueError) as e:
+        _fail(str(e))
+    _run_job(job, retry_infra)
+
+
+def _print_report(console, sc: dict | None, job_dir: Path) -> None:
+    from rich.table import Table
+
+    if not sc:
+        console.print("no finished trials yet")
+        return
+    t = Table(title=f"{job_dir.name}: per task", show_lines=False)
+    for col in ("task", "category", "trials", "passed", "mean reward", "outcomes"):
+        t.add_column(col, justify="right" if col in ("trials", "passed", "mean reward") else "left")
+    for r in sc["tasks"]:
+        outs = ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items()))
+        t.add_row(r["task"], r["category"], str(r["n"]), str(r["successes"]), f"{r['mean_reward'] * 100:.1f}%", outs)
+    console.print(t)
+    excl = sc["mean_reward_excl_infra"]
+    pk = "  ".join(f"pass@{k} {v * 100:.1f}%" for k, v in sc["pass_at_k"].items())
+    if sc.get("pass_at_1_ci"):
+        lo, hi = sc["pass_at_1_ci"]
+        pk += f"  (pass@1 95% CI {lo * 100:.1f}-{hi * 100:.1f}%, {sc['ci_method']})"
+    console.print(
+        f"[bold]mean reward {sc['mean_reward'] * 100:.2f}%[/] over {sc['n_trials']} trials / {sc['n_tasks']} tasks "
+        f"(errors count 0) · excluding {sc['n_infra_errors']} infra errors: "
+        f"{'-' if excl is None else f'{excl * 100:.2f}%'}\n{pk}\noutcomes: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(sc["outcomes"].items())))
+
+
+def _created_by_tmax(job_dir: Path) -> bool:
+    from tmax.common.files import read_json
+
+    return bool((read_json(job_dir / "config.json") or {}).get("tmax_job"))
+
+
+def _default_chart_dir(job_dir: Path) -> Path | None:
+    """Charts go into a job directory tmax created; never, unasked, into another tool's."""
+    return job_dir if _created_by_tmax(job_dir) else None
+
+
+@bench_app.command("report")
+def report_cmd(
+    job_dir: Path = typer.Argument(..., help="A job directory (tmax, Harbor or another agent's)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the scores as JSON."),
+    chart_dir: Optional[Path] = typer.Option(None, "--chart-dir",
+                                             help="Where the PNG charts go (default: the job dir when tmax "
+                                                  "created it; otherwise no charts unless this is given)."),
+    no_chart: bool = typer.Option(False, "--no-chart", help="Do not write PNG charts."),
+) -> None:
+    """Scores of a job: mean reward (errors count 0), without infra errors, pass@k, per task."""
+    from rich.console import Console
+
+    from tmax.tasks.job import JobError, trial_row
+    from tmax.tasks.job_dirs import load_job_results
+    from tmax.tasks.scoring import score
+
+    try:
+        _, results = load_job_results(job_dir)
+    except (JobError, OSError) as e:
+        _fail(str(e))
+    if not results:
+        _fail(f"{job_dir}: no finished trials")
+    sc = score([trial_row(r) for r in results])
+    charts = []
+    out_dir = None if no_chart else (chart_dir or _default_chart_dir(job_dir))
+    if out_dir is not None:
+        from tmax.tasks.charts import write_charts
+        from tmax.cli.ui import optional_chart
+
+        charts = optional_chart(lambda: write_charts(sc, out_dir, title=job_dir.name)) or []
+    if as_json:
+        data = sc.to_dict()
+        data["charts"] = [str(p) for p in charts]
+        typer.echo(json.dumps(data, indent=2))
+        return
+    console = Console()
+    _print_report(console, sc.to_dict(), job_dir)
+    for p in charts:
+        console.print(f"chart: {p}")
+
+
+def _pct(x: float, ci: tuple[float, float] | None = None) -> str:
+    return f"{x * 100:.1f}%" + (f" ({ci[0] * 100:.0f}-{ci[1] * 100:.0f})" if ci else "")
+
+
+def _print_comparison(console, comp) -> None:
+    from rich.table import Table
+
+    from tmax.tasks.compare import SOLVED_RULE
+
+    ks = {j.k for j in comp.jobs}
+    # pass@k only says something new when some job has more than one attempt per task.
+    k_col = None if ks == {1} else (f"pass@{next(iter(ks))} (CI)" if len(ks) == 1 else "pass@k (CI)")
+    # Two narrow tables rather than one wide one: both stay readable in 80 columns.
+    methods = "; ".join(sorted({j.ci_method for j in comp.jobs}))
+    rates = Table(title=f"per job: rates over tasks with 95% CI ({methods}); infra errors left out of the rates")
+    cost = Table(title="per job: mean cost of a trial")
+    for t in (rates, cost):
+        t.add_column("job", overflow="fold")
+    rates.add_column("agent / model", overflow="fold")
+    for col in ("trials", "infra", "pass@1 (CI)", k_col):
+        if col:
+            rates.add_column(col, justify="right")
+    for col in ("steps", "tokens", "wall s"):
+        cost.add_column(col, justify="right")
+    for j in comp.jobs:
+        fmt = lambda v, d=0: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+        at_k = [(f"k={j.k} " if len(ks) > 1 else "") + _pct(j.pass_at_k, j.pass_at_k_ci)] if k_col else []
+        rates.add_row(j.name, j.agent + (f" / {j.model}" if j.model else ""), str(j.n_trials), str(j.n_infra_errors),
+                      _pct(j.pass_at_1, j.pass_at_1_ci), *at_k)
+        cost.add_row(j.name, fmt(j.mean_steps, 1), fmt(j.mean_tokens), fmt(j.mean_wall_s, 1))
+    console.print(rates)
+    console.print(cost)
+    for p in comp.pairs:
+        pt = Table(title=f"A = {p.a}  vs  B = {p.b}: {p.n_common_tasks} common tasks, both {p.both}, neither {p.neither}, "
+                         f"McNemar exact p = {p.p_value:.4g} ({SOLVED_RULE})")
+        pt.add_column(f"solved by A not B ({len(p.a_not_b)})")
+        pt.add_column(f"solved by B not A ({len(p.b_not_a)})")
+        for i in range(max(len(p.a_not_b), len(p.b_not_a))):
+            pt.add_row(p.a_not_b[i] if i < len(p.a_not_b) else "", p.b_not_a[i] if i < len(p.b_not_a) else "")
+        console.print(pt)
+
+
+@bench_app.command("compare")
+def compare_cmd(
+    job_dirs: list[Path] = typer.Argument(..., help="Two or more job directories (tmax or Harbor) over the same tasks."),
+    as_json: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
+    chart: Optional[Path] = typer.Option(None, "--chart", help="PNG path (default: compare.png in the first job dir "
+                                                               "when tmax created it; otherwise no chart unless "
+                                                               "this is given)."),
+    no_chart: bool = typer.Option(False, "--no-chart", help="Do not write the PNG."),
+) -> None:
+    """pass@1 / pass@k with 95% intervals per job (exact for few tasks, bootstrap for many),
+    and per-task paired differences with McNemar's exact test, for jobs of any agents,
+    harnesses or models (tmax or Harbor job directories)."""
+    from rich.console import Console
+
+    from tmax.tasks.compare import compare_jobs, write_compare_chart
+    from tmax.tasks.job import JobError
+    from tmax.cli.ui import optional_chart
+
+    if len(job_dirs) < 2:
+        _fail("give at least two job directories")
+    try:
+        comp = compare_jobs(job_dirs)
+    except (JobError, OSError) as e:
+        _fail(str(e))
+    empty = [j.name for j in comp.jobs if not j.per_task]
+    if empty:
+        _fail(f"no scored trials in: {', '.join(empty)}")
+    default = job_dirs[0] / "compare.png" if _created_by_tmax(job_dirs[0]) else None
+    target = None if no_chart else (chart or default)
+    png = optional_chart(lambda: write_compare_chart(comp, target)) if target else None
+    if as_json:
+        typer.echo(json.dumps({**comp.to_dict(), "chart": str(png) if png else None}, indent=2))
+        return
+    console = Console()
+    _print_comparison(console, comp)
+    if png:
+        console.print(f"chart: {png}")
+
+
+@bench_app.command("prepare")
+def prepare_cmd(
+    dataset: str = typer.Argument(..., help="A task directory, a dataset directory, or name@version."),
+    include: list[str] = _INC, exclude: list[str] = _EXC, limit: Optional[int] = _LIMIT,
+    image_map: list[str] = _IMAP, prebuilt: bool = _PREBUILT,
+    force: bool = typer.Option(False, "--force", help="Rebuild even when a cached image exists."),
+    concurrent: int = typer.Option(1, "-n", "--n-concurrent", min=1, help="Builds run at once."),
+) -> None:
+    """Pre-build the task images (cached by content), with a progress bar."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tmax.tasks.dataset import DatasetError, load_tasks
+    from tmax.tasks.images import ImageBuildError, ensure_image
+    from tmax.tasks.offline import default_config
+
+    console = Console(stderr=True)
+    try:
+        tasks = load_tasks(dataset, include or None, exclude or None, limit)
+        cfg = default_config(image_map)
+    except (DatasetError, ValueError) as e:
+        _fail(str(e))
+    failures = []
+    with Progress(TextColumn("[bold]prepare"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[last]}"),
+                  TimeElapsedColumn(), console=console) as bar:
+        tid = bar.add_task("images", total=len(tasks), last="")
+        with ThreadPoolExecutor(max_workers=concurrent) as pool:
+            futs = {pool.submit(ensure_image, t, cfg, use_prebuilt=prebuilt, force=force): t for t in tasks}
+            for f in as_completed(futs):
+                t = futs[f]
+                try:
+                    img = f.result()
+                    msg = f"{t.name}: {img.tag}" + (f" (built in {img.build_s:.0f}s)" if img.built else " (cached)")
+                    bar.console.print(f"[green]ok[/] {msg}")
+                except ImageBuildError as e:
+                    failures.append(t.name)
+                    bar.console.print(f"[red]failed[/] {e}")
+                bar.update(tid, advance=1, last=t.name)
+    if failures:
+        console.print(f"[red]{len(failures)} image(s) failed:[/] {', '.join(failures)}")
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(bench_app, name="bench")

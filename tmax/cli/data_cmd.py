@@ -1,0 +1,496 @@
+"""`tmax data`: synthesize, import, validate and analyse Harbor task corpora.
+
+    tmax data generate -o OUT -N N --base-url URL -m MODEL [--kind legacy|sft_v2|rl_v2] [--seed S]
+    tmax data validate DIR [-e podman|bwrap|local] [-n N]
+    tmax data solve DIR -a AGENT -k K [--band LO:HI --out DIR]
+    tmax data import SRC -o OUT --format harbor|open-instruct|native   (or SRC = hf:DIR | parquet:FILE)
+    tmax data export DIR -o OUT --format hf|parquet|tar
+    tmax data report DIR [--png FILE]
+    tmax data decontam DIR --against BENCH_DIR [--n 13] [--drop OUT]
+    tmax data combine A B ... -o OUT --mode union|balanced [--total N]
+
+Every command takes --json: one JSON document on stdout (progress goes to stderr).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+data_app = typer.Typer(help="Synthesize, import, validate and analyse task corpora.", no_args_is_help=True)
+
+_JSON = typer.Option(False, "--json", help="Print one JSON document on stdout.")
+_ENV = typer.Option("podman", "-e", "--env", help="Where tasks run: podman | bwrap | local.")
+_AXES = typer.Option(None, "--axes", help="Axes file (TOML, the shape of tasks/data/axes.toml); default the bundled one.")
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False)
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    _console().print(f"[red]error:[/] {msg}")
+    raise typer.Exit(code)
+
+
+def _emit_json(data) -> None:
+    typer.echo(json.dumps(data, indent=2, default=str))
+
+
+def _bar(total: int, label: str):
+    from tmax.cli.progress import task_jobs_bar
+
+    return task_jobs_bar(total, label, _console())
+
+
+def _emit_line(data) -> None:
+    """One JSON line on stdout, as soon as it is known (`--jsonl`)."""
+    typer.echo(json.dumps(data, default=str))
+
+
+_JSONL = typer.Option(False, "--jsonl", help="Print one JSON line per task as it finishes, then a summary line.")
+_RAY = typer.Option(False, "--ray", help="Run the task jobs on a Ray cluster (--address / RAY_ADDRESS, else a "
+                                         "local one).")
+_ADDRESS = typer.Option(None, "--address", help="Ray cluster address (implies --ray).")
+_RAY_RESOURCE = typer.Option(None, "--ray-resource", help="Only nodes advertising this Ray resource run jobs.")
+
+
+_DISK = typer.Option(None, "--disk-budget-gb", help="Keep tmax's task images under this many GB: after each "
+                                                    "task, the least recently used are pruned.")
+
+
+def _disk_keeper(budget_gb: Optional[float], console):
+    """Called after each finished job: prune task images down to the budget (podman)."""
+    if budget_gb is None:
+        return lambda: None
+    from tmax.tasks.images import ImageBuildError, prune_images
+
+    def keep() -> None:
+        try:
+            rep = prune_images(int(budget_gb * 1e9))
+        except ImageBuildError as e:
+            console.print(f"[yellow]disk budget: {e}[/]")
+            return
+        if rep.removed:
+            console.print(f"[dim]disk budget: pruned {len(rep.removed)} least recently used image(s)[/]")
+
+    return keep
+
+
+def _backend(ray: bool, address: Optional[str], resource: Optional[str], n_concurrent: int):
+    """The scheduler backend: local threads, or Ray (the trainer's cluster code)."""
+    if not (ray or address):
+        return None
+    from tmax.training.cluster.corpus_backend import RayBackend
+
+    try:
+        return RayBackend(address, resource=resource)
+    except Exception as e:  # cannot connect, no such resource
+        _fail(f"Ray: {e}")
+
+
+@data_app.command("generate")
+def generate_cmd(
+    out: Path = typer.Option(..., "-o", "--out", help="Corpus directory (created; a rerun resumes it)."),
+    n: int = typer.Option(..., "-N", "--n-tasks", help="How many tasks to attempt."),
+    base_url: str = typer.Option(..., "--base-url", envvar="TMAX_BASE_URL", help="OpenAI-compatible endpoint."),
+    model: str = typer.Option(..., "-m", "--model", help="Model name at the endpoint."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY", help="Endpoint API key."),
+    kind: str = typer.Option("legacy", "--kind", help="Corpus kind: legacy | sft_v2 | rl_v2."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the axis draws (same seed, same axes)."),
+    concurrent: int = typer.Option(4, "-n", "--n-concurrent", help="Tasks generated at once."),
+    retries: int = typer.Option(3, "--max-retries", help="Extra rounds after a failed gate or parse."),
+    redraws: int = typer.Option(3, "--max-redraws", help="New tasks from the same stratum after a rejected one."),
+    env: str = _ENV,
+    axes: Optional[Path] = _AXES,
+    ray: bool = _RAY,
+    address: Optional[str] = _ADDRESS,
+    ray_resource: Optional[str] = _RAY_RESOURCE,
+    disk_budget: Optional[float] = _DISK,
+    as_json: bool = _JSON,
+    jsonl: bool = _JSONL,
+) -> None:
+    """Generate tasks: template, initial test, final test, environment + solution, then the gates."""
+    from tmax.tasks.corpus.axes import AxesError
+    from tmax.tasks.corpus.generate import GenerateConfig, GenerateError, Generator
+
+    try:
+        cfg = GenerateConfig(out=str(out), n=n, seed=seed, corpus_kind=kind, model=model, base_url=base_url,
+                             n_concurrent=concurrent, max_retries=retries, max_redraws=redraws, environment=env,
+                             axes_file=str(axes) if axes else None)
+    except ValueError as e:
+        _fail(str(e))
+    backend = _backend(ray, address, ray_resource, concurrent)
+    bar, tid = _bar(n, "generate")
+    keep_disk = _disk_keeper(disk_budget, bar.console)
+
+    def on_slot(states, resumed: bool) -> None:
+        keep_disk()
+        for st in states:
+            what = st.status + (f" (gate {st.failed_gate})" if st.failed_gate else "") + \
+                (f": {st.pending_why}" if st.status == "pending" and st.pending_why else "")
+            if jsonl:
+                _emit_line({"task": st.name, "slot": st.index, "attempt": st.attempt, "status": st.status,
+                            "failed_gate": st.failed_gate, "domain": st.axes.domain, "resumed": resumed})
+            colour = {"kept": "green", "pending": "yellow"}.get(st.status, "red")
+            bar.console.print(f"[{colour}]{what}[/] {st.name}" + ("  [dim](done before)[/]" if resumed else ""))
+        if resumed:
+            bar.update(tid, total=bar.tasks[0].total - 1)
+        else:
+            bar.advance(tid)
+
+    try:
+        gen = Generator(cfg, api_key=api_key)
+        with bar:
+            states = gen.run(backend, on_slot)
+    except (GenerateError, AxesError) as e:
+        _fail(str(e))
+    finally:
+        if backend is not None:
+            backend.close()
+    rows = [{"task": s.name, "slot": s.index, "attempt": s.attempt, "domain": s.axes.domain,
+             "skill_type": s.axes.skill_type, "status": s.status, "failed_gate": s.failed_gate,
+             "rounds": len(s.rounds), "calls": s.calls} for s in states]
+    summary = {"out": str(gen.out), "tasks": rows,
+               "counts": {k: sum(1 for r in rows if r["status"] == k) for k in ("kept", "rejected", "pending")}}
+    if jsonl:
+        _emit_line({"counts": summary["counts"]})
+    elif as_json:
+        _emit_json(summary)
+    else:
+        c = summary["counts"]
+        _console().print(f"kept {c['kept']} · rejected {c['rejected']} · pending {c['pending']} → {gen.out}")
+    if summary["counts"]["pending"]:
+        _console().print("[yellow]some tasks are unfinished (endpoint or infrastructure errors): rerun the same "
+                         "command to resume them[/]")
+        raise typer.Exit(1)
+    if not summary["counts"]["kept"]:
+        _console().print(f"[red]no task was kept[/]: the reasons are in {gen.out / '_rejected'}/*/rejection.json")
+        raise typer.Exit(1)
+
+
+@data_app.command("validate")
+def validate_cmd(
+    corpus: Path = typer.Argument(..., help="Corpus (or one task) directory."),
+    env: str = _ENV,
+    concurrent: int = typer.Option(2, "-n", "--n-concurrent", help="Tasks validated at once (local)."),
+    work: Optional[Path] = typer.Option(None, "--work-dir", help="Trial directories (default DIR/.tmax-validate; "
+                                        "for one task, beside it)."),
+    ray: bool = _RAY,
+    address: Optional[str] = _ADDRESS,
+    ray_resource: Optional[str] = _RAY_RESOURCE,
+    disk_budget: Optional[float] = _DISK,
+    as_json: bool = _JSON,
+    jsonl: bool = _JSONL,
+) -> None:
+    """Run the gates load, build, initial, nop, oracle on every task; a rerun resumes."""
+    from tmax.sandbox.base import KINDS
+    from tmax.tasks.corpus.validate import corpus_task_dirs, counts, default_work_dir, validate_corpus
+
+    if env not in KINDS:
+        _fail(f"unknown environment {env!r}: {', '.join(KINDS)}")
+    if not corpus.is_dir():
+        _fail(f"{corpus}: no such directory")
+    work = work or default_work_dir(corpus)
+    backend = _backend(ray, address, ray_resource, concurrent)
+    bar, tid = _bar(len(corpus_task_dirs(corpus)), "validate")
+    keep_disk = _disk_keeper(disk_budget, bar.console)
+
+    def on_done(r, resumed: bool) -> None:
+        keep_disk()
+        if jsonl:
+            _emit_line({"task": r.task, "verdict": r.verdict, "failed": r.failed, "reasons": r.reasons,
+                        "infra_errors": r.infra_errors, "resumed": resumed})
+        colour = {"ok": "green", "unverified": "yellow", "infra_error": "magenta"}.get(r.verdict, "red")
+        infra = f"  [red](infrastructure error in {', '.join(r.infra_errors)})[/]" if r.infra_errors else ""
+        bar.console.print(f"[{colour}]{r.verdict:>10}[/] {r.task}" + ("  [dim](done before)[/]" if resumed else "")
+                          + (f"  failed: {', '.join(r.failed)}" if r.failed else "") + infra)
+        if resumed:  # not part of this run's rate
+            bar.update(tid, total=bar.tasks[0].total - 1)
+        else:
+            bar.advance(tid)
+
+    try:
+        with bar:
+            reports = validate_corpus(corpus, work, env, concurrent, on_done, backend)
+    finally:
+        if backend is not None:
+            backend.close()
+    data = {"tasks": [r.model_dump(include={"task", "verdict", "failed", "reasons"}) for r in reports],
+            "counts": counts(reports)}
+    if jsonl:
+        _emit_line({"counts": data["counts"]})
+    elif as_json:
+        _emit_json(data)
+    else:
+        for r in reports:
+            for gate, why in r.reasons.items():
+                _console().print(f"[bold]{r.task}[/] {gate}: [dim]{why[:300]}[/]")
+        c = data["counts"]
+        _console().print(f"ok {c['ok']} · rejected {c['rejected']} · unverified {c['unverified']} · "
+                         f"infrastructure errors {c['infra_error']} (of {c['tasks']}; a rerun retries those)")
+
+
+@data_app.command("solve")
+def solve_cmd(
+    corpus: Path = typer.Argument(..., help="Corpus directory."),
+    agent: str = typer.Option("oracle", "-a", "--agent", help="tmax | oracle | nop."),
+    k: int = typer.Option(8, "-k", "--attempts", help="Attempts per task."),
+    model: Optional[str] = typer.Option(None, "-m", "--model"),
+    base_url: Optional[str] = typer.Option(None, "--base-url", envvar="TMAX_BASE_URL"),
+    env: str = _ENV,
+    concurrent: int = typer.Option(2, "-n", "--n-concurrent", help="Tasks solved at once (local)."),
+    band: Optional[str] = typer.Option(None, "--band", help="Keep tasks whose success rate c/n is in LO:HI."),
+    out: Optional[Path] = typer.Option(None, "--out", help="With --band: write the kept tasks here (symlinks)."),
+    ray: bool = _RAY,
+    address: Optional[str] = _ADDRESS,
+    ray_resource: Optional[str] = _RAY_RESOURCE,
+    as_json: bool = _JSON,
+    jsonl: bool = _JSONL,
+) -> None:
+    """Difficulty as the success rate c/n (and pass@k) of a bench agent; summaries under DIR/.tmax-solve/."""
+    from tmax.tasks.corpus.combine import write_links
+    from tmax.tasks.corpus.corpus import read_corpus
+    from tmax.tasks.corpus.solve import in_band, parse_band, solve_corpus
+    from tmax.tasks.dataset import DatasetError
+    from tmax.tasks.job import JobError
+
+    try:
+        lo_hi = parse_band(band) if band else None
+    except ValueError as e:
+        _fail(str(e))
+    from tmax.tasks.corpus.validate import corpus_task_dirs
+
+    backend = _backend(ray, address, ray_resource, concurrent)
+    bar, tid = _bar(len(corpus_task_dirs(corpus)) if corpus.is_dir() else 0, "solve")
+
+    def on_task(s: dict, resumed: bool) -> None:
+        if jsonl:
+            _emit_line({**{key: s[key] for key in ("task", "num_attempts", "num_runs", "num_success",
+                                                     "success_rate")}, "resumed": resumed})
+        bar.console.print(f"{s['task']}: solved {s['num_success']}/{s['num_runs']}"
+                          + ("  [dim](done before)[/]" if resumed else ""))
+        bar.advance(tid)
+
+    try:
+        with bar:
+            summaries, unreadable = solve_corpus(corpus, agent, k, model=model, base_url=base_url,
+                                     api_key=os.environ.get("OPENAI_API_KEY"), environment=env,
+                                     n_concurrent=concurrent, backend=backend, on_task=on_task)
+    except (ValueError, JobError, DatasetError) as e:
+        _fail(str(e))
+    finally:
+        if backend is not None:
+            backend.close()
+    kept = in_band(summaries, lo_hi) if lo_hi else None
+    if kept is not None and out is not None:
+        write_links([t for t in read_corpus(corpus) if t.name in set(kept)], out)
+    data = {"tasks": {t: {key: s[key] for key in ("num_attempts", "num_runs", "num_success", "success_rate",
+                                                    "pass_at_k")} for t, s in summaries.items()}, "band": kept,
+            "unreadable": unreadable}
+    for name, why in unreadable.items():
+        _console().print(f"[red]unreadable[/] {name}: {why} (not solved)")
+    if jsonl:
+        _emit_line({"band": kept, "unreadable": unreadable})
+    elif as_json:
+        _emit_json(data)
+    else:
+        for t, s in summaries.items():
+            rate = "n/a" if s["success_rate"] is None else f"{s['success_rate']:.3f}"
+            _console().print(f"{t}: solved {s['num_success']}/{s['num_runs']} (rate {rate}; k = "
+                             f"{s['num_attempts']} attempts, n = {s['num_runs']} scored)")
+        if kept is not None:
+            _console().print(f"{len(kept)} task(s) with a success rate in {band}" + (f" → {out}" if out else ""))
+    if unreadable:  # those tasks were not solved: not a clean result
+        raise typer.Exit(1)
+
+
+@data_app.command("import")
+def import_cmd(
+    src: str = typer.Argument(..., help="Directory of source tasks, or hf:DIR / parquet:FILE of an export."),
+    out: Path = typer.Option(..., "-o", "--out", help="Where the Harbor tasks go."),
+    fmt: Optional[str] = typer.Option(None, "--format", help="harbor | open-instruct | native (for a directory)."),
+    as_json: bool = _JSON,
+) -> None:
+    """Convert a published corpus layout, or a dataset made by `tmax data export`, to Harbor tasks."""
+    from tmax.tasks.corpus.export import DATASET_PREFIXES, ExportError, import_dataset
+    from tmax.tasks.corpus.importers import import_corpus
+
+    bar, tid = _bar(0, "import")
+
+    def on_task(name: str, error: str | None) -> None:
+        bar.advance(tid)
+        if error:
+            bar.console.print(f"[red]skipped[/] {name}: {error}")
+
+    try:
+        if src.startswith(DATASET_PREFIXES):
+            data = import_dataset(src, out)
+        elif fmt is None:
+            _fail("--format is needed for a directory (harbor | open-instruct | native)")
+        else:
+            with bar:
+                data = import_corpus(Path(src), out, fmt, on_task)
+    except (ValueError, ExportError) as e:
+        _fail(str(e))
+    if as_json:
+        _emit_json(data)
+    else:
+        for name, why in data["errors"].items():
+            _console().print(f"[red]skipped[/] {name}: {why}")
+        _console().print(f"imported {len(data['imported'])} task(s) to {out}; {len(data['errors'])} error(s)")
+    if not data["imported"]:
+        raise typer.Exit(1)
+
+
+@data_app.command("export")
+def export_cmd(
+    corpus: Path = typer.Argument(..., help="Corpus directory."),
+    out: Path = typer.Option(..., "-o", "--out", help="hf: a directory; parquet: a file; tar: a .tar.gz file."),
+    fmt: str = typer.Option("hf", "--format", help="hf | parquet | tar."),
+    as_json: bool = _JSON,
+) -> None:
+    """Write the corpus as a dataset: one row per task with every file and the metadata."""
+    from tmax.tasks.corpus.corpus import CorpusError
+    from tmax.tasks.corpus.export import ExportError, export_corpus
+
+    try:
+        data = export_corpus(corpus, out, fmt)
+    except (ExportError, CorpusError) as e:
+        _fail(str(e))
+    if as_json:
+        _emit_json(data)
+    else:
+        for name, why in data["unreadable"].items():
+            _console().print(f"[red]unreadable[/] {name}: {why} (not exported)")
+        _console().print(f"exported {data['exported']} task(s) to {out} ({fmt})")
+    if data["unreadable"]:
+        raise typer.Exit(1)
+
+
+@data_app.command("report")
+def report_cmd(
+    corpus: Path = typer.Argument(..., help="Corpus directory."),
+    png: Optional[Path] = typer.Option(None, "--png", help="Write the charts here."),
+    axes: Optional[Path] = _AXES,
+    as_json: bool = _JSON,
+) -> None:
+    """Counts per axis, tasks lacking each axis, balance exp(H)/N over the declared buckets, success-rate histograms."""
+    from tmax.tasks.corpus.axes import AxesError, load_axes
+    from tmax.tasks.corpus.corpus import CorpusError
+    from tmax.tasks.corpus.report import build_report, write_png
+    from tmax.cli.ui import optional_chart
+
+    try:
+        data = build_report(corpus, load_axes(axes))
+    except (CorpusError, AxesError) as e:
+        _fail(str(e))
+    if png and optional_chart(lambda: write_png(data, png)) is None:
+        png = None
+    if as_json:
+        _emit_json(data)
+        return
+    _print_report(data, png)
+
+
+def _print_report(data: dict, png: Optional[Path]) -> None:
+    from rich.table import Table
+
+    from tmax.tasks.corpus.report import histogram_title
+
+    console = _console()
+    console.print(f"[bold]{data['n']}[/] tasks")
+    for name, why in data["unreadable"].items():
+        console.print(f"[red]unreadable[/] {name}: {why}")
+    for axis, counts in data["counts"].items():
+        title = axis
+        if axis in data["balance"]:
+            title += f"  balance {data['balance'][axis]:.3f} over {data['buckets'][axis]} buckets"
+        if data["missing"].get(axis):
+            title += f"  ({data['missing'][axis]} of {data['n']} task(s) lack it)"
+        outside = data["outside_buckets"].get(axis) or {}
+        if outside:
+            title += f"  ({sum(outside.values())} value(s) outside the buckets, not in the balance)"
+        t = Table(title=title, title_justify="left")
+        t.add_column("value")
+        t.add_column("tasks", justify="right")
+        for v, c in list(counts.items())[:20]:
+            t.add_row(v + (" [yellow](outside the buckets)[/]" if v in outside else ""), str(c))
+        console.print(t)
+    for axis in data["balance"]:
+        if axis not in data["counts"]:
+            console.print(f"{axis}: [yellow]no task has it[/] ({data['missing'][axis]} of {data['n']} lack it)")
+    for tag, h in data["success_rate"].items():
+        console.print(f"{histogram_title(tag, h)}: {h['counts']} over bins {h['bins']}")
+    if png:
+        console.print(f"chart: {png}")
+
+
+@data_app.command("decontam")
+def decontam_cmd(
+    corpus: Path = typer.Argument(..., help="Corpus directory."),
+    against: Path = typer.Option(..., "--against", help="Benchmark directory (its instruction.md files)."),
+    n: int = typer.Option(13, "--n", help="n-gram length (words)."),
+    drop: Optional[Path] = typer.Option(None, "--drop", help="Write the corpus without the hits here."),
+    as_json: bool = _JSON,
+) -> None:
+    """Word n-gram overlap of the instructions with a benchmark's."""
+    from tmax.tasks.corpus.corpus import CorpusError
+    from tmax.tasks.corpus.decontam import copy_without, find_hits
+
+    try:
+        data = find_hits(corpus, against, n)
+        if drop:
+            data["kept"] = copy_without(corpus, drop, {h["task"] for h in data["hits"]})
+    except (ValueError, CorpusError) as e:
+        _fail(str(e))
+    if as_json:
+        _emit_json(data)
+    else:
+        _print_hits(data, n, drop)
+    if data["unreadable"]:  # those tasks were not checked: not a clean result
+        raise typer.Exit(1)
+
+
+def _print_hits(data: dict, n: int, drop: Optional[Path]) -> None:
+    for name, why in data["unreadable"].items():
+        _console().print(f"[red]unreadable[/] {name}: {why} (not checked)")
+    for h in data["hits"]:
+        _console().print(f"[red]hit[/] {h['task']} ~ {h['benchmark_task']}: {h['shared_ngrams']} shared {n}-grams")
+    n_hit = len({h['task'] for h in data['hits']})
+    _console().print(f"{n_hit} of {data['checked']} task(s) overlap" + (f"; clean copy in {drop}" if drop else ""))
+
+
+@data_app.command("combine")
+def combine_cmd(
+    corpora: list[Path] = typer.Argument(..., help="Corpus directories."),
+    out: Path = typer.Option(..., "-o", "--out", help="The combined corpus (symlinks)."),
+    mode: str = typer.Option("union", "--mode", help="union | balanced."),
+    total: Optional[int] = typer.Option(None, "--total", help="balanced: the corpus size."),
+    seed: int = typer.Option(0, "--seed"),
+    as_json: bool = _JSON,
+) -> None:
+    """Merge corpora: everything (union) or non-intricate + intricate up to --total (balanced)."""
+    from tmax.tasks.corpus.combine import CombineError, select, write_links
+    from tmax.tasks.corpus.corpus import CorpusError
+
+    try:
+        tasks = select(corpora, mode, total, seed)
+        write_links(tasks, out)
+    except (CombineError, CorpusError) as e:
+        _fail(str(e))
+    data = {"out": str(out), "mode": mode, "n": len(tasks), "tasks": [t.name for t in tasks]}
+    if as_json:
+        _emit_json(data)
+    else:
+        _console().print(f"{len(tasks)} task(s) → {out} ({mode})")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(data_app, name="data")

@@ -1,0 +1,61 @@
+"""The `tmax` command. Each sub-command lives in its own module, imported only when that
+command runs (or help lists it), so `tmax bench` does not pay for `tmax run`'s or `tmax
+serve`'s imports; heavy imports also happen inside the commands."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import typer
+from typer.core import TyperGroup
+
+from tmax.cli import __version__
+
+# command -> the module under tmax.cli that defines it (with `register(app)`)
+COMMANDS = {"run": "run_cmd", "show": "show_cmd", "serve": "serve_cmd", "sandbox": "sandbox_cmd",
+            "bench": "bench_cmd", "learn": "learn_cmd", "data": "data_cmd"}
+
+
+class LazyCommands(TyperGroup):
+    """A group whose sub-commands are imported on first use."""
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        return [*super().list_commands(ctx), *(n for n in COMMANDS if n not in self.commands)]
+
+    def get_command(self, ctx: Any, name: str) -> Any:
+        if name not in self.commands and name in COMMANDS:
+            holder = typer.Typer()
+            importlib.import_module(f"tmax.cli.{COMMANDS[name]}").register(holder)
+            holder.callback()(lambda: None)  # keeps a one-command holder a group, so it is found by name
+            group = typer.main.get_command(holder)
+            assert isinstance(group, TyperGroup)
+            self.add_command(group.commands[name], name)
+        return super().get_command(ctx, name)
+
+
+app = typer.Typer(
+    name="tmax",
+    cls=LazyCommands,
+    help="One terminal-agent harness: run it, benchmark it, train it.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"tmax {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    pass
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,110 @@
+"""Where a `tmax run` session starts from: the model the server serves, a saved session
+to resume and the directory it ran in, the sandbox to create, and where the whole of a
+long command output is kept."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from tmax.cli.config import ConfigError, RunSettings, config_path, data_dir
+
+
+# --------------------------------------------------------------------------- model
+def discover_model(base_url: str, api_key: str) -> str:
+    """The one model a server serves (vLLM serves one); several or none is a usage error."""
+    from openai import OpenAI
+
+    from tmax.cli.config import MODEL_ENV
+
+    how = (
+        f"Name it with the --model flag, the environment variable {' / '.join('$' + e for e in MODEL_ENV)}, "
+        f"or `model = \"...\"` in the config file {config_path()}."
+    )
+    try:
+        ids = [m.id for m in OpenAI(base_url=base_url, api_key=api_key, timeout=10, max_retries=0).models.list()]
+    except Exception as e:  # any failure here means: ask the user to name the model
+        raise ConfigError(f"no model given, and listing the models at {base_url} failed ({type(e).__name__}: {e}). {how}") from e
+    if len(ids) != 1:
+        raise ConfigError(f"no model given, and {base_url} serves {len(ids)} models ({', '.join(ids) or 'none'}). {how}")
+    return ids[0]
+
+
+# --------------------------------------------------------------------------- resume
+def load_saved(path: Path):
+    """A saved run (`agents.records.SavedRun`) to continue; anything else is a usage error."""
+    from tmax.agents.records import load_run
+
+    try:
+        saved = load_run(path)
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"cannot resume from {path}: {e}") from e
+    if len(saved.messages) < 2 or saved.messages[0].get("role") != "system":
+        raise ConfigError(f"cannot resume from {path}: the trajectory does not start with the system prompt")
+    return saved
+
+
+def saved_workdir(run_dir: Path, sandbox: str) -> Optional[Path]:
+    """The working directory the saved session ran in, so the resumed one sees its files."""
+    try:
+        meta = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot resume from {run_dir}: its run.json, which names the working directory, "
+                          f"cannot be read ({e}); pass --workdir to say where to continue") from e
+    where = meta.get("workdir")
+    if sandbox == "podman":
+        return Path(where) if where else None  # a path inside the container; None: the image's WORKDIR
+    if not where:
+        raise ConfigError(f"cannot resume from {run_dir}: run.json names no working directory; pass --workdir")
+    if sandbox != "podman" and not Path(where).is_dir():
+        raise ConfigError(f"cannot resume from {run_dir}: its working directory {where} no longer exists;"
+                          " pass --workdir to continue somewhere else")
+    return Path(where)
+
+
+def keep_long_output(run_dir: Optional[Path], step: int, result: Any, limit: int) -> Optional[Path]:
+    """Write a command's output to `outputs/step-N.txt` in the run directory when the model
+    (more than `limit` characters) or the screen (too many lines) gets only part of it."""
+    from tmax.cli.ui import SCREEN_HEAD_LINES, SCREEN_TAIL_LINES
+
+    text = result.output or ""
+    if run_dir is None or (len(text) + result.dropped_chars <= limit
+                           and text.count("\n") <= SCREEN_HEAD_LINES + SCREEN_TAIL_LINES):
+        return None
+    path = run_dir / "outputs" / f"step-{step}.txt"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(text, encoding="utf-8")  # past 1 MB the shell kept head and tail, marked
+    return path
+
+
+def broad_workspace(sandbox: str, host_dir: Path) -> Optional[str]:
+    """Why a jail with this working directory would hardly be one (None when it is fine):
+    the workspace is the one writable place, so $HOME or / makes every file there writable."""
+    if sandbox != "bwrap":
+        return None
+    if host_dir == Path("/"):
+        raise ConfigError("the bwrap jail cannot make / its workspace (that is the whole host, writable); "
+                          "start from a project directory or pass --workdir DIR (--sandbox local runs on the host unjailed)")
+    if host_dir == Path.home().resolve():
+        return (f"the workspace would be your whole home directory {host_dir}: every file in it, "
+                "dotfiles included, becomes writable for the agent")
+    return None
+
+
+def sandbox_spec(settings: RunSettings, workdir: Optional[Path], network: bool):
+    from tmax.sandbox.base import SandboxSpec
+
+    if settings.sandbox == "podman":
+        # --workdir is a path inside the container; default: the image's WORKDIR.
+        return SandboxSpec(image=settings.image, workdir=str(workdir) if workdir else None, network=network)
+    host_dir = (workdir or Path.cwd()).resolve()
+    if not host_dir.is_dir():
+        raise ConfigError(f"--workdir {host_dir} is not a directory")
+    if settings.sandbox == "bwrap":
+        # The working directory is the one writable place in the otherwise read-only host;
+        # tmax's own files (the config may hold the API key; past runs and the typed-prompt
+        # history hold other sessions) are masked like other credentials.
+        return SandboxSpec(workdir=str(host_dir), workspace=host_dir, network=network,
+                           masked=[str(config_path().parent), str(data_dir())], exposed=list(settings.expose))
+    return SandboxSpec(workdir=str(host_dir))

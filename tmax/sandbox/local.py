@@ -1,0 +1,60 @@
+"""No isolation: the persistent shell runs on the host, in the given workdir.
+
+For `tmax run --sandbox local`, where a person watches (and by default confirms) each
+command. Paths inside are host paths."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from tmax.sandbox.base import CommandResult, SandboxError, SandboxSpec
+from tmax.sandbox.hostexec import run_process
+from tmax.sandbox.shell import BASH_ARGV, PersistentShell, ShellSandbox
+
+
+def copy_path(src: Path, dst: Path) -> None:
+    """Copy a file or a directory tree to exactly `dst`, creating parents."""
+    src, dst = Path(src), Path(dst)
+    if not src.exists():
+        raise SandboxError(f"copy: {src} does not exist")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if src.is_dir():
+        shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
+    else:
+        shutil.copy2(src, dst)
+
+
+class LocalSandbox(ShellSandbox):
+    kind = "local"
+
+    def __init__(self, spec: SandboxSpec | None = None):
+        self.spec = spec or SandboxSpec()
+        root = self.spec.workdir or (str(self.spec.workspace) if self.spec.workspace else os.getcwd())
+        self.workdir = str(Path(root).resolve())
+        self.shell: PersistentShell | None = None
+
+    def start(self) -> None:
+        if not Path(self.workdir).is_dir():
+            raise SandboxError(f"local sandbox: workdir {self.workdir} is not a directory")
+        self.shell = PersistentShell(BASH_ARGV, env=self.spec.env, workdir=self.workdir,
+                                     spawn_cwd=self.workdir)
+        self.shell.start()
+
+    def exec(self, argv: list[str], timeout: float | None = None, workdir: str | None = None,
+             env: dict[str, str] | None = None, user: str | None = None) -> CommandResult:
+        # `user` is ignored: a host sandbox runs as the invoking user.
+        full_env = {**os.environ, **self.spec.env, **(env or {})}  # later sources win on repeated keys
+        return run_process(argv, timeout, cwd=workdir or self.workdir, env=full_env)
+
+    def copy_in(self, src: Path, dst: str) -> None:
+        copy_path(Path(src), Path(dst) if os.path.isabs(dst) else Path(self.workdir) / dst)
+
+    def copy_out(self, src: str, dst: Path) -> None:
+        copy_path(Path(src) if os.path.isabs(src) else Path(self.workdir) / src, Path(dst))
+
+    def close(self) -> None:
+        if self.shell is not None:
+            self.shell.close()
+            self.shell = None

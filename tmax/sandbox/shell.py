@@ -1,0 +1,490 @@
+"""A real, persistent, interactive bash session driven through a pty.
+
+One bash process lives for the whole episode, so cwd, exported and plain variables,
+functions, aliases, `set` options, traps and background jobs carry over between
+commands, exactly as in a terminal. The same class drives host bash, `bwrap ... bash`
+and `podman exec -it CID bash`: only the argv differs.
+
+How a command's end and exit code are found: PS1 is set to a line carrying a random
+per-session tag, a per-command sequence number and `$?`. The tag is never printed by
+anything but the prompt, so output cannot forge the marker without knowing it; the
+sequence number makes a stale prompt (e.g. one printed after a late Ctrl-C) harmless.
+
+How a command is sent: its text goes into the shell as the body of a quoted heredoc
+that a builtin `read` stores in a variable, then `eval` runs it with stdin from
+/dev/null, all in one top-level command line:
+
+    __tmax_rc=$?; __tmax_seq=N; IFS= read -r -d '' __tmax_cmd <<'TAG_EOF' || :;
+      if __tmax_ret "$__tmax_rc"; then eval "$__tmax_cmd"; else eval "$__tmax_cmd"; fi </dev/null
+    <command text, verbatim>
+    TAG_EOF
+    <empty line>
+
+Why this shape:
+* stdin: a command that reads stdin (`cat`, `read x`, `python` with no script) gets EOF
+  at once instead of blocking the session until the timeout, and can never swallow the
+  next command's text. Redirecting per command is robust: it needs no guessing about
+  whether a program is waiting for input, and background jobs started by the command
+  inherit /dev/null too.
+* syntax: an unbalanced quote or unterminated heredoc inside the command fails inside
+  `eval` with bash's own syntax error (exit 2) instead of leaving the shell waiting
+  for continuation lines until the timeout.
+* the quoted delimiter keeps the text verbatim (no expansion), multi-line commands and
+  heredocs work, and aliases defined on one line apply to the next (eval parses line by
+  line). `read` and `eval` are builtins: no process is spawned per command.
+* `$?` is saved before the line's own assignments and restored for the command, so
+  `echo $?` reports the previous command, as in a terminal.
+* the trailing empty line re-prints the prompt with `$?` unchanged. Interactive bash
+  prints no prompt after a syntax error inside `eval`; this line brings it back.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import re
+import secrets
+import shlex
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+from tmax.sandbox.base import DEFAULT_COMMAND_TIMEOUT_S, CommandResult, SandboxError
+from tmax.sandbox.hostexec import on_lasting_thread
+from tmax.sandbox.ptyspawn import PtyProcess, ReadTimeout
+from tmax.sandbox.shell_output import BoundedOutput, clean_output
+from tmax.sandbox.shell_setup import NO_TTY_SETUP, restore_state_script, restored_note, save_state_function
+
+BASH_ARGV = ["bash", "--norc", "--noprofile"]
+DEFAULT_MAX_OUTPUT_CHARS = 1_000_000  # head + tail kept per command; the rest is counted
+START_TIMEOUT_S = 30.0
+INTERRUPT_GRACE_S = 5.0  # how long the prompt may take to return after Ctrl-C
+
+# Control characters that readline would act on if they reached it inside a command
+# (Ctrl-C raises SIGINT, ESC starts a key sequence, DEL deletes); commands keep \t and \n.
+_COMMAND_CTRL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+class PersistentShell:
+    """An interactive bash on a pty. Not safe for concurrent `run` calls; `interrupt`
+    may be called from any thread."""
+
+    def __init__(
+        self,
+        argv: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        workdir: str | None = None,
+        *,
+        spawn_env: dict[str, str] | None = None,
+        spawn_cwd: str | None = None,
+        max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
+        start_timeout: float = START_TIMEOUT_S,
+        kill_inner: Callable[[int], None] | None = None,
+        kill_foreground_inner: Callable[[int], None] | None = None,
+        interrupt_grace_s: float = INTERRUPT_GRACE_S,
+    ):
+        """argv: the process to spawn (ends in `bash --norc --noprofile`).
+        env: variables exported inside the shell. workdir: initial cwd inside.
+        spawn_env / spawn_cwd: environment and cwd of the spawned argv on the host.
+        kill_inner: kills the shell's pid *inside* the sandbox when the spawned client
+        cannot (a `podman exec` client's death does not end the process it started).
+        kill_foreground_inner: SIGKILLs the foreground process group of the shell with
+        that inner pid, where the pty seen from the host is not the shell's own (podman);
+        elsewhere the group is found on the pty and killed from the host."""
+        self.argv = list(argv or BASH_ARGV)
+        self.env = dict(env or {})
+        self.workdir = workdir
+        self.spawn_env = spawn_env
+        self.spawn_cwd = spawn_cwd
+        self.max_output_chars = max_output_chars
+        self.start_timeout = start_timeout
+        self.kill_inner = kill_inner
+        self.kill_foreground_inner = kill_foreground_inner
+        self._shell_pgrp: int | None = None  # the shell's own process group, seen from the host
+        self.interrupt_grace_s = interrupt_grace_s
+        self.tag = secrets.token_hex(8)
+        self._marker_rx = re.compile(r"\r*\n__TMAX_" + self.tag + r"_(\d*)_(\d+)__\r*\n")
+        self._keep = 128  # longer than any marker: kept unsearched-committed between reads
+        self._child: PtyProcess | None = None
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._seq = 0
+        self._leftover = ""
+        self._write_lock = threading.Lock()
+        self._running = False
+        self._interrupted = False
+        self.inner_pid: int | None = None
+        self.restarts = 0
+        self.start_s = 0.0
+        # Where the shell writes its cwd, exported variables and options at the start of every
+        # command line (builtins only: no process), so a restarted shell can take them back.
+        self.state_file = f"/tmp/.tmax-shell-{self.tag}"
+        # Called from the reading thread while a command of `run` runs: each piece of its output
+        # as it arrives, and "" about twice a second when nothing does (for elapsed-time displays).
+        # What `run` returns is the same either way.
+        self.on_output: Callable[[str], None] | None = None
+        self._streaming = False
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return self._child is not None and self._child.isalive()
+
+    def start(self) -> None:
+        t0 = time.monotonic()
+        base_env = dict(os.environ) if self.spawn_env is None else dict(self.spawn_env)
+        base_env.update(TERM="dumb", PS1="", PS2="", PROMPT_COMMAND="", HISTFILE="/dev/null")
+        try:
+            self._child = on_lasting_thread(lambda: PtyProcess(self.argv, base_env, self.spawn_cwd))
+        except OSError as e:
+            raise SandboxError(f"could not start shell {shlex.join(self.argv)}: {e}") from e
+        self._decoder.reset()
+        self._leftover = ""
+        self._seq = 0
+        tag = self.tag
+        # The marker is written split across two quoted strings ('__TM''AX_...') so the
+        # tty echo of this very line (before `stty -echo` takes effect) cannot match it.
+        init = (
+            "stty -echo 2>/dev/null; "
+            "bind 'set enable-bracketed-paste off' 2>/dev/null; "
+            "bind 'set disable-completion on' 2>/dev/null; "  # tabs in commands stay tabs
+            "bind 'set convert-meta off' 2>/dev/null; bind 'set input-meta on' 2>/dev/null; "
+            "bind 'set output-meta on' 2>/dev/null; "
+            "set +o history +H; unset HISTFILE PROMPT_COMMAND; shopt -s expand_aliases; "
+            "PS0=''; PS2=''; __tmax_ret() { return \"$1\"; }; "
+            f"PS1='\\n__TM''AX_{tag}_${{__tmax_seq}}_$?__\\n'"
+        )
+        self._write(init + "\n")
+        out, rc, timed_out, eof = self._collect(None, time.monotonic() + self.start_timeout)
+        if timed_out or eof:
+            detail = clean_output(out)[-2000:]
+            self._kill()
+            raise SandboxError(
+                f"shell {shlex.join(self.argv)} did not start"
+                f" ({'timed out' if timed_out else 'exited'}): {detail}"
+            )
+        # The saved state may hold secrets from the environment: only this user may read it.
+        state = shlex.quote(self.state_file)
+        setup = [*NO_TTY_SETUP, save_state_function(self.state_file),
+                 f"[ -e {state} ] || (umask 077; : > {state}) 2>/dev/null", "echo $$"]
+        setup += [f"export {k}={shlex.quote(v)}" for k, v in self.env.items()]
+        res = self._run_raw("\n".join(setup), time.monotonic() + self.start_timeout)
+        if res[1] != 0 or res[2] or res[3]:
+            self._kill()
+            why = "timed out" if res[2] else "the shell exited" if res[3] else f"exit code {res[1]}"
+            raise SandboxError(f"shell setup failed ({why}): {clean_output(res[0])[-2000:]}")
+        first = clean_output(res[0]).strip().splitlines()
+        self.inner_pid = int(first[0]) if first and first[0].isdigit() else None
+        try:
+            # At its prompt the shell owns the terminal: a command runs in another group.
+            self._shell_pgrp = os.tcgetpgrp(self._child.child_fd)
+        except OSError:
+            self._shell_pgrp = None
+        if self.workdir:
+            res = self._run_raw(f"cd -- {shlex.quote(self.workdir)}", time.monotonic() + self.start_timeout)
+            if res[1] != 0:
+                self._kill()
+                raise SandboxError(f"shell could not cd to {self.workdir}: {clean_output(res[0]).strip()}")
+        self.start_s = time.monotonic() - t0
+
+    def close(self) -> None:
+        # The sandbox owning the shell tears down everything inside it; a shell on this very
+        # host (plain bash) leaves its state file in the host's /tmp, so it goes here.
+        self._kill(inner=False)
+        if self.argv == BASH_ARGV:
+            try:
+                os.unlink(self.state_file)
+            except OSError:
+                pass
+
+    def _kill(self, inner: bool = True) -> None:
+        child, self._child = self._child, None
+        if child is None:
+            return
+        if inner and self.kill_inner is not None and self.inner_pid is not None and child.isalive():
+            try:
+                self.kill_inner(self.inner_pid)
+            except Exception:
+                pass  # best effort: the sandbox may already be gone
+        try:
+            child.close()
+        except Exception:
+            pass
+
+    def restart(self) -> str:
+        """A new shell in place of a dead one, with the cwd, exported variables and options
+        the old one had before its last command; returns what was restored and what was lost."""
+        self._kill()
+        self.restarts += 1
+        self.start()
+        return self._restore_state()
+
+    def _restore_state(self) -> str:
+        res = self._run_raw(restore_state_script(self.state_file), time.monotonic() + self.start_timeout)
+        ok = res[1] == 0 and not res[2] and not res[3]
+        return restored_note(clean_output(res[0]) if ok else None)
+
+    # -- commands ----------------------------------------------------------------
+
+    def run(self, command: str, timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S) -> CommandResult:
+        """Run one command; returns its output (stdout and stderr merged by the pty)
+        and its exit code. Never raises for the command's own behaviour; raises
+        SandboxError only if the shell cannot be (re)started."""
+        t0 = time.monotonic()
+        pre_note = None
+        if not self.alive:
+            was_started = self._child is not None or self.restarts > 0 or self.start_s > 0
+            if was_started:
+                pre_note = f"the shell had exited and was restarted: {self.restart()}"
+            else:
+                self.start()
+        deadline = None if timeout is None else t0 + timeout
+        self._interrupted = False
+        self._streaming = self.on_output is not None
+        try:
+            out, rc, timed_out, eof, dropped = self._run_command(command, deadline)
+        finally:
+            self._streaming = False
+        note = pre_note
+        if eof:
+            status = self._exit_status()
+            rc = status if status is not None else 1
+            note = f"the shell exited (status {rc}) and was restarted: {self._restart_quietly()}"
+        elif timed_out:
+            recovered = self._recover_after_timeout()
+            rc = 124
+            if recovered:
+                note = f"command timed out after {timeout:g} s and was interrupted"
+            else:
+                note = (f"command timed out after {timeout:g} s; the shell did not respond to Ctrl-C"
+                        f" and was restarted: {self._restart_quietly()}")
+        elif self._interrupted:
+            note = "interrupted"
+        return CommandResult(
+            output=out, exit_code=rc, timed_out=timed_out, note=note,
+            duration_s=time.monotonic() - t0, dropped_chars=dropped,
+        )
+
+    def interrupt(self, force: bool = False) -> None:
+        """Ctrl-C to the foreground command; with `force`, SIGKILL to its whole process
+        group at once (a program may catch or ignore Ctrl-C). Ignored while no command
+        runs, because Ctrl-C at an idle prompt would print a stray prompt."""
+        if not self._running or self._child is None:
+            return
+        self._interrupted = True
+        if force:
+            # No lock: this may run in a signal handler on a thread that holds it.
+            self._kill_foreground()
+            return
+        with self._write_lock:
+            try:
+                if self._running and self._child is not None:
+                    os.write(self._child.child_fd, b"\x03")
+            except OSError:
+                pass
+
+    def _kill_foreground(self) -> None:
+        if self.kill_foreground_inner is not None:
+            if self.inner_pid is not None:
+                try:
+                    self.kill_foreground_inner(self.inner_pid)
+                except Exception:
+                    pass  # best effort: the caller falls back to a restart
+            return
+        try:
+            group = os.tcgetpgrp(self._child.child_fd) if self._child is not None else -1
+            if group > 0 and group != self._shell_pgrp:
+                os.killpg(group, signal.SIGKILL)
+        except OSError:
+            pass  # the group is gone already
+
+    # -- internals ---------------------------------------------------------------
+
+    def _write(self, text: str) -> None:
+        assert self._child is not None
+        data = text.encode("utf-8", errors="replace")
+        with self._write_lock:
+            self._child.send(data)
+
+    def _wrap(self, command: str, save: bool = True) -> str:
+        self._seq += 1
+        # Normalise line ends and drop control characters readline would act on.
+        command = command.replace("\r\n", "\n").replace("\r", "\n")
+        command = _COMMAND_CTRL_RE.sub(lambda m: m.group(0) if m.group(0) in "\t\n" else "", command)
+        delim = f"__TMAX_{self.tag}_EOF"
+        # `$?` is saved first and handed back through the `if`: in bash the then/else
+        # branch starts with `$?` set to the condition's status, so the command sees
+        # the previous command's exit code, and a non-zero one cannot trip `set -e`
+        # (a condition never does).
+        return (
+            f"__tmax_rc=$?; __tmax_seq={self._seq};{' __tmax_save;' if save else ''} IFS= builtin read -r -d '' __tmax_cmd <<'{delim}' || :;"
+            ' if __tmax_ret "$__tmax_rc"; then eval "$__tmax_cmd"; else eval "$__tmax_cmd"; fi </dev/null\n'
+            f"{command}\n{delim}\n"
+            # An empty line: it re-prints the prompt with `$?` unchanged. After a syntax
+            # error inside `eval`, interactive bash skips the prompt, and this is what
+            # brings it back; otherwise it yields a duplicate prompt for this sequence
+            # number, which the next command drops as stale.
+            "\n"
+        )
+
+    def _run_raw(self, command: str, deadline: float | None) -> tuple[str, int, bool, bool]:
+        out, rc, timed_out, eof, _ = self._run_command(command, deadline, save=False)
+        return out, rc, timed_out, eof
+
+    def _run_command(self, command: str, deadline: float | None, save: bool = True) -> tuple[str, int, bool, bool, int]:
+        if self._child is None:
+            raise SandboxError("shell is not started")
+        text = self._wrap(command, save)
+        buf = BoundedOutput(self.max_output_chars)
+        self._running = True
+        try:
+            try:
+                self._write(text)
+            except OSError:
+                return "", 1, False, True, 0
+            _, rc, timed_out, eof = self._collect(self._seq, deadline, buf)
+        finally:
+            self._running = False
+        out, dropped = buf.text()
+        return out, rc, timed_out, eof, dropped
+
+    def _collect(self, seq: int | None, deadline: float | None, buf: BoundedOutput | None = None
+                 ) -> tuple[str, int, bool, bool]:
+        """Read until the prompt for `seq` (None: any prompt). Output before it goes to
+        `buf` in bounded memory; returns (raw text if no buf, rc, timed_out, eof)."""
+        assert self._child is not None
+        sink = buf if buf is not None else BoundedOutput(self.max_output_chars)
+        pending, self._leftover = self._leftover, ""
+        want = "" if seq is None else str(seq)
+        while True:
+            m = self._marker_rx.search(pending)
+            while m is not None:
+                if seq is None or m.group(1) == want:
+                    sink.add(pending[: m.start()])
+                    self._leftover = pending[m.end():]
+                    text = "" if buf is not None else sink.text()[0]
+                    return text, int(m.group(2)), False, False
+                # A stale prompt (earlier command, idle Ctrl-C): drop it, keep looking.
+                pending = pending[: m.start()] + pending[m.end():]
+                m = self._marker_rx.search(pending)
+            if len(pending) > self._keep:
+                sink.add(pending[: -self._keep])
+                pending = pending[-self._keep:]
+            wait = None if deadline is None else deadline - time.monotonic()
+            if wait is not None and wait <= 0:
+                sink.add(pending)
+                return ("" if buf is not None else sink.text()[0]), 124, True, False
+            try:
+                # Wake up now and then: a background job holding the pty open delays
+                # EOF after the shell itself exited, so liveness is checked directly.
+                data = self._child.read_nonblocking(1 << 16, timeout=0.5 if wait is None else min(wait, 0.5))
+            except ReadTimeout:
+                self._stream("")
+                if not self._child.isalive():
+                    pending += self._drain()
+                    sink.add(pending)
+                    return ("" if buf is not None else sink.text()[0]), 1, False, True
+                continue
+            except EOFError:
+                pending += self._decoder.decode(b"", final=True)
+                sink.add(pending)
+                return ("" if buf is not None else sink.text()[0]), 1, False, True
+            text = self._decoder.decode(data)
+            pending += text
+            self._stream(text)
+
+    def _stream(self, text: str) -> None:
+        """Hand a piece of a running command's output to `on_output`, less any prompt marker
+        (or the start of one, cut at the end of the piece)."""
+        if not self._streaming or self.on_output is None:
+            return
+        text = self._marker_rx.sub("", text)  # the prompt brings its own newlines
+        cut = text.rfind("\n__TM")
+        if cut >= 0 and f"__TMAX_{self.tag}_".startswith(text[cut + 1:][:len(self.tag) + 7]):
+            text = text[:cut]
+        try:
+            self.on_output(text)
+        except Exception:
+            pass  # a display must never break the command it shows
+
+    def _drain(self) -> str:
+        """Whatever is still buffered on the pty of a dead shell."""
+        assert self._child is not None
+        out = ""
+        for _ in range(64):
+            try:
+                out += self._decoder.decode(self._child.read_nonblocking(1 << 16, timeout=0))
+            except (ReadTimeout, EOFError, OSError):
+                break
+        return out + self._decoder.decode(b"", final=True)
+
+    def _recover_after_timeout(self) -> bool:
+        """Ctrl-C, then SIGKILL to the command's process group (a program may catch or
+        ignore Ctrl-C), each time waiting for this command's prompt; True if the shell
+        answered."""
+        for force in (False, True):
+            if self._child is None or not self._child.isalive():
+                return False
+            self._running = True
+            try:
+                if force:
+                    self._kill_foreground()
+                else:
+                    with self._write_lock:
+                        os.write(self._child.child_fd, b"\x03")
+                sink = BoundedOutput(4096)
+                _, _, timed_out, eof = self._collect(self._seq, time.monotonic() + self.interrupt_grace_s, sink)
+            except OSError:
+                return False
+            finally:
+                self._running = False
+            if eof:
+                return False
+            if not timed_out:
+                return True
+        return False
+
+    def _exit_status(self) -> int | None:
+        child = self._child
+        if child is None:
+            return None
+        try:
+            child.close()
+        except Exception:
+            pass
+        if child.exitstatus is not None:
+            return child.exitstatus
+        if child.signalstatus is not None:
+            return 128 + child.signalstatus
+        return None
+
+    def _restart_quietly(self) -> str:
+        try:
+            return self.restart()
+        except SandboxError:
+            # Leave it dead: the next run() tries again and raises if that fails.
+            self._child = None
+            return "the new shell did not start yet; the next command tries again"
+
+
+class ShellSandbox:
+    """What every backend shares: the agent's commands go through one PersistentShell."""
+
+    shell: PersistentShell | None = None
+
+    def _shell(self) -> PersistentShell:
+        if self.shell is None:
+            raise SandboxError("sandbox is not started (or was started without a shell: SandboxSpec.shell=False)")
+        return self.shell
+
+    def run(self, command: str, timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S) -> CommandResult:
+        return self._shell().run(command, timeout)
+
+    def interrupt(self, force: bool = False) -> None:
+        if self.shell is not None:
+            self.shell.interrupt(force)
+
+    def watch_output(self, listener: Callable[[str], None] | None) -> None:
+        """Show each command's output as it arrives (`PersistentShell.on_output`); None: stop."""
+        self._shell().on_output = listener

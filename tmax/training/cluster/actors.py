@@ -1,0 +1,493 @@
+"""Every Ray actor of `tmax learn`, for every placement: one machine is a one-node layout.
+
+* `LearnerGroup`: learner ranks 0..R-1 (`LearnerRank`), joined in one torch.distributed
+  group (gloo on CPU, NCCL on GPU) when R > 1. `train_step(samples)` gives every rank its
+  token-balanced share (`learner.packing.shard`); the learner all-reduces the global
+  loss-token count, so the loss stays the exact token mean of the whole batch. Calls
+  return rank 0's ref (metrics are already reduced over ranks).
+* `EngineGroup`: N vLLM engine actors (`EngineActor`), restarted by Ray when they die (an
+  actor whose vLLM server died exits, so a dead server counts). A restarted engine reloads
+  the last weights it was pushed at their version (object-store transport; on a process
+  group, `training.weights.learner_side.WeightSync` re-forms the group at the next sync).
+* rollout workers (`RolloutWorker`) anywhere with free CPU, restarted by Ray; worker i
+  samples from engine i mod N through a `FailoverSampler` (`training.cluster.failover`),
+  from the next live engine while that one is down, waiting for a restart when none is.
+  A dead worker's episodes fail with a Ray actor error: re-queued, never scored, and the
+  loop removes the containers it left (run label).
+
+Without a placement: plain CPU options on the local cluster (1 learner rank, 1 engine,
+`run.rollout_workers` workers); with one, the plan's counts and bundles (`placement.json`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tmax.common.waiting import wait_until
+from tmax.training.cluster.failover import SERVER_EXIT_WAIT_S, FailoverSampler, WorkersDown
+from tmax.training.cluster.placement import Placement
+
+# Gloo / NCCL collectives of the learner group give up after this long (a dead rank).
+GROUP_TIMEOUT_S = 600.0
+# Ray threads per rollout worker beyond its episode slots, so prewarm calls are not
+# queued behind running episodes.
+PREWARM_CALL_SLOTS = 2
+
+
+def _node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+@functools.lru_cache(maxsize=None)
+def _learner_class():
+    """Ray actor classes are defined lazily so importing this module does not import ray."""
+    import ray
+
+    from tmax.training.weights.learner_side import WeightSourceMixin
+
+    @ray.remote
+    class LearnerRank(WeightSourceMixin):
+        """One data-parallel learner rank (FSDP2-sharded or replicated, per
+        `LearnerConfig.strategy`); rank 0 is also rank 0 of the weight group for a
+        process-group transport."""
+
+        def __init__(self, threads: int | None):
+            import torch
+
+            if threads:
+                torch.set_num_threads(threads)
+            self.learner: Any = None
+            self.rank = 0
+
+        def node_id(self) -> str:
+            return _node_id()
+
+        def rendezvous(self) -> tuple[str, int]:
+            from tmax.training.net import free_port, node_ip
+
+            return node_ip(), free_port()
+
+        def setup(self, rank: int, world: int, host: str, port: int, model_dir: str, lcfg: Any,
+                  resume: str | None) -> int:
+            from tmax.training.learner.learner import Learner
+            from tmax.training.learner.parallel import data_parallel, init_learner_group
+
+            ctx = init_learner_group(rank, world, host, port, timeout_s=GROUP_TIMEOUT_S)
+            self.rank = rank
+            dp = data_parallel(ctx, lcfg.strategy)
+            self.learner = Learner.load(resume, lcfg, dp) if resume else Learner(model_dir, lcfg, dp)
+            return rank
+
+        def train_step(self, samples: list, world: int) -> dict:
+            from tmax.training.learner.packing import shard
+
+            return self.learner.train_step(shard(samples, self.rank, world))
+
+        def named_weights(self) -> dict:
+            w = self.learner.named_weights()  # a collective once the backend shards
+            # CPU tensors: engines on other nodes read them from the object store.
+            return {k: v.cpu() for k, v in w.items()} if self.rank == 0 else {}
+
+        def save(self, path: str, step: int, extra: dict) -> str:
+            return str(self.learner.save(path, step, extra))
+
+        def restore(self, path: str, lr_scale: float) -> int:
+            return self.learner.restore(path, lr_scale)
+
+        def close(self) -> None:
+            from tmax.training.learner.parallel import destroy_learner_group
+
+            destroy_learner_group()
+
+    return LearnerRank
+
+
+@functools.lru_cache(maxsize=None)
+def _engine_class():
+    import ray
+
+    from tmax.agents.policy import ModelError
+
+    @ray.remote
+    class EngineActor:
+        """Holds one inference engine. Rollout workers sample through it (threaded). A
+        weight sync pauses the turns being sampled rather than waiting for them
+        (`training.inference.engine`); each turn is tagged with the oldest weights version
+        that produced it."""
+
+        def __init__(self, model_dir: str, ecfg: Any, seed: int, work_dir: str | None = None, tp: int | None = None):
+            import threading
+
+            from tmax.training.inference.engine import VLLMEngine
+
+            self.engine = VLLMEngine.from_config(ecfg, model_dir, work_dir, tensor_parallel_size=tp)
+            self._sampler = self.engine.sampler(seed)
+            self._closing = False
+            if ray.get_runtime_context().was_current_actor_reconstructed:
+                self.engine.reload_last_push()
+            threading.Thread(target=self._exit_with_server, daemon=True).start()
+
+        def _exit_with_server(self) -> None:
+            """A vLLM server that dies takes its actor with it, so Ray restarts both."""
+            while not self._closing:
+                time.sleep(1.0)
+                self._exit_if_server_died()
+
+        def _exit_if_server_died(self, wait_s: float = 0.0) -> None:  # gone, or going within wait_s
+            server = self.engine.server
+            if server is not None and wait_until(lambda: not server.alive(), wait_s, 0.5) and not self._closing:
+                os._exit(1)
+
+        def node_id(self) -> str:
+            return _node_id()
+
+        def info(self) -> dict:
+            return {"base_url": self.engine.base_url, "model": self.engine.served_model_name,
+                    "version": self.engine.policy_version, "mixed_turns": self.engine.mixed_turns}
+
+        def sample(self, prompt_ids: list, max_tokens: int, temperature: float, top_p: float, seed: int | None):
+            try:
+                return self._sampler.sample(prompt_ids, max_tokens, temperature, top_p, seed)
+            except ModelError:  # a server that died: the caller sees a dead engine and waits
+                self._exit_if_server_died(SERVER_EXIT_WAIT_S)
+                raise
+
+        def push_weights(self, weights: dict, version: int) -> float:
+            try:
+                seconds = self.engine.push_weights(weights, version)
+            except self.engine.error:  # a server that died: the caller sees a dead engine
+                self._exit_if_server_died(SERVER_EXIT_WAIT_S)
+                raise
+            return seconds
+
+        def num_workers(self) -> int:
+            return self.engine.num_workers()
+
+        def join_weight_group(self, host: str, port: int, rank_offset: int, world: int, backend: str,
+                              timeout_s: float) -> list:
+            return self.engine.join_weight_group(host, port, rank_offset, world, backend, timeout_s)
+
+        def receive_weights(self, update: Any) -> float:
+            # Blocks until learner rank 0 has broadcast the update (another actor, so the
+            # two sides run at the same time).
+            return self.engine.receive_weights(update)
+
+        def weight_group(self) -> dict | None:
+            # None on a fresh (e.g. Ray-restarted) engine: `WeightSync` then re-forms the group.
+            return self.engine.weight_group
+
+        def close(self) -> None:
+            self._closing = True
+            self.engine.close()
+
+    return EngineActor
+
+
+@functools.lru_cache(maxsize=None)
+def _worker_class():
+    import ray
+
+    from tmax.training.rollout import EpisodeRequest, InfraError
+
+    @ray.remote
+    class RolloutWorker:
+        """Runs episodes, `slots` at a time (Ray threads), each in its own fresh sandbox;
+        on podman from a warm pool of containers started ahead of need."""
+
+        def __init__(self, model_dir: str, episode: Any, sampler: Any, images: dict, slots: int = 1):
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            self.episode = episode  # a `training.rollout.EpisodeSettings`
+            self.sampler = sampler
+            self.images = images  # task dir -> TaskImage, resolved before training
+            self.pool = episode.worker_pool(slots)
+
+        def node_id(self) -> str:
+            return _node_id()
+
+        def prewarm(self, task_dir: str) -> bool:
+            from tmax.training.rollout import prewarm
+
+            return prewarm(self.pool, task_dir, self.episode.env, self.images.get(task_dir))
+
+        def pool_stats(self) -> dict:
+            p = self.pool
+            return {"warm_hits": p.warm_hits, "cold_starts": p.cold_starts} if p is not None else {}
+
+        def run(self, req: EpisodeRequest, version: int) -> dict:
+            from tmax.training.rollout import run_episode
+
+            try:
+                r = run_episode(req, self.sampler, self.tokenizer, self.episode, image=self.images.get(req.task_dir),
+                                pool=self.pool, start_version=version)
+            except InfraError as e:
+                return {"infra_error": str(e), "kind": e.kind}
+            return {"rollout": r}
+
+        def close(self) -> None:
+            if self.pool is not None:
+                self.pool.close(in_use=True)
+
+    return RolloutWorker
+
+
+class LearnerGroup:
+    """The learner ranks, driven as one: each call goes to every rank and returns rank 0's
+    ref; the other ranks' refs of a call are checked at the next call."""
+
+    def __init__(self, ranks: list[Any], setups: list[Any] | None = None):
+        self.ranks = ranks
+        self.setups = setups or []  # refs that fail when a rank cannot start
+        self._others: list[Any] = []
+
+    @classmethod
+    def start(cls, options: list[dict], model_dir: str, lcfg: Any, resume: str | None,
+              threads: int | None) -> "LearnerGroup":
+        import ray
+
+        LearnerRank = _learner_class()
+        ranks = [LearnerRank.options(**o).remote(threads) for o in options]
+        host, port = ray.get(ranks[0].rendezvous.remote())
+        return cls(ranks, [a.setup.remote(r, len(ranks), host, port, model_dir, lcfg, resume)
+                           for r, a in enumerate(ranks)])
+
+    @property
+    def rank0(self) -> Any:
+        return self.ranks[0]
+
+    def _all(self, call: Any) -> Any:
+        import ray
+
+        if self._others:
+            ray.get(self._others)  # a failure on another rank surfaces here
+        refs = [call(a) for a in self.ranks]
+        self._others = refs[1:]
+        return refs[0]
+
+    def train_step(self, samples: list) -> Any:
+        world = len(self.ranks)
+        return self._all(lambda a: a.train_step.remote(samples, world))
+
+    def named_weights(self) -> Any:
+        return self._all(lambda a: a.named_weights.remote())
+
+    def prepare_weights(self, version: int) -> Any:
+        # Every rank gathers (a collective); rank 0's ref carries the update.
+        return self._all(lambda a: a.prepare_weights.remote(version))
+
+    def save(self, path: str, step: int, extra: dict) -> Any:
+        return self._all(lambda a: a.save.remote(path, step, extra))
+
+    def restore(self, path: str, lr_scale: float = 1.0) -> Any:
+        """Every rank back to checkpoint `path` (the collapse guard's rollback)."""
+        return self._all(lambda a: a.restore.remote(path, lr_scale))
+
+    def kill(self) -> None:
+        import ray
+
+        for a in self.ranks:
+            try:
+                ray.get(a.close.remote(), timeout=10)
+            except Exception:
+                pass
+            ray.kill(a)
+
+
+class EngineGroup:
+    """The engine actors; `info()`, `close()` and `sampler(i)` act on the group."""
+
+    def __init__(self, engines: list[Any]):
+        self.engines = engines
+
+    @classmethod
+    def start(cls, cfg: Any, model_dir: str, run_dir: str | Path, options: list[dict],
+              tp: int | None = None) -> "EngineGroup":
+        """Engine i gets seed `algo.seed + i` and its own work dir, each over `tp` GPUs;
+        not waited for (`ready`)."""
+        EngineActor = _engine_class()
+        engines = []
+        for i, opts in enumerate(options):
+            work = Path(run_dir).resolve() / ("engine" if len(options) == 1 else f"engine{i}")
+            work.mkdir(parents=True, exist_ok=True)
+            engines.append(EngineActor.options(**opts).remote(model_dir, cfg.engine, cfg.algo.seed + i, str(work), tp))
+        return cls(engines)
+
+    def ready(self) -> list[Any]:
+        """Refs that fail when an engine could not start its server."""
+        return [e.info.remote() for e in self.engines]
+
+    def info(self) -> dict:
+        """Engine 0's server: base URL, served model name, weights version."""
+        import ray
+
+        return ray.get(self.engines[0].info.remote())
+
+    def sampler(self, index: int) -> FailoverSampler:
+        return FailoverSampler(self.engines, index % len(self.engines))
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop every engine's vLLM server, best effort (on every exit path: an actor may already
+        be dead, its server then dead with it)."""
+        close_all(self.engines, timeout_s)
+
+    def kill(self) -> None:
+        import ray
+
+        for e in self.engines:
+            ray.kill(e)
+
+
+def close_all(actors: list[Any], timeout_s: float) -> None:
+    """`close()` on every actor at once, best effort (an actor may already be dead); waits
+    up to `timeout_s` for them all."""
+    import ray
+
+    refs = []
+    for a in actors:
+        try:
+            refs.append(a.close.remote())
+        except Exception:
+            pass
+    try:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    except Exception:
+        pass
+
+
+def _cpus(cfg: Any) -> float:
+    return float(cfg.cluster.num_cpus or os.cpu_count() or 2)
+
+
+def _tp(pl: Placement | None) -> int | None:
+    """Each engine's tensor-parallel size: the plan's; None on one machine (vLLM's default)."""
+    return pl.plan.tp if pl is not None else None
+
+
+def engine_options(cfg: Any, pl: Placement | None) -> list[dict]:
+    """`.options(...)` of every engine: the plan's bundles, or one engine on this node."""
+    threads = cfg.run.concurrency + 4
+    if pl is None:
+        return [{"num_cpus": min(1.0, _cpus(cfg) / 4), "max_concurrency": threads, "max_restarts": -1}]
+    return [pl.engine_options(i, max_restarts=-1, max_concurrency=threads) for i in range(pl.plan.engines)]
+
+
+def learner_options(cfg: Any, pl: Placement | None) -> list[dict]:
+    if pl is None:
+        return [{"num_cpus": min(1.0, _cpus(cfg) / 4)}]
+    return [pl.learner_options(r) for r in range(pl.plan.learner_ranks)]
+
+
+def worker_options(cfg: Any, pl: Placement | None) -> list[dict]:
+    rc = cfg.run
+    threads = rc.slots_per_worker + PREWARM_CALL_SLOTS
+    if pl is None:
+        cpus = min(0.5, _cpus(cfg) / (4 * rc.rollout_workers))
+        return [{"num_cpus": cpus, "max_concurrency": threads, "max_restarts": -1}] * rc.rollout_workers
+    return [pl.sandbox_options(max_restarts=-1, max_concurrency=threads)] * pl.plan.sandbox_workers
+
+
+def start_engines(cfg: Any, model_dir: str, run_dir: str | Path, pl: Placement | None = None) -> EngineGroup:
+    """The engines of the layout, serving `model_dir`, ready (servers healthy) on return."""
+    import ray
+
+    engines = EngineGroup.start(cfg, model_dir, run_dir, engine_options(cfg, pl), _tp(pl))
+    try:
+        ray.get(engines.ready())
+    except BaseException:
+        engines.close()
+        engines.kill()
+        raise
+    return engines
+
+
+@dataclass
+class Actors:
+    """Everything a run drives: the learner ranks, the engines, the rollout workers."""
+
+    learner: LearnerGroup
+    engines: EngineGroup
+    workers: list[Any]
+    own_engines: bool = True  # False: the caller's engines, which it stops itself
+    labels: dict[str, str] | None = None  # every container of the run carries them (`run_labels`)
+    workers_down: WorkersDown = field(default_factory=WorkersDown)  # restarting under Ray
+
+    def worker_failed(self, index: int, sent_at: float) -> bool:
+        """An episode failed with worker `index`'s death: the worker rests while Ray restarts
+        it and the containers of the episodes it ran are removed. True when the episode ran
+        (sent before the failure was first seen), False when the restarting worker refused it."""
+        self.remove_orphaned_containers()
+        return self.workers_down.failed(index, sent_at)
+
+    def remove_orphaned_containers(self) -> list[str]:
+        """The run's containers on this node whose worker process is gone (a worker Ray
+        killed or restarted, or the previous process of a resumed run): removed, named."""
+        from tmax.sandbox.cleanup import remove_orphaned
+
+        return remove_orphaned(self.labels).containers if self.labels else []
+
+    def close(self, keep_engines: bool = False) -> None:
+        """Close the workers' warm pools (their idle containers), kill every actor and remove
+        the run's containers left on this node; engines the run started are stopped unless
+        `keep_engines`."""
+        import ray
+
+        close_all(self.workers, 120.0)
+        for w in self.workers:
+            try:
+                ray.kill(w)
+            except Exception:
+                pass
+        if self.labels:
+            # The run is over: any container of it on this node is a leftover, whoever
+            # started it (a prewarm that raced the pool's close, a worker that did not answer).
+            from tmax.sandbox.cleanup import remove_labelled
+
+            remove_labelled(self.labels)
+        if self.own_engines and not keep_engines:
+            self.engines.close()
+            self.engines.kill()
+        self.learner.kill()
+
+
+def start_actors(cfg: Any, model_dir: str, resume_from: str | None, run_dir: str | Path, lcfg: Any,
+                 images: dict, pl: Placement | None = None, engines: EngineGroup | None = None) -> Actors:
+    """Create and wait for every actor of the layout. `engines` reuses running engines
+    (already serving `model_dir`); `images` maps task dirs to their resolved images."""
+    import ray
+
+    from tmax.training.rollout import EpisodeSettings, run_labels
+
+    if engines is not None and pl is not None:
+        raise ValueError("a placed run starts its own engines; running engines cannot be reused with a placement")
+    own = engines is None
+    labels = run_labels(run_dir) if cfg.rollout.sandbox == "podman" else None
+    learner: LearnerGroup | None = None
+    workers: list = []
+    try:
+        learner = LearnerGroup.start(learner_options(cfg, pl), model_dir, lcfg, resume_from, cfg.run.torch_threads)
+        engines = engines or EngineGroup.start(cfg, model_dir, run_dir, engine_options(cfg, pl), _tp(pl))
+        # The workers start while the engines do (a worker needs its engine only for its
+        # first episode): their imports overlap the vLLM start instead of following it.
+        RolloutWorker = _worker_class()
+        episode = EpisodeSettings.of(cfg.rollout, labels)
+        workers = [RolloutWorker.options(**o).remote(model_dir, episode, engines.sampler(i), images,
+                                                     cfg.run.slots_per_worker)
+                   for i, o in enumerate(worker_options(cfg, pl))]
+        # Start-up errors of any rank or engine surface here, before any episode runs.
+        ray.get(learner.setups + (engines.ready() if own else []))
+        actors = Actors(learner, engines, workers, own, labels)
+        actors.remove_orphaned_containers()  # a killed earlier process of this run left them
+        if pl is not None:
+            pl.write(Path(run_dir) / "placement.json", actors)
+    except BaseException:
+        Actors(learner or LearnerGroup([]), engines or EngineGroup([]), workers, own, labels).close()
+        raise
+    return actors

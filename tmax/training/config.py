@@ -1,0 +1,373 @@
+"""Run configuration for `tmax learn`: one pydantic model, TOML files, three presets.
+
+`nano` is the CPU recipe (tiny model, generated tasks, local sandboxes), `nano-podman`
+the same with every episode in a podman container; `tmax-9b` is the paper's setting
+(8 prompts x 32 samples, 500 steps, delta 0.1, LR 1e-6, 65,536 / 16,384 tokens, 64 tool
+calls, temperature 1.0, async 4). All ship as TOML under
+`training/configs/`; a user file is validated against the same model, so a typo in a
+key is an error rather than a silently ignored setting.
+
+Where a setting comes from, later wins: the preset or file (`extends` first), then
+`TMAX_LEARN_<SECTION>__<KEY>` environment variables (values in TOML syntax, e.g.
+`TMAX_LEARN_ALGO__STEPS=5`, `TMAX_LEARN_TASKS__GENERATOR='{kinds = ["sort"]}'`), then the
+`tmax learn` flags. `dump_toml` writes the result back (`tomli-w`): the run directory's
+`config.toml` and the one file a Slurm job of `--dry-run` runs.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Literal, Mapping
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tmax.common.errors import ConfigError
+from tmax.sandbox.base import SandboxKind
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+PRESETS = ("nano", "nano-podman", "tmax-9b")
+ENV_PREFIX = "TMAX_LEARN_"
+
+
+def _known_harnesses(key: str, v: str | list[str]) -> str | list[str]:
+    from tmax.agents.harnesses import check_harness
+
+    names = [v] if isinstance(v, str) else v
+    if not names:
+        raise ValueError(f"{key} is an empty list: name at least one harness")
+    for n in names:
+        check_harness(n, key)
+    return v
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    # HF model dir. Empty with `nano.build = true`: the recipe builds the tiny model.
+    path: str = ""
+    build_nano: bool = False
+
+
+class TasksConfig(_Strict):
+    # Harbor-format task directories. Empty with `generate_nano = true`: generated.
+    train: str = ""
+    heldout: str = ""
+    generate_nano: bool = False
+    n_train: int = Field(64, ge=1)
+    n_heldout: int = Field(32, ge=1)
+    # Passed to the nano task generator (difficulty knobs it understands).
+    generator: dict = Field(default_factory=dict)
+
+
+class RolloutConfig(_Strict):
+    """Budgets and termination of one training episode (64 tool calls, 65,536 tokens in the paper)."""
+
+    max_tool_calls: int = Field(64, ge=1)
+    response_budget: int = Field(65536, ge=1)  # model + tool tokens of one trajectory
+    per_turn_max_tokens: int = Field(16384, ge=1)
+    # A rendered prompt ([system, user] + tools) longer than this ends the episode before
+    # any sample (no tokens, reward 0), so its whole group has zero reward std and is
+    # filtered: in effect over-long prompts are filtered out, as in the paper's recipe.
+    max_prompt_tokens: int = Field(2048, ge=1)
+    context_budget: int = Field(67584, ge=1)  # prompt + response
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    command_timeout: float = Field(120.0, gt=0)
+    test_timeout: float = Field(600.0, gt=0)
+    observation_max_chars: int = Field(10000, ge=100)
+    # Training ends an episode on the first turn without a valid bash call.
+    max_format_errors: int = Field(1, ge=1)
+    # Opt-in budget hints (agents.budget) after each observation; off keeps Vanillux2 exact.
+    budget_hints: bool = False
+    sandbox: SandboxKind = "podman"
+    # podman: `FROM=TO` base-image rewrites for building task images offline (as
+    # `tmax bench --image-map`), on top of the built-in map.
+    image_map: list[str] = Field(default_factory=list)
+    # podman: containers each rollout worker starts ahead of need, beyond its running
+    # episodes (a fresh one per episode, never reused; 0 = start each when it begins).
+    pool_size: int = Field(2, ge=0)
+    # Infra failures are re-queued; an episode that keeps failing aborts the run.
+    max_infra_retries: int = Field(3, ge=0)
+    # The harness episodes run under (`agents.harnesses`); a list is rotated per group.
+    harness: str | list[str] = "tmax"
+
+    @field_validator("harness")
+    @classmethod
+    def _known_harness(cls, v: str | list[str]) -> str | list[str]:
+        return _known_harnesses("rollout.harness", v)
+
+    def harness_for(self, group_id: int) -> str:
+        """The harness of a group: every sample of a group shares it, groups rotate."""
+        names = [self.harness] if isinstance(self.harness, str) else self.harness
+        return names[group_id % len(names)]
+
+
+class AlgoConfig(_Strict):
+    loss: Literal["dppo", "grpo"] = "dppo"
+    divergence: Literal["tv", "kl"] = "tv"
+    delta: float = Field(0.1, gt=0)
+    clip_low: float = Field(0.2, gt=0)  # GRPO baseline only
+    clip_high: float = Field(0.272, gt=0)
+    lr: float = Field(1e-6, gt=0)
+    # Linear LR warmup steps, and AdamW betas / eps (defaults: torch's AdamW, no warmup).
+    warmup_steps: int = Field(0, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    prompts_per_step: int = Field(8, ge=1)
+    group_size: int = Field(32, ge=2)
+    steps: int = Field(500, ge=1)
+    async_steps: int = Field(4, ge=0)  # staleness limit k
+    filter_zero_std: bool = True
+    active_sampling: bool = True
+    seed: int = 42
+
+
+class EngineConfig(_Strict):
+    """The vLLM server of each engine (`VLLMEngine.from_config`) and the weight sync."""
+
+    max_model_len: int = Field(67584, ge=256)
+    dtype: str = "auto"
+    enforce_eager: bool = False
+    kv_cache_gb: float = Field(1.0, gt=0)  # VLLM_CPU_KVCACHE_SPACE on CPU (whole GiB, at least 1)
+    cpu_threads: int | None = Field(None, ge=1)  # CPU only: the engine's OMP_NUM_THREADS (None: vLLM's choice)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # GPU only
+    extra_args: list[str] = Field(default_factory=list)
+    startup_timeout_s: float = Field(600.0, gt=0)
+    # How the learner's weights reach the engines after a step: "object_store" (Ray
+    # object store, then a file per engine), or a broadcast from learner rank 0 over a
+    # process group into every engine worker ("nccl" GPU to GPU, "gloo" through host
+    # memory). "auto": nccl when the learner is on a CUDA GPU, else object_store.
+    weight_transport: Literal["auto", "object_store", "gloo", "nccl"] = "auto"
+    weight_bucket_mb: float = Field(256.0, gt=0)
+    weight_timeout_s: float = Field(600.0, gt=0)  # a weight-group collective gives up after this
+
+
+class SFTConfig(_Strict):
+    epochs: float = Field(1.0, gt=0)
+    lr: float = Field(2e-5, gt=0)
+    batch_size: int = Field(8, ge=1)
+    warmup_ratio: float = Field(0.03, ge=0, lt=1)
+    # Share of the train split used for SFT demonstrations (partial SFT leaves room for RL).
+    task_fraction: float = Field(1.0, gt=0, le=1)
+    # How often the demonstrating teacher picks the right command (1.0 = the oracle). Below
+    # 1, the other demonstrations run another task kind's command and are kept although
+    # they fail, like unfiltered distillation data: SFT then learns the map as a
+    # distribution that RL sharpens (nano tasks only).
+    teacher_accuracy: float = Field(1.0, gt=0, le=1)
+    # SFT runs before any other stage of the recipe, so it may use every core (None).
+    torch_threads: int | None = None
+
+
+class EvalConfig(_Strict):
+    attempts: int = Field(1, ge=1)
+    concurrency: int = Field(4, ge=1)
+    # The `tmax` bench agent's default sampling temperature.
+    temperature: float = Field(0.7, ge=0)
+    max_steps: int = Field(64, ge=1)
+    # Where held-out trials run (`tmax bench -e`): host sandboxes need no image per task.
+    sandbox: SandboxKind = "podman"
+    # podman: containers started ahead for the trials next in line (`tmax bench
+    # --warm-ahead`); 0: each trial starts its own when it begins. Worth it with cores to
+    # spare: on 2 busy cores it only adds contention (docs/RESULTS.md, "Preset nano-podman").
+    warm_ahead: int = Field(0, ge=0)
+    # The harness of held-out trials (`tmax bench -a`); None: the first of `rollout.harness`,
+    # the one the model trained under. Another name asks how well the training carries over.
+    harness: str | None = None
+
+    @field_validator("harness")
+    @classmethod
+    def _known_harness(cls, v: str | None) -> str | None:
+        return v if v is None else _known_harnesses("eval.harness", v)
+
+
+class RunConfig(_Strict):
+    out_dir: str = "runs/learn"
+    # Concurrent episodes in flight, and the Ray rollout workers that hold the sandboxes.
+    concurrency: int = Field(16, ge=1)
+    rollout_workers: int = Field(4, ge=1)
+    slots_per_worker: int = Field(4, ge=1)
+    checkpoint_every: int = Field(20, ge=1)
+    keep_checkpoints: int = Field(3, ge=1)
+    wandb: bool = False
+    wandb_project: str = "tmax"
+    tensorboard: bool = False
+    torch_threads: int | None = None
+    # How N > 1 learner ranks split the work: FSDP2 shards parameters and optimizer state
+    # (gloo on CPU, NCCL on GPU); replicate keeps a full copy per rank and all-reduces grads.
+    learner_strategy: Literal["fsdp", "replicate"] = "fsdp"
+    # Tokens one learner forward computes at most: the prefix trie of its micro-batch, where
+    # a prompt its samples share counts once, so a larger budget shares more. None: the
+    # rollout's context_budget (one longest sample).
+    learner_pack_tokens: int | None = Field(None, ge=2)
+
+    @model_validator(mode="after")
+    def _pool_covers_concurrency(self) -> "RunConfig":
+        # The sandbox pool must hold every concurrent episode, or episodes queue on it.
+        if self.rollout_workers * self.slots_per_worker < self.concurrency:
+            raise ValueError(
+                f"run.rollout_workers * run.slots_per_worker ({self.rollout_workers} * {self.slots_per_worker})"
+                f" must be >= run.concurrency ({self.concurrency})"
+            )
+        return self
+
+
+class ClusterConfig(_Strict):
+    """Where the run's actors go and which Ray they use (`tmax learn --nodes` and its flags).
+
+    `nodes` unset: one machine, one learner rank and one engine, on a private local Ray
+    (or the cluster at `address`). Set: a placement plan over that many Ray nodes
+    (`training.cluster.placement`): learner ranks on `train_nodes`, vLLM engines of `tp`
+    GPUs on the rest, each role pinned by placement groups."""
+
+    nodes: int | None = Field(None, ge=1)
+    gpus_per_node: int = Field(8, ge=0)  # 0: a CPU-only cluster
+    train_nodes: int | None = Field(None, ge=1)  # default: 2 of 8, 1 below 4 nodes
+    tp: int = Field(1, ge=1)  # tensor-parallel size of each engine
+    learners_per_node: int | None = Field(None, ge=1)  # default: one per GPU; 1 on CPU
+    engines_per_node: int | None = Field(None, ge=1)  # default: GPUs / tp; 1 on CPU
+    # Ray to join (else RAY_ADDRESS, else Ray started inside a Slurm allocation, else local).
+    address: str | None = None
+    # Logical CPUs of every Ray node tmax starts (None: the machine's cores).
+    num_cpus: int | None = Field(None, ge=1)
+class GuardConfig(_Strict):
+    """The collapse guard (`training.guard` detects, `training.rollback` acts): on a
+    detected collapse the step is dropped, the run goes back to its last checkpoint marked
+    healthy, `remedy` is applied and training continues; after `max_rollbacks` it stops."""
+
+    enabled: bool = False
+    # The detector's rule (see training/guard.py): rolling median / MAD over `window`
+    # healthy steps, alarm beyond max(mad_k * 1.4826 * MAD, the signal's floor).
+    window: int = Field(8, ge=1)
+    min_history: int = Field(1, ge=1)
+    mad_k: float = Field(4.0, gt=0)
+    min_policy_alarms: int = Field(1, ge=1)
+    patience: int = Field(1, ge=1)
+    max_infra_rate: float = Field(0.25, ge=0, le=1)
+    min_episodes: int = Field(8, ge=1)  # fewer finished since the last step: rollout signals not judged
+    # Zero-variance groups in a row after which the episodes sampled since the last step
+    # are judged (a collapsed policy fails every episode, so no batch ever fills).
+    stall_groups: int = Field(16, ge=1)
+    # Steps without an alarm after a checkpoint before it is marked healthy (None: the
+    # staleness limit + 1, by when every episode sampled from it has been judged).
+    confirm_steps: int | None = Field(None, ge=1)
+    remedy: Literal["lower_lr", "raise_group_size", "skip_batch"] = "lower_lr"
+    lr_factor: float = Field(0.5, gt=0, lt=1)
+    group_factor: int = Field(2, ge=2)
+    max_rollbacks: int = Field(3, ge=1)
+
+    def detector(self):
+        from tmax.training.guard import DetectorConfig
+
+        return DetectorConfig(window=self.window, min_history=self.min_history, mad_k=self.mad_k,
+                              min_policy_alarms=self.min_policy_alarms, patience=self.patience,
+                              max_infra_rate=self.max_infra_rate, min_episodes=self.min_episodes)
+
+
+class LearnConfig(_Strict):
+    name: str = "custom"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    tasks: TasksConfig = Field(default_factory=TasksConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
+
+    @model_validator(mode="after")
+    def _budgets_consistent(self) -> "LearnConfig":
+        r = self.rollout
+        if r.per_turn_max_tokens > r.response_budget:
+            raise ValueError("rollout.per_turn_max_tokens must be <= rollout.response_budget")
+        if r.max_prompt_tokens + r.response_budget > r.context_budget:
+            raise ValueError("rollout.max_prompt_tokens + rollout.response_budget must be <= rollout.context_budget")
+        if r.context_budget > self.engine.max_model_len:
+            raise ValueError("rollout.context_budget must be <= engine.max_model_len")
+        return self
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> LearnConfig:
+    """Load a TOML file. `extends = "nano"` (or a path) starts from another config."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    parent = data.pop("extends", None)
+    if parent:
+        base_path = CONFIG_DIR / f"{parent}.toml" if parent in PRESETS else (p.parent / parent)
+        base = load_config(base_path).model_dump()
+        data = _merge(base, data)
+    if overrides:
+        data = _merge(data, overrides)
+    try:
+        return LearnConfig.model_validate(data)
+    except ValidationError as e:
+        lines = [f"{p}{' with TMAX_LEARN_* / flag settings' if overrides else ''}: invalid config"]
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+            lines.append(f"  {loc}: {err['msg']}")
+        raise ConfigError("\n".join(lines)) from None
+
+
+def preset(name: str, overrides: dict | None = None) -> LearnConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return load_config(CONFIG_DIR / f"{name}.toml", overrides)
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict:
+    """Settings from `TMAX_LEARN_<SECTION>__<KEY>` variables (`TMAX_LEARN_NAME` for the
+    top-level key), as a nested dict; a value is read as TOML, else kept as text."""
+    out: dict = {}
+    for var, raw in sorted((os.environ if environ is None else environ).items()):
+        if not var.upper().startswith(ENV_PREFIX) or not raw:
+            continue
+        path = var[len(ENV_PREFIX):].lower().split("__")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{var}: {'.'.join(path[:-1])} is not a section")
+        node[path[-1]] = value
+    return out
+
+
+def resolve(config: str | Path | None, flags: dict | None = None, environ: Mapping[str, str] | None = None) -> LearnConfig:
+    """The config of a run: `config` (a file, or a preset name; None: the nano preset),
+    then the environment's `TMAX_LEARN_*` settings, then `flags` (nested like the file)."""
+    over = _merge(env_overrides(environ), flags or {})
+    if config is None or (not Path(config).exists() and str(config) in PRESETS):
+        return preset(str(config or "nano"), over)
+    return load_config(config, over)
+
+
+def dump_toml(cfg: LearnConfig) -> str:
+    """The config as TOML (unset optional keys left out): `load_config` of it gives `cfg` back."""
+    return tomli_w.dumps(_without_none(cfg.model_dump()))
+
+
+def _without_none(d: dict) -> dict:
+    return {k: _without_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}

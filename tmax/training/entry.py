@@ -1,0 +1,203 @@
+"""The one way into training: every `tmax learn` command, the recipe benchmark and the
+tests call these functions with a resolved `LearnConfig` (`training.config.resolve`).
+
+    learn(cfg, out)          `tmax learn [--nodes N] [--from-runs DIR]`: DPPO RL; with the nano
+                             build flags the recipe's build and SFT first (what is missing)
+    sft(cfg, out)            `tmax learn sft`: build, then the SFT warm start only
+    sft_from_runs(...)       `tmax learn sft --from-runs DIR`
+    recipe(cfg, out)         `tmax learn nano`, benchmarks/nano_recipe.py: build -> SFT ->
+                             held-out eval -> RL -> held-out eval
+    dry_run(cfg, out)        `tmax learn --nodes N --dry-run`: the plan, the run's whole
+                             config and an sbatch script that runs it
+
+Ray is started (or joined) in one place, `training.cluster.session.ray_session`, per the
+config's `[cluster]` section; a run with `cluster.nodes` gets its placement groups there.
+Bad input (a config, a placement or a `--from-runs` directory that cannot work) raises
+`ConfigError` before any work starts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
+
+from tmax.common.files import write_json_atomic, write_text_atomic
+from tmax.training.cluster.placement import PlanError, PlacementPlan, plan_for
+from tmax.training.cluster.session import own_run_processes, ray_session
+from tmax.common.errors import ConfigError
+from tmax.training.config import LearnConfig, dump_toml
+from tmax.training.loop import RunResult, train
+from tmax.training.report import LearnProgress
+from tmax.training.recipe import build_stage, heldout_eval, prepare_recipe_tasks, sft_stage
+
+Log = Callable[[str], None]
+SBATCH_NAME = "tmax-learn.sbatch"
+JOB_CONFIG_NAME = "learn.toml"
+
+
+def placement_plan(cfg: LearnConfig) -> PlacementPlan | None:
+    """The run's placement plan (None on one machine); a plan no cluster can hold is a `ConfigError`."""
+    try:
+        return plan_for(cfg)
+    except PlanError as e:
+        raise ConfigError(str(e)) from None
+
+
+def learn(cfg: LearnConfig, out: Path, *, resume: bool = False, progress: LearnProgress | None = None,
+          from_runs: Path | None = None,
+          runs_per_step: int = 1, on_step: Any = None, log: Log = print) -> RunResult:
+    """DPPO from `model.path` on `tasks.train` into `out`; with the nano build flags, from
+    the recipe's SFT checkpoint (built first where missing) into `out/rl`. The cluster is
+    joined, and checked against the plan, before any of that work."""
+    out = Path(out)
+    plan = placement_plan(cfg)
+    rated = _rated_stream(from_runs, runs_per_step, plan) if from_runs is not None else None
+    if not (cfg.model.build_nano or cfg.tasks.generate_nano) and not (cfg.model.path and cfg.tasks.train):
+        raise ConfigError("the config needs model.path and tasks.train (or the nano build flags)")
+    left = own_run_processes(out)
+    if left:
+        log(f"ended {len(left)} processes a killed earlier driver of {out} left running")
+    with ray_session(cfg, plan, log) as placement:
+        start, train_dir, rl_dir, prepared = _rl_inputs(cfg, out, log)
+        res = train(cfg, start, train_dir, rl_dir, resume=resume, progress=progress, placement=placement,
+                    on_step=on_step, prepared=prepared, rated=rated)
+    if (rl_dir / "placement.json").is_file():
+        log(f"actors placed: {(rl_dir / 'placement.json').read_text()}")
+    return res
+
+
+def _rl_inputs(cfg: LearnConfig, out: Path, log: Log) -> tuple[str, str, Path, Any]:
+    """(start model, train task dir, RL run dir, prepared train tasks): the nano recipe's
+    build and SFT checkpoint under `out` (made where missing), else the config's model and
+    tasks. Every train and held-out task's environment (image) is ready before the first step."""
+    if cfg.model.build_nano or cfg.tasks.generate_nano:
+        model_dir, train_dir, held_dir = build_stage(cfg, out, cfg.algo.seed, log)
+        prepared = prepare_recipe_tasks(cfg, train_dir, held_dir, out, log)
+        return sft_stage(cfg, model_dir, prepared, out, log)["checkpoint"], train_dir, out / "rl", prepared
+    prepared = prepare_recipe_tasks(cfg, cfg.tasks.train, cfg.tasks.heldout, out, log)
+    return cfg.model.path, cfg.tasks.train, out, prepared
+
+
+def _rated_stream(from_runs: Path, per_step: int, plan: PlacementPlan | None) -> Any:
+    """The rated `tmax run` sessions to add to each RL step (checked before anything starts)."""
+    from tmax.training.runs_data import RatedStream, RunsDataError, load_runs
+
+    if plan is not None:
+        raise ConfigError("--from-runs runs on one node; drop --nodes (cluster.nodes)")
+    try:
+        return RatedStream(load_runs(from_runs), per_step=per_step)
+    except (RunsDataError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def sft(cfg: LearnConfig, out: Path, log: Log = print) -> dict:
+    """Build what is missing, then the SFT warm start on the train tasks (into `out/sft`)."""
+    out = Path(out)
+    model_dir, train_dir, _ = build_stage(cfg, out, cfg.algo.seed, log)
+    prepared = prepare_recipe_tasks(cfg, train_dir, "", out, log)
+    return sft_stage(cfg, model_dir, prepared, out, log)
+
+
+def sft_from_runs(cfg: LearnConfig, runs_dir: Path, out: Path, log: Log = print) -> dict:
+    """SFT on the accepted `tmax run --tokens` sessions under `runs_dir` (into `out/sft-runs`)."""
+    from tmax.training.learner.sft import sft_from_runs as train_on_runs
+
+    def step_log(step: int, total: int, loss: float) -> None:
+        if step % 20 == 0 or step == total:
+            log(f"SFT step {step}/{total}: loss {loss:.3f}")
+
+    return asdict(train_on_runs(runs_dir, cfg, out / "sft-runs", log=step_log))
+
+
+def recipe(cfg: LearnConfig, out: Path, *, progress: LearnProgress | None = None, log: Log = print,
+           stages: tuple[str, ...] = ("sft", "rl", "eval")) -> dict:
+    """The whole nano recipe into `out` (`recipe.json`). `stages` can drop "eval" (RL only)
+    or "rl" (SFT + eval). One machine: the held-out evals share the RL run's engine."""
+    if cfg.cluster.nodes is not None:
+        raise ConfigError("the recipe runs on one machine (its evals share the RL engine); drop --nodes (cluster.nodes)")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    times: dict[str, float] = {}
+    t0 = time.monotonic()
+    model_dir, train_dir, held_dir = build_stage(cfg, out, cfg.algo.seed, log)
+    times["build_s"] = time.monotonic() - t0
+    t = time.monotonic()
+    prepared = prepare_recipe_tasks(cfg, train_dir, held_dir, out, log)
+    times["environments_s"] = time.monotonic() - t
+    t = time.monotonic()
+    sft_res = sft_stage(cfg, model_dir, prepared, out, log) if "sft" in stages else {"checkpoint": model_dir}
+    times["sft_s"] = time.monotonic() - t
+    result: dict[str, Any] = {"seed": cfg.algo.seed, "sft": sft_res}
+    with ray_session(cfg, None, log):
+        _evaluated_rl(cfg, out, sft_res["checkpoint"], train_dir, held_dir, prepared, stages, progress, log,
+                      result, times)
+    times["total_s"] = time.monotonic() - t0
+    result["times"] = {k: round(v, 1) for k, v in times.items()}
+    for stage in ("sft", "rl"):
+        if f"{stage}_eval" in result:
+            result[f"{stage}_pass_rate"] = result[f"{stage}_eval"]["pass_rate"]
+    result["minutes_total"] = round(times["total_s"] / 60, 2)
+    write_json_atomic(out / "recipe.json", result)
+    return result
+
+
+def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, train_dir: str, held_dir: str, prepared: Any,
+                  stages: tuple[str, ...], progress: LearnProgress | None, log: Log, result: dict,
+                  times: dict) -> None:
+    """One engine serving `start`: the held-out eval of it, RL on it, the held-out eval of
+    RL's final checkpoint loaded into it. Fills `result` and `times`."""
+    from tmax.training.cluster.actors import start_engines
+    from tmax.training.weights.learner_side import load_checkpoint
+
+    t = time.monotonic()
+    engine = start_engines(cfg, start, out / "rl")
+    try:
+        times["engine_start_s"] = time.monotonic() - t
+        log(f"vLLM engine up in {times['engine_start_s']:.0f}s")
+        if "eval" in stages:
+            t = time.monotonic()
+            result["sft_eval"] = heldout_eval(cfg, engine, held_dir, out / "eval", f"sft-s{cfg.algo.seed}", log)
+            times["sft_eval_s"] = time.monotonic() - t
+        if "rl" not in stages:
+            return
+        t = time.monotonic()
+        run = train(cfg, start, train_dir, out / "rl", progress=progress, engine_handle=engine, keep_engine=True,
+                    prepared=prepared)
+        times["rl_s"] = time.monotonic() - t
+        result["rl"] = {"steps": run.steps, "checkpoint": run.final_checkpoint, "summary": run.summary,
+                        "curve": run.curve_png}
+        log(f"RL: {run.steps} steps in {times['rl_s']:.0f}s; reward curve {run.curve_png}")
+        if "eval" in stages and run.final_checkpoint:
+            t = time.monotonic()
+            load_checkpoint(engine, run.final_checkpoint, run.steps)
+            result["rl_eval"] = heldout_eval(cfg, engine, held_dir, out / "eval", f"rl-s{cfg.algo.seed}", log)
+            times["rl_eval_s"] = time.monotonic() - t
+    finally:
+        # Also on failure: the engine actor owns a vLLM server that must not outlive the run.
+        engine.close()
+        engine.kill()
+
+
+def dry_run(cfg: LearnConfig, out: Path) -> str:
+    """Write the run's whole config (`out/learn.toml`, its `run.out_dir` = `out`) and an sbatch
+    script that runs `tmax learn --config` on it (`out/tmax-learn.sbatch`); returns the plan,
+    where both are and the script, for the console."""
+    from tmax.training.cluster.slurm import sbatch_script
+
+    out, plan = Path(out), placement_plan(cfg)
+    if plan is None:
+        raise ConfigError("--dry-run prints a multi-node plan; pass --nodes N (or set cluster.nodes)")
+    job_cfg = cfg.model_copy(deep=True)
+    job_cfg.run.out_dir = str(out)
+    config_path, script_path = out / JOB_CONFIG_NAME, out / SBATCH_NAME
+    write_text_atomic(config_path, dump_toml(job_cfg))
+    script = sbatch_script(plan, ["--config", str(config_path)])
+    write_text_atomic(script_path, script)
+    return "\n".join([
+        plan.describe(cfg.engine.weight_transport), "",
+        "plan (json): " + json.dumps(plan.to_dict(), sort_keys=True), "",
+        f"wrote {config_path} (the whole run) and {script_path}; submit with `sbatch {script_path}`",
+        f"# ---- {script_path} ----", script])

@@ -1,0 +1,159 @@
+"""The nano recipe's stages: build, task environments, SFT, held-out eval.
+
+`training.entry` runs them in order (`tmax learn`: build -> SFT -> RL; `tmax learn nano`:
+build -> SFT -> eval -> RL -> eval). Everything runs through the real components: the tiny
+model and tasks are built here, SFT demonstrations are teacher episodes played through the
+harness, RL is the Ray training loop with a vLLM engine, and both held-out evaluations are
+`tmax bench` jobs (`tasks.job.Job`, the `tmax` agent, trials in host or podman sandboxes)
+against that vLLM server, once with the SFT checkpoint loaded and once with the final RL
+checkpoint loaded. There is no special evaluation path.
+
+Layout of a recipe directory:
+
+    base/        the nano model as built (tokenizer + random weights)
+    tasks/       train/ and heldout/ Harbor task dirs
+    sft/         SFT checkpoint (HF) + sft.json (written last: SFT is done), demos.jsonl
+    rl/          the RL run (metrics.jsonl, rollouts.jsonl, checkpoints/, reward_curve.png)
+    eval/        bench job dirs: sft/, rl/
+    recipe.json  pass rates, stage timings
+
+A later run in the same directory trusts what it finds (it skips building base/ and
+tasks/, and SFT when sft/sft.json exists), so each is written whole or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
+
+from tmax.common.files import write_text_atomic
+from tmax.training.config import LearnConfig
+from tmax.training.loop import list_task_dirs
+
+if TYPE_CHECKING:
+    from tmax.training.rollout import PreparedTasks
+
+Log = Callable[[str], None]
+T = TypeVar("T")
+
+
+def _built(dest: Path, make: Callable[[Path], T]) -> T:
+    """`make` a directory beside `dest`, then rename it to `dest` (replacing a partial one):
+    a later run never trusts half a model or half a task set."""
+    tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        result = make(tmp)
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return result
+
+
+def build_stage(cfg: LearnConfig, out: Path, seed: int, log: Log) -> tuple[str, str, str]:
+    """The nano model and the task splits (skipped when already built)."""
+    from tmax.training.nano.model import build_nano_model
+    from tmax.training.nano.tasks import write_splits
+
+    model_dir = Path(cfg.model.path) if cfg.model.path else out / "base"
+    if not (model_dir / "config.json").is_file():
+        if not cfg.model.build_nano:
+            raise FileNotFoundError(f"no model at {model_dir} and model.build_nano is off")
+        info = _built(model_dir, lambda d: build_nano_model(d, seed=seed))
+        log(f"built nano model: {info['params']:,} params, vocab {info['vocab_size']}")
+    tasks = out / "tasks"
+    train_dir = Path(cfg.tasks.train) if cfg.tasks.train else tasks / "train"
+    held_dir = Path(cfg.tasks.heldout) if cfg.tasks.heldout else tasks / "heldout"
+    if not train_dir.is_dir() or not held_dir.is_dir():
+        if not cfg.tasks.generate_nano:
+            raise FileNotFoundError(f"no tasks at {train_dir} / {held_dir} and tasks.generate_nano is off")
+        _built(tasks, lambda d: write_splits(d, cfg.tasks.n_train, cfg.tasks.n_heldout, seed=seed, **cfg.tasks.generator))
+        log(f"wrote {cfg.tasks.n_train} train and {cfg.tasks.n_heldout} held-out tasks to {tasks}")
+    return str(model_dir), str(train_dir), str(held_dir)
+
+
+def sft_stage(cfg: LearnConfig, model_dir: str, prepared: PreparedTasks, out: Path, log: Log) -> dict:
+    """Teacher demonstrations on the train tasks whose environment is ready (`prepared`,
+    a `training.rollout.PreparedTasks`), then SFT on them."""
+    from transformers import AutoTokenizer
+
+    from tmax.training.learner.sft import collect_demos, select_sft_tasks, train_sft
+
+    sft_dir = out / "sft"
+    if (sft_dir / "sft.json").is_file():
+        log(f"SFT checkpoint exists: {sft_dir}")
+        return json.loads((sft_dir / "sft.json").read_text()) | {"checkpoint": str(sft_dir), "skipped": True}
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    chosen = select_sft_tasks(prepared.runnable, cfg.sft.task_fraction, cfg.algo.seed)
+    t0 = time.monotonic()
+    demos = collect_demos(chosen, tok, cfg, images=prepared.images)
+    t_demo = time.monotonic() - t0
+    solved = sum(1 for r in demos if r.reward >= 1.0)
+    who = "oracle" if cfg.sft.teacher_accuracy >= 1.0 else f"teacher (accuracy {cfg.sft.teacher_accuracy:g})"
+    log(f"{len(demos)} {who} demonstrations through the harness in {t_demo:.1f}s, {solved} of them solve their task")
+    t1 = time.monotonic()
+
+    def step_log(step: int, total: int, loss: float) -> None:
+        if step % 20 == 0 or step == total:
+            log(f"SFT step {step}/{total}: loss {loss:.3f} ({time.monotonic() - t1:.0f}s)")
+
+    res = train_sft(model_dir, demos, cfg, sft_dir, log=step_log)  # replaces sft_dir whole
+    write_text_atomic(sft_dir / "demos.jsonl", "".join(r.to_json() + "\n" for r in demos))
+    log(f"SFT: {res.steps} steps, final loss {res.final_loss:.3f}, {res.seconds:.1f}s")
+    return {"checkpoint": res.checkpoint, "demos": res.demos, "demos_solved": solved, "steps": res.steps, "final_loss": res.final_loss,
+            "demo_s": t_demo, "train_s": res.seconds}
+
+
+def heldout_eval(cfg: LearnConfig, engine: Any, held_dir: str, jobs_dir: Path, name: str, log: Log) -> dict:
+    """A `tmax bench` job (the `eval.harness` agent, else the harness trained under; trials
+    in `eval.sandbox`) against the server of `engine` (a `training.cluster.actors.EngineGroup`)."""
+    from tmax.tasks.job import Job, JobConfig
+    from tmax.training.rollout import agent_settings
+
+    info = engine.info()
+    harness = cfg.eval.harness or cfg.rollout.harness_for(0)
+    # The training episodes' settings, with the eval section's sampling and step limit.
+    kwargs = agent_settings(cfg.rollout) | {"temperature": cfg.eval.temperature, "top_p": 1.0,
+                                            "max_steps": cfg.eval.max_steps}
+    jc = JobConfig(job_name=name, jobs_dir=str(jobs_dir), dataset=held_dir, agent=harness, model=info["model"],
+                   base_url=info["base_url"], agent_kwargs=kwargs, n_attempts=cfg.eval.attempts,
+                   n_concurrent=cfg.eval.concurrency, environment=cfg.eval.sandbox, warm_ahead=cfg.eval.warm_ahead)
+    t0 = time.monotonic()
+    job = Job(jc, api_key="none")
+    job.run()
+    trials = job.results()
+    n = len(trials)
+    passed = sum(1 for t in trials if (t.get("tmax", {}).get("reward") or 0.0) >= 1.0)
+    infra = sum(1 for t in trials if t.get("tmax", {}).get("outcome") == "infra_error")
+    out = {"pass_rate": passed / n if n else 0.0, "passed": passed, "trials": n, "infra_errors": infra,
+           "seconds": time.monotonic() - t0, "job_dir": str(job.dir)}
+    log(f"held-out eval [{name}, {harness} harness]: {passed}/{n} passed ({out['pass_rate']:.1%}), {infra} infra errors, "
+        f"{out['seconds']:.0f}s")
+    return out
+
+
+def prepare_recipe_tasks(cfg: LearnConfig, train_dir: str, held_dir: str, out: Path, log: Log) -> PreparedTasks:
+    """Every train and held-out task's environment, resolved (images built) before SFT and
+    RL; returns the train tasks' (`training.rollout.PreparedTasks`). `held_dir` may be
+    empty (no held-out set)."""
+    from tmax.training.rollout import PreparedTasks, env_settings, prepare_tasks
+
+    out.mkdir(parents=True, exist_ok=True)
+    held = PreparedTasks({}, {})
+    if held_dir:
+        held_env = env_settings(cfg.eval.sandbox, cfg.rollout.image_map)
+        held = prepare_tasks(held_env, list_task_dirs(held_dir), out / "heldout_tasks.json", log=log)
+    train_env = env_settings(cfg.rollout.sandbox, cfg.rollout.image_map)
+    train_tasks = prepare_tasks(train_env, list_task_dirs(train_dir), out / "train_tasks.json", log=log)
+    log(f"task environments ready: {len(train_tasks.runnable)} train ({cfg.rollout.sandbox}), "
+        f"{len(held.runnable)} held-out ({cfg.eval.sandbox}); "
+        f"{len(train_tasks.dropped) + len(held.dropped)} dropped")
+    return train_tasks

@@ -1,0 +1,411 @@
+"""One training episode: the deployed agent loop, a token policy, a sandbox, a verifier.
+
+The episode is `agents.loop.Agent` driving `agents.token_policy.TokenPolicy`, so the
+context the sampler sees is the exact token list (prompt ids, sampled ids verbatim,
+template-rendered observations with mask 0 / logprob 0) and never a re-rendering.
+
+Budgets and termination, as in the Tmax recipe, come from `RolloutConfig`:
+* at most `max_tool_calls` model turns; the first turn without a valid `bash` call ends
+  the episode (`max_format_errors = 1`);
+* per-turn tokens = max(1, min(remaining response budget, remaining context, per-turn cap)),
+  enforced by the token policy, which raises `ContextOverflow` when a budget is used up;
+* reward: the task's verifier, run only after a submit (tests are copied in at
+  that moment, never before), clamped to [0, 1]; 0 for every other ending. Overlong
+  episodes are kept as reward-0 negatives.
+
+The environment, sandbox and verifier are `tasks.episode`, the same path a `tmax bench`
+trial takes: the task's image (resolved before training) with its task.toml limits on
+podman, or a fresh host workspace on bwrap / local.
+
+Infrastructure failures (a sandbox that will not start or dies, a verifier that cannot
+run or writes no reward, an inference server that keeps failing) raise `InfraError` with
+a kind: the training loop drops and re-queues the episode and counts it in
+`env/infra_errors/<kind>`. They are never scored as reward 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+from tmax.agents.loop import Agent, AgentConfig
+from tmax.agents.policy import TokenSampler, TokenTrace
+from tmax.common.files import write_json_atomic
+from tmax.sandbox.pool import WarmPool
+from tmax.tasks.episode import ENVIRONMENT_ERRORS, EnvSettings, Episode, PreparedTasks
+from tmax.tasks.images import TaskImage
+from tmax.tasks.model import Task
+from tmax.tasks.verifier import VerifierKind
+from tmax.training.config import RolloutConfig
+
+T = TypeVar("T")
+
+ROLLOUT_LABEL = "io.tmax.rollout"
+RUN_LABEL = "io.tmax.run"  # the run directory's id: a resumed run finds what the killed one left
+INFRA_KINDS = ("task_load", "environment", "sandbox_start", "sandbox_died", "verifier_no_reward",
+               "verifier_error", "model", "interrupted", "worker")
+
+
+class InfraError(RuntimeError):
+    """The episode could not be run for reasons that are not the policy's: re-queue it.
+    `kind` (one of INFRA_KINDS) is what the metrics count it under."""
+
+    def __init__(self, kind: str, message: str):
+        if kind not in INFRA_KINDS:
+            raise ValueError(f"unknown infrastructure error kind {kind!r}")
+        self.kind = kind
+        super().__init__(message)
+
+
+@dataclass
+class EpisodeRequest:
+    task_dir: str
+    group_id: int
+    sample_index: int
+    seed: int
+    attempt: int = 0  # re-queues after infrastructure failures
+
+    @property
+    def key(self) -> str:
+        return f"{self.group_id}:{self.sample_index}"
+
+
+@dataclass
+class Rollout:
+    """Everything the trainer and a later analysis need about one episode. `trace` is the
+    token policy's `TokenTrace`, kept as it is: the trainer packs it (training.learner.packing)."""
+
+    task_id: str
+    group_id: int
+    sample_index: int
+    seed: int
+    trace: TokenTrace
+    reward: float
+    status: str  # submitted | max_steps | context_overflow | format_errors
+    steps: int
+    policy_version: int  # weights version of the oldest sampled turn
+    truncated: bool = False
+    submitted: bool = False
+    verifier: dict[str, Any] | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    harness: str = "tmax"
+    sandbox: str = ""  # the sandbox kind the episode ran in
+    container_id: str | None = None  # podman: the container the episode (and verifier) ran in
+    warm_start: bool = False  # the container came started from the worker's warm pool
+
+    @property
+    def num_sampled(self) -> int:
+        return self.trace.num_sampled
+
+    @property
+    def ids(self) -> list[int]:
+        """The response tokens (`trace.ids`)."""
+        return self.trace.ids
+
+    @property
+    def turn_versions(self) -> list[int]:
+        """The weights version of each sampled turn (`trace.turn_versions`)."""
+        return self.trace.turn_versions
+
+    def to_json(self) -> str:
+        """One flat JSON object: the episode's fields and the trace's lists side by side."""
+        record = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "trace"}
+        return json.dumps({**record, **asdict(self.trace)})
+
+    @classmethod
+    def from_json(cls, line: str) -> "Rollout":
+        record = json.loads(line)
+        trace = TokenTrace(**{f.name: record.pop(f.name) for f in fields(TokenTrace) if f.name in record})
+        return cls(trace=trace, **record)
+
+
+def agent_settings(r: RolloutConfig) -> dict[str, Any]:
+    """The rollout section in `AgentConfig`'s names: the settings of every training episode
+    and, with the eval section's sampling on top, of the held-out bench trials."""
+    return {"max_steps": r.max_tool_calls, "command_timeout": r.command_timeout,
+            "max_format_errors": r.max_format_errors, "temperature": r.temperature, "top_p": r.top_p,
+            "max_tokens": r.per_turn_max_tokens, "context_budget": r.context_budget,
+            "observation_max_chars": r.observation_max_chars, "budget_hints": r.budget_hints}
+
+
+def env_settings(kind: str, image_map: list[str], labels: dict[str, str] | None = None) -> EnvSettings:
+    """Episodes' environments as in bench: images with the offline rewrites (`image_map`
+    on top of the built-in map), or host workspaces, in sandbox `kind`; every sandbox
+    carries `labels` (`run_labels`)."""
+    from tmax.tasks.offline import default_config
+
+    return EnvSettings(kind=kind, rewrite=default_config(list(image_map)), labels=dict(labels or {}))
+
+
+def run_labels(run_dir: str | Path) -> dict[str, str]:
+    """The label of every container of the run in `run_dir`, the same across resumes."""
+    import hashlib
+
+    return {RUN_LABEL: hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]}
+
+
+@dataclass(frozen=True)
+class EpisodeSettings:
+    """What every episode of a run takes from the learn config, made once from its rollout
+    section (`EpisodeSettings.of`) and handed down: to the SFT demonstrations, the rollout
+    workers and each episode. Plain data, so it travels to Ray actors as it is."""
+
+    env: EnvSettings
+    agent: AgentConfig
+    response_budget: int  # model + tool tokens of one trajectory
+    max_prompt_tokens: int
+    test_timeout: float  # the verifier's limit, at most the task's own
+    harnesses: tuple[str, ...]  # rotated per group
+    pool_size: int = 0  # podman: containers each worker starts ahead of need
+    max_infra_retries: int = 3
+
+    @classmethod
+    def of(cls, r: RolloutConfig, labels: dict[str, str] | None = None) -> EpisodeSettings:
+        # A failing inference server is an infrastructure problem: retry briefly, then let
+        # the training loop re-queue the episode rather than wait out long back-offs.
+        agent = AgentConfig.from_settings({**agent_settings(r), "retries": 3, "backoff_s": (0.5, 1.0)})
+        harnesses = (r.harness,) if isinstance(r.harness, str) else tuple(r.harness)
+        return cls(env=env_settings(r.sandbox, r.image_map, labels), agent=agent, response_budget=r.response_budget,
+                   max_prompt_tokens=r.max_prompt_tokens, test_timeout=r.test_timeout, harnesses=harnesses,
+                   pool_size=r.pool_size, max_infra_retries=r.max_infra_retries)
+
+    def harness_for(self, group_id: int) -> str:
+        """The harness of a group: every sample of a group shares it, groups rotate."""
+        return self.harnesses[group_id % len(self.harnesses)]
+
+    def token_policy(self, sampler: TokenSampler, tokenizer: Any, seed: int | None):
+        """The token policy of one episode: the agent's sampling, the run's token budgets."""
+        from tmax.agents.token_policy import TokenPolicy
+
+        a = self.agent
+        return TokenPolicy(sampler, tokenizer, temperature=a.temperature, top_p=a.top_p,
+                           max_response_tokens=self.response_budget, max_context_tokens=a.context_budget,
+                           max_turn_tokens=a.max_tokens, max_prompt_tokens=self.max_prompt_tokens, seed=seed)
+
+    def worker_pool(self, slots: int) -> WarmPool | None:
+        """A rollout worker's pool: its running episodes plus `pool_size` started ahead (podman)."""
+        if self.env.kind != "podman" or self.pool_size == 0:
+            return None
+        return WarmPool(slots + self.pool_size)
+
+
+# ---- the episode --------------------------------------------------------------------
+
+
+# A verifier run that gave no reward: the infrastructure kind it is counted under.
+# A verifier timeout is not among them: it is scored 0 (see `_score`).
+VERIFIER_INFRA_KINDS = {
+    VerifierKind.NO_REWARD: "verifier_no_reward",
+    VerifierKind.EMPTY_REWARD: "verifier_no_reward",
+    VerifierKind.PARSE_ERROR: "verifier_error",
+    VerifierKind.SETUP_FAILED: "verifier_error",
+    VerifierKind.INFRA: "verifier_error",
+}
+
+
+def _score(ep: Episode, timeout: float, record_dir: Path | None) -> tuple[float, dict]:
+    """The verifier's reward after a submit (tests/ are copied in only now), its logs kept
+    under the episode's record dir (if any)."""
+    res = ep.verify(record_dir / "verifier" if record_dir is not None else None, timeout)
+    info = {"status": res.kind.value, "exit_code": res.exit_code, "duration_s": res.duration_s,
+            "in_sandbox": ep.settings.kind}
+    if res.kind == VerifierKind.TIMEOUT:
+        # A test that hangs is the agent's doing (it left a broken state): reward 0.
+        return 0.0, info
+    if res.kind != VerifierKind.OK or res.reward is None:
+        raise InfraError(VERIFIER_INFRA_KINDS[res.kind], f"verifier {res.kind.value}: {res.error}")
+    return res.reward, info
+
+
+def _open(req: EpisodeRequest, settings: EnvSettings, image: TaskImage | None, pool: Any) -> Episode:
+    try:
+        task = Task.load(req.task_dir)
+    except Exception as e:  # a task that fails to load is a data problem, not the policy's
+        raise InfraError("task_load", f"task {req.task_dir} does not load: {e}") from e
+    ep = Episode(task, settings, image=image, pool=pool, labels={ROLLOUT_LABEL: task.name})
+    try:
+        ep.open()
+    except ENVIRONMENT_ERRORS as e:
+        ep.close()
+        raise InfraError("environment", str(e)) from e
+    except Exception as e:
+        ep.close()
+        raise InfraError("sandbox_start", f"sandbox could not start: {e}") from e
+    return ep
+
+
+# Agent outcomes that are the infrastructure's failure, not the policy's: (kind, text).
+INFRA_STATUSES = {
+    "sandbox_error": ("sandbox_died", "sandbox failed during the episode"),
+    "model_error": ("model", "inference server failed"),
+    "interrupted": ("interrupted", "episode interrupted"),
+}
+
+
+def run_episode(
+    req: EpisodeRequest,
+    sampler: TokenSampler,
+    tokenizer: Any,
+    episode: EpisodeSettings,
+    *,
+    image: TaskImage | None = None,
+    pool: Any = None,
+    record_dir: Path | None = None,
+    start_version: int = 0,
+) -> Rollout:
+    """Run one episode (`tasks.episode`) and score it. Raises InfraError for
+    infrastructure failures. `image` is the task's resolved image (podman; resolved here,
+    from the cache or a build, when not given: the RL loop always gives it); `pool` a
+    `sandbox.pool.WarmPool` of containers started ahead of need."""
+    from tmax.agents.harnesses import make_harness
+    from tmax.agents.records import Recorder
+
+    t0 = time.monotonic()
+    ep = _open(req, episode.env, image, pool)
+    t_sandbox = time.monotonic() - t0
+    task, sandbox_id, warm = ep.task, ep.sandbox_id, ep.warm
+    harness = make_harness(episode.harness_for(req.group_id), ep.workdir)
+    try:
+        policy = episode.token_policy(sampler, tokenizer, req.seed)
+        recorder = Recorder(record_dir) if record_dir is not None else None
+        agent = Agent(policy, ep.sandbox, episode.agent, recorder=recorder, harness=harness)
+        t1 = time.monotonic()
+        result = agent.run(task.instruction)
+        t_agent = time.monotonic() - t1
+        # The agent's time split: waiting for the model, and commands running in the sandbox.
+        t_llm = sum(t.get("llm_s", 0.0) for t in agent.timing)
+        t_exec = sum(t.get("bash_s", 0.0) for t in agent.timing)
+        if result.status in INFRA_STATUSES:
+            kind, what = INFRA_STATUSES[result.status]
+            raise InfraError(kind, f"{what}: {result.error}")
+        trace = policy.trace
+        reward, vinfo, t_verify = 0.0, None, 0.0
+        submitted = result.status == "submitted"
+        if submitted:
+            t2 = time.monotonic()
+            reward, vinfo = _score(ep, min(episode.test_timeout, task.config.verifier.timeout_sec), record_dir)
+            t_verify = time.monotonic() - t2
+    finally:
+        harness.close()
+        ep.close()
+    return Rollout(
+        task_id=task.name,
+        group_id=req.group_id,
+        sample_index=req.sample_index,
+        seed=req.seed,
+        trace=trace,
+        reward=float(min(1.0, max(0.0, reward))),
+        status=result.status,
+        steps=result.steps,
+        policy_version=min(trace.turn_versions, default=start_version),
+        truncated=result.status == "context_overflow",
+        submitted=submitted,
+        verifier=vinfo,
+        timings={
+            "sandbox_start_s": round(t_sandbox, 4),
+            "agent_s": round(t_agent, 4),
+            "llm_s": round(t_llm, 4),
+            "exec_s": round(t_exec, 4),
+            "verifier_s": round(t_verify, 4),
+            "total_s": round(time.monotonic() - t0, 4),
+        },
+        error=result.error,
+        harness=harness.name,
+        sandbox=ep.settings.kind,
+        container_id=sandbox_id,
+        warm_start=warm,
+    )
+
+
+# ---- environments before training, warm pools, infrastructure counts -----------------
+
+
+def prepare_tasks(env: EnvSettings, task_dirs: list[str], report: Path | None = None,
+                  progress: Callable[[int, int], None] | None = None, log: Any = None) -> PreparedTasks:
+    """Resolve every task's environment (`tasks.episode.prepare_environments`) before the
+    first step. Unbuildable tasks are dropped, listed with their reason (and in `report`
+    as JSON); only when none is left does this raise. `progress(done, total)` follows it."""
+    from tmax.tasks.episode import prepare_environments
+
+    say = log or (lambda m: print(m, file=sys.stderr))
+    prepared = prepare_environments(task_dirs, env, (lambda done, total, d, err: progress(done, total))
+                                    if progress else None)
+    for d, why in prepared.dropped.items():
+        say(f"dropped task {Path(d).name}: {why}")
+    if report is not None:
+        write_json_atomic(report, {"sandbox": env.kind, "runnable": prepared.runnable, "dropped": prepared.dropped})
+    if prepared.dropped:
+        say(f"{len(prepared.dropped)} of {len(task_dirs)} tasks dropped (environment failed); "
+            f"{len(prepared.runnable)} left")
+    if not prepared.runnable:
+        raise InfraError("environment", f"no task of {len(task_dirs)} has a working {env.kind} environment")
+    return prepared
+
+
+def prewarm(pool: WarmPool | None, task_dir: str, settings: EnvSettings, image: TaskImage | None) -> bool:
+    """Start a container for a coming episode of `task_dir`; False when there is no room."""
+    if pool is None or image is None:
+        return False
+    return Episode(Task.load(task_dir), settings, image=image, pool=pool,
+                   labels={ROLLOUT_LABEL: Path(task_dir).name}).prewarm()
+
+
+def run_ahead(task_dirs: list[str], episode: Callable[[int], T], settings: EnvSettings,
+              images: dict[str, TaskImage | None], pool: WarmPool | None, concurrency: int) -> list[T]:
+    """`episode(i)` for every task, `concurrency` at a time in order (the results in that
+    order). With a pool, each episode first starts the container of the one that will take
+    its slot next, so that one finds it warm (the caller owns and closes the pool)."""
+    def one(i: int) -> T:
+        ahead = i + concurrency
+        if ahead < len(task_dirs):
+            prewarm(pool, task_dirs[ahead], settings, images.get(task_dirs[ahead]))
+        return episode(i)
+
+    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="tmax-episode") as ex:
+        return list(ex.map(one, range(len(task_dirs))))
+
+
+def prewarm_queue(queue: Any, workers: list, next_worker: int, per_worker: int, done: set) -> None:
+    """Ask each worker to start containers for the queued requests it will receive next
+    (dispatch is round-robin in queue order), `per_worker` ahead, each request once."""
+    for j, req in enumerate(list(queue)[: per_worker * len(workers)]):
+        key = (req.group_id, req.sample_index, req.attempt)
+        if key not in done:
+            done.add(key)
+            workers[(next_worker + j) % len(workers)].prewarm.remote(req.task_dir)
+
+
+@dataclass
+class InfraCounts:
+    """Infrastructure errors of a run by kind (`env/infra_errors`, `env/infra_errors/<kind>`)."""
+
+    by_kind: dict[str, int] = field(default_factory=dict)
+    last: dict[str, str] = field(default_factory=dict)  # kind -> the latest message, for people
+
+    def add(self, kind: str, task_dir: str, message: str) -> None:
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
+        self.last[kind] = f"{Path(task_dir).name}: {message}"
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_kind.values())
+
+    def metrics(self) -> dict[str, float]:
+        return {"env/infra_errors": float(self.total),
+                **{f"env/infra_errors/{k}": float(v) for k, v in sorted(self.by_kind.items())}}
+
+
+def append_jsonl(path: Path, line: str) -> None:
+    """One rollout per line, written with a single write so a crash never splits one."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,2 +1,0 @@
-"""tmax: one terminal-agent harness to run, benchmark and train."""
-__version__ = "0.1.0"
