@@ -318,7 +318,7 @@ def _setup(root: Path, preset: str, steps: int, model: Path | None, learner_rank
     model = model or _warm_start(root, tasks)
     cfg = root / "chaos.toml"
     # Rewards may all be equal: the zero-std filter is off so batches train, and the collapse
-    # guard is off (the mechanics are under test, as in tests/test_loop.py).
+    # guard is off (the mechanics are under test, as in tests/integration/test_loop.py).
     cfg.write_text(f"""extends = "{preset}"
 name = "chaos"
 [model]

@@ -11,9 +11,12 @@ set +e
 # fixtures, a vLLM server say, start once), for machines with cores to spare. On 2 cores the
 # suite is CPU-bound: 2 workers took 38 min against 43 serially, and the contention made
 # timing-sensitive tests fail, so the default is one process.
+# --unit: only tests/unit (no podman, vLLM or Ray; about 2 minutes); default: both suites.
+suites=()
+if [ "${1:-}" = "--unit" ]; then shift; suites=(tests/unit); fi
 workers=()
 if [ "${TMAX_TEST_WORKERS:-1}" -gt 1 ]; then workers=(-n "$TMAX_TEST_WORKERS" --dist loadscope); fi
-"${TMAX_VENV:-.venv}/bin/python" -m pytest -ra --durations=40 "${workers[@]}" "$@"
+"${TMAX_VENV:-.venv}/bin/python" -m pytest -ra --durations=40 "${workers[@]}" "${suites[@]}" "$@"
 rc=$?
 set -e
 # pytest exits 5 when nothing was collected: that is a broken suite, not a pass.

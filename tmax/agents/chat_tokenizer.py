@@ -4,7 +4,7 @@
 the training stack: `tokenizers` reads tokenizer.json, jinja2 renders the chat template
 the way transformers does (sandboxed, trim_blocks / lstrip_blocks, loop controls, a
 `tojson` that does not escape HTML, `raise_exception`, `strftime_now`, and
-`{% generation %}` blocks rendered as plain text). tests/test_run_tokens.py checks that
+`{% generation %}` blocks rendered as plain text). tests/integration/test_run_tokens.py checks that
 the text and the ids equal transformers' for the same conversation.
 """
 

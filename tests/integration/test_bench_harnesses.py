@@ -1,0 +1,90 @@
+"""Each harness solves a small Harbor task through `tmax bench run` on podman with a scripted
+model server, and fails it when the script is wrong; every trial also writes ATIF."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.podman]
+
+from harbor_env import harbor_check  # noqa: E402
+from scripted_server import ScriptedServer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+TASK = Path(__file__).parents[1] / "data" / "tasks" / "echo-hello"
+SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+
+if shutil.which("podman") is None or subprocess.run(
+        ["podman", "image", "exists", "localhost/tmax-base:bookworm"]).returncode != 0:
+    pytest.skip("podman or the base image is missing", allow_module_level=True)
+
+
+def _mini(command: str) -> dict:
+    return {"content": f"THOUGHT: next step.\n\n```bash\n{command}\n```"}
+
+
+def _keys(keystrokes: list[str], done: bool = False) -> dict:
+    commands = [{"keystrokes": k, "duration": 0.5} for k in keystrokes]
+    return {"content": json.dumps({"analysis": "a", "plan": "p", "commands": commands, "task_complete": done})}
+
+
+def script(harness: str, word: str) -> list[dict]:
+    if harness == "tmax":
+        return [{"bash": f"cd /app && echo {word} > hello.txt"}, {"bash": SUBMIT}]
+    if harness == "mini-swe":
+        # No persistent shell: the `cd /tmp` is forgotten and the file lands in the workdir (/app).
+        return [_mini("cd /tmp"), _mini(f"echo {word} > hello.txt"), _mini(SUBMIT)]
+    # terminus-2: a persistent terminal; the first task_complete asks, the second confirms.
+    return [_keys(["cd /app\n", f"echo {word} > hello.txt\n"]), _keys([], done=True), _keys([], done=True)]
+
+
+def bench(tmp_path: Path, harness: str, srv: ScriptedServer, name: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "tmax.cli.main", "bench", "run", str(TASK), "-a", harness, "-m", srv.model,
+           "--base-url", srv.base_url, "-o", str(tmp_path), "--job-name", name]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (trial,) = [d for d in (tmp_path / name).iterdir() if d.is_dir()]
+    return {"dir": trial, "result": json.loads((trial / "result.json").read_text())}
+
+
+@pytest.mark.parametrize("harness", ["tmax", "mini-swe", "terminus-2"])
+def test_harness_solves_and_fails(tmp_path, harness):
+    for word, outcome in (("hello", "pass"), ("goodbye", "fail")):
+        turns = script(harness, word)
+        with ScriptedServer(turns) as srv:
+            trial = bench(tmp_path, harness, srv, f"{harness}-{word}")
+            assert len(srv.requests) == len(turns)  # submitted exactly at the end of the script
+            first = srv.requests[0]
+        r = trial["result"]
+        assert r["tmax"]["outcome"] == outcome, r.get("exception_info")
+        assert r["agent_result"]["metadata"]["status"] == "submitted"
+        assert r["agent_info"]["name"] == harness
+        assert ("tools" in first) == (harness == "tmax")
+        atif = json.loads((trial["dir"] / "agent" / "trajectory.json").read_text())
+        agent_steps = [s for s in atif["steps"] if s["source"] == "agent"]
+        assert len(agent_steps) == len(turns)
+        assert all(s.get("observation") for s in agent_steps)
+        messages = json.loads((trial["dir"] / "agent" / "messages.json").read_text())  # as sent to the model
+        assert sum(m["role"] == "assistant" for m in messages) == len(turns)
+        if harness == "terminus-2":
+            screen = agent_steps[0]["observation"]["results"][0]["content"]
+            assert f"echo {word} > hello.txt" in screen
+        shown = subprocess.run([sys.executable, "-m", "tmax.cli.main", "show", str(trial["dir"])], capture_output=True,
+                               text=True, env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "160"}, timeout=60)
+        assert shown.returncode == 0 and f"echo {word} > hello.txt" in shown.stdout, shown.stderr
+        assert "no valid bash call" not in shown.stdout
+    # Harbor's own models take every trial's agent/trajectory.json as ATIF, and its viewer serves them.
+    loaded = harbor_check(tmp_path / f"{harness}-hello", tmp_path / f"{harness}-goodbye")
+    assert loaded["failures"] == []
+    assert (loaded["jobs"], loaded["trials"], loaded["atif"]) == (2, 2, 2)
+    (evals,) = loaded["evals"][f"{harness}-hello"].values()
+    assert evals["metrics"] == [{"mean": 1.0}] and evals["pass_at_k"] == {"1": 1.0}
+    assert all(t > 0 for t in loaded["tokens"][f"{harness}-hello"])

