@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tmax.tasks.scoring import pass_at_k, score
+from tmax.common.harbor import TrialScore
+from tmax.tasks.scoring import TrialRow, pass_at_k, score
 
 
 def test_pass_at_k_formula():
@@ -21,12 +22,12 @@ def test_pass_at_k_formula():
         pass_at_k(2, 1, 3)
 
 
-def _trials(spec: dict[str, list[str]]) -> list[dict]:
+def _trials(spec: dict[str, list[str]]) -> list[TrialRow]:
     out = []
     for task, outcomes in spec.items():
-        for o in outcomes:
+        for i, o in enumerate(outcomes):
             reward = {"pass": 1.0, "fail": 0.0, "agent_timeout": 0.0}.get(o)
-            out.append({"task": task, "outcome": o, "reward": reward, "category": task.split("-")[0]})
+            out.append(TrialRow(task, f"{task}__{i}", TrialScore(o, reward), category=task.split("-")[0]))
     return out
 
 

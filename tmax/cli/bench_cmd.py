@@ -70,16 +70,16 @@ def _run_job(job, retry_infra: bool) -> None:
         rate = f"{p.pass_rate * 100:.1f}%" if p.pass_rate is not None else "-"
         return f"running {p.running} · queued {p.queued} · mean reward {rate} · ETA {_fmt_s(p.eta_s(n))}"
 
-    def on_event(kind: str, p, r: dict | None) -> None:
+    def on_event(kind: str, p, r) -> None:
         nonlocal tid
         if tid is None:
             tid = bar.add_task(job.config.job_name, total=p.total, completed=p.done, info=info(p))
-        if kind == "trial_end" and r:
-            t = r["tmax"]
-            colour = {"pass": "green", "fail": "yellow"}.get(t["outcome"], "red")
-            exc = (r.get("exception_info") or {}).get("exception_message", "")
-            reward = "-" if t.get("reward") is None else f"{t['reward']:g}"
-            bar.console.print(f"[{colour}]{t['outcome']:>14}[/] {r['trial_name']}  reward {reward}"
+        if kind == "trial_end" and r is not None:
+            verdict = r.score()
+            colour = "green" if verdict.passed else "yellow" if verdict.outcome == "fail" else "red"
+            exc = r.exception_info.exception_message if r.exception_info else ""
+            reward = "-" if verdict.reward is None else f"{verdict.reward:g}"
+            bar.console.print(f"[{colour}]{verdict.outcome:>14}[/] {r.trial_name}  reward {reward}"
                               + (f"  [dim]{exc[:160]}[/]" if exc else ""))
         bar.update(tid, completed=p.done, total=p.total, info=info(p))
 
@@ -92,7 +92,9 @@ def _run_job(job, retry_infra: bool) -> None:
         console.print(f"[yellow]interrupted:[/] running trials were cancelled and their containers removed. "
                       f"Resume with: tmax bench resume {job.dir}")
         raise typer.Exit(EXIT_INTERRUPTED) from None
-    _print_report(console, data.get("tmax_score"), job.dir)
+    from tmax.tasks.scoring import Score
+
+    _print_report(console, Score.from_dict(data.tmax_score) if data.tmax_score else None, job.dir)
 
 
 def _prestart_podman(environment: str | None) -> None:
@@ -197,13 +199,17 @@ def resume_cmd(
 ) -> None:
     """Finish a job: run only the trials that have no result yet."""
     from tmax.tasks.dataset import DatasetError
-    from tmax.common.files import read_json
-    from tmax.tasks.job import Job, JobError
+    from tmax.tasks.job import Job, JobConfig, JobError, read_job_config
 
-    cfg = (read_json(job_dir / "config.json") or {}).get("tmax_job") or {}
-    if cfg:
-        _prestart_podman(environment or cfg.get("environment"))
-    key = os.environ.get(cfg.get("api_key_env") or "OPENAI_API_KEY")
+    try:
+        stored = read_job_config(job_dir).tmax_job
+        # The job's own settings, where tmax wrote it (Job.open says what is wrong otherwise).
+        cfg = JobConfig.model_validate(stored) if stored else None
+    except (JobError, ValueError):
+        cfg = None
+    if cfg is not None:
+        _prestart_podman(environment or cfg.environment)
+    key = os.environ.get(cfg.api_key_env if cfg else "OPENAI_API_KEY")
     try:
         job = Job.open(job_dir, base_url=base_url, n_concurrent=concurrent, api_key=key, environment=environment)
     except (DatasetError, JobError, ValueError) as e:
@@ -211,35 +217,39 @@ def resume_cmd(
     _run_job(job, retry_infra)
 
 
-def _print_report(console, sc: dict | None, job_dir: Path) -> None:
+def _print_report(console, sc, job_dir: Path) -> None:
+    """A job's `tasks.scoring.Score` (None: no finished trial yet) as tables."""
     from rich.table import Table
 
-    if not sc:
+    if sc is None:
         console.print("no finished trials yet")
         return
     t = Table(title=f"{job_dir.name}: per task", show_lines=False)
     for col in ("task", "category", "trials", "passed", "mean reward", "outcomes"):
         t.add_column(col, justify="right" if col in ("trials", "passed", "mean reward") else "left")
-    for r in sc["tasks"]:
-        outs = ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items()))
-        t.add_row(r["task"], r["category"], str(r["n"]), str(r["successes"]), f"{r['mean_reward'] * 100:.1f}%", outs)
+    for r in sc.tasks:
+        outs = ", ".join(f"{k} {v}" for k, v in sorted(r.outcomes.items()))
+        t.add_row(r.task, r.category, str(r.n), str(r.successes), f"{r.mean_reward * 100:.1f}%", outs)
     console.print(t)
-    excl = sc["mean_reward_excl_infra"]
-    pk = "  ".join(f"pass@{k} {v * 100:.1f}%" for k, v in sc["pass_at_k"].items())
-    if sc.get("pass_at_1_ci"):
-        lo, hi = sc["pass_at_1_ci"]
-        pk += f"  (pass@1 95% CI {lo * 100:.1f}-{hi * 100:.1f}%, {sc['ci_method']})"
+    excl = sc.mean_reward_excl_infra
+    pk = "  ".join(f"pass@{k} {v * 100:.2f}%" for k, v in sc.pass_at_k.items())
+    if sc.pass_at_1_ci:
+        lo, hi = sc.pass_at_1_ci
+        pk += f"  (pass@1 95% CI {lo * 100:.1f}-{hi * 100:.1f}%, {sc.ci_method})"
     console.print(
-        f"[bold]mean reward {sc['mean_reward'] * 100:.2f}%[/] over {sc['n_trials']} trials / {sc['n_tasks']} tasks "
-        f"(errors count 0) · excluding {sc['n_infra_errors']} infra errors: "
+        f"[bold]mean reward {sc.mean_reward * 100:.2f}%[/] over {sc.n_trials} trials / {sc.n_tasks} tasks "
+        f"(errors count 0) · excluding {sc.n_infra_errors} infra errors: "
         f"{'-' if excl is None else f'{excl * 100:.2f}%'}\n{pk}\noutcomes: "
-        + ", ".join(f"{k} {v}" for k, v in sorted(sc["outcomes"].items())))
+        + ", ".join(f"{k} {v}" for k, v in sorted(sc.outcomes.items())))
 
 
 def _created_by_tmax(job_dir: Path) -> bool:
-    from tmax.common.files import read_json
+    from tmax.tasks.job import JobError, read_job_config
 
-    return bool((read_json(job_dir / "config.json") or {}).get("tmax_job"))
+    try:
+        return bool(read_job_config(job_dir).tmax_job)
+    except JobError:
+        return False
 
 
 def _default_chart_dir(job_dir: Path) -> Path | None:
@@ -259,9 +269,9 @@ def report_cmd(
     """Scores of a job: mean reward (errors count 0), without infra errors, pass@k, per task."""
     from rich.console import Console
 
-    from tmax.tasks.job import JobError, trial_row
+    from tmax.tasks.job import JobError
     from tmax.tasks.job_dirs import load_job_results
-    from tmax.tasks.scoring import score
+    from tmax.tasks.scoring import TrialRow, score
 
     try:
         _, results = load_job_results(job_dir)
@@ -269,7 +279,7 @@ def report_cmd(
         _fail(str(e))
     if not results:
         _fail(f"{job_dir}: no finished trials")
-    sc = score([trial_row(r) for r in results])
+    sc = score([TrialRow.of(r) for r in results])
     charts = []
     out_dir = None if no_chart else (chart_dir or _default_chart_dir(job_dir))
     if out_dir is not None:
@@ -283,13 +293,13 @@ def report_cmd(
         typer.echo(json.dumps(data, indent=2))
         return
     console = Console()
-    _print_report(console, sc.to_dict(), job_dir)
+    _print_report(console, sc, job_dir)
     for p in charts:
         console.print(f"chart: {p}")
 
 
 def _pct(x: float, ci: tuple[float, float] | None = None) -> str:
-    return f"{x * 100:.1f}%" + (f" ({ci[0] * 100:.0f}-{ci[1] * 100:.0f})" if ci else "")
+    return f"{x * 100:.2f}%" + (f" ({ci[0] * 100:.0f}-{ci[1] * 100:.0f})" if ci else "")
 
 
 def _print_comparison(console, comp) -> None:

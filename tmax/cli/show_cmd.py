@@ -4,7 +4,8 @@ PATH is a run directory, a trial directory (its `agent/`: tmax bench or Harbor),
 trajectory file. The trajectory is chat messages (`tmax run`) or ATIF from any harness
 (tmax, mini-swe, terminus-2, Harbor's own agents), told apart by its content. Chat
 messages are parsed with the harness the run used (run.json's `harness`); ATIF steps
-carry their actions as tool calls, which are shown as they are."""
+carry their actions as tool calls, which are shown as they are. A trial directory's
+result.json (`common.harbor.TrialResult`) adds what the trial scored."""
 
 from __future__ import annotations
 
@@ -88,7 +89,22 @@ def load_run(path: Path) -> dict[str, Any]:
     meta = _read_json(run_dir / "run.json", required=False) or {}  # written by `tmax run`
     meta = {**atif_meta, **meta}
     result = _read_json(run_dir / "result.json", required=False) or {}  # written by the agent
-    return {"dir": str(run_dir), "trajectory": messages, "timing": timing, "usage": usage, "result": result, "run": meta}
+    trial = _trial_score(path) if run_dir != path else None
+    return {"dir": str(run_dir), "trajectory": messages, "timing": timing, "usage": usage, "result": result, "run": meta,
+            "trial": trial}
+
+
+def _trial_score(trial_dir: Path) -> dict[str, Any] | None:
+    """What a trial (tmax bench's or Harbor's) scored, from its result.json; None where the
+    directory holds no trial result."""
+    from tmax.common.harbor import TrialResult
+
+    r = TrialResult.parse(_read_json(trial_dir / "result.json", required=False))
+    if r is None:
+        return None
+    verdict = r.score()
+    return {"task": r.task_name, "agent": r.agent_name, "outcome": verdict.outcome, "reward": verdict.reward,
+            "passed": verdict.passed}
 
 
 def _text(content: Any) -> str:
@@ -187,6 +203,10 @@ def render(run: dict[str, Any], display: Any, show_system: bool = False) -> None
     status = (run["result"] or {}).get("status") or (meta or {}).get("status")
     if status:
         summary.insert(0, str(status))
+    trial = run.get("trial")
+    if trial:
+        reward = "-" if trial["reward"] is None else f"{trial['reward']:g}"
+        summary.insert(0, f"trial {trial['outcome']}, reward {reward}")
     usage = run["usage"]
     if usage:
         summary.append(

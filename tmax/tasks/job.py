@@ -10,6 +10,9 @@ that already have a result and runs only the others. The identity leaves out vol
 things (endpoint URL, concurrency, output paths), so a new vLLM port does not throw
 finished trials away. Cancelled trials and, with `retry_infra`, infrastructure errors
 are rerun; an old attempt is moved to `.retries/`, never silently deleted.
+
+Every file is read and written as its typed record (`common.harbor`), and what a trial
+scored is `TrialResult.score`, for progress, the job's scores and resume alike.
 """
 
 from __future__ import annotations
@@ -27,14 +30,16 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, Field, field_validator
 
+from tmax.common import harbor
 from tmax.common.files import read_json, write_json_atomic
+from tmax.common.harbor import CANCELLED, INFRA_ERROR, TrialResult
 from tmax.sandbox.base import KINDS
 from tmax.tasks.dataset import load_tasks
 from tmax.tasks.model import Task
 from tmax.tasks.offline import default_config
 from tmax.tasks.runners import make_agent
-from tmax.tasks.scoring import score
-from tmax.tasks.trial import CANCELLED, TrialEnv, TrialPlan, now_iso, prewarm_trial, run_trial, wait_for_closes
+from tmax.tasks.scoring import Score, TrialRow, score
+from tmax.tasks.trial import TrialEnv, TrialPlan, now_iso, prewarm_trial, run_trial, wait_for_closes
 
 # Fields that do not change what a trial means; they stay out of the identity.
 VOLATILE = {"base_url", "n_concurrent", "jobs_dir", "job_name", "created_at", "retry_infra", "api_key_env",
@@ -87,11 +92,11 @@ class JobConfig(BaseModel):
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def harbor_environment(kind: str) -> dict[str, str | None]:
+def harbor_environment(kind: str, **extra: Any) -> harbor.EnvironmentConfig:
     """Harbor knows podman by type; the host sandboxes are named by where they live."""
     if kind == "podman":
-        return {"type": "podman"}
-    return {"type": None, "import_path": f"tmax.sandbox.{kind}", "kind": kind}
+        return harbor.EnvironmentConfig(type="podman", delete=True, **extra)
+    return harbor.EnvironmentConfig(type=None, import_path=f"tmax.sandbox.{kind}", kind=kind, delete=True, **extra)
 
 
 def dataset_source(dataset: str) -> str | None:
@@ -134,7 +139,18 @@ class Progress:
         return avg * (self.queued + self.running / 2) / max(1, n_concurrent)
 
 
-ProgressFn = Callable[[str, Progress, dict | None], None]
+ProgressFn = Callable[[str, Progress, TrialResult | dict | None], None]
+
+
+def read_job_config(job_dir: Path) -> harbor.JobConfig:
+    """A job directory's config.json (tmax's, Harbor's or another agent's)."""
+    data = read_json(job_dir / "config.json")
+    if data is None:
+        raise JobError(f"{job_dir}: not a job directory (no readable config.json)")
+    cfg = harbor.JobConfig.parse(data)
+    if cfg is None:
+        raise JobError(f"{job_dir}/config.json is not a job's config (expected Harbor's JobConfig fields)")
+    return cfg
 
 
 
@@ -166,23 +182,18 @@ class Job:
     @classmethod
     def open(cls, job_dir: Path, **overrides: Any) -> "Job":
         """Reopen an existing job (for `tmax bench resume`), optionally with a new endpoint."""
-        data = read_json(job_dir / "config.json")
-        if data is None:
-            raise JobError(f"{job_dir}: not a job directory (no readable config.json)")
-        cfg = dict(data.get("tmax_job") or {})
-        if not cfg:
+        stored = read_job_config(job_dir).tmax_job
+        if not stored:
             raise JobError(f"{job_dir}/config.json was not written by tmax bench (a Harbor job resumes with "
                            "`harbor job resume`; report and compare read it as it is)")
-        env = overrides.get("environment")
-        if env is not None and env != cfg.get("environment", "podman"):
-            raise JobError(f"{job_dir} runs its trials with -e {cfg.get('environment', 'podman')}, not {env}: the "
-                           "environment is part of a job's identity (start a new job to use another)")
-        cfg.update({k: v for k, v in overrides.items() if v is not None})
-        cfg["jobs_dir"] = str(job_dir.parent)
-        cfg["job_name"] = job_dir.name
         api_key = overrides.pop("api_key", None)
-        cfg.pop("api_key", None)
-        return cls(JobConfig(**cfg), api_key=api_key)
+        cfg = JobConfig.model_validate({**stored, "jobs_dir": str(job_dir.parent), "job_name": job_dir.name})
+        env = overrides.get("environment")
+        if env is not None and env != cfg.environment:
+            raise JobError(f"{job_dir} runs its trials with -e {cfg.environment}, not {env}: the "
+                           "environment is part of a job's identity (start a new job to use another)")
+        updates = {k: v for k, v in overrides.items() if v is not None}
+        return cls(JobConfig.model_validate({**cfg.model_dump(), **updates}), api_key=api_key)
 
     def plans(self) -> list[TrialPlan]:
         if self._plans is None:
@@ -195,103 +206,79 @@ class Job:
         for task in self.tasks:
             for attempt in range(self.config.n_attempts):
                 name = trial_name(self.identity, task.name, attempt)
-                cfg = {
+                cfg = harbor.TrialConfig(
                     # Harbor's TaskConfig takes a path or a registry name, never both.
-                    "task": {"path": str(task.path), "source": source,
-                             "checksum": self.checksums[task.name]},
-                    "trial_name": name,
-                    "trials_dir": str(self.dir),
-                    "attempt": attempt,
-                    "timeout_multiplier": self.config.timeout_multiplier,
-                    "agent": {"name": self.config.agent, "model_name": self.config.model,
-                              "kwargs": self.config.agent_kwargs},
-                    "environment": {**harbor_environment(self.sandbox_kind), "image_map": self.config.image_map,
-                                    "delete": True},
-                    "verifier": {"offline_rewrite": True},
-                    "job_id": self.job_id,
-                }
+                    task=harbor.TaskConfig(path=str(task.path), source=source, checksum=self.checksums[task.name]),
+                    trial_name=name, trials_dir=str(self.dir), attempt=attempt,
+                    timeout_multiplier=self.config.timeout_multiplier,
+                    agent=harbor.AgentConfig(name=self.config.agent, model_name=self.config.model,
+                                             kwargs=self.config.agent_kwargs),
+                    environment=harbor_environment(self.sandbox_kind, image_map=self.config.image_map),
+                    verifier=harbor.VerifierConfig(offline_rewrite=True),
+                    job_id=self.job_id,
+                )
                 out.append(TrialPlan(task, attempt, name, self.dir / name, self.config.job_name, cfg))
         return out
 
     def _write_config(self) -> None:
-        existing = read_json(self.dir / "config.json")
+        path = self.dir / "config.json"
+        existing = read_job_config(self.dir) if path.exists() else None
         if existing is not None:
-            if existing.get("tmax_identity") != self.identity:
+            if existing.tmax_identity != self.identity:
                 raise JobError(
                     f"job {self.dir} already exists with a different configuration (agent, model, tasks, "
                     f"attempts or task contents differ). Use another --job-name, or `tmax bench resume "
                     f"{self.dir}` to continue it as it was.")
-            created = existing.get("tmax_job", {}).get("created_at")
+            created = JobConfig.model_validate(existing.tmax_job).created_at
         else:
             created = now_iso()
         self.config.created_at = created
-        cfg = self.config.model_dump()
-        write_json_atomic(self.dir / "config.json", {
-            "job_name": self.config.job_name,
-            "jobs_dir": self.config.jobs_dir,
-            "n_attempts": self.config.n_attempts,
-            "n_concurrent_trials": self.config.n_concurrent,
-            "timeout_multiplier": self.config.timeout_multiplier,
-            "agents": [{"name": self.config.agent, "model_name": self.config.model,
-                        "kwargs": {**self.config.agent_kwargs,
-                                   **({"api_base": self.config.base_url} if self.config.base_url else {})}}],
-            "datasets": [{"path": self.config.dataset}],
-            "environment": {**harbor_environment(self.sandbox_kind), "delete": True},
-            "tmax_identity": self.identity,
-            "tmax_job": cfg,
-        })
+        endpoint = {"api_base": self.config.base_url} if self.config.base_url else {}
+        cfg = harbor.JobConfig(
+            job_name=self.config.job_name, jobs_dir=self.config.jobs_dir, n_attempts=self.config.n_attempts,
+            n_concurrent_trials=self.config.n_concurrent, timeout_multiplier=self.config.timeout_multiplier,
+            agents=[harbor.AgentConfig(name=self.config.agent, model_name=self.config.model,
+                                       kwargs={**self.config.agent_kwargs, **endpoint})],
+            datasets=[harbor.DatasetConfig(path=self.config.dataset)],
+            environment=harbor_environment(self.sandbox_kind),
+            tmax_identity=self.identity, tmax_job=self.config.model_dump())
+        write_json_atomic(path, cfg.dump())
 
-    def results(self) -> list[dict]:
+    def _trials(self) -> list[tuple[TrialPlan, TrialResult | None]]:
+        """Each trial of the plan with its result.json (None: none yet, or not readable)."""
+        return [(p, TrialResult.parse(read_json(p.trial_dir / "result.json"))) for p in self.plans()]
+
+    def results(self) -> list[TrialResult]:
         """Finished trials of this job's plan (cancelled ones are not finished)."""
-        out = []
-        for p in self.plans():
-            r = read_json(p.trial_dir / "result.json")
-            if r and r.get("tmax", {}).get("outcome") not in (None, CANCELLED):
-                out.append(r)
-        return out
+        return [r for _, r in self._trials() if r is not None and r.score().outcome != CANCELLED]
 
-    def write_result(self, progress: Progress | None = None, finished: bool = False) -> dict:
-        plans = self.plans()
-        results = []
-        n_cancelled = 0
-        for p in plans:
-            r = read_json(p.trial_dir / "result.json")
-            if r is None:
-                continue
-            if r.get("tmax", {}).get("outcome") == CANCELLED:
-                n_cancelled += 1
-            else:
-                results.append(r)
+    def write_result(self, progress: Progress | None = None, finished: bool = False) -> harbor.JobResult:
+        """Rewrite the job's result.json (Harbor 0.26's JobResult, tmax's scores in `tmax_score`)."""
+        trials = self._trials()
+        done = [r for _, r in trials if r is not None]
+        results = [r for r in done if r.score().outcome != CANCELLED]
         # The interval once the job has finished: not after every trial (see `score`).
-        sc = score([trial_row(r) for r in results], interval=finished) if results else None
+        sc = score([TrialRow.of(r) for r in results], interval=finished) if results else None
         running = progress.running if progress else 0
-        existing = read_json(self.dir / "result.json") or {}
-        n_errored = sum(1 for r in results if r.get("exception_info"))
-        tokens = {k: sum(int((r.get("agent_result") or {}).get(k) or 0) for r in results)
-                  for k in ("n_input_tokens", "n_cache_tokens", "n_output_tokens")}
-        # Harbor 0.26's JobResult: counts, scores and tokens all under "stats".
-        data = {
-            "schema_version": 1,
-            "id": self.job_id,
-            "started_at": existing.get("started_at") or now_iso(),
-            "updated_at": now_iso(),
-            "finished_at": now_iso() if finished else None,
-            "n_total_trials": len(plans),
-            "stats": {
-                "n_completed_trials": len(results),
-                "n_errored_trials": n_errored,
-                "n_running_trials": running,
-                "n_pending_trials": max(0, len(plans) - len(results) - running),
-                "n_cancelled_trials": n_cancelled,
-                "n_retries": len(list((self.dir / ".retries").glob("*"))) if (self.dir / ".retries").is_dir() else 0,
-                "evals": {self._evals_key(): _eval_stats(results, sc)} if results else {},
-                **tokens,
-                "cost_usd": None,
-            },
-            "trial_results": [],
-            "tmax_score": sc.to_dict() if sc else None,
-        }
-        write_json_atomic(self.dir / "result.json", data)
+        existing = harbor.JobResult.parse(read_json(self.dir / "result.json"))
+        retries = self.dir / ".retries"
+        stats = harbor.JobStats(
+            n_completed_trials=len(results),
+            n_errored_trials=sum(1 for r in results if r.exception_info),
+            n_running_trials=running,
+            n_pending_trials=max(0, len(trials) - len(results) - running),
+            n_cancelled_trials=len(done) - len(results),
+            n_retries=len(list(retries.glob("*"))) if retries.is_dir() else 0,
+            evals={self._evals_key(): _eval_stats(results, sc)} if sc else {},
+            n_input_tokens=sum(r.agent_result.n_input_tokens or 0 for r in results if r.agent_result),
+            n_cache_tokens=sum(r.agent_result.n_cache_tokens or 0 for r in results if r.agent_result),
+            n_output_tokens=sum(r.agent_result.n_output_tokens or 0 for r in results if r.agent_result),
+            cost_usd=None)
+        data = harbor.JobResult(
+            schema_version=1, id=self.job_id, started_at=(existing.started_at if existing else None) or now_iso(),
+            updated_at=now_iso(), finished_at=now_iso() if finished else None, n_total_trials=len(trials),
+            stats=stats, trial_results=[], tmax_score=sc.to_dict() if sc else None)
+        write_json_atomic(self.dir / "result.json", data.dump())
         return data
 
     def _evals_key(self) -> str:
@@ -304,14 +291,13 @@ class Job:
     def pending(self, retry_infra: bool = False) -> tuple[list[TrialPlan], int]:
         """Trials still to run, and how many are already done."""
         todo, done = [], 0
-        for p in self.plans():
-            r = read_json(p.trial_dir / "result.json")
-            outcome = (r or {}).get("tmax", {}).get("outcome")
-            if r is not None and outcome != CANCELLED and not (retry_infra and outcome == "infra_error"):
+        for p, r in self._trials():
+            outcome = r.score().outcome if r is not None else None
+            if r is not None and outcome != CANCELLED and not (retry_infra and outcome == INFRA_ERROR):
                 done += 1
                 continue
             if p.trial_dir.exists():
-                if outcome == "infra_error":
+                if outcome == INFRA_ERROR:
                     dst = self.dir / ".retries" / f"{p.trial_name}.{int(time.time() * 1000)}"
                     dst.parent.mkdir(parents=True, exist_ok=True)
                     p.trial_dir.rename(dst)
@@ -329,7 +315,7 @@ class Job:
         if sb is not None and self.cancel.is_set():
             _close_quietly(sb)
 
-    def run(self, progress_fn: ProgressFn | None = None, retry_infra: bool = False) -> dict:
+    def run(self, progress_fn: ProgressFn | None = None, retry_infra: bool = False) -> harbor.JobResult:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._write_config()
         todo, done = self.pending(retry_infra)
@@ -350,9 +336,9 @@ class Job:
         emit("start", prog, None)
         ahead = _Ahead(todo, self.config.n_concurrent, self.config.warm_ahead)
 
-        def one(plan: TrialPlan) -> dict:
+        def one(plan: TrialPlan) -> TrialResult | None:
             if self.cancel.is_set():
-                return {}
+                return None
             for later in ahead.claim(plan):
                 if not prewarm_trial(later, env):
                     ahead.unclaim(later)  # no room now: a trial starting later tries again
@@ -374,7 +360,7 @@ class Job:
                 finished, futures = wait(futures, timeout=0.5, return_when=FIRST_COMPLETED)
                 for f in finished:
                     r = f.result()
-                    if not r or r.get("tmax", {}).get("outcome") == CANCELLED:
+                    if r is None or r.score().outcome == CANCELLED:
                         continue
                     with self._lock:
                         prog.done += 1
@@ -419,25 +405,24 @@ class Job:
         return pool
 
 
-def _eval_stats(results: list[dict], sc: Any) -> dict:
+def _eval_stats(results: list[TrialResult], sc: Score) -> harbor.AgentDatasetStats:
     """Harbor's AgentDatasetStats for one agent on one dataset: the mean (errors count 0)
     and pass@k, the trials by reward and by exception."""
     reward_stats: dict[str, list[str]] = {}
     exc_stats: dict[str, list[str]] = {}
     for r in results:
-        rw = ((r.get("verifier_result") or {}).get("rewards") or {}).get("reward")
-        if rw is not None:
-            reward_stats.setdefault(str(float(rw)), []).append(r["trial_name"])
-        if r.get("exception_info"):
-            exc_stats.setdefault(r["exception_info"]["exception_type"], []).append(r["trial_name"])
-    return {
-        "n_trials": sum(len(v) for v in reward_stats.values()),
-        "n_errors": sum(1 for r in results if r.get("exception_info")),
-        "metrics": [{"mean": sc.mean_reward}],
-        "pass_at_k": {str(k): v for k, v in sc.pass_at_k.items()},
-        "reward_stats": {"reward": reward_stats},
-        "exception_stats": exc_stats,
-    }
+        if r.reward is not None:
+            reward_stats.setdefault(str(r.reward), []).append(r.trial_name)
+        if r.exception_type:
+            exc_stats.setdefault(r.exception_type, []).append(r.trial_name)
+    return harbor.AgentDatasetStats(
+        n_trials=sum(len(v) for v in reward_stats.values()),
+        n_errors=sum(len(v) for v in exc_stats.values()),
+        metrics=[{"mean": sc.mean_reward}],
+        pass_at_k={str(k): v for k, v in sc.pass_at_k.items()},
+        reward_stats={"reward": reward_stats},
+        exception_stats=exc_stats,
+    )
 
 
 class _Ahead:
@@ -470,15 +455,8 @@ def _close_quietly(sb: Any) -> None:
         pass
 
 
-def _count(prog: Progress, r: dict) -> None:
-    t = r.get("tmax", {})
-    prog.outcomes[t.get("outcome")] = prog.outcomes.get(t.get("outcome"), 0) + 1
-    prog.reward_sum += float(t.get("reward") or 0.0)
-    if t.get("outcome") == "pass":
-        prog.passed += 1
-
-
-def trial_row(r: dict) -> dict:
-    t = r.get("tmax", {})
-    return {"task": r["task_name"], "trial": r["trial_name"], "outcome": t.get("outcome"),
-            "reward": t.get("reward"), "category": t.get("category"), "attempt": t.get("attempt")}
+def _count(prog: Progress, r: TrialResult) -> None:
+    verdict = r.score()
+    prog.outcomes[verdict.outcome] = prog.outcomes.get(verdict.outcome, 0) + 1
+    prog.reward_sum += verdict.credit
+    prog.passed += verdict.passed

@@ -129,10 +129,10 @@ def heldout_eval(cfg: LearnConfig, engine: Any, held_dir: str, jobs_dir: Path, n
     t0 = time.monotonic()
     job = Job(jc, api_key="none")
     job.run()
-    trials = job.results()
-    n = len(trials)
-    passed = sum(1 for t in trials if (t.get("tmax", {}).get("reward") or 0.0) >= 1.0)
-    infra = sum(1 for t in trials if t.get("tmax", {}).get("outcome") == "infra_error")
+    verdicts = [t.score() for t in job.results()]
+    n = len(verdicts)
+    passed = sum(v.passed for v in verdicts)
+    infra = sum(v.infra for v in verdicts)
     out = {"pass_rate": passed / n if n else 0.0, "passed": passed, "trials": n, "infra_errors": infra,
            "seconds": time.monotonic() - t0, "job_dir": str(job.dir)}
     log(f"held-out eval [{name}, {harness} harness]: {passed}/{n} passed ({out['pass_rate']:.1%}), {infra} infra errors, "

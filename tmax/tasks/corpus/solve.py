@@ -19,25 +19,25 @@ from tmax.common.files import write_json_atomic
 from tmax.tasks.corpus.report import SOLVE_DIR, success_rate
 from tmax.tasks.corpus import scheduler
 from tmax.tasks.dataset import task_dirs
-from tmax.tasks.job import Job, JobConfig, trial_row
+from tmax.tasks.job import Job, JobConfig
 from tmax.tasks.model import Task, TaskError
-from tmax.tasks.scoring import SUCCESS, pass_at_k
+from tmax.tasks.scoring import TrialRow, pass_at_k
 
 
 def solver_tag(agent: str, model: str | None) -> str:
     return agent if not model else f"{agent}_{model.replace('/', '_')}"
 
 
-def task_summary(task: str, rows: list[dict], agent: str, model: str | None) -> dict:
-    scored = [r for r in rows if r["outcome"] != "infra_error"]
+def task_summary(task: str, rows: list[TrialRow], agent: str, model: str | None) -> dict:
+    scored = [r for r in rows if not r.verdict.infra]
     n = len(scored)
-    c = sum(1 for r in scored if r["reward"] is not None and float(r["reward"]) >= SUCCESS)
+    c = sum(r.verdict.passed for r in scored)
     return {
         "task": task, "agent": agent, "model": model,
         "num_attempts": len(rows), "num_runs": n, "num_success": c, "num_infra_errors": len(rows) - n,
         "success_rate": c / n if n else None,
         "pass_at_k": {str(k): pass_at_k(n, c, k) for k in range(1, n + 1)},
-        "results": [{"trial": r["trial"], "outcome": r["outcome"], "reward": r["reward"]} for r in rows],
+        "results": [{"trial": r.trial, "outcome": r.verdict.outcome, "reward": r.verdict.reward} for r in rows],
     }
 
 
@@ -48,7 +48,7 @@ def solve_task(corpus: str, task: str, spec: str, api_key: str | None) -> dict:
     cfg = JobConfig.model_validate_json(spec).model_copy(update={"include": [task], "job_name": task})
     job = Job(cfg, api_key=api_key)
     job.run(retry_infra=True)
-    rows = [trial_row(r) for r in job.results() if r["task_name"] == task]
+    rows = [TrialRow.of(r) for r in job.results() if r.task_name == task]
     summary = task_summary(task, rows, cfg.agent, cfg.model)
     tag = solver_tag(cfg.agent, cfg.model)
     write_json_atomic(Path(corpus) / SOLVE_DIR / tag / f"{task}.json", summary)

@@ -31,6 +31,7 @@ from typing import Callable, Literal
 from pydantic import BaseModel, Field
 
 from tmax.common.files import write_json_atomic
+from tmax.common.harbor import FAIL, PASS, AgentConfig, TaskConfig, TrialConfig, TrialResult
 from tmax.sandbox import make_sandbox
 from tmax.sandbox.base import IMAGE_USER, AgentUserError, SandboxError
 from tmax.tasks.corpus.package import LITE_RUNNER, run_tests_command
@@ -135,21 +136,23 @@ def _agent_user_problem(task: Task, image: TaskImage, rewrite: RewriteConfig) ->
     return None
 
 
-def _trial(task: Task, agent, env_kind: str, rewrite: RewriteConfig, trial_dir: Path) -> dict:
+def _trial(task: Task, agent, env_kind: str, rewrite: RewriteConfig, trial_dir: Path) -> TrialResult:
     shutil.rmtree(trial_dir, ignore_errors=True)
-    plan = TrialPlan(task, 0, f"{task.name}__{trial_dir.name}", trial_dir, "tmax-data-validate",
-                     {"task": {"path": str(task.path), "name": task.name}, "agent": {"name": agent.name}})
+    name = f"{task.name}__{trial_dir.name}"
+    # Harbor's TaskConfig takes a path or a registry name, never both.
+    config = TrialConfig(task=TaskConfig(path=str(task.path)), trial_name=name, agent=AgentConfig(name=agent.name))
+    plan = TrialPlan(task, 0, name, trial_dir, "tmax-data-validate", config)
     return run_trial(plan, TrialEnv(agent=agent, rewrite=rewrite, sandbox_kind=env_kind))
 
 
-def _trial_problem(result: dict, trial_dir: Path) -> str:
+def _trial_problem(result: TrialResult, trial_dir: Path) -> str:
     """Why a trial did not score as hoped: its exception, or the tail of the verifier log."""
-    exc = result.get("exception_info")
+    exc = result.exception_info
     if exc:
-        return f"{exc['exception_type']}: {exc['exception_message']}"[-REASON_CHARS:]
+        return f"{exc.exception_type}: {exc.exception_message}"[-REASON_CHARS:]
     log = trial_dir / "verifier" / "test-stdout.txt"
     text = log.read_text(errors="replace") if log.is_file() else ""
-    return f"reward {result['tmax'].get('reward')}; verifier output: {text[-REASON_CHARS:]}"
+    return f"reward {result.reward}; verifier output: {text[-REASON_CHARS:]}"
 
 
 def _run_gates(task: Task, work: Path, env_kind: str, rewrite: RewriteConfig,
@@ -161,9 +164,9 @@ def _run_gates(task: Task, work: Path, env_kind: str, rewrite: RewriteConfig,
             if task.has_solution else None
         nop = nop_run.result()
         oracle = oracle_run.result() if oracle_run else None
-    if nop["tmax"]["outcome"] == "infra_error":
+    if nop.score().infra:
         infra += ["initial", "nop"]
-    meta = (nop.get("agent_result") or {}).get("metadata") or {}
+    meta = (nop.agent_result.metadata if nop.agent_result else None) or {}
     initial = meta.get("initial")
     if initial == "absent":
         gates["initial"] = "skipped"
@@ -172,19 +175,19 @@ def _run_gates(task: Task, work: Path, env_kind: str, rewrite: RewriteConfig,
     else:
         gates["initial"] = "failed"
         reasons["initial"] = meta.get("output") or _trial_problem(nop, work / "nop")
-    outcome = nop["tmax"]["outcome"]
-    if outcome == "fail":
+    verdict = nop.score()
+    if verdict.outcome == FAIL:
         gates["nop"] = "ok"
     else:
         gates["nop"] = "failed"
         reasons["nop"] = ("the verifier gives reward 1 on the untouched environment (the final test "
-                          "passes before any work)") if outcome == "pass" else _trial_problem(nop, work / "nop")
+                          "passes before any work)") if verdict.passed else _trial_problem(nop, work / "nop")
     if oracle is None:
         gates["oracle"], reasons["oracle"] = "failed", NO_SOLUTION
         return
-    if oracle["tmax"]["outcome"] == "infra_error":
+    if oracle.score().infra:
         infra.append("oracle")
-    if oracle["tmax"]["outcome"] == "pass":
+    if oracle.score().outcome == PASS:  # reward 1 within the agent's time (a timed-out pass is no proof)
         gates["oracle"] = "ok"
     else:
         gates["oracle"] = "failed"
