@@ -75,12 +75,12 @@ def test_concurrent_oracle_and_nop_leave_no_container(tmp_path):
         results = trial_results(job.dir)
         assert len(results) == 8
         # Rescored after every trial, the interval only at the end (a bootstrap is not cheap).
-        lo, hi = data["tmax_score"]["pass_at_1_ci"]
+        lo, hi = data.tmax_score["pass_at_1_ci"]
         assert running_cis == [None] * 8 and lo <= reward <= hi and lo < hi
-        assert data["tmax_score"]["ci_method"] == "exact Clopper-Pearson"
+        assert data.tmax_score["ci_method"] == "exact Clopper-Pearson"
         assert {r["tmax"]["reward"] for r in results.values()} == {reward}
-        assert data["stats"]["n_completed_trials"] == 8 and data["stats"]["n_pending_trials"] == 0
-        assert data["tmax_score"]["mean_reward"] == reward
+        assert data.stats.n_completed_trials == 8 and data.stats.n_pending_trials == 0
+        assert data.tmax_score["mean_reward"] == reward
         for tdir in results:
             for f in ("config.json", "result.json", "verifier/reward.txt", "verifier/test-stdout.txt"):
                 assert (job.dir / tdir / f).is_file(), (tdir, f)
@@ -95,7 +95,7 @@ def test_trials_take_containers_started_ahead(tmp_path):
     data = job.run()
     results = trial_results(job.dir)
     assert len(results) == 6 and {r["tmax"]["outcome"] for r in results.values()} == {"pass"}
-    assert data["stats"]["n_completed_trials"] == 6
+    assert data.stats.n_completed_trials == 6
     pool = job._pool
     # The first two trials start their own; a trial after them takes the container started
     # for it, unless the pool had no room then (containers being removed still hold theirs).

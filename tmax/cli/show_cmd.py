@@ -137,7 +137,7 @@ def _show_meta(meta: dict[str, Any], display: Any) -> None:
 
 def render(run: dict[str, Any], display: Any, show_system: bool = False) -> None:
     from tmax.agents.harnesses import HARNESSES, make_harness
-    from tmax.cli.ui import fmt_tokens, split_exit_code
+    from tmax.cli.ui import split_exit_code
 
     messages = run["trajectory"]
     timing = {t.get("step"): t for t in run["timing"] if isinstance(t, dict)}
@@ -199,8 +199,18 @@ def render(run: dict[str, Any], display: Any, show_system: bool = False) -> None
             if code is None:
                 code = t.get("return_code")
             display.output(body, code, t.get("bash_s"))
-    summary = [f"{step} steps"]
-    status = (run["result"] or {}).get("status") or (meta or {}).get("status")
+    display.info(" · ".join(_summary(run, step)))
+    error = (run["result"] or {}).get("error") or (meta or {}).get("error")
+    if error:
+        display.warn(f"error: {error}")
+
+
+def _summary(run: dict[str, Any], steps: int) -> list[str]:
+    """The closing line's parts: what the trial scored, the agent's status, steps, tokens."""
+    from tmax.cli.ui import fmt_tokens
+
+    summary = [f"{steps} steps"]
+    status = (run["result"] or {}).get("status") or (run["run"] or {}).get("status")
     if status:
         summary.insert(0, str(status))
     trial = run.get("trial")
@@ -213,11 +223,7 @@ def render(run: dict[str, Any], display: Any, show_system: bool = False) -> None
             f"tokens: {fmt_tokens(int(usage.get('prompt_tokens') or 0))} prompt, "
             f"{fmt_tokens(int(usage.get('completion_tokens') or 0))} completion"
         )
-    error = (run["result"] or {}).get("error") or (meta or {}).get("error")
-    display.info(" · ".join(summary))
-    if error:
-        display.warn(f"error: {error}")
-
+    return summary
 
 def show(
     path: Path = typer.Argument(..., help="A run directory, a trial directory, or a trajectory file "
