@@ -144,3 +144,28 @@ def test_a_tmax_job_round_trips_and_harbor_validates_it(tmax_job, tmp_path):
     loaded = harbor_check(tmax_job)
     assert loaded["failures"] == []
     assert (loaded["jobs"], loaded["job_configs"], loaded["trials"], loaded["trial_configs"]) == (1, 1, 2, 2)
+
+
+def test_report_and_compare_agree_when_a_trial_is_an_infrastructure_error(tmax_job, tmp_path):
+    """One trial of the oracle job turned into an environment failure (no reward): the
+    report's pass@1 and compare's are the same number, the failure left out of both."""
+    import shutil
+
+    from tmax.common.files import write_json_atomic
+    from tmax.common.harbor import ExceptionInfo
+    from tmax.tasks.compare import summarize_job
+    from tmax.tasks.scoring import TrialRow, score
+
+    job = tmp_path / "job"
+    shutil.copytree(tmax_job, job)
+    _, results = load_job_results(job)
+    broken = results[0].model_copy(update={"verifier_result": None, "exception_info": ExceptionInfo(
+        exception_type="ImageBuildError", exception_message="the image did not build")})
+    broken.tmax.outcome, broken.tmax.reward = INFRA_ERROR, None
+    write_json_atomic(job / broken.trial_name / "result.json", broken.dump())
+    _, results = load_job_results(job)
+    report = score([TrialRow.of(r) for r in results])
+    compare = summarize_job(job)
+    assert report.n_infra_errors == 1 and compare.n_infra_errors == 1
+    assert report.mean_reward == 0.5  # Harbor's mean: the failure counts 0
+    assert report.pass_at_k[1] == compare.pass_at_1 == 1.0

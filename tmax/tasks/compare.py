@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tmax.common.harbor import JobConfig, TrialResult
 from tmax.tasks.job_dirs import load_job_results
-from tmax.tasks.scoring import pass_at_k, rate_interval
+from tmax.tasks.scoring import TrialRow, pass_at_k, rate_interval, score
 
 SOLVED_RULE = "a task is solved when more than half of its scored attempts passed"
 
@@ -90,11 +90,10 @@ def _agent(cfg: JobConfig, results: list[TrialResult]) -> tuple[str, str | None]
 
 def summarize_job(job_dir: Path) -> JobSummary:
     cfg, results = load_job_results(job_dir)
-    per_task: dict[str, tuple[int, int]] = {}
+    # The report's rule and numbers: pass@k per task over its scored attempts (`scoring.score`).
+    per_task = {t.task: (t.n_scored, t.successes) for t in score([TrialRow.of(r) for r in results], interval=False).tasks
+                if t.n_scored}
     scored = [r for r in results if not r.score().infra]
-    for r in scored:
-        n, c = per_task.get(r.task_name, (0, 0))
-        per_task[r.task_name] = (n + 1, c + r.score().passed)
     k = min((n for n, _ in per_task.values()), default=1)
     at1 = [pass_at_k(n, c, 1) for n, c in per_task.values()]
     atk = [pass_at_k(n, c, k) for n, c in per_task.values()]

@@ -2,7 +2,8 @@
 
 * mean reward over all trials, errored trials counted as 0 (Harbor's `metrics.mean`);
 * the same mean leaving infrastructure errors out (they are not the agent's failure);
-* unbiased pass@k (Chen et al. 2021) per task, averaged over tasks, for k = 1..K;
+* unbiased pass@k (Chen et al. 2021) per task over its scored attempts (infrastructure
+  errors left out: they are not the agent's), averaged over tasks, for k = 1..K;
 * a per-task table;
 * a 95 % interval for a rate over tasks (`rate_interval`), with the method named: exact
   (Clopper-Pearson) when each task contributes one 0/1 outcome and the tasks are few,
@@ -128,6 +129,7 @@ class TaskRow:
     successes: int
     mean_reward: float
     outcomes: dict[str, int]
+    n_scored: int = 0  # attempts that were not infrastructure errors: pass@k's n
 
 
 @dataclass
@@ -164,7 +166,7 @@ def score(trials: list[TrialRow], interval: bool = True) -> Score:
     for t in trials:
         by_task[t.task].append(t)
     outcomes = Counter(t.verdict.outcome for t in trials)
-    non_infra = [t.verdict.credit for t in trials if t.verdict.outcome != INFRA_ERROR]
+    non_infra = [t.verdict.credit for t in trials if not t.verdict.infra]
     rows = []
     for name in sorted(by_task):
         ts = by_task[name]
@@ -175,11 +177,13 @@ def score(trials: list[TrialRow], interval: bool = True) -> Score:
             successes=sum(t.verdict.passed for t in ts),
             mean_reward=sum(t.verdict.credit for t in ts) / len(ts),
             outcomes=dict(Counter(t.verdict.outcome for t in ts)),
+            n_scored=sum(not t.verdict.infra for t in ts),
         ))
-    # pass@k for every k that all tasks have enough attempts for.
-    kmax = min((r.n for r in rows), default=0)
-    pk = {k: sum(pass_at_k(r.n, r.successes, k) for r in rows) / len(rows) for k in range(1, kmax + 1)}
-    ci, method = rate_interval([(r.n, r.successes) for r in rows], 1) if rows and interval else (None, None)
+    # pass@k over each task's scored attempts, for every k that all scored tasks have enough for.
+    scored = [r for r in rows if r.n_scored]
+    kmax = min((r.n_scored for r in scored), default=0)
+    pk = {k: sum(pass_at_k(r.n_scored, r.successes, k) for r in scored) / len(scored) for k in range(1, kmax + 1)}
+    ci, method = rate_interval([(r.n_scored, r.successes) for r in scored], 1) if scored and interval else (None, None)
     cats: dict[str, list[float]] = defaultdict(list)
     for t in trials:
         cats[t.category or "uncategorized"].append(t.verdict.credit)
