@@ -19,17 +19,13 @@ from tmax.agents.harnesses import make_harness
 from tmax.agents.loop import AgentConfig
 from tmax.agents.prompts import SUBMIT_MARKER
 from tmax.agents.records import Recorder
-from tmax.sandbox import SandboxSpec, make_sandbox
 
 SUBMIT = {"content": "THOUGHT: done.", "bash": f"echo {SUBMIT_MARKER}"}
 
 
 @pytest.fixture
-def box(tmp_path):
-    sb = make_sandbox("local", SandboxSpec(workdir=str(tmp_path), env={"TMPDIR": str(tmp_path)}))
-    sb.start()
-    yield sb
-    sb.close()
+def box(open_box):
+    return open_box()
 
 
 def _alive(pattern: str) -> bool:

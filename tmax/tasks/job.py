@@ -393,6 +393,11 @@ class Job:
         live.ahead.fill_after(live.line, live.index[plan.trial_name], self.config.n_concurrent)
         return run_trial(plan, live.env)
 
+    @property
+    def _pool(self) -> Any:
+        """The warm pool of the running (or last) run, if it had one."""
+        return self._live.env.pool if self._live is not None else None
+
     def interrupt(self) -> None:
         """Stop: no new trials; running ones are cancelled and their containers removed."""
         self.cancel.set()
@@ -400,8 +405,8 @@ class Job:
             sandboxes = list(self._sandboxes.values())
         for sb in sandboxes:
             _close_quietly(sb)
-        if self._live is not None and self._live.env.pool is not None:
-            self._live.env.pool.close(in_use=True)
+        if self._pool is not None:
+            self._pool.close(in_use=True)
 
 
 @dataclass
