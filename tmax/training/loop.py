@@ -216,12 +216,11 @@ class Trainer:
             req, s.next_worker = s.queue.popleft(), w + 1
             ref = workers[w].run.remote(req, s.version)
             s.pending[ref], s.worker_of[ref] = req, (w, time.monotonic())
-        # Dispatch is round-robin in queue order: each queued episode's worker is known.
         self.ahead.fill((req, (s.next_worker + j) % len(workers)) for j, req in enumerate(s.queue))
 
     def warm_ahead(self) -> WarmAhead:
-        """Each worker starts containers (podman) for the queued episodes it will receive
-        next, `rollout.pool_size` of them, each episode once."""
+        """Each worker starts containers (podman) for the `rollout.pool_size` queued episodes it
+        will receive next (dispatch is round-robin in queue order), each episode once."""
         r, workers = self.cfg.rollout, self.actors.workers
 
         def start(item: tuple[EpisodeRequest, int]) -> bool:
