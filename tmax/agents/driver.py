@@ -68,12 +68,11 @@ class EpisodeDriver:
 
     def __init__(self, policy: Policy, sandbox: Sandbox, harness: Harness, config: AgentConfig | None = None, *,
                  recorder: Recorder | None = None, hooks: AgentHooks | None = None, timeout: float | None = None,
-                 cancel: threading.Event | None = None, grace_s: float = ABANDON_GRACE_S,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 cancel: threading.Event | None = None, grace_s: float = ABANDON_GRACE_S) -> None:
         self.harness, self.sandbox = harness, sandbox
         self.timeout, self.cancel, self.grace_s = timeout, cancel, grace_s
         self.stop = threading.Event()
-        self.agent = Agent(policy, sandbox, config, recorder, hooks, harness=harness, stop=self.stop, sleep=sleep)
+        self.agent = Agent(policy, sandbox, config, recorder, hooks, harness=harness, stop=self.stop)
         self._why: str | None = None  # "deadline" | "cancel" once the stop was given
         self._abandoned = False
 
@@ -148,13 +147,15 @@ class EpisodeDriver:
     def _watch(self, done: threading.Event, deadline: float | None) -> None:
         """Give the stop at the deadline or on cancel; then, while the loop has not ended,
         kill what the command left running."""
-        while not done.wait(WATCH_EVERY_S):
+        while True:
             if self.cancel is not None and self.cancel.is_set():
                 self._give_stop("cancel")
                 break
             if deadline is not None and time.monotonic() >= deadline:
                 self._give_stop("deadline")
                 break
+            if done.wait(WATCH_EVERY_S):
+                return
         while not done.wait(FORCE_EVERY_S):
             self._interrupt(force=True)
 
