@@ -20,6 +20,9 @@ Vanillux2 semantics (the Tmax evaluation harness):
 Ctrl-C during the model call or a command interrupts only that: the command is stopped
 with `harness.interrupt()` (the shell survives) and `hooks.on_interrupt()` decides whether
 to continue with guidance or stop.
+
+`stop` (an Event that `agents.driver` sets at a deadline or on cancel) ends the episode as
+`stopped` before the next model call, or as one returns (its command is then not run).
 """
 
 from __future__ import annotations
@@ -111,7 +114,8 @@ class AgentHooks:
 
 @dataclass
 class AgentResult:
-    # submitted | max_steps | context_overflow | format_errors | model_error | interrupted | sandbox_error
+    # submitted | max_steps | context_overflow | format_errors | model_error | interrupted
+    # | sandbox_error | stopped
     status: str
     steps: int
     usage: Usage
@@ -135,6 +139,7 @@ class Agent:
         hooks: AgentHooks | None = None,
         *,
         harness: Harness | None = None,
+        stop: threading.Event | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.policy = policy
@@ -145,6 +150,7 @@ class Agent:
         # What differs between agent styles (prompt, action parser, execution, observation).
         self.harness = harness or TmaxHarness()
         self.tools = self.harness.tools
+        self.stop = stop or threading.Event()  # set from outside: end at the next step boundary
         self._sleep = sleep  # injectable so tests do not wait through real back-offs
         self.messages: list[dict[str, Any]] = []
         self.timing: list[dict[str, Any]] = []
@@ -170,17 +176,11 @@ class Agent:
         return self._episode()
 
     def load(self, saved: SavedRun) -> None:
-        """Adopt a saved conversation (`tmax run --resume`); then call follow_up() or resume()."""
+        """Adopt a saved conversation (`tmax run --resume`); then call follow_up()."""
         self.messages = [dict(m) for m in saved.messages]
         self.timing = list(saved.timing)
         self.usage = Usage(**vars(saved.usage))
         self.steps = sum(1 for m in self.messages if m.get("role") == "assistant")
-
-    def resume(self) -> AgentResult:
-        """Continue a loaded conversation as it stands (e.g. after a crash mid-episode)."""
-        if not self.messages:
-            raise RuntimeError("resume() needs a conversation: call load() first")
-        return self._episode()
 
     # ---- the loop ---------------------------------------------------------------------
 
@@ -188,7 +188,7 @@ class Agent:
         try:
             outcome = self._steps()
         finally:
-            # Also when a hook or a runner aborts the episode with an exception.
+            # Also when a hook aborts the episode with an exception.
             self._save()
         if self.recorder is not None:
             self.recorder.finish(outcome.status, self.steps, outcome.error)
@@ -200,6 +200,8 @@ class Agent:
         format_errors = 0
         started = time.monotonic()
         while True:
+            if self.stop.is_set():
+                return _Outcome("stopped")
             if episode_steps >= cfg.max_steps:
                 return _Outcome("max_steps")
             guard = not getattr(self.policy, "enforces_context_budget", False)
@@ -225,6 +227,8 @@ class Agent:
             episode_steps += 1
             self.usage.add(turn.usage)
             self._last_context_tokens = turn.usage.total_tokens or (turn.usage.prompt_tokens + turn.usage.completion_tokens)
+            if self.stop.is_set():  # the answer came after the stop: nothing of it runs
+                return _Outcome("stopped")
 
             message = dict(turn.message)
             action = self.harness.parse(message)
@@ -256,21 +260,19 @@ class Agent:
         guidance after a Ctrl-C at the prompt), an outcome ends the episode."""
         assert action.command is not None
         try:
-            rejection = self.hooks.approve(step, action.command)
+            rejection, quit_ = self.hooks.approve(step, action.command), False
         except KeyboardInterrupt:
             # Quit or Ctrl-C at the approval prompt: the call still gets an answer so the
             # saved history stays valid for --resume, then the user decides.
-            self._reply(action, REJECTED_TOOL_TEXT, tool_only=True)
-            self.timing.append({"step": step, "llm_s": round(llm_s, 3), "rejected": True, "cmd": action.command[:200]})
-            self._save()
-            return False if self._guidance() else _Outcome("interrupted")
-        if rejection is None:
+            rejection, quit_ = None, True
+        if rejection is None and not quit_:
             return True
         self._reply(action, REJECTED_TOOL_TEXT, tool_only=True)
-        self.messages.append({"role": "user", "content": render(REJECTION_TEMPLATE, feedback=rejection)})
+        if rejection is not None:
+            self.messages.append({"role": "user", "content": render(REJECTION_TEMPLATE, feedback=rejection)})
         self.timing.append({"step": step, "llm_s": round(llm_s, 3), "rejected": True, "cmd": action.command[:200]})
         self._save()
-        return False
+        return _Outcome("interrupted") if quit_ and not self._guidance() else False
 
     def _act(self, step: int, action: Action, llm_s: float, episode_steps: int, started: float) -> "_Outcome | None":
         """Run the approved command and answer the call; an outcome when the episode ends."""

@@ -84,7 +84,7 @@ def _disk_keeper(budget_gb: Optional[float], console):
 
 
 def _backend(ray: bool, address: Optional[str], resource: Optional[str], n_concurrent: int):
-    """The scheduler backend: local threads, or Ray (the trainer's cluster code)."""
+    """The job runner's backend: local threads, or Ray (the trainer's cluster code)."""
     if not (ray or address):
         return None
     from tmax.training.cluster.corpus_backend import RayBackend

@@ -1,8 +1,9 @@
 """`tmax run "task"`: the agent in a sandbox, with a person watching (or `--json` for scripts).
 
-The CLI only renders and asks; the loop itself is `agents.loop.Agent`, the same one that
-`tmax bench` and `tmax learn` drive. Approval, Ctrl-C and follow-ups go through `AgentHooks`
-(`tmax.cli.run_hooks`); the sandbox, harness and signals of the run are `agents.session`.
+The CLI only renders and asks; the loop itself is `agents.loop.Agent`, driven by
+`agents.driver.EpisodeDriver` as `tmax bench` and `tmax learn` drive it. Approval, Ctrl-C and
+follow-ups go through `AgentHooks` (`tmax.cli.run_hooks`); the sandbox and signals of the run
+are `agents.session`.
 """
 
 from __future__ import annotations

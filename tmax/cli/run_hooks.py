@@ -1,6 +1,8 @@
 """How `tmax run` talks to a person (`InteractiveHooks`: rich rendering, approval, Ctrl-C
 guidance, `/` commands) or to a script (`JsonHooks`: one JSON event per line on stdout).
-Both are `agents.loop.AgentHooks`: the loop calls them, they never drive it."""
+Both are `agents.loop.AgentHooks`: the loop calls them, they never drive it. Each gets what
+it works with when it is made (the run directory, undo, rating, the stop flag that SIGTERM
+sets)."""
 
 from __future__ import annotations
 
@@ -31,27 +33,31 @@ def usage_dict(u: Any) -> dict[str, int]:
     }
 
 
+_EMIT_LOCK = threading.Lock()
+
+
+def emit(type_: str, **fields: Any) -> None:
+    """One `--json` event: a JSON object on its own line on stdout."""
+    with _EMIT_LOCK:  # progress comes from the thread reading the command
+        sys.stdout.write(json.dumps({"type": type_, **fields}, default=str) + "\n")
+        sys.stdout.flush()
+
+
 class JsonHooks(AgentHooks):
     """Headless: one JSON object per line on stdout, no questions, Ctrl-C stops."""
 
-    def __init__(self, session_usage: Callable[[], Any]) -> None:
+    def __init__(self, session_usage: Callable[[], Any], run_dir: Path, output_limit: int) -> None:
         self.session_usage = session_usage  # the agent's running totals (resets per run())
-        self.run_dir: Path | None = None  # where long outputs are kept
-        self.output_limit = 10_000
+        self.run_dir = run_dir  # where long outputs are kept
+        self.output_limit = output_limit
         self.step = 0
         self.command_started: float | None = None  # monotonic time the running command started
         self._last_progress = 0.0
         self._pending = ""  # output not yet sent in a progress event
-        self._emit_lock = threading.Lock()
-
-    def emit(self, type_: str, **fields: Any) -> None:
-        with self._emit_lock:  # progress comes from the thread reading the command
-            sys.stdout.write(json.dumps({"type": type_, **fields}, default=str) + "\n")
-            sys.stdout.flush()
 
     def on_step_start(self, step: int) -> None:
         self.step = step
-        self.emit("step", step=step)
+        emit("step", step=step)
 
     def on_command_output(self, text: str) -> None:
         """From the reading thread: a `progress` event with the output since the last one, at
@@ -64,10 +70,10 @@ class JsonHooks(AgentHooks):
         if (self._pending and quiet >= PROGRESS_EVERY_S) or quiet >= PROGRESS_IDLE_S:
             self._last_progress = now
             output, self._pending = clean_output(self._pending), ""
-            self.emit("progress", step=self.step, elapsed_s=round(now - self.command_started, 1), output=output)
+            emit("progress", step=self.step, elapsed_s=round(now - self.command_started, 1), output=output)
 
     def on_model_turn(self, step: int, turn: Any, command: str | None) -> None:
-        self.emit(
+        emit(
             "model",
             step=step,
             content=turn.message.get("content"),
@@ -79,7 +85,7 @@ class JsonHooks(AgentHooks):
         )
 
     def approve(self, step: int, command: str) -> str | None:
-        self.emit("command", step=step, command=command)
+        emit("command", step=step, command=command)
         self.command_started = self._last_progress = time.monotonic()
         self._pending = ""
         return None
@@ -87,7 +93,7 @@ class JsonHooks(AgentHooks):
     def on_observation(self, step: int, result: Any, observation: str) -> None:
         self.command_started = None
         kept = keep_long_output(self.run_dir, step, result, self.output_limit)
-        self.emit(
+        emit(
             "observation",
             step=step,
             exit_code=result.exit_code,
@@ -99,10 +105,10 @@ class JsonHooks(AgentHooks):
         )
 
     def on_format_error(self, step: int, feedback: str, reason: str | None = None) -> None:
-        self.emit("format_error", step=step, feedback=feedback, reason=reason)
+        emit("format_error", step=step, feedback=feedback, reason=reason)
 
     def on_retry(self, attempt: int, error: Exception, delay_s: float) -> None:
-        self.emit("retry", attempt=attempt, error=str(error), delay_s=delay_s)
+        emit("retry", attempt=attempt, error=str(error), delay_s=delay_s)
 
     def on_interrupt(self) -> str | None:
         return None
@@ -110,20 +116,20 @@ class JsonHooks(AgentHooks):
 class InteractiveHooks(AgentHooks):
     """Rich rendering; approval, guidance and mode switches through the prompter."""
 
-    def __init__(
-        self, display: Any, prompter: Any, mode: str, max_steps: int | None, session_usage: Callable[[], Any]
-    ) -> None:
+    def __init__(self, display: Any, prompter: Any, mode: str, max_steps: int | None,
+                 session_usage: Callable[[], Any], *, run_dir: Path, output_limit: int, stopping: threading.Event,
+                 undo: Any = None, rate: Callable[[str], str] | None = None) -> None:
         self.display = display
         self.prompter = prompter
         self.mode = mode
         self.max_steps = max_steps
         self.session_usage = session_usage
-        self.stopping = False  # set by SIGTERM/SIGHUP or a quit at the approval prompt
-        self.undo: Any = None  # tmax.cli.run_undo.UndoControl with --undo-steps
+        self.stopping = stopping  # set by SIGTERM/SIGHUP (the session) or a quit at a prompt
+        self.undo = undo  # tmax.cli.run_undo.UndoControl with --undo-steps
         self.undo_note: str | None = None  # what the model is told after an /undo
-        self.rate: Callable[[str], str] | None = None  # /good, /bad (agents.rating.rate)
-        self.run_dir: Path | None = None  # where long outputs are kept
-        self.output_limit = 10_000
+        self.rate = rate  # /good, /bad (agents.rating.rate)
+        self.run_dir = run_dir  # where long outputs are kept
+        self.output_limit = output_limit
         self.live: Any = None  # tmax.cli.ui.LiveOutput of the running command
 
     # `/y` and `/c` work at every prompt; returns True when the input was a mode command.
@@ -186,12 +192,12 @@ class InteractiveHooks(AgentHooks):
             try:
                 answer = self.prompter.ask("Enter: run · text: reject with feedback · /y yolo · /h help > ")
             except EOFError:
-                self.stopping = True
+                self.stopping.set()
                 raise KeyboardInterrupt from None
             except KeyboardInterrupt:
                 guidance = self.on_interrupt()
                 if guidance is None:
-                    self.stopping = True
+                    self.stopping.set()
                     raise
                 return guidance
             if self._mode_command(answer):
@@ -202,7 +208,7 @@ class InteractiveHooks(AgentHooks):
             if answer.strip() == "":
                 break
             if answer.strip() in QUIT_WORDS:
-                self.stopping = True
+                self.stopping.set()
                 raise KeyboardInterrupt
             self.display.feedback(answer, "rejected; sent to the model")
             return answer
@@ -233,14 +239,14 @@ class InteractiveHooks(AgentHooks):
 
     def on_interrupt(self) -> str | None:
         self.display.stop_spinner()
-        if self.stopping:
+        if self.stopping.is_set():
             return None
         self.display.warn("Interrupted. The shell is still there.")
         while True:
             try:
                 answer = self.prompter.ask("Guidance for the agent (Enter or /q to quit) > ")
             except (EOFError, KeyboardInterrupt):
-                self.stopping = True
+                self.stopping.set()
                 return None
             if self._mode_command(answer):
                 if self.undo_note:
@@ -248,7 +254,7 @@ class InteractiveHooks(AgentHooks):
                     return answer
                 continue
             if answer.strip() in ("", *QUIT_WORDS):
-                self.stopping = True
+                self.stopping.set()
                 return None
             return answer
 

@@ -23,7 +23,6 @@ import shutil
 import threading
 import time
 import uuid
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -34,7 +33,9 @@ from tmax.common import harbor
 from tmax.common.files import read_json, write_json_atomic
 from tmax.common.harbor import CANCELLED, INFRA_ERROR, TrialResult
 from tmax.sandbox.base import KINDS
+from tmax.sandbox.pool import WarmAhead
 from tmax.tasks.dataset import load_tasks
+from tmax.tasks.job_runner import Finished, JobError, JobItem, JobRunner
 from tmax.tasks.model import Task
 from tmax.tasks.offline import default_config
 from tmax.tasks.runners import make_agent
@@ -45,9 +46,6 @@ from tmax.tasks.trial import TrialEnv, TrialPlan, now_iso, prewarm_trial, run_tr
 VOLATILE = {"base_url", "n_concurrent", "jobs_dir", "job_name", "created_at", "retry_infra", "api_key_env",
             "warm_ahead"}
 
-
-class JobError(ValueError):
-    pass
 
 
 class JobConfig(BaseModel):
@@ -172,7 +170,7 @@ class Job:
         self.cancel = threading.Event()
         self._lock = threading.Lock()
         self._sandboxes: dict[str, Any] = {}
-        self._pool: Any = None  # the warm pool of a running job (`_warm_pool`)
+        self._live: _Live | None = None  # what a running job's trials share (`_start_live`)
         self.rewrite = default_config(config.image_map)
         self.agent = make_agent(config.agent, self.rewrite, config.model, config.base_url, api_key,
                                 config.agent_kwargs)
@@ -288,24 +286,6 @@ class Job:
         return f"{name}__{model}__{source}" if model else f"{name}__{source}"
 
     # --- running -------------------------------------------------------------------------
-    def pending(self, retry_infra: bool = False) -> tuple[list[TrialPlan], int]:
-        """Trials still to run, and how many are already done."""
-        todo, done = [], 0
-        for p, r in self._trials():
-            outcome = r.score().outcome if r is not None else None
-            if r is not None and outcome != CANCELLED and not (retry_infra and outcome == INFRA_ERROR):
-                done += 1
-                continue
-            if p.trial_dir.exists():
-                if outcome == INFRA_ERROR:
-                    dst = self.dir / ".retries" / f"{p.trial_name}.{int(time.time() * 1000)}"
-                    dst.parent.mkdir(parents=True, exist_ok=True)
-                    p.trial_dir.rename(dst)
-                else:  # cancelled or never finished: a partial directory, start afresh
-                    shutil.rmtree(p.trial_dir, ignore_errors=True)
-            todo.append(p)
-        return todo, done
-
     def _on_sandbox(self, name: str, sb: Any) -> None:
         with self._lock:
             if sb is None:
@@ -315,94 +295,145 @@ class Job:
         if sb is not None and self.cancel.is_set():
             _close_quietly(sb)
 
+    def _runner(self, retry_infra: bool) -> tuple[JobRunner, list[JobItem]]:
+        """The job's runner and its items, one per trial."""
+        runner = JobRunner(_TrialStore(self.dir, retry_infra), slots=self.config.n_concurrent,
+                           on_interrupt=self.interrupt)
+        return runner, [JobItem(p.trial_name, self._trial, (p,)) for p in self.plans()]
+
+    def pending(self, retry_infra: bool = False) -> tuple[list[TrialPlan], int]:
+        """Trials still to run, and how many are already done."""
+        runner, items = self._runner(retry_infra)
+        todo, prior = runner.pending(items)
+        return [item.args[0] for item in todo], len(prior)
+
     def run(self, progress_fn: ProgressFn | None = None, retry_infra: bool = False) -> harbor.JobResult:
+        """Every trial without a result (`tasks.job_runner`: finished trials are read back,
+        partial ones rerun), `n_concurrent` at a time; the job's result.json after each."""
         self.dir.mkdir(parents=True, exist_ok=True)
         self._write_config()
-        todo, done = self.pending(retry_infra)
-        prog = Progress(total=len(todo) + done, done=done, skipped=done)
-        for r in self.results():
+        runner, items = self._runner(retry_infra)
+        todo, prior = runner.pending(items)
+        prog = Progress(total=len(todo) + len(prior), done=len(prior), skipped=len(prior))
+        for r in prior.values():
             _count(prog, r)
         self.write_result(prog)
         if todo and self.sandbox_kind == "podman":
             from tmax.sandbox.podman_service import prestart
 
             prestart()  # the REST service starts while the first trial looks up its image
-        env = TrialEnv(agent=self.agent, rewrite=self.rewrite, timeout_multiplier=self.config.timeout_multiplier,
-                       use_prebuilt=self.config.use_prebuilt, sandbox_kind=self.sandbox_kind,
-                       override_cpus=self.config.override_cpus, override_memory_mb=self.config.override_memory_mb,
-                       cancel=self.cancel, on_sandbox=self._on_sandbox, model_name=self.config.model,
-                       close_in_background=True, pool=self._warm_pool())
+        live = self._live = self._start_live([item.args[0] for item in todo])
         emit = progress_fn or (lambda *a: None)
         emit("start", prog, None)
-        ahead = _Ahead(todo, self.config.n_concurrent, self.config.warm_ahead)
 
-        def one(plan: TrialPlan) -> TrialResult | None:
-            if self.cancel.is_set():
-                return None
-            for later in ahead.claim(plan):
-                if not prewarm_trial(later, env):
-                    ahead.unclaim(later)  # no room now: a trial starting later tries again
-            with self._lock:
-                prog.running += 1
-            emit("trial_start", prog, {"trial_name": plan.trial_name, "task": plan.task.name})
-            t0 = time.monotonic()
-            try:
-                return run_trial(plan, env)
-            finally:
-                with self._lock:
-                    prog.running -= 1
-                    prog.trial_seconds.append(time.monotonic() - t0)
+        def started(item: JobItem) -> None:
+            prog.running += 1
+            emit("trial_start", prog, {"trial_name": item.name, "task": item.args[0].task.name})
 
-        pool = ThreadPoolExecutor(max_workers=self.config.n_concurrent, thread_name_prefix="tmax-trial")
-        futures: set[Future] = {pool.submit(one, p) for p in todo}
+        def finished(f: Finished) -> None:
+            prog.running -= 1
+            prog.trial_seconds.append(f.seconds)
+            if f.result is None or f.result.score().outcome == CANCELLED:
+                return
+            prog.done += 1
+            _count(prog, f.result)
+            self.write_result(prog)
+            emit("trial_end", prog, f.result)
+
         try:
-            while futures:
-                finished, futures = wait(futures, timeout=0.5, return_when=FIRST_COMPLETED)
-                for f in finished:
-                    r = f.result()
-                    if r is None or r.score().outcome == CANCELLED:
-                        continue
-                    with self._lock:
-                        prog.done += 1
-                        _count(prog, r)
-                        self.write_result(prog)
-                    emit("trial_end", prog, r)
+            runner.execute(todo, on_start=started, on_finished=finished)
         except KeyboardInterrupt:
-            self.interrupt()
-            pool.shutdown(wait=True, cancel_futures=True)
             self.write_result(prog)
             wait_for_closes()
             emit("cancelled", prog, None)
             raise
-        pool.shutdown(wait=True)
         data = self.write_result(prog, finished=True)
         wait_for_closes()  # every container of the job is gone when it ends
-        if env.pool is not None:
-            env.pool.close()
+        if live.env.pool is not None:
+            live.env.pool.close()
         emit("end", prog, None)
         return data
 
-    def interrupt(self) -> None:
-        """Stop: no new trials; running ones are cancelled and their containers removed."""
-        self.cancel.set()
-        with self._lock:
-            live = list(self._sandboxes.values())
-            warm = self._pool
-        for sb in live:
-            _close_quietly(sb)
-        if warm is not None:
-            warm.close(in_use=True)
-
-    def _warm_pool(self) -> Any:
-        """The job's pool of containers started ahead (podman with `warm_ahead`), else None."""
+    def _start_live(self, line: list[TrialPlan]) -> _Live:
+        """What the trials of one run share: their environment, the warm pool (podman with
+        `warm_ahead`) and what starts containers in it for the trials next in line."""
         pool = None
         if self.sandbox_kind == "podman" and self.config.warm_ahead:
             from tmax.sandbox.pool import WarmPool
 
             pool = WarmPool(self.config.n_concurrent + self.config.warm_ahead)
+        env = TrialEnv(agent=self.agent, rewrite=self.rewrite, timeout_multiplier=self.config.timeout_multiplier,
+                       use_prebuilt=self.config.use_prebuilt, sandbox_kind=self.sandbox_kind,
+                       override_cpus=self.config.override_cpus, override_memory_mb=self.config.override_memory_mb,
+                       cancel=self.cancel, on_sandbox=self._on_sandbox, model_name=self.config.model,
+                       close_in_background=True, pool=pool)
+        ahead = WarmAhead(self.config.warm_ahead if pool is not None else 0,
+                          start=lambda plan: prewarm_trial(plan, env), key=lambda plan: plan.trial_name)
+        return _Live(env, ahead, line, {p.trial_name: i for i, p in enumerate(line)})
+
+    def _trial(self, plan: TrialPlan) -> TrialResult | None:
+        """One trial of the running job (on a runner thread); None when the job was
+        interrupted before it began."""
+        live = self._live
+        assert live is not None
+        if self.cancel.is_set():
+            return None
+        live.ahead.fill_after(live.line, live.index[plan.trial_name], self.config.n_concurrent)
+        return run_trial(plan, live.env)
+
+    @property
+    def _pool(self) -> Any:
+        """The warm pool of the running (or last) run, if it had one."""
+        return self._live.env.pool if self._live is not None else None
+
+    def interrupt(self) -> None:
+        """Stop: no new trials; running ones are cancelled and their containers removed."""
+        self.cancel.set()
         with self._lock:
-            self._pool = pool
-        return pool
+            sandboxes = list(self._sandboxes.values())
+        for sb in sandboxes:
+            _close_quietly(sb)
+        if self._pool is not None:
+            self._pool.close(in_use=True)
+
+
+@dataclass
+class _Live:
+    """A running job's shared state: the trials' environment and the warm-ahead over the
+    trials to run, in their order (`index`: a trial's place in it)."""
+
+    env: TrialEnv
+    ahead: WarmAhead
+    line: list[TrialPlan]
+    index: dict[str, int]
+
+
+class _TrialStore:
+    """The bench job's results for the runner: a trial finished when its result.json says
+    so. A cancelled trial did not (nor, with `retry_infra`, one that ended in an
+    infrastructure error: its directory moves to `.retries/`, never silently deleted); a
+    partial directory is removed. `run_trial` writes result.json itself, atomically."""
+
+    def __init__(self, job_dir: Path, retry_infra: bool):
+        self.dir, self.retry_infra = job_dir, retry_infra
+
+    def prior(self, item: JobItem) -> TrialResult | None:
+        trial_dir = self.dir / item.name
+        r = TrialResult.parse(read_json(trial_dir / "result.json"))
+        outcome = r.score().outcome if r is not None else None
+        if r is not None and outcome != CANCELLED and not (self.retry_infra and outcome == INFRA_ERROR):
+            return r
+        if trial_dir.exists():
+            if outcome == INFRA_ERROR:
+                dst = self.dir / ".retries" / f"{item.name}.{int(time.time() * 1000)}"
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                trial_dir.rename(dst)
+            else:  # cancelled or never finished: a partial directory, start afresh
+                shutil.rmtree(trial_dir, ignore_errors=True)
+        return None
+
+    def save(self, item: JobItem, result: Any) -> None:
+        pass  # result.json is the trial's own last write
 
 
 def _eval_stats(results: list[TrialResult], sc: Score) -> harbor.AgentDatasetStats:
@@ -424,28 +455,6 @@ def _eval_stats(results: list[TrialResult], sc: Score) -> harbor.AgentDatasetSta
         exception_stats=exc_stats,
     )
 
-
-class _Ahead:
-    """Which trials a starting trial starts containers for: the `warm` next in line (the
-    executor takes trials in order, the first `running` at once), each claimed once; a
-    claim whose start found no room is given back for a later trial to retry."""
-
-    def __init__(self, todo: list[TrialPlan], running: int, warm: int):
-        self.todo, self.running, self.warm = todo, running, warm
-        self.index = {p.trial_name: i for i, p in enumerate(todo)}
-        self.claimed: set[int] = set()
-        self.lock = threading.Lock()
-
-    def claim(self, plan: TrialPlan) -> list[TrialPlan]:
-        first = max(self.index[plan.trial_name] + 1, self.running)
-        with self.lock:
-            picked = [j for j in range(first, min(first + self.warm, len(self.todo))) if j not in self.claimed]
-            self.claimed.update(picked)
-        return [self.todo[j] for j in picked]
-
-    def unclaim(self, plan: TrialPlan) -> None:
-        with self.lock:
-            self.claimed.discard(self.index[plan.trial_name])
 
 
 def _close_quietly(sb: Any) -> None:

@@ -35,10 +35,11 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tmax.agents.loop import Agent, AgentConfig
+from tmax.agents.driver import EpisodeDriver
+from tmax.agents.loop import AgentConfig
 from tmax.agents.policy import TokenSampler, TokenTrace
 from tmax.common.files import write_json_atomic
-from tmax.sandbox.pool import WarmPool
+from tmax.sandbox.pool import WarmAhead, WarmPool
 from tmax.tasks.episode import ENVIRONMENT_ERRORS, EnvSettings, Episode, PreparedTasks
 from tmax.tasks.images import TaskImage
 from tmax.tasks.model import Task
@@ -272,17 +273,12 @@ def run_episode(
     ep = _open(req, episode.env, image, pool)
     t_sandbox = time.monotonic() - t0
     task, sandbox_id, warm = ep.task, ep.sandbox_id, ep.warm
-    harness = make_harness(episode.harness_for(req.group_id), ep.workdir)
     try:
         policy = episode.token_policy(sampler, tokenizer, req.seed)
         recorder = Recorder(record_dir) if record_dir is not None else None
-        agent = Agent(policy, ep.sandbox, episode.agent, recorder=recorder, harness=harness)
-        t1 = time.monotonic()
-        result = agent.run(task.instruction)
-        t_agent = time.monotonic() - t1
-        # The agent's time split: waiting for the model, and commands running in the sandbox.
-        t_llm = sum(t.get("llm_s", 0.0) for t in agent.timing)
-        t_exec = sum(t.get("bash_s", 0.0) for t in agent.timing)
+        harness = make_harness(episode.harness_for(req.group_id), ep.workdir)
+        with EpisodeDriver(policy, ep.sandbox, harness, episode.agent, recorder=recorder) as driver:
+            result = driver.run(task.instruction)
         if result.status in INFRA_STATUSES:
             kind, what = INFRA_STATUSES[result.status]
             raise InfraError(kind, f"{what}: {result.error}")
@@ -294,7 +290,6 @@ def run_episode(
             reward, vinfo = _score(ep, min(episode.test_timeout, task.config.verifier.timeout_sec), record_dir)
             t_verify = time.monotonic() - t2
     finally:
-        harness.close()
         ep.close()
     return Rollout(
         task_id=task.name,
@@ -311,9 +306,10 @@ def run_episode(
         verifier=vinfo,
         timings={
             "sandbox_start_s": round(t_sandbox, 4),
-            "agent_s": round(t_agent, 4),
-            "llm_s": round(t_llm, 4),
-            "exec_s": round(t_exec, 4),
+            # The agent's time split: waiting for the model, and commands running in the sandbox.
+            "agent_s": result.agent_s,
+            "llm_s": result.llm_s,
+            "exec_s": result.exec_s,
             "verifier_s": round(t_verify, 4),
             "total_s": round(time.monotonic() - t0, 4),
         },
@@ -361,26 +357,19 @@ def prewarm(pool: WarmPool | None, task_dir: str, settings: EnvSettings, image: 
 def run_ahead(task_dirs: list[str], episode: Callable[[int], T], settings: EnvSettings,
               images: dict[str, TaskImage | None], pool: WarmPool | None, concurrency: int) -> list[T]:
     """`episode(i)` for every task, `concurrency` at a time in order (the results in that
-    order). With a pool, each episode first starts the container of the one that will take
-    its slot next, so that one finds it warm (the caller owns and closes the pool)."""
+    order). With a pool, each episode as it begins starts containers for the next in line,
+    as many as the pool holds beyond the running episodes (`sandbox.pool.WarmAhead`; the
+    caller owns and closes the pool)."""
+    depth = pool.capacity - concurrency if pool is not None else 0
+    ahead = WarmAhead(depth, lambda j: prewarm(pool, task_dirs[j], settings, images.get(task_dirs[j])))
+    order = range(len(task_dirs))
+
     def one(i: int) -> T:
-        ahead = i + concurrency
-        if ahead < len(task_dirs):
-            prewarm(pool, task_dirs[ahead], settings, images.get(task_dirs[ahead]))
+        ahead.fill_after(order, i, concurrency)
         return episode(i)
 
     with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="tmax-episode") as ex:
-        return list(ex.map(one, range(len(task_dirs))))
-
-
-def prewarm_queue(queue: Any, workers: list, next_worker: int, per_worker: int, done: set) -> None:
-    """Ask each worker to start containers for the queued requests it will receive next
-    (dispatch is round-robin in queue order), `per_worker` ahead, each request once."""
-    for j, req in enumerate(list(queue)[: per_worker * len(workers)]):
-        key = (req.group_id, req.sample_index, req.attempt)
-        if key not in done:
-            done.add(key)
-            workers[(next_worker + j) % len(workers)].prewarm.remote(req.task_dir)
+        return list(ex.map(one, order))
 
 
 @dataclass

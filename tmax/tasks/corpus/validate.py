@@ -15,7 +15,7 @@ time. Trials run with bench's machinery (`tasks.trial.run_trial`) and keep their
 trial directories under the work dir. A task without `solution/` is `unverified` (failed:
 ["oracle"]) unless another gate failed. A build that fails for the infrastructure (a mirror
 that did not answer after the retries, podman itself) is an infrastructure error, not the
-task's rejection. A corpus is validated as scheduler jobs (`tasks.corpus.scheduler`): per
+task's rejection. A corpus is validated as a job (`tasks.job_runner`): per
 task a result as it finishes, so a rerun resumes.
 """
 
@@ -35,7 +35,7 @@ from tmax.common.harbor import FAIL, PASS, AgentConfig, TaskConfig, TrialConfig,
 from tmax.sandbox import make_sandbox
 from tmax.sandbox.base import IMAGE_USER, AgentUserError, SandboxError
 from tmax.tasks.corpus.package import LITE_RUNNER, run_tests_command
-from tmax.tasks.corpus.scheduler import Backend, Finished, Job, LocalBackend, run_jobs
+from tmax.tasks.job_runner import Backend, Finished, JobItem, JobRunner, ResultFiles
 from tmax.tasks.episode import EnvSettings, sandbox_spec
 from tmax.tasks.hostenv import HOST_KINDS, HostEnvError, check_dockerfile
 from tmax.tasks.images import ImageBuildError, TaskImage, ensure_image
@@ -257,7 +257,7 @@ def corpus_task_dirs(root: Path) -> list[Path]:
 
 
 def validate_job(path: str, work: str, env_kind: str) -> dict:
-    """One task's gates as a scheduler job (plain arguments, so it runs on any node)."""
+    """One task's gates as a job item (plain arguments, so it runs on any node)."""
     return validate_task(Path(path), Path(work), env_kind, default_config()).model_dump()
 
 
@@ -272,25 +272,19 @@ def task_identity(task_dir: Path, env_kind: str) -> str:
 def validate_corpus(root: Path, work: Path, env_kind: str = "podman", n_concurrent: int = 2,
                     on_done: Callable[[GateReport, bool], None] | None = None,
                     backend: Backend | None = None) -> list[GateReport]:
-    """Validate every task of a corpus as scheduler jobs; reports come back in name order.
+    """Validate every task of a corpus as job items; reports come back in name order.
     A task validated before (same content, same environment kind, no infrastructure error)
     is not run again: its result is read from `<work>/results/`."""
     work = Path(work).resolve()
-    jobs = [Job(d.name, validate_job, (str(d.resolve()), str(work / d.name), env_kind), task_identity(d, env_kind))
-            for d in corpus_task_dirs(root)]
-    own = backend is None
-    backend = backend or LocalBackend(n_concurrent)
+    items = [JobItem(d.name, validate_job, (str(d.resolve()), str(work / d.name), env_kind), task_identity(d, env_kind))
+             for d in corpus_task_dirs(root)]
 
     def finished(f: Finished) -> None:
         if on_done:
             on_done(GateReport.model_validate(f.result), f.resumed)
 
-    try:
-        results = run_jobs(jobs, work / RESULTS_DIR, backend, done=lambda r: not r.get("infra_errors"),
-                           on_finished=finished)
-    finally:
-        if own:
-            backend.close()
+    store = ResultFiles(work / RESULTS_DIR, done=lambda r: not r.get("infra_errors"))
+    results = JobRunner(store, backend, slots=n_concurrent).run(items, on_finished=finished)
     return sorted((GateReport.model_validate(r) for r in results.values()), key=lambda r: r.task)
 
 
