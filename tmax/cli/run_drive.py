@@ -27,7 +27,6 @@ class RunRequest:
     output: Path | None
     harness: str = "tmax"
     undo_steps: int = 0
-    budget_hints: bool = False
     token_setup: Any = None  # tmax.cli.run_training.TokenSetup with --tokens
     verify: str | None = None
 
@@ -64,7 +63,7 @@ def _hooks(run: RunRequest, display: Any, session_usage: Any) -> Any:
         return JsonHooks(session_usage)
     from tmax.cli.ui import Prompter
 
-    return InteractiveHooks(display, Prompter(data_dir() / "history"), run.settings.mode, run.settings.max_steps,
+    return InteractiveHooks(display, Prompter(data_dir() / "history"), run.settings.mode, run.settings.agent.max_steps,
                             session_usage)
 
 
@@ -75,14 +74,6 @@ def _ask_task(run: RunRequest, hooks: Any) -> str:
         return hooks.prompter.ask("Follow-up for the resumed session > " if run.saved else "Task > ").strip()
     except (EOFError, KeyboardInterrupt):
         return ""
-
-
-def _agent_config(run: RunRequest) -> Any:
-    from tmax.agents.loop import AgentConfig
-
-    s = run.settings
-    return AgentConfig.from_settings({"command_timeout": s.command_timeout, "max_steps": s.max_steps,
-                                      "max_tokens": s.max_tokens, "budget_hints": run.budget_hints})
 
 
 def _policy(run: RunRequest, config: Any) -> Any:
@@ -156,7 +147,7 @@ def _session(run: RunRequest, task: str, run_dir: Path, record: RunRecord, hooks
 
     status, error = "sandbox_error", None
     try:
-        config = _agent_config(run)
+        config = run.settings.agent
         hooks.run_dir, hooks.output_limit = run_dir, config.observation_max_chars
         policy = _policy(run, config)
         if run.token_setup is not None:
