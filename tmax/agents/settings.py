@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, ValidationE
 from pydantic.fields import FieldInfo
 
 from tmax.agents.observation import ObservationLimits
-from tmax.common.errors import validation_message
+from tmax.common.errors import RenamedSettingWarning, validation_message
 from tmax.sandbox.base import DEFAULT_COMMAND_TIMEOUT_S
 
 # old name -> new name
@@ -55,10 +55,6 @@ TopP = Annotated[float, Field(gt=0, le=1)]
 Chars = Annotated[int, Field(ge=100)]
 # A list in TOML and JSON: accepted for the tuple even where the rest is strict.
 Backoff = Annotated[tuple[NonNegativeFloat, ...], Field(strict=False)]
-
-
-class RenamedSettingWarning(FutureWarning):
-    """A setting given under its old name (shown to users by default, unlike DeprecationWarning)."""
 
 
 def renamed_keys(data: Mapping[str, Any]) -> dict[str, Any]:

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from pydantic import ValidationError
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 
 class ConfigError(ValueError):
     """A setting that is missing or invalid (a config file that does not exist, does not
     parse or does not validate, a bad flag): the message says which and where from."""
+
+
+class RenamedSettingWarning(FutureWarning):
+    """A setting given under its old name: it still loads, as the new one (a FutureWarning,
+    so that people see it; the `tmax` command prints it as a one-line note)."""
 
 
 def validation_message(e: ValidationError, what: str = "setting", known: Iterable[str] = ()) -> str:
