@@ -26,7 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import click
+import typer
 from pydantic import ConfigDict, Field, ValidationError
 
 from tmax.agents.settings import AgentSettings, AgentSettingsPatch
@@ -69,7 +69,7 @@ def load_bench_file(path: Path) -> BenchFile:
         raise ConfigError(f"{path}: {validation_message(e, 'key', BenchFile.model_fields)}") from None
 
 
-def with_file(ctx: click.Context, path: Path | None) -> tuple[dict[str, Any], dict[str, Any]]:
+def with_file(ctx: typer.Context, path: Path | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The command's parameters (`ctx.params`) with the file's settings where no flag was
     given on the command line, and the file's agent settings apart (`--ak` goes on top)."""
     values = dict(ctx.params)
@@ -78,6 +78,7 @@ def with_file(ctx: click.Context, path: Path | None) -> tuple[dict[str, Any], di
     given = load_bench_file(path).model_dump(exclude_unset=True)
     agent = {k: given.pop(k) for k in list(given) if k in AgentSettings.model_fields}
     for key, value in given.items():
-        if ctx.get_parameter_source(key) is not click.core.ParameterSource.COMMANDLINE:
+        source = ctx.get_parameter_source(key)  # typer's own click: compared by name
+        if source is None or source.name != "COMMANDLINE":
             values[key] = Path(value) if key == "jobs_dir" else value
     return values, agent
