@@ -15,8 +15,9 @@ from scripted_server import ScriptedServer
 
 from tmax.agents.chat_policy import ChatPolicy
 from tmax.agents.harnesses import make_harness
-from tmax.agents.loop import Agent, AgentConfig, AgentHooks
+from tmax.agents.loop import Agent, AgentHooks
 from tmax.agents.prompts import FORMAT_ERROR_TEXT, SUBMIT_MARKER, SYSTEM_TEMPLATE
+from tmax.agents.settings import AgentSettings
 from tmax.agents.records import load_run, Recorder
 
 SUBMIT = {"content": "THOUGHT: done.", "bash": f"echo {SUBMIT_MARKER}"}
@@ -34,7 +35,7 @@ def agent_for(srv, box, tmp_path=None, hooks=None, timeout=30.0, harness="tmax",
     sleeps = Sleeps()
     policy = ChatPolicy(model=srv.model, base_url=srv.base_url, timeout=timeout)
     recorder = Recorder(tmp_path / "run") if tmp_path is not None else None
-    agent = Agent(policy, box, AgentConfig(**cfg), recorder=recorder, hooks=hooks, sleep=sleeps,
+    agent = Agent(policy, box, AgentSettings(**cfg), recorder=recorder, hooks=hooks, sleep=sleeps,
                   harness=make_harness(harness))
     return agent, sleeps
 

@@ -25,7 +25,7 @@ def test_presets_load_and_match_the_paper():
     big = preset("tmax-9b")
     a, r = big.algo, big.rollout
     assert (a.prompts_per_step, a.group_size, a.steps, a.delta, a.lr, a.async_steps) == (8, 32, 500, 0.1, 1e-6, 4)
-    assert (r.response_budget, r.per_turn_max_tokens, r.max_tool_calls, r.temperature) == (65536, 16384, 64, 1.0)
+    assert (r.response_budget, r.max_tokens, r.max_steps, r.temperature) == (65536, 16384, 64, 1.0)
     assert a.loss == "dppo" and a.divergence == "tv" and a.filter_zero_std and a.active_sampling
     nano = preset("nano")
     assert nano.rollout.sandbox in ("local", "bwrap") and nano.run.rollout_workers * nano.run.slots_per_worker >= nano.run.concurrency

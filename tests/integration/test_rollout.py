@@ -72,7 +72,8 @@ def test_oracle_episode_tokens_align_and_score(nano, kind):
 def test_context_matches_full_rerender(nano):
     """The token-in/token-out stream equals the tokenizer's encoding of the chat template's
     rendering of the whole conversation, so `tmax bench` (which re-renders) sees the same."""
-    from tmax.agents.loop import Agent, AgentConfig
+    from tmax.agents.loop import Agent
+    from tmax.agents.settings import AgentSettings
     from tmax.agents.token_policy import TokenPolicy
     from tmax.agents.tools import TOOLS
     from tmax.tasks.episode import EnvSettings, Episode
@@ -83,7 +84,7 @@ def test_context_matches_full_rerender(nano):
     task = Task.load(task_dir)
     with Episode(task, EnvSettings("local")) as ep:
         policy = TokenPolicy(ScriptedSampler(_oracle_turns(tok, task_dir)), tok, temperature=1.0, top_p=1.0)
-        res = Agent(policy, ep.open(), AgentConfig(max_steps=4, max_format_errors=1)).run(task.instruction)
+        res = Agent(policy, ep.open(), AgentSettings(max_steps=4, max_format_errors=1)).run(task.instruction)
     assert res.status == "submitted"
     # The trace stops at the last sampled token (the submit turn's end of turn); the
     # re-render of the conversation up to that turn adds only the template's newline.
@@ -109,7 +110,7 @@ def test_tool_call_budget_ends_episode_with_zero_reward(nano):
     tok, splits, root = nano
     [turn] = scripted_turns(tok, [("THOUGHT: look.", "ls")])
     r = run_episode(EpisodeRequest(str(splits["train"][0]), 0, 0, 1), ScriptedSampler([turn] * 10), tok,
-                    _cfg(max_tool_calls=3))
+                    _cfg(max_steps=3))
     assert r.status == "max_steps" and r.steps == 3 and r.reward == 0.0
     assert sum(1 for v, _, _ in _spans(r.trace.mask) if v == 1) == 3
 
@@ -119,7 +120,7 @@ def test_response_budget_counts_tool_tokens_and_keeps_overlong_negative(nano):
     [turn] = scripted_turns(tok, [("THOUGHT: print a lot.", "seq 1 200")])
     budget = len(turn) * 2 + 20  # two turns fit, the long observation does not
     r = run_episode(EpisodeRequest(str(splits["train"][0]), 0, 0, 1), ScriptedSampler([turn] * 10), tok,
-                    _cfg(response_budget=budget, per_turn_max_tokens=len(turn), max_tool_calls=8))
+                    _cfg(response_budget=budget, max_tokens=len(turn), max_steps=8))
     assert r.status == "context_overflow" and r.truncated and r.reward == 0.0
     assert len(r.trace.ids) <= budget
 
@@ -171,7 +172,7 @@ def test_tests_are_not_visible_before_submit(nano):
     tok, splits, root = nano
     [look] = scripted_turns(tok, [("THOUGHT: peek.", "ls -a .. ; ls ../tests")])
     r = run_episode(EpisodeRequest(str(splits["train"][0]), 0, 0, 1), ScriptedSampler([look, look]), tok,
-                    _cfg(max_tool_calls=2))
+                    _cfg(max_steps=2))
     obs = tok.decode([i for i, m in zip(r.trace.ids, r.trace.mask) if m == 0])
     assert "No such file or directory" in obs and "expected.txt" not in obs
 

@@ -16,7 +16,7 @@ from scripted_policy import ScriptedPolicy
 from tmax.agents import driver as driver_mod
 from tmax.agents.driver import EpisodeDriver
 from tmax.agents.harnesses import make_harness
-from tmax.agents.loop import AgentConfig
+from tmax.agents.settings import AgentSettings
 from tmax.agents.prompts import SUBMIT_MARKER
 from tmax.agents.records import Recorder
 
@@ -46,7 +46,7 @@ def _sleeper(tag: str) -> str:
 
 def _driver(policy, box, tmp_path=None, **kw) -> EpisodeDriver:
     recorder = Recorder(tmp_path / "run") if tmp_path is not None else None
-    return EpisodeDriver(policy, box, make_harness("tmax"), AgentConfig(), recorder=recorder, **kw)
+    return EpisodeDriver(policy, box, make_harness("tmax"), AgentSettings(), recorder=recorder, **kw)
 
 
 def test_the_deadline_interrupts_the_command_and_stops_the_loop(box, tmp_path):
@@ -106,7 +106,7 @@ def test_a_hung_model_call_is_abandoned_after_the_grace(box, monkeypatch):
     closed = []
     monkeypatch.setattr(harness, "close", lambda: closed.append(True))  # the abandoned loop may still use it
     policy = ScriptedPolicy([{"delay": 60, "bash": "echo never"}])
-    driver = EpisodeDriver(policy, box, harness, AgentConfig(), timeout=0.2, grace_s=0.3)
+    driver = EpisodeDriver(policy, box, harness, AgentSettings(), timeout=0.2, grace_s=0.3)
     try:
         result = driver.run("task")
         assert result.status == "abandoned" and result.abandoned and result.timed_out

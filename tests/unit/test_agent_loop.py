@@ -8,7 +8,8 @@ import pytest
 from scripted_policy import ScriptedPolicy
 
 from tmax.agents.harnesses import make_harness
-from tmax.agents.loop import Agent, AgentConfig, AgentHooks
+from tmax.agents.loop import Agent, AgentHooks
+from tmax.agents.settings import AgentSettings
 from tmax.agents.prompts import REJECTED_TOOL_TEXT, SUBMIT_MARKER
 from tmax.agents.records import Recorder, load_run
 
@@ -18,7 +19,7 @@ SUBMIT = {"content": "THOUGHT: done.", "bash": f"echo {SUBMIT_MARKER}"}
 def agent_for(policy, box, tmp_path=None, hooks=None, **cfg):
     recorder = Recorder(tmp_path / "run") if tmp_path is not None else None
     sleeps: list[float] = []
-    agent = Agent(policy, box, AgentConfig(**cfg), recorder=recorder, hooks=hooks, sleep=sleeps.append,
+    agent = Agent(policy, box, AgentSettings(**cfg), recorder=recorder, hooks=hooks, sleep=sleeps.append,
                   harness=make_harness("tmax"))
     return agent, sleeps
 

@@ -34,6 +34,8 @@ RUN_BY: dict[str, str] = {
     "tmax bench resume jobs/oracle-check": "tests/integration/test_front_door.py::test_terminal_bench_oracle_offline",
     "tmax bench run DS -a mini-swe -m M --base-url URL --job-name mini":
         "tests/integration/test_bench_harnesses.py::test_harness_solves_and_fails",
+    "tmax bench run --config bench.toml -k 1":
+        "tests/integration/test_bench_jobs.py::test_bench_run_config_file_with_flags_on_top",
     "tmax bench compare jobs/tmax-run jobs/mini": "tests/integration/test_bench_compare.py::test_compare_oracle_against_nop",
     "tmax show jobs/mini/TASK__ID": "tests/integration/test_bench_harnesses.py::test_harness_solves_and_fails",
     "python benchmarks/bench_overhead.py --json": "tests/integration/test_bench_harbor_jobs.py::test_overhead_benchmark_runs",

@@ -56,7 +56,7 @@ def test_oracle_demo_under_each_harness(nano, harness):
     cfg = preset("nano")
     cfg.rollout.harness = harness
     # Terminus-2's JSON turns and screens take more tokens than the nano preset allows.
-    cfg.rollout.per_turn_max_tokens, cfg.rollout.response_budget, cfg.rollout.context_budget = 128, 1024, 2048
+    cfg.rollout.max_tokens, cfg.rollout.response_budget, cfg.rollout.context_budget = 128, 1024, 2048
     task = splits["train"][0]
     r = oracle_demo(task, tok, EpisodeSettings.of(cfg.rollout))
     assert (r.harness, r.status, r.reward) == (harness, "submitted", 1.0)
@@ -128,7 +128,7 @@ def test_learn_sft_warm_starts_under_a_list_of_harnesses(tmp_path):
     config.write_text(
         'extends = "nano"\n[tasks]\nn_train = 3\nn_heldout = 1\n'
         '[rollout]\nharness = ["tmax", "mini-swe", "terminus-2"]\n'
-        "per_turn_max_tokens = 128\nresponse_budget = 1024\ncontext_budget = 2048\n"
+        "max_tokens = 128\nresponse_budget = 1024\ncontext_budget = 2048\n"
         "[sft]\nteacher_accuracy = 1.0\nepochs = 1.0\nbatch_size = 3\n")
     out = tmp_path / "learn"
     res = CliRunner().invoke(app, ["learn", "--config", str(config), "--out", str(out), "--no-progress", "sft"])

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tmax.agents.harness import Harness
-from tmax.agents.loop import Agent, AgentConfig, AgentHooks, AgentResult
+from tmax.agents.loop import Agent, AgentHooks, AgentResult
+from tmax.agents.settings import AgentSettings
 from tmax.agents.policy import Policy, Usage
 from tmax.agents.records import Recorder, SavedRun
 from tmax.sandbox.base import Sandbox
@@ -66,7 +67,7 @@ class EpisodeResult:
 class EpisodeDriver:
     """The agent loop on `sandbox` with `harness`, driven to its end (see the module doc)."""
 
-    def __init__(self, policy: Policy, sandbox: Sandbox, harness: Harness, config: AgentConfig | None = None, *,
+    def __init__(self, policy: Policy, sandbox: Sandbox, harness: Harness, config: AgentSettings | None = None, *,
                  recorder: Recorder | None = None, hooks: AgentHooks | None = None, timeout: float | None = None,
                  cancel: threading.Event | None = None, grace_s: float = ABANDON_GRACE_S) -> None:
         self.harness, self.sandbox = harness, sandbox

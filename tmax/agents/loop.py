@@ -29,64 +29,21 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from tmax.agents.budget import Budget, budget_hint
 from tmax.agents.harness import Harness, TmaxHarness
-from tmax.agents.observation import ObservationLimits
 from tmax.agents.parsing import Action
 from tmax.agents.policy import ContextOverflow, FatalModelError, ModelError, ModelTurn, Policy, Usage
 from tmax.agents.prompts import REJECTED_TOOL_TEXT, render
 from tmax.agents.records import Recorder, SavedRun
+from tmax.agents.settings import AgentSettings
 from tmax.sandbox.base import CommandResult, Sandbox, SandboxError
 from tmax.common.waiting import retry_call
 
 INTERRUPT_TEMPLATE = "The user interrupted you and says: {{guidance}}"
 REJECTION_TEMPLATE = "The user did not run your command and says: {{feedback}}"
-
-
-@dataclass
-class AgentConfig:
-    """Vanillux2 defaults."""
-
-    max_steps: int = 64
-    command_timeout: float = 120.0
-    max_format_errors: int = 64
-    # Sampling settings are applied by whoever builds the policy (ChatPolicy / TokenPolicy).
-    temperature: float = 0.7
-    top_p: float = 0.95
-    max_tokens: int = 16384
-    # Stop once a turn's prompt + completion reaches this many tokens, for servers whose
-    # window is larger than the budget (a smaller window raises ContextOverflow itself).
-    context_budget: int = 65536
-    observation_max_chars: int = 10000
-    retries: int = 5
-    backoff_s: tuple[float, ...] = (2, 4, 8, 16)
-    # Opt-in (agents.budget): observations end with the steps, time and context left.
-    budget_hints: bool = False
-    time_budget_s: float | None = None  # only shown by budget hints; None: no limit
-
-    @classmethod
-    def from_settings(cls, settings: Mapping[str, Any]) -> AgentConfig:
-        """The one way an AgentConfig is made from settings: `tmax run`'s, a bench job's
-        agent kwargs (`--ak`), the learn config's rollout section (`training.rollout`).
-        A setting left None keeps its default; a name this class does not have is an error."""
-        names = set(cls.__dataclass_fields__)
-        unknown = sorted(set(settings) - names)
-        if unknown:
-            raise ValueError(f"unknown agent setting(s) {', '.join(map(repr, unknown))}; "
-                             f"known: {', '.join(sorted(names))}")
-        values = {k: v for k, v in settings.items() if v is not None}
-        if "backoff_s" in values:
-            values["backoff_s"] = tuple(values["backoff_s"])  # JSON gives a list
-        return cls(**values)
-
-    @property
-    def observation_limits(self) -> ObservationLimits:
-        half = self.observation_max_chars // 2
-        return ObservationLimits(self.observation_max_chars, half, self.observation_max_chars - half)
 
 
 class AgentHooks:
@@ -134,7 +91,7 @@ class Agent:
         self,
         policy: Policy,
         sandbox: Sandbox,
-        config: AgentConfig | None = None,
+        config: AgentSettings | None = None,
         recorder: Recorder | None = None,
         hooks: AgentHooks | None = None,
         *,
@@ -144,7 +101,7 @@ class Agent:
     ) -> None:
         self.policy = policy
         self.sandbox = sandbox
-        self.config = config or AgentConfig()
+        self.config = config or AgentSettings()
         self.recorder = recorder
         self.hooks = hooks or AgentHooks()
         # What differs between agent styles (prompt, action parser, execution, observation).

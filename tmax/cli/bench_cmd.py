@@ -2,13 +2,14 @@
 host sandboxes (-e bwrap|local) for tasks whose Dockerfile only adds files to the base image.
 
     tmax bench run PATH|DATASET -a AGENT -m MODEL --base-url URL -k N -n N -i GLOB -x GLOB -l N -e ENV
+    tmax bench run --config FILE [flags]                     (the same settings in TOML, flags on top)
     tmax bench terminal-bench -m MODEL --base-url URL      (k = 5, the tasks' own timeouts)
     tmax bench resume JOB_DIR [--base-url URL] [--retry-infra] [-e ENV]
     tmax bench report JOB_DIR [--json]
     tmax bench compare JOB_DIR JOB_DIR... [--json]           (paired, with McNemar's test)
     tmax bench prepare PATH|DATASET                          (pre-build the images)
 
-Flags follow Harbor's letters: -k is attempts (not agent kwargs: use --ak key=value),
+Flags follow Harbor's letters: -k is attempts (not agent settings: use --ak key=value),
 -n concurrency, -i / -x include / exclude globs, -l a cap on tasks after the filters,
 -e the environment (podman | bwrap | local; part of the job identity).
 """
@@ -106,21 +107,28 @@ def _prestart_podman(environment: str | None) -> None:
         prestart()
 
 
-def _make_job(dataset: str, agent: str, model: Optional[str], base_url: Optional[str], attempts: int,
-              concurrent: int, include: list[str], exclude: list[str], limit: Optional[int], jobs_dir: Path,
-              job_name: Optional[str], timeout_multiplier: float, image_map: list[str], prebuilt: bool,
-              ak: list[str], api_key_env: str, environment: str = "podman", warm_ahead: int = 0):
+def _make_job(v: dict[str, Any], agent_settings: dict[str, Any]):
+    """The job of a command's settings `v` (the `bench run` parameters' names, the flags'
+    values or a --config file's) with these agent settings."""
+    from pydantic import ValidationError
+
+    from tmax.common.errors import validation_message
     from tmax.tasks.dataset import DatasetError
     from tmax.tasks.job import Job, JobConfig, JobError
 
-    name = job_name or datetime.now().strftime("%Y-%m-%d__%H-%M-%S")
+    if v["dataset"] is None:
+        _fail("no tasks given: pass PATH|DATASET, or `dataset = \"...\"` in the --config file")
+    name = v["job_name"] or datetime.now().strftime("%Y-%m-%d__%H-%M-%S")
     try:
-        cfg = JobConfig(job_name=name, jobs_dir=str(jobs_dir), dataset=dataset, include=include, exclude=exclude,
-                        limit=limit, agent=agent, model=model, base_url=base_url, api_key_env=api_key_env,
-                        agent_kwargs=_parse_kwargs(ak), n_attempts=attempts, n_concurrent=concurrent,
-                        timeout_multiplier=timeout_multiplier, image_map=image_map, use_prebuilt=prebuilt,
-                        environment=environment, warm_ahead=warm_ahead)
-        return Job(cfg, api_key=os.environ.get(api_key_env))
+        cfg = JobConfig(job_name=name, jobs_dir=str(v["jobs_dir"]), dataset=v["dataset"], include=v["include"],
+                        exclude=v["exclude"], limit=v["n_tasks"], agent=v["agent"], model=v["model"],
+                        base_url=v["base_url"], api_key_env=v["api_key_env"], agent_kwargs=agent_settings,
+                        n_attempts=v["n_attempts"], n_concurrent=v["n_concurrent"],
+                        timeout_multiplier=v["timeout_multiplier"], image_map=v["image_map"],
+                        use_prebuilt=v["prebuilt"], environment=v["env"], warm_ahead=v["warm_ahead"])
+        return Job(cfg, api_key=os.environ.get(v["api_key_env"]))
+    except ValidationError as e:
+        _fail(validation_message(e))
     except (DatasetError, JobError, ValueError) as e:
         _fail(str(e))
 
@@ -139,7 +147,8 @@ _NAME = typer.Option(None, "--job-name", help="Job directory name (default: a ti
 _TMULT = typer.Option(1.0, "--timeout-multiplier", min=0.01, help="Scale the agent and verifier timeouts.")
 _IMAP = typer.Option([], "--image-map", help="Re-target a base image: FROM=TO (FROM may be a glob; repeatable).")
 _PREBUILT = typer.Option(True, "--prebuilt/--no-prebuilt", help="Use a task's docker_image when it can be pulled.")
-_AK = typer.Option([], "--ak", "--agent-kwarg", help="Agent setting key=value, e.g. --ak max_steps=32 (repeatable).")
+_AK = typer.Option([], "--ak", "--agent-kwarg",
+                   help="Agent setting KEY=VALUE (agents/settings.py), e.g. --ak max_steps=32 (repeatable).")
 _RETRY = typer.Option(False, "--retry-infra", help="Rerun trials that ended in an infrastructure error.")
 _KEYENV = typer.Option("OPENAI_API_KEY", "--api-key-env", help="Environment variable holding the API key.")
 _ENV = typer.Option("podman", "-e", "--env",
@@ -152,37 +161,48 @@ _WARM = typer.Option(0, "--warm-ahead", min=0,
 
 @bench_app.command("run")
 def run_cmd(
-    dataset: str = typer.Argument(..., help="A task directory, a dataset directory, or name@version (local cache)."),
+    ctx: typer.Context,
+    dataset: Optional[str] = typer.Argument(None, help="A task directory, a dataset directory, or name@version (local "
+                                                       "cache); or `dataset` in the --config file."),
     agent: str = _AGENT, model: Optional[str] = _MODEL, base_url: Optional[str] = _BASE_URL,
-    attempts: int = typer.Option(1, "-k", "--n-attempts", min=1, help="Attempts per task (pass@k)."),
-    concurrent: int = _CONC, include: list[str] = _INC, exclude: list[str] = _EXC, limit: Optional[int] = _LIMIT,
+    n_attempts: int = typer.Option(1, "-k", "--n-attempts", min=1, help="Attempts per task (pass@k)."),
+    n_concurrent: int = _CONC, include: list[str] = _INC, exclude: list[str] = _EXC, n_tasks: Optional[int] = _LIMIT,
     jobs_dir: Path = _JOBS, job_name: Optional[str] = _NAME, timeout_multiplier: float = _TMULT,
     image_map: list[str] = _IMAP, prebuilt: bool = _PREBUILT, ak: list[str] = _AK, retry_infra: bool = _RETRY,
-    api_key_env: str = _KEYENV, environment: str = _ENV, warm_ahead: int = _WARM,
+    api_key_env: str = _KEYENV, env: str = _ENV, warm_ahead: int = _WARM,
+    config: Optional[Path] = typer.Option(
+        None, "--config", "-c", help="A TOML file of these settings: the long flags' names with underscores, and "
+                                     "agent settings as --ak sets them. Flags given here win over it."),
 ) -> None:
     """Run an agent on tasks; results land in JOBS_DIR/JOB_NAME as each trial ends."""
-    _prestart_podman(environment)
-    job = _make_job(dataset, agent, model, base_url, attempts, concurrent, include, exclude, limit, jobs_dir,
-                    job_name, timeout_multiplier, image_map, prebuilt, ak, api_key_env, environment, warm_ahead)
-    _run_job(job, retry_infra)
+    from tmax.cli.bench_file import with_file
+    from tmax.common.errors import ConfigError
+
+    try:
+        values, agent_settings = with_file(ctx, config)
+    except ConfigError as e:
+        _fail(str(e))
+    _prestart_podman(values["env"])
+    job = _make_job(values, {**agent_settings, **_parse_kwargs(ak)})
+    _run_job(job, values["retry_infra"])
 
 
 @bench_app.command("terminal-bench")
 def terminal_bench_cmd(
+    ctx: typer.Context,
     dataset: str = typer.Option("terminal-bench@2.0", "--dataset", "-d", help="Dataset name or directory."),
     agent: str = typer.Option("tmax", "-a", "--agent", help="tmax | mini-swe | terminus-2 | oracle | nop."),
     model: Optional[str] = _MODEL, base_url: Optional[str] = _BASE_URL,
-    concurrent: int = typer.Option(4, "-n", "--n-concurrent", min=1, help="Trials run at once."),
-    include: list[str] = _INC, exclude: list[str] = _EXC, limit: Optional[int] = _LIMIT,
+    n_concurrent: int = typer.Option(4, "-n", "--n-concurrent", min=1, help="Trials run at once."),
+    include: list[str] = _INC, exclude: list[str] = _EXC, n_tasks: Optional[int] = _LIMIT,
     jobs_dir: Path = _JOBS, job_name: Optional[str] = _NAME, image_map: list[str] = _IMAP,
     prebuilt: bool = _PREBUILT, ak: list[str] = _AK, retry_infra: bool = _RETRY, api_key_env: str = _KEYENV,
-    environment: str = _ENV, warm_ahead: int = _WARM,
+    env: str = _ENV, warm_ahead: int = _WARM,
 ) -> None:
     """Terminal-Bench 2.0 by the paper's protocol: 5 attempts per task, the tasks' own timeouts,
     errors scored 0, unbiased pass@k."""
-    _prestart_podman(environment)
-    job = _make_job(dataset, agent, model, base_url, 5, concurrent, include, exclude, limit, jobs_dir,
-                    job_name, 1.0, image_map, prebuilt, ak, api_key_env, environment, warm_ahead)
+    _prestart_podman(env)
+    job = _make_job({**ctx.params, "n_attempts": 5, "timeout_multiplier": 1.0}, _parse_kwargs(ak))
     _run_job(job, retry_infra)
 
 

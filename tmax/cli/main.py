@@ -5,12 +5,14 @@ serve`'s imports; heavy imports also happen inside the commands."""
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
 import typer
 from typer.core import TyperGroup
 
 from tmax.cli import __version__
+from tmax.common.errors import RenamedSettingWarning
 
 # command -> the module under tmax.cli that defines it (with `register(app)`)
 COMMANDS = {"run": "run_cmd", "show": "show_cmd", "serve": "serve_cmd", "sandbox": "sandbox_cmd",
@@ -50,11 +52,28 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+def _show_notes() -> None:
+    """A setting under its old name is a one-line note on stderr, not a Python warning with
+    a source line."""
+    python_way = warnings.showwarning
+    if getattr(python_way, "tmax_notes", False):
+        return
+
+    def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+        if issubclass(category, RenamedSettingWarning):
+            typer.echo(f"tmax: note: {message}", err=True)
+        else:
+            python_way(message, category, *args, **kwargs)
+
+    setattr(show, "tmax_notes", True)
+    warnings.showwarning = show
+
+
 @app.callback()
 def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ) -> None:
-    pass
+    _show_notes()
 
 
 if __name__ == "__main__":

@@ -132,6 +132,7 @@ def run(
         settings = resolve_run_settings(
             base_url=base_url, model=model, api_key=api_key, sandbox=sandbox, mode=mode, image=image, max_steps=max_steps,
             max_tokens=max_tokens, command_timeout=command_timeout, model_timeout=model_timeout, expose=expose,
+            budget_hints=budget_hints or None,
         )
         from tmax.agents.harnesses import check_harness
 
@@ -155,7 +156,7 @@ def run(
     from tmax.cli.run_drive import RunRequest, drive
 
     raise typer.Exit(drive(RunRequest(settings, spec, task, json_mode, saved, resume, output, harness=harness,
-                                      undo_steps=undo_steps, budget_hints=budget_hints, token_setup=token_setup,
+                                      undo_steps=undo_steps, token_setup=token_setup,
                                       verify=verify)))
 
 

@@ -28,7 +28,6 @@ class RunRequest:
     output: Path | None
     harness: str = "tmax"
     undo_steps: int = 0
-    budget_hints: bool = False
     token_setup: Any = None  # tmax.cli.run_training.TokenSetup with --tokens
     verify: str | None = None
 
@@ -85,7 +84,7 @@ def _hooks(run: RunRequest, talk: _Talk, run_dir: Path, config: Any, undo: Any) 
         return JsonHooks(talk.usage, run_dir, config.observation_max_chars)
     from tmax.agents.rating import rate
 
-    return InteractiveHooks(talk.display, talk.prompter, run.settings.mode, run.settings.max_steps, talk.usage,
+    return InteractiveHooks(talk.display, talk.prompter, run.settings.mode, run.settings.agent.max_steps, talk.usage,
                             run_dir=run_dir, output_limit=config.observation_max_chars, stopping=talk.stopping,
                             undo=undo, rate=lambda word: rate(run_dir, word))
 
@@ -97,14 +96,6 @@ def _ask_task(run: RunRequest, prompter: Any) -> str:
         return prompter.ask("Follow-up for the resumed session > " if run.saved else "Task > ").strip()
     except (EOFError, KeyboardInterrupt):
         return ""
-
-
-def _agent_config(run: RunRequest) -> Any:
-    from tmax.agents.loop import AgentConfig
-
-    s = run.settings
-    return AgentConfig.from_settings({"command_timeout": s.command_timeout, "max_steps": s.max_steps,
-                                      "max_tokens": s.max_tokens, "budget_hints": run.budget_hints})
 
 
 def _policy(run: RunRequest, config: Any) -> Any:
@@ -176,7 +167,7 @@ def _session(run: RunRequest, task: str, run_dir: Path, record: RunRecord, talk:
     status, error = "sandbox_error", None
     display = talk.display
     try:
-        config = _agent_config(run)
+        config = run.settings.agent
         policy = _policy(run, config)
         if run.token_setup is not None:
             record.write(model_dir=str(run.token_setup.model_dir))  # what `tmax learn sft --from-runs` starts from

@@ -1,4 +1,5 @@
-"""Files that readers never see half-written, and JSON read without raising.
+"""Files that readers never see half-written, JSON read without raising, and TOML config
+files read with a clear error.
 
 Every results file of tmax is written to a temporary name in its directory and renamed over
 the old one, so a crash or a kill leaves the old content or the new, never half of one."""
@@ -43,3 +44,21 @@ def read_json(path: Path) -> Any:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """A config file's TOML; ConfigError, naming the file, where it is missing, unreadable or
+    not TOML."""
+    import tomllib
+
+    from tmax.common.errors import ConfigError
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {p}: {e}") from None

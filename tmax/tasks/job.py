@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, Field, field_validator
 
+from tmax.agents.settings import AgentSettings, renamed_keys
 from tmax.common import harbor
 from tmax.common.files import read_json, write_json_atomic
 from tmax.common.harbor import CANCELLED, INFRA_ERROR, TrialResult
@@ -59,6 +60,8 @@ class JobConfig(BaseModel):
     model: str | None = None
     base_url: str | None = None
     api_key_env: str = "OPENAI_API_KEY"  # the key itself is never written to disk
+    # Agent settings (`agents.settings`: `--ak`, `tmax bench run --config`) as given, under
+    # their current names: what the job's identity and config.json keep (`agent_settings`: typed).
     agent_kwargs: dict[str, Any] = Field(default_factory=dict)
     n_attempts: int = Field(1, ge=1)
     n_concurrent: int = Field(1, ge=1)
@@ -73,6 +76,17 @@ class JobConfig(BaseModel):
     # (0: each trial starts its own when it begins).
     warm_ahead: int = Field(0, ge=0)
     created_at: str | None = None
+
+    @field_validator("agent_kwargs")
+    @classmethod
+    def _agent_settings(cls, v: dict[str, Any]) -> dict[str, Any]:
+        v = renamed_keys(v)
+        AgentSettings.from_settings(v)  # a name or value that is no agent setting fails before any trial
+        return v
+
+    @property
+    def agent_settings(self) -> AgentSettings:
+        return AgentSettings.from_settings(self.agent_kwargs)
 
     @field_validator("environment")
     @classmethod
@@ -173,7 +187,7 @@ class Job:
         self._live: _Live | None = None  # what a running job's trials share (`_start_live`)
         self.rewrite = default_config(config.image_map)
         self.agent = make_agent(config.agent, self.rewrite, config.model, config.base_url, api_key,
-                                config.agent_kwargs)
+                                config.agent_settings)
         self._plans: list[TrialPlan] | None = None  # made once (`plans`): the job rescores after every trial
 
     # --- the job directory -------------------------------------------------------------

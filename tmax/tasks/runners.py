@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from tmax.agents.driver import EpisodeDriver
 from tmax.agents.harnesses import HARNESSES, check_harness
-from tmax.agents.loop import AgentConfig
+from tmax.agents.settings import AgentSettings
 from tmax.sandbox.base import Sandbox, SandboxError
 from tmax.tasks.longexec import run_long
 from tmax.tasks.model import Task
@@ -108,12 +108,11 @@ class TmaxAgent:
     version = "0.1.0"
     uses_shell = True
 
-    def __init__(self, model: str, base_url: str, api_key: str | None = None, kwargs: dict[str, Any] | None = None,
+    def __init__(self, model: str, base_url: str, api_key: str | None = None, settings: AgentSettings | None = None,
                  harness: str = "tmax"):
         self.model, self.base_url, self.api_key = model, base_url, api_key or "dummy"
-        self.kwargs = dict(kwargs or {})
+        self.settings = settings or AgentSettings()
         self.name = check_harness(harness, "agent")
-        AgentConfig.from_settings(self.kwargs)  # a bad agent kwarg fails the job before any trial
         self._client: Any = None  # one OpenAI client for every trial (`_shared_client`)
         self._client_lock = threading.Lock()
 
@@ -127,13 +126,13 @@ class TmaxAgent:
 
     def _driver(self, sandbox: Sandbox, workdir: str, agent_dir: Path, timeout: float,
                 cancel: threading.Event) -> EpisodeDriver:
-        """The loop for this harness, its settings from the agent kwargs, recording into agent_dir."""
+        """The loop for this harness with the job's agent settings, recording into agent_dir."""
         from tmax.agents.chat_policy import ChatPolicy
         from tmax.agents.harnesses import make_harness
         from tmax.agents.records import Recorder
 
-        config = AgentConfig.from_settings(self.kwargs)
-        config.time_budget_s = config.time_budget_s or timeout  # what budget hints show, if on
+        # What budget hints show, if on: the agent timeout unless a time budget was set.
+        config = self.settings.model_copy(update={"time_budget_s": self.settings.time_budget_s or timeout})
         policy = ChatPolicy(model=self.model, client=self._shared_client(), temperature=config.temperature,
                             top_p=config.top_p, max_tokens=config.max_tokens)
         agent_dir.mkdir(parents=True, exist_ok=True)
@@ -163,7 +162,7 @@ class TmaxAgent:
 
 
 def make_agent(name: str, rewrite: RewriteConfig, model: str | None = None, base_url: str | None = None,
-               api_key: str | None = None, kwargs: dict[str, Any] | None = None) -> TrialAgent:
+               api_key: str | None = None, settings: AgentSettings | None = None) -> TrialAgent:
     if name == "nop":
         return NopAgent()
     if name == "oracle":
@@ -171,5 +170,5 @@ def make_agent(name: str, rewrite: RewriteConfig, model: str | None = None, base
     if name in HARNESSES:
         if not model or not base_url:
             raise ValueError(f"the {name} agent needs a model (-m) and an endpoint (--base-url)")
-        return TmaxAgent(model, base_url, api_key, kwargs, harness=name)
+        return TmaxAgent(model, base_url, api_key, settings, harness=name)
     raise ValueError(f"unknown agent {name!r}: choose one of {', '.join(AGENTS)}")

@@ -5,7 +5,7 @@ context the sampler sees is the exact token list (prompt ids, sampled ids verbat
 template-rendered observations with mask 0 / logprob 0) and never a re-rendering.
 
 Budgets and termination, as in the Tmax recipe, come from `RolloutConfig`:
-* at most `max_tool_calls` model turns; the first turn without a valid `bash` call ends
+* at most `max_steps` model turns; the first turn without a valid `bash` call ends
   the episode (`max_format_errors = 1`);
 * per-turn tokens = max(1, min(remaining response budget, remaining context, per-turn cap)),
   enforced by the token policy, which raises `ContextOverflow` when a budget is used up;
@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tmax.agents.driver import EpisodeDriver
-from tmax.agents.loop import AgentConfig
 from tmax.agents.policy import TokenSampler, TokenTrace
+from tmax.agents.settings import AgentSettings
 from tmax.common.files import write_json_atomic
 from tmax.sandbox.pool import WarmAhead, WarmPool
 from tmax.tasks.episode import ENVIRONMENT_ERRORS, EnvSettings, Episode, PreparedTasks
@@ -128,15 +128,6 @@ class Rollout:
         return cls(trace=trace, **record)
 
 
-def agent_settings(r: RolloutConfig) -> dict[str, Any]:
-    """The rollout section in `AgentConfig`'s names: the settings of every training episode
-    and, with the eval section's sampling on top, of the held-out bench trials."""
-    return {"max_steps": r.max_tool_calls, "command_timeout": r.command_timeout,
-            "max_format_errors": r.max_format_errors, "temperature": r.temperature, "top_p": r.top_p,
-            "max_tokens": r.per_turn_max_tokens, "context_budget": r.context_budget,
-            "observation_max_chars": r.observation_max_chars, "budget_hints": r.budget_hints}
-
-
 def env_settings(kind: str, image_map: list[str], labels: dict[str, str] | None = None) -> EnvSettings:
     """Episodes' environments as in bench: images with the offline rewrites (`image_map`
     on top of the built-in map), or host workspaces, in sandbox `kind`; every sandbox
@@ -160,7 +151,7 @@ class EpisodeSettings:
     workers and each episode. Plain data, so it travels to Ray actors as it is."""
 
     env: EnvSettings
-    agent: AgentConfig
+    agent: AgentSettings  # the rollout section's agent keys
     response_budget: int  # model + tool tokens of one trajectory
     max_prompt_tokens: int
     test_timeout: float  # the verifier's limit, at most the task's own
@@ -170,11 +161,8 @@ class EpisodeSettings:
 
     @classmethod
     def of(cls, r: RolloutConfig, labels: dict[str, str] | None = None) -> EpisodeSettings:
-        # A failing inference server is an infrastructure problem: retry briefly, then let
-        # the training loop re-queue the episode rather than wait out long back-offs.
-        agent = AgentConfig.from_settings({**agent_settings(r), "retries": 3, "backoff_s": (0.5, 1.0)})
         harnesses = (r.harness,) if isinstance(r.harness, str) else tuple(r.harness)
-        return cls(env=env_settings(r.sandbox, r.image_map, labels), agent=agent, response_budget=r.response_budget,
+        return cls(env=env_settings(r.sandbox, r.image_map, labels), agent=r.agent_only(), response_budget=r.response_budget,
                    max_prompt_tokens=r.max_prompt_tokens, test_timeout=r.test_timeout, harnesses=harnesses,
                    pool_size=r.pool_size, max_infra_retries=r.max_infra_retries)
 

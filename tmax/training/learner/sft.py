@@ -80,7 +80,7 @@ class ScriptedSampler:
         ids = self.turns.pop(0)
         if len(ids) > max_tokens:
             raise DemoError(f"an oracle turn of {len(ids)} tokens exceeds the per-turn budget of {max_tokens} "
-                            "(rollout.per_turn_max_tokens)")
+                            "(rollout.max_tokens)")
         return SampledTokens(ids, [0.0] * len(ids), "stop", 0)
 
 
