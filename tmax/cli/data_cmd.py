@@ -21,6 +21,8 @@ from typing import Optional
 
 import typer
 
+from tmax.cli.extras import exit_if_extra_missing
+
 data_app = typer.Typer(help="Synthesize, import, validate and analyse task corpora.", no_args_is_help=True)
 
 _JSON = typer.Option(False, "--json", help="Print one JSON document on stdout.")
@@ -35,7 +37,9 @@ def _console():
 
 
 def _fail(msg: str, code: int = 2) -> None:
-    _console().print(f"[red]error:[/] {msg}")
+    from rich.markup import escape
+
+    _console().print(f"[red]error:[/] {escape(msg)}", soft_wrap=True)  # one line; a message's [brackets] are text
     raise typer.Exit(code)
 
 
@@ -92,6 +96,7 @@ def _backend(ray: bool, address: Optional[str], resource: Optional[str], n_concu
     try:
         return RayBackend(address, resource=resource)
     except Exception as e:  # cannot connect, no such resource
+        exit_if_extra_missing(e, "tmax data")
         _fail(f"Ray: {e}")
 
 
