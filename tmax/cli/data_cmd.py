@@ -21,8 +21,6 @@ from typing import Optional
 
 import typer
 
-from tmax.cli.extras import exit_if_extra_missing
-
 data_app = typer.Typer(help="Synthesize, import, validate and analyse task corpora.", no_args_is_help=True)
 
 _JSON = typer.Option(False, "--json", help="Print one JSON document on stdout.")
@@ -91,6 +89,7 @@ def _backend(ray: bool, address: Optional[str], resource: Optional[str], n_concu
     """The scheduler backend: local threads, or Ray (the trainer's cluster code)."""
     if not (ray or address):
         return None
+    from tmax.cli.extras import exit_if_extra_missing
     from tmax.training.cluster.corpus_backend import RayBackend
 
     try:
