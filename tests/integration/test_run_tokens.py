@@ -206,7 +206,7 @@ def test_good_and_bad_rate_an_interactive_session(tmp_path):
 def test_rated_sessions_move_the_policy_their_way_in_a_real_learner_step(tmp_path):
     """`tmax learn --from-runs` hands RatedStream samples to the learner: one step with a
     /good and a /bad session raises the first one's logprob and lowers the second's."""
-    from test_learner import make_model_dir
+    from tiny_learner import make_model_dir
 
     from tmax.training.learner.learner import Learner, LearnerConfig
     from tmax.training.learner.packing import TrainSample

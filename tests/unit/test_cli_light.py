@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-# What the extras (bench, train, vllm, tracking) bring; the core never needs them.
-EXTRAS = ("matplotlib", "torch", "transformers", "tokenizers", "safetensors", "ray", "vllm", "wandb", "tensorboard")
+# What the extras (bench, train, vllm, tracking, data) bring; the core never needs them.
+EXTRAS = ("matplotlib", "torch", "transformers", "tokenizers", "safetensors", "ray", "vllm", "wandb", "tensorboard",
+          "datasets", "pyarrow")
 LIGHT = f"import sys\nfor m in {EXTRAS!r}: sys.modules[m] = None\n"
 
 
@@ -103,3 +104,19 @@ def test_every_subcommand_has_help_on_the_light_install():
     for words, (rc, output, exc) in json.loads(proc.stdout).items():
         assert rc == 0, f"tmax {words} --help: exit {rc}: {exc}\n{output}"
         assert f"Usage: tmax {words}".strip() in output, f"tmax {words} --help printed no usage:\n{output}"
+
+
+@pytest.mark.parametrize("args, extra", [
+    (["learn", "-o", "{tmp}/run", "nano"], "train"),
+    (["serve", "Qwen/Qwen3-8B"], "vllm"),
+    (["data", "export", "{tasks}", "-o", "{tmp}/all.hf", "--format", "hf"], "data"),
+    (["data", "import", "hf:{tmp}/all.hf", "-o", "{tmp}/again"], "data"),
+])
+def test_a_command_that_needs_an_extra_names_it_in_one_line(tmp_path, args, extra):
+    tasks = REPO / "tests" / "data" / "tasks"
+    proc = light_tmax(*(a.format(tmp=tmp_path, tasks=tasks) for a in args))
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"is not installed; this needs the {extra} extra: pip install 'tmax[{extra}]'" in lines[0]
+    assert lines[0].startswith(f"tmax {args[0]}: ")

@@ -12,6 +12,7 @@ import typer
 from typer.core import TyperGroup
 
 from tmax.cli import __version__
+from tmax.cli.extras import exit_if_extra_missing
 from tmax.common.errors import RenamedSettingWarning
 
 # command -> the module under tmax.cli that defines it (with `register(app)`)
@@ -20,7 +21,15 @@ COMMANDS = {"run": "run_cmd", "show": "show_cmd", "serve": "serve_cmd", "sandbox
 
 
 class LazyCommands(TyperGroup):
-    """A group whose sub-commands are imported on first use."""
+    """A group whose sub-commands are imported on first use. A command that needs an extra
+    the install lacks ends with one line naming it (exit 2), not a traceback."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ModuleNotFoundError as e:
+            exit_if_extra_missing(e, f"tmax {ctx.invoked_subcommand or ''}".strip())
+            raise
 
     def list_commands(self, ctx: Any) -> list[str]:
         return [*super().list_commands(ctx), *(n for n in COMMANDS if n not in self.commands)]

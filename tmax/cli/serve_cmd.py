@@ -13,6 +13,7 @@ from typing import List, Optional
 
 import typer
 
+from tmax.cli.extras import require
 from tmax.training.inference.serving import DEFAULT_MODEL
 
 
@@ -85,6 +86,7 @@ def serve(
             console.print(f"[dim]note: {note}[/dim]")
         typer.echo(cmd.shell())
         return
+    require("tmax serve", "vllm")
 
     name = spec.served_model_name or Path(model).name
     log_path = log or Path.home() / ".cache" / "tmax" / "serve" / f"{name.replace('/', '_')}-{port}.log"
