@@ -1,4 +1,5 @@
-"""SFT warm start: oracle demonstrations through the harness, then real torch training."""
+"""SFT warm start: oracle demonstrations through the harness (`training.demos`), then real
+torch training on them (`training.learner.sft`)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import pytest
 from tmax.agents.harnesses import HARNESSES
 from token_spans import spans as _spans
 from tmax.training.config import preset
-from tmax.training.learner.sft import (
-    DemoError, ScriptedSampler, collect_demos, oracle_demo, scripted_turns, select_sft_tasks, train_sft,
+from tmax.training.demos import (
+    DemoError, ScriptedSampler, collect_demos, oracle_demo, scripted_turns, select_sft_tasks,
 )
+from tmax.training.learner.sft import train_sft
 from tmax.training.rollout import EpisodeSettings
 
 
