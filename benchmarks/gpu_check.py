@@ -130,7 +130,7 @@ class VLLMSide:
 
     def __init__(self, model_dir: str, learner, transport: str, dtype: str, max_len: int):
         from tmax.training.inference.engine import VLLMEngine, VLLMSampler
-        from tmax.training.inference.options import EngineOptions
+        from tmax.training.engine_options import EngineOptions
 
         self.learner, self.transport = learner, transport
         env_gpu = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -23,7 +23,7 @@ from tmax.agents import prompts  # noqa: E402
 from tmax.agents.policy import ContextOverflow, TokenSampler  # noqa: E402
 from tmax.agents.tools import TOOLS  # noqa: E402
 from tmax.training.inference.engine import VLLMEngine, prefix_cache_counts  # noqa: E402
-from tmax.training.inference.options import EngineOptions  # noqa: E402
+from tmax.training.engine_options import EngineOptions  # noqa: E402
 from tmax.training.nano.model import build_nano_model  # noqa: E402
 
 TOL = 1e-4

@@ -18,7 +18,7 @@ import pytest
 
 from tmax.agents.prompts import SUBMIT_COMMAND
 from tmax.training.config import preset
-from tmax.training.learner.sft import ScriptedSampler, scripted_turns
+from tmax.training.demos import ScriptedSampler, scripted_turns
 from tmax.training.rollout import EpisodeRequest, EpisodeSettings, prepare_tasks, run_episode
 
 pytestmark = pytest.mark.podman

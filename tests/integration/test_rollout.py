@@ -14,7 +14,7 @@ from token_spans import spans as _spans
 from tmax.agents.prompts import SUBMIT_COMMAND
 from tmax.training.config import preset
 from tmax.training.rollout import EpisodeRequest, EpisodeSettings, InfraError, run_episode
-from tmax.training.learner.sft import ScriptedSampler, scripted_turns
+from tmax.training.demos import ScriptedSampler, scripted_turns
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from tmax.training.config import preset
 from tmax.training.rollout import (
     ROLLOUT_LABEL, EpisodeRequest, EpisodeSettings, InfraError, prepare_tasks, prewarm, run_episode,
 )
-from tmax.training.learner.sft import ScriptedSampler, scripted_turns
+from tmax.training.demos import ScriptedSampler, scripted_turns
 
 pytestmark = pytest.mark.podman
 

@@ -128,7 +128,7 @@ def test_every_server_option_is_a_flag_and_reaches_vllm():
     handed to the one place that writes vLLM's command line."""
     import typer
 
-    from tmax.training.inference.options import EngineOptions
+    from tmax.training.engine_options import EngineOptions
 
     group = typer.main.get_command(app)
     serve = group.get_command(typer.Context(group), "serve")

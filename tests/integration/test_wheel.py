@@ -117,7 +117,6 @@ def test_bench_report_and_show_of_a_harbor_job(light, tmp_path):
         f"tmax show: {job / 'echo-hello__wmV8gW2' / 'agent' / 'trajectory.json'} does not exist"]
 
 
-@pytest.mark.xfail(strict=True, reason="learn --dry-run imports torch")
 def test_learn_dry_run_without_torch(light, tmp_path):
     proc = _tmax(light, "learn", "--nodes", "8", "--dry-run", "-o", str(tmp_path / "plan"))
     assert proc.returncode == 0, proc.stderr

@@ -78,7 +78,7 @@ READ_BY: dict[str, tuple[str, str]] = {
     "sft.batch_size": ("tmax/training/learner/sft.py", "batch_size"),
     "sft.warmup_ratio": ("tmax/training/learner/sft.py", "warmup_ratio"),
     "sft.task_fraction": ("tmax/training/recipe.py", "task_fraction"),
-    "sft.teacher_accuracy": ("tmax/training/learner/sft.py", "teacher_accuracy"),
+    "sft.teacher_accuracy": ("tmax/training/demos.py", "teacher_accuracy"),
     "sft.torch_threads": ("tmax/training/learner/sft.py", "torch_threads"),
     "eval.attempts": ("tmax/training/recipe.py", "attempts"),
     "eval.concurrency": ("tmax/training/recipe.py", "concurrency"),

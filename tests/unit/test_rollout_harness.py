@@ -13,7 +13,7 @@ import pytest
 from tmax.agents.policy import SampledTokens
 from token_spans import spans as _spans
 from tmax.training.config import RolloutConfig, preset
-from tmax.training.learner.sft import scripted_turns
+from tmax.training.demos import scripted_turns
 from tmax.training.rollout import EpisodeRequest, EpisodeSettings, run_episode
 
 

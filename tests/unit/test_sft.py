@@ -1,5 +1,5 @@
-"""SFT warm start: oracle demonstrations through the harness, turn by turn. Training on them
-(real torch steps, `tmax learn sft`) is in tests/integration/test_sft_training.py."""
+"""SFT warm start: oracle demonstrations through the harness (`training.demos`), turn by turn.
+Training on them (real torch steps, `tmax learn sft`) is in tests/integration/test_sft_training.py."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from tiny_learner import small_nano
 from tmax.agents.harnesses import HARNESSES
 from token_spans import spans as _spans
 from tmax.training.config import preset
-from tmax.training.learner.sft import (
+from tmax.training.demos import (
     DemoError, ScriptedSampler, collect_demos, oracle_demo, scripted_turns, select_sft_tasks,
 )
+from tmax.training.learner.sft import train_sft
 from tmax.training.rollout import EpisodeSettings
 
 

@@ -76,7 +76,8 @@ def _bad_input(e: Exception) -> None:
 
 
 def _call(work: Callable[[], Any]) -> Any:
-    """Run `work`; bad input exits 2, Ctrl-C 130, any other failure 1, each with its message."""
+    """Run `work`; bad input or a missing extra (`pip install 'tmax[train]'`) exits 2, Ctrl-C
+    130, any other failure 1, each with its message."""
     from tmax.common.errors import ConfigError
 
     try:

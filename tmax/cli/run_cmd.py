@@ -17,27 +17,7 @@ from typing import Optional
 import typer
 
 from tmax.cli.config import DEFAULT_IMAGE, ConfigError, resolve_run_settings
-from tmax.cli.run_setup import broad_workspace, discover_model, load_saved, saved_workdir, sandbox_spec
-
-# Exit status by outcome, so scripts can branch on it (documented in --help).
-EXIT_CODES = {
-    "submitted": 0,
-    "max_steps": 3,
-    "context_overflow": 4,
-    "format_errors": 5,
-    "model_error": 6,
-    "sandbox_error": 7,
-    "interrupted": 130,
-    "internal_error": 1,
-}
-EXIT_USAGE = 2  # bad flags, config or resume path
-
-# The model must know that a resumed session has a fresh shell, or it will rely on state
-# (cwd, variables, background jobs) that no longer exists.
-RESUME_NOTE = (
-    "[The session was resumed in a new shell: the working directory, shell variables and "
-    "background jobs from before are gone; files on disk are as the sandbox left them.]"
-)
+from tmax.cli.run_setup import EXIT_USAGE, broad_workspace, discover_model, load_saved, saved_workdir, sandbox_spec
 
 _EXIT_HELP = (
     "Exit status: 0 submitted, 2 bad usage or config, 3 step limit reached, 4 context full, "

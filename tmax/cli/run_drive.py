@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from tmax.cli.config import RunSettings, data_dir, default_run_dir
-from tmax.cli.run_cmd import EXIT_CODES, EXIT_USAGE, RESUME_NOTE
 from tmax.cli.run_hooks import InteractiveHooks, JsonHooks, emit, usage_dict
+from tmax.cli.run_setup import EXIT_CODES, EXIT_USAGE, RESUME_NOTE
 
 
 @dataclass

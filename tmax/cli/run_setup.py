@@ -1,6 +1,7 @@
 """Where a `tmax run` session starts from: the model the server serves, a saved session
 to resume and the directory it ran in, the sandbox to create, and where the whole of a
-long command output is kept."""
+long command output is kept; and how it ends (the exit status of each outcome), which
+both the command (`run_cmd`) and the run's body (`run_drive`) use."""
 
 from __future__ import annotations
 
@@ -9,6 +10,27 @@ from pathlib import Path
 from typing import Any, Optional
 
 from tmax.cli.config import ConfigError, RunSettings, config_path, data_dir
+
+# --------------------------------------------------------------------------- how a run ends
+# Exit status by outcome, so scripts can branch on it (documented in --help).
+EXIT_CODES = {
+    "submitted": 0,
+    "max_steps": 3,
+    "context_overflow": 4,
+    "format_errors": 5,
+    "model_error": 6,
+    "sandbox_error": 7,
+    "interrupted": 130,
+    "internal_error": 1,
+}
+EXIT_USAGE = 2  # bad flags, config or resume path
+
+# The model must know that a resumed session has a fresh shell, or it will rely on state
+# (cwd, variables, background jobs) that no longer exists.
+RESUME_NOTE = (
+    "[The session was resumed in a new shell: the working directory, shell variables and "
+    "background jobs from before are gone; files on disk are as the sandbox left them.]"
+)
 
 
 # --------------------------------------------------------------------------- model

@@ -68,7 +68,7 @@ def serve(
     from tmax.training.inference.serving import ServerError, ServeSpec, VLLMServer, build_command
 
     console = Console(stderr=True)
-    # The flags are named as the server options (`training.inference.options`); one left out
+    # The flags are named as the server options (`training.engine_options`); one left out
     # keeps the option's default.
     given = {k: v for k, v in ctx.params.items() if k in ServeSpec.model_fields and v is not None}
     try:

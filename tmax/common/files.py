@@ -10,7 +10,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 def write_json_atomic(path: Path, obj: Any, indent: int | None = 2) -> None:
@@ -62,3 +62,22 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{p}: not valid TOML: {e}") from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {p}: {e}") from None
+
+
+def trim_jsonl(path: Path, keep: Callable[[Any], bool] | None = None) -> int:
+    """Rewrite a JSONL record atomically with only its complete lines (and of those, the ones
+    `keep(record)` accepts); returns how many lines were dropped. A missing file is left be."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash
+        if keep is None or keep(record):
+            kept.append(line)
+    write_text_atomic(path, "".join(line + "\n" for line in kept))
+    return len(lines) - len(kept)

@@ -28,7 +28,7 @@ from tmax.agents.settings import AgentSettings, Backoff, Count, Temperature, Top
 from tmax.common.errors import ConfigError
 from tmax.common.files import read_toml
 from tmax.sandbox.base import SandboxKind
-from tmax.training.inference.options import EngineOptions, MemoryShare, ModelLen
+from tmax.training.engine_options import EngineOptions, MemoryShare, ModelLen
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 PRESETS = ("nano", "nano-podman", "tmax-9b")
@@ -137,7 +137,7 @@ class AlgoConfig(_Strict):
 
 class EngineConfig(EngineOptions):
     """The vLLM server of each engine (`VLLMEngine.from_config`): the server options of
-    `tmax serve` (`training.inference.options`, the same keys), and the weight sync."""
+    `tmax serve` (`training.engine_options`, the same keys), and the weight sync."""
 
     # The server options whose training defaults differ from `tmax serve`'s: the recipe's
     # window (prompt + response budget), eager mode only where asked, 0.9 of GPU memory.

@@ -31,11 +31,11 @@ from tmax.common.files import write_json_atomic, write_text_atomic
 from tmax.sandbox.pool import WarmAhead
 from tmax.training.algo.batching import BatchAccumulator, BatchConfig, Group
 from tmax.training.cluster.actors import Actors, EngineGroup, start_actors
-from tmax.training.cluster.failover import group_member_died
 from tmax.training.cluster.launch import connect
 from tmax.training.config import LearnConfig, dump_toml
 from tmax.training.learner import checkpoint as ckpt
 from tmax.training.learner.packing import batch_samples
+from tmax.training.liveness import group_member_died
 from tmax.training.report import LearnProgress, MetricsSink, NoProgress, StepClock, reward_curve, rollout_metrics, run_summary, summary
 from tmax.training.rollback import RunGuard
 from tmax.training.rollout import (

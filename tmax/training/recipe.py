@@ -85,7 +85,8 @@ def sft_stage(cfg: LearnConfig, model_dir: str, prepared: PreparedTasks, out: Pa
     a `training.rollout.PreparedTasks`), then SFT on them."""
     from transformers import AutoTokenizer
 
-    from tmax.training.learner.sft import collect_demos, select_sft_tasks, train_sft
+    from tmax.training.demos import collect_demos, select_sft_tasks
+    from tmax.training.learner.sft import train_sft
 
     sft_dir = out / "sft"
     if (sft_dir / "sft.json").is_file():

@@ -37,7 +37,7 @@ from tmax.agents.policy import (
     ModelError,
     SampledTokens,
 )
-from tmax.training.inference.options import EngineOptions
+from tmax.training.engine_options import EngineOptions
 from tmax.training.inference.serving import ServerError, ServeSpec, VLLMServer
 from tmax.training.net import free_port
 from tmax.training.weights.engine_side import EngineWeights
@@ -91,7 +91,11 @@ def _post(client: Any, url: str, body: dict | None, timeout: float) -> Any:
 class VLLMSampler:
     """`TokenSampler` over `/v1/completions`. Thread-safe; picklable (for Ray actors): a
     copy in another process has no engine to ask, and reads the policy version from the
-    server instead (`/collective_rpc policy_version`)."""
+    server instead (`/collective_rpc policy_version`).
+
+    Against a plain served model (`tmax serve` without `--dev`, no weight-sync endpoints),
+    pass `fixed_version`: every turn is tagged with it and the server is never asked; and
+    `api_key`, sent as a bearer token, when the server wants one."""
 
     def __init__(
         self,
@@ -103,6 +107,9 @@ class VLLMSampler:
         timeout_s: float = 600.0,
         max_model_len: int | None = None,
         extra_body: dict | None = None,
+        *,
+        fixed_version: int | None = None,
+        api_key: str | None = None,
     ):
         self.url = url.rstrip("/")
         # Further vLLM sampling fields for every request (e.g. min_tokens, ignore_eos).
@@ -112,6 +119,8 @@ class VLLMSampler:
         self.stop_token_ids = list(stop_token_ids or [])
         self.timeout_s = timeout_s
         self.max_model_len = max_model_len
+        self.fixed_version = fixed_version
+        self.api_key = api_key
         self._engine = engine
         self._counter = itertools.count()
         self._client: Any = None
@@ -132,10 +141,14 @@ class VLLMSampler:
             if self._client is None:
                 import httpx
 
-                self._client = httpx.Client(limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+                headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+                self._client = httpx.Client(headers=headers,
+                                            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
             return self._client
 
     def _remote_version(self) -> int:
+        if self.fixed_version is not None:
+            return self.fixed_version
         res = _post(self._http(), self.url + "/collective_rpc", {"method": "policy_version"}, 30.0)
         return int(res["results"][0])
 
@@ -194,7 +207,7 @@ class VLLMSampler:
         return SampledTokens(ids=list(ids), logprobs=logprobs, finish_reason=choice.get("finish_reason"), policy_version=version)
 
 
-def _stop_ids(model_dir: Path) -> list[int]:
+def stop_ids(model_dir: Path) -> list[int]:
     """EOS ids from generation_config.json / config.json, passed explicitly with every
     request (the server ignores the model's generation config in dev mode)."""
     ids: list[int] = []
@@ -246,7 +259,7 @@ class VLLMEngine(EngineWeights):
             raise EngineError(f"{self.model_dir}: not a model directory (no config.json)")
         cfg = json.loads((self.model_dir / "config.json").read_text())
         self.tied = bool(cfg.get("tie_word_embeddings", False))
-        self.stop_token_ids = _stop_ids(self.model_dir)
+        self.stop_token_ids = stop_ids(self.model_dir)
         self.policy_version = 0
         self.request_timeout_s = request_timeout_s
         self._init_weights()

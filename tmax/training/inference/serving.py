@@ -33,7 +33,7 @@ from pydantic import Field
 from tmax.common.proctree import end_process_tree, parent_death_hook
 from tmax.common.files import read_json
 from tmax.common.waiting import wait_until
-from tmax.training.inference.options import EngineOptions
+from tmax.training.engine_options import EngineOptions
 
 DEFAULT_MODEL = "allenai/tmax-9b"
 DEFAULT_MAX_MODEL_LEN = 65536

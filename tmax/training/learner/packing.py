@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from tmax.training.algo.prefix_trie import PrefixTrie, build_trie, pack_by_prefix
 
@@ -25,6 +25,13 @@ if TYPE_CHECKING:
     import torch
 
     from tmax.agents.policy import TokenTrace
+
+
+class Traced(Protocol):
+    """What a sample is made from: a record holding the policy's `TokenTrace` (a rollout,
+    a demonstration, a rated `tmax run` session)."""
+
+    trace: "TokenTrace"
 
 
 @dataclass
@@ -48,7 +55,7 @@ class TrainSample:
 
 
 def batch_samples(groups: Sequence[Any], advantages: Sequence[Sequence[float]]) -> list[TrainSample]:
-    """Samples of finished groups (`training.algo.batching.Group`, items holding a `trace`),
+    """Samples of finished groups (`training.algo.batching.Group`, items `Traced`),
     each with its advantage; an item with no sampled token has nothing to train on and
     is left out."""
     out: list[TrainSample] = []
