@@ -90,6 +90,7 @@ class CompactionRecord(BaseModel):
     kept_turns: int = 0
     follow_ups: int = 0  # follow-ups carried verbatim (beside the task)
     prefix: int = 0  # messages of the rebuilt context before its kept turns
+    kept_messages: int = 0  # the kept turns' messages
     error: str | None = None
 
 
@@ -245,7 +246,8 @@ class Compactor:
         rebuilt, new_ctx, keep, (tokens, estimated) = fitted
         self._failed_at = None
         record = record.model_copy(update=dict(ok=True, tokens_after=tokens, estimated=estimated, kept_turns=keep,
-                                               follow_ups=len(new_ctx.follow_ups), prefix=_first_user(rebuilt) + 1))
+                                               follow_ups=len(new_ctx.follow_ups), prefix=_first_user(rebuilt) + 1,
+                                               kept_messages=len(rebuilt) - _first_user(rebuilt) - 1))
         new_ctx.compactions.append(record)
         return Outcome(record, rebuilt, new_ctx, turn.usage)
 

@@ -17,7 +17,8 @@ from typing import Optional
 import typer
 
 from tmax.cli.config import DEFAULT_IMAGE, ConfigError, resolve_run_settings
-from tmax.cli.run_setup import broad_workspace, discover_model, load_saved, saved_workdir, sandbox_spec
+from tmax.cli.run_setup import (broad_workspace, discover_model, load_saved, project_instructions, saved_workdir,
+                                sandbox_spec)
 
 # Exit status by outcome, so scripts can branch on it (documented in --help).
 EXIT_CODES = {
@@ -111,6 +112,16 @@ def run(
         [], "--expose", help="A credential path the bwrap jail masks by default (~/.ssh, ~/.aws, ...) to show inside; repeatable."
     ),
     yes: bool = typer.Option(False, "--yes", help="Do not ask before making your whole home directory the bwrap workspace."),
+    compact: Optional[bool] = typer.Option(
+        None, "--compact/--no-compact", help="Summarise the session when its context nears the window (on by default)."
+    ),
+    compact_threshold: Optional[float] = typer.Option(
+        None, "--compact-threshold", help="The share of the context window that sets compaction off, in (0, 1) (default 0.8)."
+    ),
+    instructions: Optional[Path] = typer.Option(
+        None, "--instructions", help="A file of project instructions for the system prompt, after the AGENTS.md files."
+    ),
+    no_instructions: bool = typer.Option(False, "--no-instructions", help="Do not read AGENTS.md files."),
 ) -> None:
     """Run the agent on a task in a persistent shell.
 
@@ -132,7 +143,7 @@ def run(
         settings = resolve_run_settings(
             base_url=base_url, model=model, api_key=api_key, sandbox=sandbox, mode=mode, image=image, max_steps=max_steps,
             max_tokens=max_tokens, command_timeout=command_timeout, model_timeout=model_timeout, expose=expose,
-            budget_hints=budget_hints or None,
+            budget_hints=budget_hints or None, compaction=compact, compaction_threshold=compact_threshold,
         )
         from tmax.agents.harnesses import check_harness
 
@@ -141,6 +152,7 @@ def run(
         if resume is not None and workdir is None:
             workdir = saved_workdir(resume, settings.sandbox)
         spec = sandbox_spec(settings, workdir, network)
+        project = project_instructions(instructions, no_instructions, settings.sandbox, spec.workdir, resume is not None)
         if spec.workspace is not None:
             _confirm_workspace(broad_workspace(settings.sandbox, spec.workspace), yes, json_mode)
         if settings.model is None:
@@ -157,7 +169,7 @@ def run(
 
     raise typer.Exit(drive(RunRequest(settings, spec, task, json_mode, saved, resume, output, harness=harness,
                                       undo_steps=undo_steps, token_setup=token_setup,
-                                      verify=verify)))
+                                      verify=verify, instructions=project)))
 
 
 def register(app: typer.Typer) -> None:
