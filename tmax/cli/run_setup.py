@@ -79,7 +79,7 @@ def project_instructions(file: Optional[Path], off: bool, sandbox: str, workdir:
         return None
     files = agents_files(Path(workdir)) if not off and sandbox != "podman" and workdir else []
     try:
-        loaded = load_instructions([*files, *([file.expanduser()] if file is not None else [])])
+        loaded = load_instructions([*files, *([file.expanduser().absolute()] if file is not None else [])])
     except InstructionsError as e:
         raise ConfigError(str(e)) from None
     return loaded if loaded.sources else None
