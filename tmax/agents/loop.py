@@ -34,7 +34,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from tmax.agents.budget import Budget, budget_hint
 from tmax.agents.compaction import CompactionRecord, Compactor, ContextUse, SessionContext
@@ -169,13 +169,13 @@ class Agent:
         """Compact before the next model call (`/compact` while the loop runs)."""
         self._compact_request = focus or ""
 
-    def compact(self, focus: str | None = None, reason: str = "manual") -> CompactionRecord:
+    def compact(self, focus: str | None = None, reason: Literal["auto", "manual"] = "manual") -> CompactionRecord:
         """Compact now: between episodes, or from the loop at a step boundary. A failure
         leaves the conversation as it was; the record says why."""
         self.hooks.on_compaction_start(reason, self._last_context_tokens)
         t0 = time.monotonic()
         out = self.compactor.compact(self.policy, self.messages, self.tools, self.context, self._last_context_tokens,
-                                     step=self.steps, reason="auto" if reason == "auto" else "manual", focus=focus,
+                                     step=self.steps, reason=reason, focus=focus,
                                      ask=self._aside)
         if out.usage is not None:
             self.usage.add(out.usage)
