@@ -48,7 +48,8 @@ def project(tmp_path):
     ws.mkdir()
     (ws / "AGENTS.md").write_text("WS-RULE: run make test before you submit.\n")
     (tmp_path / "cfg" / "tmax").mkdir(parents=True)
-    (tmp_path / "cfg" / "tmax" / "config.toml").write_text('sandbox = "local"\nmode = "yolo"\n')
+    (tmp_path / "cfg" / "tmax" / "config.toml").write_text(
+        'sandbox = "local"\nmode = "yolo"\nprice_input = 3.0\nprice_output = 15.0\n')
     return ws
 
 
@@ -100,6 +101,8 @@ def test_two_compactions_with_follow_ups_then_compact_and_usage_in_a_pty(env, pr
         assert "a" * 4000 not in json.dumps(requests[after]["messages"])
     assert requests[10]["messages"][-1]["content"] == "follow-up GAMMA: add a test"
     assert "Context compacted (on request" in screen and "usage" in screen
+    # The cost at the configured prices ($3 / $15 per million tokens), after every turn and in /usage.
+    assert "· $0.0" in screen and "· cost $0.0" in screen
 
     run = run_dir_of(tmp_path)
     usage = json.loads((run / "usage.json").read_text())
@@ -129,7 +132,9 @@ def tmax_json(args: list[str], env: dict, cwd: Path) -> tuple[int, list[dict]]:
 
 def test_json_compaction_events_and_resume_after_a_compaction(env, project, tmp_path):
     (project / "NOTES.md").write_text("NOTES-RULE: keep the changelog.\n")
-    first = [{"bash": BIG}, crossing(2, 6500), {"content": "SUMMARY-ONE."}, {"bash": SUBMIT}]
+    first = [{"bash": BIG}, dict(crossing(2, 6500), usage={"prompt_tokens": 6480, "completion_tokens": 20,
+                                                           "total_tokens": 6500, "cost": 0.25}),
+             {"content": "SUMMARY-ONE."}, {"bash": SUBMIT}]
     second = [{"bash": "echo step-5"}, crossing(6, 6600), {"content": "SUMMARY-TWO."}, {"bash": SUBMIT}]
     with ScriptedServer(first + second, max_model_len=WINDOW) as srv:
         env["TMAX_BASE_URL"] = srv.base_url
@@ -145,6 +150,9 @@ def test_json_compaction_events_and_resume_after_a_compaction(env, project, tmp_
     assert start["instructions"] == [str(project.parent / "AGENTS.md"), str(project / "AGENTS.md"),
                                      str(project / "NOTES.md")]
     assert "NOTES-RULE" in requests[0]["messages"][0]["content"]
+    # The cost the server reported for a turn, the configured prices for the others.
+    cost = events[-1]["usage"]["cost_usd"]
+    assert 0.25 < cost < 0.5 and json.loads((run / "usage.json").read_text())["cost_usd"] == pytest.approx(cost)
     model = next(e for e in events if e["type"] == "model")
     assert model["context"]["window"] == WINDOW and model["context"]["left"] == WINDOW - model["context"]["used"]
     for evs, summary in ((events, "SUMMARY-ONE."), (resumed, "SUMMARY-TWO.")):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from scripted_policy import ScriptedPolicy
 
 from tmax.agents.compaction import SUMMARY_HEADING, CompactionRecord, SessionContext, rebuild, summary_prompt
@@ -138,3 +139,32 @@ def test_rebuild_carries_follow_ups_typed_before_the_kept_turns():
     assert len(again) == 2 and newer.follow_ups == ["FOLLOW-1", "FOLLOW-2"] and newer.follow_up_at == []
     text = again[1]["content"]
     assert text.index("TASK") < text.index("FOLLOW-1") < text.index("FOLLOW-2") < text.index("SUM2")
+
+
+def test_compact_asked_while_the_loop_runs_happens_before_the_next_model_call(open_box):
+    from tmax.agents.driver import EpisodeDriver
+
+    class AskAtApproval(AgentHooks):
+        driver = None
+        queued = []
+
+        def approve(self, step, command):  # `/compact keep X` typed at the approval prompt
+            if step == 1:
+                self.queued.append(self.driver.compact("keep X"))
+            return None
+
+    policy, hooks = ScriptedPolicy([small(1), {"content": "SUMMARY: asked."}, SUBMIT]), AskAtApproval()
+    with EpisodeDriver(policy, open_box(), make_harness("tmax"), AgentSettings(), hooks=hooks) as driver:
+        hooks.driver = driver
+        assert driver.run("task ALPHA").status == "submitted"
+        assert driver.context_use.compactions == 1 and driver.context_use.threshold is None  # automatic: off
+    assert hooks.queued == [None] and [i for i, _ in policy.aside] == [1]
+    assert policy.requests[1][-1]["content"].endswith("keep this in focus: keep X")
+    assert "SUMMARY: asked." in policy.requests[2][1]["content"] and "echo small-1" in str(policy.requests[2][2:])
+
+
+def test_bench_and_learn_take_the_settings_by_name():
+    s = AgentSettings.from_settings({"compaction": True, "compaction_threshold": 0.7})
+    assert (s.compaction, s.compaction_threshold) == (True, 0.7)
+    with pytest.raises(ValueError, match="compaction_threshold"):
+        AgentSettings.from_settings({"compaction_threshold": 1.5})
