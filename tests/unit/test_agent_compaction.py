@@ -96,16 +96,17 @@ def test_two_compactions_keep_the_task_and_the_follow_ups_verbatim(open_box, tmp
 
 def test_a_failed_summary_keeps_the_session_and_waits_before_trying_again(open_box, tmp_path):
     script = [small(1, total=900), {"content": ""}, small(2, total=920), small(3, total=960),
-              {"error": "auth"}, SUBMIT]
+              {"content": "far too long " * 2000}, small(4, total=1010), {"error": "auth"}, SUBMIT]
     policy, hooks = ScriptedPolicy(script, window=1000), Seen()
     agent = agent_for(policy, open_box(), tmp_path, hooks, compaction=True, compaction_threshold=0.9)
     result = agent.run("task ALPHA")
-    assert result.status == "submitted" and [i for i, _ in policy.aside] == [1, 4]
-    empty, fatal = hooks.done
+    assert result.status == "submitted" and [i for i, _ in policy.aside] == [1, 4, 6]
+    empty, long, fatal = hooks.done
     assert not empty.ok and empty.error == "the model's summary was empty"
+    assert not long.ok and long.error.startswith("the summary is too long: the rebuilt context would still be over 90%")
     assert not fatal.ok and "the summary call failed" in fatal.error
     # Nothing was replaced: every request holds the whole conversation.
-    assert policy.requests[5][:len(policy.requests[3])] == policy.requests[3]
+    assert policy.requests[7][:len(policy.requests[3])] == policy.requests[3]
     assert policy.restarts == [] and not (tmp_path / "run" / "segments").exists()
 
 
