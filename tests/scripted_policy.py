@@ -11,8 +11,12 @@ statuses and a `raw` body are fatal.
 
     policy = ScriptedPolicy([{"bash": "ls"}, {"bash": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}])
     ...
-    policy.requests   # the messages of each call
+    policy.requests   # the messages of each call (compaction's summary calls among them)
     policy.close()    # a turn still waiting out its delay returns at once
+
+It can be compacted (`agents.policy.Compactable`): the summary call takes the next turn of the
+script like any other (`aside` lists which calls they were, with the max_tokens asked), and
+`window` is the context window it reports.
 """
 
 from __future__ import annotations
@@ -33,10 +37,13 @@ RETRYABLE_STATUS = {408, 409, 429}
 
 
 class ScriptedPolicy:
-    def __init__(self, script: list[dict[str, Any]], model: str = "scripted-model") -> None:
+    def __init__(self, script: list[dict[str, Any]], model: str = "scripted-model", window: int | None = None) -> None:
         self.script = list(script)
         self.model = model
+        self.window = window
         self.requests: list[list[dict[str, Any]]] = []
+        self.aside: list[tuple[int, int]] = []  # (request index, max_tokens) of each summary call
+        self.restarts: list[int] = []
         self._lock = threading.Lock()
         self._closed = threading.Event()
 
@@ -58,6 +65,20 @@ class ScriptedPolicy:
                       total_tokens=u["total_tokens"])
         return ModelTurn(message=ChatPolicy._message(choice.message), usage=usage, finish_reason=choice.finish_reason,
                          latency_s=time.monotonic() - t0)
+
+    @property
+    def context_window(self) -> int | None:
+        return self.window
+
+    def complete_aside(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], max_tokens: int) -> ModelTurn:
+        self.aside.append((len(self.requests), max_tokens))
+        return self.complete(messages, tools)
+
+    def restart(self, context_tokens: int) -> None:
+        self.restarts.append(context_tokens)
+
+    def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int | None:
+        return None
 
     def close(self) -> None:
         self._closed.set()

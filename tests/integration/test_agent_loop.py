@@ -111,8 +111,10 @@ def test_episode_good_bad_and_raw_calls_then_follow_up(kind, open_box, tmp_path)
     assert [bool(t.get("format_error")) for t in timing] == [False, True, True, True] + [False] * 6
     assert timing[6]["return_code"] == 1 and timing[6]["cmd"] == "false"
     usage = json.loads((tmp_path / "run" / "usage.json").read_text())
-    assert set(usage) == {"prompt_tokens", "completion_tokens", "total_tokens", "reasoning_tokens", "cost_usd", "max_steps"}
-    assert usage["max_steps"] == 64 and usage["prompt_tokens"] > 0
+    assert set(usage) == {"prompt_tokens", "completion_tokens", "total_tokens", "reasoning_tokens", "cost_usd", "max_steps",
+                          "steps", "context_tokens", "context_window", "compactions"}
+    assert usage["max_steps"] == 64 and usage["prompt_tokens"] > 0 and usage["steps"] == 10
+    assert usage["context_window"] == 65536 and usage["compactions"] == 0
     assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "submitted"
     assert not (tmp_path / "run" / "tokens.json").exists()
 

@@ -69,6 +69,39 @@ def test_oracle_episode_tokens_align_and_score(nano, kind):
     assert r.trace.prompt_ids[:3] == tok.encode("<|im_start|>system\n", add_special_tokens=False)[:3]
 
 
+def test_an_episode_with_compaction_on_is_one_sample_per_segment(nano):
+    """`[rollout] compaction = true`: an episode that crosses the threshold is two token
+    segments, each exactly as sampled (the summary in neither), trained with the reward."""
+    from tmax.agents.harnesses import make_harness
+    from tmax.agents.tools import TOOLS
+    from tmax.training.algo.batching import Group
+    from tmax.training.learner.packing import batch_samples
+    from tmax.training.learner.sft import assistant_ids
+    from tmax.training.rollout import Rollout
+
+    tok, splits, root = nano
+    task = splits["train"][1]
+    big = "python3 -c \"print('a' * 2000)\""
+    before = scripted_turns(tok, [("THOUGHT: look first.", big), ("THOUGHT: and once more.", "echo ok")])
+    summary = assistant_ids(tok, {"role": "assistant", "content": "SUMMARY: printed a lot, nothing changed."})
+    after = _oracle_turns(tok, task)
+    prompt = len(tok.apply_chat_template(make_harness("tmax").initial_messages("x"), tools=TOOLS,
+                                         add_generation_prompt=True, tokenize=True)["input_ids"])
+    obs = len(tok.encode("a" * 2000, add_special_tokens=False))
+    # Half the window: past the first turn, short of the second (the big output in its prompt).
+    cfg = _cfg(compaction=True, compaction_threshold=0.5, context_budget=2 * (prompt + obs), response_budget=10**6,
+               observation_max_chars=4000)
+    r = run_episode(EpisodeRequest(str(task), 0, 0, 7), ScriptedSampler(before + [summary] + after), tok, cfg)
+    assert r.status == "submitted" and r.reward == 1.0 and len(r.segments) == 1
+    assert [t.ids[s:e] for t in r.traces for v, s, e in _spans(t.mask) if v == 1] == before + after
+    assert tok.decode(r.trace.prompt_ids).count("SUMMARY: printed a lot") == 1
+    assert r.num_sampled == sum(map(len, before + after))
+    again = Rollout.from_json(r.to_json())
+    assert again.segments == r.segments and again.trace == r.trace
+    samples = batch_samples([Group("t", [1.0], [r])], [[0.5]])
+    assert [s.trace for s in samples] == r.traces and {s.advantage for s in samples} == {0.5}
+
+
 def test_context_matches_full_rerender(nano):
     """The token-in/token-out stream equals the tokenizer's encoding of the chat template's
     rendering of the whole conversation, so `tmax bench` (which re-renders) sees the same."""

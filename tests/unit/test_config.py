@@ -75,7 +75,10 @@ def test_precedence_flag_env_file(cfg_home, monkeypatch):
 
 def test_defaults_mode_follows_sandbox(cfg_home):
     s = resolve_run_settings(base_url="http://x/v1", sandbox="local")
-    assert (s.mode, s.api_key, s.image, s.agent) == ("confirm", "EMPTY", config.DEFAULT_IMAGE, AgentSettings())
+    # Compaction is on for people (the agent settings' default, which bench and learn keep, is off).
+    assert (s.mode, s.api_key, s.image, s.agent) == ("confirm", "EMPTY", config.DEFAULT_IMAGE,
+                                                     AgentSettings(compaction=True))
+    assert s.sources["compaction"] == "default (tmax run)" and s.prices is None
     assert resolve_run_settings(base_url="http://x/v1", sandbox="podman").mode == "yolo"
     assert resolve_run_settings(base_url="http://x/v1", sandbox="bwrap").mode == "yolo"
     assert resolve_run_settings(base_url="http://x/v1", sandbox="local", mode="yolo").mode == "yolo"
@@ -86,6 +89,17 @@ def test_file_settings_for_sandbox_and_steps(cfg_home):
     s = resolve_run_settings()
     assert (s.sandbox, s.mode, s.agent.max_steps, s.image) == ("podman", "confirm", 7, "img:1")
     assert resolve_run_settings(sandbox="local", max_steps=3).agent.max_steps == 3
+
+
+def test_compaction_and_prices_from_the_file_and_flags(cfg_home):
+    write_cfg(cfg_home, 'base_url = "http://x/v1"\ncompaction = false\ncompaction_threshold = 0.6\nprice_input = 3.0\n')
+    s = resolve_run_settings(sandbox="local")
+    assert (s.agent.compaction, s.agent.compaction_threshold, s.prices) == (False, 0.6, (3.0, 0.0))
+    s = resolve_run_settings(sandbox="local", compaction=True, compaction_threshold=0.7)
+    assert (s.agent.compaction, s.agent.compaction_threshold) == (True, 0.7)
+    assert s.sources["compaction_threshold"] == "--compact-threshold"
+    with pytest.raises(ConfigError, match="compaction_threshold: Input should be less than 1, got 1.0"):
+        resolve_run_settings(sandbox="local", compaction_threshold=1.0)
 
 
 @pytest.mark.parametrize(
@@ -230,7 +244,7 @@ def test_run_config_file_takes_every_agent_setting(cfg_home):
                         'backoff_s = [1, 2]\nbudget_hints = true\nobservation_max_chars = 500\n')
     s = resolve_run_settings(sandbox="local")
     assert s.agent == AgentSettings(temperature=0.2, top_p=0.5, context_budget=4000, backoff_s=(1.0, 2.0),
-                                    budget_hints=True, observation_max_chars=500)
+                                    budget_hints=True, observation_max_chars=500, compaction=True)
     assert s.sources["temperature"] == str(cfg_home / "tmax" / "config.toml") and s.sources["retries"] == "default"
     assert resolve_run_settings(sandbox="local", budget_hints=True).sources["budget_hints"] == "--budget-hints"
 

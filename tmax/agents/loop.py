@@ -23,6 +23,10 @@ to continue with guidance or stop.
 
 `stop` (an Event that `agents.driver` sets at a deadline or on cancel) ends the episode as
 `stopped` before the next model call, or as one returns (its command is then not run).
+
+Compaction (`agents.compaction`, off unless `compaction` is set; `tmax run` sets it) happens
+at one point: before a model call, when the last turn's context reached the threshold or the
+user asked (`request_compaction`); `compact()` also runs it between episodes.
 """
 
 from __future__ import annotations
@@ -30,12 +34,14 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from tmax.agents.budget import Budget, budget_hint
+from tmax.agents.compaction import CompactionRecord, Compactor, ContextUse, SessionContext
 from tmax.agents.harness import Harness, TmaxHarness
+from tmax.agents.instructions import with_instructions
 from tmax.agents.parsing import Action
-from tmax.agents.policy import ContextOverflow, FatalModelError, ModelError, ModelTurn, Policy, Usage
+from tmax.agents.policy import Compactable, ContextOverflow, FatalModelError, ModelError, ModelTurn, Policy, Usage
 from tmax.agents.prompts import REJECTED_TOOL_TEXT, render
 from tmax.agents.records import Recorder, SavedRun
 from tmax.agents.settings import AgentSettings
@@ -68,6 +74,11 @@ class AgentHooks:
         """Ctrl-C: guidance text to continue, None to stop."""
         return None
 
+    def on_compaction_start(self, reason: str, context_tokens: int) -> None: ...
+
+    def on_compaction(self, record: CompactionRecord) -> None:
+        """After a compaction, done (`record.ok`) or failed (the session is unchanged)."""
+
 
 @dataclass
 class AgentResult:
@@ -98,6 +109,7 @@ class Agent:
         harness: Harness | None = None,
         stop: threading.Event | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        instructions: str | None = None,
     ) -> None:
         self.policy = policy
         self.sandbox = sandbox
@@ -114,6 +126,10 @@ class Agent:
         self.usage = Usage()
         self.steps = 0  # model calls over the whole session (follow-ups included)
         self._last_context_tokens = 0
+        self.instructions = instructions  # project instructions for the system prompt (`tmax run`)
+        self.compactor = Compactor(self.config)
+        self.context = SessionContext()  # the task, the follow-ups and the compactions
+        self._compact_request: str | None = None  # a focus ("" for none): compact at the next step
 
     # ---- public API -------------------------------------------------------------------
 
@@ -121,8 +137,9 @@ class Agent:
         """A fresh episode: [system, user(instance template with the task)]."""
         if not task.strip():
             raise ValueError("the task text is empty")
-        self.messages = self.harness.initial_messages(task)
+        self.messages = with_instructions(self.harness.initial_messages(task), self.instructions)
         self.timing, self.usage, self.steps, self._last_context_tokens = [], Usage(), 0, 0
+        self.context = SessionContext.of(self.messages)
         return self._episode()
 
     def follow_up(self, text: str) -> AgentResult:
@@ -130,6 +147,7 @@ class Agent:
         if not self.messages:
             raise RuntimeError("follow_up() needs a conversation: call run() or load() first")
         self.messages.append({"role": "user", "content": text})
+        self.context.follow_up_at.append(len(self.messages) - 1)
         return self._episode()
 
     def load(self, saved: SavedRun) -> None:
@@ -137,7 +155,58 @@ class Agent:
         self.messages = [dict(m) for m in saved.messages]
         self.timing = list(saved.timing)
         self.usage = Usage(**vars(saved.usage))
-        self.steps = sum(1 for m in self.messages if m.get("role") == "assistant")
+        self.steps = saved.steps if saved.steps is not None else sum(1 for m in self.messages if m.get("role") == "assistant")
+        self.context = saved.context or SessionContext.of(self.messages)
+
+    # ---- compaction (agents.compaction) -----------------------------------------------
+
+    @property
+    def context_use(self) -> ContextUse:
+        """How full the context window is (as of the last turn)."""
+        return self.compactor.use(self.policy, self._last_context_tokens, self.context.segments)
+
+    def request_compaction(self, focus: str | None = None) -> None:
+        """Compact before the next model call (`/compact` while the loop runs)."""
+        self._compact_request = focus or ""
+
+    def compact(self, focus: str | None = None, reason: Literal["auto", "manual"] = "manual") -> CompactionRecord:
+        """Compact now: between episodes, or from the loop at a step boundary. A failure
+        leaves the conversation as it was; the record says why."""
+        self.hooks.on_compaction_start(reason, self._last_context_tokens)
+        t0 = time.monotonic()
+        out = self.compactor.compact(self.policy, self.messages, self.tools, self.context, self._last_context_tokens,
+                                     step=self.steps, reason=reason, focus=focus,
+                                     ask=self._aside)
+        if out.usage is not None:
+            self.usage.add(out.usage)
+        self.timing.append({"compaction": out.record.segment, "llm_s": round(time.monotonic() - t0, 3),
+                            "ok": out.record.ok})
+        if out.messages is not None and out.context is not None:
+            if self.recorder is not None:
+                self.recorder.close_segment(out.record.segment, self.messages, getattr(self.policy, "trace", None))
+            assert isinstance(self.policy, Compactable)  # only such a policy's summary succeeds
+            self.policy.restart(out.record.tokens_after or 0)
+            self.messages, self.context = out.messages, out.context
+            self._last_context_tokens = out.record.tokens_after or 0
+        else:
+            self.context.compactions.append(out.record)
+        self._save()
+        self.hooks.on_compaction(out.record)
+        return out.record
+
+    def _compact_if_due(self) -> None:
+        if self._compact_request is not None:
+            focus, self._compact_request = self._compact_request, None
+            self.compact(focus, "manual")
+        elif self.compactor.due(self.policy, self._last_context_tokens):
+            self.compact(None, "auto")
+
+    def _aside(self, messages: list[dict[str, Any]], max_tokens: int) -> ModelTurn:
+        cfg, policy = self.config, self.policy
+        assert isinstance(policy, Compactable)  # the compactor asks only such a policy
+        return retry_call(lambda: policy.complete_aside(messages, self.tools, max_tokens),
+                          attempts=cfg.retries, backoff_s=cfg.backoff_s, retry_on=ModelError,
+                          on_retry=self.hooks.on_retry, sleep=self._sleep)
 
     # ---- the loop ---------------------------------------------------------------------
 
@@ -161,6 +230,7 @@ class Agent:
                 return _Outcome("stopped")
             if episode_steps >= cfg.max_steps:
                 return _Outcome("max_steps")
+            self._compact_if_due()
             guard = not getattr(self.policy, "enforces_context_budget", False)
             if guard and self._last_context_tokens >= cfg.context_budget:
                 return _Outcome("context_overflow", f"context budget of {cfg.context_budget} tokens used")
@@ -183,7 +253,7 @@ class Agent:
             self.steps = step
             episode_steps += 1
             self.usage.add(turn.usage)
-            self._last_context_tokens = turn.usage.total_tokens or (turn.usage.prompt_tokens + turn.usage.completion_tokens)
+            self._last_context_tokens = turn.usage.context_tokens
             if self.stop.is_set():  # the answer came after the stop: nothing of it runs
                 return _Outcome("stopped")
 
@@ -324,4 +394,6 @@ class Agent:
 
     def _save(self) -> None:
         if self.recorder is not None:
-            self.recorder.save(self.messages, self.timing, self.usage, self.config.max_steps, trace=getattr(self.policy, "trace", None))
+            self.recorder.save(self.messages, self.timing, self.usage, self.config.max_steps,
+                               trace=getattr(self.policy, "trace", None), steps=self.steps, context=self.context_use,
+                               session=self.context if self.context.kept else None)

@@ -10,6 +10,9 @@
     retries, backoff_s     attempts at a model call and the waits between them (5; 2, 4, 8, 16 s)
     budget_hints           steps, time and context left after each observation (off)
     time_budget_s          the time budget hints show (none: no limit; bench: the agent timeout)
+    compaction             summarise the session when its context nears the window (off;
+                           `tmax run` turns it on: `agents.compaction`)
+    compaction_threshold   the share of the context window that sets compaction off (0.8)
 
 Where they are set, under these names:
 
@@ -49,6 +52,7 @@ RENAMED = {"max_tool_calls": "max_steps", "per_turn_max_tokens": "max_tokens"}
 
 # The types of the settings, constraints included, for models that declare other defaults.
 Count = Annotated[int, Field(ge=1)]
+Fraction = Annotated[float, Field(gt=0, lt=1)]
 Seconds = Annotated[float, Field(gt=0)]
 Temperature = Annotated[float, Field(ge=0)]
 TopP = Annotated[float, Field(gt=0, le=1)]
@@ -100,6 +104,10 @@ class AgentSettings(_NewNames):
     # Opt-in (agents.budget): observations end with the steps, time and context left.
     budget_hints: bool = False
     time_budget_s: Seconds | None = None  # only shown by budget hints; None: no limit
+    # Opt-in (agents.compaction), so bench and learn keep the Vanillux2 protocol: once a
+    # turn's context reaches this share of the window, the model summarises the session.
+    compaction: bool = False
+    compaction_threshold: Fraction = 0.8
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> AgentSettings:

@@ -12,11 +12,15 @@ when XDG_CONFIG_HOME is unset), with flat keys:
     image = "localhost/tmax-base:bookworm"
     model_timeout = 600        # seconds per model request
     expose = ["~/.ssh"]        # credential paths the bwrap jail may show (masked otherwise)
+    price_input = 3.0          # US dollars per million prompt tokens, for the cost shown
+    price_output = 15.0        # ... and per million completion tokens (where the server reports none)
     # and any agent setting (`agents.settings`, the names bench and learn use), e.g.
     max_steps = 64
     max_tokens = 16384         # per model turn; fitted to what the server's window leaves
     command_timeout = 120      # seconds per command
     temperature = 0.7
+    compaction = true          # on in `tmax run` (the agent settings' default is off)
+    compaction_threshold = 0.8 # the share of the context window that sets compaction off
 
 The file is validated by a pydantic model: an unknown key or a wrong type is an error
 naming the key and the file. The precedence is pydantic-settings' (`RunSources`): the
@@ -66,6 +70,8 @@ class RunKeys(AgentSettingsPatch):  # type: ignore[misc,valid-type]
     mode: Literal[MODES] | None = None  # type: ignore[valid-type]
     image: str | None = None
     model_timeout: float | None = Field(None, gt=0)
+    price_input: float | None = Field(None, ge=0)  # US dollars per million prompt tokens
+    price_output: float | None = Field(None, ge=0)  # ... per million completion tokens
 
 
 class RunFile(RunKeys):
@@ -130,7 +136,8 @@ ENV_NAMES = {"base_url": BASE_URL_ENV, "api_key": API_KEY_ENV, "model": MODEL_EN
              "command_timeout": COMMAND_TIMEOUT_ENV, "model_timeout": MODEL_TIMEOUT_ENV}
 FLAGS = {"base_url": "--base-url", "model": "--model", "api_key": "--api-key", "sandbox": "--sandbox", "mode": "--mode",
          "image": "--image", "max_steps": "--max-steps", "max_tokens": "--max-tokens",
-         "command_timeout": "--command-timeout", "model_timeout": "--model-timeout", "budget_hints": "--budget-hints"}
+         "command_timeout": "--command-timeout", "model_timeout": "--model-timeout", "budget_hints": "--budget-hints",
+         "compaction": "--no-compact", "compaction_threshold": "--compact-threshold"}
 
 
 class NamedEnvSource(PydanticBaseSettingsSource):
@@ -186,6 +193,8 @@ class RunSettings:
     agent: AgentSettings = field(default_factory=AgentSettings)
     model_timeout: float = DEFAULT_MODEL_TIMEOUT_S
     expose: list[str] = field(default_factory=list)  # host paths the bwrap jail does not mask
+    # US dollars per million prompt and completion tokens (None: only what the server reports).
+    prices: tuple[float, float] | None = None
     # Setting name -> where its value came from ("--base-url", "$OPENAI_BASE_URL", file path, "default").
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -239,11 +248,15 @@ def resolve_run_settings(*, path: Path | None = None, expose: list[str] | None =
         # People watch what runs on their own machine; isolated sandboxes run freely.
         s["mode"], sources["mode"] = ("confirm" if s["sandbox"] == "local" else "yolo"), "default"
     given = {k: v for k in AgentSettings.model_fields if (v := s.pop(k)) is not None}
+    if "compaction" not in given:  # off for bench and learn (the protocol), on for people
+        given["compaction"], sources["compaction"] = True, "default (tmax run)"
+    price_in, price_out = s.pop("price_input"), s.pop("price_output")
+    prices = None if price_in is None and price_out is None else (price_in or 0.0, price_out or 0.0)
     for key in ("model", *AgentSettings.model_fields):
         sources.setdefault(key, "default")
     s["base_url"] = s["base_url"].rstrip("/")
     shown = list(_file_source(path).get("expose", [])) + list(expose or [])
-    return RunSettings(**s, agent=AgentSettings.model_validate(given), expose=shown, sources=sources)
+    return RunSettings(**s, agent=AgentSettings.model_validate(given), expose=shown, prices=prices, sources=sources)
 
 
 _bwrap_ok: bool | None = None

@@ -30,6 +30,7 @@ class RunRequest:
     undo_steps: int = 0
     token_setup: Any = None  # tmax.cli.run_training.TokenSetup with --tokens
     verify: str | None = None
+    instructions: Any = None  # agents.instructions.Instructions for the system prompt, or None
 
 
 @dataclass
@@ -74,6 +75,13 @@ class _Talk:
 
         return self.driver.usage if self.driver is not None else Usage()
 
+    def context(self) -> Any:
+        """How full the context window is (`agents.compaction.ContextUse`), once the driver is up."""
+        return self.driver.context_use if self.driver is not None else None
+
+    def compact(self, focus: str | None) -> Any:
+        return self.driver.compact(focus) if self.driver is not None else None
+
     @property
     def steps(self) -> int:
         return self.driver.steps if self.driver is not None else 0
@@ -81,12 +89,13 @@ class _Talk:
 
 def _hooks(run: RunRequest, talk: _Talk, run_dir: Path, config: Any, undo: Any) -> Any:
     if run.json_mode:
-        return JsonHooks(talk.usage, run_dir, config.observation_max_chars)
+        return JsonHooks(talk.usage, run_dir, config.observation_max_chars, context=talk.context)
     from tmax.agents.rating import rate
 
     return InteractiveHooks(talk.display, talk.prompter, run.settings.mode, run.settings.agent.max_steps, talk.usage,
                             run_dir=run_dir, output_limit=config.observation_max_chars, stopping=talk.stopping,
-                            undo=undo, rate=lambda word: rate(run_dir, word))
+                            undo=undo, rate=lambda word: rate(run_dir, word), context=talk.context,
+                            compact=talk.compact)
 
 
 def _ask_task(run: RunRequest, prompter: Any) -> str:
@@ -105,7 +114,7 @@ def _policy(run: RunRequest, config: Any) -> Any:
 
     s = run.settings
     return ChatPolicy(model=s.model, base_url=s.base_url, api_key=s.api_key, temperature=config.temperature,
-                      top_p=config.top_p, max_tokens=config.max_tokens, timeout=s.model_timeout)
+                      top_p=config.top_p, max_tokens=config.max_tokens, timeout=s.model_timeout, prices=s.prices)
 
 
 def drive(run: RunRequest) -> int:
@@ -132,8 +141,13 @@ def drive(run: RunRequest) -> int:
         "task": task, "model": s.model, "harness": run.harness, "base_url": s.base_url, "sandbox": s.sandbox,
         "mode": s.mode, "workdir": run.spec.workdir, "resumed_from": str(run.resume.resolve()) if run.resume else None,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "status": "running",
+        "instructions": [vars(src) for src in run.instructions.sources] if run.instructions else [],
     })
     record.write()
+    if run.instructions is not None:  # what was added to the system prompt (trajectory.json holds it too)
+        from tmax.common.files import write_text_atomic
+
+        write_text_atomic(run_dir / "instructions.md", run.instructions.text)
     status, error = _session(run, task, run_dir, record, talk)
     record.finish(status, error, talk.steps)
     code = EXIT_CODES.get(status, 1)
@@ -149,11 +163,17 @@ def drive(run: RunRequest) -> int:
 
 def _announce(run: RunRequest, display: Any, run_dir: Path) -> None:
     s = run.settings
+    threshold = s.agent.compaction_threshold if s.agent.compaction else None
     if run.json_mode:
         emit("start", run_id=run_dir.name, model=s.model, base_url=s.base_url, sandbox=s.sandbox,
-             workdir=run.spec.workdir, mode=s.mode, trajectory_dir=str(run_dir))
+             workdir=run.spec.workdir, mode=s.mode, trajectory_dir=str(run_dir), compaction_threshold=threshold,
+             instructions=[src.path for src in run.instructions.sources] if run.instructions else [])
         return
     display.info(f"tmax · model {s.model} at {s.base_url} · sandbox {s.sandbox} · mode {s.mode} · trajectory {run_dir}")
+    if run.instructions is not None:
+        display.info(run.instructions.describe())
+    when = f"compaction at {threshold:.0%} of the context window" if threshold else "compaction off (--no-compact)"
+    display.note(f"{when}; /compact [focus] compacts now, /usage shows the tokens used")
     if s.mode == "confirm":
         display.info("Enter runs a command, text rejects it with feedback, /y: yolo, /c: confirm, Ctrl-C: interrupt.")
 
@@ -225,7 +245,9 @@ def _converse(run: RunRequest, task: str, run_dir: Path, session: Any, config: A
     try:
         hooks = _hooks(run, talk, run_dir, config, undo)
         box.watch_output(hooks.on_command_output)  # what the model gets is the same; this is for the screen
-        with EpisodeDriver(policy, box, session.harness, config, recorder=Recorder(run_dir), hooks=hooks) as driver:
+        text = run.instructions.text if run.instructions is not None else None
+        with EpisodeDriver(policy, box, session.harness, config, recorder=Recorder(run_dir), hooks=hooks,
+                           instructions=text) as driver:
             talk.driver = driver
             result = _first(run, task, driver, display)
             while not run.json_mode and result.status in ("submitted", "max_steps", "format_errors"):

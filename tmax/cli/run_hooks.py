@@ -24,13 +24,22 @@ PROGRESS_EVERY_S = 1.0  # --json: the fastest progress events come while a comma
 PROGRESS_IDLE_S = 5.0  # --json: a progress event (elapsed time only) while it prints nothing
 
 
-def usage_dict(u: Any) -> dict[str, int]:
+def usage_dict(u: Any) -> dict[str, Any]:
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.total_tokens,
         "reasoning_tokens": u.reasoning_tokens,
+        "cost_usd": round(u.cost_usd, 6),
     }
+
+
+def context_dict(c: Any) -> dict[str, Any] | None:
+    """`agents.compaction.ContextUse` as a `--json` field."""
+    if c is None:
+        return None
+    return {"used": c.used, "window": c.window, "left": c.left, "compaction_threshold": c.threshold,
+            "compactions": c.compactions}
 
 
 _EMIT_LOCK = threading.Lock()
@@ -46,8 +55,10 @@ def emit(type_: str, **fields: Any) -> None:
 class JsonHooks(AgentHooks):
     """Headless: one JSON object per line on stdout, no questions, Ctrl-C stops."""
 
-    def __init__(self, session_usage: Callable[[], Any], run_dir: Path, output_limit: int) -> None:
+    def __init__(self, session_usage: Callable[[], Any], run_dir: Path, output_limit: int,
+                 context: Callable[[], Any] = lambda: None) -> None:
         self.session_usage = session_usage  # the agent's running totals (resets per run())
+        self.context = context  # how full the context window is (agents.compaction.ContextUse)
         self.run_dir = run_dir  # where long outputs are kept
         self.output_limit = output_limit
         self.step = 0
@@ -82,7 +93,11 @@ class JsonHooks(AgentHooks):
             latency_s=round(turn.latency_s, 3),
             usage=usage_dict(turn.usage),
             cumulative=usage_dict(self.session_usage()),
+            context=context_dict(self.context()),
         )
+
+    def on_compaction(self, record: Any) -> None:
+        emit("compaction", **record.model_dump(mode="json"))
 
     def approve(self, step: int, command: str) -> str | None:
         emit("command", step=step, command=command)
@@ -118,7 +133,8 @@ class InteractiveHooks(AgentHooks):
 
     def __init__(self, display: Any, prompter: Any, mode: str, max_steps: int | None,
                  session_usage: Callable[[], Any], *, run_dir: Path, output_limit: int, stopping: threading.Event,
-                 undo: Any = None, rate: Callable[[str], str] | None = None) -> None:
+                 undo: Any = None, rate: Callable[[str], str] | None = None,
+                 context: Callable[[], Any] = lambda: None, compact: Callable[[str | None], Any] | None = None) -> None:
         self.display = display
         self.prompter = prompter
         self.mode = mode
@@ -131,6 +147,8 @@ class InteractiveHooks(AgentHooks):
         self.run_dir = run_dir  # where long outputs are kept
         self.output_limit = output_limit
         self.live: Any = None  # tmax.cli.ui.LiveOutput of the running command
+        self.context = context  # how full the context window is (agents.compaction.ContextUse)
+        self.compact = compact  # /compact [focus]: now between tasks, else before the next model call
 
     # `/y` and `/c` work at every prompt; returns True when the input was a mode command.
     def _mode_command(self, text: str) -> bool:
@@ -148,6 +166,12 @@ class InteractiveHooks(AgentHooks):
             return True
         if cmd.split()[:1] == ["/undo"]:
             self._undo(cmd)
+            return True
+        if cmd.split()[:1] == ["/compact"]:
+            self._compact(text.strip()[len("/compact"):].strip() or None)
+            return True
+        if cmd == "/usage":
+            self.display.usage_report(self.session_usage(), self.context())
             return True
         if cmd in ("/good", "/bad") and self.rate is not None:
             self.display.info(self.rate(cmd))
@@ -170,6 +194,23 @@ class InteractiveHooks(AgentHooks):
         self.undo_note = f"{self.undo_note}\n{note}" if self.undo_note else note
         self.display.info(note)
 
+    def _compact(self, focus: str | None) -> None:
+        if self.compact is None:
+            self.display.warn("This session cannot compact.")
+        elif self.compact(focus) is None:
+            self.display.info("Compaction requested: it runs before the next model call.")
+
+    def on_compaction_start(self, reason: str, context_tokens: int) -> None:
+        from tmax.cli.ui import fmt_tokens
+
+        self.display.stop_spinner()
+        self.display.start_spinner(f"Compacting the context ({fmt_tokens(context_tokens)} tokens): the model writes "
+                                   "a summary… (Ctrl-C cancels it)")
+
+    def on_compaction(self, record: Any) -> None:
+        self.display.stop_spinner()
+        self.display.compaction(record)
+
     def _help(self) -> str:
         from tmax.cli.ui import HELP
 
@@ -185,7 +226,7 @@ class InteractiveHooks(AgentHooks):
         self.display.thought(turn.message.get("content"))
         if command is not None:
             self.display.command(command)
-        self.display.usage(turn.usage, self.session_usage(), turn.latency_s)
+        self.display.usage(turn.usage, self.session_usage(), turn.latency_s, self.context())
 
     def approve(self, step: int, command: str) -> str | None:
         while self.mode == "confirm":

@@ -81,7 +81,9 @@ class EpisodeRequest:
 @dataclass
 class Rollout:
     """Everything the trainer and a later analysis need about one episode. `trace` is the
-    token policy's `TokenTrace`, kept as it is: the trainer packs it (training.learner.packing)."""
+    token policy's `TokenTrace`, kept as it is: the trainer packs it (training.learner.packing).
+    An episode that compacted (`rollout.compaction`) has the segments before it in `segments`:
+    each is a sample of its own, with the episode's reward (`traces`)."""
 
     task_id: str
     group_id: int
@@ -101,10 +103,16 @@ class Rollout:
     sandbox: str = ""  # the sandbox kind the episode ran in
     container_id: str | None = None  # podman: the container the episode (and verifier) ran in
     warm_start: bool = False  # the container came started from the worker's warm pool
+    segments: list[TokenTrace] = field(default_factory=list)  # closed by compactions, in order
+
+    @property
+    def traces(self) -> list[TokenTrace]:
+        """Every token segment of the episode, the last (`trace`) included."""
+        return [*self.segments, self.trace]
 
     @property
     def num_sampled(self) -> int:
-        return self.trace.num_sampled
+        return sum(t.num_sampled for t in self.traces)
 
     @property
     def ids(self) -> list[int]:
@@ -118,14 +126,15 @@ class Rollout:
 
     def to_json(self) -> str:
         """One flat JSON object: the episode's fields and the trace's lists side by side."""
-        record = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "trace"}
-        return json.dumps({**record, **asdict(self.trace)})
+        record = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("trace", "segments")}
+        return json.dumps({**record, **asdict(self.trace), "segments": [asdict(t) for t in self.segments]})
 
     @classmethod
     def from_json(cls, line: str) -> "Rollout":
         record = json.loads(line)
         trace = TokenTrace(**{f.name: record.pop(f.name) for f in fields(TokenTrace) if f.name in record})
-        return cls(trace=trace, **record)
+        segments = [TokenTrace(**t) for t in record.pop("segments", [])]
+        return cls(trace=trace, segments=segments, **record)
 
 
 def env_settings(kind: str, image_map: list[str], labels: dict[str, str] | None = None) -> EnvSettings:
@@ -270,7 +279,7 @@ def run_episode(
         if result.status in INFRA_STATUSES:
             kind, what = INFRA_STATUSES[result.status]
             raise InfraError(kind, f"{what}: {result.error}")
-        trace = policy.trace
+        trace, segments = policy.trace, list(policy.segments)
         reward, vinfo, t_verify = 0.0, None, 0.0
         submitted = result.status == "submitted"
         if submitted:
@@ -288,7 +297,7 @@ def run_episode(
         reward=float(min(1.0, max(0.0, reward))),
         status=result.status,
         steps=result.steps,
-        policy_version=min(trace.turn_versions, default=start_version),
+        policy_version=min((v for t in (*segments, trace) for v in t.turn_versions), default=start_version),
         truncated=result.status == "context_overflow",
         submitted=submitted,
         verifier=vinfo,
@@ -306,6 +315,7 @@ def run_episode(
         sandbox=ep.settings.kind,
         container_id=sandbox_id,
         warm_start=warm,
+        segments=segments,
     )
 
 
