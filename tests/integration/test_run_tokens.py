@@ -223,6 +223,16 @@ def test_a_compacted_session_trains_as_segments_with_the_sampled_tokens(nano_dir
     assert metrics["debug/vllm_vs_local_logprob_diff_max"] < 1e-3, metrics  # every token where it was sampled
     assert metrics["debug/dppo_mask_frac_kept"] == 1.0 and metrics["optim/grad_norm"] > 0
 
+    # The command a user runs on the recorded session: SFT on every segment, as sampled.
+    config = tmp_path / "sft.toml"
+    config.write_text('extends = "nano"\n[sft]\nepochs = 1.0\nbatch_size = 1\nwarmup_ratio = 0.0\n')
+    learn = _tmax("learn", "--config", str(config), "--out", str(tmp_path / "learn"), "sft",
+                  "--from-runs", str(tmp_path / "runs"), timeout=600)
+    assert learn.returncode == 0, learn.stderr[-3000:]
+    result = json.loads(learn.stdout)
+    assert result["demos"] == 1 and result["tokens"] == sum(t.num_sampled for t in rated.rollout.traces)
+    assert result["steps"] == len(samples)
+
 
 def test_show_export_messages_is_hf_chat_jsonl(nano_dir, tmp_path):
     from transformers import AutoTokenizer
