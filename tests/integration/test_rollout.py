@@ -76,7 +76,7 @@ def test_an_episode_with_compaction_on_is_one_sample_per_segment(nano):
     from tmax.agents.tools import TOOLS
     from tmax.training.algo.batching import Group
     from tmax.training.learner.packing import batch_samples
-    from tmax.training.learner.sft import assistant_ids
+    from tmax.training.demos import assistant_ids
     from tmax.training.rollout import Rollout
 
     tok, splits, root = nano

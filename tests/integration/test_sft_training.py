@@ -11,7 +11,8 @@ import pytest
 from tiny_learner import small_nano
 from tmax.agents.harnesses import HARNESSES
 from tmax.training.config import preset
-from tmax.training.learner.sft import collect_demos, train_sft
+from tmax.training.demos import collect_demos
+from tmax.training.learner.sft import train_sft
 
 
 @pytest.fixture(scope="module")
