@@ -105,6 +105,7 @@ def test_every_name_imported_from_tmax_exists():
     (`from tmax.x import moved_away`) fails late, in one rare path. Every `from tmax... import
     name` in the package, the tests and the benchmarks names something that is there."""
     import importlib
+    import importlib.util
 
     missing = []
     for folder in ("tmax", "tests", "benchmarks"):
