@@ -368,7 +368,8 @@ def main() -> None:
     learner = start_learner(model_dir, cpu, bf16, pack_length=sz["P"] + sz["R"])
     RESULT["stage"] = "engine start"
     if have_vllm:
-        side = VLLMSide(model_dir, learner, args.transport, "bfloat16" if bf16 else "float32", sz["P"] + sz["R"] + 16)
+        side = VLLMSide(model_dir, learner, args.transport, "bfloat16" if bf16 else "float32",
+                     max(256, sz["P"] + sz["R"] + 16))  # 256: the least a tmax engine accepts
     else:
         side = HFSide(model_dir, learner, cpu)
     RESULT["stage"] = "initial sync"

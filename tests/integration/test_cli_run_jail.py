@@ -1,5 +1,5 @@
-"""What the bwrap jail of `tmax run` shows and refuses, end to end: the README's own config
-file, tmax's own files, hard links to masked files, the jail's /proc, and workspaces that
+"""What the bwrap jail of `tmax run` shows and refuses, end to end: the config file the docs
+show (docs/run.md), tmax's own files, hard links to masked files, the jail's /proc, and workspaces that
 would make the whole home writable.
 
 The home directory lives under /var/tmp: the jail has a private /tmp, so masks of paths
@@ -24,7 +24,7 @@ from tmax.cli.config import bwrap_works
 pytestmark = [pytest.mark.bwrap, pytest.mark.skipif(not bwrap_works(), reason="bubblewrap cannot run here")]
 
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
-README = Path(__file__).resolve().parents[2] / "README.md"
+RUN_DOCS = Path(__file__).resolve().parents[2] / "docs" / "run.md"
 
 
 @pytest.fixture
@@ -42,10 +42,10 @@ def _env(home: Path) -> dict[str, str]:
     return e
 
 
-def readme_config(base_url: str, model: str) -> str:
-    """The README's config example, pointed at the test's server."""
-    block = re.search(r"```toml\n(\s*# ~/.config/tmax/config.toml\n.*?)```", README.read_text(), re.S)
-    assert block, "the README shows no config.toml example"
+def documented_config(base_url: str, model: str) -> str:
+    """docs/run.md's config example, pointed at the test's server."""
+    block = re.search(r"```toml\n(\s*# ~/.config/tmax/config.toml\n.*?)```", RUN_DOCS.read_text(), re.S)
+    assert block, "docs/run.md shows no config.toml example"
     text = "\n".join(line.strip() for line in block.group(1).splitlines())
     text = re.sub(r'base_url = ".*"', f'base_url = "{base_url}"', text)
     return re.sub(r'model = ".*"', f'model = "{model}"', text)
@@ -60,12 +60,12 @@ def run_json(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 9
 def write_config(home: Path, srv: ScriptedServer) -> Path:
     cfg = home / "home" / ".config" / "tmax" / "config.toml"
     cfg.parent.mkdir(parents=True)
-    cfg.write_text(readme_config(srv.base_url, srv.model))
+    cfg.write_text(documented_config(srv.base_url, srv.model))
     return cfg
 
 
-def test_readme_config_file_runs_in_the_jail_and_tmax_files_stay_hidden(home):
-    """The README's config (api_key in ~/.config/tmax/config.toml) used to stop every bwrap
+def test_documented_config_file_runs_in_the_jail_and_tmax_files_stay_hidden(home):
+    """The documented config (api_key in ~/.config/tmax/config.toml) used to stop every bwrap
     run with exit 7 (a file mask inside the masked directory); past runs and the prompt
     history were readable, and /proc/1/cmdline showed the host's temp paths."""
     h = home / "home"

@@ -24,16 +24,11 @@ from typing import Any, Optional
 
 import typer
 
+from tmax.cli.errors import fail
+
 bench_app = typer.Typer(help="Benchmark agents on Harbor-format tasks (Terminal-Bench 2.0).", no_args_is_help=True)
 
 EXIT_INTERRUPTED = 130
-
-
-def _fail(msg: str, code: int = 2) -> None:
-    from rich.console import Console
-
-    Console(stderr=True).print(f"[red]error:[/] {msg}")
-    raise typer.Exit(code)
 
 
 def _parse_kwargs(items: list[str]) -> dict[str, Any]:
@@ -41,7 +36,7 @@ def _parse_kwargs(items: list[str]) -> dict[str, Any]:
     for item in items:
         k, sep, v = item.partition("=")
         if not sep or not k:
-            _fail(f"--ak {item!r}: expected key=value")
+            fail(f"--ak {item!r}: expected key=value")
         try:
             out[k] = json.loads(v)
         except json.JSONDecodeError:
@@ -117,7 +112,7 @@ def _make_job(v: dict[str, Any], agent_settings: dict[str, Any]):
     from tmax.tasks.job import Job, JobConfig, JobError
 
     if v["dataset"] is None:
-        _fail("no tasks given: pass PATH|DATASET, or `dataset = \"...\"` in the --config file")
+        fail("no tasks given: pass PATH|DATASET, or `dataset = \"...\"` in the --config file")
     name = v["job_name"] or datetime.now().strftime("%Y-%m-%d__%H-%M-%S")
     try:
         cfg = JobConfig(job_name=name, jobs_dir=str(v["jobs_dir"]), dataset=v["dataset"], include=v["include"],
@@ -128,9 +123,9 @@ def _make_job(v: dict[str, Any], agent_settings: dict[str, Any]):
                         use_prebuilt=v["prebuilt"], environment=v["env"], warm_ahead=v["warm_ahead"])
         return Job(cfg, api_key=os.environ.get(v["api_key_env"]))
     except ValidationError as e:
-        _fail(validation_message(e))
+        fail(validation_message(e))
     except (DatasetError, JobError, ValueError) as e:
-        _fail(str(e))
+        fail(str(e))
 
 
 # Options shared by `run` and `terminal-bench`.
@@ -181,7 +176,7 @@ def run_cmd(
     try:
         values, agent_settings = with_file(ctx, config)
     except ConfigError as e:
-        _fail(str(e))
+        fail(str(e))
     _prestart_podman(values["env"])
     job = _make_job(values, {**agent_settings, **_parse_kwargs(ak)})
     _run_job(job, values["retry_infra"])
@@ -233,7 +228,7 @@ def resume_cmd(
     try:
         job = Job.open(job_dir, base_url=base_url, n_concurrent=concurrent, api_key=key, environment=environment)
     except (DatasetError, JobError, ValueError) as e:
-        _fail(str(e))
+        fail(str(e))
     _run_job(job, retry_infra)
 
 
@@ -296,9 +291,9 @@ def report_cmd(
     try:
         _, results = load_job_results(job_dir)
     except (JobError, OSError) as e:
-        _fail(str(e))
+        fail(str(e))
     if not results:
-        _fail(f"{job_dir}: no finished trials")
+        fail(f"{job_dir}: no finished trials")
     sc = score([TrialRow.of(r) for r in results])
     charts = []
     out_dir = None if no_chart else (chart_dir or _default_chart_dir(job_dir))
@@ -379,14 +374,14 @@ def compare_cmd(
     from tmax.cli.ui import optional_chart
 
     if len(job_dirs) < 2:
-        _fail("give at least two job directories")
+        fail("give at least two job directories")
     try:
         comp = compare_jobs(job_dirs)
     except (JobError, OSError) as e:
-        _fail(str(e))
+        fail(str(e))
     empty = [j.name for j in comp.jobs if not j.per_task]
     if empty:
-        _fail(f"no scored trials in: {', '.join(empty)}")
+        fail(f"no scored trials in: {', '.join(empty)}")
     default = job_dirs[0] / "compare.png" if _created_by_tmax(job_dirs[0]) else None
     target = None if no_chart else (chart or default)
     png = optional_chart(lambda: write_compare_chart(comp, target)) if target else None
@@ -422,7 +417,7 @@ def prepare_cmd(
         tasks = load_tasks(dataset, include or None, exclude or None, limit)
         cfg = default_config(image_map)
     except (DatasetError, ValueError) as e:
-        _fail(str(e))
+        fail(str(e))
     failures = []
     with Progress(TextColumn("[bold]prepare"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[last]}"),
                   TimeElapsedColumn(), console=console) as bar:

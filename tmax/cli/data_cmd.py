@@ -21,6 +21,8 @@ from typing import Optional
 
 import typer
 
+from tmax.cli.errors import fail
+
 data_app = typer.Typer(help="Synthesize, import, validate and analyse task corpora.", no_args_is_help=True)
 
 _JSON = typer.Option(False, "--json", help="Print one JSON document on stdout.")
@@ -32,13 +34,6 @@ def _console():
     from rich.console import Console
 
     return Console(stderr=True, highlight=False)
-
-
-def _fail(msg: str, code: int = 2) -> None:
-    from rich.markup import escape
-
-    _console().print(f"[red]error:[/] {escape(msg)}", soft_wrap=True)  # one line; a message's [brackets] are text
-    raise typer.Exit(code)
 
 
 def _emit_json(data) -> None:
@@ -96,7 +91,7 @@ def _backend(ray: bool, address: Optional[str], resource: Optional[str], n_concu
         return RayBackend(address, resource=resource)
     except Exception as e:  # cannot connect, no such resource
         exit_if_extra_missing(e, "tmax data")
-        _fail(f"Ray: {e}")
+        fail(f"Ray: {e}")
 
 
 @data_app.command("generate")
@@ -129,7 +124,7 @@ def generate_cmd(
                              n_concurrent=concurrent, max_retries=retries, max_redraws=redraws, environment=env,
                              axes_file=str(axes) if axes else None)
     except ValueError as e:
-        _fail(str(e))
+        fail(str(e))
     backend = _backend(ray, address, ray_resource, concurrent)
     bar, tid = _bar(n, "generate")
     keep_disk = _disk_keeper(disk_budget, bar.console)
@@ -154,7 +149,7 @@ def generate_cmd(
         with bar:
             states = gen.run(backend, on_slot)
     except (GenerateError, AxesError) as e:
-        _fail(str(e))
+        fail(str(e))
     finally:
         if backend is not None:
             backend.close()
@@ -198,9 +193,9 @@ def validate_cmd(
     from tmax.tasks.corpus.validate import corpus_task_dirs, counts, default_work_dir, validate_corpus
 
     if env not in KINDS:
-        _fail(f"unknown environment {env!r}: {', '.join(KINDS)}")
+        fail(f"unknown environment {env!r}: {', '.join(KINDS)}")
     if not corpus.is_dir():
-        _fail(f"{corpus}: no such directory")
+        fail(f"{corpus}: no such directory")
     work = work or default_work_dir(corpus)
     backend = _backend(ray, address, ray_resource, concurrent)
     bar, tid = _bar(len(corpus_task_dirs(corpus)), "validate")
@@ -268,7 +263,7 @@ def solve_cmd(
     try:
         lo_hi = parse_band(band) if band else None
     except ValueError as e:
-        _fail(str(e))
+        fail(str(e))
     from tmax.tasks.corpus.validate import corpus_task_dirs
 
     backend = _backend(ray, address, ray_resource, concurrent)
@@ -288,7 +283,7 @@ def solve_cmd(
                                      api_key=os.environ.get("OPENAI_API_KEY"), environment=env,
                                      n_concurrent=concurrent, backend=backend, on_task=on_task)
     except (ValueError, JobError, DatasetError) as e:
-        _fail(str(e))
+        fail(str(e))
     finally:
         if backend is not None:
             backend.close()
@@ -337,12 +332,12 @@ def import_cmd(
         if src.startswith(DATASET_PREFIXES):
             data = import_dataset(src, out)
         elif fmt is None:
-            _fail("--format is needed for a directory (harbor | open-instruct | native)")
+            fail("--format is needed for a directory (harbor | open-instruct | native)")
         else:
             with bar:
                 data = import_corpus(Path(src), out, fmt, on_task)
     except (ValueError, ExportError) as e:
-        _fail(str(e))
+        fail(str(e))
     if as_json:
         _emit_json(data)
     else:
@@ -367,7 +362,7 @@ def export_cmd(
     try:
         data = export_corpus(corpus, out, fmt)
     except (ExportError, CorpusError) as e:
-        _fail(str(e))
+        fail(str(e))
     if as_json:
         _emit_json(data)
     else:
@@ -394,7 +389,7 @@ def report_cmd(
     try:
         data = build_report(corpus, load_axes(axes))
     except (CorpusError, AxesError) as e:
-        _fail(str(e))
+        fail(str(e))
     if png and optional_chart(lambda: write_png(data, png)) is None:
         png = None
     if as_json:
@@ -453,7 +448,7 @@ def decontam_cmd(
         if drop:
             data["kept"] = copy_without(corpus, drop, {h["task"] for h in data["hits"]})
     except (ValueError, CorpusError) as e:
-        _fail(str(e))
+        fail(str(e))
     if as_json:
         _emit_json(data)
     else:
@@ -488,7 +483,7 @@ def combine_cmd(
         tasks = select(corpora, mode, total, seed)
         write_links(tasks, out)
     except (CombineError, CorpusError) as e:
-        _fail(str(e))
+        fail(str(e))
     data = {"out": str(out), "mode": mode, "n": len(tasks), "tasks": [t.name for t in tasks]}
     if as_json:
         _emit_json(data)

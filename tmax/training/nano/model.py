@@ -243,7 +243,7 @@ def build_nano_model(out_dir: str | Path, seed: int = 0, spec: NanoSpec | None =
     return info
 
 
-if __name__ == "__main__":  # python -m training.nano.model OUT_DIR [SEED]
+if __name__ == "__main__":  # python -m tmax.training.nano.model OUT_DIR [SEED]
     import sys
 
     print(json.dumps(build_nano_model(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0), indent=1))
