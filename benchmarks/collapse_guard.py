@@ -224,11 +224,11 @@ def main() -> None:
               f"{result['rollbacks']} rollbacks, {result['steps_lost']} steps lost")
     for h in result["healthy"]:
         print(f"healthy seed {h['seed']}, guard {h['guard']}: held-out {h['heldout']:.1%}, {h['rollbacks']} "
-              f"rollbacks, {h['steps_lost']} steps lost, final LR {h['final_lr']:.3g}, reward "
+              f"rollbacks, {h['steps_lost']} steps lost, final LR {h['final_lr']}, reward "
               f"{h['reward_first_quarter']} -> {h['reward_last_quarter']}" + (" (reused)" if h.get("reused") else ""))
     if result["healthy"]:
-        print(f"healthy seeds {result['healthy_seeds']}: held-out off {result['healthy_heldout_off']:.1%}, on "
-              f"{result['healthy_heldout_on']:.1%}; {result['healthy_rollbacks']} rollbacks with the guard on")
+        print(f"healthy seeds {result['healthy_seeds']}: held-out off {result['healthy_heldout_off']}, on "
+              f"{result['healthy_heldout_on']}; {result['healthy_rollbacks']} rollbacks with the guard on")
     print(f"total {result['minutes_total']} min")
 
 
