@@ -58,21 +58,23 @@ def test_recorded_noisy_run_never_triggers():
     assert not any(v.collapse for v in verdicts), [v.describe() for v in verdicts if v.alarms]
     assert {a.role for a in verdicts[1].alarms} == {"outcome"}, verdicts[1].describe()
     eager = tuple(dataclasses.replace(s, min_history=1) for s in guard.SIGNALS)
-    d = Detector(signals=eager)
+    d = Detector(DetectorConfig(patience=1), signals=eager)
     assert [d.judge(int(r["step"]), r).status for r in rows[:2]] == ["warming", "collapse"]
 
 
-def test_recorded_fast_collapse_is_caught_at_its_first_step():
+def test_recorded_fast_collapse_is_caught_at_its_second_step():
     """Recorded: the nano RL stage at LR 5e-3 from the preset's SFT (seed 0, guard off),
     collapsed from its second step: format errors 0.06 -> 0.57 -> 0.73, submits 0.94 ->
     0.43, entropy up, identical samples down (varied garbage, not one command), until no
-    group had mixed rewards and the run gave up. Caught at step 2, judged against step 1
-    alone: the signals' floors, not a spread that the collapse itself would widen."""
+    group had mixed rewards and the run gave up. Step 2 meets the rule, judged against
+    step 1 alone (the signals' floors, not a spread that the collapse itself would widen),
+    and stays out of the baseline; step 3, still there, confirms it."""
     rows = _series("collapse_lr5e-3.jsonl")
     verdicts = replay(rows)
-    assert [v.status for v in verdicts[:2]] == ["warming", "collapse"], [v.describe() for v in verdicts]
+    assert [v.status for v in verdicts[:3]] == ["warming", "alarm", "collapse"], [v.describe() for v in verdicts]
     signals = {a.signal for a in verdicts[1].alarms}
     assert {"format_errors", "submit_rate"} <= signals and {"entropy", "identical"} <= signals
+    assert {"format_errors", "submit_rate", "identical"} <= {a.signal for a in verdicts[2].alarms}
 
 
 def test_recorded_healthy_recipe_never_triggers():
@@ -112,19 +114,38 @@ def _row(step, reward=0.5, fmt=0.05, entropy=0.8, identical=0.2, **extra):
 
 def test_rule_needs_an_outcome_and_a_policy_alarm_together():
     base = [_row(i, reward=0.5 + 0.04 * (i % 3)) for i in range(1, 7)]
+    eager = DetectorConfig(patience=1)
     # A reward dip alone (the policy unchanged) is noise.
-    assert not any(v.collapse for v in replay(base + [_row(7, reward=0.1)]))
+    assert not any(v.collapse for v in replay(base + [_row(7, reward=0.1)] * 2))
     # A sharper policy with rising reward is learning.
-    assert not any(v.collapse for v in replay(base + [_row(7, reward=0.9, entropy=0.2, identical=0.9)]))
-    # Both together: a collapse, naming the signals.
-    v = replay(base + [_row(7, reward=0.05, fmt=0.8, entropy=0.2, identical=0.9)])[-1]
+    assert not any(v.collapse for v in replay(base + [_row(7, reward=0.9, entropy=0.2, identical=0.9)] * 2))
+    # Both together: the rule is met, naming the signals.
+    v = replay(base + [_row(7, reward=0.05, fmt=0.8, entropy=0.2, identical=0.9)], eager)[-1]
     assert v.collapse and {a.signal for a in v.alarms} == {"reward", "format_errors", "entropy", "identical"}
-    # With patience 2, one such step is only an alarm; the second in a row is the collapse.
+
+
+def test_a_collapse_is_the_second_step_in_a_row_that_meets_the_rule():
+    base = [_row(i, reward=0.5 + 0.04 * (i % 3)) for i in range(1, 7)]
     bad = [_row(7, reward=0.05, fmt=0.8, entropy=0.2), _row(8, reward=0.0, fmt=0.9, entropy=0.1)]
-    assert [v.status for v in replay(base + bad, DetectorConfig(patience=2))[-2:]] == ["alarm", "collapse"]
+    assert [v.status for v in replay(base + bad)[-2:]] == ["alarm", "collapse"]
+    assert replay(base + bad, DetectorConfig(patience=1))[-2].collapse
+    # A dip that is back in range at the next step: no collapse, and the dip stays out of
+    # the baseline (a second dip later is measured against the healthy steps, not it).
+    d = Detector()
+    verdicts = [d.judge(int(r["step"]), r) for r in base + [bad[0], _row(8), _row(9)]]
+    assert [v.status for v in verdicts[-3:]] == ["alarm", "healthy", "healthy"]
+    assert 7 not in [s for s, _ in d.history] and d.streak == 0
+    # A stall that meets the rule is a collapse at once: the zero-variance groups in a row
+    # that led to it are the persistence; it does not join the baseline either.
+    d = Detector()
+    for r in base:
+        d.judge(int(r["step"]), r)
+    assert d.judge(7, bad[0], stall=True).collapse and [s for s, _ in d.history][-1] == 6
+    d.rewind(6)
+    assert not d.judge(7, _row(7), stall=True).alarms and [s for s, _ in d.history][-1] == 6
 
 
-def test_non_finite_update_is_a_collapse_and_rewind_forgets():
+def test_non_finite_update_is_a_collapse_at_once_and_rewind_forgets():
     d = Detector()
     for i in range(1, 5):
         d.judge(i, _row(i))
@@ -169,7 +190,7 @@ def test_rollout_signals_of_a_handful_of_episodes_are_not_judged():
     base = [_row(i) for i in range(1, 5)]
     few = _row(5, reward=0.0, fmt=1.0, entropy=0.1, identical=1.0, **{"health/episodes": 3.0})
     assert replay(base + [few])[-1].status == "healthy"
-    assert replay(base + [few], DetectorConfig(min_episodes=2))[-1].collapse
+    assert replay(base + [few], DetectorConfig(min_episodes=2, patience=1))[-1].collapse
 
 
 # -- checkpoints: health marks, pruning, resume ---------------------------------------------
@@ -289,7 +310,7 @@ def test_guard_section_of_the_config(tmp_path):
     p = tmp_path / "c.toml"
     p.write_text('extends = "nano"\n[guard]\nenabled = true\nremedy = "raise_group_size"\nmax_rollbacks = 2\n')
     cfg = load_config(p)
-    assert cfg.guard.enabled and cfg.guard.remedy == "raise_group_size" and cfg.guard.detector().patience == 1
+    assert cfg.guard.enabled and cfg.guard.remedy == "raise_group_size" and cfg.guard.detector().patience == 2
     assert "[guard]" in dump_toml(cfg)
     p.write_text('extends = "nano"\n[guard]\nremedy = "pray"\n')
     with pytest.raises(ConfigError, match="guard.remedy"):
