@@ -1,7 +1,13 @@
-"""The collapse guard: the detector on recorded metric series (a real collapse, a real
-noisy run that did not collapse, an infrastructure-error burst on it), checkpoint health
-marks and resume,
-the learner's in-place restore, the health signals and what a run reports."""
+"""The collapse guard: the detector on recorded metric series (real collapses, healthy
+runs whose one-step dips recovered by themselves, a noisy run that did not collapse, an
+infrastructure-error burst on it), checkpoint health marks and resume, the learner's
+in-place restore, the health signals and what a run reports.
+
+The series in tests/data/guard are `metrics.jsonl` rows of `benchmarks/collapse_guard.py`
+runs, cut to what the guard reads (5 significant digits). `healthy_*_seed{N}` are the
+nano preset's LR (5e-4, 20 steps) from one SFT checkpoint (recipe seed 0), RL seed N:
+`healthy_off_*` with the guard off, `healthy_on_patience1_*` with the guard on as first
+shipped (a collapse at the first step meeting the rule), `healthy_on_*` with it now."""
 
 from __future__ import annotations
 
@@ -84,6 +90,49 @@ def test_recorded_healthy_recipe_never_triggers():
     verdicts = replay(_series("healthy_nano_seed0.jsonl"))
     assert len(verdicts) == 20
     assert not any(v.collapse for v in verdicts), [v.describe() for v in verdicts if v.alarms]
+
+
+HEALTHY = sorted(p.name for p in DATA.glob("healthy_*.jsonl"))
+
+
+@pytest.mark.parametrize("name", HEALTHY)
+def test_recorded_healthy_runs_are_not_rolled_back(name):
+    """Every recorded healthy run at the preset's LR, replayed: no collapse (and a run that
+    had the guard on as it is now recorded no rollback either)."""
+    rows = _series(name)
+    verdicts = replay(rows)
+    assert not any(v.collapse for v in verdicts), [v.describe() for v in verdicts if v.alarms]
+    if name.startswith("healthy_on_seed"):
+        assert not any("guard/event" in r for r in rows)
+
+
+def test_one_step_dips_of_healthy_runs_recover_at_the_next_step():
+    """The three dips of the healthy runs that met the rule, or came close: each is back in
+    range at the next step, which a collapse is not. As first shipped (patience 1) the guard
+    rolled back seed 2 at step 6 (the recorded event: to step 2, LR halved for the rest of
+    the run) and would have rolled back seed 0 (guard off) at step 3; the guard-off run of
+    seed 2 had the same dip at step 6 (format errors 0.35, grad norm 0.36) and was at 0.11
+    the step after."""
+    first = DetectorConfig(patience=1)
+    off0 = _series("healthy_off_seed0.jsonl")
+    assert [v.step for v in replay(off0, first) if v.collapse] == [3]
+    v = replay(off0)
+    assert v[2].status == "alarm" and {"submit_rate", "length"} <= {a.signal for a in v[2].alarms}
+    assert not any(a.role == "outcome" for a in v[3].alarms), v[3].describe()
+
+    on2 = _series("healthy_on_patience1_seed2.jsonl")
+    event = next(r for r in on2 if "guard/event" in r)
+    assert (event["step"], event["guard/event"]["to_step"], event["guard/event"]["lr_scale"]) == (6, 2, 0.5)
+    assert [v.step for v in replay(on2[:6], first) if v.collapse] == [6]
+    assert replay(on2[:6])[5].status == "alarm"
+    off2 = _series("healthy_off_seed2.jsonl")
+    assert off2[5]["health/format_error_rate"] > 0.3 and off2[6]["health/format_error_rate"] < 0.15
+    assert all(a.role == "policy" for a in replay(off2)[6].alarms)
+
+    # Seed 1 dipped deepest (format errors 0.80, submits 0.20), with no policy alarm, and
+    # was back at 0.13 the step after.
+    on1 = replay(_series("healthy_on_patience1_seed1.jsonl"))
+    assert {a.signal for a in on1[3].alarms} == {"format_errors", "submit_rate"} and on1[4].status == "healthy"
 
 
 def test_infra_error_burst_is_not_a_collapse():
