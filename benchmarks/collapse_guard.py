@@ -68,6 +68,18 @@ def rl_run(cfg, name: str, start: str, train_dir: str, prepared, engine, out: Pa
     return res
 
 
+def fresh_eval(base, engine, held_dir: str, out: Path, name: str, log) -> dict:
+    """The held-out eval of the weights the engine holds now, as job `name` under out/eval.
+    A job dir left by an earlier invocation is removed first: `tmax bench` resumes a job of
+    the same name and configuration, which would report the earlier weights' trials."""
+    import shutil
+
+    from tmax.training.recipe import heldout_eval
+
+    shutil.rmtree(out / "eval" / name, ignore_errors=True)
+    return heldout_eval(base, engine, held_dir, out / "eval", name, log)
+
+
 def final_lr(run_dir: Path) -> float | None:
     """The learning rate of the last step a run logged (the guard's remedy shows here)."""
     from tmax.training.report import read_metrics
@@ -82,7 +94,6 @@ def healthy_runs(args, base, start, train_dir, held_dir, prepared, engine, out: 
     each evaluated on the held-out set. A variant not run now is read back from its saved
     record of an earlier invocation on the same SFT checkpoint (marked `reused`)."""
     from tmax.common.files import write_json_atomic
-    from tmax.training.recipe import heldout_eval
 
     seeds = [int(x) for x in args.healthy_seeds.split(",") if x.strip()]
     variants = [v for v in args.healthy_variants.split(",") if v in ("off", "on")]
@@ -98,7 +109,7 @@ def healthy_runs(args, base, start, train_dir, held_dir, prepared, engine, out: 
             run = rl_run(variant(base, seed=seed, guard=name == "on", steps=args.steps), f"healthy-{name}-s{seed}",
                          start, train_dir, prepared, engine, out, log)
             s, g = run["summary"], run["summary"]["guard"]
-            held = heldout_eval(base, engine, held_dir, out / "eval", f"healthy-{name}-s{seed}", log)
+            held = fresh_eval(base, engine, held_dir, out, f"healthy-{name}-s{seed}", log)
             h = {"seed": seed, "guard": name, "heldout": held["pass_rate"], "rollbacks": g["rollbacks"],
                  "steps_lost": g["steps_lost"], "final_lr": final_lr(out / f"healthy-{name}-s{seed}"),
                  "steps": s["steps"], "error": run["error"], "reward_first_quarter": s["reward_first_quarter"],
@@ -166,7 +177,7 @@ def main() -> None:
     from tmax.training.cluster.actors import start_engines
     from tmax.training.cluster.launch import connect
     from tmax.training.config import preset
-    from tmax.training.recipe import build_stage, heldout_eval, prepare_recipe_tasks, sft_stage
+    from tmax.training.recipe import build_stage, prepare_recipe_tasks, sft_stage
 
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
     base = preset("nano", {"algo": {"seed": args.seed}})
@@ -191,15 +202,14 @@ def main() -> None:
     engine = start_engines(base, start, out / f"engine-{report.stem}")
     try:
         if len(variants) == 2:  # a split pair (one process per side) skips the SFT eval
-            result["heldout_sft"] = heldout_eval(base, engine, held_dir, out / "eval", "sft", log)["pass_rate"]
+            result["heldout_sft"] = fresh_eval(base, engine, held_dir, out, f"sft-{report.stem}", log)["pass_rate"]
         if not args.skip_collapse:
             for name, guard in (("off", False), ("on", True)):
                 if name not in variants:
                     continue
                 cfg = variant(base, lr=args.lr, guard=guard, steps=args.steps)
                 run = rl_run(cfg, f"collapse-{name}", start, train_dir, prepared, engine, out, log)
-                result[f"heldout_{name}"] = heldout_eval(base, engine, held_dir, out / "eval", f"collapse-{name}",
-                                                         log)["pass_rate"]
+                result[f"heldout_{name}"] = fresh_eval(base, engine, held_dir, out, f"collapse-{name}", log)["pass_rate"]
                 result[f"{name}_error"] = run["error"]
                 result[f"{name}_steps"] = run["summary"]["steps"]
                 if guard:
