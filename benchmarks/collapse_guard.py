@@ -1,25 +1,36 @@
 """The collapse guard on the nano recipe: RL at a collapsing LR with the guard off and on,
-then the default recipe's RL with the guard on over several seeds (it must stay quiet).
+then the preset's LR with the guard off and on over several seeds (healthy runs: the guard
+must neither roll back nor cost held-out points there).
 
 One SFT warm start (the nano preset's, built once under --out and reused by every run) and
 one vLLM engine serve all RL runs; before each run the engine goes back to the SFT
-weights. The off and on runs share the seed, steps and everything else but `[guard]`.
-After each of them the held-out set is evaluated (`tmax bench`, as the recipe does) on the
-weights the run ended with: its last step, or, for a run that died, the last weights it
-pushed. A run that dies (the collapsed policy never fills a batch, so the loop gives up) is
-reported with its error and evaluated as it was left.
+weights. The off and on runs share the seed, steps and everything else but `[guard]`, and
+run one after the other. After each run the held-out set is evaluated (`tmax bench`, as
+the recipe does) on the weights the run ended with: its last step, or, for a run that
+died, the last weights it pushed. A run that dies (the collapsed policy never fills a
+batch, so the loop gives up) is reported with its error and evaluated as it was left.
 
     python benchmarks/collapse_guard.py [--out DIR] [--seed N] [--lr 2e-3] [--steps N]
-                                        [--healthy-seeds 0,1,2] [--skip-collapse] [--json]
+                                        [--healthy-seeds 0,1,2,3,4,5] [--healthy-variants off,on]
+                                        [--skip-collapse] [--variants off,on] [--json]
+
+Processes side by side on one --out (other --healthy-seeds, --variants) write their own
+report; each healthy run's record is kept (healthy-{off,on}-s{seed}.json), and a variant
+left out of --healthy-variants is read back from it (marked `reused`), so the guard-on runs
+can be redone after a detector change without redoing the guard-off ones.
 
 `--json` prints one object: heldout_sft, heldout_off, heldout_on, rollbacks, steps_lost,
-off_error, on_events, healthy (per seed: rollbacks, steps, reward first/last quarter).
+off_error, on_events (the collapsing pair); healthy_seeds, healthy_rollbacks (guard on,
+total over the seeds), healthy_steps_lost, healthy_heldout_off and healthy_heldout_on
+(means), and healthy (per seed and variant: held-out, rollbacks, steps lost, final LR,
+reward first/last quarter, events, load average before and after).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -57,6 +68,70 @@ def rl_run(cfg, name: str, start: str, train_dir: str, prepared, engine, out: Pa
     return res
 
 
+def fresh_eval(base, engine, held_dir: str, out: Path, name: str, log) -> dict:
+    """The held-out eval of the weights the engine holds now, as job `name` under out/eval.
+    A job dir left by an earlier invocation is removed first: `tmax bench` resumes a job of
+    the same name and configuration, which would report the earlier weights' trials."""
+    import shutil
+
+    from tmax.training.recipe import heldout_eval
+
+    shutil.rmtree(out / "eval" / name, ignore_errors=True)
+    return heldout_eval(base, engine, held_dir, out / "eval", name, log)
+
+
+def final_lr(run_dir: Path) -> float | None:
+    """The learning rate of the last step a run logged (the guard's remedy shows here)."""
+    from tmax.training.report import read_metrics
+
+    path = run_dir / "metrics.jsonl"
+    rows = [r for r in read_metrics(path) if isinstance(r.get("lr"), (int, float))] if path.exists() else []
+    return rows[-1]["lr"] if rows else None
+
+
+def healthy_runs(args, base, start, train_dir, held_dir, prepared, engine, out: Path, result: dict, save, log) -> None:
+    """The preset's LR over `--healthy-seeds`, guard off then on per seed (same conditions),
+    each evaluated on the held-out set. A variant not run now is read back from its saved
+    record of an earlier invocation on the same SFT checkpoint (marked `reused`)."""
+    from tmax.common.files import write_json_atomic
+
+    seeds = [int(x) for x in args.healthy_seeds.split(",") if x.strip()]
+    variants = [v for v in args.healthy_variants.split(",") if v in ("off", "on")]
+    result.update(healthy_seeds=seeds, healthy=[])
+    for seed in seeds:
+        for name in ("off", "on"):
+            record = out / f"healthy-{name}-s{seed}.json"
+            if name not in variants:
+                if record.exists():
+                    result["healthy"].append(json.loads(record.read_text()) | {"reused": True})
+                continue
+            load = os.getloadavg()[0]
+            run = rl_run(variant(base, seed=seed, guard=name == "on", steps=args.steps), f"healthy-{name}-s{seed}",
+                         start, train_dir, prepared, engine, out, log)
+            s, g = run["summary"], run["summary"]["guard"]
+            held = fresh_eval(base, engine, held_dir, out, f"healthy-{name}-s{seed}", log)
+            h = {"seed": seed, "guard": name, "heldout": held["pass_rate"], "rollbacks": g["rollbacks"],
+                 "steps_lost": g["steps_lost"], "final_lr": final_lr(out / f"healthy-{name}-s{seed}"),
+                 "steps": s["steps"], "error": run["error"], "reward_first_quarter": s["reward_first_quarter"],
+                 "reward_last_quarter": s["reward_last_quarter"], "events": g["events"], "seconds": run["seconds"],
+                 "load_before": round(load, 1), "load_after": round(os.getloadavg()[0], 1)}
+            write_json_atomic(record, h)
+            result["healthy"].append(h)
+            healthy_totals(result)
+            save()
+
+
+def healthy_totals(result: dict) -> None:
+    """`healthy_rollbacks` (guard on, summed over seeds), the held-out means off and on."""
+    runs = result["healthy"]
+    for name in ("off", "on"):
+        rates = [h["heldout"] for h in runs if h["guard"] == name]
+        result[f"healthy_heldout_{name}"] = round(sum(rates) / len(rates), 4) if rates else None
+    on = [h for h in runs if h["guard"] == "on"]
+    result["healthy_rollbacks"] = sum(h["rollbacks"] for h in on)
+    result["healthy_steps_lost"] = sum(h["steps_lost"] for h in on)
+
+
 def variant(base, *, lr: float | None = None, seed: int | None = None, guard: bool, steps: int | None):
     cfg = base.model_copy(deep=True)
     if lr is not None:
@@ -69,13 +144,30 @@ def variant(base, *, lr: float | None = None, seed: int | None = None, guard: bo
     return cfg
 
 
+def report_name(args, variants: list[str]) -> str:
+    """collapse_guard.json for the default runs; otherwise named after what this process
+    runs, so that processes side by side on one SFT checkpoint write apart."""
+    parts = ["collapse_guard"]
+    if args.skip_collapse:
+        parts.append("healthy")
+    elif variants != ["off", "on"]:
+        parts.append("_".join(variants))
+    if args.healthy_variants != "off,on":
+        parts.append("healthy-" + args.healthy_variants.replace(",", "_"))
+    if args.healthy_seeds != "0,1,2,3,4,5":
+        parts.append("s" + args.healthy_seeds.replace(",", "_"))
+    return "_".join(parts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/bench-collapse-guard")
     ap.add_argument("--seed", type=int, default=0, help="recipe seed (model, tasks, SFT) and RL seed of the pair")
     ap.add_argument("--lr", type=float, default=2e-3, help="the collapsing RL learning rate")
     ap.add_argument("--steps", type=int, default=None, help="RL steps (default: the preset's)")
-    ap.add_argument("--healthy-seeds", default="0,1,2", help="RL seeds of the default-LR runs with the guard on")
+    ap.add_argument("--healthy-seeds", default="0,1,2,3,4,5", help="RL seeds of the preset-LR runs")
+    ap.add_argument("--healthy-variants", default="off,on",
+                    help="which of each healthy seed's runs (guard off, on) to run now; the others are read back")
     ap.add_argument("--skip-collapse", action="store_true", help="only the healthy runs")
     ap.add_argument("--variants", default="off,on", help="which runs of the pair (one per process: run them side by side)")
     ap.add_argument("--json", action="store_true")
@@ -85,7 +177,7 @@ def main() -> None:
     from tmax.training.cluster.actors import start_engines
     from tmax.training.cluster.launch import connect
     from tmax.training.config import preset
-    from tmax.training.recipe import build_stage, heldout_eval, prepare_recipe_tasks, sft_stage
+    from tmax.training.recipe import build_stage, prepare_recipe_tasks, sft_stage
 
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
     base = preset("nano", {"algo": {"seed": args.seed}})
@@ -100,8 +192,7 @@ def main() -> None:
     # Written after every run, so an interrupted benchmark keeps what it measured; the pair
     # and the healthy runs can run as two processes on one SFT checkpoint.
     variants = [v for v in args.variants.split(",") if v in ("off", "on")]
-    stem = "collapse_guard" + ("_" + "_".join(variants) if variants != ["off", "on"] else "")
-    report = out / (f"{stem}_healthy.json" if args.skip_collapse else f"{stem}.json")
+    report = out / f"{report_name(args, variants)}.json"
 
     def save() -> None:
         result["minutes_total"] = round((time.monotonic() - t0) / 60, 1)
@@ -110,16 +201,15 @@ def main() -> None:
     cluster = connect(base.cluster)
     engine = start_engines(base, start, out / f"engine-{report.stem}")
     try:
+        if len(variants) == 2:  # a split pair (one process per side) skips the SFT eval
+            result["heldout_sft"] = fresh_eval(base, engine, held_dir, out, f"sft-{report.stem}", log)["pass_rate"]
         if not args.skip_collapse:
-            if len(variants) == 2:  # a split pair (one process per side) skips the SFT eval
-                result["heldout_sft"] = heldout_eval(base, engine, held_dir, out / "eval", "sft", log)["pass_rate"]
             for name, guard in (("off", False), ("on", True)):
                 if name not in variants:
                     continue
                 cfg = variant(base, lr=args.lr, guard=guard, steps=args.steps)
                 run = rl_run(cfg, f"collapse-{name}", start, train_dir, prepared, engine, out, log)
-                result[f"heldout_{name}"] = heldout_eval(base, engine, held_dir, out / "eval", f"collapse-{name}",
-                                                         log)["pass_rate"]
+                result[f"heldout_{name}"] = fresh_eval(base, engine, held_dir, out, f"collapse-{name}", log)["pass_rate"]
                 result[f"{name}_error"] = run["error"]
                 result[f"{name}_steps"] = run["summary"]["steps"]
                 if guard:
@@ -129,15 +219,7 @@ def main() -> None:
                 save()
             if "heldout_on" in result and "heldout_off" in result:
                 result["gain_points"] = round(100 * (result["heldout_on"] - result["heldout_off"]), 1)
-        result["healthy"] = []
-        for seed in [int(x) for x in args.healthy_seeds.split(",") if x.strip()]:
-            run = rl_run(variant(base, seed=seed, guard=True, steps=args.steps), f"healthy-s{seed}", start,
-                         train_dir, prepared, engine, out, log)
-            s = run["summary"]
-            result["healthy"].append({"seed": seed, "rollbacks": s["guard"]["rollbacks"], "steps": s["steps"],
-                                      "error": run["error"], "reward_first_quarter": s["reward_first_quarter"],
-                                      "reward_last_quarter": s["reward_last_quarter"], "seconds": run["seconds"]})
-            save()
+        healthy_runs(args, base, start, train_dir, held_dir, prepared, engine, out, result, save, log)
     finally:
         engine.close()
         engine.kill()
@@ -151,8 +233,12 @@ def main() -> None:
               f"{result['heldout_off']:.1%}, guard on {result['heldout_on']:.1%} ({result['gain_points']:+.1f} points); "
               f"{result['rollbacks']} rollbacks, {result['steps_lost']} steps lost")
     for h in result["healthy"]:
-        print(f"healthy seed {h['seed']}: {h['rollbacks']} rollbacks over {h['steps']} steps, reward "
-              f"{h['reward_first_quarter']} -> {h['reward_last_quarter']}")
+        print(f"healthy seed {h['seed']}, guard {h['guard']}: held-out {h['heldout']:.1%}, {h['rollbacks']} "
+              f"rollbacks, {h['steps_lost']} steps lost, final LR {h['final_lr']}, reward "
+              f"{h['reward_first_quarter']} -> {h['reward_last_quarter']}" + (" (reused)" if h.get("reused") else ""))
+    if result["healthy"]:
+        print(f"healthy seeds {result['healthy_seeds']}: held-out off {result['healthy_heldout_off']}, on "
+              f"{result['healthy_heldout_on']}; {result['healthy_rollbacks']} rollbacks with the guard on")
     print(f"total {result['minutes_total']} min")
 
 

@@ -1,7 +1,13 @@
-"""The collapse guard: the detector on recorded metric series (a real collapse, a real
-noisy run that did not collapse, an infrastructure-error burst on it), checkpoint health
-marks and resume,
-the learner's in-place restore, the health signals and what a run reports."""
+"""The collapse guard: the detector on recorded metric series (real collapses, healthy
+runs whose one-step dips recovered by themselves, a noisy run that did not collapse, an
+infrastructure-error burst on it), checkpoint health marks and resume, the learner's
+in-place restore, the health signals and what a run reports.
+
+The series in tests/data/guard are `metrics.jsonl` rows of `benchmarks/collapse_guard.py`
+runs, cut to what the guard reads (5 significant digits). `healthy_*_seed{N}` are the
+nano preset's LR (5e-4, 20 steps) from one SFT checkpoint (recipe seed 0), RL seed N:
+`healthy_off_*` with the guard off, `healthy_on_patience1_*` with the guard on as first
+shipped (a collapse at the first step meeting the rule), `healthy_on_*` with it now."""
 
 from __future__ import annotations
 
@@ -58,21 +64,23 @@ def test_recorded_noisy_run_never_triggers():
     assert not any(v.collapse for v in verdicts), [v.describe() for v in verdicts if v.alarms]
     assert {a.role for a in verdicts[1].alarms} == {"outcome"}, verdicts[1].describe()
     eager = tuple(dataclasses.replace(s, min_history=1) for s in guard.SIGNALS)
-    d = Detector(signals=eager)
+    d = Detector(DetectorConfig(patience=1), signals=eager)
     assert [d.judge(int(r["step"]), r).status for r in rows[:2]] == ["warming", "collapse"]
 
 
-def test_recorded_fast_collapse_is_caught_at_its_first_step():
+def test_recorded_fast_collapse_is_caught_at_its_second_step():
     """Recorded: the nano RL stage at LR 5e-3 from the preset's SFT (seed 0, guard off),
     collapsed from its second step: format errors 0.06 -> 0.57 -> 0.73, submits 0.94 ->
     0.43, entropy up, identical samples down (varied garbage, not one command), until no
-    group had mixed rewards and the run gave up. Caught at step 2, judged against step 1
-    alone: the signals' floors, not a spread that the collapse itself would widen."""
+    group had mixed rewards and the run gave up. Step 2 meets the rule, judged against
+    step 1 alone (the signals' floors, not a spread that the collapse itself would widen),
+    and stays out of the baseline; step 3, still there, confirms it."""
     rows = _series("collapse_lr5e-3.jsonl")
     verdicts = replay(rows)
-    assert [v.status for v in verdicts[:2]] == ["warming", "collapse"], [v.describe() for v in verdicts]
+    assert [v.status for v in verdicts[:3]] == ["warming", "alarm", "collapse"], [v.describe() for v in verdicts]
     signals = {a.signal for a in verdicts[1].alarms}
     assert {"format_errors", "submit_rate"} <= signals and {"entropy", "identical"} <= signals
+    assert {"format_errors", "submit_rate", "identical"} <= {a.signal for a in verdicts[2].alarms}
 
 
 def test_recorded_healthy_recipe_never_triggers():
@@ -82,6 +90,49 @@ def test_recorded_healthy_recipe_never_triggers():
     verdicts = replay(_series("healthy_nano_seed0.jsonl"))
     assert len(verdicts) == 20
     assert not any(v.collapse for v in verdicts), [v.describe() for v in verdicts if v.alarms]
+
+
+HEALTHY = sorted(p.name for p in DATA.glob("healthy_*.jsonl"))
+
+
+@pytest.mark.parametrize("name", HEALTHY)
+def test_recorded_healthy_runs_are_not_rolled_back(name):
+    """Every recorded healthy run at the preset's LR, replayed: no collapse (and a run that
+    had the guard on as it is now recorded no rollback either)."""
+    rows = _series(name)
+    verdicts = replay(rows)
+    assert not any(v.collapse for v in verdicts), [v.describe() for v in verdicts if v.alarms]
+    if name.startswith("healthy_on_seed"):
+        assert not any("guard/event" in r for r in rows)
+
+
+def test_one_step_dips_of_healthy_runs_recover_at_the_next_step():
+    """The three dips of the healthy runs that met the rule, or came close: each is back in
+    range at the next step, which a collapse is not. As first shipped (patience 1) the guard
+    rolled back seed 2 at step 6 (the recorded event: to step 2, LR halved for the rest of
+    the run) and would have rolled back seed 0 (guard off) at step 3; the guard-off run of
+    seed 2 had the same dip at step 6 (format errors 0.35, grad norm 0.36) and was at 0.11
+    the step after."""
+    first = DetectorConfig(patience=1)
+    off0 = _series("healthy_off_seed0.jsonl")
+    assert [v.step for v in replay(off0, first) if v.collapse] == [3]
+    v = replay(off0)
+    assert v[2].status == "alarm" and {"submit_rate", "length"} <= {a.signal for a in v[2].alarms}
+    assert not any(a.role == "outcome" for a in v[3].alarms), v[3].describe()
+
+    on2 = _series("healthy_on_patience1_seed2.jsonl")
+    event = next(r for r in on2 if "guard/event" in r)
+    assert (event["step"], event["guard/event"]["to_step"], event["guard/event"]["lr_scale"]) == (6, 2, 0.5)
+    assert [v.step for v in replay(on2[:6], first) if v.collapse] == [6]
+    assert replay(on2[:6])[5].status == "alarm"
+    off2 = _series("healthy_off_seed2.jsonl")
+    assert off2[5]["health/format_error_rate"] > 0.3 and off2[6]["health/format_error_rate"] < 0.15
+    assert all(a.role == "policy" for a in replay(off2)[6].alarms)
+
+    # Seed 1 dipped deepest (format errors 0.80, submits 0.20), with no policy alarm, and
+    # was back at 0.13 the step after.
+    on1 = replay(_series("healthy_on_patience1_seed1.jsonl"))
+    assert {a.signal for a in on1[3].alarms} == {"format_errors", "submit_rate"} and on1[4].status == "healthy"
 
 
 def test_infra_error_burst_is_not_a_collapse():
@@ -112,19 +163,38 @@ def _row(step, reward=0.5, fmt=0.05, entropy=0.8, identical=0.2, **extra):
 
 def test_rule_needs_an_outcome_and_a_policy_alarm_together():
     base = [_row(i, reward=0.5 + 0.04 * (i % 3)) for i in range(1, 7)]
+    eager = DetectorConfig(patience=1)
     # A reward dip alone (the policy unchanged) is noise.
-    assert not any(v.collapse for v in replay(base + [_row(7, reward=0.1)]))
+    assert not any(v.collapse for v in replay(base + [_row(7, reward=0.1)] * 2))
     # A sharper policy with rising reward is learning.
-    assert not any(v.collapse for v in replay(base + [_row(7, reward=0.9, entropy=0.2, identical=0.9)]))
-    # Both together: a collapse, naming the signals.
-    v = replay(base + [_row(7, reward=0.05, fmt=0.8, entropy=0.2, identical=0.9)])[-1]
+    assert not any(v.collapse for v in replay(base + [_row(7, reward=0.9, entropy=0.2, identical=0.9)] * 2))
+    # Both together: the rule is met, naming the signals.
+    v = replay(base + [_row(7, reward=0.05, fmt=0.8, entropy=0.2, identical=0.9)], eager)[-1]
     assert v.collapse and {a.signal for a in v.alarms} == {"reward", "format_errors", "entropy", "identical"}
-    # With patience 2, one such step is only an alarm; the second in a row is the collapse.
+
+
+def test_a_collapse_is_the_second_step_in_a_row_that_meets_the_rule():
+    base = [_row(i, reward=0.5 + 0.04 * (i % 3)) for i in range(1, 7)]
     bad = [_row(7, reward=0.05, fmt=0.8, entropy=0.2), _row(8, reward=0.0, fmt=0.9, entropy=0.1)]
-    assert [v.status for v in replay(base + bad, DetectorConfig(patience=2))[-2:]] == ["alarm", "collapse"]
+    assert [v.status for v in replay(base + bad)[-2:]] == ["alarm", "collapse"]
+    assert replay(base + bad, DetectorConfig(patience=1))[-2].collapse
+    # A dip that is back in range at the next step: no collapse, and the dip stays out of
+    # the baseline (a second dip later is measured against the healthy steps, not it).
+    d = Detector()
+    verdicts = [d.judge(int(r["step"]), r) for r in base + [bad[0], _row(8), _row(9)]]
+    assert [v.status for v in verdicts[-3:]] == ["alarm", "healthy", "healthy"]
+    assert 7 not in [s for s, _ in d.history] and d.streak == 0
+    # A stall that meets the rule is a collapse at once: the zero-variance groups in a row
+    # that led to it are the persistence; it does not join the baseline either.
+    d = Detector()
+    for r in base:
+        d.judge(int(r["step"]), r)
+    assert d.judge(7, bad[0], stall=True).collapse and [s for s, _ in d.history][-1] == 6
+    d.rewind(6)
+    assert not d.judge(7, _row(7), stall=True).alarms and [s for s, _ in d.history][-1] == 6
 
 
-def test_non_finite_update_is_a_collapse_and_rewind_forgets():
+def test_non_finite_update_is_a_collapse_at_once_and_rewind_forgets():
     d = Detector()
     for i in range(1, 5):
         d.judge(i, _row(i))
@@ -169,7 +239,7 @@ def test_rollout_signals_of_a_handful_of_episodes_are_not_judged():
     base = [_row(i) for i in range(1, 5)]
     few = _row(5, reward=0.0, fmt=1.0, entropy=0.1, identical=1.0, **{"health/episodes": 3.0})
     assert replay(base + [few])[-1].status == "healthy"
-    assert replay(base + [few], DetectorConfig(min_episodes=2))[-1].collapse
+    assert replay(base + [few], DetectorConfig(min_episodes=2, patience=1))[-1].collapse
 
 
 # -- checkpoints: health marks, pruning, resume ---------------------------------------------
@@ -289,7 +359,7 @@ def test_guard_section_of_the_config(tmp_path):
     p = tmp_path / "c.toml"
     p.write_text('extends = "nano"\n[guard]\nenabled = true\nremedy = "raise_group_size"\nmax_rollbacks = 2\n')
     cfg = load_config(p)
-    assert cfg.guard.enabled and cfg.guard.remedy == "raise_group_size" and cfg.guard.detector().patience == 1
+    assert cfg.guard.enabled and cfg.guard.remedy == "raise_group_size" and cfg.guard.detector().patience == 2
     assert "[guard]" in dump_toml(cfg)
     p.write_text('extends = "nano"\n[guard]\nremedy = "pray"\n')
     with pytest.raises(ConfigError, match="guard.remedy"):

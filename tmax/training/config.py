@@ -255,7 +255,9 @@ class GuardConfig(_Strict):
     min_history: int = Field(1, ge=1)
     mad_k: float = Field(4.0, gt=0)
     min_policy_alarms: int = Field(1, ge=1)
-    patience: int = Field(1, ge=1)
+    # Steps in a row that meet the rule before it is a collapse (a stall or a non-finite
+    # update: at once). Two: a healthy run's one-step dips recover at the next step.
+    patience: int = Field(2, ge=1)
     max_infra_rate: float = Field(0.25, ge=0, le=1)
     min_episodes: int = Field(8, ge=1)  # fewer finished since the last step: rollout signals not judged
     # Zero-variance groups in a row after which the episodes sampled since the last step

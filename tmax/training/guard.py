@@ -15,9 +15,17 @@ metrics.jsonl) and returns a `Verdict`. The rule:
    reward, format-error rate, submit rate) and at least `min_policy_alarms` *policy*
    signals (entropy of the sampled tokens, share of identical samples in a group, mean
    turns, response length, DPPO mask kept fraction, train/inference logprob difference,
-   gradient norm) alarm together, for `patience` judged steps in a row. Either kind alone
-   is not enough: a policy that sharpens as it learns (lower entropy, more identical
+   gradient norm) alarm together, for `patience` (two) judged steps in a row. Either kind
+   alone is not enough: a policy that sharpens as it learns (lower entropy, more identical
    samples) has rising reward, and a reward dip without a change in the policy is noise.
+   One step is not enough either: on the nano recipe's healthy runs a single step dips as
+   far as a collapse starts (format errors 0.1 -> 0.35-0.8, submits down, grad norm or
+   logprob difference up) and the next step is back in range, while a collapse is still
+   there at the next step, or deeper (docs/RESULTS.md, "Collapse guard"). A step that
+   meets the rule is an "alarm" and stays out of the baseline; the second in a row is the
+   collapse. A non-finite update needs no second step, nor does a stall (the episodes
+   gathered while `stall_groups` groups in a row had no reward variance: a persistence of
+   its own).
 3. **Enough episodes.** The rollout-side signals (`health/*`) are rates over the episodes
    finished since the last step; with fewer than `min_episodes` of them only the learner's
    signals are judged.
@@ -48,6 +56,7 @@ Status = Literal["warming", "healthy", "alarm", "collapse", "infra"]
 
 INFRA_RATE = "health/infra_error_rate"
 EPISODES = "health/episodes"
+STALL, EVENT = "guard/stall", "guard/event"  # what `training.rollback` adds to a metrics row
 
 
 @dataclass(frozen=True)
@@ -92,7 +101,7 @@ class DetectorConfig:
     min_history: int = 1
     mad_k: float = 4.0
     min_policy_alarms: int = 1
-    patience: int = 1
+    patience: int = 2
     max_infra_rate: float = 0.25
     min_episodes: int = 8
 
@@ -138,9 +147,11 @@ class Detector:
     history: list[tuple[int, dict[str, float]]] = field(default_factory=list)  # (step, values) of healthy steps
     streak: int = 0  # judged steps in a row that met the collapse rule
 
-    def judge(self, step: int, row: Mapping[str, Any], remember: bool = True) -> Verdict:
-        """The verdict on `step`'s metrics `row`; healthy steps join the baseline (unless
-        `remember` is off: a row that is not a training step, such as a stall's)."""
+    def judge(self, step: int, row: Mapping[str, Any], stall: bool = False) -> Verdict:
+        """The verdict on `step`'s metrics `row`; healthy steps join the baseline. A `stall`
+        row (the episodes gathered while no batch filled) is not a training step: it never
+        joins the baseline, and meeting the rule there needs no confirmation, since the
+        groups in a row without reward variance that led to it already are persistence."""
         infra = _number(row.get(INFRA_RATE)) or 0.0
         if infra > self.cfg.max_infra_rate:
             return Verdict(step, "infra", infra_rate=infra)
@@ -149,7 +160,7 @@ class Detector:
             # Rates over a handful of episodes are noise: judge the learner's signals only.
             values = {k: v for k, v in values.items() if not self._rollout_side(k)}
         if len(self.history) < self.cfg.min_history:
-            if remember:
+            if not stall:
                 self._remember(step, values)
             return Verdict(step, "warming", infra_rate=infra)
         alarms = tuple(a for s in self.signals if (a := self._test(s, values.get(s.name))) is not None)
@@ -160,9 +171,9 @@ class Detector:
         nonfinite = any(a.signal in FINITE_KEYS for a in alarms)
         meets = nonfinite or (outcome >= 1 and policy >= self.cfg.min_policy_alarms)
         self.streak = self.streak + 1 if meets else 0
-        if meets and self.streak >= self.cfg.patience:
+        if meets and (self.streak >= self.cfg.patience or nonfinite or stall):
             return Verdict(step, "collapse", alarms, infra)
-        if not meets and remember:
+        if not meets and not stall:
             self._remember(step, values)
         return Verdict(step, "alarm" if alarms else "healthy", alarms, infra)
 
@@ -191,9 +202,16 @@ class Detector:
 
 
 def replay(rows: list[Mapping[str, Any]], cfg: DetectorConfig | None = None) -> list[Verdict]:
-    """The verdicts a detector gives on recorded metrics rows, in order (no rollback)."""
-    d = Detector(cfg or DetectorConfig())
-    return [d.judge(int(r.get("step", i + 1)), r) for i, r in enumerate(rows)]
+    """The verdicts a detector gives on recorded metrics rows, in order. It rolls back
+    nothing itself; where the recorded run rolled back (a `guard/event` row), it forgets
+    what came after the step the run went back to, as that run's detector did."""
+    d, out = Detector(cfg or DetectorConfig()), []
+    for i, r in enumerate(rows):
+        out.append(d.judge(int(r.get("step", i + 1)), r, stall=STALL in r))
+        event = r.get(EVENT)
+        if isinstance(event, dict) and event.get("kind") == "rollback":
+            d.rewind(int(event["to_step"]))
+    return out
 
 
 def _number(v: Any) -> float | None:

@@ -28,7 +28,7 @@ import json
 from typing import Any
 
 from tmax.training.algo.batching import BatchAccumulator
-from tmax.training.guard import Detector, Verdict
+from tmax.training.guard import EVENT, STALL, Detector, Verdict
 from tmax.training.learner import checkpoint as ckpt
 from tmax.training.report import describe_event, health_metrics
 
@@ -99,7 +99,7 @@ class RunGuard:
         if not self.enabled or not s.useless or s.useless % self.cfg.stall_groups:
             return False
         row = health_metrics(s.since_step, s.requeued - self._requeued)
-        v = self.detector.judge(s.step + 1, row, remember=False)
+        v = self.detector.judge(s.step + 1, row, stall=True)
         if not v.collapse:
             return False
         in_flight = s.train_ref is not None
@@ -109,7 +109,7 @@ class RunGuard:
             ray.get(s.train_ref)
             s.train_ref = None
         attempted = s.step + 1
-        row.update({"guard/stall": 1.0, "guard/alarms": float(len(v.alarms))})
+        row.update({STALL: 1.0, "guard/alarms": float(len(v.alarms))})
         self._act(t, v, row, steps_lost=s.step + int(in_flight) - self._target_step(t))
         t.sink.log(attempted, row)
         return True
@@ -153,7 +153,7 @@ class RunGuard:
                          "rollback": self.rollbacks}
             self._restore(t, str(target), to_step)
         event["alarms"] = [a.as_dict() for a in v.alarms]
-        metrics["guard/event"] = event
+        metrics[EVENT] = event
         metrics["guard/rollback"] = 1.0 if event["kind"] == "rollback" else 0.0
         t.bar.note(f"guard: {describe_event(event)}: " + "; ".join(a.describe() for a in v.alarms))
 
