@@ -8,6 +8,8 @@
     tmax learn report RUN_DIR       a run's summary and the collapse guard's events
     tmax learn --nodes N            the same run spread over N Ray nodes (--dry-run: the plan,
                                     the run's whole config and an sbatch script, without Ray)
+    tmax learn --lora-rank R        train a LoRA adapter of rank R (also after `sft` and `nano`)
+    tmax learn merge CKPT -o DIR    a LoRA checkpoint merged into full Hugging Face weights
 
 This module parses flags into config settings and calls `training.entry`; the work and the
 Ray cluster are there.
@@ -21,6 +23,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import typer
+
+LORA_RANK = typer.Option(
+    None, "--lora-rank", min=0, help="Train a LoRA adapter of this rank on the frozen model (lora.rank; 0: every weight).")
 
 learn_app = typer.Typer(
     help="Train the agent with DPPO (RL) on Ray; `tmax learn nano` runs the whole CPU recipe.",
@@ -36,7 +41,8 @@ def _flag_settings(o: dict) -> dict:
             ("cluster", "nodes"): "nodes", ("cluster", "gpus_per_node"): "gpus_per_node",
             ("cluster", "train_nodes"): "train_nodes", ("cluster", "tp"): "tp",
             ("cluster", "learners_per_node"): "learners_per_node",
-            ("cluster", "engines_per_node"): "engines_per_node", ("cluster", "address"): "address"}
+            ("cluster", "engines_per_node"): "engines_per_node", ("cluster", "address"): "address",
+            ("lora", "rank"): "lora_rank"}
     over: dict = {}
     for (section, key), flag in keys.items():
         value = o.get(flag)
@@ -130,6 +136,7 @@ def learn(
     from_runs: Optional[Path] = typer.Option(
         None, "--from-runs", help="Also train on rated `tmax run --tokens` sessions under DIR, as single-sample groups (A = R - 0.5)."),
     runs_per_step: int = typer.Option(1, "--runs-per-step", min=1, help="With --from-runs: rated sessions added to each step."),
+    lora_rank: Optional[int] = LORA_RANK,
 ) -> None:
     """Run DPPO. With no config: the nano recipe's RL stage."""
     o = dict(ctx.params)
@@ -189,11 +196,12 @@ def sft(
     ctx: typer.Context,
     from_runs: Optional[Path] = typer.Option(
         None, "--from-runs", help="Fine-tune on the accepted `tmax run --tokens` sessions under DIR instead (into OUT/sft-runs)."),
+    lora_rank: Optional[int] = LORA_RANK,
 ) -> None:
     """SFT warm start on teacher trajectories played through the harness (sft.teacher_accuracy 1 = the oracle)."""
     from tmax.training import entry
 
-    o = ctx.obj or {}
+    o = _with_lora(ctx, lora_rank)
     cfg = _config(o)
     run_dir = _out(cfg, o.get("out"))
     if from_runs is not None:
@@ -207,12 +215,13 @@ def sft(
 def nano(
     ctx: typer.Context,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with the results."),
+    lora_rank: Optional[int] = LORA_RANK,
 ) -> None:
     """The whole nano recipe: build -> SFT -> held-out eval -> DPPO -> held-out eval."""
     from tmax.cli.progress import learn_progress
     from tmax.training import entry
 
-    o = ctx.obj or {}
+    o = _with_lora(ctx, lora_rank)
     cfg = _config(o)
     run_dir = _out(cfg, o.get("out"))
     bars = learn_progress(o.get("progress", True) and not as_json)
@@ -222,6 +231,31 @@ def nano(
     else:
         _echo(f"held-out pass rate: SFT {res.get('sft_pass_rate', 0):.1%} -> RL {res.get('rl_pass_rate', 0):.1%}; "
               f"{res['minutes_total']:.1f} min total; {run_dir / 'recipe.json'}")
+
+
+@learn_app.command("merge")
+def merge(
+    checkpoint: Path = typer.Argument(..., help="A LoRA checkpoint (an adapter directory written by `tmax learn`)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for the merged Hugging Face model."),
+) -> None:
+    """Merge a LoRA checkpoint into its base model: full Hugging Face weights that serve without LoRA."""
+    from tmax.training.learner.lora import merge as merge_adapter
+    from tmax.training.weights.adapter import adapter_base, is_adapter_dir
+
+    if not is_adapter_dir(checkpoint):
+        _bad_input(ValueError(f"merge: {checkpoint} is not a LoRA checkpoint (no adapter_config.json)"))
+    _call(lambda: adapter_base(checkpoint))  # a base that is not here: exit 2 before loading anything
+    path = _call(lambda: merge_adapter(checkpoint, out))
+    _echo(f"merged {checkpoint} into its base {adapter_base(checkpoint)}")
+    typer.echo(str(path))
+
+
+def _with_lora(ctx: typer.Context, lora_rank: Optional[int]) -> dict:
+    """The group's options, with a subcommand's --lora-rank (which wins) in."""
+    o = dict(ctx.obj or {})
+    if lora_rank is not None:
+        o["lora_rank"] = lora_rank
+    return o
 
 
 def register(app: typer.Typer) -> None:

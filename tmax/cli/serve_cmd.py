@@ -25,7 +25,10 @@ def register(app: typer.Typer) -> None:
 
 
 def serve(
-    model: str = typer.Argument(DEFAULT_MODEL, help="HF model name or a local model dir (e.g. a tmax learn checkpoint)."),
+    model: str = typer.Argument(
+        DEFAULT_MODEL, help="HF model name or a local model dir (e.g. a tmax learn checkpoint; a LoRA checkpoint serves on its base)."),
+    lora: Optional[Path] = typer.Option(
+        None, "--lora", help="A LoRA adapter dir (PEFT format, e.g. a tmax learn LoRA checkpoint) served on MODEL under its own name."),
     port: int = typer.Option(8000, help="Port to listen on."),
     host: str = typer.Option("127.0.0.1", help="Address to bind (0.0.0.0 to serve other machines)."),
     served_model_name: Optional[str] = typer.Option(None, help="Model name clients send (default: MODEL or the dir name)."),
@@ -70,6 +73,7 @@ def serve(
         cpu_threads=cpu_threads,
         dev=dev,
         extra_args=list(vllm_arg or []),
+        lora=str(lora) if lora is not None else None,
     )
     try:
         cmd = build_command(spec)
@@ -82,7 +86,7 @@ def serve(
         typer.echo(cmd.shell())
         return
 
-    name = spec.served_model_name or Path(model).name
+    name = cmd.served_model_name
     log_path = log or Path.home() / ".cache" / "tmax" / "serve" / f"{name.replace('/', '_')}-{port}.log"
     server = VLLMServer(spec, log_path=log_path)
     for note in cmd.notes:

@@ -150,9 +150,11 @@ def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, train_dir: str, held_
     """One engine serving `start`: the held-out eval of it, RL on it, the held-out eval of
     RL's final checkpoint loaded into it. Fills `result` and `times`."""
     from tmax.training.cluster.actors import start_engines
+    from tmax.training.learner.lora import run_start
     from tmax.training.weights.learner_side import load_checkpoint
 
     t = time.monotonic()
+    start = run_start(cfg.lora, start, out / "rl", cfg.algo.seed)  # with LoRA: serve and train an adapter
     engine = start_engines(cfg, start, out / "rl")
     try:
         times["engine_start_s"] = time.monotonic() - t

@@ -34,6 +34,7 @@ from tmax.training.cluster.failover import group_member_died
 from tmax.training.cluster.launch import connect
 from tmax.training.config import LearnConfig, dump_toml
 from tmax.training.learner import checkpoint as ckpt
+from tmax.training.learner.lora import run_start
 from tmax.training.learner.packing import batch_samples
 from tmax.training.report import LearnProgress, MetricsSink, NoProgress, StepClock, reward_curve, rollout_metrics, run_summary, summary
 from tmax.training.rollback import RunGuard
@@ -51,14 +52,21 @@ def learner_config(cfg: LearnConfig):
     """The learner's `LearnerConfig` from the run's algo / rollout / run sections."""
     from tmax.training.algo.dppo import LossConfig
     from tmax.training.learner.learner import LearnerConfig
+    from tmax.training.learner.lora import LoraSpec
 
     a = cfg.algo
+    # Full fine-tuning keeps fp32 master weights. A LoRA learner's base is frozen: it is held
+    # in the dtype the engine serves it in (its adapter in fp32, PEFT's autocast).
+    lora_base = cfg.engine.dtype if cfg.engine.dtype in ("bfloat16", "float16") else "float32"
     return LearnerConfig(
         lr=a.lr, warmup_steps=a.warmup_steps, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_eps,
         weight_decay=a.weight_decay, max_grad_norm=a.grad_clip, temperature=cfg.rollout.temperature or 1.0,
-        pack_length=cfg.run.learner_pack_tokens or cfg.rollout.context_budget, dtype="float32", seed=a.seed, strategy=cfg.run.learner_strategy,
+        pack_length=cfg.run.learner_pack_tokens or cfg.rollout.context_budget,
+        dtype=lora_base if cfg.lora.enabled else "float32", seed=a.seed, strategy=cfg.run.learner_strategy,
+        gradient_checkpointing=cfg.run.gradient_checkpointing,
         loss=LossConfig(loss_fn=a.loss, divergence=a.divergence, delta=a.delta, clip_low=a.clip_low,
                         clip_high=a.clip_high),
+        lora=LoraSpec.of(cfg.lora),
     )
 
 
@@ -356,6 +364,7 @@ class Trainer:
             "time/step_total": now - c.train_started + c.wait_s,
             "time/weight_sync": sync_s,
             "time/weight_sync_call": sync_call_s,
+            "weights/sync_bytes": float(self.sync.payload.nbytes),  # per engine: an adapter's, or every weight
             "time/total": now - c.run_start,
             "episode": float(s.episodes),
             "infra/requeued": float(s.requeued),
@@ -457,6 +466,7 @@ def train(
                                  run_dir / "train_tasks.json", progress=progress.environments if progress else None)
     start_step, positions, resume_from = ckpt.resume_point(run_dir) if resume else (0, {}, None)
     model_dir = resume_from or model_dir  # the engines serve the checkpoint's weights
+    model_dir = run_start(cfg.lora, model_dir, run_dir, cfg.algo.seed)  # with LoRA: an adapter (a new one?)
     if start_step >= cfg.algo.steps:
         raise TrainingError(f"nothing to do: the run is at step {start_step} of {cfg.algo.steps}")
     stream = PromptStream(prepared.runnable, cfg.algo.seed, int(positions.get("prompt_position", 0)))

@@ -66,6 +66,9 @@ class ServeSpec:
     dev: bool = False
     extra_args: list[str] = field(default_factory=list)
     python: str = sys.executable
+    # A LoRA adapter directory (PEFT format) served on top of `model` under the served name;
+    # None, with `model` itself an adapter directory: that adapter on the base it names.
+    lora: str | None = None
 
 
 @dataclass
@@ -73,6 +76,7 @@ class ServeCommand:
     argv: list[str]
     env: dict[str, str]  # set on top of the caller's environment
     notes: list[str]  # choices made automatically, for the user
+    served_model_name: str = ""  # the name clients send (with an adapter: the adapter's)
 
     def shell(self) -> str:
         """One copy-pasteable shell line (what `tmax serve --dry-run` prints)."""
@@ -192,15 +196,39 @@ def _device_args(spec: ServeSpec, device: str, gpus: int, cfg: dict, max_len: in
     return args
 
 
+def _adapter(spec: ServeSpec, notes: list[str]) -> tuple[str, Path | None]:
+    """(the base model to load, the LoRA adapter directory or None) of `spec`."""
+    from tmax.training.weights.adapter import adapter_base, is_adapter_dir
+
+    if spec.lora is not None:
+        if not is_adapter_dir(spec.lora):
+            raise ValueError(f"--lora {spec.lora}: not a LoRA adapter directory (no adapter_config.json)")
+        return spec.model, Path(spec.lora).expanduser().resolve()
+    local = _local_dir(spec.model)
+    if local is not None and is_adapter_dir(local):
+        base = adapter_base(local)
+        notes.append(f"{local} is a LoRA adapter: serving it on its base model {base}")
+        return str(base), local.resolve()
+    return spec.model, None
+
+
 def build_command(spec: ServeSpec) -> ServeCommand:
+    from tmax.training.weights.adapter import lora_server_args
+
     notes: list[str] = []
     device, gpus = _device(spec)
-    local = _local_dir(spec.model)
-    if local is None and (spec.model.startswith((".", "/", "~")) or spec.model.count("/") > 1):
-        raise ValueError(f"model {spec.model!r} looks like a path but is not a directory")
-    model = str(local.resolve()) if local else spec.model
+    base, adapter = _adapter(spec, notes)
+    local = _local_dir(base)
+    if local is None and (base.startswith((".", "/", "~")) or base.count("/") > 1):
+        raise ValueError(f"model {base!r} looks like a path but is not a directory")
+    model = str(local.resolve()) if local else base
     cfg = _model_config(local) if local else {}
-    served = spec.served_model_name or (local.resolve().name if local else spec.model)
+    named = adapter or (local.resolve() if local else None)
+    served = spec.served_model_name or (named.name if named else base)
+    base_served = served
+    if adapter is not None:  # clients name the adapter; the base is listed beside it
+        base_served = local.resolve().name if local else base
+        base_served = f"{served}-base" if base_served == served else base_served
     max_len = _max_model_len(spec, cfg, notes)
 
     env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -219,15 +247,17 @@ def build_command(spec: ServeSpec) -> ServeCommand:
             # (benchmarks/engine_cpu.py).
             env["OMP_NUM_THREADS"] = str(spec.cpu_threads)
     argv = _launcher(spec, device, model) + [
-        "--served-model-name", served,
+        "--served-model-name", base_served,
         "--host", spec.host,
         "--port", str(spec.port),
         "--enable-auto-tool-choice",
-        "--tool-call-parser", spec.tool_call_parser or detect_tool_parser(spec.model),
+        "--tool-call-parser", spec.tool_call_parser or detect_tool_parser(base),
         "--max-model-len", str(max_len),
         "--max-logprobs", str(spec.max_logprobs),
     ]
     argv += _device_args(spec, device, gpus, cfg, max_len, notes)
+    if adapter is not None:
+        argv += lora_server_args(served, adapter)
     if spec.dev:
         env["VLLM_SERVER_DEV_MODE"] = "1"
         root = str(repo_root())
@@ -239,7 +269,7 @@ def build_command(spec: ServeSpec) -> ServeCommand:
             "--disable-uvicorn-access-log",
         ]
     argv += list(spec.extra_args)
-    return ServeCommand(argv=argv, env=env, notes=notes)
+    return ServeCommand(argv=argv, env=env, notes=notes, served_model_name=served)
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -285,8 +315,7 @@ class VLLMServer:
 
     @property
     def served_model_name(self) -> str:
-        argv = self.command.argv
-        return argv[argv.index("--served-model-name") + 1]
+        return self.command.served_model_name
 
     def start(self) -> None:
         if self.proc is not None:
