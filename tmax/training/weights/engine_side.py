@@ -32,6 +32,7 @@ is tagged with the older one (`training.inference.engine.VLLMSampler`), and coun
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import threading
@@ -127,7 +128,11 @@ class EngineWeights:
         path = (self.work_dir / "weights.safetensors" if self.adapter_start is None
                 else self.work_dir / ADAPTER_DIR / ADAPTER_WEIGHTS)
         if path.is_file() and version.is_file():
-            self.push_weights(load_file(str(path)), int(json.loads(version.read_text())["version"]))
+            v = int(json.loads(version.read_text())["version"])
+            self.push_weights(load_file(str(path)), v)
+            # Said where the engine's owner logs (a Ray actor's stderr reaches the driver's log).
+            logging.getLogger(__name__).warning("engine restarted: reloaded the last %s pushed, version %d",
+                                                "weights" if self.adapter_start is None else "adapter", v)
 
     # -- process-group transport -------------------------------------------------------
 
