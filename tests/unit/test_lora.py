@@ -12,16 +12,15 @@ import torch
 
 pytest.importorskip("peft")
 
-from test_learner import make_model_dir, sampled_batch  # noqa: E402
-from test_prefix_trie import rl_groups, sft_batch  # noqa: E402
+from tiny_learner import make_model_dir, max_diff, rl_groups, sampled_batch, sft_batch  # noqa: E402
 
 from tmax.common.errors import ConfigError  # noqa: E402
 from tmax.training.config import LearnConfig, preset  # noqa: E402
 from tmax.training.learner.learner import Learner, LearnerConfig  # noqa: E402
 from tmax.training.learner.lora import LoraSpec, init_adapter, merge, run_start  # noqa: E402
 from tmax.training.learner.sft import sft_loss  # noqa: E402
-from tmax.training.weights.adapter import (AdapterError, adapter_base, is_adapter_dir,  # noqa: E402
-                                           vllm_max_rank)
+from tmax.training.inference.serving import vllm_max_rank  # noqa: E402
+from tmax.training.weights.adapter import AdapterError, adapter_base, is_adapter_dir  # noqa: E402
 
 SPEC = LoraSpec(rank=4)
 # Adapter elements of the tiny model (hidden 64, 4 query and 2 KV heads of 32, MLP 128, 2
@@ -32,10 +31,6 @@ ADAPTER_NUMEL = 4 * 2 * (2 * 128 + 5 * 192)
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("tiny"))
-
-
-def _max_diff(a, b) -> float:
-    return max(abs(x - y) for u, v in zip(a, b) for x, y in zip(u, v))
 
 
 def _moved_adapter(learner: Learner, seed: int = 0) -> None:
@@ -74,7 +69,7 @@ def test_transport_and_vllm_rank():
     with pytest.raises(ConfigError, match="a LoRA adapter syncs through the object store"):
         resolve_transport("nccl", learner_on_cuda=True, adapter=True)
     assert [vllm_max_rank(r) for r in (1, 2, 8, 9, 64)] == [1, 8, 8, 16, 64]
-    with pytest.raises(AdapterError):
+    with pytest.raises(ValueError, match="above vLLM's largest"):
         vllm_max_rank(1024)
 
 
@@ -90,7 +85,7 @@ def test_only_the_adapter_trains_and_holds_optimizer_state(model_dir):
     before = learner.logprobs(samples)
     metrics = learner.train_step(samples)
     assert metrics["debug/dppo_mask_frac_kept"] == 1.0 and metrics["optim/grad_norm"] > 0
-    assert _max_diff(before, learner.logprobs(samples)) > 1e-3  # the policy moved
+    assert max_diff(before, learner.logprobs(samples)) > 1e-3  # the policy moved
     assert len(learner.optimizer.state) == len(learner.params)
     assert all(torch.equal(v, learner.model.state_dict()[k]) for k, v in frozen.items())  # base untouched
     # What the engines get: the adapter's tensors under adapter_model.safetensors' names.
@@ -128,11 +123,11 @@ def test_checkpoint_is_a_peft_adapter_that_resumes_rolls_back_and_merges(model_d
     want = learner.logprobs(samples)
     resumed = Learner.load(ckpt, LearnerConfig(lr=1e-2, lora=SPEC))
     assert resumed.step == 1 and resumed.extra == {"prompt_position": 3}
-    assert _max_diff(want, resumed.logprobs(samples)) == 0.0
+    assert max_diff(want, resumed.logprobs(samples)) == 0.0
     resumed.train_step(samples)  # away, then back: the collapse guard's rollback
-    assert _max_diff(want, resumed.logprobs(samples)) > 1e-4
+    assert max_diff(want, resumed.logprobs(samples)) > 1e-4
     resumed.restore(ckpt)
-    assert _max_diff(want, resumed.logprobs(samples)) == 0.0 and resumed.step == 1
+    assert max_diff(want, resumed.logprobs(samples)) == 0.0 and resumed.step == 1
     # An adapter of another rank does not continue this one.
     with pytest.raises(AdapterError, match="rank-4 adapter"):
         Learner(ckpt, LearnerConfig(lora=LoraSpec(rank=8)))
@@ -164,7 +159,7 @@ def test_a_run_starts_from_a_new_adapter_equal_to_its_base(model_dir, tmp_path):
         run_start(cfg.lora.model_copy(update={"rank": 4}), start, tmp_path, 0)
     samples = sampled_batch(model_dir)
     base = Learner(model_dir, LearnerConfig()).logprobs(samples)
-    assert _max_diff(base, Learner(start, LearnerConfig()).logprobs(samples)) == 0.0  # B = 0
+    assert max_diff(base, Learner(start, LearnerConfig()).logprobs(samples)) == 0.0  # B = 0
     again = init_adapter(model_dir, LoraSpec(rank=8), tmp_path / "again", seed=0)
     from safetensors.torch import load_file
 
@@ -224,46 +219,4 @@ def test_dropout_is_off_by_default_and_seeded_runs_repeat(model_dir):
     assert LoraSpec(rank=2).dropout == 0.0
     learner = Learner(model_dir, LearnerConfig(lora=SPEC))
     samples = sampled_batch(model_dir)
-    assert _max_diff(learner.logprobs(samples), learner.logprobs(samples)) == 0.0
-
-
-# ---- several learner ranks ----------------------------------------------------------------
-
-
-def _fsdp_lora_rank(rank: int, port: int, model_dir: str, data: str, out: str) -> None:
-    """One of two FSDP2 ranks training the adapter: a step on half the batch, the adapter's
-    tensors for the engines, a checkpoint."""
-    from tmax.training.learner import parallel as D
-
-    torch.set_num_threads(1)
-    ctx = D.init_learner_group(rank, 2, "127.0.0.1", port, backend="gloo", timeout_s=180)
-    learner = Learner(model_dir, LearnerConfig(lr=1e-2, lora=SPEC), D.data_parallel(ctx, "fsdp"))
-    samples = torch.load(data, weights_only=False)
-    metrics = learner.train_step(samples[:2] if rank == 0 else samples[2:])
-    weights = learner.named_weights()
-    learner.save(f"{out}/ckpt", step=1)
-    torch.save({"metrics": metrics, "weights": weights, "nbytes": learner.sync_nbytes()}, f"{out}/rank{rank}.pt")
-    D.destroy_learner_group()
-
-
-def test_two_fsdp_ranks_train_the_adapter_as_one_process(model_dir, tmp_path):
-    import torch.multiprocessing as mp
-
-    from tmax.training.net import free_port
-
-    samples = sampled_batch(model_dir)
-    torch.save(samples, tmp_path / "samples.pt")
-    mp.spawn(_fsdp_lora_rank, args=(free_port(), str(model_dir), str(tmp_path / "samples.pt"), str(tmp_path)),
-             nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
-    single = Learner(model_dir, LearnerConfig(lr=1e-2, lora=SPEC))
-    want = single.train_step(samples)
-    assert r0["metrics"]["optim/grad_norm"] == pytest.approx(want["optim/grad_norm"], rel=1e-4)
-    assert r1["weights"] == {} and r0["nbytes"] == single.sync_nbytes()  # rank 0 hands the engines the adapter
-    ref = single.named_weights()
-    assert set(r0["weights"]) == set(ref)
-    for k, v in ref.items():
-        torch.testing.assert_close(r0["weights"][k], v, rtol=0, atol=1e-6, msg=k)
-    assert is_adapter_dir(tmp_path / "ckpt")
-    resumed = Learner.load(tmp_path / "ckpt", LearnerConfig(lora=SPEC))
-    assert _max_diff(resumed.logprobs(samples), single.logprobs(samples)) < 1e-5
+    assert max_diff(learner.logprobs(samples), learner.logprobs(samples)) == 0.0

@@ -24,6 +24,8 @@ from typing import Any, Callable, Optional
 
 import typer
 
+from tmax.cli.extras import exit_if_extra_missing
+
 LORA_RANK = typer.Option(
     None, "--lora-rank", min=0, help="Train a LoRA adapter of this rank on the frozen model (lora.rank; 0: every weight).")
 
@@ -80,7 +82,8 @@ def _bad_input(e: Exception) -> None:
 
 
 def _call(work: Callable[[], Any]) -> Any:
-    """Run `work`; bad input exits 2, Ctrl-C 130, any other failure 1, each with its message."""
+    """Run `work`; bad input or a missing extra (`pip install 'tmax[train]'`) exits 2, Ctrl-C
+    130, any other failure 1, each with its message."""
     from tmax.common.errors import ConfigError
 
     try:
@@ -91,6 +94,7 @@ def _call(work: Callable[[], Any]) -> Any:
         _echo("interrupted; resume with --resume")
         raise typer.Exit(130)
     except Exception as e:  # noqa: BLE001 - shown to the user, with the kind of failure
+        exit_if_extra_missing(e, "tmax learn")
         typer.secho(f"tmax learn: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1)
 
@@ -108,7 +112,7 @@ def _log_step(step: int, metrics: dict) -> None:
 def learn(
     ctx: typer.Context,
     config: Optional[Path] = typer.Option(
-        None, "--config", "-c", help="TOML run config or a preset name: nano (default), nano-podman, tmax-9b."),
+        None, "--config", "-c", help="TOML run config or a preset name: nano (default), nano-podman, nano-lora, tmax-9b, tmax-9b-lora."),
     sandbox: Optional[str] = typer.Option(
         None, "--sandbox", "-e", help="Run every episode (rollouts, demos, held-out evals) in local, bwrap or podman."),
     image_map: Optional[list[str]] = typer.Option(
@@ -239,14 +243,10 @@ def merge(
     out: Path = typer.Option(..., "--out", "-o", help="Directory for the merged Hugging Face model."),
 ) -> None:
     """Merge a LoRA checkpoint into its base model: full Hugging Face weights that serve without LoRA."""
-    from tmax.training.learner.lora import merge as merge_adapter
-    from tmax.training.weights.adapter import adapter_base, is_adapter_dir
+    from tmax.training import entry
 
-    if not is_adapter_dir(checkpoint):
-        _bad_input(ValueError(f"merge: {checkpoint} is not a LoRA checkpoint (no adapter_config.json)"))
-    _call(lambda: adapter_base(checkpoint))  # a base that is not here: exit 2 before loading anything
-    path = _call(lambda: merge_adapter(checkpoint, out))
-    _echo(f"merged {checkpoint} into its base {adapter_base(checkpoint)}")
+    path, base = _call(lambda: entry.merge(checkpoint, out))
+    _echo(f"merged {checkpoint} into its base {base}")
     typer.echo(str(path))
 
 

@@ -22,15 +22,18 @@ import socket
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from pydantic import Field
+
 from tmax.common.proctree import end_process_tree, parent_death_hook
 from tmax.common.files import read_json
 from tmax.common.waiting import wait_until
+from tmax.training.engine_options import EngineOptions
 
 DEFAULT_MODEL = "allenai/tmax-9b"
 DEFAULT_MAX_MODEL_LEN = 65536
@@ -38,33 +41,30 @@ WORKER_EXTENSION = "tmax.training.weights.vllm_ext.WeightPushExtension"
 # Tiny local models (hidden size up to this) are served in float32 on CPU: bf16 there would
 # cost the exact logprob agreement with the fp32 trainer that RL relies on.
 _FP32_MAX_HIDDEN = 1024
+# The ranks vLLM's `--max-lora-rank` accepts (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class ServerError(RuntimeError):
     """The vLLM server could not be started or died (an infrastructure failure)."""
 
 
-@dataclass
-class ServeSpec:
+class ServeSpec(EngineOptions):
+    """One server: the model, where it listens, and its options (`EngineOptions`, with what
+    only a server started by name sets)."""
+
     model: str = DEFAULT_MODEL
     served_model_name: str | None = None  # default: the model name, or a local dir's name
     host: str = "127.0.0.1"
     port: int = 8000
     tool_call_parser: str | None = None  # default: from the model's chat template
-    max_model_len: int | None = None  # default: 65,536, capped at the model's positions
-    tensor_parallel_size: int | None = None  # default: the visible GPUs
-    device: str = "auto"  # auto | cpu | gpu
-    dtype: str = "auto"  # auto: float32 for tiny local models on CPU, else vLLM's choice
-    enforce_eager: bool | None = None  # default: on for CPU (starts faster, no compile cache)
-    kv_cache_gb: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE (GiB)
-    cpu_threads: int | None = None  # CPU only: the engine's torch threads (OMP_NUM_THREADS); None: vLLM's choice
-    gpu_memory_utilization: float | None = None
-    max_logprobs: int = 20
+    max_logprobs: int = Field(20, ge=1)
+    tensor_parallel_size: int | None = Field(None, ge=1)  # GPU only; default: the visible GPUs
+    data_parallel_size: int | None = Field(None, ge=1)  # GPU only; default: vLLM's (1)
     # Training setup: dev endpoints (/collective_rpc, /reset_prefix_cache), the weight-push
     # worker extension, logprobs after temperature, and no sampling defaults taken from the
     # model's generation_config (the sampler sets every parameter itself).
     dev: bool = False
-    extra_args: list[str] = field(default_factory=list)
     python: str = sys.executable
     # A LoRA adapter directory (PEFT format) served on top of `model` under the served name;
     # None, with `model` itself an adapter directory: that adapter on the base it names.
@@ -141,8 +141,6 @@ def _device(spec: ServeSpec) -> tuple[str, int]:
     device = spec.device
     if device == "auto":
         device = "gpu" if gpus > 0 else "cpu"
-    if device not in ("cpu", "gpu"):
-        raise ValueError(f"device must be auto, cpu or gpu, not {spec.device!r}")
     if device == "gpu" and gpus == 0:
         raise ServerError("device gpu was asked for, but no GPU is visible (CUDA_VISIBLE_DEVICES / nvidia-smi)")
     return device, gpus
@@ -169,15 +167,25 @@ def _launcher(spec: ServeSpec, device: str, model: str) -> list[str]:
     return [launcher, "serve", model] if launcher else module
 
 
+def _gpu_args(spec: ServeSpec, device: str, gpus: int) -> list[str]:
+    """Parallelism and memory flags: GPU only."""
+    if device != "gpu":
+        if spec.tensor_parallel_size not in (None, 1):
+            raise ValueError("tensor parallelism needs GPUs; on CPU use --tensor-parallel-size 1")
+        if spec.data_parallel_size not in (None, 1):
+            raise ValueError("data parallelism needs GPUs; on CPU use --data-parallel-size 1")
+        return []
+    args = ["--tensor-parallel-size", str(spec.tensor_parallel_size or gpus)]
+    if spec.data_parallel_size is not None:
+        args += ["--data-parallel-size", str(spec.data_parallel_size)]
+    if spec.gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
+    return args
+
+
 def _device_args(spec: ServeSpec, device: str, gpus: int, cfg: dict, max_len: int, notes: list[str]) -> list[str]:
-    """Parallelism, dtype, prefill and eager-mode flags for the device."""
-    args: list[str] = []
-    if device == "gpu":
-        args += ["--tensor-parallel-size", str(spec.tensor_parallel_size or gpus)]
-        if spec.gpu_memory_utilization is not None:
-            args += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
-    elif spec.tensor_parallel_size not in (None, 1):
-        raise ValueError("tensor parallelism needs GPUs; on CPU use --tensor-parallel-size 1")
+    """Parallelism, dtype, prefill, prefix-caching and eager-mode flags for the device."""
+    args = _gpu_args(spec, device, gpus)
     dtype = spec.dtype
     hidden = cfg.get("hidden_size")
     if dtype == "auto" and device == "cpu" and isinstance(hidden, int) and hidden <= _FP32_MAX_HIDDEN:
@@ -190,6 +198,8 @@ def _device_args(spec: ServeSpec, device: str, gpus: int, cfg: dict, max_len: in
         # each partial prefill, which a CPU generator cannot do, and the engine dies. A
         # weight sync preempts running requests, whose recompute would be chunked.
         args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_len, 2048))]
+    if spec.enable_prefix_caching is not None:
+        args.append("--enable-prefix-caching" if spec.enable_prefix_caching else "--no-enable-prefix-caching")
     eager = spec.enforce_eager if spec.enforce_eager is not None else device == "cpu"
     if eager:
         args.append("--enforce-eager")
@@ -212,9 +222,35 @@ def _adapter(spec: ServeSpec, notes: list[str]) -> tuple[str, Path | None]:
     return spec.model, None
 
 
-def build_command(spec: ServeSpec) -> ServeCommand:
-    from tmax.training.weights.adapter import lora_server_args
+def vllm_max_rank(rank: int) -> int:
+    """The smallest `--max-lora-rank` vLLM accepts that holds `rank`."""
+    for r in VLLM_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"LoRA rank {rank} is above vLLM's largest ({VLLM_LORA_RANKS[-1]})")
 
+
+def _lora_args(name: str, adapter: Path) -> list[str]:
+    """vLLM flags that serve `adapter` as model `name` on top of the base (one adapter slot)."""
+    from tmax.training.weights.adapter import adapter_config
+
+    rank = int(adapter_config(adapter)["r"])
+    return ["--enable-lora", "--max-lora-rank", str(vllm_max_rank(rank)), "--max-loras", "1",
+            "--lora-modules", f"{name}={adapter}"]
+
+
+def _served_names(spec: ServeSpec, base: str, local: Path | None, adapter: Path | None) -> tuple[str, str]:
+    """(the name clients send, the name the base model is served under). With an adapter,
+    clients name the adapter and the base is listed beside it under its own name."""
+    named = adapter or (local.resolve() if local else None)
+    served = spec.served_model_name or (named.name if named else base)
+    if adapter is None:
+        return served, served
+    base_served = local.resolve().name if local else base
+    return served, f"{served}-base" if base_served == served else base_served
+
+
+def build_command(spec: ServeSpec) -> ServeCommand:
     notes: list[str] = []
     device, gpus = _device(spec)
     base, adapter = _adapter(spec, notes)
@@ -223,19 +259,14 @@ def build_command(spec: ServeSpec) -> ServeCommand:
         raise ValueError(f"model {base!r} looks like a path but is not a directory")
     model = str(local.resolve()) if local else base
     cfg = _model_config(local) if local else {}
-    named = adapter or (local.resolve() if local else None)
-    served = spec.served_model_name or (named.name if named else base)
-    base_served = served
-    if adapter is not None:  # clients name the adapter; the base is listed beside it
-        base_served = local.resolve().name if local else base
-        base_served = f"{served}-base" if base_served == served else base_served
+    served, base_served = _served_names(spec, base, local, adapter)
     max_len = _max_model_len(spec, cfg, notes)
 
     env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     if local is not None:
         env["HF_HUB_OFFLINE"] = "1"
     if device == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(spec.kv_cache_gb))
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(spec.kv_cache_gb)))  # whole GiB
         env["HF_HUB_OFFLINE"] = "1"  # CPU machines here have no model hub
         # The engine core runs the model itself (vLLM's uniproc executor, as on one GPU)
         # instead of through a worker process of its own: one process fewer to start, the
@@ -257,7 +288,7 @@ def build_command(spec: ServeSpec) -> ServeCommand:
     ]
     argv += _device_args(spec, device, gpus, cfg, max_len, notes)
     if adapter is not None:
-        argv += lora_server_args(served, adapter)
+        argv += _lora_args(served, adapter)
     if spec.dev:
         env["VLLM_SERVER_DEV_MODE"] = "1"
         root = str(repo_root())

@@ -6,9 +6,10 @@ tmax's LoRA checkpoints are such directories plus the tokenizer files and the tr
 (`training.learner.lora`), so `tmax serve`, a training engine and `tmax run --tokens` take one
 wherever they take a model directory: the base comes from its config.
 
-A server with an adapter runs vLLM with LoRA on (`--enable-lora`, one adapter slot, the
-rank rounded up to one vLLM supports) and registers the adapter under its own name
-(`--lora-modules NAME=DIR`); the base stays listed under another. A training engine keeps
+A server with an adapter (`training.inference.serving`) runs vLLM with LoRA on
+(`--enable-lora`, one adapter slot, the rank rounded up to one vLLM supports) and registers
+the adapter under its own name (`--lora-modules NAME=DIR`); the base stays listed under
+another. A training engine keeps
 the adapter's id and loads each step's adapter in place of it (`vllm_ext.push_adapter`):
 only the adapter's tensors cross, as `adapter_model.safetensors` beside the start adapter's
 config (`write_adapter`).
@@ -31,8 +32,6 @@ if TYPE_CHECKING:
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# The ranks vLLM's `--max-lora-rank` accepts (vllm.config.lora.MaxLoRARanks).
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class AdapterError(ConfigError):
@@ -72,21 +71,6 @@ def adapter_base(path: str | Path) -> Path:
 def model_base(path: str | Path) -> Path:
     """The base model of a model or adapter directory: an adapter's base, else the directory."""
     return adapter_base(path) if is_adapter_dir(path) else Path(path).expanduser().resolve()
-
-
-def vllm_max_rank(rank: int) -> int:
-    """The smallest `--max-lora-rank` vLLM accepts that holds `rank`."""
-    for r in VLLM_LORA_RANKS:
-        if r >= rank:
-            return r
-    raise AdapterError(f"LoRA rank {rank} is above vLLM's largest ({VLLM_LORA_RANKS[-1]})")
-
-
-def lora_server_args(name: str, adapter: str | Path) -> list[str]:
-    """vLLM flags that serve `adapter` as model `name` on top of the base (one adapter slot)."""
-    rank = int(adapter_config(adapter)["r"])
-    return ["--enable-lora", "--max-lora-rank", str(vllm_max_rank(rank)), "--max-loras", "1",
-            "--lora-modules", f"{name}={Path(adapter).expanduser().resolve()}"]
 
 
 def copy_adapter(src: str | Path, dest: str | Path) -> Path:
