@@ -50,25 +50,19 @@ class TrainingError(RuntimeError):
 
 
 def learner_config(cfg: LearnConfig):
-    """The learner's `LearnerConfig` from the run's algo / rollout / run sections."""
+    """The learner's `LearnerConfig` from the run's algo / rollout / run / lora sections."""
     from tmax.training.algo.dppo import LossConfig
     from tmax.training.learner.learner import LearnerConfig
-    from tmax.training.learner.lora import LoraSpec
+    from tmax.training.learner.lora import LoraSpec, learner_dtype
 
     a = cfg.algo
-    # Full fine-tuning keeps fp32 master weights. A LoRA learner's base is frozen: it is held
-    # in the dtype the engine serves it in (its adapter in fp32, PEFT's autocast).
-    lora_base = cfg.engine.dtype if cfg.engine.dtype in ("bfloat16", "float16") else "float32"
     return LearnerConfig(
         lr=a.lr, warmup_steps=a.warmup_steps, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_eps,
         weight_decay=a.weight_decay, max_grad_norm=a.grad_clip, temperature=cfg.rollout.temperature or 1.0,
-        pack_length=cfg.run.learner_pack_tokens or cfg.rollout.context_budget,
-        dtype=lora_base if cfg.lora.enabled else "float32", seed=a.seed, strategy=cfg.run.learner_strategy,
-        gradient_checkpointing=cfg.run.gradient_checkpointing,
+        pack_length=cfg.run.learner_pack_tokens or cfg.rollout.context_budget, seed=a.seed, strategy=cfg.run.learner_strategy,
+        dtype=learner_dtype(cfg.lora, cfg.engine.dtype), gradient_checkpointing=cfg.run.gradient_checkpointing,
         loss=LossConfig(loss_fn=a.loss, divergence=a.divergence, delta=a.delta, clip_low=a.clip_low,
-                        clip_high=a.clip_high),
-        lora=LoraSpec.of(cfg.lora),
-    )
+                        clip_high=a.clip_high), lora=LoraSpec.of(cfg.lora))
 
 
 class PromptStream:
@@ -336,7 +330,6 @@ class Trainer:
         checkpoint every `checkpoint_every` steps and at the last."""
         import ray
 
-
         s, c, a = self.state, self.state.clock, self.cfg.algo
         metrics = ray.get(s.train_ref)  # a dead learner: see run()
         train_s = time.monotonic() - c.train_started
@@ -393,7 +386,6 @@ class Trainer:
         and rated-session positions a resumed run continues from."""
         import ray
 
-
         s = self.state
         path = ckpt.checkpoint_path(self.run_dir, step)
         extra = {"prompt_position": self.stream.position - len(s.groups) - len(s.ready), "config": self.cfg.name,
@@ -408,7 +400,6 @@ class Trainer:
         step (or of the update in flight, once it finishes); save them unless that step was
         just saved, so --resume continues from here."""
         import ray
-
 
         s = self.state
         self.bar.note(f"interrupted at step {s.step}: saving a checkpoint")
@@ -432,7 +423,6 @@ class Trainer:
 
     def result(self, setup_s: float, prepared: Any) -> RunResult:
         """Reward curve and summary.json of the finished run."""
-
         final = ckpt.latest_checkpoint(self.run_dir)
         metrics = self.run_dir / "metrics.jsonl"
         png = reward_curve(metrics, self.run_dir / "reward_curve.png")
@@ -476,8 +466,8 @@ def train(
         prepared = prepare_tasks(env_settings(cfg.rollout.sandbox, cfg.rollout.image_map), list_task_dirs(train_tasks),
                                  run_dir / "train_tasks.json", progress=progress.environments if progress else None)
     start_step, positions, resume_from = ckpt.resume_point(run_dir) if resume else (0, {}, None)
-    model_dir = resume_from or model_dir  # the engines serve the checkpoint's weights
-    model_dir = run_start(cfg.lora, model_dir, run_dir, cfg.algo.seed)  # with LoRA: an adapter (a new one?)
+    # The engines serve the checkpoint's weights; with LoRA, an adapter (a new one for a full model).
+    model_dir = run_start(cfg.lora, resume_from or model_dir, run_dir, cfg.algo.seed)
     if start_step >= cfg.algo.steps:
         raise TrainingError(f"nothing to do: the run is at step {start_step} of {cfg.algo.steps}")
     stream = PromptStream(prepared.runnable, cfg.algo.seed, int(positions.get("prompt_position", 0)))

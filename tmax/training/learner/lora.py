@@ -63,6 +63,13 @@ class LoraSpec:
                           base_model_name_or_path=str(Path(base_dir).resolve()))
 
 
+def learner_dtype(section: Any, engine_dtype: str) -> str:
+    """The dtype a learner holds its model in: fp32 master weights for full fine-tuning; with
+    `[lora]` on (`section`), the frozen base in the dtype the engine serves it in (bf16 / fp16,
+    else fp32), the adapter in fp32 (PEFT's autocast)."""
+    return engine_dtype if section.enabled and engine_dtype in ("bfloat16", "float16") else "float32"
+
+
 def start_dirs(model_dir: str | Path) -> tuple[Path, Path | None]:
     """(the base model directory, the adapter directory or None) of where a learner starts."""
     if is_adapter_dir(model_dir):
