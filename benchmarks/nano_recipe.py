@@ -74,6 +74,16 @@ def trainer_overhead(ckpt: str, samples: list, cfg, repeats: int = 3) -> dict:
             "batch_tokens": sum(len(s) for s in samples)}
 
 
+def sync_figures(metrics: Path) -> dict:
+    """Bytes each engine took per weight sync (the adapter's with LoRA, else every weight)
+    and the mean seconds of a sync, from the RL run's metrics."""
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
+    sizes = sorted({r["weights/sync_bytes"] for r in rows if "weights/sync_bytes" in r})
+    secs = [r["time/weight_sync"] for r in rows if "time/weight_sync" in r]
+    return {"sync_bytes_per_step": sizes[0] if len(sizes) == 1 else sizes,
+            "sync_s_mean": round(sum(secs) / len(secs), 4) if secs else None}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/bench-nano-recipe")
@@ -93,7 +103,8 @@ def main() -> None:
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     res = entry.recipe(cfg, out, progress=learn_progress(not args.json), log=log)
     ckpt = (res.get("rl") or {}).get("checkpoint")
-    samples = last_batch_samples(out / "rl", cfg) if ckpt else []
+    # The bare comparison is of full fine-tuning: a LoRA run's trainer step is not compared.
+    samples = last_batch_samples(out / "rl", cfg) if ckpt and not cfg.lora.enabled else []
     if samples:
         res.update(trainer_overhead(ckpt, samples, cfg))
     summary = {
@@ -107,6 +118,7 @@ def main() -> None:
         "trainer_step_s": res.get("trainer_step_s"),
         "bare_fwd_bwd_s": res.get("bare_fwd_bwd_s"),
         "rl_summary": (res.get("rl") or {}).get("summary"),
+        **sync_figures(out / "rl" / "metrics.jsonl"),
     }
     if args.json:
         print(json.dumps(summary))
@@ -118,6 +130,7 @@ def main() -> None:
     if samples:
         print(f"trainer step {summary['trainer_step_s']}s vs bare fwd/bwd {summary['bare_fwd_bwd_s']}s "
               f"(ratio {summary['trainer_overhead_ratio']})")
+    print(f"weight sync: {summary['sync_bytes_per_step']} bytes per step, {summary['sync_s_mean']} s on average")
     print(f"total {summary['minutes_total']} min")
 
 

@@ -44,6 +44,7 @@ fi
 "$VENV/bin/python" -c "import datasets, pyarrow" 2>/dev/null || "$VENV/bin/pip" install -q "datasets>=2.19" "pyarrow>=15"
 "$VENV/bin/python" -c "import pydantic_settings" 2>/dev/null || "$VENV/bin/pip" install -q "pydantic-settings>=2.3"
 "$VENV/bin/python" -c "import inotify_simple" 2>/dev/null || "$VENV/bin/pip" install -q "inotify-simple>=1.3"
+"$VENV/bin/python" -c "import peft" 2>/dev/null || "$VENV/bin/pip" install -q "peft>=0.21,<0.22"
 
 # Harbor (PyPI `harbor`, Python >= 3.12) in its own small venv: tests load tmax job directories
 # and ATIF trajectories with Harbor's own models. Skipped where no Python 3.12+ exists.

@@ -5,6 +5,8 @@ The "sampler" is a second copy of the weights loaded from disk, decoding token b
 a KV cache and recording the post-temperature logprob of each sampled token, with
 observation tokens fed in between turns (mask 0), as an inference engine does."""
 
+import random
+
 import torch
 
 from tmax.agents.policy import TokenTrace
@@ -76,3 +78,51 @@ def small_nano(root):
     build_nano_model(root / "base", seed=0, spec=NanoSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2))
     splits = write_splits(root / "tasks", 6, 2, seed=0)
     return AutoTokenizer.from_pretrained(root / "base"), splits, root
+
+
+def _turns(rng, n_turns, shared_first=None):
+    """A response: sampled turns (mask 1) with observations between (mask 0)."""
+    ids, mask = [], []
+    for t in range(n_turns):
+        turn = shared_first if (t == 0 and shared_first) else [rng.randrange(VOCAB) for _ in range(rng.randrange(3, 7))]
+        ids += turn
+        mask += [1] * len(turn)
+        if t < n_turns - 1:
+            obs = [rng.randrange(VOCAB) for _ in range(3)]
+            ids += obs
+            mask += [0] * len(obs)
+    return ids, mask
+
+
+def rl_groups(seed=0, groups=3, group_size=4):
+    """Groups sharing a system prompt, each its own task prompt; in each group two samples
+    share their first turn, one sample repeats another whole and one is another's head."""
+    rng = random.Random(seed)
+    system = [rng.randrange(VOCAB) for _ in range(24)]
+    samples = []
+    for g in range(groups):
+        prompt = system + [rng.randrange(VOCAB) for _ in range(8 + g)]
+        first = [rng.randrange(VOCAB) for _ in range(5)]
+        traces = [_turns(rng, 3, first if k < 2 else None) for k in range(group_size)]
+        traces[-1] = traces[0]  # an identical trajectory
+        ids, mask = traces[1]
+        traces.append((ids[:7], mask[:7]))  # the head of another trajectory
+        for k, (ids, mask) in enumerate(traces):
+            adv = [1.0, -1.0, 0.5, -0.5, 2.0][k % 5]
+            samples.append(TrainSample(TokenTrace(list(prompt), list(ids), [0.0] * len(ids), list(mask)), adv))
+    return samples
+
+
+def sft_batch(seed=1, n=5):
+    rng = random.Random(seed)
+    system = [rng.randrange(VOCAB) for _ in range(30)]
+    out = []
+    for _ in range(n):
+        ids, mask = _turns(rng, 2)
+        out.append(TrainSample(TokenTrace(system + [rng.randrange(VOCAB) for _ in range(6)], ids, [0.0] * len(ids), mask), 1.0))
+    return out
+
+
+def max_diff(a, b) -> float:
+    """The largest difference between two lists of per-sample logprob lists."""
+    return max(abs(x - y) for u, v in zip(a, b) for x, y in zip(u, v))

@@ -39,19 +39,22 @@ SET: dict[str, dict] = {
              "filter_zero_std": False, "active_sampling": False, "seed": 13},
     "engine": {"device": "gpu", "max_model_len": 1500, "dtype": "bfloat16", "enforce_eager": True,
                "enable_prefix_caching": False, "kv_cache_gb": 3.0, "cpu_threads": 1, "gpu_memory_utilization": 0.42, "extra_args": ["--seed", "5"], "startup_timeout_s": 77.0,
-               "weight_transport": "gloo", "weight_bucket_mb": 64.0, "weight_timeout_s": 55.0},
+               "weight_transport": "object_store", "weight_bucket_mb": 64.0, "weight_timeout_s": 55.0},
     "sft": {"epochs": 2.5, "lr": 1e-4, "batch_size": 3, "warmup_ratio": 0.1, "task_fraction": 0.5,
             "teacher_accuracy": 0.6, "torch_threads": 2},
     "eval": {"attempts": 3, "concurrency": 2, "temperature": 0.2, "max_steps": 8, "sandbox": "local", "harness": "terminus-2",
              "warm_ahead": 3},
     "run": {"out_dir": "runs/flow", "concurrency": 6, "rollout_workers": 3, "slots_per_worker": 2,
             "checkpoint_every": 4, "keep_checkpoints": 5, "wandb": True, "wandb_project": "flow",
-            "tensorboard": True, "torch_threads": 2, "learner_strategy": "replicate", "learner_pack_tokens": 5000},
+            "tensorboard": True, "torch_threads": 2, "learner_strategy": "replicate", "learner_pack_tokens": 5000,
+            "gradient_checkpointing": True},
     "cluster": {"nodes": 3, "gpus_per_node": 4, "train_nodes": 2, "tp": 2, "learners_per_node": 2,
                 "engines_per_node": 1, "address": "10.0.0.1:6379", "num_cpus": 3},
     "guard": {"enabled": True, "window": 5, "min_history": 3, "mad_k": 3.0, "min_policy_alarms": 2, "patience": 2,
               "max_infra_rate": 0.4, "min_episodes": 3, "stall_groups": 7, "confirm_steps": 3, "remedy": "skip_batch", "lr_factor": 0.3,
               "group_factor": 3, "max_rollbacks": 5},
+    # LoRA syncs through the object store only (engine.weight_transport above).
+    "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.05, "target_modules": ["q_proj", "v_proj"]},
 }
 
 # Keys read inside code that needs Ray, a server or a whole run: (module, attribute read).
@@ -172,6 +175,12 @@ def _arrivals(cfg: LearnConfig, d: dict) -> dict[str, list[tuple[object, object]
         "engine.startup_timeout_s": [(d["engine_kwargs"]["startup_timeout_s"], e.startup_timeout_s)],
         "run.learner_strategy": [(learner.strategy, cfg.run.learner_strategy)],
         "run.learner_pack_tokens": [(learner.pack_length, cfg.run.learner_pack_tokens)],
+        "run.gradient_checkpointing": [(learner.gradient_checkpointing, cfg.run.gradient_checkpointing)],
+        # The learner's adapter (training.learner.lora.LoraSpec), its base in the engine's dtype.
+        "lora.rank": [(learner.lora.rank, cfg.lora.rank), (learner.dtype, e.dtype)],
+        "lora.alpha": [(learner.lora.alpha, cfg.lora.alpha)],
+        "lora.dropout": [(learner.lora.dropout, cfg.lora.dropout)],
+        "lora.target_modules": [(list(learner.lora.target_modules), cfg.lora.target_modules)],
         # The placement plan of a `[cluster]` section (training.cluster.placement.plan_for).
         "cluster.nodes": [(plan.nodes, c.nodes)],
         "cluster.gpus_per_node": [(plan.gpus_per_node, c.gpus_per_node)],

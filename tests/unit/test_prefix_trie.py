@@ -7,14 +7,13 @@ import random
 import pytest
 import torch
 
-from tmax.agents.policy import TokenTrace
 from tmax.training.algo.dppo import LossConfig, policy_loss
 from tmax.training.algo.prefix_trie import build_trie, pack_by_prefix, shared_prefix_len
 from tmax.training.learner.learner import Learner, LearnerConfig
-from tmax.training.learner.packing import TrainSample, build_pack, pack_samples
+from tmax.training.learner.packing import build_pack, pack_samples
 from tmax.training.learner.sft import sft_loss
 
-from tiny_learner import VOCAB, make_model_dir
+from tiny_learner import VOCAB, make_model_dir, rl_groups, sft_batch
 
 # ------------------------------------------------------------------ the trie alone
 
@@ -83,49 +82,6 @@ def test_pack_by_prefix_keeps_each_pack_within_its_node_budget():
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("tiny-trie"))
-
-
-def _turns(rng, n_turns, shared_first=None):
-    """A response: sampled turns (mask 1) with observations between (mask 0)."""
-    ids, mask = [], []
-    for t in range(n_turns):
-        turn = shared_first if (t == 0 and shared_first) else [rng.randrange(VOCAB) for _ in range(rng.randrange(3, 7))]
-        ids += turn
-        mask += [1] * len(turn)
-        if t < n_turns - 1:
-            obs = [rng.randrange(VOCAB) for _ in range(3)]
-            ids += obs
-            mask += [0] * len(obs)
-    return ids, mask
-
-
-def rl_groups(seed=0, groups=3, group_size=4):
-    """Groups sharing a system prompt, each its own task prompt; in each group two samples
-    share their first turn, one sample repeats another whole and one is another's head."""
-    rng = random.Random(seed)
-    system = [rng.randrange(VOCAB) for _ in range(24)]
-    samples = []
-    for g in range(groups):
-        prompt = system + [rng.randrange(VOCAB) for _ in range(8 + g)]
-        first = [rng.randrange(VOCAB) for _ in range(5)]
-        traces = [_turns(rng, 3, first if k < 2 else None) for k in range(group_size)]
-        traces[-1] = traces[0]  # an identical trajectory
-        ids, mask = traces[1]
-        traces.append((ids[:7], mask[:7]))  # the head of another trajectory
-        for k, (ids, mask) in enumerate(traces):
-            adv = [1.0, -1.0, 0.5, -0.5, 2.0][k % 5]
-            samples.append(TrainSample(TokenTrace(list(prompt), list(ids), [0.0] * len(ids), list(mask)), adv))
-    return samples
-
-
-def sft_batch(seed=1, n=5):
-    rng = random.Random(seed)
-    system = [rng.randrange(VOCAB) for _ in range(30)]
-    out = []
-    for _ in range(n):
-        ids, mask = _turns(rng, 2)
-        out.append(TrainSample(TokenTrace(system + [rng.randrange(VOCAB) for _ in range(6)], ids, [0.0] * len(ids), mask), 1.0))
-    return out
 
 
 def per_sample(model_dir, samples, temperature, loss_fn):

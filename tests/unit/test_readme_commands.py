@@ -64,6 +64,8 @@ RUN_BY: dict[str, str] = {
     "tmax learn nano -c nano-podman": "tests/integration/test_learn_podman.py::test_podman_rl_run_uses_containers_and_learns_from_their_verifier",
     "tmax learn -c my.toml -e podman --image-map ubuntu:24.04=localhost/my-ubuntu:24.04":
         "tests/integration/test_loop.py::test_podman_preset_and_cli_sandbox_override",
+    "tmax learn nano --lora-rank 8": "tests/integration/test_lora_learn.py::test_learn_nano_with_lora_rank_trains_an_adapter",
+    "tmax learn merge CKPT -o merged": "tests/integration/test_lora_learn.py::test_learn_nano_with_lora_rank_trains_an_adapter",
     "tmax learn --nodes 8 --dry-run": "tests/integration/test_learn_cli.py::test_dry_run_for_eight_nodes_writes_the_whole_run",
     "tmax data generate -o data/mine -N 100 --base-url http://127.0.0.1:8000/v1 -m MODEL --kind rl_v2 --seed 0 -n 8":
         "tests/integration/test_data_generate.py::test_generate_20_tasks_with_broken_gates",

@@ -164,10 +164,11 @@ class ChatPolicy:
 
     def _server_window(self) -> int | None:
         try:
-            for m in self.client.with_options(timeout=10).models.list():
-                if m.id == self.model:
-                    value = (m.model_extra or {}).get("max_model_len")
-                    return int(value) if value else None
+            cards = {m.id: m.model_extra or {} for m in self.client.with_options(timeout=10).models.list()}
+            card = cards.get(self.model, {})
+            # A LoRA adapter's card has none: the window is its base model's (`parent`).
+            value = card.get("max_model_len") or cards.get(card.get("parent"), {}).get("max_model_len")
+            return int(value) if value else None
         except (openai.OpenAIError, ValueError, TypeError):
             pass  # not every server lists its models: the error messages are the fallback
         return None

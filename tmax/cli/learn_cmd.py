@@ -8,6 +8,8 @@
     tmax learn report RUN_DIR       a run's summary and the collapse guard's events
     tmax learn --nodes N            the same run spread over N Ray nodes (--dry-run: the plan,
                                     the run's whole config and an sbatch script, without Ray)
+    tmax learn --lora-rank R        train a LoRA adapter of rank R (also after `sft` and `nano`)
+    tmax learn merge CKPT -o DIR    a LoRA checkpoint merged into full Hugging Face weights
 
 This module parses flags into config settings and calls `training.entry`; the work and the
 Ray cluster are there.
@@ -24,6 +26,9 @@ import typer
 
 from tmax.cli.extras import exit_if_extra_missing
 
+LORA_RANK = typer.Option(
+    None, "--lora-rank", min=0, help="Train a LoRA adapter of this rank on the frozen model (lora.rank; 0: every weight).")
+
 learn_app = typer.Typer(
     help="Train the agent with DPPO (RL) on Ray; `tmax learn nano` runs the whole CPU recipe.",
     invoke_without_command=True,
@@ -38,7 +43,8 @@ def _flag_settings(o: dict) -> dict:
             ("cluster", "nodes"): "nodes", ("cluster", "gpus_per_node"): "gpus_per_node",
             ("cluster", "train_nodes"): "train_nodes", ("cluster", "tp"): "tp",
             ("cluster", "learners_per_node"): "learners_per_node",
-            ("cluster", "engines_per_node"): "engines_per_node", ("cluster", "address"): "address"}
+            ("cluster", "engines_per_node"): "engines_per_node", ("cluster", "address"): "address",
+            ("lora", "rank"): "lora_rank"}
     over: dict = {}
     for (section, key), flag in keys.items():
         value = o.get(flag)
@@ -106,7 +112,7 @@ def _log_step(step: int, metrics: dict) -> None:
 def learn(
     ctx: typer.Context,
     config: Optional[Path] = typer.Option(
-        None, "--config", "-c", help="TOML run config or a preset name: nano (default), nano-podman, tmax-9b."),
+        None, "--config", "-c", help="TOML run config or a preset name: nano (default), nano-podman, nano-lora, tmax-9b, tmax-9b-lora."),
     sandbox: Optional[str] = typer.Option(
         None, "--sandbox", "-e", help="Run every episode (rollouts, demos, held-out evals) in local, bwrap or podman."),
     image_map: Optional[list[str]] = typer.Option(
@@ -134,6 +140,7 @@ def learn(
     from_runs: Optional[Path] = typer.Option(
         None, "--from-runs", help="Also train on rated `tmax run --tokens` sessions under DIR, as single-sample groups (A = R - 0.5)."),
     runs_per_step: int = typer.Option(1, "--runs-per-step", min=1, help="With --from-runs: rated sessions added to each step."),
+    lora_rank: Optional[int] = LORA_RANK,
 ) -> None:
     """Run DPPO. With no config: the nano recipe's RL stage."""
     o = dict(ctx.params)
@@ -193,11 +200,12 @@ def sft(
     ctx: typer.Context,
     from_runs: Optional[Path] = typer.Option(
         None, "--from-runs", help="Fine-tune on the accepted `tmax run --tokens` sessions under DIR instead (into OUT/sft-runs)."),
+    lora_rank: Optional[int] = LORA_RANK,
 ) -> None:
     """SFT warm start on teacher trajectories played through the harness (sft.teacher_accuracy 1 = the oracle)."""
     from tmax.training import entry
 
-    o = ctx.obj or {}
+    o = _with_lora(ctx, lora_rank)
     cfg = _config(o)
     run_dir = _out(cfg, o.get("out"))
     if from_runs is not None:
@@ -211,12 +219,13 @@ def sft(
 def nano(
     ctx: typer.Context,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with the results."),
+    lora_rank: Optional[int] = LORA_RANK,
 ) -> None:
     """The whole nano recipe: build -> SFT -> held-out eval -> DPPO -> held-out eval."""
     from tmax.cli.progress import learn_progress
     from tmax.training import entry
 
-    o = ctx.obj or {}
+    o = _with_lora(ctx, lora_rank)
     cfg = _config(o)
     run_dir = _out(cfg, o.get("out"))
     bars = learn_progress(o.get("progress", True) and not as_json)
@@ -226,6 +235,27 @@ def nano(
     else:
         _echo(f"held-out pass rate: SFT {res.get('sft_pass_rate', 0):.1%} -> RL {res.get('rl_pass_rate', 0):.1%}; "
               f"{res['minutes_total']:.1f} min total; {run_dir / 'recipe.json'}")
+
+
+@learn_app.command("merge")
+def merge(
+    checkpoint: Path = typer.Argument(..., help="A LoRA checkpoint (an adapter directory written by `tmax learn`)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for the merged Hugging Face model."),
+) -> None:
+    """Merge a LoRA checkpoint into its base model: full Hugging Face weights that serve without LoRA."""
+    from tmax.training import entry
+
+    path, base = _call(lambda: entry.merge(checkpoint, out))
+    _echo(f"merged {checkpoint} into its base {base}")
+    typer.echo(str(path))
+
+
+def _with_lora(ctx: typer.Context, lora_rank: Optional[int]) -> dict:
+    """The group's options, with a subcommand's --lora-rank (which wins) in."""
+    o = dict(ctx.obj or {})
+    if lora_rank is not None:
+        o["lora_rank"] = lora_rank
+    return o
 
 
 def register(app: typer.Typer) -> None:

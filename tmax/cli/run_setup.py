@@ -45,9 +45,15 @@ def discover_model(base_url: str, api_key: str) -> str:
         f"or `model = \"...\"` in the config file {config_path()}."
     )
     try:
-        ids = [m.id for m in OpenAI(base_url=base_url, api_key=api_key, timeout=10, max_retries=0).models.list()]
+        models = list(OpenAI(base_url=base_url, api_key=api_key, timeout=10, max_retries=0).models.list())
     except Exception as e:  # any failure here means: ask the user to name the model
         raise ConfigError(f"no model given, and listing the models at {base_url} failed ({type(e).__name__}: {e}). {how}") from e
+    ids = [m.id for m in models]
+    # A LoRA server (`tmax serve --lora`) lists its base and the adapter (whose `parent` is
+    # the base): the adapter is what it was started to serve.
+    adapters = [m.id for m in models if (m.model_extra or {}).get("parent")]
+    if len(adapters) == 1:
+        return adapters[0]
     if len(ids) != 1:
         raise ConfigError(f"no model given, and {base_url} serves {len(ids)} models ({', '.join(ids) or 'none'}). {how}")
     return ids[0]

@@ -28,7 +28,9 @@ def _model_card(base_url: str, model: str, api_key: str | None) -> dict[str, Any
         raise ConfigError(f"--tokens: could not list the models at {url}: {e}") from e
     for card in cards:
         if card.get("id") == model:
-            return card
+            # A LoRA adapter's card has no context length: its base model's (`parent`) holds.
+            parent = next((c for c in cards if card.get("parent") and c.get("id") == card["parent"]), {})
+            return card if card.get("max_model_len") else card | {"max_model_len": parent.get("max_model_len")}
     raise ConfigError(f"--tokens: {url} does not serve {model!r} (it serves {[c.get('id') for c in cards]})")
 
 

@@ -27,7 +27,10 @@ def register(app: typer.Typer) -> None:
 
 def serve(
     ctx: typer.Context,
-    model: str = typer.Argument(DEFAULT_MODEL, help="HF model name or a local model dir (e.g. a tmax learn checkpoint)."),
+    model: str = typer.Argument(
+        DEFAULT_MODEL, help="HF model name or a local model dir (e.g. a tmax learn checkpoint; a LoRA checkpoint serves on its base)."),
+    lora: Optional[str] = typer.Option(
+        None, "--lora", help="A LoRA adapter dir (PEFT format, e.g. a tmax learn LoRA checkpoint) served on MODEL under its own name."),
     port: int = typer.Option(8000, help="Port to listen on."),
     host: str = typer.Option("127.0.0.1", help="Address to bind (0.0.0.0 to serve other machines)."),
     served_model_name: Optional[str] = typer.Option(None, help="Model name clients send (default: MODEL or the dir name)."),
@@ -88,7 +91,7 @@ def serve(
         return
     require("tmax serve", "vllm")
 
-    name = spec.served_model_name or Path(model).name
+    name = cmd.served_model_name
     log_path = log or Path.home() / ".cache" / "tmax" / "serve" / f"{name.replace('/', '_')}-{port}.log"
     server = VLLMServer(spec, log_path=log_path)
     for note in cmd.notes:

@@ -17,13 +17,14 @@ import sys
 # top-level module -> the extra that brings it
 EXTRA_OF = {
     "torch": "train", "transformers": "train", "tokenizers": "train", "safetensors": "train", "ray": "train",
+    "peft": "train",
     "vllm": "vllm", "datasets": "data", "pyarrow": "data", "matplotlib": "bench",
     "wandb": "tracking", "tensorboard": "tracking",
     "jinja2": "train",  # chat templates for `tmax run --tokens`; torch brings it
 }
 # What work of an extra imports in the process that runs the command: checked before it starts.
 PACKAGES: dict[str, tuple[str, ...]] = {
-    "train": ("torch", "transformers", "safetensors", "ray"),
+    "train": ("torch", "transformers", "safetensors", "ray", "peft"),
 }
 
 

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
+import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
 
 
 def write_json_atomic(path: Path, obj: Any, indent: int | None = 2) -> None:
@@ -35,6 +39,25 @@ def write_text_atomic(path: Path, text: str) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def write_dir_atomic(dest: Path, make: Callable[[Path], T]) -> T:
+    """`make` a directory beside `dest` (it is handed the path, which does not exist yet),
+    then rename it to `dest`, replacing what was there: a reader, or a later run that trusts
+    the directory, never sees half of one. Returns what `make` returned."""
+    dest = Path(dest)
+    tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
+    old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex[:8]}")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        result = make(tmp)
+        if dest.exists():
+            os.replace(dest, old)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return result
 
 
 def read_json(path: Path) -> Any:

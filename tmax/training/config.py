@@ -1,9 +1,10 @@
-"""Run configuration for `tmax learn`: one pydantic model, TOML files, three presets.
+"""Run configuration for `tmax learn`: one pydantic model, TOML files, five presets.
 
 `nano` is the CPU recipe (tiny model, generated tasks, local sandboxes), `nano-podman`
 the same with every episode in a podman container; `tmax-9b` is the paper's setting
 (8 prompts x 32 samples, 500 steps, delta 0.1, LR 1e-6, 65,536 / 16,384 tokens, 64 tool
-calls, temperature 1.0, async 4). All ship as TOML under
+calls, temperature 1.0, async 4). `nano-lora` and `tmax-9b-lora` train a LoRA adapter
+(`[lora]`) instead, the latter on one GPU. All ship as TOML under
 `training/configs/`; a user file is validated against the same model, so a typo in a
 key is an error rather than a silently ignored setting.
 
@@ -31,7 +32,7 @@ from tmax.sandbox.base import SandboxKind
 from tmax.training.engine_options import EngineOptions, MemoryShare, ModelLen
 
 CONFIG_DIR = Path(__file__).parent / "configs"
-PRESETS = ("nano", "nano-podman", "tmax-9b")
+PRESETS = ("nano", "nano-podman", "nano-lora", "tmax-9b", "tmax-9b-lora")
 ENV_PREFIX = "TMAX_LEARN_"
 
 
@@ -213,6 +214,9 @@ class RunConfig(_Strict):
     # a prompt its samples share counts once, so a larger budget shares more. None: the
     # rollout's context_budget (one longest sample).
     learner_pack_tokens: int | None = Field(None, ge=2)
+    # Recompute each decoder layer's activations in backward instead of keeping them: the
+    # learner's activation memory of a long sample drops to one hidden state per layer.
+    gradient_checkpointing: bool = False
 
     @model_validator(mode="after")
     def _pool_covers_concurrency(self) -> "RunConfig":
@@ -243,6 +247,28 @@ class ClusterConfig(_Strict):
     address: str | None = None
     # Logical CPUs of every Ray node tmax starts (None: the machine's cores).
     num_cpus: int | None = Field(None, ge=1)
+# ---- LoRA (`[lora]`): train a low-rank adapter instead of every weight --------------------
+# The attention and MLP projections of a Qwen-style decoder layer.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(_Strict):
+    """LoRA through PEFT (`training.learner.lora`): `rank` > 0 trains an adapter of that rank
+    on `target_modules` (the base weights stay frozen and hold no optimizer state), and the
+    engines serve base + adapter, taking only the adapter after each step. 0: full
+    fine-tuning. Dropout stays 0 for RL: it would make the trainer's logprobs differ from
+    the sampler's, which DPPO's trust region measures against."""
+
+    rank: int = Field(0, ge=0)
+    alpha: float = Field(16.0, gt=0)  # the adapter's output is scaled by alpha / rank
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class GuardConfig(_Strict):
     """The collapse guard (`training.guard` detects, `training.rollback` acts): on a
     detected collapse the step is dropped, the run goes back to its last checkpoint marked
@@ -291,6 +317,14 @@ class LearnConfig(_Strict):
     run: RunConfig = Field(default_factory=RunConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     guard: GuardConfig = Field(default_factory=GuardConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+
+    @model_validator(mode="after")
+    def _adapter_transport(self) -> "LearnConfig":
+        if self.lora.enabled and self.engine.weight_transport in ("gloo", "nccl"):
+            raise ValueError("lora.rank > 0 syncs the adapter through the object store (megabytes, not the "
+                             "model): set engine.weight_transport to auto or object_store")
+        return self
 
     @model_validator(mode="after")
     def _budgets_consistent(self) -> "LearnConfig":

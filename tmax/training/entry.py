@@ -9,6 +9,7 @@ tests call these functions with a resolved `LearnConfig` (`training.config.resol
                              held-out eval -> RL -> held-out eval
     dry_run(cfg, out)        `tmax learn --nodes N --dry-run`: the plan, the run's whole
                              config and an sbatch script that runs it
+    merge(ckpt, out)         `tmax learn merge`: a LoRA checkpoint into full HF weights
 
 Ray is started (or joined) in one place, `training.cluster.session.ray_session`, per the
 config's `[cluster]` section; a run with `cluster.nodes` gets its placement groups there.
@@ -178,11 +179,13 @@ def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, train_dir: str, held_
     """One engine serving `start`: the held-out eval of it, RL on it, the held-out eval of
     RL's final checkpoint loaded into it. Fills `result` and `times`."""
     from tmax.training.cluster.actors import start_engines
+    from tmax.training.learner.lora import run_start
     from tmax.training.loop import train
     from tmax.training.recipe import heldout_eval
     from tmax.training.weights.learner_side import load_checkpoint
 
     t = time.monotonic()
+    start = run_start(cfg.lora, start, out / "rl", cfg.algo.seed)  # with LoRA: serve and train an adapter
     engine = start_engines(cfg, start, out / "rl")
     try:
         times["engine_start_s"] = time.monotonic() - t
@@ -209,6 +212,21 @@ def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, train_dir: str, held_
         # Also on failure: the engine actor owns a vLLM server that must not outlive the run.
         engine.close()
         engine.kill()
+
+
+def merge(checkpoint: Path, out: Path) -> tuple[Path, Path]:
+    """A LoRA checkpoint merged into its base model's weights in `out`; returns (out, the
+    base). A directory that is no adapter, or whose base is not here, is a `ConfigError`
+    before anything is loaded."""
+    from tmax.training.weights.adapter import adapter_base, is_adapter_dir
+
+    if not is_adapter_dir(checkpoint):
+        raise ConfigError(f"merge: {checkpoint} is not a LoRA checkpoint (no adapter_config.json)")
+    base = adapter_base(checkpoint)
+    require_extra("train")
+    from tmax.training.learner.lora import merge as merge_adapter
+
+    return merge_adapter(checkpoint, out), base
 
 
 def dry_run(cfg: LearnConfig, out: Path) -> str:

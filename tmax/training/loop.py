@@ -34,6 +34,7 @@ from tmax.training.cluster.actors import Actors, EngineGroup, start_actors
 from tmax.training.cluster.launch import connect
 from tmax.training.config import LearnConfig, dump_toml
 from tmax.training.learner import checkpoint as ckpt
+from tmax.training.learner.lora import run_start
 from tmax.training.learner.packing import batch_samples
 from tmax.training.liveness import group_member_died
 from tmax.training.report import LearnProgress, MetricsSink, NoProgress, StepClock, reward_curve, rollout_metrics, run_summary, summary
@@ -49,18 +50,19 @@ class TrainingError(RuntimeError):
 
 
 def learner_config(cfg: LearnConfig):
-    """The learner's `LearnerConfig` from the run's algo / rollout / run sections."""
+    """The learner's `LearnerConfig` from the run's algo / rollout / run / lora sections."""
     from tmax.training.algo.dppo import LossConfig
     from tmax.training.learner.learner import LearnerConfig
+    from tmax.training.learner.lora import LoraSpec, learner_dtype
 
     a = cfg.algo
     return LearnerConfig(
         lr=a.lr, warmup_steps=a.warmup_steps, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_eps,
         weight_decay=a.weight_decay, max_grad_norm=a.grad_clip, temperature=cfg.rollout.temperature or 1.0,
-        pack_length=cfg.run.learner_pack_tokens or cfg.rollout.context_budget, dtype="float32", seed=a.seed, strategy=cfg.run.learner_strategy,
+        pack_length=cfg.run.learner_pack_tokens or cfg.rollout.context_budget, seed=a.seed, strategy=cfg.run.learner_strategy,
+        dtype=learner_dtype(cfg.lora, cfg.engine.dtype), gradient_checkpointing=cfg.run.gradient_checkpointing,
         loss=LossConfig(loss_fn=a.loss, divergence=a.divergence, delta=a.delta, clip_low=a.clip_low,
-                        clip_high=a.clip_high),
-    )
+                        clip_high=a.clip_high), lora=LoraSpec.of(cfg.lora))
 
 
 class PromptStream:
@@ -328,7 +330,6 @@ class Trainer:
         checkpoint every `checkpoint_every` steps and at the last."""
         import ray
 
-
         s, c, a = self.state, self.state.clock, self.cfg.algo
         metrics = ray.get(s.train_ref)  # a dead learner: see run()
         train_s = time.monotonic() - c.train_started
@@ -367,6 +368,7 @@ class Trainer:
             "time/step_total": now - c.train_started + c.wait_s,
             "time/weight_sync": sync_s,
             "time/weight_sync_call": sync_call_s,
+            "weights/sync_bytes": float(self.sync.payload.nbytes),  # per engine: an adapter's, or every weight
             "time/total": now - c.run_start,
             "episode": float(s.episodes),
             "infra/requeued": float(s.requeued),
@@ -384,7 +386,6 @@ class Trainer:
         and rated-session positions a resumed run continues from."""
         import ray
 
-
         s = self.state
         path = ckpt.checkpoint_path(self.run_dir, step)
         extra = {"prompt_position": self.stream.position - len(s.groups) - len(s.ready), "config": self.cfg.name,
@@ -399,7 +400,6 @@ class Trainer:
         step (or of the update in flight, once it finishes); save them unless that step was
         just saved, so --resume continues from here."""
         import ray
-
 
         s = self.state
         self.bar.note(f"interrupted at step {s.step}: saving a checkpoint")
@@ -423,7 +423,6 @@ class Trainer:
 
     def result(self, setup_s: float, prepared: Any) -> RunResult:
         """Reward curve and summary.json of the finished run."""
-
         final = ckpt.latest_checkpoint(self.run_dir)
         metrics = self.run_dir / "metrics.jsonl"
         png = reward_curve(metrics, self.run_dir / "reward_curve.png")
@@ -467,7 +466,8 @@ def train(
         prepared = prepare_tasks(env_settings(cfg.rollout.sandbox, cfg.rollout.image_map), list_task_dirs(train_tasks),
                                  run_dir / "train_tasks.json", progress=progress.environments if progress else None)
     start_step, positions, resume_from = ckpt.resume_point(run_dir) if resume else (0, {}, None)
-    model_dir = resume_from or model_dir  # the engines serve the checkpoint's weights
+    # The engines serve the checkpoint's weights; with LoRA, an adapter (a new one for a full model).
+    model_dir = run_start(cfg.lora, resume_from or model_dir, run_dir, cfg.algo.seed)
     if start_step >= cfg.algo.steps:
         raise TrainingError(f"nothing to do: the run is at step {start_step} of {cfg.algo.steps}")
     stream = PromptStream(prepared.runnable, cfg.algo.seed, int(positions.get("prompt_position", 0)))

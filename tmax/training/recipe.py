@@ -24,14 +24,11 @@ tasks/, and SFT when sft/sft.json exists), so each is written whole or not at al
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-from tmax.common.files import write_text_atomic
+from tmax.common.files import write_dir_atomic, write_text_atomic
 from tmax.training.config import LearnConfig
 from tmax.training.loop import list_task_dirs
 
@@ -45,17 +42,7 @@ T = TypeVar("T")
 def _built(dest: Path, make: Callable[[Path], T]) -> T:
     """`make` a directory beside `dest`, then rename it to `dest` (replacing a partial one):
     a later run never trusts half a model or half a task set."""
-    tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        result = make(tmp)
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return result
+    return write_dir_atomic(dest, make)
 
 
 def build_stage(cfg: LearnConfig, out: Path, seed: int, log: Log) -> tuple[str, str, str]:
@@ -106,7 +93,12 @@ def sft_stage(cfg: LearnConfig, model_dir: str, prepared: PreparedTasks, out: Pa
         if step % 20 == 0 or step == total:
             log(f"SFT step {step}/{total}: loss {loss:.3f} ({time.monotonic() - t1:.0f}s)")
 
-    res = train_sft(model_dir, demos, cfg, sft_dir, log=step_log)  # replaces sft_dir whole
+    # The nano model built here (no model.path) has random weights: its warm start trains every
+    # weight, as pretraining would have; an adapter, with [lora] on, trains from its checkpoint on.
+    adapter = bool(cfg.model.path)
+    if cfg.lora.enabled and not adapter:
+        log("SFT warm start of the freshly built nano model: every weight (LoRA trains from its checkpoint on)")
+    res = train_sft(model_dir, demos, cfg, sft_dir, log=step_log, lora=adapter)  # replaces sft_dir whole
     write_text_atomic(sft_dir / "demos.jsonl", "".join(r.to_json() + "\n" for r in demos))
     log(f"SFT: {res.steps} steps, final loss {res.final_loss:.3f}, {res.seconds:.1f}s")
     return {"checkpoint": res.checkpoint, "demos": res.demos, "demos_solved": solved, "steps": res.steps, "final_loss": res.final_loss,

@@ -40,6 +40,7 @@ from tmax.agents.policy import (
 from tmax.training.engine_options import EngineOptions
 from tmax.training.inference.serving import ServerError, ServeSpec, VLLMServer
 from tmax.training.net import free_port
+from tmax.training.weights.adapter import is_adapter_dir, model_base, start_adapter
 from tmax.training.weights.engine_side import EngineWeights
 
 if TYPE_CHECKING:
@@ -255,11 +256,12 @@ class VLLMEngine(EngineWeights):
         request_timeout_s: float = 600.0,
     ):
         self.model_dir = Path(model_dir).resolve()
-        if not (self.model_dir / "config.json").is_file():
-            raise EngineError(f"{self.model_dir}: not a model directory (no config.json)")
-        cfg = json.loads((self.model_dir / "config.json").read_text())
+        base = model_base(self.model_dir)  # a LoRA adapter's base model, else the model itself
+        if not (base / "config.json").is_file():
+            raise EngineError(f"{base}: not a model directory (no config.json)")
+        cfg = json.loads((base / "config.json").read_text())
         self.tied = bool(cfg.get("tie_word_embeddings", False))
-        self.stop_token_ids = stop_ids(self.model_dir)
+        self.stop_token_ids = stop_ids(base)
         self.policy_version = 0
         self.request_timeout_s = request_timeout_s
         self._init_weights()
@@ -277,8 +279,10 @@ class VLLMEngine(EngineWeights):
             self.served_model_name = served_model_name
             self._check_attached()
         else:
-            spec = engine_spec(self.model_dir, options or EngineOptions(), served_model_name=served_model_name,
-                               tensor_parallel_size=tensor_parallel_size)
+            # An adapter is served from a copy in the work dir, where a restarted engine finds it.
+            self.adapter_start = start_adapter(self.model_dir, self.work_dir) if is_adapter_dir(self.model_dir) else None
+            spec = engine_spec(self.adapter_start or self.model_dir, options or EngineOptions(),
+                               served_model_name=served_model_name, tensor_parallel_size=tensor_parallel_size)
             self.server = VLLMServer(spec, log_path=self.work_dir / "vllm.log")
             self.url = self.server.url
             self.served_model_name = self.server.served_model_name
@@ -318,10 +322,11 @@ class VLLMEngine(EngineWeights):
             raise EngineError(f"no vLLM server at {self.url}: {e}") from e
 
     def _served_max_len(self) -> int | None:
-        for m in self._models():
-            if m.get("id") == self.served_model_name and isinstance(m.get("max_model_len"), int):
-                return m["max_model_len"]
-        return None
+        """The served model's context; an adapter's is its base model's (its `parent`)."""
+        cards = {m.get("id"): m for m in self._models()}
+        card = cards.get(self.served_model_name) or {}
+        card = card if isinstance(card.get("max_model_len"), int) else cards.get(card.get("parent")) or {}
+        return card["max_model_len"] if isinstance(card.get("max_model_len"), int) else None
 
     def _check_attached(self) -> None:
         names = [m.get("id") for m in self._models()]

@@ -41,6 +41,8 @@ WORKER_EXTENSION = "tmax.training.weights.vllm_ext.WeightPushExtension"
 # Tiny local models (hidden size up to this) are served in float32 on CPU: bf16 there would
 # cost the exact logprob agreement with the fp32 trainer that RL relies on.
 _FP32_MAX_HIDDEN = 1024
+# The ranks vLLM's `--max-lora-rank` accepts (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class ServerError(RuntimeError):
@@ -64,6 +66,9 @@ class ServeSpec(EngineOptions):
     # model's generation_config (the sampler sets every parameter itself).
     dev: bool = False
     python: str = sys.executable
+    # A LoRA adapter directory (PEFT format) served on top of `model` under the served name;
+    # None, with `model` itself an adapter directory: that adapter on the base it names.
+    lora: str | None = None
 
 
 @dataclass
@@ -71,6 +76,7 @@ class ServeCommand:
     argv: list[str]
     env: dict[str, str]  # set on top of the caller's environment
     notes: list[str]  # choices made automatically, for the user
+    served_model_name: str = ""  # the name clients send (with an adapter: the adapter's)
 
     def shell(self) -> str:
         """One copy-pasteable shell line (what `tmax serve --dry-run` prints)."""
@@ -200,15 +206,60 @@ def _device_args(spec: ServeSpec, device: str, gpus: int, cfg: dict, max_len: in
     return args
 
 
+def _adapter(spec: ServeSpec, notes: list[str]) -> tuple[str, Path | None]:
+    """(the base model to load, the LoRA adapter directory or None) of `spec`."""
+    from tmax.training.weights.adapter import adapter_base, is_adapter_dir
+
+    if spec.lora is not None:
+        if not is_adapter_dir(spec.lora):
+            raise ValueError(f"--lora {spec.lora}: not a LoRA adapter directory (no adapter_config.json)")
+        return spec.model, Path(spec.lora).expanduser().resolve()
+    local = _local_dir(spec.model)
+    if local is not None and is_adapter_dir(local):
+        base = adapter_base(local)
+        notes.append(f"{local} is a LoRA adapter: serving it on its base model {base}")
+        return str(base), local.resolve()
+    return spec.model, None
+
+
+def vllm_max_rank(rank: int) -> int:
+    """The smallest `--max-lora-rank` vLLM accepts that holds `rank`."""
+    for r in VLLM_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"LoRA rank {rank} is above vLLM's largest ({VLLM_LORA_RANKS[-1]})")
+
+
+def _lora_args(name: str, adapter: Path) -> list[str]:
+    """vLLM flags that serve `adapter` as model `name` on top of the base (one adapter slot)."""
+    from tmax.training.weights.adapter import adapter_config
+
+    rank = int(adapter_config(adapter)["r"])
+    return ["--enable-lora", "--max-lora-rank", str(vllm_max_rank(rank)), "--max-loras", "1",
+            "--lora-modules", f"{name}={adapter}"]
+
+
+def _served_names(spec: ServeSpec, base: str, local: Path | None, adapter: Path | None) -> tuple[str, str]:
+    """(the name clients send, the name the base model is served under). With an adapter,
+    clients name the adapter and the base is listed beside it under its own name."""
+    named = adapter or (local.resolve() if local else None)
+    served = spec.served_model_name or (named.name if named else base)
+    if adapter is None:
+        return served, served
+    base_served = local.resolve().name if local else base
+    return served, f"{served}-base" if base_served == served else base_served
+
+
 def build_command(spec: ServeSpec) -> ServeCommand:
     notes: list[str] = []
     device, gpus = _device(spec)
-    local = _local_dir(spec.model)
-    if local is None and (spec.model.startswith((".", "/", "~")) or spec.model.count("/") > 1):
-        raise ValueError(f"model {spec.model!r} looks like a path but is not a directory")
-    model = str(local.resolve()) if local else spec.model
+    base, adapter = _adapter(spec, notes)
+    local = _local_dir(base)
+    if local is None and (base.startswith((".", "/", "~")) or base.count("/") > 1):
+        raise ValueError(f"model {base!r} looks like a path but is not a directory")
+    model = str(local.resolve()) if local else base
     cfg = _model_config(local) if local else {}
-    served = spec.served_model_name or (local.resolve().name if local else spec.model)
+    served, base_served = _served_names(spec, base, local, adapter)
     max_len = _max_model_len(spec, cfg, notes)
 
     env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -227,15 +278,17 @@ def build_command(spec: ServeSpec) -> ServeCommand:
             # (benchmarks/engine_cpu.py).
             env["OMP_NUM_THREADS"] = str(spec.cpu_threads)
     argv = _launcher(spec, device, model) + [
-        "--served-model-name", served,
+        "--served-model-name", base_served,
         "--host", spec.host,
         "--port", str(spec.port),
         "--enable-auto-tool-choice",
-        "--tool-call-parser", spec.tool_call_parser or detect_tool_parser(spec.model),
+        "--tool-call-parser", spec.tool_call_parser or detect_tool_parser(base),
         "--max-model-len", str(max_len),
         "--max-logprobs", str(spec.max_logprobs),
     ]
     argv += _device_args(spec, device, gpus, cfg, max_len, notes)
+    if adapter is not None:
+        argv += _lora_args(served, adapter)
     if spec.dev:
         env["VLLM_SERVER_DEV_MODE"] = "1"
         root = str(repo_root())
@@ -247,7 +300,7 @@ def build_command(spec: ServeSpec) -> ServeCommand:
             "--disable-uvicorn-access-log",
         ]
     argv += list(spec.extra_args)
-    return ServeCommand(argv=argv, env=env, notes=notes)
+    return ServeCommand(argv=argv, env=env, notes=notes, served_model_name=served)
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -293,8 +346,7 @@ class VLLMServer:
 
     @property
     def served_model_name(self) -> str:
-        argv = self.command.argv
-        return argv[argv.index("--served-model-name") + 1]
+        return self.command.served_model_name
 
     def start(self) -> None:
         if self.proc is not None:

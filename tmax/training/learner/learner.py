@@ -29,6 +29,12 @@ reduce gradients. `DataParallel` itself is the single-process default. With seve
 Checkpoints look the same whatever the strategy and world size: an HF model directory
 and an index-keyed `optimizer.state_dict()` of full tensors (FSDP gathers it on rank 0
 and every rank cuts its own shard back out on resume), so any run resumes any other's.
+
+LoRA (`LearnerConfig.lora`, or a start directory that is an adapter checkpoint): PEFT
+injects the adapter's layers into the same model object (`training.learner.lora`), so the
+forward above is unchanged; only the adapter's parameters require grad, so only they are
+in `params` and hold AdamW state. `named_weights` then gives the engines the adapter's
+tensors only, and checkpoints are PEFT adapter directories that name their base model.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ from torch.utils.checkpoint import checkpoint
 from tmax.training.algo.dppo import LossConfig, LossStats, policy_loss
 from tmax.training.learner import checkpoint as ckpt
 from tmax.agents.policy import TokenTrace
+from tmax.training.learner import lora
+from tmax.training.learner.lora import LoraSpec
 from tmax.training.learner.packing import Pack, TrainSample, build_pack, pack_samples, validate_samples
 from tmax.training.learner.parallel import STRATEGIES, DataParallel
 from tmax.training.learner.trie_attention import TRIE_ATTENTION, TrieChains, no_mask, register
@@ -90,6 +98,9 @@ class LearnerConfig:
     # optimizer memory by the world size, and CPU tests then run the GPU code path.
     strategy: str = "fsdp"
     loss: LossConfig = field(default_factory=LossConfig)
+    # LoRA (training.learner.lora): train an adapter of this spec on the frozen base. A
+    # learner that starts from an adapter checkpoint trains that adapter either way.
+    lora: LoraSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.loss, dict):
@@ -139,17 +150,22 @@ class Learner:
         self.cfg = cfg or LearnerConfig()
         self.dp = dp or DataParallel()
         self.model_dir = Path(model_dir)
-        if not (self.model_dir / "config.json").is_file():
-            raise FileNotFoundError(f"no HF model at {self.model_dir} (config.json missing)")
+        base_dir, adapter_dir = lora.start_dirs(self.model_dir)
+        if not (base_dir / "config.json").is_file():
+            raise FileNotFoundError(f"no HF model at {base_dir} (config.json missing)")
         torch.manual_seed(self.cfg.seed)
         self.device = _resolve_device(self.cfg.device)
         register()
         dtype = getattr(torch, self.cfg.dtype)
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=dtype,
+            self.model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=dtype,
                                                               attn_implementation=TRIE_ATTENTION)
         except ValueError:  # a model class without pluggable attention: one row per sample
-            self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=dtype)
+            self.model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=dtype)
+        # LoRA: the adapter's layers go into this same model object; only they require grad.
+        self.peft = None
+        if self.cfg.lora is not None or adapter_dir is not None:
+            self.peft = lora.attach(self.model, self.cfg.lora, adapter_dir, base_dir)
         self.model.to(self.device)
         self.model.config.use_cache = False
         if self.cfg.gradient_checkpointing:
@@ -368,27 +384,46 @@ class Learner:
     # -- weights and checkpoints -------------------------------------------------------
 
     def named_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """HF-named tensors for the inference engine (optionally cast, e.g. to the engine's
-        bf16); the tied LM head is left out. Under FSDP a collective: every rank calls it,
-        rank 0 gets the full tensors and the others an empty dict."""
+        """What the inference engines load after a step (optionally cast, e.g. to the engine's
+        bf16): the HF-named weights, the tied LM head left out; with LoRA only the adapter's
+        tensors, under the names of `adapter_model.safetensors`. Under FSDP a collective:
+        every rank calls it, rank 0 gets the full tensors and the others an empty dict."""
         state = self.dp.full_state_dict(self.model)
+        if self.peft is not None:
+            state = lora.adapter_tensors(self.peft, state) if state else {}
         return {
             k: (v.detach() if dtype is None else v.detach().to(dtype))
             for k, v in state.items()
             if not (self.tied and k == "lm_head.weight")
         }
 
+    def sync_nbytes(self) -> int:
+        """Bytes of what `named_weights` hands the engines (no gathering: the full shapes)."""
+        keep = lora.is_adapter_key if self.peft is not None else (lambda k: not (self.tied and k == "lm_head.weight"))
+        return sum(v.numel() * v.element_size() for k, v in self.model.state_dict().items() if keep(k))
+
     def save(self, path: str | Path, step: int | None = None, extra: dict | None = None) -> Path:
-        """HF model (safetensors + config + tokenizer + chat template) and trainer state.
-        Every rank calls it (gathering is a collective under FSDP); rank 0 writes."""
+        """HF model (safetensors + config + tokenizer + chat template) and trainer state; with
+        LoRA the adapter in PEFT's format (its config names the base model) instead of the
+        model. Every rank calls it (gathering is a collective under FSDP); rank 0 writes."""
+        optimizer_state = self.dp.optimizer_state(self.optimizer)
+        return self._checkpoint(path, self.step if step is None else step, extra, optimizer_state)
+
+    def export(self, path: str | Path, extra: dict | None = None) -> Path:
+        """The weights alone, no optimizer (SFT's result): an HF model directory, or with
+        LoRA the adapter's. Every rank calls it; rank 0 writes."""
+        return self._checkpoint(path, 0, extra, None)
+
+    def _checkpoint(self, path: str | Path, step: int, extra: dict | None, optimizer_state: dict | None) -> Path:
+        state = self.dp.full_state_dict(self.model)
         return ckpt.save_checkpoint(
             path,
-            self.model,
-            optimizer_state=self.dp.optimizer_state(self.optimizer),
-            step=self.step if step is None else step,
+            self.model if self.peft is None else self.peft,
+            optimizer_state=optimizer_state,
+            step=step,
             extra=extra or {},
             tokenizer_dir=self.model_dir,
-            state_dict=self.dp.full_state_dict(self.model),
+            state_dict=state if self.peft is None else lora.peft_state(state),
             write=self.dp.rank == 0,
         )
 
@@ -398,8 +433,11 @@ class Learner:
         rank calls it. Returns the checkpoint's step."""
         from transformers import AutoModelForCausalLM
 
-        src = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, self.cfg.dtype))
-        self.dp.load_full_state_dict(self.model, src.state_dict())
+        if self.peft is not None:  # the adapter only: the base never changed
+            self.dp.load_full_state_dict(self.model, lora.learner_state(path), strict=False)
+        else:
+            src = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, self.cfg.dtype))
+            self.dp.load_full_state_dict(self.model, src.state_dict())
         state = ckpt.load_trainer_state(path)
         self.dp.load_optimizer_state(self.optimizer, state["optimizer"])
         self.step = int(state["step"])

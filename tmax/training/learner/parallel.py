@@ -183,10 +183,11 @@ class DataParallel:
         """`optimizer.state_dict()` with full tensors, as rank 0 writes it to disk."""
         return optimizer.state_dict()
 
-    def load_full_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-        """Full HF-named tensors (every rank holds them) into the model, in place."""
+    def load_full_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Full HF-named tensors (every rank holds them) into the model, in place; with
+        `strict=False` a part of the model (a LoRA adapter's tensors)."""
         with torch.no_grad():
-            model.load_state_dict(state)
+            model.load_state_dict(state, strict=strict)
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         optimizer.load_state_dict(state)
@@ -255,11 +256,11 @@ class FSDPDataParallel(TorchDataParallel):
 
         return full_weights(model, self.ctx)
 
-    def load_full_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    def load_full_state_dict(self, model: torch.nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Every rank keeps its own shard of each full tensor: no communication."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """Gathered tensor by tensor (each `full_tensor` is an all-gather, in the same

@@ -59,14 +59,15 @@ def sft_samples(demos: Sequence[Traced]) -> list[TrainSample]:
 
 
 def train_sft(model_dir: str, demos: Sequence[Traced], cfg: LearnConfig, out_dir: str | Path,
-              log: Any = None) -> SFTResult:
+              log: Any = None, lora: bool = True) -> SFTResult:
     """Cross-entropy on assistant tokens through the RL learner (`Learner.train_step` with
     `sft_loss`: the same packing and forward); AdamW with warmup then constant LR; writes
-    an HF checkpoint (weights + tokenizer + chat template) to `out_dir`."""
+    an HF checkpoint (weights + tokenizer + chat template) to `out_dir`, or with `[lora]` on
+    (and `lora`) a LoRA adapter checkpoint (`model_dir` may be an adapter: trained further)."""
     import torch
 
-    from tmax.training.learner import checkpoint as ckpt
     from tmax.training.learner.learner import Learner, LearnerConfig
+    from tmax.training.learner.lora import LoraSpec
 
     examples = sft_samples(demos) if demos else []
     if not examples:
@@ -78,7 +79,7 @@ def train_sft(model_dir: str, demos: Sequence[Traced], cfg: LearnConfig, out_dir
     learner = Learner(model_dir, LearnerConfig(
         lr=s.lr, weight_decay=0.0, warmup_steps=max(1, int(total * s.warmup_ratio)),
         max_grad_norm=cfg.algo.grad_clip, pack_length=cfg.run.learner_pack_tokens or cfg.rollout.context_budget,
-        seed=cfg.algo.seed))
+        seed=cfg.algo.seed, lora=LoraSpec.of(cfg.lora) if lora else None))
     rng = random.Random(cfg.algo.seed)
     order: list[int] = []
     losses: list[float] = []
@@ -94,8 +95,7 @@ def train_sft(model_dir: str, demos: Sequence[Traced], cfg: LearnConfig, out_dir
         tokens += int(metrics["learner/loss_tokens"])
         if log is not None:
             log(step + 1, total, losses[-1])
-    path = ckpt.save_checkpoint(out_dir, learner.model, step=0, optimizer=None,
-                                extra={"sft_steps": total, "sft_demos": len(demos)}, tokenizer_dir=model_dir)
+    path = learner.export(out_dir, extra={"sft_steps": total, "sft_demos": len(demos)})
     # The marker that SFT is done (the recipe skips SFT when it exists): written last, atomically.
     write_json_atomic(Path(path) / "sft.json", {"steps": total, "demos": len(demos), "losses": losses})
     tail = losses[-max(1, len(losses) // 10):]

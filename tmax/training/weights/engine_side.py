@@ -7,6 +7,11 @@ endpoint). The loading itself happens in each worker (`vllm_ext`):
 * object store (`push_weights`): the weights (HF names) are written to one safetensors
   file (temp + rename, so the engine never reads half a file), then `collective_rpc
   push_file` reloads it in every worker. About 50 ms for the nano model on CPU.
+* LoRA (`push_weights` on an engine that serves an adapter, `adapter_start` set): the
+  weights are the adapter's tensors; they are written as an adapter directory beside the
+  start adapter's config (`training.weights.adapter.write_adapter`), and `collective_rpc
+  push_adapter` loads it in place of the served adapter (same name, same id) in every
+  worker. The base model's weights never move.
 * process group (`join_weight_group` once per group, then `receive_weights(update)` per
   sync): every worker joins the learner's weight group, and each update is one
   `collective_rpc receive_weights` carrying the JSON manifest; the workers take the
@@ -27,6 +32,7 @@ is tagged with the older one (`training.inference.engine.VLLMSampler`), and coun
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import threading
@@ -42,8 +48,10 @@ if TYPE_CHECKING:
     from tmax.training.weights.protocol import WeightUpdate
 
 
-# Next to an engine's weights.safetensors: the version it holds.
+# Next to an engine's weights.safetensors (or adapter/): the version it holds.
 WEIGHTS_VERSION = "weights.version.json"
+# A LoRA engine's last pushed adapter, in its work dir.
+ADAPTER_DIR = "adapter"
 
 
 class EngineWeights:
@@ -54,6 +62,7 @@ class EngineWeights:
     tied: bool
     work_dir: Path
     policy_version: int
+    adapter_start: Path | None = None  # the adapter the server started with (LoRA engines)
     error: type[Exception] = RuntimeError
     _rpc: Callable[..., list]
     _control: Callable[..., Any]
@@ -72,6 +81,8 @@ class EngineWeights:
         import torch
         from safetensors.torch import save_file
 
+        if self.adapter_start is not None:
+            return self._push_adapter(self.adapter_start, weights, version)
         t0 = time.perf_counter()
         state = {}
         for name, t in weights.items():
@@ -94,15 +105,34 @@ class EngineWeights:
         write_json_atomic(self.work_dir / WEIGHTS_VERSION, {"version": int(version)})
         return time.perf_counter() - t0
 
+    def _push_adapter(self, start: Path, tensors: dict[str, "torch.Tensor"], version: int) -> float:
+        """Load an adapter's `tensors` (PEFT's saved names; the config is that of the `start`
+        adapter) in place of the served adapter."""
+        from tmax.training.weights.adapter import ADAPTER_CONFIG, write_adapter
+
+        t0 = time.perf_counter()
+        dest = write_adapter(self.work_dir / ADAPTER_DIR, (start / ADAPTER_CONFIG).read_text(), tensors)
+        self._sync(lambda: self._rpc("push_adapter", str(dest), str(int(version))), len(tensors), version)
+        write_json_atomic(self.work_dir / WEIGHTS_VERSION, {"version": int(version)})
+        return time.perf_counter() - t0
+
     def reload_last_push(self) -> None:
-        """Load the last weights pushed through a file (kept in the work dir) at their
-        version: an engine restarted after its server died rejoins at the current policy
-        version, not at the next sync."""
+        """Load the last weights (or adapter) pushed through a file (kept in the work dir) at
+        their version: an engine restarted after its server died rejoins at the current
+        policy version, not at the next sync."""
         from safetensors.torch import load_file
 
-        path, version = self.work_dir / "weights.safetensors", self.work_dir / WEIGHTS_VERSION
+        from tmax.training.weights.adapter import ADAPTER_WEIGHTS
+
+        version = self.work_dir / WEIGHTS_VERSION
+        path = (self.work_dir / "weights.safetensors" if self.adapter_start is None
+                else self.work_dir / ADAPTER_DIR / ADAPTER_WEIGHTS)
         if path.is_file() and version.is_file():
-            self.push_weights(load_file(str(path)), int(json.loads(version.read_text())["version"]))
+            v = int(json.loads(version.read_text())["version"])
+            self.push_weights(load_file(str(path)), v)
+            # Said where the engine's owner logs (a Ray actor's stderr reaches the driver's log).
+            logging.getLogger(__name__).warning("engine restarted: reloaded the last %s pushed, version %d",
+                                                "weights" if self.adapter_start is None else "adapter", v)
 
     # -- process-group transport -------------------------------------------------------
 

@@ -6,10 +6,9 @@ step. Ray and torch are imported lazily: importing this module is cheap."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tmax.common.waiting import wait_until
 from tmax.training.liveness import actor_died
@@ -18,6 +17,15 @@ from tmax.training.weights.transports import DEFAULT_BUCKET_MB, resolve_transpor
 if TYPE_CHECKING:
     from tmax.training.weights.group import WeightGroup, WeightSender
     from tmax.training.weights.protocol import WeightUpdate
+
+
+@dataclass(frozen=True)
+class SyncPayload:
+    """What one sync hands each engine: a LoRA adapter's tensors or the full weights, and
+    their bytes (`weights/sync_bytes` in the metrics)."""
+
+    adapter: bool
+    nbytes: int
 
 
 class WeightSourceMixin:
@@ -37,6 +45,11 @@ class WeightSourceMixin:
         import torch
 
         return torch.device(getattr(self.learner, "device", "cpu")).type  # type: ignore[attr-defined]
+
+    def sync_payload(self) -> SyncPayload:
+        """What a sync carries from this learner (no gathering)."""
+        learner = self.learner  # type: ignore[attr-defined]
+        return SyncPayload(adapter=learner.peft is not None, nbytes=learner.sync_nbytes())
 
     def weight_rendezvous(self) -> tuple[str, int]:
         from tmax.training.net import free_port, node_ip
@@ -120,7 +133,8 @@ class WeightSync:
 
     `learner` is a `training.cluster.actors.LearnerGroup`, `engines` an `EngineGroup`
     (a group of one each on a single machine). For the object store, rank 0's weights go to every engine's
-    `push_weights`. For gloo / NCCL, learner rank 0 is rank 0 of a weight group and the
+    `push_weights`; a LoRA learner's are its adapter's tensors only (`payload`), which the
+    engines load in place of the adapter they serve. For gloo / NCCL, learner rank 0 is rank 0 of a weight group and the
     workers of engine i are the next ranks (TP workers each); per sync every learner rank
     prepares (a collective gather), every engine starts receiving, and rank 0 then
     broadcasts. The receives and the send are calls on different actors, so they run at
@@ -138,7 +152,9 @@ class WeightSync:
         self.rank0 = learner.rank0
         self.engines = list(engines.engines)
         on_cuda = ray.get(self.rank0.learner_device_type.remote()) == "cuda"
-        self.transport = resolve_transport(self.ecfg.weight_transport, on_cuda)
+        # A LoRA learner hands over its adapter only (`Learner.named_weights`).
+        self.payload: SyncPayload = ray.get(self.rank0.sync_payload.remote())
+        self.transport = resolve_transport(self.ecfg.weight_transport, on_cuda, self.payload.adapter)
         self.members: list = []  # engines in the current weight group
         self.port: int | None = None
         self.world = 0

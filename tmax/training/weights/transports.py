@@ -11,8 +11,14 @@ TRANSPORTS = ("object_store", "gloo", "nccl")
 GROUP_TRANSPORTS = ("gloo", "nccl")
 
 
-def resolve_transport(choice: str, learner_on_cuda: bool) -> str:
-    """The transport a run uses for `engine.weight_transport` = `choice`."""
+def resolve_transport(choice: str, learner_on_cuda: bool, adapter: bool = False) -> str:
+    """The transport a run uses for `engine.weight_transport` = `choice`; a LoRA run
+    (`adapter`: only the adapter's tensors cross) uses the object store."""
+    if adapter:
+        if choice in GROUP_TRANSPORTS:
+            raise ConfigError(f"engine.weight_transport = {choice} broadcasts full weights; a LoRA adapter syncs "
+                              "through the object store (use auto or object_store)")
+        return "object_store"
     if choice == "auto":
         return "nccl" if learner_on_cuda else "object_store"
     if choice == "nccl" and not learner_on_cuda:

@@ -62,6 +62,25 @@ class WeightPushExtension:
         self._tmax_policy_version = int(version)
         return repacked
 
+    def push_adapter(self, path: str, version: str = "0") -> dict:
+        """Load the LoRA adapter directory at `path` (PEFT format) in place of the one adapter
+        this worker serves (its id unchanged, so requests naming it get the new weights)."""
+        from safetensors import safe_open
+        from vllm.lora.request import LoRARequest
+
+        t0 = time.perf_counter()
+        runner = self.model_runner  # type: ignore[attr-defined]
+        ids = sorted(runner.list_loras())
+        if len(ids) != 1:
+            raise RuntimeError(f"push_adapter needs exactly one loaded adapter, the worker holds ids {ids}")
+        with safe_open(f"{path}/adapter_model.safetensors", framework="pt") as f:
+            n = len(list(f.keys()))
+        runner.add_lora(LoRARequest(lora_name=f"tmax-{ids[0]}", lora_int_id=ids[0], lora_path=path,
+                                    load_inplace=True))
+        self._tmax_policy_version = int(version)
+        return {"n_tensors": n, "adapter_id": ids[0], "total_s": round(time.perf_counter() - t0, 4),
+                "version": self._tmax_policy_version}
+
     def join_weight_group(self, spec: str) -> dict:
         """Join the learner's weight group. `spec` is JSON: host, port (learner rank 0's
         TCPStore), rank_offset (this engine's first rank), world_size, backend
