@@ -125,6 +125,7 @@ def _decode(b: bytes | None) -> str:
 
 class PodmanSandbox(ShellSandbox):
     kind = "podman"
+    mode = "container"  # a container of its own (`sandbox.overlay`: an overlay of a shared one)
 
     def __init__(self, spec: SandboxSpec | None = None, runtime: str = podman_service.DEFAULT_RUNTIME,
                  ulimits: dict[str, tuple[int, int]] | None = None):
@@ -144,6 +145,10 @@ class PodmanSandbox(ShellSandbox):
         # `close` may come from another thread while `start` creates the container (a job's
         # Ctrl-C): it waits for the container to exist, then removes it; `start` then stops.
         self._life = threading.RLock()
+
+    @property
+    def container_id(self) -> str | None:
+        return self.container.id if self.container is not None else None
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -190,6 +195,10 @@ class PodmanSandbox(ShellSandbox):
         if workdir:
             kw["working_dir"] = workdir
         return kw
+
+    def main_command(self) -> list[str]:
+        """What the container runs while it lives (the commands come through `exec`)."""
+        return ["sleep", "infinity"]
 
     def start(self) -> None:
         with self._life:
@@ -252,8 +261,7 @@ class PodmanSandbox(ShellSandbox):
         self.client = podman_service.client(self.runtime)
         try:
             # No separate existence check (one round trip less): create refuses a missing image.
-            self.container = self.client.containers.create(self.image, ["sleep", "infinity"],
-                                                           **self.create_kwargs())
+            self.container = self.client.containers.create(self.image, self.main_command(), **self.create_kwargs())
             self.container.start()
             self.container.reload()
         except (ImageNotFound, APIError) as e:

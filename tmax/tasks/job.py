@@ -34,11 +34,13 @@ from tmax.tasks.model import Task
 from tmax.tasks.offline import default_config
 from tmax.tasks.runners import make_agent
 from tmax.tasks.scoring import score
-from tmax.tasks.trial import CANCELLED, TrialEnv, TrialPlan, now_iso, prewarm_trial, run_trial, wait_for_closes
+from tmax.tasks.trial import (
+    CANCELLED, JOB_LABEL, TrialEnv, TrialPlan, now_iso, prewarm_trial, run_trial, wait_for_closes,
+)
 
 # Fields that do not change what a trial means; they stay out of the identity.
 VOLATILE = {"base_url", "n_concurrent", "jobs_dir", "job_name", "created_at", "retry_infra", "api_key_env",
-            "warm_ahead"}
+            "warm_ahead", "overlay"}
 
 
 class JobError(ValueError):
@@ -69,6 +71,9 @@ class JobConfig(BaseModel):
     # podman: containers started ahead for the trials next in line, beyond the running ones
     # (0: each trial starts its own when it begins).
     warm_ahead: int = Field(0, ge=0)
+    # podman: each trial a fresh overlay of a container its task's trials share
+    # (`sandbox.overlay_pool`); False: a fresh container per trial.
+    overlay: bool = True
     created_at: str | None = None
 
     @field_validator("environment")
@@ -408,9 +413,15 @@ class Job:
             warm.close(in_use=True)
 
     def _warm_pool(self) -> Any:
-        """The job's pool of containers started ahead (podman with `warm_ahead`), else None."""
+        """The job's pool (podman): trials as overlays of shared containers (`overlay`), else
+        containers started ahead (`warm_ahead`), else None."""
         pool = None
-        if self.sandbox_kind == "podman" and self.config.warm_ahead:
+        if self.sandbox_kind == "podman" and self.config.overlay:
+            from tmax.sandbox.overlay_pool import OverlayPool
+
+            pool = OverlayPool(self.config.n_concurrent, self.config.warm_ahead,
+                               host_labels={JOB_LABEL: self.config.job_name})
+        elif self.sandbox_kind == "podman" and self.config.warm_ahead:
             from tmax.sandbox.pool import WarmPool
 
             pool = WarmPool(self.config.n_concurrent + self.config.warm_ahead)
