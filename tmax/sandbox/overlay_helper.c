@@ -23,8 +23,8 @@
  * "EXIT <code> <signal>" when it ends; a caller that hangs up first gets its process group
  * killed. When the lease ends (EOF), every process of the episode is killed with the pid
  * namespace; serve then deletes the episode's upper layer and socket. With no episode for
- * IDLE_SECONDS, or on "QUIT" while none is live, serve empties STATE_DIR and exits, and the
- * container ends.
+ * IDLE_SECONDS, or after "QUIT" once no episode is live (it takes no new one meanwhile),
+ * serve empties STATE_DIR and exits, and the container ends.
  *
  * Built static (no library of the task image is used) by tmax/sandbox/overlay_build.py.
  */
@@ -753,7 +753,11 @@ static void reap(void) {
             }
 }
 
-static void episode_loop(int lease, int lsock, int sfd) {
+/* Written by an episode's pid 1 as it ends (its id), before its lease closes: serve counts it
+ * out at once, so a caller that saw the lease close finds the room free. */
+static int ending_pipe[2] = {-1, -1};
+
+static void episode_loop(int lease, int lsock, int sfd, const char *id) {
     struct pollfd pf[MAX_CHILDREN + 3];
     for (;;) {
         int n = 0, idx[MAX_CHILDREN];
@@ -792,6 +796,9 @@ static void episode_loop(int lease, int lsock, int sfd) {
                 }
             }
     }
+    char note[80];
+    snprintf(note, sizeof note, "%s\n", id);
+    write_all(ending_pipe[1], note, strlen(note));
     kill(-1, SIGKILL);  /* from pid 1: every other process of the episode */
     _exit(0);
 }
@@ -821,6 +828,7 @@ static int send_ready(int conn, int rootfd) {
 static int episode_main(void *arg) {
     struct episode_args *a = arg;
     for (int i = 0; i < 2; i++) close(a->close_fds[i]);
+    close(ending_pipe[0]);
     const char *what = "";
     char sock[PATH_MAX];
     snprintf(sock, sizeof sock, IN_DIR "/ep-%s.sock", a->id);
@@ -837,7 +845,7 @@ static int episode_main(void *arg) {
     }
     if (send_ready(a->conn, rootfd) < 0) _exit(1);
     close(rootfd);
-    episode_loop(a->conn, lsock, sfd);
+    episode_loop(a->conn, lsock, sfd, a->id);
     return 0;
 }
 
@@ -847,6 +855,7 @@ static char clone_stack[1 << 20] __attribute__((aligned(16)));
 
 struct episode_rec {
     pid_t pid;
+    int ending;
     char id[64];
 };
 
@@ -872,11 +881,24 @@ static int valid_id(const char *id) {
     return 1;
 }
 
-static int capacity = 1, idle_s = 120;
+static int capacity = 1, idle_s = 120, quitting;
+
+/* Episodes that said they are ending no longer count (their pid 1 is reaped later). */
+static void read_ending(void) {
+    char buf[4096], *line, *save = NULL;
+    ssize_t n;
+    while ((n = read(ending_pipe[0], buf, sizeof buf - 1)) > 0) {
+        buf[n] = 0;
+        for (line = strtok_r(buf, "\n", &save); line; line = strtok_r(NULL, "\n", &save))
+            for (int i = 0; i < 1024; i++)
+                if (episodes[i].pid && strcmp(episodes[i].id, line) == 0) episodes[i].ending = 1;
+    }
+}
 
 static int live_episodes(void) {
+    read_ending();
     int n = 0;
-    for (int i = 0; i < 1024; i++) n += episodes[i].pid != 0;
+    for (int i = 0; i < 1024; i++) n += episodes[i].pid != 0 && !episodes[i].ending;
     return n;
 }
 
@@ -902,12 +924,10 @@ static void handle(int conn, int lsock, int sfd) {
     char line[256], id[64] = "", net[16] = "";
     if (read_line(conn, line, sizeof line) < 0) return;
     if (strcmp(line, "QUIT") == 0) {
-        if (live_episodes() > 0) {
-            say(conn, "ERR busy\n");
-            return;
-        }
         say(conn, "BYE\n");
-        quit();
+        if (live_episodes() == 0) quit();
+        quitting = 1;  /* after the episodes still ending */
+        return;
     }
     if (sscanf(line, "EPISODE %63s %15s", id, net) != 2 || !valid_id(id)) {
         say(conn, "ERR bad request\n");
@@ -915,7 +935,7 @@ static void handle(int conn, int lsock, int sfd) {
     }
     int slot = 0;
     while (slot < 1024 && episodes[slot].pid) slot++;
-    if (slot == 1024 || live_episodes() >= capacity) {
+    if (slot == 1024 || live_episodes() >= capacity || quitting) {
         say(conn, "ERR busy\n");
         return;
     }
@@ -928,6 +948,7 @@ static void handle(int conn, int lsock, int sfd) {
         return;
     }
     episodes[slot].pid = pid;
+    episodes[slot].ending = 0;
     snprintf(episodes[slot].id, sizeof episodes[slot].id, "%s", id);
 }
 
@@ -961,6 +982,7 @@ static void serve(void) {
     int sfd = sigchld_fd();
     int lsock = listen_at(IN_DIR "/ctl.sock");
     if (sfd < 0 || lsock < 0) die("listen on " IN_DIR "/ctl.sock");
+    if (pipe2(ending_pipe, O_CLOEXEC) < 0 || fcntl(ending_pipe[0], F_SETFL, O_NONBLOCK) < 0) die("pipe");
     for (;;) {
         struct pollfd pf[2] = {{lsock, POLLIN, 0}, {sfd, POLLIN, 0}};
         int n = poll(pf, 2, live_episodes() ? -1 : idle_s * 1000);
@@ -973,6 +995,7 @@ static void serve(void) {
             struct signalfd_siginfo si;
             while (read(sfd, &si, sizeof si) > 0) {}
             reap_episodes();
+            if (quitting && live_episodes() == 0) quit();
         }
         if (pf[0].revents) {
             int conn = accept4(lsock, NULL, NULL, SOCK_CLOEXEC);

@@ -21,7 +21,9 @@ import fcntl
 import hashlib
 import json
 import logging
+import os
 import secrets
+import socket
 import tempfile
 import threading
 import time
@@ -30,6 +32,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
+from tmax.common.files import cache_dir
 from tmax.common.waiting import wait_until
 from tmax.sandbox import make_sandbox
 from tmax.sandbox.base import Sandbox, SandboxError, SandboxSpec
@@ -40,7 +43,6 @@ from tmax.sandbox.pool import WarmPool
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ROOT = Path(tempfile.gettempdir()) / "tmax-eph"
 DEFAULT_IDLE_S = 120.0
 STALE_START_S = 120.0  # a state directory without a helper this long after its start is a dead host's
 
@@ -68,17 +70,24 @@ class SpecFactory:
 
 def host_key(spec: SandboxSpec, labels: dict[str, str]) -> str:
     """What hosts of episodes of `spec` have in common, hashed: the image, working
-    directory, network, limits, environment, mounts and the hosts' labels."""
+    directory, network, limits, environment, mounts, the hosts' labels and the helper."""
     what = [spec.image, spec.workdir, spec.network, spec.cpus, spec.memory_mb, spec.pids_limit, spec.storage_mb,
-            sorted(spec.env.items()), sorted(spec.mounts), sorted(labels.items())]
+            sorted(spec.env.items()), sorted(spec.mounts), sorted(labels.items()), helper_binary().name]
     return hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:20]
 
 
 class HostRegistry:
-    """This machine's hosts, per key: state directories under `root`."""
+    """This machine's hosts, per key: state directories under `root` (default: tmax's cache,
+    `eph/`), which must be this user's alone: a socket planted there by another would be
+    handed this process's files."""
 
     def __init__(self, root: Path | None = None):
-        self.root = Path(root or DEFAULT_ROOT)
+        self.root = Path(root or cache_dir() / "eph")
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = self.root.stat()
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise HelperUnavailable(f"{self.root} is not this user's alone (owner {st.st_uid}, mode "
+                                    f"{oct(st.st_mode & 0o777)}): no shared containers")
 
     def hosts(self, key: str) -> list[Path]:
         return sorted((self.root / key).glob("h-*"))
@@ -131,7 +140,11 @@ class OverlayPool:
         self.capacity = max(1, slots)  # episodes at once in a host this pool starts (with cgroups)
         self.host_labels = dict(host_labels or {})
         self.idle_s = idle_s
-        self.registry = HostRegistry(root)
+        try:
+            self.registry: HostRegistry | None = HostRegistry(root)
+            self._unavailable: str | None = None
+        except (OSError, HelperUnavailable) as e:
+            self.registry, self._unavailable = None, str(e)
         self.close_in_background = close_in_background
         self.fallback = WarmPool(max(1, slots) + ahead, close_in_background)
         self._lock = threading.Lock()
@@ -148,13 +161,16 @@ class OverlayPool:
     # -- what the overlay serves ------------------------------------------------------
 
     def unsupported(self, spec: SandboxSpec | None, key: str | None) -> str | None:
-        """Why episodes of `spec` take a fresh container each; None when the overlay serves them."""
+        """Why episodes of `spec` (of host key `key`, when known) take a fresh container each;
+        None when the overlay serves them."""
         if spec is None or spec.image is None:
             return "not a podman sandbox"
         if spec.workspace is not None:
             return "a host workspace is mounted: its writes would outlive the episode"
         if any(not ro for _host, _target, ro in spec.mounts):
             return "a host directory is mounted writable: its writes would outlive the episode"
+        if self._unavailable:
+            return self._unavailable
         try:
             helper_binary()
         except HelperUnavailable as e:
@@ -172,8 +188,9 @@ class OverlayPool:
 
     def acquire(self, key: Hashable, factory: SpecFactory, timeout: float | None = None) -> Sandbox:
         spec = getattr(factory, "spec", None)
-        hkey = host_key(spec, self.host_labels) if spec is not None else None
-        why = self.unsupported(spec, hkey)
+        why = self.unsupported(spec, None)
+        hkey = host_key(spec, self.host_labels) if why is None else ""
+        why = why or self._broken.get(hkey)
         if why is None:
             try:
                 return self._episode(hkey, spec)
@@ -225,8 +242,9 @@ class OverlayPool:
         """Start a host for a coming episode of `factory.spec` (in the background) unless this
         machine runs one already; False when nothing was started."""
         spec = getattr(factory, "spec", None)
-        hkey = host_key(spec, self.host_labels) if spec is not None else None
-        if self.unsupported(spec, hkey) is not None:
+        why = self.unsupported(spec, None)
+        hkey = host_key(spec, self.host_labels) if why is None else ""
+        if why or hkey in self._broken:
             return self.fallback.prewarm(key, factory)
         if self._closed or self.registry.live(hkey):
             return False
@@ -281,8 +299,7 @@ class OverlayPool:
         for t in threads:
             t.join(timeout=120)
         for state_dir in self._started:
-            if quit_host(state_dir):
-                wait_until(lambda d=state_dir: not (d / "ctl.sock").exists(), 2.0, 0.02)
+            if quit_host(state_dir) and wait_until(lambda d=state_dir: not (d / "ctl.sock").exists(), 5.0, 0.02):
                 remove_dir(state_dir)
         self.fallback.close(in_use)
 
@@ -305,8 +322,20 @@ def remove_host_dirs(root: Path | None = None) -> list[str]:
         if not key_dir.is_dir():
             continue
         for d in reg.hosts(key_dir.name):
+            if helper_answers(d):
+                continue
             reg.forget_if_stale(d, HostInfo.load(d))
             if not d.exists():
                 removed.append(str(d))
     return removed
+
+
+def helper_answers(state_dir: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        try:
+            s.connect(str(state_dir / "ctl.sock"))
+            return True
+        except OSError:
+            return False
 

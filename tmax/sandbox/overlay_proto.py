@@ -50,10 +50,10 @@ class HostGone(SandboxError):
     """No helper answers in that state directory: the host ended (idle, killed) or never started."""
 
 
-def _recv_line(sock: socket.socket, fds: list[int] | None = None) -> str:
-    """One reply line; fds sent with it are appended to `fds`."""
+def _recv_line(sock: socket.socket, fds: list[int] | None = None) -> tuple[str, bytes]:
+    """One reply line and what came after it; fds sent with it are appended to `fds`."""
     data = b""
-    while not data.endswith(b"\n"):
+    while b"\n" not in data:
         msg, anc, _flags, _addr = sock.recvmsg(512, socket.CMSG_SPACE(4 * 4))
         for level, kind, payload in anc:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -67,7 +67,8 @@ def _recv_line(sock: socket.socket, fds: list[int] | None = None) -> str:
         if not msg:
             break
         data += msg
-    return data.decode(errors="replace").strip()
+    line, _, rest = data.partition(b"\n")
+    return line.decode(errors="replace").strip(), rest
 
 
 class EpisodeLease:
@@ -84,7 +85,7 @@ class EpisodeLease:
         try:
             self.sock.connect(str(self.state_dir / "ctl.sock"))
             self.sock.sendall(f"EPISODE {episode_id} {'own' if own_net else 'shared'}\n".encode())
-            reply = _recv_line(self.sock, fds)
+            reply, _ = _recv_line(self.sock, fds)
         except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, BrokenPipeError) as e:
             self.sock.close()
             raise HostGone(f"no episode helper in {self.state_dir}: {e}") from e
@@ -112,25 +113,33 @@ class EpisodeLease:
                                                                     struct.calcsize("3i")))
         return pid
 
-    def close(self) -> None:
-        """End the episode: every process in it is killed, its upper layers deleted."""
+    def close(self, wait_s: float = 5.0) -> None:
+        """End the episode: every process in it is killed, its upper layers deleted. Returns
+        once the helper counts it out (its lease closed from the other side), so the host's
+        room is free for the next episode."""
         if self.root_fd >= 0:
             os.close(self.root_fd)
             self.root_fd = -1
         try:
-            self.sock.close()
+            self.sock.shutdown(socket.SHUT_WR)
+            self.sock.settimeout(wait_s)
+            while self.sock.recv(256):
+                pass
         except OSError:
             pass
+        finally:
+            self.sock.close()
 
 
 def quit_host(state_dir: Path) -> bool:
-    """Ask the helper to end its host now if no episode is live; True if it did (or was gone)."""
+    """Ask the helper to end its host once no episode is live (it takes none meanwhile);
+    True when it said it will (or was gone)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(CONNECT_TIMEOUT_S)
         try:
             sock.connect(str(Path(state_dir) / "ctl.sock"))
             sock.sendall(b"QUIT\n")
-            return _recv_line(sock) in ("BYE", "")
+            return _recv_line(sock)[0] in ("BYE", "")
         except (FileNotFoundError, ConnectionRefusedError):
             return True
         except OSError:
@@ -158,7 +167,7 @@ class Process:
             rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
             self.conn.sendmsg([struct.pack("I", len(payload))], rights)
             self.conn.sendall(payload)
-            reply = _recv_line(self.conn, got)
+            reply, rest = _recv_line(self.conn, got)
         except OSError as e:
             self.conn.close()
             raise SandboxError(f"could not start {argv[0]} in the episode: {e}") from e
@@ -171,14 +180,14 @@ class Process:
         self.pid = int(reply[4:])  # in the episode's pid namespace
         self.master = got[0] if got else -1
         self.conn.setblocking(False)
-        self._buf = b""
+        self._buf = rest  # its exit, when it came with the pid
 
     def fileno(self) -> int:
         return self.conn.fileno()
 
     def poll(self) -> tuple[int, int] | None:
         """(exit code, signal) once it has ended, else None."""
-        if self.returncode is None and self.conn.fileno() >= 0:
+        if self.returncode is None and self.conn.fileno() >= 0 and b"\n" not in self._buf:
             try:
                 chunk = self.conn.recv(256)
                 self._buf += chunk
@@ -188,9 +197,9 @@ class Process:
                 pass
             except OSError:
                 self.returncode = (-1, 9)
-            if b"\n" in self._buf:
-                _, code, sig = self._buf.split(b"\n", 1)[0].decode().split()
-                self.returncode = (int(code), int(sig))
+        if self.returncode is None and b"\n" in self._buf:
+            _, code, sig = self._buf.split(b"\n", 1)[0].decode().split()
+            self.returncode = (int(code), int(sig))
         return self.returncode
 
     def wait(self, timeout: float | None) -> tuple[int, int] | None:

@@ -44,6 +44,7 @@ DEFAULT_ULIMITS = {"nofile": (1024, 20000), "nproc": (4096, 4096)}
 # containers-common's default seccomp profile (what podman applies when told nothing).
 DEFAULT_SECCOMP_PROFILE = Path("/usr/share/containers/seccomp.json")
 X32_SYSCALL_BIT = 0x40000000
+CGROUP_PARENT_ENV = "TMAX_PODMAN_CGROUP_PARENT"
 _seccomp_lock = threading.Lock()
 
 
@@ -167,6 +168,9 @@ class PodmanSandbox(ShellSandbox):
             # holds one of the pids the limit allows, for the container's whole life.
             "init": True,
         }
+        if os.environ.get(CGROUP_PARENT_ENV):
+            # Every container (and its conmon) under one cgroup: their CPU measured or capped together.
+            kw["cgroup_parent"] = os.environ[CGROUP_PARENT_ENV]
         remote = (podman_service.configured_url() or "unix://").split("://", 1)[0] != "unix"
         seccomp = None if remote else seccomp_profile()  # a path on this machine: local services only
         if seccomp:
