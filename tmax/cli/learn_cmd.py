@@ -36,7 +36,8 @@ def _flag_settings(o: dict) -> dict:
             ("cluster", "nodes"): "nodes", ("cluster", "gpus_per_node"): "gpus_per_node",
             ("cluster", "train_nodes"): "train_nodes", ("cluster", "tp"): "tp",
             ("cluster", "learners_per_node"): "learners_per_node",
-            ("cluster", "engines_per_node"): "engines_per_node", ("cluster", "address"): "address"}
+            ("cluster", "engines_per_node"): "engines_per_node", ("cluster", "address"): "address",
+            ("cluster", "sandbox_nodes"): "sandbox_nodes"}
     over: dict = {}
     for (section, key), flag in keys.items():
         value = o.get(flag)
@@ -125,6 +126,8 @@ def learn(
         None, "--engines-per-node", help="Engines per inference node (default: GPUs / TP; 1 on CPU)."),
     address: Optional[str] = typer.Option(
         None, "--address", help="Ray cluster to join (default: RAY_ADDRESS, a Slurm allocation, or local)."),
+    sandbox_nodes: Optional[int] = typer.Option(
+        None, "--sandbox-nodes", help="CPU nodes beyond --nodes for the rollout workers and all their containers."),
     dry_run: bool = typer.Option(
         False, "--dry-run", help="With --nodes: write the run's config and an sbatch script that runs it; print the plan."),
     from_runs: Optional[Path] = typer.Option(

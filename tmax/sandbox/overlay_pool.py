@@ -149,7 +149,7 @@ class OverlayPool:
         self.fallback = WarmPool(max(1, slots) + ahead, close_in_background)
         self._lock = threading.Lock()
         self._in_use: dict[int, OverlaySandbox] = {}
-        self._started: list[Path] = []  # state dirs of the hosts this pool started
+        self._started: list[HostInfo] = []  # the hosts this pool started
         self._broken: dict[str, str] = {}  # host key -> why its episodes fall back
         self._threads: list[threading.Thread] = []
         self._closed = False
@@ -157,6 +157,11 @@ class OverlayPool:
         self.episodes = 0
         self.hosts_started = 0
         self.fallbacks: dict[str, int] = {}
+
+    @property
+    def cold_starts(self) -> int:
+        """Episodes that had to start their host (`warm_hits` found one running)."""
+        return self.episodes - self.warm_hits
 
     # -- what the overlay serves ------------------------------------------------------
 
@@ -234,7 +239,7 @@ class OverlayPool:
             remove_dir(state_dir)
             raise
         with self._lock:
-            self._started.append(state_dir)
+            self._started.append(info)
             self.hosts_started += 1
         return info
 
@@ -298,10 +303,28 @@ class OverlayPool:
             sb.close()
         for t in threads:
             t.join(timeout=120)
-        for state_dir in self._started:
-            if quit_host(state_dir) and wait_until(lambda d=state_dir: not (d / "ctl.sock").exists(), 5.0, 0.02):
-                remove_dir(state_dir)
+        self._end_hosts()
         self.fallback.close(in_use)
+
+    def _end_hosts(self, wait_s: float = 30.0) -> None:
+        """Ask every host this pool started to end once idle, and wait (at most `wait_s`) until
+        podman has removed those that did: a job's containers are gone when it ends."""
+        from tmax.sandbox import podman_service
+
+        ending = [h for h in self._started if quit_host(Path(h.state_dir))]
+        if not ending:
+            return
+        with podman_service.client() as client:
+            def gone() -> bool:
+                try:
+                    return not any(client.containers.exists(h.container_id) for h in ending)
+                except Exception:
+                    return True  # no service to ask: nothing more to wait for
+
+            wait_until(gone, wait_s, 0.1)
+        for h in ending:
+            if not (Path(h.state_dir) / "ctl.sock").exists():
+                remove_dir(Path(h.state_dir))
 
     def stats(self) -> dict[str, object]:
         return {"episodes": self.episodes, "warm_hits": self.warm_hits, "hosts_started": self.hosts_started,

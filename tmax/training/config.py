@@ -238,6 +238,9 @@ class ClusterConfig(_Strict):
     tp: int = Field(1, ge=1)  # tensor-parallel size of each engine
     learners_per_node: int | None = Field(None, ge=1)  # default: one per GPU; 1 on CPU
     engines_per_node: int | None = Field(None, ge=1)  # default: GPUs / tp; 1 on CPU
+    # CPU nodes beyond `nodes` for the rollout workers and every container of their episodes
+    # (`training.cluster.sandbox_nodes`): one worker per node, its episodes at once the node's CPUs.
+    sandbox_nodes: int = Field(0, ge=0)
     # Ray to join (else RAY_ADDRESS, else Ray started inside a Slurm allocation, else local).
     address: str | None = None
     # Logical CPUs of every Ray node tmax starts (None: the machine's cores).

@@ -193,14 +193,15 @@ class EpisodeSettings:
                            max_response_tokens=self.response_budget, max_context_tokens=a.context_budget,
                            max_turn_tokens=a.max_tokens, max_prompt_tokens=self.max_prompt_tokens, seed=seed)
 
-    def worker_pool(self, slots: int) -> WarmPool | OverlayPool | None:
+    def worker_pool(self, slots: int, host_labels: dict[str, str] | None = None) -> WarmPool | OverlayPool | None:
         """A rollout worker's pool (podman): with `overlay`, episodes in containers shared on
-        this machine, `pool_size` started ahead for coming episodes; else a fresh container
-        per episode, its running episodes plus `pool_size` started ahead."""
+        this machine (carrying `host_labels` too), `pool_size` started ahead for coming
+        episodes; else a fresh container per episode, its running episodes plus `pool_size`
+        started ahead."""
         if self.env.kind != "podman":
             return None
         if self.overlay:
-            return OverlayPool(slots, self.pool_size, host_labels=self.env.labels)
+            return OverlayPool(slots, self.pool_size, host_labels={**self.env.labels, **(host_labels or {})})
         return WarmPool(slots + self.pool_size) if self.pool_size else None
 
 
