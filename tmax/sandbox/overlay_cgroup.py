@@ -70,6 +70,7 @@ class EpisodeCgroup:
         kernel takes a moment); False if one is still busy after `wait_s`."""
         deadline = time.monotonic() + wait_s
         left = []
+        removed_parents = {d.parent for d in self.dirs}
         for d in reversed(self.dirs):
             while True:
                 try:
@@ -83,4 +84,9 @@ class EpisodeCgroup:
                         break
                     time.sleep(0.02)
         self.dirs = left
+        for d in removed_parents:
+            try:
+                d.rmdir()  # a killed container's group, which podman could not remove past ours
+            except OSError:
+                pass  # a live container's: it has processes
         return not left

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import socket
 import tempfile
 import threading
@@ -48,14 +49,9 @@ STALE_START_S = 120.0  # a state directory without a helper this long after its 
 
 
 def remove_dir(d: Path) -> None:
-    """A host's state directory, once its helper has ended (its episode layers are its own)."""
-    for p in d.glob("*"):
-        if not p.is_dir():
-            p.unlink(missing_ok=True)
-    try:
-        d.rmdir()
-    except OSError:
-        pass  # an episode's layers still being deleted: the next look removes it
+    """A host's state directory, once its helper has ended: with the layers of episodes a
+    killed container left (no mount of theirs outlives the container)."""
+    shutil.rmtree(d, ignore_errors=True)
 
 
 class SpecFactory:

@@ -102,6 +102,7 @@ class Rollout:
     container_id: str | None = None  # podman: the container the episode (and verifier) ran in
     warm_start: bool = False  # the container came started from the worker's warm pool
     sandbox_mode: str = ""  # podman: "overlay" (of a shared container) or "container" (a fallback's own)
+    command_s: list[float] = field(default_factory=list)  # each command's round trip (issue -> output back)
 
     @property
     def num_sampled(self) -> int:
@@ -290,7 +291,8 @@ def run_episode(
         t_agent = time.monotonic() - t1
         # The agent's time split: waiting for the model, and commands running in the sandbox.
         t_llm = sum(t.get("llm_s", 0.0) for t in agent.timing)
-        t_exec = sum(t.get("bash_s", 0.0) for t in agent.timing)
+        command_s = [t["bash_s"] for t in agent.timing if "bash_s" in t]
+        t_exec = sum(command_s)
         if result.status in INFRA_STATUSES:
             kind, what = INFRA_STATUSES[result.status]
             raise InfraError(kind, f"{what}: {result.error}")
@@ -331,6 +333,7 @@ def run_episode(
         container_id=sandbox_id,
         warm_start=warm,
         sandbox_mode=mode,
+        command_s=command_s,
     )
 
 
