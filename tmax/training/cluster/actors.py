@@ -31,6 +31,7 @@ from typing import Any
 from tmax.common.waiting import wait_until
 from tmax.training.cluster.failover import SERVER_EXIT_WAIT_S, FailoverSampler, WorkersDown
 from tmax.training.cluster.placement import Placement
+from tmax.training.cluster.sandbox_nodes import NODE_LABEL, worker_slots
 
 # Gloo / NCCL collectives of the learner group give up after this long (a dead rank).
 GROUP_TIMEOUT_S = 600.0
@@ -208,8 +209,6 @@ def _worker_class():
             self.episode = episode  # a `training.rollout.EpisodeSettings`
             self.sampler = sampler
             self.images = images  # task dir -> TaskImage, resolved before training
-            from tmax.training.cluster.sandbox_nodes import NODE_LABEL
-
             self.pool = episode.worker_pool(slots, {NODE_LABEL: _node_id()})  # its containers name this node
 
         def node_id(self) -> str:
@@ -393,14 +392,9 @@ def worker_options(cfg: Any, pl: Placement | None) -> list[dict]:
     if pl is None:
         cpus = min(0.5, _cpus(cfg) / (4 * rc.rollout_workers))
         return [{"num_cpus": cpus, "max_concurrency": threads, "max_restarts": -1}] * rc.rollout_workers
-    return [pl.sandbox_options(i, max_restarts=-1, max_concurrency=worker_slots(cfg, pl, i) + PREWARM_CALL_SLOTS)
+    return [pl.sandbox_options(i, max_restarts=-1,
+                               max_concurrency=worker_slots(pl, i, rc.slots_per_worker) + PREWARM_CALL_SLOTS)
             for i in range(pl.plan.sandbox_workers)]
-
-
-def worker_slots(cfg: Any, pl: Placement | None, index: int) -> int:
-    """Episodes at once of rollout worker `index`: its sandbox node's CPUs, else the run's
-    `slots_per_worker`."""
-    return pl.sandboxes.slots(index) if pl is not None and pl.sandboxes is not None else cfg.run.slots_per_worker
 
 
 def start_engines(cfg: Any, model_dir: str, run_dir: str | Path, pl: Placement | None = None) -> EngineGroup:
@@ -488,7 +482,7 @@ def start_actors(cfg: Any, model_dir: str, resume_from: str | None, run_dir: str
         RolloutWorker = _worker_class()
         episode = EpisodeSettings.of(cfg.rollout, labels)
         workers = [RolloutWorker.options(**o).remote(model_dir, episode, engines.sampler(i), images,
-                                                     worker_slots(cfg, pl, i))
+                                                     worker_slots(pl, i, cfg.run.slots_per_worker))
                    for i, o in enumerate(worker_options(cfg, pl))]
         # Start-up errors of any rank or engine surface here, before any episode runs.
         ray.get(learner.setups + (engines.ready() if own else []))

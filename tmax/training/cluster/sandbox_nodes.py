@@ -69,6 +69,13 @@ class SandboxPlacement:
         return cls(pg, nodes, [totals.get(n, 1.0) for n in nodes])
 
 
+def worker_slots(placement: Any, index: int, default: int) -> int:
+    """Episodes at once of rollout worker `index`: its sandbox node's CPUs, else `default`
+    (`run.slots_per_worker`)."""
+    sandboxes = getattr(placement, "sandboxes", None)
+    return sandboxes.slots(index) if sandboxes is not None else default
+
+
 def sandbox_group(count: int, cpus_per_worker: float) -> Any:
     """The sandbox nodes' placement group: one bundle per node (not yet ready)."""
     from ray.util.placement_group import placement_group
