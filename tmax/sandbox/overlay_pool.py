@@ -335,7 +335,10 @@ class OverlayPool:
 
 def remove_host_dirs(root: Path | None = None) -> list[str]:
     """State directories of hosts that are gone (for `tmax sandbox clean`)."""
-    reg = HostRegistry(root)
+    try:
+        reg = HostRegistry(root)
+    except (OSError, HelperUnavailable):
+        return []
     removed = []
     for key_dir in sorted(reg.root.glob("*")):
         if not key_dir.is_dir():
@@ -346,6 +349,9 @@ def remove_host_dirs(root: Path | None = None) -> list[str]:
             reg.forget_if_stale(d, HostInfo.load(d))
             if not d.exists():
                 removed.append(str(d))
+        if not any(key_dir.iterdir()):  # no host of this key left: its lock goes too
+            key_dir.rmdir()
+            (reg.root / f"{key_dir.name}.lock").unlink(missing_ok=True)
     return removed
 
 
