@@ -464,6 +464,20 @@ static int numeric(const char *s) {
     return 1;
 }
 
+/* The `n` colon-separated fields of a passwd or group line (the last without its newline);
+ * -1 when it has fewer. */
+static int split_fields(char *line, char **fields, int n) {
+    char *p = line;
+    for (int i = 0; i < n && p; i++) {
+        fields[i] = p;
+        p = strchr(p, ':');
+        if (p) *p++ = 0;
+    }
+    if (!fields[n - 1]) return -1;
+    fields[n - 1][strcspn(fields[n - 1], "\n")] = 0;
+    return 0;
+}
+
 /* The user's passwd entry in the episode's /etc/passwd; 0 when found. */
 static int passwd_entry(const char *user, struct who *w, char *name, size_t name_len) {
     FILE *f = fopen("/etc/passwd", "re");
@@ -472,14 +486,7 @@ static int passwd_entry(const char *user, struct who *w, char *name, size_t name
     int found = -1;
     while (found < 0 && fgets(line, sizeof line, f)) {
         char *fields[7] = {0};
-        char *p = line;
-        for (int i = 0; i < 7 && p; i++) {
-            fields[i] = p;
-            p = strchr(p, ':');
-            if (p) *p++ = 0;
-        }
-        if (!fields[6]) continue;
-        fields[6][strcspn(fields[6], "\n")] = 0;
+        if (split_fields(line, fields, 7) < 0) continue;
         if (numeric(user) ? (uid_t)strtoul(fields[2], NULL, 10) != (uid_t)strtoul(user, NULL, 10)
                           : strcmp(fields[0], user) != 0)
             continue;
@@ -500,14 +507,7 @@ static void group_entries(const char *name, const char *group, struct who *w) {
     char line[8192];
     while (fgets(line, sizeof line, f) && w->ngroups < 64) {
         char *fields[4] = {0};
-        char *p = line;
-        for (int i = 0; i < 4 && p; i++) {
-            fields[i] = p;
-            p = strchr(p, ':');
-            if (p) *p++ = 0;
-        }
-        if (!fields[3]) continue;
-        fields[3][strcspn(fields[3], "\n")] = 0;
+        if (split_fields(line, fields, 4) < 0) continue;
         gid_t gid = (gid_t)strtoul(fields[2], NULL, 10);
         if (group && strcmp(fields[0], group) == 0) w->gid = gid;
         for (char *m = strtok(fields[3], ","); m && *name; m = strtok(NULL, ","))
