@@ -251,7 +251,8 @@ def fresh_vs_overlay(task_dir: str, tok, cfg, image, rounds: int) -> dict:
         return call
 
     root = Path(tempfile.mkdtemp(prefix="tmax-profile-hosts-"))  # hosts of this run only, started in its cgroup
-    pool = OverlayPool(1, root=root, close_in_background=False)
+    # A recipe worker's pool: 4 episodes at once per container, each in cgroups of its own.
+    pool = OverlayPool(4, root=root, close_in_background=False)
     try:
         episode(pool)()  # starts the host, unmeasured
         ab = alternating({"fresh_container": episode(None), "new": episode(pool)}, rounds, settle=True)
@@ -260,7 +261,7 @@ def fresh_vs_overlay(task_dir: str, tok, cfg, image, rounds: int) -> dict:
     spec = Episode(Task.load(task_dir), cfg.env, image=image).spec()
 
     def host_life() -> None:
-        with OverlayPool(1, root=root, close_in_background=False) as p:
+        with OverlayPool(4, root=root, close_in_background=False) as p:
             p.release(p.acquire("k", SpecFactory("podman", spec)))
 
     ab["host_life_with_one_episode"] = alternating({"x": host_life}, max(2, rounds // 3), settle=True)["x"]

@@ -477,6 +477,9 @@ class ShellSandbox:
     """What every backend shares: the agent's commands go through one PersistentShell."""
 
     shell: PersistentShell | None = None
+    # A `copy_in` costs about what a process start inside does (the overlay sandbox writes
+    # through the episode's root); False where it is an API call of its own (podman).
+    copy_is_cheap = False
 
     def _shell(self) -> PersistentShell:
         if self.shell is None:
