@@ -177,16 +177,17 @@ def measure(args, root: Path) -> dict:
     from tmax.training.learner.sft import scripted_turns
 
     task, settings, images, kwargs = setup(root, args.commands)
-    learner = subprocess.Popen([sys.executable, __file__, "--learner-loop", str(root / "model")])
-    handle = connect(ClusterConfig(num_cpus=4))  # the private Ray `tmax learn` starts on one machine
     srv = chat_server(commands(args.commands))
     turns = scripted_turns(AutoTokenizer.from_pretrained(root / "tok"),
                            [("THOUGHT: go.", c) for c in commands(args.commands)])
-    worker = _worker_class().options(num_cpus=0.5, max_concurrency=args.episodes + 2).remote(
-        str(root / "tok"), settings, ScriptSampler(turns), images, args.episodes)
+    learner = subprocess.Popen([sys.executable, __file__, "--learner-loop", str(root / "model")])
+    handle = worker = None
     train: list[float] = []
     evals: list[float] = []
     try:
+        handle = connect(ClusterConfig(num_cpus=4))  # the private Ray `tmax learn` starts on one machine
+        worker = _worker_class().options(num_cpus=0.5, max_concurrency=args.episodes + 2).remote(
+            str(root / "tok"), settings, ScriptSampler(turns), images, args.episodes)
         time.sleep(args.warmup)  # the learner past its start, training
         url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
         for r in range(args.rounds):
@@ -195,10 +196,13 @@ def measure(args, root: Path) -> dict:
             if learner.poll() is not None:
                 raise RuntimeError("the busy learner stopped")
     finally:
-        ray.get(worker.close.remote(), timeout=300)
-        ray.kill(worker)
-        handle.shutdown()
+        if worker is not None:
+            ray.get(worker.close.remote(), timeout=300)
+            ray.kill(worker)
+        if handle is not None:
+            handle.shutdown()
         learner.kill()
+        learner.wait()
         srv.shutdown()
     tp50, tp99 = percentiles(train)
     ep50, ep99 = percentiles(evals)
