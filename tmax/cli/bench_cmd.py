@@ -107,7 +107,8 @@ def _prestart_podman(environment: str | None) -> None:
 def _make_job(dataset: str, agent: str, model: Optional[str], base_url: Optional[str], attempts: int,
               concurrent: int, include: list[str], exclude: list[str], limit: Optional[int], jobs_dir: Path,
               job_name: Optional[str], timeout_multiplier: float, image_map: list[str], prebuilt: bool,
-              ak: list[str], api_key_env: str, environment: str = "podman", warm_ahead: int = 0):
+              ak: list[str], api_key_env: str, environment: str = "podman", warm_ahead: int = 0,
+              overlay: bool = True):
     from tmax.tasks.dataset import DatasetError
     from tmax.tasks.job import Job, JobConfig, JobError
 
@@ -117,7 +118,7 @@ def _make_job(dataset: str, agent: str, model: Optional[str], base_url: Optional
                         limit=limit, agent=agent, model=model, base_url=base_url, api_key_env=api_key_env,
                         agent_kwargs=_parse_kwargs(ak), n_attempts=attempts, n_concurrent=concurrent,
                         timeout_multiplier=timeout_multiplier, image_map=image_map, use_prebuilt=prebuilt,
-                        environment=environment, warm_ahead=warm_ahead)
+                        environment=environment, warm_ahead=warm_ahead, overlay=overlay)
         return Job(cfg, api_key=os.environ.get(api_key_env))
     except (DatasetError, JobError, ValueError) as e:
         _fail(str(e))
@@ -146,6 +147,9 @@ _ENV = typer.Option("podman", "-e", "--env",
 _WARM = typer.Option(0, "--warm-ahead", min=0,
                      help="podman: containers started ahead for the trials next in line (worth it when "
                           "container starts are long against the trials).")
+_OVERLAY = typer.Option(True, "--overlay/--fresh-containers",
+                        help="podman: each trial a fresh overlay of a container its task's trials share (default),"
+                             " or a fresh container per trial.")
 
 
 @bench_app.command("run")
@@ -156,12 +160,13 @@ def run_cmd(
     concurrent: int = _CONC, include: list[str] = _INC, exclude: list[str] = _EXC, limit: Optional[int] = _LIMIT,
     jobs_dir: Path = _JOBS, job_name: Optional[str] = _NAME, timeout_multiplier: float = _TMULT,
     image_map: list[str] = _IMAP, prebuilt: bool = _PREBUILT, ak: list[str] = _AK, retry_infra: bool = _RETRY,
-    api_key_env: str = _KEYENV, environment: str = _ENV, warm_ahead: int = _WARM,
+    api_key_env: str = _KEYENV, environment: str = _ENV, warm_ahead: int = _WARM, overlay: bool = _OVERLAY,
 ) -> None:
     """Run an agent on tasks; results land in JOBS_DIR/JOB_NAME as each trial ends."""
     _prestart_podman(environment)
     job = _make_job(dataset, agent, model, base_url, attempts, concurrent, include, exclude, limit, jobs_dir,
-                    job_name, timeout_multiplier, image_map, prebuilt, ak, api_key_env, environment, warm_ahead)
+                    job_name, timeout_multiplier, image_map, prebuilt, ak, api_key_env, environment, warm_ahead,
+                    overlay)
     _run_job(job, retry_infra)
 
 
@@ -174,13 +179,13 @@ def terminal_bench_cmd(
     include: list[str] = _INC, exclude: list[str] = _EXC, limit: Optional[int] = _LIMIT,
     jobs_dir: Path = _JOBS, job_name: Optional[str] = _NAME, image_map: list[str] = _IMAP,
     prebuilt: bool = _PREBUILT, ak: list[str] = _AK, retry_infra: bool = _RETRY, api_key_env: str = _KEYENV,
-    environment: str = _ENV, warm_ahead: int = _WARM,
+    environment: str = _ENV, warm_ahead: int = _WARM, overlay: bool = _OVERLAY,
 ) -> None:
     """Terminal-Bench 2.0 by the paper's protocol: 5 attempts per task, the tasks' own timeouts,
     errors scored 0, unbiased pass@k."""
     _prestart_podman(environment)
     job = _make_job(dataset, agent, model, base_url, 5, concurrent, include, exclude, limit, jobs_dir,
-                    job_name, 1.0, image_map, prebuilt, ak, api_key_env, environment, warm_ahead)
+                    job_name, 1.0, image_map, prebuilt, ak, api_key_env, environment, warm_ahead, overlay)
     _run_job(job, retry_infra)
 
 
