@@ -1,7 +1,7 @@
 """Episodes as fresh overlays of a long-lived container, not fresh containers.
 
 A host (`OverlayHost`) is a podman container of a task's image whose main process is the
-episode helper (`overlay_helper.c`, bind-mounted in). An episode (`OverlaySandbox`) is a new
+episode helper (`sandbox/helper/`, bind-mounted in). An episode (`OverlaySandbox`) is a new
 mount, pid, ipc and uts namespace in it (and a network namespace with only `lo` when the
 task has no network) whose root is an overlay of the container's root with a fresh upper
 layer: it starts from exactly the image's state, and everything it writes, starts or

@@ -1,4 +1,4 @@
-"""The episode helper (`overlay_helper.c`), built once per source version.
+"""The episode helper (`sandbox/helper/*.c`), built once per source version.
 
 The helper runs inside task containers of every kind of image (Debian, Alpine, images with
 no libc at all), so it is linked statically and bind-mounted in; nothing of the image is
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tmax.common.files import cache_dir
 
-SOURCE = Path(__file__).with_name("overlay_helper.c")
+SOURCES = sorted(Path(__file__).with_name("helper").glob("*.[ch]"))
 
 
 class HelperUnavailable(RuntimeError):
@@ -29,8 +29,8 @@ class HelperUnavailable(RuntimeError):
 @functools.cache
 def helper_binary() -> Path:
     """The built helper for this source (built now if it is not in the cache)."""
-    text = SOURCE.read_bytes()
-    out = cache_dir() / "overlay" / f"tmax-eph-{hashlib.sha256(text).hexdigest()[:16]}"
+    digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in SOURCES)).hexdigest()
+    out = cache_dir() / "overlay" / f"tmax-eph-{digest[:16]}"
     if out.is_file() and os.access(out, os.X_OK):
         return out
     cc = shutil.which(os.environ.get("CC", "cc"))
@@ -40,8 +40,8 @@ def helper_binary() -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".tmax-eph-", dir=out.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cc, "-static", "-O2", "-o", tmp, str(SOURCE)], capture_output=True, text=True,
-                           timeout=300)
+        r = subprocess.run([cc, "-static", "-O2", "-o", tmp, *(str(p) for p in SOURCES if p.suffix == ".c")],
+                           capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
             raise HelperUnavailable(f"building the episode helper failed (static libc missing? install "
                                     f"libc6-dev): {r.stderr.strip()[-1000:]}")

@@ -1,4 +1,4 @@
-"""The host's side of the episode helper (`overlay_helper.c`): episodes, the processes in
+"""The host's side of the episode helper (`sandbox/helper/`): episodes, the processes in
 them, and their files.
 
 An episode is a lease: a connection to the helper's control socket that stays open for
