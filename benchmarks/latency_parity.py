@@ -68,16 +68,28 @@ def learner_loop(model_dir: str) -> None:
 
 class ScriptSampler:
     """A token sampler that answers turn k with the k-th scripted turn, whatever order the
-    worker's episodes ask in (turn k once k turns are in the prompt)."""
+    worker's episodes ask in. Every episode is the same (same prompt, same commands, same
+    outputs), so the prompt of turn k has the same length in all of them and lengths grow with
+    k: the k-th distinct length seen is turn k's. O(1), as a real sampler's share of the
+    worker's CPU is (a request to the engine), not a search through the prompt."""
 
     def __init__(self, turns: list[list[int]]):
         self.turns = turns
+        self.lengths: dict[int, int] = {}
+        self.lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        return {"turns": self.turns}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["turns"])
 
     def sample(self, prompt_ids, max_tokens, temperature, top_p, seed=None):
         from tmax.agents.policy import SampledTokens
 
-        done = sum(1 for t in self.turns if any(prompt_ids[i:i + len(t)] == t for i in range(len(prompt_ids))))
-        return SampledTokens(self.turns[done], [0.0] * len(self.turns[done]), "stop", 0)
+        with self.lock:
+            k = min(self.lengths.setdefault(len(prompt_ids), len(self.lengths)), len(self.turns) - 1)
+        return SampledTokens(self.turns[k], [0.0] * len(self.turns[k]), "stop", 0)
 
 
 def chat_server(script: list[str]) -> ThreadingHTTPServer:
@@ -167,6 +179,20 @@ def setup(root: Path, n_commands: int):
     return str(task), settings, images, agent_settings(rollout)
 
 
+def start_ray(connect, cluster, attempts: int = 4):
+    """The private Ray `tmax learn` starts on one machine; its raylet gets 30 s to register,
+    which a machine under heavy load can miss: tried again (an infrastructure failure)."""
+    from tmax.training.cluster.launch import ClusterError
+
+    for i in range(attempts):
+        try:
+            return connect(cluster)
+        except ClusterError:
+            if i == attempts - 1:
+                raise
+            time.sleep(15)
+
+
 def measure(args, root: Path) -> dict:
     import ray
     from transformers import AutoTokenizer
@@ -185,14 +211,17 @@ def measure(args, root: Path) -> dict:
     train: list[float] = []
     evals: list[float] = []
     try:
-        handle = connect(ClusterConfig(num_cpus=4))  # the private Ray `tmax learn` starts on one machine
+        handle = start_ray(connect, ClusterConfig(num_cpus=4))
         worker = _worker_class().options(num_cpus=0.5, max_concurrency=args.episodes + 2).remote(
             str(root / "tok"), settings, ScriptSampler(turns), images, args.episodes)
         time.sleep(args.warmup)  # the learner past its start, training
         url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
-        for r in range(args.rounds):
-            train += train_round(worker, task, args.episodes, r)
-            evals += eval_round(Path(task).parent, task, url, args.episodes, root / "jobs", kwargs, f"eval-{r}")
+        for r in range(args.rounds):  # ABBA: load that drifts over the run falls on both sides alike
+            sides = [lambda: train.extend(train_round(worker, task, args.episodes, r)),
+                     lambda: evals.extend(eval_round(Path(task).parent, task, url, args.episodes, root / "jobs",
+                                                     kwargs, f"eval-{r}"))]
+            for side in sides if r % 2 == 0 else sides[::-1]:
+                side()
             if learner.poll() is not None:
                 raise RuntimeError("the busy learner stopped")
     finally:
@@ -215,7 +244,7 @@ def measure(args, root: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of training and evaluation")
+    ap.add_argument("--rounds", type=int, default=4, help="alternating rounds of training and evaluation")
     ap.add_argument("--episodes", type=int, default=8, help="episodes (trials) at once per round and side")
     ap.add_argument("--commands", type=int, default=6, help="commands per episode before its submit")
     ap.add_argument("--warmup", type=float, default=20.0, help="seconds the learner trains before measuring")

@@ -103,6 +103,7 @@ class Rollout:
     warm_start: bool = False  # the container came started from the worker's warm pool
     sandbox_mode: str = ""  # podman: "overlay" (of a shared container) or "container" (a fallback's own)
     command_s: list[float] = field(default_factory=list)  # each command's round trip (issue -> output back)
+    started_at: float = 0.0  # when the episode began (epoch seconds)
 
     @property
     def num_sampled(self) -> int:
@@ -277,7 +278,7 @@ def run_episode(
     from tmax.agents.harnesses import make_harness
     from tmax.agents.records import Recorder
 
-    t0 = time.monotonic()
+    t0, started_at = time.monotonic(), time.time()
     ep = _open(req, episode.env, image, pool)
     t_sandbox = time.monotonic() - t0
     task, sandbox_id, warm, mode = ep.task, ep.sandbox_id, ep.warm, ep.sandbox_mode
@@ -334,6 +335,7 @@ def run_episode(
         warm_start=warm,
         sandbox_mode=mode,
         command_s=command_s,
+        started_at=round(started_at, 3),
     )
 
 

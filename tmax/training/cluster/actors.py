@@ -31,7 +31,7 @@ from typing import Any
 from tmax.common.waiting import wait_until
 from tmax.training.cluster.failover import SERVER_EXIT_WAIT_S, FailoverSampler, WorkersDown
 from tmax.training.cluster.placement import Placement
-from tmax.training.cluster.sandbox_nodes import NODE_LABEL, worker_slots
+from tmax.training.cluster.sandbox_nodes import NODE_LABEL, normal_priority, worker_slots
 
 # Gloo / NCCL collectives of the learner group give up after this long (a dead rank).
 GROUP_TIMEOUT_S = 600.0
@@ -205,6 +205,7 @@ def _worker_class():
         def __init__(self, model_dir: str, episode: Any, sampler: Any, images: dict, slots: int = 1):
             from transformers import AutoTokenizer
 
+            normal_priority()  # its episodes' commands run as a bench trial's do, not at Ray's niceness 15
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
             self.episode = episode  # a `training.rollout.EpisodeSettings`
             self.sampler = sampler

@@ -21,6 +21,23 @@ ROLE_SANDBOX = "tmax_sandbox"
 NODE_LABEL = "io.tmax.node"  # the Ray node of the worker that started a container
 
 
+def normal_priority() -> bool:
+    """Every thread of this process back to niceness 0; False where lowering it is not allowed
+    (not root, no CAP_SYS_NICE). Ray starts its workers at niceness 15 (`RAY_worker_niceness`):
+    a rollout worker's shells, its podman service and the containers that service starts
+    inherit it, so under load a training episode's commands got less CPU than a bench trial's
+    (benchmarks/latency_parity.py). Threads started later inherit 0 from these."""
+    import os
+
+    ok = True
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), 0)
+        except OSError:
+            ok = False
+    return ok
+
+
 def sandbox_bundle(cpus_per_worker: float) -> dict[str, float]:
     return {"CPU": cpus_per_worker, ROLE_SANDBOX: 1.0}
 
