@@ -17,7 +17,6 @@ import json
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -32,12 +31,6 @@ DEFAULT_DATASET = Path(__file__).resolve().parents[2] / "shared" / "tb2-sample"
 DEFAULT_TASKS = ["regex-log", "polyglot-c-py", "sqlite-db-truncate", "llm-inference-batching-scheduler"]
 
 
-def _secs(a: str | None, b: str | None) -> float:
-    if not a or not b:
-        return 0.0
-    return (datetime.fromisoformat(b) - datetime.fromisoformat(a)).total_seconds()
-
-
 def run(dataset: str, tasks: list[str], n: int, attempts: int, jobs_dir: str) -> dict:
     job = Job(JobConfig(job_name=f"bench-n{n}", jobs_dir=jobs_dir, dataset=dataset, include=tasks, agent="oracle",
                         n_attempts=attempts, n_concurrent=n))
@@ -46,12 +39,12 @@ def run(dataset: str, tasks: list[str], n: int, attempts: int, jobs_dir: str) ->
     wall = time.monotonic() - t0
     overheads, inner = [], []
     for r in job.results():
-        total = _secs(r["started_at"], r["finished_at"])
-        solve = (r["agent_result"]["metadata"] or {}).get("duration_s", 0.0)
-        test = r["tmax"].get("verifier_s") or 0.0  # test.sh itself
+        total = r.wall_s or 0.0
+        solve = ((r.agent_result.metadata if r.agent_result else None) or {}).get("duration_s", 0.0)
+        test = (r.tmax.verifier_s if r.tmax else None) or 0.0  # test.sh itself
         inner.append(solve + test)
         overheads.append(total - solve - test)
-    return {"n": n, "wall_s": wall, "trials": len(overheads), "mean_reward": data["tmax_score"]["mean_reward"],
+    return {"n": n, "wall_s": wall, "trials": len(overheads), "mean_reward": data.tmax_score["mean_reward"],
             "overhead_s_per_trial": sum(overheads) / max(1, len(overheads)),
             "agent_verifier_s_per_trial": sum(inner) / max(1, len(inner))}
 

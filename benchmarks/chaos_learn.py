@@ -310,7 +310,8 @@ def _warm_start(root: Path, tasks: list[str]) -> Path:
     from transformers import AutoTokenizer
 
     from tmax.training.config import preset
-    from tmax.training.learner.sft import collect_demos, train_sft
+    from tmax.training.demos import collect_demos
+    from tmax.training.learner.sft import train_sft
     from tmax.training.nano.model import build_nano_model
 
     build_nano_model(root / "base")

@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from tmax.tasks.corpus.scheduler import LocalBackend
+    from tmax.tasks.job_runner import LocalBackend
 
     with tempfile.TemporaryDirectory(prefix="tmax-corpus-bench-") as tmp:
         tmp = Path(tmp)

@@ -130,6 +130,7 @@ class VLLMSide:
 
     def __init__(self, model_dir: str, learner, transport: str, dtype: str, max_len: int):
         from tmax.training.inference.engine import VLLMEngine, VLLMSampler
+        from tmax.training.engine_options import EngineOptions
 
         self.learner, self.transport = learner, transport
         env_gpu = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -138,7 +139,8 @@ class VLLMSide:
         # On one GPU the learner holds most of the memory.
         memory = None if learner.device.type == "cpu" else 0.35
         try:
-            self.engine = VLLMEngine(model_dir, max_model_len=max_len, dtype=dtype, gpu_memory_utilization=memory,
+            options = EngineOptions(max_model_len=max_len, dtype=dtype, gpu_memory_utilization=memory)
+            self.engine = VLLMEngine(model_dir, options=options,
                                      work_dir=tempfile.mkdtemp(prefix="gpu-check-engine-"))
         finally:
             if env_gpu is None:

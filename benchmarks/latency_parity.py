@@ -166,17 +166,17 @@ def setup(root: Path, n_commands: int):
     from tmax.training.config import preset
     from tmax.training.nano.model import build_nano_model, build_tokenizer
     from tmax.training.nano.tasks import write_splits
-    from tmax.training.rollout import EpisodeSettings, agent_settings, prepare_tasks, run_labels
+    from tmax.training.rollout import EpisodeSettings, prepare_tasks, run_labels
 
     build_nano_model(root / "model", seed=0)
     build_tokenizer(0).save_pretrained(root / "tok")
     [task] = write_splits(root / "tasks", 1, 0, seed=0)["train"]
     rollout = preset("nano-podman").rollout.model_copy(update={
-        "max_tool_calls": n_commands + 1, "observation_max_chars": 2000, "per_turn_max_tokens": 300,
+        "max_steps": n_commands + 1, "observation_max_chars": 2000, "max_tokens": 300,
         "response_budget": 6000, "context_budget": 8192, "max_prompt_tokens": 2048})
     settings = EpisodeSettings.of(rollout, run_labels(root / "run"))
     images = prepare_tasks(settings.env, [str(task)], log=lambda m: None).images
-    return str(task), settings, images, agent_settings(rollout)
+    return str(task), settings, images, rollout.agent_only().model_dump(mode="json", exclude_none=True)
 
 
 def start_ray(connect, cluster, attempts: int = 4):
@@ -197,7 +197,7 @@ def measure(args, root: Path) -> dict:
     import ray
     from transformers import AutoTokenizer
 
-    from tmax.training.cluster.actors import _worker_class
+    from tmax.training.cluster.rollout_worker import RolloutWorker
     from tmax.training.cluster.launch import connect
     from tmax.training.config import ClusterConfig
     from tmax.training.learner.sft import scripted_turns
@@ -212,7 +212,7 @@ def measure(args, root: Path) -> dict:
     evals: list[float] = []
     try:
         handle = start_ray(connect, ClusterConfig(num_cpus=4))
-        worker = _worker_class().options(num_cpus=0.5, max_concurrency=args.episodes + 2).remote(
+        worker = ray.remote(RolloutWorker).options(num_cpus=0.5, max_concurrency=args.episodes + 2).remote(
             str(root / "tok"), settings, ScriptSampler(turns), images, args.episodes)
         time.sleep(args.warmup)  # the learner past its start, training
         url = f"http://127.0.0.1:{srv.server_address[1]}/v1"

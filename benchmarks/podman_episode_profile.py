@@ -127,7 +127,7 @@ def instrument() -> None:
 
 def one_episode(task_dir: str, tok, cfg, image, pool) -> dict:
     from tmax.training.nano.tasks import oracle_steps
-    from tmax.training.learner.sft import ScriptedSampler, scripted_turns
+    from tmax.training.demos import ScriptedSampler, scripted_turns
     from tmax.training.rollout import EpisodeRequest, run_episode
 
     turns = scripted_turns(tok, oracle_steps(task_dir))

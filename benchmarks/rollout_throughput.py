@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def scripted_samplers(tok, task_dirs: list[str]):
     """Each task's oracle turns, replayed: a fresh sampler per episode."""
-    from tmax.training.learner.sft import ScriptedSampler, scripted_turns
+    from tmax.training.demos import ScriptedSampler, scripted_turns
     from tmax.training.nano.tasks import oracle_steps
 
     turns = {d: scripted_turns(tok, oracle_steps(d)) for d in task_dirs}

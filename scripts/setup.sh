@@ -39,6 +39,7 @@ fi
 "$VENV/bin/python" -c "import tenacity" 2>/dev/null || "$VENV/bin/pip" install -q "tenacity>=8.3"
 "$VENV/bin/python" -c "import pytest_rerunfailures" 2>/dev/null || "$VENV/bin/pip" install -q "pytest-rerunfailures>=14"
 "$VENV/bin/python" -c "import xdist" 2>/dev/null || "$VENV/bin/pip" install -q "pytest-xdist>=3.5"
+"$VENV/bin/python" -c "import importlinter" 2>/dev/null || "$VENV/bin/pip" install -q "import-linter>=2.1"
 "$VENV/bin/python" -c "import dockerfile_parse" 2>/dev/null || "$VENV/bin/pip" install -q "dockerfile-parse>=2.0"
 "$VENV/bin/python" -c "import tenacity" 2>/dev/null || "$VENV/bin/pip" install -q "tenacity>=8.2"
 "$VENV/bin/python" -c "import datasets, pyarrow" 2>/dev/null || "$VENV/bin/pip" install -q "datasets>=2.19" "pyarrow>=15"

@@ -6,6 +6,10 @@ setup_started=$SECONDS
 bash scripts/setup.sh
 echo "== setup took $((SECONDS - setup_started)) s; the suite follows (its own time is on pytest's last line)"
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+# The import layering (pyproject.toml [tool.importlinter]) first: a broken contract fails the
+# run before any test starts.
+echo "== lint-imports"
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "${TMAX_VENV:-.venv}/bin/lint-imports" --no-logo
 set +e
 # TMAX_TEST_WORKERS=N runs N pytest-xdist workers, a test module at a time each (its module
 # fixtures, a vLLM server say, start once), for machines with cores to spare. On 2 cores the

@@ -52,6 +52,31 @@ def base_image(podman_service) -> str:
     return BASE_IMAGE
 
 
+@pytest.fixture
+def open_box(request, tmp_path):
+    """`open_box(kind)`: a started sandbox of that kind (`local`, the default, works in
+    tmp_path), closed after the test."""
+    from tmax.sandbox import SandboxSpec, make_sandbox
+
+    boxes = []
+
+    def make(kind: str = "local"):
+        if kind == "local":
+            spec = SandboxSpec(workdir=str(tmp_path), env={"TMPDIR": str(tmp_path)})
+        elif kind == "bwrap":
+            spec = SandboxSpec()
+        else:
+            spec = SandboxSpec(image=request.getfixturevalue("base_image"))
+        box = make_sandbox(kind, spec)
+        boxes.append(box)
+        box.start()
+        return box
+
+    yield make
+    for box in boxes:
+        box.close()
+
+
 # Processes a test module may start and must stop: a vLLM server (and its engine core) or a
 # Ray cluster. One left running eats this small machine's cores and slows every later test,
 # so it is reported (the module leaked it) and stopped before the next module starts.

@@ -2,8 +2,9 @@
 
     .venv-harbor/bin/python tests/harbor_check.py JOB_DIR...
 
-For every job: its result.json as Harbor's JobResult (and what `stats.evals` holds), every
-trial's result.json as TrialResult, every `agent/trajectory.json` as an ATIF Trajectory,
+For every job: its config.json as Harbor's JobConfig and its result.json as JobResult (and
+what `stats.evals` holds), every trial's config.json as TrialConfig and result.json as
+TrialResult, every `agent/trajectory.json` as an ATIF Trajectory,
 and the answers `harbor view`'s API gives for the job, its config, its trials and their
 trajectories (status codes). Prints one JSON object; exit status 1 when anything failed.
 It imports nothing from tmax: Harbor needs Python >= 3.12, which tmax's venv may not have.
@@ -15,8 +16,10 @@ import json
 import sys
 from pathlib import Path
 
+from harbor.models.job.config import JobConfig
 from harbor.models.job.result import JobResult
 from harbor.models.trajectories import Trajectory
+from harbor.models.trial.config import TrialConfig
 from harbor.models.trial.result import TrialResult
 
 
@@ -34,11 +37,14 @@ def check_models(job_dir: Path, out: dict) -> None:
             out["failures"].append({"file": str(path), "error": str(e)[:2000]})
             return None
 
+    load(JobConfig, job_dir / "config.json", "job_configs")
     job = load(JobResult, job_dir / "result.json", "jobs")
     if job is not None:
         out["evals"][job_dir.name] = {k: v.model_dump(mode="json") for k, v in job.stats.evals.items()}
         out["tokens"][job_dir.name] = [job.stats.n_input_tokens, job.stats.n_output_tokens]
     for trial in _trials(job_dir):
+        if (trial / "config.json").is_file():
+            load(TrialConfig, trial / "config.json", "trial_configs")
         if (trial / "result.json").is_file():
             load(TrialResult, trial / "result.json", "trials")
         if (trial / "agent" / "trajectory.json").is_file():
@@ -66,7 +72,8 @@ def check_viewer(jobs_dir: Path, job_dirs: list[Path], out: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
-    out: dict = {"jobs": 0, "trials": 0, "atif": 0, "evals": {}, "tokens": {}, "viewer": {}, "failures": []}
+    out: dict = {"jobs": 0, "job_configs": 0, "trials": 0, "trial_configs": 0, "atif": 0, "evals": {}, "tokens": {},
+                 "viewer": {}, "failures": []}
     job_dirs = [Path(a).resolve() for a in argv]
     for job_dir in job_dirs:
         check_models(job_dir, out)

@@ -12,10 +12,13 @@ from tmax.agents.records import Recorder
 
 
 def write_session(root: Path, name: str, reward: float | None, *, sampled: int = 3, trace: TokenTrace | None = None,
-                  model_dir: str = "/models/x") -> Path:
+                  model_dir: str = "/models/x", segments: tuple[TokenTrace, ...] = ()) -> Path:
     """The run directory `root/name`: `trace` (by default `sampled` sampled tokens and an
-    unsampled one) served from `model_dir`, rated `reward` by the user (None: unrated)."""
+    unsampled one) served from `model_dir`, rated `reward` by the user (None: unrated);
+    `segments`: the token segments of the contexts compactions closed before it."""
     d = root / name
+    for n, segment in enumerate(segments, 1):
+        Recorder(d).close_segment(n, [{"role": "system", "content": "s"}], segment)
     if trace is None:
         trace = TokenTrace(prompt_ids=[1, 2], ids=[5] * sampled + [7], logprobs=[-0.5] * sampled + [0.0],
                            mask=[1] * sampled + [0], turn_versions=[0])

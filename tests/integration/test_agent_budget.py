@@ -12,7 +12,8 @@ from scripted_server import ScriptedServer
 
 from tmax.agents.budget import WARNING_TEXT, Budget, budget_hint
 from tmax.agents.chat_policy import ChatPolicy
-from tmax.agents.loop import Agent, AgentConfig
+from tmax.agents.loop import Agent
+from tmax.agents.settings import AgentSettings
 from tmax.agents.prompts import SUBMIT_MARKER
 from tmax.sandbox import SandboxSpec, make_sandbox
 
@@ -38,7 +39,7 @@ def _observations(tmp_path, **cfg) -> list[str]:
     try:
         with ScriptedServer(script) as srv:
             policy = ChatPolicy(model=srv.model, base_url=srv.base_url)
-            result = Agent(policy, box, AgentConfig(max_steps=4, context_budget=1000, **cfg)).run("count")
+            result = Agent(policy, box, AgentSettings(max_steps=4, context_budget=1000, **cfg)).run("count")
     finally:
         box.close()
     assert result.status == "submitted"
@@ -60,13 +61,13 @@ def test_on_appends_budget_and_warns_near_the_end(tmp_path):
 def test_learn_and_bench_configs_switch_it_on():
     from tmax.tasks.runners import TmaxAgent
     from tmax.training.config import RolloutConfig
-    from tmax.training.rollout import EpisodeSettings, agent_settings
+    from tmax.training.rollout import EpisodeSettings
 
     assert EpisodeSettings.of(RolloutConfig()).agent.budget_hints is False
     assert EpisodeSettings.of(RolloutConfig(budget_hints=True)).agent.budget_hints is True
     # The held-out bench trials of the recipe take the rollout section's settings too.
-    assert agent_settings(RolloutConfig(budget_hints=True))["budget_hints"] is True
-    assert TmaxAgent("m", "http://x", kwargs={"budget_hints": True}).kwargs["budget_hints"] is True
+    assert RolloutConfig(budget_hints=True).agent_only().budget_hints is True
+    assert TmaxAgent("m", "http://x", settings=AgentSettings(budget_hints=True)).settings.budget_hints is True
 
 
 def test_run_flag_appends_hints(tmp_path):
@@ -84,7 +85,7 @@ def test_run_flag_appends_hints(tmp_path):
 
 
 def test_bench_agent_kwargs_are_agent_settings(tmp_path):
-    """`--ak` sets `AgentConfig` fields; a name it does not have is a clear error before any
+    """`--ak` sets `AgentSettings` fields; a name it does not have is a clear error before any
     trial runs, not a setting silently dropped."""
     from typer.testing import CliRunner
 

@@ -15,33 +15,12 @@ from scripted_server import ScriptedServer
 
 from tmax.agents.chat_policy import ChatPolicy
 from tmax.agents.harnesses import make_harness
-from tmax.agents.loop import Agent, AgentConfig, AgentHooks
-from tmax.agents.prompts import FORMAT_ERROR_TEXT, REJECTED_TOOL_TEXT, SUBMIT_MARKER, SYSTEM_TEMPLATE
+from tmax.agents.loop import Agent, AgentHooks
+from tmax.agents.prompts import FORMAT_ERROR_TEXT, SUBMIT_MARKER, SYSTEM_TEMPLATE
+from tmax.agents.settings import AgentSettings
 from tmax.agents.records import load_run, Recorder
-from tmax.sandbox import SandboxSpec, make_sandbox
 
 SUBMIT = {"content": "THOUGHT: done.", "bash": f"echo {SUBMIT_MARKER}"}
-
-
-@pytest.fixture
-def open_box(request, tmp_path):
-    boxes = []
-
-    def make(kind: str = "local"):
-        if kind == "local":
-            spec = SandboxSpec(workdir=str(tmp_path), env={"TMPDIR": str(tmp_path)})
-        elif kind == "bwrap":
-            spec = SandboxSpec()
-        else:
-            spec = SandboxSpec(image=request.getfixturevalue("base_image"))
-        box = make_sandbox(kind, spec)
-        boxes.append(box)
-        box.start()
-        return box
-
-    yield make
-    for box in boxes:
-        box.close()
 
 
 class Sleeps:
@@ -56,7 +35,7 @@ def agent_for(srv, box, tmp_path=None, hooks=None, timeout=30.0, harness="tmax",
     sleeps = Sleeps()
     policy = ChatPolicy(model=srv.model, base_url=srv.base_url, timeout=timeout)
     recorder = Recorder(tmp_path / "run") if tmp_path is not None else None
-    agent = Agent(policy, box, AgentConfig(**cfg), recorder=recorder, hooks=hooks, sleep=sleeps,
+    agent = Agent(policy, box, AgentSettings(**cfg), recorder=recorder, hooks=hooks, sleep=sleeps,
                   harness=make_harness(harness))
     return agent, sleeps
 
@@ -132,8 +111,10 @@ def test_episode_good_bad_and_raw_calls_then_follow_up(kind, open_box, tmp_path)
     assert [bool(t.get("format_error")) for t in timing] == [False, True, True, True] + [False] * 6
     assert timing[6]["return_code"] == 1 and timing[6]["cmd"] == "false"
     usage = json.loads((tmp_path / "run" / "usage.json").read_text())
-    assert set(usage) == {"prompt_tokens", "completion_tokens", "total_tokens", "reasoning_tokens", "cost_usd", "max_steps"}
-    assert usage["max_steps"] == 64 and usage["prompt_tokens"] > 0
+    assert set(usage) == {"prompt_tokens", "completion_tokens", "total_tokens", "reasoning_tokens", "cost_usd", "max_steps",
+                          "steps", "context_tokens", "context_window", "compactions"}
+    assert usage["max_steps"] == 64 and usage["prompt_tokens"] > 0 and usage["steps"] == 10
+    assert usage["context_window"] == 65536 and usage["compactions"] == 0
     assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "submitted"
     assert not (tmp_path / "run" / "tokens.json").exists()
 
@@ -180,65 +161,6 @@ def test_context_overflow_ends_cleanly(open_box):
         result = agent.run("task")
     assert result.status == "context_overflow" and result.steps == 1 and sleeps.calls == []
     assert result.messages[-1]["content"] == "hi\n\n(exit_code=0)"
-
-
-def test_context_budget_guard(open_box):
-    big = {"bash": "echo hi", "usage": {"prompt_tokens": 900, "completion_tokens": 200, "total_tokens": 1100}}
-    with ScriptedServer([big, SUBMIT]) as srv:
-        agent, _ = agent_for(srv, open_box(), context_budget=1000)
-        result = agent.run("task")
-        assert len(srv.requests) == 1
-    assert result.status == "context_overflow" and result.steps == 1
-
-
-def test_max_steps(open_box):
-    with ScriptedServer([{"bash": "echo step"}] * 4) as srv:
-        agent, _ = agent_for(srv, open_box(), max_steps=3)
-        result = agent.run("task")
-        assert len(srv.requests) == 3
-    assert result.status == "max_steps" and result.steps == 3
-    assert result.usage.total_tokens > 0
-
-
-def test_format_error_limit_counts_consecutive_errors_and_steps(open_box):
-    plain = {"content": "no call"}
-    with ScriptedServer([plain, {"bash": "echo ok"}, plain, plain, SUBMIT]) as srv:
-        agent, _ = agent_for(srv, open_box(), max_format_errors=2)
-        result = agent.run("task")
-        assert len(srv.requests) == 4
-    assert result.status == "format_errors" and result.steps == 4
-
-
-def test_format_errors_consume_steps(open_box):
-    with ScriptedServer([{"content": "no call"}] * 3 + [SUBMIT]) as srv:
-        agent, _ = agent_for(srv, open_box(), max_steps=3)
-        result = agent.run("task")
-    assert result.status == "max_steps" and result.steps == 3
-
-
-def test_marker_in_output_stops(open_box, tmp_path):
-    (tmp_path / "notes.txt").write_text(f"the word is {SUBMIT_MARKER}\n")
-    with ScriptedServer([{"bash": "cat notes.txt"}, {"bash": "echo never"}]) as srv:
-        agent, _ = agent_for(srv, open_box())
-        result = agent.run("task")
-        assert len(srv.requests) == 1
-    assert result.status == "submitted" and result.steps == 1
-
-
-def test_rejected_command_is_not_run_and_feedback_goes_back(open_box, tmp_path):
-    class Reject(AgentHooks):
-        def approve(self, step, command):
-            return "do not create files" if "touch" in command else None
-
-    with ScriptedServer([{"bash": "touch created"}, {"bash": "ls"}, SUBMIT]) as srv:
-        agent, _ = agent_for(srv, open_box(), hooks=Reject())
-        result = agent.run("task")
-        reqs = srv.requests
-    assert result.status == "submitted" and not (tmp_path / "created").exists()
-    tool, user = reqs[1]["messages"][-2:]
-    assert tool["role"] == "tool" and tool["content"] == REJECTED_TOOL_TEXT
-    assert user == {"role": "user", "content": "The user did not run your command and says: do not create files"}
-    assert reqs[2]["messages"][-1]["content"] == "(no output)\n\n(exit_code=0)"
 
 
 class Interrupter(AgentHooks):
@@ -362,49 +284,3 @@ def test_ctrl_c_during_the_model_call(open_box):
     assert reqs[1]["messages"][-1] == {"role": "user", "content": "The user interrupted you and says: hurry up"}
     assert not any(m.get("role") == "tool" and "slow" in m["content"] for m in result.messages)
 
-
-def test_sandbox_failure_is_an_infrastructure_error(open_box):
-    box = open_box()
-    box.close()
-    with ScriptedServer([{"bash": "echo hi"}]) as srv:
-        agent, _ = agent_for(srv, box)
-        result = agent.run("task")
-    assert result.status == "sandbox_error" and result.error
-
-
-def test_resume_from_records(open_box, tmp_path):
-    with ScriptedServer([{"bash": "echo first"}, SUBMIT]) as srv:
-        agent, _ = agent_for(srv, open_box(), tmp_path)
-        assert agent.run("task").status == "submitted"
-    saved = load_run(tmp_path / "run")
-    assert saved.result == {"status": "submitted", "steps": 2, "error": None}
-    with ScriptedServer([{"bash": "echo again"}, SUBMIT]) as srv:
-        agent2, _ = agent_for(srv, open_box(), tmp_path)
-        agent2.load(saved)
-        result = agent2.follow_up("once more")
-        reqs = srv.requests
-    assert reqs[0]["messages"] == saved.messages + [{"role": "user", "content": "once more"}]
-    assert result.status == "submitted" and result.steps == 4
-    assert load_run(tmp_path / "run").messages == result.messages
-
-
-def test_empty_task_is_rejected(open_box):
-    with ScriptedServer([]) as srv:
-        agent, _ = agent_for(srv, open_box())
-        with pytest.raises(ValueError, match="empty"):
-            agent.run("   ")
-
-
-def test_quit_at_the_approval_prompt_keeps_a_valid_history(open_box, tmp_path):
-    class QuitAtPrompt(AgentHooks):
-        def approve(self, step, command):
-            raise KeyboardInterrupt
-
-    with ScriptedServer([{"bash": "touch never"}]) as srv:
-        agent, _ = agent_for(srv, open_box(), hooks=QuitAtPrompt())
-        result = agent.run("task")
-    assert result.status == "interrupted" and not (tmp_path / "never").exists()
-    # The unanswered call is answered, so the saved conversation can be resumed as is.
-    assistant, tool = result.messages[-2:]
-    assert assistant["role"] == "assistant" and assistant["tool_calls"]
-    assert tool == {"role": "tool", "tool_call_id": assistant["tool_calls"][0]["id"], "content": REJECTED_TOOL_TEXT}

@@ -73,7 +73,7 @@ def test_oracle_runs_as_the_agent_user_and_the_verifier_as_root(tasks, tmp_path)
     job = Job(JobConfig(job_name="agent-user", jobs_dir=str(tmp_path), dataset=str(tasks), agent="oracle",
                         n_concurrent=2))
     data = job.run()
-    rewards = {r["task"]: r["mean_reward"] for r in data["tmax_score"]["tasks"]}
+    rewards = {r["task"]: r["mean_reward"] for r in data.tmax_score["tasks"]}
     assert rewards == {"as-user": 1.0, "as-root": 1.0, "verifier-as-user": 1.0}
     verifier_ids = {p.parent.parent.name.split("__")[0]: p.read_text().split("verifier: ")[1].split()[0]
                     for p in tmp_path.glob("agent-user/*/verifier/test-stdout.txt")}

@@ -1,8 +1,10 @@
-"""tmax reads job directories it did not write: one real Harbor 0.26 wrote with `-e podman`
-(tests/data/harbor-job), and one shaped like another agent's (chat messages in
-agent/trajectory.json, exception_info without a reward, `metadata: null`, a trial without
-result.json). `bench report`, `bench compare` and `show` work on them, take categories from
-task.toml, and write no chart into them unless told where."""
+"""tmax reads job directories it did not write: two real Harbor 0.26 wrote with `-e podman`
+(tests/data/harbor-job, and tests/data/harbor-job-timeout with agent timeouts the verifier
+then scored), one shaped like another agent's (chat messages in agent/trajectory.json,
+exception_info without a reward, `metadata: null`, a trial without result.json), and, where
+TMAX_PUBLISHED_JOBS names them, the published Terminal-Bench 2.0 jobs Harbor 0.6.6 wrote.
+`bench report`, `bench compare` and `show` work on them, score them by the same rule, take
+categories from task.toml, and write no chart into them unless told where."""
 
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ from harbor_env import harbor_check
 
 REPO = Path(__file__).resolve().parents[2]
 HARBOR_JOB = Path(__file__).parents[1] / "data" / "harbor-job" / "h"
+TIMEOUT_JOB = Path(__file__).parents[1] / "data" / "harbor-job-timeout" / "t"
+# The original project's evaluation assets (daytona/<model>/terminal-bench-2-0), where present.
+PUBLISHED = os.environ.get("TMAX_PUBLISHED_JOBS")
 ECHO_TASK = Path(__file__).parents[1] / "data" / "tasks" / "echo-hello"
 
 
@@ -31,10 +36,61 @@ def listing(d: Path) -> list[str]:
     return sorted(str(p.relative_to(d)) for p in d.rglob("*"))
 
 
-def harbor_copy(tmp_path: Path, name: str) -> Path:
+def harbor_copy(tmp_path: Path, name: str, src: Path = HARBOR_JOB) -> Path:
     dst = tmp_path / name
-    shutil.copytree(HARBOR_JOB, dst)
+    shutil.copytree(src, dst)
     return dst
+
+
+def test_report_and_compare_count_a_timed_out_agents_pass(tmp_path):
+    """Harbor's job with agent timeouts the verifier then scored: report and compare print the
+    same pass@1 (the verifier's reward counts), and compare names the agent and its steps."""
+    rep = tmax("bench", "report", str(TIMEOUT_JOB), "--json")
+    assert rep.returncode == 0, rep.stderr
+    data = json.loads(rep.stdout)
+    assert (data["pass_at_k"]["1"], data["mean_reward"], data["n_infra_errors"]) == (0.5, 0.5, 0)
+    assert data["outcomes"] == {"pass": 2, "agent_timeout": 4, "fail": 2}
+    # Harbor's oracle writes no trajectory: give each trial of a copy one (ATIF, 3 agent steps).
+    steps = tmp_path / "steps"
+    shutil.copytree(TIMEOUT_JOB, steps)
+    atif = {"schema_version": "ATIF-v1.6", "session_id": "s", "agent": {"name": "oracle", "version": "1"},
+            "steps": [{"step_id": 1, "source": "user", "message": "task"}]
+            + [{"step_id": i, "source": "agent", "message": "ok"} for i in (2, 3, 4)]}
+    for trial in steps.glob("*__*"):
+        (trial / "agent" / "trajectory.json").write_text(json.dumps(atif))
+    cmp = tmax("bench", "compare", str(TIMEOUT_JOB), str(steps), "--json")
+    assert cmp.returncode == 0, cmp.stderr
+    jobs = json.loads(cmp.stdout)["jobs"]
+    assert [(j["pass_at_1"], j["agent"], j["n_trials"]) for j in jobs] == [(0.5, "oracle", 8)] * 2
+    assert [j["mean_steps"] for j in jobs] == [None, 3.0]
+    report_text = tmax("bench", "report", str(TIMEOUT_JOB), "--no-chart").stdout
+    compare_text = tmax("bench", "compare", str(TIMEOUT_JOB), str(steps), "--no-chart").stdout
+    assert "pass@1 50.00%" in report_text and "50.00%" in compare_text and "oracle" in compare_text
+    # `tmax show` of a trial says what it scored, by the same rule.
+    (timed_out, *_) = sorted(steps.glob("answer-then-hang__*"))
+    shown = tmax("show", str(timed_out))
+    assert shown.returncode == 0, shown.stderr
+    assert "trial agent_timeout, reward 1" in shown.stdout and "3 steps" in shown.stdout
+    assert json.loads(tmax("show", "--json", str(timed_out)).stdout)["trial"]["passed"] is True
+
+
+@pytest.mark.skipif(not PUBLISHED, reason="TMAX_PUBLISHED_JOBS does not name the published jobs")
+def test_published_terminal_bench_jobs():
+    """The paper's figures from the jobs Harbor 0.6.6 wrote: 27.19 % (TMax-9B) and 21.12 %
+    (Qwen3.5-9B), the same in report and compare, with the agent and its mean steps."""
+    dirs = [Path(PUBLISHED) / model / "terminal-bench-2-0" for model in ("tmax-9b", "Qwen3.5-9B")]
+    expected = ["27.19%", "21.12%"]
+    for d, pct in zip(dirs, expected):
+        rep = tmax("bench", "report", str(d), "--no-chart")
+        assert rep.returncode == 0, rep.stderr
+        assert f"pass@1 {pct}" in rep.stdout and f"mean reward {pct}" in rep.stdout
+    cmp = tmax("bench", "compare", *map(str, dirs), "--json", "--no-chart")
+    assert cmp.returncode == 0, cmp.stderr
+    jobs = json.loads(cmp.stdout)["jobs"]
+    assert [f"{j['pass_at_1'] * 100:.2f}%" for j in jobs] == expected
+    assert {j["agent"] for j in jobs} == {"vanillux2-agent"} and all(j["mean_steps"] > 1 for j in jobs)
+    text = tmax("bench", "compare", *map(str, dirs), "--no-chart").stdout
+    assert all(pct in text for pct in expected) and "vanillux2-agent" in text
 
 
 def test_report_and_compare_on_a_job_real_harbor_wrote(tmp_path):

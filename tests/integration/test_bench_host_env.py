@@ -159,14 +159,14 @@ def test_nop_scores_zero_and_parallel_trials_keep_apart(nano, tmp_path, private_
     jobs = tmp_path / "jobs"
     job = Job(JobConfig(job_name="nop", jobs_dir=str(jobs), dataset=str(nano), agent="nop", environment="bwrap",
                         n_concurrent=4))
-    assert job.run()["tmax_score"]["mean_reward"] == 0.0
+    assert job.run().tmax_score["mean_reward"] == 0.0
     # Four oracle trials at once: each passes on its own workspace and logs dir, which
     # would not hold if they shared one (the tasks write different answers).
     job = Job(JobConfig(job_name="par", jobs_dir=str(jobs), dataset=str(nano), agent="oracle", environment="bwrap",
                         n_concurrent=4, n_attempts=2))
     data = job.run()
     results = trial_results(job.dir)
-    assert len(results) == 8 and data["tmax_score"]["mean_reward"] == 1.0
+    assert len(results) == 8 and data.tmax_score["mean_reward"] == 1.0
     rewards = {n: (job.dir / n / "verifier" / "reward.txt").read_text().strip() for n in results}
     assert set(rewards.values()) == {"1"}
     assert not list(private_tmp.glob("tmax-hostenv-*"))
@@ -207,7 +207,7 @@ def test_tb2_task_needs_podman_is_an_infra_error(tmp_path, private_tmp):
     exc = r["exception_info"]
     assert exc["exception_type"] == "HostEnvError"
     assert "regex-log needs podman" in exc["exception_message"] and "FROM ubuntu:24.04" in exc["exception_message"]
-    assert data["tmax_score"]["n_infra_errors"] == 1
+    assert data.tmax_score["n_infra_errors"] == 1
     assert not (job.dir / r["trial_name"] / "agent").exists()  # failed before any agent ran
 
 

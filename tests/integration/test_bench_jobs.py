@@ -75,12 +75,12 @@ def test_concurrent_oracle_and_nop_leave_no_container(tmp_path):
         results = trial_results(job.dir)
         assert len(results) == 8
         # Rescored after every trial, the interval only at the end (a bootstrap is not cheap).
-        lo, hi = data["tmax_score"]["pass_at_1_ci"]
+        lo, hi = data.tmax_score["pass_at_1_ci"]
         assert running_cis == [None] * 8 and lo <= reward <= hi and lo < hi
-        assert data["tmax_score"]["ci_method"] == "exact Clopper-Pearson"
+        assert data.tmax_score["ci_method"] == "exact Clopper-Pearson"
         assert {r["tmax"]["reward"] for r in results.values()} == {reward}
-        assert data["stats"]["n_completed_trials"] == 8 and data["stats"]["n_pending_trials"] == 0
-        assert data["tmax_score"]["mean_reward"] == reward
+        assert data.stats.n_completed_trials == 8 and data.stats.n_pending_trials == 0
+        assert data.tmax_score["mean_reward"] == reward
         for tdir in results:
             for f in ("config.json", "result.json", "verifier/reward.txt", "verifier/test-stdout.txt"):
                 assert (job.dir / tdir / f).is_file(), (tdir, f)
@@ -95,7 +95,7 @@ def test_trials_take_containers_started_ahead(tmp_path):
     data = job.run()
     results = trial_results(job.dir)
     assert len(results) == 6 and {r["tmax"]["outcome"] for r in results.values()} == {"pass"}
-    assert data["stats"]["n_completed_trials"] == 6
+    assert data.stats.n_completed_trials == 6
     pool = job._pool
     # The first two trials start their own; a trial after them takes the container started
     # for it, unless the pool had no room then (containers being removed still hold theirs).
@@ -203,3 +203,33 @@ def test_agent_timeout_is_labelled_and_still_verified(tmp_path):
     assert r["exception_info"]["exception_type"] == "AgentTimeoutError"
     assert r["tmax"]["reward"] == 1.0  # the file was written before the timeout; the verifier ran
     assert containers("timeout") == []
+
+
+def test_bench_run_config_file_with_flags_on_top(tmp_path):
+    """`tmax bench run --config FILE`: the job's settings and the agent's from a TOML file,
+    the flags given on the command line over them, against a scripted model."""
+    from scripted_server import ScriptedServer
+
+    ds = dataset(tmp_path, 2)
+    jobs = tmp_path / "jobs"
+    turns = [{"bash": "cd /app && echo hello > hello.txt && cat hello.txt"},
+             {"bash": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}]
+    with ScriptedServer(turns) as srv:
+        config = tmp_path / "bench.toml"
+        config.write_text(f'dataset = "{ds}"\nagent = "tmax"\nmodel = "{srv.model}"\nn_attempts = 3\n'
+                          f'include = ["echo-1"]\njobs_dir = "{jobs}"\njob_name = "from-file"\n'
+                          "max_steps = 5\ntemperature = 0.25\ntop_p = 0.5\n")
+        r = subprocess.run(TMAX + ["bench", "run", "--config", str(config), "-k", "1", "--base-url", srv.base_url,
+                                   "--ak", "temperature=0.5"], cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert [(q["temperature"], q["top_p"]) for q in srv.requests] == [(0.5, 0.5)] * 2
+    job = json.loads((jobs / "from-file" / "config.json").read_text())["tmax_job"]
+    assert (job["n_attempts"], job["include"], job["agent"], job["model"]) == (1, ["echo-1"], "tmax", srv.model)
+    assert job["agent_kwargs"] == {"max_steps": 5, "temperature": 0.5, "top_p": 0.5}
+    (result,) = trial_results(jobs / "from-file").values()
+    assert result["task_name"] == "echo-1" and result["tmax"]["outcome"] == "pass"
+    assert containers("from-file") == []
+    # A mistake in the file is one line naming it, before any trial.
+    config.write_text('dataset = "ds"\nmax_stepz = 5\n')
+    r = subprocess.run(TMAX + ["bench", "run", "-c", str(config)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"{config}: unknown key(s) 'max_stepz'" in r.stderr.replace("\n", " ")

@@ -61,7 +61,7 @@ def test_sample_tasks(tmp_path, agent, reward):
     job = Job(JobConfig(job_name=f"{agent}-sample", jobs_dir=str(tmp_path), dataset=str(SAMPLE), include=names,
                         agent=agent, n_concurrent=n))
     data = job.run()
-    sc = data["tmax_score"]
+    sc = data.tmax_score
     rows = {r["task"]: r for r in sc["tasks"]}
     assert sorted(rows) == sorted(names)
     wrong = {t: r["outcomes"] for t, r in rows.items() if r["mean_reward"] != reward}

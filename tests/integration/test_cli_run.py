@@ -379,7 +379,8 @@ def test_json_events(env, ws, tmp_path):
     types = [e["type"] for e in events]
     start, events = events[0], events[1:]
     assert start == {"type": "start", "run_id": "run", "model": srv.model, "base_url": srv.base_url, "sandbox": "local",
-                     "workdir": str(ws), "mode": "confirm", "trajectory_dir": str(tmp_path / "run")}
+                     "workdir": str(ws), "mode": "confirm", "trajectory_dir": str(tmp_path / "run"),
+                     "compaction_threshold": 0.8, "instructions": []}
     assert types[1:] == [
         "step", "model", "command", "observation",
         "step", "model", "format_error",

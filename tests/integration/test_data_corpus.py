@@ -14,7 +14,9 @@ from typer.testing import CliRunner
 from tmax.tasks.corpus.axes import load_axes
 from tmax.tasks.corpus.import_native import dockerfile_from_def
 from tmax.tasks.corpus.report import balance_score
+from tmax.common.harbor import TrialScore
 from tmax.tasks.corpus.solve import in_band, parse_band, task_summary
+from tmax.tasks.scoring import TrialRow
 from tmax.tasks.model import Task
 from tmax.cli.main import app
 
@@ -320,8 +322,8 @@ def test_import_refuses_unknown_format(tmp_path):
 # --- pass@k summaries ----------------------------------------------------------------------
 
 def test_task_summary_unbiased_and_without_infra_errors():
-    rows = [{"trial": f"t{i}", "outcome": o, "reward": r} for i, (o, r) in enumerate(
-        [("pass", 1.0), ("fail", 0.0), ("pass", 1.0), ("fail", 0.0), ("fail", 0.0), ("infra_error", None)])]
+    rows = [TrialRow("t", f"t{i}", TrialScore(o, r)) for i, (o, r) in enumerate(
+        [("pass", 1.0), ("fail", 0.0), ("agent_timeout", 1.0), ("fail", 0.0), ("fail", 0.0), ("infra_error", None)])]
     s = task_summary("t", rows, "tmax", "m/x")
     assert (s["num_runs"], s["num_success"], s["num_infra_errors"]) == (5, 2, 1)
     assert s["pass_at_k"]["1"] == pytest.approx(0.4)

@@ -23,6 +23,7 @@ from tmax.agents import prompts  # noqa: E402
 from tmax.agents.policy import ContextOverflow, TokenSampler  # noqa: E402
 from tmax.agents.tools import TOOLS  # noqa: E402
 from tmax.training.inference.engine import VLLMEngine, prefix_cache_counts  # noqa: E402
+from tmax.training.engine_options import EngineOptions  # noqa: E402
 from tmax.training.nano.model import build_nano_model  # noqa: E402
 
 TOL = 1e-4
@@ -37,7 +38,7 @@ def nano_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(nano_dir, tmp_path_factory):
-    eng = VLLMEngine(nano_dir, max_model_len=2048, work_dir=tmp_path_factory.mktemp("engine"))
+    eng = VLLMEngine(nano_dir, options=EngineOptions(max_model_len=2048), work_dir=tmp_path_factory.mktemp("engine"))
     yield eng
     eng.close()
 

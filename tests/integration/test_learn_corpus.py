@@ -16,7 +16,7 @@ from tmax.agents.prompts import SUBMIT_COMMAND
 from tmax.cli.main import app
 from tmax.training.config import preset
 from tmax.training.rollout import EpisodeRequest, EpisodeSettings, prepare_tasks, run_episode
-from tmax.training.learner.sft import ScriptedSampler, scripted_turns
+from tmax.training.demos import ScriptedSampler, scripted_turns
 
 from data_scripted_generator import Responder  # noqa: E402
 from scripted_server import ScriptedServer  # noqa: E402

@@ -27,7 +27,8 @@ def test_podman_rl_run_uses_containers_and_learns_from_their_verifier(tmp_path, 
     from tmax.training.entry import learn
     from tmax.training.nano.model import NanoSpec, build_nano_model
     from tmax.training.nano.tasks import write_splits
-    from tmax.training.learner.sft import collect_demos, train_sft
+    from tmax.training.demos import collect_demos
+    from tmax.training.learner.sft import train_sft
     from tmax.training.rollout import RUN_LABEL, env_settings, prepare_tasks, run_labels
 
     build_nano_model(tmp_path / "base", seed=0, spec=NanoSpec(hidden_size=64, intermediate_size=128,

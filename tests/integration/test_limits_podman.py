@@ -18,7 +18,7 @@ import pytest
 
 from tmax.agents.prompts import SUBMIT_COMMAND
 from tmax.training.config import preset
-from tmax.training.learner.sft import ScriptedSampler, scripted_turns
+from tmax.training.demos import ScriptedSampler, scripted_turns
 from tmax.training.rollout import EpisodeRequest, EpisodeSettings, prepare_tasks, run_episode
 
 pytestmark = pytest.mark.podman
@@ -37,7 +37,7 @@ def nano(tmp_path_factory, base_image):
     build_tokenizer(0).save_pretrained(root / "tok")
     [task] = write_splits(root / "tasks", 1, 0, seed=0)["train"]
     episode = EpisodeSettings.of(preset("nano-podman").rollout.model_copy(update={
-        "max_tool_calls": 4, "observation_max_chars": 2000, "per_turn_max_tokens": 300,
+        "max_steps": 4, "observation_max_chars": 2000, "max_tokens": 300,
         "response_budget": 1500, "context_budget": 4096}))
     prepared = prepare_tasks(episode.env, [str(task)], root / "report.json", log=lambda m: None)
     return AutoTokenizer.from_pretrained(root / "tok"), task, episode, prepared.images[str(task)], root

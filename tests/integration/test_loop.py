@@ -25,7 +25,7 @@ def test_presets_load_and_match_the_paper():
     big = preset("tmax-9b")
     a, r = big.algo, big.rollout
     assert (a.prompts_per_step, a.group_size, a.steps, a.delta, a.lr, a.async_steps) == (8, 32, 500, 0.1, 1e-6, 4)
-    assert (r.response_budget, r.per_turn_max_tokens, r.max_tool_calls, r.temperature) == (65536, 16384, 64, 1.0)
+    assert (r.response_budget, r.max_tokens, r.max_steps, r.temperature) == (65536, 16384, 64, 1.0)
     assert a.loss == "dppo" and a.divergence == "tv" and a.filter_zero_std and a.active_sampling
     nano = preset("nano")
     assert nano.rollout.sandbox in ("local", "bwrap") and nano.run.rollout_workers * nano.run.slots_per_worker >= nano.run.concurrency
@@ -88,15 +88,17 @@ def _mechanics_run(tmp_path: Path, steps: int, checkpoint_every: int) -> tuple[L
 
 def _rated_sessions(cfg: LearnConfig, model_dir: Path, root: Path) -> Path:
     """A /good and a /bad `tmax run --tokens` session of the model in `model_dir`, their
-    logprobs the model's own (as `tmax serve` of it records them)."""
+    logprobs the model's own (as `tmax serve` of it records them). The /good one compacted
+    once: two token segments, each a sample."""
     from rated_sessions import sampled_by, write_session
     from tmax.training.learner.learner import Learner
     from tmax.training.loop import learner_config
 
     learner = Learner(str(model_dir), learner_config(cfg))
-    for name, reward, ids in (("a-good", 1.0, [10, 11, 12, 13]), ("b-bad", 0.0, [20, 21, 22, 23])):
+    before = (sampled_by(learner, [1, 2, 5], [14, 15, 16], [1, 0, 1]),)
+    for name, reward, ids, segments in (("a-good", 1.0, [10, 11, 12, 13], before), ("b-bad", 0.0, [20, 21, 22, 23], ())):
         write_session(root, name, reward, trace=sampled_by(learner, [1, 2, 3], ids, [1, 1, 0, 1]),
-                      model_dir=str(model_dir))
+                      model_dir=str(model_dir), segments=segments)
     return root
 
 

@@ -125,7 +125,7 @@ def test_placed_learner_group_steps_like_one_rank(two_nodes, tmp_path):
         # A rank dies: what the group hands back is the survivor's failed collective (gloo:
         # "Connection closed by peer"); the death behind it is found (the loop then stops
         # the step with the resume hint instead of a bare traceback).
-        from tmax.training.cluster.failover import group_member_died
+        from tmax.training.liveness import group_member_died
 
         ray.kill(two.ranks[1])
         with pytest.raises(ray.exceptions.RayError) as err:

@@ -14,7 +14,7 @@ from token_spans import spans as _spans
 from tmax.agents.prompts import SUBMIT_COMMAND
 from tmax.training.config import preset
 from tmax.training.rollout import EpisodeRequest, EpisodeSettings, InfraError, run_episode
-from tmax.training.learner.sft import ScriptedSampler, scripted_turns
+from tmax.training.demos import ScriptedSampler, scripted_turns
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +69,44 @@ def test_oracle_episode_tokens_align_and_score(nano, kind):
     assert r.trace.prompt_ids[:3] == tok.encode("<|im_start|>system\n", add_special_tokens=False)[:3]
 
 
+def test_an_episode_with_compaction_on_is_one_sample_per_segment(nano):
+    """`[rollout] compaction = true`: an episode that crosses the threshold is two token
+    segments, each exactly as sampled (the summary in neither), trained with the reward."""
+    from tmax.agents.harnesses import make_harness
+    from tmax.agents.tools import TOOLS
+    from tmax.training.algo.batching import Group
+    from tmax.training.learner.packing import batch_samples
+    from tmax.training.demos import assistant_ids
+    from tmax.training.rollout import Rollout
+
+    tok, splits, root = nano
+    task = splits["train"][1]
+    big = "python3 -c \"print('a' * 2000)\""
+    before = scripted_turns(tok, [("THOUGHT: look first.", big), ("THOUGHT: and once more.", "echo ok")])
+    summary = assistant_ids(tok, {"role": "assistant", "content": "SUMMARY: printed a lot, nothing changed."})
+    after = _oracle_turns(tok, task)
+    prompt = len(tok.apply_chat_template(make_harness("tmax").initial_messages("x"), tools=TOOLS,
+                                         add_generation_prompt=True, tokenize=True)["input_ids"])
+    obs = len(tok.encode("a" * 2000, add_special_tokens=False))
+    # Half the window: past the first turn, short of the second (the big output in its prompt).
+    cfg = _cfg(compaction=True, compaction_threshold=0.5, context_budget=2 * (prompt + obs), response_budget=10**6,
+               observation_max_chars=4000)
+    r = run_episode(EpisodeRequest(str(task), 0, 0, 7), ScriptedSampler(before + [summary] + after), tok, cfg)
+    assert r.status == "submitted" and r.reward == 1.0 and len(r.segments) == 1
+    assert [t.ids[s:e] for t in r.traces for v, s, e in _spans(t.mask) if v == 1] == before + after
+    assert tok.decode(r.trace.prompt_ids).count("SUMMARY: printed a lot") == 1
+    assert r.num_sampled == sum(map(len, before + after))
+    again = Rollout.from_json(r.to_json())
+    assert again.segments == r.segments and again.trace == r.trace
+    samples = batch_samples([Group("t", [1.0], [r])], [[0.5]])
+    assert [s.trace for s in samples] == r.traces and {s.advantage for s in samples} == {0.5}
+
+
 def test_context_matches_full_rerender(nano):
     """The token-in/token-out stream equals the tokenizer's encoding of the chat template's
     rendering of the whole conversation, so `tmax bench` (which re-renders) sees the same."""
-    from tmax.agents.loop import Agent, AgentConfig
+    from tmax.agents.loop import Agent
+    from tmax.agents.settings import AgentSettings
     from tmax.agents.token_policy import TokenPolicy
     from tmax.agents.tools import TOOLS
     from tmax.tasks.episode import EnvSettings, Episode
@@ -83,7 +117,7 @@ def test_context_matches_full_rerender(nano):
     task = Task.load(task_dir)
     with Episode(task, EnvSettings("local")) as ep:
         policy = TokenPolicy(ScriptedSampler(_oracle_turns(tok, task_dir)), tok, temperature=1.0, top_p=1.0)
-        res = Agent(policy, ep.open(), AgentConfig(max_steps=4, max_format_errors=1)).run(task.instruction)
+        res = Agent(policy, ep.open(), AgentSettings(max_steps=4, max_format_errors=1)).run(task.instruction)
     assert res.status == "submitted"
     # The trace stops at the last sampled token (the submit turn's end of turn); the
     # re-render of the conversation up to that turn adds only the template's newline.
@@ -109,7 +143,7 @@ def test_tool_call_budget_ends_episode_with_zero_reward(nano):
     tok, splits, root = nano
     [turn] = scripted_turns(tok, [("THOUGHT: look.", "ls")])
     r = run_episode(EpisodeRequest(str(splits["train"][0]), 0, 0, 1), ScriptedSampler([turn] * 10), tok,
-                    _cfg(max_tool_calls=3))
+                    _cfg(max_steps=3))
     assert r.status == "max_steps" and r.steps == 3 and r.reward == 0.0
     assert sum(1 for v, _, _ in _spans(r.trace.mask) if v == 1) == 3
 
@@ -119,7 +153,7 @@ def test_response_budget_counts_tool_tokens_and_keeps_overlong_negative(nano):
     [turn] = scripted_turns(tok, [("THOUGHT: print a lot.", "seq 1 200")])
     budget = len(turn) * 2 + 20  # two turns fit, the long observation does not
     r = run_episode(EpisodeRequest(str(splits["train"][0]), 0, 0, 1), ScriptedSampler([turn] * 10), tok,
-                    _cfg(response_budget=budget, per_turn_max_tokens=len(turn), max_tool_calls=8))
+                    _cfg(response_budget=budget, max_tokens=len(turn), max_steps=8))
     assert r.status == "context_overflow" and r.truncated and r.reward == 0.0
     assert len(r.trace.ids) <= budget
 
@@ -171,7 +205,7 @@ def test_tests_are_not_visible_before_submit(nano):
     tok, splits, root = nano
     [look] = scripted_turns(tok, [("THOUGHT: peek.", "ls -a .. ; ls ../tests")])
     r = run_episode(EpisodeRequest(str(splits["train"][0]), 0, 0, 1), ScriptedSampler([look, look]), tok,
-                    _cfg(max_tool_calls=2))
+                    _cfg(max_steps=2))
     obs = tok.decode([i for i, m in zip(r.trace.ids, r.trace.mask) if m == 0])
     assert "No such file or directory" in obs and "expected.txt" not in obs
 

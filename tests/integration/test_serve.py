@@ -123,8 +123,34 @@ def test_bad_input_is_a_clear_error(tmp_path):
         build_command(ServeSpec(device="cpu", tensor_parallel_size=2))
 
 
+def test_every_server_option_is_a_flag_and_reaches_vllm():
+    """`tmax serve`'s flags are the server options (`EngineOptions`, defined once), each
+    handed to the one place that writes vLLM's command line."""
+    import typer
+
+    from tmax.training.engine_options import EngineOptions
+
+    group = typer.main.get_command(app)
+    serve = group.get_command(typer.Context(group), "serve")
+    params = {p.name for p in serve.params}
+    assert set(EngineOptions.model_fields) <= params
+    assert {"tool_call_parser", "max_logprobs", "tensor_parallel_size", "data_parallel_size"} <= params
+    argv, _ = _dry(["--data-parallel-size", "2", "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching",
+                    "--max-logprobs", "5", "--tensor-parallel-size", "1"], gpus="0,1")
+    assert (_flag(argv, "--data-parallel-size"), _flag(argv, "--gpu-memory-utilization")) == ("2", "0.5")
+    assert (_flag(argv, "--max-logprobs"), _flag(argv, "--tensor-parallel-size")) == ("5", "1")
+    assert "--no-enable-prefix-caching" in argv
+    assert "--enable-prefix-caching" in _dry(["--enable-prefix-caching"])[0]
+    assert not any("prefix-caching" in a for a in _dry([])[0])  # vLLM's default unless asked
+    r = runner.invoke(app, ["serve", "--gpu-memory-utilization", "1.5", "--dry-run"], env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.exit_code == 2 and "gpu_memory_utilization: Input should be less than or equal to 1" in r.output
+    with pytest.raises(ValueError, match="data parallelism needs GPUs"):
+        build_command(ServeSpec(device="cpu", data_parallel_size=2))
+
+
 def test_serving_module_imports_without_torch():
-    code = "import sys, training.inference.serving, training.inference.engine, tmax.cli.serve_cmd; sys.exit('torch' in sys.modules or 'vllm' in sys.modules)"
+    code = ("import sys, tmax.training.inference.serving, tmax.training.inference.engine, tmax.cli.serve_cmd; "
+            "sys.exit('torch' in sys.modules or 'vllm' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2]).returncode == 0
 
 

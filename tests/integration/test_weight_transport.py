@@ -239,9 +239,10 @@ def _wait_restarted(actor, timeout_s: float = 600.0) -> None:
 @pytest.fixture(scope="module")
 def engine(nano_dir, tmp_path_factory):
     from tmax.training.inference.engine import VLLMEngine
+    from tmax.training.engine_options import EngineOptions
 
     # The nano model's full 4096 positions: room for a request that runs for many seconds.
-    eng = VLLMEngine(nano_dir, max_model_len=CONTEXT, work_dir=tmp_path_factory.mktemp("engine"))
+    eng = VLLMEngine(nano_dir, options=EngineOptions(max_model_len=CONTEXT), work_dir=tmp_path_factory.mktemp("engine"))
     yield eng
     eng.close()
 

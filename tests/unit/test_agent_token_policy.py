@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from tmax.agents.loop import Agent, AgentConfig
+from tmax.agents.loop import Agent
+from tmax.agents.settings import AgentSettings
 from tmax.agents.policy import ContextOverflow, SampledTokens
 from tmax.agents.prompts import SUBMIT_MARKER
 from tmax.agents.token_policy import TokenPolicy
@@ -158,7 +159,7 @@ def test_trace_equals_canonical_tokenisation(style, base_tokenizer, box):
     ]
     sampler = ScriptedSampler(tok, texts)
     policy = TokenPolicy(sampler, tok, temperature=1.0, top_p=1.0, seed=7)
-    result = Agent(policy, box, AgentConfig()).run("Say hello.")
+    result = Agent(policy, box, AgentSettings()).run("Say hello.")
     assert result.status == "submitted" and result.steps == 4
     trace = policy.trace
 
@@ -219,7 +220,7 @@ def test_per_turn_budget_and_overflow(base_tokenizer, box):
     assert prompt_len > 0 and probe.end_of_turn == "<|im_end|>"
 
     policy = TokenPolicy(sampler, tok, max_response_tokens=120, max_context_tokens=10**6, max_turn_tokens=50)
-    result = Agent(policy, box, AgentConfig()).run("Count.")
+    result = Agent(policy, box, AgentSettings()).run("Count.")
     trace = policy.trace
     # Turn 1: capped by the per-turn limit; later turns by what is left of the response budget.
     assert sampler.calls[0]["max_tokens"] == 50
@@ -237,7 +238,7 @@ def test_context_limit_counts_the_prompt(base_tokenizer, box):
     first = TokenPolicy(ScriptedSampler(tok, [hermes_call("x")]), tok)
     first.complete([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}], TOOLS)
     policy = TokenPolicy(sampler, tok, max_response_tokens=10**6, max_context_tokens=len(first.trace.prompt_ids) + 5000)
-    assert Agent(policy, box, AgentConfig()).run("Count.").status == "submitted"
+    assert Agent(policy, box, AgentSettings()).run("Count.").status == "submitted"
     assert len(sampler.calls) == 3
     for c in sampler.calls:
         assert c["max_tokens"] == min(16384, policy.max_context_tokens - len(c["prompt_ids"]))
@@ -248,7 +249,7 @@ def test_cut_turn_is_closed_with_end_of_turn(base_tokenizer, box):
     long_text = "THOUGHT: " + "very long thinking " * 40
     sampler = ScriptedSampler(tok, [(long_text, False), hermes_call(f"echo {SUBMIT_MARKER}")])
     policy = TokenPolicy(sampler, tok)
-    result = Agent(policy, box, AgentConfig()).run("Go.")
+    result = Agent(policy, box, AgentSettings()).run("Go.")
     assert result.status == "submitted" and result.steps == 2
     trace = policy.trace
     eot = tok.convert_tokens_to_ids("<|im_end|>")
@@ -271,7 +272,7 @@ def test_records_include_tokens(base_tokenizer, box, tmp_path):
 
     tok = tokenizer_with(base_tokenizer, HERMES_TEMPLATE)
     policy = TokenPolicy(ScriptedSampler(tok, [hermes_call(f"echo {SUBMIT_MARKER}")]), tok)
-    Agent(policy, box, AgentConfig(), recorder=Recorder(tmp_path / "r")).run("Go.")
+    Agent(policy, box, AgentSettings(), recorder=Recorder(tmp_path / "r")).run("Go.")
     saved = load_run(tmp_path / "r")
     assert saved.trace == policy.trace and saved.trace.mask.count(1) > 0
 
@@ -294,10 +295,49 @@ def test_failed_sample_is_retried_on_the_same_context(base_tokenizer, box):
 
     sampler = Flaky(tok, [hermes_call("echo one"), hermes_call("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")])
     policy = TokenPolicy(sampler, tok)
-    result = Agent(policy, box, AgentConfig(), sleep=lambda s: None).run("Count.")
+    result = Agent(policy, box, AgentSettings(), sleep=lambda s: None).run("Count.")
     assert result.status == "submitted" and sampler.failed
     trace = policy.trace
     last_assistant = max(i for i, m in enumerate(result.messages) if m["role"] == "assistant")
     full = canonical(tok, result.messages[: last_assistant + 1])
     assert trace.context == tok.encode(full[:-1], add_special_tokens=False)
     assert sampler.calls[1]["prompt_ids"] == trace.context[: len(sampler.calls[1]["prompt_ids"])]
+
+
+def test_a_compacted_session_is_token_segments_exactly_as_sampled(base_tokenizer, box):
+    """After a compaction the trace is cut: each segment's prompt ids are its context as
+    rendered and sent, its sampled ids those the sampler returned; the summary is in neither."""
+    from token_spans import spans
+
+    tok = tokenizer_with(base_tokenizer, HERMES_TEMPLATE)
+    texts = [hermes_call("python3 -c \"print('a' * 3000)\""), hermes_call("echo two"), "SUMMARY: printed a lot.",
+             hermes_call(f"echo {SUBMIT_MARKER}")]
+    probe = ScriptedSampler(tok, texts[:2] + texts[3:])
+    Agent(TokenPolicy(probe, tok), box, AgentSettings()).run("Print.")
+    # The context after turns 1 and 2: the prompt of each and what was sampled.
+    after = [len(c["prompt_ids"]) + len(tok.encode(t, add_special_tokens=False)) + 1 for c, t in zip(probe.calls, texts)]
+    sampler = ScriptedSampler(tok, texts)
+    policy = TokenPolicy(sampler, tok, max_response_tokens=10**6, max_context_tokens=10**6)
+    settings = AgentSettings(compaction=True, compaction_threshold=0.9, context_budget=int(after[1] / 0.9))
+    agent = Agent(policy, box, settings)
+    result = agent.run("Print.")
+    assert result.status == "submitted" and len(sampler.calls) == 4
+    record = agent.context.compactions[0]
+    assert record.ok and record.kept_turns == 1 and not record.estimated
+    (first,), second = policy.segments, policy.trace
+
+    # Segment 1: the session up to its last sampled turn, as the sampler saw it.
+    assert sampler.calls[1]["prompt_ids"] == first.context[: len(sampler.calls[1]["prompt_ids"])]
+    assert [first.ids[s:e] for v, s, e in spans(first.mask) if v == 1] == [
+        tok.encode(t, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")] for t in texts[:2]]
+    # The summary was sampled on segment 1 plus the request, and recorded nowhere.
+    assert sampler.calls[2]["prompt_ids"][: len(first.context)] == first.context
+    # Segment 2: the rebuilt context rendered as a prompt, exactly what was sent.
+    rebuilt = result.messages[: record.prefix + 2]
+    assert "SUMMARY: printed a lot." in rebuilt[1]["content"] and "Print." in rebuilt[1]["content"]
+    prompt = tok.apply_chat_template(rebuilt, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert second.prompt_ids == tok.encode(prompt, add_special_tokens=False) == sampler.calls[3]["prompt_ids"]
+    assert record.tokens_after == len(second.prompt_ids)
+    assert [second.ids[s:e] for v, s, e in spans(second.mask) if v == 1] == [
+        tok.encode(texts[3], add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]]
+    assert second.turn_versions == [4] and first.turn_versions == [1, 2]

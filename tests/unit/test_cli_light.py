@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-# What the extras (bench, train, vllm, tracking) bring; the core never needs them.
-EXTRAS = ("matplotlib", "torch", "transformers", "tokenizers", "safetensors", "ray", "vllm", "wandb", "tensorboard")
+# What the extras (bench, train, vllm, tracking, data) bring; the core never needs them.
+EXTRAS = ("matplotlib", "torch", "transformers", "tokenizers", "safetensors", "ray", "vllm", "wandb", "tensorboard",
+          "datasets", "pyarrow")
 LIGHT = f"import sys\nfor m in {EXTRAS!r}: sys.modules[m] = None\n"
 
 
@@ -103,3 +104,54 @@ def test_every_subcommand_has_help_on_the_light_install():
     for words, (rc, output, exc) in json.loads(proc.stdout).items():
         assert rc == 0, f"tmax {words} --help: exit {rc}: {exc}\n{output}"
         assert f"Usage: tmax {words}".strip() in output, f"tmax {words} --help printed no usage:\n{output}"
+
+
+@pytest.mark.parametrize("args, extra", [
+    (["learn", "-o", "{tmp}/run", "nano"], "train"),
+    (["serve", "Qwen/Qwen3-8B"], "vllm"),
+    (["data", "export", "{tasks}", "-o", "{tmp}/all.hf", "--format", "hf"], "data"),
+    (["data", "import", "hf:{tmp}/all.hf", "-o", "{tmp}/again"], "data"),
+])
+def test_a_command_that_needs_an_extra_names_it_in_one_line(tmp_path, args, extra):
+    tasks = REPO / "tests" / "data" / "tasks"
+    proc = light_tmax(*(a.format(tmp=tmp_path, tasks=tasks) for a in args))
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"not installed; this needs the {extra} extra: pip install 'tmax[{extra}]'" in lines[0]
+    assert lines[0].startswith(f"tmax {args[0]}: ")
+
+
+@pytest.mark.parametrize("placement", [["--nodes", "8"], ["--nodes", "2", "--gpus-per-node", "8"]])
+def test_learn_dry_run_plans_a_cluster_job_without_torch(tmp_path, placement):
+    """A login node with the light install plans the job: the plan, the run's config and the
+    sbatch script, with no torch, transformers or Ray to import."""
+    proc = light_tmax("learn", *placement, "--dry-run", "-o", str(tmp_path / "job"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    script = (tmp_path / "job" / "tmax-learn.sbatch").read_text()
+    assert f"#SBATCH --nodes={placement[1]}" in script and "--gpus-per-node=8" in script
+    assert f"exec tmax learn --config {tmp_path / 'job' / 'learn.toml'}" in script
+    assert "plan (json):" in proc.stdout and (tmp_path / "job" / "learn.toml").is_file()
+
+
+@pytest.mark.parametrize("words", [[], ["sft"], ["nano"], ["sft", "--from-runs", "."]])
+def test_learn_that_needs_torch_names_the_extra(tmp_path, words):
+    """Training itself on the light install: exit 2 and one line saying what to install,
+    before any work (nothing is written)."""
+    out = tmp_path / "run"
+    proc = light_tmax("learn", "--out", str(out), "--no-progress", *words)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == ["tmax learn: torch, transformers, safetensors, ray are not installed; this needs the train "
+                     "extra: pip install 'tmax[train]'"], proc.stderr
+    assert not out.exists()
+
+
+def test_the_actor_modules_import_without_ray_or_torch():
+    """The Ray actors are plain classes, wrapped with `ray.remote` only where they are created."""
+    code = LIGHT + ("from tmax.training.cluster import actors, engine_actor, learner_rank, rollout_worker\n"
+                    "assert actors.LearnerRank is learner_rank.LearnerRank and not hasattr(actors.LearnerRank, 'remote')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr

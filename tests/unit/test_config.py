@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from tmax.cli import config
+from tmax.agents.settings import AgentSettings
+from tmax.common.errors import RenamedSettingWarning
 from tmax.cli.config import ConfigError, resolve_run_settings
 
 ENV_VARS = ("TMAX_BASE_URL", "OPENAI_BASE_URL", "TMAX_API_KEY", "OPENAI_API_KEY", "TMAX_MODEL")
@@ -72,7 +75,10 @@ def test_precedence_flag_env_file(cfg_home, monkeypatch):
 
 def test_defaults_mode_follows_sandbox(cfg_home):
     s = resolve_run_settings(base_url="http://x/v1", sandbox="local")
-    assert (s.mode, s.api_key, s.image, s.max_steps) == ("confirm", "EMPTY", config.DEFAULT_IMAGE, None)
+    # Compaction is on for people (the agent settings' default, which bench and learn keep, is off).
+    assert (s.mode, s.api_key, s.image, s.agent) == ("confirm", "EMPTY", config.DEFAULT_IMAGE,
+                                                     AgentSettings(compaction=True))
+    assert s.sources["compaction"] == "default (tmax run)" and s.prices is None
     assert resolve_run_settings(base_url="http://x/v1", sandbox="podman").mode == "yolo"
     assert resolve_run_settings(base_url="http://x/v1", sandbox="bwrap").mode == "yolo"
     assert resolve_run_settings(base_url="http://x/v1", sandbox="local", mode="yolo").mode == "yolo"
@@ -81,8 +87,19 @@ def test_defaults_mode_follows_sandbox(cfg_home):
 def test_file_settings_for_sandbox_and_steps(cfg_home):
     write_cfg(cfg_home, 'base_url = "http://x/v1"\nsandbox = "podman"\nmode = "confirm"\nmax_steps = 7\nimage = "img:1"\n')
     s = resolve_run_settings()
-    assert (s.sandbox, s.mode, s.max_steps, s.image) == ("podman", "confirm", 7, "img:1")
-    assert resolve_run_settings(sandbox="local", max_steps=3).max_steps == 3
+    assert (s.sandbox, s.mode, s.agent.max_steps, s.image) == ("podman", "confirm", 7, "img:1")
+    assert resolve_run_settings(sandbox="local", max_steps=3).agent.max_steps == 3
+
+
+def test_compaction_and_prices_from_the_file_and_flags(cfg_home):
+    write_cfg(cfg_home, 'base_url = "http://x/v1"\ncompaction = false\ncompaction_threshold = 0.6\nprice_input = 3.0\n')
+    s = resolve_run_settings(sandbox="local")
+    assert (s.agent.compaction, s.agent.compaction_threshold, s.prices) == (False, 0.6, (3.0, 0.0))
+    s = resolve_run_settings(sandbox="local", compaction=True, compaction_threshold=0.7)
+    assert (s.agent.compaction, s.agent.compaction_threshold) == (True, 0.7)
+    assert s.sources["compaction_threshold"] == "--compact-threshold"
+    with pytest.raises(ConfigError, match="compaction_threshold: Input should be less than 1, got 1.0"):
+        resolve_run_settings(sandbox="local", compaction_threshold=1.0)
 
 
 @pytest.mark.parametrize(
@@ -118,17 +135,19 @@ def test_missing_url_hint_names_a_key_the_file_accepts(cfg_home):
 
 def test_timeouts_tokens_and_expose_from_flag_env_file(cfg_home, monkeypatch):
     s = resolve_run_settings(base_url="http://x/v1", sandbox="local")
-    assert (s.command_timeout, s.model_timeout, s.max_tokens, s.expose) == (120.0, 600.0, None, [])
+    assert (s.agent.command_timeout, s.model_timeout, s.agent.max_tokens, s.expose) == (120.0, 600.0, 16384, [])
     write_cfg(cfg_home, 'base_url = "http://x/v1"\ncommand_timeout = 30\nmodel_timeout = 90.5\nmax_tokens = 2048\n'
                         'expose = ["~/.ssh"]\n')
     s = resolve_run_settings(sandbox="local", expose=["/etc/shadow"])
-    assert (s.command_timeout, s.model_timeout, s.max_tokens, s.expose) == (30.0, 90.5, 2048, ["~/.ssh", "/etc/shadow"])
+    assert (s.agent.command_timeout, s.model_timeout, s.agent.max_tokens, s.expose) == \
+        (30.0, 90.5, 2048, ["~/.ssh", "/etc/shadow"])
     monkeypatch.setenv("TMAX_COMMAND_TIMEOUT", "7")
     monkeypatch.setenv("TMAX_MODEL_TIMEOUT", "8")
     s = resolve_run_settings(sandbox="local")
-    assert (s.command_timeout, s.model_timeout) == (7.0, 8.0) and s.sources["command_timeout"] == "$TMAX_COMMAND_TIMEOUT"
+    assert (s.agent.command_timeout, s.model_timeout) == (7.0, 8.0)
+    assert s.sources["command_timeout"] == "$TMAX_COMMAND_TIMEOUT"
     s = resolve_run_settings(sandbox="local", command_timeout=3, max_tokens=100)
-    assert (s.command_timeout, s.max_tokens) == (3.0, 100)
+    assert (s.agent.command_timeout, s.agent.max_tokens) == (3.0, 100)
     monkeypatch.setenv("TMAX_COMMAND_TIMEOUT", "soon")
     with pytest.raises(ConfigError, match="command_timeout: Input should be a valid number.*got 'soon' \\(from \\$TMAX_COMMAND_TIMEOUT\\)"):
         resolve_run_settings(sandbox="local")
@@ -147,7 +166,7 @@ def test_only_the_documented_variables_are_read(cfg_home, monkeypatch):
     for name, value in (("MODEL", "stray"), ("SANDBOX", "podman"), ("BASE_URL", "http://stray/v1"), ("MAX_STEPS", "1")):
         monkeypatch.setenv(name, value)
     s = resolve_run_settings(base_url="http://x/v1", sandbox="local")
-    assert (s.model, s.sandbox, s.max_steps, s.base_url) == (None, "local", None, "http://x/v1")
+    assert (s.model, s.sandbox, s.agent.max_steps, s.base_url) == (None, "local", 64, "http://x/v1")
     assert s.sources["sandbox"] == "--sandbox" and s.sources["model"] == "default"
 
 
@@ -215,3 +234,101 @@ def test_learner_strategy_reaches_the_learner():
     assert learner_config(preset("nano", {"run": {"learner_strategy": "replicate"}})).strategy == "replicate"
     with pytest.raises(ConfigError, match="learner_strategy"):
         preset("nano", {"run": {"learner_strategy": "zero3"}})
+
+
+# ---- one agent-settings schema: run's file, bench's --ak and --config, learn's [rollout] ----
+
+
+def test_run_config_file_takes_every_agent_setting(cfg_home):
+    write_cfg(cfg_home, 'base_url = "http://x/v1"\ntemperature = 0.2\ntop_p = 0.5\ncontext_budget = 4000\n'
+                        'backoff_s = [1, 2]\nbudget_hints = true\nobservation_max_chars = 500\n')
+    s = resolve_run_settings(sandbox="local")
+    assert s.agent == AgentSettings(temperature=0.2, top_p=0.5, context_budget=4000, backoff_s=(1.0, 2.0),
+                                    budget_hints=True, observation_max_chars=500, compaction=True)
+    assert s.sources["temperature"] == str(cfg_home / "tmax" / "config.toml") and s.sources["retries"] == "default"
+    assert resolve_run_settings(sandbox="local", budget_hints=True).sources["budget_hints"] == "--budget-hints"
+
+
+def test_run_config_file_old_names_load_with_a_note_or_fail_beside_the_new(cfg_home):
+    path = write_cfg(cfg_home, 'base_url = "http://x/v1"\nmax_tool_calls = 5\nper_turn_max_tokens = 300\n')
+    with pytest.warns(RenamedSettingWarning) as notes:
+        s = resolve_run_settings(sandbox="local")
+    assert "agent setting 'max_tool_calls' is now called 'max_steps'" in {str(n.message).split(";")[0] for n in notes}
+    assert (s.agent.max_steps, s.agent.max_tokens, s.sources["max_steps"]) == (5, 300, str(path))
+    write_cfg(cfg_home, 'base_url = "http://x/v1"\nmax_tool_calls = 5\nmax_steps = 6\n')
+    with pytest.raises(ConfigError, match="'max_tool_calls' is the old name of 'max_steps': give only 'max_steps'"):
+        resolve_run_settings(sandbox="local")
+
+
+def test_learn_rollout_old_names_load_as_the_new_ones(tmp_path, monkeypatch):
+    from tmax.training.config import dump_toml, load_config, resolve
+
+    new = tmp_path / "new.toml"
+    new.write_text('extends = "nano"\n[rollout]\nmax_steps = 3\nmax_tokens = 32\n')
+    old = tmp_path / "old.toml"
+    old.write_text('extends = "nano"\n[rollout]\nmax_tool_calls = 3\nper_turn_max_tokens = 32\n')
+    with pytest.warns(RenamedSettingWarning) as notes:
+        loaded = load_config(old)
+    assert "agent setting 'per_turn_max_tokens' is now called 'max_tokens'" in {str(n.message).split(";")[0] for n in notes}
+    assert loaded == load_config(new) and (loaded.rollout.max_steps, loaded.rollout.max_tokens) == (3, 32)
+    assert "max_steps = 3" in dump_toml(loaded) and "max_tool_calls" not in dump_toml(loaded)
+    # An old name over a preset (whose dump has the new one) is no conflict; both in one source are.
+    with pytest.warns(RenamedSettingWarning):
+        assert resolve("nano", environ={"TMAX_LEARN_ROLLOUT__MAX_TOOL_CALLS": "2"}).rollout.max_steps == 2
+    both = tmp_path / "both.toml"
+    both.write_text('extends = "nano"\n[rollout]\nmax_tool_calls = 3\nmax_steps = 4\n')
+    with pytest.raises(ConfigError, match="rollout: 'max_tool_calls' is the old name of 'max_steps'"):
+        load_config(both)
+
+
+def test_one_schema_two_sets_of_defaults():
+    """The shared keys have the same names everywhere; the training defaults differ from
+    Vanillux2's only where `RolloutConfig` says so."""
+    from tmax.cli.bench_file import BenchFile
+    from tmax.cli.config import RunFile
+    from tmax.training.config import RolloutConfig
+
+    keys = set(AgentSettings.model_fields)
+    assert keys <= set(RolloutConfig.model_fields) and keys <= set(RunFile.model_fields)
+    assert keys <= set(BenchFile.model_fields)
+    run, train = AgentSettings(), RolloutConfig().agent_only()
+    differ = {k for k in keys if getattr(run, k) != getattr(train, k)}
+    assert differ == {"temperature", "top_p", "max_format_errors", "context_budget", "retries", "backoff_s"}
+    assert (run.temperature, run.max_format_errors, train.temperature, train.max_format_errors) == (0.7, 64, 1.0, 1)
+
+
+def test_bench_agent_settings_map_old_names_and_reject_unknown_ones(tmp_path):
+    from tmax.tasks.job import JobConfig
+
+    base = dict(job_name="j", jobs_dir=str(tmp_path), dataset="d", agent="tmax")
+    with pytest.warns(RenamedSettingWarning):
+        cfg = JobConfig(**base, agent_kwargs={"max_tool_calls": 3, "temperature": 0.1})
+    assert cfg.agent_kwargs == {"max_steps": 3, "temperature": 0.1}
+    assert cfg.agent_settings == AgentSettings(max_steps=3, temperature=0.1)
+    with pytest.raises(ValueError, match="give only 'max_steps'"):
+        JobConfig(**base, agent_kwargs={"max_tool_calls": 3, "max_steps": 3})
+    with pytest.raises(ValueError, match="unknown agent setting\\(s\\) 'temp'; known: backoff_s"):
+        JobConfig(**base, agent_kwargs={"temp": 0.1})
+
+
+def test_bench_config_file_is_validated_strictly(tmp_path):
+    from tmax.cli.bench_file import load_bench_file
+
+    path = tmp_path / "bench.toml"
+    path.write_text('dataset = "ds"\nagent = "tmax"\nn_attempts = 3\ninclude = ["a-*"]\nenv = "local"\n'
+                    "max_steps = 8\ntemperature = 0\n")
+    f = load_bench_file(path)
+    assert f.model_dump(exclude_unset=True) == {"dataset": "ds", "agent": "tmax", "n_attempts": 3, "include": ["a-*"],
+                                                "env": "local", "max_steps": 8, "temperature": 0.0}
+    for text, fragment in (('n_attempts = "3"\n', "n_attempts: Input should be a valid integer"),
+                           ("colour = 1\n", "unknown key(s) 'colour'; known: agent, api_key_env"),
+                           ('env = "docker"\n', "env: Input should be 'local', 'bwrap' or 'podman'"),
+                           ("max_steps = 0\n", "max_steps: Input should be greater than or equal to 1"),
+                           ("n_attempts = \n", "not valid TOML")):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=re.escape(fragment)) as err:
+            load_bench_file(path)
+        assert str(path) in str(err.value) and "\n" not in str(err.value)
+    path.write_text("per_turn_max_tokens = 99\n")
+    with pytest.warns(RenamedSettingWarning):
+        assert load_bench_file(path).max_tokens == 99

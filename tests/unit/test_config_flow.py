@@ -27,17 +27,18 @@ SET: dict[str, dict] = {
     "model": {"path": "models/flow", "build_nano": True},
     "tasks": {"train": "t/train", "heldout": "t/heldout", "generate_nano": True, "n_train": 5, "n_heldout": 6,
               "generator": {"kinds": ["sort"]}},
-    "rollout": {"max_tool_calls": 7, "response_budget": 900, "per_turn_max_tokens": 70, "max_prompt_tokens": 300,
+    "rollout": {"max_steps": 7, "response_budget": 900, "max_tokens": 70, "max_prompt_tokens": 300,
                 "context_budget": 1300, "temperature": 0.9, "top_p": 0.8, "command_timeout": 9.0,
                 "test_timeout": 11.0, "observation_max_chars": 321, "max_format_errors": 2, "budget_hints": True,
-                "sandbox": "bwrap", "image_map": ["ubuntu:24.04=localhost/flow:1"], "pool_size": 5,
-                "max_infra_retries": 6, "harness": ["mini-swe", "tmax"], "overlay": False},
+                "retries": 4, "backoff_s": (0.25, 3.0), "time_budget_s": 99.0, "sandbox": "bwrap", "image_map": ["ubuntu:24.04=localhost/flow:1"], "pool_size": 5,
+                "max_infra_retries": 6, "harness": ["mini-swe", "tmax"],
+                "compaction": True, "compaction_threshold": 0.6, "overlay": False},
     "algo": {"loss": "grpo", "divergence": "kl", "delta": 0.3, "clip_low": 0.25, "clip_high": 0.3, "lr": 3e-5,
              "warmup_steps": 4, "adam_beta1": 0.8, "adam_beta2": 0.95, "adam_eps": 1e-7, "weight_decay": 0.01,
              "grad_clip": 0.5, "prompts_per_step": 3, "group_size": 5, "steps": 9, "async_steps": 2,
              "filter_zero_std": False, "active_sampling": False, "seed": 13},
-    "engine": {"max_model_len": 1500, "dtype": "bfloat16", "enforce_eager": True, "kv_cache_gb": 3.0, "cpu_threads": 1,
-               "gpu_memory_utilization": 0.42, "extra_args": ["--seed", "5"], "startup_timeout_s": 77.0,
+    "engine": {"device": "gpu", "max_model_len": 1500, "dtype": "bfloat16", "enforce_eager": True,
+               "enable_prefix_caching": False, "kv_cache_gb": 3.0, "cpu_threads": 1, "gpu_memory_utilization": 0.42, "extra_args": ["--seed", "5"], "startup_timeout_s": 77.0,
                "weight_transport": "gloo", "weight_bucket_mb": 64.0, "weight_timeout_s": 55.0},
     "sft": {"epochs": 2.5, "lr": 1e-4, "batch_size": 3, "warmup_ratio": 0.1, "task_fraction": 0.5,
             "teacher_accuracy": 0.6, "torch_threads": 2},
@@ -78,7 +79,7 @@ READ_BY: dict[str, tuple[str, str]] = {
     "sft.batch_size": ("tmax/training/learner/sft.py", "batch_size"),
     "sft.warmup_ratio": ("tmax/training/learner/sft.py", "warmup_ratio"),
     "sft.task_fraction": ("tmax/training/recipe.py", "task_fraction"),
-    "sft.teacher_accuracy": ("tmax/training/learner/sft.py", "teacher_accuracy"),
+    "sft.teacher_accuracy": ("tmax/training/demos.py", "teacher_accuracy"),
     "sft.torch_threads": ("tmax/training/learner/sft.py", "torch_threads"),
     "eval.attempts": ("tmax/training/recipe.py", "attempts"),
     "eval.concurrency": ("tmax/training/recipe.py", "concurrency"),
@@ -124,10 +125,9 @@ def _arrivals(cfg: LearnConfig, d: dict) -> dict[str, list[tuple[object, object]
 
     return {
         "name": [(d["dumped"]["name"], cfg.name)],
-        "rollout.max_tool_calls": [(agent.max_steps, r.max_tool_calls)],
+        "rollout.max_steps": [(agent.max_steps, r.max_steps)],
         "rollout.response_budget": [(policy.max_response_tokens, r.response_budget)],
-        "rollout.per_turn_max_tokens": [(policy.max_turn_tokens, r.per_turn_max_tokens),
-                                        (agent.max_tokens, r.per_turn_max_tokens)],
+        "rollout.max_tokens": [(policy.max_turn_tokens, r.max_tokens), (agent.max_tokens, r.max_tokens)],
         "rollout.max_prompt_tokens": [(policy.max_prompt_tokens, r.max_prompt_tokens)],
         "rollout.context_budget": [(policy.max_context_tokens, r.context_budget),
                                    (agent.context_budget, r.context_budget)],
@@ -138,6 +138,11 @@ def _arrivals(cfg: LearnConfig, d: dict) -> dict[str, list[tuple[object, object]
         "rollout.observation_max_chars": [(agent.observation_max_chars, r.observation_max_chars)],
         "rollout.max_format_errors": [(agent.max_format_errors, r.max_format_errors)],
         "rollout.budget_hints": [(agent.budget_hints, r.budget_hints)],
+        "rollout.retries": [(agent.retries, r.retries)],
+        "rollout.backoff_s": [(agent.backoff_s, r.backoff_s)],
+        "rollout.time_budget_s": [(agent.time_budget_s, r.time_budget_s)],
+        "rollout.compaction": [(agent.compaction, r.compaction)],
+        "rollout.compaction_threshold": [(agent.compaction_threshold, r.compaction_threshold)],
         "rollout.sandbox": [(env.kind, r.sandbox)],
         "rollout.image_map": [([f"{m.pattern}={m.target}" for m in env.rewrite.rules[:1]], r.image_map)],
         "rollout.pool_size": [(d["pool"].capacity, d["slots"] + r.pool_size)],
@@ -157,14 +162,16 @@ def _arrivals(cfg: LearnConfig, d: dict) -> dict[str, list[tuple[object, object]
         "algo.weight_decay": [(learner.weight_decay, a.weight_decay)],
         "algo.grad_clip": [(learner.max_grad_norm, a.grad_clip)],
         "algo.seed": [(learner.seed, a.seed), (policy.seed, a.seed)],
+        "engine.device": [(d["gpu_spec"].device, e.device)],
         "engine.max_model_len": [(flag("--max-model-len"), str(e.max_model_len))],
+        "engine.enable_prefix_caching": [("--no-enable-prefix-caching" in argv, not e.enable_prefix_caching)],
         "engine.dtype": [(flag("--dtype"), e.dtype)],
         "engine.enforce_eager": [("--enforce-eager" in argv, e.enforce_eager)],
         "engine.kv_cache_gb": [(cpu_env["VLLM_CPU_KVCACHE_SPACE"], str(int(e.kv_cache_gb)))],
         "engine.cpu_threads": [(cpu_env["OMP_NUM_THREADS"], str(e.cpu_threads))],
         "engine.gpu_memory_utilization": [(flag("--gpu-memory-utilization"), str(e.gpu_memory_utilization))],
         "engine.extra_args": [(argv[-len(e.extra_args):], e.extra_args)],
-        "engine.startup_timeout_s": [(d["server_options"]["startup_timeout_s"], e.startup_timeout_s)],
+        "engine.startup_timeout_s": [(d["engine_kwargs"]["startup_timeout_s"], e.startup_timeout_s)],
         "run.learner_strategy": [(learner.strategy, cfg.run.learner_strategy)],
         "run.learner_pack_tokens": [(learner.pack_length, cfg.run.learner_pack_tokens)],
         # The placement plan of a `[cluster]` section (training.cluster.placement.plan_for).
@@ -242,7 +249,7 @@ def built(cfg, tokenizer, tmp_path_factory):
     """Every destination that can be built without Ray or a server."""
     from tmax.sandbox.pool import WarmPool
     from tmax.training.config import dump_toml
-    from tmax.training.inference.engine import engine_spec, server_options
+    from tmax.training.inference import engine as engine_mod
     from tmax.training.inference.serving import build_command
     from tmax.training.cluster.actors import _tp
     from tmax.training.cluster.placement import Placement, plan_for
@@ -251,16 +258,20 @@ def built(cfg, tokenizer, tmp_path_factory):
 
     model_dir = tmp_path_factory.mktemp("model")
     (model_dir / "config.json").write_text(json.dumps({"hidden_size": 4096}))
-    options = server_options(cfg.engine)
     # What a placed run's engine actors get besides the engine section: the plan's TP size.
     tp = _tp(Placement(plan_for(cfg), None, None, [], []))
-    spec_args = {k: v for k, v in options.items() if k != "startup_timeout_s"} | {"tensor_parallel_size": tp}
+    engine_kwargs = {}
     mp = pytest.MonkeyPatch()
     try:
+        # VLLMEngine.from_config's arguments to the engine, which would start a server.
+        mp.setattr(engine_mod.VLLMEngine, "__init__", lambda self, model_dir, **kw: engine_kwargs.update(kw))
+        engine_mod.VLLMEngine.from_config(cfg.engine, model_dir, work_dir="w", tensor_parallel_size=tp)
+        gpu_spec = engine_mod.engine_spec(model_dir, engine_kwargs["options"],
+                                          tensor_parallel_size=engine_kwargs["tensor_parallel_size"])
         mp.setenv("CUDA_VISIBLE_DEVICES", "0")  # only builds the GPU command line, starts nothing
-        gpu = build_command(engine_spec(model_dir, **spec_args))
+        gpu = build_command(gpu_spec)
         mp.setenv("CUDA_VISIBLE_DEVICES", "")
-        cpu = build_command(engine_spec(model_dir, **(spec_args | {"tensor_parallel_size": None})))
+        cpu = build_command(engine_mod.engine_spec(model_dir, cfg.engine.model_copy(update={"device": "cpu"})))
     finally:
         mp.undo()
     slots = 2
@@ -270,7 +281,8 @@ def built(cfg, tokenizer, tmp_path_factory):
     import tomllib
 
     return {
-        "gpu_argv": gpu.argv, "gpu_env": gpu.env, "cpu_env": cpu.env, "server_options": options,
+        "gpu_argv": gpu.argv, "gpu_env": gpu.env, "cpu_env": cpu.env, "gpu_spec": gpu_spec,
+        "engine_kwargs": engine_kwargs,
         "agent": episode.agent, "policy": episode.token_policy(None, tokenizer, cfg.algo.seed), "episode": episode,
         "learner": learner_config(cfg), "env": episode.env, "pool": pool, "slots": slots,
         "dumped": tomllib.loads(dump_toml(cfg)), "detector": cfg.guard.detector(),
@@ -332,18 +344,3 @@ def test_a_prompt_over_max_prompt_tokens_ends_the_episode_before_any_sample(cfg,
         box.close()
     assert result.status == "context_overflow" and "over the limit of 16" in (result.error or "")
     assert len(policy.trace.prompt_ids) > 16 and policy.trace.ids == []
-
-
-def test_engine_from_config_passes_every_server_option(cfg, monkeypatch):
-    """`VLLMEngine.from_config` hands `server_options` (and a placed run's TP size) to the engine unchanged."""
-    from tmax.training.inference import engine as engine_mod
-
-    seen = {}
-
-    def fake_init(self, model_dir, **kwargs):
-        seen.update(kwargs, model_dir=model_dir)
-
-    monkeypatch.setattr(engine_mod.VLLMEngine, "__init__", fake_init)
-    engine_mod.VLLMEngine.from_config(cfg.engine, "m", work_dir="w", tensor_parallel_size=cfg.cluster.tp)
-    assert seen == {"model_dir": "m", "work_dir": "w", "tensor_parallel_size": cfg.cluster.tp,
-                    **engine_mod.server_options(cfg.engine)}

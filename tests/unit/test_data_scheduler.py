@@ -1,4 +1,5 @@
-"""The corpus job scheduler on its local backend, and the build-failure classifier."""
+"""The resumable job runner on its local backend (corpus jobs: results files per item), and
+the build-failure classifier."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 
 import pytest
 
-from tmax.tasks.corpus.scheduler import Job, JobError, LocalBackend, run_jobs
+from tmax.tasks.job_runner import JobError, JobItem, JobRunner, LocalBackend, ResultFiles
 from tmax.tasks.images import classify_build_log
 
 CALLS: list[str] = []
@@ -26,18 +27,18 @@ def work(name: str, status: str, sleep: float = 0.0) -> dict:
 
 def test_results_are_written_as_jobs_finish_and_a_rerun_runs_only_the_unfinished(tmp_path):
     CALLS.clear()
-    jobs = [Job("a", work, ("a", "ok"), "v1"), Job("b", work, ("b", "infra"), "v1"),
-            Job("c", work, ("c", "ok"), "v1")]
+    jobs = [JobItem("a", work, ("a", "ok"), "v1"), JobItem("b", work, ("b", "infra"), "v1"),
+            JobItem("c", work, ("c", "ok"), "v1")]
     backend = LocalBackend(2)
+    runner = JobRunner(ResultFiles(tmp_path, done=lambda r: r["status"] == "ok"), backend)
     try:
-        out = run_jobs(jobs, tmp_path, backend, done=lambda r: r["status"] == "ok")
+        out = runner.run(jobs)
         assert sorted(out) == ["a", "b", "c"] and sorted(CALLS) == ["a", "b", "c"]
         assert json.loads((tmp_path / "a.json").read_text()) == {"identity": "v1", "result": {"name": "a", "status": "ok"}}
         CALLS.clear()
         resumed = []
-        jobs[2] = Job("c", work, ("c", "ok"), "v2")  # its task changed: a stale result
-        run_jobs(jobs, tmp_path, backend, done=lambda r: r["status"] == "ok",
-                 on_finished=lambda f: f.resumed and resumed.append(f.name))
+        jobs[2] = JobItem("c", work, ("c", "ok"), "v2")  # its task changed: a stale result
+        runner.run(jobs, on_finished=lambda f: f.resumed and resumed.append(f.name))
         assert sorted(CALLS) == ["b", "c"] and resumed == ["a"]  # b was not done, c is stale
     finally:
         backend.close()
@@ -48,10 +49,10 @@ def test_at_most_slots_jobs_run_at_once_and_a_raising_job_stops_the_run(tmp_path
     backend = LocalBackend(2)
     t0 = time.monotonic()
     try:
-        run_jobs([Job(str(i), work, (str(i), "ok", 0.3)) for i in range(4)], tmp_path, backend)
+        JobRunner(ResultFiles(tmp_path), backend).run([JobItem(str(i), work, (str(i), "ok", 0.3)) for i in range(4)])
         assert 0.55 < time.monotonic() - t0 < 3.0  # two rounds of two
         with pytest.raises(JobError, match="job bad failed: RuntimeError: boom"):
-            run_jobs([Job("bad", work, ("bad", "raise"))], tmp_path / "x", backend)
+            JobRunner(ResultFiles(tmp_path / "x"), backend).run([JobItem("bad", work, ("bad", "raise"))])
         assert not (tmp_path / "x" / "bad.json").exists()
     finally:
         backend.close()

@@ -87,7 +87,7 @@ def test_oracle_episodes_fit_the_nano_budgets(tok):
             for thought, command in task.oracle_steps():
                 turn = tok.apply_chat_template(msgs + [_assistant(thought, {"command": command})], tools=TOOLS, tokenize=False)
                 sampled = turn[len(prompt):].removesuffix("\n")  # ends at <|im_end|>, as sampled
-                assert len(tok.encode(sampled, add_special_tokens=False)) <= budget.per_turn_max_tokens, (task.name, command)
+                assert len(tok.encode(sampled, add_special_tokens=False)) <= budget.max_tokens, (task.name, command)
 
 
 def test_chat_template_renders_system_tools_and_prompt(tok):

@@ -14,7 +14,7 @@ from tmax.training.learner.learner import Learner, LearnerConfig
 from tmax.training.learner.packing import TrainSample, build_pack, pack_samples
 from tmax.training.learner.sft import sft_loss
 
-from test_learner import VOCAB, make_model_dir
+from tiny_learner import VOCAB, make_model_dir
 
 # ------------------------------------------------------------------ the trie alone
 

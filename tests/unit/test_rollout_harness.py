@@ -13,7 +13,7 @@ import pytest
 from tmax.agents.policy import SampledTokens
 from token_spans import spans as _spans
 from tmax.training.config import RolloutConfig, preset
-from tmax.training.learner.sft import scripted_turns
+from tmax.training.demos import scripted_turns
 from tmax.training.rollout import EpisodeRequest, EpisodeSettings, run_episode
 
 
@@ -83,7 +83,8 @@ def test_mini_swe_rollout_token_trace(nano):
 def test_trace_is_the_template_rendering(nano, harness):
     """What training sees equals the chat template's rendering of the whole conversation."""
     from tmax.agents.harnesses import make_harness
-    from tmax.agents.loop import Agent, AgentConfig
+    from tmax.agents.loop import Agent
+    from tmax.agents.settings import AgentSettings
     from tmax.agents.token_policy import TokenPolicy
     from tmax.tasks.model import Task
     from tmax.training.nano.tasks import oracle_steps
@@ -97,7 +98,7 @@ def test_trace_is_the_template_rendering(nano, harness):
         sandbox = ep.open()
         turns = scripted_turns(tok, oracle_steps(task_dir), harness)
         policy = TokenPolicy(LogprobSampler(turns), tok, temperature=1.0, top_p=1.0)
-        agent = Agent(policy, sandbox, AgentConfig(max_steps=6, max_format_errors=1),
+        agent = Agent(policy, sandbox, AgentSettings(max_steps=6, max_format_errors=1),
                       harness=make_harness(harness, ep.workdir))
         try:
             res = agent.run(task.instruction)

@@ -111,6 +111,33 @@ def test_warm_pool_serves_keys_evicts_idle_and_never_reuses(tmp_path):
         pool.release(c)
 
 
+def test_warm_ahead_starts_the_next_in_line_once_and_retries_when_there_was_no_room(tmp_path):
+    """Episodes a, b, c, d run one at a time with two started ahead: as one begins it starts
+    sandboxes for the next two that have none; a start the full pool refused is given back
+    and made by a later fill."""
+    from tmax.sandbox import make_sandbox
+    from tmax.sandbox.pool import WarmAhead, WarmPool
+
+    def factory():
+        return make_sandbox("local", SandboxSpec(workdir=str(tmp_path)))
+
+    order, asked = ["a", "b", "c", "d"], []
+    with WarmPool(3, close_in_background=False) as pool:
+        def start(key: str) -> bool:
+            asked.append(key)
+            return pool.prewarm(key, factory)
+
+        ahead = WarmAhead(2, start)
+        assert ahead.fill_after(order, 0, running=1) == 2 and asked == ["b", "c"]
+        a = pool.acquire("a", factory, timeout=10)  # the third sandbox: the pool is full
+        assert ahead.fill_after(order, 1, running=1) == 0 and asked == ["b", "c", "d"]  # no room for d
+        pool.release(a)
+        assert ahead.fill_after(order, 1, running=1) == 1 and asked == ["b", "c", "d", "d"]  # c only once
+        for key in ("b", "c", "d"):
+            pool.release(pool.acquire(key, factory, timeout=10))
+        assert pool.warm_hits == 3 and pool.cold_starts == 1
+
+
 def test_closing_the_pool_during_a_cold_start_leaves_no_sandbox(tmp_path):
     """A rollout worker shutting down closes its pool while an episode is still starting its
     own sandbox (no warm one): close waits for that start, and the new sandbox is closed

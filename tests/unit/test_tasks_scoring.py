@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tmax.tasks.scoring import pass_at_k, score
+from tmax.common.harbor import TrialScore
+from tmax.tasks.scoring import TrialRow, pass_at_k, score
 
 
 def test_pass_at_k_formula():
@@ -21,12 +22,12 @@ def test_pass_at_k_formula():
         pass_at_k(2, 1, 3)
 
 
-def _trials(spec: dict[str, list[str]]) -> list[dict]:
+def _trials(spec: dict[str, list[str]]) -> list[TrialRow]:
     out = []
     for task, outcomes in spec.items():
-        for o in outcomes:
+        for i, o in enumerate(outcomes):
             reward = {"pass": 1.0, "fail": 0.0, "agent_timeout": 0.0}.get(o)
-            out.append({"task": task, "outcome": o, "reward": reward, "category": task.split("-")[0]})
+            out.append(TrialRow(task, f"{task}__{i}", TrialScore(o, reward), category=task.split("-")[0]))
     return out
 
 
@@ -40,9 +41,10 @@ def test_errors_count_zero_and_infra_reported_apart():
     assert sc.mean_reward == pytest.approx(3 / 8)
     assert sc.mean_reward_excl_infra == pytest.approx(3 / 7)
     assert sc.n_infra_errors == 1 and sc.n_errors == 3
-    assert sc.pass_at_k[1] == pytest.approx((2 / 4 + 1 / 4) / 2)
-    assert sc.pass_at_k[4] == 1.0
-    assert set(sc.pass_at_k) == {1, 2, 3, 4}
+    # pass@k over each task's scored attempts: a-x's infrastructure error is left out.
+    assert sc.pass_at_k[1] == pytest.approx((2 / 3 + 1 / 4) / 2)
+    assert sc.pass_at_k[3] == pytest.approx((1.0 + (1 - 1 / 4)) / 2)
+    assert set(sc.pass_at_k) == {1, 2, 3}
     rows = {r.task: r for r in sc.tasks}
     assert rows["a-x"].successes == 2 and rows["b-y"].outcomes["verifier_error"] == 1
     assert sc.categories == {"a": pytest.approx(0.5), "b": pytest.approx(0.25)}
@@ -86,7 +88,8 @@ def test_report_json_on_a_job_dir(tmp_path):
     assert data["mean_reward"] == pytest.approx(0.25)
     assert data["mean_reward_excl_infra"] == pytest.approx(1 / 3)
     assert data["outcomes"] == {"pass": 1, "fail": 1, "agent_timeout": 1, "infra_error": 1}
-    assert data["pass_at_k"] == {"1": pytest.approx(0.25), "2": pytest.approx(0.5)}
+    # b has one scored attempt (its DaytonaError is left out): pass@1 only.
+    assert data["pass_at_k"] == {"1": pytest.approx(0.25)}
     for p in data["charts"]:
         assert Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     r = CliRunner().invoke(app, ["bench", "report", str(job), "--no-chart"])

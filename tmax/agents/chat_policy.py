@@ -7,6 +7,9 @@ retry policy, so errors are mapped to the three policy exceptions instead.
 max_tokens is fitted to what the server's context window leaves: the window comes from
 the server's model list (vLLM reports `max_model_len`) or, failing that, from the error
 a request that asked too much gets back, which also says how long the prompt was.
+
+Cost: what the server reports with the usage (`usage.cost`, as OpenRouter sends it), else
+the tokens at `prices` (US dollars per million prompt and completion tokens), else 0.
 """
 
 from __future__ import annotations
@@ -81,16 +84,22 @@ def map_openai_error(err: Exception) -> Exception:
     return err
 
 
-def _usage(raw: Any) -> Usage:
+def _usage(raw: Any, prices: tuple[float, float] | None = None) -> Usage:
     if raw is None:
         return Usage()
     details = getattr(raw, "completion_tokens_details", None)
-    return Usage(
+    usage = Usage(
         prompt_tokens=raw.prompt_tokens or 0,
         completion_tokens=raw.completion_tokens or 0,
         total_tokens=raw.total_tokens or 0,
         reasoning_tokens=(getattr(details, "reasoning_tokens", None) or 0) if details else 0,
     )
+    reported = (raw.model_extra or {}).get("cost")
+    if isinstance(reported, (int, float)) and not isinstance(reported, bool):
+        usage.cost_usd = float(reported)
+    elif prices is not None:
+        usage.cost_usd = (usage.prompt_tokens * prices[0] + usage.completion_tokens * prices[1]) / 1e6
+    return usage
 
 
 def _check_completion(response: Any, base_url: Any) -> None:
@@ -125,9 +134,13 @@ class ChatPolicy:
         timeout: float = DEFAULT_MODEL_TIMEOUT_S,
         extra_body: dict[str, Any] | None = None,
         client: openai.OpenAI | None = None,
+        prices: tuple[float, float] | None = None,
     ) -> None:
-        """`client`: a shared `openai_client` (then base_url, api_key and timeout are its)."""
+        """`client`: a shared `openai_client` (then base_url, api_key and timeout are its);
+        `prices`: US dollars per million prompt and completion tokens, where the server
+        reports no cost."""
         self.model = model
+        self.prices = prices
         self.temperature = temperature
         self.top_p = top_p
         self.max_tokens = max_tokens
@@ -173,11 +186,34 @@ class ChatPolicy:
         return window - self._context_tokens >= 1 and self.fitted_max_tokens() < asked
 
     def complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> ModelTurn:
+        if len(messages) < self._context_messages:
+            self._context_tokens = 0
+        turn = self._turn(messages, tools, self.max_tokens)
+        self._context_tokens = turn.usage.prompt_tokens + turn.usage.completion_tokens
+        self._context_messages = len(messages)
+        return turn
+
+    # ---- Compactable (agents.compaction) ----------------------------------------------
+
+    @property
+    def context_window(self) -> int | None:
+        return self.window
+
+    def complete_aside(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], max_tokens: int) -> ModelTurn:
+        """A turn that leaves the window bookkeeping as it was."""
+        return self._turn(messages, tools, max_tokens)
+
+    def restart(self, context_tokens: int) -> None:
+        self._context_tokens = context_tokens
+        self._context_messages = 0
+
+    def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int | None:
+        return None  # an OpenAI-compatible server has no standard way to count
+
+    def _turn(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], cap: int) -> ModelTurn:
         if not self._window_asked:
             self._window_asked = True
             self.window = self._server_window()
-        if len(messages) < self._context_messages:
-            self._context_tokens = 0
         kwargs: dict[str, Any] = dict(model=self.model, messages=messages, temperature=self.temperature)
         if tools:
             kwargs["tools"] = tools
@@ -186,15 +222,13 @@ class ChatPolicy:
         if self.extra_body:
             kwargs["extra_body"] = self.extra_body
         t0 = time.monotonic()
-        response = self._create(kwargs)
+        response = self._create(kwargs, cap)
         latency = time.monotonic() - t0
         _check_completion(response, self.client.base_url)
         if not response.choices:
             raise ModelError("the model server returned no choices")
         choice = response.choices[0]
-        usage = _usage(response.usage)
-        self._context_tokens = usage.prompt_tokens + usage.completion_tokens
-        self._context_messages = len(messages)
+        usage = _usage(response.usage, self.prices)
         return ModelTurn(
             message=self._message(choice.message),
             usage=usage,
@@ -202,9 +236,9 @@ class ChatPolicy:
             latency_s=latency,
         )
 
-    def _create(self, kwargs: dict[str, Any]) -> Any:
+    def _create(self, kwargs: dict[str, Any], cap: int) -> Any:
         for attempt in range(3):
-            kwargs["max_tokens"] = self.fitted_max_tokens()
+            kwargs["max_tokens"] = min(cap, self.fitted_max_tokens())
             try:
                 return self.client.chat.completions.create(**kwargs)
             except openai.BadRequestError as e:

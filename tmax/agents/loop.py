@@ -20,70 +20,36 @@ Vanillux2 semantics (the Tmax evaluation harness):
 Ctrl-C during the model call or a command interrupts only that: the command is stopped
 with `harness.interrupt()` (the shell survives) and `hooks.on_interrupt()` decides whether
 to continue with guidance or stop.
+
+`stop` (an Event that `agents.driver` sets at a deadline or on cancel) ends the episode as
+`stopped` before the next model call, or as one returns (its command is then not run).
+
+Compaction (`agents.compaction`, off unless `compaction` is set; `tmax run` sets it) happens
+at one point: before a model call, when the last turn's context reached the threshold or the
+user asked (`request_compaction`); `compact()` also runs it between episodes.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from tmax.agents.budget import Budget, budget_hint
+from tmax.agents.compaction import CompactionRecord, Compactor, ContextUse, SessionContext
 from tmax.agents.harness import Harness, TmaxHarness
-from tmax.agents.observation import ObservationLimits
+from tmax.agents.instructions import with_instructions
 from tmax.agents.parsing import Action
-from tmax.agents.policy import ContextOverflow, FatalModelError, ModelError, ModelTurn, Policy, Usage
+from tmax.agents.policy import Compactable, ContextOverflow, FatalModelError, ModelError, ModelTurn, Policy, Usage
 from tmax.agents.prompts import REJECTED_TOOL_TEXT, render
 from tmax.agents.records import Recorder, SavedRun
+from tmax.agents.settings import AgentSettings
 from tmax.sandbox.base import CommandResult, Sandbox, SandboxError
 from tmax.common.waiting import retry_call
 
 INTERRUPT_TEMPLATE = "The user interrupted you and says: {{guidance}}"
 REJECTION_TEMPLATE = "The user did not run your command and says: {{feedback}}"
-
-
-@dataclass
-class AgentConfig:
-    """Vanillux2 defaults."""
-
-    max_steps: int = 64
-    command_timeout: float = 120.0
-    max_format_errors: int = 64
-    # Sampling settings are applied by whoever builds the policy (ChatPolicy / TokenPolicy).
-    temperature: float = 0.7
-    top_p: float = 0.95
-    max_tokens: int = 16384
-    # Stop once a turn's prompt + completion reaches this many tokens, for servers whose
-    # window is larger than the budget (a smaller window raises ContextOverflow itself).
-    context_budget: int = 65536
-    observation_max_chars: int = 10000
-    retries: int = 5
-    backoff_s: tuple[float, ...] = (2, 4, 8, 16)
-    # Opt-in (agents.budget): observations end with the steps, time and context left.
-    budget_hints: bool = False
-    time_budget_s: float | None = None  # only shown by budget hints; None: no limit
-
-    @classmethod
-    def from_settings(cls, settings: Mapping[str, Any]) -> AgentConfig:
-        """The one way an AgentConfig is made from settings: `tmax run`'s, a bench job's
-        agent kwargs (`--ak`), the learn config's rollout section (`training.rollout`).
-        A setting left None keeps its default; a name this class does not have is an error."""
-        names = set(cls.__dataclass_fields__)
-        unknown = sorted(set(settings) - names)
-        if unknown:
-            raise ValueError(f"unknown agent setting(s) {', '.join(map(repr, unknown))}; "
-                             f"known: {', '.join(sorted(names))}")
-        values = {k: v for k, v in settings.items() if v is not None}
-        if "backoff_s" in values:
-            values["backoff_s"] = tuple(values["backoff_s"])  # JSON gives a list
-        return cls(**values)
-
-    @property
-    def observation_limits(self) -> ObservationLimits:
-        half = self.observation_max_chars // 2
-        return ObservationLimits(self.observation_max_chars, half, self.observation_max_chars - half)
 
 
 class AgentHooks:
@@ -108,10 +74,16 @@ class AgentHooks:
         """Ctrl-C: guidance text to continue, None to stop."""
         return None
 
+    def on_compaction_start(self, reason: str, context_tokens: int) -> None: ...
+
+    def on_compaction(self, record: CompactionRecord) -> None:
+        """After a compaction, done (`record.ok`) or failed (the session is unchanged)."""
+
 
 @dataclass
 class AgentResult:
-    # submitted | max_steps | context_overflow | format_errors | model_error | interrupted | sandbox_error
+    # submitted | max_steps | context_overflow | format_errors | model_error | interrupted
+    # | sandbox_error | stopped
     status: str
     steps: int
     usage: Usage
@@ -130,27 +102,34 @@ class Agent:
         self,
         policy: Policy,
         sandbox: Sandbox,
-        config: AgentConfig | None = None,
+        config: AgentSettings | None = None,
         recorder: Recorder | None = None,
         hooks: AgentHooks | None = None,
         *,
         harness: Harness | None = None,
+        stop: threading.Event | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        instructions: str | None = None,
     ) -> None:
         self.policy = policy
         self.sandbox = sandbox
-        self.config = config or AgentConfig()
+        self.config = config or AgentSettings()
         self.recorder = recorder
         self.hooks = hooks or AgentHooks()
         # What differs between agent styles (prompt, action parser, execution, observation).
         self.harness = harness or TmaxHarness()
         self.tools = self.harness.tools
+        self.stop = stop or threading.Event()  # set from outside: end at the next step boundary
         self._sleep = sleep  # injectable so tests do not wait through real back-offs
         self.messages: list[dict[str, Any]] = []
         self.timing: list[dict[str, Any]] = []
         self.usage = Usage()
         self.steps = 0  # model calls over the whole session (follow-ups included)
         self._last_context_tokens = 0
+        self.instructions = instructions  # project instructions for the system prompt (`tmax run`)
+        self.compactor = Compactor(self.config)
+        self.context = SessionContext()  # the task, the follow-ups and the compactions
+        self._compact_request: str | None = None  # a focus ("" for none): compact at the next step
 
     # ---- public API -------------------------------------------------------------------
 
@@ -158,8 +137,9 @@ class Agent:
         """A fresh episode: [system, user(instance template with the task)]."""
         if not task.strip():
             raise ValueError("the task text is empty")
-        self.messages = self.harness.initial_messages(task)
+        self.messages = with_instructions(self.harness.initial_messages(task), self.instructions)
         self.timing, self.usage, self.steps, self._last_context_tokens = [], Usage(), 0, 0
+        self.context = SessionContext.of(self.messages)
         return self._episode()
 
     def follow_up(self, text: str) -> AgentResult:
@@ -167,20 +147,66 @@ class Agent:
         if not self.messages:
             raise RuntimeError("follow_up() needs a conversation: call run() or load() first")
         self.messages.append({"role": "user", "content": text})
+        self.context.follow_up_at.append(len(self.messages) - 1)
         return self._episode()
 
     def load(self, saved: SavedRun) -> None:
-        """Adopt a saved conversation (`tmax run --resume`); then call follow_up() or resume()."""
+        """Adopt a saved conversation (`tmax run --resume`); then call follow_up()."""
         self.messages = [dict(m) for m in saved.messages]
         self.timing = list(saved.timing)
         self.usage = Usage(**vars(saved.usage))
-        self.steps = sum(1 for m in self.messages if m.get("role") == "assistant")
+        self.steps = saved.steps if saved.steps is not None else sum(1 for m in self.messages if m.get("role") == "assistant")
+        self.context = saved.context or SessionContext.of(self.messages)
 
-    def resume(self) -> AgentResult:
-        """Continue a loaded conversation as it stands (e.g. after a crash mid-episode)."""
-        if not self.messages:
-            raise RuntimeError("resume() needs a conversation: call load() first")
-        return self._episode()
+    # ---- compaction (agents.compaction) -----------------------------------------------
+
+    @property
+    def context_use(self) -> ContextUse:
+        """How full the context window is (as of the last turn)."""
+        return self.compactor.use(self.policy, self._last_context_tokens, self.context.segments)
+
+    def request_compaction(self, focus: str | None = None) -> None:
+        """Compact before the next model call (`/compact` while the loop runs)."""
+        self._compact_request = focus or ""
+
+    def compact(self, focus: str | None = None, reason: Literal["auto", "manual"] = "manual") -> CompactionRecord:
+        """Compact now: between episodes, or from the loop at a step boundary. A failure
+        leaves the conversation as it was; the record says why."""
+        self.hooks.on_compaction_start(reason, self._last_context_tokens)
+        t0 = time.monotonic()
+        out = self.compactor.compact(self.policy, self.messages, self.tools, self.context, self._last_context_tokens,
+                                     step=self.steps, reason=reason, focus=focus,
+                                     ask=self._aside)
+        if out.usage is not None:
+            self.usage.add(out.usage)
+        self.timing.append({"compaction": out.record.segment, "llm_s": round(time.monotonic() - t0, 3),
+                            "ok": out.record.ok})
+        if out.messages is not None and out.context is not None:
+            if self.recorder is not None:
+                self.recorder.close_segment(out.record.segment, self.messages, getattr(self.policy, "trace", None))
+            assert isinstance(self.policy, Compactable)  # only such a policy's summary succeeds
+            self.policy.restart(out.record.tokens_after or 0)
+            self.messages, self.context = out.messages, out.context
+            self._last_context_tokens = out.record.tokens_after or 0
+        else:
+            self.context.compactions.append(out.record)
+        self._save()
+        self.hooks.on_compaction(out.record)
+        return out.record
+
+    def _compact_if_due(self) -> None:
+        if self._compact_request is not None:
+            focus, self._compact_request = self._compact_request, None
+            self.compact(focus, "manual")
+        elif self.compactor.due(self.policy, self._last_context_tokens):
+            self.compact(None, "auto")
+
+    def _aside(self, messages: list[dict[str, Any]], max_tokens: int) -> ModelTurn:
+        cfg, policy = self.config, self.policy
+        assert isinstance(policy, Compactable)  # the compactor asks only such a policy
+        return retry_call(lambda: policy.complete_aside(messages, self.tools, max_tokens),
+                          attempts=cfg.retries, backoff_s=cfg.backoff_s, retry_on=ModelError,
+                          on_retry=self.hooks.on_retry, sleep=self._sleep)
 
     # ---- the loop ---------------------------------------------------------------------
 
@@ -188,7 +214,7 @@ class Agent:
         try:
             outcome = self._steps()
         finally:
-            # Also when a hook or a runner aborts the episode with an exception.
+            # Also when a hook aborts the episode with an exception.
             self._save()
         if self.recorder is not None:
             self.recorder.finish(outcome.status, self.steps, outcome.error)
@@ -200,8 +226,11 @@ class Agent:
         format_errors = 0
         started = time.monotonic()
         while True:
+            if self.stop.is_set():
+                return _Outcome("stopped")
             if episode_steps >= cfg.max_steps:
                 return _Outcome("max_steps")
+            self._compact_if_due()
             guard = not getattr(self.policy, "enforces_context_budget", False)
             if guard and self._last_context_tokens >= cfg.context_budget:
                 return _Outcome("context_overflow", f"context budget of {cfg.context_budget} tokens used")
@@ -224,7 +253,9 @@ class Agent:
             self.steps = step
             episode_steps += 1
             self.usage.add(turn.usage)
-            self._last_context_tokens = turn.usage.total_tokens or (turn.usage.prompt_tokens + turn.usage.completion_tokens)
+            self._last_context_tokens = turn.usage.context_tokens
+            if self.stop.is_set():  # the answer came after the stop: nothing of it runs
+                return _Outcome("stopped")
 
             message = dict(turn.message)
             action = self.harness.parse(message)
@@ -256,21 +287,19 @@ class Agent:
         guidance after a Ctrl-C at the prompt), an outcome ends the episode."""
         assert action.command is not None
         try:
-            rejection = self.hooks.approve(step, action.command)
+            rejection, quit_ = self.hooks.approve(step, action.command), False
         except KeyboardInterrupt:
             # Quit or Ctrl-C at the approval prompt: the call still gets an answer so the
             # saved history stays valid for --resume, then the user decides.
-            self._reply(action, REJECTED_TOOL_TEXT, tool_only=True)
-            self.timing.append({"step": step, "llm_s": round(llm_s, 3), "rejected": True, "cmd": action.command[:200]})
-            self._save()
-            return False if self._guidance() else _Outcome("interrupted")
-        if rejection is None:
+            rejection, quit_ = None, True
+        if rejection is None and not quit_:
             return True
         self._reply(action, REJECTED_TOOL_TEXT, tool_only=True)
-        self.messages.append({"role": "user", "content": render(REJECTION_TEMPLATE, feedback=rejection)})
+        if rejection is not None:
+            self.messages.append({"role": "user", "content": render(REJECTION_TEMPLATE, feedback=rejection)})
         self.timing.append({"step": step, "llm_s": round(llm_s, 3), "rejected": True, "cmd": action.command[:200]})
         self._save()
-        return False
+        return _Outcome("interrupted") if quit_ and not self._guidance() else False
 
     def _act(self, step: int, action: Action, llm_s: float, episode_steps: int, started: float) -> "_Outcome | None":
         """Run the approved command and answer the call; an outcome when the episode ends."""
@@ -365,4 +394,6 @@ class Agent:
 
     def _save(self) -> None:
         if self.recorder is not None:
-            self.recorder.save(self.messages, self.timing, self.usage, self.config.max_steps, trace=getattr(self.policy, "trace", None))
+            self.recorder.save(self.messages, self.timing, self.usage, self.config.max_steps,
+                               trace=getattr(self.policy, "trace", None), steps=self.steps, context=self.context_use,
+                               session=self.context if self.context.kept else None)

@@ -39,12 +39,28 @@ class Usage:
     completion_tokens: int = 0
     total_tokens: int = 0
     reasoning_tokens: int = 0
+    # What the tokens cost in US dollars, where the server reports it or the prices are
+    # configured (`ChatPolicy(prices=...)`); 0.0 where nobody knows.
+    cost_usd: float = 0.0
 
     def add(self, other: "Usage") -> None:
         self.prompt_tokens += other.prompt_tokens
         self.completion_tokens += other.completion_tokens
         self.total_tokens += other.total_tokens
         self.reasoning_tokens += other.reasoning_tokens
+        self.cost_usd += other.cost_usd
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens of one turn's context: its prompt and its completion (the next prompt holds both)."""
+        return self.total_tokens or (self.prompt_tokens + self.completion_tokens)
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> "Usage":
+        """The totals of a saved `usage.json` (its other keys ignored)."""
+        return cls(**{k: int(record.get(k) or 0) for k in ("prompt_tokens", "completion_tokens", "total_tokens",
+                                                            "reasoning_tokens")},
+                   cost_usd=float(record.get("cost_usd") or 0.0))
 
 
 @dataclass
@@ -95,6 +111,33 @@ class Policy(Protocol):
     def complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> ModelTurn:
         """Return the next assistant turn. Raises ModelError (retryable),
         FatalModelError or ContextOverflow."""
+        ...
+
+
+@runtime_checkable
+class Compactable(Protocol):
+    """A policy whose session can be compacted (`agents.compaction`): it writes the summary
+    in a turn aside from the conversation, then starts over from the rebuilt messages.
+    `ChatPolicy` and `TokenPolicy` are; a token policy keeps each stretch between two
+    compactions as a token segment of its own."""
+
+    @property
+    def context_window(self) -> int | None:
+        """The model's context window in tokens, once known (None: not known)."""
+        ...
+
+    def complete_aside(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], max_tokens: int) -> ModelTurn:
+        """A turn on `messages` (the conversation plus a request) that leaves no trace: the
+        next `complete` continues as if it had not happened. At most `max_tokens`."""
+        ...
+
+    def restart(self, context_tokens: int) -> None:
+        """The next `complete` starts a new context from its messages (about
+        `context_tokens` long); a token policy closes its segment here."""
+        ...
+
+    def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int | None:
+        """The exact prompt length of `messages`, where the policy can render it (None: it cannot)."""
         ...
 
 

@@ -1,8 +1,8 @@
-"""One interactive run's sandbox, harness and signals: what `tmax run` opens and closes.
+"""One interactive run's sandbox and signals: what `tmax run` opens and closes.
 
     with RunSession("bwrap", spec, harness, on_terminate=...) as session:
         box = session.start()
-        ...  # drive an `agents.loop.Agent` on `box`
+        ...  # drive the loop on `box` (`agents.driver.EpisodeDriver`, which closes the harness)
 
 * The sandbox: made and started here; any failure to start is a SandboxError (the
   infrastructure, not the agent), and it is closed on the way out whatever happened.
@@ -31,7 +31,7 @@ class RunSession:
                  on_terminate: Callable[[], None] | None = None) -> None:
         self.kind = kind
         self.spec = spec
-        self.harness = harness
+        self.harness = harness  # SIGTERM interrupts its running action
         self.on_terminate = on_terminate  # told first when SIGTERM/SIGHUP arrives
         self.box: Sandbox | None = None
         self.close_error: str | None = None  # what went wrong while closing, for the caller to show
@@ -70,7 +70,6 @@ class RunSession:
         if self.box is None:
             return
         try:
-            self.harness.close()
             self.box.close()
         except Exception as e:  # cleanup must not hide the outcome
             self.close_error = f"closing the sandbox failed: {e}"

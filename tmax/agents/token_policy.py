@@ -16,6 +16,12 @@ model *and* tool tokens (65,536), a context limit (prompt 2,048 + 65,536), and a
 cap (16,384); each turn samples at most max(1, min(remaining response, remaining context,
 per-turn cap)). When a budget is used up, or the prompt is over its limit, the policy
 raises ContextOverflow and the episode ends cleanly.
+
+Compaction (`agents.compaction`) cuts the record into segments: the summary is sampled aside
+(`complete_aside`: on the context plus the request, recorded nowhere), then `restart` closes
+the trace into `segments` and the next turn renders the rebuilt messages as a new prompt.
+Each segment is a trace of its own (prompt ids as sent, completions as sampled), and the
+budgets count per segment; the prompt limit applies to the first.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import time
 from typing import Any
 
 from tmax.agents.parsing import message_from_text
-from tmax.agents.policy import ContextOverflow, ModelTurn, TokenSampler, TokenTrace, Usage
+from tmax.agents.policy import ContextOverflow, ModelTurn, SampledTokens, TokenSampler, TokenTrace, Usage
 
 # A stand-in conversation to render new messages against. Its assistant content is an
 # anchor: everything after the end-of-turn token that closes it is the new messages'
@@ -78,6 +84,7 @@ class TokenPolicy:
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self._stop_ids.add(tokenizer.eos_token_id)
         self.trace = TokenTrace()
+        self.segments: list[TokenTrace] = []  # traces that compactions closed, in order
         self._tools: list[dict[str, Any]] | None = None
         self._seen = 0  # messages already in the token context
         self._unsampled = False  # the context holds new messages that no sample has answered yet
@@ -108,6 +115,22 @@ class TokenPolicy:
 
     # ---- Policy -----------------------------------------------------------------------
 
+    def _new_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The token ids of the messages after the ones already in the context."""
+        new = messages[self._seen :]
+        # Skip our own last assistant message (the Agent appends it, maybe edited).
+        if new and new[0].get("role") == "assistant":
+            new = new[1:]
+        if not new:
+            raise RuntimeError("TokenPolicy.complete() called with no new message since the last turn")
+        if any(m.get("role") == "assistant" for m in new):
+            raise RuntimeError("TokenPolicy cannot take assistant messages it did not sample")
+        ids = self._encode(self.delta_text(new))
+        if not self.trace.ids or self.trace.ids[-1] != self.end_of_turn_id:
+            # The last turn was cut by the token cap: close it as the template would.
+            ids = [self.end_of_turn_id] + ids
+        return ids
+
     def complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> ModelTurn:
         trace = self.trace
         if self._unsampled and len(messages) == self._seen:
@@ -116,23 +139,11 @@ class TokenPolicy:
         elif not trace.prompt_ids:
             self._tools = list(tools)
             trace.prompt_ids = self._encode(self._render(messages, generation_prompt=True))
-            if self.max_prompt_tokens is not None and len(trace.prompt_ids) > self.max_prompt_tokens:
-                raise ContextOverflow(
-                    f"the prompt has {len(trace.prompt_ids)} tokens, over the limit of {self.max_prompt_tokens}"
-                )
+            limit = self.max_prompt_tokens if not self.segments else None  # a rebuilt context is no task prompt
+            if limit is not None and len(trace.prompt_ids) > limit:
+                raise ContextOverflow(f"the prompt has {len(trace.prompt_ids)} tokens, over the limit of {limit}")
         else:
-            new = messages[self._seen :]
-            # Skip our own last assistant message (the Agent appends it, maybe edited).
-            if new and new[0].get("role") == "assistant":
-                new = new[1:]
-            if not new:
-                raise RuntimeError("TokenPolicy.complete() called with no new message since the last turn")
-            if any(m.get("role") == "assistant" for m in new):
-                raise RuntimeError("TokenPolicy cannot take assistant messages it did not sample")
-            ids = self._encode(self.delta_text(new))
-            if not trace.ids or trace.ids[-1] != self.end_of_turn_id:
-                # The last turn was cut by the token cap: close it as the template would.
-                ids = [self.end_of_turn_id] + ids
+            ids = self._new_ids(messages)
             if len(ids) > self._remaining():
                 raise ContextOverflow(f"the next observation ({len(ids)} tokens) does not fit the token budget")
             trace.extend(ids, None, trainable=False)
@@ -142,22 +153,57 @@ class TokenPolicy:
         remaining = self._remaining()
         if remaining <= 0:
             raise ContextOverflow("the token budget is used up")
-        max_tokens = max(1, min(remaining, self.max_turn_tokens))
-        prompt_len = len(trace.prompt_ids) + len(trace.ids)
+        turn, out = self._sample(trace.context, max(1, min(remaining, self.max_turn_tokens)))
+        trace.extend(list(out.ids), list(out.logprobs), trainable=True)
+        trace.turn_versions.append(out.policy_version)
+        self._unsampled = False
+        return turn
+
+    def _sample(self, context: list[int], max_tokens: int) -> tuple[ModelTurn, SampledTokens]:
         t0 = time.monotonic()
-        out = self.sampler.sample(trace.context, max_tokens, self.temperature, self.top_p, self.seed)
+        out = self.sampler.sample(context, max_tokens, self.temperature, self.top_p, self.seed)
         latency = time.monotonic() - t0
         ids = list(out.ids)
         if len(out.logprobs) != len(ids):
             raise ValueError(f"sampler returned {len(ids)} ids but {len(out.logprobs)} logprobs")
-        trace.extend(ids, list(out.logprobs), trainable=True)
-        trace.turn_versions.append(out.policy_version)
-        self._unsampled = False
-
         body = ids[:-1] if ids and ids[-1] in self._stop_ids else ids
         text = self.tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        usage = Usage(prompt_tokens=prompt_len, completion_tokens=len(ids), total_tokens=prompt_len + len(ids))
-        return ModelTurn(message=message_from_text(text), usage=usage, finish_reason=out.finish_reason, latency_s=latency)
+        usage = Usage(prompt_tokens=len(context), completion_tokens=len(ids), total_tokens=len(context) + len(ids))
+        return ModelTurn(message=message_from_text(text), usage=usage, finish_reason=out.finish_reason,
+                         latency_s=latency), out
+
+    # ---- Compactable (agents.compaction) ----------------------------------------------
+
+    @property
+    def context_window(self) -> int | None:
+        return self.max_context_tokens
+
+    def complete_aside(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], max_tokens: int) -> ModelTurn:
+        """A turn on the context plus the messages after it, recorded nowhere."""
+        if not self.trace.prompt_ids:
+            self._tools = list(tools)
+            context = self._encode(self._render(messages, generation_prompt=True))
+        else:
+            context = self.trace.context + self._new_ids(messages)
+        room = self.max_context_tokens - len(context)
+        if room <= 0:
+            raise ContextOverflow(f"the request ({len(context)} tokens) does not fit the context of {self.max_context_tokens}")
+        return self._sample(context, min(room, max_tokens))[0]
+
+    def restart(self, context_tokens: int) -> None:
+        """Close the trace into `segments`; the next turn renders its messages as a new prompt."""
+        if self.trace.prompt_ids:
+            self.segments.append(self.trace)
+        self.trace = TokenTrace()
+        self._seen = 0
+        self._unsampled = False
+
+    def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int | None:
+        saved, self._tools = self._tools, list(tools)
+        try:
+            return len(self._encode(self._render(messages, generation_prompt=True)))
+        finally:
+            self._tools = saved
 
     def _remaining(self) -> int:
         """Tokens that may still be added: the smaller of the response and context budgets."""

@@ -2,13 +2,14 @@
 host sandboxes (-e bwrap|local) for tasks whose Dockerfile only adds files to the base image.
 
     tmax bench run PATH|DATASET -a AGENT -m MODEL --base-url URL -k N -n N -i GLOB -x GLOB -l N -e ENV
+    tmax bench run --config FILE [flags]                     (the same settings in TOML, flags on top)
     tmax bench terminal-bench -m MODEL --base-url URL      (k = 5, the tasks' own timeouts)
     tmax bench resume JOB_DIR [--base-url URL] [--retry-infra] [-e ENV]
     tmax bench report JOB_DIR [--json]
     tmax bench compare JOB_DIR JOB_DIR... [--json]           (paired, with McNemar's test)
     tmax bench prepare PATH|DATASET                          (pre-build the images)
 
-Flags follow Harbor's letters: -k is attempts (not agent kwargs: use --ak key=value),
+Flags follow Harbor's letters: -k is attempts (not agent settings: use --ak key=value),
 -n concurrency, -i / -x include / exclude globs, -l a cap on tasks after the filters,
 -e the environment (podman | bwrap | local; part of the job identity).
 """
@@ -70,16 +71,16 @@ def _run_job(job, retry_infra: bool) -> None:
         rate = f"{p.pass_rate * 100:.1f}%" if p.pass_rate is not None else "-"
         return f"running {p.running} · queued {p.queued} · mean reward {rate} · ETA {_fmt_s(p.eta_s(n))}"
 
-    def on_event(kind: str, p, r: dict | None) -> None:
+    def on_event(kind: str, p, r) -> None:
         nonlocal tid
         if tid is None:
             tid = bar.add_task(job.config.job_name, total=p.total, completed=p.done, info=info(p))
-        if kind == "trial_end" and r:
-            t = r["tmax"]
-            colour = {"pass": "green", "fail": "yellow"}.get(t["outcome"], "red")
-            exc = (r.get("exception_info") or {}).get("exception_message", "")
-            reward = "-" if t.get("reward") is None else f"{t['reward']:g}"
-            bar.console.print(f"[{colour}]{t['outcome']:>14}[/] {r['trial_name']}  reward {reward}"
+        if kind == "trial_end" and r is not None:
+            verdict = r.score()
+            colour = "green" if verdict.passed else "yellow" if verdict.outcome == "fail" else "red"
+            exc = r.exception_info.exception_message if r.exception_info else ""
+            reward = "-" if verdict.reward is None else f"{verdict.reward:g}"
+            bar.console.print(f"[{colour}]{verdict.outcome:>14}[/] {r.trial_name}  reward {reward}"
                               + (f"  [dim]{exc[:160]}[/]" if exc else ""))
         bar.update(tid, completed=p.done, total=p.total, info=info(p))
 
@@ -92,7 +93,9 @@ def _run_job(job, retry_infra: bool) -> None:
         console.print(f"[yellow]interrupted:[/] running trials were cancelled and their containers removed. "
                       f"Resume with: tmax bench resume {job.dir}")
         raise typer.Exit(EXIT_INTERRUPTED) from None
-    _print_report(console, data.get("tmax_score"), job.dir)
+    from tmax.tasks.scoring import Score
+
+    _print_report(console, Score.from_dict(data.tmax_score) if data.tmax_score else None, job.dir)
 
 
 def _prestart_podman(environment: str | None) -> None:
@@ -104,22 +107,29 @@ def _prestart_podman(environment: str | None) -> None:
         prestart()
 
 
-def _make_job(dataset: str, agent: str, model: Optional[str], base_url: Optional[str], attempts: int,
-              concurrent: int, include: list[str], exclude: list[str], limit: Optional[int], jobs_dir: Path,
-              job_name: Optional[str], timeout_multiplier: float, image_map: list[str], prebuilt: bool,
-              ak: list[str], api_key_env: str, environment: str = "podman", warm_ahead: int = 0,
-              overlay: bool = True):
+def _make_job(v: dict[str, Any], agent_settings: dict[str, Any]):
+    """The job of a command's settings `v` (the `bench run` parameters' names, the flags'
+    values or a --config file's) with these agent settings."""
+    from pydantic import ValidationError
+
+    from tmax.common.errors import validation_message
     from tmax.tasks.dataset import DatasetError
     from tmax.tasks.job import Job, JobConfig, JobError
 
-    name = job_name or datetime.now().strftime("%Y-%m-%d__%H-%M-%S")
+    if v["dataset"] is None:
+        _fail("no tasks given: pass PATH|DATASET, or `dataset = \"...\"` in the --config file")
+    name = v["job_name"] or datetime.now().strftime("%Y-%m-%d__%H-%M-%S")
     try:
-        cfg = JobConfig(job_name=name, jobs_dir=str(jobs_dir), dataset=dataset, include=include, exclude=exclude,
-                        limit=limit, agent=agent, model=model, base_url=base_url, api_key_env=api_key_env,
-                        agent_kwargs=_parse_kwargs(ak), n_attempts=attempts, n_concurrent=concurrent,
-                        timeout_multiplier=timeout_multiplier, image_map=image_map, use_prebuilt=prebuilt,
-                        environment=environment, warm_ahead=warm_ahead, overlay=overlay)
-        return Job(cfg, api_key=os.environ.get(api_key_env))
+        cfg = JobConfig(job_name=name, jobs_dir=str(v["jobs_dir"]), dataset=v["dataset"], include=v["include"],
+                        exclude=v["exclude"], limit=v["n_tasks"], agent=v["agent"], model=v["model"],
+                        base_url=v["base_url"], api_key_env=v["api_key_env"], agent_kwargs=agent_settings,
+                        n_attempts=v["n_attempts"], n_concurrent=v["n_concurrent"],
+                        timeout_multiplier=v["timeout_multiplier"], image_map=v["image_map"],
+                        use_prebuilt=v["prebuilt"], environment=v["env"], warm_ahead=v["warm_ahead"],
+                        overlay=v["overlay"])
+        return Job(cfg, api_key=os.environ.get(v["api_key_env"]))
+    except ValidationError as e:
+        _fail(validation_message(e))
     except (DatasetError, JobError, ValueError) as e:
         _fail(str(e))
 
@@ -138,7 +148,8 @@ _NAME = typer.Option(None, "--job-name", help="Job directory name (default: a ti
 _TMULT = typer.Option(1.0, "--timeout-multiplier", min=0.01, help="Scale the agent and verifier timeouts.")
 _IMAP = typer.Option([], "--image-map", help="Re-target a base image: FROM=TO (FROM may be a glob; repeatable).")
 _PREBUILT = typer.Option(True, "--prebuilt/--no-prebuilt", help="Use a task's docker_image when it can be pulled.")
-_AK = typer.Option([], "--ak", "--agent-kwarg", help="Agent setting key=value, e.g. --ak max_steps=32 (repeatable).")
+_AK = typer.Option([], "--ak", "--agent-kwarg",
+                   help="Agent setting KEY=VALUE (agents/settings.py), e.g. --ak max_steps=32 (repeatable).")
 _RETRY = typer.Option(False, "--retry-infra", help="Rerun trials that ended in an infrastructure error.")
 _KEYENV = typer.Option("OPENAI_API_KEY", "--api-key-env", help="Environment variable holding the API key.")
 _ENV = typer.Option("podman", "-e", "--env",
@@ -154,38 +165,48 @@ _OVERLAY = typer.Option(True, "--overlay/--fresh-containers",
 
 @bench_app.command("run")
 def run_cmd(
-    dataset: str = typer.Argument(..., help="A task directory, a dataset directory, or name@version (local cache)."),
+    ctx: typer.Context,
+    dataset: Optional[str] = typer.Argument(None, help="A task directory, a dataset directory, or name@version (local "
+                                                       "cache); or `dataset` in the --config file."),
     agent: str = _AGENT, model: Optional[str] = _MODEL, base_url: Optional[str] = _BASE_URL,
-    attempts: int = typer.Option(1, "-k", "--n-attempts", min=1, help="Attempts per task (pass@k)."),
-    concurrent: int = _CONC, include: list[str] = _INC, exclude: list[str] = _EXC, limit: Optional[int] = _LIMIT,
+    n_attempts: int = typer.Option(1, "-k", "--n-attempts", min=1, help="Attempts per task (pass@k)."),
+    n_concurrent: int = _CONC, include: list[str] = _INC, exclude: list[str] = _EXC, n_tasks: Optional[int] = _LIMIT,
     jobs_dir: Path = _JOBS, job_name: Optional[str] = _NAME, timeout_multiplier: float = _TMULT,
     image_map: list[str] = _IMAP, prebuilt: bool = _PREBUILT, ak: list[str] = _AK, retry_infra: bool = _RETRY,
-    api_key_env: str = _KEYENV, environment: str = _ENV, warm_ahead: int = _WARM, overlay: bool = _OVERLAY,
+    api_key_env: str = _KEYENV, env: str = _ENV, warm_ahead: int = _WARM, overlay: bool = _OVERLAY,
+    config: Optional[Path] = typer.Option(
+        None, "--config", "-c", help="A TOML file of these settings: the long flags' names with underscores, and "
+                                     "agent settings as --ak sets them. Flags given here win over it."),
 ) -> None:
     """Run an agent on tasks; results land in JOBS_DIR/JOB_NAME as each trial ends."""
-    _prestart_podman(environment)
-    job = _make_job(dataset, agent, model, base_url, attempts, concurrent, include, exclude, limit, jobs_dir,
-                    job_name, timeout_multiplier, image_map, prebuilt, ak, api_key_env, environment, warm_ahead,
-                    overlay)
-    _run_job(job, retry_infra)
+    from tmax.cli.bench_file import with_file
+    from tmax.common.errors import ConfigError
+
+    try:
+        values, agent_settings = with_file(ctx, config)
+    except ConfigError as e:
+        _fail(str(e))
+    _prestart_podman(values["env"])
+    job = _make_job(values, {**agent_settings, **_parse_kwargs(ak)})
+    _run_job(job, values["retry_infra"])
 
 
 @bench_app.command("terminal-bench")
 def terminal_bench_cmd(
+    ctx: typer.Context,
     dataset: str = typer.Option("terminal-bench@2.0", "--dataset", "-d", help="Dataset name or directory."),
     agent: str = typer.Option("tmax", "-a", "--agent", help="tmax | mini-swe | terminus-2 | oracle | nop."),
     model: Optional[str] = _MODEL, base_url: Optional[str] = _BASE_URL,
-    concurrent: int = typer.Option(4, "-n", "--n-concurrent", min=1, help="Trials run at once."),
-    include: list[str] = _INC, exclude: list[str] = _EXC, limit: Optional[int] = _LIMIT,
+    n_concurrent: int = typer.Option(4, "-n", "--n-concurrent", min=1, help="Trials run at once."),
+    include: list[str] = _INC, exclude: list[str] = _EXC, n_tasks: Optional[int] = _LIMIT,
     jobs_dir: Path = _JOBS, job_name: Optional[str] = _NAME, image_map: list[str] = _IMAP,
     prebuilt: bool = _PREBUILT, ak: list[str] = _AK, retry_infra: bool = _RETRY, api_key_env: str = _KEYENV,
-    environment: str = _ENV, warm_ahead: int = _WARM, overlay: bool = _OVERLAY,
+    env: str = _ENV, warm_ahead: int = _WARM, overlay: bool = _OVERLAY,
 ) -> None:
     """Terminal-Bench 2.0 by the paper's protocol: 5 attempts per task, the tasks' own timeouts,
     errors scored 0, unbiased pass@k."""
-    _prestart_podman(environment)
-    job = _make_job(dataset, agent, model, base_url, 5, concurrent, include, exclude, limit, jobs_dir,
-                    job_name, 1.0, image_map, prebuilt, ak, api_key_env, environment, warm_ahead, overlay)
+    _prestart_podman(env)
+    job = _make_job({**ctx.params, "n_attempts": 5, "timeout_multiplier": 1.0}, _parse_kwargs(ak))
     _run_job(job, retry_infra)
 
 
@@ -202,13 +223,17 @@ def resume_cmd(
 ) -> None:
     """Finish a job: run only the trials that have no result yet."""
     from tmax.tasks.dataset import DatasetError
-    from tmax.common.files import read_json
-    from tmax.tasks.job import Job, JobError
+    from tmax.tasks.job import Job, JobConfig, JobError, read_job_config
 
-    cfg = (read_json(job_dir / "config.json") or {}).get("tmax_job") or {}
-    if cfg:
-        _prestart_podman(environment or cfg.get("environment"))
-    key = os.environ.get(cfg.get("api_key_env") or "OPENAI_API_KEY")
+    try:
+        stored = read_job_config(job_dir).tmax_job
+        # The job's own settings, where tmax wrote it (Job.open says what is wrong otherwise).
+        cfg = JobConfig.model_validate(stored) if stored else None
+    except (JobError, ValueError):
+        cfg = None
+    if cfg is not None:
+        _prestart_podman(environment or cfg.environment)
+    key = os.environ.get(cfg.api_key_env if cfg else "OPENAI_API_KEY")
     try:
         job = Job.open(job_dir, base_url=base_url, n_concurrent=concurrent, api_key=key, environment=environment)
     except (DatasetError, JobError, ValueError) as e:
@@ -216,35 +241,39 @@ def resume_cmd(
     _run_job(job, retry_infra)
 
 
-def _print_report(console, sc: dict | None, job_dir: Path) -> None:
+def _print_report(console, sc, job_dir: Path) -> None:
+    """A job's `tasks.scoring.Score` (None: no finished trial yet) as tables."""
     from rich.table import Table
 
-    if not sc:
+    if sc is None:
         console.print("no finished trials yet")
         return
     t = Table(title=f"{job_dir.name}: per task", show_lines=False)
     for col in ("task", "category", "trials", "passed", "mean reward", "outcomes"):
         t.add_column(col, justify="right" if col in ("trials", "passed", "mean reward") else "left")
-    for r in sc["tasks"]:
-        outs = ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items()))
-        t.add_row(r["task"], r["category"], str(r["n"]), str(r["successes"]), f"{r['mean_reward'] * 100:.1f}%", outs)
+    for r in sc.tasks:
+        outs = ", ".join(f"{k} {v}" for k, v in sorted(r.outcomes.items()))
+        t.add_row(r.task, r.category, str(r.n), str(r.successes), f"{r.mean_reward * 100:.1f}%", outs)
     console.print(t)
-    excl = sc["mean_reward_excl_infra"]
-    pk = "  ".join(f"pass@{k} {v * 100:.1f}%" for k, v in sc["pass_at_k"].items())
-    if sc.get("pass_at_1_ci"):
-        lo, hi = sc["pass_at_1_ci"]
-        pk += f"  (pass@1 95% CI {lo * 100:.1f}-{hi * 100:.1f}%, {sc['ci_method']})"
+    excl = sc.mean_reward_excl_infra
+    pk = "  ".join(f"pass@{k} {v * 100:.2f}%" for k, v in sc.pass_at_k.items())
+    if sc.pass_at_1_ci:
+        lo, hi = sc.pass_at_1_ci
+        pk += f"  (pass@1 95% CI {lo * 100:.1f}-{hi * 100:.1f}%, {sc.ci_method})"
     console.print(
-        f"[bold]mean reward {sc['mean_reward'] * 100:.2f}%[/] over {sc['n_trials']} trials / {sc['n_tasks']} tasks "
-        f"(errors count 0) · excluding {sc['n_infra_errors']} infra errors: "
+        f"[bold]mean reward {sc.mean_reward * 100:.2f}%[/] over {sc.n_trials} trials / {sc.n_tasks} tasks "
+        f"(errors count 0) · excluding {sc.n_infra_errors} infra errors: "
         f"{'-' if excl is None else f'{excl * 100:.2f}%'}\n{pk}\noutcomes: "
-        + ", ".join(f"{k} {v}" for k, v in sorted(sc["outcomes"].items())))
+        + ", ".join(f"{k} {v}" for k, v in sorted(sc.outcomes.items())))
 
 
 def _created_by_tmax(job_dir: Path) -> bool:
-    from tmax.common.files import read_json
+    from tmax.tasks.job import JobError, read_job_config
 
-    return bool((read_json(job_dir / "config.json") or {}).get("tmax_job"))
+    try:
+        return bool(read_job_config(job_dir).tmax_job)
+    except JobError:
+        return False
 
 
 def _default_chart_dir(job_dir: Path) -> Path | None:
@@ -264,9 +293,9 @@ def report_cmd(
     """Scores of a job: mean reward (errors count 0), without infra errors, pass@k, per task."""
     from rich.console import Console
 
-    from tmax.tasks.job import JobError, trial_row
+    from tmax.tasks.job import JobError
     from tmax.tasks.job_dirs import load_job_results
-    from tmax.tasks.scoring import score
+    from tmax.tasks.scoring import TrialRow, score
 
     try:
         _, results = load_job_results(job_dir)
@@ -274,7 +303,7 @@ def report_cmd(
         _fail(str(e))
     if not results:
         _fail(f"{job_dir}: no finished trials")
-    sc = score([trial_row(r) for r in results])
+    sc = score([TrialRow.of(r) for r in results])
     charts = []
     out_dir = None if no_chart else (chart_dir or _default_chart_dir(job_dir))
     if out_dir is not None:
@@ -288,13 +317,13 @@ def report_cmd(
         typer.echo(json.dumps(data, indent=2))
         return
     console = Console()
-    _print_report(console, sc.to_dict(), job_dir)
+    _print_report(console, sc, job_dir)
     for p in charts:
         console.print(f"chart: {p}")
 
 
 def _pct(x: float, ci: tuple[float, float] | None = None) -> str:
-    return f"{x * 100:.1f}%" + (f" ({ci[0] * 100:.0f}-{ci[1] * 100:.0f})" if ci else "")
+    return f"{x * 100:.2f}%" + (f" ({ci[0] * 100:.0f}-{ci[1] * 100:.0f})" if ci else "")
 
 
 def _print_comparison(console, comp) -> None:

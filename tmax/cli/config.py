@@ -10,11 +10,17 @@ when XDG_CONFIG_HOME is unset), with flat keys:
     sandbox = "bwrap"          # local | bwrap | podman
     mode = "confirm"           # confirm | yolo
     image = "localhost/tmax-base:bookworm"
+    model_timeout = 600        # seconds per model request
+    expose = ["~/.ssh"]        # credential paths the bwrap jail may show (masked otherwise)
+    price_input = 3.0          # US dollars per million prompt tokens, for the cost shown
+    price_output = 15.0        # ... and per million completion tokens (where the server reports none)
+    # and any agent setting (`agents.settings`, the names bench and learn use), e.g.
     max_steps = 64
     max_tokens = 16384         # per model turn; fitted to what the server's window leaves
     command_timeout = 120      # seconds per command
-    model_timeout = 600        # seconds per model request
-    expose = ["~/.ssh"]        # credential paths the bwrap jail may show (masked otherwise)
+    temperature = 0.7
+    compaction = true          # on in `tmax run` (the agent settings' default is off)
+    compaction_threshold = 0.8 # the share of the context window that sets compaction off
 
 The file is validated by a pydantic model: an unknown key or a wrong type is an error
 naming the key and the file. The precedence is pydantic-settings' (`RunSources`): the
@@ -33,12 +39,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from tmax.agents.policy import DEFAULT_MODEL_TIMEOUT_S
-from tmax.sandbox.base import DEFAULT_COMMAND_TIMEOUT_S, KINDS as SANDBOX_KINDS
-from tmax.common.errors import ConfigError
+from tmax.agents.settings import AgentSettings, AgentSettingsPatch
+from tmax.sandbox.base import KINDS as SANDBOX_KINDS
+from tmax.common.errors import ConfigError, validation_message
 
 MODES = ("confirm", "yolo")
 DEFAULT_IMAGE = "localhost/tmax-base:bookworm"
@@ -52,8 +59,9 @@ MODEL_TIMEOUT_ENV = ("TMAX_MODEL_TIMEOUT",)
 
 
 
-class RunKeys(BaseModel):
-    """The settings of `tmax run` that a flag, a variable or the config file can set."""
+class RunKeys(AgentSettingsPatch):  # type: ignore[misc,valid-type]
+    """The settings of `tmax run` that a flag, a variable or the config file can set: its
+    own, and every agent setting (`agents.settings`), each None where no source sets it."""
 
     base_url: str | None = None
     model: str | None = None
@@ -61,10 +69,9 @@ class RunKeys(BaseModel):
     sandbox: Literal[SANDBOX_KINDS] | None = None  # type: ignore[valid-type]
     mode: Literal[MODES] | None = None  # type: ignore[valid-type]
     image: str | None = None
-    max_steps: int | None = Field(None, ge=1)
-    max_tokens: int | None = Field(None, ge=1)
-    command_timeout: float | None = Field(None, gt=0)
     model_timeout: float | None = Field(None, gt=0)
+    price_input: float | None = Field(None, ge=0)  # US dollars per million prompt tokens
+    price_output: float | None = Field(None, ge=0)  # ... per million completion tokens
 
 
 class RunFile(RunKeys):
@@ -104,10 +111,10 @@ def _file_source(path: Path) -> dict[str, Any]:
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e}") from e
     try:
-        RunFile.model_validate(data)
+        # Under the settings' current names: an old agent-setting name is read as the new one.
+        return RunFile.model_validate(data).model_dump(exclude_unset=True)
     except ValidationError as e:
         raise ConfigError(f"config file {path}: {_first_problem(e)}") from None
-    return data
 
 
 def load_file(path: Path | None = None) -> dict[str, Any]:
@@ -115,6 +122,8 @@ def load_file(path: Path | None = None) -> dict[str, Any]:
 
 
 def _first_problem(e: ValidationError) -> str:
+    if not e.errors()[0]["loc"]:  # a whole-file problem (an old and a new name given together)
+        return validation_message(e)
     err = e.errors()[0]
     key = ".".join(str(part) for part in err["loc"])
     if err["type"] == "extra_forbidden":
@@ -127,7 +136,8 @@ ENV_NAMES = {"base_url": BASE_URL_ENV, "api_key": API_KEY_ENV, "model": MODEL_EN
              "command_timeout": COMMAND_TIMEOUT_ENV, "model_timeout": MODEL_TIMEOUT_ENV}
 FLAGS = {"base_url": "--base-url", "model": "--model", "api_key": "--api-key", "sandbox": "--sandbox", "mode": "--mode",
          "image": "--image", "max_steps": "--max-steps", "max_tokens": "--max-tokens",
-         "command_timeout": "--command-timeout", "model_timeout": "--model-timeout"}
+         "command_timeout": "--command-timeout", "model_timeout": "--model-timeout", "budget_hints": "--budget-hints",
+         "compaction": "--no-compact", "compaction_threshold": "--compact-threshold"}
 
 
 class NamedEnvSource(PydanticBaseSettingsSource):
@@ -178,11 +188,13 @@ class RunSettings:
     sandbox: str
     mode: str
     image: str
-    max_steps: int | None
-    max_tokens: int | None = None  # None: the Vanillux2 16,384, fitted to the server's window
-    command_timeout: float = DEFAULT_COMMAND_TIMEOUT_S
+    # Every agent setting: as a flag, variable or the file set it, else Vanillux2's default
+    # (max_tokens is fitted to what the server's window leaves).
+    agent: AgentSettings = field(default_factory=AgentSettings)
     model_timeout: float = DEFAULT_MODEL_TIMEOUT_S
     expose: list[str] = field(default_factory=list)  # host paths the bwrap jail does not mask
+    # US dollars per million prompt and completion tokens (None: only what the server reports).
+    prices: tuple[float, float] | None = None
     # Setting name -> where its value came from ("--base-url", "$OPENAI_BASE_URL", file path, "default").
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -228,18 +240,23 @@ def resolve_run_settings(*, path: Path | None = None, expose: list[str] | None =
         raise ConfigError(f"base URL {s['base_url']!r} (from {sources['base_url']}) must start with http:// or https://")
     # Local OpenAI-compatible servers (vLLM) accept any key; the client needs a string.
     defaults = {"api_key": "EMPTY", "sandbox": default_sandbox, "image": DEFAULT_IMAGE,
-                "command_timeout": DEFAULT_COMMAND_TIMEOUT_S, "model_timeout": DEFAULT_MODEL_TIMEOUT_S}
+                "model_timeout": DEFAULT_MODEL_TIMEOUT_S}
     for key, default in defaults.items():
         if s[key] is None:
             s[key], sources[key] = default() if callable(default) else default, "default"
     if s["mode"] is None:
         # People watch what runs on their own machine; isolated sandboxes run freely.
         s["mode"], sources["mode"] = ("confirm" if s["sandbox"] == "local" else "yolo"), "default"
-    for key in ("model", "max_steps", "max_tokens"):
+    given = {k: v for k in AgentSettings.model_fields if (v := s.pop(k)) is not None}
+    if "compaction" not in given:  # off for bench and learn (the protocol), on for people
+        given["compaction"], sources["compaction"] = True, "default (tmax run)"
+    price_in, price_out = s.pop("price_input"), s.pop("price_output")
+    prices = None if price_in is None and price_out is None else (price_in or 0.0, price_out or 0.0)
+    for key in ("model", *AgentSettings.model_fields):
         sources.setdefault(key, "default")
     s["base_url"] = s["base_url"].rstrip("/")
     shown = list(_file_source(path).get("expose", [])) + list(expose or [])
-    return RunSettings(**s, expose=shown, sources=sources)
+    return RunSettings(**s, agent=AgentSettings.model_validate(given), expose=shown, prices=prices, sources=sources)
 
 
 _bwrap_ok: bool | None = None

@@ -35,7 +35,9 @@ def _console():
 
 
 def _fail(msg: str, code: int = 2) -> None:
-    _console().print(f"[red]error:[/] {msg}")
+    from rich.markup import escape
+
+    _console().print(f"[red]error:[/] {escape(msg)}", soft_wrap=True)  # one line; a message's [brackets] are text
     raise typer.Exit(code)
 
 
@@ -84,14 +86,16 @@ def _disk_keeper(budget_gb: Optional[float], console):
 
 
 def _backend(ray: bool, address: Optional[str], resource: Optional[str], n_concurrent: int):
-    """The scheduler backend: local threads, or Ray (the trainer's cluster code)."""
+    """The job runner's backend: local threads, or Ray (the trainer's cluster code)."""
     if not (ray or address):
         return None
+    from tmax.cli.extras import exit_if_extra_missing
     from tmax.training.cluster.corpus_backend import RayBackend
 
     try:
         return RayBackend(address, resource=resource)
     except Exception as e:  # cannot connect, no such resource
+        exit_if_extra_missing(e, "tmax data")
         _fail(f"Ray: {e}")
 
 

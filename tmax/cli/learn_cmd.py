@@ -22,6 +22,8 @@ from typing import Any, Callable, Optional
 
 import typer
 
+from tmax.cli.extras import exit_if_extra_missing
+
 learn_app = typer.Typer(
     help="Train the agent with DPPO (RL) on Ray; `tmax learn nano` runs the whole CPU recipe.",
     invoke_without_command=True,
@@ -75,7 +77,8 @@ def _bad_input(e: Exception) -> None:
 
 
 def _call(work: Callable[[], Any]) -> Any:
-    """Run `work`; bad input exits 2, Ctrl-C 130, any other failure 1, each with its message."""
+    """Run `work`; bad input or a missing extra (`pip install 'tmax[train]'`) exits 2, Ctrl-C
+    130, any other failure 1, each with its message."""
     from tmax.common.errors import ConfigError
 
     try:
@@ -86,6 +89,7 @@ def _call(work: Callable[[], Any]) -> Any:
         _echo("interrupted; resume with --resume")
         raise typer.Exit(130)
     except Exception as e:  # noqa: BLE001 - shown to the user, with the kind of failure
+        exit_if_extra_missing(e, "tmax learn")
         typer.secho(f"tmax learn: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1)
 

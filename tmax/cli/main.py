@@ -5,12 +5,15 @@ serve`'s imports; heavy imports also happen inside the commands."""
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
 import typer
 from typer.core import TyperGroup
 
 from tmax.cli import __version__
+from tmax.cli.extras import exit_if_extra_missing
+from tmax.common.errors import RenamedSettingWarning
 
 # command -> the module under tmax.cli that defines it (with `register(app)`)
 COMMANDS = {"run": "run_cmd", "show": "show_cmd", "serve": "serve_cmd", "sandbox": "sandbox_cmd",
@@ -18,7 +21,15 @@ COMMANDS = {"run": "run_cmd", "show": "show_cmd", "serve": "serve_cmd", "sandbox
 
 
 class LazyCommands(TyperGroup):
-    """A group whose sub-commands are imported on first use."""
+    """A group whose sub-commands are imported on first use. A command that needs an extra
+    the install lacks ends with one line naming it (exit 2), not a traceback."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ModuleNotFoundError as e:
+            exit_if_extra_missing(e, f"tmax {ctx.invoked_subcommand or ''}".strip())
+            raise
 
     def list_commands(self, ctx: Any) -> list[str]:
         return [*super().list_commands(ctx), *(n for n in COMMANDS if n not in self.commands)]
@@ -50,11 +61,28 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+def _show_notes() -> None:
+    """A setting under its old name is a one-line note on stderr, not a Python warning with
+    a source line."""
+    python_way = warnings.showwarning
+    if getattr(python_way, "tmax_notes", False):
+        return
+
+    def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+        if issubclass(category, RenamedSettingWarning):
+            typer.echo(f"tmax: note: {message}", err=True)
+        else:
+            python_way(message, category, *args, **kwargs)
+
+    setattr(show, "tmax_notes", True)
+    warnings.showwarning = show
+
+
 @app.callback()
 def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ) -> None:
-    pass
+    _show_notes()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """`tmax run "task"`: the agent in a sandbox, with a person watching (or `--json` for scripts).
 
-The CLI only renders and asks; the loop itself is `agents.loop.Agent`, the same one that
-`tmax bench` and `tmax learn` drive. Approval, Ctrl-C and follow-ups go through `AgentHooks`
-(`tmax.cli.run_hooks`); the sandbox, harness and signals of the run are `agents.session`.
+The CLI only renders and asks; the loop itself is `agents.loop.Agent`, driven by
+`agents.driver.EpisodeDriver` as `tmax bench` and `tmax learn` drive it. Approval, Ctrl-C and
+follow-ups go through `AgentHooks` (`tmax.cli.run_hooks`); the sandbox and signals of the run
+are `agents.session`.
 """
 
 from __future__ import annotations
@@ -16,27 +17,8 @@ from typing import Optional
 import typer
 
 from tmax.cli.config import DEFAULT_IMAGE, ConfigError, resolve_run_settings
-from tmax.cli.run_setup import broad_workspace, discover_model, load_saved, saved_workdir, sandbox_spec
-
-# Exit status by outcome, so scripts can branch on it (documented in --help).
-EXIT_CODES = {
-    "submitted": 0,
-    "max_steps": 3,
-    "context_overflow": 4,
-    "format_errors": 5,
-    "model_error": 6,
-    "sandbox_error": 7,
-    "interrupted": 130,
-    "internal_error": 1,
-}
-EXIT_USAGE = 2  # bad flags, config or resume path
-
-# The model must know that a resumed session has a fresh shell, or it will rely on state
-# (cwd, variables, background jobs) that no longer exists.
-RESUME_NOTE = (
-    "[The session was resumed in a new shell: the working directory, shell variables and "
-    "background jobs from before are gone; files on disk are as the sandbox left them.]"
-)
+from tmax.cli.run_setup import (EXIT_USAGE, broad_workspace, discover_model, load_saved, project_instructions,
+                                saved_workdir, sandbox_spec)
 
 _EXIT_HELP = (
     "Exit status: 0 submitted, 2 bad usage or config, 3 step limit reached, 4 context full, "
@@ -110,6 +92,16 @@ def run(
         [], "--expose", help="A credential path the bwrap jail masks by default (~/.ssh, ~/.aws, ...) to show inside; repeatable."
     ),
     yes: bool = typer.Option(False, "--yes", help="Do not ask before making your whole home directory the bwrap workspace."),
+    compact: Optional[bool] = typer.Option(
+        None, "--compact/--no-compact", help="Summarise the session when its context nears the window (on by default)."
+    ),
+    compact_threshold: Optional[float] = typer.Option(
+        None, "--compact-threshold", help="The share of the context window that sets compaction off, in (0, 1) (default 0.8)."
+    ),
+    instructions: Optional[Path] = typer.Option(
+        None, "--instructions", help="A file of project instructions for the system prompt, after the AGENTS.md files."
+    ),
+    no_instructions: bool = typer.Option(False, "--no-instructions", help="Do not read AGENTS.md files."),
 ) -> None:
     """Run the agent on a task in a persistent shell.
 
@@ -131,6 +123,7 @@ def run(
         settings = resolve_run_settings(
             base_url=base_url, model=model, api_key=api_key, sandbox=sandbox, mode=mode, image=image, max_steps=max_steps,
             max_tokens=max_tokens, command_timeout=command_timeout, model_timeout=model_timeout, expose=expose,
+            budget_hints=budget_hints or None, compaction=compact, compaction_threshold=compact_threshold,
         )
         from tmax.agents.harnesses import check_harness
 
@@ -139,6 +132,7 @@ def run(
         if resume is not None and workdir is None:
             workdir = saved_workdir(resume, settings.sandbox)
         spec = sandbox_spec(settings, workdir, network)
+        project = project_instructions(instructions, no_instructions, settings.sandbox, spec.workdir, resume is not None)
         if spec.workspace is not None:
             _confirm_workspace(broad_workspace(settings.sandbox, spec.workspace), yes, json_mode)
         if settings.model is None:
@@ -154,8 +148,8 @@ def run(
     from tmax.cli.run_drive import RunRequest, drive
 
     raise typer.Exit(drive(RunRequest(settings, spec, task, json_mode, saved, resume, output, harness=harness,
-                                      undo_steps=undo_steps, budget_hints=budget_hints, token_setup=token_setup,
-                                      verify=verify)))
+                                      undo_steps=undo_steps, token_setup=token_setup,
+                                      verify=verify, instructions=project)))
 
 
 def register(app: typer.Typer) -> None:

@@ -4,14 +4,15 @@ through the task and its follow-ups, verify, and report."""
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tmax.cli.config import RunSettings, data_dir, default_run_dir
-from tmax.cli.run_cmd import EXIT_CODES, EXIT_USAGE, RESUME_NOTE
-from tmax.cli.run_hooks import InteractiveHooks, JsonHooks, usage_dict
+from tmax.cli.run_hooks import InteractiveHooks, JsonHooks, emit, usage_dict
+from tmax.cli.run_setup import EXIT_CODES, EXIT_USAGE, RESUME_NOTE
 
 
 @dataclass
@@ -27,9 +28,9 @@ class RunRequest:
     output: Path | None
     harness: str = "tmax"
     undo_steps: int = 0
-    budget_hints: bool = False
     token_setup: Any = None  # tmax.cli.run_training.TokenSetup with --tokens
     verify: str | None = None
+    instructions: Any = None  # agents.instructions.Instructions for the system prompt, or None
 
 
 @dataclass
@@ -59,30 +60,51 @@ def _display(json_mode: bool) -> Any:
     return Display(Console(stderr=True, highlight=False) if json_mode else Console(highlight=False))
 
 
-def _hooks(run: RunRequest, display: Any, session_usage: Any) -> Any:
+@dataclass
+class _Talk:
+    """What the run talks through: the screen, the line reader (None with --json), the stop
+    flag SIGTERM and quits set, and the episode driver once the sandbox is up."""
+
+    display: Any
+    prompter: Any
+    stopping: threading.Event = field(default_factory=threading.Event)
+    driver: Any = None  # agents.driver.EpisodeDriver
+
+    def usage(self) -> Any:
+        from tmax.agents.policy import Usage
+
+        return self.driver.usage if self.driver is not None else Usage()
+
+    def context(self) -> Any:
+        """How full the context window is (`agents.compaction.ContextUse`), once the driver is up."""
+        return self.driver.context_use if self.driver is not None else None
+
+    def compact(self, focus: str | None) -> Any:
+        return self.driver.compact(focus) if self.driver is not None else None
+
+    @property
+    def steps(self) -> int:
+        return self.driver.steps if self.driver is not None else 0
+
+
+def _hooks(run: RunRequest, talk: _Talk, run_dir: Path, config: Any, undo: Any) -> Any:
     if run.json_mode:
-        return JsonHooks(session_usage)
-    from tmax.cli.ui import Prompter
+        return JsonHooks(talk.usage, run_dir, config.observation_max_chars, context=talk.context)
+    from tmax.agents.rating import rate
 
-    return InteractiveHooks(display, Prompter(data_dir() / "history"), run.settings.mode, run.settings.max_steps,
-                            session_usage)
+    return InteractiveHooks(talk.display, talk.prompter, run.settings.mode, run.settings.agent.max_steps, talk.usage,
+                            run_dir=run_dir, output_limit=config.observation_max_chars, stopping=talk.stopping,
+                            undo=undo, rate=lambda word: rate(run_dir, word), context=talk.context,
+                            compact=talk.compact)
 
 
-def _ask_task(run: RunRequest, hooks: Any) -> str:
+def _ask_task(run: RunRequest, prompter: Any) -> str:
     if run.task or run.json_mode:
         return run.task or ""
     try:
-        return hooks.prompter.ask("Follow-up for the resumed session > " if run.saved else "Task > ").strip()
+        return prompter.ask("Follow-up for the resumed session > " if run.saved else "Task > ").strip()
     except (EOFError, KeyboardInterrupt):
         return ""
-
-
-def _agent_config(run: RunRequest) -> Any:
-    from tmax.agents.loop import AgentConfig
-
-    s = run.settings
-    return AgentConfig.from_settings({"command_timeout": s.command_timeout, "max_steps": s.max_steps,
-                                      "max_tokens": s.max_tokens, "budget_hints": run.budget_hints})
 
 
 def _policy(run: RunRequest, config: Any) -> Any:
@@ -92,21 +114,19 @@ def _policy(run: RunRequest, config: Any) -> Any:
 
     s = run.settings
     return ChatPolicy(model=s.model, base_url=s.base_url, api_key=s.api_key, temperature=config.temperature,
-                      top_p=config.top_p, max_tokens=config.max_tokens, timeout=s.model_timeout)
+                      top_p=config.top_p, max_tokens=config.max_tokens, timeout=s.model_timeout, prices=s.prices)
 
 
 def drive(run: RunRequest) -> int:
     """Run the session; returns the process exit status."""
-    agent_box: dict[str, Any] = {}  # the Agent, once made: its usage is the session's
-
-    def session_usage() -> Any:
-        from tmax.agents.policy import Usage
-
-        return agent_box["agent"].usage if "agent" in agent_box else Usage()
-
     display = _display(run.json_mode)
-    hooks = _hooks(run, display, session_usage)
-    task = _ask_task(run, hooks)
+    prompter = None
+    if not run.json_mode:
+        from tmax.cli.ui import Prompter
+
+        prompter = Prompter(data_dir() / "history")
+    talk = _Talk(display, prompter)
+    task = _ask_task(run, prompter)
     if not task:
         display.error("No task given.")
         return EXIT_USAGE
@@ -121,57 +141,65 @@ def drive(run: RunRequest) -> int:
         "task": task, "model": s.model, "harness": run.harness, "base_url": s.base_url, "sandbox": s.sandbox,
         "mode": s.mode, "workdir": run.spec.workdir, "resumed_from": str(run.resume.resolve()) if run.resume else None,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "status": "running",
+        "instructions": [vars(src) for src in run.instructions.sources] if run.instructions else [],
     })
     record.write()
-    status, error, steps = _session(run, task, run_dir, record, hooks, display, agent_box)
-    record.finish(status, error, steps)
+    if run.instructions is not None:  # what was added to the system prompt (trajectory.json holds it too)
+        from tmax.common.files import write_text_atomic
+
+        write_text_atomic(run_dir / "instructions.md", run.instructions.text)
+    status, error = _session(run, task, run_dir, record, talk)
+    record.finish(status, error, talk.steps)
     code = EXIT_CODES.get(status, 1)
     if run.json_mode:
-        hooks.emit("done", status=status, exit_code=code, steps=steps, usage=usage_dict(session_usage()), error=error,
-                   trajectory_dir=str(run_dir))
+        emit("done", status=status, exit_code=code, steps=talk.steps, usage=usage_dict(talk.usage()), error=error,
+             trajectory_dir=str(run_dir))
     else:
         if error and status != "interrupted":
             display.error(error)
-        display.info(f"{status} after {steps} steps · trajectory: {run_dir} (view it with `tmax show {run_dir}`)")
+        display.info(f"{status} after {talk.steps} steps · trajectory: {run_dir} (view it with `tmax show {run_dir}`)")
     return code
 
 
-def _announce(run: RunRequest, hooks: Any, display: Any, run_dir: Path) -> None:
+def _announce(run: RunRequest, display: Any, run_dir: Path) -> None:
     s = run.settings
+    threshold = s.agent.compaction_threshold if s.agent.compaction else None
     if run.json_mode:
-        hooks.emit("start", run_id=run_dir.name, model=s.model, base_url=s.base_url, sandbox=s.sandbox,
-                   workdir=run.spec.workdir, mode=s.mode, trajectory_dir=str(run_dir))
+        emit("start", run_id=run_dir.name, model=s.model, base_url=s.base_url, sandbox=s.sandbox,
+             workdir=run.spec.workdir, mode=s.mode, trajectory_dir=str(run_dir), compaction_threshold=threshold,
+             instructions=[src.path for src in run.instructions.sources] if run.instructions else [])
         return
     display.info(f"tmax · model {s.model} at {s.base_url} · sandbox {s.sandbox} · mode {s.mode} · trajectory {run_dir}")
+    if run.instructions is not None:
+        display.info(run.instructions.describe())
+    when = f"compaction at {threshold:.0%} of the context window" if threshold else "compaction off (--no-compact)"
+    display.note(f"{when}; /compact [focus] compacts now, /usage shows the tokens used")
     if s.mode == "confirm":
         display.info("Enter runs a command, text rejects it with feedback, /y: yolo, /c: confirm, Ctrl-C: interrupt.")
 
 
-def _session(run: RunRequest, task: str, run_dir: Path, record: RunRecord, hooks: Any, display: Any,
-             agent_box: dict[str, Any]) -> tuple[str, str | None, int]:
-    """Open the sandbox, drive the agent; (status, error, steps) whatever happens."""
+def _session(run: RunRequest, task: str, run_dir: Path, record: RunRecord, talk: _Talk) -> tuple[str, str | None]:
+    """Open the sandbox, drive the agent; (status, error) whatever happens."""
     from tmax.agents.harnesses import make_harness
     from tmax.agents.session import RunSession
     from tmax.sandbox.base import SandboxError
 
     status, error = "sandbox_error", None
+    display = talk.display
     try:
-        config = _agent_config(run)
-        hooks.run_dir, hooks.output_limit = run_dir, config.observation_max_chars
+        config = run.settings.agent
         policy = _policy(run, config)
         if run.token_setup is not None:
             record.write(model_dir=str(run.token_setup.model_dir))  # what `tmax learn sft --from-runs` starts from
         if run.settings.sandbox == "bwrap":
             run.spec.masked.append(str(run_dir))  # the run's own records, wherever -o put them
         harness = make_harness(run.harness, run.spec.workdir)
-        with RunSession(run.settings.sandbox, run.spec, harness, on_terminate=lambda: _stop(hooks)) as session:
-            _announce(run, hooks, display, run_dir)
+        with RunSession(run.settings.sandbox, run.spec, harness, on_terminate=talk.stopping.set) as session:
+            _announce(run, display, run_dir)
             try:
-                status, error = _converse(run, task, run_dir, session, config, policy, hooks, display, agent_box)
+                status, error = _converse(run, task, run_dir, session, config, policy, talk)
             finally:
                 display.stop_spinner()
-                if getattr(hooks, "undo", None) is not None:
-                    hooks.undo.close()
         if session.close_error:
             display.warn(session.close_error)
     except SandboxError as e:
@@ -185,68 +213,79 @@ def _session(run: RunRequest, task: str, run_dir: Path, record: RunRecord, hooks
         status, error = "internal_error", f"tmax failed: {type(e).__name__}: {e}"
     finally:
         display.stop_spinner()
-    return status, error, (agent_box["agent"].steps if "agent" in agent_box else 0)
+    return status, error
 
 
-def _stop(hooks: Any) -> None:
-    if isinstance(hooks, InteractiveHooks):
-        hooks.stopping = True
+def _undo(run: RunRequest, box: Any, display: Any) -> Any:
+    """The undo history with --undo-steps N, else None."""
+    if not run.undo_steps:
+        return None
+    from tmax.cli.run_undo import UndoControl
+
+    if not run.json_mode:
+        display.start_spinner("Preparing undo: one copy of the workspace (instant where the filesystem clones)…")
+    try:
+        return UndoControl(box, run.undo_steps)
+    finally:
+        display.stop_spinner()
 
 
-def _converse(run: RunRequest, task: str, run_dir: Path, session: Any, config: Any, policy: Any, hooks: Any,
-              display: Any, agent_box: dict[str, Any]) -> tuple[str, str | None]:
+def _converse(run: RunRequest, task: str, run_dir: Path, session: Any, config: Any, policy: Any,
+              talk: _Talk) -> tuple[str, str | None]:
     """The task (or the resumed session's follow-up), then follow-ups until the user stops."""
-    from tmax.agents.loop import Agent
+    from tmax.agents.driver import EpisodeDriver
     from tmax.agents.records import Recorder
 
+    display = talk.display
     if not run.json_mode:
         display.start_spinner(f"Starting the {run.settings.sandbox} sandbox…")
     box = session.start()
     display.stop_spinner()
-    box.watch_output(hooks.on_command_output)  # what the model gets is the same; this is for the screen
-    if run.undo_steps:
-        from tmax.cli.run_undo import UndoControl
-
-        if not run.json_mode:
-            display.start_spinner("Preparing undo: one copy of the workspace (instant where the filesystem clones)…")
-        hooks.undo = UndoControl(box, run.undo_steps)
-        display.stop_spinner()
-    if not run.json_mode:
-        from tmax.agents.rating import rate
-
-        hooks.rate = lambda word: rate(run_dir, word)
-    agent = agent_box["agent"] = Agent(policy, box, config=config, recorder=Recorder(run_dir), hooks=hooks,
-                                       harness=session.harness)
-    if run.saved is not None:
-        display.warn(
-            f"Resumed {len(run.saved.messages)} messages from {run.resume.resolve()}. This is a new shell: the working "
-            "directory, variables and background jobs of the earlier session are not restored (files are, where the "
-            "sandbox kept them).")
-        agent.load(run.saved)
-        if not run.json_mode:
-            display.task(task, title="follow-up")
-        result = agent.follow_up(f"{RESUME_NOTE}\n\n{task}")
-    else:
-        if not run.json_mode:
-            display.task(task)
-        result = agent.run(task)
-    while not run.json_mode and result.status in ("submitted", "max_steps", "format_errors"):
-        display.info(f"{result.status} after {result.steps} steps.")
-        follow = hooks.ask_follow_up()
-        if follow is None:
-            break
-        display.task(follow, title="follow-up")
-        result = agent.follow_up(follow)
-    if run.verify:
-        _verify(run, box, run_dir, hooks, display)
+    undo = _undo(run, box, display)
+    try:
+        hooks = _hooks(run, talk, run_dir, config, undo)
+        box.watch_output(hooks.on_command_output)  # what the model gets is the same; this is for the screen
+        text = run.instructions.text if run.instructions is not None else None
+        with EpisodeDriver(policy, box, session.harness, config, recorder=Recorder(run_dir), hooks=hooks,
+                           instructions=text) as driver:
+            talk.driver = driver
+            result = _first(run, task, driver, display)
+            while not run.json_mode and result.status in ("submitted", "max_steps", "format_errors"):
+                display.info(f"{result.status} after {result.steps} steps.")
+                follow = hooks.ask_follow_up()
+                if follow is None:
+                    break
+                display.task(follow, title="follow-up")
+                result = driver.follow_up(follow)
+        if run.verify:
+            _verify(run, box, run_dir, display)
+    finally:
+        if undo is not None:
+            undo.close()
     return result.status, result.error
 
 
-def _verify(run: RunRequest, box: Any, run_dir: Path, hooks: Any, display: Any) -> None:
+def _first(run: RunRequest, task: str, driver: Any, display: Any) -> Any:
+    """The task, or with --resume the saved conversation and the task as its follow-up."""
+    if run.saved is None:
+        if not run.json_mode:
+            display.task(task)
+        return driver.run(task)
+    display.warn(
+        f"Resumed {len(run.saved.messages)} messages from {run.resume.resolve()}. This is a new shell: the working "
+        "directory, variables and background jobs of the earlier session are not restored (files are, where the "
+        "sandbox kept them).")
+    driver.load(run.saved)
+    if not run.json_mode:
+        display.task(task, title="follow-up")
+    return driver.follow_up(f"{RESUME_NOTE}\n\n{task}")
+
+
+def _verify(run: RunRequest, box: Any, run_dir: Path, display: Any) -> None:
     from tmax.agents.rating import verify
 
     rated = verify(box, run.verify, run_dir)
     if run.json_mode:
-        hooks.emit("reward", reward=rated["reward"], exit_code=rated["exit_code"], command=run.verify)
+        emit("reward", reward=rated["reward"], exit_code=rated["exit_code"], command=run.verify)
     else:
         display.info(f"--verify exited {rated['exit_code']}: reward {rated['reward']:g} (in {run_dir / 'reward.json'}).")

@@ -1,6 +1,8 @@
 """How `tmax run` talks to a person (`InteractiveHooks`: rich rendering, approval, Ctrl-C
 guidance, `/` commands) or to a script (`JsonHooks`: one JSON event per line on stdout).
-Both are `agents.loop.AgentHooks`: the loop calls them, they never drive it."""
+Both are `agents.loop.AgentHooks`: the loop calls them, they never drive it. Each gets what
+it works with when it is made (the run directory, undo, rating, the stop flag that SIGTERM
+sets)."""
 
 from __future__ import annotations
 
@@ -22,36 +24,51 @@ PROGRESS_EVERY_S = 1.0  # --json: the fastest progress events come while a comma
 PROGRESS_IDLE_S = 5.0  # --json: a progress event (elapsed time only) while it prints nothing
 
 
-def usage_dict(u: Any) -> dict[str, int]:
+def usage_dict(u: Any) -> dict[str, Any]:
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.total_tokens,
         "reasoning_tokens": u.reasoning_tokens,
+        "cost_usd": round(u.cost_usd, 6),
     }
+
+
+def context_dict(c: Any) -> dict[str, Any] | None:
+    """`agents.compaction.ContextUse` as a `--json` field."""
+    if c is None:
+        return None
+    return {"used": c.used, "window": c.window, "left": c.left, "compaction_threshold": c.threshold,
+            "compactions": c.compactions}
+
+
+_EMIT_LOCK = threading.Lock()
+
+
+def emit(type_: str, **fields: Any) -> None:
+    """One `--json` event: a JSON object on its own line on stdout."""
+    with _EMIT_LOCK:  # progress comes from the thread reading the command
+        sys.stdout.write(json.dumps({"type": type_, **fields}, default=str) + "\n")
+        sys.stdout.flush()
 
 
 class JsonHooks(AgentHooks):
     """Headless: one JSON object per line on stdout, no questions, Ctrl-C stops."""
 
-    def __init__(self, session_usage: Callable[[], Any]) -> None:
+    def __init__(self, session_usage: Callable[[], Any], run_dir: Path, output_limit: int,
+                 context: Callable[[], Any] = lambda: None) -> None:
         self.session_usage = session_usage  # the agent's running totals (resets per run())
-        self.run_dir: Path | None = None  # where long outputs are kept
-        self.output_limit = 10_000
+        self.context = context  # how full the context window is (agents.compaction.ContextUse)
+        self.run_dir = run_dir  # where long outputs are kept
+        self.output_limit = output_limit
         self.step = 0
         self.command_started: float | None = None  # monotonic time the running command started
         self._last_progress = 0.0
         self._pending = ""  # output not yet sent in a progress event
-        self._emit_lock = threading.Lock()
-
-    def emit(self, type_: str, **fields: Any) -> None:
-        with self._emit_lock:  # progress comes from the thread reading the command
-            sys.stdout.write(json.dumps({"type": type_, **fields}, default=str) + "\n")
-            sys.stdout.flush()
 
     def on_step_start(self, step: int) -> None:
         self.step = step
-        self.emit("step", step=step)
+        emit("step", step=step)
 
     def on_command_output(self, text: str) -> None:
         """From the reading thread: a `progress` event with the output since the last one, at
@@ -64,10 +81,10 @@ class JsonHooks(AgentHooks):
         if (self._pending and quiet >= PROGRESS_EVERY_S) or quiet >= PROGRESS_IDLE_S:
             self._last_progress = now
             output, self._pending = clean_output(self._pending), ""
-            self.emit("progress", step=self.step, elapsed_s=round(now - self.command_started, 1), output=output)
+            emit("progress", step=self.step, elapsed_s=round(now - self.command_started, 1), output=output)
 
     def on_model_turn(self, step: int, turn: Any, command: str | None) -> None:
-        self.emit(
+        emit(
             "model",
             step=step,
             content=turn.message.get("content"),
@@ -76,10 +93,14 @@ class JsonHooks(AgentHooks):
             latency_s=round(turn.latency_s, 3),
             usage=usage_dict(turn.usage),
             cumulative=usage_dict(self.session_usage()),
+            context=context_dict(self.context()),
         )
 
+    def on_compaction(self, record: Any) -> None:
+        emit("compaction", **record.model_dump(mode="json"))
+
     def approve(self, step: int, command: str) -> str | None:
-        self.emit("command", step=step, command=command)
+        emit("command", step=step, command=command)
         self.command_started = self._last_progress = time.monotonic()
         self._pending = ""
         return None
@@ -87,7 +108,7 @@ class JsonHooks(AgentHooks):
     def on_observation(self, step: int, result: Any, observation: str) -> None:
         self.command_started = None
         kept = keep_long_output(self.run_dir, step, result, self.output_limit)
-        self.emit(
+        emit(
             "observation",
             step=step,
             exit_code=result.exit_code,
@@ -99,10 +120,10 @@ class JsonHooks(AgentHooks):
         )
 
     def on_format_error(self, step: int, feedback: str, reason: str | None = None) -> None:
-        self.emit("format_error", step=step, feedback=feedback, reason=reason)
+        emit("format_error", step=step, feedback=feedback, reason=reason)
 
     def on_retry(self, attempt: int, error: Exception, delay_s: float) -> None:
-        self.emit("retry", attempt=attempt, error=str(error), delay_s=delay_s)
+        emit("retry", attempt=attempt, error=str(error), delay_s=delay_s)
 
     def on_interrupt(self) -> str | None:
         return None
@@ -110,21 +131,24 @@ class JsonHooks(AgentHooks):
 class InteractiveHooks(AgentHooks):
     """Rich rendering; approval, guidance and mode switches through the prompter."""
 
-    def __init__(
-        self, display: Any, prompter: Any, mode: str, max_steps: int | None, session_usage: Callable[[], Any]
-    ) -> None:
+    def __init__(self, display: Any, prompter: Any, mode: str, max_steps: int | None,
+                 session_usage: Callable[[], Any], *, run_dir: Path, output_limit: int, stopping: threading.Event,
+                 undo: Any = None, rate: Callable[[str], str] | None = None,
+                 context: Callable[[], Any] = lambda: None, compact: Callable[[str | None], Any] | None = None) -> None:
         self.display = display
         self.prompter = prompter
         self.mode = mode
         self.max_steps = max_steps
         self.session_usage = session_usage
-        self.stopping = False  # set by SIGTERM/SIGHUP or a quit at the approval prompt
-        self.undo: Any = None  # tmax.cli.run_undo.UndoControl with --undo-steps
+        self.stopping = stopping  # set by SIGTERM/SIGHUP (the session) or a quit at a prompt
+        self.undo = undo  # tmax.cli.run_undo.UndoControl with --undo-steps
         self.undo_note: str | None = None  # what the model is told after an /undo
-        self.rate: Callable[[str], str] | None = None  # /good, /bad (agents.rating.rate)
-        self.run_dir: Path | None = None  # where long outputs are kept
-        self.output_limit = 10_000
+        self.rate = rate  # /good, /bad (agents.rating.rate)
+        self.run_dir = run_dir  # where long outputs are kept
+        self.output_limit = output_limit
         self.live: Any = None  # tmax.cli.ui.LiveOutput of the running command
+        self.context = context  # how full the context window is (agents.compaction.ContextUse)
+        self.compact = compact  # /compact [focus]: now between tasks, else before the next model call
 
     # `/y` and `/c` work at every prompt; returns True when the input was a mode command.
     def _mode_command(self, text: str) -> bool:
@@ -142,6 +166,12 @@ class InteractiveHooks(AgentHooks):
             return True
         if cmd.split()[:1] == ["/undo"]:
             self._undo(cmd)
+            return True
+        if cmd.split()[:1] == ["/compact"]:
+            self._compact(text.strip()[len("/compact"):].strip() or None)
+            return True
+        if cmd == "/usage":
+            self.display.usage_report(self.session_usage(), self.context())
             return True
         if cmd in ("/good", "/bad") and self.rate is not None:
             self.display.info(self.rate(cmd))
@@ -164,6 +194,23 @@ class InteractiveHooks(AgentHooks):
         self.undo_note = f"{self.undo_note}\n{note}" if self.undo_note else note
         self.display.info(note)
 
+    def _compact(self, focus: str | None) -> None:
+        if self.compact is None:
+            self.display.warn("This session cannot compact.")
+        elif self.compact(focus) is None:
+            self.display.info("Compaction requested: it runs before the next model call.")
+
+    def on_compaction_start(self, reason: str, context_tokens: int) -> None:
+        from tmax.cli.ui import fmt_tokens
+
+        self.display.stop_spinner()
+        self.display.start_spinner(f"Compacting the context ({fmt_tokens(context_tokens)} tokens): the model writes "
+                                   "a summary… (Ctrl-C cancels it)")
+
+    def on_compaction(self, record: Any) -> None:
+        self.display.stop_spinner()
+        self.display.compaction(record)
+
     def _help(self) -> str:
         from tmax.cli.ui import HELP
 
@@ -179,19 +226,19 @@ class InteractiveHooks(AgentHooks):
         self.display.thought(turn.message.get("content"))
         if command is not None:
             self.display.command(command)
-        self.display.usage(turn.usage, self.session_usage(), turn.latency_s)
+        self.display.usage(turn.usage, self.session_usage(), turn.latency_s, self.context())
 
     def approve(self, step: int, command: str) -> str | None:
         while self.mode == "confirm":
             try:
                 answer = self.prompter.ask("Enter: run · text: reject with feedback · /y yolo · /h help > ")
             except EOFError:
-                self.stopping = True
+                self.stopping.set()
                 raise KeyboardInterrupt from None
             except KeyboardInterrupt:
                 guidance = self.on_interrupt()
                 if guidance is None:
-                    self.stopping = True
+                    self.stopping.set()
                     raise
                 return guidance
             if self._mode_command(answer):
@@ -202,7 +249,7 @@ class InteractiveHooks(AgentHooks):
             if answer.strip() == "":
                 break
             if answer.strip() in QUIT_WORDS:
-                self.stopping = True
+                self.stopping.set()
                 raise KeyboardInterrupt
             self.display.feedback(answer, "rejected; sent to the model")
             return answer
@@ -233,14 +280,14 @@ class InteractiveHooks(AgentHooks):
 
     def on_interrupt(self) -> str | None:
         self.display.stop_spinner()
-        if self.stopping:
+        if self.stopping.is_set():
             return None
         self.display.warn("Interrupted. The shell is still there.")
         while True:
             try:
                 answer = self.prompter.ask("Guidance for the agent (Enter or /q to quit) > ")
             except (EOFError, KeyboardInterrupt):
-                self.stopping = True
+                self.stopping.set()
                 return None
             if self._mode_command(answer):
                 if self.undo_note:
@@ -248,7 +295,7 @@ class InteractiveHooks(AgentHooks):
                     return answer
                 continue
             if answer.strip() in ("", *QUIT_WORDS):
-                self.stopping = True
+                self.stopping.set()
                 return None
             return answer
 

@@ -1,6 +1,7 @@
 """Where a `tmax run` session starts from: the model the server serves, a saved session
-to resume and the directory it ran in, the sandbox to create, and where the whole of a
-long command output is kept."""
+to resume and the directory it ran in, the sandbox to create, the project's instructions,
+and where the whole of a long command output is kept; and how it ends (the exit status of
+each outcome), which both the command (`run_cmd`) and the run's body (`run_drive`) use."""
 
 from __future__ import annotations
 
@@ -9,6 +10,27 @@ from pathlib import Path
 from typing import Any, Optional
 
 from tmax.cli.config import ConfigError, RunSettings, config_path, data_dir
+
+# --------------------------------------------------------------------------- how a run ends
+# Exit status by outcome, so scripts can branch on it (documented in --help).
+EXIT_CODES = {
+    "submitted": 0,
+    "max_steps": 3,
+    "context_overflow": 4,
+    "format_errors": 5,
+    "model_error": 6,
+    "sandbox_error": 7,
+    "interrupted": 130,
+    "internal_error": 1,
+}
+EXIT_USAGE = 2  # bad flags, config or resume path
+
+# The model must know that a resumed session has a fresh shell, or it will rely on state
+# (cwd, variables, background jobs) that no longer exists.
+RESUME_NOTE = (
+    "[The session was resumed in a new shell: the working directory, shell variables and "
+    "background jobs from before are gone; files on disk are as the sandbox left them.]"
+)
 
 
 # --------------------------------------------------------------------------- model
@@ -61,6 +83,28 @@ def saved_workdir(run_dir: Path, sandbox: str) -> Optional[Path]:
         raise ConfigError(f"cannot resume from {run_dir}: its working directory {where} no longer exists;"
                           " pass --workdir to continue somewhere else")
     return Path(where)
+
+
+# --------------------------------------------------------------------------- instructions
+def project_instructions(file: Optional[Path], off: bool, sandbox: str, workdir: Optional[str], resuming: bool):
+    """The project instructions for the system prompt (`agents.instructions.Instructions`),
+    or None: AGENTS.md files from the working directory up to the repository root (host
+    sandboxes; a container's files are not the host's), then `file`. A resumed session keeps
+    the instructions its saved system prompt holds."""
+    from tmax.agents.instructions import InstructionsError, agents_files, load_instructions
+
+    if off and file is not None:
+        raise ConfigError("--instructions FILE and --no-instructions contradict each other: give one")
+    if resuming:
+        if file is not None:
+            raise ConfigError("--instructions: a resumed session keeps the instructions it started with")
+        return None
+    files = agents_files(Path(workdir)) if not off and sandbox != "podman" and workdir else []
+    try:
+        loaded = load_instructions([*files, *([file.expanduser().absolute()] if file is not None else [])])
+    except InstructionsError as e:
+        raise ConfigError(str(e)) from None
+    return loaded if loaded.sources else None
 
 
 def keep_long_output(run_dir: Optional[Path], step: int, result: Any, limit: int) -> Optional[Path]:

@@ -3,7 +3,8 @@ server (`tmax serve`) and records the session as `tokens.json`, exactly like a `
 rollout. (`/good`, `/bad` and `--verify CMD`, which store its reward, are `agents.rating`.)
 
 Nothing here imports torch or transformers: the tokenizer and chat template come from
-`agents.chat_tokenizer`, the sampler is training's `VLLMSampler` over HTTP.
+`agents.chat_tokenizer`, the sampler is training's `VLLMSampler` over HTTP (with a fixed
+policy version: a plain `tmax serve` has no weight-sync endpoints).
 """
 
 from __future__ import annotations
@@ -13,27 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tmax.common.errors import ConfigError
-from tmax.training.inference.engine import VLLMSampler
-
-class ServedSampler(VLLMSampler):
-    """`VLLMSampler` against a plain `tmax serve`: no dev endpoints, weights fixed for the
-    session (policy version 0), the API key sent when there is one."""
-
-    def __init__(self, *args: Any, api_key: str | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.api_key = api_key
-
-    def _http(self) -> Any:
-        with self._lock:
-            if self._client is None:
-                import httpx
-
-                headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-                self._client = httpx.Client(headers=headers)
-            return self._client
-
-    def _remote_version(self) -> int:
-        return 0
+from tmax.training.inference.engine import VLLMSampler, stop_ids
 
 
 def _model_card(base_url: str, model: str, api_key: str | None) -> dict[str, Any]:
@@ -64,12 +45,12 @@ class TokenSetup:
 
     def policy(self, config: Any) -> Any:
         from tmax.agents.token_policy import TokenPolicy
-        from tmax.training.inference.engine import _stop_ids
 
         server = self.base_url.rstrip("/").removesuffix("/v1")
-        stops = sorted({*_stop_ids(self.model_dir), self.tokenizer.eos_token_id} - {None})
-        sampler = ServedSampler(server, self.model, stop_token_ids=stops, max_model_len=self.max_model_len,
-                                api_key=self.api_key)
+        stops = sorted({*stop_ids(self.model_dir), self.tokenizer.eos_token_id} - {None})
+        # A plain `tmax serve`: no weight-sync endpoints, the weights fixed for the session.
+        sampler = VLLMSampler(server, self.model, stop_token_ids=stops, max_model_len=self.max_model_len,
+                              fixed_version=0, api_key=self.api_key)
         window = self.max_model_len or config.context_budget
         return TokenPolicy(sampler, self.tokenizer, temperature=config.temperature, top_p=config.top_p,
                            max_response_tokens=window, max_context_tokens=window, max_turn_tokens=config.max_tokens)

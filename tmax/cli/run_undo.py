@@ -10,7 +10,8 @@ import shlex
 from typing import Any
 
 from tmax.sandbox.base import SandboxError
-from tmax.sandbox.snapshot import Restored, UndoHistory, snapshot_store
+from tmax.sandbox.snapshot import UndoHistory, snapshot_store
+from tmax.sandbox.undo_store import Restored
 
 UNDO_WORD = "/undo"
 

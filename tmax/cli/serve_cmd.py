@@ -13,6 +13,7 @@ from typing import List, Optional
 
 import typer
 
+from tmax.cli.extras import require
 from tmax.training.inference.serving import DEFAULT_MODEL
 
 
@@ -25,6 +26,7 @@ def register(app: typer.Typer) -> None:
 
 
 def serve(
+    ctx: typer.Context,
     model: str = typer.Argument(DEFAULT_MODEL, help="HF model name or a local model dir (e.g. a tmax learn checkpoint)."),
     port: int = typer.Option(8000, help="Port to listen on."),
     host: str = typer.Option("127.0.0.1", help="Address to bind (0.0.0.0 to serve other machines)."),
@@ -33,44 +35,47 @@ def serve(
         None, help="vLLM tool-call parser (default: qwen3_xml; hermes for JSON <tool_call> templates such as the nano model)."
     ),
     max_model_len: Optional[int] = typer.Option(None, help="Context length (default 65536, capped at the model's positions)."),
+    max_logprobs: Optional[int] = typer.Option(None, help="Most logprobs a request may ask for (default 20)."),
     tensor_parallel_size: Optional[int] = typer.Option(None, help="GPUs to shard over (default: all visible GPUs)."),
-    device: str = typer.Option("auto", help="auto | cpu | gpu (auto: gpu when one is visible)."),
-    dtype: str = typer.Option("auto", help="Weights dtype (auto: float32 for tiny models on CPU)."),
-    kv_cache_gb: int = typer.Option(1, help="CPU only: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."),
+    data_parallel_size: Optional[int] = typer.Option(None, help="GPU only: model replicas (default: vLLM's, 1)."),
+    gpu_memory_utilization: Optional[float] = typer.Option(
+        None, help="GPU only: share of each GPU's memory vLLM may take (default: vLLM's, 0.9)."
+    ),
+    device: Optional[str] = typer.Option(None, help="auto | cpu | gpu (default auto: gpu when one is visible)."),
+    dtype: Optional[str] = typer.Option(None, help="Weights dtype (default auto: float32 for tiny models on CPU)."),
+    kv_cache_gb: Optional[float] = typer.Option(None, help="CPU only: KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE; default 1)."),
     cpu_threads: Optional[int] = typer.Option(
-        None, min=1, help="CPU only: the engine's torch threads (OMP_NUM_THREADS; default: vLLM's choice, every core)."
+        None, help="CPU only: the engine's torch threads (OMP_NUM_THREADS; default: vLLM's choice, every core)."
     ),
     enforce_eager: Optional[bool] = typer.Option(
         None, "--enforce-eager/--no-enforce-eager", help="Skip CUDA graphs / torch.compile (default: on for CPU)."
     ),
+    enable_prefix_caching: Optional[bool] = typer.Option(
+        None, "--enable-prefix-caching/--no-enable-prefix-caching",
+        help="Reuse the KV of shared prompt prefixes (default: vLLM's, on where the model supports it)."
+    ),
     dev: bool = typer.Option(False, "--dev", help="Training setup: dev endpoints and the weight-push worker extension."),
-    vllm_arg: Optional[List[str]] = typer.Option(None, "--vllm-arg", help="Extra argument passed to vLLM verbatim (repeatable)."),
+    extra_args: Optional[List[str]] = typer.Option(None, "--vllm-arg", help="Extra argument passed to vLLM verbatim (repeatable)."),
     log: Optional[Path] = typer.Option(None, help="Server log file (default: ~/.cache/tmax/serve/<name>-<port>.log)."),
     startup_timeout: float = typer.Option(1800.0, help="Seconds to wait for the server to become healthy."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the command and exit."),
 ) -> None:
     """Serve a model with vLLM's OpenAI-compatible API; prints the base URL when ready."""
+    from pydantic import ValidationError
     from rich.console import Console
 
+    from tmax.common.errors import validation_message
     from tmax.training.inference.serving import ServerError, ServeSpec, VLLMServer, build_command
 
     console = Console(stderr=True)
-    spec = ServeSpec(
-        model=model,
-        served_model_name=served_model_name,
-        host=host,
-        port=port,
-        tool_call_parser=tool_call_parser,
-        max_model_len=max_model_len,
-        tensor_parallel_size=tensor_parallel_size,
-        device=device,
-        dtype=dtype,
-        enforce_eager=enforce_eager,
-        kv_cache_gb=kv_cache_gb,
-        cpu_threads=cpu_threads,
-        dev=dev,
-        extra_args=list(vllm_arg or []),
-    )
+    # The flags are named as the server options (`training.engine_options`); one left out
+    # keeps the option's default.
+    given = {k: v for k, v in ctx.params.items() if k in ServeSpec.model_fields and v is not None}
+    try:
+        spec = ServeSpec(**given)
+    except ValidationError as e:
+        console.print(f"[red]error:[/red] {validation_message(e)}")
+        raise typer.Exit(2) from None
     try:
         cmd = build_command(spec)
     except (ValueError, ServerError) as e:
@@ -81,6 +86,7 @@ def serve(
             console.print(f"[dim]note: {note}[/dim]")
         typer.echo(cmd.shell())
         return
+    require("tmax serve", "vllm")
 
     name = spec.served_model_name or Path(model).name
     log_path = log or Path.home() / ".cache" / "tmax" / "serve" / f"{name.replace('/', '_')}-{port}.log"

@@ -4,7 +4,8 @@ PATH is a run directory, a trial directory (its `agent/`: tmax bench or Harbor),
 trajectory file. The trajectory is chat messages (`tmax run`) or ATIF from any harness
 (tmax, mini-swe, terminus-2, Harbor's own agents), told apart by its content. Chat
 messages are parsed with the harness the run used (run.json's `harness`); ATIF steps
-carry their actions as tool calls, which are shown as they are."""
+carry their actions as tool calls, which are shown as they are. A trial directory's
+result.json (`common.harbor.TrialResult`) adds what the trial scored."""
 
 from __future__ import annotations
 
@@ -88,7 +89,34 @@ def load_run(path: Path) -> dict[str, Any]:
     meta = _read_json(run_dir / "run.json", required=False) or {}  # written by `tmax run`
     meta = {**atif_meta, **meta}
     result = _read_json(run_dir / "result.json", required=False) or {}  # written by the agent
-    return {"dir": str(run_dir), "trajectory": messages, "timing": timing, "usage": usage, "result": result, "run": meta}
+    trial = _trial_score(path) if run_dir != path else None
+    return {"dir": str(run_dir), "trajectory": messages, "timing": timing, "usage": usage, "result": result, "run": meta,
+            "trial": trial, **_compacted(run_dir)}
+
+
+def _compacted(run_dir: Path) -> dict[str, Any]:
+    """A compacted session's closed segments and its compactions ([] and [] otherwise)."""
+    from tmax.agents.records import COMPACTION, load_segments
+
+    try:
+        segments = [{"segment": s.segment, "messages": s.messages} for s in load_segments(run_dir)]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ShowError(f"{run_dir / 'segments'} holds a broken segment: {e}") from e
+    context = _read_json(run_dir / COMPACTION, required=False) or {}
+    return {"segments": segments, "compactions": list(context.get("compactions") or [])}
+
+
+def _trial_score(trial_dir: Path) -> dict[str, Any] | None:
+    """What a trial (tmax bench's or Harbor's) scored, from its result.json; None where the
+    directory holds no trial result."""
+    from tmax.common.harbor import TrialResult
+
+    r = TrialResult.parse(_read_json(trial_dir / "result.json", required=False))
+    if r is None:
+        return None
+    verdict = r.score()
+    return {"task": r.task_name, "agent": r.agent_name, "outcome": verdict.outcome, "reward": verdict.reward,
+            "passed": verdict.passed}
 
 
 def _text(content: Any) -> str:
@@ -119,85 +147,133 @@ def _show_meta(meta: dict[str, Any], display: Any) -> None:
         display.info(" · ".join(bits))
 
 
-def render(run: dict[str, Any], display: Any, show_system: bool = False) -> None:
-    from tmax.agents.harnesses import HARNESSES, make_harness
-    from tmax.cli.ui import fmt_tokens, split_exit_code
+class _Replay:
+    """Renders messages one at a time, carrying what a step needs across the segments of
+    a compacted session (the step count, what the next user message answers)."""
 
-    messages = run["trajectory"]
-    timing = {t.get("step"): t for t in run["timing"] if isinstance(t, dict)}
-    meta = run["run"]
-    # ATIF pairs each action with its observation already: its tool calls are shown as they
-    # are, whatever the harness (Harbor's terminus-2 has no tool calls in its model's replies).
-    atif = meta.get("format") == "atif"
-    harness = make_harness(meta.get("harness") if meta.get("harness") in HARNESSES else "tmax")
-    # What the next user message answers: an action given as text ("observation") or a
-    # response without a usable action ("format_error"); tool calls get tool messages.
-    pending: str | None = None
-    _show_meta(meta, display)
+    def __init__(self, run: dict[str, Any], display: Any, show_system: bool) -> None:
+        from tmax.agents.harnesses import HARNESSES, make_harness
 
-    step = 0
-    seen_task = False
-    for msg in messages:
-        role = msg.get("role")
-        content = _text(msg.get("content"))
-        answers, pending = pending, (pending if role == "system" else None)
+        self.display, self.show_system = display, show_system
+        self.meta = run["run"]
+        self.timing = {t.get("step"): t for t in run["timing"] if isinstance(t, dict)}
+        # ATIF pairs each action with its observation already: its tool calls are shown as they
+        # are, whatever the harness (Harbor's terminus-2 has no tool calls in its model's replies).
+        self.atif = self.meta.get("format") == "atif"
+        self.harness = make_harness(self.meta.get("harness") if self.meta.get("harness") in HARNESSES else "tmax")
+        # What the next user message answers: an action given as text ("observation") or a
+        # response without a usable action ("format_error"); tool calls get tool messages.
+        self.pending: str | None = None
+        self.step = 0
+        self.seen_task = False
+
+    def message(self, msg: dict[str, Any]) -> None:
+        from tmax.cli.ui import split_exit_code
+
+        role, content, display = msg.get("role"), _text(msg.get("content")), self.display
+        answers, self.pending = self.pending, (self.pending if role == "system" else None)
+        t = self.timing.get(self.step) or {}
         if role == "system":
-            if show_system:
+            if self.show_system:
                 display.feedback(content, "system prompt")
         elif role == "user":
-            if not seen_task:
-                # The first user message wraps the task in the instance template; show the
-                # task as typed when `tmax run` recorded it.
-                typed = meta.get("task") if not meta.get("resumed_from") else None  # a resume's task is its follow-up
-                display.task(typed or content)
-                seen_task = True
-            elif answers == "observation":
-                t = timing.get(step) or {}
-                display.output(content, t.get("return_code"), t.get("bash_s"))
-            elif answers == "format_error" or content.startswith("Format error"):
-                display.format_error(content)
-            else:
-                # A rejected command's reason, guidance or a follow-up task.
-                display.feedback(content, "user")
+            self._user(content, answers, t)
         elif role == "assistant":
-            step += 1
-            display.step_header(step)
-            display.thought(content)
-            if atif:
-                for call in msg.get("tool_calls") or []:
-                    display.command(_call_text(call))
-                pending = "observation"
-                continue
-            action = harness.parse(msg)
-            pending = "format_error" if action.command is None else (None if action.tool_call_id else "observation")
-            if action.command is not None:
-                display.command(action.command)
-            else:
-                display.warn(f"(no valid bash call: {action.error})")
-            t = timing.get(step) or {}
-            if t.get("llm_s") is not None:
-                display.note(f"model {t['llm_s']}s")
+            self._assistant(msg, content)
         elif role == "tool":
             body, code = split_exit_code(content)
-            t = timing.get(step) or {}
-            if code is None:
-                code = t.get("return_code")
-            display.output(body, code, t.get("bash_s"))
-    summary = [f"{step} steps"]
-    status = (run["result"] or {}).get("status") or (meta or {}).get("status")
+            display.output(body, t.get("return_code") if code is None else code, t.get("bash_s"))
+
+    def _user(self, content: str, answers: str | None, t: dict[str, Any]) -> None:
+        if not self.seen_task:
+            # The first user message wraps the task in the instance template; show the
+            # task as typed when `tmax run` recorded it.
+            typed = self.meta.get("task") if not self.meta.get("resumed_from") else None  # a resume's task is its follow-up
+            self.display.task(typed or content)
+            self.seen_task = True
+        elif answers == "observation":
+            self.display.output(content, t.get("return_code"), t.get("bash_s"))
+        elif answers == "format_error" or content.startswith("Format error"):
+            self.display.format_error(content)
+        else:
+            # A rejected command's reason, guidance or a follow-up task.
+            self.display.feedback(content, "user")
+
+    def _assistant(self, msg: dict[str, Any], content: str) -> None:
+        display = self.display
+        self.step += 1
+        display.step_header(self.step)
+        display.thought(content)
+        if self.atif:
+            for call in msg.get("tool_calls") or []:
+                display.command(_call_text(call))
+            self.pending = "observation"
+            return
+        action = self.harness.parse(msg)
+        self.pending = "format_error" if action.command is None else (None if action.tool_call_id else "observation")
+        if action.command is not None:
+            display.command(action.command)
+        else:
+            display.warn(f"(no valid bash call: {action.error})")
+        t = self.timing.get(self.step) or {}
+        if t.get("llm_s") is not None:
+            display.note(f"model {t['llm_s']}s")
+
+
+def _parts(run: dict[str, Any]) -> list[tuple[list[dict[str, Any]], Any]]:
+    """(messages to show, the compaction that ended them or None) per context of the run:
+    the segments compactions closed, then trajectory.json. A context that follows one shown
+    here starts with what its compaction carried and kept, shown already (a resumed run's
+    first context starts with it too, and is shown whole)."""
+    from tmax.agents.compaction import CompactionRecord
+
+    done = {c.segment: c for c in map(CompactionRecord.model_validate, run["compactions"]) if c.ok}
+    contexts = [*((s["segment"], s["messages"]) for s in run["segments"]), (len(done) + 1, run["trajectory"])]
+    shown = {n for n, _ in contexts}
+    parts = []
+    for n, messages in contexts:
+        start = done.get(n - 1) if n - 1 in shown else None
+        skip = start.prefix + start.kept_messages if start is not None else 0
+        parts.append((messages[skip:], done.get(n)))
+    return parts
+
+
+def render(run: dict[str, Any], display: Any, show_system: bool = False) -> None:
+    _show_meta(run["run"], display)
+    replay = _Replay(run, display, show_system)
+    for messages, compaction in _parts(run):
+        for msg in messages:
+            replay.message(msg)
+        if compaction is not None:
+            display.compaction(compaction)
+    display.info(" · ".join(_summary(run, replay.step)))
+    error = (run["result"] or {}).get("error") or (run["run"] or {}).get("error")
+    if error:
+        display.warn(f"error: {error}")
+
+
+def _summary(run: dict[str, Any], steps: int) -> list[str]:
+    """The closing line's parts: what the trial scored, the agent's status, steps, tokens."""
+    from tmax.cli.ui import fmt_tokens
+
+    summary = [f"{steps} steps"]
+    status = (run["result"] or {}).get("status") or (run["run"] or {}).get("status")
     if status:
         summary.insert(0, str(status))
+    trial = run.get("trial")
+    if trial:
+        reward = "-" if trial["reward"] is None else f"{trial['reward']:g}"
+        summary.insert(0, f"trial {trial['outcome']}, reward {reward}")
+    compactions = [c for c in run["compactions"] if c.get("ok")]
+    if compactions:
+        summary.append(f"{len(compactions)} compaction{'s' if len(compactions) > 1 else ''}")
     usage = run["usage"]
     if usage:
         summary.append(
             f"tokens: {fmt_tokens(int(usage.get('prompt_tokens') or 0))} prompt, "
             f"{fmt_tokens(int(usage.get('completion_tokens') or 0))} completion"
         )
-    error = (run["result"] or {}).get("error") or (meta or {}).get("error")
-    display.info(" · ".join(summary))
-    if error:
-        display.warn(f"error: {error}")
-
+    return summary
 
 def show(
     path: Path = typer.Argument(..., help="A run directory, a trial directory, or a trajectory file "
@@ -237,7 +313,10 @@ def _export(path: Path, kind: str) -> None:
         raise typer.Exit(2)
     for d in dirs:
         try:
-            typer.echo(export_line(load_run(d)["trajectory"]))
+            run = load_run(d)
+            # A compacted session: one conversation per context, as the model saw each.
+            for messages in [*(s["messages"] for s in run["segments"]), run["trajectory"]]:
+                typer.echo(export_line(messages))
         except ShowError as e:
             typer.secho(f"tmax show: {e}", err=True, fg="red")
             raise typer.Exit(2) from None

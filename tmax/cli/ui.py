@@ -33,13 +33,23 @@ _EXIT_RE = re.compile(r"\n*\(exit_code=(-?\d+)\)\s*$")
 HELP = (
     "At a command: Enter runs it, other text rejects it and tells the model why. "
     "Anywhere: /y yolo (run without asking) · /c confirm each command · /undo [K] restore the files from "
-    "before the last K commands (with --undo-steps) · /good, /bad rate the session · /q quit · /h help · "
+    "before the last K commands (with --undo-steps) · /compact [what to keep in focus] summarise the session "
+    "now · /usage tokens, cost and context so far · /good, /bad rate the session · /q quit · /h help · "
     "Ctrl-C interrupts the model or the command; a second Ctrl-C kills a command that ignores it."
 )
 
 
 def fmt_tokens(n: int) -> str:
     return f"{n / 1000:.1f}k" if n >= 10_000 else str(n)
+
+
+def fmt_context(c: Any) -> str:
+    """`agents.compaction.ContextUse` in a few words: used, window, left."""
+    return f"context {fmt_tokens(c.used)} of {fmt_tokens(c.window)} ({fmt_tokens(c.left)} left)"
+
+
+def fmt_cost(usd: float) -> str:
+    return f"${usd:.4f}" if usd < 1 else f"${usd:.2f}"
 
 
 def clip_lines(text: str, head: int = SCREEN_HEAD_LINES, tail: int = SCREEN_TAIL_LINES, where: str = "the trajectory") -> str:
@@ -167,14 +177,43 @@ class Display:
             )
         )
 
-    def usage(self, turn: Any, total: Any, latency_s: float | None = None) -> None:
-        line = (
-            f"tokens: {fmt_tokens(turn.prompt_tokens)} prompt + {fmt_tokens(turn.completion_tokens)} completion"
-            f" · session {fmt_tokens(total.prompt_tokens)} / {fmt_tokens(total.completion_tokens)}"
-        )
+    def usage(self, turn: Any, total: Any, latency_s: float | None = None, context: Any = None) -> None:
+        """After a turn: its tokens, the context window's use, the session's totals and cost."""
+        line = f"tokens: {fmt_tokens(turn.prompt_tokens)} prompt + {fmt_tokens(turn.completion_tokens)} completion"
+        if context is not None:
+            line += f" · {fmt_context(context)}"
+        line += f" · session {fmt_tokens(total.prompt_tokens)} / {fmt_tokens(total.completion_tokens)}"
+        if total.cost_usd:
+            line += f" · {fmt_cost(total.cost_usd)}"
         if latency_s:
             line += f" · model {latency_s:.1f}s"
         self.console.print(Text(line, style="dim"))
+
+    def usage_report(self, total: Any, context: Any) -> None:
+        """`/usage`: the session's totals so far."""
+        cost = fmt_cost(total.cost_usd) if total.cost_usd else "not known (no prices: price_input / price_output in the config)"
+        lines = [f"Session: {total.prompt_tokens:,} prompt + {total.completion_tokens:,} completion tokens"
+                 f" ({total.reasoning_tokens:,} reasoning) · cost {cost}"]
+        if context is not None:
+            auto = (f"compacts at {context.threshold:.0%} ({fmt_tokens(int(context.threshold * context.window))})"
+                    if context.threshold else "automatic compaction off")
+            lines.append(f"Context: {context.used:,} of {context.window:,} tokens used, {context.left:,} left · {auto}"
+                         f" · compactions so far: {context.compactions}")
+        self.console.print(Panel(Text("\n".join(lines)), title="usage", title_align="left", border_style="cyan"))
+
+    def compaction(self, record: Any) -> None:
+        """A compaction (`agents.compaction.CompactionRecord`), done or failed."""
+        how = "automatic" if record.reason == "auto" else "on request"
+        if not record.ok:
+            self.warn(f"Compaction ({how}) failed: {record.error}. The session keeps its whole context "
+                      f"({fmt_tokens(record.tokens_before)} of {fmt_tokens(record.window)} tokens).")
+            return
+        after = f"{'~' if record.estimated else ''}{fmt_tokens(record.tokens_after or 0)}"
+        kept = f"the task, {record.follow_ups} follow-up(s) and the last {record.kept_turns} turn(s)"
+        head = (f"Context compacted ({how}, at {record.tokens_before / record.window:.0%} of the window): "
+                f"{fmt_tokens(record.tokens_before)} -> {after} tokens. Kept word for word: {kept}.")
+        body = Group(Text(head, style="bold"), Text(record.summary, style="dim"))
+        self.console.print(Panel(body, title=f"compaction {record.segment}", title_align="left", border_style="magenta"))
 
     def feedback(self, text: str, title: str) -> None:
         self.console.print(Panel(Text(text), title=title, title_align="left", border_style="blue"))

@@ -1,4 +1,5 @@
-"""Files that readers never see half-written, and JSON read without raising.
+"""Files that readers never see half-written, JSON read without raising, and TOML config
+files read with a clear error.
 
 Every results file of tmax is written to a temporary name in its directory and renamed over
 the old one, so a crash or a kill leaves the old content or the new, never half of one."""
@@ -9,7 +10,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 def cache_dir() -> Path:
@@ -49,3 +50,40 @@ def read_json(path: Path) -> Any:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """A config file's TOML; ConfigError, naming the file, where it is missing, unreadable or
+    not TOML."""
+    import tomllib
+
+    from tmax.common.errors import ConfigError
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {p}: {e}") from None
+
+
+def trim_jsonl(path: Path, keep: Callable[[Any], bool] | None = None) -> int:
+    """Rewrite a JSONL record atomically with only its complete lines (and of those, the ones
+    `keep(record)` accepts); returns how many lines were dropped. A missing file is left be."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash
+        if keep is None or keep(record):
+            kept.append(line)
+    write_text_atomic(path, "".join(line + "\n" for line in kept))
+    return len(lines) - len(kept)

@@ -133,7 +133,10 @@ class OverlayPool:
 
     def __init__(self, slots: int, ahead: int = 0, host_labels: dict[str, str] | None = None,
                  idle_s: float = DEFAULT_IDLE_S, root: Path | None = None, close_in_background: bool = True):
-        self.capacity = max(1, slots)  # episodes at once in a host this pool starts (with cgroups)
+        self.slots = max(1, slots)  # episodes at once in a host this pool starts (with cgroups)
+        # As `WarmPool.capacity`: the running episodes and those started ahead (what
+        # `sandbox.pool.WarmAhead` fills up to); here a host each, unless one is running.
+        self.capacity = self.slots + max(0, ahead)
         self.host_labels = dict(host_labels or {})
         self.idle_s = idle_s
         try:
@@ -222,7 +225,7 @@ class OverlayPool:
 
     def _start_host(self, hkey: str, spec: SandboxSpec) -> HostInfo:
         """A new host of `hkey` (the caller holds the key's start lock)."""
-        capacity = self.capacity if cgroups_possible(spec) else 1
+        capacity = self.slots if cgroups_possible(spec) else 1
         labels = {**self.host_labels, OVERLAY_LABEL: hkey}
         host_spec = replace(spec, labels=labels, name=None)
         state_dir = self.registry.root / hkey

@@ -7,20 +7,26 @@ does not wait for a container to start.
 
 `WarmPool` serves many environments (a key per task image and limits) under one cap on
 the sandboxes alive at once; `prewarm(key, factory)` starts one for an episode that is
-coming. `SandboxPool` is the one-environment case that keeps `warm` sandboxes ready.
+coming. `WarmAhead` decides which coming episodes get one: the next in line, as many as
+the pool holds beyond the running ones (bench jobs, held-out evals, SFT demonstrations and
+the RL loop alike). `SandboxPool` is the one-environment case that keeps `warm` sandboxes
+ready.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Generic, TypeVar
 
 from tmax.sandbox import make_sandbox
 from tmax.sandbox.base import Sandbox, SandboxError, SandboxSpec
 
 Factory = Callable[[], Sandbox]
+T = TypeVar("T")
 
 
 def _started(factory: Factory) -> Sandbox:
@@ -223,6 +229,40 @@ class WarmPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class WarmAhead(Generic[T]):
+    """Starts sandboxes ahead for the episodes next in line, `depth` of them at most.
+
+    `start(item) -> bool` starts one coming episode's sandbox (in a `WarmPool`, which does
+    it in the background); False when there was no room. `fill(upcoming)`, given the coming
+    episodes in the order they will begin, starts one for each of the first `depth` that has
+    none yet (each item once, told apart by `key`); a start that found no room is given back,
+    for a later fill to try again."""
+
+    def __init__(self, depth: int, start: Callable[[T], bool], key: Callable[[T], Hashable] = lambda item: item):
+        self.depth, self.start, self.key = max(0, depth), start, key
+        self._claimed: set[Hashable] = set()
+        self._lock = threading.Lock()
+
+    def fill(self, upcoming: Iterable[T]) -> int:
+        """Start sandboxes for the next in line; how many were started."""
+        with self._lock:
+            picked = [item for item in itertools.islice(upcoming, self.depth) if self.key(item) not in self._claimed]
+            self._claimed.update(self.key(item) for item in picked)
+        started = 0
+        for item in picked:
+            if self.start(item):
+                started += 1
+            else:
+                with self._lock:
+                    self._claimed.discard(self.key(item))
+        return started
+
+    def fill_after(self, items: Sequence[T], index: int, running: int) -> int:
+        """Episode `index` of `items`, which run in order `running` at a time, begins: the
+        ones after the running ones are next in line."""
+        return self.fill(itertools.islice(items, max(index + 1, running), None))
 
 
 class SandboxPool(WarmPool):

@@ -27,26 +27,11 @@ import tarfile
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from tmax.sandbox.base import IMAGE_USER, LABEL_KEY, LABEL_VALUE, SandboxError
+from tmax.sandbox.undo_store import Restored, SnapshotStore
 from tmax.sandbox.watched import JAIL_TMP_IGNORED, OWN_PREFIX, WatchedSnapshots
-
-
-
-
-class SnapshotStore(Protocol):
-    def save(self, n: int) -> None:
-        """Snapshot the current state as number n."""
-        ...
-
-    def restore(self, n: int) -> "Restored":
-        """Put snapshot n back; says which paths that changed."""
-        ...
-
-    def drop(self, n: int) -> None: ...
-
-    def close(self) -> None: ...
 
 
 def _run(argv: list[str], what: str, cwd: Path | None = None) -> bytes:
@@ -54,22 +39,6 @@ def _run(argv: list[str], what: str, cwd: Path | None = None) -> bytes:
     if r.returncode != 0:
         raise SandboxError(f"undo: {what} failed: {r.stderr.decode(errors='replace').strip()[-500:]}")
     return r.stdout
-
-
-@dataclass
-class Restored:
-    """What a restore changed, as paths seen inside the sandbox."""
-
-    changed: list[str] = field(default_factory=list)  # put back as they were
-    removed: list[str] = field(default_factory=list)  # created since the snapshot: deleted
-    recreated: list[str] = field(default_factory=list)  # deleted since the snapshot: back
-
-    def __add__(self, other: "Restored") -> "Restored":
-        return Restored(self.changed + other.changed, self.removed + other.removed, self.recreated + other.recreated)
-
-    @property
-    def empty(self) -> bool:
-        return not (self.changed or self.removed or self.recreated)
 
 
 class SnapshotGroup:

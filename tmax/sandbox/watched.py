@@ -31,6 +31,7 @@ from pathlib import Path
 from inotify_simple import INotify, flags
 
 from tmax.sandbox.base import NAME_PREFIX, SandboxError
+from tmax.sandbox.undo_store import Restored
 
 WATCHED = (flags.CREATE | flags.DELETE | flags.MODIFY | flags.CLOSE_WRITE | flags.MOVED_FROM | flags.MOVED_TO
            | flags.ATTRIB | flags.DELETE_SELF | flags.DONT_FOLLOW | flags.EXCL_UNLINK)
@@ -201,9 +202,7 @@ class WatchedSnapshots:
         self.current = n
         self.entries[n] = PreImages(self.store / f"pre-{n}")
 
-    def restore(self, n: int) -> "Restored":
-        from tmax.sandbox.snapshot import Restored
-
+    def restore(self, n: int) -> Restored:
         self._flush()
         undone = [self.entries.pop(j) for j in sorted((j for j in self.entries if j >= n), reverse=True)]
         before = {rel: _kind(self.root / rel) for entry in undone for rel in entry.was}

@@ -3,8 +3,10 @@
 Per job: pass@1 and pass@k (k = the smallest number of scored attempts any task has), each
 the mean over tasks of the unbiased per-task estimate, with a 95 % interval whose method
 is named (`tasks.scoring.rate_interval`: exact for few tasks, a nested bootstrap for
-many); mean steps, tokens and wall time per trial. Infrastructure errors are not the
-agent's: they are left out of every rate and counted apart.
+many); mean steps, tokens and wall time per trial. A trial passed when its verifier's
+reward is 1, whether or not its agent timed out (`common.harbor.TrialResult.score`, the
+rule `bench report` uses too). Infrastructure errors are not the agent's: they are left
+out of every rate and counted apart.
 
 Per pair of jobs (A, B), on the tasks both scored, each task becomes one paired 0/1
 outcome per job: *solved* when more than half of its scored attempts passed (one attempt:
@@ -18,15 +20,14 @@ Job directories come from tmax, Harbor or other agents (`tasks.job_dirs.load_job
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
 from math import comb
 from pathlib import Path
 
+from tmax.common.harbor import JobConfig, TrialResult
 from tmax.tasks.job_dirs import load_job_results
-from tmax.tasks.scoring import pass_at_k, rate_interval
+from tmax.tasks.scoring import TrialRow, pass_at_k, rate_interval, score
 
 SOLVED_RULE = "a task is solved when more than half of its scored attempts passed"
-INFRA = "infra_error"
 
 
 @dataclass
@@ -71,49 +72,42 @@ def mcnemar_exact(b: int, c: int) -> float:
     return min(1.0, 2 * tail)
 
 
-def _seconds(r: dict) -> float | None:
-    try:
-        return (datetime.fromisoformat(r["finished_at"]) - datetime.fromisoformat(r["started_at"])).total_seconds()
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def _steps(r: dict) -> int | None:
-    """Agent steps of a trial: tmax's metadata, else the ATIF's agent-step count (any harness)."""
-    meta = (r.get("agent_result") or {}).get("metadata") or {}  # Harbor writes "metadata": null
-    if isinstance(meta.get("steps"), int):
-        return meta["steps"]
-    return r.get("tmax", {}).get("agent_steps")
-
-
 def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def _agent(cfg: JobConfig, results: list[TrialResult]) -> tuple[str, str | None]:
+    """(agent, model) of a job: what its trials name (their config, else the name an
+    import-path agent gave), else the job's config."""
+    agent = next((r.agent_name for r in results if r.agent_name), None)
+    model = next((r.model_name for r in results if r.model_name), None)
+    first = cfg.agent
+    if first is not None:
+        agent = agent or first.name or first.import_path
+        model = model or first.model_name
+    return agent or "?", model
+
+
 def summarize_job(job_dir: Path) -> JobSummary:
     cfg, results = load_job_results(job_dir)
-    per_task: dict[str, tuple[int, int]] = {}
-    scored = [r for r in results if r["tmax"].get("outcome") != INFRA]
-    for r in scored:
-        n, c = per_task.get(r["task_name"], (0, 0))
-        per_task[r["task_name"]] = (n + 1, c + (r["tmax"].get("outcome") == "pass"))
+    # The report's rule and numbers: pass@k per task over its scored attempts (`scoring.score`).
+    per_task = {t.task: (t.n_scored, t.successes) for t in score([TrialRow.of(r) for r in results], interval=False).tasks
+                if t.n_scored}
+    scored = [r for r in results if not r.score().infra]
     k = min((n for n, _ in per_task.values()), default=1)
     at1 = [pass_at_k(n, c, 1) for n, c in per_task.values()]
     atk = [pass_at_k(n, c, k) for n, c in per_task.values()]
     ci1, method = rate_interval(list(per_task.values()), 1)
     cik, _ = rate_interval(list(per_task.values()), k)
-    agents = cfg.get("agents")
-    agent = (agents[0] or {}) if isinstance(agents, list) and agents else {}
-    steps = [float(s) for r in scored if isinstance(s := _steps(r), int)]
-    tokens = [float((r.get("agent_result") or {}).get("n_input_tokens") or 0)
-              + float((r.get("agent_result") or {}).get("n_output_tokens") or 0) for r in scored]
-    walls = [s for r in scored if (s := _seconds(r)) is not None]
+    agent, model = _agent(cfg, results)
+    steps = [float(s) for r in scored if (s := r.agent_steps) is not None]
+    walls = [s for r in scored if (s := r.wall_s) is not None]
     return JobSummary(
-        name=job_dir.name, path=str(job_dir), agent=str(agent.get("name") or "?"), model=agent.get("model_name"),
+        name=job_dir.name, path=str(job_dir), agent=agent, model=model,
         n_trials=len(results), n_infra_errors=len(results) - len(scored), k=k,
-        pass_at_1=_mean(at1) or 0.0, pass_at_1_ci=ci1, pass_at_k=_mean(atk) or 0.0,
-        pass_at_k_ci=cik, ci_method=method, mean_steps=_mean(steps), mean_tokens=_mean(tokens), mean_wall_s=_mean(walls),
-        per_task=per_task)
+        pass_at_1=_mean(at1) or 0.0, pass_at_1_ci=ci1, pass_at_k=_mean(atk) or 0.0, pass_at_k_ci=cik,
+        ci_method=method, mean_steps=_mean(steps), mean_tokens=_mean([float(r.n_tokens) for r in scored]),
+        mean_wall_s=_mean(walls), per_task=per_task)
 
 
 def _solved(nc: tuple[int, int]) -> bool:
@@ -142,6 +136,9 @@ class Comparison:
 
 def compare_jobs(job_dirs: list[Path]) -> Comparison:
     jobs = [summarize_job(Path(d)) for d in job_dirs]
+    if len({j.name for j in jobs}) < len(jobs):  # e.g. <model>/terminal-bench-2-0: name them by their parent too
+        for j, d in zip(jobs, job_dirs):
+            j.name = f"{Path(d).resolve().parent.name}/{j.name}"
     pairs = [compare_pair(jobs[i], jobs[j]) for i in range(len(jobs)) for j in range(i + 1, len(jobs))]
     return Comparison(jobs, pairs)
 

@@ -10,6 +10,9 @@ that already have a result and runs only the others. The identity leaves out vol
 things (endpoint URL, concurrency, output paths), so a new vLLM port does not throw
 finished trials away. Cancelled trials and, with `retry_infra`, infrastructure errors
 are rerun; an old attempt is moved to `.retries/`, never silently deleted.
+
+Every file is read and written as its typed record (`common.harbor`), and what a trial
+scored is `TrialResult.score`, for progress, the job's scores and resume alike.
 """
 
 from __future__ import annotations
@@ -20,31 +23,30 @@ import shutil
 import threading
 import time
 import uuid
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from pydantic import BaseModel, Field, field_validator
 
+from tmax.agents.settings import AgentSettings, renamed_keys
+from tmax.common import harbor
 from tmax.common.files import read_json, write_json_atomic
+from tmax.common.harbor import CANCELLED, INFRA_ERROR, TrialResult
 from tmax.sandbox.base import KINDS
+from tmax.sandbox.pool import WarmAhead
 from tmax.tasks.dataset import load_tasks
+from tmax.tasks.job_runner import Finished, JobError, JobItem, JobRunner
 from tmax.tasks.model import Task
 from tmax.tasks.offline import default_config
 from tmax.tasks.runners import make_agent
-from tmax.tasks.scoring import score
-from tmax.tasks.trial import (
-    CANCELLED, JOB_LABEL, TrialEnv, TrialPlan, now_iso, prewarm_trial, run_trial, wait_for_closes,
-)
+from tmax.tasks.scoring import Score, TrialRow, score
+from tmax.tasks.trial import JOB_LABEL, TrialEnv, TrialPlan, now_iso, prewarm_trial, run_trial, wait_for_closes
 
 # Fields that do not change what a trial means; they stay out of the identity.
 VOLATILE = {"base_url", "n_concurrent", "jobs_dir", "job_name", "created_at", "retry_infra", "api_key_env",
             "warm_ahead", "overlay"}
 
-
-class JobError(ValueError):
-    pass
 
 
 class JobConfig(BaseModel):
@@ -58,6 +60,8 @@ class JobConfig(BaseModel):
     model: str | None = None
     base_url: str | None = None
     api_key_env: str = "OPENAI_API_KEY"  # the key itself is never written to disk
+    # Agent settings (`agents.settings`: `--ak`, `tmax bench run --config`) as given, under
+    # their current names: what the job's identity and config.json keep (`agent_settings`: typed).
     agent_kwargs: dict[str, Any] = Field(default_factory=dict)
     n_attempts: int = Field(1, ge=1)
     n_concurrent: int = Field(1, ge=1)
@@ -76,6 +80,17 @@ class JobConfig(BaseModel):
     overlay: bool = True
     created_at: str | None = None
 
+    @field_validator("agent_kwargs")
+    @classmethod
+    def _agent_settings(cls, v: dict[str, Any]) -> dict[str, Any]:
+        v = renamed_keys(v)
+        AgentSettings.from_settings(v)  # a name or value that is no agent setting fails before any trial
+        return v
+
+    @property
+    def agent_settings(self) -> AgentSettings:
+        return AgentSettings.from_settings(self.agent_kwargs)
+
     @field_validator("environment")
     @classmethod
     def _known_environment(cls, v: str) -> str:
@@ -92,11 +107,11 @@ class JobConfig(BaseModel):
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def harbor_environment(kind: str) -> dict[str, str | None]:
+def harbor_environment(kind: str, **extra: Any) -> harbor.EnvironmentConfig:
     """Harbor knows podman by type; the host sandboxes are named by where they live."""
     if kind == "podman":
-        return {"type": "podman"}
-    return {"type": None, "import_path": f"tmax.sandbox.{kind}", "kind": kind}
+        return harbor.EnvironmentConfig(type="podman", delete=True, **extra)
+    return harbor.EnvironmentConfig(type=None, import_path=f"tmax.sandbox.{kind}", kind=kind, delete=True, **extra)
 
 
 def dataset_source(dataset: str) -> str | None:
@@ -139,7 +154,18 @@ class Progress:
         return avg * (self.queued + self.running / 2) / max(1, n_concurrent)
 
 
-ProgressFn = Callable[[str, Progress, dict | None], None]
+ProgressFn = Callable[[str, Progress, TrialResult | dict | None], None]
+
+
+def read_job_config(job_dir: Path) -> harbor.JobConfig:
+    """A job directory's config.json (tmax's, Harbor's or another agent's)."""
+    data = read_json(job_dir / "config.json")
+    if data is None:
+        raise JobError(f"{job_dir}: not a job directory (no readable config.json)")
+    cfg = harbor.JobConfig.parse(data)
+    if cfg is None:
+        raise JobError(f"{job_dir}/config.json is not a job's config (expected Harbor's JobConfig fields)")
+    return cfg
 
 
 
@@ -161,33 +187,28 @@ class Job:
         self.cancel = threading.Event()
         self._lock = threading.Lock()
         self._sandboxes: dict[str, Any] = {}
-        self._pool: Any = None  # the warm pool of a running job (`_warm_pool`)
+        self._live: _Live | None = None  # what a running job's trials share (`_start_live`)
         self.rewrite = default_config(config.image_map)
         self.agent = make_agent(config.agent, self.rewrite, config.model, config.base_url, api_key,
-                                config.agent_kwargs)
+                                config.agent_settings)
         self._plans: list[TrialPlan] | None = None  # made once (`plans`): the job rescores after every trial
 
     # --- the job directory -------------------------------------------------------------
     @classmethod
     def open(cls, job_dir: Path, **overrides: Any) -> "Job":
         """Reopen an existing job (for `tmax bench resume`), optionally with a new endpoint."""
-        data = read_json(job_dir / "config.json")
-        if data is None:
-            raise JobError(f"{job_dir}: not a job directory (no readable config.json)")
-        cfg = dict(data.get("tmax_job") or {})
-        if not cfg:
+        stored = read_job_config(job_dir).tmax_job
+        if not stored:
             raise JobError(f"{job_dir}/config.json was not written by tmax bench (a Harbor job resumes with "
                            "`harbor job resume`; report and compare read it as it is)")
-        env = overrides.get("environment")
-        if env is not None and env != cfg.get("environment", "podman"):
-            raise JobError(f"{job_dir} runs its trials with -e {cfg.get('environment', 'podman')}, not {env}: the "
-                           "environment is part of a job's identity (start a new job to use another)")
-        cfg.update({k: v for k, v in overrides.items() if v is not None})
-        cfg["jobs_dir"] = str(job_dir.parent)
-        cfg["job_name"] = job_dir.name
         api_key = overrides.pop("api_key", None)
-        cfg.pop("api_key", None)
-        return cls(JobConfig(**cfg), api_key=api_key)
+        cfg = JobConfig.model_validate({**stored, "jobs_dir": str(job_dir.parent), "job_name": job_dir.name})
+        env = overrides.get("environment")
+        if env is not None and env != cfg.environment:
+            raise JobError(f"{job_dir} runs its trials with -e {cfg.environment}, not {env}: the "
+                           "environment is part of a job's identity (start a new job to use another)")
+        updates = {k: v for k, v in overrides.items() if v is not None}
+        return cls(JobConfig.model_validate({**cfg.model_dump(), **updates}), api_key=api_key)
 
     def plans(self) -> list[TrialPlan]:
         if self._plans is None:
@@ -200,103 +221,79 @@ class Job:
         for task in self.tasks:
             for attempt in range(self.config.n_attempts):
                 name = trial_name(self.identity, task.name, attempt)
-                cfg = {
+                cfg = harbor.TrialConfig(
                     # Harbor's TaskConfig takes a path or a registry name, never both.
-                    "task": {"path": str(task.path), "source": source,
-                             "checksum": self.checksums[task.name]},
-                    "trial_name": name,
-                    "trials_dir": str(self.dir),
-                    "attempt": attempt,
-                    "timeout_multiplier": self.config.timeout_multiplier,
-                    "agent": {"name": self.config.agent, "model_name": self.config.model,
-                              "kwargs": self.config.agent_kwargs},
-                    "environment": {**harbor_environment(self.sandbox_kind), "image_map": self.config.image_map,
-                                    "delete": True},
-                    "verifier": {"offline_rewrite": True},
-                    "job_id": self.job_id,
-                }
+                    task=harbor.TaskConfig(path=str(task.path), source=source, checksum=self.checksums[task.name]),
+                    trial_name=name, trials_dir=str(self.dir), attempt=attempt,
+                    timeout_multiplier=self.config.timeout_multiplier,
+                    agent=harbor.AgentConfig(name=self.config.agent, model_name=self.config.model,
+                                             kwargs=self.config.agent_kwargs),
+                    environment=harbor_environment(self.sandbox_kind, image_map=self.config.image_map),
+                    verifier=harbor.VerifierConfig(offline_rewrite=True),
+                    job_id=self.job_id,
+                )
                 out.append(TrialPlan(task, attempt, name, self.dir / name, self.config.job_name, cfg))
         return out
 
     def _write_config(self) -> None:
-        existing = read_json(self.dir / "config.json")
+        path = self.dir / "config.json"
+        existing = read_job_config(self.dir) if path.exists() else None
         if existing is not None:
-            if existing.get("tmax_identity") != self.identity:
+            if existing.tmax_identity != self.identity:
                 raise JobError(
                     f"job {self.dir} already exists with a different configuration (agent, model, tasks, "
                     f"attempts or task contents differ). Use another --job-name, or `tmax bench resume "
                     f"{self.dir}` to continue it as it was.")
-            created = existing.get("tmax_job", {}).get("created_at")
+            created = JobConfig.model_validate(existing.tmax_job).created_at
         else:
             created = now_iso()
         self.config.created_at = created
-        cfg = self.config.model_dump()
-        write_json_atomic(self.dir / "config.json", {
-            "job_name": self.config.job_name,
-            "jobs_dir": self.config.jobs_dir,
-            "n_attempts": self.config.n_attempts,
-            "n_concurrent_trials": self.config.n_concurrent,
-            "timeout_multiplier": self.config.timeout_multiplier,
-            "agents": [{"name": self.config.agent, "model_name": self.config.model,
-                        "kwargs": {**self.config.agent_kwargs,
-                                   **({"api_base": self.config.base_url} if self.config.base_url else {})}}],
-            "datasets": [{"path": self.config.dataset}],
-            "environment": {**harbor_environment(self.sandbox_kind), "delete": True},
-            "tmax_identity": self.identity,
-            "tmax_job": cfg,
-        })
+        endpoint = {"api_base": self.config.base_url} if self.config.base_url else {}
+        cfg = harbor.JobConfig(
+            job_name=self.config.job_name, jobs_dir=self.config.jobs_dir, n_attempts=self.config.n_attempts,
+            n_concurrent_trials=self.config.n_concurrent, timeout_multiplier=self.config.timeout_multiplier,
+            agents=[harbor.AgentConfig(name=self.config.agent, model_name=self.config.model,
+                                       kwargs={**self.config.agent_kwargs, **endpoint})],
+            datasets=[harbor.DatasetConfig(path=self.config.dataset)],
+            environment=harbor_environment(self.sandbox_kind),
+            tmax_identity=self.identity, tmax_job=self.config.model_dump())
+        write_json_atomic(path, cfg.dump())
 
-    def results(self) -> list[dict]:
+    def _trials(self) -> list[tuple[TrialPlan, TrialResult | None]]:
+        """Each trial of the plan with its result.json (None: none yet, or not readable)."""
+        return [(p, TrialResult.parse(read_json(p.trial_dir / "result.json"))) for p in self.plans()]
+
+    def results(self) -> list[TrialResult]:
         """Finished trials of this job's plan (cancelled ones are not finished)."""
-        out = []
-        for p in self.plans():
-            r = read_json(p.trial_dir / "result.json")
-            if r and r.get("tmax", {}).get("outcome") not in (None, CANCELLED):
-                out.append(r)
-        return out
+        return [r for _, r in self._trials() if r is not None and r.score().outcome != CANCELLED]
 
-    def write_result(self, progress: Progress | None = None, finished: bool = False) -> dict:
-        plans = self.plans()
-        results = []
-        n_cancelled = 0
-        for p in plans:
-            r = read_json(p.trial_dir / "result.json")
-            if r is None:
-                continue
-            if r.get("tmax", {}).get("outcome") == CANCELLED:
-                n_cancelled += 1
-            else:
-                results.append(r)
+    def write_result(self, progress: Progress | None = None, finished: bool = False) -> harbor.JobResult:
+        """Rewrite the job's result.json (Harbor 0.26's JobResult, tmax's scores in `tmax_score`)."""
+        trials = self._trials()
+        done = [r for _, r in trials if r is not None]
+        results = [r for r in done if r.score().outcome != CANCELLED]
         # The interval once the job has finished: not after every trial (see `score`).
-        sc = score([trial_row(r) for r in results], interval=finished) if results else None
+        sc = score([TrialRow.of(r) for r in results], interval=finished) if results else None
         running = progress.running if progress else 0
-        existing = read_json(self.dir / "result.json") or {}
-        n_errored = sum(1 for r in results if r.get("exception_info"))
-        tokens = {k: sum(int((r.get("agent_result") or {}).get(k) or 0) for r in results)
-                  for k in ("n_input_tokens", "n_cache_tokens", "n_output_tokens")}
-        # Harbor 0.26's JobResult: counts, scores and tokens all under "stats".
-        data = {
-            "schema_version": 1,
-            "id": self.job_id,
-            "started_at": existing.get("started_at") or now_iso(),
-            "updated_at": now_iso(),
-            "finished_at": now_iso() if finished else None,
-            "n_total_trials": len(plans),
-            "stats": {
-                "n_completed_trials": len(results),
-                "n_errored_trials": n_errored,
-                "n_running_trials": running,
-                "n_pending_trials": max(0, len(plans) - len(results) - running),
-                "n_cancelled_trials": n_cancelled,
-                "n_retries": len(list((self.dir / ".retries").glob("*"))) if (self.dir / ".retries").is_dir() else 0,
-                "evals": {self._evals_key(): _eval_stats(results, sc)} if results else {},
-                **tokens,
-                "cost_usd": None,
-            },
-            "trial_results": [],
-            "tmax_score": sc.to_dict() if sc else None,
-        }
-        write_json_atomic(self.dir / "result.json", data)
+        existing = harbor.JobResult.parse(read_json(self.dir / "result.json"))
+        retries = self.dir / ".retries"
+        stats = harbor.JobStats(
+            n_completed_trials=len(results),
+            n_errored_trials=sum(1 for r in results if r.exception_info),
+            n_running_trials=running,
+            n_pending_trials=max(0, len(trials) - len(results) - running),
+            n_cancelled_trials=len(done) - len(results),
+            n_retries=len(list(retries.glob("*"))) if retries.is_dir() else 0,
+            evals={self._evals_key(): _eval_stats(results, sc)} if sc else {},
+            n_input_tokens=sum(r.agent_result.n_input_tokens or 0 for r in results if r.agent_result),
+            n_cache_tokens=sum(r.agent_result.n_cache_tokens or 0 for r in results if r.agent_result),
+            n_output_tokens=sum(r.agent_result.n_output_tokens or 0 for r in results if r.agent_result),
+            cost_usd=None)
+        data = harbor.JobResult(
+            schema_version=1, id=self.job_id, started_at=(existing.started_at if existing else None) or now_iso(),
+            updated_at=now_iso(), finished_at=now_iso() if finished else None, n_total_trials=len(trials),
+            stats=stats, trial_results=[], tmax_score=sc.to_dict() if sc else None)
+        write_json_atomic(self.dir / "result.json", data.dump())
         return data
 
     def _evals_key(self) -> str:
@@ -306,25 +303,6 @@ class Job:
         return f"{name}__{model}__{source}" if model else f"{name}__{source}"
 
     # --- running -------------------------------------------------------------------------
-    def pending(self, retry_infra: bool = False) -> tuple[list[TrialPlan], int]:
-        """Trials still to run, and how many are already done."""
-        todo, done = [], 0
-        for p in self.plans():
-            r = read_json(p.trial_dir / "result.json")
-            outcome = (r or {}).get("tmax", {}).get("outcome")
-            if r is not None and outcome != CANCELLED and not (retry_infra and outcome == "infra_error"):
-                done += 1
-                continue
-            if p.trial_dir.exists():
-                if outcome == "infra_error":
-                    dst = self.dir / ".retries" / f"{p.trial_name}.{int(time.time() * 1000)}"
-                    dst.parent.mkdir(parents=True, exist_ok=True)
-                    p.trial_dir.rename(dst)
-                else:  # cancelled or never finished: a partial directory, start afresh
-                    shutil.rmtree(p.trial_dir, ignore_errors=True)
-            todo.append(p)
-        return todo, done
-
     def _on_sandbox(self, name: str, sb: Any) -> None:
         with self._lock:
             if sb is None:
@@ -334,87 +312,69 @@ class Job:
         if sb is not None and self.cancel.is_set():
             _close_quietly(sb)
 
-    def run(self, progress_fn: ProgressFn | None = None, retry_infra: bool = False) -> dict:
+    def _runner(self, retry_infra: bool) -> tuple[JobRunner, list[JobItem]]:
+        """The job's runner and its items, one per trial."""
+        runner = JobRunner(_TrialStore(self.dir, retry_infra), slots=self.config.n_concurrent,
+                           on_interrupt=self.interrupt)
+        return runner, [JobItem(p.trial_name, self._trial, (p,)) for p in self.plans()]
+
+    def pending(self, retry_infra: bool = False) -> tuple[list[TrialPlan], int]:
+        """Trials still to run, and how many are already done."""
+        runner, items = self._runner(retry_infra)
+        todo, prior = runner.pending(items)
+        return [item.args[0] for item in todo], len(prior)
+
+    def run(self, progress_fn: ProgressFn | None = None, retry_infra: bool = False) -> harbor.JobResult:
+        """Every trial without a result (`tasks.job_runner`: finished trials are read back,
+        partial ones rerun), `n_concurrent` at a time; the job's result.json after each."""
         self.dir.mkdir(parents=True, exist_ok=True)
         self._write_config()
-        todo, done = self.pending(retry_infra)
-        prog = Progress(total=len(todo) + done, done=done, skipped=done)
-        for r in self.results():
+        runner, items = self._runner(retry_infra)
+        todo, prior = runner.pending(items)
+        prog = Progress(total=len(todo) + len(prior), done=len(prior), skipped=len(prior))
+        for r in prior.values():
             _count(prog, r)
         self.write_result(prog)
         if todo and self.sandbox_kind == "podman":
             from tmax.sandbox.podman_service import prestart
 
             prestart()  # the REST service starts while the first trial looks up its image
-        env = TrialEnv(agent=self.agent, rewrite=self.rewrite, timeout_multiplier=self.config.timeout_multiplier,
-                       use_prebuilt=self.config.use_prebuilt, sandbox_kind=self.sandbox_kind,
-                       override_cpus=self.config.override_cpus, override_memory_mb=self.config.override_memory_mb,
-                       cancel=self.cancel, on_sandbox=self._on_sandbox, model_name=self.config.model,
-                       close_in_background=True, pool=self._warm_pool())
+        live = self._live = self._start_live([item.args[0] for item in todo])
         emit = progress_fn or (lambda *a: None)
         emit("start", prog, None)
-        ahead = _Ahead(todo, self.config.n_concurrent, self.config.warm_ahead)
 
-        def one(plan: TrialPlan) -> dict:
-            if self.cancel.is_set():
-                return {}
-            for later in ahead.claim(plan):
-                if not prewarm_trial(later, env):
-                    ahead.unclaim(later)  # no room now: a trial starting later tries again
-            with self._lock:
-                prog.running += 1
-            emit("trial_start", prog, {"trial_name": plan.trial_name, "task": plan.task.name})
-            t0 = time.monotonic()
-            try:
-                return run_trial(plan, env)
-            finally:
-                with self._lock:
-                    prog.running -= 1
-                    prog.trial_seconds.append(time.monotonic() - t0)
+        def started(item: JobItem) -> None:
+            prog.running += 1
+            emit("trial_start", prog, {"trial_name": item.name, "task": item.args[0].task.name})
 
-        pool = ThreadPoolExecutor(max_workers=self.config.n_concurrent, thread_name_prefix="tmax-trial")
-        futures: set[Future] = {pool.submit(one, p) for p in todo}
+        def finished(f: Finished) -> None:
+            prog.running -= 1
+            prog.trial_seconds.append(f.seconds)
+            if f.result is None or f.result.score().outcome == CANCELLED:
+                return
+            prog.done += 1
+            _count(prog, f.result)
+            self.write_result(prog)
+            emit("trial_end", prog, f.result)
+
         try:
-            while futures:
-                finished, futures = wait(futures, timeout=0.5, return_when=FIRST_COMPLETED)
-                for f in finished:
-                    r = f.result()
-                    if not r or r.get("tmax", {}).get("outcome") == CANCELLED:
-                        continue
-                    with self._lock:
-                        prog.done += 1
-                        _count(prog, r)
-                        self.write_result(prog)
-                    emit("trial_end", prog, r)
+            runner.execute(todo, on_start=started, on_finished=finished)
         except KeyboardInterrupt:
-            self.interrupt()
-            pool.shutdown(wait=True, cancel_futures=True)
             self.write_result(prog)
             wait_for_closes()
             emit("cancelled", prog, None)
             raise
-        pool.shutdown(wait=True)
         data = self.write_result(prog, finished=True)
         wait_for_closes()  # every container of the job is gone when it ends
-        if env.pool is not None:
-            env.pool.close()
+        if live.env.pool is not None:
+            live.env.pool.close()
         emit("end", prog, None)
         return data
 
-    def interrupt(self) -> None:
-        """Stop: no new trials; running ones are cancelled and their containers removed."""
-        self.cancel.set()
-        with self._lock:
-            live = list(self._sandboxes.values())
-            warm = self._pool
-        for sb in live:
-            _close_quietly(sb)
-        if warm is not None:
-            warm.close(in_use=True)
-
-    def _warm_pool(self) -> Any:
-        """The job's pool (podman): trials as overlays of shared containers (`overlay`), else
-        containers started ahead (`warm_ahead`), else None."""
+    def _start_live(self, line: list[TrialPlan]) -> _Live:
+        """What the trials of one run share: their environment, the pool (podman: trials as
+        overlays of shared containers with `overlay`, else containers started ahead with
+        `warm_ahead`) and what starts containers in it for the trials next in line."""
         pool = None
         if self.sandbox_kind == "podman" and self.config.overlay:
             from tmax.sandbox.overlay_pool import OverlayPool
@@ -425,53 +385,99 @@ class Job:
             from tmax.sandbox.pool import WarmPool
 
             pool = WarmPool(self.config.n_concurrent + self.config.warm_ahead)
+        env = TrialEnv(agent=self.agent, rewrite=self.rewrite, timeout_multiplier=self.config.timeout_multiplier,
+                       use_prebuilt=self.config.use_prebuilt, sandbox_kind=self.sandbox_kind,
+                       override_cpus=self.config.override_cpus, override_memory_mb=self.config.override_memory_mb,
+                       cancel=self.cancel, on_sandbox=self._on_sandbox, model_name=self.config.model,
+                       close_in_background=True, pool=pool)
+        ahead = WarmAhead(self.config.warm_ahead if pool is not None else 0,
+                          start=lambda plan: prewarm_trial(plan, env), key=lambda plan: plan.trial_name)
+        return _Live(env, ahead, line, {p.trial_name: i for i, p in enumerate(line)})
+
+    def _trial(self, plan: TrialPlan) -> TrialResult | None:
+        """One trial of the running job (on a runner thread); None when the job was
+        interrupted before it began."""
+        live = self._live
+        assert live is not None
+        if self.cancel.is_set():
+            return None
+        live.ahead.fill_after(live.line, live.index[plan.trial_name], self.config.n_concurrent)
+        return run_trial(plan, live.env)
+
+    @property
+    def _pool(self) -> Any:
+        """The warm pool of the running (or last) run, if it had one."""
+        return self._live.env.pool if self._live is not None else None
+
+    def interrupt(self) -> None:
+        """Stop: no new trials; running ones are cancelled and their containers removed."""
+        self.cancel.set()
         with self._lock:
-            self._pool = pool
-        return pool
+            sandboxes = list(self._sandboxes.values())
+        for sb in sandboxes:
+            _close_quietly(sb)
+        if self._pool is not None:
+            self._pool.close(in_use=True)
 
 
-def _eval_stats(results: list[dict], sc: Any) -> dict:
+@dataclass
+class _Live:
+    """A running job's shared state: the trials' environment and the warm-ahead over the
+    trials to run, in their order (`index`: a trial's place in it)."""
+
+    env: TrialEnv
+    ahead: WarmAhead
+    line: list[TrialPlan]
+    index: dict[str, int]
+
+
+class _TrialStore:
+    """The bench job's results for the runner: a trial finished when its result.json says
+    so. A cancelled trial did not (nor, with `retry_infra`, one that ended in an
+    infrastructure error: its directory moves to `.retries/`, never silently deleted); a
+    partial directory is removed. `run_trial` writes result.json itself, atomically."""
+
+    def __init__(self, job_dir: Path, retry_infra: bool):
+        self.dir, self.retry_infra = job_dir, retry_infra
+
+    def prior(self, item: JobItem) -> TrialResult | None:
+        trial_dir = self.dir / item.name
+        r = TrialResult.parse(read_json(trial_dir / "result.json"))
+        outcome = r.score().outcome if r is not None else None
+        if r is not None and outcome != CANCELLED and not (self.retry_infra and outcome == INFRA_ERROR):
+            return r
+        if trial_dir.exists():
+            if outcome == INFRA_ERROR:
+                dst = self.dir / ".retries" / f"{item.name}.{int(time.time() * 1000)}"
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                trial_dir.rename(dst)
+            else:  # cancelled or never finished: a partial directory, start afresh
+                shutil.rmtree(trial_dir, ignore_errors=True)
+        return None
+
+    def save(self, item: JobItem, result: Any) -> None:
+        pass  # result.json is the trial's own last write
+
+
+def _eval_stats(results: list[TrialResult], sc: Score) -> harbor.AgentDatasetStats:
     """Harbor's AgentDatasetStats for one agent on one dataset: the mean (errors count 0)
     and pass@k, the trials by reward and by exception."""
     reward_stats: dict[str, list[str]] = {}
     exc_stats: dict[str, list[str]] = {}
     for r in results:
-        rw = ((r.get("verifier_result") or {}).get("rewards") or {}).get("reward")
-        if rw is not None:
-            reward_stats.setdefault(str(float(rw)), []).append(r["trial_name"])
-        if r.get("exception_info"):
-            exc_stats.setdefault(r["exception_info"]["exception_type"], []).append(r["trial_name"])
-    return {
-        "n_trials": sum(len(v) for v in reward_stats.values()),
-        "n_errors": sum(1 for r in results if r.get("exception_info")),
-        "metrics": [{"mean": sc.mean_reward}],
-        "pass_at_k": {str(k): v for k, v in sc.pass_at_k.items()},
-        "reward_stats": {"reward": reward_stats},
-        "exception_stats": exc_stats,
-    }
+        if r.reward is not None:
+            reward_stats.setdefault(str(r.reward), []).append(r.trial_name)
+        if r.exception_type:
+            exc_stats.setdefault(r.exception_type, []).append(r.trial_name)
+    return harbor.AgentDatasetStats(
+        n_trials=sum(len(v) for v in reward_stats.values()),
+        n_errors=sum(len(v) for v in exc_stats.values()),
+        metrics=[{"mean": sc.mean_reward}],
+        pass_at_k={str(k): v for k, v in sc.pass_at_k.items()},
+        reward_stats={"reward": reward_stats},
+        exception_stats=exc_stats,
+    )
 
-
-class _Ahead:
-    """Which trials a starting trial starts containers for: the `warm` next in line (the
-    executor takes trials in order, the first `running` at once), each claimed once; a
-    claim whose start found no room is given back for a later trial to retry."""
-
-    def __init__(self, todo: list[TrialPlan], running: int, warm: int):
-        self.todo, self.running, self.warm = todo, running, warm
-        self.index = {p.trial_name: i for i, p in enumerate(todo)}
-        self.claimed: set[int] = set()
-        self.lock = threading.Lock()
-
-    def claim(self, plan: TrialPlan) -> list[TrialPlan]:
-        first = max(self.index[plan.trial_name] + 1, self.running)
-        with self.lock:
-            picked = [j for j in range(first, min(first + self.warm, len(self.todo))) if j not in self.claimed]
-            self.claimed.update(picked)
-        return [self.todo[j] for j in picked]
-
-    def unclaim(self, plan: TrialPlan) -> None:
-        with self.lock:
-            self.claimed.discard(self.index[plan.trial_name])
 
 
 def _close_quietly(sb: Any) -> None:
@@ -481,15 +487,8 @@ def _close_quietly(sb: Any) -> None:
         pass
 
 
-def _count(prog: Progress, r: dict) -> None:
-    t = r.get("tmax", {})
-    prog.outcomes[t.get("outcome")] = prog.outcomes.get(t.get("outcome"), 0) + 1
-    prog.reward_sum += float(t.get("reward") or 0.0)
-    if t.get("outcome") == "pass":
-        prog.passed += 1
-
-
-def trial_row(r: dict) -> dict:
-    t = r.get("tmax", {})
-    return {"task": r["task_name"], "trial": r["trial_name"], "outcome": t.get("outcome"),
-            "reward": t.get("reward"), "category": t.get("category"), "attempt": t.get("attempt")}
+def _count(prog: Progress, r: TrialResult) -> None:
+    verdict = r.score()
+    prog.outcomes[verdict.outcome] = prog.outcomes.get(verdict.outcome, 0) + 1
+    prog.reward_sum += verdict.credit
+    prog.passed += verdict.passed

@@ -6,21 +6,20 @@ from __future__ import annotations
 
 import tempfile
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from tmax.agents.driver import EpisodeDriver
 from tmax.agents.harnesses import HARNESSES, check_harness
-from tmax.agents.loop import AgentConfig
+from tmax.agents.settings import AgentSettings
 from tmax.sandbox.base import Sandbox, SandboxError
 from tmax.tasks.longexec import run_long
 from tmax.tasks.model import Task
 from tmax.tasks.offline import RewriteConfig, copy_patched
 
 AGENTS = (*HARNESSES, "oracle", "nop")
-ABANDON_GRACE_S = 60.0
 
 
 @dataclass
@@ -101,19 +100,19 @@ class OracleAgent:
 
 
 class TmaxAgent:
-    """A harness (`agents.loop.Agent` + `ChatPolicy` + `agents.harnesses`) against an
-    OpenAI-compatible endpoint. The agent timeout is enforced from outside: at the deadline
-    the running command is interrupted and the loop is stopped at its next step."""
+    """A harness (`agents.harnesses`) driven by `agents.driver.EpisodeDriver` with a
+    `ChatPolicy` against an OpenAI-compatible endpoint. At the agent timeout the running
+    command is interrupted and the loop stops at its next step; a model call that hangs past
+    it (and the driver's grace) is abandoned, and the trial's verifier runs all the same."""
 
     version = "0.1.0"
     uses_shell = True
 
-    def __init__(self, model: str, base_url: str, api_key: str | None = None, kwargs: dict[str, Any] | None = None,
+    def __init__(self, model: str, base_url: str, api_key: str | None = None, settings: AgentSettings | None = None,
                  harness: str = "tmax"):
         self.model, self.base_url, self.api_key = model, base_url, api_key or "dummy"
-        self.kwargs = dict(kwargs or {})
+        self.settings = settings or AgentSettings()
         self.name = check_harness(harness, "agent")
-        AgentConfig.from_settings(self.kwargs)  # a bad agent kwarg fails the job before any trial
         self._client: Any = None  # one OpenAI client for every trial (`_shared_client`)
         self._client_lock = threading.Lock()
 
@@ -125,103 +124,45 @@ class TmaxAgent:
                 self._client = openai_client(self.base_url, self.api_key)
             return self._client
 
-    def _agent(self, sandbox, workdir: str, agent_dir: Path, hooks, timeout: float):
-        """The loop for this harness, its settings from the agent kwargs, recording into agent_dir."""
+    def _driver(self, sandbox: Sandbox, workdir: str, agent_dir: Path, timeout: float,
+                cancel: threading.Event) -> EpisodeDriver:
+        """The loop for this harness with the job's agent settings, recording into agent_dir."""
         from tmax.agents.chat_policy import ChatPolicy
         from tmax.agents.harnesses import make_harness
-        from tmax.agents.loop import Agent
         from tmax.agents.records import Recorder
 
-        config = AgentConfig.from_settings(self.kwargs)
-        config.time_budget_s = config.time_budget_s or timeout  # what budget hints show, if on
+        # What budget hints show, if on: the agent timeout unless a time budget was set.
+        config = self.settings.model_copy(update={"time_budget_s": self.settings.time_budget_s or timeout})
         policy = ChatPolicy(model=self.model, client=self._shared_client(), temperature=config.temperature,
                             top_p=config.top_p, max_tokens=config.max_tokens)
         agent_dir.mkdir(parents=True, exist_ok=True)
-        return Agent(policy, sandbox, config=config, recorder=Recorder(agent_dir), hooks=hooks,
-                     harness=make_harness(self.name, workdir))
+        return EpisodeDriver(policy, sandbox, make_harness(self.name, workdir), config, recorder=Recorder(agent_dir),
+                             timeout=timeout, cancel=cancel)
 
     def run(self, sandbox, task, workdir, agent_dir, timeout, cancel) -> AgentRun:
         from tmax.agents.atif import write_atif
-        from tmax.agents.loop import AgentHooks
 
-        stop = threading.Event()
-
-        class _Stop(Exception):
-            pass
-
-        class Hooks(AgentHooks):
-            def on_step_start(self, step: int) -> None:
-                if stop.is_set() or cancel.is_set():
-                    raise _Stop()
-
-            def on_model_turn(self, step, turn, command) -> None:
-                if stop.is_set() or cancel.is_set():
-                    raise _Stop()
-
-        def fire() -> None:
-            stop.set()
+        with self._driver(sandbox, workdir, agent_dir, timeout, cancel) as driver:
             try:
-                harness.interrupt(sandbox)
-            except Exception:
-                pass
-
-        agent = self._agent(sandbox, workdir, agent_dir, Hooks(), timeout)
-        harness = agent.harness
-        done = threading.Event()
-
-        def watch() -> None:
-            deadline = time.monotonic() + timeout
-            while not done.wait(0.5):
-                if cancel.is_set() or time.monotonic() >= deadline:
-                    fire()
-                    return
-
-        threading.Thread(target=watch, daemon=True, name="tmax-agent-deadline").start()
-        out = AgentRun()
-        box: dict[str, Any] = {}
-
-        def work() -> None:
-            try:
-                box["result"] = agent.run(task.instruction)
-            except BaseException as e:  # handed back to the trial thread
-                box["error"] = e
-
-        # A model call cannot be interrupted from outside; if one hangs past the deadline
-        # (plus a grace period) the run is abandoned and the verifier goes ahead.
-        worker = threading.Thread(target=work, daemon=True, name="tmax-agent")
-        worker.start()
-        worker.join(timeout + ABANDON_GRACE_S)
-        done.set()
-        if not worker.is_alive():
-            harness.close()
-        if worker.is_alive():
-            stop.set()
-            out.metadata = {"status": "abandoned"}
-        elif isinstance(box.get("error"), _Stop):
-            out.metadata = {"status": "stopped"}
-        elif "error" in box:
-            err = box["error"]
-            if isinstance(err, SandboxError):
-                raise err
-            raise SandboxError(f"the agent loop failed: {err!r}") from err
-        else:
-            result = box["result"]
-            out.metadata = {"status": result.status, "steps": result.steps, "error": result.error}
-            if result.status == "sandbox_error" and not stop.is_set() and not cancel.is_set():
-                raise SandboxError(result.error or "the sandbox failed during the agent run")
-            if result.status == "model_error" and not stop.is_set():
-                out.error = f"model error: {result.error}"
+                result = driver.run(task.instruction)
+            except SandboxError:
+                raise
+            except Exception as e:  # a defect in the loop or the harness: never the agent's failure
+                raise SandboxError(f"the agent loop failed: {e!r}") from e
+        if result.status == "sandbox_error" and not result.stopped:
+            raise SandboxError(result.error or "the sandbox failed during the agent run")
         # The trajectory also in ATIF, for Harbor's tools and the leaderboard.
         write_atif(agent_dir, agent_name=self.name, agent_version=self.version, model_name=self.model,
-                   session_id=agent_dir.parent.name, tools=harness.tools)
-        out.n_input_tokens = agent.usage.prompt_tokens
-        out.n_output_tokens = agent.usage.completion_tokens
-        out.timed_out = stop.is_set() and not cancel.is_set()
-        return out
+                   session_id=agent_dir.parent.name, tools=driver.harness.tools)
+        error = f"model error: {result.error}" if result.status == "model_error" and not result.stopped else None
+        return AgentRun(timed_out=result.timed_out, error=error,
+                        n_input_tokens=result.usage.prompt_tokens, n_output_tokens=result.usage.completion_tokens,
+                        metadata={"status": result.status, "steps": result.steps, "error": result.error,
+                                  "llm_s": result.llm_s, "exec_s": result.exec_s})
 
 
 def make_agent(name: str, rewrite: RewriteConfig, model: str | None = None, base_url: str | None = None,
-               api_key: str | None = None, kwargs: dict[str, Any] | None = None) -> TrialAgent:
+               api_key: str | None = None, settings: AgentSettings | None = None) -> TrialAgent:
     if name == "nop":
         return NopAgent()
     if name == "oracle":
@@ -229,5 +170,5 @@ def make_agent(name: str, rewrite: RewriteConfig, model: str | None = None, base
     if name in HARNESSES:
         if not model or not base_url:
             raise ValueError(f"the {name} agent needs a model (-m) and an endpoint (--base-url)")
-        return TmaxAgent(model, base_url, api_key, kwargs, harness=name)
+        return TmaxAgent(model, base_url, api_key, settings, harness=name)
     raise ValueError(f"unknown agent {name!r}: choose one of {', '.join(AGENTS)}")

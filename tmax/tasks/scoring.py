@@ -2,7 +2,8 @@
 
 * mean reward over all trials, errored trials counted as 0 (Harbor's `metrics.mean`);
 * the same mean leaving infrastructure errors out (they are not the agent's failure);
-* unbiased pass@k (Chen et al. 2021) per task, averaged over tasks, for k = 1..K;
+* unbiased pass@k (Chen et al. 2021) per task over its scored attempts (infrastructure
+  errors left out: they are not the agent's), averaged over tasks, for k = 1..K;
 * a per-task table;
 * a 95 % interval for a rate over tasks (`rate_interval`), with the method named: exact
   (Clopper-Pearson) when each task contributes one 0/1 outcome and the tasks are few,
@@ -10,7 +11,9 @@
   (several attempts: a rate in [0, 1] varies no more than a 0/1 outcome with the same
   mean, so the interval is conservative), else a bootstrap over tasks with each task's
   attempts resampled inside it (the two levels of the protocol's randomness).
-A trial "succeeds" for pass@k when its reward is 1.
+A trial's input row (`TrialRow`) carries what it scored by the one rule
+(`common.harbor.TrialResult.score`): a trial "succeeds" for pass@k when the verifier's
+reward is 1, whether or not the agent timed out; one without a reward counts 0.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from math import comb, sqrt
 from random import Random
+from typing import Any
 
-OUTCOMES = ("pass", "fail", "agent_timeout", "infra_error", "verifier_error")
-SUCCESS = 1.0 - 1e-9
+from pydantic import TypeAdapter
+
+from tmax.common.harbor import FAIL, INFRA_ERROR, PASS, TrialResult, TrialScore
 # Below this many tasks a bootstrap cannot show the uncertainty (6 of 6 solved resamples to
 # [100 %, 100 %]): the interval is exact (or Wilson's) instead.
 FEW_TASKS = 30
@@ -100,6 +105,22 @@ def rate_interval(per_task: list[tuple[int, int]], k: int = 1) -> tuple[tuple[fl
     return nested_bootstrap(per_task, k), BOOTSTRAP
 
 
+@dataclass(frozen=True)
+class TrialRow:
+    """One finished trial as scoring sees it: its task, what it scored, its category."""
+
+    task: str
+    trial: str
+    verdict: TrialScore
+    category: str | None = None
+    attempt: int | None = None
+
+    @classmethod
+    def of(cls, r: TrialResult) -> "TrialRow":
+        t = r.tmax
+        return cls(r.task_name, r.trial_name, r.score(), t.category if t else None, t.attempt if t else None)
+
+
 @dataclass
 class TaskRow:
     task: str
@@ -108,6 +129,7 @@ class TaskRow:
     successes: int
     mean_reward: float
     outcomes: dict[str, int]
+    n_scored: int = 0  # attempts that were not infrastructure errors: pass@k's n
 
 
 @dataclass
@@ -130,43 +152,48 @@ class Score:
         d["pass_at_k"] = {str(k): v for k, v in self.pass_at_k.items()}
         return d
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Score":
+        """A score as `to_dict` wrote it (a job's `tmax_score`)."""
+        return TypeAdapter(cls).validate_python(data)
 
-def score(trials: list[dict], interval: bool = True) -> Score:
-    """`trials`: dicts with `task`, `outcome`, `reward` (None when unscored), optional `category`.
-    `interval=False` leaves out the pass@1 interval (None), whose bootstrap costs ~0.1 s of
-    CPU per call at 64 tasks: a running job rescores after every trial."""
-    by_task: dict[str, list[dict]] = defaultdict(list)
+
+def score(trials: list[TrialRow], interval: bool = True) -> Score:
+    """Scores of finished trials (`TrialRow`s). `interval=False` leaves out the pass@1
+    interval (None), whose bootstrap costs ~0.1 s of CPU per call at 64 tasks: a running
+    job rescores after every trial."""
+    by_task: dict[str, list[TrialRow]] = defaultdict(list)
     for t in trials:
-        by_task[t["task"]].append(t)
-    rewards = [float(t["reward"]) if t.get("reward") is not None else 0.0 for t in trials]
-    outcomes = Counter(t["outcome"] for t in trials)
-    non_infra = [r for r, t in zip(rewards, trials) if t["outcome"] != "infra_error"]
+        by_task[t.task].append(t)
+    outcomes = Counter(t.verdict.outcome for t in trials)
+    non_infra = [t.verdict.credit for t in trials if not t.verdict.infra]
     rows = []
     for name in sorted(by_task):
         ts = by_task[name]
-        rs = [float(t["reward"]) if t.get("reward") is not None else 0.0 for t in ts]
         rows.append(TaskRow(
             task=name,
-            category=ts[0].get("category") or "uncategorized",
+            category=ts[0].category or "uncategorized",
             n=len(ts),
-            successes=sum(r >= SUCCESS for r in rs),
-            mean_reward=sum(rs) / len(rs),
-            outcomes=dict(Counter(t["outcome"] for t in ts)),
+            successes=sum(t.verdict.passed for t in ts),
+            mean_reward=sum(t.verdict.credit for t in ts) / len(ts),
+            outcomes=dict(Counter(t.verdict.outcome for t in ts)),
+            n_scored=sum(not t.verdict.infra for t in ts),
         ))
-    # pass@k for every k that all tasks have enough attempts for.
-    kmax = min((r.n for r in rows), default=0)
-    pk = {k: sum(pass_at_k(r.n, r.successes, k) for r in rows) / len(rows) for k in range(1, kmax + 1)}
-    ci, method = rate_interval([(r.n, r.successes) for r in rows], 1) if rows and interval else (None, None)
+    # pass@k over each task's scored attempts, for every k that all scored tasks have enough for.
+    scored = [r for r in rows if r.n_scored]
+    kmax = min((r.n_scored for r in scored), default=0)
+    pk = {k: sum(pass_at_k(r.n_scored, r.successes, k) for r in scored) / len(scored) for k in range(1, kmax + 1)}
+    ci, method = rate_interval([(r.n_scored, r.successes) for r in scored], 1) if scored and interval else (None, None)
     cats: dict[str, list[float]] = defaultdict(list)
-    for r, t in zip(rewards, trials):
-        cats[t.get("category") or "uncategorized"].append(r)
+    for t in trials:
+        cats[t.category or "uncategorized"].append(t.verdict.credit)
     return Score(
         n_trials=len(trials),
         n_tasks=len(rows),
-        mean_reward=sum(rewards) / len(rewards) if rewards else 0.0,
+        mean_reward=sum(t.verdict.credit for t in trials) / len(trials) if trials else 0.0,
         mean_reward_excl_infra=sum(non_infra) / len(non_infra) if non_infra else None,
-        n_infra_errors=outcomes.get("infra_error", 0),
-        n_errors=sum(v for k, v in outcomes.items() if k not in ("pass", "fail")),
+        n_infra_errors=outcomes.get(INFRA_ERROR, 0),
+        n_errors=sum(v for k, v in outcomes.items() if k not in (PASS, FAIL)),
         outcomes=dict(outcomes),
         pass_at_k=pk,
         tasks=rows,

@@ -8,8 +8,10 @@ workspace stands in for the image and the verifier runs from a per-trial copy of
     <trial>/verifier/             reward.txt, test-stdout.txt, ctrf.json
     <trial>/exception.txt         the traceback when something went wrong
 
-Outcomes: pass | fail | agent_timeout | infra_error | verifier_error (| cancelled, which
-is never scored and is rerun on resume). The container (or host workspace) is always removed:
+result.json is `common.harbor.TrialResult`. Its outcome label (pass | fail | agent_timeout |
+infra_error | verifier_error | cancelled, which is never scored and is rerun on resume) is
+`common.harbor.outcome_of` its exception and reward, the rule readers of any job dir use;
+what it scored is `TrialResult.score`. The container (or host workspace) is always removed:
 with `TrialEnv.close_in_background` after result.json is written, on a thread of its own
 (`wait_for_closes` returns once every such removal is done; a job waits before it ends).
 """
@@ -26,16 +28,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+from tmax.common import harbor
 from tmax.common.files import write_json_atomic
+from tmax.common.harbor import CANCELLED_ERROR, TrialResult
 from tmax.sandbox.base import SandboxError
 from tmax.tasks.episode import ENVIRONMENT_ERRORS, EnvSettings, Episode, episode_name, resolve_environment
 from tmax.tasks.model import Task
 from tmax.tasks.offline import RewriteConfig
 from tmax.tasks.runners import TrialAgent
-from tmax.tasks.scoring import SUCCESS
 from tmax.tasks.verifier import VerifierKind
 
-CANCELLED = "cancelled"
 # A verifier that ran but gave no reward, as Harbor's exception types name it.
 HARBOR_VERIFIER_ERRORS = {
     VerifierKind.TIMEOUT: "VerifierTimeoutError",
@@ -59,7 +61,7 @@ class TrialPlan:
     trial_name: str
     trial_dir: Path
     job_name: str = ""
-    config: dict[str, Any] = field(default_factory=dict)  # the trial's config.json
+    config: harbor.TrialConfig = field(default_factory=harbor.TrialConfig)  # the trial's config.json
 
 
 @dataclass
@@ -131,9 +133,9 @@ class _Phase:
         self.times[self.name]["duration_s"] = round(time.monotonic() - self.t0, 3)
 
 
-def _exception(kind: str, message: str, tb: str | None = None) -> dict:
-    return {"exception_type": kind, "exception_message": message, "exception_traceback": tb or "",
-            "occurred_at": now_iso()}
+def _exception(kind: str, message: str, tb: str | None = None) -> harbor.ExceptionInfo:
+    return harbor.ExceptionInfo(exception_type=kind, exception_message=message, exception_traceback=tb or "",
+                                occurred_at=now_iso())
 
 
 @dataclass
@@ -143,19 +145,19 @@ class _TrialRun:
     times: dict[str, dict] = field(default_factory=dict)
     started: str = field(default_factory=now_iso)
     reward: float | None = None
-    exc: dict | None = None
-    outcome: str | None = None
+    exc: harbor.ExceptionInfo | None = None
     agent_run: Any = None
     verifier_status: str | None = None
     verifier_s: float | None = None
 
     def fail(self, cancel: threading.Event, e: Exception, message: str) -> None:
         """An exception ended the trial: the interrupt when the job was cancelled, else an
-        infrastructure error (never the agent's)."""
+        infrastructure error (never the agent's); neither carries a reward."""
+        self.reward = None
         if cancel.is_set():
-            self.outcome, self.exc = CANCELLED, _exception("CancelledError", "the job was interrupted")
+            self.exc = _exception(CANCELLED_ERROR, "the job was interrupted")
         else:
-            self.outcome, self.exc = "infra_error", _exception(type(e).__name__, message, traceback.format_exc())
+            self.exc = _exception(type(e).__name__, message, traceback.format_exc())
 
 
 def _episode(plan: TrialPlan, env: TrialEnv) -> Episode:
@@ -184,16 +186,16 @@ def prewarm_trial(plan: TrialPlan, env: TrialEnv) -> bool:
     return episode.prewarm()
 
 
-def run_trial(plan: TrialPlan, env: TrialEnv) -> dict:
-    """Run one trial to its end and return result.json's content (also written to disk)."""
+def run_trial(plan: TrialPlan, env: TrialEnv) -> TrialResult:
+    """Run one trial to its end and return its result (also written to result.json)."""
     plan.trial_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(plan.trial_dir / "config.json", plan.config)
+    write_json_atomic(plan.trial_dir / "config.json", plan.config.dump())
     run = _TrialRun()
     episode = _episode(plan, env)
     try:
         _run_phases(plan, env, episode, run)
     except _Cancelled:
-        run.outcome, run.exc = CANCELLED, _exception("CancelledError", "the job was interrupted")
+        run.reward, run.exc = None, _exception(CANCELLED_ERROR, "the job was interrupted")
     except (*ENVIRONMENT_ERRORS, SandboxError, OSError) as e:
         run.fail(env.cancel, e, str(e))
     except Exception as e:  # a harness bug: still an infrastructure error, never the agent's
@@ -206,12 +208,10 @@ def run_trial(plan: TrialPlan, env: TrialEnv) -> dict:
         if not env.close_in_background:
             episode.close()
     try:
-        if run.outcome not in ("pass", "fail", "agent_timeout", "verifier_error"):
-            run.reward = None  # infra errors and cancellations carry no reward
-        if run.exc and run.exc.get("exception_traceback"):
-            (plan.trial_dir / "exception.txt").write_text(run.exc["exception_traceback"])
+        if run.exc and run.exc.exception_traceback:
+            (plan.trial_dir / "exception.txt").write_text(run.exc.exception_traceback)
         result = _result(plan, env, run, image)
-        write_json_atomic(plan.trial_dir / "result.json", result)
+        write_json_atomic(plan.trial_dir / "result.json", result.dump())
     finally:
         if env.close_in_background:
             _close_later(episode)
@@ -219,7 +219,8 @@ def run_trial(plan: TrialPlan, env: TrialEnv) -> dict:
 
 
 def _run_phases(plan: TrialPlan, env: TrialEnv, episode: Episode, run: _TrialRun) -> None:
-    """Environment, agent, verifier; `run` gets the outcome. Raises _Cancelled on an interrupt."""
+    """Environment, agent, verifier; `run` gets the reward and the exception that describe
+    how the trial ended. Raises _Cancelled on an interrupt."""
     task, mult = plan.task, env.timeout_multiplier
 
     def check_cancel() -> None:
@@ -245,57 +246,40 @@ def _run_phases(plan: TrialPlan, env: TrialEnv, episode: Episode, run: _TrialRun
         vr = episode.verify(plan.trial_dir / "verifier", task.config.verifier.timeout_sec * mult)
     check_cancel()
     run.verifier_status, run.verifier_s, run.reward = vr.kind.value, round(vr.duration_s, 3), vr.reward
-    if vr.kind == VerifierKind.INFRA:
-        run.outcome, run.exc = "infra_error", _exception("SandboxError", vr.error or "the verifier could not run")
+    if vr.kind == VerifierKind.INFRA:  # an infrastructure error: no reward
+        run.reward, run.exc = None, _exception("SandboxError", vr.error or "the verifier could not run")
     elif vr.kind != VerifierKind.OK:
         run.exc = _exception(HARBOR_VERIFIER_ERRORS[vr.kind], vr.error or "verifier failed")
-        run.outcome = "verifier_error"
-    elif agent_run.timed_out:
-        run.outcome = "agent_timeout"
-    else:
-        run.outcome = "pass" if run.reward is not None and run.reward >= SUCCESS else "fail"
+    # else: the reward counts whether or not the agent timed out (run.exc says it did)
 
 
-def _result(plan: TrialPlan, env: TrialEnv, run: _TrialRun, image: Any) -> dict:
+def _result(plan: TrialPlan, env: TrialEnv, run: _TrialRun, image: Any) -> TrialResult:
     """result.json: Harbor's fields, and tmax's own under "tmax"."""
-    task, agent_run, reward = plan.task, run.agent_run, run.reward
-    return {
-        "id": str(uuid.uuid4()),
-        "task_name": task.name,
-        "trial_name": plan.trial_name,
-        "trial_uri": plan.trial_dir.resolve().as_uri(),
-        "task_id": {"path": str(task.path)},
-        "source": plan.config.get("task", {}).get("source"),
-        "task_checksum": plan.config.get("task", {}).get("checksum"),
-        "config": plan.config,
-        "agent_info": {"name": env.agent.name, "version": env.agent.version,
-                       "model_info": {"name": env.model_name, "provider": "openai"} if env.model_name else None},
-        "agent_result": {
-            "n_input_tokens": agent_run.n_input_tokens if agent_run else 0,
-            "n_cache_tokens": 0,
-            "n_output_tokens": agent_run.n_output_tokens if agent_run else 0,
-            "cost_usd": None,
-            "metadata": agent_run.metadata if agent_run else {},
-        },
-        "verifier_result": {"rewards": {"reward": reward}} if reward is not None else None,
-        "exception_info": run.exc,
-        "started_at": run.started,
-        "finished_at": now_iso(),
-        **{k: run.times.get(k) for k in ("environment_setup", "agent_setup", "agent_execution", "verifier")},
-        "tmax": {
-            "outcome": run.outcome,
-            "environment": env.sandbox_kind,
-            "reward": reward,
-            "attempt": plan.attempt,
-            "category": task.category,
-            "image": image.tag if image else None,
-            "image_built": image.built if image else None,
-            "build_s": image.build_s if image else None,
-            "build_log": str(image.log_path) if image and image.log_path else None,
-            "verifier_status": run.verifier_status,
-            "verifier_s": run.verifier_s,
-        },
-    }
+    task, agent_run, reward, cfg = plan.task, run.agent_run, run.reward, plan.config
+    model = harbor.ModelInfo(name=env.model_name, provider="openai") if env.model_name else None
+    return TrialResult(
+        id=str(uuid.uuid4()), task_name=task.name, trial_name=plan.trial_name,
+        trial_uri=plan.trial_dir.resolve().as_uri(), task_id=harbor.TaskId(path=str(task.path)),
+        source=cfg.task.source if cfg.task else None, task_checksum=cfg.task.checksum if cfg.task else None,
+        config=cfg,
+        agent_info=harbor.AgentInfo(name=env.agent.name, version=env.agent.version, model_info=model),
+        agent_result=harbor.AgentContext(
+            n_input_tokens=agent_run.n_input_tokens if agent_run else 0, n_cache_tokens=0,
+            n_output_tokens=agent_run.n_output_tokens if agent_run else 0, cost_usd=None,
+            metadata=agent_run.metadata if agent_run else {}),
+        verifier_result=harbor.VerifierResult(rewards={"reward": reward}) if reward is not None else None,
+        exception_info=run.exc,
+        started_at=run.started, finished_at=now_iso(),
+        **{k: harbor.TimingInfo(**run.times[k]) if k in run.times else None
+           for k in ("environment_setup", "agent_setup", "agent_execution", "verifier")},
+        tmax=harbor.TmaxTrial(
+            outcome=harbor.outcome_of(run.exc.exception_type if run.exc else None, reward),
+            environment=env.sandbox_kind, reward=reward, attempt=plan.attempt, category=task.category,
+            image=image.tag if image else None, image_built=image.built if image else None,
+            build_s=image.build_s if image else None,
+            build_log=str(image.log_path) if image and image.log_path else None,
+            verifier_status=run.verifier_status, verifier_s=run.verifier_s),
+    )
 
 
 class _Cancelled(Exception):

@@ -24,8 +24,11 @@ from typing import Literal, Mapping
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tmax.agents.settings import AgentSettings, Backoff, Count, Temperature, TopP, renamed_keys
 from tmax.common.errors import ConfigError
+from tmax.common.files import read_toml
 from tmax.sandbox.base import SandboxKind
+from tmax.training.engine_options import EngineOptions, MemoryShare, ModelLen
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 PRESETS = ("nano", "nano-podman", "tmax-9b")
@@ -63,26 +66,29 @@ class TasksConfig(_Strict):
     generator: dict = Field(default_factory=dict)
 
 
-class RolloutConfig(_Strict):
-    """Budgets and termination of one training episode (64 tool calls, 65,536 tokens in the paper)."""
+class RolloutConfig(AgentSettings):
+    """One training episode: the agent's settings (`agents.settings`, the same keys as `tmax
+    run` and `tmax bench`) with the training recipe's defaults, and the training-only keys.
+    Budgets and termination as in the paper: 64 tool calls, 65,536 response tokens."""
 
-    max_tool_calls: int = Field(64, ge=1)
+    # The agent settings whose training defaults differ from Vanillux2's (AgentSettings):
+    # the policy's own distribution, the first turn without a valid bash call ends the
+    # episode, room for the prompt beside the response budget, and a failing inference
+    # server retried briefly (the loop re-queues the episode rather than wait out back-offs).
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    max_format_errors: Count = 1
+    context_budget: Count = 67584  # prompt + response
+    retries: Count = 3
+    backoff_s: Backoff = (0.5, 1.0)
+
+    # Training only.
     response_budget: int = Field(65536, ge=1)  # model + tool tokens of one trajectory
-    per_turn_max_tokens: int = Field(16384, ge=1)
     # A rendered prompt ([system, user] + tools) longer than this ends the episode before
     # any sample (no tokens, reward 0), so its whole group has zero reward std and is
     # filtered: in effect over-long prompts are filtered out, as in the paper's recipe.
     max_prompt_tokens: int = Field(2048, ge=1)
-    context_budget: int = Field(67584, ge=1)  # prompt + response
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    command_timeout: float = Field(120.0, gt=0)
     test_timeout: float = Field(600.0, gt=0)
-    observation_max_chars: int = Field(10000, ge=100)
-    # Training ends an episode on the first turn without a valid bash call.
-    max_format_errors: int = Field(1, ge=1)
-    # Opt-in budget hints (agents.budget) after each observation; off keeps Vanillux2 exact.
-    budget_hints: bool = False
     sandbox: SandboxKind = "podman"
     # podman: `FROM=TO` base-image rewrites for building task images offline (as
     # `tmax bench --image-map`), on top of the built-in map.
@@ -133,16 +139,17 @@ class AlgoConfig(_Strict):
     seed: int = 42
 
 
-class EngineConfig(_Strict):
-    """The vLLM server of each engine (`VLLMEngine.from_config`) and the weight sync."""
+class EngineConfig(EngineOptions):
+    """The vLLM server of each engine (`VLLMEngine.from_config`): the server options of
+    `tmax serve` (`training.engine_options`, the same keys), and the weight sync."""
 
-    max_model_len: int = Field(67584, ge=256)
-    dtype: str = "auto"
+    # The server options whose training defaults differ from `tmax serve`'s: the recipe's
+    # window (prompt + response budget), eager mode only where asked, 0.9 of GPU memory.
+    max_model_len: ModelLen = 67584
     enforce_eager: bool = False
-    kv_cache_gb: float = Field(1.0, gt=0)  # VLLM_CPU_KVCACHE_SPACE on CPU (whole GiB, at least 1)
-    cpu_threads: int | None = Field(None, ge=1)  # CPU only: the engine's OMP_NUM_THREADS (None: vLLM's choice)
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)  # GPU only
-    extra_args: list[str] = Field(default_factory=list)
+    gpu_memory_utilization: MemoryShare = 0.9
+
+    # Training only.
     startup_timeout_s: float = Field(600.0, gt=0)
     # How the learner's weights reach the engines after a step: "object_store" (Ray
     # object store, then a file per engine), or a broadcast from learner rank 0 over a
@@ -295,8 +302,8 @@ class LearnConfig(_Strict):
     @model_validator(mode="after")
     def _budgets_consistent(self) -> "LearnConfig":
         r = self.rollout
-        if r.per_turn_max_tokens > r.response_budget:
-            raise ValueError("rollout.per_turn_max_tokens must be <= rollout.response_budget")
+        if r.max_tokens > r.response_budget:
+            raise ValueError("rollout.max_tokens must be <= rollout.response_budget")
         if r.max_prompt_tokens + r.response_budget > r.context_budget:
             raise ValueError("rollout.max_prompt_tokens + rollout.response_budget must be <= rollout.context_budget")
         if r.context_budget > self.engine.max_model_len:
@@ -311,22 +318,29 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+def _new_names(data: dict, source: str) -> dict:
+    """One source's `[rollout]` with old agent-setting names replaced by the new ones
+    (`agents.settings.RENAMED`), before it is merged with the others (whose dumps have the new)."""
+    if not isinstance(data.get("rollout"), dict):
+        return data
+    try:
+        return {**data, "rollout": renamed_keys(data["rollout"])}
+    except ValueError as e:
+        raise ConfigError(f"{source}: rollout: {e}") from None
+
+
 def load_config(path: str | Path, overrides: dict | None = None) -> LearnConfig:
     """Load a TOML file. `extends = "nano"` (or a path) starts from another config."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file not found: {p}")
-    try:
-        data = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    data = read_toml(p)
     parent = data.pop("extends", None)
+    data = _new_names(data, str(p))
     if parent:
         base_path = CONFIG_DIR / f"{parent}.toml" if parent in PRESETS else (p.parent / parent)
         base = load_config(base_path).model_dump()
         data = _merge(base, data)
     if overrides:
-        data = _merge(data, overrides)
+        data = _merge(data, _new_names(overrides, "TMAX_LEARN_* / flag settings"))
     try:
         return LearnConfig.model_validate(data)
     except ValidationError as e:

@@ -13,7 +13,9 @@ tests call these functions with a resolved `LearnConfig` (`training.config.resol
 Ray is started (or joined) in one place, `training.cluster.session.ray_session`, per the
 config's `[cluster]` section; a run with `cluster.nodes` gets its placement groups there.
 Bad input (a config, a placement or a `--from-runs` directory that cannot work) raises
-`ConfigError` before any work starts.
+`ConfigError` before any work starts. `dry_run` imports neither torch nor Ray (a light
+install plans a cluster job); the others first check that the train extra is installed
+(`MissingExtra` otherwise) and only then import the loop and the recipe.
 """
 
 from __future__ import annotations
@@ -22,16 +24,18 @@ import json
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
+from tmax.common.errors import ConfigError
+from tmax.common.extras import require_extra
 from tmax.common.files import write_json_atomic, write_text_atomic
 from tmax.training.cluster.placement import PlanError, PlacementPlan, plan_for
 from tmax.training.cluster.session import own_run_processes, ray_session
-from tmax.common.errors import ConfigError
 from tmax.training.config import LearnConfig, dump_toml
-from tmax.training.loop import RunResult, train
 from tmax.training.report import LearnProgress
-from tmax.training.recipe import build_stage, heldout_eval, prepare_recipe_tasks, sft_stage
+
+if TYPE_CHECKING:
+    from tmax.training.loop import RunResult
 
 Log = Callable[[str], None]
 SBATCH_NAME = "tmax-learn.sbatch"
@@ -52,6 +56,9 @@ def learn(cfg: LearnConfig, out: Path, *, resume: bool = False, progress: LearnP
     """DPPO from `model.path` on `tasks.train` into `out`; with the nano build flags, from
     the recipe's SFT checkpoint (built first where missing) into `out/rl`. The cluster is
     joined, and checked against the plan, before any of that work."""
+    require_extra("train")
+    from tmax.training.loop import train
+
     out = Path(out)
     plan = placement_plan(cfg)
     rated = _rated_stream(from_runs, runs_per_step, plan) if from_runs is not None else None
@@ -73,6 +80,8 @@ def _rl_inputs(cfg: LearnConfig, out: Path, log: Log) -> tuple[str, str, Path, A
     """(start model, train task dir, RL run dir, prepared train tasks): the nano recipe's
     build and SFT checkpoint under `out` (made where missing), else the config's model and
     tasks. Every train and held-out task's environment (image) is ready before the first step."""
+    from tmax.training.recipe import build_stage, prepare_recipe_tasks, sft_stage
+
     if cfg.model.build_nano or cfg.tasks.generate_nano:
         model_dir, train_dir, held_dir = build_stage(cfg, out, cfg.algo.seed, log)
         prepared = prepare_recipe_tasks(cfg, train_dir, held_dir, out, log)
@@ -95,6 +104,9 @@ def _rated_stream(from_runs: Path, per_step: int, plan: PlacementPlan | None) ->
 
 def sft(cfg: LearnConfig, out: Path, log: Log = print) -> dict:
     """Build what is missing, then the SFT warm start on the train tasks (into `out/sft`)."""
+    require_extra("train")
+    from tmax.training.recipe import build_stage, prepare_recipe_tasks, sft_stage
+
     out = Path(out)
     model_dir, train_dir, _ = build_stage(cfg, out, cfg.algo.seed, log)
     prepared = prepare_recipe_tasks(cfg, train_dir, "", out, log)
@@ -102,20 +114,36 @@ def sft(cfg: LearnConfig, out: Path, log: Log = print) -> dict:
 
 
 def sft_from_runs(cfg: LearnConfig, runs_dir: Path, out: Path, log: Log = print) -> dict:
-    """SFT on the accepted `tmax run --tokens` sessions under `runs_dir` (into `out/sft-runs`)."""
-    from tmax.training.learner.sft import sft_from_runs as train_on_runs
+    """SFT on the accepted `tmax run --tokens` sessions under `runs_dir` (into `out/sft-runs`),
+    starting from model.path, else from the model the sessions were sampled from."""
+    require_extra("train")
+    from tmax.training.learner.sft import train_sft
+    from tmax.training.runs_data import RunsDataError, accepted, load_runs, model_dir_of
+
+    try:
+        runs = load_runs(runs_dir)
+        demos = accepted(runs)
+        if not demos:
+            raise RunsDataError(f"none of the {len(runs)} sessions under {runs_dir} is accepted "
+                                "(rated /good or a passing --verify)")
+        start = cfg.model.path or model_dir_of(runs)
+    except (RunsDataError, ValueError) as e:
+        raise ConfigError(str(e)) from None
 
     def step_log(step: int, total: int, loss: float) -> None:
         if step % 20 == 0 or step == total:
             log(f"SFT step {step}/{total}: loss {loss:.3f}")
 
-    return asdict(train_on_runs(runs_dir, cfg, out / "sft-runs", log=step_log))
+    return asdict(train_sft(start, demos, cfg, out / "sft-runs", log=step_log))
 
 
 def recipe(cfg: LearnConfig, out: Path, *, progress: LearnProgress | None = None, log: Log = print,
            stages: tuple[str, ...] = ("sft", "rl", "eval")) -> dict:
     """The whole nano recipe into `out` (`recipe.json`). `stages` can drop "eval" (RL only)
     or "rl" (SFT + eval). One machine: the held-out evals share the RL run's engine."""
+    require_extra("train")
+    from tmax.training.recipe import build_stage, prepare_recipe_tasks, sft_stage
+
     if cfg.cluster.nodes is not None:
         raise ConfigError("the recipe runs on one machine (its evals share the RL engine); drop --nodes (cluster.nodes)")
     out = Path(out)
@@ -150,6 +178,8 @@ def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, train_dir: str, held_
     """One engine serving `start`: the held-out eval of it, RL on it, the held-out eval of
     RL's final checkpoint loaded into it. Fills `result` and `times`."""
     from tmax.training.cluster.actors import start_engines
+    from tmax.training.loop import train
+    from tmax.training.recipe import heldout_eval
     from tmax.training.weights.learner_side import load_checkpoint
 
     t = time.monotonic()

@@ -28,17 +28,18 @@ from pathlib import Path
 from typing import Any
 
 from tmax.common.files import write_json_atomic, write_text_atomic
+from tmax.sandbox.pool import WarmAhead
 from tmax.training.algo.batching import BatchAccumulator, BatchConfig, Group
 from tmax.training.cluster.actors import Actors, EngineGroup, start_actors
-from tmax.training.cluster.failover import group_member_died
 from tmax.training.cluster.launch import connect
 from tmax.training.config import LearnConfig, dump_toml
 from tmax.training.learner import checkpoint as ckpt
 from tmax.training.learner.packing import batch_samples
+from tmax.training.liveness import group_member_died
 from tmax.training.report import LearnProgress, MetricsSink, NoProgress, StepClock, reward_curve, rollout_metrics, run_summary, summary
 from tmax.training.rollback import RunGuard
 from tmax.training.rollout import (
-    EpisodeRequest, InfraCounts, Rollout, append_jsonl, env_settings, prepare_tasks, prewarm_queue,
+    EpisodeRequest, InfraCounts, Rollout, append_jsonl, env_settings, prepare_tasks,
 )
 from tmax.training.weights.learner_side import WeightSync
 
@@ -130,7 +131,6 @@ class LoopState:
     episodes: int = 0
     requeued: int = 0
     infra: InfraCounts = field(default_factory=InfraCounts)
-    prewarmed: set[tuple] = field(default_factory=set)  # requests whose container was started ahead
     next_worker: int = 0  # round-robin dispatch position
     worker_of: dict[Any, tuple] = field(default_factory=dict)  # episode ref -> (worker index, sent at)
     useless: int = 0  # groups in a row without reward variance
@@ -158,6 +158,7 @@ class Trainer:
         self.max_useless = max(200, 25 * a.prompts_per_step)
         # Group ids stay unique across resumes.
         self.state = LoopState(step=start_step, version=start_step, next_group=start_step * 100_000)
+        self.ahead = self.warm_ahead()
         for _ in range(a.prompts_per_step * max(1, a.async_steps)):
             self.open_prompt()
         self.guard = RunGuard(self)  # collapse guard: health signals, rollbacks (training/rollback.py)
@@ -215,9 +216,19 @@ class Trainer:
             req, s.next_worker = s.queue.popleft(), w + 1
             ref = workers[w].run.remote(req, s.version)
             s.pending[ref], s.worker_of[ref] = req, (w, time.monotonic())
-        r = self.cfg.rollout
-        if r.pool_size and r.sandbox == "podman":
-            prewarm_queue(s.queue, workers, s.next_worker, r.pool_size, s.prewarmed)
+        self.ahead.fill((req, (s.next_worker + j) % len(workers)) for j, req in enumerate(s.queue))
+
+    def warm_ahead(self) -> WarmAhead:
+        """Each worker starts containers (podman) for the `rollout.pool_size` queued episodes it
+        will receive next (dispatch is round-robin in queue order), each episode once."""
+        r, workers = self.cfg.rollout, self.actors.workers
+
+        def start(item: tuple[EpisodeRequest, int]) -> bool:
+            workers[item[1]].prewarm.remote(item[0].task_dir)
+            return True  # asked; a worker whose pool is full starts none, and that episode starts cold
+
+        depth = r.pool_size * len(workers) if r.sandbox == "podman" else 0
+        return WarmAhead(depth, start, key=lambda item: (item[0].group_id, item[0].sample_index, item[0].attempt))
 
     def wait(self) -> list:
         """Up to one second for an episode or the train step to finish; the refs that did."""

@@ -2,7 +2,8 @@
 
 Used by the vLLM server (`training.inference.serving`), the learners' process group
 (`training.learner.parallel`), the weight group and the Ray head a Slurm job starts
-(`training.cluster.launch`). No torch, no Ray needed.
+(`training.cluster.launch`), and the Ray node an actor runs on. No torch; Ray only for
+`ray_node_id`.
 """
 
 from __future__ import annotations
@@ -35,3 +36,10 @@ def node_ip() -> str:
         return socket.gethostbyname(socket.gethostname())
     finally:
         s.close()
+
+
+def ray_node_id() -> str:
+    """The id of the Ray node this process runs on (an actor's answer to where it was placed)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id()

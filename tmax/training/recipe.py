@@ -85,7 +85,8 @@ def sft_stage(cfg: LearnConfig, model_dir: str, prepared: PreparedTasks, out: Pa
     a `training.rollout.PreparedTasks`), then SFT on them."""
     from transformers import AutoTokenizer
 
-    from tmax.training.learner.sft import collect_demos, select_sft_tasks, train_sft
+    from tmax.training.demos import collect_demos, select_sft_tasks
+    from tmax.training.learner.sft import train_sft
 
     sft_dir = out / "sft"
     if (sft_dir / "sft.json").is_file():
@@ -116,13 +117,12 @@ def heldout_eval(cfg: LearnConfig, engine: Any, held_dir: str, jobs_dir: Path, n
     """A `tmax bench` job (the `eval.harness` agent, else the harness trained under; trials
     in `eval.sandbox`) against the server of `engine` (a `training.cluster.actors.EngineGroup`)."""
     from tmax.tasks.job import Job, JobConfig
-    from tmax.training.rollout import agent_settings
 
     info = engine.info()
     harness = cfg.eval.harness or cfg.rollout.harness_for(0)
-    # The training episodes' settings, with the eval section's sampling and step limit.
-    kwargs = agent_settings(cfg.rollout) | {"temperature": cfg.eval.temperature, "top_p": 1.0,
-                                            "max_steps": cfg.eval.max_steps}
+    # The training episodes' agent settings, with the eval section's sampling and step limit.
+    kwargs = cfg.rollout.agent_only().model_dump(mode="json", exclude_none=True) | {
+        "temperature": cfg.eval.temperature, "top_p": 1.0, "max_steps": cfg.eval.max_steps}
     jc = JobConfig(job_name=name, jobs_dir=str(jobs_dir), dataset=held_dir, agent=harness, model=info["model"],
                    base_url=info["base_url"], agent_kwargs=kwargs, n_attempts=cfg.eval.attempts,
                    n_concurrent=cfg.eval.concurrency, environment=cfg.eval.sandbox, warm_ahead=cfg.eval.warm_ahead,
@@ -130,10 +130,10 @@ def heldout_eval(cfg: LearnConfig, engine: Any, held_dir: str, jobs_dir: Path, n
     t0 = time.monotonic()
     job = Job(jc, api_key="none")
     job.run()
-    trials = job.results()
-    n = len(trials)
-    passed = sum(1 for t in trials if (t.get("tmax", {}).get("reward") or 0.0) >= 1.0)
-    infra = sum(1 for t in trials if t.get("tmax", {}).get("outcome") == "infra_error")
+    verdicts = [t.score() for t in job.results()]
+    n = len(verdicts)
+    passed = sum(v.passed for v in verdicts)
+    infra = sum(v.infra for v in verdicts)
     out = {"pass_rate": passed / n if n else 0.0, "passed": passed, "trials": n, "infra_errors": infra,
            "seconds": time.monotonic() - t0, "job_dir": str(job.dir)}
     log(f"held-out eval [{name}, {harness} harness]: {passed}/{n} passed ({out['pass_rate']:.1%}), {infra} infra errors, "

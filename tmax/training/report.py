@@ -4,7 +4,7 @@ bar, the reward curve and the summary.
 
 The JSONL file is the record of a run: each line is written with a single write and
 flushed, so a crash loses at most the line being written, and `read_metrics` skips a
-truncated last line; `trim_jsonl` drops it (and a killed run's steps past its checkpoint)
+truncated last line; `common.files.trim_jsonl` drops it (and a killed run's steps past its checkpoint)
 before a resumed run appends, so a cut line never swallows the next record.
 """
 
@@ -111,30 +111,6 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue  # a line cut short by a crash
     return records
-
-
-def trim_jsonl(path: Path, keep: Any = None) -> int:
-    """Rewrite a JSONL record atomically with only its complete lines (and of those, the ones
-    `keep(record)` accepts); returns how many lines were dropped. A missing file is left be."""
-    import os
-    import tempfile
-
-    if not path.is_file():
-        return 0
-    lines = path.read_text(encoding="utf-8").splitlines()
-    kept = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if keep is None or keep(record):
-            kept.append(line)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
-    return len(lines) - len(kept)
 
 
 def summary(metrics: dict[str, Any]) -> dict[str, str]:

@@ -5,7 +5,7 @@ context the sampler sees is the exact token list (prompt ids, sampled ids verbat
 template-rendered observations with mask 0 / logprob 0) and never a re-rendering.
 
 Budgets and termination, as in the Tmax recipe, come from `RolloutConfig`:
-* at most `max_tool_calls` model turns; the first turn without a valid `bash` call ends
+* at most `max_steps` model turns; the first turn without a valid `bash` call ends
   the episode (`max_format_errors = 1`);
 * per-turn tokens = max(1, min(remaining response budget, remaining context, per-turn cap)),
   enforced by the token policy, which raises `ContextOverflow` when a budget is used up;
@@ -35,11 +35,12 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tmax.agents.loop import Agent, AgentConfig
+from tmax.agents.driver import EpisodeDriver
 from tmax.agents.policy import TokenSampler, TokenTrace
+from tmax.agents.settings import AgentSettings
 from tmax.common.files import write_json_atomic
 from tmax.sandbox.overlay_pool import OverlayPool
-from tmax.sandbox.pool import WarmPool
+from tmax.sandbox.pool import WarmAhead, WarmPool
 from tmax.tasks.episode import ENVIRONMENT_ERRORS, EnvSettings, Episode, PreparedTasks
 from tmax.tasks.images import TaskImage
 from tmax.tasks.model import Task
@@ -81,7 +82,9 @@ class EpisodeRequest:
 @dataclass
 class Rollout:
     """Everything the trainer and a later analysis need about one episode. `trace` is the
-    token policy's `TokenTrace`, kept as it is: the trainer packs it (training.learner.packing)."""
+    token policy's `TokenTrace`, kept as it is: the trainer packs it (training.learner.packing).
+    An episode that compacted (`rollout.compaction`) has the segments before it in `segments`:
+    each is a sample of its own, with the episode's reward (`traces`)."""
 
     task_id: str
     group_id: int
@@ -104,10 +107,16 @@ class Rollout:
     sandbox_mode: str = ""  # podman: "overlay" (of a shared container) or "container" (a fallback's own)
     command_s: list[float] = field(default_factory=list)  # each command's round trip (issue -> output back)
     started_at: float = 0.0  # when the episode began (epoch seconds)
+    segments: list[TokenTrace] = field(default_factory=list)  # closed by compactions, in order
+
+    @property
+    def traces(self) -> list[TokenTrace]:
+        """Every token segment of the episode, the last (`trace`) included."""
+        return [*self.segments, self.trace]
 
     @property
     def num_sampled(self) -> int:
-        return self.trace.num_sampled
+        return sum(t.num_sampled for t in self.traces)
 
     @property
     def ids(self) -> list[int]:
@@ -121,23 +130,15 @@ class Rollout:
 
     def to_json(self) -> str:
         """One flat JSON object: the episode's fields and the trace's lists side by side."""
-        record = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "trace"}
-        return json.dumps({**record, **asdict(self.trace)})
+        record = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("trace", "segments")}
+        return json.dumps({**record, **asdict(self.trace), "segments": [asdict(t) for t in self.segments]})
 
     @classmethod
     def from_json(cls, line: str) -> "Rollout":
         record = json.loads(line)
         trace = TokenTrace(**{f.name: record.pop(f.name) for f in fields(TokenTrace) if f.name in record})
-        return cls(trace=trace, **record)
-
-
-def agent_settings(r: RolloutConfig) -> dict[str, Any]:
-    """The rollout section in `AgentConfig`'s names: the settings of every training episode
-    and, with the eval section's sampling on top, of the held-out bench trials."""
-    return {"max_steps": r.max_tool_calls, "command_timeout": r.command_timeout,
-            "max_format_errors": r.max_format_errors, "temperature": r.temperature, "top_p": r.top_p,
-            "max_tokens": r.per_turn_max_tokens, "context_budget": r.context_budget,
-            "observation_max_chars": r.observation_max_chars, "budget_hints": r.budget_hints}
+        segments = [TokenTrace(**t) for t in record.pop("segments", [])]
+        return cls(trace=trace, segments=segments, **record)
 
 
 def env_settings(kind: str, image_map: list[str], labels: dict[str, str] | None = None) -> EnvSettings:
@@ -163,7 +164,7 @@ class EpisodeSettings:
     workers and each episode. Plain data, so it travels to Ray actors as it is."""
 
     env: EnvSettings
-    agent: AgentConfig
+    agent: AgentSettings  # the rollout section's agent keys
     response_budget: int  # model + tool tokens of one trajectory
     max_prompt_tokens: int
     test_timeout: float  # the verifier's limit, at most the task's own
@@ -174,11 +175,8 @@ class EpisodeSettings:
 
     @classmethod
     def of(cls, r: RolloutConfig, labels: dict[str, str] | None = None) -> EpisodeSettings:
-        # A failing inference server is an infrastructure problem: retry briefly, then let
-        # the training loop re-queue the episode rather than wait out long back-offs.
-        agent = AgentConfig.from_settings({**agent_settings(r), "retries": 3, "backoff_s": (0.5, 1.0)})
         harnesses = (r.harness,) if isinstance(r.harness, str) else tuple(r.harness)
-        return cls(env=env_settings(r.sandbox, r.image_map, labels), agent=agent, response_budget=r.response_budget,
+        return cls(env=env_settings(r.sandbox, r.image_map, labels), agent=r.agent_only(), response_budget=r.response_budget,
                    max_prompt_tokens=r.max_prompt_tokens, test_timeout=r.test_timeout, harnesses=harnesses,
                    pool_size=r.pool_size, max_infra_retries=r.max_infra_retries, overlay=r.overlay)
 
@@ -282,22 +280,16 @@ def run_episode(
     ep = _open(req, episode.env, image, pool)
     t_sandbox = time.monotonic() - t0
     task, sandbox_id, warm, mode = ep.task, ep.sandbox_id, ep.warm, ep.sandbox_mode
-    harness = make_harness(episode.harness_for(req.group_id), ep.workdir)
     try:
         policy = episode.token_policy(sampler, tokenizer, req.seed)
         recorder = Recorder(record_dir) if record_dir is not None else None
-        agent = Agent(policy, ep.sandbox, episode.agent, recorder=recorder, harness=harness)
-        t1 = time.monotonic()
-        result = agent.run(task.instruction)
-        t_agent = time.monotonic() - t1
-        # The agent's time split: waiting for the model, and commands running in the sandbox.
-        t_llm = sum(t.get("llm_s", 0.0) for t in agent.timing)
-        command_s = [t["bash_s"] for t in agent.timing if "bash_s" in t]
-        t_exec = sum(command_s)
+        harness = make_harness(episode.harness_for(req.group_id), ep.workdir)
+        with EpisodeDriver(policy, ep.sandbox, harness, episode.agent, recorder=recorder) as driver:
+            result = driver.run(task.instruction)
         if result.status in INFRA_STATUSES:
             kind, what = INFRA_STATUSES[result.status]
             raise InfraError(kind, f"{what}: {result.error}")
-        trace = policy.trace
+        trace, segments = policy.trace, list(policy.segments)
         reward, vinfo, t_verify = 0.0, None, 0.0
         submitted = result.status == "submitted"
         if submitted:
@@ -305,7 +297,6 @@ def run_episode(
             reward, vinfo = _score(ep, min(episode.test_timeout, task.config.verifier.timeout_sec), record_dir)
             t_verify = time.monotonic() - t2
     finally:
-        harness.close()
         ep.close()
     return Rollout(
         task_id=task.name,
@@ -316,15 +307,16 @@ def run_episode(
         reward=float(min(1.0, max(0.0, reward))),
         status=result.status,
         steps=result.steps,
-        policy_version=min(trace.turn_versions, default=start_version),
+        policy_version=min((v for t in (*segments, trace) for v in t.turn_versions), default=start_version),
         truncated=result.status == "context_overflow",
         submitted=submitted,
         verifier=vinfo,
         timings={
             "sandbox_start_s": round(t_sandbox, 4),
-            "agent_s": round(t_agent, 4),
-            "llm_s": round(t_llm, 4),
-            "exec_s": round(t_exec, 4),
+            # The agent's time split: waiting for the model, and commands running in the sandbox.
+            "agent_s": result.agent_s,
+            "llm_s": result.llm_s,
+            "exec_s": result.exec_s,
             "verifier_s": round(t_verify, 4),
             "total_s": round(time.monotonic() - t0, 4),
         },
@@ -333,8 +325,9 @@ def run_episode(
         sandbox=ep.settings.kind,
         container_id=sandbox_id,
         warm_start=warm,
+        segments=segments,
         sandbox_mode=mode,
-        command_s=command_s,
+        command_s=result.command_s,
         started_at=round(started_at, 3),
     )
 
@@ -375,26 +368,19 @@ def prewarm(pool: WarmPool | None, task_dir: str, settings: EnvSettings, image: 
 def run_ahead(task_dirs: list[str], episode: Callable[[int], T], settings: EnvSettings,
               images: dict[str, TaskImage | None], pool: WarmPool | None, concurrency: int) -> list[T]:
     """`episode(i)` for every task, `concurrency` at a time in order (the results in that
-    order). With a pool, each episode first starts the container of the one that will take
-    its slot next, so that one finds it warm (the caller owns and closes the pool)."""
+    order). With a pool, each episode as it begins starts containers for the next in line,
+    as many as the pool holds beyond the running episodes (`sandbox.pool.WarmAhead`; the
+    caller owns and closes the pool)."""
+    depth = pool.capacity - concurrency if pool is not None else 0
+    ahead = WarmAhead(depth, lambda j: prewarm(pool, task_dirs[j], settings, images.get(task_dirs[j])))
+    order = range(len(task_dirs))
+
     def one(i: int) -> T:
-        ahead = i + concurrency
-        if ahead < len(task_dirs):
-            prewarm(pool, task_dirs[ahead], settings, images.get(task_dirs[ahead]))
+        ahead.fill_after(order, i, concurrency)
         return episode(i)
 
     with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="tmax-episode") as ex:
-        return list(ex.map(one, range(len(task_dirs))))
-
-
-def prewarm_queue(queue: Any, workers: list, next_worker: int, per_worker: int, done: set) -> None:
-    """Ask each worker to start containers for the queued requests it will receive next
-    (dispatch is round-robin in queue order), `per_worker` ahead, each request once."""
-    for j, req in enumerate(list(queue)[: per_worker * len(workers)]):
-        key = (req.group_id, req.sample_index, req.attempt)
-        if key not in done:
-            done.add(key)
-            workers[(next_worker + j) % len(workers)].prewarm.remote(req.task_dir)
+        return list(ex.map(one, order))
 
 
 @dataclass

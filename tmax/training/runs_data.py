@@ -9,6 +9,10 @@
   the samples of a half-solved task group. A running mean of the task rewards was not
   used: it would make a user's verdict count for little or even flip sign depending on
   how the unrelated task stream is going (near 1.0 once the tasks are mostly solved).
+
+A session that compacted is several token segments (`segments/segment-N.json`, then
+tokens.json): each is a sample of its own with the session's reward, its prompt ids the
+context as sent and its sampled ids as sampled (`Rollout.traces`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tmax.agents.rating import read_reward
-from tmax.agents.records import RESULT, TOKENS
+from tmax.agents.records import RESULT, TOKENS, load_segments
 from tmax.agents.policy import TokenTrace
 from tmax.training.algo.batching import Group
 from tmax.training.learner.packing import TrainSample, batch_samples
@@ -50,8 +54,13 @@ def _read(path: Path) -> Any:
 
 def load_run(run_dir: Path) -> RatedRun:
     trace = TokenTrace(**_read(run_dir / TOKENS))
-    if not (len(trace.ids) == len(trace.mask) == len(trace.logprobs)):
-        raise RunsDataError(f"{run_dir / TOKENS}: ids, mask and logprobs differ in length")
+    try:
+        segments = [s.trace for s in load_segments(run_dir) if s.trace is not None]
+    except (ValueError, KeyError, TypeError) as e:
+        raise RunsDataError(f"{run_dir}: a compacted segment is broken: {e}") from None
+    for t in (*segments, trace):
+        if not (len(t.ids) == len(t.mask) == len(t.logprobs)):
+            raise RunsDataError(f"{run_dir}: ids, mask and logprobs of a token segment differ in length")
     result = _read(run_dir / RESULT) if (run_dir / RESULT).is_file() else {}
     meta = _read(run_dir / "run.json") if (run_dir / "run.json").is_file() else {}
     reward = read_reward(run_dir)
@@ -59,7 +68,8 @@ def load_run(run_dir: Path) -> RatedRun:
         task_id=f"run:{run_dir.name}", group_id=-1, sample_index=0, seed=0, trace=trace,
         reward=reward if reward is not None else 0.0, status=str(result.get("status", "unknown")),
         steps=int(result.get("steps", len(trace.turn_versions))),
-        policy_version=min(trace.turn_versions, default=0),
+        policy_version=min((v for t in (*segments, trace) for v in t.turn_versions), default=0),
+        segments=segments,
     )
     return RatedRun(run_dir, reward, rollout, meta.get("model_dir"))
 

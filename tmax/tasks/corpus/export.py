@@ -33,14 +33,6 @@ class ExportError(ValueError):
     pass
 
 
-def _needs_data_extra():
-    try:
-        import datasets  # noqa: F401
-        import pyarrow  # noqa: F401
-    except ImportError:
-        raise ExportError("hf and parquet need the data extra: pip install 'tmax[data]' (datasets, pyarrow)") from None
-
-
 def task_row(task_dir: Path, metadata: dict, instruction: str) -> dict:
     files = []
     for p in sorted(task_dir.rglob("*")):
@@ -62,8 +54,7 @@ def export_corpus(root: Path, out: Path, fmt: str) -> dict:
             for t in corpus:
                 tar.add(t.path, arcname=t.name)
         return {"exported": len(corpus), "out": str(out), "unreadable": corpus.unreadable}
-    _needs_data_extra()
-    import datasets
+    import datasets  # the data extra; without it the CLI names the extra
 
     rows = [task_row(t.path, t.metadata, t.instruction) for t in corpus]
     ds = datasets.Dataset.from_list(rows)
@@ -105,8 +96,7 @@ def import_dataset(spec: str, out: Path) -> dict:
     """`hf:DIR` (a saved dataset) or `parquet:FILE` to task directories under `out`;
     {"imported": [...], "errors": {name: why}} like the layout importers."""
     kind, _, path = spec.partition(":")
-    _needs_data_extra()
-    import datasets
+    import datasets  # the data extra; without it the CLI names the extra
 
     try:
         ds = datasets.load_from_disk(path) if kind == "hf" else datasets.Dataset.from_parquet(path)

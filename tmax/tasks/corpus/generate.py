@@ -14,7 +14,7 @@ that) and its slot is re-drawn from the same stratum (`axes.redraw`), at most
 
 State lives in `<out>/.generate/<name>.json`, rewritten after every stage, so a rerun
 skips finished tasks and resumes unfinished ones where they stopped. Each slot is one job of
-`tasks.corpus.scheduler` (local threads, or Ray nodes that see the corpus directory);
+`tasks.job_runner` (local threads, or Ray nodes that see the corpus directory);
 `<out>/.generate/slots/` holds the finished slots.
 """
 
@@ -33,7 +33,7 @@ from tmax.sandbox.base import KINDS
 from tmax.tasks.corpus import prompts
 from tmax.tasks.corpus.axes import CORPUS_KINDS, AxesConfig, TaskAxes, load_axes, redraw, stratified_plan
 from tmax.tasks.corpus.package import TaskParts, replace_dir, write_task
-from tmax.tasks.corpus.scheduler import Backend, Finished, Job, LocalBackend, run_jobs
+from tmax.tasks.job_runner import Backend, Finished, JobItem, JobRunner, ResultFiles
 from tmax.tasks.corpus.validate import GateReport, validate_task
 from tmax.tasks.offline import default_config
 
@@ -266,32 +266,26 @@ class Generator:
 
     def run(self, backend: Backend | None = None,
             on_slot: Callable[[list[TaskState], bool], None] | None = None) -> list[TaskState]:
-        """Every slot as a scheduler job (local threads unless a backend is given). A slot
+        """Every slot as a job item (local threads unless a backend is given). A slot
         whose tasks all finished before is read back, not run; `on_slot(states, resumed)`."""
         self.out.mkdir(parents=True, exist_ok=True)
         self._check_identity()
         spec = self.config.model_dump_json()
-        jobs = [Job(f"slot_{i:06d}", generate_slot, (spec, self.api_key, i), json.dumps(self.config.identity(self.axes)))
-                for i in range(self.config.n)]
-        own = backend is None
-        backend = backend or LocalBackend(self.config.n_concurrent)
+        items = [JobItem(f"slot_{i:06d}", generate_slot, (spec, self.api_key, i),
+                         json.dumps(self.config.identity(self.axes))) for i in range(self.config.n)]
 
         def finished(f: Finished) -> None:
             if on_slot:
                 on_slot([TaskState.model_validate(x) for x in f.result["states"]], f.resumed)
 
-        try:
-            results = run_jobs(jobs, self.state_dir / "slots", backend,
-                               done=lambda r: all(x["status"] != "pending" for x in r["states"]), on_finished=finished)
-        finally:
-            if own:
-                backend.close()
+        store = ResultFiles(self.state_dir / "slots", done=lambda r: all(x["status"] != "pending" for x in r["states"]))
+        results = JobRunner(store, backend, slots=self.config.n_concurrent).run(items, on_finished=finished)
         states = [TaskState.model_validate(x) for r in results.values() for x in r["states"]]
         return sorted(states, key=lambda s: (s.index, s.attempt))
 
 
 def generate_slot(spec: str, api_key: str | None, index: int) -> dict:
-    """One slot as a scheduler job, on any node: its tasks' states (the task directories and
+    """One slot as a job item, on any node: its tasks' states (the task directories and
     per-task state files are written under the corpus as it goes)."""
     gen = Generator(GenerateConfig.model_validate_json(spec), api_key=api_key)
     return {"states": [st.model_dump() for st in gen.run_slot(index)]}

@@ -1,6 +1,6 @@
 """`tmax data solve`: difficulty of every task as pass@k of a bench agent.
 
-Each task is a job of `tasks.corpus.scheduler` (local threads, or Ray): a bench job
+Each task is an item of a `tasks.job_runner` job (local threads, or Ray): a bench job
 (`tasks.job.Job`, k attempts) of that task under `<corpus>/.tmax-solve/jobs/<tag>/`, so a
 rerun resumes, and a task solved before (same content, same settings) is read back. Per task a summary is written to
 `<corpus>/.tmax-solve/<tag>/<task>.json`: attempts (k), scored runs (n), successes (c),
@@ -17,38 +17,38 @@ from typing import Callable
 
 from tmax.common.files import write_json_atomic
 from tmax.tasks.corpus.report import SOLVE_DIR, success_rate
-from tmax.tasks.corpus import scheduler
 from tmax.tasks.dataset import task_dirs
-from tmax.tasks.job import Job, JobConfig, trial_row
+from tmax.tasks.job import Job, JobConfig
+from tmax.tasks.job_runner import Backend, JobItem, JobRunner, ResultFiles
 from tmax.tasks.model import Task, TaskError
-from tmax.tasks.scoring import SUCCESS, pass_at_k
+from tmax.tasks.scoring import TrialRow, pass_at_k
 
 
 def solver_tag(agent: str, model: str | None) -> str:
     return agent if not model else f"{agent}_{model.replace('/', '_')}"
 
 
-def task_summary(task: str, rows: list[dict], agent: str, model: str | None) -> dict:
-    scored = [r for r in rows if r["outcome"] != "infra_error"]
+def task_summary(task: str, rows: list[TrialRow], agent: str, model: str | None) -> dict:
+    scored = [r for r in rows if not r.verdict.infra]
     n = len(scored)
-    c = sum(1 for r in scored if r["reward"] is not None and float(r["reward"]) >= SUCCESS)
+    c = sum(r.verdict.passed for r in scored)
     return {
         "task": task, "agent": agent, "model": model,
         "num_attempts": len(rows), "num_runs": n, "num_success": c, "num_infra_errors": len(rows) - n,
         "success_rate": c / n if n else None,
         "pass_at_k": {str(k): pass_at_k(n, c, k) for k in range(1, n + 1)},
-        "results": [{"trial": r["trial"], "outcome": r["outcome"], "reward": r["reward"]} for r in rows],
+        "results": [{"trial": r.trial, "outcome": r.verdict.outcome, "reward": r.verdict.reward} for r in rows],
     }
 
 
 def solve_task(corpus: str, task: str, spec: str, api_key: str | None) -> dict:
-    """k attempts of one task as a scheduler job (plain arguments, so it runs on any node):
+    """k attempts of one task as a job item (plain arguments, so it runs on any node):
     a bench job of that task alone under `<corpus>/.tmax-solve/jobs/<tag>/`, which resumes
     its own trials; the summary is written where `report` reads it and returned."""
     cfg = JobConfig.model_validate_json(spec).model_copy(update={"include": [task], "job_name": task})
     job = Job(cfg, api_key=api_key)
     job.run(retry_infra=True)
-    rows = [trial_row(r) for r in job.results() if r["task_name"] == task]
+    rows = [TrialRow.of(r) for r in job.results() if r.task_name == task]
     summary = task_summary(task, rows, cfg.agent, cfg.model)
     tag = solver_tag(cfg.agent, cfg.model)
     write_json_atomic(Path(corpus) / SOLVE_DIR / tag / f"{task}.json", summary)
@@ -57,9 +57,9 @@ def solve_task(corpus: str, task: str, spec: str, api_key: str | None) -> dict:
 
 def solve_corpus(corpus: Path, agent: str, k: int, *, model: str | None = None, base_url: str | None = None,
                  api_key: str | None = None, environment: str = "podman", n_concurrent: int = 2,
-                 agent_kwargs: dict | None = None, backend: scheduler.Backend | None = None,
+                 agent_kwargs: dict | None = None, backend: Backend | None = None,
                  on_task: Callable[[dict, bool], None] | None = None) -> tuple[dict[str, dict], dict[str, str]]:
-    """k attempts per task, each task a scheduler job (local threads, or the backend given);
+    """k attempts per task, each task a job item (local threads, or the backend given);
     a task solved before with the same content and settings is read back. ({task: summary},
     {task that does not load: why}): the others are solved all the same."""
     corpus = Path(corpus).expanduser().resolve()
@@ -68,23 +68,17 @@ def solve_corpus(corpus: Path, agent: str, k: int, *, model: str | None = None, 
                     model=model, base_url=base_url, agent_kwargs=agent_kwargs or {}, n_attempts=k,
                     n_concurrent=1, environment=environment)
     spec = cfg.model_dump_json()
-    jobs, unreadable = [], {}
+    items, unreadable = [], {}
     for d in task_dirs(corpus):
         try:
             t = Task.load(d)
         except TaskError as e:
             unreadable[d.name] = str(e)
             continue
-        jobs.append(scheduler.Job(t.name, solve_task, (str(corpus), t.name, spec, api_key), f"{spec}:{t.checksum()}"))
-    own = backend is None
-    backend = backend or scheduler.LocalBackend(n_concurrent)
-    try:
-        results = scheduler.run_jobs(jobs, corpus / SOLVE_DIR / "jobs" / tag / ".results", backend,
-                           done=lambda r: not r["num_infra_errors"],
-                           on_finished=lambda f: on_task and on_task(f.result, f.resumed))
-    finally:
-        if own:
-            backend.close()
+        items.append(JobItem(t.name, solve_task, (str(corpus), t.name, spec, api_key), f"{spec}:{t.checksum()}"))
+    store = ResultFiles(corpus / SOLVE_DIR / "jobs" / tag / ".results", done=lambda r: not r["num_infra_errors"])
+    results = JobRunner(store, backend, slots=n_concurrent).run(
+        items, on_finished=lambda f: on_task and on_task(f.result, f.resumed))
     return dict(sorted(results.items())), unreadable
 
 

@@ -15,7 +15,7 @@ time. Trials run with bench's machinery (`tasks.trial.run_trial`) and keep their
 trial directories under the work dir. A task without `solution/` is `unverified` (failed:
 ["oracle"]) unless another gate failed. A build that fails for the infrastructure (a mirror
 that did not answer after the retries, podman itself) is an infrastructure error, not the
-task's rejection. A corpus is validated as scheduler jobs (`tasks.corpus.scheduler`): per
+task's rejection. A corpus is validated as a job (`tasks.job_runner`): per
 task a result as it finishes, so a rerun resumes.
 """
 
@@ -31,10 +31,11 @@ from typing import Callable, Literal
 from pydantic import BaseModel, Field
 
 from tmax.common.files import write_json_atomic
+from tmax.common.harbor import FAIL, PASS, AgentConfig, TaskConfig, TrialConfig, TrialResult
 from tmax.sandbox import make_sandbox
 from tmax.sandbox.base import IMAGE_USER, AgentUserError, SandboxError
 from tmax.tasks.corpus.package import LITE_RUNNER, run_tests_command
-from tmax.tasks.corpus.scheduler import Backend, Finished, Job, LocalBackend, run_jobs
+from tmax.tasks.job_runner import Backend, Finished, JobItem, JobRunner, ResultFiles
 from tmax.tasks.episode import EnvSettings, sandbox_spec
 from tmax.tasks.hostenv import HOST_KINDS, HostEnvError, check_dockerfile
 from tmax.tasks.images import ImageBuildError, TaskImage, ensure_image
@@ -135,21 +136,23 @@ def _agent_user_problem(task: Task, image: TaskImage, rewrite: RewriteConfig) ->
     return None
 
 
-def _trial(task: Task, agent, env_kind: str, rewrite: RewriteConfig, trial_dir: Path) -> dict:
+def _trial(task: Task, agent, env_kind: str, rewrite: RewriteConfig, trial_dir: Path) -> TrialResult:
     shutil.rmtree(trial_dir, ignore_errors=True)
-    plan = TrialPlan(task, 0, f"{task.name}__{trial_dir.name}", trial_dir, "tmax-data-validate",
-                     {"task": {"path": str(task.path), "name": task.name}, "agent": {"name": agent.name}})
+    name = f"{task.name}__{trial_dir.name}"
+    # Harbor's TaskConfig takes a path or a registry name, never both.
+    config = TrialConfig(task=TaskConfig(path=str(task.path)), trial_name=name, agent=AgentConfig(name=agent.name))
+    plan = TrialPlan(task, 0, name, trial_dir, "tmax-data-validate", config)
     return run_trial(plan, TrialEnv(agent=agent, rewrite=rewrite, sandbox_kind=env_kind))
 
 
-def _trial_problem(result: dict, trial_dir: Path) -> str:
+def _trial_problem(result: TrialResult, trial_dir: Path) -> str:
     """Why a trial did not score as hoped: its exception, or the tail of the verifier log."""
-    exc = result.get("exception_info")
+    exc = result.exception_info
     if exc:
-        return f"{exc['exception_type']}: {exc['exception_message']}"[-REASON_CHARS:]
+        return f"{exc.exception_type}: {exc.exception_message}"[-REASON_CHARS:]
     log = trial_dir / "verifier" / "test-stdout.txt"
     text = log.read_text(errors="replace") if log.is_file() else ""
-    return f"reward {result['tmax'].get('reward')}; verifier output: {text[-REASON_CHARS:]}"
+    return f"reward {result.reward}; verifier output: {text[-REASON_CHARS:]}"
 
 
 def _run_gates(task: Task, work: Path, env_kind: str, rewrite: RewriteConfig,
@@ -161,9 +164,9 @@ def _run_gates(task: Task, work: Path, env_kind: str, rewrite: RewriteConfig,
             if task.has_solution else None
         nop = nop_run.result()
         oracle = oracle_run.result() if oracle_run else None
-    if nop["tmax"]["outcome"] == "infra_error":
+    if nop.score().infra:
         infra += ["initial", "nop"]
-    meta = (nop.get("agent_result") or {}).get("metadata") or {}
+    meta = (nop.agent_result.metadata if nop.agent_result else None) or {}
     initial = meta.get("initial")
     if initial == "absent":
         gates["initial"] = "skipped"
@@ -172,19 +175,19 @@ def _run_gates(task: Task, work: Path, env_kind: str, rewrite: RewriteConfig,
     else:
         gates["initial"] = "failed"
         reasons["initial"] = meta.get("output") or _trial_problem(nop, work / "nop")
-    outcome = nop["tmax"]["outcome"]
-    if outcome == "fail":
+    verdict = nop.score()
+    if verdict.outcome == FAIL:
         gates["nop"] = "ok"
     else:
         gates["nop"] = "failed"
         reasons["nop"] = ("the verifier gives reward 1 on the untouched environment (the final test "
-                          "passes before any work)") if outcome == "pass" else _trial_problem(nop, work / "nop")
+                          "passes before any work)") if verdict.passed else _trial_problem(nop, work / "nop")
     if oracle is None:
         gates["oracle"], reasons["oracle"] = "failed", NO_SOLUTION
         return
-    if oracle["tmax"]["outcome"] == "infra_error":
+    if oracle.score().infra:
         infra.append("oracle")
-    if oracle["tmax"]["outcome"] == "pass":
+    if oracle.score().outcome == PASS:  # reward 1 within the agent's time (a timed-out pass is no proof)
         gates["oracle"] = "ok"
     else:
         gates["oracle"] = "failed"
@@ -254,7 +257,7 @@ def corpus_task_dirs(root: Path) -> list[Path]:
 
 
 def validate_job(path: str, work: str, env_kind: str) -> dict:
-    """One task's gates as a scheduler job (plain arguments, so it runs on any node)."""
+    """One task's gates as a job item (plain arguments, so it runs on any node)."""
     return validate_task(Path(path), Path(work), env_kind, default_config()).model_dump()
 
 
@@ -269,25 +272,19 @@ def task_identity(task_dir: Path, env_kind: str) -> str:
 def validate_corpus(root: Path, work: Path, env_kind: str = "podman", n_concurrent: int = 2,
                     on_done: Callable[[GateReport, bool], None] | None = None,
                     backend: Backend | None = None) -> list[GateReport]:
-    """Validate every task of a corpus as scheduler jobs; reports come back in name order.
+    """Validate every task of a corpus as job items; reports come back in name order.
     A task validated before (same content, same environment kind, no infrastructure error)
     is not run again: its result is read from `<work>/results/`."""
     work = Path(work).resolve()
-    jobs = [Job(d.name, validate_job, (str(d.resolve()), str(work / d.name), env_kind), task_identity(d, env_kind))
-            for d in corpus_task_dirs(root)]
-    own = backend is None
-    backend = backend or LocalBackend(n_concurrent)
+    items = [JobItem(d.name, validate_job, (str(d.resolve()), str(work / d.name), env_kind), task_identity(d, env_kind))
+             for d in corpus_task_dirs(root)]
 
     def finished(f: Finished) -> None:
         if on_done:
             on_done(GateReport.model_validate(f.result), f.resumed)
 
-    try:
-        results = run_jobs(jobs, work / RESULTS_DIR, backend, done=lambda r: not r.get("infra_errors"),
-                           on_finished=finished)
-    finally:
-        if own:
-            backend.close()
+    store = ResultFiles(work / RESULTS_DIR, done=lambda r: not r.get("infra_errors"))
+    results = JobRunner(store, backend, slots=n_concurrent).run(items, on_finished=finished)
     return sorted((GateReport.model_validate(r) for r in results.values()), key=lambda r: r.task)
 
 

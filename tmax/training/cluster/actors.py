@@ -1,5 +1,9 @@
 """Every Ray actor of `tmax learn`, for every placement: one machine is a one-node layout.
 
+The actors are plain classes, each in its own module (`learner_rank.LearnerRank`,
+`engine_actor.EngineActor`, `rollout_worker.RolloutWorker`), wrapped with `ray.remote`
+here, where they are created; Ray is imported only then.
+
 * `LearnerGroup`: learner ranks 0..R-1 (`LearnerRank`), joined in one torch.distributed
   group (gloo on CPU, NCCL on GPU) when R > 1. `train_step(samples)` gives every rank its
   token-balanced share (`learner.packing.shard`); the learner all-reduces the global
@@ -21,224 +25,22 @@ Without a placement: plain CPU options on the local cluster (1 learner rank, 1 e
 
 from __future__ import annotations
 
-import functools
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tmax.common.waiting import wait_until
-from tmax.training.cluster.failover import SERVER_EXIT_WAIT_S, FailoverSampler, WorkersDown
+from tmax.training.cluster.engine_actor import EngineActor
+from tmax.training.cluster.failover import FailoverSampler, WorkersDown
+from tmax.training.cluster.learner_rank import LearnerRank
 from tmax.training.cluster.placement import Placement
-from tmax.training.cluster.sandbox_nodes import NODE_LABEL, normal_priority, worker_slots
+from tmax.training.cluster.rollout_worker import RolloutWorker
+from tmax.training.cluster.sandbox_nodes import worker_slots
+from tmax.training.rollout import EpisodeSettings, run_labels
 
-# Gloo / NCCL collectives of the learner group give up after this long (a dead rank).
-GROUP_TIMEOUT_S = 600.0
 # Ray threads per rollout worker beyond its episode slots, so prewarm calls are not
 # queued behind running episodes.
 PREWARM_CALL_SLOTS = 2
-
-
-def _node_id() -> str:
-    import ray
-
-    return ray.get_runtime_context().get_node_id()
-
-
-@functools.lru_cache(maxsize=None)
-def _learner_class():
-    """Ray actor classes are defined lazily so importing this module does not import ray."""
-    import ray
-
-    from tmax.training.weights.learner_side import WeightSourceMixin
-
-    @ray.remote
-    class LearnerRank(WeightSourceMixin):
-        """One data-parallel learner rank (FSDP2-sharded or replicated, per
-        `LearnerConfig.strategy`); rank 0 is also rank 0 of the weight group for a
-        process-group transport."""
-
-        def __init__(self, threads: int | None):
-            import torch
-
-            if threads:
-                torch.set_num_threads(threads)
-            self.learner: Any = None
-            self.rank = 0
-
-        def node_id(self) -> str:
-            return _node_id()
-
-        def rendezvous(self) -> tuple[str, int]:
-            from tmax.training.net import free_port, node_ip
-
-            return node_ip(), free_port()
-
-        def setup(self, rank: int, world: int, host: str, port: int, model_dir: str, lcfg: Any,
-                  resume: str | None) -> int:
-            from tmax.training.learner.learner import Learner
-            from tmax.training.learner.parallel import data_parallel, init_learner_group
-
-            ctx = init_learner_group(rank, world, host, port, timeout_s=GROUP_TIMEOUT_S)
-            self.rank = rank
-            dp = data_parallel(ctx, lcfg.strategy)
-            self.learner = Learner.load(resume, lcfg, dp) if resume else Learner(model_dir, lcfg, dp)
-            return rank
-
-        def train_step(self, samples: list, world: int) -> dict:
-            from tmax.training.learner.packing import shard
-
-            return self.learner.train_step(shard(samples, self.rank, world))
-
-        def named_weights(self) -> dict:
-            w = self.learner.named_weights()  # a collective once the backend shards
-            # CPU tensors: engines on other nodes read them from the object store.
-            return {k: v.cpu() for k, v in w.items()} if self.rank == 0 else {}
-
-        def save(self, path: str, step: int, extra: dict) -> str:
-            return str(self.learner.save(path, step, extra))
-
-        def restore(self, path: str, lr_scale: float) -> int:
-            return self.learner.restore(path, lr_scale)
-
-        def close(self) -> None:
-            from tmax.training.learner.parallel import destroy_learner_group
-
-            destroy_learner_group()
-
-    return LearnerRank
-
-
-@functools.lru_cache(maxsize=None)
-def _engine_class():
-    import ray
-
-    from tmax.agents.policy import ModelError
-
-    @ray.remote
-    class EngineActor:
-        """Holds one inference engine. Rollout workers sample through it (threaded). A
-        weight sync pauses the turns being sampled rather than waiting for them
-        (`training.inference.engine`); each turn is tagged with the oldest weights version
-        that produced it."""
-
-        def __init__(self, model_dir: str, ecfg: Any, seed: int, work_dir: str | None = None, tp: int | None = None):
-            import threading
-
-            from tmax.training.inference.engine import VLLMEngine
-
-            self.engine = VLLMEngine.from_config(ecfg, model_dir, work_dir, tensor_parallel_size=tp)
-            self._sampler = self.engine.sampler(seed)
-            self._closing = False
-            if ray.get_runtime_context().was_current_actor_reconstructed:
-                self.engine.reload_last_push()
-            threading.Thread(target=self._exit_with_server, daemon=True).start()
-
-        def _exit_with_server(self) -> None:
-            """A vLLM server that dies takes its actor with it, so Ray restarts both."""
-            while not self._closing:
-                time.sleep(1.0)
-                self._exit_if_server_died()
-
-        def _exit_if_server_died(self, wait_s: float = 0.0) -> None:  # gone, or going within wait_s
-            server = self.engine.server
-            if server is not None and wait_until(lambda: not server.alive(), wait_s, 0.5) and not self._closing:
-                os._exit(1)
-
-        def node_id(self) -> str:
-            return _node_id()
-
-        def info(self) -> dict:
-            return {"base_url": self.engine.base_url, "model": self.engine.served_model_name,
-                    "version": self.engine.policy_version, "mixed_turns": self.engine.mixed_turns}
-
-        def sample(self, prompt_ids: list, max_tokens: int, temperature: float, top_p: float, seed: int | None):
-            try:
-                return self._sampler.sample(prompt_ids, max_tokens, temperature, top_p, seed)
-            except ModelError:  # a server that died: the caller sees a dead engine and waits
-                self._exit_if_server_died(SERVER_EXIT_WAIT_S)
-                raise
-
-        def push_weights(self, weights: dict, version: int) -> float:
-            try:
-                seconds = self.engine.push_weights(weights, version)
-            except self.engine.error:  # a server that died: the caller sees a dead engine
-                self._exit_if_server_died(SERVER_EXIT_WAIT_S)
-                raise
-            return seconds
-
-        def num_workers(self) -> int:
-            return self.engine.num_workers()
-
-        def join_weight_group(self, host: str, port: int, rank_offset: int, world: int, backend: str,
-                              timeout_s: float) -> list:
-            return self.engine.join_weight_group(host, port, rank_offset, world, backend, timeout_s)
-
-        def receive_weights(self, update: Any) -> float:
-            # Blocks until learner rank 0 has broadcast the update (another actor, so the
-            # two sides run at the same time).
-            return self.engine.receive_weights(update)
-
-        def weight_group(self) -> dict | None:
-            # None on a fresh (e.g. Ray-restarted) engine: `WeightSync` then re-forms the group.
-            return self.engine.weight_group
-
-        def close(self) -> None:
-            self._closing = True
-            self.engine.close()
-
-    return EngineActor
-
-
-@functools.lru_cache(maxsize=None)
-def _worker_class():
-    import ray
-
-    from tmax.training.rollout import EpisodeRequest, InfraError
-
-    @ray.remote
-    class RolloutWorker:
-        """Runs episodes, `slots` at a time (Ray threads), each in its own fresh sandbox;
-        on podman from a warm pool of containers started ahead of need."""
-
-        def __init__(self, model_dir: str, episode: Any, sampler: Any, images: dict, slots: int = 1):
-            from transformers import AutoTokenizer
-
-            normal_priority()  # its episodes' commands run as a bench trial's do, not at Ray's niceness 15
-            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-            self.episode = episode  # a `training.rollout.EpisodeSettings`
-            self.sampler = sampler
-            self.images = images  # task dir -> TaskImage, resolved before training
-            self.pool = episode.worker_pool(slots, {NODE_LABEL: _node_id()})  # its containers name this node
-
-        def node_id(self) -> str:
-            return _node_id()
-
-        def prewarm(self, task_dir: str) -> bool:
-            from tmax.training.rollout import prewarm
-
-            return prewarm(self.pool, task_dir, self.episode.env, self.images.get(task_dir))
-
-        def pool_stats(self) -> dict:
-            p = self.pool
-            return {"warm_hits": p.warm_hits, "cold_starts": p.cold_starts} if p is not None else {}
-
-        def run(self, req: EpisodeRequest, version: int) -> dict:
-            from tmax.training.rollout import run_episode
-
-            try:
-                r = run_episode(req, self.sampler, self.tokenizer, self.episode, image=self.images.get(req.task_dir),
-                                pool=self.pool, start_version=version)
-            except InfraError as e:
-                return {"infra_error": str(e), "kind": e.kind}
-            return {"rollout": r}
-
-        def close(self) -> None:
-            if self.pool is not None:
-                self.pool.close(in_use=True)
-
-    return RolloutWorker
 
 
 class LearnerGroup:
@@ -255,8 +57,8 @@ class LearnerGroup:
               threads: int | None) -> "LearnerGroup":
         import ray
 
-        LearnerRank = _learner_class()
-        ranks = [LearnerRank.options(**o).remote(threads) for o in options]
+        rank_actor = ray.remote(LearnerRank)
+        ranks = [rank_actor.options(**o).remote(threads) for o in options]
         host, port = ray.get(ranks[0].rendezvous.remote())
         return cls(ranks, [a.setup.remote(r, len(ranks), host, port, model_dir, lcfg, resume)
                            for r, a in enumerate(ranks)])
@@ -314,12 +116,14 @@ class EngineGroup:
               tp: int | None = None) -> "EngineGroup":
         """Engine i gets seed `algo.seed + i` and its own work dir, each over `tp` GPUs;
         not waited for (`ready`)."""
-        EngineActor = _engine_class()
+        import ray
+
+        engine_actor = ray.remote(EngineActor)
         engines = []
         for i, opts in enumerate(options):
             work = Path(run_dir).resolve() / ("engine" if len(options) == 1 else f"engine{i}")
             work.mkdir(parents=True, exist_ok=True)
-            engines.append(EngineActor.options(**opts).remote(model_dir, cfg.engine, cfg.algo.seed + i, str(work), tp))
+            engines.append(engine_actor.options(**opts).remote(model_dir, cfg.engine, cfg.algo.seed + i, str(work), tp))
         return cls(engines)
 
     def ready(self) -> list[Any]:
@@ -467,8 +271,6 @@ def start_actors(cfg: Any, model_dir: str, resume_from: str | None, run_dir: str
     (already serving `model_dir`); `images` maps task dirs to their resolved images."""
     import ray
 
-    from tmax.training.rollout import EpisodeSettings, run_labels
-
     if engines is not None and pl is not None:
         raise ValueError("a placed run starts its own engines; running engines cannot be reused with a placement")
     own = engines is None
@@ -480,9 +282,9 @@ def start_actors(cfg: Any, model_dir: str, resume_from: str | None, run_dir: str
         engines = engines or EngineGroup.start(cfg, model_dir, run_dir, engine_options(cfg, pl), _tp(pl))
         # The workers start while the engines do (a worker needs its engine only for its
         # first episode): their imports overlap the vLLM start instead of following it.
-        RolloutWorker = _worker_class()
+        worker_actor = ray.remote(RolloutWorker)
         episode = EpisodeSettings.of(cfg.rollout, labels)
-        workers = [RolloutWorker.options(**o).remote(model_dir, episode, engines.sampler(i), images,
+        workers = [worker_actor.options(**o).remote(model_dir, episode, engines.sampler(i), images,
                                                      worker_slots(pl, i, cfg.run.slots_per_worker))
                    for i, o in enumerate(worker_options(cfg, pl))]
         # Start-up errors of any rank or engine surface here, before any episode runs.

@@ -1,11 +1,11 @@
-"""Corpus jobs on a Ray cluster: the Ray backend of `tasks.corpus.scheduler`.
+"""Corpus jobs on a Ray cluster: the Ray backend of `tasks.job_runner`.
 
 The cluster is the trainer's (`training.cluster.launch.connect`): `--address` /
 `RAY_ADDRESS` connects to a running one, without either a private local cluster starts.
 Each job is a Ray task with `cpus_per_job` CPUs and, optionally, a custom resource that
 only the nodes able to run the jobs advertise (e.g. start nodes with podman as
 `ray start ... --resources '{"tmax_sandbox": 8}'` and pass `resource="tmax_sandbox"`), so
-jobs land only there. The scheduler keeps `slots` jobs in flight: the cluster's CPUs over
+jobs land only there. The runner keeps `slots` jobs in flight: the cluster's CPUs over
 `cpus_per_job`. Task directories and the work directory must be on a filesystem every
 node sees at the same path (as the trainer's run directory is).
 """

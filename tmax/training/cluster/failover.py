@@ -1,8 +1,7 @@
 """Surviving actors that die while Ray restarts them: `FailoverSampler`, a rollout worker's
-turns over the engine actors (`training.cluster.actors.EngineActor` exits with its server),
-`WorkersDown`, which rollout workers may take an episode now, `actor_died`, whether an
-error is the death of given actors, and `group_member_died`, the death of a group's member
-behind an error of any of them."""
+turns over the engine actors (`training.cluster.engine_actor.EngineActor` exits with its
+server), and `WorkersDown`, which rollout workers may take an episode now. Whether an error
+is an actor's death is `training.liveness`."""
 
 from __future__ import annotations
 
@@ -16,38 +15,6 @@ WORKER_RETRY_S = 2.0
 # How long an engine whose request failed (a turn, a weight push) waits to see whether its
 # vLLM server is going down (it then exits, and Ray restarts it).
 SERVER_EXIT_WAIT_S = 5.0
-# How long each member of a group gets to answer whether it is alive after a collective
-# failed in one of them (Ray notices a dead actor's process within seconds).
-PEER_PROBE_S = 30.0
-
-
-def actor_died(e: BaseException, actors: list[Any]) -> bool:
-    """Whether `e` is the death of one of `actors` (a call on it, or on a result it made)."""
-    import ray
-
-    return isinstance(e, ray.exceptions.RayActorError) and e.actor_id in {a._actor_id.hex() for a in actors}
-
-
-def group_member_died(e: BaseException, group: list[Any], probe_s: float = PEER_PROBE_S) -> BaseException | None:
-    """The death of one of `group` (actors that run collectives together, the learner
-    ranks) behind `e`, or None. Either `e` is that death, or `e` came from a call on a
-    survivor whose collective failed because a peer went away (gloo: "Connection closed
-    by peer"), which may reach the caller first: each member is then asked whether it is
-    alive, and the dead one's error is returned."""
-    import ray
-
-    if actor_died(e, group):
-        return e
-    if not isinstance(e, ray.exceptions.RayError):
-        return None
-    for actor in group:
-        try:
-            ray.get(actor.__ray_ready__.remote(), timeout=probe_s)
-        except ray.exceptions.RayActorError as died:
-            return died
-        except ray.exceptions.RayError:
-            continue  # busy past the probe, or not answering for another reason: not known dead
-    return None
 
 
 class FailoverSampler:
@@ -82,7 +49,6 @@ class FailoverSampler:
                 raise ModelError(f"every engine actor is down ({', '.join(errors)}) "
                                  f"and none came back within {self.restart_wait_s:.0f} s")
             time.sleep(1.0)
-
 
 
 class WorkersDown:

@@ -37,6 +37,7 @@ from tmax.agents.policy import (
     ModelError,
     SampledTokens,
 )
+from tmax.training.engine_options import EngineOptions
 from tmax.training.inference.serving import ServerError, ServeSpec, VLLMServer
 from tmax.training.net import free_port
 from tmax.training.weights.engine_side import EngineWeights
@@ -90,7 +91,11 @@ def _post(client: Any, url: str, body: dict | None, timeout: float) -> Any:
 class VLLMSampler:
     """`TokenSampler` over `/v1/completions`. Thread-safe; picklable (for Ray actors): a
     copy in another process has no engine to ask, and reads the policy version from the
-    server instead (`/collective_rpc policy_version`)."""
+    server instead (`/collective_rpc policy_version`).
+
+    Against a plain served model (`tmax serve` without `--dev`, no weight-sync endpoints),
+    pass `fixed_version`: every turn is tagged with it and the server is never asked; and
+    `api_key`, sent as a bearer token, when the server wants one."""
 
     def __init__(
         self,
@@ -102,6 +107,9 @@ class VLLMSampler:
         timeout_s: float = 600.0,
         max_model_len: int | None = None,
         extra_body: dict | None = None,
+        *,
+        fixed_version: int | None = None,
+        api_key: str | None = None,
     ):
         self.url = url.rstrip("/")
         # Further vLLM sampling fields for every request (e.g. min_tokens, ignore_eos).
@@ -111,6 +119,8 @@ class VLLMSampler:
         self.stop_token_ids = list(stop_token_ids or [])
         self.timeout_s = timeout_s
         self.max_model_len = max_model_len
+        self.fixed_version = fixed_version
+        self.api_key = api_key
         self._engine = engine
         self._counter = itertools.count()
         self._client: Any = None
@@ -131,10 +141,14 @@ class VLLMSampler:
             if self._client is None:
                 import httpx
 
-                self._client = httpx.Client(limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+                headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+                self._client = httpx.Client(headers=headers,
+                                            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
             return self._client
 
     def _remote_version(self) -> int:
+        if self.fixed_version is not None:
+            return self.fixed_version
         res = _post(self._http(), self.url + "/collective_rpc", {"method": "policy_version"}, 30.0)
         return int(res["results"][0])
 
@@ -193,7 +207,7 @@ class VLLMSampler:
         return SampledTokens(ids=list(ids), logprobs=logprobs, finish_reason=choice.get("finish_reason"), policy_version=version)
 
 
-def _stop_ids(model_dir: Path) -> list[int]:
+def stop_ids(model_dir: Path) -> list[int]:
     """EOS ids from generation_config.json / config.json, passed explicitly with every
     request (the server ignores the model's generation config in dev mode)."""
     ids: list[int] = []
@@ -208,59 +222,22 @@ def _stop_ids(model_dir: Path) -> list[int]:
     return ids
 
 
-def server_options(ecfg: "EngineConfig") -> dict[str, Any]:
-    """`VLLMEngine` keyword arguments for every `engine.*` key that sets up the server (the
-    weight-sync keys go to `training.weights.learner_side.WeightSync`)."""
-    return {
-        "max_model_len": ecfg.max_model_len,
-        "dtype": ecfg.dtype,
-        "enforce_eager": ecfg.enforce_eager,
-        # VLLM_CPU_KVCACHE_SPACE takes whole GiB.
-        "kv_cache_gb": max(1, int(round(ecfg.kv_cache_gb))),
-        "cpu_threads": ecfg.cpu_threads,
-        "gpu_memory_utilization": ecfg.gpu_memory_utilization,
-        "extra_args": list(ecfg.extra_args),
-        "startup_timeout_s": ecfg.startup_timeout_s,
-    }
-
-
-def engine_spec(
-    model_dir: str | Path,
-    *,
-    served_model_name: str = "policy",
-    port: int | None = None,
-    max_model_len: int | None = 4096,
-    dtype: str = "auto",
-    enforce_eager: bool | None = None,
-    kv_cache_gb: int = 1,
-    cpu_threads: int | None = None,
-    gpu_memory_utilization: float | None = None,
-    extra_args: list[str] | None = None,
-    tensor_parallel_size: int | None = None,
-) -> ServeSpec:
-    """The dev-mode server (weight-push extension) a training engine runs."""
-    return ServeSpec(
-        model=str(Path(model_dir).resolve()),
-        served_model_name=served_model_name,
-        port=port or free_port(),
-        max_model_len=max_model_len,
-        dtype=dtype,
-        enforce_eager=enforce_eager,
-        kv_cache_gb=kv_cache_gb,
-        cpu_threads=cpu_threads,
-        gpu_memory_utilization=gpu_memory_utilization,
-        dev=True,
-        extra_args=list(extra_args or []),
-        tensor_parallel_size=tensor_parallel_size,
-    )
+def engine_spec(model_dir: str | Path, options: EngineOptions, *, served_model_name: str = "policy",
+                port: int | None = None, tensor_parallel_size: int | None = None) -> ServeSpec:
+    """The dev-mode server (weight-push extension) a training engine runs: `options` (the
+    learn config's `[engine]`, or any `EngineOptions`) as they are, over `tensor_parallel_size`
+    GPUs (None: the visible ones)."""
+    return ServeSpec(**options.model_dump(include=set(EngineOptions.model_fields)),
+                     model=str(Path(model_dir).resolve()), served_model_name=served_model_name,
+                     port=port or free_port(), dev=True, tensor_parallel_size=tensor_parallel_size)
 
 
 class VLLMEngine(EngineWeights):
     """A vLLM server for one model, started here (or attached to), with weight push.
 
-    `VLLMEngine(model_dir, **server)` starts a dev-mode server on a free port (`server`: the
-    arguments of `engine_spec`); `VLLMEngine.from_config` does so for a run's `engine`
-    config; `VLLMEngine(model_dir, url=...)` attaches to one already running (started with
+    `VLLMEngine(model_dir, options=EngineOptions(...))` starts a dev-mode server on a free port
+    (`engine_spec`); `VLLMEngine.from_config` does so for a run's `[engine]` section;
+    `VLLMEngine(model_dir, url=...)` attaches to one already running (started with
     `tmax serve --dev`)."""
 
     error = EngineError
@@ -270,18 +247,19 @@ class VLLMEngine(EngineWeights):
         model_dir: str | Path,
         *,
         url: str | None = None,
+        options: EngineOptions | None = None,
+        tensor_parallel_size: int | None = None,
         served_model_name: str = "policy",
         work_dir: str | Path | None = None,
         startup_timeout_s: float = 600.0,
         request_timeout_s: float = 600.0,
-        **server: Any,
     ):
         self.model_dir = Path(model_dir).resolve()
         if not (self.model_dir / "config.json").is_file():
             raise EngineError(f"{self.model_dir}: not a model directory (no config.json)")
         cfg = json.loads((self.model_dir / "config.json").read_text())
         self.tied = bool(cfg.get("tie_word_embeddings", False))
-        self.stop_token_ids = _stop_ids(self.model_dir)
+        self.stop_token_ids = stop_ids(self.model_dir)
         self.policy_version = 0
         self.request_timeout_s = request_timeout_s
         self._init_weights()
@@ -299,7 +277,8 @@ class VLLMEngine(EngineWeights):
             self.served_model_name = served_model_name
             self._check_attached()
         else:
-            spec = engine_spec(self.model_dir, served_model_name=served_model_name, **server)
+            spec = engine_spec(self.model_dir, options or EngineOptions(), served_model_name=served_model_name,
+                               tensor_parallel_size=tensor_parallel_size)
             self.server = VLLMServer(spec, log_path=self.work_dir / "vllm.log")
             self.url = self.server.url
             self.served_model_name = self.server.served_model_name
@@ -314,9 +293,10 @@ class VLLMEngine(EngineWeights):
     @classmethod
     def from_config(cls, ecfg: "EngineConfig", model_dir: str | Path, work_dir: str | Path | None = None,
                     tensor_parallel_size: int | None = None) -> "VLLMEngine":
-        """The engine a training run starts: its server set up by every `engine.*` key, over
+        """The engine a training run starts: its server set up by the `[engine]` section, over
         `tensor_parallel_size` GPUs (a placed run's `cluster.tp`; None: the visible GPUs)."""
-        return cls(model_dir, work_dir=work_dir, tensor_parallel_size=tensor_parallel_size, **server_options(ecfg))
+        return cls(model_dir, options=ecfg, work_dir=work_dir, tensor_parallel_size=tensor_parallel_size,
+                   startup_timeout_s=ecfg.startup_timeout_s)
 
     @property
     def base_url(self) -> str:

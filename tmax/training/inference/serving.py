@@ -22,15 +22,18 @@ import socket
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from pydantic import Field
+
 from tmax.common.proctree import end_process_tree, parent_death_hook
 from tmax.common.files import read_json
 from tmax.common.waiting import wait_until
+from tmax.training.engine_options import EngineOptions
 
 DEFAULT_MODEL = "allenai/tmax-9b"
 DEFAULT_MAX_MODEL_LEN = 65536
@@ -44,27 +47,22 @@ class ServerError(RuntimeError):
     """The vLLM server could not be started or died (an infrastructure failure)."""
 
 
-@dataclass
-class ServeSpec:
+class ServeSpec(EngineOptions):
+    """One server: the model, where it listens, and its options (`EngineOptions`, with what
+    only a server started by name sets)."""
+
     model: str = DEFAULT_MODEL
     served_model_name: str | None = None  # default: the model name, or a local dir's name
     host: str = "127.0.0.1"
     port: int = 8000
     tool_call_parser: str | None = None  # default: from the model's chat template
-    max_model_len: int | None = None  # default: 65,536, capped at the model's positions
-    tensor_parallel_size: int | None = None  # default: the visible GPUs
-    device: str = "auto"  # auto | cpu | gpu
-    dtype: str = "auto"  # auto: float32 for tiny local models on CPU, else vLLM's choice
-    enforce_eager: bool | None = None  # default: on for CPU (starts faster, no compile cache)
-    kv_cache_gb: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE (GiB)
-    cpu_threads: int | None = None  # CPU only: the engine's torch threads (OMP_NUM_THREADS); None: vLLM's choice
-    gpu_memory_utilization: float | None = None
-    max_logprobs: int = 20
+    max_logprobs: int = Field(20, ge=1)
+    tensor_parallel_size: int | None = Field(None, ge=1)  # GPU only; default: the visible GPUs
+    data_parallel_size: int | None = Field(None, ge=1)  # GPU only; default: vLLM's (1)
     # Training setup: dev endpoints (/collective_rpc, /reset_prefix_cache), the weight-push
     # worker extension, logprobs after temperature, and no sampling defaults taken from the
     # model's generation_config (the sampler sets every parameter itself).
     dev: bool = False
-    extra_args: list[str] = field(default_factory=list)
     python: str = sys.executable
 
 
@@ -137,8 +135,6 @@ def _device(spec: ServeSpec) -> tuple[str, int]:
     device = spec.device
     if device == "auto":
         device = "gpu" if gpus > 0 else "cpu"
-    if device not in ("cpu", "gpu"):
-        raise ValueError(f"device must be auto, cpu or gpu, not {spec.device!r}")
     if device == "gpu" and gpus == 0:
         raise ServerError("device gpu was asked for, but no GPU is visible (CUDA_VISIBLE_DEVICES / nvidia-smi)")
     return device, gpus
@@ -165,15 +161,25 @@ def _launcher(spec: ServeSpec, device: str, model: str) -> list[str]:
     return [launcher, "serve", model] if launcher else module
 
 
+def _gpu_args(spec: ServeSpec, device: str, gpus: int) -> list[str]:
+    """Parallelism and memory flags: GPU only."""
+    if device != "gpu":
+        if spec.tensor_parallel_size not in (None, 1):
+            raise ValueError("tensor parallelism needs GPUs; on CPU use --tensor-parallel-size 1")
+        if spec.data_parallel_size not in (None, 1):
+            raise ValueError("data parallelism needs GPUs; on CPU use --data-parallel-size 1")
+        return []
+    args = ["--tensor-parallel-size", str(spec.tensor_parallel_size or gpus)]
+    if spec.data_parallel_size is not None:
+        args += ["--data-parallel-size", str(spec.data_parallel_size)]
+    if spec.gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
+    return args
+
+
 def _device_args(spec: ServeSpec, device: str, gpus: int, cfg: dict, max_len: int, notes: list[str]) -> list[str]:
-    """Parallelism, dtype, prefill and eager-mode flags for the device."""
-    args: list[str] = []
-    if device == "gpu":
-        args += ["--tensor-parallel-size", str(spec.tensor_parallel_size or gpus)]
-        if spec.gpu_memory_utilization is not None:
-            args += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
-    elif spec.tensor_parallel_size not in (None, 1):
-        raise ValueError("tensor parallelism needs GPUs; on CPU use --tensor-parallel-size 1")
+    """Parallelism, dtype, prefill, prefix-caching and eager-mode flags for the device."""
+    args = _gpu_args(spec, device, gpus)
     dtype = spec.dtype
     hidden = cfg.get("hidden_size")
     if dtype == "auto" and device == "cpu" and isinstance(hidden, int) and hidden <= _FP32_MAX_HIDDEN:
@@ -186,6 +192,8 @@ def _device_args(spec: ServeSpec, device: str, gpus: int, cfg: dict, max_len: in
         # each partial prefill, which a CPU generator cannot do, and the engine dies. A
         # weight sync preempts running requests, whose recompute would be chunked.
         args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_len, 2048))]
+    if spec.enable_prefix_caching is not None:
+        args.append("--enable-prefix-caching" if spec.enable_prefix_caching else "--no-enable-prefix-caching")
     eager = spec.enforce_eager if spec.enforce_eager is not None else device == "cpu"
     if eager:
         args.append("--enforce-eager")
@@ -207,7 +215,7 @@ def build_command(spec: ServeSpec) -> ServeCommand:
     if local is not None:
         env["HF_HUB_OFFLINE"] = "1"
     if device == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(spec.kv_cache_gb))
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(spec.kv_cache_gb)))  # whole GiB
         env["HF_HUB_OFFLINE"] = "1"  # CPU machines here have no model hub
         # The engine core runs the model itself (vLLM's uniproc executor, as on one GPU)
         # instead of through a worker process of its own: one process fewer to start, the

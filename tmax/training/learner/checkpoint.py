@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from tmax.common.files import trim_jsonl, write_json_atomic
+
 # Files a tokenizer / chat template may live in; whatever of these the source has is copied.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -247,8 +249,6 @@ def remove_partial(run_dir: str | Path) -> list[Path]:
 
 def mark_health(path: str | Path, mark: str, detail: dict | None = None) -> None:
     """Record the guard's judgement of a checkpoint (atomically, next to its state)."""
-    from tmax.common.files import write_json_atomic
-
     if mark not in HEALTH_MARKS:
         raise ValueError(f"health mark must be one of {', '.join(HEALTH_MARKS)}, got {mark!r}")
     write_json_atomic(Path(path) / HEALTH_JSON, {"mark": mark, "time": time.time(), **(detail or {})})
@@ -287,8 +287,6 @@ def resume_point(run_dir: str | Path) -> tuple[int, dict[str, Any], str]:
     """(step, the trainer state's extras such as stream positions, checkpoint path) to resume
     the run in `run_dir` from: its newest complete checkpoint the guard did not reject. A
     killed save's leftovers are removed first, and the records are cut back to that step."""
-    from tmax.training.report import trim_jsonl
-
     run_dir = Path(run_dir)
     remove_partial(run_dir)  # a killed run's half-written checkpoint is never loaded
     latest = latest_checkpoint(run_dir)

@@ -86,7 +86,7 @@ class LearnerConfig:
     # Data parallelism over several learner ranks (ignored with one): "fsdp" shards the
     # model and optimizer state with FSDP2, "replicate" keeps a full copy per rank and
     # all-reduces gradients. FSDP2 is the default on NCCL and on gloo alike: it takes the
-    # same step as one process on both (tests/unit/test_learner.py), divides parameter and
+    # same step as one process on both (tests/integration/test_learner_ranks.py), divides parameter and
     # optimizer memory by the world size, and CPU tests then run the GPU code path.
     strategy: str = "fsdp"
     loss: LossConfig = field(default_factory=LossConfig)

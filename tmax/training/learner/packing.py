@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from tmax.training.algo.prefix_trie import PrefixTrie, build_trie, pack_by_prefix
 
@@ -25,6 +25,15 @@ if TYPE_CHECKING:
     import torch
 
     from tmax.agents.policy import TokenTrace
+
+
+class Traced(Protocol):
+    """What samples are made from: a record holding the policy's token segments (`traces`:
+    one `TokenTrace` for most episodes, one per context for a compacted one) — a rollout, a
+    demonstration, a rated `tmax run` session."""
+
+    @property
+    def traces(self) -> list["TokenTrace"]: ...
 
 
 @dataclass
@@ -48,14 +57,16 @@ class TrainSample:
 
 
 def batch_samples(groups: Sequence[Any], advantages: Sequence[Sequence[float]]) -> list[TrainSample]:
-    """Samples of finished groups (`training.algo.batching.Group`, items holding a `trace`),
-    each with its advantage; an item with no sampled token has nothing to train on and
+    """Samples of finished groups (`training.algo.batching.Group`, items `Traced`: one
+    sample per token segment), each
+    with its item's advantage; a segment with no sampled token has nothing to train on and
     is left out."""
     out: list[TrainSample] = []
     for group, adv in zip(groups, advantages, strict=True):
         if len(group.items) != len(adv):
             raise ValueError(f"group {group.task_id!r}: {len(group.items)} items but {len(adv)} advantages")
-        out.extend(TrainSample(item.trace, float(a)) for item, a in zip(group.items, adv) if item.trace.num_sampled)
+        out.extend(TrainSample(trace, float(a)) for item, a in zip(group.items, adv) for trace in item.traces
+                   if trace.num_sampled)
     return out
 
 

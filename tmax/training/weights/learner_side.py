@@ -12,6 +12,7 @@ from typing import Any
 from typing import TYPE_CHECKING
 
 from tmax.common.waiting import wait_until
+from tmax.training.liveness import actor_died
 from tmax.training.weights.transports import DEFAULT_BUCKET_MB, resolve_transport
 
 if TYPE_CHECKING:
@@ -84,8 +85,6 @@ def push_to_engines(engines: list, weights: Any, version: int, wait_s: float = 6
     one, up to `wait_s`, and sends the weights again. A dead learner (the weights' source)
     is not an engine's failure: its error is raised."""
     import ray
-
-    from tmax.training.cluster.failover import actor_died
 
     ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
 

@@ -1,0 +1,3 @@
+#!/bin/bash
+echo 42 > /app/answer.txt
+sleep 300
