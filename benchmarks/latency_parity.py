@@ -200,7 +200,7 @@ def measure(args, root: Path) -> dict:
     from tmax.training.cluster.rollout_worker import RolloutWorker
     from tmax.training.cluster.launch import connect
     from tmax.training.config import ClusterConfig
-    from tmax.training.learner.sft import scripted_turns
+    from tmax.training.demos import scripted_turns
 
     task, settings, images, kwargs = setup(root, args.commands)
     srv = chat_server(commands(args.commands))

@@ -237,7 +237,7 @@ def fresh_vs_overlay(task_dir: str, tok, cfg, image, rounds: int) -> dict:
     from tmax.tasks.episode import Episode
     from tmax.tasks.model import Task
     from tmax.training.nano.tasks import oracle_steps
-    from tmax.training.learner.sft import ScriptedSampler, scripted_turns
+    from tmax.training.demos import ScriptedSampler, scripted_turns
     from tmax.training.rollout import EpisodeRequest, run_episode
 
     turns = scripted_turns(tok, oracle_steps(task_dir))

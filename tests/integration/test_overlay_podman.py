@@ -178,7 +178,7 @@ def test_each_verifier_sees_its_own_episode(nano):
     """Two episodes of one task at once in one container: the one that solved it gets 1,
     the one that wrote a wrong answer gets 0."""
     from tmax.agents.prompts import SUBMIT_COMMAND
-    from tmax.training.learner.sft import ScriptedSampler, scripted_turns
+    from tmax.training.demos import ScriptedSampler, scripted_turns
     from tmax.training.nano.tasks import oracle_steps
     from tmax.training.rollout import EpisodeRequest, run_episode
 

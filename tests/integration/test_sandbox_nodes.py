@@ -96,7 +96,7 @@ def _sampler(tokenizer_dir: str, task: str):
     from transformers import AutoTokenizer
 
     from tmax.agents.policy import SampledTokens
-    from tmax.training.learner.sft import scripted_turns
+    from tmax.training.demos import scripted_turns
     from tmax.training.nano.tasks import oracle_steps
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import tempfile
 import time
