@@ -25,6 +25,7 @@ import os
 import secrets
 import shutil
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -317,8 +318,8 @@ class OverlayPool:
             def gone() -> bool:
                 try:
                     return not any(client.containers.exists(h.container_id) for h in ending)
-                except Exception:
-                    return True  # no service to ask: nothing more to wait for
+                except Exception:  # no service to ask (a Ctrl-C reached it too): the CLI
+                    return not any(_exists(h.container_id) for h in ending)
 
             wait_until(gone, wait_s, 0.1)
         for h in ending:
@@ -334,6 +335,15 @@ class OverlayPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _exists(container_id: str) -> bool:
+    """Whether podman still has the container (asked through its CLI); True when unsure."""
+    try:
+        return subprocess.run(["podman", "container", "exists", container_id], capture_output=True,
+                              timeout=60).returncode != 1
+    except (OSError, subprocess.TimeoutExpired):
+        return True
 
 
 def remove_host_dirs(root: Path | None = None) -> list[str]:
