@@ -179,20 +179,7 @@ struct episode_args {
 };
 
 static int send_ready(int conn, int rootfd) {
-    char msg[] = "READY\n";
-    char cbuf[CMSG_SPACE(sizeof(int))];
-    struct iovec iov = {msg, sizeof msg - 1};
-    struct msghdr mh = {0};
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = cbuf;
-    mh.msg_controllen = sizeof cbuf;
-    struct cmsghdr *c = CMSG_FIRSTHDR(&mh);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(c), &rootfd, sizeof(int));
-    return sendmsg(conn, &mh, MSG_NOSIGNAL) < 0 ? -1 : 0;
+    return send_fd_line(conn, "READY\n", rootfd);
 }
 
 static int episode_main(void *arg) {
