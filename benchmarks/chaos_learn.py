@@ -82,7 +82,9 @@ class Chaos:
     log: Path
     step_wait_s: float = 1800.0  # the longest wait for a step (or the run) to finish
     drivers: list = field(default_factory=list)
-    killed_containers: dict = field(default_factory=dict)  # container id -> rollouts recorded before its kill
+    # container id -> when it was killed (epoch s): a container serves many episodes (episodes
+    # are overlays of shared containers), those that ended before its kill were its own work
+    killed_containers: dict = field(default_factory=dict)
     steps_lost: int = 0  # steps a killed driver logged past the checkpoint its successor resumed from
 
     # -- the driver --------------------------------------------------------------------
@@ -189,7 +191,7 @@ def _inject(chaos: Chaos, fault: Fault, rng: random.Random) -> bool:
             if ids:
                 cid = rng.choice(ids)
                 subprocess.run(["podman", "kill", cid], capture_output=True)
-                chaos.killed_containers[cid] = len(_rollouts(chaos.run))
+                chaos.killed_containers[cid] = time.time()
                 fault.target = cid[:12]
                 return True
         else:
@@ -242,12 +244,19 @@ def _restarted(chaos: Chaos, kind: str, before: set[int], driver: subprocess.Pop
 
 
 def _never_scored(chaos: Chaos, short_id: str) -> bool:
-    """No episode recorded after the kill ran a command in the container (one that ended on
-    a format error before its first command never needed it; one scored before the kill
+    """No episode that ended after the kill ran a command in the container (one that ended on
+    a format error before its first command never needed it; one that ended before the kill
     was done with it)."""
-    [since] = [n for c, n in chaos.killed_containers.items() if c.startswith(short_id)]
-    return not any((r.get("container_id") or "").startswith(short_id) and r.get("steps", 0) > 0
-                   for r in _rollouts(chaos.run)[since:])
+    [killed] = [t for c, t in chaos.killed_containers.items() if c.startswith(short_id)]
+    return not any(_ran_after(r, short_id, killed) for r in _rollouts(chaos.run))
+
+
+def _ran_after(r: dict, container: str, killed: float) -> bool:
+    """A scored episode that ran commands in `container` and ended after `killed` (its
+    `command_s` holds one round trip per command; `steps` counts model turns, and a turn
+    that ended on a format error ran none)."""
+    ended = r.get("started_at", 0.0) + r.get("timings", {}).get("total_s", 0.0)
+    return (r.get("container_id") or "").startswith(container[:12]) and bool(r.get("command_s")) and ended > killed
 
 
 def _rollouts(run: Path) -> list[dict]:
@@ -382,10 +391,9 @@ def _checks(chaos: Chaos, steps: int) -> dict:
         "steps_completed": int(ckpt.load_trainer_state(final)["step"]) if final else 0,
         "steps_target": steps,
         "steps_lost": chaos.steps_lost,
-        # A scored episode recorded after its container was killed that ran commands there.
-        "infra_rewards_in_loss": sum(1 for i, r in enumerate(rollouts) if r.get("steps", 0) > 0
-                                     and any((r.get("container_id") or "").startswith(c[:12]) and i >= n
-                                             for c, n in chaos.killed_containers.items())),
+        # A scored episode that ran commands in a container and ended after its kill.
+        "infra_rewards_in_loss": sum(1 for r in rollouts if any(_ran_after(r, c, t)
+                                                                for c, t in chaos.killed_containers.items())),
         "duplicate_groups_in_loss": len(keys) - len(set(keys)),
         "leftover_containers": len(containers),
         "leftover_processes": len(procs),

@@ -1,7 +1,12 @@
-"""Soak of the podman rollout path: many episodes at high concurrency through one warm pool,
-as a rollout worker runs them; reports leaks, driver memory and per-episode overhead.
+"""Soak of the podman rollout path: many episodes at high concurrency through one pool, as a
+rollout worker runs them; reports leaks, driver memory and per-episode overhead.
 
     python benchmarks/soak_podman.py --json [--episodes 1000] [--concurrency 64] [--pool 8] [--tasks 16]
+                                            [--fresh-containers]
+
+The pool is a rollout worker's: episodes as overlays of shared containers (`OverlayPool`,
+one host per task here, serving up to `concurrency` episodes at once), or with
+`--fresh-containers` a `WarmPool` of a fresh container per episode, `pool` started ahead.
 
 Each episode is a real `training.rollout.run_episode` (harness, token policy, verifier in the
 container) replaying the task's oracle turns, so the policy costs nothing and what is
@@ -9,7 +14,10 @@ measured is the sandbox path. Every container carries this soak's own run label,
 count sees only its containers. Reported:
 
 * `leaked_containers`: containers of this soak still present after the pool closed (must be 0);
-* `leaked_processes`: processes this one started that are still alive then (must be 0);
+* `leaked_processes`: processes this one started that are still alive then, and any process
+  (a `conmon`, an episode's) naming a container of the soak (must be 0);
+* `leaked_dirs` / `leaked_cgroups`: state directories of its shared containers, and cgroups
+  of its containers or their episodes, left after the pool closed (must be 0);
 * `rss_first100_mb` / `rss_last100_mb`: this process's RSS, mean over the first and the last
   100 finished episodes (flat memory: the ratio near 1);
 * `overhead_p50_s` / `overhead_p99_s`: episode time outside the agent (sandbox start,
@@ -49,12 +57,34 @@ def _stray(p) -> bool:
         return False
 
 
-def soak(episodes: int, concurrency: int, pool_size: int, n_tasks: int, seed: int) -> dict:
+def _leftovers(ids: set[str], root: Path) -> dict[str, int]:
+    """Processes, state directories and cgroups that name one of the soak's containers."""
+    import psutil
+
+    procs = 0
+    for p in psutil.process_iter(["cmdline"]):
+        text = " ".join(p.info["cmdline"] or [])
+        procs += any(cid in text for cid in ids)
+    import os
+
+    groups = sum(1 for _, dirs, _ in os.walk("/sys/fs/cgroup") for d in dirs if d.removeprefix("libpod-") in ids)
+    return {"processes": procs, "dirs": len(list(root.glob("*/h-*"))), "cgroups": groups}
+
+
+def _pool(episode, concurrency: int, pool_size: int, fresh: bool, label: dict, root: Path):
+    from tmax.sandbox.overlay_pool import OverlayPool
+    from tmax.sandbox.pool import WarmPool
+
+    if fresh:
+        return WarmPool(concurrency + pool_size)
+    return OverlayPool(concurrency, pool_size, host_labels=label, root=root)
+
+
+def soak(episodes: int, concurrency: int, pool_size: int, n_tasks: int, seed: int, fresh: bool = False) -> dict:
     import psutil
     from transformers import AutoTokenizer
 
     from rollout_throughput import scripted_samplers
-    from tmax.sandbox.pool import WarmPool
     from tmax.training.config import preset
     from tmax.training.nano.model import build_tokenizer
     from tmax.training.nano.tasks import write_splits
@@ -81,8 +111,8 @@ def soak(episodes: int, concurrency: int, pool_size: int, n_tasks: int, seed: in
             try:
                 r = run_episode(EpisodeRequest(d, i, 0, i), sampler_for(d), tok, episode, image=images[d], pool=pool)
                 t = r.timings
-                row = {"ok": True, "reward": r.reward, "warm": r.warm_start,
-                       "overhead_s": t["total_s"] - t["agent_s"], "total_s": t["total_s"]}
+                row = {"ok": True, "reward": r.reward, "warm": r.warm_start, "container": r.container_id,
+                       "mode": r.sandbox_mode, "overhead_s": t["total_s"] - t["agent_s"], "total_s": t["total_s"]}
             except InfraError as e:
                 row = {"ok": False, "kind": e.kind}
             row["rss_mb"] = me.memory_info().rss / 2**20
@@ -93,7 +123,7 @@ def soak(episodes: int, concurrency: int, pool_size: int, n_tasks: int, seed: in
                           f"RSS {row['rss_mb']:.0f} MB", file=sys.stderr, flush=True)
             return row
 
-        pool = WarmPool(concurrency + pool_size)
+        pool = _pool(episode, concurrency, pool_size, fresh, label, Path(tmp) / "hosts")
         t0 = time.monotonic()
         try:
             run_ahead(order, one, settings, images, pool, concurrency)
@@ -104,6 +134,7 @@ def soak(episodes: int, concurrency: int, pool_size: int, n_tasks: int, seed: in
         left = subprocess.run(["podman", "ps", "-aq", "--filter", f"label=io.tmax.soak={label['io.tmax.soak']}"],
                               capture_output=True, text=True).stdout.split()
         leaked = [p for p in me.children(recursive=True) if p.pid not in children_before and _stray(p)]
+        rest = _leftovers({r["container"] for r in results if r["ok"] and r["container"]}, Path(tmp) / "hosts")
     ok = [r for r in results if r["ok"]]
     over = [r["overhead_s"] for r in ok]
     kinds: dict[str, int] = {}
@@ -115,7 +146,10 @@ def soak(episodes: int, concurrency: int, pool_size: int, n_tasks: int, seed: in
     return {"episodes": len(results), "concurrency": concurrency, "pool": pool_size, "seconds": round(wall, 1),
             "episodes_per_min": round(60 * len(results) / wall, 1), "solved": sum(r["reward"] >= 1 for r in ok),
             "warm_starts": sum(r["warm"] for r in ok), "infra_errors": kinds,
-            "leaked_containers": len(left), "leaked_processes": len(leaked),
+            "leaked_containers": len(left), "leaked_processes": len(leaked) + rest["processes"],
+            "leaked_dirs": rest["dirs"], "leaked_cgroups": rest["cgroups"],
+            "containers_used": len({r["container"] for r in ok}),
+            "modes": {m: sum(r["mode"] == m for r in ok) for m in {r["mode"] for r in ok}},
             "rss_first100_mb": round(first, 1), "rss_last100_mb": round(last, 1),
             "rss_last_vs_first": round(last / first, 3),
             "overhead_p50_s": round(_percentile(over, 0.5), 3), "overhead_p99_s": round(_percentile(over, 0.99), 3)}
@@ -128,11 +162,12 @@ def main() -> None:
     ap.add_argument("--pool", type=int, default=8, help="containers started ahead beyond the running episodes")
     ap.add_argument("--tasks", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fresh-containers", action="store_true", help="a fresh container per episode (the old way)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    out = soak(args.episodes, args.concurrency, args.pool, args.tasks, args.seed)
+    out = soak(args.episodes, args.concurrency, args.pool, args.tasks, args.seed, args.fresh_containers)
     print(json.dumps(out, indent=None if args.json else 2))
-    ok = out["leaked_containers"] == 0 and out["leaked_processes"] == 0
+    ok = all(out[k] == 0 for k in ("leaked_containers", "leaked_processes", "leaked_dirs", "leaked_cgroups"))
     sys.exit(0 if ok else 1)
 
 

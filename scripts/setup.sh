@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 
 VENV=${TMAX_VENV:-.venv}
 need_apt=()
-for pkg in podman bubblewrap debootstrap uidmap slirp4netns tmux vim slurm-wlm munge; do
+# gcc and libc6-dev build the static episode helper of the overlay sandboxes (tmax/sandbox/helper/).
+for pkg in podman bubblewrap debootstrap uidmap slirp4netns tmux vim slurm-wlm munge gcc libc6-dev; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if ((${#need_apt[@]})); then

@@ -167,3 +167,40 @@ def test_describe_names_the_weight_transport_in_use():
     assert "through the Ray object store" in cpu.describe()
     assert "by gloo broadcast" in cpu.describe("gloo") and "by gloo broadcast" in gpu.describe("gloo")
     assert "impossible here" in cpu.describe("nccl")
+
+
+def test_sandbox_nodes_join_the_plan_its_text_and_the_sbatch_script(tmp_path):
+    """`--sandbox-nodes K`: K CPU nodes after the GPU nodes, one rollout worker each, their own
+    component of a heterogeneous Slurm job."""
+    from tmax.training.cluster.sandbox_nodes import ROLE_SANDBOX
+
+    plan = make_plan(8, gpus_per_node=8, sandbox_nodes=2, sandbox_workers=16)
+    assert plan.node_roles() == [[ROLE_TRAIN]] * 2 + [[ROLE_INFER]] * 6 + [[ROLE_SANDBOX]] * 2
+    assert plan.sandbox_workers == 2  # one worker, and one pool, per sandbox node
+    text = plan.describe()
+    assert text.splitlines()[0] == "placement plan: 8 node(s), 8 GPU/node + 2 sandbox node(s), CPU only"
+    assert "node 8      sandbox      rollout worker 0" in text and "node 9      sandbox      rollout worker 1" in text
+    assert "no container runs beside a learner or an engine" in text
+    assert make_plan(1, gpus_per_node=0, sandbox_nodes=1).node_roles() == [[ROLE_TRAIN, ROLE_INFER], [ROLE_SANDBOX]]
+    lines = sbatch_script(plan, ["--config", "run.toml"]).splitlines()
+    het = lines.index("#SBATCH hetjob")
+    assert "#SBATCH --nodes=8" in lines[:het] and "#SBATCH --gpus-per-node=8" in lines[:het]
+    assert "#SBATCH --nodes=2" in lines[het:] and not any("gpus" in x for x in lines[het:] if x.startswith("#SBATCH"))
+    f = tmp_path / "job.sbatch"
+    f.write_text("\n".join(lines))
+    assert subprocess.run(["bash", "-n", str(f)]).returncode == 0
+    workers = cluster.worker_start_cmds(plan, [f"n{i}" for i in range(10)], "10.0.0.1:6379",
+                                        components=[0] * 8 + [1] * 2)
+    assert f'--resources={{"{ROLE_SANDBOX}": 1.0}}' in workers[-1] and "--het-group=1" in workers[-1]
+    assert "--het-group=0" in workers[0]
+
+
+def test_resource_check_asks_for_the_sandbox_nodes():
+    from tmax.training.cluster.sandbox_nodes import ROLE_SANDBOX
+
+    plan = make_plan(1, gpus_per_node=0, sandbox_nodes=1, cpus_per_sandbox_worker=1.0)
+    gpu_node = NodeInfo("a" * 16, "10.0.0.1", {"CPU": 4.0, ROLE_TRAIN: 1.0, ROLE_INFER: 1.0})
+    assert check_resources(plan, [gpu_node, NodeInfo("b" * 16, "10.0.0.2", {"CPU": 8.0, ROLE_SANDBOX: 1.0})]) == []
+    problems = check_resources(plan, [gpu_node, NodeInfo("c" * 16, "10.0.0.3", {"CPU": 8.0})])
+    assert any(p.startswith("sandbox nodes: need 1 node(s)") and "no node carries the tmax_sandbox" in p
+               for p in problems), problems

@@ -55,6 +55,7 @@ class EpisodeResult:
     agent_s: float = 0.0  # wall time of this drive
     llm_s: float = 0.0  # of which waiting for the model
     exec_s: float = 0.0  # and commands running in the sandbox
+    command_s: list[float] = field(default_factory=list)  # each command's round trip (issue -> output back)
 
     @property
     def stopped(self) -> bool:
@@ -193,8 +194,9 @@ class EpisodeDriver:
 
     def _result(self, result: AgentResult | None, wall_s: float, first_timing: int) -> EpisodeResult:
         timing = list(self.agent.timing)[first_timing:]
+        command_s = [t["bash_s"] for t in timing if "bash_s" in t]
         split = {"agent_s": round(wall_s, 3), "llm_s": round(sum(t.get("llm_s", 0.0) for t in timing), 3),
-                 "exec_s": round(sum(t.get("bash_s", 0.0) for t in timing), 3)}
+                 "exec_s": round(sum(command_s), 3), "command_s": command_s}
         stopped = {"timed_out": self._why == "deadline", "cancelled": self._why == "cancel"}
         if result is None:
             error = f"the model call did not return within {self.grace_s:g} s after the deadline"

@@ -120,7 +120,8 @@ def _make_job(v: dict[str, Any], agent_settings: dict[str, Any]):
                         base_url=v["base_url"], api_key_env=v["api_key_env"], agent_kwargs=agent_settings,
                         n_attempts=v["n_attempts"], n_concurrent=v["n_concurrent"],
                         timeout_multiplier=v["timeout_multiplier"], image_map=v["image_map"],
-                        use_prebuilt=v["prebuilt"], environment=v["env"], warm_ahead=v["warm_ahead"])
+                        use_prebuilt=v["prebuilt"], environment=v["env"], warm_ahead=v["warm_ahead"],
+                        overlay=v["overlay"])
         return Job(cfg, api_key=os.environ.get(v["api_key_env"]))
     except ValidationError as e:
         fail(validation_message(e))
@@ -152,6 +153,9 @@ _ENV = typer.Option("podman", "-e", "--env",
 _WARM = typer.Option(0, "--warm-ahead", min=0,
                      help="podman: containers started ahead for the trials next in line (worth it when "
                           "container starts are long against the trials).")
+_OVERLAY = typer.Option(True, "--overlay/--fresh-containers",
+                        help="podman: each trial a fresh overlay of a container its task's trials share (default),"
+                             " or a fresh container per trial.")
 
 
 @bench_app.command("run")
@@ -164,7 +168,7 @@ def run_cmd(
     n_concurrent: int = _CONC, include: list[str] = _INC, exclude: list[str] = _EXC, n_tasks: Optional[int] = _LIMIT,
     jobs_dir: Path = _JOBS, job_name: Optional[str] = _NAME, timeout_multiplier: float = _TMULT,
     image_map: list[str] = _IMAP, prebuilt: bool = _PREBUILT, ak: list[str] = _AK, retry_infra: bool = _RETRY,
-    api_key_env: str = _KEYENV, env: str = _ENV, warm_ahead: int = _WARM,
+    api_key_env: str = _KEYENV, env: str = _ENV, warm_ahead: int = _WARM, overlay: bool = _OVERLAY,
     config: Optional[Path] = typer.Option(
         None, "--config", "-c", help="A TOML file of these settings: the long flags' names with underscores, and "
                                      "agent settings as --ak sets them. Flags given here win over it."),
@@ -192,7 +196,7 @@ def terminal_bench_cmd(
     include: list[str] = _INC, exclude: list[str] = _EXC, n_tasks: Optional[int] = _LIMIT,
     jobs_dir: Path = _JOBS, job_name: Optional[str] = _NAME, image_map: list[str] = _IMAP,
     prebuilt: bool = _PREBUILT, ak: list[str] = _AK, retry_infra: bool = _RETRY, api_key_env: str = _KEYENV,
-    env: str = _ENV, warm_ahead: int = _WARM,
+    env: str = _ENV, warm_ahead: int = _WARM, overlay: bool = _OVERLAY,
 ) -> None:
     """Terminal-Bench 2.0 by the paper's protocol: 5 attempts per task, the tasks' own timeouts,
     errors scored 0, unbiased pass@k."""

@@ -58,6 +58,7 @@ class BenchFile(AgentSettingsPatch):  # type: ignore[misc,valid-type]
     retry_infra: bool | None = None
     env: Literal[KINDS] | None = None  # type: ignore[valid-type]
     warm_ahead: int | None = Field(None, ge=0)
+    overlay: bool | None = None
 
 
 def load_bench_file(path: Path) -> BenchFile:

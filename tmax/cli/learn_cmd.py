@@ -44,7 +44,7 @@ def _flag_settings(o: dict) -> dict:
             ("cluster", "train_nodes"): "train_nodes", ("cluster", "tp"): "tp",
             ("cluster", "learners_per_node"): "learners_per_node",
             ("cluster", "engines_per_node"): "engines_per_node", ("cluster", "address"): "address",
-            ("lora", "rank"): "lora_rank"}
+            ("cluster", "sandbox_nodes"): "sandbox_nodes", ("lora", "rank"): "lora_rank"}
     over: dict = {}
     for (section, key), flag in keys.items():
         value = o.get(flag)
@@ -135,6 +135,8 @@ def learn(
         None, "--engines-per-node", help="Engines per inference node (default: GPUs / TP; 1 on CPU)."),
     address: Optional[str] = typer.Option(
         None, "--address", help="Ray cluster to join (default: RAY_ADDRESS, a Slurm allocation, or local)."),
+    sandbox_nodes: Optional[int] = typer.Option(
+        None, "--sandbox-nodes", help="CPU nodes beyond --nodes for the rollout workers and all their containers."),
     dry_run: bool = typer.Option(
         False, "--dry-run", help="With --nodes: write the run's config and an sbatch script that runs it; print the plan."),
     from_runs: Optional[Path] = typer.Option(

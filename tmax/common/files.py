@@ -17,6 +17,12 @@ from typing import Any, Callable, TypeVar
 T = TypeVar("T")
 
 
+def cache_dir() -> Path:
+    """tmax's cache (`$TMAX_CACHE_DIR`, else ~/.cache/tmax): built images' records, helpers."""
+    env = os.environ.get("TMAX_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "tmax"
+
+
 def write_json_atomic(path: Path, obj: Any, indent: int | None = 2) -> None:
     """Write JSON so that a reader sees the old file or the new one, never half of one
     (every results file of tmax is written this way)."""

@@ -89,6 +89,7 @@ class SandboxSpec:
 @runtime_checkable
 class Sandbox(Protocol):
     kind: str  # "local" | "bwrap" | "podman"
+    copy_is_cheap: bool  # `copy_in` costs no more than a process start inside (no API call)
 
     def start(self) -> None: ...
 

@@ -104,6 +104,9 @@ def clean(images: bool = False, include_base: bool = False, dry_run: bool = Fals
                         rep.errors.append(f"image {iid[:19]}: {r.stderr.strip()}")
     if not dry_run:
         rep.services = clean_stale_services(tmpdir)
+        from tmax.sandbox.overlay_pool import remove_host_dirs
+
+        rep.dirs += remove_host_dirs()  # state directories of shared containers that are gone
     now = time.time()
     for d in Path(tmpdir or tempfile.gettempdir()).glob(NAME_PREFIX + "bwrap-*"):
         try:

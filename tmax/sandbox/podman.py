@@ -44,6 +44,7 @@ DEFAULT_ULIMITS = {"nofile": (1024, 20000), "nproc": (4096, 4096)}
 # containers-common's default seccomp profile (what podman applies when told nothing).
 DEFAULT_SECCOMP_PROFILE = Path("/usr/share/containers/seccomp.json")
 X32_SYSCALL_BIT = 0x40000000
+CGROUP_PARENT_ENV = "TMAX_PODMAN_CGROUP_PARENT"
 _seccomp_lock = threading.Lock()
 
 
@@ -125,6 +126,7 @@ def _decode(b: bytes | None) -> str:
 
 class PodmanSandbox(ShellSandbox):
     kind = "podman"
+    mode = "container"  # a container of its own (`sandbox.overlay`: an overlay of a shared one)
 
     def __init__(self, spec: SandboxSpec | None = None, runtime: str = podman_service.DEFAULT_RUNTIME,
                  ulimits: dict[str, tuple[int, int]] | None = None):
@@ -145,6 +147,10 @@ class PodmanSandbox(ShellSandbox):
         # Ctrl-C): it waits for the container to exist, then removes it; `start` then stops.
         self._life = threading.RLock()
 
+    @property
+    def container_id(self) -> str | None:
+        return self.container.id if self.container is not None else None
+
     # -- lifecycle --------------------------------------------------------------------
 
     def create_kwargs(self) -> dict:
@@ -162,6 +168,9 @@ class PodmanSandbox(ShellSandbox):
             # holds one of the pids the limit allows, for the container's whole life.
             "init": True,
         }
+        if os.environ.get(CGROUP_PARENT_ENV):
+            # Every container (and its conmon) under one cgroup: their CPU measured or capped together.
+            kw["cgroup_parent"] = os.environ[CGROUP_PARENT_ENV]
         remote = (podman_service.configured_url() or "unix://").split("://", 1)[0] != "unix"
         seccomp = None if remote else seccomp_profile()  # a path on this machine: local services only
         if seccomp:
@@ -190,6 +199,10 @@ class PodmanSandbox(ShellSandbox):
         if workdir:
             kw["working_dir"] = workdir
         return kw
+
+    def main_command(self) -> list[str]:
+        """What the container runs while it lives (the commands come through `exec`)."""
+        return ["sleep", "infinity"]
 
     def start(self) -> None:
         with self._life:
@@ -252,8 +265,7 @@ class PodmanSandbox(ShellSandbox):
         self.client = podman_service.client(self.runtime)
         try:
             # No separate existence check (one round trip less): create refuses a missing image.
-            self.container = self.client.containers.create(self.image, ["sleep", "infinity"],
-                                                           **self.create_kwargs())
+            self.container = self.client.containers.create(self.image, self.main_command(), **self.create_kwargs())
             self.container.start()
             self.container.reload()
         except (ImageNotFound, APIError) as e:

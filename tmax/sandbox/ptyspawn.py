@@ -56,6 +56,9 @@ class PtyProcess:
             raise
         finally:
             os.close(slave)  # the child's copies only: EOF here once they are all closed
+        self._init_reader(master)
+
+    def _init_reader(self, master: int) -> None:
         self.child_fd = master
         self._poll = select.poll()
         self._poll.register(master, select.POLLIN | select.POLLHUP | select.POLLERR)

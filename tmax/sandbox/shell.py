@@ -83,6 +83,7 @@ class PersistentShell:
         kill_inner: Callable[[int], None] | None = None,
         kill_foreground_inner: Callable[[int], None] | None = None,
         interrupt_grace_s: float = INTERRUPT_GRACE_S,
+        spawn: Callable[[list[str], dict[str, str]], PtyProcess] | None = None,
     ):
         """argv: the process to spawn (ends in `bash --norc --noprofile`).
         env: variables exported inside the shell. workdir: initial cwd inside.
@@ -91,7 +92,9 @@ class PersistentShell:
         cannot (a `podman exec` client's death does not end the process it started).
         kill_foreground_inner: SIGKILLs the foreground process group of the shell with
         that inner pid, where the pty seen from the host is not the shell's own (podman);
-        elsewhere the group is found on the pty and killed from the host."""
+        elsewhere the group is found on the pty and killed from the host.
+        spawn: starts argv on a pty some other way (an episode helper's, `sandbox.overlay`),
+        given only the shell's own variables (TERM, PS1, ...), never this host's environment."""
         self.argv = list(argv or BASH_ARGV)
         self.env = dict(env or {})
         self.workdir = workdir
@@ -103,6 +106,7 @@ class PersistentShell:
         self.kill_foreground_inner = kill_foreground_inner
         self._shell_pgrp: int | None = None  # the shell's own process group, seen from the host
         self.interrupt_grace_s = interrupt_grace_s
+        self.spawn = spawn
         self.tag = secrets.token_hex(8)
         self._marker_rx = re.compile(r"\r*\n__TMAX_" + self.tag + r"_(\d*)_(\d+)__\r*\n")
         self._keep = 128  # longer than any marker: kept unsearched-committed between reads
@@ -133,10 +137,11 @@ class PersistentShell:
 
     def start(self) -> None:
         t0 = time.monotonic()
-        base_env = dict(os.environ) if self.spawn_env is None else dict(self.spawn_env)
-        base_env.update(TERM="dumb", PS1="", PS2="", PROMPT_COMMAND="", HISTFILE="/dev/null")
+        shell_vars = dict(TERM="dumb", PS1="", PS2="", PROMPT_COMMAND="", HISTFILE="/dev/null")
+        base_env = {**(os.environ if self.spawn_env is None else self.spawn_env), **shell_vars}
+        spawn = self.spawn or (lambda argv, _vars: PtyProcess(argv, base_env, self.spawn_cwd))
         try:
-            self._child = on_lasting_thread(lambda: PtyProcess(self.argv, base_env, self.spawn_cwd))
+            self._child = on_lasting_thread(lambda: spawn(self.argv, shell_vars))
         except OSError as e:
             raise SandboxError(f"could not start shell {shlex.join(self.argv)}: {e}") from e
         self._decoder.reset()
@@ -472,6 +477,9 @@ class ShellSandbox:
     """What every backend shares: the agent's commands go through one PersistentShell."""
 
     shell: PersistentShell | None = None
+    # A `copy_in` costs about what a process start inside does (the overlay sandbox writes
+    # through the episode's root); False where it is an API call of its own (podman).
+    copy_is_cheap = False
 
     def _shell(self) -> PersistentShell:
         if self.shell is None:

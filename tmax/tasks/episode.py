@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tmax.sandbox.base import Sandbox, SandboxError, SandboxSpec
+from tmax.sandbox.overlay_pool import SpecFactory
 from tmax.tasks.hostenv import HOST_KINDS, HostEnv, HostEnvError, check_dockerfile
 from tmax.tasks.hostenv import prepare as prepare_host
 from tmax.tasks.images import ImageBuildError, TaskImage, ensure_image
@@ -89,7 +90,8 @@ class Episode:
             result = ep.verify(out_dir, timeout)
 
     `image` is the task's already resolved image (otherwise it is resolved here); `pool`
-    (a `sandbox.pool.WarmPool`) hands out a container started ahead of need; `shell=False`
+    (a `sandbox.overlay_pool.OverlayPool`: an episode of a shared container; a
+    `sandbox.pool.WarmPool`: a container started ahead of need) hands it out; `shell=False`
     starts no persistent shell (for agents that only exec and copy)."""
 
     def __init__(self, task: Task, settings: EnvSettings, *, image: TaskImage | None = None, pool: Any = None,
@@ -134,7 +136,7 @@ class Episode:
         if self.pool is not None and not self.host_kind:
             spec.name = None  # pooled containers name themselves: they are started ahead
             hits = self.pool.warm_hits
-            self.sandbox = self.pool.acquire(pool_key(spec), lambda: make_sandbox(self.settings.kind, spec))
+            self.sandbox = self.pool.acquire(pool_key(spec), SpecFactory(self.settings.kind, spec))
             self.warm = self.pool.warm_hits > hits
         else:
             self.sandbox = make_sandbox(self.settings.kind, spec)
@@ -145,19 +147,22 @@ class Episode:
 
     def prewarm(self) -> bool:
         """Start this episode's container in the pool ahead of `open` (podman only)."""
-        from tmax.sandbox import make_sandbox
-
         if self.pool is None or self.host_kind or self.image is None:
             return False
         spec = sandbox_spec(self.task, self.settings, self.image, None, None, self.labels)
         spec.shell = self.shell
-        return self.pool.prewarm(pool_key(spec), lambda: make_sandbox(self.settings.kind, spec))
+        return self.pool.prewarm(pool_key(spec), SpecFactory(self.settings.kind, spec))
 
     @property
     def sandbox_id(self) -> str | None:
         """The container id (podman) or None: recorded so an episode names where it ran."""
-        container = getattr(self.sandbox, "container", None)
-        return getattr(container, "id", None)
+        return getattr(self.sandbox, "container_id", None)
+
+    @property
+    def sandbox_mode(self) -> str:
+        """podman: "overlay" (a fresh overlay of a shared container) or "container" (a fresh
+        container); a host kind's name otherwise."""
+        return getattr(self.sandbox, "mode", self.settings.kind)
 
     def verify(self, out_dir: Path | None, timeout: float) -> VerifierResult:
         """Copy tests/ in now (never before), run test.sh, read the reward. A sandbox that

@@ -25,6 +25,7 @@ from pathlib import Path
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from tmax.sandbox.base import LABEL_KEY, LABEL_VALUE
+from tmax.common.files import cache_dir
 from tmax.common.proctree import end_process_tree
 from tmax.common.waiting import wait_until
 from tmax.tasks.model import Task, tree_hash
@@ -81,11 +82,6 @@ class TaskImage:
     built: bool  # False when it came from the cache or a prebuilt image
     log_path: Path | None = None
     build_s: float = 0.0
-
-
-def cache_dir() -> Path:
-    env = os.environ.get("TMAX_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "tmax"
 
 
 def _podman(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

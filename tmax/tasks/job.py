@@ -41,11 +41,11 @@ from tmax.tasks.model import Task
 from tmax.tasks.offline import default_config
 from tmax.tasks.runners import make_agent
 from tmax.tasks.scoring import Score, TrialRow, score
-from tmax.tasks.trial import TrialEnv, TrialPlan, now_iso, prewarm_trial, run_trial, wait_for_closes
+from tmax.tasks.trial import JOB_LABEL, TrialEnv, TrialPlan, now_iso, prewarm_trial, run_trial, wait_for_closes
 
 # Fields that do not change what a trial means; they stay out of the identity.
 VOLATILE = {"base_url", "n_concurrent", "jobs_dir", "job_name", "created_at", "retry_infra", "api_key_env",
-            "warm_ahead"}
+            "warm_ahead", "overlay"}
 
 
 
@@ -75,6 +75,9 @@ class JobConfig(BaseModel):
     # podman: containers started ahead for the trials next in line, beyond the running ones
     # (0: each trial starts its own when it begins).
     warm_ahead: int = Field(0, ge=0)
+    # podman: each trial a fresh overlay of a container its task's trials share
+    # (`sandbox.overlay_pool`); False: a fresh container per trial.
+    overlay: bool = True
     created_at: str | None = None
 
     @field_validator("agent_kwargs")
@@ -369,10 +372,16 @@ class Job:
         return data
 
     def _start_live(self, line: list[TrialPlan]) -> _Live:
-        """What the trials of one run share: their environment, the warm pool (podman with
+        """What the trials of one run share: their environment, the pool (podman: trials as
+        overlays of shared containers with `overlay`, else containers started ahead with
         `warm_ahead`) and what starts containers in it for the trials next in line."""
         pool = None
-        if self.sandbox_kind == "podman" and self.config.warm_ahead:
+        if self.sandbox_kind == "podman" and self.config.overlay:
+            from tmax.sandbox.overlay_pool import OverlayPool
+
+            pool = OverlayPool(self.config.n_concurrent, self.config.warm_ahead,
+                               host_labels={JOB_LABEL: self.config.job_name})
+        elif self.sandbox_kind == "podman" and self.config.warm_ahead:
             from tmax.sandbox.pool import WarmPool
 
             pool = WarmPool(self.config.n_concurrent + self.config.warm_ahead)

@@ -307,10 +307,12 @@ def run_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path | Non
         if rewritten:
             (Path(tmp) / "test.sh").write_text(script_text)
         archive = _tar_of(Path(tmp))
-        res = run(_inline_unpack(archive, stage, tag)) if len(archive) <= INLINE_TESTS_MAX_BYTES else None
+        inline = len(archive) <= INLINE_TESTS_MAX_BYTES and not sandbox.copy_is_cheap
+        res = run(_inline_unpack(archive, stage, tag)) if inline else None
         if res is None or f"__TMAX_{tag}_no_unpack__" in res.output:
-            # Too big for one argument, or no tar / base64 in the image: the stage goes in
-            # through the sandbox's copy, then the same program runs.
+            # Too big for one argument, no tar / base64 in the image, or a sandbox whose copy
+            # costs less than unpacking inside: the stage goes in through the sandbox's copy,
+            # then the same program runs.
             sandbox.copy_in(Path(tmp), stage)
             res = run("")
     prep_error, rc, files = _parse_verifier_output(res.output, tag)

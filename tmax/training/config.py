@@ -97,6 +97,10 @@ class RolloutConfig(AgentSettings):
     # podman: containers each rollout worker starts ahead of need, beyond its running
     # episodes (a fresh one per episode, never reused; 0 = start each when it begins).
     pool_size: int = Field(2, ge=0)
+    # podman: each episode a fresh overlay of a container shared by the episodes of its task
+    # on this machine (`sandbox.overlay_pool`), not a fresh container; what the overlay cannot
+    # serve gets a fresh container each, with a warning.
+    overlay: bool = True
     # Infra failures are re-queued; an episode that keeps failing aborts the run.
     max_infra_retries: int = Field(3, ge=0)
     # The harness episodes run under (`agents.harnesses`); a list is rotated per group.
@@ -185,6 +189,8 @@ class EvalConfig(_Strict):
     # --warm-ahead`); 0: each trial starts its own when it begins. Worth it with cores to
     # spare: on 2 busy cores it only adds contention (docs/RESULTS.md, "Preset nano-podman").
     warm_ahead: int = Field(0, ge=0)
+    # podman: trials as overlays of containers shared by a task's trials (`rollout.overlay`).
+    overlay: bool = True
     # The harness of held-out trials (`tmax bench -a`); None: the first of `rollout.harness`,
     # the one the model trained under. Another name asks how well the training carries over.
     harness: str | None = None
@@ -243,6 +249,9 @@ class ClusterConfig(_Strict):
     tp: int = Field(1, ge=1)  # tensor-parallel size of each engine
     learners_per_node: int | None = Field(None, ge=1)  # default: one per GPU; 1 on CPU
     engines_per_node: int | None = Field(None, ge=1)  # default: GPUs / tp; 1 on CPU
+    # CPU nodes beyond `nodes` for the rollout workers and every container of their episodes
+    # (`training.cluster.sandbox_nodes`): one worker per node, its episodes at once the node's CPUs.
+    sandbox_nodes: int = Field(0, ge=0)
     # Ray to join (else RAY_ADDRESS, else Ray started inside a Slurm allocation, else local).
     address: str | None = None
     # Logical CPUs of every Ray node tmax starts (None: the machine's cores).

@@ -117,7 +117,8 @@ def heldout_eval(cfg: LearnConfig, engine: Any, held_dir: str, jobs_dir: Path, n
         "temperature": cfg.eval.temperature, "top_p": 1.0, "max_steps": cfg.eval.max_steps}
     jc = JobConfig(job_name=name, jobs_dir=str(jobs_dir), dataset=held_dir, agent=harness, model=info["model"],
                    base_url=info["base_url"], agent_kwargs=kwargs, n_attempts=cfg.eval.attempts,
-                   n_concurrent=cfg.eval.concurrency, environment=cfg.eval.sandbox, warm_ahead=cfg.eval.warm_ahead)
+                   n_concurrent=cfg.eval.concurrency, environment=cfg.eval.sandbox, warm_ahead=cfg.eval.warm_ahead,
+                   overlay=cfg.eval.overlay)
     t0 = time.monotonic()
     job = Job(jc, api_key="none")
     job.run()

@@ -39,6 +39,7 @@ from tmax.agents.driver import EpisodeDriver
 from tmax.agents.policy import TokenSampler, TokenTrace
 from tmax.agents.settings import AgentSettings
 from tmax.common.files import write_json_atomic
+from tmax.sandbox.overlay_pool import OverlayPool
 from tmax.sandbox.pool import WarmAhead, WarmPool
 from tmax.tasks.episode import ENVIRONMENT_ERRORS, EnvSettings, Episode, PreparedTasks
 from tmax.tasks.images import TaskImage
@@ -103,6 +104,9 @@ class Rollout:
     sandbox: str = ""  # the sandbox kind the episode ran in
     container_id: str | None = None  # podman: the container the episode (and verifier) ran in
     warm_start: bool = False  # the container came started from the worker's warm pool
+    sandbox_mode: str = ""  # podman: "overlay" (of a shared container) or "container" (a fallback's own)
+    command_s: list[float] = field(default_factory=list)  # each command's round trip (issue -> output back)
+    started_at: float = 0.0  # when the episode began (epoch seconds)
     segments: list[TokenTrace] = field(default_factory=list)  # closed by compactions, in order
 
     @property
@@ -167,13 +171,14 @@ class EpisodeSettings:
     harnesses: tuple[str, ...]  # rotated per group
     pool_size: int = 0  # podman: containers each worker starts ahead of need
     max_infra_retries: int = 3
+    overlay: bool = True  # podman: episodes as overlays of shared containers (`sandbox.overlay_pool`)
 
     @classmethod
     def of(cls, r: RolloutConfig, labels: dict[str, str] | None = None) -> EpisodeSettings:
         harnesses = (r.harness,) if isinstance(r.harness, str) else tuple(r.harness)
         return cls(env=env_settings(r.sandbox, r.image_map, labels), agent=r.agent_only(), response_budget=r.response_budget,
                    max_prompt_tokens=r.max_prompt_tokens, test_timeout=r.test_timeout, harnesses=harnesses,
-                   pool_size=r.pool_size, max_infra_retries=r.max_infra_retries)
+                   pool_size=r.pool_size, max_infra_retries=r.max_infra_retries, overlay=r.overlay)
 
     def harness_for(self, group_id: int) -> str:
         """The harness of a group: every sample of a group shares it, groups rotate."""
@@ -188,11 +193,16 @@ class EpisodeSettings:
                            max_response_tokens=self.response_budget, max_context_tokens=a.context_budget,
                            max_turn_tokens=a.max_tokens, max_prompt_tokens=self.max_prompt_tokens, seed=seed)
 
-    def worker_pool(self, slots: int) -> WarmPool | None:
-        """A rollout worker's pool: its running episodes plus `pool_size` started ahead (podman)."""
-        if self.env.kind != "podman" or self.pool_size == 0:
+    def worker_pool(self, slots: int, host_labels: dict[str, str] | None = None) -> WarmPool | OverlayPool | None:
+        """A rollout worker's pool (podman): with `overlay`, episodes in containers shared on
+        this machine (carrying `host_labels` too), `pool_size` started ahead for coming
+        episodes; else a fresh container per episode, its running episodes plus `pool_size`
+        started ahead."""
+        if self.env.kind != "podman":
             return None
-        return WarmPool(slots + self.pool_size)
+        if self.overlay:
+            return OverlayPool(slots, self.pool_size, host_labels={**self.env.labels, **(host_labels or {})})
+        return WarmPool(slots + self.pool_size) if self.pool_size else None
 
 
 # ---- the episode --------------------------------------------------------------------
@@ -266,10 +276,10 @@ def run_episode(
     from tmax.agents.harnesses import make_harness
     from tmax.agents.records import Recorder
 
-    t0 = time.monotonic()
+    t0, started_at = time.monotonic(), time.time()
     ep = _open(req, episode.env, image, pool)
     t_sandbox = time.monotonic() - t0
-    task, sandbox_id, warm = ep.task, ep.sandbox_id, ep.warm
+    task, sandbox_id, warm, mode = ep.task, ep.sandbox_id, ep.warm, ep.sandbox_mode
     try:
         policy = episode.token_policy(sampler, tokenizer, req.seed)
         recorder = Recorder(record_dir) if record_dir is not None else None
@@ -316,6 +326,9 @@ def run_episode(
         container_id=sandbox_id,
         warm_start=warm,
         segments=segments,
+        sandbox_mode=mode,
+        command_s=result.command_s,
+        started_at=round(started_at, 3),
     )
 
 

@@ -35,7 +35,9 @@ from tmax.training.cluster.failover import FailoverSampler, WorkersDown
 from tmax.training.cluster.learner_rank import LearnerRank
 from tmax.training.cluster.placement import Placement
 from tmax.training.cluster.rollout_worker import RolloutWorker
+from tmax.training.cluster.sandbox_nodes import worker_slots
 from tmax.training.rollout import EpisodeSettings, run_labels
+
 # Ray threads per rollout worker beyond its episode slots, so prewarm calls are not
 # queued behind running episodes.
 PREWARM_CALL_SLOTS = 2
@@ -195,7 +197,9 @@ def worker_options(cfg: Any, pl: Placement | None) -> list[dict]:
     if pl is None:
         cpus = min(0.5, _cpus(cfg) / (4 * rc.rollout_workers))
         return [{"num_cpus": cpus, "max_concurrency": threads, "max_restarts": -1}] * rc.rollout_workers
-    return [pl.sandbox_options(max_restarts=-1, max_concurrency=threads)] * pl.plan.sandbox_workers
+    return [pl.sandbox_options(i, max_restarts=-1,
+                               max_concurrency=worker_slots(pl, i, rc.slots_per_worker) + PREWARM_CALL_SLOTS)
+            for i in range(pl.plan.sandbox_workers)]
 
 
 def start_engines(cfg: Any, model_dir: str, run_dir: str | Path, pl: Placement | None = None) -> EngineGroup:
@@ -281,7 +285,7 @@ def start_actors(cfg: Any, model_dir: str, resume_from: str | None, run_dir: str
         worker_actor = ray.remote(RolloutWorker)
         episode = EpisodeSettings.of(cfg.rollout, labels)
         workers = [worker_actor.options(**o).remote(model_dir, episode, engines.sampler(i), images,
-                                                     cfg.run.slots_per_worker)
+                                                     worker_slots(pl, i, cfg.run.slots_per_worker))
                    for i, o in enumerate(worker_options(cfg, pl))]
         # Start-up errors of any rank or engine surface here, before any episode runs.
         ray.get(learner.setups + (engines.ready() if own else []))

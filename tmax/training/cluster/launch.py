@@ -123,16 +123,35 @@ def head_start_cmd(
     return cmd
 
 
+def slurm_hosts() -> tuple[list[str], list[int | None]]:
+    """Every allocated host and its component: a heterogeneous job's components in order
+    (with sandbox nodes, theirs is the second), else the job's nodes (component None)."""
+    groups = sorted(int(k.rsplit("_", 1)[1]) for k in os.environ if k.startswith("SLURM_JOB_NODELIST_HET_GROUP_"))
+    if not groups:
+        hosts = slurm_hostnames()
+        return hosts, [None] * len(hosts)
+    hosts, comps = [], []
+    for g in groups:
+        names = slurm_hostnames(os.environ[f"SLURM_JOB_NODELIST_HET_GROUP_{g}"])
+        hosts += names
+        comps += [g] * len(names)
+    return hosts, comps
+
+
 def worker_start_cmds(
-    plan: PlacementPlan, hosts: list[str], head_addr: str, num_cpus: int | None = None
+    plan: PlacementPlan, hosts: list[str], head_addr: str, num_cpus: int | None = None,
+    components: list[int | None] | None = None,
 ) -> list[list[str]]:
-    """One `srun` per non-head host. `--block` keeps the worker in the foreground of its
-    srun step, so the worker exits when tmax ends the step (or the head goes away)."""
+    """One `srun` per non-head host (of its component in a heterogeneous job). `--block`
+    keeps the worker in the foreground of its srun step, so the worker exits when tmax ends
+    the step (or the head goes away)."""
     cmds = []
     for i, host in enumerate(hosts[1:], start=1):
+        comp = components[i] if components else None
         cmds.append(
             [
                 "srun",
+                *([f"--het-group={comp}"] if comp is not None else []),
                 "--nodes=1",
                 "--ntasks=1",
                 "--overlap",
@@ -218,9 +237,9 @@ def connect(
         return _join(cluster.address or os.environ["RAY_ADDRESS"])
     if mode == "slurm" and plan is not None:
         return _start_in_slurm(plan, cluster.num_cpus, port, join_timeout_s)
-    if plan is not None and plan.nodes > 1:
+    if plan is not None and plan.nodes + plan.sandbox_nodes > 1:
         raise ClusterError(
-            f"--nodes {plan.nodes} needs a Ray cluster: pass --address (or set RAY_ADDRESS), run inside a Slurm"
+            f"--nodes {plan.nodes} (+ {plan.sandbox_nodes} sandbox node(s)) needs a Ray cluster: pass --address (or set RAY_ADDRESS), run inside a Slurm"
             " allocation, or use --dry-run to get an sbatch script"
         )
     return _start_local(plan, cluster.num_cpus)
@@ -264,13 +283,14 @@ def _start_in_slurm(plan: PlacementPlan, num_cpus: int | None, port: int, join_t
     """The head here, a worker per other allocated node; `num_cpus` is every node's logical CPUs."""
     import ray
 
-    hosts = slurm_hostnames()
-    if len(hosts) < plan.nodes:
-        raise ClusterError(f"the Slurm allocation has {len(hosts)} node(s), the plan needs {plan.nodes}")
+    hosts, components = slurm_hosts()
+    if len(hosts) < plan.nodes + plan.sandbox_nodes:
+        raise ClusterError(f"the Slurm allocation has {len(hosts)} node(s), the plan needs"
+                           f" {plan.nodes + plan.sandbox_nodes}")
     ip = node_ip()
     handle = ClusterHandle("slurm", f"{ip}:{port}", _head=_start_head(head_start_cmd(plan, port, ip, num_cpus=num_cpus),
                                                                      hosts[0]))
-    for cmd in worker_start_cmds(plan, hosts, f"{ip}:{port}", num_cpus=num_cpus):
+    for cmd in worker_start_cmds(plan, hosts, f"{ip}:{port}", num_cpus=num_cpus, components=components):
         handle._procs.append(subprocess.Popen(cmd, env=ray_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     try:
         ray.init(address=f"{ip}:{port}", runtime_env=runtime_env(), log_to_driver=False)

@@ -5,6 +5,8 @@ nodes (vLLM engines of `tp` GPUs each); sandbox workers go wherever CPU is free.
 default split follows the paper's runs: 8 nodes = 2 train + 6 inference, 4 nodes =
 2 + 2, and one train node below four.
 
+Sandbox nodes (`training.cluster.sandbox_nodes`): CPU nodes beyond the N for the rollout workers.
+
 Ray pinning: one placement-group bundle per node and role. Learner bundles hold all
 learner GPUs of a node and are STRICT_SPREAD (one bundle per distinct node, as in the
 open-instruct fork); engine bundles are the same per inference node. Learner rank r uses
@@ -23,6 +25,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tmax.training.cluster.sandbox_nodes import (
+    ROLE_SANDBOX, SandboxPlacement, check_sandbox_nodes, sandbox_group, sandbox_header, sandbox_lines,
+)
 from tmax.training.weights.transports import describe_transport
 
 if TYPE_CHECKING:
@@ -68,6 +73,7 @@ class PlacementPlan:
     cpus_per_sandbox_worker: float = 1.0
     colocated: bool = False  # one node: learners and engines share it
     notes: list[str] = field(default_factory=list)
+    sandbox_nodes: int = 0  # CPU nodes beyond `nodes` for the rollout workers and their containers
 
     # -- derived sizes ---------------------------------------------------------------
     @property
@@ -100,9 +106,10 @@ class PlacementPlan:
 
     def node_roles(self) -> list[list[str]]:
         """Roles of node i (index into the allocation's host list; node 0 runs the driver)."""
+        sandboxes = [[ROLE_SANDBOX]] * self.sandbox_nodes
         if self.colocated:
-            return [[ROLE_TRAIN, ROLE_INFER]]
-        return [[ROLE_TRAIN]] * self.train_nodes + [[ROLE_INFER]] * self.infer_nodes
+            return [[ROLE_TRAIN, ROLE_INFER]] + sandboxes
+        return [[ROLE_TRAIN]] * self.train_nodes + [[ROLE_INFER]] * self.infer_nodes + sandboxes
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -112,7 +119,7 @@ class PlacementPlan:
     # -- human output ----------------------------------------------------------------
     def describe(self, weight_transport: str = "auto") -> str:
         dev = f"{self.gpus_per_node} GPU/node" if self.use_gpu else "CPU only"
-        lines = [f"placement plan: {self.nodes} node(s), {dev}"]
+        lines = [f"placement plan: {self.nodes} node(s), {dev}" + sandbox_header(self.sandbox_nodes)]
         if self.colocated:
             lines.append(
                 f"  node 0      train+infer  {self.learner_ranks} learner rank(s), "
@@ -135,7 +142,8 @@ class PlacementPlan:
             f"  learners:   {self.learner_ranks} rank(s) on {self.train_nodes} train node(s)"
             f" (torch.distributed data parallel over {'NCCL' if self.use_gpu else 'gloo'}), STRICT_SPREAD bundles",
             f"  engines:    {self.engines} x TP {self.tp} on {self.infer_nodes} inference node(s), STRICT_SPREAD bundles",
-            f"  sandboxes:  {self.sandbox_workers} worker(s), {self.cpus_per_sandbox_worker:g} CPU each, anywhere with free CPU",
+            *sandbox_lines(1 if self.colocated else self.nodes, self.sandbox_nodes, self.sandbox_workers,
+                           self.cpus_per_sandbox_worker),
             f"  weight sync: learner rank 0 -> {self.engines} engine(s)"
             f" {describe_transport(weight_transport, self.use_gpu)} after every step",
         ]
@@ -154,6 +162,7 @@ def make_plan(
     cpus_per_learner: float | None = None,
     cpus_per_engine: float | None = None,
     cpus_per_sandbox_worker: float = 1.0,
+    sandbox_nodes: int = 0,
 ) -> PlacementPlan:
     """Build a plan from the CLI flags; every inconsistent combination is a `PlanError`.
 
@@ -181,7 +190,9 @@ def make_plan(
             raise PlanError("tensor parallelism needs GPUs (--gpus-per-node > 0)")
         cpl = CPU_LEARNER_CPUS if cpus_per_learner is None else cpus_per_learner
         cpe = CPU_ENGINE_CPUS if cpus_per_engine is None else cpus_per_engine
-    if sandbox_workers is None:
+    if sandbox_nodes:
+        sandbox_workers = sandbox_nodes  # one worker, and one pool, per sandbox node
+    elif sandbox_workers is None:
         # One worker (holding several sandbox slots) per engine; the run config can raise it.
         sandbox_workers = epn * infer_nodes
     if sandbox_workers < 1:
@@ -200,6 +211,7 @@ def make_plan(
         cpus_per_sandbox_worker=cpus_per_sandbox_worker,
         colocated=colocated,
         notes=notes,
+        sandbox_nodes=sandbox_nodes,
     )
 
 
@@ -209,7 +221,8 @@ def plan_for(cfg: "LearnConfig") -> PlacementPlan | None:
     if c.nodes is None:
         return None
     return make_plan(c.nodes, c.gpus_per_node, c.train_nodes, tp=c.tp, sandbox_workers=cfg.run.rollout_workers,
-                     learners_per_node=c.learners_per_node, engines_per_node=c.engines_per_node)
+                     learners_per_node=c.learners_per_node, engines_per_node=c.engines_per_node,
+                     sandbox_nodes=c.sandbox_nodes)
 
 
 def _split_nodes(nodes: int, train_nodes: int | None) -> tuple[int, int]:
@@ -310,8 +323,9 @@ def check_resources(plan: PlacementPlan, nodes: list[NodeInfo]) -> list[str]:
     roles = uses_role_resources(nodes)
     lb, eb = plan.learner_bundle(roles), plan.engine_bundle(roles)
     free = {n.node_id: dict(n.resources) for n in nodes}
-    if len(nodes) < (1 if plan.colocated else plan.nodes):
-        problems.append(f"nodes: the plan needs {plan.nodes} node(s), the cluster has {len(nodes)} alive")
+    if len(nodes) < (1 if plan.colocated else plan.nodes) + plan.sandbox_nodes:
+        problems.append(f"nodes: the plan needs {plan.nodes + plan.sandbox_nodes} node(s), the cluster has"
+                        f" {len(nodes)} alive")
 
     def place(bundle: dict[str, float], count: int, role: str, exclude: set[str]) -> set[str]:
         # Greedy: most GPUs first, so the check agrees with what a STRICT_SPREAD
@@ -342,6 +356,8 @@ def check_resources(plan: PlacementPlan, nodes: list[NodeInfo]) -> list[str]:
 
     train = place(lb, plan.train_nodes if not plan.colocated else 1, "learners", set())
     place(eb, plan.infer_nodes if not plan.colocated else 1, "engines", set() if plan.colocated else train)
+    if plan.sandbox_nodes:
+        return problems + check_sandbox_nodes(plan.sandbox_nodes, plan.cpus_per_sandbox_worker, nodes)
     cpu_left = sum(max(f.get("CPU", 0.0), 0.0) for f in free.values())
     need_cpu = plan.sandbox_workers * plan.cpus_per_sandbox_worker
     if cpu_left + 1e-9 < need_cpu:
@@ -371,6 +387,7 @@ class Placement:
     engine_pg: Any
     learner_nodes: list[str]  # node id of learner bundle i
     engine_nodes: list[str]
+    sandboxes: SandboxPlacement | None = None  # with sandbox nodes: a bundle (a rollout worker) on each
 
     def learner_options(self, rank: int, **extra: Any) -> dict[str, Any]:
         """`.options(...)` kwargs that put learner `rank` on its train node."""
@@ -422,11 +439,15 @@ class Placement:
             "learner_rank_nodes": ray.get([a.node_id.remote() for a in actors.learner.ranks]),
             "engine_nodes": ray.get([e.node_id.remote() for e in actors.engines.engines]),
             "worker_nodes": ray.get([w.node_id.remote() for w in actors.workers]),
+            "sandbox_bundle_nodes": self.sandboxes.nodes if self.sandboxes else [],
         }
         write_json_atomic(path, out)
         return out
 
-    def sandbox_options(self, **extra: Any) -> dict[str, Any]:
+    def sandbox_options(self, index: int = 0, **extra: Any) -> dict[str, Any]:
+        """Rollout worker `index`: on its sandbox node when the plan has them, else anywhere."""
+        if self.sandboxes is not None:
+            return self.sandboxes.worker_options(index, self.plan.cpus_per_sandbox_worker, **extra)
         opts: dict[str, Any] = {"num_cpus": self.plan.cpus_per_sandbox_worker}
         opts.update(extra)
         return opts
@@ -434,7 +455,7 @@ class Placement:
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
-        for pg in (self.learner_pg, self.engine_pg):
+        for pg in (self.learner_pg, self.engine_pg, *([self.sandboxes.pg] if self.sandboxes else [])):
             try:
                 remove_placement_group(pg)
             except Exception:  # already gone with the cluster
@@ -459,10 +480,11 @@ def reserve(plan: PlacementPlan, timeout_s: float = 300.0) -> Placement:
     n_infer = 1 if plan.colocated else plan.infer_nodes
     lpg = placement_group([plan.learner_bundle(roles)] * n_train, strategy="STRICT_SPREAD", name="tmax-learners")
     epg = placement_group([plan.engine_bundle(roles)] * n_infer, strategy="STRICT_SPREAD", name="tmax-engines")
+    groups = [lpg, epg] + [sandbox_group(plan.sandbox_nodes, plan.cpus_per_sandbox_worker)] * bool(plan.sandbox_nodes)
     try:
-        ray.get([lpg.ready(), epg.ready()], timeout=timeout_s)
+        ray.get([pg.ready() for pg in groups], timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
-        for pg in (lpg, epg):
+        for pg in groups:
             ray.util.remove_placement_group(pg)
         missing = check_live_cluster(plan)
         raise PlacementTimeout(
@@ -474,4 +496,5 @@ def reserve(plan: PlacementPlan, timeout_s: float = 300.0) -> Placement:
         table = placement_group_table(pg)["bundles_to_node_id"]
         return [table[i] for i in sorted(table)]
 
-    return Placement(plan, lpg, epg, bundle_nodes(lpg), bundle_nodes(epg))
+    sandboxes = SandboxPlacement.of(groups[2], bundle_nodes(groups[2])) if plan.sandbox_nodes else None
+    return Placement(plan, lpg, epg, bundle_nodes(lpg), bundle_nodes(epg), sandboxes)

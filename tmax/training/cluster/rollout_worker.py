@@ -8,22 +8,24 @@ from __future__ import annotations
 
 from typing import Any
 
+from tmax.training.cluster.sandbox_nodes import NODE_LABEL, normal_priority
 from tmax.training.net import ray_node_id
 from tmax.training.rollout import EpisodeRequest, EpisodeSettings, InfraError, prewarm, run_episode
 
 
 class RolloutWorker:
-    """Runs episodes, `slots` at a time (Ray threads), each in its own fresh sandbox;
-    on podman from a warm pool of containers started ahead of need."""
+    """Runs episodes, `slots` at a time (Ray threads), each in its own fresh sandbox; on
+    podman an overlay of a container shared on its node (`EpisodeSettings.worker_pool`)."""
 
     def __init__(self, model_dir: str, episode: EpisodeSettings, sampler: Any, images: dict, slots: int = 1):
         from transformers import AutoTokenizer
 
+        normal_priority()  # its episodes' commands run as a bench trial's do, not at Ray's niceness 15
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.episode = episode
         self.sampler = sampler
         self.images = images  # task dir -> TaskImage, resolved before training
-        self.pool = episode.worker_pool(slots)
+        self.pool = episode.worker_pool(slots, {NODE_LABEL: ray_node_id()})  # its containers name this node
 
     def node_id(self) -> str:
         return ray_node_id()

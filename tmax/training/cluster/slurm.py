@@ -17,6 +17,7 @@ def sbatch_script(
 ) -> str:
     """A ready sbatch script: one task per node; the batch step runs `tmax learn` on the
     first node, and tmax starts Ray on every allocated node itself (training/cluster/launch.py).
+    With sandbox nodes the job is heterogeneous: the GPU nodes, then the CPU sandbox nodes.
     `learn_args` are the `tmax learn` arguments (`--config FILE`: the whole run), quoted."""
     args = " ".join(shlex.quote(a) for a in learn_args)
     lines = [
@@ -33,6 +34,12 @@ def sbatch_script(
         "#SBATCH --exclusive",
         f"#SBATCH --time={time_limit}",
         f"#SBATCH --output={job_name}-%j.out",
+    ]
+    if plan.sandbox_nodes:
+        # A second component of CPU nodes: the sandbox nodes (their Ray nodes get tmax_sandbox).
+        lines += ["#SBATCH hetjob", f"#SBATCH --nodes={plan.sandbox_nodes}", "#SBATCH --ntasks-per-node=1",
+                  *([f"#SBATCH --cpus-per-task={cpus_per_node}"] if cpus_per_node else []), "#SBATCH --exclusive"]
+    lines += [
         "set -euo pipefail",
         "# Every Ray process must agree on auth, or workers fail to join the head.",
         "# A value set where the job is submitted is kept (sbatch exports the environment).",

@@ -1,0 +1,223 @@
+"""Episodes as fresh overlays of a long-lived container, not fresh containers.
+
+A host (`OverlayHost`) is a podman container of a task's image whose main process is the
+episode helper (`sandbox/helper/`, bind-mounted in). An episode (`OverlaySandbox`) is a new
+mount, pid, ipc and uts namespace in it (and a network namespace with only `lo` when the
+task has no network) whose root is an overlay of the container's root with a fresh upper
+layer: it starts from exactly the image's state, and everything it writes, starts or
+changes goes when it ends. A container's creation, start and removal are paid once per
+host; an episode costs a few process starts inside it (`benchmarks/podman_episode_profile.py`).
+
+Limits: with the network shared (a task with `allow_internet`), or where episodes cannot
+have cgroups of their own (`overlay_cgroup.supported`), a host serves one episode at a time
+and the container's limits are the task's. Otherwise a host serves up to `capacity`
+episodes at once, each in cgroups of its own with the task's memory, pids and CPU limits,
+the container's being their sum. File-size limits (RLIMIT_FSIZE) and the seccomp profile
+are the container's, inherited. The helper's own capabilities (CAP_SYS_ADMIN for mounts,
+CAP_NET_ADMIN for an episode's loopback) are dropped from every set of the episode's
+processes, and a seccomp filter refuses them namespace and mount syscalls.
+
+The interface is `Sandbox`'s: the agent's persistent shell runs on a pty of this host whose
+slave the helper hands to bash in the episode, `exec` is a process with pipes, files go in
+and out through the episode's root fd, and the verifier runs in the same episode after the
+agent, seeing exactly its state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from tmax.common.files import write_json_atomic
+from tmax.common.waiting import wait_until
+from tmax.sandbox import overlay_cgroup
+from tmax.sandbox.base import AgentUserError, CommandResult, SandboxError, SandboxSpec
+from tmax.sandbox.overlay_build import helper_binary
+from tmax.sandbox.overlay_cgroup import EpisodeCgroup
+from tmax.sandbox.overlay_proto import (
+    IN_BIN, IN_DIR, EpisodeLease, EpisodeSetupError, RemotePty, copy_in, copy_out, run_pipes,
+)
+from tmax.sandbox.podman import PodmanSandbox
+from tmax.sandbox.shell import BASH_ARGV, PersistentShell, ShellSandbox
+
+OVERLAY_LABEL = "io.tmax.overlay"  # on every host: the hash of what its episodes share
+HELPER_PIDS = 16  # the container's own processes (init, helper, an episode's pid 1) beyond its episodes'
+READY_TIMEOUT_S = 30.0
+
+
+@dataclass
+class HostInfo:
+    """What an episode needs of its host; `host.json` in the host's state directory, so
+    that any process of this machine can open episodes in it."""
+
+    state_dir: str
+    container_id: str
+    name: str
+    capacity: int
+    own_net: bool  # each episode gets a network namespace of its own (the task has no network)
+    cgroups: bool  # each episode gets cgroups of its own (several episodes at once)
+    workdir: str  # the container's working directory: where the episode's shell starts
+    started: float
+
+    def save(self) -> None:
+        write_json_atomic(Path(self.state_dir) / "host.json", asdict(self))
+
+    @classmethod
+    def load(cls, state_dir: Path) -> HostInfo | None:
+        try:
+            return cls(**json.loads((Path(state_dir) / "host.json").read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+
+class OverlayHost(PodmanSandbox):
+    """The container of one image and set of limits whose episodes are overlays of it."""
+
+    def __init__(self, spec: SandboxSpec, state_dir: Path, capacity: int = 1, idle_s: float = 120.0, **options):
+        self.capacity = capacity
+        self.idle_s = idle_s
+        self.cgroups = capacity > 1
+        cap = capacity if self.cgroups else 1
+        host_spec = replace(spec, shell=False, name=None, user=None, labels=dict(spec.labels),
+                            memory_mb=spec.memory_mb and spec.memory_mb * cap,
+                            pids_limit=spec.pids_limit and spec.pids_limit * cap + HELPER_PIDS,
+                            cpus=spec.cpus and spec.cpus * cap)
+        super().__init__(host_spec, **options)
+        self.binary = helper_binary()
+        self.state_dir = Path(state_dir)
+        self.own_net = not spec.network
+
+    def main_command(self) -> list[str]:
+        # The image's USER is whom the verifier and the harness's execs run as; the
+        # container itself runs as root, for the helper's mounts.
+        config = self.client.images.get(self.image).attrs.get("Config") or {}
+        return ["serve", config.get("User") or "", str(self.capacity), str(int(self.idle_s))]
+
+    def create_kwargs(self) -> dict:
+        kw = super().create_kwargs()
+        kw.update(entrypoint=[IN_BIN], user="0:0", cap_add=["SYS_ADMIN", "NET_ADMIN"], auto_remove=True)
+        kw["mounts"] = [*kw.get("mounts", []),
+                        {"type": "bind", "source": str(self.state_dir), "target": IN_DIR, "read_only": False},
+                        {"type": "bind", "source": str(self.binary), "target": IN_BIN, "read_only": True}]
+        return kw
+
+    def start(self) -> HostInfo:  # type: ignore[override]
+        super().start()
+        ctl = self.state_dir / "ctl.sock"
+        if not wait_until(lambda: ctl.exists() or not self._running(), READY_TIMEOUT_S, 0.02) or not ctl.exists():
+            logs = self._logs()
+            self.close()
+            raise EpisodeSetupError(f"the episode helper did not start in {self.image}: {logs}")
+        info = HostInfo(str(self.state_dir), self.container.id, self.name, self.capacity, self.own_net,
+                        self.cgroups, self.workdir or "/", time.time())
+        info.save()
+        return info
+
+    def _running(self) -> bool:
+        try:
+            self.container.reload()
+            return self.container.status == "running"
+        except Exception:
+            return False
+
+    def _logs(self) -> str:
+        try:
+            return b"".join(self.container.logs(stdout=True, stderr=True)).decode(errors="replace")[-2000:]
+        except Exception as e:
+            return f"(no logs: {e})"
+
+
+def new_state_dir(parent: Path) -> Path:
+    parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="h-", dir=parent))
+
+
+def remove_state_dir(state_dir: Path) -> None:
+    shutil.rmtree(state_dir, ignore_errors=True)
+
+
+class OverlaySandbox(ShellSandbox):
+    """One episode in a host: `Sandbox`'s interface over the episode helper."""
+
+    kind = "podman"
+    mode = "overlay"
+    copy_is_cheap = True  # files go in through the episode's root fd, no call to podman
+
+    def __init__(self, host: HostInfo, spec: SandboxSpec, lease: EpisodeLease):
+        self.host, self.spec, self.lease = host, spec, lease
+        self.container_id = host.container_id  # where the episode ran (records name it)
+        self.workdir = host.workdir
+        self.cgroup: EpisodeCgroup | None = None
+        self.shell: PersistentShell | None = None
+        self._closed = False
+
+    def start(self) -> None:
+        """The episode's cgroups (several episodes at once in the host) and its shell."""
+        s = self.spec
+        try:
+            if self.host.cgroups:
+                self.cgroup = EpisodeCgroup(self.lease.peer_pid(), f"tmax-ep-{self.lease.id}", s.memory_mb,
+                                            s.pids_limit, s.cpus)
+            if s.shell:
+                self._start_shell()
+        except OSError as e:
+            self.close()
+            raise SandboxError(f"overlay episode: {e}") from e
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_shell(self) -> None:
+        self.shell = PersistentShell(BASH_ARGV, workdir=self.workdir, spawn=self._spawn)
+        try:
+            self.shell.start()
+        except SandboxError as e:
+            if self.spec.user and not isinstance(e, AgentUserError):
+                raise AgentUserError(f"overlay episode: no shell as user {self.spec.user!r} in {self.workdir}: "
+                                     f"{e}") from e
+            raise
+
+    def _spawn(self, argv: list[str], shell_vars: dict[str, str]) -> RemotePty:
+        return RemotePty(self.lease.sock_path, argv, shell_vars, self.spec.user)
+
+    def exec(self, argv: list[str], timeout: float | None = None, workdir: str | None = None,
+             env: dict[str, str] | None = None, user: str | None = None) -> CommandResult:
+        if self._closed:
+            raise SandboxError("sandbox is closed")
+        return run_pipes(self.lease.sock_path, argv, timeout=timeout, cwd=workdir, env=env,
+                         user=self.spec.user if user is None else user)
+
+    def _abs(self, p: str) -> str:
+        return p if p.startswith("/") else os.path.join(self.workdir or "/", p)
+
+    def copy_in(self, src: Path, dst: str) -> None:
+        if not Path(src).exists():
+            raise SandboxError(f"copy_in: {src} does not exist")
+        copy_in(self.lease.root_fd, Path(src), self._abs(dst))
+
+    def copy_out(self, src: str, dst: Path) -> None:
+        copy_out(self.lease.root_fd, self._abs(src), Path(dst))
+
+    def close(self) -> None:
+        """End the episode: its processes are killed with its pid namespace, its upper layer
+        goes, its cgroups are removed. The host lives on."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.shell is not None:
+            self.shell.close()
+            self.shell = None
+        self.lease.close()
+        if self.cgroup is not None:
+            self.cgroup.remove()
+
+
+def cgroups_possible(spec: SandboxSpec) -> bool:
+    """Whether episodes of `spec` can share a host: each needs a network namespace of its own
+    (no network) and cgroups of its own."""
+    return not spec.network and overlay_cgroup.supported()
