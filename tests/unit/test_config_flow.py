@@ -50,7 +50,7 @@ SET: dict[str, dict] = {
             "gradient_checkpointing": True},
     "cluster": {"nodes": 3, "gpus_per_node": 4, "train_nodes": 2, "tp": 2, "learners_per_node": 2,
                 "engines_per_node": 1, "address": "10.0.0.1:6379", "num_cpus": 3, "sandbox_nodes": 2},
-    "guard": {"enabled": True, "window": 5, "min_history": 3, "mad_k": 3.0, "min_policy_alarms": 2, "patience": 2,
+    "guard": {"enabled": True, "window": 5, "min_history": 3, "mad_k": 3.0, "min_policy_alarms": 2, "patience": 3,
               "max_infra_rate": 0.4, "min_episodes": 3, "stall_groups": 7, "confirm_steps": 3, "remedy": "skip_batch", "lr_factor": 0.3,
               "group_factor": 3, "max_rollbacks": 5},
     # LoRA syncs through the object store only (engine.weight_transport above).
