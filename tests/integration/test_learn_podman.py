@@ -66,10 +66,15 @@ def test_podman_rl_run_uses_containers_and_learns_from_their_verifier(tmp_path, 
     assert all(r["env/infra_errors"] == 0 for r in rows)
     rollouts = [json.loads(x) for x in Path(res.rollouts_path).read_text().splitlines()]
     assert len(rollouts) >= 16
-    # Every episode ran in its own container; scored ones by the verifier in it.
+    # Every episode ran in a fresh overlay of a container its task's episodes share (the
+    # preset's `rollout.overlay`); scored ones by the verifier in it.
     ids = [r["container_id"] for r in rollouts]
     assert all(r["sandbox"] == "podman" and len(r["container_id"] or "") == 64 for r in rollouts)
-    assert len(set(ids)) == len(ids)
+    assert all(r["sandbox_mode"] == "overlay" for r in rollouts)
+    by_task: dict[str, set[str]] = {}
+    for r in rollouts:
+        by_task.setdefault(r["task_id"], set()).add(r["container_id"])
+    assert len(set(ids)) <= len(by_task) < len(ids)
     scored = [r for r in rollouts if r["submitted"]]
     assert scored and all(r["verifier"]["in_sandbox"] == "podman" for r in scored)
     assert any(r["warm_start"] for r in rollouts)  # the pool started containers ahead

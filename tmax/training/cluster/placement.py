@@ -480,7 +480,9 @@ def reserve(plan: PlacementPlan, timeout_s: float = 300.0) -> Placement:
     n_infer = 1 if plan.colocated else plan.infer_nodes
     lpg = placement_group([plan.learner_bundle(roles)] * n_train, strategy="STRICT_SPREAD", name="tmax-learners")
     epg = placement_group([plan.engine_bundle(roles)] * n_infer, strategy="STRICT_SPREAD", name="tmax-engines")
-    groups = [lpg, epg] + [sandbox_group(plan.sandbox_nodes, plan.cpus_per_sandbox_worker)] * bool(plan.sandbox_nodes)
+    groups = [lpg, epg]
+    if plan.sandbox_nodes:  # Ray refuses a placement group of no bundles
+        groups.append(sandbox_group(plan.sandbox_nodes, plan.cpus_per_sandbox_worker))
     try:
         ray.get([pg.ready() for pg in groups], timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
