@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tmax.training.cluster.sandbox_nodes import (
-    ROLE_SANDBOX, SandboxPlacement, check_sandbox_nodes, sandbox_group, sandbox_header, sandbox_lines,
+    ROLE_SANDBOX, SandboxPlacement, check_sandbox_nodes, sandbox_groups, sandbox_header, sandbox_lines,
 )
 from tmax.training.weights.transports import describe_transport
 
@@ -480,9 +480,7 @@ def reserve(plan: PlacementPlan, timeout_s: float = 300.0) -> Placement:
     n_infer = 1 if plan.colocated else plan.infer_nodes
     lpg = placement_group([plan.learner_bundle(roles)] * n_train, strategy="STRICT_SPREAD", name="tmax-learners")
     epg = placement_group([plan.engine_bundle(roles)] * n_infer, strategy="STRICT_SPREAD", name="tmax-engines")
-    groups = [lpg, epg]
-    if plan.sandbox_nodes:  # Ray refuses a placement group of no bundles
-        groups.append(sandbox_group(plan.sandbox_nodes, plan.cpus_per_sandbox_worker))
+    groups = [lpg, epg] + sandbox_groups(plan.sandbox_nodes, plan.cpus_per_sandbox_worker)
     try:
         ray.get([pg.ready() for pg in groups], timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:

@@ -93,11 +93,14 @@ def worker_slots(placement: Any, index: int, default: int) -> int:
     return sandboxes.slots(index) if sandboxes is not None else default
 
 
-def sandbox_group(count: int, cpus_per_worker: float) -> Any:
-    """The sandbox nodes' placement group: one bundle per node (not yet ready)."""
+def sandbox_groups(count: int, cpus_per_worker: float) -> list[Any]:
+    """The sandbox nodes' placement group, one bundle per node (not yet ready), in a list;
+    none without sandbox nodes (Ray refuses a group of no bundles)."""
     from ray.util.placement_group import placement_group
 
-    return placement_group([sandbox_bundle(cpus_per_worker)] * count, strategy="STRICT_SPREAD", name="tmax-sandboxes")
+    if not count:
+        return []
+    return [placement_group([sandbox_bundle(cpus_per_worker)] * count, strategy="STRICT_SPREAD", name="tmax-sandboxes")]
 
 
 def sandbox_header(count: int) -> str:
