@@ -245,9 +245,7 @@ class BwrapSandbox(ShellSandbox):
         copy_path(host, Path(dst))
 
     def close(self) -> None:
-        if self.shell is not None:
-            self.shell.close()
-            self.shell = None
+        self._close_shell()
         if self._own_dir is not None:
             shutil.rmtree(self._own_dir, ignore_errors=True)
             self._own_dir = None

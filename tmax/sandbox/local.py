@@ -55,6 +55,4 @@ class LocalSandbox(ShellSandbox):
         copy_path(Path(src) if os.path.isabs(src) else Path(self.workdir) / src, Path(dst))
 
     def close(self) -> None:
-        if self.shell is not None:
-            self.shell.close()
-            self.shell = None
+        self._close_shell()

@@ -209,9 +209,7 @@ class OverlaySandbox(ShellSandbox):
         if self._closed:
             return
         self._closed = True
-        if self.shell is not None:
-            self.shell.close()
-            self.shell = None
+        self._close_shell()
         self.lease.close()
         if self.cgroup is not None:
             self.cgroup.remove()

@@ -287,9 +287,7 @@ class PodmanSandbox(ShellSandbox):
         if self._closed:
             return
         self._closed = True
-        if self.shell is not None:
-            self.shell.close()
-            self.shell = None
+        self._close_shell()
         if self.container is not None:
             ct = self.container
             try:

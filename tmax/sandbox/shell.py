@@ -489,6 +489,12 @@ class ShellSandbox:
     def run(self, command: str, timeout: float | None = DEFAULT_COMMAND_TIMEOUT_S) -> CommandResult:
         return self._shell().run(command, timeout)
 
+    def _close_shell(self) -> None:
+        """End the agent's shell, once; the backend's `close` then ends what it started."""
+        if self.shell is not None:
+            self.shell.close()
+            self.shell = None
+
     def interrupt(self, force: bool = False) -> None:
         if self.shell is not None:
             self.shell.interrupt(force)
