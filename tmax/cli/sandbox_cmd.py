@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from tmax.cli.errors import fail
+
 sandbox_app = typer.Typer(help="Manage sandboxes: the base image and leftovers.", no_args_is_help=True)
 
 
@@ -85,8 +87,7 @@ def prune_cmd(
     try:
         rep = prune_images(int(keep_gb * 1e9), _labels_option(label), dry_run=dry_run)
     except ImageBuildError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1) from None
+        fail(str(e), 1)
     gb = lambda imgs: round(sum(i.size for i in imgs) / 1e9, 3)  # noqa: E731
     data = {"dry_run": dry_run, "removed": [i.names[0] for i in rep.removed], "removed_gb": gb(rep.removed),
             "kept": [i.names[0] for i in rep.kept], "kept_gb": gb(rep.kept), "errors": rep.errors}

@@ -13,6 +13,7 @@ from typing import List, Optional
 
 import typer
 
+from tmax.cli.errors import fail
 from tmax.cli.extras import require
 from tmax.training.inference.serving import DEFAULT_MODEL
 
@@ -77,13 +78,11 @@ def serve(
     try:
         spec = ServeSpec(**given)
     except ValidationError as e:
-        console.print(f"[red]error:[/red] {validation_message(e)}")
-        raise typer.Exit(2) from None
+        fail(validation_message(e), 2)
     try:
         cmd = build_command(spec)
     except (ValueError, ServerError) as e:
-        console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(2) from None
+        fail(str(e), 2)
     if dry_run:
         for note in cmd.notes:
             console.print(f"[dim]note: {note}[/dim]")
@@ -113,8 +112,7 @@ def serve(
         console.print(f"[red]vLLM exited[/red]; log {log_path}:\n{server.log_tail()}")
         raise typer.Exit(1)
     except ServerError as e:
-        console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(1) from None
+        fail(str(e), 1)
     except KeyboardInterrupt:
         console.print("stopping vLLM ...")
     finally:
