@@ -24,7 +24,8 @@ from pathlib import Path
 from tmax.sandbox.base import NAME_PREFIX, CommandResult, SandboxError, SandboxSpec
 from tmax.sandbox.hostexec import run_process
 from tmax.sandbox.local import copy_path
-from tmax.sandbox.shell import BASH_ARGV, PersistentShell, ShellSandbox
+from tmax.sandbox.shell import BASH_ARGV, PersistentShell
+from tmax.sandbox.shell_sandbox import ShellSandbox
 
 DEFAULT_TARGET = "/workspace"
 # Credentials the host filesystem would show the agent (whatever a command prints goes to

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from tmax.sandbox.base import CommandResult, SandboxError, SandboxSpec
 from tmax.sandbox.hostexec import run_process
-from tmax.sandbox.shell import BASH_ARGV, PersistentShell, ShellSandbox
+from tmax.sandbox.shell import BASH_ARGV, PersistentShell
+from tmax.sandbox.shell_sandbox import ShellSandbox
 
 
 def copy_path(src: Path, dst: Path) -> None:

@@ -43,7 +43,8 @@ from tmax.sandbox.overlay_proto import (
     IN_BIN, IN_DIR, EpisodeLease, EpisodeSetupError, RemotePty, copy_in, copy_out, run_pipes,
 )
 from tmax.sandbox.podman import PodmanSandbox
-from tmax.sandbox.shell import BASH_ARGV, PersistentShell, ShellSandbox
+from tmax.sandbox.shell import BASH_ARGV, PersistentShell
+from tmax.sandbox.shell_sandbox import ShellSandbox
 
 OVERLAY_LABEL = "io.tmax.overlay"  # on every host: the hash of what its episodes share
 HELPER_PIDS = 16  # the container's own processes (init, helper, an episode's pid 1) beyond its episodes'
