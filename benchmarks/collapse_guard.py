@@ -15,9 +15,10 @@ batch, so the loop gives up) is reported with its error and evaluated as it was 
                                         [--skip-collapse] [--variants off,on] [--json]
 
 Processes side by side on one --out (other --healthy-seeds, --variants) write their own
-report; each healthy run's record is kept (healthy-{off,on}-s{seed}.json), and a variant
-left out of --healthy-variants is read back from it (marked `reused`), so the guard-on runs
-can be redone after a detector change without redoing the guard-off ones.
+report; each run's record is kept (collapse-{off,on}.json, healthy-{off,on}-s{seed}.json),
+and a run left out of --variants / --healthy-variants is read back from it (marked
+`reused`), so the guard-on runs can be redone after a detector change without redoing the
+guard-off ones.
 
 `--json` prints one object: heldout_sft, heldout_off, heldout_on, rollbacks, steps_lost,
 off_error, on_events (the collapsing pair); healthy_seeds, healthy_rollbacks (guard on,
@@ -87,6 +88,35 @@ def final_lr(run_dir: Path) -> float | None:
     path = run_dir / "metrics.jsonl"
     rows = [r for r in read_metrics(path) if isinstance(r.get("lr"), (int, float))] if path.exists() else []
     return rows[-1]["lr"] if rows else None
+
+
+def collapse_pair(args, base, start, train_dir, held_dir, prepared, engine, out: Path, result: dict,
+                  variants: list[str], save, log) -> None:
+    """RL at the collapsing LR, guard off then on, each evaluated on the held-out set. Each
+    side's record is kept (collapse-{off,on}.json); a side left out of --variants is read back
+    from it (its name in `reused`), so one side can be redone after a detector change."""
+    from tmax.common.files import write_json_atomic
+
+    for name, guard in (("off", False), ("on", True)):
+        record = out / f"collapse-{name}.json"
+        if name not in variants:
+            if record.exists():
+                result.update(json.loads(record.read_text()))
+                result.setdefault("reused", []).append(name)
+            continue
+        cfg = variant(base, lr=args.lr, guard=guard, steps=args.steps)
+        run = rl_run(cfg, f"collapse-{name}", start, train_dir, prepared, engine, out, log)
+        side = {f"heldout_{name}": fresh_eval(base, engine, held_dir, out, f"collapse-{name}", log)["pass_rate"],
+                f"{name}_error": run["error"], f"{name}_steps": run["summary"]["steps"]}
+        if guard:
+            g = run["summary"]["guard"]
+            side.update(rollbacks=g["rollbacks"], steps_lost=g["steps_lost"], on_stopped=g["stopped"],
+                        on_events=g["events"])
+        write_json_atomic(record, side | {"lr": args.lr})
+        result.update(side)
+        save()
+    if "heldout_on" in result and "heldout_off" in result:
+        result["gain_points"] = round(100 * (result["heldout_on"] - result["heldout_off"]), 1)
 
 
 def healthy_runs(args, base, start, train_dir, held_dir, prepared, engine, out: Path, result: dict, save, log) -> None:
@@ -204,21 +234,7 @@ def main() -> None:
         if len(variants) == 2:  # a split pair (one process per side) skips the SFT eval
             result["heldout_sft"] = fresh_eval(base, engine, held_dir, out, f"sft-{report.stem}", log)["pass_rate"]
         if not args.skip_collapse:
-            for name, guard in (("off", False), ("on", True)):
-                if name not in variants:
-                    continue
-                cfg = variant(base, lr=args.lr, guard=guard, steps=args.steps)
-                run = rl_run(cfg, f"collapse-{name}", start, train_dir, prepared, engine, out, log)
-                result[f"heldout_{name}"] = fresh_eval(base, engine, held_dir, out, f"collapse-{name}", log)["pass_rate"]
-                result[f"{name}_error"] = run["error"]
-                result[f"{name}_steps"] = run["summary"]["steps"]
-                if guard:
-                    g = run["summary"]["guard"]
-                    result.update(rollbacks=g["rollbacks"], steps_lost=g["steps_lost"], on_stopped=g["stopped"],
-                                  on_events=g["events"])
-                save()
-            if "heldout_on" in result and "heldout_off" in result:
-                result["gain_points"] = round(100 * (result["heldout_on"] - result["heldout_off"]), 1)
+            collapse_pair(args, base, start, train_dir, held_dir, prepared, engine, out, result, variants, save, log)
         healthy_runs(args, base, start, train_dir, held_dir, prepared, engine, out, result, save, log)
     finally:
         engine.close()
@@ -229,7 +245,8 @@ def main() -> None:
         print(json.dumps(result))
         return
     if "gain_points" in result:
-        print(f"held-out after SFT {result['heldout_sft']:.1%}; RL at LR {args.lr:g}: guard off "
+        sft = f"held-out after SFT {result['heldout_sft']:.1%}; " if "heldout_sft" in result else ""
+        print(f"{sft}RL at LR {args.lr:g}: guard off "
               f"{result['heldout_off']:.1%}, guard on {result['heldout_on']:.1%} ({result['gain_points']:+.1f} points); "
               f"{result['rollbacks']} rollbacks, {result['steps_lost']} steps lost")
     for h in result["healthy"]:
