@@ -20,6 +20,8 @@ count sees only its containers. Reported:
   of its containers or their episodes, left after the pool closed (must be 0);
 * `rss_first100_mb` / `rss_last100_mb`: this process's RSS, mean over the first and the last
   100 finished episodes (flat memory: the ratio near 1);
+* `unsolved_or_failed`: why (status, error, verifier, slowest command), for up to 20 episodes
+  whose oracle replay did not solve its task or that ended on an infrastructure error;
 * `overhead_p50_s` / `overhead_p99_s`: episode time outside the agent (sandbox start,
   verifier, the rest of run_episode), and `infra_errors` by kind.
 
@@ -113,8 +115,11 @@ def soak(episodes: int, concurrency: int, pool_size: int, n_tasks: int, seed: in
                 t = r.timings
                 row = {"ok": True, "reward": r.reward, "warm": r.warm_start, "container": r.container_id,
                        "mode": r.sandbox_mode, "overhead_s": t["total_s"] - t["agent_s"], "total_s": t["total_s"]}
+                if r.reward < 1:  # an oracle replay that did not solve: say why
+                    row["why"] = {"task": Path(d).name, "status": r.status, "steps": r.steps, "error": r.error,
+                                  "verifier": r.verifier, "slowest_command_s": max(r.command_s, default=None)}
             except InfraError as e:
-                row = {"ok": False, "kind": e.kind}
+                row = {"ok": False, "kind": e.kind, "why": {"task": Path(d).name, "error": str(e)[:500]}}
             row["rss_mb"] = me.memory_info().rss / 2**20
             with lock:
                 results.append(row)
@@ -152,7 +157,8 @@ def soak(episodes: int, concurrency: int, pool_size: int, n_tasks: int, seed: in
             "modes": {m: sum(r["mode"] == m for r in ok) for m in {r["mode"] for r in ok}},
             "rss_first100_mb": round(first, 1), "rss_last100_mb": round(last, 1),
             "rss_last_vs_first": round(last / first, 3),
-            "overhead_p50_s": round(_percentile(over, 0.5), 3), "overhead_p99_s": round(_percentile(over, 0.99), 3)}
+            "overhead_p50_s": round(_percentile(over, 0.5), 3), "overhead_p99_s": round(_percentile(over, 0.99), 3),
+            "unsolved_or_failed": [r["why"] for r in results if "why" in r][:20]}
 
 
 def main() -> None:
