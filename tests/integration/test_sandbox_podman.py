@@ -10,6 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tmax.sandbox import LABEL_KEY, SandboxError, SandboxSpec, make_sandbox
@@ -249,6 +250,8 @@ def test_service_lifecycle_and_stale_cleanup(tmp_path):
     url = svc.start()
     pid = svc.proc.pid
     assert ping(url)
+    # conmon inherits it, and leaves `oom` there when a container process is OOM-killed.
+    assert psutil.Process(pid).cwd() == str(svc.dir)
     # Pretend the owner died without cleaning up.
     (svc.dir / "owner.pid").write_text("999999999")
     removed = clean_stale_services(str(tmp_path))

@@ -83,6 +83,10 @@ class PodmanService:
                 ["podman", "--runtime", self.runtime, "system", "service", "--time=0", self.url],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,  # a Ctrl-C in the terminal must not kill it mid-run
+                # conmon, started by the service for each container and exec, writes `oom`
+                # into its working directory when a process is OOM-killed: in this
+                # service's own directory, not the user's project.
+                cwd=self.dir,
             )
         finally:
             log.close()
