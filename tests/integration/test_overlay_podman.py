@@ -10,7 +10,9 @@ at the same time (a host of capacity 2)."""
 from __future__ import annotations
 
 import logging
+import os
 import re
+import signal
 import socket
 import subprocess
 import threading
@@ -21,8 +23,10 @@ from dataclasses import replace
 import psutil
 import pytest
 
+from tmax.common.waiting import wait_until
 from tmax.sandbox.base import SandboxError
 from tmax.sandbox.overlay_pool import OverlayPool, SpecFactory
+from tmax.sandbox.overlay_proto import Process
 
 pytestmark = pytest.mark.podman
 
@@ -295,6 +299,54 @@ def test_what_the_overlay_cannot_serve_gets_a_fresh_container_visibly(pool, nano
         assert (workspace / "out").read_text() == "x\n"  # it still runs, as before
     finally:
         pool.release(sb)
+
+
+def _state(pid: int) -> str:
+    """A host process's state letter (R, S, T stopped, Z ended and not yet reaped); "" once gone."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return ""
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def test_a_hang_up_as_its_process_ends_kills_that_process_alone(pool, nano):
+    """On a busy machine the episode's pid 1 can wake to a caller's hang-up and the end of
+    its process at once (a shell's close waits a moment for its end, then hangs up). Stopped
+    pid 1 makes that order certain: the ended process is reaped, and nothing else goes: the
+    host, another episode of it, and this episode live on."""
+    spec = nano[4]
+    first, other = _episode(pool, spec), _episode(pool, spec)
+    try:
+        assert first.container_id == other.container_id  # two episodes of one host
+        pid1 = first.lease.peer_pid()
+        null = os.open(os.devnull, os.O_RDWR)
+        try:
+            proc = Process(first.lease.sock_path, ["sleep", "0.5"], [null, null, null], user=None)
+        finally:
+            os.close(null)
+        os.kill(pid1, signal.SIGSTOP)
+        try:
+            assert wait_until(lambda: _state(pid1) == "T", 10, 0.01)
+            proc.kill()  # the hang-up and the process's end both wait for pid 1's next poll
+            assert wait_until(lambda: any(_state(c) == "Z" for c in _children(pid1)), 30, 0.05)
+        finally:
+            os.kill(pid1, signal.SIGCONT)
+        assert wait_until(lambda: all(_state(c) != "Z" for c in _children(pid1)), 10, 0.05)
+        assert _out(other, "echo other-alive").strip() == "other-alive"
+        assert _out(first, "echo first-alive").strip() == "first-alive"
+        status = subprocess.run(["podman", "inspect", "-f", "{{.State.Status}}", first.container_id],
+                                capture_output=True, text=True).stdout.strip()
+        assert status == "running"
+    finally:
+        pool.release(first)
+        pool.release(other)
 
 
 def test_a_killed_container_fails_its_episodes_and_the_next_gets_a_new_one(pool, nano):

@@ -109,13 +109,16 @@ class HostRegistry:
 
     def forget_if_stale(self, d: Path, info: HostInfo | None) -> None:
         """Remove the directory of a host whose helper is gone (idle end, a kill); one without
-        host.json is still starting, unless it is older than any start."""
+        host.json is still starting, unless it is older than any start. A helper that still
+        takes connections is live whatever its last answer was (an episode of it that died
+        in its setup): its directory holds the sockets and layers of its other episodes."""
         try:
             if info is None and time.time() - d.stat().st_mtime < STALE_START_S:
                 return
         except OSError:
             return
-        remove_dir(d)
+        if not helper_answers(d):
+            remove_dir(d)
 
     @contextmanager
     def starting(self, key: str) -> Iterator[None]:
@@ -357,8 +360,6 @@ def remove_host_dirs(root: Path | None = None) -> list[str]:
         if not key_dir.is_dir():
             continue
         for d in reg.hosts(key_dir.name):
-            if helper_answers(d):
-                continue
             reg.forget_if_stale(d, HostInfo.load(d))
             if not d.exists():
                 removed.append(str(d))
@@ -369,11 +370,15 @@ def remove_host_dirs(root: Path | None = None) -> list[str]:
 
 
 def helper_answers(state_dir: Path) -> bool:
+    """Whether a helper listens on the host's socket: no socket, or a refused connect, says it
+    is gone; a full backlog or a slow accept (a busy machine) says it is there."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(5)
         try:
             s.connect(str(state_dir / "ctl.sock"))
-            return True
-        except OSError:
+        except (FileNotFoundError, ConnectionRefusedError):
             return False
+        except OSError:
+            pass  # busy, not gone
+        return True
 

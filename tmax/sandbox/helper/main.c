@@ -118,9 +118,21 @@ static void reap(void) {
                     say(kids[i].conn, "EXIT %d %d\n", WIFEXITED(st) ? WEXITSTATUS(st) : -1,
                         WIFSIGNALED(st) ? WTERMSIG(st) : 0);
                     close(kids[i].conn);
+                    kids[i].conn = -1;
                 }
                 kids[i].pid = 0;
             }
+}
+
+/* The caller of `c` hung up (or sent more than asked): its process group goes. Only a live
+ * slot: kill(-0) would be kill(0), this process's own group, which is serve's. */
+static void hang_up(struct child *c) {
+    char b[64];
+    if (c->pid <= 0 || c->conn < 0 || read(c->conn, b, sizeof b) > 0) return;
+    kill(-c->pid, SIGKILL);
+    kill(c->pid, SIGKILL);
+    close(c->conn);
+    c->conn = -1;
 }
 
 /* Written by an episode's pid 1 as it ends (its id), before its lease closes: serve counts it
@@ -147,24 +159,16 @@ static void episode_loop(int lease, int lsock, int sfd, const char *id) {
             char b[64];
             if (read(lease, b, sizeof b) <= 0 || strncmp(b, "END", 3) == 0) break;
         }
+        /* Hang-ups first, while the slots are those polled: a process that ended meanwhile
+         * is reaped below (its slot freed, and maybe taken by a new request). */
+        for (int k = 3; k < n; k++)
+            if (pf[k].revents) hang_up(&kids[idx[k - 3]]);
         if (pf[2].revents) {
             struct signalfd_siginfo si;
             while (read(sfd, &si, sizeof si) > 0) {}
             reap();
         }
         if (pf[1].revents) accept_request(lsock);
-        for (int k = 3; k < n; k++)
-            if (pf[k].revents) {
-                /* the caller hung up (or sent more than asked): its process goes */
-                struct child *c = &kids[idx[k - 3]];
-                char b[64];
-                if (read(c->conn, b, sizeof b) <= 0) {
-                    kill(-c->pid, SIGKILL);
-                    kill(c->pid, SIGKILL);
-                    close(c->conn);
-                    c->conn = -1;
-                }
-            }
     }
     char note[80];
     snprintf(note, sizeof note, "%s\n", id);
@@ -184,6 +188,7 @@ static int send_ready(int conn, int rootfd) {
 
 static int episode_main(void *arg) {
     struct episode_args *a = arg;
+    setsid();  /* a group of its own: no signal to its group reaches serve or another episode */
     for (int i = 0; i < 2; i++) close(a->close_fds[i]);
     close(ending_pipe[0]);
     const char *what = "";
