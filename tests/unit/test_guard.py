@@ -83,6 +83,21 @@ def test_recorded_fast_collapse_is_caught_at_its_second_step():
     assert {"format_errors", "submit_rate", "identical"} <= {a.signal for a in verdicts[2].alarms}
 
 
+
+def test_recorded_guarded_collapse_is_rolled_back_where_the_run_did_and_then_trains_on():
+    """Recorded: the nano RL stage at LR 2e-3 with the guard on as it is now (seed 0, the
+    benchmark's SFT checkpoint; its guard-off twin collapsed and gave up after 3 steps,
+    held-out 18.0 %). The run rolled back at step 2 (reward 0, format errors 0.47, submits
+    0.11) to step 0 at LR x 0.5, and at step 7 to step 0 again at x 0.25, then trained its
+    20 steps without a collapse (held-out 85.9 %). Replayed, the detector gives a collapse
+    on exactly the two rows the run rolled back at and none after."""
+    rows = _series("collapse_on_lr2e-3.jsonl")
+    verdicts = replay(rows)
+    rolled_back = [i for i, r in enumerate(rows) if "guard/event" in r]
+    assert [rows[i]["step"] for i in rolled_back] == [2, 7]
+    assert [i for i, v in enumerate(verdicts) if v.collapse] == rolled_back, [v.describe() for v in verdicts]
+    assert rows[-1]["step"] == 20 and rows[-1]["lr"] == pytest.approx(2e-3 * 0.25)  # past its warmup
+
 def test_recorded_healthy_recipe_never_triggers():
     """Recorded: the default nano recipe's 20 RL steps (seed 0; held-out 25.8 % -> 75.8 %).
     A policy that sharpens as it learns alarms now and then (logprob differences, more
