@@ -80,7 +80,7 @@ class FilesLayer:
     episode of a container of `SandboxSpec.image` (the base image) whose fresh root gets
     `steps` (the Dockerfile's COPY and WORKDIR instructions, in order) before its first
     command, as `podman build` would have made them: contents, modes and file mtimes of
-    the sources (mtimes in whole seconds), owner root, directories the copy needs made.
+    the sources (mtimes to the nearest second), owner root, directories the copy needs made.
     The episode's shell and processes start in `workdir`."""
 
     steps: tuple[LayerCopy | LayerDir, ...]

@@ -6,7 +6,7 @@ component under a directory opened that way, so nothing written follows a link o
 
 A file or directory written here is what a tar copy into a container makes of it (podman's
 `copy_in`, a COPY of `podman build`): a new entry owned by the writer (root inside), with
-the source's mode and its mtime in whole seconds; a directory that exists keeps its entries
+the source's mode and its mtime to the nearest second; a directory that exists keeps its entries
 and takes the source's mode and mtime. The files layer of an episode (`base.FilesLayer`)
 is written the same way (`write_layer`).
 """
@@ -77,8 +77,9 @@ def _is_dir_inside(root_fd: int, path: str) -> bool:
 
 
 def _mtime_ns(st: os.stat_result) -> tuple[int, int]:
-    """(atime, mtime) as a tar copy sets them: the source's mtime in whole seconds, both."""
-    ns = int(st.st_mtime) * 1_000_000_000
+    """(atime, mtime) as podman's tar copy sets them: the source's mtime rounded to the
+    nearest whole second (a tar header's), both."""
+    ns = (st.st_mtime_ns + 500_000_000) // 1_000_000_000 * 1_000_000_000
     return ns, ns
 
 
