@@ -85,6 +85,14 @@ def test_everything_else_is_built(ctx, text, why):
     assert isinstance(got, NotALayer) and why in got.reason, got
 
 
+def test_large_files_are_built(ctx, monkeypatch):
+    import tmax.tasks.files_layer as fl
+
+    assert isinstance(plan(f"FROM {BASE}\nCOPY files/ /app/\n", ctx), LayerPlan)
+    monkeypatch.setattr(fl, "MAX_LAYER_BYTES", 3)  # the two seed files hold 4 bytes
+    assert "bytes of files" in plan(f"FROM {BASE}\nCOPY files/ /app/\n", ctx).reason
+
+
 def test_links_and_special_files_in_a_source_are_built(ctx):
     os.symlink("in.dat", ctx / "files" / "link")
     assert "symlink" in plan(f"FROM {BASE}\nCOPY files/ /app/\n", ctx).reason

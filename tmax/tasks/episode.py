@@ -191,8 +191,9 @@ class Episode:
 
     @property
     def sandbox_mode(self) -> str:
-        """podman: "overlay" (a fresh overlay of a shared container) or "container" (a fresh
-        container); a host kind's name otherwise."""
+        """podman: "overlay" (a fresh overlay of a shared container of the task's image),
+        "overlay+files" (of one of its base image, its files written in: `tasks.files_layer`)
+        or "container" (a fresh container); a host kind's name otherwise."""
         return getattr(self.sandbox, "mode", self.settings.kind)
 
     def verify(self, out_dir: Path | None, timeout: float) -> VerifierResult:

@@ -18,7 +18,9 @@ Whatever that equality is not sure for is built as before (`plan_layer` says why
   or a file with other hard links;
 * a relative WORKDIR or COPY destination before any absolute WORKDIR (it would depend on
   the base image's);
-* a `.dockerignore` in the context, or patches (`tasks/data/patches.toml`) to its files.
+* a `.dockerignore` in the context, or patches (`tasks/data/patches.toml`) to its files;
+* more than `MAX_LAYER_BYTES` of files: every episode writes its own copy, where the
+  episodes of a built image share one.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from tmax.tasks.model import Task
 from tmax.tasks.offline import RewriteConfig
 
 _GLOB = set("*?[")
+MAX_LAYER_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,9 @@ def plan_layer(text: str, context: Path, cfg: RewriteConfig) -> LayerPlan | NotA
             steps.append(step)
         else:
             return NotALayer(f"line {i.line}: {i.op}")
+    size = sum(_tree_bytes(Path(src)) for step in steps if isinstance(step, LayerCopy) for src in step.sources)
+    if size > MAX_LAYER_BYTES:
+        return NotALayer(f"{size} bytes of files: each episode would copy them, a built image's share them")
     return LayerPlan(rule.target if rule else parts.image, tuple(steps), workdir)
 
 
@@ -155,6 +161,10 @@ def _source(context: Path, src: str) -> tuple[Path, str | None]:
     if not os.path.lexists(path):
         return path, "no such file in the build context"
     return path, _tree_problem(path)
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.lstat().st_size for p in [path, *path.rglob("*")] if p.is_file())
 
 
 def _tree_problem(path: Path) -> str | None:

@@ -104,7 +104,7 @@ class Rollout:
     sandbox: str = ""  # the sandbox kind the episode ran in
     container_id: str | None = None  # podman: the container the episode (and verifier) ran in
     warm_start: bool = False  # the container came started from the worker's warm pool
-    sandbox_mode: str = ""  # podman: "overlay" (of a shared container) or "container" (a fallback's own)
+    sandbox_mode: str = ""  # podman: "overlay", "overlay+files" or "container" (`Episode.sandbox_mode`)
     command_s: list[float] = field(default_factory=list)  # each command's round trip (issue -> output back)
     started_at: float = 0.0  # when the episode began (epoch seconds)
     segments: list[TokenTrace] = field(default_factory=list)  # closed by compactions, in order
