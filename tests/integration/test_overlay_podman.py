@@ -4,8 +4,9 @@ listener, a user, environment) reaches the next episode of the same container or
 concurrent one; the verifier sees its own episode; the task's limits hold per episode;
 what the overlay cannot serve falls back to a fresh container, visibly.
 
-Real podman, the nano task image, real bash; episodes of one container run back to back or
-at the same time (a host of capacity 2)."""
+Real podman, the nano task (a files layer: a container of the base image, the task's files
+written into each episode), real bash; episodes of one container run back to back or at the
+same time (a host of capacity 2)."""
 
 from __future__ import annotations
 
@@ -203,7 +204,7 @@ def test_each_verifier_sees_its_own_episode(nano):
             t.join()
     _remove_labelled(label)
     assert out["right"].reward == 1.0 and out["wrong"].reward == 0.0
-    assert out["right"].sandbox_mode == out["wrong"].sandbox_mode == "overlay"
+    assert out["right"].sandbox_mode == out["wrong"].sandbox_mode == "overlay+files"
     assert out["right"].container_id == out["wrong"].container_id
 
 
@@ -287,12 +288,22 @@ def test_no_network_without_allow_internet(pool, nano):
 
 
 def test_what_the_overlay_cannot_serve_gets_a_fresh_container_visibly(pool, nano, tmp_path, caplog):
+    from tmax.tasks.episode import sandbox_spec
+    from tmax.tasks.images import ensure_image
+    from tmax.tasks.model import Task
+
     workspace = tmp_path / "ws"
     workspace.mkdir()
+    mounts = [(str(workspace), "/data", False)]
+    task, env = Task.load(nano[1]), nano[2].env
+
+    def own_image():  # the nano task's built image: what a container of its own runs
+        return replace(sandbox_spec(task, env, ensure_image(task, env.rewrite), None), mounts=mounts)
+
     with caplog.at_level(logging.WARNING, logger="tmax.sandbox.overlay_pool"):
-        sb = _episode(pool, nano[4], mounts=[(str(workspace), "/data", False)])
+        sb = pool.acquire("k", SpecFactory("podman", replace(nano[4], mounts=mounts), own_image))
     try:
-        assert sb.mode == "container"
+        assert sb.mode == "container" and sb.spec.files is None
         assert any("writable" in why for why in pool.fallbacks)
         assert any("fresh container" in r.getMessage() for r in caplog.records)
         sb.run("echo x > /data/out", timeout=30)

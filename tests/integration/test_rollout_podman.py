@@ -34,7 +34,8 @@ def nano(tmp_path_factory, base_image):
     tok = build_tokenizer(0)
     tok.save_pretrained(root / "tok")
     splits = write_splits(root / "tasks", 3, 1, seed=0)
-    cfg = EpisodeSettings.of(preset("nano-podman").rollout)
+    # A container of its own per episode (`rollout.overlay = false`): every task image built up front.
+    cfg = EpisodeSettings.of(preset("nano-podman").rollout.model_copy(update={"overlay": False}))
     broken = root / "broken" / "needs-a-missing-base"
     shutil.copytree(splits["train"][0], broken)
     (broken / "environment" / "Dockerfile").write_text("FROM localhost/tmax-no-such-base:1\nWORKDIR /app\n")

@@ -143,7 +143,7 @@ def test_every_container_and_command_of_the_run_is_the_sandbox_nodes(two_nodes, 
 
         tok = AutoTokenizer.from_pretrained(root / "tok")
         for r in rollouts:
-            assert r.reward == 1.0 and r.steps >= 3 and r.sandbox_mode == "overlay", (r.status, r.steps, r.error, tok.decode(r.trace.ids)[-800:])
+            assert r.reward == 1.0 and r.steps >= 3 and r.sandbox_mode == "overlay+files", (r.status, r.steps, r.error, tok.decode(r.trace.ids)[-800:])
             assert r.container_id in containers
             # The episode's own command saw its container's cgroup: its commands ran in that container.
             seen = tok.decode([i for i, m in zip(r.trace.ids, r.trace.mask) if m == 0])

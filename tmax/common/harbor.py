@@ -183,6 +183,10 @@ class TmaxTrial(Record):
     image_built: bool | None = None
     build_s: float | None = None
     build_log: str | None = None
+    # podman: how the trial's sandbox was made: "overlay" (of a shared container of the task's
+    # image), "overlay+files" (of one of its base image, its files written in, no image
+    # built) or "container" (a container of its own)
+    sandbox_mode: str | None = None
     verifier_status: str | None = None
     verifier_s: float | None = None
     agent_steps: int | None = None

@@ -12,6 +12,8 @@ def make_sandbox(kind: str, spec: SandboxSpec | None = None, **options) -> Sandb
     """A new, not yet started sandbox. `options` go to the backend (podman: runtime,
     ulimits)."""
     spec = spec or SandboxSpec()
+    if spec.files is not None:  # only an overlay episode writes a files layer (`sandbox.overlay_pool`)
+        raise SandboxError("a files layer needs an overlay episode; a sandbox of its own needs the built image")
     if kind == "local":
         from tmax.sandbox.local import LocalSandbox
 

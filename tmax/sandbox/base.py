@@ -54,6 +54,39 @@ class CommandResult:
     stderr: str = ""  # only `exec` separates stderr; the pty shell cannot
 
 
+@dataclass(frozen=True)
+class LayerCopy:
+    """One COPY of a files layer: host `sources` (files or directories) to `dest` inside.
+    A directory's contents go into `dest`; a file goes into `dest` when `into` (the COPY's
+    destination ended with "/", or it named several sources) or when `dest` is a directory
+    inside, else it becomes `dest`."""
+
+    sources: tuple[str, ...]  # absolute host paths
+    dest: str  # absolute path inside
+    into: bool = False
+
+
+@dataclass(frozen=True)
+class LayerDir:
+    """A WORKDIR of a files layer: the directory, with its missing parents, made (mode 755,
+    root) unless it exists."""
+
+    path: str  # absolute path inside
+
+
+@dataclass(frozen=True)
+class FilesLayer:
+    """An environment that is an image plus files, served without building an image: an
+    episode of a container of `SandboxSpec.image` (the base image) whose fresh root gets
+    `steps` (the Dockerfile's COPY and WORKDIR instructions, in order) before its first
+    command, as `podman build` would have made them: contents, modes and file mtimes of
+    the sources (mtimes to the nearest second), owner root, directories the copy needs made.
+    The episode's shell and processes start in `workdir`."""
+
+    steps: tuple[LayerCopy | LayerDir, ...]
+    workdir: str
+
+
 @dataclass
 class SandboxSpec:
     """What to create. Backends ignore fields that do not apply to them."""
@@ -84,6 +117,10 @@ class SandboxSpec:
     # podman: start the agent's persistent shell. False for agents that only exec and copy
     # (the oracle, nop): the container is ready without paying for a shell nobody types in.
     shell: bool = True
+    # podman, overlay episodes only (`sandbox.overlay_pool`): the files written into each
+    # episode's root on top of `image`, the base image. Nothing else serves it: a container of
+    # its own needs the task's built image (`overlay_pool.SpecFactory.own_image`).
+    files: FilesLayer | None = None
 
 
 @runtime_checkable

@@ -21,6 +21,11 @@ The interface is `Sandbox`'s: the agent's persistent shell runs on a pty of this
 slave the helper hands to bash in the episode, `exec` is a process with pipes, files go in
 and out through the episode's root fd, and the verifier runs in the same episode after the
 agent, seeing exactly its state.
+
+A task that is its base image plus files (`SandboxSpec.files`, a `base.FilesLayer`) needs no
+image of its own: its episodes are overlays of a host of the base image, and the files are
+written into each episode's fresh upper layer before its first command; its processes start
+in the layer's WORKDIR. Every such task of one base image and limits shares the host.
 """
 
 from __future__ import annotations
@@ -39,9 +44,8 @@ from tmax.sandbox import overlay_cgroup
 from tmax.sandbox.base import AgentUserError, CommandResult, SandboxError, SandboxSpec
 from tmax.sandbox.overlay_build import helper_binary
 from tmax.sandbox.overlay_cgroup import EpisodeCgroup
-from tmax.sandbox.overlay_proto import (
-    IN_BIN, IN_DIR, EpisodeLease, EpisodeSetupError, RemotePty, copy_in, copy_out, run_pipes,
-)
+from tmax.sandbox.overlay_files import copy_in, copy_out, write_layer
+from tmax.sandbox.overlay_proto import IN_BIN, IN_DIR, EpisodeLease, EpisodeSetupError, RemotePty, run_pipes
 from tmax.sandbox.podman import PodmanSandbox
 from tmax.sandbox.shell import BASH_ARGV, PersistentShell
 from tmax.sandbox.shell_sandbox import ShellSandbox
@@ -146,21 +150,33 @@ class OverlaySandbox(ShellSandbox):
     """One episode in a host: `Sandbox`'s interface over the episode helper."""
 
     kind = "podman"
-    mode = "overlay"
     copy_is_cheap = True  # files go in through the episode's root fd, no call to podman
 
     def __init__(self, host: HostInfo, spec: SandboxSpec, lease: EpisodeLease):
         self.host, self.spec, self.lease = host, spec, lease
         self.container_id = host.container_id  # where the episode ran (records name it)
-        self.workdir = host.workdir
+        # A files layer's episode starts in its WORKDIR (its host is of the base image, whose
+        # working directory is the base's); processes not told otherwise start there too, as
+        # they would in a container of the built image.
+        self.start_dir = spec.files.workdir if spec.files is not None else None
+        self.workdir = self.start_dir or host.workdir
         self.cgroup: EpisodeCgroup | None = None
         self.shell: PersistentShell | None = None
         self._closed = False
 
+    @property
+    def mode(self) -> str:
+        """How the episode was made, for records: "overlay" of a host of the task's image, or
+        "overlay+files" of a host of its base image with the task's files written in."""
+        return "overlay" if self.spec.files is None else "overlay+files"
+
     def start(self) -> None:
-        """The episode's cgroups (several episodes at once in the host) and its shell."""
+        """The episode's files layer (if any), its cgroups (several episodes at once in the
+        host) and its shell."""
         s = self.spec
         try:
+            if s.files is not None:
+                write_layer(self.lease.root_fd, s.files)
             if self.host.cgroups:
                 self.cgroup = EpisodeCgroup(self.lease.peer_pid(), f"tmax-ep-{self.lease.id}", s.memory_mb,
                                             s.pids_limit, s.cpus)
@@ -184,13 +200,13 @@ class OverlaySandbox(ShellSandbox):
             raise
 
     def _spawn(self, argv: list[str], shell_vars: dict[str, str]) -> RemotePty:
-        return RemotePty(self.lease.sock_path, argv, shell_vars, self.spec.user)
+        return RemotePty(self.lease.sock_path, argv, shell_vars, self.spec.user, cwd=self.start_dir)
 
     def exec(self, argv: list[str], timeout: float | None = None, workdir: str | None = None,
              env: dict[str, str] | None = None, user: str | None = None) -> CommandResult:
         if self._closed:
             raise SandboxError("sandbox is closed")
-        return run_pipes(self.lease.sock_path, argv, timeout=timeout, cwd=workdir, env=env,
+        return run_pipes(self.lease.sock_path, argv, timeout=timeout, cwd=workdir or self.start_dir, env=env,
                          user=self.spec.user if user is None else user)
 
     def _abs(self, p: str) -> str:

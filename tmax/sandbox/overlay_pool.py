@@ -9,10 +9,16 @@ one has room, else one it starts. A host is a state directory under the registry
 after `idle_s` without episodes (the container removed with them), and a pool asks the
 hosts it started to end at its close when they are idle.
 
+An episode of a files layer (`SandboxSpec.files`: a task that is its base image plus files)
+is an overlay of a host of the base image, with the files written in (`sandbox.overlay`):
+one host serves every such task of that base image and those limits.
+
 What the overlay cannot serve falls back to a fresh container per episode, with a warning
 naming why, counted in `fallbacks`: a sandbox with a host directory mounted writable (its
 writes would outlive the episode), a machine without a C compiler for the helper, and an
-image whose container refused the helper's mounts.
+image whose container refused the helper's mounts. A files layer's fallback, and one whose
+files could not be written, is a container of the task's built image
+(`SpecFactory.own_image`, built then).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -40,6 +46,7 @@ from tmax.sandbox import make_sandbox
 from tmax.sandbox.base import Sandbox, SandboxError, SandboxSpec
 from tmax.sandbox.overlay import OVERLAY_LABEL, HostInfo, OverlayHost, OverlaySandbox, cgroups_possible
 from tmax.sandbox.overlay_build import HelperUnavailable, helper_binary
+from tmax.sandbox.overlay_files import FilesLayerError
 from tmax.sandbox.overlay_proto import EpisodeLease, EpisodeSetupError, HostBusy, HostGone, quit_host
 from tmax.sandbox.pool import WarmPool
 
@@ -56,18 +63,31 @@ def remove_dir(d: Path) -> None:
 
 
 class SpecFactory:
-    """A sandbox to make: its kind and spec, which a pool may read (the overlay pool does)."""
+    """A sandbox to make: its kind and spec, which a pool may read (the overlay pool does).
+    A spec with a files layer, which only an overlay episode serves, makes a container of
+    `own_image()`: the spec of the task's own image, built when it is called."""
 
-    def __init__(self, kind: str, spec: SandboxSpec):
-        self.kind, self.spec = kind, spec
+    def __init__(self, kind: str, spec: SandboxSpec, own_image: Callable[[], SandboxSpec] | None = None):
+        self.kind, self.spec, self.own_image = kind, spec, own_image
 
     def __call__(self) -> Sandbox:
-        return make_sandbox(self.kind, self.spec)
+        spec = self.spec
+        if spec.files is not None and self.own_image is not None:
+            spec = self.own_image()
+        return make_sandbox(self.kind, spec)  # which refuses a files layer
+
+
+def host_spec(spec: SandboxSpec) -> SandboxSpec:
+    """What the host of episodes of `spec` is made of: for a files layer, a container of the
+    base image (its own working directory; each episode starts in the layer's)."""
+    return spec if spec.files is None else replace(spec, files=None, workdir=None)
 
 
 def host_key(spec: SandboxSpec, labels: dict[str, str]) -> str:
     """What hosts of episodes of `spec` have in common, hashed: the image, working
-    directory, network, limits, environment, mounts, the hosts' labels and the helper."""
+    directory, network, limits, environment, mounts, the hosts' labels and the helper;
+    every files layer of one base image (and limits) has the base image's key."""
+    spec = host_spec(spec)
     what = [spec.image, spec.workdir, spec.network, spec.cpus, spec.memory_mb, spec.pids_limit, spec.storage_mb,
             sorted(spec.env.items()), sorted(spec.mounts), sorted(labels.items()), helper_binary().name]
     return hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:20]
@@ -204,6 +224,8 @@ class OverlayPool:
                 return self._episode(hkey, spec)
             except (EpisodeSetupError, HelperUnavailable) as e:
                 why = self._broken.setdefault(hkey, f"the overlay failed in {spec.image}: {e}")
+            except FilesLayerError as e:  # this task's files, not the host: its episodes are built
+                why = f"a files layer could not be written: {e}"
         self._fall_back(why)
         return self.fallback.acquire(key, factory, timeout)
 
@@ -216,7 +238,7 @@ class OverlayPool:
             with self.registry.starting(hkey):
                 got = self.registry.lease(hkey)
                 if got is None:
-                    self._start_host(hkey, spec)
+                    self._start_host(hkey, host_spec(spec))
                     got = self.registry.lease(hkey)
         info, lease = got
         sb = OverlaySandbox(info, spec, lease)
@@ -261,7 +283,7 @@ class OverlayPool:
             try:
                 with self.registry.starting(hkey):
                     if not self.registry.live(hkey) and not self._closed:
-                        self._start_host(hkey, spec)
+                        self._start_host(hkey, host_spec(spec))
             except (EpisodeSetupError, HelperUnavailable) as e:
                 self._broken.setdefault(hkey, f"the overlay failed in {spec.image}: {e}")
             except Exception:

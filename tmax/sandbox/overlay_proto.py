@@ -1,5 +1,5 @@
-"""The host's side of the episode helper (`sandbox/helper/`): episodes, the processes in
-them, and their files.
+"""The host's side of the episode helper (`sandbox/helper/`): episodes and the processes in
+them.
 
 An episode is a lease: a connection to the helper's control socket that stays open for
 the episode's life and brings back an fd of the episode's root. Every process is a
@@ -7,21 +7,15 @@ connection to the episode's own socket carrying three fds (a pty slave, or pipes
 process's user, cwd, environment and argv; the helper answers with its pid and later its
 exit. No podman call is made: the processes are children of the container's main process,
 with its cgroup, seccomp profile, capabilities (less the helper's own) and rlimits.
-
-Files go in and out through the root fd with `openat2(RESOLVE_IN_ROOT)`: a path inside is
-resolved as the episode would resolve it (symlinks stay inside), and each created name is
-one component under a directory opened that way.
+Files go in and out through the root fd (`sandbox.overlay_files`).
 """
 
 from __future__ import annotations
 
 import array
-import ctypes
-import errno
 import os
 import selectors
 import socket
-import stat
 import struct
 import time
 from collections.abc import Callable
@@ -223,8 +217,8 @@ class RemotePty(PtyProcess):
     pty as for a local process (this host sees the episode's pids)."""
 
     def __init__(self, sock_path: str, argv: list[str], env: dict[str, str], user: str | None,
-                 dimensions: tuple[int, int] = (50, 200)):
-        self.proc = Process(sock_path, argv, [], pty=dimensions, user=user, env=env)
+                 dimensions: tuple[int, int] = (50, 200), cwd: str | None = None):
+        self.proc = Process(sock_path, argv, [], pty=dimensions, user=user, cwd=cwd, env=env)
         if self.proc.master < 0:
             self.proc.kill()
             raise SandboxError(f"the episode helper sent no terminal for {argv[0]}")
@@ -320,160 +314,6 @@ def run_pipes(sock_path: str, argv: list[str], *, timeout: float | None, user: s
         return CommandResult(output=out, stderr=err, exit_code=124, timed_out=True, duration_s=time.monotonic() - t0)
     return CommandResult(output=out, stderr=err, exit_code=code if code >= 0 else 128 + sig,
                          duration_s=time.monotonic() - t0)
-
-
-# ---- files, resolved inside the episode's root ------------------------------------------
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_SYS_OPENAT2 = 437
-_RESOLVE_NO_MAGICLINKS = 0x02
-_RESOLVE_IN_ROOT = 0x10
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
-
-
-def open_in_root(root_fd: int, path: str, flags: int, mode: int = 0) -> int:
-    """`path` opened as the episode sees it: `/` and `..` stop at its root, symlinks resolve in it."""
-    how = _OpenHow(flags | os.O_CLOEXEC, mode, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS)
-    fd = _libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(root_fd), os.fsencode(path or "/"),
-                       ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), path)
-    return fd
-
-
-def _dir_at(root_fd: int, path: str, create: bool) -> int:
-    """An fd of directory `path` inside, its missing parents created (mkdir -p) when asked."""
-    try:
-        return open_in_root(root_fd, path, os.O_PATH | os.O_DIRECTORY)
-    except FileNotFoundError:
-        if not create or path in ("", "/"):
-            raise
-    parent, name = os.path.split(path.rstrip("/"))
-    pfd = _dir_at(root_fd, parent, True)
-    try:
-        try:
-            os.mkdir(name, 0o755, dir_fd=pfd)
-        except FileExistsError:
-            pass
-        return os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
-    finally:
-        os.close(pfd)
-
-
-def _put(src: Path, name: str, dir_fd: int) -> None:
-    """`src` (file, directory or symlink) as `name` in the directory `dir_fd`; nothing it
-    replaces is followed."""
-    st = src.lstat()
-    if stat.S_ISLNK(st.st_mode):
-        _unlink_at(name, dir_fd)
-        os.symlink(os.readlink(src), name, dir_fd=dir_fd)
-    elif stat.S_ISDIR(st.st_mode):
-        try:
-            os.mkdir(name, stat.S_IMODE(st.st_mode), dir_fd=dir_fd)
-        except FileExistsError:
-            if not stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
-                _unlink_at(name, dir_fd)
-                os.mkdir(name, stat.S_IMODE(st.st_mode), dir_fd=dir_fd)
-        sub = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-        try:
-            for child in sorted(src.iterdir()):
-                _put(child, child.name, sub)
-        finally:
-            os.close(sub)
-        os.chmod(name, stat.S_IMODE(st.st_mode), dir_fd=dir_fd, follow_symlinks=False)
-    elif stat.S_ISREG(st.st_mode):
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            fd = os.open(name, flags, stat.S_IMODE(st.st_mode), dir_fd=dir_fd)
-        except OSError as e:
-            if e.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
-                raise
-            _unlink_at(name, dir_fd)
-            fd = os.open(name, flags, stat.S_IMODE(st.st_mode), dir_fd=dir_fd)
-        with open(fd, "wb") as out, open(src, "rb") as inp:
-            while chunk := inp.read(1 << 20):
-                out.write(chunk)
-            os.fchmod(out.fileno(), stat.S_IMODE(st.st_mode))
-
-
-def _unlink_at(name: str, dir_fd: int) -> None:
-    try:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode):
-        sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-        try:
-            for entry in os.scandir(sub):
-                _unlink_at(entry.name, sub)
-        finally:
-            os.close(sub)
-        os.rmdir(name, dir_fd=dir_fd)
-    else:
-        os.unlink(name, dir_fd=dir_fd)
-
-
-def copy_in(root_fd: int, src: Path, dst: str) -> None:
-    """Host `src` (file or directory) so that it becomes exactly `dst` inside."""
-    parent, name = os.path.split(dst.rstrip("/") or "/")
-    if not name:
-        raise SandboxError(f"copy_in: cannot replace {dst}")
-    try:
-        pfd = _dir_at(root_fd, parent, create=True)
-        try:
-            _put(Path(src), name, pfd)
-        finally:
-            os.close(pfd)
-    except OSError as e:
-        raise SandboxError(f"copy_in {src} -> {dst}: {e}") from e
-
-
-def _get(fd: int, dst: Path) -> None:
-    """What `fd` (an O_PATH fd of an entry inside) is, copied to `dst` on the host."""
-    st = os.fstat(fd)
-    if stat.S_ISDIR(st.st_mode):
-        dst.mkdir(parents=True, exist_ok=True)
-        dirfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
-        try:
-            for entry in os.scandir(dirfd):
-                if entry.is_symlink():
-                    target = dst / entry.name
-                    target.unlink(missing_ok=True)
-                    os.symlink(os.readlink(entry.name, dir_fd=dirfd), target)
-                    continue
-                sub = os.open(entry.name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
-                try:
-                    _get(sub, dst / entry.name)
-                finally:
-                    os.close(sub)
-        finally:
-            os.close(dirfd)
-    elif stat.S_ISREG(st.st_mode):
-        rfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)  # reopens this very file
-        with open(rfd, "rb") as inp, open(dst, "wb") as out:
-            while chunk := inp.read(1 << 20):
-                out.write(chunk)
-        os.chmod(dst, stat.S_IMODE(st.st_mode))
-
-
-def copy_out(root_fd: int, src: str, dst: Path) -> None:
-    """`src` inside (file or directory) to exactly `dst` on the host (a directory into an
-    existing one merges). Devices, fifos and sockets are left out."""
-    try:
-        fd = open_in_root(root_fd, src, os.O_PATH)
-    except OSError as e:
-        raise SandboxError(f"copy_out: {src} not found in the episode: {e}") from e
-    try:
-        Path(dst).parent.mkdir(parents=True, exist_ok=True)
-        _get(fd, Path(dst))
-    except OSError as e:
-        raise SandboxError(f"copy_out {src} -> {dst}: {e}") from e
-    finally:
-        os.close(fd)
 
 
 SpawnPty = Callable[[list[str], dict[str, str]], PtyProcess]

@@ -5,7 +5,11 @@ records) and `tmax learn` rollouts (`training.rollout`: episode + token trace) r
 task:
 
 * the environment is the task's image (`tasks.images`, with the offline rewrites and
-  patches) on podman, or a fresh host workspace (`tasks.hostenv`) on bwrap / local;
+  patches) on podman, or a fresh host workspace (`tasks.hostenv`) on bwrap / local; a task
+  that is its base image plus files is not built where its episodes are overlays of shared
+  containers (`EnvSettings.files_layer` and an `OverlayPool`): a container of the base image
+  serves it, the files written into each episode (`tasks.files_layer`), and it is built,
+  then, only for a container of its own (the pool's fallback);
 * the sandbox gets the task's limits from task.toml (cpus, memory, pids, storage as a
   per-file cap, network only with `allow_internet`; docs/DESIGN.md "Limits") and its
   `[agent] user`, the same for bench and learn: on podman the agent's shell and execs run
@@ -27,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tmax.sandbox.base import Sandbox, SandboxError, SandboxSpec
-from tmax.sandbox.overlay_pool import SpecFactory
+from tmax.sandbox.overlay_pool import OverlayPool, SpecFactory
 from tmax.tasks.hostenv import HOST_KINDS, HostEnv, HostEnvError, check_dockerfile
 from tmax.tasks.hostenv import prepare as prepare_host
 from tmax.tasks.images import ImageBuildError, TaskImage, ensure_image
@@ -49,6 +53,9 @@ class EnvSettings:
     override_memory_mb: int | None = None
     # Labels every sandbox carries (a training run's id, so its leftovers can be found).
     labels: dict[str, str] = field(default_factory=dict)
+    # podman, episodes as overlays of shared containers: a task that is its base image plus
+    # files is resolved as those, unbuilt (`tasks.files_layer`).
+    files_layer: bool = False
 
 
 def sandbox_spec(task: Task, settings: EnvSettings, image: TaskImage | None, host: HostEnv | None,
@@ -59,26 +66,29 @@ def sandbox_spec(task: Task, settings: EnvSettings, image: TaskImage | None, hos
         return host.spec(network=ecfg.allow_internet, name=name, labels=labels)
     assert image is not None
     return SandboxSpec(
-        image=image.tag, workdir=image.workdir, network=ecfg.allow_internet,
+        image=image.run_image, workdir=image.workdir, network=ecfg.allow_internet,
         cpus=settings.override_cpus or ecfg.cpus, memory_mb=settings.override_memory_mb or ecfg.memory_mb,
         pids_limit=ecfg.pids_limit, storage_mb=ecfg.storage_mb, env=dict(settings.rewrite.ca_env),
         mounts=list(settings.rewrite.ca_mount), labels=dict(labels or {}), name=name, user=task.config.agent.user,
+        files=image.files,
     )
 
 
 def pool_key(spec: SandboxSpec) -> tuple:
     """Episodes whose sandboxes are interchangeable before the agent starts share a key."""
     return (spec.image, spec.workdir, spec.network, spec.cpus, spec.memory_mb, spec.pids_limit, spec.storage_mb,
-            spec.user, spec.shell, tuple(sorted(spec.labels.items())))
+            spec.user, spec.shell, tuple(sorted(spec.labels.items())), spec.files)
 
 
 def resolve_environment(task: Task, settings: EnvSettings, cancel: threading.Event | None = None) -> TaskImage | None:
-    """The task's image (built if needed) on podman; on a host kind, None once the task is
-    known to run there. Raises ImageBuildError / HostEnvError."""
+    """The task's image (built if needed, unless `settings.files_layer` finds it a files
+    layer) on podman; on a host kind, None once the task is known to run there. Raises
+    ImageBuildError / HostEnvError."""
     if settings.kind in HOST_KINDS:
         check_dockerfile(task)
         return None
-    return ensure_image(task, settings.rewrite, use_prebuilt=settings.use_prebuilt, cancel=cancel)
+    return ensure_image(task, settings.rewrite, use_prebuilt=settings.use_prebuilt, files_layer=settings.files_layer,
+                        cancel=cancel)
 
 
 class Episode:
@@ -111,6 +121,12 @@ class Episode:
     def host_kind(self) -> bool:
         return self.settings.kind in HOST_KINDS
 
+    @property
+    def serves_files(self) -> bool:
+        """Whether a task that is its base image plus files runs as that, unbuilt: only in
+        overlay episodes, and when the settings ask for it."""
+        return self.settings.files_layer and isinstance(self.pool, OverlayPool)
+
     def spec(self) -> SandboxSpec:
         spec = sandbox_spec(self.task, self.settings, self.image, self.host, self.name, self.labels)
         spec.shell = self.shell
@@ -125,9 +141,8 @@ class Episode:
             self.host = prepare_host(self.task, self.settings.kind)
             self.workdir = self.host.workdir
         else:
-            if self.image is None:
-                self.image = ensure_image(self.task, self.settings.rewrite, use_prebuilt=self.settings.use_prebuilt,
-                                          cancel=self.cancel)
+            if self.image is None or (self.image.files is not None and not self.serves_files):
+                self.image = self._own_image(files_layer=self.serves_files)
             self.workdir = self.image.workdir
         if self.cancel is not None and self.cancel.is_set():
             # Interrupted during the build: start no container the interrupt can no longer see.
@@ -136,7 +151,7 @@ class Episode:
         if self.pool is not None and not self.host_kind:
             spec.name = None  # pooled containers name themselves: they are started ahead
             hits = self.pool.warm_hits
-            self.sandbox = self.pool.acquire(pool_key(spec), SpecFactory(self.settings.kind, spec))
+            self.sandbox = self.pool.acquire(pool_key(spec), self._factory(spec))
             self.warm = self.pool.warm_hits > hits
         else:
             self.sandbox = make_sandbox(self.settings.kind, spec)
@@ -145,13 +160,29 @@ class Episode:
             self.sandbox.start()
         return self.sandbox
 
+    def _own_image(self, files_layer: bool = False) -> TaskImage:
+        """The task's image, built if needed (with `files_layer`: unbuilt if it is one)."""
+        return ensure_image(self.task, self.settings.rewrite, use_prebuilt=self.settings.use_prebuilt,
+                            files_layer=files_layer, cancel=self.cancel)
+
+    def _own_spec(self) -> SandboxSpec:
+        """The spec of a container of the task's built image: a files layer's fallback."""
+        spec = sandbox_spec(self.task, self.settings, self._own_image(), None, None, self.labels)
+        spec.shell = self.shell
+        return spec
+
+    def _factory(self, spec: SandboxSpec) -> SpecFactory:
+        return SpecFactory(self.settings.kind, spec, self._own_spec if spec.files is not None else None)
+
     def prewarm(self) -> bool:
         """Start this episode's container in the pool ahead of `open` (podman only)."""
         if self.pool is None or self.host_kind or self.image is None:
             return False
+        if self.image.files is not None and not self.serves_files:
+            return False  # its image is built when the episode opens
         spec = sandbox_spec(self.task, self.settings, self.image, None, None, self.labels)
         spec.shell = self.shell
-        return self.pool.prewarm(pool_key(spec), SpecFactory(self.settings.kind, spec))
+        return self.pool.prewarm(pool_key(spec), self._factory(spec))
 
     @property
     def sandbox_id(self) -> str | None:
@@ -160,8 +191,9 @@ class Episode:
 
     @property
     def sandbox_mode(self) -> str:
-        """podman: "overlay" (a fresh overlay of a shared container) or "container" (a fresh
-        container); a host kind's name otherwise."""
+        """podman: "overlay" (a fresh overlay of a shared container of the task's image),
+        "overlay+files" (of one of its base image, its files written in: `tasks.files_layer`)
+        or "container" (a fresh container); a host kind's name otherwise."""
         return getattr(self.sandbox, "mode", self.settings.kind)
 
     def verify(self, out_dir: Path | None, timeout: float) -> VerifierResult:

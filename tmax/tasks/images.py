@@ -5,6 +5,10 @@ the offline rewrite that applies to it and the base images' ids, so editing a ta
 the image map, a patch or rebuilding the base gives a new image, and nothing else does.
 Build logs stay in `<cache>/build-logs/`. A prebuilt `docker_image` is used when it is
 present or can be pulled; offline that fails in well under a second and we build.
+
+Where episodes are overlays of shared containers, a task that is its base image plus files
+(`tasks.files_layer`) is not built at all: `ensure_image(files_layer=True)` hands back its
+files and base image (`TaskImage.files`), identified by the same tag a build would give it.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ from pathlib import Path
 
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from tmax.sandbox.base import LABEL_KEY, LABEL_VALUE
+from tmax.sandbox.base import LABEL_KEY, LABEL_VALUE, FilesLayer
 from tmax.common.files import cache_dir
 from tmax.common.proctree import end_process_tree
 from tmax.common.waiting import wait_until
+from tmax.tasks.files_layer import LayerPlan, task_layer
 from tmax.tasks.model import Task, tree_hash
 from tmax.tasks.offline import RewriteConfig, RewrittenDockerfile, copy_patched, rewrite_dockerfile
 
@@ -77,11 +82,20 @@ def classify_build_log(text: str) -> str:
 
 @dataclass
 class TaskImage:
-    tag: str
+    tag: str  # with `files`, the tag a build would give it: the environment's identity
     workdir: str  # the image's final WORKDIR: agent start dir and verifier cwd
-    built: bool  # False when it came from the cache or a prebuilt image
+    built: bool  # False when it came from the cache or a prebuilt image, or was not built
     log_path: Path | None = None
     build_s: float = 0.0
+    # A task that is its base image plus files, not built: the files, written into each
+    # overlay episode of a container of the base image (its id: `base_id`).
+    files: FilesLayer | None = None
+    base_id: str | None = None
+
+    @property
+    def run_image(self) -> str:
+        """The image its containers run: the base image for a files layer."""
+        return self.base_id if self.files is not None and self.base_id else self.tag
 
 
 def _podman(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -128,14 +142,15 @@ def try_pull(image: str, timeout: float = 60) -> str | None:
     return image_workdir(image)
 
 
-def image_tag(task: Task, cfg: RewriteConfig) -> tuple[str, RewrittenDockerfile, list[str]]:
-    """(tag, rewritten Dockerfile, the base images not here) for a task under a rewrite config."""
+def image_tag(task: Task, cfg: RewriteConfig) -> tuple[str, RewrittenDockerfile, dict[str, str | None]]:
+    """(tag, rewritten Dockerfile, each base image's id or None when it is not here) for a
+    task under a rewrite config."""
     rewritten = rewrite_dockerfile(_patched_dockerfile(task, cfg), cfg)
     ids = {base: image_id(base) for base in dict.fromkeys(rewritten.base_images)}
     named = [ids[b] or f"missing:{b}" for b in rewritten.base_images]
     extra = cfg.fingerprint(task.name) + json.dumps(named).encode()
     digest = tree_hash(task.environment_dir, extra + rewritten.text.encode())[:16]
-    return f"{TAG_REPO}/{task.name.lower()}:{digest}", rewritten, [b for b, i in ids.items() if i is None]
+    return f"{TAG_REPO}/{task.name.lower()}:{digest}", rewritten, ids
 
 
 def _patched_dockerfile(task: Task, cfg: RewriteConfig) -> str:
@@ -175,14 +190,21 @@ def _tag_lock(tag: str) -> threading.Lock:
 
 
 def ensure_image(task: Task, cfg: RewriteConfig, *, use_prebuilt: bool = True, force: bool = False,
-                 build_timeout: float | None = None, progress: Callable[[str], None] | None = None,
-                 cancel: threading.Event | None = None) -> TaskImage:
-    """The task's image, from cache, a pullable prebuilt `docker_image`, or a fresh build."""
+                 files_layer: bool = False, build_timeout: float | None = None,
+                 progress: Callable[[str], None] | None = None, cancel: threading.Event | None = None) -> TaskImage:
+    """The task's image, from cache, a pullable prebuilt `docker_image`, or a fresh build;
+    with `files_layer` (for overlay episodes only), a task that is its base image plus
+    files comes back as those, unbuilt (`TaskImage.files`)."""
     prebuilt = task.config.environment.docker_image
     if use_prebuilt and prebuilt and not force and (workdir := try_pull(prebuilt)) is not None:
         return TaskImage(prebuilt, workdir, built=False)
 
-    tag, rewritten, missing = image_tag(task, cfg)
+    tag, rewritten, ids = image_tag(task, cfg)
+    missing = [b for b, i in ids.items() if i is None]
+    if files_layer and not force and not missing:
+        plan = task_layer(task, _patched_dockerfile(task, cfg), cfg)
+        if isinstance(plan, LayerPlan):
+            return _layer_image(tag, plan, ids[plan.base])
     logs = cache_dir() / "build-logs"
     log_path = logs / f"{task.name}-{tag.rsplit(':', 1)[1]}.log"
     with _tag_lock(tag), _FileLock(cache_dir() / "locks" / (hashlib.sha1(tag.encode()).hexdigest() + ".lock")):
@@ -209,6 +231,13 @@ def ensure_image(task: Task, cfg: RewriteConfig, *, use_prebuilt: bool = True, f
                 _build(task, cfg, tag, rewritten, log_path, timeout, progress, cancel)
         record_use(tag)
         return TaskImage(tag, image_workdir(tag), built=True, log_path=log_path, build_s=time.monotonic() - t0)
+
+
+def _layer_image(tag: str, plan: LayerPlan, base_id: str | None) -> TaskImage:
+    """The unbuilt environment of a files layer, on the base image of id `base_id`."""
+    assert base_id is not None  # the caller checked that every base image is here
+    workdir = plan.workdir or image_workdir(base_id)
+    return TaskImage(tag, workdir, built=False, files=FilesLayer(plan.steps, workdir), base_id=base_id)
 
 
 def _is_transient(e: BaseException) -> bool:

@@ -32,6 +32,7 @@ from tmax.common import harbor
 from tmax.common.files import write_json_atomic
 from tmax.common.harbor import CANCELLED_ERROR, TrialResult
 from tmax.sandbox.base import SandboxError
+from tmax.sandbox.overlay_pool import OverlayPool
 from tmax.tasks.episode import ENVIRONMENT_ERRORS, EnvSettings, Episode, episode_name, resolve_environment
 from tmax.tasks.model import Task
 from tmax.tasks.offline import RewriteConfig
@@ -149,6 +150,7 @@ class _TrialRun:
     agent_run: Any = None
     verifier_status: str | None = None
     verifier_s: float | None = None
+    sandbox_mode: str | None = None  # `Episode.sandbox_mode`, once the sandbox started
 
     def fail(self, cancel: threading.Event, e: Exception, message: str) -> None:
         """An exception ended the trial: the interrupt when the job was cancelled, else an
@@ -161,8 +163,9 @@ class _TrialRun:
 
 
 def _episode(plan: TrialPlan, env: TrialEnv) -> Episode:
+    # Trials as overlays of shared containers: a task that is its base image plus files is not built.
     settings = EnvSettings(env.sandbox_kind, env.rewrite, env.use_prebuilt, env.override_cpus,
-                           env.override_memory_mb)
+                           env.override_memory_mb, files_layer=isinstance(env.pool, OverlayPool))
     labels = {JOB_LABEL: plan.job_name, TRIAL_LABEL: plan.trial_name}
     on_sandbox = (lambda sb: env.on_sandbox(plan.trial_name, sb)) if env.on_sandbox else None
     return Episode(plan.task, settings, name=episode_name(plan.trial_name), labels=labels, on_sandbox=on_sandbox,
@@ -231,6 +234,7 @@ def _run_phases(plan: TrialPlan, env: TrialEnv, episode: Episode, run: _TrialRun
         check_cancel()
         sandbox = episode.open()
         workdir = episode.workdir
+        run.sandbox_mode = episode.sandbox_mode
     check_cancel()
     with _Phase(run.times, "agent_execution"):
         agent_run = run.agent_run = env.agent.run(sandbox, task, workdir, plan.trial_dir / "agent",
@@ -277,7 +281,7 @@ def _result(plan: TrialPlan, env: TrialEnv, run: _TrialRun, image: Any) -> Trial
             environment=env.sandbox_kind, reward=reward, attempt=plan.attempt, category=task.category,
             image=image.tag if image else None, image_built=image.built if image else None,
             build_s=image.build_s if image else None,
-            build_log=str(image.log_path) if image and image.log_path else None,
+            build_log=str(image.log_path) if image and image.log_path else None, sandbox_mode=run.sandbox_mode,
             verifier_status=run.verifier_status, verifier_s=run.verifier_s),
     )
 

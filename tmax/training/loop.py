@@ -463,7 +463,8 @@ def train(
     write_text_atomic(run_dir / "config.toml", dump_toml(cfg))
     # Every task's image is resolved (built) here, before the first step: the loop never builds.
     if prepared is None:
-        prepared = prepare_tasks(env_settings(cfg.rollout.sandbox, cfg.rollout.image_map), list_task_dirs(train_tasks),
+        prepared = prepare_tasks(env_settings(cfg.rollout.sandbox, cfg.rollout.image_map, overlay=cfg.rollout.overlay),
+                                 list_task_dirs(train_tasks),
                                  run_dir / "train_tasks.json", progress=progress.environments if progress else None)
     start_step, positions, resume_from = ckpt.resume_point(run_dir) if resume else (0, {}, None)
     # The engines serve the checkpoint's weights; with LoRA, an adapter (a new one for a full model).

@@ -142,9 +142,9 @@ def prepare_recipe_tasks(cfg: LearnConfig, train_dir: str, held_dir: str, out: P
     out.mkdir(parents=True, exist_ok=True)
     held = PreparedTasks({}, {})
     if held_dir:
-        held_env = env_settings(cfg.eval.sandbox, cfg.rollout.image_map)
+        held_env = env_settings(cfg.eval.sandbox, cfg.rollout.image_map, overlay=cfg.eval.overlay)
         held = prepare_tasks(held_env, list_task_dirs(held_dir), out / "heldout_tasks.json", log=log)
-    train_env = env_settings(cfg.rollout.sandbox, cfg.rollout.image_map)
+    train_env = env_settings(cfg.rollout.sandbox, cfg.rollout.image_map, overlay=cfg.rollout.overlay)
     train_tasks = prepare_tasks(train_env, list_task_dirs(train_dir), out / "train_tasks.json", log=log)
     log(f"task environments ready: {len(train_tasks.runnable)} train ({cfg.rollout.sandbox}), "
         f"{len(held.runnable)} held-out ({cfg.eval.sandbox}); "

@@ -104,7 +104,7 @@ class Rollout:
     sandbox: str = ""  # the sandbox kind the episode ran in
     container_id: str | None = None  # podman: the container the episode (and verifier) ran in
     warm_start: bool = False  # the container came started from the worker's warm pool
-    sandbox_mode: str = ""  # podman: "overlay" (of a shared container) or "container" (a fallback's own)
+    sandbox_mode: str = ""  # podman: "overlay", "overlay+files" or "container" (`Episode.sandbox_mode`)
     command_s: list[float] = field(default_factory=list)  # each command's round trip (issue -> output back)
     started_at: float = 0.0  # when the episode began (epoch seconds)
     segments: list[TokenTrace] = field(default_factory=list)  # closed by compactions, in order
@@ -141,13 +141,16 @@ class Rollout:
         return cls(trace=trace, segments=segments, **record)
 
 
-def env_settings(kind: str, image_map: list[str], labels: dict[str, str] | None = None) -> EnvSettings:
+def env_settings(kind: str, image_map: list[str], labels: dict[str, str] | None = None,
+                 overlay: bool = False) -> EnvSettings:
     """Episodes' environments as in bench: images with the offline rewrites (`image_map`
     on top of the built-in map), or host workspaces, in sandbox `kind`; every sandbox
-    carries `labels` (`run_labels`)."""
+    carries `labels` (`run_labels`). With `overlay` (podman episodes as overlays of shared
+    containers), a task that is its base image plus files is not built (`tasks.files_layer`)."""
     from tmax.tasks.offline import default_config
 
-    return EnvSettings(kind=kind, rewrite=default_config(list(image_map)), labels=dict(labels or {}))
+    return EnvSettings(kind=kind, rewrite=default_config(list(image_map)), labels=dict(labels or {}),
+                       files_layer=overlay and kind == "podman")
 
 
 def run_labels(run_dir: str | Path) -> dict[str, str]:
@@ -176,7 +179,8 @@ class EpisodeSettings:
     @classmethod
     def of(cls, r: RolloutConfig, labels: dict[str, str] | None = None) -> EpisodeSettings:
         harnesses = (r.harness,) if isinstance(r.harness, str) else tuple(r.harness)
-        return cls(env=env_settings(r.sandbox, r.image_map, labels), agent=r.agent_only(), response_budget=r.response_budget,
+        return cls(env=env_settings(r.sandbox, r.image_map, labels, r.overlay), agent=r.agent_only(),
+                   response_budget=r.response_budget,
                    max_prompt_tokens=r.max_prompt_tokens, test_timeout=r.test_timeout, harnesses=harnesses,
                    pool_size=r.pool_size, max_infra_retries=r.max_infra_retries, overlay=r.overlay)
 
