@@ -89,7 +89,9 @@ def test_terminal_bench_oracle_offline(tmp_path):
 
     tmax("bench", "prepare", str(SAMPLE), *include, timeout=1200)  # the images, built or from the cache
     # The verifiers install their test tools (apt, PyPI) in every trial: minutes on a loaded machine.
-    tmax("bench", "terminal-bench", "-a", "oracle", *include, "-o", "jobs", "--job-name", "tb2-oracle", timeout=2400)
+    # They wait on downloads as much as on the CPU, so the 5 attempts run at once (-n 5), not 4 then 1.
+    tmax("bench", "terminal-bench", "-a", "oracle", *include, "-n", str(5 * len(TB2_TASKS)), "-o", "jobs",
+         "--job-name", "tb2-oracle", timeout=2400)
     job = tmp_path / "jobs" / "tb2-oracle"
     results = [json.loads(p.read_text()) for p in job.glob("*/result.json")]
     assert sorted(r["task_name"] for r in results) == sorted(TB2_TASKS * 5)
