@@ -21,11 +21,14 @@ pytestmark = [pytest.mark.podman, pytest.mark.skipif(shutil.which("podman") is N
 def _inspect(name: str) -> dict:
     import json
 
-    # The CLI can lose a storage-lock race with the REST service on a loaded machine: retry.
+    # The CLI can lose a storage-lock race with the REST service on a loaded machine: retry,
+    # but not when podman says the container does not exist (that is the answer).
     for _ in range(5):
         r = subprocess.run(["podman", "container", "inspect", name], capture_output=True, text=True)
         if r.returncode == 0:
             return json.loads(r.stdout)[0]
+        if "no such container" in r.stderr:
+            return {}
         time.sleep(1)
     return {}
 
