@@ -1,4 +1,4 @@
-"""`tmax data generate` end to end against a scripted OpenAI-compatible generator: 20 tasks
+"""`tmax data generate` end to end against a scripted OpenAI-compatible generator: 12 tasks
 on the bwrap host sandbox, with canned answers that break each gate; the retry loop
 feeds the gate's error back, kept tasks pass all five gates on a fresh `validate`, broken
 ones are rejected with the right gate named; a rerun resumes without calling the model."""
@@ -27,8 +27,10 @@ from scripted_server import ScriptedServer  # noqa: E402
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 
+# Every failing case once, then good tasks; the slots of the four that always fail are re-drawn.
 PLAN = ["parse_then_ok", "build_then_ok", "build_always", "nop_then_ok", "nop_always", "oracle_then_ok",
-        "oracle_always", "initial_always"] + ["good"] * 12
+        "oracle_always", "initial_always"] + ["good"] * 4
+N_TASKS = len(PLAN)
 EXPECTED_REJECTED = {"build_always": "build", "nop_always": "nop", "oracle_always": "oracle",
                      "initial_always": "initial"}
 
@@ -72,12 +74,12 @@ def test_corpus_kind_weights():
 
 @pytest.mark.bwrap
 @needs_bwrap
-def test_generate_20_tasks_with_broken_gates(tmp_path):
+def test_generate_tasks_with_broken_gates(tmp_path):
     out = tmp_path / "corpus"
     responder = Responder(PLAN)
     runner = CliRunner()
     with ScriptedServer(responder) as srv:
-        args = ["data", "generate", "-o", str(out), "-N", "20", "--base-url", srv.base_url, "-m", srv.model,
+        args = ["data", "generate", "-o", str(out), "-N", str(N_TASKS), "--base-url", srv.base_url, "-m", srv.model,
                 "--seed", "3", "-e", "bwrap", "-n", "4", "--max-retries", "1", "--json"]
         r = runner.invoke(app, args)
         assert r.exit_code == 0, r.output
@@ -85,8 +87,8 @@ def test_generate_20_tasks_with_broken_gates(tmp_path):
         requests = srv.requests
         # the 4 tasks that always fail are rejected and their slots re-drawn (and kept)
         rows = summary["tasks"]
-        assert summary["counts"] == {"kept": 20, "rejected": 4, "pending": 0}, [r for r in rows if r["status"] != "kept"]
-        for slot in range(20):  # every slot ends kept, in the stratum of its first task
+        assert summary["counts"] == {"kept": N_TASKS, "rejected": 4, "pending": 0}, [r for r in rows if r["status"] != "kept"]
+        for slot in range(N_TASKS):  # every slot ends kept, in the stratum of its first task
             tasks = [t for t in rows if t["slot"] == slot]
             assert [t["status"] for t in tasks] == ["rejected"] * (len(tasks) - 1) + ["kept"]
             assert len({(t["domain"], t["skill_type"]) for t in tasks}) == 1
@@ -103,7 +105,7 @@ def test_generate_20_tasks_with_broken_gates(tmp_path):
 
         kept = sorted(d for d in out.iterdir() if d.is_dir() and not d.name.startswith((".", "_")))
         rejected = {case_of(d): d for d in (out / "_rejected").iterdir()}
-        assert len(kept) == 20 and set(rejected) == set(EXPECTED_REJECTED)
+        assert len(kept) == N_TASKS and set(rejected) == set(EXPECTED_REJECTED)
         for case, gate in EXPECTED_REJECTED.items():  # every reject keeps its gate and reason
             why = json.loads((rejected[case] / "rejection.json").read_text())
             assert why["failed_gate"] == gate and why["reason"]
@@ -134,7 +136,7 @@ def test_generate_20_tasks_with_broken_gates(tmp_path):
     r = runner.invoke(app, ["data", "validate", str(out), "-e", "bwrap", "-n", "4", "--json"])
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
-    assert data["counts"]["ok"] == 20 and data["counts"]["tasks"] == 20
+    assert data["counts"]["ok"] == N_TASKS and data["counts"]["tasks"] == N_TASKS
     assert all(t["verdict"] == "ok" and t["failed"] == [] for t in data["tasks"])
     # ... and the rejected ones are rejected again, naming their gate.
     r = runner.invoke(app, ["data", "validate", str(out / "_rejected"), "-e", "bwrap", "--json"])
@@ -265,19 +267,19 @@ def test_resume_mid_task_keeps_finished_stages(tmp_path):
 @pytest.mark.slow
 @needs_bwrap
 def test_stratified_generation_keeps_the_domain_balance(tmp_path):
-    """45 slots (five per domain), five of whose tasks always fail a gate: each rejected
+    """18 slots (two per domain), five of whose tasks always fail a gate: each rejected
     task is re-drawn from its stratum, so the kept corpus is as balanced as the plan (the
-    paper: 0.998 on its 15K). The plan puts five tasks in each domain, so the kept corpus
-    must too: one re-draw from another stratum would leave 4 and 6 (balance 0.996)."""
+    paper: 0.998 on its 15K). The plan puts two tasks in each domain, so the kept corpus
+    must too: one re-draw from another stratum would leave 1 and 3 (balance 0.971)."""
     out = tmp_path / "corpus"
     with ScriptedServer(Responder(["nop_always"] * 5)) as srv:
-        r = CliRunner().invoke(app, ["data", "generate", "-o", str(out), "-N", "45", "--base-url", srv.base_url,
+        r = CliRunner().invoke(app, ["data", "generate", "-o", str(out), "-N", "18", "--base-url", srv.base_url,
                                      "-m", srv.model, "-e", "bwrap", "-n", "8", "--max-retries", "0", "--json"])
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["counts"] == {"kept": 45, "rejected": 5, "pending": 0}
+    assert json.loads(r.stdout)["counts"] == {"kept": 18, "rejected": 5, "pending": 0}
     report = json.loads(CliRunner().invoke(app, ["data", "report", str(out), "--json"]).stdout)
-    assert report["n"] == 45 and report["missing"]["domain"] == 0
-    assert set(report["counts"]["domain"].values()) == {5} and len(report["counts"]["domain"]) == 9, report["counts"]
+    assert report["n"] == 18 and report["missing"]["domain"] == 0
+    assert set(report["counts"]["domain"].values()) == {2} and len(report["counts"]["domain"]) == 9, report["counts"]
     assert report["balance"]["domain"] == pytest.approx(1.0)
 
 

@@ -68,7 +68,7 @@ RUN_BY: dict[str, str] = {
     "tmax learn merge CKPT -o merged": "tests/integration/test_lora_learn.py::test_learn_nano_with_lora_rank_trains_an_adapter",
     "tmax learn --nodes 8 --dry-run": "tests/integration/test_learn_cli.py::test_dry_run_for_eight_nodes_writes_the_whole_run",
     "tmax data generate -o data/mine -N 100 --base-url http://127.0.0.1:8000/v1 -m MODEL --kind rl_v2 --seed 0 -n 8":
-        "tests/integration/test_data_generate.py::test_generate_20_tasks_with_broken_gates",
+        "tests/integration/test_data_generate.py::test_generate_tasks_with_broken_gates",
     "tmax data validate data/mine -e podman -n 4": "tests/integration/test_data_validate.py::test_gates_on_podman",
     "tmax data solve data/mine -a tmax -m MODEL --base-url URL -k 8 --band 0.1:0.9 --out data/mid":
         "tests/integration/test_data_validate.py::test_solve_with_the_tmax_agent",
