@@ -2,9 +2,11 @@
 
 The wheel is built from the project's sources (`pip wheel . --no-deps`) and installed into a
 fresh venv (`python -m venv`, no system site packages) with the core dependencies only, from
-the pip cache or PyPI. The installed distribution's `top_level.txt` and `RECORD` name one
-top-level package, `tmax` (plus its dist-info and the `tmax` script); the commands that need
-no extra run there, and one that needs an extra ends with one line naming it (exit 2)."""
+the pip cache or PyPI; it gets no pip of its own (that install costs seconds), this
+interpreter's pip installs into it (`pip --python`). The installed distribution's
+`top_level.txt` and `RECORD` name one top-level package, `tmax` (plus its dist-info and the
+`tmax` script); the commands that need no extra run there, and one that needs an extra ends
+with one line naming it (exit 2)."""
 
 from __future__ import annotations
 
@@ -45,8 +47,8 @@ def light(tmp_path_factory) -> dict:
     wheels = list((root / "dist").glob("tmax-*.whl"))
     assert len(wheels) == 1, wheels
     venv = root / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300, env=ENV)
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", str(wheels[0])],
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300, env=ENV)
+    subprocess.run([*_pip(venv), "install", "-q", str(wheels[0])],
                    check=True, timeout=900, env=ENV)
     site = Path(_python(venv, "import sysconfig; print(sysconfig.get_paths()['purelib'])", root).stdout.strip())
     dist_info = [p for p in site.glob("tmax-*.dist-info")]
@@ -54,6 +56,11 @@ def light(tmp_path_factory) -> dict:
     work = root / "work"
     work.mkdir()
     return {"venv": venv, "site": site, "dist_info": dist_info[0], "work": work, "src": src}
+
+
+def _pip(venv: Path) -> list[str]:
+    """pip, installing into `venv`."""
+    return [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python")]
 
 
 def _python(venv: Path, code: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -139,7 +146,7 @@ def test_a_command_that_needs_an_extra_names_it(light, tmp_path, args, extra):
 
 def test_editable_install_is_the_same_light_install(light):
     """The README's `pip install -e .`, into the same venv (last: it replaces the wheel)."""
-    subprocess.run([str(light["venv"] / "bin" / "python"), "-m", "pip", "install", "-q", "-e", "."],
+    subprocess.run([*_pip(light["venv"]), "install", "-q", "-e", "."],
                    cwd=light["src"], check=True, timeout=600, env=ENV)
     where = _python(light["venv"], "import tmax; print(tmax.__file__)", light["work"])
     assert Path(where.stdout.strip()) == light["src"] / "tmax" / "__init__.py"
