@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -55,32 +56,43 @@ def bench(tmp_path: Path, harness: str, srv: ScriptedServer, name: str) -> dict:
     return {"dir": trial, "result": json.loads((trial / "result.json").read_text())}
 
 
+def solve(tmp_path: Path, harness: str, word: str, outcome: str) -> None:
+    """One `tmax bench run` of the task with a script that writes `word`, and what its trial
+    and `tmax show` of it say."""
+    turns = script(harness, word)
+    with ScriptedServer(turns) as srv:
+        trial = bench(tmp_path, harness, srv, f"{harness}-{word}")
+        assert len(srv.requests) == len(turns)  # submitted exactly at the end of the script
+        first = srv.requests[0]
+    r = trial["result"]
+    assert r["tmax"]["outcome"] == outcome, r.get("exception_info")
+    assert r["agent_result"]["metadata"]["status"] == "submitted"
+    assert r["agent_info"]["name"] == harness
+    assert ("tools" in first) == (harness == "tmax")
+    atif = json.loads((trial["dir"] / "agent" / "trajectory.json").read_text())
+    agent_steps = [s for s in atif["steps"] if s["source"] == "agent"]
+    assert len(agent_steps) == len(turns)
+    assert all(s.get("observation") for s in agent_steps)
+    messages = json.loads((trial["dir"] / "agent" / "messages.json").read_text())  # as sent to the model
+    assert sum(m["role"] == "assistant" for m in messages) == len(turns)
+    if harness == "terminus-2":
+        screen = agent_steps[0]["observation"]["results"][0]["content"]
+        assert f"echo {word} > hello.txt" in screen
+    shown = subprocess.run([sys.executable, "-m", "tmax.cli.main", "show", str(trial["dir"])], capture_output=True,
+                           text=True, env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "160"}, timeout=60)
+    assert shown.returncode == 0 and f"echo {word} > hello.txt" in shown.stdout, shown.stderr
+    assert "no valid bash call" not in shown.stdout
+
+
 @pytest.mark.parametrize("harness", ["tmax", "mini-swe", "terminus-2"])
 def test_harness_solves_and_fails(tmp_path, harness):
-    for word, outcome in (("hello", "pass"), ("goodbye", "fail")):
-        turns = script(harness, word)
-        with ScriptedServer(turns) as srv:
-            trial = bench(tmp_path, harness, srv, f"{harness}-{word}")
-            assert len(srv.requests) == len(turns)  # submitted exactly at the end of the script
-            first = srv.requests[0]
-        r = trial["result"]
-        assert r["tmax"]["outcome"] == outcome, r.get("exception_info")
-        assert r["agent_result"]["metadata"]["status"] == "submitted"
-        assert r["agent_info"]["name"] == harness
-        assert ("tools" in first) == (harness == "tmax")
-        atif = json.loads((trial["dir"] / "agent" / "trajectory.json").read_text())
-        agent_steps = [s for s in atif["steps"] if s["source"] == "agent"]
-        assert len(agent_steps) == len(turns)
-        assert all(s.get("observation") for s in agent_steps)
-        messages = json.loads((trial["dir"] / "agent" / "messages.json").read_text())  # as sent to the model
-        assert sum(m["role"] == "assistant" for m in messages) == len(turns)
-        if harness == "terminus-2":
-            screen = agent_steps[0]["observation"]["results"][0]["content"]
-            assert f"echo {word} > hello.txt" in screen
-        shown = subprocess.run([sys.executable, "-m", "tmax.cli.main", "show", str(trial["dir"])], capture_output=True,
-                               text=True, env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "160"}, timeout=60)
-        assert shown.returncode == 0 and f"echo {word} > hello.txt" in shown.stdout, shown.stderr
-        assert "no valid bash call" not in shown.stdout
+    # The passing and the failing run are two jobs of their own, run at the same time: most of
+    # a run is waiting (the service and the container starting, the scripted turns, the verifier).
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(solve, tmp_path, harness, word, outcome)
+                for word, outcome in (("hello", "pass"), ("goodbye", "fail"))]
+        for run in runs:
+            run.result()
     # Harbor's own models take every trial's agent/trajectory.json as ATIF, and its viewer serves them.
     loaded = harbor_check(tmp_path / f"{harness}-hello", tmp_path / f"{harness}-goodbye")
     assert loaded["failures"] == []
