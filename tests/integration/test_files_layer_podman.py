@@ -142,7 +142,10 @@ def test_the_episode_has_the_built_images_files(pool, task_root, which):
         pytest.skip("tb2 sample not present")
     task = Task.load(tasks[which])
     layer = ensure_image(task, default_config([]), files_layer=True, use_prebuilt=False)
-    built = ensure_image(task, default_config([]), use_prebuilt=False)
+    # Built now, from these sources: a cached image of the same tag (its tag covers contents,
+    # not mtimes) keeps the mtimes its sources had then, and the sample's files are rewritten
+    # with new mtimes whenever the sample is copied.
+    built = ensure_image(task, default_config([]), use_prebuilt=False, force=True)
     assert layer.files is not None and not layer.built and built.files is None
     assert layer.tag == built.tag and layer.workdir == built.workdir  # one identity, one start dir
     assert layer.base_id == image_id("localhost/tmax-base:bookworm")
