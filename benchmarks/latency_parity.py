@@ -73,28 +73,31 @@ class ScriptSampler:
     k: the k-th distinct length seen is turn k's. O(1), as a real sampler's share of the
     worker's CPU is (a request to the engine), not a search through the prompt."""
 
-    def __init__(self, turns: list[list[int]]):
+    def __init__(self, turns: list[list[int]], think_s: float = 0.0):
         self.turns = turns
+        self.think_s = think_s
         self.lengths: dict[int, int] = {}
         self.lock = threading.Lock()
 
     def __getstate__(self) -> dict:
-        return {"turns": self.turns}
+        return {"turns": self.turns, "think_s": self.think_s}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["turns"])
+        self.__init__(state["turns"], state["think_s"])
 
     def sample(self, prompt_ids, max_tokens, temperature, top_p, seed=None):
         from tmax.agents.policy import SampledTokens
 
+        time.sleep(self.think_s)
         with self.lock:
             k = min(self.lengths.setdefault(len(prompt_ids), len(self.lengths)), len(self.turns) - 1)
         return SampledTokens(self.turns[k], [0.0] * len(self.turns[k]), "stop", 0)
 
 
-def chat_server(script: list[str]) -> ThreadingHTTPServer:
-    """An OpenAI-compatible endpoint answering each chat request with the next command of
-    `script` as a `bash` tool call (the k-th once k tool results are in the request)."""
+def chat_server(script: list[str], think_s: float = 0.0) -> ThreadingHTTPServer:
+    """An OpenAI-compatible endpoint answering each chat request, `think_s` after it came,
+    with the next command of `script` as a `bash` tool call (the k-th once k tool results are
+    in the request)."""
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a) -> None:
@@ -113,6 +116,7 @@ def chat_server(script: list[str]) -> ThreadingHTTPServer:
 
         def do_POST(self) -> None:
             req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            time.sleep(think_s)
             k = min(sum(1 for m in req["messages"] if m.get("role") == "tool"), len(script) - 1)
             call = {"id": f"call_{k}", "type": "function",
                     "function": {"name": "bash", "arguments": json.dumps({"command": script[k]})}}
@@ -203,7 +207,7 @@ def measure(args, root: Path) -> dict:
     from tmax.training.demos import scripted_turns
 
     task, settings, images, kwargs = setup(root, args.commands)
-    srv = chat_server(commands(args.commands))
+    srv = chat_server(commands(args.commands), args.think_ms / 1000)
     turns = scripted_turns(AutoTokenizer.from_pretrained(root / "tok"),
                            [("THOUGHT: go.", c) for c in commands(args.commands)])
     learner = subprocess.Popen([sys.executable, __file__, "--learner-loop", str(root / "model")])
@@ -213,7 +217,7 @@ def measure(args, root: Path) -> dict:
     try:
         handle = start_ray(connect, ClusterConfig(num_cpus=4))
         worker = ray.remote(RolloutWorker).options(num_cpus=0.5, max_concurrency=args.episodes + 2).remote(
-            str(root / "tok"), settings, ScriptSampler(turns), images, args.episodes)
+            str(root / "tok"), settings, ScriptSampler(turns, args.think_ms / 1000), images, args.episodes)
         time.sleep(args.warmup)  # the learner past its start, training
         url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
         for r in range(args.rounds):  # ABBA: load that drifts over the run falls on both sides alike
@@ -238,7 +242,7 @@ def measure(args, root: Path) -> dict:
     return {"train_p50_ms": tp50, "eval_p50_ms": ep50, "train_p99_ms": tp99, "eval_p99_ms": ep99,
             "p50_ratio": round(tp50 / ep50, 3), "p99_ratio": round(tp99 / ep99, 3),
             "train_commands": len(train), "eval_commands": len(evals), "rounds": args.rounds,
-            "episodes_per_round": args.episodes}
+            "episodes_per_round": args.episodes, "think_ms": args.think_ms}
 
 
 def main() -> None:
@@ -247,6 +251,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="alternating rounds of training and evaluation")
     ap.add_argument("--episodes", type=int, default=8, help="episodes (trials) at once per round and side")
     ap.add_argument("--commands", type=int, default=6, help="commands per episode before its submit")
+    ap.add_argument("--think-ms", type=float, default=500.0,
+                    help="how long both policies take to answer a turn (a model's turn: 500 ms is the median "
+                         "of the nano recipe's RL turns on a 2-core machine); 0 answers at once")
     ap.add_argument("--warmup", type=float, default=20.0, help="seconds the learner trains before measuring")
     ap.add_argument("--learner-loop", help=argparse.SUPPRESS)
     args = ap.parse_args()
