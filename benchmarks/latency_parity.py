@@ -10,7 +10,11 @@ alternating rounds. Both sides issue the same commands: the policy is scripted (
 sampler for the worker, an OpenAI-compatible endpoint for the bench agent), so what is
 measured is the sandbox path, not a model.
 
-    python benchmarks/latency_parity.py [--rounds 3] [--episodes 8] [--commands 6] [--json]
+    python benchmarks/latency_parity.py [--rounds 4] [--episodes 8] [--commands 6] [--think-ms 200] [--json]
+
+`--think-ms` is how long each policy takes to answer a turn, the same on both sides. A rollout
+always waits for its model between two commands; with 0 the worker's episodes issue their
+commands back to back, a burst neither training nor evaluation produces.
 
 `--json` prints `train_p50_ms`, `eval_p50_ms`, `train_p99_ms`, `eval_p99_ms` (and the
 counts); the goal is train p50 <= 1.2 x eval p50 and p99 <= 1.5 x.
@@ -251,9 +255,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="alternating rounds of training and evaluation")
     ap.add_argument("--episodes", type=int, default=8, help="episodes (trials) at once per round and side")
     ap.add_argument("--commands", type=int, default=6, help="commands per episode before its submit")
-    ap.add_argument("--think-ms", type=float, default=500.0,
-                    help="how long both policies take to answer a turn (a model's turn: 500 ms is the median "
-                         "of the nano recipe's RL turns on a 2-core machine); 0 answers at once")
+    ap.add_argument("--think-ms", type=float, default=200.0,
+                    help="how long both policies take to answer a turn (a model's turn: the nano recipe's RL "
+                         "turns took 0.18-0.21 s at the median on a 2-core machine); 0 answers at once")
     ap.add_argument("--warmup", type=float, default=20.0, help="seconds the learner trains before measuring")
     ap.add_argument("--learner-loop", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -98,6 +98,23 @@ def test_recorded_guarded_collapse_is_rolled_back_where_the_run_did_and_then_tra
     assert [i for i, v in enumerate(verdicts) if v.collapse] == rolled_back, [v.describe() for v in verdicts]
     assert rows[-1]["step"] == 20 and rows[-1]["lr"] == pytest.approx(2e-3 * 0.25)  # past its warmup
 
+def test_recorded_podman_recipe_rollback_is_where_the_run_went_back_and_none_after():
+    """Recorded: the nano-podman recipe's RL stage (seed 0, the preset's LR, guard on). Steps
+    12 and 13 met the rule (format errors 0.375 against 0.08, submits 0.54 against 0.91,
+    longer responses, logprob differences up) and the run went back to step 0 at LR x 0.5
+    (its step-10 checkpoint was not yet confirmed: step 12 alarmed inside its window), then
+    trained its 20 steps with no other collapse (held-out 25.8 % -> 79.7 %; the host recipe
+    of the same seed 32.0 % -> 75.0 % with none). Whether steps 12-13 would have recovered
+    on their own is not known. Replayed: a collapse on exactly the row the run rolled back
+    at, and none after it."""
+    rows = _series("recipe_podman_seed0.jsonl")
+    verdicts = replay(rows)
+    rolled_back = [i for i, r in enumerate(rows) if "guard/event" in r]
+    assert [rows[i]["step"] for i in rolled_back] == [13]
+    assert [i for i, v in enumerate(verdicts) if v.collapse] == rolled_back, [v.describe() for v in verdicts]
+    assert rows[-1]["step"] == 20 and len(rows) == 33
+
+
 def test_recorded_healthy_recipe_never_triggers():
     """Recorded: the default nano recipe's 20 RL steps (seed 0; held-out 25.8 % -> 75.8 %).
     A policy that sharpens as it learns alarms now and then (logprob differences, more
