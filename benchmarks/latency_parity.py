@@ -218,18 +218,25 @@ def measure(args, root: Path) -> dict:
     handle = worker = None
     train: list[float] = []
     evals: list[float] = []
+    wall = {"train": 0.0, "eval": 0.0}  # each side's rounds, from the first episode's start to the last's end
     try:
         handle = start_ray(connect, ClusterConfig(num_cpus=4))
         worker = ray.remote(RolloutWorker).options(num_cpus=0.5, max_concurrency=args.episodes + 2).remote(
             str(root / "tok"), settings, ScriptSampler(turns, args.think_ms / 1000), images, args.episodes)
+        ray.get(worker.node_id.remote(), timeout=600)  # the worker past its start (tokenizer, pool)
         time.sleep(args.warmup)  # the learner past its start, training
         url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
+        # Unrecorded: each side's first episodes start its shared container.
+        train_round(worker, task, args.episodes, args.rounds)
+        eval_round(Path(task).parent, task, url, args.episodes, root / "jobs", kwargs, "eval-warm")
         for r in range(args.rounds):  # ABBA: load that drifts over the run falls on both sides alike
-            sides = [lambda: train.extend(train_round(worker, task, args.episodes, r)),
-                     lambda: evals.extend(eval_round(Path(task).parent, task, url, args.episodes, root / "jobs",
-                                                     kwargs, f"eval-{r}"))]
-            for side in sides if r % 2 == 0 else sides[::-1]:
+            sides = [("train", lambda: train.extend(train_round(worker, task, args.episodes, r))),
+                     ("eval", lambda: evals.extend(eval_round(Path(task).parent, task, url, args.episodes,
+                                                              root / "jobs", kwargs, f"eval-{r}")))]
+            for name, side in sides if r % 2 == 0 else sides[::-1]:
+                t0 = time.monotonic()
                 side()
+                wall[name] += time.monotonic() - t0
             if learner.poll() is not None:
                 raise RuntimeError("the busy learner stopped")
     finally:
@@ -245,7 +252,11 @@ def measure(args, root: Path) -> dict:
     ep50, ep99 = percentiles(evals)
     return {"train_p50_ms": tp50, "eval_p50_ms": ep50, "train_p99_ms": tp99, "eval_p99_ms": ep99,
             "p50_ratio": round(tp50 / ep50, 3), "p99_ratio": round(tp99 / ep99, 3),
-            "train_commands": len(train), "eval_commands": len(evals), "rounds": args.rounds,
+            "train_commands": len(train), "eval_commands": len(evals),
+            # How densely each side issues commands: with no think time the side with less
+            # work between two commands has more of them in flight at once on the same cores.
+            "train_commands_per_s": round(len(train) / wall["train"], 2),
+            "eval_commands_per_s": round(len(evals) / wall["eval"], 2), "rounds": args.rounds,
             "episodes_per_round": args.episodes, "think_ms": args.think_ms}
 
 
