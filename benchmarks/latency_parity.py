@@ -218,7 +218,7 @@ def measure(args, root: Path) -> dict:
     handle = worker = None
     train: list[float] = []
     evals: list[float] = []
-    wall = {"train": 0.0, "eval": 0.0}  # each side's rounds, from the first episode's start to the last's end
+    wall = {"train": 0.0, "eval": 0.0}  # seconds of each side's recorded rounds, summed
     try:
         handle = start_ray(connect, ClusterConfig(num_cpus=4))
         worker = ray.remote(RolloutWorker).options(num_cpus=0.5, max_concurrency=args.episodes + 2).remote(

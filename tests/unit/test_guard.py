@@ -4,7 +4,8 @@ infrastructure-error burst on it), checkpoint health marks and resume, the learn
 in-place restore, the health signals and what a run reports.
 
 The series in tests/data/guard are `metrics.jsonl` rows of `benchmarks/collapse_guard.py`
-runs, cut to what the guard reads (5 significant digits). `healthy_*_seed{N}` are the
+runs (`recipe_podman_seed0` of `benchmarks/nano_recipe.py`), cut to what the guard reads
+(5 significant digits). `healthy_*_seed{N}` are the
 nano preset's LR (5e-4, 20 steps) from one SFT checkpoint (recipe seed 0), RL seed N:
 `healthy_off_*` with the guard off, `healthy_on_patience1_*` with the guard on as first
 shipped (a collapse at the first step meeting the rule), `healthy_on_*` with it now."""
@@ -28,6 +29,15 @@ DATA = Path(__file__).parents[1] / "data" / "guard"
 
 def _series(name: str) -> list[dict]:
     return read_metrics(DATA / name)
+
+
+def _replay_rolls_back_where_the_run_did(rows: list[dict]) -> list[int]:
+    """The steps the recorded run rolled back at, checked to be exactly the rows where the
+    detector, replayed, gives a collapse."""
+    rolled_back = [i for i, r in enumerate(rows) if "guard/event" in r]
+    verdicts = replay(rows)
+    assert [i for i, v in enumerate(verdicts) if v.collapse] == rolled_back, [v.describe() for v in verdicts]
+    return [rows[i]["step"] for i in rolled_back]
 
 
 # -- the detector on recorded series -------------------------------------------------------
@@ -92,11 +102,9 @@ def test_recorded_guarded_collapse_is_rolled_back_where_the_run_did_and_then_tra
     20 steps without a collapse (held-out 85.9 %). Replayed, the detector gives a collapse
     on exactly the two rows the run rolled back at and none after."""
     rows = _series("collapse_on_lr2e-3.jsonl")
-    verdicts = replay(rows)
-    rolled_back = [i for i, r in enumerate(rows) if "guard/event" in r]
-    assert [rows[i]["step"] for i in rolled_back] == [2, 7]
-    assert [i for i, v in enumerate(verdicts) if v.collapse] == rolled_back, [v.describe() for v in verdicts]
+    assert _replay_rolls_back_where_the_run_did(rows) == [2, 7]
     assert rows[-1]["step"] == 20 and rows[-1]["lr"] == pytest.approx(2e-3 * 0.25)  # past its warmup
+
 
 def test_recorded_podman_recipe_rollback_is_where_the_run_went_back_and_none_after():
     """Recorded: the nano-podman recipe's RL stage (seed 0, the preset's LR, guard on). Steps
@@ -108,10 +116,7 @@ def test_recorded_podman_recipe_rollback_is_where_the_run_went_back_and_none_aft
     on their own is not known. Replayed: a collapse on exactly the row the run rolled back
     at, and none after it."""
     rows = _series("recipe_podman_seed0.jsonl")
-    verdicts = replay(rows)
-    rolled_back = [i for i, r in enumerate(rows) if "guard/event" in r]
-    assert [rows[i]["step"] for i in rolled_back] == [13]
-    assert [i for i, v in enumerate(verdicts) if v.collapse] == rolled_back, [v.describe() for v in verdicts]
+    assert _replay_rolls_back_where_the_run_did(rows) == [13]
     assert rows[-1]["step"] == 20 and len(rows) == 33
 
 
