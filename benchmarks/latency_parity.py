@@ -10,7 +10,8 @@ alternating rounds. Both sides issue the same commands: the policy is scripted (
 sampler for the worker, an OpenAI-compatible endpoint for the bench agent), so what is
 measured is the sandbox path, not a model.
 
-    python benchmarks/latency_parity.py [--rounds 4] [--episodes 8] [--commands 6] [--think-ms 200] [--json]
+    python benchmarks/latency_parity.py [--rounds 4] [--episodes 8] [--commands 6] [--think-ms 200]
+        [--think-spread 0] [--json]
 
 `--think-ms` is how long each policy takes to answer a turn, the same on both sides. A rollout
 always waits for its model between two commands; with 0 the worker's episodes issue their
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -70,6 +73,29 @@ def learner_loop(model_dir: str) -> None:
 # ---- the policy, both ways ------------------------------------------------------------
 
 
+class Thinking:
+    """How long a policy takes to answer a turn: `think_s` scaled by a draw from
+    uniform(1 - spread, 1 + spread), the same distribution on both sides. A model's turns vary
+    in length; with spread 0 every episode of a round issues its k-th command at the same
+    instant, a lockstep of all eight that no sampled run keeps."""
+
+    def __init__(self, think_s: float, spread: float, seed: int):
+        self.think_s, self.spread, self.seed = think_s, spread, seed
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        return {"think_s": self.think_s, "spread": self.spread, "seed": self.seed}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
+
+    def wait(self) -> None:
+        with self.lock:
+            scale = self.rng.uniform(1 - self.spread, 1 + self.spread) if self.spread else 1.0
+        time.sleep(self.think_s * scale)
+
+
 class ScriptSampler:
     """A token sampler that answers turn k with the k-th scripted turn, whatever order the
     worker's episodes ask in. Every episode is the same (same prompt, same commands, same
@@ -77,29 +103,29 @@ class ScriptSampler:
     k: the k-th distinct length seen is turn k's. O(1), as a real sampler's share of the
     worker's CPU is (a request to the engine), not a search through the prompt."""
 
-    def __init__(self, turns: list[list[int]], think_s: float = 0.0):
+    def __init__(self, turns: list[list[int]], thinking: Thinking):
         self.turns = turns
-        self.think_s = think_s
+        self.thinking = thinking
         self.lengths: dict[int, int] = {}
         self.lock = threading.Lock()
 
     def __getstate__(self) -> dict:
-        return {"turns": self.turns, "think_s": self.think_s}
+        return {"turns": self.turns, "thinking": self.thinking}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["turns"], state["think_s"])
+        self.__init__(state["turns"], state["thinking"])
 
     def sample(self, prompt_ids, max_tokens, temperature, top_p, seed=None):
         from tmax.agents.policy import SampledTokens
 
-        time.sleep(self.think_s)
+        self.thinking.wait()
         with self.lock:
             k = min(self.lengths.setdefault(len(prompt_ids), len(self.lengths)), len(self.turns) - 1)
         return SampledTokens(self.turns[k], [0.0] * len(self.turns[k]), "stop", 0)
 
 
-def chat_server(script: list[str], think_s: float = 0.0) -> ThreadingHTTPServer:
-    """An OpenAI-compatible endpoint answering each chat request, `think_s` after it came,
+def chat_server(script: list[str], thinking: Thinking) -> ThreadingHTTPServer:
+    """An OpenAI-compatible endpoint answering each chat request, a `thinking` wait after it came,
     with the next command of `script` as a `bash` tool call (the k-th once k tool results are
     in the request)."""
 
@@ -120,7 +146,7 @@ def chat_server(script: list[str], think_s: float = 0.0) -> ThreadingHTTPServer:
 
         def do_POST(self) -> None:
             req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            time.sleep(think_s)
+            thinking.wait()
             k = min(sum(1 for m in req["messages"] if m.get("role") == "tool"), len(script) - 1)
             call = {"id": f"call_{k}", "type": "function",
                     "function": {"name": "bash", "arguments": json.dumps({"command": script[k]})}}
@@ -169,6 +195,25 @@ def percentiles(xs: list[float]) -> tuple[float, float]:
     return round(statistics.median(xs) * 1000, 2), round(q[98] * 1000, 2)
 
 
+def ratio_intervals(train: list[list[float]], evals: list[list[float]], draws: int = 2000,
+                    seed: int = 0) -> dict[str, list[float]]:
+    """90 % intervals of the p50 and p99 ratios, resampling whole rounds (with replacement,
+    each side apart): a round's commands share its load, so they are not independent draws,
+    and the interval says how far another run of as many rounds could land."""
+    rng = random.Random(seed)
+    p50s, p99s = [], []
+    for _ in range(draws):
+        t = [x for _ in train for x in rng.choice(train)]
+        e = [x for _ in evals for x in rng.choice(evals)]
+        (t50, t99), (e50, e99) = percentiles(t), percentiles(e)
+        p50s.append(t50 / e50)
+        p99s.append(t99 / e99)
+    def interval(xs: list[float]) -> list[float]:
+        q = statistics.quantiles(xs, n=20, method="inclusive")
+        return [round(q[0], 3), round(q[-1], 3)]
+    return {"p50_ratio_90ci": interval(p50s), "p99_ratio_90ci": interval(p99s)}
+
+
 def setup(root: Path, n_commands: int):
     """The nano model, its tokenizer, one nano task with its image, the episodes' settings."""
     from tmax.training.config import preset
@@ -205,24 +250,28 @@ def measure(args, root: Path) -> dict:
     import ray
     from transformers import AutoTokenizer
 
+    from tmax.common.proctree import parent_death_hook
     from tmax.training.cluster.rollout_worker import RolloutWorker
     from tmax.training.cluster.launch import connect
     from tmax.training.config import ClusterConfig
     from tmax.training.demos import scripted_turns
 
     task, settings, images, kwargs = setup(root, args.commands)
-    srv = chat_server(commands(args.commands), args.think_ms / 1000)
+    srv = chat_server(commands(args.commands), Thinking(args.think_ms / 1000, args.think_spread, seed=1))
     turns = scripted_turns(AutoTokenizer.from_pretrained(root / "tok"),
                            [("THOUGHT: go.", c) for c in commands(args.commands)])
-    learner = subprocess.Popen([sys.executable, __file__, "--learner-loop", str(root / "model")])
+    # The learner ends with this script, even one killed by SIGKILL: a learner left behind
+    # would load every later run on the machine.
+    learner = subprocess.Popen([sys.executable, __file__, "--learner-loop", str(root / "model")],
+                               preexec_fn=parent_death_hook(signal.SIGKILL))
     handle = worker = None
-    train: list[float] = []
-    evals: list[float] = []
+    train: list[list[float]] = []  # each recorded round's round trips (s)
+    evals: list[list[float]] = []
     wall = {"train": 0.0, "eval": 0.0}  # seconds of each side's recorded rounds, summed
     try:
         handle = start_ray(connect, ClusterConfig(num_cpus=4))
         worker = ray.remote(RolloutWorker).options(num_cpus=0.5, max_concurrency=args.episodes + 2).remote(
-            str(root / "tok"), settings, ScriptSampler(turns, args.think_ms / 1000), images, args.episodes)
+            str(root / "tok"), settings, ScriptSampler(turns, Thinking(args.think_ms / 1000, args.think_spread, seed=2)), images, args.episodes)
         ray.get(worker.node_id.remote(), timeout=600)  # the worker past its start (tokenizer, pool)
         time.sleep(args.warmup)  # the learner past its start, training
         url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
@@ -230,8 +279,8 @@ def measure(args, root: Path) -> dict:
         train_round(worker, task, args.episodes, args.rounds)
         eval_round(Path(task).parent, task, url, args.episodes, root / "jobs", kwargs, "eval-warm")
         for r in range(args.rounds):  # ABBA: load that drifts over the run falls on both sides alike
-            sides = [("train", lambda: train.extend(train_round(worker, task, args.episodes, r))),
-                     ("eval", lambda: evals.extend(eval_round(Path(task).parent, task, url, args.episodes,
+            sides = [("train", lambda: train.append(train_round(worker, task, args.episodes, r))),
+                     ("eval", lambda: evals.append(eval_round(Path(task).parent, task, url, args.episodes,
                                                               root / "jobs", kwargs, f"eval-{r}")))]
             for name, side in sides if r % 2 == 0 else sides[::-1]:
                 t0 = time.monotonic()
@@ -248,16 +297,17 @@ def measure(args, root: Path) -> dict:
         learner.kill()
         learner.wait()
         srv.shutdown()
-    tp50, tp99 = percentiles(train)
-    ep50, ep99 = percentiles(evals)
+    tp50, tp99 = percentiles([x for r in train for x in r])
+    ep50, ep99 = percentiles([x for r in evals for x in r])
+    n_train, n_eval = sum(map(len, train)), sum(map(len, evals))
     return {"train_p50_ms": tp50, "eval_p50_ms": ep50, "train_p99_ms": tp99, "eval_p99_ms": ep99,
             "p50_ratio": round(tp50 / ep50, 3), "p99_ratio": round(tp99 / ep99, 3),
-            "train_commands": len(train), "eval_commands": len(evals),
+            **ratio_intervals(train, evals), "train_commands": n_train, "eval_commands": n_eval,
             # How densely each side issues commands: with no think time the side with less
             # work between two commands has more of them in flight at once on the same cores.
-            "train_commands_per_s": round(len(train) / wall["train"], 2),
-            "eval_commands_per_s": round(len(evals) / wall["eval"], 2), "rounds": args.rounds,
-            "episodes_per_round": args.episodes, "think_ms": args.think_ms}
+            "train_commands_per_s": round(n_train / wall["train"], 2),
+            "eval_commands_per_s": round(n_eval / wall["eval"], 2), "rounds": args.rounds,
+            "episodes_per_round": args.episodes, "think_ms": args.think_ms, "think_spread": args.think_spread}
 
 
 def main() -> None:
@@ -269,6 +319,8 @@ def main() -> None:
     ap.add_argument("--think-ms", type=float, default=200.0,
                     help="how long both policies take to answer a turn (a model's turn: the nano recipe's RL "
                          "turns took 0.18-0.21 s at the median on a 2-core machine); 0 answers at once")
+    ap.add_argument("--think-spread", type=float, default=0.0,
+                    help="each turn waits think-ms x uniform(1 - spread, 1 + spread); 0: every turn the same")
     ap.add_argument("--warmup", type=float, default=20.0, help="seconds the learner trains before measuring")
     ap.add_argument("--learner-loop", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -3,7 +3,7 @@ the step in flight.
 
     trajectory.json  the message list exactly as sent to the model (Harbor-compatible, indent=2)
     timing.json      one dict per step: {step, llm_s, bash_s, return_code, cmd}
-                     or {step, llm_s, format_error: true, reason}; seconds to the millisecond
+                     or {step, llm_s, format_error: true, reason}; llm_s to the millisecond, bash_s to 0.1 ms
     usage.json       the session's totals: {prompt_tokens, completion_tokens, total_tokens,
                      reasoning_tokens, cost_usd, max_steps, steps, context_tokens,
                      context_window, compactions}
