@@ -9,10 +9,12 @@ SIGKILLed and the run resumed; prints what was injected, detected and recovered.
     python benchmarks/chaos_learn.py --json --lora-rank 8        # RL trains a LoRA adapter; engines serve it
 
 A fresh nano model and generated tasks; the driver is `python -m tmax.cli.main learn` in its
-own process, so it can be SIGKILLed. While it runs, this script kills, at seeded moments
-after a step has finished: task containers (`--container-kills`, podman only), the vLLM
-server process, a rollout worker actor process and the learner rank process (the driver
-then stops; the run is resumed), and finally the driver itself with SIGKILL (resumed again).
+own process, so it can be SIGKILLed. While it runs, this script kills, after a step has
+finished: task containers (`--container-kills`, podman only; each one of the run's
+containers while episodes that have just begun run in it, preferring one that holds
+several: episodes are overlays of shared containers), and at seeded moments the vLLM server process, a rollout
+worker actor process and the learner rank process (the driver then stops; the run is
+resumed), and finally the driver itself with SIGKILL (resumed again).
 The last driver finishes the run's steps. With `--learner-ranks N` the learner is N ranks
 on this machine: one of them is killed, the whole group stops, and the resumed driver forms
 a new one. With `--lora-rank R` the run trains a LoRA adapter: a restarted engine starts on
@@ -24,7 +26,7 @@ none scored that ran a command in it; a new engine or worker process in place of
 one, Ray having restarted the actor; the driver stopped with the learner's error; a killed
 driver counts as detected, its successor being started with --resume), recovered (a step
 finished after it, in the same or the resumed driver), seconds to recover and episodes
-re-queued. Checks:
+re-queued (and for a container, the episodes running in it when it was killed). Checks:
 `infra_rewards_in_loss` (scored episodes that ran commands in a killed container: must be 0),
 `duplicate_groups_in_loss` (an episode recorded twice: must be 0), `steps_lost` (steps
 trained twice because a driver died after them and before their checkpoint),
@@ -68,6 +70,7 @@ class Fault:
     recovered: bool = False
     seconds_to_recover: float | None = None
     episodes_requeued: int = 0
+    episodes_in_target: int = 0  # a container fault: episodes running in the container when it was killed
     target: str = ""
     t_inject: float = 0.0
     rows_before: int = 0
@@ -183,48 +186,93 @@ def _requeued(rows: list[dict]) -> float:
 
 
 def _inject(chaos: Chaos, fault: Fault, rng: random.Random) -> bool:
-    """Kill the fault's target; False when there was none to kill within a minute."""
+    """Kill the fault's target process; False when there was none to kill within a minute."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        if fault.kind == "container":
-            ids = [c for c in chaos.containers() if c not in chaos.killed_containers]
-            if ids:
-                cid = rng.choice(ids)
-                subprocess.run(["podman", "kill", cid], capture_output=True)
-                chaos.killed_containers[cid] = time.time()
-                fault.target = cid[:12]
-                return True
-        else:
-            procs = chaos.processes(TARGETS[fault.kind])
-            if procs:
-                p = rng.choice(procs)
-                fault.target = f"pid {p.pid}"
-                p.send_signal(signal.SIGKILL)
-                return True
+        procs = chaos.processes(TARGETS[fault.kind])
+        if procs:
+            p = rng.choice(procs)
+            fault.target = f"pid {p.pid}"
+            p.send_signal(signal.SIGKILL)
+            return True
         time.sleep(0.5)
     return False
 
 
+def _episodes_by_container(max_age_s: float) -> dict[str, int]:
+    """Container id -> episodes that began in it at most `max_age_s` ago and still run: the
+    live episode sockets of each overlay host on this machine (`sandbox.overlay_pool`), read
+    from files, no podman call. Young ones, because an older one may be past its verifier and
+    closing, its result already in: killing its container then takes nothing from the run."""
+    from tmax.sandbox.overlay import HostInfo
+    from tmax.sandbox.overlay_pool import HostRegistry
+
+    out: dict[str, int] = {}
+    now = time.time()
+    for d in HostRegistry().root.glob("*/h-*"):
+        info = HostInfo.load(d)
+        if info is None:
+            continue
+        young = 0
+        for sock in d.glob("ep-*.sock"):
+            try:
+                young += now - sock.stat().st_mtime <= max_age_s
+            except OSError:
+                pass  # ended meanwhile
+        out[info.container_id] = young
+    return out
+
+
+def _kill_busy_container(chaos: Chaos, fault: Fault, driver: subprocess.Popen, wait_s: float = 180.0,
+                         max_age_s: float = 0.5) -> bool:
+    """SIGKILL a container of the run while episodes that began in it at most `max_age_s` ago
+    run there (several, if that comes within the first half of `wait_s`): each must then be
+    re-queued, not scored. Recorded just before the kill: the rows and re-queues so far.
+    False when no container of the run held such an episode in time."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and driver.poll() is None:
+        want = 2 if deadline - time.monotonic() > wait_s / 2 else 1
+        busy = {c: n for c, n in _episodes_by_container(max_age_s).items()
+                if n >= want and c not in chaos.killed_containers}
+        ours = set(chaos.containers()) if busy else set()
+        busy = {c: n for c, n in busy.items() if c in ours}
+        if busy:
+            cid = max(busy, key=lambda c: (busy[c], c))
+            rows = chaos.rows()
+            fault.rows_before, fault.requeued_before = len(rows), _requeued(rows)
+            fault.t_inject = time.monotonic()
+            subprocess.run(["podman", "kill", cid], capture_output=True)
+            chaos.killed_containers[cid] = time.time()
+            fault.target, fault.episodes_in_target = cid[:12], busy[cid]
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def _in_driver_faults(chaos: Chaos, driver: subprocess.Popen, faults: list[Fault], rng: random.Random) -> None:
-    """Faults the running driver must survive: each injected at a seeded moment after a
-    step, recovered when a later step finishes."""
+    """Faults the running driver must survive: each injected after a step (a process at a
+    seeded moment, a container once episodes run in it), recovered when a later step finishes."""
     for f in faults:
         if not chaos.wait_rows(len(chaos.rows()) + (1 if f is faults[0] else 0), driver):
             return
-        with chaos.paused(driver):
-            time.sleep(rng.uniform(0.0, 3.0))
-            rows = chaos.rows()
-            f.rows_before, f.requeued_before = len(rows), _requeued(rows)
-            f.t_inject = time.monotonic()
-            before = {p.pid for p in chaos.processes(TARGETS.get(f.kind, "-"))}
-            f.injected = _inject(chaos, f, rng)
+        before: set[int] = set()
+        if f.kind == "container":  # the driver runs on: only it starts the episodes the kill must hit
+            f.injected = _kill_busy_container(chaos, f, driver)
+        else:
+            with chaos.paused(driver):
+                time.sleep(rng.uniform(0.0, 3.0))
+                rows = chaos.rows()
+                f.rows_before, f.requeued_before = len(rows), _requeued(rows)
+                f.t_inject = time.monotonic()
+                before = {p.pid for p in chaos.processes(TARGETS[f.kind])}
+                f.injected = _inject(chaos, f, rng)
         if not f.injected or not chaos.wait_rows(f.rows_before + 1, driver):
             continue
         f.recovered = True
         f.seconds_to_recover = round(time.monotonic() - f.t_inject, 1)
         rows = chaos.rows()
         f.episodes_requeued = int(_requeued(rows) - f.requeued_before)
-        if f.kind == "container":  # its episode was re-queued, or none needed it after the kill
+        if f.kind == "container":  # its episodes were re-queued, or none needed it after the kill
             f.detected = f.episodes_requeued > 0 or _never_scored(chaos, f.target)
         else:  # episodes re-queued, or a new process (Ray restarted the actor) serves the run
             f.detected = f.episodes_requeued > 0 or _restarted(chaos, f.kind, before, driver)
@@ -319,7 +367,10 @@ def _warm_start(root: Path, tasks: list[str]) -> Path:
 
     build_nano_model(root / "base")
     cfg = preset("nano")
-    cfg.sft.epochs, cfg.sft.teacher_accuracy = 6.0, 1.0
+    # 32 epochs of the 24 demonstrations: 96 steps, about 1.5 min of SFT. 6 epochs (18 steps,
+    # loss 2.4) left a policy whose every episode ended on a format error before its first
+    # command, so no container kill could hit an episode's work.
+    cfg.sft.epochs, cfg.sft.teacher_accuracy = 32.0, 1.0
     demos = collect_demos(tasks, AutoTokenizer.from_pretrained(root / "base"), cfg)
     return Path(train_sft(str(root / "base"), demos, cfg, root / "sft").checkpoint)
 
@@ -437,11 +488,12 @@ def _by_kind(faults: list[Fault]) -> dict[str, dict]:
     by_kind: dict[str, dict] = {}
     for f in faults:
         k = by_kind.setdefault(f.kind, {"injected": 0, "detected": 0, "recovered": 0, "seconds_to_recover": [],
-                                        "episodes_requeued": 0})
+                                        "episodes_requeued": 0, "episodes_in_target": 0})
         k["injected"] += f.injected
         k["detected"] += f.detected
         k["recovered"] += f.recovered
         k["episodes_requeued"] += f.episodes_requeued
+        k["episodes_in_target"] += f.episodes_in_target
         if f.seconds_to_recover is not None:
             k["seconds_to_recover"].append(f.seconds_to_recover)
     return by_kind
