@@ -37,6 +37,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -310,7 +311,10 @@ def measure(args) -> dict:
                "new_over_fresh": round(eps["new"]["cpu_s"] / max(eps["fresh_container"]["cpu_s"], 1e-9), 3),
                "cpu_s_per_host_life": eps["host_life_with_one_episode"]["cpu_s"], "episodes": eps}
         if not args.only_episodes:
-            out.update(breakdown(dirs, tok, cfg, images, args.rounds))
+            # The breakdown's episodes, verifier and execs start containers of the task's own
+            # image: built, where the overlay took a files layer over the base image.
+            built = prepare_tasks(replace(cfg.env, files_layer=False), dirs, log=lambda m: None).images
+            out.update(breakdown(dirs, tok, cfg, built, args.rounds))
     return out
 
 
