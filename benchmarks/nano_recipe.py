@@ -86,7 +86,8 @@ def sync_figures(metrics: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="runs/bench-nano-recipe")
+    ap.add_argument("--out", default=None,
+                    help="run directory (default: a new one, runs/bench-nano-recipe/<config>-seed<N>-<UTC time>)")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--config", default=None, help="TOML config (default: the nano preset)")
@@ -99,7 +100,9 @@ def main() -> None:
 
     over = {"algo": {k: v for k, v in (("seed", args.seed), ("steps", args.steps)) if v is not None}}
     cfg = resolve(args.config, over)  # `tmax learn nano`'s config: the file, TMAX_LEARN_* variables, the flags
-    out = Path(args.out).resolve() / f"seed{cfg.algo.seed}"
+    # A new directory per run by default: the recipe refuses one an earlier run used.
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    out = Path(args.out or f"runs/bench-nano-recipe/{cfg.name}-seed{cfg.algo.seed}-{stamp}").resolve()
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     res = entry.recipe(cfg, out, progress=learn_progress(not args.json), log=log)
     ckpt = (res.get("rl") or {}).get("checkpoint")

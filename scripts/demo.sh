@@ -5,4 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
-exec "${TMAX_VENV:-.venv}/bin/tmax" learn nano "$@"
+# Into runs/nano (the preset's run.out_dir) the first time; `tmax learn nano` refuses a
+# directory an earlier run used, so a later demo goes to a new one beside it.
+out=runs/nano
+if [ -e "$out" ]; then out="runs/nano-$(date -u +%Y%m%d-%H%M%S)"; fi
+echo "== the nano recipe into $out"
+exec "${TMAX_VENV:-.venv}/bin/tmax" learn --out "$out" nano "$@"

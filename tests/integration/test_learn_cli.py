@@ -136,3 +136,9 @@ def test_bare_learn_trains_and_stops_on_ctrl_c(tmp_path):
     # What the run learned until Ctrl-C is kept for --resume.
     saved = sorted(p.name for p in (run / "rl" / "checkpoints").iterdir() if not p.name.startswith("."))
     assert saved and saved[-1] in {f"step_{r['step']}" for r in rows} | {f"step_{rows[-1]['step'] + 1}"}, saved
+    # `tmax learn` again without --resume would append a new run to this one's records.
+    records = (run / "rl" / "metrics.jsonl").read_text()
+    again = tmax_learn(cwd=tmp_path, env=env, timeout=120)
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert f"already holds a run (checkpoints up to {saved[-1]}; continue it with --resume)" in again.stderr
+    assert (run / "rl" / "metrics.jsonl").read_text() == records

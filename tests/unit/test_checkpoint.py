@@ -228,3 +228,38 @@ def test_resume_drops_a_killed_runs_cut_lines_and_steps_past_its_checkpoint(tmp_
         sink.log(3, {"loss": 0.2})
     assert [(r["step"], r["loss"]) for r in read_metrics(run / "metrics.jsonl")] == [(1, 0.1), (2, 0.1), (3, 0.2)]
     assert (run / "rollouts.jsonl").read_text() == '{"group_id": 1}\n'
+
+
+def test_a_fresh_run_is_refused_where_a_run_trained_and_keeps_what_is_there(tmp_path):
+    from tmax.common.errors import ConfigError
+
+    run = tmp_path / "run"
+    ckpt.refuse_fresh_run_over(run, resume=False)  # nothing there yet
+    (run / "train_tasks.json").parent.mkdir()
+    (run / "train_tasks.json").write_text("{}")  # a run that ended before its first step
+    (run / "metrics.jsonl").write_text("")
+    ckpt.refuse_fresh_run_over(run, resume=False)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.1}) + "\n")
+    with pytest.raises(ConfigError, match=r"already holds a run \(metrics.jsonl, no checkpoint; nothing to resume"):
+        ckpt.refuse_fresh_run_over(run, resume=False)
+    path = ckpt.checkpoint_path(run, 3)
+    path.mkdir(parents=True)
+    (path / ckpt.STATE_JSON).write_text(json.dumps({"step": 3, "extra": {}}))
+    with pytest.raises(ConfigError, match=r"checkpoints up to step_3; continue it with --resume\): pass another --out"):
+        ckpt.refuse_fresh_run_over(run, resume=False)
+    ckpt.refuse_fresh_run_over(run, resume=True)
+    assert (run / "metrics.jsonl").read_text() == json.dumps({"step": 1, "loss": 0.1}) + "\n"
+
+
+def test_a_recipe_into_a_used_directory_is_refused_before_any_work(tmp_path):
+    """Its held-out eval jobs would resume: the earlier run's trials read back as this run's."""
+    from tmax.common.errors import ConfigError
+    from tmax.training.config import preset
+    from tmax.training.entry import recipe
+
+    out = tmp_path / "nano"
+    (out / "eval" / "sft-s0").mkdir(parents=True)
+    (out / "eval" / "sft-s0" / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"already holds a recipe run \(eval/sft-s0/config.json\): its held-out"):
+        recipe(preset("nano"), out)
+    assert sorted(p.name for p in out.iterdir()) == ["eval"]  # nothing built, nothing removed

@@ -58,9 +58,11 @@ def learn(cfg: LearnConfig, out: Path, *, resume: bool = False, progress: LearnP
     the recipe's SFT checkpoint (built first where missing) into `out/rl`. The cluster is
     joined, and checked against the plan, before any of that work."""
     require_extra("train")
+    from tmax.training.learner.checkpoint import refuse_fresh_run_over
     from tmax.training.loop import train
 
     out = Path(out)
+    refuse_fresh_run_over(_rl_dir(cfg, out), resume)  # before Ray starts; `train` checks again
     plan = placement_plan(cfg)
     rated = _rated_stream(from_runs, runs_per_step, plan) if from_runs is not None else None
     if not (cfg.model.build_nano or cfg.tasks.generate_nano) and not (cfg.model.path and cfg.tasks.train):
@@ -86,9 +88,14 @@ def _rl_inputs(cfg: LearnConfig, out: Path, log: Log) -> tuple[str, str, Path, A
     if cfg.model.build_nano or cfg.tasks.generate_nano:
         model_dir, train_dir, held_dir = build_stage(cfg, out, cfg.algo.seed, log)
         prepared = prepare_recipe_tasks(cfg, train_dir, held_dir, out, log)
-        return sft_stage(cfg, model_dir, prepared, out, log)["checkpoint"], train_dir, out / "rl", prepared
+        return sft_stage(cfg, model_dir, prepared, out, log)["checkpoint"], train_dir, _rl_dir(cfg, out), prepared
     prepared = prepare_recipe_tasks(cfg, cfg.tasks.train, cfg.tasks.heldout, out, log)
-    return cfg.model.path, cfg.tasks.train, out, prepared
+    return cfg.model.path, cfg.tasks.train, _rl_dir(cfg, out), prepared
+
+
+def _rl_dir(cfg: LearnConfig, out: Path) -> Path:
+    """Where the RL run's records go: `out/rl` beside the nano build's stages, else `out`."""
+    return out / "rl" if cfg.model.build_nano or cfg.tasks.generate_nano else out
 
 
 def _rated_stream(from_runs: Path, per_step: int, plan: PlacementPlan | None) -> Any:
@@ -148,6 +155,7 @@ def recipe(cfg: LearnConfig, out: Path, *, progress: LearnProgress | None = None
     if cfg.cluster.nodes is not None:
         raise ConfigError("the recipe runs on one machine (its evals share the RL engine); drop --nodes (cluster.nodes)")
     out = Path(out)
+    _refuse_earlier_recipe(out)
     out.mkdir(parents=True, exist_ok=True)
     times: dict[str, float] = {}
     t0 = time.monotonic()
@@ -171,6 +179,20 @@ def recipe(cfg: LearnConfig, out: Path, *, progress: LearnProgress | None = None
     result["minutes_total"] = round(times["total_s"] / 60, 2)
     write_json_atomic(out / "recipe.json", result)
     return result
+
+
+def _refuse_earlier_recipe(out: Path) -> None:
+    """A recipe run into a directory another one used would read that run's held-out trials
+    back as its own (a bench job resumes) and append to its RL records: refused up front."""
+    from tmax.training.learner.checkpoint import trained_before
+
+    earlier = [str(p.relative_to(out)) for p in (out / "recipe.json", *sorted((out / "eval").glob("*/config.json")))
+               if p.is_file()]
+    if (rl := trained_before(out / "rl")) is not None:
+        earlier.append(f"rl: {rl}")
+    if earlier:
+        raise ConfigError(f"{out} already holds a recipe run ({', '.join(earlier)}): its held-out evals would be "
+                          "read back, not run. Pass another --out, or remove it")
 
 
 def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, train_dir: str, held_dir: str, prepared: Any,

@@ -460,6 +460,7 @@ def train(
     skips resolving the task environments again. `rated` (`training.runs_data.RatedStream`) adds
     rated `tmax run` sessions to each step."""
     run_dir = Path(run_dir)
+    ckpt.refuse_fresh_run_over(run_dir, resume)  # its records would be appended to another run's
     write_text_atomic(run_dir / "config.toml", dump_toml(cfg))
     # Every task's image is resolved (built) here, before the first step: the loop never builds.
     if prepared is None:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from tmax.common.errors import ConfigError
 from tmax.common.files import trim_jsonl, write_json_atomic
 
 # Files a tokenizer / chat template may live in; whatever of these the source has is copied.
@@ -281,6 +282,28 @@ def prune_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
     return doomed
+
+
+def trained_before(run_dir: str | Path) -> str | None:
+    """What in `run_dir` shows that a run already trained there, or None. A fresh run there
+    would append its steps to that run's metrics and rollouts, so it has to resume instead."""
+    run_dir = Path(run_dir)
+    found = list_checkpoints(run_dir)
+    if found:
+        return f"checkpoints up to {found[-1].name}"
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        path = run_dir / name
+        if path.is_file() and path.stat().st_size:
+            return f"{name}, no checkpoint"
+    return None
+
+
+def refuse_fresh_run_over(run_dir: str | Path, resume: bool) -> None:
+    """A run that does not resume starts only where no run trained before (`trained_before`)."""
+    earlier = None if resume else trained_before(run_dir)
+    if earlier:
+        how = "continue it with --resume" if earlier.startswith("checkpoints") else "nothing to resume from"
+        raise ConfigError(f"{run_dir} already holds a run ({earlier}; {how}): pass another --out, or remove it")
 
 
 def resume_point(run_dir: str | Path) -> tuple[int, dict[str, Any], str]:
