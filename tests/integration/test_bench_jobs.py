@@ -33,7 +33,8 @@ if not _podman_ok():
     pytest.skip("podman or the base image is missing", allow_module_level=True)
 
 
-def dataset(tmp_path: Path, n: int, agent_timeout: float | None = None) -> Path:
+def dataset(tmp_path: Path, n: int, agent_timeout: float | None = None, solve_s: float = 0) -> Path:
+    """`n` copies of echo-hello; `solve_s`: its oracle sleeps that long first."""
     root = tmp_path / "ds"
     for i in range(n):
         d = root / f"echo-{i}"
@@ -41,6 +42,9 @@ def dataset(tmp_path: Path, n: int, agent_timeout: float | None = None) -> Path:
         if agent_timeout:
             toml = (d / "task.toml").read_text().replace("[agent]\ntimeout_sec = 120.0", f"[agent]\ntimeout_sec = {agent_timeout}")
             (d / "task.toml").write_text(toml)
+        if solve_s:
+            solve = d / "solution" / "solve.sh"
+            solve.write_text(solve.read_text().replace("#!/bin/bash\n", f"#!/bin/bash\nsleep {solve_s}\n", 1))
     return root
 
 
@@ -132,7 +136,9 @@ def _wait_results(job_dir: Path, n: int, proc: subprocess.Popen, timeout: float 
 
 @pytest.mark.parametrize("sig,warm", [(signal.SIGKILL, 0), (signal.SIGINT, 0), (signal.SIGINT, 2)])
 def test_killed_job_resumes_without_duplicates(tmp_path, sig, warm):
-    ds = dataset(tmp_path, 3)
+    # Each trial takes over a second, so the kill lands with trials still to run (overlay
+    # trials of the bare oracle took a few hundred ms: a job could end between two polls).
+    ds = dataset(tmp_path, 3, solve_s=1.5)
     jobs = tmp_path / "jobs"
     name = f"kill-{sig.name.lower()}-{warm}-{os.getpid()}"
     args = ["bench", "run", str(ds), "-a", "oracle", "-k", "2", "-n", "1", "-o", str(jobs), "--job-name", name,
