@@ -1,11 +1,10 @@
 """`tmax learn` on Ray: the DPPO loop (`Trainer`) over learner, engine and rollout-worker actors.
 
-One program for every placement: the actors (`training.cluster.actors`) are a group of
-learner ranks, a group of engines and rollout workers, one of each kind on a single
-machine, spread per a `training.cluster.placement` plan on a cluster. The driver (the
-`Trainer`) owns no heavy state: it hands episode requests to rollout workers, gathers
-finished groups, lets the batching accumulator decide what trains, and tells the learner
-to step and the engines to load the new weights.
+One program for every placement: the actors (`training.cluster.actors`) are a group of learner
+ranks, a group of engines and rollout workers, one of each kind on a single machine, spread per
+a `training.cluster.placement` plan on a cluster. The driver (the `Trainer`) owns no heavy
+state: it hands episode requests to rollout workers, gathers finished groups, lets the batching
+accumulator decide what trains, and tells the learner to step and the engines to load weights.
 
     prompts -> G episode requests per prompt -> RolloutWorker actors (Agent + TokenPolicy
     in a fresh sandbox, verifier reward) -> finished group -> BatchAccumulator (staleness,
@@ -465,8 +464,8 @@ def train(
     # Every task's image is resolved (built) here, before the first step: the loop never builds.
     if prepared is None:
         prepared = prepare_tasks(env_settings(cfg.rollout.sandbox, cfg.rollout.image_map, overlay=cfg.rollout.overlay),
-                                 list_task_dirs(train_tasks),
-                                 run_dir / "train_tasks.json", progress=progress.environments if progress else None)
+                                 list_task_dirs(train_tasks), run_dir / "train_tasks.json",
+                                 progress=progress.environments if progress else None)
     start_step, positions, resume_from = ckpt.resume_point(run_dir) if resume else (0, {}, None)
     # The engines serve the checkpoint's weights; with LoRA, an adapter (a new one for a full model).
     model_dir = run_start(cfg.lora, resume_from or model_dir, run_dir, cfg.algo.seed)
