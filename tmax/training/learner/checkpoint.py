@@ -302,7 +302,8 @@ def refuse_fresh_run_over(run_dir: str | Path, resume: bool) -> None:
     """A run that does not resume starts only where no run trained before (`trained_before`)."""
     earlier = None if resume else trained_before(run_dir)
     if earlier:
-        how = "continue it with --resume" if earlier.startswith("checkpoints") else "nothing to resume from"
+        # --resume needs a checkpoint the guard did not reject, not just any checkpoint.
+        how = "continue it with --resume" if latest_checkpoint(run_dir) else "nothing to resume from"
         raise ConfigError(f"{run_dir} already holds a run ({earlier}; {how}): pass another --out, or remove it")
 
 
