@@ -129,6 +129,26 @@ def test_recorded_healthy_recipe_never_triggers():
     assert not any(v.collapse for v in verdicts), [v.describe() for v in verdicts if v.alarms]
 
 
+def test_recorded_late_collapse_whose_policy_change_came_first_is_caught():
+    """Recorded: the nano-podman recipe's RL stage (seed 0, guard on as it was then), token
+    for token the host run's rollouts until step 10, then its own (asynchronous batches).
+    Steps 12-19 all alarmed: grad norm and the logprob differences at 12-16, format errors
+    at 14 and 17, the reward 0.07 and 0.06 at 18 and 19 (a baseline of 0.46), held-out gain
+    +10.9 points against the host's +51.6. Never a policy and an outcome alarm at two steps
+    in a row, so the run went on untouched; with a policy change earlier in the same run of
+    alarm steps counting, steps 17 and 18 meet the rule and 18 is the collapse (step 17 now
+    stays out of the baseline, so 18 alarms on format errors and submits too)."""
+    rows = _series("late_collapse_podman_seed0.jsonl")
+    verdicts = replay(rows)
+    assert [v.status for v in verdicts[11:18]] == ["alarm"] * 6 + ["collapse"]
+    assert {a.signal for a in verdicts[17].alarms} == {"reward", "format_errors", "submit_rate"}
+    assert not any(a.role == "policy" for a in verdicts[16].alarms + verdicts[17].alarms)
+    # A step with no alarm at all ends the run: the same reward dips after a clean step
+    # are noise again.
+    clean = dict(rows[10], step=17)
+    assert not any(v.collapse for v in replay(rows[:16] + [clean] + [dict(r, step=r["step"] + 1) for r in rows[16:18]]))
+
+
 HEALTHY = sorted(p.name for p in DATA.glob("healthy_*.jsonl"))
 
 

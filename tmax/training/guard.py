@@ -11,13 +11,18 @@ metrics.jsonl) and returns a `Verdict`. The rule:
    something for that signal (one step's batch mean reward moves by about +-0.15 from
    sampling alone), so a short or very steady history never alarms on noise. A non-finite
    loss or gradient norm alarms at once.
-2. **Combination.** A step is a collapse when at least one *outcome* signal (training
-   reward, format-error rate, submit rate) and at least `min_policy_alarms` *policy*
-   signals (entropy of the sampled tokens, share of identical samples in a group, mean
-   turns, response length, DPPO mask kept fraction, train/inference logprob difference,
-   gradient norm) alarm together, for `patience` (two) judged steps in a row. Either kind
+2. **Combination.** A step meets the rule when at least one *outcome* signal (training
+   reward, format-error rate, submit rate) alarms and at least `min_policy_alarms`
+   *policy* signals (entropy of the sampled tokens, share of identical samples in a group,
+   mean turns, response length, DPPO mask kept fraction, train/inference logprob
+   difference, gradient norm) alarm at that step or at an earlier step of the same unbroken
+   run of alarm steps; `patience` (two) such steps in a row are a collapse. Either kind
    alone is not enough: a policy that sharpens as it learns (lower entropy, more identical
    samples) has rising reward, and a reward dip without a change in the policy is noise.
+   The policy change may come first: in a recorded late collapse of the nano-podman recipe
+   (steps 12-19 all alarmed) the logprob differences and gradient norm alarmed at steps
+   13-16 and the reward fell to 0.07 and 0.06 at steps 18-19 with no policy alarm of its
+   own, so a rule that needed both at one step never called it.
    One step is not enough either: on the nano recipe's healthy runs a single step dips as
    far as a collapse starts (format errors 0.1 -> 0.35-0.8, submits down, grad norm or
    logprob difference up) and the next step is back in range, while a collapse is still
@@ -146,6 +151,7 @@ class Detector:
     signals: tuple[Signal, ...] = SIGNALS
     history: list[tuple[int, dict[str, float]]] = field(default_factory=list)  # (step, values) of healthy steps
     streak: int = 0  # judged steps in a row that met the collapse rule
+    policy_in_run: bool = False  # a policy change in the current unbroken run of alarm steps
 
     def judge(self, step: int, row: Mapping[str, Any], stall: bool = False) -> Verdict:
         """The verdict on `step`'s metrics `row`; healthy steps join the baseline. A `stall`
@@ -169,7 +175,8 @@ class Detector:
         outcome = sum(1 for a in alarms if a.role == "outcome")
         policy = sum(1 for a in alarms if a.role == "policy")
         nonfinite = any(a.signal in FINITE_KEYS for a in alarms)
-        meets = nonfinite or (outcome >= 1 and policy >= self.cfg.min_policy_alarms)
+        self.policy_in_run = bool(alarms) and (self.policy_in_run or policy >= self.cfg.min_policy_alarms)
+        meets = nonfinite or (outcome >= 1 and self.policy_in_run)
         self.streak = self.streak + 1 if meets else 0
         if meets and (self.streak >= self.cfg.patience or nonfinite or stall):
             return Verdict(step, "collapse", alarms, infra)
@@ -183,7 +190,7 @@ class Detector:
     def rewind(self, step: int) -> None:
         """Forget what was learned after `step` (the run went back to its checkpoint)."""
         self.history = [(s, v) for s, v in self.history if s <= step]
-        self.streak = 0
+        self.streak, self.policy_in_run = 0, False
 
     def _remember(self, step: int, values: dict[str, float]) -> None:
         self.history.append((step, values))
