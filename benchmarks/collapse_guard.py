@@ -69,7 +69,7 @@ def rl_run(cfg, name: str, start: str, train_dir: str, prepared, engine, out: Pa
     return res
 
 
-def fresh_eval(base, engine, held_dir: str, out: Path, name: str, log) -> dict:
+def fresh_eval(base, engine, held_dir: str, out: Path, name: str, log):
     """The held-out eval of the weights the engine holds now, as job `name` under out/eval.
     A job dir left by an earlier invocation is removed first: `tmax bench` resumes a job of
     the same name and configuration, which would report the earlier weights' trials."""
@@ -106,7 +106,7 @@ def collapse_pair(args, base, start, train_dir, held_dir, prepared, engine, out:
             continue
         cfg = variant(base, lr=args.lr, guard=guard, steps=args.steps)
         run = rl_run(cfg, f"collapse-{name}", start, train_dir, prepared, engine, out, log)
-        side = {f"heldout_{name}": fresh_eval(base, engine, held_dir, out, f"collapse-{name}", log)["pass_rate"],
+        side = {f"heldout_{name}": fresh_eval(base, engine, held_dir, out, f"collapse-{name}", log).pass_rate,
                 f"{name}_error": run["error"], f"{name}_steps": run["summary"]["steps"]}
         if guard:
             g = run["summary"]["guard"]
@@ -140,7 +140,7 @@ def healthy_runs(args, base, start, train_dir, held_dir, prepared, engine, out: 
                          start, train_dir, prepared, engine, out, log)
             s, g = run["summary"], run["summary"]["guard"]
             held = fresh_eval(base, engine, held_dir, out, f"healthy-{name}-s{seed}", log)
-            h = {"seed": seed, "guard": name, "heldout": held["pass_rate"], "rollbacks": g["rollbacks"],
+            h = {"seed": seed, "guard": name, "heldout": held.pass_rate, "rollbacks": g["rollbacks"],
                  "steps_lost": g["steps_lost"], "final_lr": final_lr(out / f"healthy-{name}-s{seed}"),
                  "steps": s["steps"], "error": run["error"], "reward_first_quarter": s["reward_first_quarter"],
                  "reward_last_quarter": s["reward_last_quarter"], "events": g["events"], "seconds": run["seconds"],
@@ -217,7 +217,7 @@ def main() -> None:
     t0 = time.monotonic()
     model_dir, train_dir, held_dir = build_stage(base, out, args.seed, log)
     prepared = prepare_recipe_tasks(base, train_dir, held_dir, out, log)
-    start = sft_stage(base, model_dir, prepared, out, log)["checkpoint"]
+    start = sft_stage(base, model_dir, prepared, out, log).checkpoint
     result: dict = {"seed": args.seed, "lr": args.lr}
     # Written after every run, so an interrupted benchmark keeps what it measured; the pair
     # and the healthy runs can run as two processes on one SFT checkpoint.
@@ -232,7 +232,7 @@ def main() -> None:
     engine = start_engines(base, start, out / f"engine-{report.stem}")
     try:
         if len(variants) == 2:  # a split pair (one process per side) skips the SFT eval
-            result["heldout_sft"] = fresh_eval(base, engine, held_dir, out, f"sft-{report.stem}", log)["pass_rate"]
+            result["heldout_sft"] = fresh_eval(base, engine, held_dir, out, f"sft-{report.stem}", log).pass_rate
         if not args.skip_collapse:
             collapse_pair(args, base, start, train_dir, held_dir, prepared, engine, out, result, variants, save, log)
         healthy_runs(args, base, start, train_dir, held_dir, prepared, engine, out, result, save, log)

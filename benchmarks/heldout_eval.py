@@ -75,8 +75,8 @@ def one_round(model: Path, setting: tuple, held_dir: Path, jobs_dir: Path) -> di
         before = cpu_by_part(engine)
         res = heldout_eval(cfg, Group(), str(held_dir), jobs_dir, f"eval-{time.time_ns()}", log=lambda m: None)
         after = cpu_by_part(engine)
-    return {"wall_s": round(res["seconds"], 1), "pass_rate": res["pass_rate"], "trials": res["trials"],
-            "infra_errors": res["infra_errors"], "cpu_s": {k: round(after[k] - before[k], 1) for k in after}}
+    return {"wall_s": round(res.seconds, 1), "pass_rate": res.pass_rate, "trials": res.trials,
+            "infra_errors": res.infra_errors, "cpu_s": {k: round(after[k] - before[k], 1) for k in after}}
 
 
 def main() -> None:

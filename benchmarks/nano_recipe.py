@@ -105,22 +105,21 @@ def main() -> None:
     out = Path(args.out or f"runs/bench-nano-recipe/{cfg.name}-seed{cfg.algo.seed}-{stamp}").resolve()
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     res = entry.recipe(cfg, out, progress=learn_progress(not args.json), log=log)
-    ckpt = (res.get("rl") or {}).get("checkpoint")
+    ckpt = res.rl.checkpoint if res.rl else None
     # The bare comparison is of full fine-tuning: a LoRA run's trainer step is not compared.
     samples = last_batch_samples(out / "rl", cfg) if ckpt and not cfg.lora.enabled else []
-    if samples:
-        res.update(trainer_overhead(ckpt, samples, cfg))
+    overhead = trainer_overhead(ckpt, samples, cfg) if samples else {}
     summary = {
         "seed": cfg.algo.seed,
-        "sft_pass_rate": res.get("sft_pass_rate"),
-        "rl_pass_rate": res.get("rl_pass_rate"),
-        "gain_points": None if res.get("rl_pass_rate") is None else round(100 * (res["rl_pass_rate"] - res["sft_pass_rate"]), 1),
-        "minutes_total": res["minutes_total"],
-        "stage_seconds": res["times"],
-        "trainer_overhead_ratio": res.get("trainer_overhead_ratio"),
-        "trainer_step_s": res.get("trainer_step_s"),
-        "bare_fwd_bwd_s": res.get("bare_fwd_bwd_s"),
-        "rl_summary": (res.get("rl") or {}).get("summary"),
+        "sft_pass_rate": res.sft_pass_rate,
+        "rl_pass_rate": res.rl_pass_rate,
+        "gain_points": res.gain_points,
+        "minutes_total": res.minutes_total,
+        "stage_seconds": res.times,
+        "trainer_overhead_ratio": overhead.get("trainer_overhead_ratio"),
+        "trainer_step_s": overhead.get("trainer_step_s"),
+        "bare_fwd_bwd_s": overhead.get("bare_fwd_bwd_s"),
+        "rl_summary": res.rl.summary if res.rl else None,
         **sync_figures(out / "rl" / "metrics.jsonl"),
     }
     if args.json:
@@ -128,7 +127,7 @@ def main() -> None:
         return
     print(f"held-out pass rate after SFT: {summary['sft_pass_rate']}")
     print(f"held-out pass rate after RL:  {summary['rl_pass_rate']}  ({summary['gain_points']} points)")
-    for k, v in res["times"].items():
+    for k, v in res.times.items():
         print(f"  {k:<16} {v:8.1f}")
     if samples:
         print(f"trainer step {summary['trainer_step_s']}s vs bare fwd/bwd {summary['bare_fwd_bwd_s']}s "

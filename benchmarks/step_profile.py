@@ -119,7 +119,7 @@ def start_model(cfg, out: Path, args, log) -> tuple[str, str, object]:
         demos = max(1, round(len(prepared.runnable) * cfg.sft.task_fraction))
         epochs = args.sft_steps * cfg.sft.batch_size / demos
         sft_cfg = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"epochs": epochs})})
-    return sft_stage(sft_cfg, model_dir, prepared, out, log)["checkpoint"], train_dir, prepared
+    return sft_stage(sft_cfg, model_dir, prepared, out, log).checkpoint, train_dir, prepared
 
 
 def main() -> None:

@@ -54,16 +54,17 @@ def _small_config():
 @pytest.mark.timeout(1500)
 def test_sft_then_rl_raises_training_reward(shared_ray):
     from tmax.training.entry import recipe
+    from tmax.training.recipe import RecipeResult
 
     cfg = _small_config()
     # Outside /tmp: sandboxes of a later bwrap run get a private /tmp.
     out = Path.cwd() / "runs" / "test-nano-recipe" / uuid.uuid4().hex[:8]
     res = recipe(cfg, out, log=print, stages=("sft", "rl"))
-    assert res["rl"]["steps"] == cfg.algo.steps
+    assert res.rl.steps == cfg.algo.steps and res.rl_eval is None and res.gain_points is None
     rows = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, cfg.algo.steps + 1))
     pre = [r["val/avg_group_performance_pre_filter"] for r in rows]
-    print("stage seconds", res["times"], "training reward per step", pre)
+    print("stage seconds", res.times, "training reward per step", pre)
     # SFT left something to learn and RL learned it: not already solved at the start, and
     # the last third clearly above the first (thirds, not single steps: one step's batch
     # mean moves by +-0.15 from sampling alone; a flat run measured +0.07 here).
@@ -74,5 +75,7 @@ def test_sft_then_rl_raises_training_reward(shared_ray):
     # Every consumed batch trained on real groups with reward variance.
     assert all(r["val/avg_group_performance_post_filter"] is not None for r in rows)
     summary = json.loads((out / "rl" / "summary.json").read_text())
-    assert summary["steps"] == cfg.algo.steps and Path(res["rl"]["curve"]).is_file()
+    assert summary["steps"] == cfg.algo.steps and Path(res.rl.curve).is_file()
+    # recipe.json is the result, read back whole.
+    assert RecipeResult.model_validate_json((out / "recipe.json").read_text()) == res
     shutil.rmtree(out, ignore_errors=True)  # kept for inspection when the test fails

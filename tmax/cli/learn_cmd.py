@@ -214,7 +214,7 @@ def sft(
         res = _call(lambda: entry.sft_from_runs(cfg, from_runs, run_dir, log=_echo))
     else:
         res = _call(lambda: entry.sft(cfg, run_dir, log=_echo))
-    typer.echo(json.dumps(res, indent=2))
+    typer.echo(res.model_dump_json(indent=2))
 
 
 @learn_app.command("nano")
@@ -233,10 +233,16 @@ def nano(
     bars = learn_progress(o.get("progress", True) and not as_json)
     res = _call(lambda: entry.recipe(cfg, run_dir, progress=bars, log=_echo))
     if as_json:
-        typer.echo(json.dumps(res))
+        typer.echo(res.model_dump_json())
     else:
-        _echo(f"held-out pass rate: SFT {res.get('sft_pass_rate', 0):.1%} -> RL {res.get('rl_pass_rate', 0):.1%}; "
-              f"{res['minutes_total']:.1f} min total; {run_dir / 'recipe.json'}")
+        _echo(recipe_line(res, run_dir / "recipe.json"))
+
+
+def recipe_line(res: Any, path: Path) -> str:
+    """The closing line of `tmax learn nano` (`res`: a `training.recipe.RecipeResult`)."""
+    rl = (f"{res.rl_eval.pass_rate:.1%} ({res.gain_points:+.1f} points)" if res.rl_eval
+          else "not evaluated (the run left no final checkpoint)")
+    return f"held-out pass rate: SFT {res.sft_eval.pass_rate:.1%} -> RL {rl}; {res.minutes_total:.1f} min total; {path}"
 
 
 @learn_app.command("merge")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -37,6 +36,7 @@ from tmax.training.report import LearnProgress
 
 if TYPE_CHECKING:
     from tmax.training.loop import RunResult
+    from tmax.training.recipe import RecipeResult, SftStage
 
 Log = Callable[[str], None]
 SBATCH_NAME = "tmax-learn.sbatch"
@@ -88,7 +88,7 @@ def _rl_inputs(cfg: LearnConfig, out: Path, log: Log) -> tuple[str, str, Path, A
     if cfg.model.build_nano or cfg.tasks.generate_nano:
         model_dir, train_dir, held_dir = build_stage(cfg, out, cfg.algo.seed, log)
         prepared = prepare_recipe_tasks(cfg, train_dir, held_dir, out, log)
-        return sft_stage(cfg, model_dir, prepared, out, log)["checkpoint"], train_dir, _rl_dir(cfg, out), prepared
+        return sft_stage(cfg, model_dir, prepared, out, log).checkpoint, train_dir, _rl_dir(cfg, out), prepared
     prepared = prepare_recipe_tasks(cfg, cfg.tasks.train, cfg.tasks.heldout, out, log)
     return cfg.model.path, cfg.tasks.train, _rl_dir(cfg, out), prepared
 
@@ -110,7 +110,7 @@ def _rated_stream(from_runs: Path, per_step: int, plan: PlacementPlan | None) ->
         raise ConfigError(str(e)) from None
 
 
-def sft(cfg: LearnConfig, out: Path, log: Log = print) -> dict:
+def sft(cfg: LearnConfig, out: Path, log: Log = print) -> SftStage:
     """Build what is missing, then the SFT warm start on the train tasks (into `out/sft`)."""
     require_extra("train")
     from tmax.training.recipe import build_stage, prepare_recipe_tasks, sft_stage
@@ -121,11 +121,12 @@ def sft(cfg: LearnConfig, out: Path, log: Log = print) -> dict:
     return sft_stage(cfg, model_dir, prepared, out, log)
 
 
-def sft_from_runs(cfg: LearnConfig, runs_dir: Path, out: Path, log: Log = print) -> dict:
+def sft_from_runs(cfg: LearnConfig, runs_dir: Path, out: Path, log: Log = print) -> SftStage:
     """SFT on the accepted `tmax run --tokens` sessions under `runs_dir` (into `out/sft-runs`),
     starting from model.path, else from the model the sessions were sampled from."""
     require_extra("train")
     from tmax.training.learner.sft import train_sft
+    from tmax.training.recipe import SftStage
     from tmax.training.runs_data import RunsDataError, accepted, load_runs, model_dir_of
 
     try:
@@ -142,15 +143,15 @@ def sft_from_runs(cfg: LearnConfig, runs_dir: Path, out: Path, log: Log = print)
         if step % 20 == 0 or step == total:
             log(f"SFT step {step}/{total}: loss {loss:.3f}")
 
-    return asdict(train_sft(start, demos, cfg, out / "sft-runs", log=step_log))
+    return SftStage.trained(train_sft(start, demos, cfg, out / "sft-runs", log=step_log))
 
 
 def recipe(cfg: LearnConfig, out: Path, *, progress: LearnProgress | None = None, log: Log = print,
-           stages: tuple[str, ...] = ("sft", "rl", "eval")) -> dict:
+           stages: tuple[str, ...] = ("sft", "rl", "eval")) -> RecipeResult:
     """The whole nano recipe into `out` (`recipe.json`). `stages` can drop "eval" (RL only)
     or "rl" (SFT + eval). One machine: the held-out evals share the RL run's engine."""
     require_extra("train")
-    from tmax.training.recipe import build_stage, prepare_recipe_tasks, sft_stage
+    from tmax.training.recipe import RecipeResult, SftStage, build_stage, prepare_recipe_tasks, sft_stage
 
     if cfg.cluster.nodes is not None:
         raise ConfigError("the recipe runs on one machine (its evals share the RL engine); drop --nodes (cluster.nodes)")
@@ -165,19 +166,15 @@ def recipe(cfg: LearnConfig, out: Path, *, progress: LearnProgress | None = None
     prepared = prepare_recipe_tasks(cfg, train_dir, held_dir, out, log)
     times["environments_s"] = time.monotonic() - t
     t = time.monotonic()
-    sft_res = sft_stage(cfg, model_dir, prepared, out, log) if "sft" in stages else {"checkpoint": model_dir}
+    sft_res = sft_stage(cfg, model_dir, prepared, out, log) if "sft" in stages else SftStage(checkpoint=model_dir)
     times["sft_s"] = time.monotonic() - t
-    result: dict[str, Any] = {"seed": cfg.algo.seed, "sft": sft_res}
+    result = RecipeResult(seed=cfg.algo.seed, sft=sft_res)
     with ray_session(cfg, None, log):
-        _evaluated_rl(cfg, out, sft_res["checkpoint"], train_dir, held_dir, prepared, stages, progress, log,
+        _evaluated_rl(cfg, out, sft_res.checkpoint, train_dir, held_dir, prepared, stages, progress, log,
                       result, times)
     times["total_s"] = time.monotonic() - t0
-    result["times"] = {k: round(v, 1) for k, v in times.items()}
-    for stage in ("sft", "rl"):
-        if f"{stage}_eval" in result:
-            result[f"{stage}_pass_rate"] = result[f"{stage}_eval"]["pass_rate"]
-    result["minutes_total"] = round(times["total_s"] / 60, 2)
-    write_json_atomic(out / "recipe.json", result)
+    result.times = {k: round(v, 1) for k, v in times.items()}
+    write_json_atomic(out / "recipe.json", result.model_dump(mode="json"))
     return result
 
 
@@ -196,14 +193,14 @@ def _refuse_earlier_recipe(out: Path) -> None:
 
 
 def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, train_dir: str, held_dir: str, prepared: Any,
-                  stages: tuple[str, ...], progress: LearnProgress | None, log: Log, result: dict,
+                  stages: tuple[str, ...], progress: LearnProgress | None, log: Log, result: RecipeResult,
                   times: dict) -> None:
     """One engine serving `start`: the held-out eval of it, RL on it, the held-out eval of
     RL's final checkpoint loaded into it. Fills `result` and `times`."""
     from tmax.training.cluster.actors import start_engines
     from tmax.training.learner.lora import run_start
     from tmax.training.loop import train
-    from tmax.training.recipe import heldout_eval
+    from tmax.training.recipe import RlStage, heldout_eval
     from tmax.training.weights.learner_side import load_checkpoint
 
     t = time.monotonic()
@@ -214,7 +211,7 @@ def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, train_dir: str, held_
         log(f"vLLM engine up in {times['engine_start_s']:.0f}s")
         if "eval" in stages:
             t = time.monotonic()
-            result["sft_eval"] = heldout_eval(cfg, engine, held_dir, out / "eval", f"sft-s{cfg.algo.seed}", log)
+            result.sft_eval = heldout_eval(cfg, engine, held_dir, out / "eval", f"sft-s{cfg.algo.seed}", log)
             times["sft_eval_s"] = time.monotonic() - t
         if "rl" not in stages:
             return
@@ -222,13 +219,13 @@ def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, train_dir: str, held_
         run = train(cfg, start, train_dir, out / "rl", progress=progress, engine_handle=engine, keep_engine=True,
                     prepared=prepared)
         times["rl_s"] = time.monotonic() - t
-        result["rl"] = {"steps": run.steps, "checkpoint": run.final_checkpoint, "summary": run.summary,
-                        "curve": run.curve_png}
+        result.rl = RlStage(steps=run.steps, checkpoint=run.final_checkpoint, summary=run.summary,
+                            curve=run.curve_png)
         log(f"RL: {run.steps} steps in {times['rl_s']:.0f}s; reward curve {run.curve_png}")
         if "eval" in stages and run.final_checkpoint:
             t = time.monotonic()
             load_checkpoint(engine, run.final_checkpoint, run.steps)
-            result["rl_eval"] = heldout_eval(cfg, engine, held_dir, out / "eval", f"rl-s{cfg.algo.seed}", log)
+            result.rl_eval = heldout_eval(cfg, engine, held_dir, out / "eval", f"rl-s{cfg.algo.seed}", log)
             times["rl_eval_s"] = time.monotonic() - t
     finally:
         # Also on failure: the engine actor owns a vLLM server that must not outlive the run.

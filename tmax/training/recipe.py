@@ -28,15 +28,91 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
+from pydantic import BaseModel, computed_field
+
 from tmax.common.files import write_dir_atomic, write_text_atomic
 from tmax.training.config import LearnConfig
 from tmax.training.loop import list_task_dirs
 
 if TYPE_CHECKING:
+    from tmax.training.learner.sft import SFTResult
     from tmax.training.rollout import PreparedTasks
 
 Log = Callable[[str], None]
 T = TypeVar("T")
+
+
+class SftStage(BaseModel):
+    """What SFT did; a run that found `sft/sft.json` reads it back (`skipped`), and a recipe
+    without the SFT stage has only the starting checkpoint."""
+
+    checkpoint: str
+    demos: int = 0
+    demos_solved: int | None = None  # not kept in sft.json: unknown when skipped
+    tokens: int | None = None
+    steps: int = 0
+    final_loss: float | None = None  # mean of the last tenth of the step losses
+    demo_s: float = 0.0
+    train_s: float = 0.0
+    skipped: bool = False
+
+    @classmethod
+    def trained(cls, res: SFTResult, demos_solved: int | None = None, demo_s: float = 0.0) -> SftStage:
+        return cls(checkpoint=res.checkpoint, demos=res.demos, demos_solved=demos_solved, tokens=res.tokens,
+                   steps=res.steps, final_loss=res.final_loss, demo_s=demo_s, train_s=res.seconds)
+
+
+class HeldoutEval(BaseModel):
+    """One held-out `tmax bench` job, scored by `Trial.score()` (infra errors count as
+    trials, never as passes)."""
+
+    pass_rate: float
+    passed: int
+    trials: int
+    infra_errors: int
+    seconds: float
+    job_dir: str
+
+
+class RlStage(BaseModel):
+    steps: int
+    checkpoint: str | None
+    summary: dict[str, Any]  # `training.report.run_summary`
+    curve: str | None
+
+
+class RecipeResult(BaseModel):
+    """`recipe.json`: each stage that ran, its held-out pass rates and stage seconds."""
+
+    seed: int
+    sft: SftStage
+    sft_eval: HeldoutEval | None = None
+    rl: RlStage | None = None
+    rl_eval: HeldoutEval | None = None
+    times: dict[str, float] = {}
+
+    @computed_field
+    @property
+    def sft_pass_rate(self) -> float | None:
+        return self.sft_eval.pass_rate if self.sft_eval else None
+
+    @computed_field
+    @property
+    def rl_pass_rate(self) -> float | None:
+        return self.rl_eval.pass_rate if self.rl_eval else None
+
+    @computed_field
+    @property
+    def gain_points(self) -> float | None:
+        """Held-out pass rate after RL minus after SFT, in points."""
+        if self.sft_eval is None or self.rl_eval is None:
+            return None
+        return round(100 * (self.rl_eval.pass_rate - self.sft_eval.pass_rate), 1)
+
+    @computed_field
+    @property
+    def minutes_total(self) -> float | None:
+        return round(self.times["total_s"] / 60, 2) if "total_s" in self.times else None
 
 
 def _built(dest: Path, make: Callable[[Path], T]) -> T:
@@ -67,7 +143,7 @@ def build_stage(cfg: LearnConfig, out: Path, seed: int, log: Log) -> tuple[str, 
     return str(model_dir), str(train_dir), str(held_dir)
 
 
-def sft_stage(cfg: LearnConfig, model_dir: str, prepared: PreparedTasks, out: Path, log: Log) -> dict:
+def sft_stage(cfg: LearnConfig, model_dir: str, prepared: PreparedTasks, out: Path, log: Log) -> SftStage:
     """Teacher demonstrations on the train tasks whose environment is ready (`prepared`,
     a `training.rollout.PreparedTasks`), then SFT on them."""
     from transformers import AutoTokenizer
@@ -78,7 +154,11 @@ def sft_stage(cfg: LearnConfig, model_dir: str, prepared: PreparedTasks, out: Pa
     sft_dir = out / "sft"
     if (sft_dir / "sft.json").is_file():
         log(f"SFT checkpoint exists: {sft_dir}")
-        return json.loads((sft_dir / "sft.json").read_text()) | {"checkpoint": str(sft_dir), "skipped": True}
+        done = json.loads((sft_dir / "sft.json").read_text())
+        losses = done.get("losses") or []
+        tail = losses[-max(1, len(losses) // 10):]
+        return SftStage(checkpoint=str(sft_dir), demos=done["demos"], steps=done["steps"], skipped=True,
+                        final_loss=sum(tail) / len(tail) if tail else None)
     tok = AutoTokenizer.from_pretrained(model_dir)
     chosen = select_sft_tasks(prepared.runnable, cfg.sft.task_fraction, cfg.algo.seed)
     t0 = time.monotonic()
@@ -101,11 +181,10 @@ def sft_stage(cfg: LearnConfig, model_dir: str, prepared: PreparedTasks, out: Pa
     res = train_sft(model_dir, demos, cfg, sft_dir, log=step_log, lora=adapter)  # replaces sft_dir whole
     write_text_atomic(sft_dir / "demos.jsonl", "".join(r.to_json() + "\n" for r in demos))
     log(f"SFT: {res.steps} steps, final loss {res.final_loss:.3f}, {res.seconds:.1f}s")
-    return {"checkpoint": res.checkpoint, "demos": res.demos, "demos_solved": solved, "steps": res.steps, "final_loss": res.final_loss,
-            "demo_s": t_demo, "train_s": res.seconds}
+    return SftStage.trained(res, demos_solved=solved, demo_s=t_demo)
 
 
-def heldout_eval(cfg: LearnConfig, engine: Any, held_dir: str, jobs_dir: Path, name: str, log: Log) -> dict:
+def heldout_eval(cfg: LearnConfig, engine: Any, held_dir: str, jobs_dir: Path, name: str, log: Log) -> HeldoutEval:
     """A `tmax bench` job (the `eval.harness` agent, else the harness trained under; trials
     in `eval.sandbox`) against the server of `engine` (a `training.cluster.actors.EngineGroup`)."""
     from tmax.tasks.job import Job, JobConfig
@@ -126,10 +205,10 @@ def heldout_eval(cfg: LearnConfig, engine: Any, held_dir: str, jobs_dir: Path, n
     n = len(verdicts)
     passed = sum(v.passed for v in verdicts)
     infra = sum(v.infra for v in verdicts)
-    out = {"pass_rate": passed / n if n else 0.0, "passed": passed, "trials": n, "infra_errors": infra,
-           "seconds": time.monotonic() - t0, "job_dir": str(job.dir)}
-    log(f"held-out eval [{name}, {harness} harness]: {passed}/{n} passed ({out['pass_rate']:.1%}), {infra} infra errors, "
-        f"{out['seconds']:.0f}s")
+    out = HeldoutEval(pass_rate=passed / n if n else 0.0, passed=passed, trials=n, infra_errors=infra,
+                      seconds=time.monotonic() - t0, job_dir=str(job.dir))
+    log(f"held-out eval [{name}, {harness} harness]: {passed}/{n} passed ({out.pass_rate:.1%}), {infra} infra errors, "
+        f"{out.seconds:.0f}s")
     return out
 
 

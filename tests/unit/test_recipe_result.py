@@ -1,0 +1,54 @@
+"""The nano recipe's result record (`training.recipe.RecipeResult`, `recipe.json`) and the
+line `tmax learn nano` closes with. The recipe itself runs in
+tests/integration/test_nano_recipe.py and, through the CLI, test_lora_learn.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tmax.cli.learn_cmd import recipe_line
+from tmax.training.recipe import HeldoutEval, RecipeResult, RlStage, SftStage
+
+
+def _eval(passed: int, trials: int = 128) -> HeldoutEval:
+    return HeldoutEval(pass_rate=passed / trials, passed=passed, trials=trials, infra_errors=0, seconds=17.2,
+                       job_dir="runs/nano/eval/x")
+
+
+def _result(**over) -> RecipeResult:
+    fields = dict(seed=0, sft=SftStage(checkpoint="runs/nano/sft", demos=128, demos_solved=52, steps=256,
+                                       final_loss=0.063, demo_s=4.6, train_s=177.2),
+                  sft_eval=_eval(34), rl=RlStage(steps=20, checkpoint="runs/nano/rl/checkpoints/step_20",
+                                                 summary={"steps": 20}, curve=None),
+                  rl_eval=_eval(96), times={"sft_s": 181.9, "rl_s": 233.0, "total_s": 477.3})
+    return RecipeResult(**(fields | over))
+
+
+def test_pass_rates_gain_and_minutes_come_from_the_stages():
+    res = _result()
+    assert (res.sft_pass_rate, res.rl_pass_rate, res.gain_points, res.minutes_total) == (0.265625, 0.75, 48.4, 7.96)
+    # recipe.json carries them beside the stages and reads back to the same record.
+    written = json.loads(res.model_dump_json())
+    assert (written["sft_pass_rate"], written["rl_pass_rate"], written["gain_points"]) == (0.265625, 0.75, 48.4)
+    assert RecipeResult.model_validate(written) == res
+
+
+def test_a_recipe_without_rl_or_eval_has_no_gain():
+    res = _result(rl=None, rl_eval=None)
+    assert (res.rl_pass_rate, res.gain_points) == (None, None)
+    assert _result(sft_eval=None, rl_eval=None, times={}).minutes_total is None
+
+
+def test_the_closing_line_names_both_pass_rates_and_the_gain():
+    assert recipe_line(_result(), Path("runs/nano/recipe.json")) == (
+        "held-out pass rate: SFT 26.6% -> RL 75.0% (+48.4 points); 8.0 min total; runs/nano/recipe.json")
+    line = recipe_line(_result(rl_eval=None), Path("runs/nano/recipe.json"))
+    assert "RL not evaluated (the run left no final checkpoint)" in line
+
+
+def test_a_stage_record_with_a_wrong_type_is_refused():
+    with pytest.raises(ValueError, match="passed"):
+        HeldoutEval(pass_rate=0.5, passed="many", trials=2, infra_errors=0, seconds=1.0, job_dir="x")
