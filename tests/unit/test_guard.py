@@ -5,7 +5,8 @@ in-place restore, the health signals and what a run reports.
 
 The series in tests/data/guard are `metrics.jsonl` rows of `benchmarks/collapse_guard.py`
 runs (`recipe_podman_seed0` and `late_collapse_podman_seed0` of `benchmarks/nano_recipe.py`),
-cut to what the guard reads (5 significant digits). `healthy_*_seed{N}` are the nano preset's LR (5e-4, 20 steps) from one SFT checkpoint (recipe seed 0), RL seed N:
+cut to what the guard reads (5 significant digits). `healthy_*_seed{N}` are the nano
+preset's LR (5e-4, 20 steps) from one SFT checkpoint (recipe seed 0), RL seed N:
 `healthy_off_*` with the guard off, `healthy_on_patience1_*` with the guard on as first
 shipped (a collapse at the first step meeting the rule), `healthy_on_*` with it now."""
 
