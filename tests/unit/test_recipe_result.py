@@ -52,3 +52,17 @@ def test_the_closing_line_names_both_pass_rates_and_the_gain():
 def test_a_stage_record_with_a_wrong_type_is_refused():
     with pytest.raises(ValueError, match="passed"):
         HeldoutEval(pass_rate=0.5, passed="many", trials=2, infra_errors=0, seconds=1.0, job_dir="x")
+
+
+def test_a_finished_sft_is_read_back_not_trained_again(tmp_path):
+    """sft/sft.json marks SFT done: the stage reads it back (final loss the mean of the last
+    tenth of the step losses, as after training) and trains nothing."""
+    from tmax.training.recipe import sft_stage
+
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "sft.json").write_text(json.dumps({"steps": 20, "demos": 4,
+                                                          "losses": [float(i) for i in range(20, 0, -1)]}))
+    logged: list[str] = []
+    res = sft_stage(None, "unused", None, tmp_path, logged.append)
+    assert (res.skipped, res.checkpoint, res.demos, res.steps, res.final_loss) == (True, str(tmp_path / "sft"), 4, 20, 1.5)
+    assert logged == [f"SFT checkpoint exists: {tmp_path / 'sft'}"]

@@ -20,11 +20,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import typer
 
 from tmax.cli.extras import exit_if_extra_missing
+
+if TYPE_CHECKING:
+    from tmax.training.recipe import RecipeResult
 
 LORA_RANK = typer.Option(
     None, "--lora-rank", min=0, help="Train a LoRA adapter of this rank on the frozen model (lora.rank; 0: every weight).")
@@ -238,8 +241,8 @@ def nano(
         _echo(recipe_line(res, run_dir / "recipe.json"))
 
 
-def recipe_line(res: Any, path: Path) -> str:
-    """The closing line of `tmax learn nano` (`res`: a `training.recipe.RecipeResult`)."""
+def recipe_line(res: RecipeResult, path: Path) -> str:
+    """The closing line of `tmax learn nano`."""
     rl = (f"{res.rl_eval.pass_rate:.1%} ({res.gain_points:+.1f} points)" if res.rl_eval
           else "not evaluated (the run left no final checkpoint)")
     return f"held-out pass rate: SFT {res.sft_eval.pass_rate:.1%} -> RL {rl}; {res.minutes_total:.1f} min total; {path}"

@@ -154,11 +154,11 @@ def sft_stage(cfg: LearnConfig, model_dir: str, prepared: PreparedTasks, out: Pa
     sft_dir = out / "sft"
     if (sft_dir / "sft.json").is_file():
         log(f"SFT checkpoint exists: {sft_dir}")
+        from tmax.training.learner.sft import final_loss
+
         done = json.loads((sft_dir / "sft.json").read_text())
-        losses = done.get("losses") or []
-        tail = losses[-max(1, len(losses) // 10):]
         return SftStage(checkpoint=str(sft_dir), demos=done["demos"], steps=done["steps"], skipped=True,
-                        final_loss=sum(tail) / len(tail) if tail else None)
+                        final_loss=final_loss(done["losses"]))
     tok = AutoTokenizer.from_pretrained(model_dir)
     chosen = select_sft_tasks(prepared.runnable, cfg.sft.task_fraction, cfg.algo.seed)
     t0 = time.monotonic()

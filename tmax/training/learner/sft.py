@@ -98,5 +98,10 @@ def train_sft(model_dir: str, demos: Sequence[Traced], cfg: LearnConfig, out_dir
     path = learner.export(out_dir, extra={"sft_steps": total, "sft_demos": len(demos)})
     # The marker that SFT is done (the recipe skips SFT when it exists): written last, atomically.
     write_json_atomic(Path(path) / "sft.json", {"steps": total, "demos": len(demos), "losses": losses})
+    return SFTResult(str(path), len(demos), tokens, total, final_loss(losses), time.monotonic() - t0)
+
+
+def final_loss(losses: Sequence[float]) -> float | None:
+    """An SFT run's final loss: the mean of its last tenth of step losses (one step is noisy)."""
     tail = losses[-max(1, len(losses) // 10):]
-    return SFTResult(str(path), len(demos), tokens, total, sum(tail) / len(tail), time.monotonic() - t0)
+    return sum(tail) / len(tail) if tail else None
