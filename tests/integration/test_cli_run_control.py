@@ -57,9 +57,11 @@ def test_background_run_is_interruptible_and_time_boxed(env, ws, tmp_path):
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
         tmax_pid = int(proc.stdout.readline())
         # bash prints the pid right after its fork, before the child sets its dispositions
-        # and execs: read them once the child runs tmax.
+        # and execs: read them once the child runs Python (until its exec the child's argv
+        # is bash's own, which names tmax.cli.main in its -c string).
         deadline = time.monotonic() + 10
-        while b"tmax.cli.main" not in Path(f"/proc/{tmax_pid}/cmdline").read_bytes() and time.monotonic() < deadline:
+        while (Path(f"/proc/{tmax_pid}/cmdline").read_bytes().split(b"\0")[0] != sys.executable.encode()
+               and time.monotonic() < deadline):
             time.sleep(0.01)
         status = Path(f"/proc/{tmax_pid}/status").read_text()
         # The premise: started with SIGINT and SIGQUIT ignored. tmax soon handles SIGINT
