@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.results_log import add_record_arguments, record_result  # noqa: E402
 
 from tmax.tasks.dataset import load_tasks  # noqa: E402
 from tmax.tasks.images import ensure_image  # noqa: E402
@@ -55,6 +56,7 @@ def main() -> None:
     ap.add_argument("--tasks", default=",".join(DEFAULT_TASKS))
     ap.add_argument("-k", "--attempts", type=int, default=1)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    add_record_arguments(ap, __file__)
     args = ap.parse_args()
     names = [t for t in args.tasks.split(",") if t]
     cfg = default_config()
@@ -75,6 +77,7 @@ def main() -> None:
         "mean_reward_n1": r1["mean_reward"],
         "mean_reward_n4": r4["mean_reward"],
     }
+    record_result(args, out)
     if args.json:
         print(json.dumps(out))
     else:

@@ -40,6 +40,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks.results_log import add_record_arguments, record_result  # noqa: E402
 
 DEFAULT_TASK = REPO / "tests" / "data" / "tasks" / "echo-hello"
 HARBOR = REPO / ".venv-harbor" / "bin" / "harbor"
@@ -168,10 +169,12 @@ def main() -> None:
     ap.add_argument("--task", type=Path, default=DEFAULT_TASK, help="a task directory with solution/ and tests/")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--json", action="store_true")
+    add_record_arguments(ap, __file__)
     ap.add_argument("--no-harbor", action="store_true")
     ap.add_argument("--baseline", type=Path, help="another tmax checkout to time the same way (e.g. before a change)")
     args = ap.parse_args()
     out = measure(args.task.resolve(), args.runs, not args.no_harbor, args.baseline.resolve() if args.baseline else None)
+    record_result(args, out)
     if args.json:
         print(json.dumps(out, indent=2))
         return

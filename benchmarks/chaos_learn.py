@@ -52,6 +52,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.results_log import add_record_arguments, record_result  # noqa: E402
 
 TAG_ENV = "TMAX_CHAOS_RUN"  # every process of the run inherits it: how its processes are found
 # What each kind of fault kills (a process command-line needle; containers by run label).
@@ -512,6 +513,7 @@ def main() -> None:
     ap.add_argument("--step-timeout", type=float, default=1800.0, help="the longest wait for one step, in seconds")
     ap.add_argument("--lora-rank", type=int, default=0, help="train a LoRA adapter of this rank (lora.rank)")
     ap.add_argument("--json", action="store_true")
+    add_record_arguments(ap, __file__)
     args = ap.parse_args()
 
     rng = random.Random(args.seed)
@@ -533,6 +535,7 @@ def main() -> None:
            "wall_s": round(time.monotonic() - t0, 1),
            "faults_injected": sum(f.injected for f in faults), "faults_recovered": sum(f.recovered for f in faults),
            "faults": _by_kind(faults), "schedule": [asdict(f) for f in faults], **_checks(chaos, steps)}
+    record_result(args, out)
     if args.json:
         print(json.dumps(out, indent=2))
     else:

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.results_log import add_record_arguments, record_result  # noqa: E402
 
 
 def rl_run(cfg, name: str, start: str, train_dir: str, prepared, engine, out: Path, log) -> dict:
@@ -201,6 +202,7 @@ def main() -> None:
     ap.add_argument("--skip-collapse", action="store_true", help="only the healthy runs")
     ap.add_argument("--variants", default="off,on", help="which runs of the pair (one per process: run them side by side)")
     ap.add_argument("--json", action="store_true")
+    add_record_arguments(ap, __file__)
     args = ap.parse_args()
 
     from tmax.common.files import write_json_atomic
@@ -241,6 +243,7 @@ def main() -> None:
         engine.kill()
         cluster.shutdown()
     save()
+    record_result(args, result)
     if args.json:
         print(json.dumps(result))
         return

@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.results_log import add_record_arguments, record_result  # noqa: E402
 FIXTURE = ROOT / "tests" / "data" / "corpus" / "validate" / "good"
 RESOURCE = "tmax_sandbox"
 MB = 1024 * 1024
@@ -68,6 +69,7 @@ def main() -> None:
     ap.add_argument("-e", "--env", default="bwrap")
     ap.add_argument("--no-ray", action="store_true")
     ap.add_argument("--json", action="store_true")
+    add_record_arguments(ap, __file__)
     args = ap.parse_args()
 
     from tmax.tasks.job_runner import LocalBackend
@@ -103,6 +105,7 @@ def main() -> None:
             finally:
                 ray.shutdown()
                 c.shutdown()
+    record_result(args, out)
     if args.json:
         print(json.dumps(out, indent=2))
     else:

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.results_log import add_record_arguments, record_result  # noqa: E402
 
 # name: (engine.cpu_threads, the engine core's start method: None is tmax's fork)
 SETTINGS = {"vllm_default": (None, None), "one_thread": (1, None)}
@@ -97,6 +98,7 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=48)
     ap.add_argument("--start-method", action="store_true", help="compare the core forked against spawned")
     ap.add_argument("--json", action="store_true")
+    add_record_arguments(ap, __file__)
     args = ap.parse_args()
     from tmax.training.nano.model import build_nano_model
 
@@ -115,6 +117,7 @@ def main() -> None:
     a, b = summary[first], summary[second]
     summary["ratio_tokens_per_s"] = round(b["tokens_per_s"] / a["tokens_per_s"], 3)
     summary["ratio_cpu_per_token"] = round(b["cpu_s_per_1k_tokens"] / a["cpu_s_per_1k_tokens"], 3)
+    record_result(args, summary)
     if args.json:
         print(json.dumps(summary))
         return

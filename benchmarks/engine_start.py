@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.results_log import add_record_arguments, record_result  # noqa: E402
 
 LAYOUTS = ("fork", "spawn", "mp")
 
@@ -71,6 +72,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--json", action="store_true")
+    add_record_arguments(ap, __file__)
     args = ap.parse_args()
     from tmax.training.nano.model import build_nano_model
 
@@ -94,6 +96,7 @@ def main() -> None:
            "start_mp_over_fork": round(med["mp"]["start_s"] / med["fork"]["start_s"], 2),
            "throughput_fork_over_spawn": round(med["fork"]["tokens_per_s"] / med["spawn"]["tokens_per_s"], 2),
            "throughput_fork_over_mp": round(med["fork"]["tokens_per_s"] / med["mp"]["tokens_per_s"], 2)}
+    record_result(args, out)
     print(json.dumps(out, indent=None if args.json else 2))
 
 

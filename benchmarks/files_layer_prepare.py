@@ -30,6 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.results_log import add_record_arguments, record_result  # noqa: E402
 
 from benchmarks.podman_episode_profile import leave_cgroup, machine_cpu_s, own_cgroup  # noqa: E402
 
@@ -112,8 +113,10 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1, help="each way this many times, alternating")
     p.add_argument("--json", action="store_true")
+    add_record_arguments(p, __file__)
     args = p.parse_args()
     out = measure(args)
+    record_result(args, out)
     if args.json:
         print(json.dumps(out, indent=2))
         return

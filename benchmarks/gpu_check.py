@@ -54,10 +54,12 @@ if ROOT not in sys.path:
 PEAK_BF16_TFLOPS = 989.0  # H100/H200 SXM, bf16 dense, no sparsity
 PEAK_CPU_TFLOPS = 1.0  # nominal, only so the CPU smoke path exercises the same formula
 
+from benchmarks.results_log import add_record_arguments, record_result  # noqa: E402
 from tmax.training.weights.learner_side import WeightSourceMixin  # noqa: E402  (cheap: no torch, no Ray)
 
 RESULT: dict = {"ok": False}
 _CLEANUP: list = []
+_ARGS: list = []  # the parsed arguments, once there are: --record appends RESULT at the exit
 
 
 def emit_and_exit(code: int) -> None:
@@ -66,6 +68,11 @@ def emit_and_exit(code: int) -> None:
             fn()
         except Exception:
             pass
+    if _ARGS:
+        try:
+            record_result(_ARGS[0], RESULT)
+        except Exception as e:  # the JSON line below is still the last word
+            print(f"gpu_check: not recorded: {e}", file=sys.stderr, flush=True)
     print(json.dumps(RESULT, sort_keys=True), flush=True)
     os._exit(code)
 
@@ -353,7 +360,9 @@ def main() -> None:
     ap.add_argument("--fp32", action="store_true", help="fp32 learner and engine on GPU: the exact agreement check")
     ap.add_argument("--lora", type=int, default=0, metavar="R",
                     help="the LoRA pass: train a rank-R adapter, sync only it (through the object store)")
+    add_record_arguments(ap, __file__)
     args = ap.parse_args()
+    _ARGS.append(args)
     if args.lora:
         args.transport = "object_store"  # an adapter syncs as a file, whatever the full weights use
     watchdog(args.time_limit)

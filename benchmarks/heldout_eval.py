@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.results_log import add_record_arguments, record_result  # noqa: E402
 
 # --compare: setting name -> (engine.cpu_threads, eval.sandbox, eval.warm_ahead; -1: eval.concurrency)
 COMPARISONS = {
@@ -86,6 +87,7 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", action="store_true")
+    add_record_arguments(ap, __file__)
     args = ap.parse_args()
     from tmax.training.nano.tasks import write_splits
 
@@ -108,6 +110,7 @@ def main() -> None:
     first, second = settings
     ratio = summary[first]["wall_s_median"] / summary[second]["wall_s_median"]
     out = {"settings": summary, f"wall_ratio_{first}_over_{second}": round(ratio, 2)}
+    record_result(args, out)
     print(json.dumps(out, indent=1) if args.json else f"eval wall, {first} / {second}: {ratio:.2f}x")
 
 

@@ -37,6 +37,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.results_log import add_record_arguments, record_result  # noqa: E402
 
 
 def commands(n: int) -> list[str]:
@@ -313,6 +314,7 @@ def measure(args, root: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
+    add_record_arguments(ap, __file__)
     ap.add_argument("--rounds", type=int, default=12,
                     help="alternating rounds of training and evaluation (at 4, a side's p99 is its third slowest "
                          "of 224 commands)")
@@ -331,6 +333,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="tmax-latency-") as tmp:
         out = measure(args, Path(tmp))
+    record_result(args, out)
     print(json.dumps(out) if args.json else "\n".join(f"{k}: {v}" for k, v in out.items()))
 
 

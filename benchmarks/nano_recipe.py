@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.results_log import add_record_arguments, record_result  # noqa: E402
 
 
 def last_batch_samples(run_dir: Path, cfg) -> list:
@@ -92,6 +93,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--config", default=None, help="TOML config (default: the nano preset)")
     ap.add_argument("--json", action="store_true")
+    add_record_arguments(ap, __file__)
     args = ap.parse_args()
 
     from tmax.cli.progress import learn_progress
@@ -122,6 +124,7 @@ def main() -> None:
         "rl_summary": res.rl.summary if res.rl else None,
         **sync_figures(out / "rl" / "metrics.jsonl"),
     }
+    record_result(args, summary)
     if args.json:
         print(json.dumps(summary))
         return

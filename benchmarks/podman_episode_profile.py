@@ -41,6 +41,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.results_log import add_record_arguments, record_result  # noqa: E402
 
 CALLS: list[tuple[str, float, float, str]] = []  # (call, seconds, CPU seconds, detail), in order
 HZ = os.sysconf("SC_CLK_TCK")
@@ -338,6 +339,7 @@ def report(out: dict, rounds: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
+    add_record_arguments(ap, __file__)
     ap.add_argument("--rounds", type=int, default=10, help="repeats of each side-by-side comparison")
     ap.add_argument("--only-episodes", action="store_true", help="only the fresh container / overlay comparison")
     args = ap.parse_args()
@@ -346,6 +348,7 @@ def main() -> None:
         out = {"cpu_source": cpu_source, **measure(args)}
     finally:
         leave_cgroup()
+    record_result(args, out)
     if args.json:
         print(json.dumps(out))
     else:

@@ -28,6 +28,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.results_log import add_record_arguments, record_result  # noqa: E402
 
 
 def scripted_samplers(tok, task_dirs: list[str]):
@@ -87,6 +88,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="a nano checkpoint to sample from (default: scripted oracle turns)")
     ap.add_argument("--json", action="store_true")
+    add_record_arguments(ap, __file__)
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -117,6 +119,7 @@ def main() -> None:
     out["podman_warm_vs_cold"] = round(res["podman_warm"]["episodes_per_min"] / res["podman_cold"]["episodes_per_min"], 3)
     out.update({"policy": "model" if args.model else "scripted", "concurrency": args.concurrency,
                 "pool": args.pool, "tasks": args.tasks, "modes": res})
+    record_result(args, out)
     if args.json:
         print(json.dumps(out))
         return

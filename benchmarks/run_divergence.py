@@ -24,9 +24,11 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from tmax.training.guard import replay
-from tmax.training.report import read_metrics
-from tmax.training.rollout import Rollout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.results_log import add_record_arguments, record_result  # noqa: E402
+from tmax.training.guard import replay  # noqa: E402
+from tmax.training.report import read_metrics  # noqa: E402
+from tmax.training.rollout import Rollout  # noqa: E402
 
 
 def load_rollouts(run: Path) -> list[Rollout]:
@@ -68,6 +70,7 @@ def main() -> None:
     ap.add_argument("run_a", type=Path)
     ap.add_argument("run_b", type=Path)
     ap.add_argument("--json", action="store_true")
+    add_record_arguments(ap, __file__)
     args = ap.parse_args()
     a, b = load_rollouts(args.run_a), load_rollouts(args.run_b)
     by_version = identical_by_version(a, b)
@@ -81,6 +84,7 @@ def main() -> None:
     out = {"identical_by_version": {str(v): {"episodes": n, "identical": s} for v, (n, s) in by_version.items()},
            "parted_at_version": parted,
            "run_a": run_figures(args.run_a, a), "run_b": run_figures(args.run_b, b)}
+    record_result(args, out)
     if args.json:
         print(json.dumps(out))
         return

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.results_log import add_record_arguments, record_result  # noqa: E402
 
 from tmax.sandbox import SandboxSpec, make_sandbox  # noqa: E402
 
@@ -154,6 +155,7 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=200, help="commands per approach")
     ap.add_argument("--image", default="localhost/tmax-base:bookworm")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    add_record_arguments(ap, __file__)
     ap.add_argument("--skip-bwrap", action="store_true")
     ap.add_argument("--skip-local", action="store_true")
     args = ap.parse_args()
@@ -164,6 +166,7 @@ def main() -> int:
         res.update(bench_local(cmds))
     if not args.skip_bwrap and shutil.which("bwrap"):
         res.update(bench_bwrap(cmds))
+    record_result(args, res)
     if args.json:
         print(json.dumps(res))
         return 0

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.results_log import add_record_arguments, record_result  # noqa: E402
 
 import pexpect  # noqa: E402
 
@@ -64,6 +65,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--resident-mb", type=int, default=1000)
     ap.add_argument("--json", action="store_true")
+    add_record_arguments(ap, __file__)
     args = ap.parse_args()
     import torch
 
@@ -78,6 +80,7 @@ def main() -> None:
            "wall_pexpect_over_ptyspawn": round(med["pexpect"]["wall_ms"] / med["ptyspawn"]["wall_ms"], 1),
            "cpu_pexpect_over_ptyspawn": round(med["pexpect"]["driver_cpu_ms"] / med["ptyspawn"]["driver_cpu_ms"], 1)}
     del ballast
+    record_result(args, out)
     if args.json:
         print(json.dumps(out))
     else:

@@ -42,6 +42,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.results_log import add_record_arguments, record_result  # noqa: E402
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -170,8 +171,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fresh-containers", action="store_true", help="a fresh container per episode (the old way)")
     ap.add_argument("--json", action="store_true")
+    add_record_arguments(ap, __file__)
     args = ap.parse_args()
     out = soak(args.episodes, args.concurrency, args.pool, args.tasks, args.seed, args.fresh_containers)
+    record_result(args, out)
     print(json.dumps(out, indent=None if args.json else 2))
     ok = all(out[k] == 0 for k in ("leaked_containers", "leaked_processes", "leaked_dirs", "leaked_cgroups"))
     sys.exit(0 if ok else 1)

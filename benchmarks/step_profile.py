@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.results_log import add_record_arguments, record_result  # noqa: E402
 
 SAMPLER_PARTS = {"sampling": "llm_s", "environment": "exec_s", "sandbox_start": "sandbox_start_s",
                  "verifier": "verifier_s"}
@@ -132,6 +133,7 @@ def main() -> None:
     ap.add_argument("--config", default=None, help="TOML config (default: the nano preset)")
     ap.add_argument("--replays", type=int, default=2, help="learner replays of the last batch each way (0: none)")
     ap.add_argument("--json", action="store_true")
+    add_record_arguments(ap, __file__)
     args = ap.parse_args()
 
     from benchmarks.nano_recipe import last_batch_samples
@@ -172,6 +174,7 @@ def main() -> None:
     }
     result["tokens_ratio_before_over_after"] = round(
         result["per_sample_tokens_per_loss_token"] / result["learner_tokens_per_loss_token"], 2)
+    record_result(args, result)
     if args.json:
         print(json.dumps(result))
         return

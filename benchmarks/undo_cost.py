@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.results_log import add_record_arguments, record_result  # noqa: E402
 
 from tmax.sandbox import SandboxSpec, make_sandbox  # noqa: E402
 from tmax.sandbox.snapshot import UndoHistory, snapshot_store  # noqa: E402
@@ -137,21 +138,27 @@ def main() -> None:
     p.add_argument("--skip-podman", action="store_true")
     p.add_argument("--skip-bwrap", action="store_true")
     p.add_argument("--json", action="store_true", help="small and large tree on one sandbox, as one JSON object")
+    add_record_arguments(p, __file__)
     p.add_argument("--sandbox", choices=["local", "bwrap"], default=None, help="with --json (default: bwrap where it works)")
     p.add_argument("--dir", default=None, help="where the workspaces are made (default: the temp directory)")
     args = p.parse_args()
     if args.json:
-        print(json.dumps(measure_sizes(args)))
+        out = measure_sizes(args)
+        record_result(args, out)
+        print(json.dumps(out))
         return
     kinds = ["local"] + ([] if args.skip_bwrap else ["bwrap"]) + ([] if args.skip_podman else ["podman"])
     mib = args.files * args.kb / 1024
     print(f"{args.steps} steps, workspace {args.files} files x {args.kb} KiB = {mib:.1f} MiB; medians per step")
     print(f"{'sandbox':8} {'no undo':>10} {'with undo':>10} {'snapshot':>10} {'ratio':>7} {'1 restore':>10} {'podman commit':>14}")
+    by_sandbox = {}
     for kind in kinds:
-        r = measure(kind, args)
+        r = by_sandbox[kind] = measure(kind, args)
         commit = f"{r['commit_ms']:.0f} ms" if "commit_ms" in r else "-"
         print(f"{kind:8} {r['plain_ms']:>7.1f} ms {r['undo_ms']:>7.1f} ms {r['undo_ms'] - r['plain_ms']:>7.1f} ms "
               f"{r['undo_ms'] / r['plain_ms']:>6.1f}x {r['restore_ms']:>7.0f} ms {commit:>14}")
+    # Without --json there is no one object to print: the record holds each sandbox's figures.
+    record_result(args, {"steps": args.steps, "files": args.files, "kb": args.kb, "by_sandbox": by_sandbox})
 
 
 if __name__ == "__main__":

@@ -110,3 +110,25 @@ def trim_jsonl(path: Path, keep: Callable[[Any], bool] | None = None) -> int:
             kept.append(line)
     write_text_atomic(path, "".join(line + "\n" for line in kept))
     return len(lines) - len(kept)
+
+
+def append_line_atomic(path: Path, line: str) -> None:
+    """Append `line` and a newline to `path` as one write under an exclusive lock, then fsync:
+    writers side by side never interleave, and a reader sees the whole line or none of it. A
+    last line an earlier crash cut short (no newline at the end) is ended first, so it spoils
+    only itself."""
+    import fcntl
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        size = os.fstat(fd).st_size
+        torn = size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+        data = (("\n" if torn else "") + line.rstrip("\n") + "\n").encode("utf-8")
+        while data:
+            data = data[os.write(fd, data):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)  # closing releases the lock
