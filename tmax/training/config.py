@@ -187,7 +187,7 @@ class EvalConfig(_Strict):
     sandbox: SandboxKind = "podman"
     # podman: containers started ahead for the trials next in line (`tmax bench
     # --warm-ahead`); 0: each trial starts its own when it begins. Worth it with cores to
-    # spare: on 2 busy cores it only adds contention (docs/RESULTS.md, "Preset nano-podman").
+    # spare: on 2 busy cores it only adds contention (docs/results/notebook.md, "Preset nano-podman").
     warm_ahead: int = Field(0, ge=0)
     # podman: trials as overlays of containers shared by a task's trials (`rollout.overlay`).
     overlay: bool = True

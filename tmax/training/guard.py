@@ -26,7 +26,7 @@ metrics.jsonl) and returns a `Verdict`. The rule:
    One step is not enough either: on the nano recipe's healthy runs a single step dips as
    far as a collapse starts (format errors 0.1 -> 0.35-0.8, submits down, grad norm or
    logprob difference up) and the next step is back in range, while a collapse is still
-   there at the next step, or deeper (docs/RESULTS.md, "Collapse guard"). A step that
+   there at the next step, or deeper (docs/results/notebook.md, "Collapse guard"). A step that
    meets the rule is an "alarm" and stays out of the baseline; the second in a row is the
    collapse. A non-finite update needs no second step, nor does a stall (the episodes
    gathered while `stall_groups` groups in a row had no reward variance: a persistence of
