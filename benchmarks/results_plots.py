@@ -26,16 +26,16 @@ def lr_text(lr: float) -> str:
     return f"{lr:.0e}".replace("e-0", "e-")  # 5e-3, as the configs write it
 
 
-def recorded(name: str) -> list:
-    path = RESULTS_DIR / f"{name}.jsonl"
+def recorded(records: Path, name: str) -> list:
+    path = records / f"{name}.jsonl"
     return read_records(path) if path.is_file() else []
 
 
-def nano_runs(figures: dict) -> list[dict]:
+def nano_runs(figures: dict, records: Path) -> list[dict]:
     """The transcribed runs, then every nano or nano-podman recipe run recorded since (LoRA and
     other configs are another recipe and are left out)."""
     runs = list(figures["nano_recipe_runs"])
-    for rec in recorded("nano_recipe"):
+    for rec in recorded(records, "nano_recipe"):
         argv, r = rec.argv, rec.result
         config = Path(argv[argv.index("--config") + 1]).stem if "--config" in argv else "nano"
         if config not in ("nano", "nano-podman") or r.get("rl_pass_rate") is None:
@@ -81,7 +81,7 @@ def series(rel: str) -> list[dict]:
     return [json.loads(line) for line in (REPO / rel).read_text().splitlines() if line.strip()]
 
 
-def plot_guard(figures: dict, path: Path) -> None:
+def plot_guard(figures: dict, records: Path, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     g = figures["collapse_guard"]
@@ -105,7 +105,7 @@ def plot_guard(figures: dict, path: Path) -> None:
     left.set_title("nano RL at a collapsing LR, seed 0: caught twice, then trains", fontsize=10)
     bars = [(f"LR {lr_text(c['lr'])}", c["heldout_off"], c["heldout_on"]) for c in g["collapsing_lr"]]
     bars += [(f"LR {lr_text(r.result['lr'])}\n{r.date[:10]}", r.result["heldout_off"], r.result["heldout_on"])
-             for r in recorded("collapse_guard") if "heldout_off" in r.result and "heldout_on" in r.result]
+             for r in recorded(records, "collapse_guard") if "heldout_off" in r.result and "heldout_on" in r.result]
     off, on = g["healthy_heldout_off"], g["healthy_heldout_on"]
     bars.append((f"LR {lr_text(g['healthy_lr'])}\n{len(off)} seeds, mean", sum(off) / len(off), sum(on) / len(on)))
     xs = range(len(bars))
@@ -127,14 +127,16 @@ def plot_guard(figures: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the PNGs go (default: docs/results)")
+    ap.add_argument("--records", type=Path, default=RESULTS_DIR,
+                    help="where the --record files are read from (default: docs/results)")
     args = ap.parse_args()
     import matplotlib
 
     matplotlib.use("Agg")
     figures = json.loads((RESULTS_DIR / "notebook-figures.json").read_text())
     args.out.mkdir(parents=True, exist_ok=True)
-    plot_nano(nano_runs(figures), args.out / "nano_recipe_heldout.png")
-    plot_guard(figures, args.out / "collapse_guard.png")
+    plot_nano(nano_runs(figures, args.records), args.out / "nano_recipe_heldout.png")
+    plot_guard(figures, args.records, args.out / "collapse_guard.png")
     print(f"wrote {args.out / 'nano_recipe_heldout.png'} and {args.out / 'collapse_guard.png'}")
 
 

@@ -120,3 +120,25 @@ def test_every_benchmark_with_json_takes_record():
         if not {"add_record_arguments", "record_result"} <= called:
             missing.append(path.name)
     assert not missing, f"benchmarks without --record: {missing}"
+
+
+def test_plots_take_in_the_runs_recorded_since(tmp_path):
+    """benchmarks/results_plots.py: a nano or nano-podman recipe run recorded with --record
+    joins the transcribed runs (a LoRA run is another recipe), and both PNGs are drawn."""
+    from benchmarks.results_plots import nano_runs
+
+    figures = json.loads((RESULTS_DIR / "notebook-figures.json").read_text())
+    result = {"seed": 4, "sft_pass_rate": 0.3, "rl_pass_rate": 0.8, "minutes_total": 7.0}
+    for argv in (["benchmarks/nano_recipe.py", "--seed", "4", "--record"],
+                 ["benchmarks/nano_recipe.py", "--config", "tmax/training/configs/nano-podman.toml", "--record"],
+                 ["benchmarks/nano_recipe.py", "--config", "tmax/training/configs/nano-lora.toml", "--record"]):
+        append_line_atomic(tmp_path / "nano_recipe.jsonl", make_record("nano_recipe", result, argv).model_dump_json())
+    runs = nano_runs(figures, tmp_path)
+    assert len(runs) == len(figures["nano_recipe_runs"]) + 2
+    assert [(r["sandbox"], r["seed"], r["rl_heldout"]) for r in runs[-2:]] == [("host", 4, 0.8), ("podman", 4, 0.8)]
+    out = tmp_path / "png"
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "results_plots.py"), "--out", str(out),
+                        "--records", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for name in ("nano_recipe_heldout.png", "collapse_guard.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / name).stat().st_size > 10_000
