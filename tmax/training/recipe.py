@@ -130,7 +130,7 @@ def build_stage(cfg: LearnConfig, out: Path, seed: int, log: Log) -> tuple[str, 
     if not (model_dir / "config.json").is_file():
         if not cfg.model.build_nano:
             raise FileNotFoundError(f"no model at {model_dir} and model.build_nano is off")
-        info = _built(model_dir, lambda d: build_nano_model(d, seed=seed))
+        info = _built(model_dir, lambda d: build_nano_model(d, seed=seed, family=cfg.tasks.family))
         log(f"built nano model: {info['params']:,} params, vocab {info['vocab_size']}")
     tasks = out / "tasks"
     train_dir = Path(cfg.tasks.train) if cfg.tasks.train else tasks / "train"
@@ -138,7 +138,8 @@ def build_stage(cfg: LearnConfig, out: Path, seed: int, log: Log) -> tuple[str, 
     if not train_dir.is_dir() or not held_dir.is_dir():
         if not cfg.tasks.generate_nano:
             raise FileNotFoundError(f"no tasks at {train_dir} / {held_dir} and tasks.generate_nano is off")
-        _built(tasks, lambda d: write_splits(d, cfg.tasks.n_train, cfg.tasks.n_heldout, seed=seed, **cfg.tasks.generator))
+        _built(tasks, lambda d: write_splits(d, cfg.tasks.n_train, cfg.tasks.n_heldout, seed=seed,
+                                             family=cfg.tasks.family, **cfg.tasks.generator))
         log(f"wrote {cfg.tasks.n_train} train and {cfg.tasks.n_heldout} held-out tasks to {tasks}")
     return str(model_dir), str(train_dir), str(held_dir)
 

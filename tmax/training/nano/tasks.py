@@ -121,10 +121,21 @@ class NanoTask:
     expected: str = ""  # tests/expected.txt
     params: dict[str, str | int] = field(default_factory=dict)  # what varies between tasks
     dst: str = ANSWER
+    # The long-horizon family (`long_tasks`): one THOUGHT per command, the commands the task
+    # needs (`depth`), the values only observations reveal, and the value a sloppy teacher
+    # swaps for a decoy in command `value_step`.
+    family: str = "nano"
+    thoughts: list[str] = field(default_factory=list)
+    depth: int = 1
+    revealed: list[str] = field(default_factory=list)
+    value: str = ""
+    decoy: str = ""
+    value_step: int = 0
 
     def oracle_steps(self) -> list[tuple[str, str]]:
         """(thought, command) per step, ending with the submit command."""
-        steps = [(f"THOUGHT: {_THOUGHTS[self.kind]}", c) for c in self.commands]
+        thoughts = self.thoughts or [_THOUGHTS[self.kind]] * len(self.commands)
+        steps = [(f"THOUGHT: {th}", c) for th, c in zip(thoughts, self.commands)]
         return steps + [(f"THOUGHT: {SUBMIT_THOUGHT}", SUBMIT_COMMAND)]
 
 
@@ -213,8 +224,19 @@ def _make(kind: str, split: str, p: _Picker) -> NanoTask:
     return t
 
 
-def generate(split: str, n: int, seed: int = 0, kinds: list[str] | tuple[str, ...] | None = None) -> list[NanoTask]:
-    """`n` tasks of one split, kinds in round-robin so every kind is equally common."""
+FAMILIES = ("nano", "long")
+
+
+def generate(split: str, n: int, seed: int = 0, kinds: list[str] | tuple[str, ...] | None = None,
+             family: str = "nano") -> list[NanoTask]:
+    """`n` tasks of one split, kinds in round-robin so every kind is equally common; `family`
+    "long" gives the long-horizon tasks (`long_tasks`)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown nano task family {family!r}; use one of {', '.join(FAMILIES)}")
+    if family == "long":
+        from tmax.training.nano import long_tasks
+
+        return long_tasks.generate(split, n, seed, kinds)
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
     kinds = tuple(kinds or KINDS)
@@ -261,12 +283,17 @@ fi
 
 
 def _task_toml(t: NanoTask) -> dict:
+    nano: dict = {"kind": t.kind, "split": t.split, "commands": list(t.commands), "params": dict(t.params),
+                  "family": t.family, "depth": t.depth}
+    if t.family != "nano":
+        nano |= {"thoughts": list(t.thoughts), "revealed": list(t.revealed), "value": t.value, "decoy": t.decoy,
+                 "value_step": t.value_step}
     return {
         "version": "1.0",
         "metadata": {
-            "author_name": "tmax nano task generator", "difficulty": "easy",
+            "author_name": "tmax nano task generator", "difficulty": "easy" if t.family == "nano" else "medium",
             "category": f"nano-{t.kind.split('_')[0]}", "tags": ["nano", t.kind],
-            "nano": {"kind": t.kind, "split": t.split, "commands": list(t.commands), "params": dict(t.params)},
+            "nano": nano,
         },
         "verifier": {"timeout_sec": 30.0},
         "agent": {"timeout_sec": 300.0},
@@ -300,7 +327,8 @@ def write_task(t: NanoTask, task_dir: Path) -> Path:
     return task_dir
 
 
-def write_splits(out_dir: str | Path, n_train: int, n_heldout: int, seed: int = 0, **generator: object) -> dict[str, list[Path]]:
+def write_splits(out_dir: str | Path, n_train: int, n_heldout: int, seed: int = 0,
+                 **generator: object) -> dict[str, list[Path]]:
     """Write `out_dir/train/*` and `out_dir/heldout/*`; returns the task dirs per split."""
     out = Path(out_dir)
     result: dict[str, list[Path]] = {}
@@ -310,7 +338,7 @@ def write_splits(out_dir: str | Path, n_train: int, n_heldout: int, seed: int = 
     return result
 
 
-def _nano_meta(task_dir: Path) -> dict:
+def nano_meta(task_dir: Path) -> dict:
     meta = tomllib.loads((Path(task_dir) / "task.toml").read_text()).get("metadata", {}).get("nano")
     if not meta:
         raise ValueError(f"{task_dir}/task.toml: no [metadata.nano] table (not a generated nano task)")
@@ -319,13 +347,14 @@ def _nano_meta(task_dir: Path) -> dict:
 
 def oracle_commands(task_dir: str | Path) -> list[str]:
     """The commands that solve a written task, then the submit command."""
-    return list(_nano_meta(Path(task_dir))["commands"]) + [SUBMIT_COMMAND]
+    return list(nano_meta(Path(task_dir))["commands"]) + [SUBMIT_COMMAND]
 
 
 def oracle_steps(task_dir: str | Path) -> list[tuple[str, str]]:
     """(THOUGHT text, command) per oracle step of a written task, ending with the submit."""
-    meta = _nano_meta(Path(task_dir))
-    steps = [(f"THOUGHT: {_THOUGHTS[meta['kind']]}", c) for c in meta["commands"]]
+    meta = nano_meta(Path(task_dir))
+    thoughts = meta.get("thoughts") or [_THOUGHTS[meta["kind"]]] * len(meta["commands"])
+    steps = [(f"THOUGHT: {th}", c) for th, c in zip(thoughts, meta["commands"])]
     return steps + [(f"THOUGHT: {SUBMIT_THOUGHT}", SUBMIT_COMMAND)]
 
 
@@ -347,6 +376,11 @@ def teacher_steps(task_dir: str | Path, accuracy: float, rng: random.Random) -> 
     the verifier's reward (RL) can remove."""
     if not 0.0 < accuracy <= 1.0:
         raise ValueError(f"teacher accuracy must be in (0, 1], got {accuracy}")
+    meta = nano_meta(Path(task_dir))
+    if meta.get("family", "nano") == "long":
+        from tmax.training.nano import long_tasks
+
+        return long_tasks.teacher_steps(meta, accuracy, rng)
     steps = oracle_steps(task_dir)
     if rng.random() < accuracy:
         return steps, True
