@@ -36,6 +36,7 @@ from tmax.training.learner import checkpoint as ckpt
 from tmax.training.learner.lora import run_start
 from tmax.training.learner.packing import batch_samples
 from tmax.training.liveness import group_member_died
+from tmax.training.agentic import agentic_metrics, of_rollout
 from tmax.training.report import LearnProgress, MetricsSink, NoProgress, StepClock, reward_curve, rollout_metrics, run_summary, summary
 from tmax.training.rollback import RunGuard
 from tmax.training.rollout import (
@@ -361,6 +362,7 @@ class Trainer:
         return {
             **s.batch.metrics,
             **rollout_metrics([x for g in s.batch.groups for x in g.items]),
+            **agentic_metrics([of_rollout(x) for x in since]),  # every episode finished, filtered groups too
             **(s.rated_batch.metrics if s.rated_batch is not None else {}),
             "train/reward_all_rollouts": sum(x.reward for x in since) / max(1, len(since)),
             "time/getting_response": c.wait_s,

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 from pydantic import BaseModel, computed_field
 
 from tmax.common.files import write_dir_atomic, write_text_atomic
+from tmax.training.agentic import HeldoutAgentic, heldout_agentic
 from tmax.training.config import LearnConfig
 from tmax.training.loop import list_task_dirs
 
@@ -72,6 +73,9 @@ class HeldoutEval(BaseModel):
     infra_errors: int
     seconds: float
     job_dir: str
+    # Turns per trial and per solved one, where format errors and failed commands fall, the
+    # pass rate by the number of commands a task needs (`training.agentic`).
+    agentic: HeldoutAgentic | None = None
 
 
 class RlStage(BaseModel):
@@ -202,14 +206,19 @@ def heldout_eval(cfg: LearnConfig, engine: Any, held_dir: str, jobs_dir: Path, n
     t0 = time.monotonic()
     job = Job(jc, api_key="none")
     job.run()
-    verdicts = [t.score() for t in job.results()]
+    results = job.results()
+    verdicts = [t.score() for t in results]
     n = len(verdicts)
     passed = sum(v.passed for v in verdicts)
     infra = sum(v.infra for v in verdicts)
+    agentic = heldout_agentic(results)
     out = HeldoutEval(pass_rate=passed / n if n else 0.0, passed=passed, trials=n, infra_errors=infra,
-                      seconds=time.monotonic() - t0, job_dir=str(job.dir))
+                      seconds=time.monotonic() - t0, job_dir=str(job.dir), agentic=agentic)
+    turns = agentic.metrics.get("turns_solved")
+    depths = ", ".join(f"{d}: {r.passed}/{r.trials}" for d, r in agentic.by_depth.items())
     log(f"held-out eval [{name}, {harness} harness]: {passed}/{n} passed ({out.pass_rate:.1%}), {infra} infra errors, "
-        f"{out.seconds:.0f}s")
+        f"{out.seconds:.0f}s" + (f"; {turns:.1f} turns per solved trial" if turns is not None else "")
+        + (f"; passed by commands needed {depths}" if depths else ""))
     return out
 
 

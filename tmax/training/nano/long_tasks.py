@@ -36,7 +36,8 @@ import tempfile
 from pathlib import Path
 
 from tmax.agents.prompts import SUBMIT_COMMAND
-from tmax.training.nano.tasks import ANSWER, POOLS, SPLITS, NanoTask, _NUMBERS, _Picker, _text
+from tmax.training.nano.base import (ANSWER, POOLS, SPLITS, SUBMIT_THOUGHT, NanoTask, _NUMBERS, _Picker, _text,
+                                     nano_meta)
 
 FAMILY = "long"
 
@@ -47,7 +48,6 @@ _INSTRUCTIONS = {
     "manifest": "Combine the files the .lst file lists, in its order, into answer.txt.",
 }
 LONG_KINDS = tuple(_INSTRUCTIONS)
-SUBMIT_THOUGHT = "Done, so I submit."
 
 # It reports the first wrong setting and exits 0 either way (the report is its output), so a
 # failed command (exit code) in a rollout means a command the policy got wrong.
@@ -233,8 +233,6 @@ def one_command_pass_rate(task_dirs: list[Path], seed: int = 0) -> float:
     """The share of tasks that some single oracle command solves alone, run in a fresh copy
     of the task's files with its observed values guessed (`guessed`), scored by the task's
     own verifier (tests/test.sh). One guess per command and task."""
-    from tmax.training.nano.tasks import nano_meta
-
     rng = random.Random(f"nano-long-one-command-{seed}")
     solved = 0
     for d in task_dirs:

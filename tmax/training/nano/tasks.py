@@ -31,47 +31,16 @@ from __future__ import annotations
 
 import random
 import shutil
-import tomllib
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import tomli_w
 
 from tmax.agents.prompts import SUBMIT_COMMAND
-
-BASE_IMAGE = "localhost/tmax-base:bookworm"
-WORKDIR = "/app"
-SPLITS = ("train", "heldout")
-
-# Plain lowercase words; none is a substring of another (the grep-based kinds rely on it).
-_WORDS = """
-acorn amber anchor apple arrow aspen autumn badge bakery bamboo banjo barley basin beacon
-bison blossom bonnet bramble breeze bridge bronze bucket bugle button cabin cactus camel
-candle canyon carbon carpet castle cedar cello cherry chimney cider cinema circus clover
-cobalt comet copper coral cotton coyote crater crayon cricket crystal cupboard dahlia daisy
-delta desert dolphin dragon ember falcon feather fennel ferry fiddle figure flannel forest
-fossil fountain gadget garden garlic gazelle geyser ginger glacier goblet granite gravel
-guitar hammer harbor harvest hazel helmet heron hollow honey hornet iceberg indigo island
-ivory jacket jasmine jigsaw jungle kettle kiwi ladder lagoon lantern lemon lentil lilac
-lizard lobster locket lotus magnet mango maple marble meadow melon mirror mitten monsoon
-mosaic muffin mustard nectar needle nickel noodle nutmeg oasis olive onion orchid otter
-oyster paddle palace panda papaya parrot pebble pepper pickle pigeon pillow pistol planet
-plum pollen poppy potato pretzel puzzle quartz quill rabbit radish raven ribbon rocket
-saddle saffron salmon sandal satchel scarf sequoia shadow shovel silver sketch sparrow
-spider spruce squash statue stove sugar summit sunset swallow tablet teapot thimble thistle
-thunder tiger timber tomato topaz tornado trumpet tulip tunnel turnip turtle umbrella
-valley velvet violet volcano waffle walnut walrus willow window winter wizard yogurt zebra
-""".split()
-
-_EXTS = (".txt", ".log", ".md", ".dat")  # exploration vocabulary of the tokenizer corpus
-# Conventions shared by every task (not parameters): the input is the one `*.dat` file in
-# the work dir, the answer goes to answer.txt. A command can address the input by a glob,
-# so solving a task needs the task kind, never a copy of a name the model has not seen.
-INPUT_EXT = ".dat"
-INPUT_GLOB = "*" + INPUT_EXT
-ANSWER = "answer.txt"
-# Line counts: disjoint ranges per split (they are the answers of the counting kinds).
-_NUMBERS = {"train": (3, 4, 5, 6), "heldout": (7, 8, 9)}
+from tmax.training.nano import long_tasks
+from tmax.training.nano.base import (  # noqa: F401 (re-exported: the generator's public names)
+    ANSWER, BASE_IMAGE, INPUT_EXT, INPUT_GLOB, POOLS, SPLITS, SUBMIT_THOUGHT, WORKDIR, NanoTask, _EXTS, _NUMBERS,
+    _Picker, _WORDS, _text, nano_meta, pseudo_words,
+)
 
 # kind -> (instruction with {src}, oracle command, THOUGHT). One short, formulaic sentence
 # per kind; the oracle command depends on the kind only.
@@ -95,82 +64,6 @@ _KINDS = {
 }
 KINDS = tuple(_KINDS)
 _THOUGHTS = {k: v[2] for k, v in _KINDS.items()}
-SUBMIT_THOUGHT = "Done, so I submit."
-
-
-def _word_pools() -> dict[str, list[str]]:
-    words = sorted(set(_WORDS))
-    clash = {w for w in words for v in words if w != v and w in v}
-    words = [w for w in words if w not in clash]
-    # Every fourth word is held out; the split is fixed, independent of any seed.
-    return {"train": [w for i, w in enumerate(words) if i % 4 != 3], "heldout": [w for i, w in enumerate(words) if i % 4 == 3]}
-
-
-POOLS = _word_pools()
-
-
-@dataclass
-class NanoTask:
-    name: str
-    kind: str
-    split: str
-    instruction: str
-    commands: list[str]  # the oracle: shell commands that solve it (submit not included)
-    files: dict[str, str] = field(default_factory=dict)  # seed files, relative to the work dir
-    check: str = ""  # bash condition that is true when solved (in test.sh, cwd = work dir)
-    expected: str = ""  # tests/expected.txt
-    params: dict[str, str | int] = field(default_factory=dict)  # what varies between tasks
-    dst: str = ANSWER
-    # The long-horizon family (`long_tasks`): one THOUGHT per command, the commands the task
-    # needs (`depth`), the values only observations reveal, and the value a sloppy teacher
-    # swaps for a decoy in command `value_step`.
-    family: str = "nano"
-    thoughts: list[str] = field(default_factory=list)
-    depth: int = 1
-    revealed: list[str] = field(default_factory=list)
-    value: str = ""
-    decoy: str = ""
-    value_step: int = 0
-
-    def oracle_steps(self) -> list[tuple[str, str]]:
-        """(thought, command) per step, ending with the submit command."""
-        thoughts = self.thoughts or [_THOUGHTS[self.kind]] * len(self.commands)
-        steps = [(f"THOUGHT: {th}", c) for th, c in zip(thoughts, self.commands)]
-        return steps + [(f"THOUGHT: {SUBMIT_THOUGHT}", SUBMIT_COMMAND)]
-
-
-class _Picker:
-    """Draws parameters from one pool; names in one task never repeat."""
-
-    def __init__(self, words: list[str], numbers: tuple[int, ...], rng: random.Random):
-        self.words = words
-        self.numbers = numbers
-        self.rng = rng
-        self.used: set[str] = set()
-
-    def word(self) -> str:
-        w = self.rng.choice([w for w in self.words if w not in self.used])
-        self.used.add(w)
-        return w
-
-    def number(self) -> int:
-        return self.rng.choice(self.numbers)
-
-    def lines(self, n: int, words_per_line: int = 1) -> list[str]:
-        return [" ".join(self.word() for _ in range(words_per_line)) for _ in range(n)]
-
-
-def pseudo_words(n: int, seed: int = 0) -> list[str]:
-    """Made-up consonant-vowel words (`bakori`, `tunefa`, ...), disjoint from both pools."""
-    rng = random.Random(f"nano-pseudo-{seed}")
-    real = set(_WORDS)
-    out: set[str] = set()
-    while len(out) < n:
-        w = "".join(rng.choice("bdfgklmnprstvz") + rng.choice("aeiou") for _ in range(rng.choice((2, 3))))
-        if w not in real:
-            out.add(w)
-    words = sorted(out)
-    return [w for w in words if not any(w != v and w in v for v in words)]
 
 
 def template_tasks(n: int, seed: int = 0) -> list[NanoTask]:
@@ -179,10 +72,6 @@ def template_tasks(n: int, seed: int = 0) -> list[NanoTask]:
     train split's names as whole tokens (held-out names would then look different)."""
     picker = _Picker(pseudo_words(400, seed), tuple(range(3, 10)), random.Random(f"nano-template-{seed}"))
     return [_make(KINDS[i % len(KINDS)], "template", picker) for i in range(n)]
-
-
-def _text(lines: list[str]) -> str:
-    return "".join(line + "\n" for line in lines)
 
 
 def _input_lines(kind: str, p: _Picker) -> list[str]:
@@ -206,7 +95,8 @@ def _make(kind: str, split: str, p: _Picker) -> NanoTask:
     instruction, command, _ = _KINDS[kind]
     lines = _input_lines(kind, p)
     src = p.word() + INPUT_EXT
-    t = NanoTask(name="", kind=kind, split=split, instruction=instruction.format(src=src), commands=[command])
+    t = NanoTask(name="", kind=kind, split=split, instruction=instruction.format(src=src), commands=[command],
+                 thoughts=[_THOUGHTS[kind]])
     t.files = {src: _text(lines)}
     t.params = {"src": src, "n_lines": len(lines)}
     same, number = 'same "$DST" "$EXPECTED"', 'number "$DST" "$EXPECTED"'
@@ -234,8 +124,6 @@ def generate(split: str, n: int, seed: int = 0, kinds: list[str] | tuple[str, ..
     if family not in FAMILIES:
         raise ValueError(f"unknown nano task family {family!r}; use one of {', '.join(FAMILIES)}")
     if family == "long":
-        from tmax.training.nano import long_tasks
-
         return long_tasks.generate(split, n, seed, kinds)
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
@@ -338,13 +226,6 @@ def write_splits(out_dir: str | Path, n_train: int, n_heldout: int, seed: int = 
     return result
 
 
-def nano_meta(task_dir: Path) -> dict:
-    meta = tomllib.loads((Path(task_dir) / "task.toml").read_text()).get("metadata", {}).get("nano")
-    if not meta:
-        raise ValueError(f"{task_dir}/task.toml: no [metadata.nano] table (not a generated nano task)")
-    return meta
-
-
 def oracle_commands(task_dir: str | Path) -> list[str]:
     """The commands that solve a written task, then the submit command."""
     return list(nano_meta(Path(task_dir))["commands"]) + [SUBMIT_COMMAND]
@@ -378,8 +259,6 @@ def teacher_steps(task_dir: str | Path, accuracy: float, rng: random.Random) -> 
         raise ValueError(f"teacher accuracy must be in (0, 1], got {accuracy}")
     meta = nano_meta(Path(task_dir))
     if meta.get("family", "nano") == "long":
-        from tmax.training.nano import long_tasks
-
         return long_tasks.teacher_steps(meta, accuracy, rng)
     steps = oracle_steps(task_dir)
     if rng.random() < accuracy:
