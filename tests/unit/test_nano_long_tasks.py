@@ -44,7 +44,7 @@ def test_heldout_values_never_occur_in_train():
     held-out pool; the family's fixed words (start, next, answer, key, ...) are in no pool."""
     train = T.generate("train", 400, seed=0, family="long")
     heldout = T.generate("heldout", 200, seed=0, family="long")
-    pools = set(T._WORDS)
+    pools = set(T.WORDS)
     train_words = set().union(*(_words(t) for t in train)) & pools
     for t in heldout:
         words = _words(t) & pools
@@ -138,4 +138,4 @@ def test_bad_arguments_are_clear():
     with pytest.raises(ValueError, match="unknown long-horizon task kind 'sort'"):
         T.generate("train", 3, family="long", kinds=["sort"])
     with pytest.raises(ValueError, match="a fix task has depth 3, 5, not 4"):
-        L.make("fix", "train", T._Picker(T.POOLS["train"], (3,), random.Random(0)), depth=4)
+        L.make("fix", "train", T.Picker(T.POOLS["train"], (3,), random.Random(0)), depth=4)

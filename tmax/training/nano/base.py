@@ -18,7 +18,7 @@ WORKDIR = "/app"
 SPLITS = ("train", "heldout")
 
 # Plain lowercase words; none is a substring of another (the grep-based kinds rely on it).
-_WORDS = """
+WORDS = """
 acorn amber anchor apple arrow aspen autumn badge bakery bamboo banjo barley basin beacon
 bison blossom bonnet bramble breeze bridge bronze bucket bugle button cabin cactus camel
 candle canyon carbon carpet castle cedar cello cherry chimney cider cinema circus clover
@@ -37,7 +37,7 @@ thunder tiger timber tomato topaz tornado trumpet tulip tunnel turnip turtle umb
 valley velvet violet volcano waffle walnut walrus willow window winter wizard yogurt zebra
 """.split()
 
-_EXTS = (".txt", ".log", ".md", ".dat")  # exploration vocabulary of the tokenizer corpus
+EXTS = (".txt", ".log", ".md", ".dat")  # exploration vocabulary of the tokenizer corpus
 # Conventions shared by every task (not parameters): the input is the one `*.dat` file in
 # the work dir, the answer goes to answer.txt. A command can address the input by a glob,
 # so solving a task needs the task kind, never a copy of a name the model has not seen.
@@ -45,11 +45,11 @@ INPUT_EXT = ".dat"
 INPUT_GLOB = "*" + INPUT_EXT
 ANSWER = "answer.txt"
 # Line counts: disjoint ranges per split (they are the answers of the counting kinds).
-_NUMBERS = {"train": (3, 4, 5, 6), "heldout": (7, 8, 9)}
+NUMBERS = {"train": (3, 4, 5, 6), "heldout": (7, 8, 9)}
 
 
 def _word_pools() -> dict[str, list[str]]:
-    words = sorted(set(_WORDS))
+    words = sorted(set(WORDS))
     clash = {w for w in words for v in words if w != v and w in v}
     words = [w for w in words if w not in clash]
     # Every fourth word is held out; the split is fixed, independent of any seed.
@@ -88,7 +88,7 @@ class NanoTask:
         return steps + [(f"THOUGHT: {SUBMIT_THOUGHT}", SUBMIT_COMMAND)]
 
 
-class _Picker:
+class Picker:
     """Draws parameters from one pool; names in one task never repeat."""
 
     def __init__(self, words: list[str], numbers: tuple[int, ...], rng: random.Random):
@@ -112,7 +112,7 @@ class _Picker:
 def pseudo_words(n: int, seed: int = 0) -> list[str]:
     """Made-up consonant-vowel words (`bakori`, `tunefa`, ...), disjoint from both pools."""
     rng = random.Random(f"nano-pseudo-{seed}")
-    real = set(_WORDS)
+    real = set(WORDS)
     out: set[str] = set()
     while len(out) < n:
         w = "".join(rng.choice("bdfgklmnprstvz") + rng.choice("aeiou") for _ in range(rng.choice((2, 3))))
@@ -122,7 +122,7 @@ def pseudo_words(n: int, seed: int = 0) -> list[str]:
     return [w for w in words if not any(w != v and w in v for v in words)]
 
 
-def _text(lines: list[str]) -> str:
+def lines_text(lines: list[str]) -> str:
     return "".join(line + "\n" for line in lines)
 
 

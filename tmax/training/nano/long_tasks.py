@@ -16,7 +16,7 @@ holds a value only an observation reveals. Four kinds, each one formulaic instru
 `depth` is the number of commands the oracle needs (the submit not counted); each after
 the first uses something an earlier command printed. It is structure, like the kind, and
 shared by both splits; every value (names, words, keys, tokens, table sizes) comes from the
-split's own pools (`tasks.POOLS`, `tasks._NUMBERS`), so held-out tasks hold nothing seen in
+split's own pools (`tasks.POOLS`, `tasks.NUMBERS`), so held-out tasks hold nothing seen in
 training.
 
 What observations reveal is listed in the task's metadata (`revealed`): the one-command
@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 
 from tmax.agents.prompts import SUBMIT_COMMAND
-from tmax.training.nano.base import (ANSWER, POOLS, SPLITS, SUBMIT_THOUGHT, NanoTask, _NUMBERS, _Picker, _text,
+from tmax.training.nano.base import (ANSWER, POOLS, SPLITS, SUBMIT_THOUGHT, NanoTask, NUMBERS, Picker, lines_text,
                                      nano_meta)
 
 FAMILY = "long"
@@ -59,7 +59,7 @@ echo "OK %(token)s"
 _CHECK_ONE = ("grep -qx '%(key)s=%(want)s' app.conf || { echo \"FAIL: set %(key)s=%(want)s in app.conf\"; exit 0; }")
 
 
-def _chain(p: _Picker, depth: int) -> NanoTask:
+def _chain(p: Picker, depth: int) -> NanoTask:
     """start.txt -> note -> ... -> the last note (in a folder) with the answer word."""
     hops = depth - 2  # notes after start.txt
     folder = p.word()
@@ -82,7 +82,7 @@ def _chain(p: _Picker, depth: int) -> NanoTask:
     return t
 
 
-def _lookup(p: _Picker, depth: int) -> NanoTask:
+def _lookup(p: Picker, depth: int) -> NanoTask:
     n = p.number()
     rows = [(p.word(), p.word()) for _ in range(n)]
     i = p.rng.randrange(n)
@@ -90,7 +90,7 @@ def _lookup(p: _Picker, depth: int) -> NanoTask:
     decoy = rows[(i + 1) % n][1]  # the next row's value: a misread line
     commands = ["cat key.txt", f"grep {key} table.dat", f"echo {value} > {ANSWER}"]
     t = NanoTask(name="", kind="lookup", split="", instruction=_INSTRUCTIONS["lookup"], commands=commands,
-                 files={"key.txt": f"key: {key}\n", "table.dat": _text([f"{k} {v}" for k, v in rows])},
+                 files={"key.txt": f"key: {key}\n", "table.dat": lines_text([f"{k} {v}" for k, v in rows])},
                  check='number "$DST" "$EXPECTED"', expected=value + "\n")
     t.thoughts = ["Read the key.", "Find its row.", "Write the value."]
     t.params = {"key": key, "value": value, "n_rows": n}
@@ -98,11 +98,11 @@ def _lookup(p: _Picker, depth: int) -> NanoTask:
     return t
 
 
-def _fix(p: _Picker, depth: int) -> NanoTask:
+def _fix(p: Picker, depth: int) -> NanoTask:
     problems = (depth - 1) // 2  # check, then (fix, check) per problem
     settings = [(p.word(), p.word(), p.word()) for _ in range(problems)]  # key, wrong value, wanted value
     name, token = p.word(), p.word()
-    conf = _text([f"name={name}"] + [f"{k}={bad}" for k, bad, _ in settings])
+    conf = lines_text([f"name={name}"] + [f"{k}={bad}" for k, bad, _ in settings])
     checks = "\n".join(_CHECK_ONE % {"key": k, "want": want} for k, _, want in settings)
     commands = ["bash check.sh"]
     thoughts = ["Run the check."]
@@ -124,15 +124,15 @@ def _fix(p: _Picker, depth: int) -> NanoTask:
     return t
 
 
-def _manifest(p: _Picker, depth: int) -> NanoTask:
+def _manifest(p: Picker, depth: int) -> NanoTask:
     lst = p.word() + ".lst"
     parts = [p.word() + ".txt" for _ in range(p.rng.choice((2, 3)))]
     while parts == sorted(parts):  # the listed order is not the glob's
         p.rng.shuffle(parts)
     decoy = p.word() + ".txt"
-    files = {lst: _text(parts), decoy: _text(p.lines(2))}
+    files = {lst: lines_text(parts), decoy: lines_text(p.lines(2))}
     for f in parts:
-        files[f] = _text(p.lines(p.rng.choice((1, 2))))
+        files[f] = lines_text(p.lines(p.rng.choice((1, 2))))
     commands = ["ls", f"cat {lst}", f"cat {' '.join(parts)} > {ANSWER}"]
     t = NanoTask(name="", kind="manifest", split="", instruction=_INSTRUCTIONS["manifest"], commands=commands,
                  files=files, check='same "$DST" "$EXPECTED"', expected="".join(files[f] for f in parts))
@@ -147,7 +147,7 @@ _MAKERS = {"chain": (_chain, (3, 4, 5)), "lookup": (_lookup, (3,)), "fix": (_fix
            "manifest": (_manifest, (3,))}
 
 
-def make(kind: str, split: str, p: _Picker, depth: int | None = None) -> NanoTask:
+def make(kind: str, split: str, p: Picker, depth: int | None = None) -> NanoTask:
     """One task of `kind` with parameters drawn by `p`; its depth drawn from the kind's
     depths unless given."""
     if kind not in _MAKERS:
@@ -170,7 +170,7 @@ def generate(split: str, n: int, seed: int = 0, kinds: list[str] | tuple[str, ..
     for k in kinds:
         if k not in _MAKERS:
             raise ValueError(f"unknown long-horizon task kind {k!r}; known kinds: {', '.join(LONG_KINDS)}")
-    picker = _Picker(POOLS[split], _NUMBERS[split], random.Random(f"nano-long-{split}-{seed}"))
+    picker = Picker(POOLS[split], NUMBERS[split], random.Random(f"nano-long-{split}-{seed}"))
     tasks = []
     for i in range(n):
         t = make(kinds[i % len(kinds)], split, picker)
@@ -181,7 +181,7 @@ def generate(split: str, n: int, seed: int = 0, kinds: list[str] | tuple[str, ..
 
 def template_tasks(words: list[str], n: int, seed: int = 0) -> list[NanoTask]:
     """Tasks of every kind with made-up words (the tokenizer corpus: see `tasks.template_tasks`)."""
-    picker = _Picker(words, tuple(range(3, 10)), random.Random(f"nano-long-template-{seed}"))
+    picker = Picker(words, tuple(range(3, 10)), random.Random(f"nano-long-template-{seed}"))
     return [make(LONG_KINDS[i % len(LONG_KINDS)], "template", picker) for i in range(n)]
 
 

@@ -153,7 +153,7 @@ def corpus(seed: int = 0, n_tasks: int = 400, family: str = "nano") -> list[str]
     if family == "long":
         texts += _long_texts(words, n_tasks, seed)
     for _ in range(2000):
-        line = rng.choice(_SHELL_LINES).format(f=rng.choice(words) + rng.choice(nano_tasks._EXTS), w=rng.choice(words))
+        line = rng.choice(_SHELL_LINES).format(f=rng.choice(words) + rng.choice(nano_tasks.EXTS), w=rng.choice(words))
         call = json.dumps({"name": "bash", "arguments": {"command": line}})
         texts.append(f"THOUGHT: Look at the files.\n<tool_call>\n{call}\n</tool_call>")
         texts.append(_observation(rng.choice(["", f"{rng.randint(0, 40)}", rng.choice(words)]), rng.choice([0, 0, 1, 2, 127])))

@@ -38,8 +38,8 @@ import tomli_w
 from tmax.agents.prompts import SUBMIT_COMMAND
 from tmax.training.nano import long_tasks
 from tmax.training.nano.base import (  # noqa: F401 (re-exported: the generator's public names)
-    ANSWER, BASE_IMAGE, INPUT_EXT, INPUT_GLOB, POOLS, SPLITS, SUBMIT_THOUGHT, WORKDIR, NanoTask, _EXTS, _NUMBERS,
-    _Picker, _WORDS, _text, nano_meta, pseudo_words,
+    ANSWER, BASE_IMAGE, INPUT_EXT, INPUT_GLOB, POOLS, SPLITS, SUBMIT_THOUGHT, WORKDIR, NanoTask, EXTS, NUMBERS,
+    Picker, WORDS, lines_text, nano_meta, pseudo_words,
 )
 
 # kind -> (instruction with {src}, oracle command, THOUGHT). One short, formulaic sentence
@@ -70,11 +70,11 @@ def template_tasks(n: int, seed: int = 0) -> list[NanoTask]:
     """Tasks of every kind with made-up parameters: the task wording and command shapes
     without any real parameter, e.g. for training a tokenizer that must not learn the
     train split's names as whole tokens (held-out names would then look different)."""
-    picker = _Picker(pseudo_words(400, seed), tuple(range(3, 10)), random.Random(f"nano-template-{seed}"))
+    picker = Picker(pseudo_words(400, seed), tuple(range(3, 10)), random.Random(f"nano-template-{seed}"))
     return [_make(KINDS[i % len(KINDS)], "template", picker) for i in range(n)]
 
 
-def _input_lines(kind: str, p: _Picker) -> list[str]:
+def _input_lines(kind: str, p: Picker) -> list[str]:
     """Seed lines such that the kind's answer differs from the input and from the answers
     of the kinds it is most easily confused with (sort vs unique vs reverse)."""
     n = p.number()
@@ -89,7 +89,7 @@ def _input_lines(kind: str, p: _Picker) -> list[str]:
             return lines
 
 
-def _make(kind: str, split: str, p: _Picker) -> NanoTask:
+def _make(kind: str, split: str, p: Picker) -> NanoTask:
     if kind not in _KINDS:
         raise ValueError(f"unknown nano task kind {kind!r}; known kinds: {', '.join(KINDS)}")
     instruction, command, _ = _KINDS[kind]
@@ -97,18 +97,18 @@ def _make(kind: str, split: str, p: _Picker) -> NanoTask:
     src = p.word() + INPUT_EXT
     t = NanoTask(name="", kind=kind, split=split, instruction=instruction.format(src=src), commands=[command],
                  thoughts=[_THOUGHTS[kind]])
-    t.files = {src: _text(lines)}
+    t.files = {src: lines_text(lines)}
     t.params = {"src": src, "n_lines": len(lines)}
     same, number = 'same "$DST" "$EXPECTED"', 'number "$DST" "$EXPECTED"'
     answer = {
         "count_lines": f"{len(lines)}\n",
         "count_words": f"{sum(len(x.split()) for x in lines)}\n",
-        "upper": _text([x.upper() for x in lines]),
-        "sort": _text(sorted(lines)),  # single lowercase ASCII words: locale-independent
-        "reverse": _text(lines[::-1]),
-        "first": _text(lines[:1]),
-        "last": _text(lines[-1:]),
-        "unique": _text(sorted(set(lines))),
+        "upper": lines_text([x.upper() for x in lines]),
+        "sort": lines_text(sorted(lines)),  # single lowercase ASCII words: locale-independent
+        "reverse": lines_text(lines[::-1]),
+        "first": lines_text(lines[:1]),
+        "last": lines_text(lines[-1:]),
+        "unique": lines_text(sorted(set(lines))),
     }[kind]
     t.expected, t.check = answer, (number if kind.startswith("count") else same)
     return t
@@ -132,7 +132,7 @@ def generate(split: str, n: int, seed: int = 0, kinds: list[str] | tuple[str, ..
         if k not in KINDS:
             raise ValueError(f"unknown nano task kind {k!r}; known kinds: {', '.join(KINDS)}")
     # The split is part of the stream so train and held-out differ even with one seed.
-    picker = _Picker(POOLS[split], _NUMBERS[split], random.Random(f"nano-{split}-{seed}"))
+    picker = Picker(POOLS[split], NUMBERS[split], random.Random(f"nano-{split}-{seed}"))
     tasks = []
     for i in range(n):
         t = _make(kinds[i % len(kinds)], split, picker)
