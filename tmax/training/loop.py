@@ -28,6 +28,7 @@ from typing import Any
 
 from tmax.common.files import write_json_atomic, write_text_atomic
 from tmax.sandbox.pool import WarmAhead
+from tmax.training.agentic import agentic_metrics, of_rollout
 from tmax.training.algo.batching import BatchAccumulator, BatchConfig, Group
 from tmax.training.cluster.actors import Actors, EngineGroup, start_actors
 from tmax.training.cluster.launch import connect
@@ -36,12 +37,9 @@ from tmax.training.learner import checkpoint as ckpt
 from tmax.training.learner.lora import run_start
 from tmax.training.learner.packing import batch_samples
 from tmax.training.liveness import group_member_died
-from tmax.training.agentic import agentic_metrics, of_rollout
 from tmax.training.report import LearnProgress, MetricsSink, NoProgress, StepClock, reward_curve, rollout_metrics, run_summary, summary
 from tmax.training.rollback import RunGuard
-from tmax.training.rollout import (
-    EpisodeRequest, InfraCounts, Rollout, append_jsonl, env_settings, prepare_tasks,
-)
+from tmax.training.rollout import EpisodeRequest, InfraCounts, Rollout, append_jsonl, env_settings, prepare_tasks
 from tmax.training.weights.learner_side import WeightSync
 
 
