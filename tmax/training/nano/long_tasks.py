@@ -6,17 +6,18 @@ be written from the instruction: each needs a value an earlier observation showe
 next file, a table's row, what a check says is wrong, what a manifest lists), and the answer
 holds a value only an observation reveals. Four kinds, each one formulaic instruction:
 
-    chain     start.txt names the next note, that one the next, ... the last (in a folder
-              the instruction does not name) gives the word to write: 3 to 5 commands
+    chain     start.txt names the next note, that one the next, ... the last gives the word
+              to write: 3 to 5 commands
     lookup    key.txt holds a key, table.dat maps it to the value to write: 3 commands
     fix       check.sh says which setting of app.conf is wrong; fix it, run it again (once
               more for a second problem), its output is the answer: 3 or 5 commands
-    manifest  the one .lst file lists the files to combine, in its order: 3 commands
+    manifest  manifest.lst names a folder (the instruction does not) and the files in it to
+              combine, in its order: 3 commands
 
 `depth` is the number of commands the oracle needs (the submit not counted); each after
 the first uses something an earlier command printed. It is structure, like the kind, and
 shared by both splits; every value (names, words, keys, tokens, table sizes) comes from the
-split's own pools (`tasks.POOLS`, `tasks.NUMBERS`), so held-out tasks hold nothing seen in
+split's own pools (`LONG_POOLS`, `base.NUMBERS`), so held-out tasks hold nothing seen in
 training.
 
 What observations reveal is listed in the task's metadata (`revealed`): the one-command
@@ -37,7 +38,7 @@ from pathlib import Path
 
 from tmax.agents.prompts import SUBMIT_COMMAND
 from tmax.training.nano.base import (ANSWER, POOLS, SPLITS, SUBMIT_THOUGHT, NanoTask, NUMBERS, Picker, lines_text,
-                                     nano_meta)
+                                     nano_meta, pseudo_words)
 
 FAMILY = "long"
 
@@ -45,39 +46,52 @@ _INSTRUCTIONS = {
     "chain": "Start at start.txt and follow the notes. Write the word the last note gives to answer.txt.",
     "lookup": "Look up the key in key.txt in table.dat and write its value to answer.txt.",
     "fix": "Run check.sh and fix app.conf as it says until it passes, then write what it prints to answer.txt.",
-    "manifest": "Combine the files the .lst file lists, in its order, into answer.txt.",
+    "manifest": "Combine the files manifest.lst lists, in its order, into answer.txt.",
 }
 LONG_KINDS = tuple(_INSTRUCTIONS)
 
+
+def _long_pools() -> dict[str, list[str]]:
+    """The values' pools. Train: 1,000+ made-up words (`pseudo_words`), so many that a value
+    seldom repeats and a policy can only solve a task by copying what it read, never by
+    recalling a value; held-out: the held-out real words (`POOLS`). No word of one pool is
+    part of a word of the other."""
+    held = POOLS["heldout"]
+    made_up = [w for w in pseudo_words(1500, seed=49) if not any(w in h or h in w for h in held)]
+    return {"train": made_up, "heldout": list(held)}
+
+
+LONG_POOLS = _long_pools()
+
 # It reports the first wrong setting and exits 0 either way (the report is its output), so a
-# failed command (exit code) in a rollout means a command the policy got wrong.
+# failed command (exit code) in a rollout means a command the policy got wrong. Every value
+# in a file, an observation or a command follows a space: the nano tokenizer of this family
+# has one token for " word" of every pool word (`nano.model`), so a value is copied whole.
 _CHECK_SH = """#!/bin/bash
 # Checks app.conf one setting at a time; prints the token only when all are right.
 %(checks)s
 echo "OK %(token)s"
 """
-_CHECK_ONE = ("grep -qx '%(key)s=%(want)s' app.conf || { echo \"FAIL: set %(key)s=%(want)s in app.conf\"; exit 0; }")
+_CHECK_ONE = ("grep -qx '%(key)s = %(want)s' app.conf || { echo \"FAIL: set %(key)s = %(want)s in app.conf\"; exit 0; }")
 
 
 def _chain(p: Picker, depth: int) -> NanoTask:
-    """start.txt -> note -> ... -> the last note (in a folder) with the answer word."""
+    """start.txt -> note -> ... -> the last note, with the answer word."""
     hops = depth - 2  # notes after start.txt
-    folder = p.word()
-    notes = [p.word() + ".txt" for _ in range(hops)]
-    notes[-1] = f"{folder}/{notes[-1]}"
-    word, decoy_note, decoy = p.word(), p.word() + ".txt", p.word()
-    files = {"start.txt": f"next: {notes[0]}\n"}
+    notes = [p.word() for _ in range(hops)]
+    word, decoy_note, decoy = p.word(), p.word(), p.word()
+    files = {"start.txt": f"next: {notes[0]}.txt\n"}
     for here, nxt in zip(notes, notes[1:]):
-        files[here] = f"next: {nxt}\n"
-    files[notes[-1]] = f"answer: {word}\n"
-    files[decoy_note] = f"answer: {decoy}\n"  # a note off the chain: `cat *.txt` shows two answers
-    commands = ["cat start.txt"] + [f"cat {n}" for n in notes] + [f"echo {word} > {ANSWER}"]
+        files[f"{here}.txt"] = f"next: {nxt}.txt\n"
+    files[f"{notes[-1]}.txt"] = f"answer: {word}\n"
+    files[f"{decoy_note}.txt"] = f"answer: {decoy}\n"  # a note off the chain: `cat *.txt` shows two answers
+    commands = ["cat start.txt"] + [f"cat {n}.txt" for n in notes] + [f"echo {word} > {ANSWER}"]
     thoughts = ["Read the first note."] + ["Follow the note."] * hops + ["Write the word."]
     t = NanoTask(name="", kind="chain", split="", instruction=_INSTRUCTIONS["chain"], commands=commands, files=files,
                  check='number "$DST" "$EXPECTED"', expected=word + "\n")
     t.thoughts = thoughts
-    t.params = {"folder": folder, "notes": " ".join(notes), "word": word, "decoy": decoy}
-    t.revealed = [folder, *(n.split("/")[-1][:-4] for n in notes), word]
+    t.params = {"notes": " ".join(notes), "word": word, "decoy": decoy}
+    t.revealed = [*notes, word]
     t.value, t.decoy, t.value_step = word, decoy, len(commands) - 1
     return t
 
@@ -90,7 +104,7 @@ def _lookup(p: Picker, depth: int) -> NanoTask:
     decoy = rows[(i + 1) % n][1]  # the next row's value: a misread line
     commands = ["cat key.txt", f"grep {key} table.dat", f"echo {value} > {ANSWER}"]
     t = NanoTask(name="", kind="lookup", split="", instruction=_INSTRUCTIONS["lookup"], commands=commands,
-                 files={"key.txt": f"key: {key}\n", "table.dat": lines_text([f"{k} {v}" for k, v in rows])},
+                 files={"key.txt": f"key: {key}\n", "table.dat": lines_text([f"row {k} {v}" for k, v in rows])},
                  check='number "$DST" "$EXPECTED"', expected=value + "\n")
     t.thoughts = ["Read the key.", "Find its row.", "Write the value."]
     t.params = {"key": key, "value": value, "n_rows": n}
@@ -102,12 +116,12 @@ def _fix(p: Picker, depth: int) -> NanoTask:
     problems = (depth - 1) // 2  # check, then (fix, check) per problem
     settings = [(p.word(), p.word(), p.word()) for _ in range(problems)]  # key, wrong value, wanted value
     name, token = p.word(), p.word()
-    conf = lines_text([f"name={name}"] + [f"{k}={bad}" for k, bad, _ in settings])
+    conf = lines_text([f"name = {name}"] + [f"{k} = {bad}" for k, bad, _ in settings])
     checks = "\n".join(_CHECK_ONE % {"key": k, "want": want} for k, _, want in settings)
     commands = ["bash check.sh"]
     thoughts = ["Run the check."]
     for k, _, want in settings:
-        commands.append(f"echo {k}={want} >> app.conf")
+        commands.append(f"echo {k} = {want} >> app.conf")
         thoughts.append("Set what the check asks.")
         commands.append("bash check.sh")
         thoughts.append("Run the check again.")
@@ -120,26 +134,30 @@ def _fix(p: Picker, depth: int) -> NanoTask:
     t.params = {"settings": " ".join(f"{k}={want}" for k, _, want in settings), "token": token}
     t.revealed = [w for k, _, want in settings for w in (k, want)]
     k, bad, want = settings[0]
-    t.value, t.decoy, t.value_step = f"{k}={want}", f"{k}={bad}", 1  # the slip keeps the old value
+    t.value, t.decoy, t.value_step = f"{k} = {want}", f"{k} = {bad}", 1  # the slip keeps the old value
     return t
 
 
 def _manifest(p: Picker, depth: int) -> NanoTask:
-    lst = p.word() + ".lst"
-    parts = [p.word() + ".txt" for _ in range(p.rng.choice((2, 3)))]
+    """manifest.lst names a folder and the files in it to combine, in its order."""
+    folder = p.word()
+    parts = [p.word() for _ in range(p.rng.choice((2, 3)))]
     while parts == sorted(parts):  # the listed order is not the glob's
         p.rng.shuffle(parts)
-    decoy = p.word() + ".txt"
-    files = {lst: lines_text(parts), decoy: lines_text(p.lines(2))}
+    decoy = p.word()
+    listed = " ".join(f"{f}.txt" for f in parts)
+    files = {"manifest.lst": f"folder: {folder}\nfiles: {listed}\n",
+             f"{folder}/{decoy}.txt": lines_text([f"line {w}" for w in p.lines(2)])}
     for f in parts:
-        files[f] = lines_text(p.lines(p.rng.choice((1, 2))))
-    commands = ["ls", f"cat {lst}", f"cat {' '.join(parts)} > {ANSWER}"]
+        files[f"{folder}/{f}.txt"] = lines_text([f"line {w}" for w in p.lines(p.rng.choice((1, 2)))])
+    commands = ["cat manifest.lst", f"cd {folder}", f"cat {listed} > ../{ANSWER}"]
     t = NanoTask(name="", kind="manifest", split="", instruction=_INSTRUCTIONS["manifest"], commands=commands,
-                 files=files, check='same "$DST" "$EXPECTED"', expected="".join(files[f] for f in parts))
-    t.thoughts = ["List the files.", "Read the list.", "Combine the listed files."]
-    t.params = {"list": lst, "parts": " ".join(parts)}
-    t.revealed = [lst[:-4], *(f[:-4] for f in parts)]
-    t.value, t.decoy, t.value_step = parts[-1], decoy, 2
+                 files=files, check='same "$DST" "$EXPECTED"',
+                 expected="".join(files[f"{folder}/{f}.txt"] for f in parts))
+    t.thoughts = ["Read the manifest.", "Go to its folder.", "Combine the listed files."]
+    t.params = {"folder": folder, "parts": listed}
+    t.revealed = [folder, *parts]
+    t.value, t.decoy, t.value_step = f"{parts[-1]}.txt", f"{decoy}.txt", 2
     return t
 
 
@@ -170,7 +188,7 @@ def generate(split: str, n: int, seed: int = 0, kinds: list[str] | tuple[str, ..
     for k in kinds:
         if k not in _MAKERS:
             raise ValueError(f"unknown long-horizon task kind {k!r}; known kinds: {', '.join(LONG_KINDS)}")
-    picker = Picker(POOLS[split], NUMBERS[split], random.Random(f"nano-long-{split}-{seed}"))
+    picker = Picker(LONG_POOLS[split], NUMBERS[split], random.Random(f"nano-long-{split}-{seed}"))
     tasks = []
     for i in range(n):
         t = make(kinds[i % len(kinds)], split, picker)
@@ -215,7 +233,7 @@ def teacher_steps(meta: dict, accuracy: float, rng: random.Random) -> tuple[list
         i = meta["value_step"]
         steps[i] = (steps[i][0], steps[i][1].replace(meta["value"], meta["decoy"]))
     else:
-        steps[-1] = (steps[-1][0], steps[-1][1].replace(f"> {ANSWER}", f"> {ANSWER[:-1]}"))
+        steps[-1] = (steps[-1][0], steps[-1][1].replace(ANSWER, ANSWER[:-1]))
     return steps + [submit], slip not in FATAL_SLIPS
 
 
@@ -237,7 +255,7 @@ def one_command_pass_rate(task_dirs: list[Path], seed: int = 0) -> float:
     solved = 0
     for d in task_dirs:
         meta = nano_meta(d)
-        pool = POOLS[meta["split"]]
+        pool = LONG_POOLS[meta["split"]]
         if any(_passes_alone(d, guessed(c, meta["revealed"], pool, rng)) for c in meta["commands"]):
             solved += 1
     return solved / max(1, len(task_dirs))

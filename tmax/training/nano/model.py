@@ -193,6 +193,14 @@ def _trained_bpe(seed: int, vocab_size: int, family: str = "nano") -> str:
     )
     tok.train_from_iterator(corpus(seed, family=family), trainer=trainer)
     tok.add_tokens([AddedToken(BASH_CALL_PREFIX, normalized=False, special=False)])
+    if family == "long":
+        # One token for " word" of every value of the long tasks, both splits: a value is then
+        # copied whole from an observation into a command (one token, not a run of sub-words).
+        # Held-out values are never in any training text, so their embeddings stay as built.
+        from tmax.training.nano.long_tasks import LONG_POOLS
+
+        words = sorted({w for pool in LONG_POOLS.values() for w in pool})
+        tok.add_tokens([AddedToken(" " + w, normalized=False, special=False) for w in words])
     return tok.to_str()
 
 
