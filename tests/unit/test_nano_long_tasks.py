@@ -41,14 +41,20 @@ def test_every_kind_and_depth_in_both_splits():
 
 def test_heldout_values_never_occur_in_train():
     """Every pool word of a held-out task (its names, contents, keys, tokens) is from the
-    held-out pool; the family's fixed words (start, next, answer, key, ...) are in no pool."""
+    held-out pool and never in a train task; the family's fixed words (start, next, answer,
+    key, ...) are in no pool. The train pool is large: values seldom repeat."""
     train = T.generate("train", 400, seed=0, family="long")
     heldout = T.generate("heldout", 200, seed=0, family="long")
-    pools = set(T.WORDS)
+    pools = set(L.LONG_POOLS["train"]) | set(L.LONG_POOLS["heldout"])
+    assert not set(L.LONG_POOLS["train"]) & set(L.LONG_POOLS["heldout"]) and len(L.LONG_POOLS["train"]) > 1000
     train_words = set().union(*(_words(t) for t in train)) & pools
+    assert train_words <= set(L.LONG_POOLS["train"])
     for t in heldout:
         words = _words(t) & pools
-        assert words and words <= set(T.POOLS["heldout"]) and not words & train_words, t.kind
+        assert words and words <= set(L.LONG_POOLS["heldout"]) and not words & train_words, t.kind
+    fixed = {"start", "next", "answer", "key", "table", "row", "line", "files", "folder", "manifest", "check", "app",
+             "name", "set", "in"}
+    assert not fixed & pools
     train_rows = {t.params["n_rows"] for t in train if t.kind == "lookup"}
     heldout_rows = {t.params["n_rows"] for t in heldout if t.kind == "lookup"}
     assert heldout_rows and not heldout_rows & train_rows
@@ -66,8 +72,7 @@ def test_each_command_after_the_first_uses_what_an_earlier_one_printed(written):
         for i, c in enumerate(meta["commands"][1:], 1):
             uses = any(w in c for w in meta["revealed"])
             recheck = meta["kind"] == "fix" and c.startswith("bash check.sh") and "=" in meta["commands"][i - 1]
-            listing = meta["kind"] == "manifest" and i == 1  # `cat X.lst`: X is what `ls` showed
-            assert uses or recheck or listing, (d.name, c)
+            assert uses or recheck, (d.name, c)
 
 
 def _fresh(task_dir: Path, root: Path) -> tuple[Path, Path]:
@@ -116,6 +121,23 @@ def test_one_command_baseline_is_under_five_percent(written):
     # chain and lookup kinds do solve alone, so the guessing is what the baseline measures.
     d = next(d for d in written["heldout"] if T.nano_meta(d)["kind"] == "lookup")
     assert L._passes_alone(d, T.nano_meta(d)["commands"][-1])
+
+
+def test_every_value_is_one_token_wherever_it_appears(written):
+    """The long family's tokenizer has one token for " word" of every pool word, and every
+    value follows a space in files and commands: copying a value is copying one token."""
+    from tmax.training.nano.model import build_tokenizer
+
+    tok = build_tokenizer(0, family="long")
+    for d in written["heldout"][:12]:
+        meta = T.nano_meta(d)
+        texts = [*meta["commands"], *((d / "environment/files").rglob("*.txt")), *((d / "environment/files").glob("*.lst"))]
+        for text in texts:
+            text = text.read_text() if isinstance(text, Path) else text
+            pieces = [tok.decode([i]) for i in tok.encode(text)]
+            for w in meta["revealed"]:
+                if w in text:
+                    assert " " + w in pieces, (d.name, w, pieces)
 
 
 def test_sloppy_teacher_is_mostly_right_with_detours_and_mistakes(written, tmp_path):
