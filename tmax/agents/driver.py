@@ -56,6 +56,7 @@ class EpisodeResult:
     llm_s: float = 0.0  # of which waiting for the model
     exec_s: float = 0.0  # and commands running in the sandbox
     command_s: list[float] = field(default_factory=list)  # each command's round trip (issue -> output back)
+    turn_outcomes: list[str] = field(default_factory=list)  # per model turn, in order (`turn_outcome`)
 
     @property
     def stopped(self) -> bool:
@@ -65,6 +66,18 @@ class EpisodeResult:
     @property
     def abandoned(self) -> bool:
         return self.status == "abandoned"
+
+
+def turn_outcome(record: dict[str, Any]) -> str:
+    """What one model turn came to, from the loop's timing record of it: "format" (no valid
+    call), "rejected", "sandbox_error", "failed" (the command exited non-zero) or "ok"."""
+    if record.get("format_error"):
+        return "format"
+    if record.get("rejected"):
+        return "rejected"
+    if "sandbox_error" in record:
+        return "sandbox_error"
+    return "failed" if record.get("return_code", 0) != 0 else "ok"
 
 
 class EpisodeDriver:
@@ -196,7 +209,8 @@ class EpisodeDriver:
         timing = list(self.agent.timing)[first_timing:]
         command_s = [t["bash_s"] for t in timing if "bash_s" in t]
         split = {"agent_s": round(wall_s, 3), "llm_s": round(sum(t.get("llm_s", 0.0) for t in timing), 3),
-                 "exec_s": round(sum(command_s), 3), "command_s": command_s}
+                 "exec_s": round(sum(command_s), 3), "command_s": command_s,
+                 "turn_outcomes": [turn_outcome(t) for t in timing if "step" in t]}
         stopped = {"timed_out": self._why == "deadline", "cancelled": self._why == "cancel"}
         if result is None:
             error = f"the model call did not return within {self.grace_s:g} s after the deadline"

@@ -158,7 +158,8 @@ class TmaxAgent:
         return AgentRun(timed_out=result.timed_out, error=error,
                         n_input_tokens=result.usage.prompt_tokens, n_output_tokens=result.usage.completion_tokens,
                         metadata={"status": result.status, "steps": result.steps, "error": result.error,
-                                  "llm_s": result.llm_s, "exec_s": result.exec_s})
+                                  "llm_s": result.llm_s, "exec_s": result.exec_s,
+                                  "turn_outcomes": result.turn_outcomes})
 
 
 def make_agent(name: str, rewrite: RewriteConfig, model: str | None = None, base_url: str | None = None,

@@ -32,7 +32,7 @@ from tmax.sandbox.base import SandboxKind
 from tmax.training.engine_options import EngineOptions, MemoryShare, ModelLen
 
 CONFIG_DIR = Path(__file__).parent / "configs"
-PRESETS = ("nano", "nano-podman", "nano-lora", "tmax-9b", "tmax-9b-lora")
+PRESETS = ("nano", "nano-podman", "nano-lora", "nano-long", "tmax-9b", "tmax-9b-lora")
 ENV_PREFIX = "TMAX_LEARN_"
 
 
@@ -65,6 +65,9 @@ class TasksConfig(_Strict):
     n_heldout: int = Field(32, ge=1)
     # Passed to the nano task generator (difficulty knobs it understands).
     generator: dict = Field(default_factory=dict)
+    # Which generated tasks: "nano" (one command each) or "long" (several dependent commands,
+    # `training.nano.long_tasks`); the nano model's tokenizer is trained on that family's text.
+    family: Literal["nano", "long"] = "nano"
 
 
 class RolloutConfig(AgentSettings):

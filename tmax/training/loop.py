@@ -28,6 +28,7 @@ from typing import Any
 
 from tmax.common.files import write_json_atomic, write_text_atomic
 from tmax.sandbox.pool import WarmAhead
+from tmax.training.agentic import agentic_metrics, of_rollout
 from tmax.training.algo.batching import BatchAccumulator, BatchConfig, Group
 from tmax.training.cluster.actors import Actors, EngineGroup, start_actors
 from tmax.training.cluster.launch import connect
@@ -38,9 +39,7 @@ from tmax.training.learner.packing import batch_samples
 from tmax.training.liveness import group_member_died
 from tmax.training.report import LearnProgress, MetricsSink, NoProgress, StepClock, reward_curve, rollout_metrics, run_summary, summary
 from tmax.training.rollback import RunGuard
-from tmax.training.rollout import (
-    EpisodeRequest, InfraCounts, Rollout, append_jsonl, env_settings, prepare_tasks,
-)
+from tmax.training.rollout import EpisodeRequest, InfraCounts, Rollout, append_jsonl, env_settings, prepare_tasks
 from tmax.training.weights.learner_side import WeightSync
 
 
@@ -361,6 +360,7 @@ class Trainer:
         return {
             **s.batch.metrics,
             **rollout_metrics([x for g in s.batch.groups for x in g.items]),
+            **agentic_metrics([of_rollout(x) for x in since]),  # every episode finished, filtered groups too
             **(s.rated_batch.metrics if s.rated_batch is not None else {}),
             "train/reward_all_rollouts": sum(x.reward for x in since) / max(1, len(since)),
             "time/getting_response": c.wait_s,

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 from pydantic import BaseModel, computed_field
 
 from tmax.common.files import write_dir_atomic, write_text_atomic
+from tmax.training.agentic import HeldoutAgentic, heldout_agentic
 from tmax.training.config import LearnConfig
 from tmax.training.loop import list_task_dirs
 
@@ -72,6 +73,9 @@ class HeldoutEval(BaseModel):
     infra_errors: int
     seconds: float
     job_dir: str
+    # Turns per trial and per solved one, where format errors and failed commands fall, the
+    # pass rate by the number of commands a task needs (`training.agentic`).
+    agentic: HeldoutAgentic | None = None
 
 
 class RlStage(BaseModel):
@@ -130,7 +134,7 @@ def build_stage(cfg: LearnConfig, out: Path, seed: int, log: Log) -> tuple[str, 
     if not (model_dir / "config.json").is_file():
         if not cfg.model.build_nano:
             raise FileNotFoundError(f"no model at {model_dir} and model.build_nano is off")
-        info = _built(model_dir, lambda d: build_nano_model(d, seed=seed))
+        info = _built(model_dir, lambda d: build_nano_model(d, seed=seed, family=cfg.tasks.family))
         log(f"built nano model: {info['params']:,} params, vocab {info['vocab_size']}")
     tasks = out / "tasks"
     train_dir = Path(cfg.tasks.train) if cfg.tasks.train else tasks / "train"
@@ -138,7 +142,8 @@ def build_stage(cfg: LearnConfig, out: Path, seed: int, log: Log) -> tuple[str, 
     if not train_dir.is_dir() or not held_dir.is_dir():
         if not cfg.tasks.generate_nano:
             raise FileNotFoundError(f"no tasks at {train_dir} / {held_dir} and tasks.generate_nano is off")
-        _built(tasks, lambda d: write_splits(d, cfg.tasks.n_train, cfg.tasks.n_heldout, seed=seed, **cfg.tasks.generator))
+        _built(tasks, lambda d: write_splits(d, cfg.tasks.n_train, cfg.tasks.n_heldout, seed=seed,
+                                             family=cfg.tasks.family, **cfg.tasks.generator))
         log(f"wrote {cfg.tasks.n_train} train and {cfg.tasks.n_heldout} held-out tasks to {tasks}")
     return str(model_dir), str(train_dir), str(held_dir)
 
@@ -201,14 +206,19 @@ def heldout_eval(cfg: LearnConfig, engine: Any, held_dir: str, jobs_dir: Path, n
     t0 = time.monotonic()
     job = Job(jc, api_key="none")
     job.run()
-    verdicts = [t.score() for t in job.results()]
+    results = job.results()
+    verdicts = [t.score() for t in results]
     n = len(verdicts)
     passed = sum(v.passed for v in verdicts)
     infra = sum(v.infra for v in verdicts)
+    agentic = heldout_agentic(results)
     out = HeldoutEval(pass_rate=passed / n if n else 0.0, passed=passed, trials=n, infra_errors=infra,
-                      seconds=time.monotonic() - t0, job_dir=str(job.dir))
+                      seconds=time.monotonic() - t0, job_dir=str(job.dir), agentic=agentic)
+    turns = agentic.metrics.get("turns_solved")
+    depths = ", ".join(f"{d}: {r.passed}/{r.trials}" for d, r in agentic.by_depth.items())
     log(f"held-out eval [{name}, {harness} harness]: {passed}/{n} passed ({out.pass_rate:.1%}), {infra} infra errors, "
-        f"{out.seconds:.0f}s")
+        f"{out.seconds:.0f}s" + (f"; {turns:.1f} turns per solved trial" if turns is not None else "")
+        + (f"; passed by commands needed {depths}" if depths else ""))
     return out
 
 

@@ -27,6 +27,7 @@ CONSOLE_KEYS = (
     ("debug/vllm_vs_local_logprob_diff_max", "lp_diff_max"),
     ("optim/grad_norm", "grad"),
     ("batch/filtered_prompts", "filtered"),
+    ("agentic/turns", "turns"),
     ("stale_results_dropped", "stale"),
     ("time/training", "t_train"),
 )
@@ -266,6 +267,11 @@ def run_summary(metrics_path: Path, setup_s: float, run_s: float) -> dict[str, A
         "train_step_s_mean": avg("time/training", rows),
         "weight_sync_s_mean": avg("time/weight_sync", rows),
         "episodes": rows[-1].get("episode") if rows else 0,
+        # The agentic side (`training.agentic`): turns per episode, per solved one, ended on the step budget.
+        "turns_first_quarter": avg("agentic/turns", first),
+        "turns_last_quarter": avg("agentic/turns", last),
+        "turns_solved_last_quarter": avg("agentic/turns_solved", last),
+        "max_steps_rate_last_quarter": avg("agentic/max_steps_rate", last),
         "guard": guard_summary(logged),
     }
 

@@ -106,6 +106,7 @@ class Rollout:
     warm_start: bool = False  # the container came started from the worker's warm pool
     sandbox_mode: str = ""  # podman: "overlay", "overlay+files" or "container" (`Episode.sandbox_mode`)
     command_s: list[float] = field(default_factory=list)  # each command's round trip (issue -> output back)
+    turn_outcomes: list[str] = field(default_factory=list)  # per model turn (`agents.driver.turn_outcome`)
     started_at: float = 0.0  # when the episode began (epoch seconds)
     segments: list[TokenTrace] = field(default_factory=list)  # closed by compactions, in order
 
@@ -332,6 +333,7 @@ def run_episode(
         segments=segments,
         sandbox_mode=mode,
         command_s=result.command_s,
+        turn_outcomes=result.turn_outcomes,
         started_at=round(started_at, 3),
     )
 

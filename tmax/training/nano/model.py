@@ -114,7 +114,7 @@ def _observation(output: str, exit_code: int) -> str:
     return f"{output.rstrip() or '(no output)'}\n\n(exit_code={exit_code})"
 
 
-def corpus(seed: int = 0, n_tasks: int = 400) -> list[str]:
+def corpus(seed: int = 0, n_tasks: int = 400, family: str = "nano") -> list[str]:
     """Training text for the tokenizer: everything a nano episode is made of.
 
     Task texts come with made-up parameters (`tasks.template_tasks`): if the train split's
@@ -150,16 +150,32 @@ def corpus(seed: int = 0, n_tasks: int = 400) -> list[str]:
             texts.append(f"{thought}\n<tool_call>\n{call}\n</tool_call>")
         texts += list(t.files.values())
         texts.append(_observation("".join(t.files.values())[:200], 0))
+    if family == "long":
+        texts += _long_texts(words, n_tasks, seed)
     for _ in range(2000):
-        line = rng.choice(_SHELL_LINES).format(f=rng.choice(words) + rng.choice(nano_tasks._EXTS), w=rng.choice(words))
+        line = rng.choice(_SHELL_LINES).format(f=rng.choice(words) + rng.choice(nano_tasks.EXTS), w=rng.choice(words))
         call = json.dumps({"name": "bash", "arguments": {"command": line}})
         texts.append(f"THOUGHT: Look at the files.\n<tool_call>\n{call}\n</tool_call>")
         texts.append(_observation(rng.choice(["", f"{rng.randint(0, 40)}", rng.choice(words)]), rng.choice([0, 0, 1, 2, 127])))
     return texts
 
 
+def _long_texts(words: list[str], n_tasks: int, seed: int) -> list[str]:
+    """The long-horizon tasks' instructions, steps and files, with made-up words."""
+    from tmax.training.nano import long_tasks
+
+    texts = []
+    for t in long_tasks.template_tasks(words, n_tasks, seed):
+        texts.append(prompts.render(prompts.INSTANCE_TEMPLATE, task=t.instruction))
+        for thought, cmd in t.oracle_steps():
+            call = json.dumps({"name": "bash", "arguments": {"command": cmd}})
+            texts.append(f"{thought}\n<tool_call>\n{call}\n</tool_call>")
+        texts += [_observation(text, 0) for text in t.files.values()]
+    return texts
+
+
 @functools.lru_cache(maxsize=4)
-def _trained_bpe(seed: int, vocab_size: int) -> str:
+def _trained_bpe(seed: int, vocab_size: int, family: str = "nano") -> str:
     """The nano BPE trained on `corpus(seed)`, as its JSON. Training is most of a build's
     time (seconds on 2 cores) and deterministic, so a process that builds several nano
     models (a test session, a benchmark's runs) trains each (seed, vocab) once."""
@@ -175,18 +191,27 @@ def _trained_bpe(seed: int, vocab_size: int) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus(seed), trainer=trainer)
+    tok.train_from_iterator(corpus(seed, family=family), trainer=trainer)
     tok.add_tokens([AddedToken(BASH_CALL_PREFIX, normalized=False, special=False)])
+    if family == "long":
+        # One token for " word" of every value of the long tasks, both splits: a value is then
+        # copied whole from an observation into a command (one token, not a run of sub-words).
+        # Held-out values are never in any training text, so their embeddings stay as built.
+        from tmax.training.nano.long_tasks import LONG_POOLS
+
+        words = sorted({w for pool in LONG_POOLS.values() for w in pool})
+        tok.add_tokens([AddedToken(" " + w, normalized=False, special=False) for w in words])
     return tok.to_str()
 
 
-def build_tokenizer(seed: int = 0, vocab_size: int = NanoSpec.vocab_size):
-    """A `PreTrainedTokenizerFast` with the nano chat template (deterministic)."""
+def build_tokenizer(seed: int = 0, vocab_size: int = NanoSpec.vocab_size, family: str = "nano"):
+    """A `PreTrainedTokenizerFast` with the nano chat template (deterministic), its merges
+    trained on the text of the task `family` (`corpus`)."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     hf = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_trained_bpe(seed, vocab_size)),
+        tokenizer_object=Tokenizer.from_str(_trained_bpe(seed, vocab_size, family)),
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         additional_special_tokens=SPECIAL_TOKENS[1:],
@@ -197,8 +222,9 @@ def build_tokenizer(seed: int = 0, vocab_size: int = NanoSpec.vocab_size):
     return hf
 
 
-def build_nano_model(out_dir: str | Path, seed: int = 0, spec: NanoSpec | None = None) -> dict:
-    """Write tokenizer + random-init Qwen3 model to `out_dir`; returns a summary dict.
+def build_nano_model(out_dir: str | Path, seed: int = 0, spec: NanoSpec | None = None, family: str = "nano") -> dict:
+    """Write tokenizer (for the task `family`) + random-init Qwen3 model to `out_dir`;
+    returns a summary dict.
 
     Deterministic: the same seed (and spec) gives byte-identical files."""
     import torch
@@ -208,7 +234,7 @@ def build_nano_model(out_dir: str | Path, seed: int = 0, spec: NanoSpec | None =
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    tok = build_tokenizer(seed, spec.vocab_size)
+    tok = build_tokenizer(seed, spec.vocab_size, family)
     tok.save_pretrained(out)
     t_tok = time.time() - t0
 
@@ -245,6 +271,7 @@ def build_nano_model(out_dir: str | Path, seed: int = 0, spec: NanoSpec | None =
         "vocab_size": len(tok),
         "params": n_params,
         "spec": asdict(spec),
+        **({"family": family} if family != "nano" else {}),
         "tokenizer_s": round(t_tok, 2),
         "total_s": round(time.time() - t0, 2),
     }

@@ -31,47 +31,16 @@ from __future__ import annotations
 
 import random
 import shutil
-import tomllib
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import tomli_w
 
 from tmax.agents.prompts import SUBMIT_COMMAND
-
-BASE_IMAGE = "localhost/tmax-base:bookworm"
-WORKDIR = "/app"
-SPLITS = ("train", "heldout")
-
-# Plain lowercase words; none is a substring of another (the grep-based kinds rely on it).
-_WORDS = """
-acorn amber anchor apple arrow aspen autumn badge bakery bamboo banjo barley basin beacon
-bison blossom bonnet bramble breeze bridge bronze bucket bugle button cabin cactus camel
-candle canyon carbon carpet castle cedar cello cherry chimney cider cinema circus clover
-cobalt comet copper coral cotton coyote crater crayon cricket crystal cupboard dahlia daisy
-delta desert dolphin dragon ember falcon feather fennel ferry fiddle figure flannel forest
-fossil fountain gadget garden garlic gazelle geyser ginger glacier goblet granite gravel
-guitar hammer harbor harvest hazel helmet heron hollow honey hornet iceberg indigo island
-ivory jacket jasmine jigsaw jungle kettle kiwi ladder lagoon lantern lemon lentil lilac
-lizard lobster locket lotus magnet mango maple marble meadow melon mirror mitten monsoon
-mosaic muffin mustard nectar needle nickel noodle nutmeg oasis olive onion orchid otter
-oyster paddle palace panda papaya parrot pebble pepper pickle pigeon pillow pistol planet
-plum pollen poppy potato pretzel puzzle quartz quill rabbit radish raven ribbon rocket
-saddle saffron salmon sandal satchel scarf sequoia shadow shovel silver sketch sparrow
-spider spruce squash statue stove sugar summit sunset swallow tablet teapot thimble thistle
-thunder tiger timber tomato topaz tornado trumpet tulip tunnel turnip turtle umbrella
-valley velvet violet volcano waffle walnut walrus willow window winter wizard yogurt zebra
-""".split()
-
-_EXTS = (".txt", ".log", ".md", ".dat")  # exploration vocabulary of the tokenizer corpus
-# Conventions shared by every task (not parameters): the input is the one `*.dat` file in
-# the work dir, the answer goes to answer.txt. A command can address the input by a glob,
-# so solving a task needs the task kind, never a copy of a name the model has not seen.
-INPUT_EXT = ".dat"
-INPUT_GLOB = "*" + INPUT_EXT
-ANSWER = "answer.txt"
-# Line counts: disjoint ranges per split (they are the answers of the counting kinds).
-_NUMBERS = {"train": (3, 4, 5, 6), "heldout": (7, 8, 9)}
+from tmax.training.nano import long_tasks
+from tmax.training.nano.base import (  # noqa: F401 (re-exported: the generator's public names)
+    ANSWER, BASE_IMAGE, INPUT_EXT, INPUT_GLOB, POOLS, SPLITS, SUBMIT_THOUGHT, WORKDIR, NanoTask, EXTS, NUMBERS,
+    Picker, WORDS, lines_text, nano_meta, pseudo_words,
+)
 
 # kind -> (instruction with {src}, oracle command, THOUGHT). One short, formulaic sentence
 # per kind; the oracle command depends on the kind only.
@@ -95,86 +64,17 @@ _KINDS = {
 }
 KINDS = tuple(_KINDS)
 _THOUGHTS = {k: v[2] for k, v in _KINDS.items()}
-SUBMIT_THOUGHT = "Done, so I submit."
-
-
-def _word_pools() -> dict[str, list[str]]:
-    words = sorted(set(_WORDS))
-    clash = {w for w in words for v in words if w != v and w in v}
-    words = [w for w in words if w not in clash]
-    # Every fourth word is held out; the split is fixed, independent of any seed.
-    return {"train": [w for i, w in enumerate(words) if i % 4 != 3], "heldout": [w for i, w in enumerate(words) if i % 4 == 3]}
-
-
-POOLS = _word_pools()
-
-
-@dataclass
-class NanoTask:
-    name: str
-    kind: str
-    split: str
-    instruction: str
-    commands: list[str]  # the oracle: shell commands that solve it (submit not included)
-    files: dict[str, str] = field(default_factory=dict)  # seed files, relative to the work dir
-    check: str = ""  # bash condition that is true when solved (in test.sh, cwd = work dir)
-    expected: str = ""  # tests/expected.txt
-    params: dict[str, str | int] = field(default_factory=dict)  # what varies between tasks
-    dst: str = ANSWER
-
-    def oracle_steps(self) -> list[tuple[str, str]]:
-        """(thought, command) per step, ending with the submit command."""
-        steps = [(f"THOUGHT: {_THOUGHTS[self.kind]}", c) for c in self.commands]
-        return steps + [(f"THOUGHT: {SUBMIT_THOUGHT}", SUBMIT_COMMAND)]
-
-
-class _Picker:
-    """Draws parameters from one pool; names in one task never repeat."""
-
-    def __init__(self, words: list[str], numbers: tuple[int, ...], rng: random.Random):
-        self.words = words
-        self.numbers = numbers
-        self.rng = rng
-        self.used: set[str] = set()
-
-    def word(self) -> str:
-        w = self.rng.choice([w for w in self.words if w not in self.used])
-        self.used.add(w)
-        return w
-
-    def number(self) -> int:
-        return self.rng.choice(self.numbers)
-
-    def lines(self, n: int, words_per_line: int = 1) -> list[str]:
-        return [" ".join(self.word() for _ in range(words_per_line)) for _ in range(n)]
-
-
-def pseudo_words(n: int, seed: int = 0) -> list[str]:
-    """Made-up consonant-vowel words (`bakori`, `tunefa`, ...), disjoint from both pools."""
-    rng = random.Random(f"nano-pseudo-{seed}")
-    real = set(_WORDS)
-    out: set[str] = set()
-    while len(out) < n:
-        w = "".join(rng.choice("bdfgklmnprstvz") + rng.choice("aeiou") for _ in range(rng.choice((2, 3))))
-        if w not in real:
-            out.add(w)
-    words = sorted(out)
-    return [w for w in words if not any(w != v and w in v for v in words)]
 
 
 def template_tasks(n: int, seed: int = 0) -> list[NanoTask]:
     """Tasks of every kind with made-up parameters: the task wording and command shapes
     without any real parameter, e.g. for training a tokenizer that must not learn the
     train split's names as whole tokens (held-out names would then look different)."""
-    picker = _Picker(pseudo_words(400, seed), tuple(range(3, 10)), random.Random(f"nano-template-{seed}"))
+    picker = Picker(pseudo_words(400, seed), tuple(range(3, 10)), random.Random(f"nano-template-{seed}"))
     return [_make(KINDS[i % len(KINDS)], "template", picker) for i in range(n)]
 
 
-def _text(lines: list[str]) -> str:
-    return "".join(line + "\n" for line in lines)
-
-
-def _input_lines(kind: str, p: _Picker) -> list[str]:
+def _input_lines(kind: str, p: Picker) -> list[str]:
     """Seed lines such that the kind's answer differs from the input and from the answers
     of the kinds it is most easily confused with (sort vs unique vs reverse)."""
     n = p.number()
@@ -189,32 +89,42 @@ def _input_lines(kind: str, p: _Picker) -> list[str]:
             return lines
 
 
-def _make(kind: str, split: str, p: _Picker) -> NanoTask:
+def _make(kind: str, split: str, p: Picker) -> NanoTask:
     if kind not in _KINDS:
         raise ValueError(f"unknown nano task kind {kind!r}; known kinds: {', '.join(KINDS)}")
     instruction, command, _ = _KINDS[kind]
     lines = _input_lines(kind, p)
     src = p.word() + INPUT_EXT
-    t = NanoTask(name="", kind=kind, split=split, instruction=instruction.format(src=src), commands=[command])
-    t.files = {src: _text(lines)}
+    t = NanoTask(name="", kind=kind, split=split, instruction=instruction.format(src=src), commands=[command],
+                 thoughts=[_THOUGHTS[kind]])
+    t.files = {src: lines_text(lines)}
     t.params = {"src": src, "n_lines": len(lines)}
     same, number = 'same "$DST" "$EXPECTED"', 'number "$DST" "$EXPECTED"'
     answer = {
         "count_lines": f"{len(lines)}\n",
         "count_words": f"{sum(len(x.split()) for x in lines)}\n",
-        "upper": _text([x.upper() for x in lines]),
-        "sort": _text(sorted(lines)),  # single lowercase ASCII words: locale-independent
-        "reverse": _text(lines[::-1]),
-        "first": _text(lines[:1]),
-        "last": _text(lines[-1:]),
-        "unique": _text(sorted(set(lines))),
+        "upper": lines_text([x.upper() for x in lines]),
+        "sort": lines_text(sorted(lines)),  # single lowercase ASCII words: locale-independent
+        "reverse": lines_text(lines[::-1]),
+        "first": lines_text(lines[:1]),
+        "last": lines_text(lines[-1:]),
+        "unique": lines_text(sorted(set(lines))),
     }[kind]
     t.expected, t.check = answer, (number if kind.startswith("count") else same)
     return t
 
 
-def generate(split: str, n: int, seed: int = 0, kinds: list[str] | tuple[str, ...] | None = None) -> list[NanoTask]:
-    """`n` tasks of one split, kinds in round-robin so every kind is equally common."""
+FAMILIES = ("nano", "long")
+
+
+def generate(split: str, n: int, seed: int = 0, kinds: list[str] | tuple[str, ...] | None = None,
+             family: str = "nano") -> list[NanoTask]:
+    """`n` tasks of one split, kinds in round-robin so every kind is equally common; `family`
+    "long" gives the long-horizon tasks (`long_tasks`)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown nano task family {family!r}; use one of {', '.join(FAMILIES)}")
+    if family == "long":
+        return long_tasks.generate(split, n, seed, kinds)
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
     kinds = tuple(kinds or KINDS)
@@ -222,7 +132,7 @@ def generate(split: str, n: int, seed: int = 0, kinds: list[str] | tuple[str, ..
         if k not in KINDS:
             raise ValueError(f"unknown nano task kind {k!r}; known kinds: {', '.join(KINDS)}")
     # The split is part of the stream so train and held-out differ even with one seed.
-    picker = _Picker(POOLS[split], _NUMBERS[split], random.Random(f"nano-{split}-{seed}"))
+    picker = Picker(POOLS[split], NUMBERS[split], random.Random(f"nano-{split}-{seed}"))
     tasks = []
     for i in range(n):
         t = _make(kinds[i % len(kinds)], split, picker)
@@ -261,12 +171,17 @@ fi
 
 
 def _task_toml(t: NanoTask) -> dict:
+    nano: dict = {"kind": t.kind, "split": t.split, "commands": list(t.commands), "params": dict(t.params),
+                  "family": t.family, "depth": t.depth}
+    if t.family != "nano":
+        nano |= {"thoughts": list(t.thoughts), "revealed": list(t.revealed), "value": t.value, "decoy": t.decoy,
+                 "value_step": t.value_step}
     return {
         "version": "1.0",
         "metadata": {
-            "author_name": "tmax nano task generator", "difficulty": "easy",
+            "author_name": "tmax nano task generator", "difficulty": "easy" if t.family == "nano" else "medium",
             "category": f"nano-{t.kind.split('_')[0]}", "tags": ["nano", t.kind],
-            "nano": {"kind": t.kind, "split": t.split, "commands": list(t.commands), "params": dict(t.params)},
+            "nano": nano,
         },
         "verifier": {"timeout_sec": 30.0},
         "agent": {"timeout_sec": 300.0},
@@ -300,7 +215,8 @@ def write_task(t: NanoTask, task_dir: Path) -> Path:
     return task_dir
 
 
-def write_splits(out_dir: str | Path, n_train: int, n_heldout: int, seed: int = 0, **generator: object) -> dict[str, list[Path]]:
+def write_splits(out_dir: str | Path, n_train: int, n_heldout: int, seed: int = 0,
+                 **generator: object) -> dict[str, list[Path]]:
     """Write `out_dir/train/*` and `out_dir/heldout/*`; returns the task dirs per split."""
     out = Path(out_dir)
     result: dict[str, list[Path]] = {}
@@ -310,22 +226,16 @@ def write_splits(out_dir: str | Path, n_train: int, n_heldout: int, seed: int = 
     return result
 
 
-def _nano_meta(task_dir: Path) -> dict:
-    meta = tomllib.loads((Path(task_dir) / "task.toml").read_text()).get("metadata", {}).get("nano")
-    if not meta:
-        raise ValueError(f"{task_dir}/task.toml: no [metadata.nano] table (not a generated nano task)")
-    return meta
-
-
 def oracle_commands(task_dir: str | Path) -> list[str]:
     """The commands that solve a written task, then the submit command."""
-    return list(_nano_meta(Path(task_dir))["commands"]) + [SUBMIT_COMMAND]
+    return list(nano_meta(Path(task_dir))["commands"]) + [SUBMIT_COMMAND]
 
 
 def oracle_steps(task_dir: str | Path) -> list[tuple[str, str]]:
     """(THOUGHT text, command) per oracle step of a written task, ending with the submit."""
-    meta = _nano_meta(Path(task_dir))
-    steps = [(f"THOUGHT: {_THOUGHTS[meta['kind']]}", c) for c in meta["commands"]]
+    meta = nano_meta(Path(task_dir))
+    thoughts = meta.get("thoughts") or [_THOUGHTS[meta["kind"]]] * len(meta["commands"])
+    steps = [(f"THOUGHT: {th}", c) for th, c in zip(thoughts, meta["commands"])]
     return steps + [(f"THOUGHT: {SUBMIT_THOUGHT}", SUBMIT_COMMAND)]
 
 
@@ -347,6 +257,9 @@ def teacher_steps(task_dir: str | Path, accuracy: float, rng: random.Random) -> 
     the verifier's reward (RL) can remove."""
     if not 0.0 < accuracy <= 1.0:
         raise ValueError(f"teacher accuracy must be in (0, 1], got {accuracy}")
+    meta = nano_meta(Path(task_dir))
+    if meta.get("family", "nano") == "long":
+        return long_tasks.teacher_steps(meta, accuracy, rng)
     steps = oracle_steps(task_dir)
     if rng.random() < accuracy:
         return steps, True
