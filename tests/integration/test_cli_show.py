@@ -156,7 +156,7 @@ def test_show_a_run_saved_by_tmax_run(tmp_path):
     ]
     with ScriptedServer(script) as srv:
         proc = subprocess.run(
-            [sys.executable, "-m", "tmax.cli.main", "run", "--json", "--sandbox", "local", "--base-url", srv.base_url,
+            [sys.executable, "-m", "tmax.cli.main", "run", "--json", "--env", "local", "--base-url", srv.base_url,
              "--model", srv.model, "--workdir", str(ws), "-o", str(run_dir), "count the words"],
             capture_output=True, text=True, env=env, timeout=120, stdin=subprocess.DEVNULL,
         )

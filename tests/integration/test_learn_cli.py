@@ -45,12 +45,12 @@ def tmax_learn(*args: str, cwd: Path, env: dict[str, str], timeout: float) -> su
 
 
 def test_dry_run_for_eight_nodes_writes_the_whole_run(tmp_path):
-    """`tmax learn --nodes 8 --dry-run --sandbox podman --image-map A=B`: the job's script runs
+    """`tmax learn --nodes 8 --dry-run --env podman --image-map A=B`: the job's script runs
     `tmax learn --config FILE` and nothing else, and FILE is the whole run as asked."""
     from tmax.training.config import load_config, preset
 
     out = tmp_path / "job"
-    r = tmax_learn("--nodes", "8", "--dry-run", "--sandbox", "podman", "--image-map", "A=B", "-o", str(out),
+    r = tmax_learn("--nodes", "8", "--dry-run", "--env", "podman", "--image-map", "A=B", "-o", str(out),
                    cwd=tmp_path, env=learn_env(), timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "node 7      inference    engines 40-47 (8 x TP 1)" in r.stdout

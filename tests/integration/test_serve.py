@@ -256,7 +256,7 @@ def _solve_heldout_task(base_url: str, heldout: Path, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TMAX_", "OPENAI_"))}
     env.update(XDG_CONFIG_HOME=str(tmp_path / "cfg"), XDG_DATA_HOME=str(tmp_path / "data"))
     run = subprocess.run(
-        [sys.executable, "-m", "tmax.cli.main", "run", "--json", "--base-url", base_url, "--sandbox", "local",
+        [sys.executable, "-m", "tmax.cli.main", "run", "--json", "--base-url", base_url, "--env", "local",
          "--workdir", str(ws), "-o", str(tmp_path / "run"), "--max-steps", "4",
          (heldout / "instruction.md").read_text().strip()],
         env=env, cwd=ws, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,

@@ -103,3 +103,20 @@ def test_a_flag_without_help_is_refused():
 
     with pytest.raises(TypeError, match="needs a description"):
         flag_specs(Bare, "x")
+
+
+def test_run_print_config_names_each_source(tmp_path):
+    env = {"XDG_CONFIG_HOME": str(tmp_path), "TMAX_MAX_STEPS": "9", "TMAX_BASE_URL": "", "OPENAI_BASE_URL": "",
+           "TMAX_MODEL": ""}
+    cfg = tmp_path / "mine.toml"
+    cfg.write_text('base_url = "http://file/v1"\nmodel = "m"\ntemperature = 0.3\n')
+    r = tmax("run", "-s", "local", "-c", str(cfg), "--print-config", "a task", env=env)
+    assert r.exit_code == 0, r.output
+    assert "note: --sandbox/-s is now --env" in r.stderr
+    assert shown(r, "", "sandbox") == 'sandbox = "local"  # --sandbox/-s'
+    assert shown(r, "", "base_url") == f'base_url = "http://file/v1"  # {cfg}'
+    assert shown(r, "", "max_steps") == "max_steps = 9  # $TMAX_MAX_STEPS"
+    assert shown(r, "", "temperature") == f"temperature = 0.3  # {cfg}"
+    assert shown(r, "", "compaction") == "compaction = true  # default (tmax run)"
+    r = tmax("run", "-c", str(tmp_path / "none.toml"), "--print-config", "x", env=env)
+    assert r.exit_code == 2 and "config file not found" in r.output

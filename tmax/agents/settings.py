@@ -45,6 +45,7 @@ from pydantic.fields import FieldInfo
 
 from tmax.agents.observation import ObservationLimits
 from tmax.common.errors import RenamedSettingWarning, validation_message
+from tmax.common.settings import flag
 from tmax.sandbox.base import DEFAULT_COMMAND_TIMEOUT_S
 
 # old name -> new name
@@ -89,12 +90,16 @@ class AgentSettings(_NewNames):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    max_steps: Count = 64
-    command_timeout: Seconds = DEFAULT_COMMAND_TIMEOUT_S
+    # The flags are `tmax run`'s; bench sets these with `--ak KEY=VALUE`, learn in `[rollout]`.
+    max_steps: Annotated[Count, Field(description="Model turns per episode, format errors included."),
+                         flag("--max-steps", commands=("run",))] = 64
+    command_timeout: Annotated[Seconds, Field(description="Seconds a command may run before it is stopped."),
+                               flag("--command-timeout", commands=("run",))] = DEFAULT_COMMAND_TIMEOUT_S
     max_format_errors: Count = 64
     temperature: Temperature = 0.7
     top_p: TopP = 0.95
-    max_tokens: Count = 16384
+    max_tokens: Annotated[Count, Field(description="Most tokens per model turn (lowered to what the server's "
+                                                   "context window leaves)."), flag("--max-tokens", commands=("run",))] = 16384
     # Stop once a turn's prompt + completion reaches this many tokens, for servers whose
     # window is larger than the budget (a smaller window raises ContextOverflow itself).
     context_budget: Count = 65536
@@ -102,12 +107,17 @@ class AgentSettings(_NewNames):
     retries: Count = 5
     backoff_s: Backoff = (2, 4, 8, 16)
     # Opt-in (agents.budget): observations end with the steps, time and context left.
-    budget_hints: bool = False
+    budget_hints: Annotated[bool, Field(description="Append the steps, time and context left to each observation."),
+                            flag("--budget-hints", commands=("run",))] = False
     time_budget_s: Seconds | None = None  # only shown by budget hints; None: no limit
     # Opt-in (agents.compaction), so bench and learn keep the Vanillux2 protocol: once a
     # turn's context reaches this share of the window, the model summarises the session.
-    compaction: bool = False
-    compaction_threshold: Fraction = 0.8
+    compaction: Annotated[bool, Field(description="Summarise the session when its context nears the window."), flag(
+        "--compact", commands=("run",), help="Summarise the session when its context nears the window (on by default "
+                                             "in tmax run).")] = False
+    compaction_threshold: Annotated[Fraction, Field(description="The share of the context window that sets compaction "
+                                                                "off, in (0, 1)."),
+                                    flag("--compact-threshold", commands=("run",))] = 0.8
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> AgentSettings:
@@ -132,9 +142,18 @@ class AgentSettings(_NewNames):
 
 def optional_fields(model: type[BaseModel]) -> dict[str, Any]:
     """`model`'s fields as `create_model` definitions, each optional (default None) with its
-    constraints: for sources that may leave any setting out (a config file, flags)."""
-    return {name: (info.annotation | None, FieldInfo.merge_field_infos(info, default=None))
+    constraints, and its help naming the default it stands for: for sources that may leave
+    any setting out (a config file, flags)."""
+    return {name: (info.annotation | None, FieldInfo.merge_field_infos(info, default=None, description=_with_default(info)))
             for name, info in model.model_fields.items()}
+
+
+def _with_default(info: FieldInfo) -> str | None:
+    """A setting's help where it is optional: the default it falls back to, said."""
+    if not info.description:
+        return None
+    default = info.get_default(call_default_factory=True)
+    return f"{info.description} Default: {default}." if default is not None else info.description
 
 
 # Every agent setting, none required: the agent keys of `tmax run`'s and `tmax bench run`'s

@@ -70,7 +70,8 @@ def _decls(names: tuple[str, ...], is_bool: bool) -> tuple[str, ...]:
 
 def _option(spec: FlagSpec, names: tuple[str, ...], hidden: bool, with_default: bool) -> Any:
     is_bool = value_type(spec.field.annotation) is bool
-    return typer.Option(None, *_decls(names, is_bool), help=spec.help(with_default), hidden=hidden, show_default=False)
+    return typer.Option(None, *_decls(names, is_bool), help=spec.help(with_default), hidden=hidden, show_default=False,
+                        rich_help_panel="Settings (also TOML keys and TMAX_* variables; --print-config)")
 
 
 def _note(old: str, new: str) -> None:
@@ -99,7 +100,8 @@ def setting_flags(model: type[BaseModel], command: str, shared: list[inspect.Par
     """Give a command function the flags of `model`'s settings for `command` (and the
     `shared` parameters); it is called with `flags=FlagValues`. `with_defaults`: the help
     shows each setting's declared default (not where a preset sets its own)."""
-    specs = flag_specs(model, command)
+    own = set(model.__dict__.get("__annotations__", {}))
+    specs = sorted(flag_specs(model, command), key=lambda spec: spec.paths[0][0] not in own)  # its own first
 
     def wrap(func: Callable) -> Callable:
         sig = inspect.signature(func)

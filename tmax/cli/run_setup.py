@@ -38,10 +38,10 @@ def discover_model(base_url: str, api_key: str) -> str:
     """The one model a server serves (vLLM serves one); several or none is a usage error."""
     from openai import OpenAI
 
-    from tmax.cli.config import MODEL_ENV
+    from tmax.cli.config import env_vars
 
     how = (
-        f"Name it with the --model flag, the environment variable {' / '.join('$' + e for e in MODEL_ENV)}, "
+        f"Name it with the --model flag, the environment variable {' / '.join('$' + e for e in env_vars('model'))}, "
         f"or `model = \"...\"` in the config file {config_path()}."
     )
     try:

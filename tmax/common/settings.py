@@ -231,6 +231,11 @@ def describe(model: BaseModel, sources: Mapping[str, str]) -> list[str]:
     return lines
 
 
+def describe_values(values: Mapping[str, Any], sources: Mapping[str, str]) -> list[str]:
+    """Flat settings (`values`, by key) as `describe` shows them."""
+    return [f"{key} = {_shown(value)}  # {sources.get(key, 'default')}" for key, value in values.items()]
+
+
 def _shown(value: Any) -> str:
     if value is None:
         return "(unset)"
