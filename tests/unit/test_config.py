@@ -287,13 +287,13 @@ def test_learn_rollout_old_names_load_as_the_new_ones(tmp_path, monkeypatch):
 def test_one_schema_two_sets_of_defaults():
     """The shared keys have the same names everywhere; the training defaults differ from
     Vanillux2's only where `RolloutConfig` says so."""
-    from tmax.cli.bench_file import BenchFile
+    from tmax.cli.bench_settings import BenchSettings
     from tmax.cli.config import RunFile
     from tmax.training.config import RolloutConfig
 
     keys = set(AgentSettings.model_fields)
     assert keys <= set(RolloutConfig.model_fields) and keys <= set(RunFile.model_fields)
-    assert keys <= set(BenchFile.model_fields)
+    assert keys <= set(BenchSettings.model_fields)
     run, train = AgentSettings(), RolloutConfig().agent_only()
     differ = {k for k in keys if getattr(run, k) != getattr(train, k)}
     assert differ == {"temperature", "top_p", "max_format_errors", "context_budget", "retries", "backoff_s"}
@@ -315,7 +315,7 @@ def test_bench_agent_settings_map_old_names_and_reject_unknown_ones(tmp_path):
 
 
 def test_bench_config_file_is_validated_strictly(tmp_path):
-    from tmax.cli.bench_file import load_bench_file
+    from tmax.cli.bench_settings import load_bench_file
 
     path = tmp_path / "bench.toml"
     path.write_text('dataset = "ds"\nagent = "tmax"\nn_attempts = 3\ninclude = ["a-*"]\nenv = "local"\n'

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import typer
 from pydantic import BaseModel
@@ -49,7 +49,7 @@ class FlagValues:
 
 
 def _param_name(spec: FlagSpec) -> str:
-    return "flag_" + spec.name.lstrip("-").replace("-", "_")
+    return "flag_" + spec.name.split("/")[0].lstrip("-").replace("-", "_")
 
 
 def _annotation(spec: FlagSpec) -> Any:
@@ -62,15 +62,16 @@ def _annotation(spec: FlagSpec) -> Any:
 
 
 def _decls(names: tuple[str, ...], is_bool: bool) -> tuple[str, ...]:
-    if not is_bool:
+    if not is_bool or any("/" in n for n in names):  # a bool's own pair: `--overlay/--fresh-containers`
         return names
     longs = [n for n in names if n.startswith("--")]
     return tuple(f"{n}/--no-{n[2:]}" for n in longs)
 
 
-def _option(spec: FlagSpec, names: tuple[str, ...], hidden: bool, with_default: bool) -> Any:
+def _option(spec: FlagSpec, names: tuple[str, ...], hidden: bool, with_default: bool,
+            defaults: Mapping[str, Any] | None = None) -> Any:
     is_bool = value_type(spec.field.annotation) is bool
-    return typer.Option(None, *_decls(names, is_bool), help=spec.help(with_default), hidden=hidden, show_default=False,
+    return typer.Option(None, *_decls(names, is_bool), help=spec.help(with_default, defaults), hidden=hidden, show_default=False,
                         rich_help_panel="Settings (also TOML keys and TMAX_* variables; --print-config)")
 
 
@@ -96,10 +97,11 @@ def _collect(specs: list[FlagSpec], kwargs: dict[str, Any]) -> FlagValues:
 
 
 def setting_flags(model: type[BaseModel], command: str, shared: list[inspect.Parameter] = (),
-                  with_defaults: bool = True) -> Callable[[Callable], Callable]:
+                  with_defaults: bool = True, defaults: Mapping[str, Any] | None = None) -> Callable[[Callable], Callable]:
     """Give a command function the flags of `model`'s settings for `command` (and the
     `shared` parameters); it is called with `flags=FlagValues`. `with_defaults`: the help
-    shows each setting's declared default (not where a preset sets its own)."""
+    shows each setting's default (`defaults`, the command's own, else the declared one; not
+    where a preset file sets them)."""
     own = set(model.__dict__.get("__annotations__", {}))
     specs = sorted(flag_specs(model, command), key=lambda spec: spec.paths[0][0] not in own)  # its own first
 
@@ -110,7 +112,7 @@ def setting_flags(model: type[BaseModel], command: str, shared: list[inspect.Par
         extra = list(shared)
         for spec in specs:
             kind = inspect.Parameter.KEYWORD_ONLY
-            extra.append(inspect.Parameter(_param_name(spec), kind, default=_option(spec, spec.flag.names, False, with_defaults),
+            extra.append(inspect.Parameter(_param_name(spec), kind, default=_option(spec, spec.flag.names, False, with_defaults, defaults),
                                            annotation=_annotation(spec)))
             if spec.flag.old:
                 extra.append(inspect.Parameter(_param_name(spec) + "_old", kind,

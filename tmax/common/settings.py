@@ -109,10 +109,12 @@ class FlagSpec:
     def name(self) -> str:
         return self.flag.names[0]
 
-    def help(self, with_default: bool = True) -> str:
-        """The flag's help; `with_default`: followed by the setting's declared default."""
+    def help(self, with_default: bool = True, defaults: Mapping[str, Any] | None = None) -> str:
+        """The flag's help; `with_default`: followed by the setting's default (the declared
+        one, or the command's own in `defaults`, by dotted key)."""
         text = self.flag.help or self.field.description or ""
-        default = self.field.get_default(call_default_factory=True)
+        key = ".".join(self.paths[0])
+        default = (defaults or {}).get(key, self.field.get_default(call_default_factory=True))
         if with_default and default not in (None, [], {}) and not self.flag.help:
             shown = default if not isinstance(default, tuple) else ", ".join(map(str, default))
             text = f"{text} Default: {shown}."
