@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from documented import documented
+
 # The nano preset sized for a test, as environment settings (training.config.env_overrides).
 SMALL_NANO = {
     "TMAX_LEARN_TASKS__N_TRAIN": "4", "TMAX_LEARN_TASKS__N_HELDOUT": "1",
@@ -115,7 +117,8 @@ def test_bare_learn_trains_and_stops_on_ctrl_c(tmp_path):
     # `tmax learn`: the nano recipe's RL stage in ./runs/nano, with what it needs built first.
     log = tmp_path / "learn.log"
     with log.open("w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "tmax.cli.main", "learn"], cwd=tmp_path, env=env,
+        argv = [sys.executable, "-m", "tmax.cli.main", *documented("tmax learn")[1:]]
+        proc = subprocess.Popen(argv, cwd=tmp_path, env=env,
                                 stdout=f, stderr=subprocess.STDOUT)
     run = tmp_path / "runs" / "nano"
     try:

@@ -120,3 +120,15 @@ def test_run_print_config_names_each_source(tmp_path):
     assert shown(r, "", "compaction") == "compaction = true  # default (tmax run)"
     r = tmax("run", "-c", str(tmp_path / "none.toml"), "--print-config", "x", env=env)
     assert r.exit_code == 2 and "config file not found" in r.output
+
+
+def test_the_docs_settings_tables_are_the_declarations():
+    from tmax.cli.settings_docs import BLOCK, PAGES, render
+
+    found = {m["name"] for page in PAGES.glob("*.md") for m in BLOCK.finditer(page.read_text())}
+    assert found == {"run", "bench", "learn"}
+    for page in PAGES.glob("*.md"):
+        text = page.read_text()
+        assert render(text) == text, f"{page}: run `python -m tmax.cli.settings_docs`"
+    assert "| `algo.steps` | `--steps` | `TMAX_LEARN_ALGO__STEPS` | `500` | RL steps. |" in \
+        (PAGES / "learn.md").read_text()

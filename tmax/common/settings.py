@@ -35,6 +35,8 @@ from pydantic.fields import FieldInfo
 from tmax.common.errors import ConfigError
 
 Path_ = tuple[str, ...]
+# Where a model that makes every setting optional (a patch) keeps the default each stands for.
+DECLARED_DEFAULT = "declared_default"
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,12 @@ class Env:
     (`OPENAI_BASE_URL` after `TMAX_BASE_URL`)."""
 
     names: tuple[str, ...]
+
+
+def declared_default(info: FieldInfo) -> Any:
+    """A setting's default: its own, or, in a patch, the one it stands for."""
+    extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+    return extra[DECLARED_DEFAULT] if DECLARED_DEFAULT in extra else info.get_default(call_default_factory=True)
 
 
 def _meta(info: FieldInfo, kind: type) -> Any:
@@ -114,7 +122,7 @@ class FlagSpec:
         one, or the command's own in `defaults`, by dotted key)."""
         text = self.flag.help or self.field.description or ""
         key = ".".join(self.paths[0])
-        default = (defaults or {}).get(key, self.field.get_default(call_default_factory=True))
+        default = (defaults or {}).get(key, declared_default(self.field))
         if with_default and default not in (None, [], {}) and not self.flag.help:
             shown = default if not isinstance(default, tuple) else ", ".join(map(str, default))
             text = f"{text} Default: {shown}."
@@ -257,7 +265,7 @@ def settings_table(model: type[BaseModel], command: str, prefix: str) -> list[st
         f = _meta(info, Flag)
         shown_flag = ", ".join(f"`{n}`" for n in f.names) if f and (f.commands is None or command in f.commands) else ""
         envs = ", ".join(f"`{n}`" for n in env_names(path, info, prefix))
-        default = info.get_default(call_default_factory=True)
+        default = declared_default(info)
         rows.append(f"| `{'.'.join(path)}` | {shown_flag} | {envs} | `{_shown(default)}` | "
                     f"{(info.description or '').replace('|', '/')} |")
     return rows
