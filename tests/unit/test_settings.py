@@ -65,7 +65,7 @@ def test_bad_values_name_the_flag_or_the_preset():
 
 def test_every_command_spells_where_episodes_run_the_same_way():
     for words in (["run"], ["bench", "run"], ["bench", "terminal-bench"], ["bench", "resume"], ["learn"],
-                  ["learn", "nano"], ["learn", "sft"], ["data", "validate"]):
+                  ["learn", "nano"], ["learn", "sft"], ["data", "validate"], ["data", "generate"], ["data", "solve"]):
         r = tmax(*words, "--help")
         assert r.exit_code == 0, (words, r.output)
         assert "--env" in r.stdout and "--sandbox " not in r.stdout, words

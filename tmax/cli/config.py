@@ -39,9 +39,9 @@ from tmax.common.errors import ConfigError, validation_message
 from tmax.common.files import read_toml
 from tmax.common.settings import Env, env_layer, env_names, flag, flag_specs, resolve_layers
 from tmax.sandbox.base import KINDS as SANDBOX_KINDS
+from tmax.sandbox.podman import DEFAULT_IMAGE
 
 MODES = ("confirm", "yolo")
-DEFAULT_IMAGE = "localhost/tmax-base:bookworm"
 # Every setting of `tmax run` is also `TMAX_<KEY>` (`TMAX_BASE_URL`, `TMAX_MAX_STEPS`); a few
 # read a further variable after it (`Env`). A stray $MODEL or $SANDBOX is not read.
 ENV_PREFIX = "TMAX_"

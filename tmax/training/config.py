@@ -184,9 +184,11 @@ class SFTConfig(_Strict):
 class EvalConfig(_Strict):
     attempts: int = Field(1, ge=1)
     concurrency: int = Field(4, ge=1)
-    # The `tmax` bench agent's default sampling temperature.
-    temperature: float = Field(0.7, ge=0)
-    max_steps: int = Field(64, ge=1)
+    # Held-out trials are a `tmax bench` job: by default with the bench agent's settings.
+    temperature: Annotated[Temperature, Field(description="Sampling temperature of the held-out trials.")] = \
+        AgentSettings.model_fields["temperature"].default
+    max_steps: Annotated[Count, Field(description="Model turns per held-out trial.")] = \
+        AgentSettings.model_fields["max_steps"].default
     sandbox: Annotated[SandboxKind, Field(description="Where held-out trials run (`tmax bench -e`): host sandboxes "
                                                       "need no image per task."), ENV_FLAG] = "podman"
     # podman: containers started ahead for the trials next in line (`tmax bench
