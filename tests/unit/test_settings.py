@@ -37,6 +37,9 @@ def test_learn_options_after_the_subcommand_as_the_docs_type_them(tmp_path):
         r = tmax("learn", "-c", "nano-podman", "--seed", "5", sub, "--seed", "6", "--print-config")
         assert r.exit_code == 0, r.output
         assert shown(r, "", "name").startswith('name = "nano-podman"') and shown(r, "algo", "seed").startswith("seed = 6")
+    r = tmax("learn", "--print-config", "-c", "nano-lora", "nano", "--steps", "3")
+    assert r.exit_code == 0 and shown(r, "algo", "steps") == "steps = 3  # --steps", r.output
+    assert shown(r, "algo", "warmup_steps").endswith("# preset nano")  # nano-lora extends nano
 
 
 def test_lora_rank_after_nano_and_the_environment_under_the_flags(tmp_path):

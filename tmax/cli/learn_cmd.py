@@ -52,14 +52,16 @@ _SHARED = [
 ]
 
 
-def _options(ctx: typer.Context, config: Optional[Path], no_progress: bool, flags: FlagValues) -> dict:
+def _options(ctx: typer.Context, config: Optional[Path], print_config: bool, no_progress: bool,
+             flags: FlagValues) -> dict:
     """This command's options over its group's (`tmax learn -c X nano` and `tmax learn nano -c X`)."""
     group = (ctx.parent.obj if ctx.parent is not None else None) or {}
     return {"config": config or group.get("config"), "flags": flags.over(group.get("flags")),
+            "print_config": print_config or group.get("print_config", False),
             "progress": not (no_progress or group.get("no_progress")) and sys.stderr.isatty()}
 
 
-def _config(o: dict, print_config: bool = False):
+def _config(o: dict):
     """The resolved config (preset or file, TMAX_LEARN_* variables, flags); bad input exits 2.
     With --print-config: the settings and their sources are printed, and the command ends."""
     from tmax.common.errors import ConfigError
@@ -71,7 +73,7 @@ def _config(o: dict, print_config: bool = False):
         cfg, sources = resolve_with_sources(o.get("config"), flags, labels)
     except ConfigError as e:
         _bad_input(e)
-    if print_config:
+    if o["print_config"]:
         print_config_lines(describe(cfg, sources))
         raise typer.Exit(0)
     return cfg
@@ -136,15 +138,14 @@ def learn(
     runs_per_step: int = typer.Option(1, "--runs-per-step", min=1, help="With --from-runs: rated sessions added to each step."),
 ) -> None:
     """Run DPPO. With no config: the nano recipe's RL stage."""
-    o = {"config": config, "flags": flags, "no_progress": no_progress}
-    ctx.obj = o
+    ctx.obj = {"config": config, "flags": flags, "no_progress": no_progress, "print_config": print_config}
     if ctx.invoked_subcommand is not None:
         return
     from tmax.cli.progress import learn_progress
     from tmax.training import entry
 
-    o = _options(ctx, config, no_progress, flags)
-    cfg = _config(o, print_config)
+    o = _options(ctx, config, print_config, no_progress, flags)
+    cfg = _config(o)
     run_dir = _out(cfg)
     if dry_run:
         typer.echo(_call(lambda: entry.dry_run(cfg, run_dir)))
@@ -202,7 +203,7 @@ def sft(
     """SFT warm start on teacher trajectories played through the harness (sft.teacher_accuracy 1 = the oracle)."""
     from tmax.training import entry
 
-    cfg = _config(_options(ctx, config, no_progress, flags), print_config)
+    cfg = _config(_options(ctx, config, print_config, no_progress, flags))
     run_dir = _out(cfg)
     if from_runs is not None:
         res = _call(lambda: entry.sft_from_runs(cfg, from_runs, run_dir, log=_echo))
@@ -225,8 +226,8 @@ def nano(
     from tmax.cli.progress import learn_progress
     from tmax.training import entry
 
-    o = _options(ctx, config, no_progress, flags)
-    cfg = _config(o, print_config)
+    o = _options(ctx, config, print_config, no_progress, flags)
+    cfg = _config(o)
     run_dir = _out(cfg)
     bars = learn_progress(o["progress"] and not as_json)
     res = _call(lambda: entry.recipe(cfg, run_dir, progress=bars, log=_echo))
