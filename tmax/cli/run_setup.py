@@ -135,7 +135,7 @@ def broad_workspace(sandbox: str, host_dir: Path) -> Optional[str]:
         return None
     if host_dir == Path("/"):
         raise ConfigError("the bwrap jail cannot make / its workspace (that is the whole host, writable); "
-                          "start from a project directory or pass --workdir DIR (--sandbox local runs on the host unjailed)")
+                          "start from a project directory or pass --workdir DIR (-e local runs on the host unjailed)")
     if host_dir == Path.home().resolve():
         return (f"the workspace would be your whole home directory {host_dir}: every file in it, "
                 "dotfiles included, becomes writable for the agent")
