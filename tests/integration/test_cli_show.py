@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from documented import documented
+
 SYSTEM = "You are a terminal agent. SYSTEM-PROMPT-TEXT"
 MESSAGES = [
     {"role": "system", "content": SYSTEM},
@@ -161,7 +163,7 @@ def test_show_a_run_saved_by_tmax_run(tmp_path):
             capture_output=True, text=True, env=env, timeout=120, stdin=subprocess.DEVNULL,
         )
     assert proc.returncode == 0, proc.stderr
-    out = tmax("show", str(run_dir)).stdout
+    out = tmax(*documented("tmax show RUN_DIR", RUN_DIR=str(run_dir))[1:]).stdout
     pos = 0
     for item in ("count the words", "Step 1", "Counting words.", "wc -w", "3", "exit 0", "Step 2",
                  "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT", "submitted", "2 steps", "prompt"):

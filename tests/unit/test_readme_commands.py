@@ -52,7 +52,6 @@ RUN_BY: dict[str, str] = {
         "tests/integration/test_bench_jobs.py::test_bench_run_config_file_with_flags_on_top",
     "tmax bench compare jobs/tmax-run jobs/mini": "tests/integration/test_bench_compare.py::test_compare_oracle_against_nop",
     "tmax show jobs/mini/TASK__ID": "tests/integration/test_bench_harnesses.py::solve",
-    "tmax show RUN_DIR": "tests/integration/test_cli_show.py::test_show_a_run_saved_by_tmax_run",
     "tmax show runs --export messages": "tests/integration/test_run_tokens.py::test_show_export_messages_is_hf_chat_jsonl",
     "tmax sandbox clean --dry-run": "tests/integration/test_sandbox_podman.py::test_cli_build_base_cached_and_clean_dry_run",
     "tmax sandbox prune --keep-gb GB --label KEY=VALUE --dry-run --json":
@@ -61,7 +60,6 @@ RUN_BY: dict[str, str] = {
         "tests/integration/test_data_corpus.py::test_export_and_import_round_trip_byte_for_byte",
     "tmax data import hf:data/all.hf -o data/all-again":
         "tests/integration/test_data_corpus.py::test_export_and_import_round_trip_byte_for_byte",
-    "tmax learn report runs/nano": "tests/unit/test_guard.py::test_cli_learn_report_lists_events_with_their_signals",
     "tmax learn sft": "tests/integration/test_sft_training.py::test_learn_sft_warm_starts_under_a_list_of_harnesses",
     "tmax learn --nodes 8 --dry-run": "tests/integration/test_learn_cli.py::test_dry_run_for_eight_nodes_writes_the_whole_run",
     "tmax data validate data/mine -e podman -n 4": "tests/integration/test_data_validate.py::test_gates_on_podman",
