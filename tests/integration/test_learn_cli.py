@@ -76,6 +76,16 @@ def test_dry_run_for_eight_nodes_writes_the_whole_run(tmp_path):
         update={"out_dir": str(again)})})
 
 
+def test_dry_run_as_docs_learn_md_types_it(tmp_path):
+    """`tmax learn --nodes 8 --dry-run`, as typed: the plan, and the job into the preset's
+    run directory under the current one."""
+    r = tmax_learn(*documented("tmax learn --nodes 8 --dry-run")[2:], cwd=tmp_path, env=learn_env(), timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "node 7      inference    engines 40-47 (8 x TP 1)" in r.stdout
+    job = tmp_path / "runs" / "nano"
+    assert (job / "tmax-learn.sbatch").is_file() and (job / "learn.toml").is_file()
+
+
 def test_settings_come_from_the_preset_then_the_environment_then_the_flags(tmp_path):
     from tmax.training.config import ConfigError, preset, resolve
 

@@ -61,7 +61,6 @@ RUN_BY: dict[str, str] = {
     "tmax data import hf:data/all.hf -o data/all-again":
         "tests/integration/test_data_corpus.py::test_export_and_import_round_trip_byte_for_byte",
     "tmax learn sft": "tests/integration/test_sft_training.py::test_learn_sft_warm_starts_under_a_list_of_harnesses",
-    "tmax learn --nodes 8 --dry-run": "tests/integration/test_learn_cli.py::test_dry_run_for_eight_nodes_writes_the_whole_run",
     "tmax data validate data/mine -e podman -n 4": "tests/integration/test_data_validate.py::test_gates_on_podman",
     "tmax data import EXPORT_DIR -o data/tmax-15k --format harbor": "tests/integration/test_data_corpus.py::test_import_harbor",
     "tmax data report data/mine --png report.png": "tests/integration/test_data_corpus.py::test_report_counts_and_balance",
