@@ -61,4 +61,4 @@ def test_bare_nano_recipe_into_the_presets_directory(tmp_path, shared_ray):
     out = tmp_path / "runs" / "nano"  # the nano preset's run.out_dir, under the current directory
     res = json.loads((out / "recipe.json").read_text())
     assert res["rl"]["steps"] == 1 and res["sft_eval"]["trials"] == 1
-    assert f"{out.resolve() / 'recipe.json'}" in r.stderr
+    assert "held-out pass rate: SFT" in r.stderr
