@@ -135,3 +135,25 @@ def test_the_docs_settings_tables_are_the_declarations():
         assert render(text) == text, f"{page}: run `python -m tmax.cli.settings_docs`"
     assert "| `algo.steps` | `--steps` | `TMAX_LEARN_ALGO__STEPS` | `500` | RL steps. |" in \
         (PAGES / "learn.md").read_text()
+
+
+def test_bench_settings_from_file_environment_flags_and_ak(tmp_path):
+    cfg = tmp_path / "bench.toml"
+    cfg.write_text('dataset = "ds"\nagent = "tmax"\nn_attempts = 3\nmax_steps = 8\ntemperature = 0.1\n')
+    env = {"TMAX_BENCH_N_ATTEMPTS": "4", "TMAX_BASE_URL": "http://env/v1"}
+    r = tmax("bench", "run", "-c", str(cfg), "-n", "2", "--ak", "temperature=0.5", "--print-config", env=env)
+    assert r.exit_code == 0, r.output
+    assert shown(r, "", "dataset") == f'dataset = "ds"  # {cfg}'
+    assert shown(r, "", "n_attempts") == "n_attempts = 4  # $TMAX_BENCH_N_ATTEMPTS"
+    assert shown(r, "", "base_url") == 'base_url = "http://env/v1"  # $TMAX_BASE_URL'
+    assert shown(r, "", "n_concurrent") == "n_concurrent = 2  # --n-concurrent"
+    assert shown(r, "", "temperature") == "temperature = 0.5  # --ak"
+    assert shown(r, "", "max_steps") == f"max_steps = 8  # {cfg}"
+    # terminal-bench: the same settings, the protocol's defaults, k = 5 whatever the environment says.
+    r = tmax("bench", "terminal-bench", "-n", "8", "--print-config", env=env)
+    assert r.exit_code == 0, r.output
+    assert shown(r, "", "dataset") == "dataset = \"terminal-bench@2.0\"  # the command's default"
+    assert shown(r, "", "n_attempts") == "n_attempts = 5  # the command's protocol"
+    assert shown(r, "", "n_concurrent") == "n_concurrent = 8  # --n-concurrent"
+    help_text = tmax("bench", "terminal-bench", "--help").stdout
+    assert "Default: tmax." in help_text and "--n-attempts" not in help_text
