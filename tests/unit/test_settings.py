@@ -157,3 +157,7 @@ def test_bench_settings_from_file_environment_flags_and_ak(tmp_path):
     assert shown(r, "", "n_concurrent") == "n_concurrent = 8  # --n-concurrent"
     help_text = tmax("bench", "terminal-bench", "--help").stdout
     assert "Default: tmax." in help_text and "--n-attempts" not in help_text
+    # --ak sets agent settings only: a job setting or a typo there is an error naming agent settings.
+    for item in ("dataset=elsewhere", "max_step=3"):
+        r = tmax("bench", "run", "-c", str(cfg), "--ak", item, "--print-config")
+        assert r.exit_code == 2 and "unknown agent setting(s)" in r.output, r.output

@@ -26,7 +26,7 @@ from typing import Annotated, Any, Mapping
 
 from pydantic import ConfigDict, Field, ValidationError
 
-from tmax.agents.settings import AgentSettings, AgentSettingsPatch
+from tmax.agents.settings import RENAMED, AgentSettings, AgentSettingsPatch
 from tmax.common.errors import ConfigError, validation_message
 from tmax.common.files import read_toml
 from tmax.common.settings import Env, env_layer, flag, resolve_layers
@@ -105,6 +105,15 @@ def load_bench_file(path: Path) -> BenchSettings:
         raise ConfigError(f"{path}: {validation_message(e, 'key', BenchSettings.model_fields)}") from None
 
 
+def _agent_settings(given: dict[str, Any]) -> dict[str, Any]:
+    """`--ak`'s settings, checked as agent settings (not job settings) and under their new names."""
+    try:
+        checked = AgentSettings.from_settings(given)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return checked.model_dump(include={RENAMED.get(k, k) for k in given})
+
+
 def resolve_bench(file: Path | None, flags: tuple[dict, Mapping[str, str]], agent_flags: dict[str, Any],
                   command_defaults: Mapping[str, Any] | None = None) -> tuple[BenchSettings, dict[str, str]]:
     """A job's settings and where each came from: `command_defaults`, the file, the
@@ -112,7 +121,7 @@ def resolve_bench(file: Path | None, flags: tuple[dict, Mapping[str, str]], agen
     layers: list[tuple[Mapping, Any]] = [(dict(command_defaults or {}), "the command's default")]
     if file is not None:
         layers.append((load_bench_file(file).model_dump(exclude_unset=True), str(file)))
-    layers += [env_layer(BenchSettings, ENV_PREFIX), flags, (agent_flags, "--ak")]
+    layers += [env_layer(BenchSettings, ENV_PREFIX), flags, (_agent_settings(agent_flags), "--ak")]
     data, sources = resolve_layers(layers)
     try:
         return BenchSettings.model_validate(data), sources
