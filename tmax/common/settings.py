@@ -21,6 +21,7 @@ environment, then flags; later wins) and says where each value came from, which
 
 from __future__ import annotations
 
+import json
 import os
 import tomllib
 import types
@@ -255,7 +256,9 @@ def _shown(value: Any) -> str:
         return f'"{value}"'
     if isinstance(value, bool):
         return str(value).lower()
-    return repr(list(value)) if isinstance(value, tuple) else repr(value)
+    if isinstance(value, (list, tuple, dict)):
+        return json.dumps(list(value) if isinstance(value, tuple) else value)  # TOML's spelling of these
+    return repr(value)
 
 
 def settings_table(model: type[BaseModel], command: str, prefix: str) -> list[str]:
