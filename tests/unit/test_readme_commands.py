@@ -56,18 +56,8 @@ RUN_BY: dict[str, str] = {
     "tmax sandbox clean --dry-run": "tests/integration/test_sandbox_podman.py::test_cli_build_base_cached_and_clean_dry_run",
     "tmax sandbox prune --keep-gb GB --label KEY=VALUE --dry-run --json":
         "tests/integration/test_data_images.py::test_prune_removes_the_least_recently_used_first",
-    "tmax data export data/all -o data/all.hf --format hf":
-        "tests/integration/test_data_corpus.py::test_export_and_import_round_trip_byte_for_byte",
-    "tmax data import hf:data/all.hf -o data/all-again":
-        "tests/integration/test_data_corpus.py::test_export_and_import_round_trip_byte_for_byte",
     "tmax learn sft": "tests/integration/test_sft_training.py::test_learn_sft_warm_starts_under_a_list_of_harnesses",
     "tmax data validate data/mine -e podman -n 4": "tests/integration/test_data_validate.py::test_gates_on_podman",
-    "tmax data import EXPORT_DIR -o data/tmax-15k --format harbor": "tests/integration/test_data_corpus.py::test_import_harbor",
-    "tmax data report data/mine --png report.png": "tests/integration/test_data_corpus.py::test_report_counts_and_balance",
-    "tmax data decontam data/mine --against ../shared/tb2-sample --drop data/mine-clean":
-        "tests/integration/test_data_corpus.py::test_decontam_finds_the_planted_copy_only",
-    "tmax data combine data/legacy data/v2 -o data/all --mode balanced --total 2500":
-        "tests/integration/test_data_corpus.py::test_combine_union_and_balanced",
 }
 
 
