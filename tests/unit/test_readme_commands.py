@@ -39,7 +39,6 @@ CI: dict[str, str] = {
 # `documented` (the line -> TEST_FILE::TEST_NAME).
 RUN_BY: dict[str, str] = {
     "pip install -e .": "tests/integration/test_wheel.py::test_editable_install_is_the_same_light_install",
-    'tmax run "fix the failing build"': "tests/integration/test_front_door.py::test_run_fixes_the_failing_build",
     # One of the sample's tasks (-i): the whole sample builds 37 images.
     "tmax bench prepare ../shared/tb2-sample": "tests/integration/test_front_door.py::test_terminal_bench_oracle_offline",
     "tmax bench run ../shared/tb2-sample -a oracle -n 4 --job-name oracle-check":
