@@ -73,7 +73,7 @@ def test_learn_and_bench_configs_switch_it_on():
 def test_run_flag_appends_hints(tmp_path):
     with ScriptedServer([{"bash": "echo hi"}, {"bash": f"echo {SUBMIT_MARKER}"}]) as srv:
         proc = subprocess.run(
-            [sys.executable, "-m", "tmax.cli.main", "run", "--json", "--budget-hints", "--sandbox", "local", "--workdir", str(tmp_path),
+            [sys.executable, "-m", "tmax.cli.main", "run", "--json", "--budget-hints", "--env", "local", "--workdir", str(tmp_path),
              "--base-url", srv.base_url, "--model", srv.model, "--max-steps", "5", "-o", str(tmp_path / "run"), "go"],
             capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL, cwd=Path(__file__).parents[2],
             env={**{k: v for k, v in os.environ.items() if not k.startswith(("TMAX_", "OPENAI_"))},

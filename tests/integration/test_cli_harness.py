@@ -36,7 +36,7 @@ def run_harness(tmp_path: Path, harness: str, turns: list[dict]) -> tuple[Path, 
     ws, out = tmp_path / "ws", tmp_path / "run"
     ws.mkdir(exist_ok=True)
     with ScriptedServer(turns) as srv:
-        proc = tmax(tmp_path, "run", "--json", "--harness", harness, "--sandbox", "local", "--base-url", srv.base_url,
+        proc = tmax(tmp_path, "run", "--json", "--harness", harness, "--env", "local", "--base-url", srv.base_url,
                     "--model", srv.model, "--workdir", str(ws), "-o", str(out), "write the file")
         requests = srv.requests
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -133,7 +133,7 @@ def test_every_harness_runs_in_every_sandbox(tmp_path, harness, sandbox, request
         where += ["--image", request.getfixturevalue("base_image")]
     with ScriptedServer(turns) as srv:
         proc = subprocess.run(
-            [sys.executable, "-m", "tmax.cli.main", "run", "--json", "--harness", harness, "--sandbox", sandbox, *where,
+            [sys.executable, "-m", "tmax.cli.main", "run", "--json", "--harness", harness, "--env", sandbox, *where,
              "--mode", "yolo", "--base-url", srv.base_url, "--model", srv.model, "-o", str(tmp_path / "run"), "go"],
             env=_env(tmp_path), capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
     events = [json.loads(line) for line in proc.stdout.splitlines()]

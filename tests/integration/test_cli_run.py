@@ -133,7 +133,7 @@ def test_confirm_enter_runs_the_command(env, ws, tmp_path, spawn):
         {"bash": SUBMIT},
     ]
     with ScriptedServer(script) as srv:
-        t = spawn(run_args(srv, ws, tmp_path / "run", "--sandbox", "local"), env, ws)
+        t = spawn(run_args(srv, ws, tmp_path / "run", "--env", "local"), env, ws)
         t.answer(APPROVE, "")  # Enter: run it
         t.expect("confirmed-42")
         t.answer(APPROVE, "")  # the submit command
@@ -160,7 +160,7 @@ def test_typed_text_rejects_and_is_sent_to_the_model(env, ws, tmp_path, spawn):
         {"bash": SUBMIT},
     ]
     with ScriptedServer(script) as srv:
-        t = spawn(run_args(srv, ws, tmp_path / "run", "--sandbox", "local"), env, ws)
+        t = spawn(run_args(srv, ws, tmp_path / "run", "--env", "local"), env, ws)
         t.answer(APPROVE, "no, keep that file")
         t.answer(APPROVE, "")  # ls
         t.expect("important")
@@ -178,7 +178,7 @@ def test_typed_text_rejects_and_is_sent_to_the_model(env, ws, tmp_path, spawn):
 def test_ctrl_c_at_the_approval_prompt_rejects_with_guidance(env, ws, tmp_path, spawn):
     script = [{"bash": "touch should-not-exist"}, {"bash": SUBMIT}]
     with ScriptedServer(script) as srv:
-        t = spawn(run_args(srv, ws, tmp_path / "run", "--sandbox", "local"), env, ws)
+        t = spawn(run_args(srv, ws, tmp_path / "run", "--env", "local"), env, ws)
         t.expect(APPROVE)
         t.child.sendintr()
         t.answer(GUIDANCE, "skip that step")
@@ -195,7 +195,7 @@ def test_confirm_without_a_terminal_reads_stdin(env, ws, tmp_path):
     script = [{"bash": "echo piped > p.txt"}, {"bash": "rm p.txt"}, {"bash": SUBMIT}]
     with ScriptedServer(script) as srv:
         proc = subprocess.run(
-            [sys.executable, "-m", "tmax.cli.main", "run", *run_args(srv, ws, tmp_path / "run", "--sandbox", "local")],
+            [sys.executable, "-m", "tmax.cli.main", "run", *run_args(srv, ws, tmp_path / "run", "--env", "local")],
             input="\nkeep it\n\n\n",  # run, reject, run the submit, no follow-up
             env=env,
             cwd=str(ws),
@@ -216,7 +216,7 @@ def test_ctrl_c_during_a_command_then_guidance(env, ws, tmp_path, spawn):
         {"bash": SUBMIT},
     ]
     with ScriptedServer(script) as srv:
-        t = spawn(run_args(srv, ws, tmp_path / "run", "--sandbox", "local", "--mode", "yolo"), env, ws)
+        t = spawn(run_args(srv, ws, tmp_path / "run", "--env", "local", "--mode", "yolo"), env, ws)
         t.expect("Waiting a long time.")
         t.expect("Running")
         t.expect("a second Ctrl-C kills it")  # the screen says how to stop a command that ignores Ctrl-C
@@ -238,7 +238,7 @@ def test_ctrl_c_during_a_command_then_guidance(env, ws, tmp_path, spawn):
 def test_ctrl_c_then_quit(env, ws, tmp_path, spawn):
     script = [{"content": "Sleeping.", "bash": "sleep 30"}]
     with ScriptedServer(script) as srv:
-        t = spawn(run_args(srv, ws, tmp_path / "run", "--sandbox", "local", "--mode", "yolo"), env, ws)
+        t = spawn(run_args(srv, ws, tmp_path / "run", "--env", "local", "--mode", "yolo"), env, ws)
         t.expect("Running")
         time.sleep(0.5)
         t.child.sendintr()
@@ -252,7 +252,7 @@ def test_ctrl_c_then_quit(env, ws, tmp_path, spawn):
 
 def test_unknown_command_then_quit_at_the_approval_prompt(env, ws, tmp_path, spawn):
     with ScriptedServer([{"bash": "touch nope"}]) as srv:
-        t = spawn(run_args(srv, ws, tmp_path / "run", "--sandbox", "local"), env, ws)
+        t = spawn(run_args(srv, ws, tmp_path / "run", "--env", "local"), env, ws)
         t.answer(APPROVE, "/bogus")
         t.expect("Unknown command /bogus")
         t.answer(APPROVE, "/q")
@@ -264,7 +264,7 @@ def test_unknown_command_then_quit_at_the_approval_prompt(env, ws, tmp_path, spa
 def test_ctrl_c_while_waiting_for_the_model(env, ws, tmp_path, spawn):
     script = [{"delay": 30, "bash": "echo never"}, {"content": "With guidance.", "bash": "echo guided"}, {"bash": SUBMIT}]
     with ScriptedServer(script) as srv:
-        t = spawn(run_args(srv, ws, tmp_path / "run", "--sandbox", "local", "--mode", "yolo"), env, ws)
+        t = spawn(run_args(srv, ws, tmp_path / "run", "--env", "local", "--mode", "yolo"), env, ws)
         t.expect("Waiting for the model")
         time.sleep(1.0)
         t.child.sendintr()
@@ -287,7 +287,7 @@ def test_yolo_and_confirm_switches_and_follow_up(env, ws, tmp_path, spawn):
         {"bash": SUBMIT},
     ]
     with ScriptedServer(script) as srv:
-        t = spawn(run_args(srv, ws, tmp_path / "run", "--sandbox", "local"), env, ws)
+        t = spawn(run_args(srv, ws, tmp_path / "run", "--env", "local"), env, ws)
         t.answer(APPROVE, "/y")  # switch to yolo and run
         t.expect("Mode: yolo")
         t.expect("one")
@@ -319,7 +319,7 @@ def test_bwrap_sandbox_in_a_pty(env, ws, tmp_path, spawn):
     ]
     with ScriptedServer(script) as srv:
         # bwrap defaults to yolo: no approval prompt.
-        t = spawn(run_args(srv, ws, tmp_path / "run", "--sandbox", "bwrap"), env, ws)
+        t = spawn(run_args(srv, ws, tmp_path / "run", "--env", "bwrap"), env, ws)
         t.expect("usr-rc=1")
         t.expect("tmax-bwrap")
         t.answer(FOLLOW_UP, "")
@@ -355,7 +355,7 @@ def test_bwrap_shell_is_persistent_again_after_each_restart(env, ws, tmp_path):
         script += [{"bash": restart}, {"bash": f"mkdir -p d{i} && cd d{i} && export A=v{i}"}, {"bash": "echo A=$A; pwd"}]
     script.append({"bash": SUBMIT})
     with ScriptedServer(script) as srv:
-        rc, events, stderr = run_json(run_args(srv, ws, tmp_path / "run", "--sandbox", "bwrap"), env, ws, timeout=120)
+        rc, events, stderr = run_json(run_args(srv, ws, tmp_path / "run", "--env", "bwrap"), env, ws, timeout=120)
     assert rc == 0, stderr
     observations = [e for e in events if e["type"] == "observation"]
     for i, restart in enumerate(restarters):
@@ -374,7 +374,7 @@ def test_json_events(env, ws, tmp_path):
         {"bash": SUBMIT},
     ]
     with ScriptedServer(script) as srv:
-        code, events, stderr = run_json(run_args(srv, ws, tmp_path / "run", "--sandbox", "local"), env, ws)
+        code, events, stderr = run_json(run_args(srv, ws, tmp_path / "run", "--env", "local"), env, ws)
     assert code == 0, stderr
     types = [e["type"] for e in events]
     start, events = events[0], events[1:]
@@ -404,7 +404,7 @@ def test_json_sigterm_stops_cleanly(env, ws, tmp_path):
     marker = f"{os.getpid() % 1000}.{time.monotonic_ns() % 1000}"  # unique argument to find the process
     with ScriptedServer([{"bash": f"sleep 4{marker}"}]) as srv:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tmax.cli.main", "run", "--json", *run_args(srv, ws, tmp_path / "run", "--sandbox", "local")],
+            [sys.executable, "-m", "tmax.cli.main", "run", "--json", *run_args(srv, ws, tmp_path / "run", "--env", "local")],
             env=env, cwd=str(ws), stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
         )
         events = []
@@ -429,7 +429,7 @@ def test_json_sigterm_stops_cleanly(env, ws, tmp_path):
 )
 def test_json_exit_status_by_outcome(env, ws, tmp_path, script, extra, status, code):
     with ScriptedServer(script) as srv:
-        rc, events, stderr = run_json(run_args(srv, ws, tmp_path / "run", "--sandbox", "local", *extra), env, ws)
+        rc, events, stderr = run_json(run_args(srv, ws, tmp_path / "run", "--env", "local", *extra), env, ws)
     assert rc == code, stderr
     assert events[-1]["type"] == "done" and events[-1]["status"] == status
 
@@ -448,7 +448,7 @@ def test_json_a_200_that_is_not_a_completion_is_a_model_error(env, ws, tmp_path,
     """Such a reply used to crash the run (AttributeError / JSONDecodeError, exit 1): no `done`
     event, run.json left "running"."""
     with ScriptedServer([{"bash": "echo first"}, reply]) as srv:
-        rc, events, stderr = run_json(run_args(srv, ws, tmp_path / "run", "--sandbox", "local", "--mode", "yolo"), env, ws)
+        rc, events, stderr = run_json(run_args(srv, ws, tmp_path / "run", "--env", "local", "--mode", "yolo"), env, ws)
         assert len(srv.requests) == 2  # not retried: asking again does not make it a completion
     assert rc == 6, stderr
     done = events[-1]
@@ -461,7 +461,7 @@ def test_json_a_200_that_is_not_a_completion_is_a_model_error(env, ws, tmp_path,
 def test_json_sandbox_failure_is_infrastructure(env, ws, tmp_path):
     # A podman image that cannot exist: the sandbox fails to start, which is not the agent's fault.
     with ScriptedServer([{"bash": "true"}]) as srv:
-        args = ["--base-url", srv.base_url, "--model", srv.model, "-o", str(tmp_path / "run"), "--sandbox", "podman",
+        args = ["--base-url", srv.base_url, "--model", srv.model, "-o", str(tmp_path / "run"), "--env", "podman",
                 "--image", "localhost/tmax-no-such-image:none", "go"]
         rc, events, stderr = run_json(args, env, ws, timeout=180)
         assert srv.requests == []
@@ -474,7 +474,7 @@ def test_json_sandbox_failure_is_infrastructure(env, ws, tmp_path):
 def test_json_in_a_podman_container(env, ws, tmp_path):
     script = [{"bash": "cd /tmp && export IN=container; cat /etc/debian_version >/dev/null && echo debian-ok"}, {"bash": "echo $IN-$(pwd)"}, {"bash": SUBMIT}]
     with ScriptedServer(script) as srv:
-        args = ["--base-url", srv.base_url, "--model", srv.model, "-o", str(tmp_path / "run"), "--sandbox", "podman", "go"]
+        args = ["--base-url", srv.base_url, "--model", srv.model, "-o", str(tmp_path / "run"), "--env", "podman", "go"]
         rc, events, stderr = run_json(args, env, ws, timeout=240)
     assert rc == 0, stderr
     observations = [e["observation"] for e in events if e["type"] == "observation"]
@@ -520,13 +520,13 @@ def test_config_file_env_and_flag_precedence(env, ws, tmp_path):
 def test_resume_continues_the_conversation(env, ws, tmp_path):
     first = tmp_path / "first"
     with ScriptedServer([{"bash": "echo saved-state > state.txt"}, {"bash": SUBMIT}]) as srv:
-        rc, _, stderr = run_json(run_args(srv, ws, first, "--sandbox", "local"), env, ws)
+        rc, _, stderr = run_json(run_args(srv, ws, first, "--env", "local"), env, ws)
         assert rc == 0, stderr
         original = srv.requests[-1]["messages"]
 
     second = tmp_path / "second"
     with ScriptedServer([{"bash": "cat state.txt"}, {"bash": SUBMIT}]) as srv:
-        args = run_args(srv, ws, second, "--sandbox", "local", "--resume", str(first), task="now show the state")
+        args = run_args(srv, ws, second, "--env", "local", "--resume", str(first), task="now show the state")
         rc, events, stderr = run_json(args, env, ws)
         assert rc == 0, stderr
         sent = srv.requests[0]["messages"]
@@ -543,7 +543,7 @@ def test_resume_continues_the_conversation(env, ws, tmp_path):
 
 
 def test_resume_bad_path(env, ws, tmp_path):
-    rc, events, stderr = run_json(["--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--sandbox", "local", "--resume", str(tmp_path / "nope"), "x"], env, ws)
+    rc, events, stderr = run_json(["--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--env", "local", "--resume", str(tmp_path / "nope"), "x"], env, ws)
     assert rc == 2 and "cannot resume" in stderr and events[-1]["type"] == "error"
 
 
@@ -551,7 +551,7 @@ def test_json_progress_events_while_a_long_command_runs(env, ws, tmp_path):
     """A long command used to show nothing until it ended; the model's observation is unchanged."""
     command = "for i in 1 2 3 4; do echo tick$i; sleep 0.7; done"
     with ScriptedServer([{"bash": command}, {"bash": SUBMIT}]) as srv:
-        rc, events, stderr = run_json(run_args(srv, ws, tmp_path / "run", "--sandbox", "local", "--mode", "yolo"), env, ws)
+        rc, events, stderr = run_json(run_args(srv, ws, tmp_path / "run", "--env", "local", "--mode", "yolo"), env, ws)
     assert rc == 0, stderr
     progress = [e for e in events if e["type"] == "progress"]
     assert len(progress) >= 2 and all(e["step"] == 1 for e in progress)
@@ -568,7 +568,7 @@ def test_json_progress_events_while_a_long_command_runs(env, ws, tmp_path):
 def test_the_screen_shows_a_running_command_live(env, ws, tmp_path, spawn):
     command = "echo first-$((1+1)); sleep 2.5; echo done-$((2+3))"  # the output differs from the command
     with ScriptedServer([{"bash": command}, {"bash": SUBMIT}]) as srv:
-        t = spawn(run_args(srv, ws, tmp_path / "run", "--sandbox", "local", "--mode", "yolo"), env, ws)
+        t = spawn(run_args(srv, ws, tmp_path / "run", "--env", "local", "--mode", "yolo"), env, ws)
         t.expect("first-2")  # before the command ends: its output so far, live
         t.expect(r"Running… \(Ctrl-C interrupts the command; a second Ctrl-C kills it\) · [12]s")
         assert "done-5" not in t.screen

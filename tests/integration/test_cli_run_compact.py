@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from documented import documented
 from scripted_server import ScriptedServer
 from test_cli_run import FOLLOW_UP, SUBMIT, Tmax, env  # noqa: F401  (env: the clean-environment fixture)
 from tmax.agents.compaction import summary_prompt
@@ -65,7 +66,7 @@ def test_two_compactions_with_follow_ups_then_compact_and_usage_in_a_pty(env, pr
               {"content": "SUMMARY-THREE: tests next."}, {"bash": SUBMIT}]
     with ScriptedServer(script, max_model_len=WINDOW) as srv:
         env["TMAX_BASE_URL"] = srv.base_url
-        t = Tmax(["add a --verbose flag", "--compact-threshold", "0.7"], env, project)
+        t = Tmax(documented('tmax run "add a --verbose flag" --compact-threshold 0.7')[2:], env, project)
         try:
             t.expect("Context compacted \\(automatic")
             t.answer(FOLLOW_UP, "follow-up BETA: also document it")
@@ -138,7 +139,8 @@ def test_json_compaction_events_and_resume_after_a_compaction(env, project, tmp_
     second = [{"bash": "echo step-5"}, crossing(6, 6600), {"content": "SUMMARY-TWO."}, {"bash": SUBMIT}]
     with ScriptedServer(first + second, max_model_len=WINDOW) as srv:
         env["TMAX_BASE_URL"] = srv.base_url
-        code, events = tmax_json(["--json", "add a --verbose flag", "--instructions", "NOTES.md"], env, project)
+        code, events = tmax_json(documented('tmax run --json "add a --verbose flag" --instructions NOTES.md')[2:], env,
+                                 project)
         assert code == 0, events[-1]
         run = run_dir_of(tmp_path)
         code2, resumed = tmax_json(["--json", "--resume", str(run), "-o", str(tmp_path / "again"),

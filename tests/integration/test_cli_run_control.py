@@ -51,7 +51,7 @@ def test_background_run_is_interruptible_and_time_boxed(env, ws, tmp_path):
         {"bash": f"bash -c \"trap '' INT; sleep {marker}\""},
     ]
     with ScriptedServer(script) as srv:
-        args = run_args(srv, ws, tmp_path / "run", "--sandbox", JAIL, "--command-timeout", "5")
+        args = run_args(srv, ws, tmp_path / "run", "--env", JAIL, "--command-timeout", "5")
         cmd = " ".join([sys.executable, "-m", "tmax.cli.main", "run", "--json", *(f"'{a}'" for a in args)])
         proc = subprocess.Popen(["bash", "-c", f"{cmd} & echo $!; wait $!"], env=env, cwd=str(ws),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
@@ -93,7 +93,7 @@ def test_ctrl_c_stops_a_slow_model_call_when_started_with_sigint_blocked(env, ws
     block_then_exec = ("import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}); "
                        "os.execv(sys.executable, sys.argv[1:])")
     with ScriptedServer([{"delay": 20, "bash": "echo slow"}]) as srv:
-        args = run_args(srv, ws, tmp_path / "run", "--sandbox", JAIL)
+        args = run_args(srv, ws, tmp_path / "run", "--env", JAIL)
         proc = subprocess.Popen([sys.executable, "-c", block_then_exec, sys.executable, "-m", "tmax.cli.main", "run",
                                  "--json", *args], env=env, cwd=str(ws), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 stdin=subprocess.DEVNULL, text=True)
@@ -114,7 +114,7 @@ def test_sigterm_stops_a_command_that_ignores_ctrl_c(env, ws, tmp_path):
     """A supervisor's time box (`timeout`, a CI limit) ends the run and the command at once."""
     marker = f"5{os.getpid() % 1000}.{time.monotonic_ns() % 1000}"
     with ScriptedServer([{"bash": f"bash -c \"trap '' INT; sleep {marker}\""}]) as srv:
-        args = run_args(srv, ws, tmp_path / "run", "--sandbox", JAIL)
+        args = run_args(srv, ws, tmp_path / "run", "--env", JAIL)
         proc = subprocess.Popen([sys.executable, "-m", "tmax.cli.main", "run", "--json", *args], env=env, cwd=str(ws),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
         events = []
@@ -137,7 +137,7 @@ def test_vi_fails_fast_and_restarts_keep_the_shell_persistent(env, ws, tmp_path)
               {"bash": "git init -q . && git -c user.name=t -c user.email=t@t commit -q --allow-empty 2>&1 | head -1;"
                       " less /etc/hostname | wc -l"}, {"bash": SUBMIT}]
     with ScriptedServer(script) as srv:
-        rc, events, stderr = run_json(run_args(srv, ws, tmp_path / "run", "--sandbox", "bwrap"), env, ws)
+        rc, events, stderr = run_json(run_args(srv, ws, tmp_path / "run", "--env", "bwrap"), env, ws)
     assert rc == 0, stderr
     vi, probe, others = [e for e in events if e["type"] == "observation"][1:4]
     assert vi["exit_code"] == 1 and vi["duration_s"] < 5 and "vi needs an interactive terminal" in vi["observation"]
@@ -148,7 +148,7 @@ def test_vi_fails_fast_and_restarts_keep_the_shell_persistent(env, ws, tmp_path)
 
 def test_model_timeout_flag_and_the_url_in_model_errors(env, ws, tmp_path):
     with ScriptedServer([{"delay": 3, "bash": "echo late"}, {"bash": SUBMIT}]) as srv:
-        rc, events, stderr = run_json(run_args(srv, ws, tmp_path / "run", "--sandbox", "local", "--model-timeout", "1"), env, ws)
+        rc, events, stderr = run_json(run_args(srv, ws, tmp_path / "run", "--env", "local", "--model-timeout", "1"), env, ws)
     assert rc == 0, stderr
     retry = next(e for e in events if e["type"] == "retry")
     assert "timed out" in retry["error"] and srv.base_url in retry["error"]
@@ -156,11 +156,11 @@ def test_model_timeout_flag_and_the_url_in_model_errors(env, ws, tmp_path):
 
 def test_max_tokens_flag_and_the_servers_window(env, ws, tmp_path):
     with ScriptedServer([{"bash": SUBMIT}], max_model_len=4096) as srv:
-        rc, _, stderr = run_json(run_args(srv, ws, tmp_path / "r1", "--sandbox", "local"), env, ws)
+        rc, _, stderr = run_json(run_args(srv, ws, tmp_path / "r1", "--env", "local"), env, ws)
         assert rc == 0, stderr
         assert srv.requests[0]["max_tokens"] == 4096  # not the 16,384 vLLM would refuse
     with ScriptedServer([{"bash": SUBMIT}]) as srv:
-        rc, _, stderr = run_json(run_args(srv, ws, tmp_path / "r2", "--sandbox", "local", "--max-tokens", "123"), env, ws)
+        rc, _, stderr = run_json(run_args(srv, ws, tmp_path / "r2", "--env", "local", "--max-tokens", "123"), env, ws)
         assert rc == 0 and srv.requests[0]["max_tokens"] == 123, stderr
 
 
@@ -168,9 +168,9 @@ def test_resume_from_another_directory_uses_the_saved_workdir(env, ws, tmp_path)
     first, elsewhere = tmp_path / "first", tmp_path / "elsewhere"
     elsewhere.mkdir()
     with ScriptedServer([{"bash": "echo saved > state.txt"}, {"bash": SUBMIT}]) as srv:
-        assert run_json(run_args(srv, ws, first, "--sandbox", "local"), env, ws)[0] == 0
+        assert run_json(run_args(srv, ws, first, "--env", "local"), env, ws)[0] == 0
     with ScriptedServer([{"bash": "cat state.txt; pwd"}, {"bash": SUBMIT}]) as srv:
-        args = ["--base-url", srv.base_url, "--model", srv.model, "--sandbox", "local", "--resume", str(first),
+        args = ["--base-url", srv.base_url, "--model", srv.model, "--env", "local", "--resume", str(first),
                 "-o", str(tmp_path / "second"), "go on"]
         rc, events, stderr = run_json(args, env, elsewhere)
     assert rc == 0, stderr
@@ -185,7 +185,7 @@ def test_resume_from_another_directory_uses_the_saved_workdir(env, ws, tmp_path)
 
 def test_long_output_is_kept_in_the_run_directory(env, ws, tmp_path):
     with ScriptedServer([{"bash": "seq 1 100000"}, {"bash": SUBMIT}]) as srv:
-        rc, events, stderr = run_json(run_args(srv, ws, tmp_path / "run", "--sandbox", "local"), env, ws)
+        rc, events, stderr = run_json(run_args(srv, ws, tmp_path / "run", "--env", "local"), env, ws)
     assert rc == 0, stderr
     obs = [e for e in events if e["type"] == "observation"][0]
     assert "chars elided" in obs["observation"]  # the model saw head and tail
@@ -208,7 +208,7 @@ def test_bwrap_jail_masks_the_config_file_and_credentials(env, ws, tmp_path):
         with ScriptedServer([{"bash": show}, {"bash": SUBMIT}]) as srv:
             cfg.write_text(f'base_url = "{srv.base_url}"\napi_key = "cfg-secret"\n')
             e = dict(env, XDG_CONFIG_HOME=str(ws / "cfg"), HOME=str(home))
-            rc, events, stderr = run_json(["--workdir", str(ws), "-o", str(tmp_path / f"r{len(expose)}"), "--sandbox", "bwrap",
+            rc, events, stderr = run_json(["--workdir", str(ws), "-o", str(tmp_path / f"r{len(expose)}"), "--env", "bwrap",
                                            *expose, "go"], e, ws)
         assert rc == 0, stderr
         seen = [x for x in events if x["type"] == "observation"][0]["observation"]
@@ -220,7 +220,7 @@ def test_screen_names_the_kept_output_and_a_second_ctrl_c_kills(env, ws, tmp_pat
     marker = f"6{os.getpid() % 1000}.{time.monotonic_ns() % 1000}"
     script = [{"bash": "seq 1 3000"}, {"bash": f"bash -c \"trap '' INT; sleep {marker}\""}, {"bash": SUBMIT}]
     with ScriptedServer(script) as srv:
-        t = spawn(run_args(srv, ws, tmp_path / "run", "--sandbox", "local", "--mode", "yolo"), env, ws)
+        t = spawn(run_args(srv, ws, tmp_path / "run", "--env", "local", "--mode", "yolo"), env, ws)
         t.expect("all of it is in")
         assert _wait_alive(marker, 30)
         t.child.sendintr()

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from documented import documented
+
 SYSTEM = "You are a terminal agent. SYSTEM-PROMPT-TEXT"
 MESSAGES = [
     {"role": "system", "content": SYSTEM},
@@ -156,12 +158,12 @@ def test_show_a_run_saved_by_tmax_run(tmp_path):
     ]
     with ScriptedServer(script) as srv:
         proc = subprocess.run(
-            [sys.executable, "-m", "tmax.cli.main", "run", "--json", "--sandbox", "local", "--base-url", srv.base_url,
+            [sys.executable, "-m", "tmax.cli.main", "run", "--json", "--env", "local", "--base-url", srv.base_url,
              "--model", srv.model, "--workdir", str(ws), "-o", str(run_dir), "count the words"],
             capture_output=True, text=True, env=env, timeout=120, stdin=subprocess.DEVNULL,
         )
     assert proc.returncode == 0, proc.stderr
-    out = tmax("show", str(run_dir)).stdout
+    out = tmax(*documented("tmax show RUN_DIR", RUN_DIR=str(run_dir))[1:]).stdout
     pos = 0
     for item in ("count the words", "Step 1", "Counting words.", "wc -w", "3", "exit 0", "Step 2",
                  "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT", "submitted", "2 steps", "prompt"):

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from tmax.agents.prompts import SUBMIT_MARKER
+from documented import documented
 from scripted_server import ScriptedServer
+from tmax.agents.prompts import SUBMIT_MARKER
 
 REPO = Path(__file__).resolve().parents[2]
 TMAX = [sys.executable, "-m", "tmax.cli.main"]
@@ -56,7 +57,7 @@ def test_run_fixes_the_failing_build(tmp_path):
     with ScriptedServer(script, model="scripted-fixer") as srv:
         # As typed in the project: the endpoint from the environment, the model asked from it.
         # Approvals on stdin in case the default sandbox here is `local` (confirm mode).
-        proc = subprocess.run([*TMAX, "run", "fix the failing build"], cwd=proj, input="\n" * 5, text=True,
+        proc = subprocess.run([*TMAX, *documented('tmax run "fix the failing build"')[1:]], cwd=proj, input="\n" * 5, text=True,
                               capture_output=True, timeout=180, env=clean_env(tmp_path, TMAX_BASE_URL=srv.base_url))
         requests = srv.requests
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from documented import documented
+
 # The nano preset sized for a test, as environment settings (training.config.env_overrides).
 SMALL_NANO = {
     "TMAX_LEARN_TASKS__N_TRAIN": "4", "TMAX_LEARN_TASKS__N_HELDOUT": "1",
@@ -45,12 +47,12 @@ def tmax_learn(*args: str, cwd: Path, env: dict[str, str], timeout: float) -> su
 
 
 def test_dry_run_for_eight_nodes_writes_the_whole_run(tmp_path):
-    """`tmax learn --nodes 8 --dry-run --sandbox podman --image-map A=B`: the job's script runs
+    """`tmax learn --nodes 8 --dry-run --env podman --image-map A=B`: the job's script runs
     `tmax learn --config FILE` and nothing else, and FILE is the whole run as asked."""
     from tmax.training.config import load_config, preset
 
     out = tmp_path / "job"
-    r = tmax_learn("--nodes", "8", "--dry-run", "--sandbox", "podman", "--image-map", "A=B", "-o", str(out),
+    r = tmax_learn("--nodes", "8", "--dry-run", "--env", "podman", "--image-map", "A=B", "-o", str(out),
                    cwd=tmp_path, env=learn_env(), timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "node 7      inference    engines 40-47 (8 x TP 1)" in r.stdout
@@ -72,6 +74,16 @@ def test_dry_run_for_eight_nodes_writes_the_whole_run(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert load_config(again / "learn.toml") == asked.model_copy(update={"run": asked.run.model_copy(
         update={"out_dir": str(again)})})
+
+
+def test_dry_run_as_docs_learn_md_types_it(tmp_path):
+    """`tmax learn --nodes 8 --dry-run`, as typed: the plan, and the job into the preset's
+    run directory under the current one."""
+    r = tmax_learn(*documented("tmax learn --nodes 8 --dry-run")[2:], cwd=tmp_path, env=learn_env(), timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "node 7      inference    engines 40-47 (8 x TP 1)" in r.stdout
+    job = tmp_path / "runs" / "nano"
+    assert (job / "tmax-learn.sbatch").is_file() and (job / "learn.toml").is_file()
 
 
 def test_settings_come_from_the_preset_then_the_environment_then_the_flags(tmp_path):
@@ -115,7 +127,8 @@ def test_bare_learn_trains_and_stops_on_ctrl_c(tmp_path):
     # `tmax learn`: the nano recipe's RL stage in ./runs/nano, with what it needs built first.
     log = tmp_path / "learn.log"
     with log.open("w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "tmax.cli.main", "learn"], cwd=tmp_path, env=env,
+        argv = [sys.executable, "-m", "tmax.cli.main", *documented("tmax learn")[1:]]
+        proc = subprocess.Popen(argv, cwd=tmp_path, env=env,
                                 stdout=f, stderr=subprocess.STDOUT)
     run = tmp_path / "runs" / "nano"
     try:

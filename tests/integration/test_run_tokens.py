@@ -150,7 +150,7 @@ def test_a_served_session_is_recorded_and_sft_learns_it(nano_dir, served, tmp_pa
     ws = tmp_path / "ws"
     ws.mkdir()
     # ~300 tokens a turn: a random model's reply runs to its limit.
-    run = _tmax("run", "--json", "--tokens", "--base-url", served, "--sandbox", "local", "--workdir", str(ws),
+    run = _tmax("run", "--json", "--tokens", "--base-url", served, "--env", "local", "--workdir", str(ws),
                 "--max-steps", "2", "--max-tokens", "300", "--verify", "test -d .", "-o", str(tmp_path / "runs" / "s1"),
                 "Print hello.", timeout=300, env=_session_env(tmp_path))
     events = [json.loads(line) for line in run.stdout.splitlines()]
@@ -194,7 +194,7 @@ def test_a_compacted_session_trains_as_segments_with_the_sampled_tokens(nano_dir
     env = _session_env(tmp_path)
     (tmp_path / "cfg" / "tmax").mkdir(parents=True)  # sample the model itself: its logprobs are the reference
     (tmp_path / "cfg" / "tmax" / "config.toml").write_text("temperature = 1.0\ntop_p = 1.0\n")
-    run = _tmax("run", "--json", "--tokens", "--base-url", served, "--sandbox", "local", "--workdir", str(ws),
+    run = _tmax("run", "--json", "--tokens", "--base-url", served, "--env", "local", "--workdir", str(ws),
                 "--max-steps", "5", "--max-tokens", "40", "--compact-threshold", "0.5", "--verify", "test -d .",
                 "-o", str(tmp_path / "runs" / "s1"), "Print hello.", timeout=600, env=env)
     events = [json.loads(line) for line in run.stdout.splitlines()]
@@ -268,7 +268,7 @@ def test_good_and_bad_rate_an_interactive_session(tmp_path):
                NO_COLOR="1", PROMPT_TOOLKIT_NO_CPR="1")
     with ScriptedServer([{"bash": SUBMIT}]) as srv:
         t = Tmax(["--base-url", srv.base_url, "--model", srv.model, "--workdir", str(ws), "-o", str(tmp_path / "run"),
-                  "--sandbox", "local", "--mode", "yolo", "go"], env, ws)
+                  "--env", "local", "--mode", "yolo", "go"], env, ws)
         try:
             t.answer(FOLLOW_UP, "/good")
             t.expect("rated good")

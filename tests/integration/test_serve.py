@@ -18,6 +18,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from documented import documented
 from tmax.cli.main import app
 from tmax.training.inference.serving import ServeSpec, build_command, port_is_free, visible_gpus
 from tmax.training.net import free_port
@@ -25,8 +26,9 @@ from tmax.training.net import free_port
 runner = CliRunner()
 
 
-def _dry(args: list[str], gpus: str = "") -> tuple[list[str], dict[str, str]]:
-    r = runner.invoke(app, ["serve", *args, "--dry-run"], env={"CUDA_VISIBLE_DEVICES": gpus})
+def _dry(args: list[str], gpus: str = "", line: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The vLLM command `tmax serve ARGS --dry-run` prints (or the documented `line`'s)."""
+    r = runner.invoke(app, line[1:] if line else ["serve", *args, "--dry-run"], env={"CUDA_VISIBLE_DEVICES": gpus})
     assert r.exit_code == 0, r.output
     line = [x for x in r.stdout.splitlines() if "vllm" in x][-1]
     words = shlex.split(line)
@@ -52,7 +54,7 @@ def nano_dir(tmp_path_factory):
 
 
 def test_default_model_on_cpu_uses_the_cpu_build():
-    argv, env = _dry([])
+    argv, env = _dry([], line=documented("tmax serve --dry-run"))
     # vLLM's server through the CPU launcher (engine core forked: training/inference/vllm_cpu_main.py).
     assert Path(argv[1]).name == "vllm_cpu_main.py" and Path(argv[1]).is_file() and argv[2] == "--model"
     assert _flag(argv, "--model") == "allenai/tmax-9b"
@@ -256,7 +258,7 @@ def _solve_heldout_task(base_url: str, heldout: Path, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TMAX_", "OPENAI_"))}
     env.update(XDG_CONFIG_HOME=str(tmp_path / "cfg"), XDG_DATA_HOME=str(tmp_path / "data"))
     run = subprocess.run(
-        [sys.executable, "-m", "tmax.cli.main", "run", "--json", "--base-url", base_url, "--sandbox", "local",
+        [sys.executable, "-m", "tmax.cli.main", "run", "--json", "--base-url", base_url, "--env", "local",
          "--workdir", str(ws), "-o", str(tmp_path / "run"), "--max-steps", "4",
          (heldout / "instruction.md").read_text().strip()],
         env=env, cwd=ws, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,

@@ -105,7 +105,7 @@ def test_undo_count_parsing():
 def _undo_session(kind: str, script: list[dict], ws, tmp_path, spawn, env, destroy: str) -> str:  # noqa: F811
     """Run the script's commands, `/undo 2` (submit + `destroy`), then one check command;
     returns the check's observation. The model must have been told what was undone."""
-    extra = ["--sandbox", kind, "--mode", "yolo", "--undo-steps", "3"]
+    extra = ["--env", kind, "--mode", "yolo", "--undo-steps", "3"]
     with ScriptedServer(script) as srv:
         if kind == "podman":
             args = ["--base-url", srv.base_url, "--model", srv.model, "-o", str(tmp_path / "run"), *extra, "go"]

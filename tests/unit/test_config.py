@@ -161,13 +161,16 @@ def test_bad_flags(cfg_home):
 
 
 def test_only_the_documented_variables_are_read(cfg_home, monkeypatch):
-    """pydantic-settings would read $MODEL or $SANDBOX for fields of those names; tmax reads
-    only the variables it documents."""
+    """A stray $MODEL or $SANDBOX in someone's shell does not change a run: only the
+    `TMAX_<KEY>` variables (and OPENAI_BASE_URL / OPENAI_API_KEY) are read."""
     for name, value in (("MODEL", "stray"), ("SANDBOX", "podman"), ("BASE_URL", "http://stray/v1"), ("MAX_STEPS", "1")):
         monkeypatch.setenv(name, value)
     s = resolve_run_settings(base_url="http://x/v1", sandbox="local")
     assert (s.model, s.sandbox, s.agent.max_steps, s.base_url) == (None, "local", 64, "http://x/v1")
-    assert s.sources["sandbox"] == "--sandbox" and s.sources["model"] == "default"
+    assert s.sources["sandbox"] == "--env" and s.sources["model"] == "default"
+    monkeypatch.setenv("TMAX_MAX_STEPS", "7")
+    s = resolve_run_settings(base_url="http://x/v1", sandbox="local")
+    assert (s.agent.max_steps, s.sources["max_steps"]) == (7, "$TMAX_MAX_STEPS")
 
 
 def test_default_sandbox_matches_bwrap_probe():
@@ -193,12 +196,12 @@ def test_cli_reports_missing_base_url(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
     env["XDG_CONFIG_HOME"] = str(tmp_path / "cfg")
     env["XDG_DATA_HOME"] = str(tmp_path / "data")
-    proc = _tmax(["run", "--sandbox", "local", "echo hi"], env)
+    proc = _tmax(["run", "--env", "local", "echo hi"], env)
     assert proc.returncode == 2
     for source in ("--base-url", "$TMAX_BASE_URL", "$OPENAI_BASE_URL", "config.toml"):
         assert source in proc.stderr
     # --json reports the same error as a JSON line on stdout.
-    proc = _tmax(["run", "--json", "--sandbox", "local", "echo hi"], env)
+    proc = _tmax(["run", "--json", "--env", "local", "echo hi"], env)
     assert proc.returncode == 2
     import json
 
@@ -210,7 +213,7 @@ def test_cli_bad_config_file(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
     env["XDG_CONFIG_HOME"] = str(tmp_path / "cfg")
     write_cfg(tmp_path / "cfg", 'base_url = "http://127.0.0.1:9/v1"\ncolour = "red"\n')
-    proc = _tmax(["run", "--sandbox", "local", "--model", "m", "echo hi"], env)
+    proc = _tmax(["run", "--env", "local", "--model", "m", "echo hi"], env)
     assert proc.returncode == 2
     assert "unknown key 'colour'" in proc.stderr
 
@@ -219,7 +222,7 @@ def test_cli_model_discovery_failure_is_clear(tmp_path):
     # Nothing listens on port 9 (discard); no model was named, so listing models fails.
     env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
     env["XDG_CONFIG_HOME"] = str(tmp_path / "cfg")
-    proc = _tmax(["run", "--sandbox", "local", "--base-url", "http://127.0.0.1:9/v1", "echo hi"], env)
+    proc = _tmax(["run", "--env", "local", "--base-url", "http://127.0.0.1:9/v1", "echo hi"], env)
     assert proc.returncode == 2
     assert "no model given" in proc.stderr and "127.0.0.1:9" in proc.stderr
     for source in ("--model", "$TMAX_MODEL", "config.toml"):
@@ -284,13 +287,13 @@ def test_learn_rollout_old_names_load_as_the_new_ones(tmp_path, monkeypatch):
 def test_one_schema_two_sets_of_defaults():
     """The shared keys have the same names everywhere; the training defaults differ from
     Vanillux2's only where `RolloutConfig` says so."""
-    from tmax.cli.bench_file import BenchFile
+    from tmax.cli.bench_settings import BenchSettings
     from tmax.cli.config import RunFile
     from tmax.training.config import RolloutConfig
 
     keys = set(AgentSettings.model_fields)
     assert keys <= set(RolloutConfig.model_fields) and keys <= set(RunFile.model_fields)
-    assert keys <= set(BenchFile.model_fields)
+    assert keys <= set(BenchSettings.model_fields)
     run, train = AgentSettings(), RolloutConfig().agent_only()
     differ = {k for k in keys if getattr(run, k) != getattr(train, k)}
     assert differ == {"temperature", "top_p", "max_format_errors", "context_budget", "retries", "backoff_s"}
@@ -312,7 +315,7 @@ def test_bench_agent_settings_map_old_names_and_reject_unknown_ones(tmp_path):
 
 
 def test_bench_config_file_is_validated_strictly(tmp_path):
-    from tmax.cli.bench_file import load_bench_file
+    from tmax.cli.bench_settings import load_bench_file
 
     path = tmp_path / "bench.toml"
     path.write_text('dataset = "ds"\nagent = "tmax"\nn_attempts = 3\ninclude = ["a-*"]\nenv = "local"\n'

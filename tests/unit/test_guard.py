@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from documented import documented
 from tmax.agents.policy import TokenTrace
 from tmax.training.guard import Detector, DetectorConfig, replay
 from tmax.training.learner import checkpoint as ckpt
@@ -403,7 +404,7 @@ def test_cli_learn_report_lists_events_with_their_signals(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs" / "nano" / "rl").mkdir(parents=True)
     (tmp_path / "runs" / "nano" / "rl" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _event_rows()))
-    res = CliRunner().invoke(app, "learn report runs/nano".split())
+    res = CliRunner().invoke(app, documented("tmax learn report runs/nano")[1:])
     assert res.exit_code == 0, res.output
     assert "1 rollback(s), 2 step(s) lost" in res.output and "identical 1.0 (baseline 0.3" in res.output
     res = CliRunner().invoke(app, ["learn", "report", str(tmp_path / "nothing")])

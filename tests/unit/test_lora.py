@@ -45,7 +45,9 @@ def _moved_adapter(learner: Learner, seed: int = 0) -> None:
 
 
 def test_lora_settings_presets_and_the_flag():
-    from tmax.cli.learn_cmd import _flag_settings
+    from typer.testing import CliRunner
+
+    from tmax.cli.main import app
     from tmax.training.config import resolve
 
     assert LearnConfig().lora.rank == 0 and not LearnConfig().lora.enabled
@@ -55,7 +57,8 @@ def test_lora_settings_presets_and_the_flag():
     big = preset("tmax-9b-lora")
     assert big.lora.enabled and big.cluster.nodes is None and big.engine.gpu_memory_utilization < 0.5
     assert big.run.gradient_checkpointing
-    assert resolve("nano", _flag_settings({"lora_rank": 16})).lora.rank == 16
+    shown = CliRunner().invoke(app, ["learn", "nano", "--lora-rank", "16", "--print-config"])
+    assert shown.exit_code == 0 and "rank = 16  # --lora-rank" in shown.stdout.split("[lora]")[1]
     with pytest.raises(ConfigError, match="syncs the adapter through the object store"):
         resolve("nano-lora", {"engine": {"weight_transport": "gloo"}})
     with pytest.raises(ConfigError, match="lora.rank"):

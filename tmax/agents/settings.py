@@ -1,33 +1,26 @@
 """The agent's settings: one schema, the same key names wherever they are set.
 
-    max_steps              model turns per episode, format errors included (64)
-    max_tokens             most tokens per model turn (16,384)
-    context_budget         prompt + completion tokens after which the episode stops (65,536)
-    temperature, top_p     sampling (0.7, 0.95)
-    command_timeout        seconds a command may run (120)
-    max_format_errors      turns in a row without a valid action that end the episode (64)
-    observation_max_chars  what the model sees of a command's output (10,000 characters)
-    retries, backoff_s     attempts at a model call and the waits between them (5; 2, 4, 8, 16 s)
-    budget_hints           steps, time and context left after each observation (off)
-    time_budget_s          the time budget hints show (none: no limit; bench: the agent timeout)
-    compaction             summarise the session when its context nears the window (off;
-                           `tmax run` turns it on: `agents.compaction`)
-    compaction_threshold   the share of the context window that sets compaction off (0.8)
+    max_steps, max_tokens, context_budget, temperature, top_p, command_timeout,
+    max_format_errors, observation_max_chars, retries, backoff_s, budget_hints,
+    time_budget_s, compaction, compaction_threshold
+
+each declared once below with its type, default and help (`Annotated[..., Field(description=...)]`);
+the docs' tables and `--print-config` show them.
 
 Where they are set, under these names:
 
-* `tmax run`: its config file (`~/.config/tmax/config.toml`, flat keys) and its flags
-  (`--max-steps`, `--max-tokens`, `--command-timeout`, `--budget-hints`; `tmax.cli.config`);
+* `tmax run`: its config file (`~/.config/tmax/config.toml`, flat keys), `TMAX_<KEY>` and its
+  flags (those a `flag(..., commands=("run",))` names; `tmax.cli.config`);
 * `tmax bench run`: `--ak KEY=VALUE`, and `--config FILE` (flat keys beside the job's);
 * `tmax learn`: the `[rollout]` section, whose model (`training.config.RolloutConfig`)
   extends this one with the training-only keys.
 
 Defaults. This model's are Vanillux2's, the protocol `tmax run` and `tmax bench` follow. The
-training recipe differs on purpose, and `RolloutConfig` declares its own defaults for those
-keys: temperature 1.0, top_p 1.0 (sample the policy itself), max_format_errors 1 (the first
-turn without a valid call ends an episode), context_budget 67,584 (prompt + 65,536-token
-response budget), retries 3 with back-off 0.5, 1 s (a failing engine is an infrastructure
-error: the episode is re-queued rather than waited for).
+training recipe differs on purpose, and `RolloutConfig` declares its own defaults for
+temperature and top_p (sample the policy itself), max_format_errors (the first turn without
+a valid call ends an episode), context_budget (prompt + response budget), retries and
+backoff_s (a failing engine is an infrastructure error: the episode is re-queued rather than
+waited for).
 
 Renamed keys (`RENAMED`): the learn config's `max_tool_calls` is `max_steps` and
 `per_turn_max_tokens` is `max_tokens`. An old name still loads, with a `RenamedSettingWarning`
@@ -45,6 +38,7 @@ from pydantic.fields import FieldInfo
 
 from tmax.agents.observation import ObservationLimits
 from tmax.common.errors import RenamedSettingWarning, validation_message
+from tmax.common.settings import DECLARED_DEFAULT, flag
 from tmax.sandbox.base import DEFAULT_COMMAND_TIMEOUT_S
 
 # old name -> new name
@@ -89,25 +83,38 @@ class AgentSettings(_NewNames):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    max_steps: Count = 64
-    command_timeout: Seconds = DEFAULT_COMMAND_TIMEOUT_S
-    max_format_errors: Count = 64
-    temperature: Temperature = 0.7
-    top_p: TopP = 0.95
-    max_tokens: Count = 16384
-    # Stop once a turn's prompt + completion reaches this many tokens, for servers whose
-    # window is larger than the budget (a smaller window raises ContextOverflow itself).
-    context_budget: Count = 65536
-    observation_max_chars: Chars = 10000
-    retries: Count = 5
-    backoff_s: Backoff = (2, 4, 8, 16)
+    # The flags are `tmax run`'s; bench sets these with `--ak KEY=VALUE`, learn in `[rollout]`.
+    max_steps: Annotated[Count, Field(description="Model turns per episode, format errors included."),
+                         flag("--max-steps", commands=("run",))] = 64
+    command_timeout: Annotated[Seconds, Field(description="Seconds a command may run before it is stopped."),
+                               flag("--command-timeout", commands=("run",))] = DEFAULT_COMMAND_TIMEOUT_S
+    max_format_errors: Annotated[Count, Field(description="Turns in a row without a valid action that end the "
+                                                          "episode.")] = 64
+    temperature: Annotated[Temperature, Field(description="Sampling temperature.")] = 0.7
+    top_p: Annotated[TopP, Field(description="Nucleus sampling's top-p.")] = 0.95
+    max_tokens: Annotated[Count, Field(description="Most tokens per model turn (lowered to what the server's "
+                                                   "context window leaves)."), flag("--max-tokens", commands=("run",))] = 16384
+    # For servers whose window is larger than the budget (a smaller window raises
+    # ContextOverflow itself).
+    context_budget: Annotated[Count, Field(description="Prompt + completion tokens of a turn after which the "
+                                                       "episode stops.")] = 65536
+    observation_max_chars: Annotated[Chars, Field(description="What the model sees of a command's output, in "
+                                                              "characters (head and tail).")] = 10000
+    retries: Annotated[Count, Field(description="Attempts at a model call.")] = 5
+    backoff_s: Annotated[Backoff, Field(description="Seconds waited between the attempts.")] = (2, 4, 8, 16)
     # Opt-in (agents.budget): observations end with the steps, time and context left.
-    budget_hints: bool = False
-    time_budget_s: Seconds | None = None  # only shown by budget hints; None: no limit
+    budget_hints: Annotated[bool, Field(description="Append the steps, time and context left to each observation."),
+                            flag("--budget-hints", commands=("run",))] = False
+    time_budget_s: Annotated[Seconds | None, Field(description="The time budget budget hints show (unset: no "
+                                                               "limit; bench: the agent timeout).")] = None
     # Opt-in (agents.compaction), so bench and learn keep the Vanillux2 protocol: once a
     # turn's context reaches this share of the window, the model summarises the session.
-    compaction: bool = False
-    compaction_threshold: Fraction = 0.8
+    compaction: Annotated[bool, Field(description="Summarise the session when its context nears the window."), flag(
+        "--compact", commands=("run",), help="Summarise the session when its context nears the window (on by default "
+                                             "in tmax run).")] = False
+    compaction_threshold: Annotated[Fraction, Field(description="The share of the context window that sets compaction "
+                                                                "off, in (0, 1)."),
+                                    flag("--compact-threshold", commands=("run",))] = 0.8
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> AgentSettings:
@@ -132,8 +139,10 @@ class AgentSettings(_NewNames):
 
 def optional_fields(model: type[BaseModel]) -> dict[str, Any]:
     """`model`'s fields as `create_model` definitions, each optional (default None) with its
-    constraints: for sources that may leave any setting out (a config file, flags)."""
-    return {name: (info.annotation | None, FieldInfo.merge_field_infos(info, default=None))
+    constraints and help, and the default it stands for kept (`common.settings.declared_default`):
+    for sources that may leave any setting out (a config file, flags)."""
+    return {name: (info.annotation | None, FieldInfo.merge_field_infos(
+        info, default=None, json_schema_extra={DECLARED_DEFAULT: info.get_default(call_default_factory=True)}))
             for name, info in model.model_fields.items()}
 
 

@@ -24,7 +24,10 @@ from typing import Any, Optional
 
 import typer
 
+from tmax.cli.bench_settings import TERMINAL_BENCH, BenchSettings, resolve_bench
 from tmax.cli.errors import fail
+from tmax.cli.options import FlagValues, option_parameter, setting_flags
+from tmax.cli.options import print_config as print_config_lines
 
 bench_app = typer.Typer(help="Benchmark agents on Harbor-format tasks (Terminal-Bench 2.0).", no_args_is_help=True)
 
@@ -102,107 +105,86 @@ def _prestart_podman(environment: str | None) -> None:
         prestart()
 
 
-def _make_job(v: dict[str, Any], agent_settings: dict[str, Any]):
-    """The job of a command's settings `v` (the `bench run` parameters' names, the flags'
-    values or a --config file's) with these agent settings."""
+def _make_job(s: BenchSettings):
+    """The job of a command's resolved settings."""
     from pydantic import ValidationError
 
     from tmax.common.errors import validation_message
     from tmax.tasks.dataset import DatasetError
     from tmax.tasks.job import Job, JobConfig, JobError
 
-    if v["dataset"] is None:
+    if s.dataset is None:
         fail("no tasks given: pass PATH|DATASET, or `dataset = \"...\"` in the --config file")
-    name = v["job_name"] or datetime.now().strftime("%Y-%m-%d__%H-%M-%S")
+    name = s.job_name or datetime.now().strftime("%Y-%m-%d__%H-%M-%S")
     try:
-        cfg = JobConfig(job_name=name, jobs_dir=str(v["jobs_dir"]), dataset=v["dataset"], include=v["include"],
-                        exclude=v["exclude"], limit=v["n_tasks"], agent=v["agent"], model=v["model"],
-                        base_url=v["base_url"], api_key_env=v["api_key_env"], agent_kwargs=agent_settings,
-                        n_attempts=v["n_attempts"], n_concurrent=v["n_concurrent"],
-                        timeout_multiplier=v["timeout_multiplier"], image_map=v["image_map"],
-                        use_prebuilt=v["prebuilt"], environment=v["env"], warm_ahead=v["warm_ahead"],
-                        overlay=v["overlay"])
-        return Job(cfg, api_key=os.environ.get(v["api_key_env"]))
+        cfg = JobConfig(job_name=name, jobs_dir=s.jobs_dir, dataset=s.dataset, include=s.include,
+                        exclude=s.exclude, limit=s.n_tasks, agent=s.agent, model=s.model,
+                        base_url=s.base_url, api_key_env=s.api_key_env, agent_kwargs=s.agent_settings(),
+                        n_attempts=s.n_attempts, n_concurrent=s.n_concurrent,
+                        timeout_multiplier=s.timeout_multiplier, image_map=s.image_map,
+                        use_prebuilt=s.prebuilt, environment=s.env, warm_ahead=s.warm_ahead, overlay=s.overlay)
+        return Job(cfg, api_key=os.environ.get(s.api_key_env))
     except ValidationError as e:
         fail(validation_message(e))
     except (DatasetError, JobError, ValueError) as e:
         fail(str(e))
 
 
-# Options shared by `run` and `terminal-bench`.
-_AGENT = typer.Option("oracle", "-a", "--agent", help="A harness (tmax | mini-swe | terminus-2), oracle or nop.")
-_MODEL = typer.Option(None, "-m", "--model", help="Model name at the endpoint (tmax agent).")
-_BASE_URL = typer.Option(None, "--base-url", envvar="TMAX_BASE_URL",
-                         help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1 (not part of the job identity).")
-_CONC = typer.Option(1, "-n", "--n-concurrent", min=1, help="Trials run at once.")
-_INC = typer.Option([], "-i", "--include", help="Only tasks matching this glob (repeatable).")
-_EXC = typer.Option([], "-x", "--exclude", help="Skip tasks matching this glob (repeatable).")
-_LIMIT = typer.Option(None, "-l", "--n-tasks", min=0, help="At most this many tasks (after -i/-x).")
-_JOBS = typer.Option(Path("jobs"), "-o", "--jobs-dir", help="Where job directories go.")
-_NAME = typer.Option(None, "--job-name", help="Job directory name (default: a timestamp). Reusing one resumes it.")
-_TMULT = typer.Option(1.0, "--timeout-multiplier", min=0.01, help="Scale the agent and verifier timeouts.")
-_IMAP = typer.Option([], "--image-map", help="Re-target a base image: FROM=TO (FROM may be a glob; repeatable).")
-_PREBUILT = typer.Option(True, "--prebuilt/--no-prebuilt", help="Use a task's docker_image when it can be pulled.")
+# The flags of a job's settings come from `BenchSettings` (`cli.bench_settings`); these are not settings.
 _AK = typer.Option([], "--ak", "--agent-kwarg",
                    help="Agent setting KEY=VALUE (agents/settings.py), e.g. --ak max_steps=32 (repeatable).")
-_RETRY = typer.Option(False, "--retry-infra", help="Rerun trials that ended in an infrastructure error.")
-_KEYENV = typer.Option("OPENAI_API_KEY", "--api-key-env", help="Environment variable holding the API key.")
-_ENV = typer.Option("podman", "-e", "--env",
-                    help="Where trials run: podman (task images), or bwrap / local (the host stands in for the "
-                         "base image; only for tasks whose Dockerfile is FROM + WORKDIR + COPY/ADD + ENV).")
-_WARM = typer.Option(0, "--warm-ahead", min=0,
-                     help="podman: containers started ahead for the trials next in line (worth it when "
-                          "container starts are long against the trials).")
-_OVERLAY = typer.Option(True, "--overlay/--fresh-containers",
-                        help="podman: each trial a fresh overlay of a container its task's trials share (default),"
-                             " or a fresh container per trial.")
+_PRINT = option_parameter("print_config", bool, typer.Option(
+    False, "--print-config", help="Print the resolved settings and where each came from, and exit."))
+_CONFIG = option_parameter("config", Optional[Path], typer.Option(
+    None, "--config", "-c", help="A TOML file of these settings: the long flags' names with underscores, and "
+                                 "agent settings as --ak sets them. Flags given here win over it."))
+
+
+def _start(file: Optional[Path], flags: tuple[dict, dict[str, str]], ak: list[str], print_config: bool,
+           defaults: dict[str, Any] | None = None, fixed: dict[str, Any] | None = None) -> None:
+    """Resolve the job's settings (`fixed` over every source), then print them or run the job."""
+    from tmax.common.errors import ConfigError
+    from tmax.common.settings import describe
+
+    try:
+        settings, sources = resolve_bench(file, flags, _parse_kwargs(ak), defaults)
+    except ConfigError as e:
+        fail(str(e))
+    if fixed:
+        settings = settings.model_copy(update=fixed)
+        sources.update({key: "the command's protocol" for key in fixed})
+    if print_config:
+        print_config_lines(describe(settings, sources))
+        raise typer.Exit(0)
+    _prestart_podman(settings.env)
+    _run_job(_make_job(settings), settings.retry_infra)
 
 
 @bench_app.command("run")
+@setting_flags(BenchSettings, "bench run", shared=[_CONFIG, _PRINT])
 def run_cmd(
-    ctx: typer.Context,
     dataset: Optional[str] = typer.Argument(None, help="A task directory, a dataset directory, or name@version (local "
                                                        "cache); or `dataset` in the --config file."),
-    agent: str = _AGENT, model: Optional[str] = _MODEL, base_url: Optional[str] = _BASE_URL,
-    n_attempts: int = typer.Option(1, "-k", "--n-attempts", min=1, help="Attempts per task (pass@k)."),
-    n_concurrent: int = _CONC, include: list[str] = _INC, exclude: list[str] = _EXC, n_tasks: Optional[int] = _LIMIT,
-    jobs_dir: Path = _JOBS, job_name: Optional[str] = _NAME, timeout_multiplier: float = _TMULT,
-    image_map: list[str] = _IMAP, prebuilt: bool = _PREBUILT, ak: list[str] = _AK, retry_infra: bool = _RETRY,
-    api_key_env: str = _KEYENV, env: str = _ENV, warm_ahead: int = _WARM, overlay: bool = _OVERLAY,
-    config: Optional[Path] = typer.Option(
-        None, "--config", "-c", help="A TOML file of these settings: the long flags' names with underscores, and "
-                                     "agent settings as --ak sets them. Flags given here win over it."),
+    ak: list[str] = _AK,
+    *,
+    config: Optional[Path],
+    print_config: bool,
+    flags: FlagValues,
 ) -> None:
     """Run an agent on tasks; results land in JOBS_DIR/JOB_NAME as each trial ends."""
-    from tmax.cli.bench_file import with_file
-    from tmax.common.errors import ConfigError
-
-    try:
-        values, agent_settings = with_file(ctx, config)
-    except ConfigError as e:
-        fail(str(e))
-    _prestart_podman(values["env"])
-    job = _make_job(values, {**agent_settings, **_parse_kwargs(ak)})
-    _run_job(job, values["retry_infra"])
+    values, labels = flags.layer()
+    if dataset is not None:
+        values["dataset"], labels["dataset"] = dataset, "the DATASET argument"
+    _start(config, (values, labels), ak, print_config)
 
 
 @bench_app.command("terminal-bench")
-def terminal_bench_cmd(
-    ctx: typer.Context,
-    dataset: str = typer.Option("terminal-bench@2.0", "--dataset", "-d", help="Dataset name or directory."),
-    agent: str = typer.Option("tmax", "-a", "--agent", help="tmax | mini-swe | terminus-2 | oracle | nop."),
-    model: Optional[str] = _MODEL, base_url: Optional[str] = _BASE_URL,
-    n_concurrent: int = typer.Option(4, "-n", "--n-concurrent", min=1, help="Trials run at once."),
-    include: list[str] = _INC, exclude: list[str] = _EXC, n_tasks: Optional[int] = _LIMIT,
-    jobs_dir: Path = _JOBS, job_name: Optional[str] = _NAME, image_map: list[str] = _IMAP,
-    prebuilt: bool = _PREBUILT, ak: list[str] = _AK, retry_infra: bool = _RETRY, api_key_env: str = _KEYENV,
-    env: str = _ENV, warm_ahead: int = _WARM, overlay: bool = _OVERLAY,
-) -> None:
+@setting_flags(BenchSettings, "bench terminal-bench", shared=[_PRINT], defaults=TERMINAL_BENCH)
+def terminal_bench_cmd(ak: list[str] = _AK, *, print_config: bool, flags: FlagValues) -> None:
     """Terminal-Bench 2.0 by the paper's protocol: 5 attempts per task, the tasks' own timeouts,
     errors scored 0, unbiased pass@k."""
-    _prestart_podman(env)
-    job = _make_job({**ctx.params, "n_attempts": 5, "timeout_multiplier": 1.0}, _parse_kwargs(ak))
-    _run_job(job, retry_infra)
+    protocol = {k: TERMINAL_BENCH[k] for k in ("n_attempts", "timeout_multiplier")}
+    _start(None, flags.layer(), ak, print_config, defaults=TERMINAL_BENCH, fixed=protocol)
 
 
 @bench_app.command("resume")
@@ -211,7 +193,7 @@ def resume_cmd(
     base_url: Optional[str] = typer.Option(None, "--base-url", envvar="TMAX_BASE_URL",
                                            help="A new endpoint (it is not part of the job identity)."),
     concurrent: Optional[int] = typer.Option(None, "-n", "--n-concurrent", min=1),
-    retry_infra: bool = _RETRY,
+    retry_infra: bool = typer.Option(False, "--retry-infra", help="Rerun trials that ended in an infrastructure error."),
     environment: Optional[str] = typer.Option(None, "-e", "--env",
                                               help="Only to confirm the job's environment (it is part of its "
                                                    "identity); default: the one the job was started with."),
@@ -399,12 +381,13 @@ def compare_cmd(
 
 
 @bench_app.command("prepare")
+@setting_flags(BenchSettings, "bench prepare")
 def prepare_cmd(
     dataset: str = typer.Argument(..., help="A task directory, a dataset directory, or name@version."),
-    include: list[str] = _INC, exclude: list[str] = _EXC, limit: Optional[int] = _LIMIT,
-    image_map: list[str] = _IMAP, prebuilt: bool = _PREBUILT,
     force: bool = typer.Option(False, "--force", help="Rebuild even when a cached image exists."),
     concurrent: int = typer.Option(1, "-n", "--n-concurrent", min=1, help="Builds run at once."),
+    *,
+    flags: FlagValues,
 ) -> None:
     """Pre-build the task images (cached by content), with a progress bar."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -412,22 +395,24 @@ def prepare_cmd(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from tmax.common.errors import ConfigError
     from tmax.tasks.dataset import DatasetError, load_tasks
     from tmax.tasks.images import ImageBuildError, ensure_image
     from tmax.tasks.offline import default_config
 
     console = Console(stderr=True)
     try:
-        tasks = load_tasks(dataset, include or None, exclude or None, limit)
-        cfg = default_config(image_map)
-    except (DatasetError, ValueError) as e:
+        s, _ = resolve_bench(None, flags.layer(), {})
+        tasks = load_tasks(dataset, s.include or None, s.exclude or None, s.n_tasks)
+        cfg = default_config(s.image_map)
+    except (ConfigError, DatasetError, ValueError) as e:
         fail(str(e))
     failures = []
     with Progress(TextColumn("[bold]prepare"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[last]}"),
                   TimeElapsedColumn(), console=console) as bar:
         tid = bar.add_task("images", total=len(tasks), last="")
         with ThreadPoolExecutor(max_workers=concurrent) as pool:
-            futs = {pool.submit(ensure_image, t, cfg, use_prebuilt=prebuilt, force=force): t for t in tasks}
+            futs = {pool.submit(ensure_image, t, cfg, use_prebuilt=s.prebuilt, force=force): t for t in tasks}
             for f in as_completed(futs):
                 t = futs[f]
                 try:

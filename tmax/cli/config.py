@@ -2,29 +2,23 @@
 variables, then the user's config file, then built-in defaults.
 
 The config file is TOML at `$XDG_CONFIG_HOME/tmax/config.toml` (`~/.config/tmax/config.toml`
-when XDG_CONFIG_HOME is unset), with flat keys:
+when XDG_CONFIG_HOME is unset; `tmax run -c FILE` names another), with flat keys:
 
     base_url = "http://localhost:8000/v1"
     model = "allenai/tmax-9b"
-    api_key = "..."            # optional; local servers usually need none
-    sandbox = "bwrap"          # local | bwrap | podman
-    mode = "confirm"           # confirm | yolo
-    image = "localhost/tmax-base:bookworm"
-    model_timeout = 600        # seconds per model request
+    sandbox = "podman"
     expose = ["~/.ssh"]        # credential paths the bwrap jail may show (masked otherwise)
-    price_input = 3.0          # US dollars per million prompt tokens, for the cost shown
-    price_output = 15.0        # ... and per million completion tokens (where the server reports none)
-    # and any agent setting (`agents.settings`, the names bench and learn use), e.g.
-    max_steps = 64
-    max_tokens = 16384         # per model turn; fitted to what the server's window leaves
-    command_timeout = 120      # seconds per command
-    temperature = 0.7
-    compaction = true          # on in `tmax run` (the agent settings' default is off)
-    compaction_threshold = 0.8 # the share of the context window that sets compaction off
+    max_steps = 32             # and any agent setting (`agents.settings`, the names bench and learn use)
+
+Every key, its flag, variable and default: `tmax run --print-config`, or the table in
+docs/run.md (made from the declaration, `common.settings.settings_table`).
 
 The file is validated by a pydantic model: an unknown key or a wrong type is an error
-naming the key and the file. The precedence is pydantic-settings' (`RunSources`): the
-flags are its init values, then the documented environment variables, then the file.
+naming the key and the file. Every key is declared once (`RunKeys`, and the agent's in
+`agents.settings`) with its flag and help; each is also the variable `TMAX_<KEY>`
+(`TMAX_BASE_URL`, then `OPENAI_BASE_URL`; `TMAX_API_KEY`, then `OPENAI_API_KEY`). One
+resolver (`common.settings.resolve_layers`) merges file, environment and flags, later
+winning, and records where each value came from (`tmax run --print-config`).
 """
 
 from __future__ import annotations
@@ -32,46 +26,50 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tomllib
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from tmax.agents.policy import DEFAULT_MODEL_TIMEOUT_S
 from tmax.agents.settings import AgentSettings, AgentSettingsPatch
-from tmax.sandbox.base import KINDS as SANDBOX_KINDS
 from tmax.common.errors import ConfigError, validation_message
+from tmax.common.files import read_toml
+from tmax.common.settings import Env, env_layer, env_names, flag, flag_specs, resolve_layers
+from tmax.sandbox.base import KINDS as SANDBOX_KINDS
+from tmax.sandbox.podman import DEFAULT_IMAGE
 
 MODES = ("confirm", "yolo")
-DEFAULT_IMAGE = "localhost/tmax-base:bookworm"
-
-# Checked in this order; the first one set wins.
-BASE_URL_ENV = ("TMAX_BASE_URL", "OPENAI_BASE_URL")
-API_KEY_ENV = ("TMAX_API_KEY", "OPENAI_API_KEY")
-MODEL_ENV = ("TMAX_MODEL",)
-COMMAND_TIMEOUT_ENV = ("TMAX_COMMAND_TIMEOUT",)
-MODEL_TIMEOUT_ENV = ("TMAX_MODEL_TIMEOUT",)
-
+# Every setting of `tmax run` is also `TMAX_<KEY>` (`TMAX_BASE_URL`, `TMAX_MAX_STEPS`); a few
+# read a further variable after it (`Env`). A stray $MODEL or $SANDBOX is not read.
+ENV_PREFIX = "TMAX_"
 
 
 class RunKeys(AgentSettingsPatch):  # type: ignore[misc,valid-type]
     """The settings of `tmax run` that a flag, a variable or the config file can set: its
-    own, and every agent setting (`agents.settings`), each None where no source sets it."""
+    own, and every agent setting (`agents.settings`). None: the default depends on another
+    setting or the machine (see `resolve_run_settings`)."""
 
-    base_url: str | None = None
-    model: str | None = None
-    api_key: str | None = None
-    sandbox: Literal[SANDBOX_KINDS] | None = None  # type: ignore[valid-type]
-    mode: Literal[MODES] | None = None  # type: ignore[valid-type]
-    image: str | None = None
-    model_timeout: float | None = Field(None, gt=0)
-    price_input: float | None = Field(None, ge=0)  # US dollars per million prompt tokens
-    price_output: float | None = Field(None, ge=0)  # ... per million completion tokens
+    base_url: Annotated[str | None, Field(description="OpenAI-compatible API URL."), flag("--base-url"),
+                        Env(("OPENAI_BASE_URL",))] = None
+    model: Annotated[str | None, Field(description="Model name (unset: the server's only model)."),
+                     flag("--model", "-m")] = None
+    api_key: Annotated[str, Field(description="API key (local servers accept any)."), flag("--api-key"),
+                       Env(("OPENAI_API_KEY",))] = "EMPTY"
+    sandbox: Annotated[Literal[SANDBOX_KINDS] | None, Field(  # type: ignore[valid-type]
+        description="Where the commands run: local, bwrap or podman (unset: bwrap where it works, else local)."),
+        flag("--env", "-e", old=("--sandbox", "-s"))] = None
+    mode: Annotated[Literal[MODES] | None, Field(  # type: ignore[valid-type]
+        description="confirm (ask before each command) or yolo (unset: confirm for local, yolo for bwrap/podman)."),
+        flag("--mode")] = None
+    image: Annotated[str, Field(description="The podman image."), flag("--image")] = DEFAULT_IMAGE
+    model_timeout: Annotated[float, Field(gt=0, description="Seconds one model request may take before it is "
+                                                            "retried."), flag("--model-timeout")] = DEFAULT_MODEL_TIMEOUT_S
+    price_input: Annotated[float | None, Field(ge=0, description="US dollars per million prompt tokens, for the cost "
+                                                                 "shown (where the server reports none).")] = None
+    price_output: Annotated[float | None, Field(ge=0, description="US dollars per million completion tokens.")] = None
 
 
 class RunFile(RunKeys):
@@ -98,18 +96,18 @@ def default_run_dir() -> Path:
     return data_dir() / "runs" / stamp
 
 
+def env_vars(key: str) -> tuple[str, ...]:
+    """The variables a setting of `tmax run` is read from, in order."""
+    return env_names((key,), RunKeys.model_fields[key], ENV_PREFIX)
+
+
 def _file_source(path: Path) -> dict[str, Any]:
     """The config file's settings ({} when there is no file), validated strictly (TOML has
     types: `max_steps = "ten"` or `= true` is a mistake worth naming); bad content is a
     ConfigError naming the file."""
     if not path.exists():
         return {}
-    try:
-        data = TomlConfigSettingsSource(RunSources, toml_file=path)()
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e}") from e
+    data = read_toml(path)
     try:
         # Under the settings' current names: an old agent-setting name is read as the new one.
         return RunFile.model_validate(data).model_dump(exclude_unset=True)
@@ -131,55 +129,6 @@ def _first_problem(e: ValidationError) -> str:
     return f"{key}: {err['msg']}, got {type(err['input']).__name__} {err['input']!r}"
 
 
-# Environment variables per setting, checked in this order; the first one set wins.
-ENV_NAMES = {"base_url": BASE_URL_ENV, "api_key": API_KEY_ENV, "model": MODEL_ENV,
-             "command_timeout": COMMAND_TIMEOUT_ENV, "model_timeout": MODEL_TIMEOUT_ENV}
-FLAGS = {"base_url": "--base-url", "model": "--model", "api_key": "--api-key", "sandbox": "--sandbox", "mode": "--mode",
-         "image": "--image", "max_steps": "--max-steps", "max_tokens": "--max-tokens",
-         "command_timeout": "--command-timeout", "model_timeout": "--model-timeout", "budget_hints": "--budget-hints",
-         "compaction": "--no-compact", "compaction_threshold": "--compact-threshold"}
-
-
-class NamedEnvSource(PydanticBaseSettingsSource):
-    """Exactly the documented variables (`ENV_NAMES`), not one per field: a stray $MODEL or
-    $SANDBOX in someone's shell must not change a run."""
-
-    def found(self) -> dict[str, tuple[str, str]]:
-        """setting -> (value, variable it came from)."""
-        out = {}
-        for key, names in ENV_NAMES.items():
-            name = next((n for n in names if os.environ.get(n)), None)
-            if name is not None:
-                out[key] = (os.environ[name], name)
-        return out
-
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
-        value, name = self.found().get(field_name, (None, ""))
-        return value, name, False
-
-    def __call__(self) -> dict[str, Any]:
-        return {key: value for key, (value, _) in self.found().items()}
-
-
-class RunSources(BaseSettings, RunKeys):
-    """Flag > environment > config file, merged by pydantic-settings (`settings_customise_sources`);
-    None where no source sets a value (the defaults depend on each other: see resolve_run_settings).
-    `expose` is not here: the file's list and the flags' add up."""
-
-    model_config = SettingsConfigDict(extra="ignore")
-
-    @classmethod
-    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
-                                   env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
-                                   file_secret_settings: PydanticBaseSettingsSource) -> tuple[PydanticBaseSettingsSource, ...]:
-        file = _CONFIG_FILE.get()
-        return (init_settings, NamedEnvSource(settings_cls),
-                *([TomlConfigSettingsSource(settings_cls, toml_file=file)] if file is not None else []))
-
-
-_CONFIG_FILE: ContextVar[Path | None] = ContextVar("tmax_config_file", default=None)
-
-
 @dataclass
 class RunSettings:
     base_url: str
@@ -198,6 +147,13 @@ class RunSettings:
     # Setting name -> where its value came from ("--base-url", "$OPENAI_BASE_URL", file path, "default").
     sources: dict[str, str] = field(default_factory=dict)
 
+    def shown(self) -> dict[str, Any]:
+        """Every setting by its key, for `--print-config`."""
+        own = {k: getattr(self, k) for k in ("base_url", "model", "api_key", "sandbox", "mode", "image",
+                                             "model_timeout", "expose")}
+        prices = dict(zip(("price_input", "price_output"), self.prices or (None, None)))
+        return {**own, **prices, **self.agent.model_dump()}
+
 
 def missing_setting_message(what: str, flag: str, env: tuple[str, ...], path: Path, key: str) -> str:
     envs = " / ".join(f"${e}" for e in env)
@@ -207,56 +163,53 @@ def missing_setting_message(what: str, flag: str, env: tuple[str, ...], path: Pa
     )
 
 
-def _merge(flags: dict[str, Any], path: Path) -> tuple[RunSources, dict[str, str]]:
-    """The merged settings and where each came from."""
+def _merge(flags: dict[str, Any], labels: dict[str, str], path: Path) -> tuple[dict[str, Any], dict[str, str], list]:
+    """The merged settings (file, then environment, then flags), where each came from, and
+    the file's `expose` list."""
     file = _file_source(path)
-    env = NamedEnvSource(RunSources).found()
-    sources = {k: FLAGS[k] for k in flags}
-    sources.update({k: f"${name}" for k, (_, name) in env.items() if k not in sources})
-    sources.update({k: str(path) for k in file if k not in sources and k in RunSources.model_fields})
-    token = _CONFIG_FILE.set(path if file else None)
+    expose = file.pop("expose", [])
+    env, env_labels = env_layer(RunKeys, ENV_PREFIX)
+    data, sources = resolve_layers([(file, str(path)), (env, env_labels), (flags, labels)])
     try:
-        return RunSources(**flags), sources
+        merged = RunKeys.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        key = str(err["loc"][0])
+        key = str(err["loc"][0]) if err["loc"] else "?"
         raise ConfigError(f"{key}: {err['msg']}, got {err['input']!r} (from {sources.get(key, 'default')})") from None
-    finally:
-        _CONFIG_FILE.reset(token)
+    return merged.model_dump(), sources, expose
 
 
-def resolve_run_settings(*, path: Path | None = None, expose: list[str] | None = None, **flags: Any) -> RunSettings:
+def resolve_run_settings(*, path: Path | None = None, expose: list[str] | None = None,
+                         labels: dict[str, str] | None = None, **flags: Any) -> RunSettings:
     """Merge flags, environment and config file; raise ConfigError naming every source tried.
-    `flags`: the RunSources fields as given on the command line (None: not given)."""
+    `flags`: the RunKeys settings as given on the command line (None: not given); `labels`:
+    the flag each came from (default: the setting's declared flag)."""
     path = path or config_path()
-    unknown = set(flags) - set(RunSources.model_fields)
+    unknown = set(flags) - set(RunKeys.model_fields)
     if unknown:
         raise TypeError(f"resolve_run_settings: unknown settings {sorted(unknown)}")
-    merged, sources = _merge({k: v for k, v in flags.items() if v is not None}, path)
-    s = merged.model_dump()
+    declared = {spec.paths[0][0]: spec.name for spec in flag_specs(RunKeys, "run")}
+    given = {k: v for k, v in flags.items() if v is not None}
+    s, sources, file_expose = _merge(given, {k: (labels or {}).get(k) or declared.get(k, k) for k in given}, path)
     if not s["base_url"]:
-        raise ConfigError(missing_setting_message("base URL", "--base-url", BASE_URL_ENV, path, "base_url"))
+        raise ConfigError(missing_setting_message("base URL", "--base-url", env_vars("base_url"), path, "base_url"))
     if not s["base_url"].startswith(("http://", "https://")):
         raise ConfigError(f"base URL {s['base_url']!r} (from {sources['base_url']}) must start with http:// or https://")
-    # Local OpenAI-compatible servers (vLLM) accept any key; the client needs a string.
-    defaults = {"api_key": "EMPTY", "sandbox": default_sandbox, "image": DEFAULT_IMAGE,
-                "model_timeout": DEFAULT_MODEL_TIMEOUT_S}
-    for key, default in defaults.items():
-        if s[key] is None:
-            s[key], sources[key] = default() if callable(default) else default, "default"
+    if s["sandbox"] is None:
+        s["sandbox"], sources["sandbox"] = default_sandbox(), "default (bwrap where it works)"
     if s["mode"] is None:
         # People watch what runs on their own machine; isolated sandboxes run freely.
-        s["mode"], sources["mode"] = ("confirm" if s["sandbox"] == "local" else "yolo"), "default"
-    given = {k: v for k in AgentSettings.model_fields if (v := s.pop(k)) is not None}
-    if "compaction" not in given:  # off for bench and learn (the protocol), on for people
-        given["compaction"], sources["compaction"] = True, "default (tmax run)"
+        s["mode"], sources["mode"] = ("confirm" if s["sandbox"] == "local" else "yolo"), "default (from the sandbox)"
+    agent = {k: v for k in AgentSettings.model_fields if (v := s.pop(k)) is not None}
+    if "compaction" not in agent:  # off for bench and learn (the protocol), on for people
+        agent["compaction"], sources["compaction"] = True, "default (tmax run)"
     price_in, price_out = s.pop("price_input"), s.pop("price_output")
     prices = None if price_in is None and price_out is None else (price_in or 0.0, price_out or 0.0)
-    for key in ("model", *AgentSettings.model_fields):
+    for key in RunKeys.model_fields:
         sources.setdefault(key, "default")
     s["base_url"] = s["base_url"].rstrip("/")
-    shown = list(_file_source(path).get("expose", [])) + list(expose or [])
-    return RunSettings(**s, agent=AgentSettings.model_validate(given), expose=shown, prices=prices, sources=sources)
+    shown = list(file_expose) + list(expose or [])
+    return RunSettings(**s, agent=AgentSettings.model_validate(agent), expose=shown, prices=prices, sources=sources)
 
 
 _bwrap_ok: bool | None = None

@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import typer
 
 from tmax.cli.extras import exit_if_extra_missing
+from tmax.cli.options import FlagValues, option_parameter, setting_flags
+from tmax.cli.options import print_config as print_config_lines
+from tmax.training.config import LearnConfig
 
 if TYPE_CHECKING:
     from tmax.training.recipe import RecipeResult
-
-LORA_RANK = typer.Option(
-    None, "--lora-rank", min=0, help="Train a LoRA adapter of this rank on the frozen model (lora.rank; 0: every weight).")
 
 learn_app = typer.Typer(
     help="Train the agent with DPPO (RL) on Ray; `tmax learn nano` runs the whole CPU recipe.",
@@ -39,37 +39,48 @@ learn_app = typer.Typer(
 )
 
 
-def _flag_settings(o: dict) -> dict:
-    """The flags that were given, as config settings (nested like the TOML file)."""
-    keys = {("algo", "steps"): "steps", ("algo", "seed"): "seed", ("rollout", "sandbox"): "sandbox",
-            ("eval", "sandbox"): "sandbox", ("rollout", "image_map"): "image_map",
-            ("cluster", "nodes"): "nodes", ("cluster", "gpus_per_node"): "gpus_per_node",
-            ("cluster", "train_nodes"): "train_nodes", ("cluster", "tp"): "tp",
-            ("cluster", "learners_per_node"): "learners_per_node",
-            ("cluster", "engines_per_node"): "engines_per_node", ("cluster", "address"): "address",
-            ("cluster", "sandbox_nodes"): "sandbox_nodes", ("lora", "rank"): "lora_rank"}
-    over: dict = {}
-    for (section, key), flag in keys.items():
-        value = o.get(flag)
-        if value is None or (flag == "image_map" and not value):  # not given (a repeatable flag: empty)
-            continue
-        over.setdefault(section, {})[key] = list(value) if flag == "image_map" else value
-    return over
+# Options of `tmax learn` and of its subcommands that run something (`nano`, `sft`), accepted
+# after either name; the settings' flags come from the config's declaration (`training.config`).
+_SHARED = [
+    option_parameter("config", Optional[Path], typer.Option(
+        None, "--config", "-c", help="TOML run config or a preset name: nano (default), nano-podman, nano-lora, "
+                                     "tmax-9b, tmax-9b-lora. It sets every default (--print-config shows them).")),
+    option_parameter("print_config", bool, typer.Option(
+        False, "--print-config", help="Print the resolved settings and where each came from, and exit.")),
+    option_parameter("no_progress", bool, typer.Option(
+        False, "--no-progress", help="No progress bar, a log line per step (the default when stderr is not a terminal).")),
+]
+
+
+def _options(ctx: typer.Context, config: Optional[Path], print_config: bool, no_progress: bool,
+             flags: FlagValues) -> dict:
+    """This command's options over its group's (`tmax learn -c X nano` and `tmax learn nano -c X`)."""
+    group = (ctx.parent.obj if ctx.parent is not None else None) or {}
+    return {"config": config or group.get("config"), "flags": flags.over(group.get("flags")),
+            "print_config": print_config or group.get("print_config", False),
+            "progress": not (no_progress or group.get("no_progress")) and sys.stderr.isatty()}
 
 
 def _config(o: dict):
-    """The resolved config (preset or file, TMAX_LEARN_* variables, flags); bad input exits 2."""
+    """The resolved config (preset or file, TMAX_LEARN_* variables, flags); bad input exits 2.
+    With --print-config: the settings and their sources are printed, and the command ends."""
     from tmax.common.errors import ConfigError
-    from tmax.training.config import resolve
+    from tmax.common.settings import describe
+    from tmax.training.config import resolve_with_sources
 
+    flags, labels = o["flags"].layer()
     try:
-        return resolve(o.get("config"), _flag_settings(o))
+        cfg, sources = resolve_with_sources(o.get("config"), flags, labels)
     except ConfigError as e:
         _bad_input(e)
+    if o["print_config"]:
+        print_config_lines(describe(cfg, sources))
+        raise typer.Exit(0)
+    return cfg
 
 
-def _out(cfg, out: Optional[Path]) -> Path:
-    return (out or Path(cfg.run.out_dir)).resolve()
+def _out(cfg) -> Path:
+    return Path(cfg.run.out_dir).resolve()
 
 
 def _echo(msg: str) -> None:
@@ -112,52 +123,30 @@ def _log_step(step: int, metrics: dict) -> None:
 
 
 @learn_app.callback()
+@setting_flags(LearnConfig, "learn", shared=_SHARED, with_defaults=False)
 def learn(
     ctx: typer.Context,
-    config: Optional[Path] = typer.Option(
-        None, "--config", "-c", help="TOML run config or a preset name: nano (default), nano-podman, nano-lora, tmax-9b, tmax-9b-lora."),
-    sandbox: Optional[str] = typer.Option(
-        None, "--sandbox", "-e", help="Run every episode (rollouts, demos, held-out evals) in local, bwrap or podman."),
-    image_map: Optional[list[str]] = typer.Option(
-        None, "--image-map", help="FROM=TO base-image rewrite for building task images offline (repeatable)."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Run directory (default: run.out_dir of the config)."),
+    config: Optional[Path],
+    print_config: bool,
+    no_progress: bool,
+    flags: FlagValues,
     resume: bool = typer.Option(False, "--resume", help="Continue from the run's latest checkpoint."),
-    steps: Optional[int] = typer.Option(None, "--steps", help="Override algo.steps."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Override algo.seed."),
-    no_progress: bool = typer.Option(
-        False, "--no-progress", help="No progress bar, a log line per step (the default when stderr is not a terminal)."),
-    nodes: Optional[int] = typer.Option(None, "--nodes", help="Spread the run over N Ray nodes (cluster.nodes)."),
-    gpus_per_node: Optional[int] = typer.Option(
-        None, "--gpus-per-node", help="GPUs per node, 0: a CPU-only cluster (cluster.gpus_per_node, default 8)."),
-    train_nodes: Optional[int] = typer.Option(
-        None, "--train-nodes", help="Nodes for learners; the rest serve (default: 2 of 8, 1 below 4 nodes)."),
-    tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel size of each vLLM engine (cluster.tp)."),
-    learners_per_node: Optional[int] = typer.Option(
-        None, "--learners-per-node", help="Learner ranks per train node (default: one per GPU; 1 on CPU)."),
-    engines_per_node: Optional[int] = typer.Option(
-        None, "--engines-per-node", help="Engines per inference node (default: GPUs / TP; 1 on CPU)."),
-    address: Optional[str] = typer.Option(
-        None, "--address", help="Ray cluster to join (default: RAY_ADDRESS, a Slurm allocation, or local)."),
-    sandbox_nodes: Optional[int] = typer.Option(
-        None, "--sandbox-nodes", help="CPU nodes beyond --nodes for the rollout workers and all their containers."),
     dry_run: bool = typer.Option(
         False, "--dry-run", help="With --nodes: write the run's config and an sbatch script that runs it; print the plan."),
     from_runs: Optional[Path] = typer.Option(
         None, "--from-runs", help="Also train on rated `tmax run --tokens` sessions under DIR, as single-sample groups (A = R - 0.5)."),
     runs_per_step: int = typer.Option(1, "--runs-per-step", min=1, help="With --from-runs: rated sessions added to each step."),
-    lora_rank: Optional[int] = LORA_RANK,
 ) -> None:
     """Run DPPO. With no config: the nano recipe's RL stage."""
-    o = dict(ctx.params)
-    o["progress"] = not no_progress and sys.stderr.isatty()
-    ctx.obj = o
+    ctx.obj = {"config": config, "flags": flags, "no_progress": no_progress, "print_config": print_config}
     if ctx.invoked_subcommand is not None:
         return
     from tmax.cli.progress import learn_progress
     from tmax.training import entry
 
+    o = _options(ctx, config, print_config, no_progress, flags)
     cfg = _config(o)
-    run_dir = _out(cfg, out)
+    run_dir = _out(cfg)
     if dry_run:
         typer.echo(_call(lambda: entry.dry_run(cfg, run_dir)))
         return
@@ -201,18 +190,21 @@ def report(run_dir: Path = typer.Argument(..., help="A `tmax learn` run director
 
 
 @learn_app.command("sft")
+@setting_flags(LearnConfig, "learn", shared=_SHARED, with_defaults=False)
 def sft(
     ctx: typer.Context,
+    config: Optional[Path],
+    print_config: bool,
+    no_progress: bool,
+    flags: FlagValues,
     from_runs: Optional[Path] = typer.Option(
         None, "--from-runs", help="Fine-tune on the accepted `tmax run --tokens` sessions under DIR instead (into OUT/sft-runs)."),
-    lora_rank: Optional[int] = LORA_RANK,
 ) -> None:
     """SFT warm start on teacher trajectories played through the harness (sft.teacher_accuracy 1 = the oracle)."""
     from tmax.training import entry
 
-    o = _with_lora(ctx, lora_rank)
-    cfg = _config(o)
-    run_dir = _out(cfg, o.get("out"))
+    cfg = _config(_options(ctx, config, print_config, no_progress, flags))
+    run_dir = _out(cfg)
     if from_runs is not None:
         res = _call(lambda: entry.sft_from_runs(cfg, from_runs, run_dir, log=_echo))
     else:
@@ -221,19 +213,23 @@ def sft(
 
 
 @learn_app.command("nano")
+@setting_flags(LearnConfig, "learn", shared=_SHARED, with_defaults=False)
 def nano(
     ctx: typer.Context,
+    config: Optional[Path],
+    print_config: bool,
+    no_progress: bool,
+    flags: FlagValues,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object with the results."),
-    lora_rank: Optional[int] = LORA_RANK,
 ) -> None:
     """The whole nano recipe: build -> SFT -> held-out eval -> DPPO -> held-out eval."""
     from tmax.cli.progress import learn_progress
     from tmax.training import entry
 
-    o = _with_lora(ctx, lora_rank)
+    o = _options(ctx, config, print_config, no_progress, flags)
     cfg = _config(o)
-    run_dir = _out(cfg, o.get("out"))
-    bars = learn_progress(o.get("progress", True) and not as_json)
+    run_dir = _out(cfg)
+    bars = learn_progress(o["progress"] and not as_json)
     res = _call(lambda: entry.recipe(cfg, run_dir, progress=bars, log=_echo))
     if as_json:
         typer.echo(res.model_dump_json())
@@ -259,14 +255,6 @@ def merge(
     path, base = _call(lambda: entry.merge(checkpoint, out))
     _echo(f"merged {checkpoint} into its base {base}")
     typer.echo(str(path))
-
-
-def _with_lora(ctx: typer.Context, lora_rank: Optional[int]) -> dict:
-    """The group's options, with a subcommand's --lora-rank (which wins) in."""
-    o = dict(ctx.obj or {})
-    if lora_rank is not None:
-        o["lora_rank"] = lora_rank
-    return o
 
 
 def register(app: typer.Typer) -> None:

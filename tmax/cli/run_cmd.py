@@ -16,7 +16,10 @@ from typing import Optional
 
 import typer
 
-from tmax.cli.config import DEFAULT_IMAGE, ConfigError, resolve_run_settings
+from tmax.cli.config import ConfigError, RunKeys, resolve_run_settings
+from tmax.cli.options import FlagValues, option_parameter, setting_flags
+from tmax.cli.options import print_config as print_config_lines
+from tmax.common.settings import describe_values
 from tmax.cli.run_setup import (EXIT_USAGE, broad_workspace, discover_model, load_saved, project_instructions,
                                 saved_workdir, sandbox_spec)
 
@@ -45,23 +48,19 @@ def _confirm_workspace(why: str | None, yes: bool, json_mode: bool) -> None:
 
 
 # --------------------------------------------------------------------------- command
+_SHARED = [
+    option_parameter("config", Optional[Path], typer.Option(
+        None, "--config", "-c", help="The config file (default: $XDG_CONFIG_HOME/tmax/config.toml).")),
+    option_parameter("print_config", bool, typer.Option(
+        False, "--print-config", help="Print the resolved settings and where each came from, and exit.")),
+]
+
+
+@setting_flags(RunKeys, "run", shared=_SHARED)
 def run(
     task: Optional[str] = typer.Argument(None, help="What the agent should do. Asked for when omitted (not with --json)."),
-    sandbox: Optional[str] = typer.Option(
-        None, "--sandbox", "-s", help="local | bwrap | podman. Default: bwrap where it works, else local."
-    ),
-    image: Optional[str] = typer.Option(None, "--image", help=f"Podman image. Default: {DEFAULT_IMAGE}."),
     workdir: Optional[Path] = typer.Option(
         None, "--workdir", "-w", help="Starting directory (host path for local/bwrap, container path for podman)."
-    ),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model name. Default: $TMAX_MODEL, config file, or the server's only model."),
-    base_url: Optional[str] = typer.Option(
-        None, "--base-url", help="OpenAI-compatible API URL. Default: $TMAX_BASE_URL, $OPENAI_BASE_URL, then the config file."
-    ),
-    api_key: Optional[str] = typer.Option(None, "--api-key", help="Default: $TMAX_API_KEY, $OPENAI_API_KEY, then the config file."),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Model turns per task (default 64)."),
-    mode: Optional[str] = typer.Option(
-        None, "--mode", help="confirm (ask before each command) | yolo. Default: confirm for local, yolo for bwrap/podman."
     ),
     json_mode: bool = typer.Option(False, "--json", help="Headless: one JSON event per line on stdout, no prompts."),
     resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the conversation saved in this run directory."),
@@ -73,58 +72,41 @@ def run(
     undo_steps: int = typer.Option(
         0, "--undo-steps", min=0, help="Snapshot the files before each command so /undo [K] can restore them (last N kept; 0: off)."
     ),
-    budget_hints: bool = typer.Option(False, "--budget-hints", help="Append the steps, time and context left to each observation."),
     tokens: bool = typer.Option(
         False, "--tokens", help="Sample token ids from a vLLM server (tmax serve) and record tokens.json for `tmax learn --from-runs`."
     ),
     tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="With --tokens: the model's tokenizer directory (default: the served model's)."),
     verify: Optional[str] = typer.Option(None, "--verify", help="Command run in the sandbox at the end; exit status 0 stores reward 1, else 0."),
-    command_timeout: Optional[float] = typer.Option(
-        None, "--command-timeout", help="Seconds a command may run before it is stopped (default 120; $TMAX_COMMAND_TIMEOUT)."
-    ),
-    model_timeout: Optional[float] = typer.Option(
-        None, "--model-timeout", help="Seconds one model request may take before it is retried (default 600; $TMAX_MODEL_TIMEOUT)."
-    ),
-    max_tokens: Optional[int] = typer.Option(
-        None, "--max-tokens", help="Most tokens per model turn (default 16384, lowered to what the server's context window leaves)."
-    ),
     expose: list[str] = typer.Option(
         [], "--expose", help="A credential path the bwrap jail masks by default (~/.ssh, ~/.aws, ...) to show inside; repeatable."
     ),
     yes: bool = typer.Option(False, "--yes", help="Do not ask before making your whole home directory the bwrap workspace."),
-    compact: Optional[bool] = typer.Option(
-        None, "--compact/--no-compact", help="Summarise the session when its context nears the window (on by default)."
-    ),
-    compact_threshold: Optional[float] = typer.Option(
-        None, "--compact-threshold", help="The share of the context window that sets compaction off, in (0, 1) (default 0.8)."
-    ),
     instructions: Optional[Path] = typer.Option(
         None, "--instructions", help="A file of project instructions for the system prompt, after the AGENTS.md files."
     ),
     no_instructions: bool = typer.Option(False, "--no-instructions", help="Do not read AGENTS.md files."),
+    *,
+    config: Optional[Path],
+    print_config: bool,
+    flags: FlagValues,
 ) -> None:
     """Run the agent on a task in a persistent shell.
 
     In confirm mode press Enter to run a command, or type why not (sent to the model); /y switches to yolo, /c back to confirm. Ctrl-C interrupts the model or the command and asks for guidance.
 
-    Settings come from flags, then environment, then $XDG_CONFIG_HOME/tmax/config.toml (~/.config/tmax/config.toml).
-    """
-    """Run the agent on a task in a persistent shell.
-
-    In confirm mode press Enter to run a command, or type why not (sent to the model); /y switches to yolo, /c back to confirm. Ctrl-C interrupts the model or the command and asks for guidance.
-
-    Settings come from flags, then environment, then $XDG_CONFIG_HOME/tmax/config.toml (~/.config/tmax/config.toml).
+    Settings come from flags, then environment (TMAX_<KEY>), then $XDG_CONFIG_HOME/tmax/config.toml (~/.config/tmax/config.toml, or -c FILE); --print-config shows them.
     """
     try:
         if json_mode and not task:
             raise ConfigError("--json needs the task (or, with --resume, the follow-up) as an argument")
         if json_mode and undo_steps:
             raise ConfigError("--undo-steps needs the interactive UI (/undo), not --json")
-        settings = resolve_run_settings(
-            base_url=base_url, model=model, api_key=api_key, sandbox=sandbox, mode=mode, image=image, max_steps=max_steps,
-            max_tokens=max_tokens, command_timeout=command_timeout, model_timeout=model_timeout, expose=expose,
-            budget_hints=budget_hints or None, compaction=compact, compaction_threshold=compact_threshold,
-        )
+        if config is not None and not config.is_file():
+            raise ConfigError(f"config file not found: {config}")
+        settings = resolve_run_settings(path=config, expose=expose, labels=flags.labels, **flags.flat())
+        if print_config:
+            print_config_lines(describe_values(settings.shown(), settings.sources))
+            raise typer.Exit(0)
         from tmax.agents.harnesses import check_harness
 
         check_harness(harness, "--harness")

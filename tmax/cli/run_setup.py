@@ -38,10 +38,10 @@ def discover_model(base_url: str, api_key: str) -> str:
     """The one model a server serves (vLLM serves one); several or none is a usage error."""
     from openai import OpenAI
 
-    from tmax.cli.config import MODEL_ENV
+    from tmax.cli.config import env_vars
 
     how = (
-        f"Name it with the --model flag, the environment variable {' / '.join('$' + e for e in MODEL_ENV)}, "
+        f"Name it with the --model flag, the environment variable {' / '.join('$' + e for e in env_vars('model'))}, "
         f"or `model = \"...\"` in the config file {config_path()}."
     )
     try:
@@ -135,7 +135,7 @@ def broad_workspace(sandbox: str, host_dir: Path) -> Optional[str]:
         return None
     if host_dir == Path("/"):
         raise ConfigError("the bwrap jail cannot make / its workspace (that is the whole host, writable); "
-                          "start from a project directory or pass --workdir DIR (--sandbox local runs on the host unjailed)")
+                          "start from a project directory or pass --workdir DIR (-e local runs on the host unjailed)")
     if host_dir == Path.home().resolve():
         return (f"the workspace would be your whole home directory {host_dir}: every file in it, "
                 "dotfiles included, becomes writable for the agent")

@@ -17,10 +17,8 @@ Where a setting comes from, later wins: the preset or file (`extends` first), th
 
 from __future__ import annotations
 
-import os
-import tomllib
 from pathlib import Path
-from typing import Literal, Mapping
+from typing import Annotated, Literal, Mapping
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -28,12 +26,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tmax.agents.settings import AgentSettings, Backoff, Count, Temperature, TopP, renamed_keys
 from tmax.common.errors import ConfigError
 from tmax.common.files import read_toml
+from tmax.common.settings import env_layer, flag, resolve_layers
 from tmax.sandbox.base import SandboxKind
 from tmax.training.engine_options import EngineOptions, MemoryShare, ModelLen
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 PRESETS = ("nano", "nano-podman", "nano-lora", "nano-long", "tmax-9b", "tmax-9b-lora")
 ENV_PREFIX = "TMAX_LEARN_"
+# Where episodes run: one flag (`-e/--env`, as `tmax run`, `tmax bench` and Harbor) for the
+# training episodes and the held-out trials both.
+ENV_FLAG = flag("--env", "-e", old=("--sandbox",),
+                help="Where every episode runs (rollouts, demos, held-out evals): local, bwrap or podman.")
 
 
 def _known_harnesses(key: str, v: str | list[str]) -> str | list[str]:
@@ -93,10 +96,11 @@ class RolloutConfig(AgentSettings):
     # filtered: in effect over-long prompts are filtered out, as in the paper's recipe.
     max_prompt_tokens: int = Field(2048, ge=1)
     test_timeout: float = Field(600.0, gt=0)
-    sandbox: SandboxKind = "podman"
-    # podman: `FROM=TO` base-image rewrites for building task images offline (as
-    # `tmax bench --image-map`), on top of the built-in map.
-    image_map: list[str] = Field(default_factory=list)
+    sandbox: Annotated[SandboxKind, Field(description="Where training episodes run."), ENV_FLAG] = "podman"
+    image_map: Annotated[list[str], Field(
+        default_factory=list, description="podman: a FROM=TO base-image rewrite for building task images offline "
+                                          "(as `tmax bench --image-map`), on top of the built-in map (repeatable)."),
+        flag("--image-map")]
     # podman: containers each rollout worker starts ahead of need, beyond its running
     # episodes (a fresh one per episode, never reused; 0 = start each when it begins).
     pool_size: int = Field(2, ge=0)
@@ -136,11 +140,11 @@ class AlgoConfig(_Strict):
     grad_clip: float = Field(1.0, gt=0)
     prompts_per_step: int = Field(8, ge=1)
     group_size: int = Field(32, ge=2)
-    steps: int = Field(500, ge=1)
+    steps: Annotated[int, Field(ge=1, description="RL steps."), flag("--steps")] = 500
     async_steps: int = Field(4, ge=0)  # staleness limit k
     filter_zero_std: bool = True
     active_sampling: bool = True
-    seed: int = 42
+    seed: Annotated[int, Field(description="The run's random seed (task sampling, model init)."), flag("--seed")] = 42
 
 
 class EngineConfig(EngineOptions):
@@ -183,11 +187,13 @@ class SFTConfig(_Strict):
 class EvalConfig(_Strict):
     attempts: int = Field(1, ge=1)
     concurrency: int = Field(4, ge=1)
-    # The `tmax` bench agent's default sampling temperature.
-    temperature: float = Field(0.7, ge=0)
-    max_steps: int = Field(64, ge=1)
-    # Where held-out trials run (`tmax bench -e`): host sandboxes need no image per task.
-    sandbox: SandboxKind = "podman"
+    # Held-out trials are a `tmax bench` job: by default with the bench agent's settings.
+    temperature: Annotated[Temperature, Field(description="Sampling temperature of the held-out trials.")] = \
+        AgentSettings.model_fields["temperature"].default
+    max_steps: Annotated[Count, Field(description="Model turns per held-out trial.")] = \
+        AgentSettings.model_fields["max_steps"].default
+    sandbox: Annotated[SandboxKind, Field(description="Where held-out trials run (`tmax bench -e`): host sandboxes "
+                                                      "need no image per task."), ENV_FLAG] = "podman"
     # podman: containers started ahead for the trials next in line (`tmax bench
     # --warm-ahead`); 0: each trial starts its own when it begins. Worth it with cores to
     # spare: on 2 busy cores it only adds contention (docs/results/notebook.md, "Preset nano-podman").
@@ -205,9 +211,10 @@ class EvalConfig(_Strict):
 
 
 class RunConfig(_Strict):
-    out_dir: str = "runs/learn"
-    # Concurrent episodes in flight, and the Ray rollout workers that hold the sandboxes.
-    concurrency: int = Field(16, ge=1)
+    out_dir: Annotated[str, Field(description="The run directory."), flag("--out", "-o")] = "runs/learn"
+    # The Ray rollout workers below hold the sandboxes of the episodes in flight.
+    concurrency: Annotated[int, Field(ge=1, description="Concurrent episodes in flight (at most rollout_workers "
+                                                        "* slots_per_worker)."), flag("--n-concurrent", "-n")] = 16
     rollout_workers: int = Field(4, ge=1)
     slots_per_worker: int = Field(4, ge=1)
     checkpoint_every: int = Field(20, ge=1)
@@ -246,17 +253,21 @@ class ClusterConfig(_Strict):
     (`training.cluster.placement`): learner ranks on `train_nodes`, vLLM engines of `tp`
     GPUs on the rest, each role pinned by placement groups."""
 
-    nodes: int | None = Field(None, ge=1)
-    gpus_per_node: int = Field(8, ge=0)  # 0: a CPU-only cluster
-    train_nodes: int | None = Field(None, ge=1)  # default: 2 of 8, 1 below 4 nodes
-    tp: int = Field(1, ge=1)  # tensor-parallel size of each engine
-    learners_per_node: int | None = Field(None, ge=1)  # default: one per GPU; 1 on CPU
-    engines_per_node: int | None = Field(None, ge=1)  # default: GPUs / tp; 1 on CPU
-    # CPU nodes beyond `nodes` for the rollout workers and every container of their episodes
-    # (`training.cluster.sandbox_nodes`): one worker per node, its episodes at once the node's CPUs.
-    sandbox_nodes: int = Field(0, ge=0)
-    # Ray to join (else RAY_ADDRESS, else Ray started inside a Slurm allocation, else local).
-    address: str | None = None
+    nodes: Annotated[int | None, Field(ge=1, description="Spread the run over N Ray nodes."), flag("--nodes")] = None
+    gpus_per_node: Annotated[int, Field(ge=0, description="GPUs per node, 0: a CPU-only cluster."),
+                             flag("--gpus-per-node")] = 8
+    train_nodes: Annotated[int | None, Field(ge=1, description="Nodes for learners; the rest serve (unset: 2 of 8, "
+                                                               "1 below 4 nodes)."), flag("--train-nodes")] = None
+    tp: Annotated[int, Field(ge=1, description="Tensor-parallel size of each vLLM engine."), flag("--tp")] = 1
+    learners_per_node: Annotated[int | None, Field(ge=1, description="Learner ranks per train node (unset: one per "
+                                                                     "GPU; 1 on CPU)."), flag("--learners-per-node")] = None
+    engines_per_node: Annotated[int | None, Field(ge=1, description="Engines per inference node (unset: GPUs / tp; "
+                                                                    "1 on CPU)."), flag("--engines-per-node")] = None
+    # `training.cluster.sandbox_nodes`: one worker per node, its episodes at once the node's CPUs.
+    sandbox_nodes: Annotated[int, Field(ge=0, description="CPU nodes beyond --nodes for the rollout workers and all "
+                                                          "their containers."), flag("--sandbox-nodes")] = 0
+    address: Annotated[str | None, Field(description="Ray cluster to join (unset: RAY_ADDRESS, a Slurm allocation, "
+                                                     "or local)."), flag("--address")] = None
     # Logical CPUs of every Ray node tmax starts (None: the machine's cores).
     num_cpus: int | None = Field(None, ge=1)
 # ---- LoRA (`[lora]`): train a low-rank adapter instead of every weight --------------------
@@ -271,7 +282,8 @@ class LoraConfig(_Strict):
     fine-tuning. Dropout stays 0 for RL: it would make the trainer's logprobs differ from
     the sampler's, which DPPO's trust region measures against."""
 
-    rank: int = Field(0, ge=0)
+    rank: Annotated[int, Field(ge=0, description="Train a LoRA adapter of this rank on the frozen model (0: every "
+                                                 "weight)."), flag("--lora-rank")] = 0
     alpha: float = Field(16.0, gt=0)  # the adapter's output is scaled by alpha / rank
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
@@ -350,13 +362,6 @@ class LearnConfig(_Strict):
         return self
 
 
-def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
 def _new_names(data: dict, source: str) -> dict:
     """One source's `[rollout]` with old agent-setting names replaced by the new ones
     (`agents.settings.RENAMED`), before it is merged with the others (whose dumps have the new)."""
@@ -368,26 +373,34 @@ def _new_names(data: dict, source: str) -> dict:
         raise ConfigError(f"{source}: rollout: {e}") from None
 
 
-def load_config(path: str | Path, overrides: dict | None = None) -> LearnConfig:
-    """Load a TOML file. `extends = "nano"` (or a path) starts from another config."""
-    p = Path(path)
+def _file_layers(p: Path) -> list[tuple[dict, str]]:
+    """A file's settings and those of what it `extends` (a preset name or a path next to
+    it), the base first, each with the file it came from."""
     data = read_toml(p)
     parent = data.pop("extends", None)
     data = _new_names(data, str(p))
-    if parent:
-        base_path = CONFIG_DIR / f"{parent}.toml" if parent in PRESETS else (p.parent / parent)
-        base = load_config(base_path).model_dump()
-        data = _merge(base, data)
-    if overrides:
-        data = _merge(data, _new_names(overrides, "TMAX_LEARN_* / flag settings"))
+    base = _file_layers(CONFIG_DIR / f"{parent}.toml" if parent in PRESETS else (p.parent / parent)) if parent else []
+    label = f"preset {p.stem}" if p.parent == CONFIG_DIR else str(p)
+    return [*base, (data, label)]
+
+
+def _validated(data: dict, p: Path, overridden: bool) -> LearnConfig:
     try:
         return LearnConfig.model_validate(data)
     except ValidationError as e:
-        lines = [f"{p}{' with TMAX_LEARN_* / flag settings' if overrides else ''}: invalid config"]
+        lines = [f"{p}{' with TMAX_LEARN_* / flag settings' if overridden else ''}: invalid config"]
         for err in e.errors():
             loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
             lines.append(f"  {loc}: {err['msg']}")
         raise ConfigError("\n".join(lines)) from None
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> LearnConfig:
+    """Load a TOML file. `extends = "nano"` (or a path) starts from another config."""
+    layers = _file_layers(Path(path))
+    if overrides:
+        layers.append((_new_names(overrides, "TMAX_LEARN_* / flag settings"), "overrides"))
+    return _validated(resolve_layers(layers)[0], Path(path), bool(overrides))
 
 
 def preset(name: str, overrides: dict | None = None) -> LearnConfig:
@@ -399,31 +412,31 @@ def preset(name: str, overrides: dict | None = None) -> LearnConfig:
 def env_overrides(environ: Mapping[str, str] | None = None) -> dict:
     """Settings from `TMAX_LEARN_<SECTION>__<KEY>` variables (`TMAX_LEARN_NAME` for the
     top-level key), as a nested dict; a value is read as TOML, else kept as text."""
-    out: dict = {}
-    for var, raw in sorted((os.environ if environ is None else environ).items()):
-        if not var.upper().startswith(ENV_PREFIX) or not raw:
-            continue
-        path = var[len(ENV_PREFIX):].lower().split("__")
-        try:
-            value = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = raw
-        node = out
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"{var}: {'.'.join(path[:-1])} is not a section")
-        node[path[-1]] = value
-    return out
+    return env_layer(LearnConfig, ENV_PREFIX, environ, strict=True)[0]
+
+
+def resolve_with_sources(config: str | Path | None, flags: dict | None = None, flag_labels: Mapping[str, str] | None = None,
+                         environ: Mapping[str, str] | None = None) -> tuple[LearnConfig, dict[str, str]]:
+    """The config of a run and where each setting came from: `config` (a file, or a preset
+    name; None: the nano preset, each with what it `extends`), then the environment's
+    `TMAX_LEARN_*` settings, then `flags` (nested like the file; `flag_labels`: the flag of
+    each dotted key)."""
+    if config is None or (not Path(config).exists() and str(config) in PRESETS):
+        path = CONFIG_DIR / f"{config or 'nano'}.toml"
+    elif not Path(config).exists() and "/" not in str(config) and not str(config).endswith(".toml"):
+        raise ConfigError(f"unknown preset {str(config)!r}; choose one of {', '.join(PRESETS)} (or a TOML file)")
+    else:
+        path = Path(config)
+    env, env_labels = env_layer(LearnConfig, ENV_PREFIX, environ, strict=True)
+    layers = [*_file_layers(path), (_new_names(env, "TMAX_LEARN_* settings"), env_labels),
+              (_new_names(flags or {}, "flags"), flag_labels or "flags")]
+    data, sources = resolve_layers(layers)
+    return _validated(data, path, bool(env or flags)), sources
 
 
 def resolve(config: str | Path | None, flags: dict | None = None, environ: Mapping[str, str] | None = None) -> LearnConfig:
-    """The config of a run: `config` (a file, or a preset name; None: the nano preset),
-    then the environment's `TMAX_LEARN_*` settings, then `flags` (nested like the file)."""
-    over = _merge(env_overrides(environ), flags or {})
-    if config is None or (not Path(config).exists() and str(config) in PRESETS):
-        return preset(str(config or "nano"), over)
-    return load_config(config, over)
+    """The config of a run (`resolve_with_sources` without the sources)."""
+    return resolve_with_sources(config, flags, environ=environ)[0]
 
 
 def dump_toml(cfg: LearnConfig) -> str:
