@@ -22,6 +22,14 @@ slave the helper hands to bash in the episode, `exec` is a process with pipes, f
 and out through the episode's root fd, and the verifier runs in the same episode after the
 agent, seeing exactly its state.
 
+A fork (`OverlaySandbox.fork`) freezes the episode's upper layers as a read-only layer in the
+host's state directory (`helper/layers.c`): the episode ends (its processes with it), and two
+new episodes stand on the frozen layer, one the parent's continuation, one the child, each
+with a fresh upper layer of its own. What either writes stays in its own upper layer; the
+frozen layer lives while an episode stands on it. A chain of forks deeper than the helper's
+MAX_CHAIN is merged into one layer of hard links. Both episodes are the host's, with the
+task's limits and network rules, ended like any other.
+
 A task that is its base image plus files (`SandboxSpec.files`, a `base.FilesLayer`) needs no
 image of its own: its episodes are overlays of a host of the base image, and the files are
 written into each episode's fresh upper layer before its first command; its processes start
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -41,11 +50,13 @@ from pathlib import Path
 from tmax.common.files import write_json_atomic
 from tmax.common.waiting import wait_until
 from tmax.sandbox import overlay_cgroup
-from tmax.sandbox.base import AgentUserError, CommandResult, SandboxError, SandboxSpec
+from tmax.sandbox.base import AgentUserError, CommandResult, Forked, SandboxCapabilities, SandboxError, SandboxSpec
 from tmax.sandbox.overlay_build import helper_binary
 from tmax.sandbox.overlay_cgroup import EpisodeCgroup
 from tmax.sandbox.overlay_files import copy_in, copy_out, write_layer
-from tmax.sandbox.overlay_proto import IN_BIN, IN_DIR, EpisodeLease, EpisodeSetupError, RemotePty, run_pipes
+from tmax.sandbox.overlay_proto import (
+    IN_BIN, IN_DIR, EpisodeLease, EpisodeSetupError, FrozenLayer, RemotePty, freeze, release_layer, run_pipes,
+)
 from tmax.sandbox.podman import PodmanSandbox
 from tmax.sandbox.shell import BASH_ARGV, PersistentShell
 from tmax.sandbox.shell_sandbox import ShellSandbox
@@ -152,8 +163,9 @@ class OverlaySandbox(ShellSandbox):
     kind = "podman"
     copy_is_cheap = True  # files go in through the episode's root fd, no call to podman
 
-    def __init__(self, host: HostInfo, spec: SandboxSpec, lease: EpisodeLease):
-        self.host, self.spec, self.lease = host, spec, lease
+    def __init__(self, host: HostInfo, spec: SandboxSpec, lease: EpisodeLease, layer: FrozenLayer | None = None):
+        """`layer`: the frozen layer the episode stands on (a fork's), holding its files."""
+        self.host, self.spec, self.lease, self.layer = host, spec, lease, layer
         self.container_id = host.container_id  # where the episode ran (records name it)
         # A files layer's episode starts in its WORKDIR (its host is of the base image, whose
         # working directory is the base's); processes not told otherwise start there too, as
@@ -163,6 +175,8 @@ class OverlaySandbox(ShellSandbox):
         self.cgroup: EpisodeCgroup | None = None
         self.shell: PersistentShell | None = None
         self._closed = False
+        # Forks need a second episode in the host: hosts of one episode at a time cannot.
+        self.capabilities = SandboxCapabilities(fork=host.capacity > 1)
 
     @property
     def mode(self) -> str:
@@ -175,7 +189,7 @@ class OverlaySandbox(ShellSandbox):
         host) and its shell."""
         s = self.spec
         try:
-            if s.files is not None:
+            if s.files is not None and self.layer is None:  # a fork's files are in its layer
                 write_layer(self.lease.root_fd, s.files)
             if self.host.cgroups:
                 self.cgroup = EpisodeCgroup(self.lease.peer_pid(), f"tmax-ep-{self.lease.id}", s.memory_mb,
@@ -191,6 +205,7 @@ class OverlaySandbox(ShellSandbox):
 
     def _start_shell(self) -> None:
         self.shell = PersistentShell(BASH_ARGV, workdir=self.workdir, spawn=self._spawn)
+        self.shell.start_vars = self.handover
         try:
             self.shell.start()
         except SandboxError as e:
@@ -220,16 +235,51 @@ class OverlaySandbox(ShellSandbox):
     def copy_out(self, src: str, dst: Path) -> None:
         copy_out(self.lease.root_fd, self._abs(src), Path(dst))
 
+    def fork(self) -> Forked:
+        """A child episode on this one's files, frozen; this one goes on as a new episode on them
+        too (its shell restarted on its state, its processes ended: named in the record)."""
+        if not self.capabilities.fork:
+            raise SandboxError("this overlay host serves one episode at a time (shared network, or no cgroups "
+                               "per episode): its episodes cannot fork")
+        t0, state, background = self._fork_state()
+        listener = self._shell().on_output
+        layer = freeze(Path(self.host.state_dir), self.lease.id, 2)  # HostBusy: nothing changed
+        try:
+            self._end_episode()
+            self.lease, self.layer = self._lease(layer), layer
+            self._closed = False
+            self._handing_over(state)
+            self.start()
+            self._restored(state)  # this one, on its state again
+            self._shell().on_output = listener
+            child = OverlaySandbox(self.host, self.spec, self._lease(layer), layer)
+            child._handing_over(state)
+            child.start()
+        finally:
+            release_layer(Path(self.host.state_dir), layer.id)  # any room reserved and not taken
+        return self._forked(child, state, background, t0, layers=layer.depth)
+
+    def _lease(self, layer: FrozenLayer) -> EpisodeLease:
+        return EpisodeLease(Path(self.host.state_dir), secrets.token_hex(6), self.host.own_net, layer=layer.id)
+
+    def _process_root(self) -> int | None:
+        return self.lease.peer_pid()  # the episode's pid 1
+
+    def _end_episode(self) -> None:
+        """What this process holds of an ended episode: its shell, lease (the root's fd) and cgroups."""
+        self._close_shell()
+        self.lease.close()
+        if self.cgroup is not None:
+            self.cgroup.remove()
+            self.cgroup = None
+        self._closed = True
+
     def close(self) -> None:
         """End the episode: its processes are killed with its pid namespace, its upper layer
         goes, its cgroups are removed. The host lives on."""
         if self._closed:
             return
-        self._closed = True
-        self._close_shell()
-        self.lease.close()
-        if self.cgroup is not None:
-            self.cgroup.remove()
+        self._end_episode()
 
 
 def cgroups_possible(spec: SandboxSpec) -> bool:

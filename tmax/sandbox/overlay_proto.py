@@ -19,6 +19,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from tmax.sandbox.base import AgentUserError, CommandResult, SandboxError
@@ -66,9 +67,10 @@ def _recv_line(sock: socket.socket, fds: list[int] | None = None) -> tuple[str, 
 
 
 class EpisodeLease:
-    """One episode of the helper in `state_dir` (a host directory), held until `close`."""
+    """One episode of the helper in `state_dir` (a host directory), held until `close`; on the
+    frozen layer `layer` (a fork: `freeze`), else on the container's root."""
 
-    def __init__(self, state_dir: Path, episode_id: str, own_net: bool):
+    def __init__(self, state_dir: Path, episode_id: str, own_net: bool, layer: str | None = None):
         self.state_dir = Path(state_dir)
         self.id = episode_id
         self.sock_path = str(self.state_dir / f"ep-{episode_id}.sock")
@@ -78,7 +80,7 @@ class EpisodeLease:
         fds: list[int] = []
         try:
             self.sock.connect(str(self.state_dir / "ctl.sock"))
-            self.sock.sendall(f"EPISODE {episode_id} {'own' if own_net else 'shared'}\n".encode())
+            self.sock.sendall(f"EPISODE {episode_id} {'own' if own_net else 'shared'} {layer or ''}\n".encode())
             reply, _ = _recv_line(self.sock, fds)
         except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, BrokenPipeError) as e:
             self.sock.close()
@@ -123,6 +125,49 @@ class EpisodeLease:
             pass
         finally:
             self.sock.close()
+
+
+@dataclass(frozen=True)
+class FrozenLayer:
+    """An ended episode's files, kept read-only for new episodes (`freeze`)."""
+
+    id: str
+    depth: int  # frozen layers in its chain (merged into one past the helper's MAX_CHAIN)
+
+
+def _ask(state_dir: Path, line: str) -> str:
+    """One request to the helper's control socket; its one-line answer."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(CONNECT_TIMEOUT_S)
+        try:
+            sock.connect(str(Path(state_dir) / "ctl.sock"))
+            sock.sendall(line.encode() + b"\n")
+            return _recv_line(sock)[0]
+        except (FileNotFoundError, ConnectionRefusedError) as e:
+            raise HostGone(f"no episode helper in {state_dir}: {e}") from e
+        except OSError as e:
+            raise SandboxError(f"the episode helper did not answer: {e}") from e
+
+
+def freeze(state_dir: Path, episode_id: str, episodes: int) -> FrozenLayer:
+    """End episode `episode_id` (its processes killed) and keep its files as a frozen layer,
+    with room reserved in the host for `episodes` new episodes on it (for a minute, or until
+    `release_layer`). HostBusy, the episode untouched, when the host has no such room."""
+    reply = _ask(state_dir, f"FREEZE {episode_id} {episodes}")
+    if reply == "ERR busy":
+        raise HostBusy(f"the host in {state_dir} has no room for {episodes} episodes")
+    parts = reply.split()
+    if len(parts) != 3 or parts[0] != "OK":
+        raise SandboxError(f"the episode helper could not freeze episode {episode_id}: {reply or 'no answer'}")
+    return FrozenLayer(parts[1], int(parts[2]))
+
+
+def release_layer(state_dir: Path, layer: str) -> None:
+    """Drop the room still reserved for episodes on `layer` (the layer lives while one stands on it)."""
+    try:
+        _ask(state_dir, f"RELEASE {layer}")
+    except SandboxError:
+        pass  # the host is gone, and the layer with it
 
 
 def quit_host(state_dir: Path) -> bool:

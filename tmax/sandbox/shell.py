@@ -99,6 +99,10 @@ class PersistentShell:
         self.env = dict(env or {})
         self.workdir = workdir
         self.spawn_env = spawn_env
+        # Variables bash starts with beyond the shell's own (a fork's state, `sandbox.fork`):
+        # in the environment they cost nothing to send, where text typed into the pty goes
+        # through readline a character at a time.
+        self.start_vars: dict[str, str] = {}
         self.spawn_cwd = spawn_cwd
         self.max_output_chars = max_output_chars
         self.start_timeout = start_timeout
@@ -137,7 +141,7 @@ class PersistentShell:
 
     def start(self) -> None:
         t0 = time.monotonic()
-        shell_vars = dict(TERM="dumb", PS1="", PS2="", PROMPT_COMMAND="", HISTFILE="/dev/null")
+        shell_vars = dict(TERM="dumb", PS1="", PS2="", PROMPT_COMMAND="", HISTFILE="/dev/null", **self.start_vars)
         base_env = {**(os.environ if self.spawn_env is None else self.spawn_env), **shell_vars}
         spawn = self.spawn or (lambda argv, _vars: PtyProcess(argv, base_env, self.spawn_cwd))
         try:
@@ -229,6 +233,21 @@ class PersistentShell:
         res = self._run_raw(restore_state_script(self.state_file), time.monotonic() + self.start_timeout)
         ok = res[1] == 0 and not res[2] and not res[3]
         return restored_note(clean_output(res[0]) if ok else None)
+
+    def run_harness(self, script: str) -> str:
+        """Run the harness's own `script` between the agent's commands (no state saved before it,
+        `$?` left as the agent's last command set it); its output. SandboxError if the shell
+        did not answer."""
+        out, _rc, timed_out, eof = self._run_raw(f'{script}\n__tmax_ret "$__tmax_rc"',
+                                                 time.monotonic() + self.start_timeout)
+        if timed_out or eof:
+            raise SandboxError(f"the shell {'did not answer' if timed_out else 'exited'}: {clean_output(out)[-500:]}")
+        return clean_output(out)
+
+    @property
+    def pid(self) -> int | None:
+        """The spawned process's pid as this host sees it (bash itself, or what runs it)."""
+        return self._child.pid if self._child is not None else None
 
     # -- commands ----------------------------------------------------------------
 
