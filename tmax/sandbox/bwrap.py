@@ -214,8 +214,9 @@ class BwrapSandbox(ShellSandbox):
         try:
             self._prepare()
             chdir = self.spec.workdir or self.target
-            argv = self.jail_argv(self._env(self.handover), chdir, BASH_ARGV)
-            self.shell = PersistentShell(argv, workdir=chdir, spawn_env={})
+            self.shell = PersistentShell(BASH_ARGV, workdir=chdir, spawn_env={})
+            self.shell.setup_in_env = True
+            self._shell_argv(self.handover)
             self.shell.start()
         except SandboxError:
             self.close()
@@ -228,10 +229,14 @@ class BwrapSandbox(ShellSandbox):
         child.start()  # closes itself if it fails
         return self._forked(child, state, background, t0)
 
+    def _shell_argv(self, extra: dict[str, str]) -> None:
+        """The jail the shell starts (and restarts) in: its setup, and `extra`, in its environment."""
+        shell = self._shell()
+        shell.argv = self.jail_argv(self._env({**shell.setup_vars(), **extra}), shell.workdir or self.target, BASH_ARGV)
+
     def _restored(self, state) -> str:
         said = super()._restored(state)
-        # A restart's jail starts without the fork's state in its environment.
-        self._shell().argv = self.jail_argv(self._env(), self.spec.workdir or self.target, BASH_ARGV)
+        self._shell_argv({})  # a restart's jail starts without the fork's state in its environment
         return said
 
     def exec(self, argv: list[str], timeout: float | None = None, workdir: str | None = None,

@@ -49,6 +49,7 @@ class LocalSandbox(ShellSandbox):
         self.shell = PersistentShell(BASH_ARGV, env=self.spec.env, workdir=self.workdir,
                                      spawn_cwd=self.workdir)
         self.shell.start_vars = self.handover
+        self.shell.setup_in_env = True
         self.shell.start()
 
     def exec(self, argv: list[str], timeout: float | None = None, workdir: str | None = None,

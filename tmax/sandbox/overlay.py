@@ -206,6 +206,7 @@ class OverlaySandbox(ShellSandbox):
     def _start_shell(self) -> None:
         self.shell = PersistentShell(BASH_ARGV, workdir=self.workdir, spawn=self._spawn)
         self.shell.start_vars = self.handover
+        self.shell.setup_in_env = True
         try:
             self.shell.start()
         except SandboxError as e:

@@ -54,7 +54,7 @@ from tmax.sandbox.base import DEFAULT_COMMAND_TIMEOUT_S, CommandResult, SandboxE
 from tmax.sandbox.hostexec import on_lasting_thread
 from tmax.sandbox.ptyspawn import PtyProcess, ReadTimeout
 from tmax.sandbox.shell_output import BoundedOutput, clean_output
-from tmax.sandbox.shell_setup import NO_TTY_SETUP, restore_state_script, restored_note, save_state_function
+from tmax.sandbox.shell_setup import SETUP_VAR, restore_state_script, restored_note, setup_script
 
 BASH_ARGV = ["bash", "--norc", "--noprofile"]
 DEFAULT_MAX_OUTPUT_CHARS = 1_000_000  # head + tail kept per command; the rest is counted
@@ -103,6 +103,10 @@ class PersistentShell:
         # in the environment they cost nothing to send, where text typed into the pty goes
         # through readline a character at a time.
         self.start_vars: dict[str, str] = {}
+        # The setup (`setup_script`) likewise, where the sandbox puts `setup_vars()` into bash's
+        # environment (the spawn's, or bwrap's jail's); typed in elsewhere (a `podman exec`,
+        # whose environment stays outside the container).
+        self.setup_in_env = False
         self.spawn_cwd = spawn_cwd
         self.max_output_chars = max_output_chars
         self.start_timeout = start_timeout
@@ -141,7 +145,8 @@ class PersistentShell:
 
     def start(self) -> None:
         t0 = time.monotonic()
-        shell_vars = dict(TERM="dumb", PS1="", PS2="", PROMPT_COMMAND="", HISTFILE="/dev/null", **self.start_vars)
+        shell_vars = dict(TERM="dumb", PS1="", PS2="", PROMPT_COMMAND="", HISTFILE="/dev/null", **self.start_vars,
+                          **(self.setup_vars() if self.setup_in_env else {}))
         base_env = {**(os.environ if self.spawn_env is None else self.spawn_env), **shell_vars}
         spawn = self.spawn or (lambda argv, _vars: PtyProcess(argv, base_env, self.spawn_cwd))
         try:
@@ -173,12 +178,9 @@ class PersistentShell:
                 f"shell {shlex.join(self.argv)} did not start"
                 f" ({'timed out' if timed_out else 'exited'}): {detail}"
             )
-        # The saved state may hold secrets from the environment: only this user may read it.
-        state = shlex.quote(self.state_file)
-        setup = [*NO_TTY_SETUP, save_state_function(self.state_file),
-                 f"[ -e {state} ] || (umask 077; : > {state}) 2>/dev/null", "echo $$"]
-        setup += [f"export {k}={shlex.quote(v)}" for k, v in self.env.items()]
-        res = self._run_raw("\n".join(setup), time.monotonic() + self.start_timeout)
+        setup = (f'builtin eval "${SETUP_VAR}" && builtin unset {SETUP_VAR}' if self.setup_in_env
+                 else setup_script(self.state_file, self.env))
+        res = self._run_raw(setup, time.monotonic() + self.start_timeout)
         if res[1] != 0 or res[2] or res[3]:
             self._kill()
             why = "timed out" if res[2] else "the shell exited" if res[3] else f"exit code {res[1]}"
@@ -196,6 +198,10 @@ class PersistentShell:
                 self._kill()
                 raise SandboxError(f"shell could not cd to {self.workdir}: {clean_output(res[0]).strip()}")
         self.start_s = time.monotonic() - t0
+
+    def setup_vars(self) -> dict[str, str]:
+        """The environment that hands bash its setup (`setup_in_env`)."""
+        return {SETUP_VAR: setup_script(self.state_file, self.env)}
 
     def close(self) -> None:
         # The sandbox owning the shell tears down everything inside it; a shell on this very

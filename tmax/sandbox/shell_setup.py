@@ -61,6 +61,20 @@ LOST_STATE = "lost: unexported variables, functions, aliases and background jobs
 _OWN_OPTIONS = "history|emacs|vi|monitor|interactive-comments|posix|onecmd|noexec"
 
 
+SETUP_VAR = "__TMAX_SETUP"  # where a shell finds `setup_script` in its environment (`PersistentShell.setup_in_env`)
+
+
+def setup_script(state_file: str, env: dict[str, str]) -> str:
+    """What a persistent shell runs once started: no terminal for commands, its state saved
+    before each command (into `state_file`), the variables of `env` exported; it prints its pid."""
+    # The saved state may hold secrets from the environment: only this user may read it.
+    state = shlex.quote(state_file)
+    setup = [*NO_TTY_SETUP, save_state_function(state_file),
+             f"[ -e {state} ] || (umask 077; : > {state}) 2>/dev/null", "echo $$"]
+    setup += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+    return "\n".join(setup)
+
+
 def save_state_function(path: str) -> str:
     """`__tmax_save`: cwd, exported variables and options into `path`, with builtins only
     (it runs before every command; a process per command would cost milliseconds). The file
