@@ -20,7 +20,7 @@ from tmax.sandbox import SandboxSpec
 from tmax.sandbox.base import SandboxError
 from tmax.sandbox.bwrap import available as bwrap_available
 from tmax.sandbox.overlay_pool import OverlayPool, SpecFactory
-from tmax.sandbox.overlay_proto import HostBusy
+from tmax.sandbox.overlay_proto import EpisodeLease, HostBusy
 from tmax.sandbox.pool import WarmPool
 
 TEST_LABEL = "io.tmax.test-fork"
@@ -213,3 +213,38 @@ def test_a_killed_host_fails_its_branches_and_nothing_is_left(base_image, tmp_pa
 
     assert wait_until(lambda: containers() == "", 60, 0.5)
     assert not list(root.glob("*/h-*"))  # state directories, frozen layers and all
+
+
+@pytest.mark.podman
+def test_a_fork_that_fails_halfway_loses_nothing_and_leaves_nothing(overlay_pool, base_image, monkeypatch):
+    """The child's episode fails after the parent's was frozen: the parent goes on, on its
+    state; the room kept for the child is given back; the frozen layer goes with the parent."""
+    from tmax.common.waiting import wait_until
+    from tmax.sandbox.overlay import OverlaySandbox
+
+    pool, factory = overlay_pool, SpecFactory("podman", SandboxSpec(image=base_image, workdir="/root"))
+    parent = pool.acquire("k", factory)
+    out(parent, "echo kept > /root/mine && cd /tmp && export V=1")
+    leases = []
+    real_lease = OverlaySandbox._lease
+
+    def second_fails(self, layer):
+        leases.append(layer)
+        if len(leases) == 2:  # the child's (the parent's continuation comes first)
+            raise SandboxError("injected: the child's episode could not be made")
+        return real_lease(self, layer)
+
+    monkeypatch.setattr(OverlaySandbox, "_lease", second_fails)
+    with pytest.raises(SandboxError, match="injected"):
+        pool.fork(parent)
+    monkeypatch.undo()
+    try:
+        assert out(parent, "cat /root/mine; pwd; echo $V") == "kept\n/tmp\n1"
+        # The host's two other rooms are free again (none is held for the child that failed).
+        others = [EpisodeLease(Path(parent.host.state_dir), uuid.uuid4().hex[:12], True) for _ in range(2)]
+        for lease in others:
+            lease.close()
+        assert len(_layers(parent)) == 1  # the one the parent stands on
+    finally:
+        pool.release(parent)
+    assert wait_until(lambda: _layers(parent) == [], 10, 0.1)
