@@ -11,6 +11,7 @@ Real bash, bwrap, podman and the episode helper; the base image for podman."""
 from __future__ import annotations
 
 import subprocess
+import threading
 import uuid
 from pathlib import Path
 
@@ -225,16 +226,14 @@ def test_a_fork_that_fails_halfway_loses_nothing_and_leaves_nothing(overlay_pool
     pool, factory = overlay_pool, SpecFactory("podman", SandboxSpec(image=base_image, workdir="/root"))
     parent = pool.acquire("k", factory)
     out(parent, "echo kept > /root/mine && cd /tmp && export V=1")
-    leases = []
     real_lease = OverlaySandbox._lease
 
-    def second_fails(self, layer):
-        leases.append(layer)
-        if len(leases) == 2:  # the child's (the parent's continuation comes first)
+    def childs_fails(self, layer):
+        if threading.current_thread().name.startswith("tmax-fork"):  # the child's, made beside the parent's
             raise SandboxError("injected: the child's episode could not be made")
         return real_lease(self, layer)
 
-    monkeypatch.setattr(OverlaySandbox, "_lease", second_fails)
+    monkeypatch.setattr(OverlaySandbox, "_lease", childs_fails)
     with pytest.raises(SandboxError, match="injected"):
         pool.fork(parent)
     monkeypatch.undo()
@@ -248,3 +247,31 @@ def test_a_fork_that_fails_halfway_loses_nothing_and_leaves_nothing(overlay_pool
     finally:
         pool.release(parent)
     assert wait_until(lambda: _layers(parent) == [], 10, 0.1)
+
+
+@pytest.mark.podman
+def test_a_parent_that_cannot_come_back_takes_its_child_along(overlay_pool, base_image, monkeypatch):
+    """The parent's continuation fails (an infrastructure error of the parent's): the child made
+    beside it is ended too, and no room or layer of the fork is left in the host."""
+    from tmax.common.waiting import wait_until
+    from tmax.sandbox.overlay import OverlaySandbox
+
+    pool, factory = overlay_pool, SpecFactory("podman", SandboxSpec(image=base_image, workdir="/root"))
+    parent = pool.acquire("k", factory)
+    state_dir = Path(parent.host.state_dir)
+    real_lease = OverlaySandbox._lease
+
+    def parents_fails(self, layer):
+        if not threading.current_thread().name.startswith("tmax-fork"):
+            raise SandboxError("injected: the parent's episode could not be made")
+        return real_lease(self, layer)
+
+    monkeypatch.setattr(OverlaySandbox, "_lease", parents_fails)
+    with pytest.raises(SandboxError, match="injected"):
+        pool.fork(parent)
+    monkeypatch.undo()
+    pool.release(parent)
+    assert wait_until(lambda: not list((state_dir / "layers").glob("*")), 10, 0.1)
+    rooms = [EpisodeLease(state_dir, uuid.uuid4().hex[:12], True) for _ in range(3)]  # all three free
+    for lease in rooms:
+        lease.close()

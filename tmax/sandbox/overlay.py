@@ -44,6 +44,7 @@ import secrets
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -247,18 +248,29 @@ class OverlaySandbox(ShellSandbox):
         layer = freeze(Path(self.host.state_dir), self.lease.id, 2)  # HostBusy: nothing changed
         try:
             self._end_episode()
-            self.lease, self.layer = self._lease(layer), layer
-            self._closed = False
-            self._handing_over(state)
-            self.start()
-            self._restored(state)  # this one, on its state again
-            self._shell().on_output = listener
-            child = OverlaySandbox(self.host, self.spec, self._lease(layer), layer)
-            child._handing_over(state)
-            child.start()
+            # The child is made while this one comes back: two shells waited for at once.
+            with ThreadPoolExecutor(1, thread_name_prefix="tmax-fork") as making:
+                child = making.submit(self._episode_on, layer, state)
+                try:
+                    self.lease, self.layer, self._closed = self._lease(layer), layer, False
+                    self._handing_over(state)
+                    self.start()
+                    self._restored(state)  # this one, on its state again
+                    self._shell().on_output = listener
+                except BaseException:
+                    child.add_done_callback(lambda f: f.exception() or f.result().close())
+                    raise
+                forked = child.result()
         finally:
             release_layer(Path(self.host.state_dir), layer.id)  # any room reserved and not taken
-        return self._forked(child, state, background, t0, layers=layer.depth)
+        return self._forked(forked, state, background, t0, layers=layer.depth)
+
+    def _episode_on(self, layer: FrozenLayer, state) -> OverlaySandbox:
+        """A new episode of this host on `layer`, started, its shell to take `state`."""
+        child = OverlaySandbox(self.host, self.spec, self._lease(layer), layer)
+        child._handing_over(state)
+        child.start()
+        return child
 
     def _lease(self, layer: FrozenLayer) -> EpisodeLease:
         return EpisodeLease(Path(self.host.state_dir), secrets.token_hex(6), self.host.own_net, layer=layer.id)
