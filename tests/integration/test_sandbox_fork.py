@@ -11,7 +11,6 @@ Real bash, bwrap, podman and the episode helper; the base image for podman."""
 from __future__ import annotations
 
 import subprocess
-import threading
 import uuid
 from pathlib import Path
 
@@ -218,31 +217,31 @@ def test_a_killed_host_fails_its_branches_and_nothing_is_left(base_image, tmp_pa
 
 @pytest.mark.podman
 def test_a_fork_that_fails_halfway_loses_nothing_and_leaves_nothing(overlay_pool, base_image, monkeypatch):
-    """The child's episode fails after the parent's was frozen: the parent goes on, on its
+    """The child's episode fails after the parent's was frozen: the parent comes back on its
     state; the room kept for the child is given back; the frozen layer goes with the parent."""
     from tmax.common.waiting import wait_until
     from tmax.sandbox.overlay import OverlaySandbox
 
     pool, factory = overlay_pool, SpecFactory("podman", SandboxSpec(image=base_image, workdir="/root"))
     parent = pool.acquire("k", factory)
+    state_dir = Path(parent.host.state_dir)
     out(parent, "echo kept > /root/mine && cd /tmp && export V=1")
-    real_lease = OverlaySandbox._lease
 
-    def childs_fails(self, layer):
-        if threading.current_thread().name.startswith("tmax-fork"):  # the child's, made beside the parent's
-            raise SandboxError("injected: the child's episode could not be made")
-        return real_lease(self, layer)
+    def fails(*_a, **_k):
+        raise SandboxError("injected: the child's episode could not be made")
 
-    monkeypatch.setattr(OverlaySandbox, "_lease", childs_fails)
+    monkeypatch.setattr(OverlaySandbox, "_episode_on", fails)
     with pytest.raises(SandboxError, match="injected"):
         pool.fork(parent)
     monkeypatch.undo()
     try:
-        assert out(parent, "cat /root/mine; pwd; echo $V") == "kept\n/tmp\n1"
-        # The host's two other rooms are free again (none is held for the child that failed).
-        others = [EpisodeLease(Path(parent.host.state_dir), uuid.uuid4().hex[:12], True) for _ in range(2)]
+        # Two of the host's three rooms are free: the child's came back, the parent's is kept.
+        others = [EpisodeLease(state_dir, uuid.uuid4().hex[:12], True) for _ in range(2)]
+        with pytest.raises(HostBusy):
+            EpisodeLease(state_dir, uuid.uuid4().hex[:12], True)
         for lease in others:
             lease.close()
+        assert out(parent, "cat /root/mine; pwd; echo $V") == "kept\n/tmp\n1"
         assert len(_layers(parent)) == 1  # the one the parent stands on
     finally:
         pool.release(parent)
@@ -250,28 +249,48 @@ def test_a_fork_that_fails_halfway_loses_nothing_and_leaves_nothing(overlay_pool
 
 
 @pytest.mark.podman
-def test_a_parent_that_cannot_come_back_takes_its_child_along(overlay_pool, base_image, monkeypatch):
-    """The parent's continuation fails (an infrastructure error of the parent's): the child made
-    beside it is ended too, and no room or layer of the fork is left in the host."""
+def test_a_parent_that_cannot_come_back_leaves_nothing(overlay_pool, base_image, monkeypatch):
+    """The parent's continuation fails at its next use (an infrastructure error of the
+    parent's): its child goes on; once both end, no room or layer of the fork is left."""
     from tmax.common.waiting import wait_until
     from tmax.sandbox.overlay import OverlaySandbox
 
     pool, factory = overlay_pool, SpecFactory("podman", SandboxSpec(image=base_image, workdir="/root"))
     parent = pool.acquire("k", factory)
     state_dir = Path(parent.host.state_dir)
-    real_lease = OverlaySandbox._lease
+    out(parent, "echo x > /root/f")
+    child = pool.fork(parent).sandbox
 
-    def parents_fails(self, layer):
-        if not threading.current_thread().name.startswith("tmax-fork"):
-            raise SandboxError("injected: the parent's episode could not be made")
-        return real_lease(self, layer)
+    def fails(*_a, **_k):
+        raise SandboxError("injected: the parent's episode could not be made")
 
-    monkeypatch.setattr(OverlaySandbox, "_lease", parents_fails)
+    monkeypatch.setattr(OverlaySandbox, "_lease", fails)
     with pytest.raises(SandboxError, match="injected"):
-        pool.fork(parent)
+        parent.run("cat /root/f")
     monkeypatch.undo()
+    assert out(child, "cat /root/f") == "x"
+    pool.release(child)
     pool.release(parent)
     assert wait_until(lambda: not list((state_dir / "layers").glob("*")), 10, 0.1)
     rooms = [EpisodeLease(state_dir, uuid.uuid4().hex[:12], True) for _ in range(3)]  # all three free
     for lease in rooms:
         lease.close()
+
+
+@pytest.mark.podman
+def test_a_parent_forked_again_unused_costs_its_children_alone(overlay_pool, base_image):
+    """Forked twice without a command between: both children stand on the one frozen layer,
+    and the parent comes back only when it is used."""
+    pool, factory = overlay_pool, SpecFactory("podman", SandboxSpec(image=base_image, workdir="/root"))
+    parent = pool.acquire("k", factory)
+    try:
+        out(parent, "echo one > /root/f; sleep 500 &")
+        first, second = pool.fork(parent), pool.fork(parent)
+        assert [p.command for p in first.record.background] == ["sleep 500"] and second.record.background == []
+        assert first.sandbox.layer.id == second.sandbox.layer.id and _layers(parent) == [first.sandbox.layer.id]
+        assert parent.shell is None  # not back yet
+        assert out(second.sandbox, "cat /root/f") == out(parent, "cat /root/f") == "one"
+        for forked in (first, second):
+            pool.release(forked.sandbox)
+    finally:
+        pool.release(parent)

@@ -79,11 +79,18 @@ struct req {
 /* A frozen layer (layers.c). */
 struct layer {
     char id[64], below[64];
-    int depth, refs, reserved;
-    long reserved_until;
+    int depth, refs;
 };
 
+/* Rooms a FREEZE reserved for episodes on its layer, held by its connection (layers.c). */
+struct hold {
+    int active, conn, reserved;
+    char layer[64];
+};
+
+#define MAX_HOLDS 64
 extern struct layer layers[MAX_LAYERS];
+extern struct hold holds[MAX_HOLDS];
 
 void die(const char *what);
 int write_all(int fd, const void *buf, size_t n);
@@ -96,8 +103,11 @@ void layer_path(char *out, size_t n, const char *id, int idx);
 void ref_layer(const char *id);
 void unref_layer(const char *id);
 int reserved_episodes(void);
-void release_layer(const char *id);
-int take_reservation(struct layer *l);
+struct hold *add_hold(int conn, const char *layer, int n);
+int free_holds(void);
+int take_reservation(const char *layer);
+void drop_reservation(struct hold *h);
+void end_hold(struct hold *h);
 int layer_chain(const char *top, const char **chain, int max);
 struct layer *freeze_layers(const char *id, const char *below, int n, int *depth);
 int enter_root(const char *id);

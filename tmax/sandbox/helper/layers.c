@@ -8,9 +8,6 @@
  * applied in order: an episode's overlay never stacks more than MAX_CHAIN layers. */
 #include "helper.h"
 #include <sys/xattr.h>
-#include <time.h>
-
-#define RESERVE_S 60
 
 struct layer layers[MAX_LAYERS];
 
@@ -58,38 +55,56 @@ void ref_layer(const char *id) {
     if (l) l->refs++;
 }
 
-/* Reservations past their time are dropped; returns the episodes still reserved. */
+/* ---- holds: the rooms a FREEZE reserved ----------------------------------------------- */
+
+struct hold holds[MAX_HOLDS];
+
 int reserved_episodes(void) {
-    time_t now = time(NULL);
     int n = 0;
-    for (int i = 0; i < MAX_LAYERS; i++) {
-        struct layer *l = &layers[i];
-        if (l->refs <= 0 || l->reserved <= 0) continue;
-        if (now > l->reserved_until) {
-            int r = l->reserved;
-            l->reserved = 0;
-            for (int k = 0; k < r; k++) unref_layer(l->id);
-        } else {
-            n += l->reserved;
-        }
-    }
+    for (int i = 0; i < MAX_HOLDS; i++)
+        if (holds[i].active) n += holds[i].reserved;
     return n;
 }
 
-/* Reservations on `id` dropped now ("RELEASE"): the forker made all the episodes it will. */
-void release_layer(const char *id) {
-    struct layer *l = find_layer(id);
-    if (!l) return;
-    int r = l->reserved;
-    l->reserved = 0;
-    for (int k = 0; k < r; k++) unref_layer(id);
+struct hold *add_hold(int conn, const char *layer, int n) {
+    for (int i = 0; i < MAX_HOLDS; i++)
+        if (!holds[i].active) {
+            holds[i] = (struct hold){.active = 1, .conn = conn, .reserved = n};
+            snprintf(holds[i].layer, sizeof holds[i].layer, "%s", layer);
+            return &holds[i];
+        }
+    return NULL;
 }
 
-/* Takes one of the reservations on `l`; 0 when none was left. */
-int take_reservation(struct layer *l) {
-    if (l->reserved <= 0) return 0;
-    l->reserved--;
-    return 1;
+int free_holds(void) {
+    int n = 0;
+    for (int i = 0; i < MAX_HOLDS; i++) n += !holds[i].active;
+    return n;
+}
+
+/* Takes one room reserved on `layer`; 0 when none is left. Its reference on the layer is the
+ * new episode's. */
+int take_reservation(const char *layer) {
+    for (int i = 0; i < MAX_HOLDS; i++)
+        if (holds[i].active && holds[i].reserved > 0 && strcmp(holds[i].layer, layer) == 0) {
+            holds[i].reserved--;
+            return 1;
+        }
+    return 0;
+}
+
+/* One room given back ("DROP" on the hold's connection). */
+void drop_reservation(struct hold *h) {
+    if (h->reserved <= 0) return;
+    h->reserved--;
+    unref_layer(h->layer);
+}
+
+/* The forker closed its connection (or died): the rooms it did not take go back. */
+void end_hold(struct hold *h) {
+    while (h->reserved > 0) drop_reservation(h);
+    close(h->conn);
+    h->active = 0;
 }
 
 int layer_chain(const char *top, const char **chain, int max) {
@@ -176,7 +191,7 @@ int merge_chain(const char *top, const char *id) {
 }
 
 /* Episode `id`'s upper layers (STATE_DIR/ep-<id>/u, unmounted: the episode is over) become
- * layer `id` on `below`, reserved for `n` new episodes; merged when the chain is too deep.
+ * layer `id` on `below`, referenced for `n` new episodes; merged when the chain is too deep.
  * Returns the layer to start them on, NULL on failure (errno set). */
 struct layer *freeze_layers(const char *id, const char *below, int n, int *depth) {
     char from[PATH_MAX], to[PATH_MAX];
@@ -190,9 +205,7 @@ struct layer *freeze_layers(const char *id, const char *below, int n, int *depth
     snprintf(l->below, sizeof l->below, "%s", below ? below : "");
     struct layer *b = l->below[0] ? find_layer(l->below) : NULL;
     l->depth = b ? b->depth + 1 : 1;
-    l->refs = n;  /* the episode's reference on `below` is the layer's now */
-    l->reserved = n;
-    l->reserved_until = time(NULL) + RESERVE_S;
+    l->refs = n;  /* one per room reserved; the episode's reference on `below` is the layer's now */
     if (l->depth <= MAX_CHAIN) {
         *depth = l->depth;
         return l;
@@ -210,9 +223,6 @@ struct layer *freeze_layers(const char *id, const char *below, int n, int *depth
     if (!m) { *depth = l->depth; return l; }
     m->depth = 1;
     m->refs = n;
-    m->reserved = n;
-    m->reserved_until = l->reserved_until;
-    l->reserved = 0;
     for (int k = 0; k < n; k++) unref_layer(l->id);
     *depth = 1;
     return m;

@@ -192,6 +192,8 @@ static int episode_main(void *arg) {
     struct episode_args *a = arg;
     setsid();  /* a group of its own: no signal to its group reaches serve or another episode */
     for (int i = 0; i < 2; i++) close(a->close_fds[i]);
+    for (int i = 0; i < MAX_HOLDS; i++)
+        if (holds[i].active) close(holds[i].conn);  /* serve's, not the episode's */
     close(ending_pipe[0]);
     const char *what = "";
     char sock[PATH_MAX];
@@ -290,17 +292,19 @@ static int find_episode(const char *id) {
 
 /* "FREEZE <id> <n>": episode <id> ends (its processes killed) and its upper layers become a
  * read-only layer for <n> new episodes, whose room is reserved now ("ERR busy", the episode
- * untouched, when the host has none); answers "OK <layer> <depth>". */
-static void freeze(int conn, const char *id, int n) {
+ * untouched, when the host has none); answers "OK <layer> <depth>" and keeps the connection
+ * as the rooms' hold: "DROP" on it gives one back, its close all that are left. Returns
+ * whether it keeps the connection. */
+static int freeze(int conn, const char *id, int n) {
     read_ending();
     int slot = find_episode(id);
     if (slot < 0 || n < 1) {
         say(conn, "ERR no such episode\n");
-        return;
+        return 0;
     }
-    if (live_episodes() - 1 + n > capacity || quitting) {
+    if (live_episodes() - 1 + n > capacity || quitting || free_holds() == 0) {
         say(conn, "ERR busy\n");
-        return;
+        return 0;
     }
     pid_t pid = episodes[slot].pid;
     kill(pid, SIGKILL);  /* its pid 1: the kernel kills the rest, and its mounts go with it */
@@ -315,6 +319,7 @@ static void freeze(int conn, const char *id, int n) {
         say(conn, "ERR freezing the layers: %s\n", strerror(errno));
         unref_layer(episodes[slot].layer);
     } else {
+        add_hold(conn, l->id, n);  /* a slot is free: checked above */
         say(conn, "OK %s %d\n", l->id, depth);
     }
     snprintf(path, sizeof path, IN_DIR "/ep-%s", id);
@@ -322,48 +327,41 @@ static void freeze(int conn, const char *id, int n) {
         remove_tree(path);
         _exit(0);
     }
+    return l != NULL;
 }
 
-/* "EPISODE <id> own|shared [<layer>]": a new episode, unless `capacity` are live ("ERR busy"),
- * on a frozen layer when named (in a room a FREEZE reserved, if one is left).
- * "FREEZE <id> <n>": see freeze. "RELEASE <layer>": the reservations left on it go.
- * "QUIT": exit if no episode is live. */
-static void handle(int conn, int lsock, int sfd) {
+/* "EPISODE <id> own|shared [<layer> [held]]": a new episode, unless `capacity` are live ("ERR
+ * busy"), on a frozen layer when named (with "held", in a room its FREEZE kept, if one is left).
+ * "FREEZE <id> <n>": see freeze. "QUIT": exit if no episode is live.
+ * Returns whether the connection stays open (a hold). */
+static int handle(int conn, int lsock, int sfd) {
     struct timeval tv = {10, 0};
     setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    char line[256], id[64] = "", net[16] = "", top[64] = "";
+    char line[256], id[64] = "", net[16] = "", top[64] = "", how[16] = "";
     int n = 0;
-    if (read_line(conn, line, sizeof line) < 0) return;
+    if (read_line(conn, line, sizeof line) < 0) return 0;
     if (strcmp(line, "QUIT") == 0) {
         say(conn, "BYE\n");
         if (live_episodes() == 0) quit();
         quitting = 1;  /* after the episodes still ending */
-        return;
+        return 0;
     }
-    if (sscanf(line, "FREEZE %63s %d", id, &n) == 2) {
-        freeze(conn, id, n);
-        return;
-    }
-    if (sscanf(line, "RELEASE %63s", id) == 1) {
-        release_layer(id);
-        say(conn, "OK\n");
-        return;
-    }
-    if (sscanf(line, "EPISODE %63s %15s %63s", id, net, top) < 2 || !valid_id(id)) {
+    if (sscanf(line, "FREEZE %63s %d", id, &n) == 2) return freeze(conn, id, n);
+    if (sscanf(line, "EPISODE %63s %15s %63s %15s", id, net, top, how) < 2 || !valid_id(id)) {
         say(conn, "ERR bad request\n");
-        return;
+        return 0;
     }
     struct layer *l = top[0] ? find_layer(top) : NULL;
     if (top[0] && !l) {
         say(conn, "ERR no such layer\n");
-        return;
+        return 0;
     }
     int slot = 0;
     while (slot < 1024 && episodes[slot].pid) slot++;
-    int reserved = slot < 1024 && l && !quitting && take_reservation(l);
+    int reserved = slot < 1024 && l && !quitting && strcmp(how, "held") == 0 && take_reservation(l->id);
     if (!reserved && (slot == 1024 || live_episodes() >= capacity || quitting)) {
         say(conn, "ERR busy\n");
-        return;
+        return 0;
     }
     if (l && !reserved) ref_layer(l->id);  /* a reservation's reference is the episode's now */
     struct episode_args a = {.own_net = strcmp(net, "own") == 0, .conn = conn, .close_fds = {lsock, sfd}};
@@ -374,12 +372,25 @@ static void handle(int conn, int lsock, int sfd) {
     if (pid < 0) {
         say(conn, "ERR clone: %s\n", strerror(errno));
         if (l) unref_layer(l->id);
-        return;
+        return 0;
     }
     episodes[slot].pid = pid;
     episodes[slot].ending = 0;
     snprintf(episodes[slot].id, sizeof episodes[slot].id, "%s", id);
     snprintf(episodes[slot].layer, sizeof episodes[slot].layer, "%s", top);
+    return 0;
+}
+
+/* Something on a hold's connection: "DROP" lines give rooms back; its end, all that are left. */
+static void hold_event(struct hold *h) {
+    char buf[256];
+    ssize_t n = read(h->conn, buf, sizeof buf);
+    if (n <= 0) {
+        end_hold(h);
+        return;
+    }
+    for (ssize_t i = 0; i + 4 <= n; i++)
+        if (memcmp(buf + i, "DROP", 4) == 0) drop_reservation(h);
 }
 
 /* An episode ended: its upper layers and socket go (in a child: the next episode need not wait). */
@@ -415,9 +426,14 @@ static void serve(void) {
     if (sfd < 0 || lsock < 0) die("listen on " IN_DIR "/ctl.sock");
     if (pipe2(ending_pipe, O_CLOEXEC) < 0 || fcntl(ending_pipe[0], F_SETFL, O_NONBLOCK) < 0) die("pipe");
     for (;;) {
-        struct pollfd pf[2] = {{lsock, POLLIN, 0}, {sfd, POLLIN, 0}};
-        /* Reservations expire: while one is held, wake up now and then to drop it in time. */
-        int n = poll(pf, 2, reserved_episodes() ? 1000 : live_episodes() ? -1 : idle_s * 1000);
+        struct pollfd pf[2 + MAX_HOLDS] = {{lsock, POLLIN, 0}, {sfd, POLLIN, 0}};
+        int npf = 2, which[MAX_HOLDS];
+        for (int i = 0; i < MAX_HOLDS; i++)
+            if (holds[i].active) {
+                which[npf - 2] = i;
+                pf[npf++] = (struct pollfd){holds[i].conn, POLLIN, 0};
+            }
+        int n = poll(pf, (nfds_t)npf, live_episodes() ? -1 : idle_s * 1000);
         if (n < 0) {
             if (errno == EINTR) continue;
             die("poll");
@@ -429,12 +445,12 @@ static void serve(void) {
             reap_episodes();
             if (quitting && live_episodes() == 0) quit();
         }
+        for (int k = 2; k < npf; k++)
+            if (pf[k].revents) hold_event(&holds[which[k - 2]]);
+        if (quitting && live_episodes() == 0) quit();
         if (pf[0].revents) {
             int conn = accept4(lsock, NULL, NULL, SOCK_CLOEXEC);
-            if (conn >= 0) {
-                handle(conn, lsock, sfd);
-                close(conn);
-            }
+            if (conn >= 0 && !handle(conn, lsock, sfd)) close(conn);
         }
     }
 }
