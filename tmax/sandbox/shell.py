@@ -54,7 +54,9 @@ from tmax.sandbox.base import DEFAULT_COMMAND_TIMEOUT_S, CommandResult, SandboxE
 from tmax.sandbox.hostexec import on_lasting_thread
 from tmax.sandbox.ptyspawn import PtyProcess, ReadTimeout
 from tmax.sandbox.shell_output import BoundedOutput, clean_output
-from tmax.sandbox.shell_setup import SETUP_VAR, restore_state_script, restored_note, setup_script
+from tmax.sandbox.shell_setup import (
+    INIT_VAR, SETUP_VAR, init_script, restore_state_script, restored_note, setup_script,
+)
 
 BASH_ARGV = ["bash", "--norc", "--noprofile"]
 DEFAULT_MAX_OUTPUT_CHARS = 1_000_000  # head + tail kept per command; the rest is counted
@@ -156,19 +158,7 @@ class PersistentShell:
         self._decoder.reset()
         self._leftover = ""
         self._seq = 0
-        tag = self.tag
-        # The marker is written split across two quoted strings ('__TM''AX_...') so the
-        # tty echo of this very line (before `stty -echo` takes effect) cannot match it.
-        init = (
-            "stty -echo 2>/dev/null; "
-            "bind 'set enable-bracketed-paste off' 2>/dev/null; "
-            "bind 'set disable-completion on' 2>/dev/null; "  # tabs in commands stay tabs
-            "bind 'set convert-meta off' 2>/dev/null; bind 'set input-meta on' 2>/dev/null; "
-            "bind 'set output-meta on' 2>/dev/null; "
-            "set +o history +H; unset HISTFILE PROMPT_COMMAND; shopt -s expand_aliases; "
-            "PS0=''; PS2=''; __tmax_ret() { return \"$1\"; }; "
-            f"PS1='\\n__TM''AX_{tag}_${{__tmax_seq}}_$?__\\n'"
-        )
+        init = f'builtin eval "${INIT_VAR}"' if self.setup_in_env else init_script(self.tag)
         self._write(init + "\n")
         out, rc, timed_out, eof = self._collect(None, time.monotonic() + self.start_timeout)
         if timed_out or eof:
@@ -201,7 +191,7 @@ class PersistentShell:
 
     def setup_vars(self) -> dict[str, str]:
         """The environment that hands bash its setup (`setup_in_env`)."""
-        return {SETUP_VAR: setup_script(self.state_file, self.env)}
+        return {INIT_VAR: init_script(self.tag), SETUP_VAR: setup_script(self.state_file, self.env)}
 
     def close(self) -> None:
         # The sandbox owning the shell tears down everything inside it; a shell on this very

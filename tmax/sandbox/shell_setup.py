@@ -61,7 +61,25 @@ LOST_STATE = "lost: unexported variables, functions, aliases and background jobs
 _OWN_OPTIONS = "history|emacs|vi|monitor|interactive-comments|posix|onecmd|noexec"
 
 
-SETUP_VAR = "__TMAX_SETUP"  # where a shell finds `setup_script` in its environment (`PersistentShell.setup_in_env`)
+# Where a shell finds `init_script` and `setup_script` in its environment (`PersistentShell.setup_in_env`).
+INIT_VAR, SETUP_VAR = "__TMAX_INIT", "__TMAX_SETUP"
+
+
+def init_script(tag: str) -> str:
+    """The first line a persistent shell runs: readline and history settings, and the prompt
+    carrying the marker of its session (`tag`) that says where each command ends."""
+    # The marker is written split across two quoted strings ('__TM''AX_...') so the tty echo of
+    # this very line (before `stty -echo` takes effect), when it is typed in, cannot match it.
+    return (
+        "stty -echo 2>/dev/null; "
+        "bind 'set enable-bracketed-paste off' 2>/dev/null; "
+        "bind 'set disable-completion on' 2>/dev/null; "  # tabs in commands stay tabs
+        "bind 'set convert-meta off' 2>/dev/null; bind 'set input-meta on' 2>/dev/null; "
+        "bind 'set output-meta on' 2>/dev/null; "
+        f"set +o history +H; unset HISTFILE PROMPT_COMMAND {INIT_VAR}; shopt -s expand_aliases; "
+        "PS0=''; PS2=''; __tmax_ret() { return \"$1\"; }; "
+        f"PS1='\\n__TM''AX_{tag}_${{__tmax_seq}}_$?__\\n'"
+    )
 
 
 def setup_script(state_file: str, env: dict[str, str]) -> str:
