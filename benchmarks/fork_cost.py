@@ -12,8 +12,9 @@ with `true` as every command, where a replay costs next to nothing.
 
 Per depth and round: (1) fresh + replay: an episode of a host already running (the best case
 for replaying) and the prefix's commands in it; (2) fork: an episode that ran the prefix is
-forked (`OverlayPool.fork`: its layers frozen, the parent's continuation and the child each a
-new episode, their shells restarted on the parent's state). Wall time and CPU seconds of this
+forked (`OverlayPool.fork`: its layers frozen, the child a new episode on them, its shell
+given the parent's state); the parent's continuation, a new episode made at its next command,
+is timed apart (parent_back: that command, `true`). Wall time and CPU seconds of this
 process with its containers (a cpuacct cgroup of its own, where this process may make one:
 root on cgroup v1; else the whole machine's, from /proc/stat). Each side ends with its state
 compared to the parent's: the files under the task's workdir by content (sha256) and by
@@ -93,8 +94,11 @@ def snapshot(sb, workdir: str) -> dict[str, str]:
     return {"contents": contents, "meta": meta, "shell": shell}
 
 
-def same(a: dict[str, str], b: dict[str, str]) -> dict[str, bool]:
-    return {"contents": a["contents"] == b["contents"], "exact": a == b}
+def same(a: dict[str, str], b: dict[str, str]) -> dict:
+    """Whether `a` is `b`: by contents, and exactly; the files whose contents differ."""
+    sums = [dict(reversed(line.split(None, 1)) for line in s["contents"].splitlines() if line.strip()) for s in (a, b)]
+    differ = sorted(p for p in sums[0].keys() | sums[1].keys() if sums[0].get(p) != sums[1].get(p))
+    return {"contents": a["contents"] == b["contents"], "exact": a == b, "differ": differ}
 
 
 def measure(fn) -> tuple[object, float, float]:
@@ -121,7 +125,9 @@ def one_round(pool, factory, commands: list[str], workdir: str) -> dict:
     before = snapshot(parent, workdir)
     forked, fork_s, fork_cpu = measure(lambda: pool.fork(parent))
     child = forked.sandbox
+    _, back_s, back_cpu = measure(lambda: parent.run("true", timeout=60))  # the parent's continuation
     row = {"replay_s": replay_s, "replay_cpu_s": replay_cpu, "fork_s": fork_s, "fork_cpu_s": fork_cpu,
+           "back_s": back_s, "back_cpu_s": back_cpu,
            "replay_same": same(snapshot(replayed, workdir), before), "fork_same": same(snapshot(child, workdir), before),
            "parent_after_fork_same": same(snapshot(parent, workdir), before)}
     for sb in (replayed, child, parent):
@@ -130,14 +136,17 @@ def one_round(pool, factory, commands: list[str], workdir: str) -> dict:
 
 
 def summarize(rows: list[dict]) -> dict:
-    med = {k: statistics.median(r[k] for r in rows) for k in ("replay_s", "replay_cpu_s", "fork_s", "fork_cpu_s")}
+    keys = ("replay_s", "replay_cpu_s", "fork_s", "fork_cpu_s", "back_s", "back_cpu_s")
+    med = {k: statistics.median(r[k] for r in rows) for k in keys}
     return {
         "fork_ms": round(med["fork_s"] * 1000, 1), "fork_cpu_s": round(med["fork_cpu_s"], 3),
+        "parent_back_ms": round(med["back_s"] * 1000, 1), "parent_back_cpu_s": round(med["back_cpu_s"], 3),
         "fresh_replay_ms": round(med["replay_s"] * 1000, 1), "fresh_replay_cpu_s": round(med["replay_cpu_s"], 3),
         "ratio_wall": round(med["fork_s"] / med["replay_s"], 3),
         "ratio_cpu": round(med["fork_cpu_s"] / max(med["replay_cpu_s"], 1e-6), 3),
         "replay_reproduced_contents": all(r["replay_same"]["contents"] for r in rows),
         "replay_exact": all(r["replay_same"]["exact"] for r in rows),
+        "replay_files_differing": sorted({p for r in rows for p in r["replay_same"]["differ"]}),
         "fork_exact": all(r["fork_same"]["exact"] for r in rows),
         "parent_unchanged_by_fork": all(r["parent_after_fork_same"]["exact"] for r in rows),
         "rounds": len(rows),
