@@ -294,3 +294,44 @@ def test_a_parent_forked_again_unused_costs_its_children_alone(overlay_pool, bas
             pool.release(forked.sandbox)
     finally:
         pool.release(parent)
+
+
+_DIES_AFTER_FREEZE = """
+import os, sys
+from tmax.sandbox import SandboxSpec
+from tmax.sandbox.overlay import OverlaySandbox
+from tmax.sandbox.overlay_pool import OverlayPool, SpecFactory
+
+pool = OverlayPool(3, host_labels={sys.argv[3]: sys.argv[4]}, root=sys.argv[1], close_in_background=False)
+parent = pool.acquire("k", SpecFactory("podman", SandboxSpec(image=sys.argv[2], workdir="/root")))
+parent.run("echo x > /root/f")
+print(parent.host.state_dir, flush=True)
+OverlaySandbox._episode_on = lambda *a, **k: os._exit(3)  # dies between the freeze and the child
+pool.fork(parent)
+"""
+
+
+@pytest.mark.podman
+def test_a_forker_that_dies_after_the_freeze_leaves_no_room_or_layer(base_image, tmp_path_factory):
+    """The process forking is killed halfway (after its episode was frozen, before the child):
+    its connections close with it, and the host gives back every room and layer it held."""
+    import sys
+
+    from tmax.common.waiting import wait_until
+    from tmax.sandbox.cleanup import remove_labelled
+    from tmax.sandbox.overlay_proto import quit_host
+
+    label = uuid.uuid4().hex[:12]
+    root = tmp_path_factory.mktemp("dies")
+    r = subprocess.run([sys.executable, "-c", _DIES_AFTER_FREEZE, str(root), base_image, TEST_LABEL, label],
+                       capture_output=True, text=True, timeout=300)
+    try:
+        assert r.returncode == 3, r.stderr
+        state_dir = Path(r.stdout.strip())
+        assert wait_until(lambda: not list((state_dir / "layers").glob("*")), 10, 0.1)
+        rooms = [EpisodeLease(state_dir, uuid.uuid4().hex[:12], True) for _ in range(3)]  # all three free
+        for lease in rooms:
+            lease.close()
+        quit_host(state_dir)
+    finally:
+        remove_labelled({TEST_LABEL: label})
