@@ -242,7 +242,7 @@ def test_a_fork_that_fails_halfway_loses_nothing_and_leaves_nothing(overlay_pool
         for lease in others:
             lease.close()
         assert out(parent, "cat /root/mine; pwd; echo $V") == "kept\n/tmp\n1"
-        assert len(_layers(parent)) == 1  # the one the parent stands on
+        assert wait_until(lambda: len(_layers(parent)) == 1, 10, 0.1)  # the one the parent stands on
     finally:
         pool.release(parent)
     assert wait_until(lambda: _layers(parent) == [], 10, 0.1)
@@ -287,7 +287,7 @@ def test_a_parent_forked_again_unused_costs_its_children_alone(overlay_pool, bas
         out(parent, "echo one > /root/f; sleep 500 &")
         first, second = pool.fork(parent), pool.fork(parent)
         assert [p.command for p in first.record.background] == ["sleep 500"] and second.record.background == []
-        assert first.sandbox.layer.id == second.sandbox.layer.id and _layers(parent) == [first.sandbox.layer.id]
+        assert first.sandbox.layer.id == second.sandbox.layer.id  # one freeze: the parent was not back between
         assert parent.shell is None  # not back yet
         assert out(second.sandbox, "cat /root/f") == out(parent, "cat /root/f") == "one"
         for forked in (first, second):
