@@ -335,3 +335,20 @@ def test_a_forker_that_dies_after_the_freeze_leaves_no_room_or_layer(base_image,
         quit_host(state_dir)
     finally:
         remove_labelled({TEST_LABEL: label})
+
+
+@pytest.mark.podman
+def test_a_child_has_its_parents_limits_and_network_rules(overlay_pool, base_image):
+    pool = overlay_pool
+    factory = SpecFactory("podman", SandboxSpec(image=base_image, workdir="/root", memory_mb=300, pids_limit=50))
+    parent = pool.acquire("k", factory)
+    try:
+        child = pool.fork(parent).sandbox
+        limits = {d.relative_to("/sys/fs/cgroup").parts[0]: d for d in child.cgroup.dirs}  # the child's own
+        assert (limits["memory"] / "memory.limit_in_bytes").read_text().strip() == str(300 * 1024 * 1024)
+        assert (limits["pids"] / "pids.max").read_text().strip() == "50"
+        # No network: the child's namespace has only loopback, as its parent's had.
+        assert out(child, "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '") == "lo"
+        pool.release(child)
+    finally:
+        pool.release(parent)
