@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol, get_args, runtime_checkable
 
+from pydantic import BaseModel, ConfigDict
+
 # Every resource tmax creates carries this label (podman) or name prefix, so
 # `tmax sandbox clean` can find leftovers of crashed runs.
 # The sandbox kinds, defined here only: configs type a kind as `SandboxKind`.
@@ -123,10 +125,51 @@ class SandboxSpec:
     files: FilesLayer | None = None
 
 
+class SandboxCapabilities(BaseModel):
+    """What a sandbox (or the sandboxes a pool hands out for a spec) can do beyond the
+    `Sandbox` interface every backend has. Callers read this, never the sandbox's kind."""
+
+    model_config = ConfigDict(frozen=True)
+
+    fork: bool = False
+    """`fork()`: a child sandbox in the parent's state (files, cwd, exported variables, shell
+    functions and aliases), isolated from it and from its siblings (`sandbox.fork`)."""
+
+
+class BackgroundProcess(BaseModel):
+    """A process other than the shell that was running in a sandbox when it was forked: not
+    carried into the child (a fork copies state, not processes)."""
+
+    pid: int  # as the sandbox sees it (its own pid namespace, if it has one)
+    command: str
+
+
+class ForkRecord(BaseModel):
+    """What a fork carried and what it could not."""
+
+    kind: str
+    cwd: str  # the child's working directory
+    exported: list[str]  # names of the exported variables carried
+    functions: list[str]  # shell functions carried (the harness's own left out)
+    aliases: list[str]
+    background: list[BackgroundProcess]  # running in the parent at the fork: not in the child
+    layers: int = 0  # overlay: frozen layers under the child (deeper chains are merged)
+    seconds: float = 0.0
+
+
+@dataclass
+class Forked:
+    """A child sandbox (started, its shell on the parent's state) and its fork's record."""
+
+    sandbox: Sandbox
+    record: ForkRecord
+
+
 @runtime_checkable
 class Sandbox(Protocol):
     kind: str  # "local" | "bwrap" | "podman"
     copy_is_cheap: bool  # `copy_in` costs no more than a process start inside (no API call)
+    capabilities: SandboxCapabilities
 
     def start(self) -> None: ...
 
@@ -156,6 +199,11 @@ class Sandbox(Protocol):
         ...
 
     def copy_out(self, src: str, dst: Path) -> None: ...
+
+    def fork(self) -> Forked:
+        """A child in this sandbox's state, where `capabilities.fork` says so (SandboxError
+        elsewhere); the child is the caller's to close."""
+        ...
 
     def close(self) -> None:
         """Destroy everything the sandbox created. Idempotent."""

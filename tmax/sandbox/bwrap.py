@@ -10,6 +10,10 @@ instances, e.g. a verifier) see the same files.
 No `--new-session`: it would detach bash from its terminal and break job control and
 Ctrl-C. Its purpose (blocking TIOCSTI injection into the caller's terminal) does not
 apply, because the terminal here is a pty created for this sandbox alone.
+
+A fork is a jail of the same spec whose workspace, /tmp and $HOME are copies of the parent's
+(the workspace at the parent's path inside, even where the parent's is a host directory of the
+user's: the child's writes stay in its copy).
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ import shlex
 import shutil
 import stat
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
-from tmax.sandbox.base import NAME_PREFIX, CommandResult, SandboxError, SandboxSpec
+from tmax.sandbox.base import NAME_PREFIX, CommandResult, Forked, SandboxCapabilities, SandboxError, SandboxSpec
+from tmax.sandbox.fork import copy_tree
 from tmax.sandbox.hostexec import run_process
 from tmax.sandbox.local import copy_path
 from tmax.sandbox.shell import BASH_ARGV, PersistentShell
@@ -47,9 +53,12 @@ def available() -> bool:
 
 class BwrapSandbox(ShellSandbox):
     kind = "bwrap"
+    capabilities = SandboxCapabilities(fork=True)
 
-    def __init__(self, spec: SandboxSpec | None = None):
+    def __init__(self, spec: SandboxSpec | None = None, fork_of: BwrapSandbox | None = None):
+        """`fork_of`: the started jail whose writable directories this one starts with copies of."""
         self.spec = spec or SandboxSpec()
+        self.fork_of = fork_of
         self.shell: PersistentShell | None = None
         self._own_dir: str | None = None  # host temp dir holding /tmp, $HOME (and a workspace)
         self.workspace: Path | None = None
@@ -85,6 +94,10 @@ class BwrapSandbox(ShellSandbox):
         if len(t.parts) > 2 and not t.exists():
             raise SandboxError(f"bwrap sandbox: workspace target {self.target} must exist on the host"
                                " or be a new top-level directory")
+        if self.fork_of is not None:
+            for (_, parent), (_, mine) in zip(self.fork_of.writable_dirs(), self.writable_dirs(), strict=True):
+                copy_tree(parent, mine)
+            self.fork_of = None  # nothing more is read of the parent
 
     def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         env = {"PATH": BASE_PATH, "HOME": "/root-home", "LANG": os.environ.get("LANG", "C.UTF-8"),
@@ -201,12 +214,30 @@ class BwrapSandbox(ShellSandbox):
         try:
             self._prepare()
             chdir = self.spec.workdir or self.target
-            argv = self.jail_argv(self._env(), chdir, BASH_ARGV)
-            self.shell = PersistentShell(argv, workdir=chdir, spawn_env={})
+            self.shell = PersistentShell(BASH_ARGV, workdir=chdir, spawn_env={})
+            self.shell.setup_in_env = True
+            self._shell_argv(self.handover)
             self.shell.start()
         except SandboxError:
             self.close()
             raise
+
+    def fork(self) -> Forked:
+        t0, state, background = self._fork_state()
+        child = BwrapSandbox(replace(self.spec, workspace=None, workspace_target=self.target), fork_of=self)
+        child._handing_over(state)
+        child.start()  # closes itself if it fails
+        return self._forked(child, state, background, t0)
+
+    def _shell_argv(self, extra: dict[str, str]) -> None:
+        """The jail the shell starts (and restarts) in: its setup, and `extra`, in its environment."""
+        shell = self._shell()
+        shell.argv = self.jail_argv(self._env({**shell.setup_vars(), **extra}), shell.workdir or self.target, BASH_ARGV)
+
+    def _restored(self, state) -> str:
+        said = super()._restored(state)
+        self._shell_argv({})  # a restart's jail starts without the fork's state in its environment
+        return said
 
     def exec(self, argv: list[str], timeout: float | None = None, workdir: str | None = None,
              env: dict[str, str] | None = None, user: str | None = None) -> CommandResult:

@@ -22,6 +22,15 @@ slave the helper hands to bash in the episode, `exec` is a process with pipes, f
 and out through the episode's root fd, and the verifier runs in the same episode after the
 agent, seeing exactly its state.
 
+A fork (`OverlaySandbox.fork`) freezes the episode's upper layers as a read-only layer in the
+host's state directory (`helper/layers.c`): the episode ends (its processes with it), and new
+episodes stand on the frozen layer, each with a fresh upper layer of its own: the child at
+once, the parent's continuation at the parent's next use (room for it kept meanwhile). What
+either writes stays in its own upper layer; the frozen layer lives while an episode stands on
+it. A chain of forks deeper than the helper's MAX_CHAIN is merged into one layer of hard
+links. All are episodes of the host, with the task's limits and network rules, ended like any
+other.
+
 A task that is its base image plus files (`SandboxSpec.files`, a `base.FilesLayer`) needs no
 image of its own: its episodes are overlays of a host of the base image, and the files are
 written into each episode's fresh upper layer before its first command; its processes start
@@ -32,20 +41,25 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tmax.common.files import write_json_atomic
 from tmax.common.waiting import wait_until
 from tmax.sandbox import overlay_cgroup
-from tmax.sandbox.base import AgentUserError, CommandResult, SandboxError, SandboxSpec
+from tmax.sandbox.base import AgentUserError, CommandResult, Forked, SandboxCapabilities, SandboxError, SandboxSpec
+from tmax.sandbox.fork import ShellState
 from tmax.sandbox.overlay_build import helper_binary
 from tmax.sandbox.overlay_cgroup import EpisodeCgroup
 from tmax.sandbox.overlay_files import copy_in, copy_out, write_layer
-from tmax.sandbox.overlay_proto import IN_BIN, IN_DIR, EpisodeLease, EpisodeSetupError, RemotePty, run_pipes
+from tmax.sandbox.overlay_proto import (
+    IN_BIN, IN_DIR, EpisodeLease, EpisodeSetupError, FrozenLayer, RemotePty, freeze, run_pipes,
+)
 from tmax.sandbox.podman import PodmanSandbox
 from tmax.sandbox.shell import BASH_ARGV, PersistentShell
 from tmax.sandbox.shell_sandbox import ShellSandbox
@@ -152,8 +166,9 @@ class OverlaySandbox(ShellSandbox):
     kind = "podman"
     copy_is_cheap = True  # files go in through the episode's root fd, no call to podman
 
-    def __init__(self, host: HostInfo, spec: SandboxSpec, lease: EpisodeLease):
-        self.host, self.spec, self.lease = host, spec, lease
+    def __init__(self, host: HostInfo, spec: SandboxSpec, lease: EpisodeLease, layer: FrozenLayer | None = None):
+        """`layer`: the frozen layer the episode stands on (a fork's), holding its files."""
+        self.host, self.spec, self.lease, self.layer = host, spec, lease, layer
         self.container_id = host.container_id  # where the episode ran (records name it)
         # A files layer's episode starts in its WORKDIR (its host is of the base image, whose
         # working directory is the base's); processes not told otherwise start there too, as
@@ -163,6 +178,9 @@ class OverlaySandbox(ShellSandbox):
         self.cgroup: EpisodeCgroup | None = None
         self.shell: PersistentShell | None = None
         self._closed = False
+        self._frozen: _Frozen | None = None  # forked, and not used since (`fork`, `_come_back`)
+        # Forks need a second episode in the host: hosts of one episode at a time cannot.
+        self.capabilities = SandboxCapabilities(fork=host.capacity > 1)
 
     @property
     def mode(self) -> str:
@@ -175,7 +193,7 @@ class OverlaySandbox(ShellSandbox):
         host) and its shell."""
         s = self.spec
         try:
-            if s.files is not None:
+            if s.files is not None and self.layer is None:  # a fork's files are in its layer
                 write_layer(self.lease.root_fd, s.files)
             if self.host.cgroups:
                 self.cgroup = EpisodeCgroup(self.lease.peer_pid(), f"tmax-ep-{self.lease.id}", s.memory_mb,
@@ -191,6 +209,8 @@ class OverlaySandbox(ShellSandbox):
 
     def _start_shell(self) -> None:
         self.shell = PersistentShell(BASH_ARGV, workdir=self.workdir, spawn=self._spawn)
+        self.shell.start_vars = self.handover
+        self.shell.setup_in_env = True
         try:
             self.shell.start()
         except SandboxError as e:
@@ -204,6 +224,7 @@ class OverlaySandbox(ShellSandbox):
 
     def exec(self, argv: list[str], timeout: float | None = None, workdir: str | None = None,
              env: dict[str, str] | None = None, user: str | None = None) -> CommandResult:
+        self._come_back()
         if self._closed:
             raise SandboxError("sandbox is closed")
         return run_pipes(self.lease.sock_path, argv, timeout=timeout, cwd=workdir or self.start_dir, env=env,
@@ -213,23 +234,101 @@ class OverlaySandbox(ShellSandbox):
         return p if p.startswith("/") else os.path.join(self.workdir or "/", p)
 
     def copy_in(self, src: Path, dst: str) -> None:
+        self._come_back()
         if not Path(src).exists():
             raise SandboxError(f"copy_in: {src} does not exist")
         copy_in(self.lease.root_fd, Path(src), self._abs(dst))
 
     def copy_out(self, src: str, dst: Path) -> None:
+        self._come_back()
         copy_out(self.lease.root_fd, self._abs(src), Path(dst))
 
-    def close(self) -> None:
-        """End the episode: its processes are killed with its pid namespace, its upper layer
-        goes, its cgroups are removed. The host lives on."""
-        if self._closed:
+    def fork(self) -> Forked:
+        """A child episode on this one's files, frozen. This one's episode ends (its processes with
+        it: named in the record) and comes back as a new episode on the same files at its next
+        use (`_come_back`): a parent only forked, never used again, costs no second episode, and
+        forking it again costs the child alone."""
+        if not self.capabilities.fork:
+            raise SandboxError("this overlay host serves one episode at a time (shared network, or no cgroups "
+                               "per episode): its episodes cannot fork")
+        if self._frozen is not None:  # frozen by an earlier fork, and not used since: that is its state
+            t0, frozen = time.monotonic(), self._frozen
+            return self._forked(self._episode_on(frozen.layer, frozen.state, held=False), frozen.state, [], t0,
+                                layers=frozen.layer.depth)
+        t0, state, background = self._fork_state()
+        listener = self._shell().on_output
+        layer = freeze(Path(self.host.state_dir), self.lease.id, 2)  # HostBusy: nothing changed
+        self._end_episode()
+        self._frozen = _Frozen(layer, state, listener)  # its room kept until it comes back
+        try:
+            child = self._episode_on(layer, state, held=True)
+        except BaseException:
+            layer.drop()  # the child's room
+            raise
+        return self._forked(child, state, background, t0, layers=layer.depth)
+
+    def _episode_on(self, layer: FrozenLayer, state: ShellState, held: bool) -> OverlaySandbox:
+        """A new episode of this host on `layer`, started, its shell to take `state`; `held`: in a
+        room the freeze kept."""
+        child = OverlaySandbox(self.host, self.spec, self._lease(layer, held), layer)
+        child._handing_over(state)
+        child.start()
+        return child
+
+    def _come_back(self) -> None:
+        """A parent frozen by `fork`, at its next use: a new episode on its layer, in the room
+        kept for it, its shell on its state."""
+        frozen, self._frozen = self._frozen, None
+        if frozen is None:
             return
-        self._closed = True
+        try:
+            self.lease, self.layer, self._closed = self._lease(frozen.layer, True), frozen.layer, False
+            self._handing_over(frozen.state)
+            self.start()
+            self._restored(frozen.state)
+            self._shell().on_output = frozen.listener
+        finally:
+            frozen.layer.release()  # its room taken, or given back
+
+    def _shell(self) -> PersistentShell:
+        self._come_back()
+        return super()._shell()
+
+    def _lease(self, layer: FrozenLayer, held: bool) -> EpisodeLease:
+        return EpisodeLease(Path(self.host.state_dir), secrets.token_hex(6), self.host.own_net, layer=layer.id,
+                            held=held)
+
+    def _process_root(self) -> int | None:
+        return self.lease.peer_pid()  # the episode's pid 1
+
+    def _end_episode(self) -> None:
+        """What this process holds of an ended episode: its shell, lease (the root's fd) and cgroups."""
         self._close_shell()
         self.lease.close()
         if self.cgroup is not None:
             self.cgroup.remove()
+            self.cgroup = None
+        self._closed = True
+
+    def close(self) -> None:
+        """End the episode: its processes are killed with its pid namespace, its upper layer
+        goes, its cgroups are removed. The host lives on."""
+        if self._frozen is not None:
+            self._frozen.layer.release()  # the room kept for it
+            self._frozen = None
+        if self._closed:
+            return
+        self._end_episode()
+
+
+@dataclass
+class _Frozen:
+    """A forked episode's parent until it comes back: its layer (and kept room), shell state and
+    output listener."""
+
+    layer: FrozenLayer
+    state: ShellState
+    listener: Callable[[str], None] | None
 
 
 def cgroups_possible(spec: SandboxSpec) -> bool:

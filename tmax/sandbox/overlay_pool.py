@@ -43,7 +43,7 @@ from pathlib import Path
 from tmax.common.files import cache_dir
 from tmax.common.waiting import wait_until
 from tmax.sandbox import make_sandbox
-from tmax.sandbox.base import Sandbox, SandboxError, SandboxSpec
+from tmax.sandbox.base import Forked, Sandbox, SandboxCapabilities, SandboxError, SandboxSpec
 from tmax.sandbox.overlay import OVERLAY_LABEL, HostInfo, OverlayHost, OverlaySandbox, cgroups_possible
 from tmax.sandbox.overlay_build import HelperUnavailable, helper_binary
 from tmax.sandbox.overlay_files import FilesLayerError
@@ -291,6 +291,26 @@ class OverlayPool:
 
         self._spawn(work, "tmax-overlay-warm")
         return True
+
+    def capabilities(self, factory: SpecFactory) -> SandboxCapabilities:
+        """What the sandboxes `acquire(key, factory)` hands out can do: an overlay episode forks
+        where its host serves several episodes at once (this pool's hosts, with `slots` > 1)."""
+        spec = getattr(factory, "spec", None)
+        why = self.unsupported(spec, None)
+        if why is not None or host_key(spec, self.host_labels) in self._broken:
+            return self.fallback.capabilities(factory)
+        return SandboxCapabilities(fork=self.slots > 1 and cgroups_possible(spec))
+
+    def fork(self, sb: Sandbox) -> Forked:
+        """`sb.fork()` for a sandbox handed out by `acquire`; the child is this pool's too."""
+        with self._lock:
+            mine = id(sb) in self._in_use
+        if not mine:
+            return self.fallback.fork(sb)
+        forked = sb.fork()
+        with self._lock:
+            self._in_use[id(forked.sandbox)] = forked.sandbox
+        return forked
 
     def release(self, sb: Sandbox) -> None:
         """End an episode handed out by `acquire` (its host lives on), or close a fallback's

@@ -19,6 +19,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from tmax.sandbox.base import AgentUserError, CommandResult, SandboxError
@@ -66,9 +67,12 @@ def _recv_line(sock: socket.socket, fds: list[int] | None = None) -> tuple[str, 
 
 
 class EpisodeLease:
-    """One episode of the helper in `state_dir` (a host directory), held until `close`."""
+    """One episode of the helper in `state_dir` (a host directory), held until `close`; on the
+    frozen layer `layer` (a fork: `freeze`; `held`: in a room its freeze kept), else on the
+    container's root."""
 
-    def __init__(self, state_dir: Path, episode_id: str, own_net: bool):
+    def __init__(self, state_dir: Path, episode_id: str, own_net: bool, layer: str | None = None,
+                 held: bool = False):
         self.state_dir = Path(state_dir)
         self.id = episode_id
         self.sock_path = str(self.state_dir / f"ep-{episode_id}.sock")
@@ -78,7 +82,8 @@ class EpisodeLease:
         fds: list[int] = []
         try:
             self.sock.connect(str(self.state_dir / "ctl.sock"))
-            self.sock.sendall(f"EPISODE {episode_id} {'own' if own_net else 'shared'}\n".encode())
+            how = f" {layer}{' held' if held else ''}" if layer else ""
+            self.sock.sendall(f"EPISODE {episode_id} {'own' if own_net else 'shared'}{how}\n".encode())
             reply, _ = _recv_line(self.sock, fds)
         except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, BrokenPipeError) as e:
             self.sock.close()
@@ -123,6 +128,53 @@ class EpisodeLease:
             pass
         finally:
             self.sock.close()
+
+
+@dataclass
+class FrozenLayer:
+    """An ended episode's files, kept read-only for new episodes (`freeze`), and the rooms the
+    host keeps for them: held by this connection, until each is taken by an episode on the
+    layer (`EpisodeLease(layer=)`), given back (`drop`) or all let go (`release`; a process
+    that dies lets go of them too). The layer lives while an episode stands on it."""
+
+    id: str
+    depth: int  # frozen layers in its chain (merged into one past the helper's MAX_CHAIN)
+    hold: socket.socket
+
+    def drop(self) -> None:
+        """One room not needed after all."""
+        try:
+            self.hold.sendall(b"DROP\n")
+        except OSError:
+            pass  # the host is gone, and its rooms with it
+
+    def release(self) -> None:
+        self.hold.close()
+
+
+def freeze(state_dir: Path, episode_id: str, episodes: int) -> FrozenLayer:
+    """End episode `episode_id` (its processes killed) and keep its files as a frozen layer,
+    with room kept in the host for `episodes` new episodes on it. HostBusy, the episode
+    untouched, when the host has no such room."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(CONNECT_TIMEOUT_S)
+    try:
+        sock.connect(str(Path(state_dir) / "ctl.sock"))
+        sock.sendall(f"FREEZE {episode_id} {episodes}\n".encode())
+        reply = _recv_line(sock)[0]
+    except (FileNotFoundError, ConnectionRefusedError) as e:
+        sock.close()
+        raise HostGone(f"no episode helper in {state_dir}: {e}") from e
+    except OSError as e:
+        sock.close()
+        raise SandboxError(f"the episode helper did not answer: {e}") from e
+    parts = reply.split()
+    if len(parts) != 3 or parts[0] != "OK":
+        sock.close()
+        if reply == "ERR busy":
+            raise HostBusy(f"the host in {state_dir} has no room for {episodes} episodes")
+        raise SandboxError(f"the episode helper could not freeze episode {episode_id}: {reply or 'no answer'}")
+    return FrozenLayer(parts[1], int(parts[2]), sock)
 
 
 def quit_host(state_dir: Path) -> bool:

@@ -22,8 +22,8 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Generic, TypeVar
 
-from tmax.sandbox import make_sandbox
-from tmax.sandbox.base import Sandbox, SandboxError, SandboxSpec
+from tmax.sandbox import make_sandbox, sandbox_class
+from tmax.sandbox.base import Forked, Sandbox, SandboxCapabilities, SandboxError, SandboxSpec
 
 Factory = Callable[[], Sandbox]
 T = TypeVar("T")
@@ -172,6 +172,20 @@ class WarmPool:
                 if not handed_out:
                     self._total -= 1
                 self._cond.notify_all()
+
+    def capabilities(self, factory: Factory) -> SandboxCapabilities:
+        """What the sandboxes `acquire(key, factory)` hands out can do."""
+        kind = getattr(factory, "kind", None)
+        return sandbox_class(kind).capabilities if kind else SandboxCapabilities()
+
+    def fork(self, sb: Sandbox) -> Forked:
+        """`sb.fork()` for a sandbox handed out by `acquire`: the child is this pool's too (its
+        `release`, its `close(in_use=True)`), beyond the pool's capacity."""
+        forked = sb.fork()
+        with self._cond:
+            self._in_use[id(forked.sandbox)] = forked.sandbox
+            self._total += 1
+        return forked
 
     def release(self, sb: Sandbox) -> None:
         """Destroy a sandbox handed out by `acquire` (with `close_in_background`, in a

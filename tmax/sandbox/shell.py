@@ -54,7 +54,9 @@ from tmax.sandbox.base import DEFAULT_COMMAND_TIMEOUT_S, CommandResult, SandboxE
 from tmax.sandbox.hostexec import on_lasting_thread
 from tmax.sandbox.ptyspawn import PtyProcess, ReadTimeout
 from tmax.sandbox.shell_output import BoundedOutput, clean_output
-from tmax.sandbox.shell_setup import NO_TTY_SETUP, restore_state_script, restored_note, save_state_function
+from tmax.sandbox.shell_setup import (
+    INIT_VAR, SETUP_VAR, init_script, restore_state_script, restored_note, setup_script,
+)
 
 BASH_ARGV = ["bash", "--norc", "--noprofile"]
 DEFAULT_MAX_OUTPUT_CHARS = 1_000_000  # head + tail kept per command; the rest is counted
@@ -99,6 +101,14 @@ class PersistentShell:
         self.env = dict(env or {})
         self.workdir = workdir
         self.spawn_env = spawn_env
+        # Variables bash starts with beyond the shell's own (a fork's state, `sandbox.fork`):
+        # in the environment they cost nothing to send, where text typed into the pty goes
+        # through readline a character at a time.
+        self.start_vars: dict[str, str] = {}
+        # The setup (`setup_script`) likewise, where the sandbox puts `setup_vars()` into bash's
+        # environment (the spawn's, or bwrap's jail's); typed in elsewhere (a `podman exec`,
+        # whose environment stays outside the container).
+        self.setup_in_env = False
         self.spawn_cwd = spawn_cwd
         self.max_output_chars = max_output_chars
         self.start_timeout = start_timeout
@@ -137,7 +147,8 @@ class PersistentShell:
 
     def start(self) -> None:
         t0 = time.monotonic()
-        shell_vars = dict(TERM="dumb", PS1="", PS2="", PROMPT_COMMAND="", HISTFILE="/dev/null")
+        shell_vars = dict(TERM="dumb", PS1="", PS2="", PROMPT_COMMAND="", HISTFILE="/dev/null", **self.start_vars,
+                          **(self.setup_vars() if self.setup_in_env else {}))
         base_env = {**(os.environ if self.spawn_env is None else self.spawn_env), **shell_vars}
         spawn = self.spawn or (lambda argv, _vars: PtyProcess(argv, base_env, self.spawn_cwd))
         try:
@@ -147,19 +158,7 @@ class PersistentShell:
         self._decoder.reset()
         self._leftover = ""
         self._seq = 0
-        tag = self.tag
-        # The marker is written split across two quoted strings ('__TM''AX_...') so the
-        # tty echo of this very line (before `stty -echo` takes effect) cannot match it.
-        init = (
-            "stty -echo 2>/dev/null; "
-            "bind 'set enable-bracketed-paste off' 2>/dev/null; "
-            "bind 'set disable-completion on' 2>/dev/null; "  # tabs in commands stay tabs
-            "bind 'set convert-meta off' 2>/dev/null; bind 'set input-meta on' 2>/dev/null; "
-            "bind 'set output-meta on' 2>/dev/null; "
-            "set +o history +H; unset HISTFILE PROMPT_COMMAND; shopt -s expand_aliases; "
-            "PS0=''; PS2=''; __tmax_ret() { return \"$1\"; }; "
-            f"PS1='\\n__TM''AX_{tag}_${{__tmax_seq}}_$?__\\n'"
-        )
+        init = f'builtin eval "${INIT_VAR}"' if self.setup_in_env else init_script(self.tag)
         self._write(init + "\n")
         out, rc, timed_out, eof = self._collect(None, time.monotonic() + self.start_timeout)
         if timed_out or eof:
@@ -169,12 +168,9 @@ class PersistentShell:
                 f"shell {shlex.join(self.argv)} did not start"
                 f" ({'timed out' if timed_out else 'exited'}): {detail}"
             )
-        # The saved state may hold secrets from the environment: only this user may read it.
-        state = shlex.quote(self.state_file)
-        setup = [*NO_TTY_SETUP, save_state_function(self.state_file),
-                 f"[ -e {state} ] || (umask 077; : > {state}) 2>/dev/null", "echo $$"]
-        setup += [f"export {k}={shlex.quote(v)}" for k, v in self.env.items()]
-        res = self._run_raw("\n".join(setup), time.monotonic() + self.start_timeout)
+        setup = (f'builtin eval "${SETUP_VAR}" && builtin unset {SETUP_VAR}' if self.setup_in_env
+                 else setup_script(self.state_file, self.env))
+        res = self._run_raw(setup, time.monotonic() + self.start_timeout)
         if res[1] != 0 or res[2] or res[3]:
             self._kill()
             why = "timed out" if res[2] else "the shell exited" if res[3] else f"exit code {res[1]}"
@@ -192,6 +188,10 @@ class PersistentShell:
                 self._kill()
                 raise SandboxError(f"shell could not cd to {self.workdir}: {clean_output(res[0]).strip()}")
         self.start_s = time.monotonic() - t0
+
+    def setup_vars(self) -> dict[str, str]:
+        """The environment that hands bash its setup (`setup_in_env`)."""
+        return {INIT_VAR: init_script(self.tag), SETUP_VAR: setup_script(self.state_file, self.env)}
 
     def close(self) -> None:
         # The sandbox owning the shell tears down everything inside it; a shell on this very
@@ -229,6 +229,21 @@ class PersistentShell:
         res = self._run_raw(restore_state_script(self.state_file), time.monotonic() + self.start_timeout)
         ok = res[1] == 0 and not res[2] and not res[3]
         return restored_note(clean_output(res[0]) if ok else None)
+
+    def run_harness(self, script: str) -> str:
+        """Run the harness's own `script` between the agent's commands (no state saved before it,
+        `$?` left as the agent's last command set it); its output. SandboxError if the shell
+        did not answer."""
+        out, _rc, timed_out, eof = self._run_raw(f'{script}\n__tmax_ret "$__tmax_rc"',
+                                                 time.monotonic() + self.start_timeout)
+        if timed_out or eof:
+            raise SandboxError(f"the shell {'did not answer' if timed_out else 'exited'}: {clean_output(out)[-500:]}")
+        return clean_output(out)
+
+    @property
+    def pid(self) -> int | None:
+        """The spawned process's pid as this host sees it (bash itself, or what runs it)."""
+        return self._child.pid if self._child is not None else None
 
     # -- commands ----------------------------------------------------------------
 

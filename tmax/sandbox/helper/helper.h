@@ -40,6 +40,8 @@
 #define MAX_MOUNTS 256
 #define MAX_CHILDREN 256
 #define MAX_REQUEST (1 << 22)
+#define MAX_LAYERS 1024
+#define MAX_CHAIN 8  /* frozen layers under an episode at most: a deeper chain is merged (layers.c) */
 #define IN_DIR "/run/tmax-eph"   /* where the state dir is mounted in the container */
 #define IN_BIN "/run/tmax-eph.bin"
 
@@ -74,12 +76,40 @@ struct req {
     int nenv, nargv;
 };
 
+/* A frozen layer (layers.c). */
+struct layer {
+    char id[64], below[64];
+    int depth, refs;
+};
+
+/* Rooms a FREEZE reserved for episodes on its layer, held by its connection (layers.c). */
+struct hold {
+    int active, conn, reserved;
+    char layer[64];
+};
+
+#define MAX_HOLDS 64
+extern struct layer layers[MAX_LAYERS];
+extern struct hold holds[MAX_HOLDS];
+
 void die(const char *what);
 int write_all(int fd, const void *buf, size_t n);
 void say(int fd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void read_mounts(void);
 void remove_tree(const char *path);
-int make_root(const char *id, int own_net, const char **what);
+int make_root(const char *id, int own_net, const char **chain, int nchain, const char **what);
+struct layer *find_layer(const char *id);
+void layer_path(char *out, size_t n, const char *id, int idx);
+void ref_layer(const char *id);
+void unref_layer(const char *id);
+int reserved_episodes(void);
+struct hold *add_hold(int conn, const char *layer, int n);
+int free_holds(void);
+int take_reservation(const char *layer);
+void drop_reservation(struct hold *h);
+void end_hold(struct hold *h);
+int layer_chain(const char *top, const char **chain, int max);
+struct layer *freeze_layers(const char *id, const char *below, int n, int *depth);
 int enter_root(const char *id);
 int install_filter(void);
 int drop_helper_caps(void);

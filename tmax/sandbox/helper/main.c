@@ -180,6 +180,8 @@ static void episode_loop(int lease, int lsock, int sfd, const char *id) {
 struct episode_args {
     char id[64];
     int own_net, conn, close_fds[2];
+    const char *chain[MAX_CHAIN + 1];  /* the frozen layers it stands on, top first */
+    int nchain;
 };
 
 static int send_ready(int conn, int rootfd) {
@@ -190,12 +192,14 @@ static int episode_main(void *arg) {
     struct episode_args *a = arg;
     setsid();  /* a group of its own: no signal to its group reaches serve or another episode */
     for (int i = 0; i < 2; i++) close(a->close_fds[i]);
+    for (int i = 0; i < MAX_HOLDS; i++)
+        if (holds[i].active) close(holds[i].conn);  /* serve's, not the episode's */
     close(ending_pipe[0]);
     const char *what = "";
     char sock[PATH_MAX];
     snprintf(sock, sizeof sock, IN_DIR "/ep-%s.sock", a->id);
     int sfd = sigchld_fd(), lsock = -1, rootfd = -1;
-    int ok = sfd >= 0 && make_root(a->id, a->own_net, &what) == 0;
+    int ok = sfd >= 0 && make_root(a->id, a->own_net, a->chain, a->nchain, &what) == 0;
     if (ok) { what = "episode socket"; ok = (lsock = listen_at(sock)) >= 0; }
     if (ok) { what = "pivot_root"; ok = enter_root(a->id) == 0; }
     if (ok) { what = "root fd"; ok = (rootfd = open("/", O_PATH | O_DIRECTORY | O_CLOEXEC)) >= 0; }
@@ -219,6 +223,7 @@ struct episode_rec {
     pid_t pid;
     int ending;
     char id[64];
+    char layer[64];  /* the frozen layer it stands on ("": the container's root) */
 };
 
 static struct episode_rec episodes[1024];
@@ -257,9 +262,10 @@ static void read_ending(void) {
     }
 }
 
+/* Live episodes and those reserved for forks (a fork's room is taken before its parent ends). */
 static int live_episodes(void) {
     read_ending();
-    int n = 0;
+    int n = reserved_episodes();
     for (int i = 0; i < 1024; i++) n += episodes[i].pid != 0 && !episodes[i].ending;
     return n;
 }
@@ -278,40 +284,113 @@ static void quit(void) {
     exit(0);
 }
 
-/* "EPISODE <id> own|shared": a new episode, unless `capacity` are live ("ERR busy").
- * "QUIT": exit if no episode is live. */
-static void handle(int conn, int lsock, int sfd) {
+static int find_episode(const char *id) {
+    for (int i = 0; i < 1024; i++)
+        if (episodes[i].pid && !episodes[i].ending && strcmp(episodes[i].id, id) == 0) return i;
+    return -1;
+}
+
+/* "FREEZE <id> <n>": episode <id> ends (its processes killed) and its upper layers become a
+ * read-only layer for <n> new episodes, whose room is reserved now ("ERR busy", the episode
+ * untouched, when the host has none); answers "OK <layer> <depth>" and keeps the connection
+ * as the rooms' hold: "DROP" on it gives one back, its close all that are left. Returns
+ * whether it keeps the connection. */
+static int freeze(int conn, const char *id, int n) {
+    read_ending();
+    int slot = find_episode(id);
+    if (slot < 0 || n < 1) {
+        say(conn, "ERR no such episode\n");
+        return 0;
+    }
+    if (live_episodes() - 1 + n > capacity || quitting || free_holds() == 0) {
+        say(conn, "ERR busy\n");
+        return 0;
+    }
+    pid_t pid = episodes[slot].pid;
+    kill(pid, SIGKILL);  /* its pid 1: the kernel kills the rest, and its mounts go with it */
+    while (waitpid(pid, NULL, 0) < 0 && errno == EINTR) {}
+    episodes[slot].pid = 0;
+    char path[PATH_MAX];
+    snprintf(path, sizeof path, IN_DIR "/ep-%s.sock", id);
+    unlink(path);
+    int depth = 0;
+    struct layer *l = freeze_layers(id, episodes[slot].layer, n, &depth);
+    if (!l) {
+        say(conn, "ERR freezing the layers: %s\n", strerror(errno));
+        unref_layer(episodes[slot].layer);
+    } else {
+        add_hold(conn, l->id, n);  /* a slot is free: checked above */
+        say(conn, "OK %s %d\n", l->id, depth);
+    }
+    snprintf(path, sizeof path, IN_DIR "/ep-%s", id);
+    if (fork() == 0) {
+        remove_tree(path);
+        _exit(0);
+    }
+    return l != NULL;
+}
+
+/* "EPISODE <id> own|shared [<layer> [held]]": a new episode, unless `capacity` are live ("ERR
+ * busy"), on a frozen layer when named (with "held", in a room its FREEZE kept, if one is left).
+ * "FREEZE <id> <n>": see freeze. "QUIT": exit if no episode is live.
+ * Returns whether the connection stays open (a hold). */
+static int handle(int conn, int lsock, int sfd) {
     struct timeval tv = {10, 0};
     setsockopt(conn, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    char line[256], id[64] = "", net[16] = "";
-    if (read_line(conn, line, sizeof line) < 0) return;
+    char line[256], id[64] = "", net[16] = "", top[64] = "", how[16] = "";
+    int n = 0;
+    if (read_line(conn, line, sizeof line) < 0) return 0;
     if (strcmp(line, "QUIT") == 0) {
         say(conn, "BYE\n");
         if (live_episodes() == 0) quit();
         quitting = 1;  /* after the episodes still ending */
-        return;
+        return 0;
     }
-    if (sscanf(line, "EPISODE %63s %15s", id, net) != 2 || !valid_id(id)) {
+    if (sscanf(line, "FREEZE %63s %d", id, &n) == 2) return freeze(conn, id, n);
+    if (sscanf(line, "EPISODE %63s %15s %63s %15s", id, net, top, how) < 2 || !valid_id(id)) {
         say(conn, "ERR bad request\n");
-        return;
+        return 0;
+    }
+    struct layer *l = top[0] ? find_layer(top) : NULL;
+    if (top[0] && !l) {
+        say(conn, "ERR no such layer\n");
+        return 0;
     }
     int slot = 0;
     while (slot < 1024 && episodes[slot].pid) slot++;
-    if (slot == 1024 || live_episodes() >= capacity || quitting) {
+    int reserved = slot < 1024 && l && !quitting && strcmp(how, "held") == 0 && take_reservation(l->id);
+    if (!reserved && (slot == 1024 || live_episodes() >= capacity || quitting)) {
         say(conn, "ERR busy\n");
-        return;
+        return 0;
     }
+    if (l && !reserved) ref_layer(l->id);  /* a reservation's reference is the episode's now */
     struct episode_args a = {.own_net = strcmp(net, "own") == 0, .conn = conn, .close_fds = {lsock, sfd}};
     snprintf(a.id, sizeof a.id, "%s", id);
+    a.nchain = layer_chain(top, a.chain, MAX_CHAIN + 1);
     int flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | (a.own_net ? CLONE_NEWNET : 0);
     pid_t pid = clone(episode_main, clone_stack + sizeof clone_stack, flags | SIGCHLD, &a);
     if (pid < 0) {
         say(conn, "ERR clone: %s\n", strerror(errno));
-        return;
+        if (l) unref_layer(l->id);
+        return 0;
     }
     episodes[slot].pid = pid;
     episodes[slot].ending = 0;
     snprintf(episodes[slot].id, sizeof episodes[slot].id, "%s", id);
+    snprintf(episodes[slot].layer, sizeof episodes[slot].layer, "%s", top);
+    return 0;
+}
+
+/* Something on a hold's connection: "DROP" lines give rooms back; its end, all that are left. */
+static void hold_event(struct hold *h) {
+    char buf[256];
+    ssize_t n = read(h->conn, buf, sizeof buf);
+    if (n <= 0) {
+        end_hold(h);
+        return;
+    }
+    for (ssize_t i = 0; i + 4 <= n; i++)
+        if (memcmp(buf + i, "DROP", 4) == 0) drop_reservation(h);
 }
 
 /* An episode ended: its upper layers and socket go (in a child: the next episode need not wait). */
@@ -326,6 +405,7 @@ static void reap_episodes(void) {
                 unlink(path);
                 snprintf(path, sizeof path, IN_DIR "/ep-%s", episodes[i].id);
                 episodes[i].pid = 0;
+                unref_layer(episodes[i].layer);
                 if (fork() == 0) {
                     remove_tree(path);
                     _exit(0);
@@ -346,8 +426,14 @@ static void serve(void) {
     if (sfd < 0 || lsock < 0) die("listen on " IN_DIR "/ctl.sock");
     if (pipe2(ending_pipe, O_CLOEXEC) < 0 || fcntl(ending_pipe[0], F_SETFL, O_NONBLOCK) < 0) die("pipe");
     for (;;) {
-        struct pollfd pf[2] = {{lsock, POLLIN, 0}, {sfd, POLLIN, 0}};
-        int n = poll(pf, 2, live_episodes() ? -1 : idle_s * 1000);
+        struct pollfd pf[2 + MAX_HOLDS] = {{lsock, POLLIN, 0}, {sfd, POLLIN, 0}};
+        int npf = 2, which[MAX_HOLDS];
+        for (int i = 0; i < MAX_HOLDS; i++)
+            if (holds[i].active) {
+                which[npf - 2] = i;
+                pf[npf++] = (struct pollfd){holds[i].conn, POLLIN, 0};
+            }
+        int n = poll(pf, (nfds_t)npf, live_episodes() ? -1 : idle_s * 1000);
         if (n < 0) {
             if (errno == EINTR) continue;
             die("poll");
@@ -359,12 +445,12 @@ static void serve(void) {
             reap_episodes();
             if (quitting && live_episodes() == 0) quit();
         }
+        for (int k = 2; k < npf; k++)
+            if (pf[k].revents) hold_event(&holds[which[k - 2]]);
+        if (quitting && live_episodes() == 0) quit();
         if (pf[0].revents) {
             int conn = accept4(lsock, NULL, NULL, SOCK_CLOEXEC);
-            if (conn >= 0) {
-                handle(conn, lsock, sfd);
-                close(conn);
-            }
+            if (conn >= 0 && !handle(conn, lsock, sfd)) close(conn);
         }
     }
 }

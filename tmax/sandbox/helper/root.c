@@ -128,12 +128,25 @@ void remove_tree(const char *path) { nftw(path, rm_entry, 32, FTW_DEPTH | FTW_PH
 
 /* ---- the episode's root --------------------------------------------------------------- */
 
+/* The frozen layers a forked episode stands on, top first (layers.c); none for a fresh one. */
+static const char **root_chain;
+static int root_nchain;
+
 static int overlay(const char *lower, const char *base, int idx, const char *target) {
-    char up[PATH_MAX + 32], wk[PATH_MAX + 32], opts[3 * PATH_MAX + 64];
+    char up[PATH_MAX + 32], wk[PATH_MAX + 32], lowers[(MAX_CHAIN + 1) * PATH_MAX], opts[sizeof lowers + 2 * PATH_MAX + 64];
     snprintf(up, sizeof up, "%s/u/%d", base, idx);
     snprintf(wk, sizeof wk, "%s/w/%d", base, idx);
     if (mkdir(up, 0755) < 0 || mkdir(wk, 0700) < 0) return -1;
-    snprintf(opts, sizeof opts, "lowerdir=%s,upperdir=%s,workdir=%s", lower, up, wk);
+    size_t n = 0;
+    lowers[0] = 0;
+    for (int k = 0; k < root_nchain; k++) {
+        char layer[PATH_MAX];
+        layer_path(layer, sizeof layer, root_chain[k], idx);
+        n += (size_t)snprintf(lowers + n, sizeof lowers - n, "%s:", layer);
+        if (n >= sizeof lowers) { errno = ENAMETOOLONG; return -1; }
+    }
+    snprintf(lowers + n, sizeof lowers - n, "%s", lower);
+    snprintf(opts, sizeof opts, "lowerdir=%s,upperdir=%s,workdir=%s", lowers, up, wk);
     return mount("overlay", target, "overlay", 0, opts);
 }
 
@@ -248,8 +261,10 @@ static int loopback_up(void) {
     return rc;
 }
 
-int make_root(const char *id, int own_net, const char **what) {
+int make_root(const char *id, int own_net, const char **chain, int nchain, const char **what) {
     char base[PATH_MAX], root[PATH_MAX + 8], p[PATH_MAX + 16];
+    root_chain = chain;
+    root_nchain = nchain;
     snprintf(base, sizeof base, IN_DIR "/ep-%s", id);
     snprintf(root, sizeof root, "%s/root", base);
     *what = "mount namespace";

@@ -1,0 +1,157 @@
+"""Forking a live sandbox: a child that starts in the parent's state, isolated from it.
+
+What is carried: the files (each backend copies or freezes them: `LocalSandbox.fork`,
+`BwrapSandbox.fork`, `OverlaySandbox.fork`), and the shell's state: its cwd, exported
+variables, options, functions and aliases, read from the parent's shell with builtins and
+replayed into the child's new shell (`capture_state`, `restore_state`). What is not: processes.
+The child's shell is a new bash; a process other than the shell that runs in the parent at
+the fork is named in the fork's record (`base.ForkRecord.background`), found on this host
+under the sandbox's process tree (`background_processes`). Unexported variables and jobs are
+not carried either, as after a shell restart (`shell_setup.LOST_STATE`).
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import psutil
+
+from tmax.sandbox.base import BackgroundProcess, SandboxError
+from tmax.sandbox.shell import PersistentShell
+from tmax.sandbox.shell_setup import HARNESS_FUNCTIONS, NO_TTY_VARS, restore_state_text
+
+# A fork's state reaches the child's new shell in this variable of its environment (read once,
+# then unset), unless it is longer than one variable may be (then typed in: slower).
+HANDOVER_VAR = "__TMAX_HANDOVER"
+MAX_HANDOVER = 120_000
+_SECTION = "#__tmax_section__"
+# The prompt carries each shell's own marker: never carried (a local or overlay shell exports
+# it, having had it in its environment at its start).
+_PROMPT_VARS = ("PS0", "PS1", "PS2", "PROMPT_COMMAND", "HISTFILE", HANDOVER_VAR)
+_NOT_LISTED = {*_PROMPT_VARS, *NO_TTY_VARS, "PWD", "OLDPWD", "SHLVL", "_"}
+# Builtins only but for one `compgen` substitution: the functions of the harness's own
+# (`__tmax_*`: its prompt, its state file) stay the child shell's.
+_CAPTURE = "\n".join([
+    f"builtin printf '%s\\n' '{_SECTION}cwd' \"$PWD\" '{_SECTION}exports'",
+    "builtin export -p",
+    f"builtin printf '__tmax_opts=%q\\n__tmax_shopts=%q\\n' \"$SHELLOPTS\" \"$BASHOPTS\"",
+    f"builtin printf '%s\\n' '{_SECTION}functions'",
+    "for __tmax_f in $(builtin compgen -A function); do case $__tmax_f in __tmax_*) ;;"
+    " *) builtin printf '%s\\n' \"#__tmax_function $__tmax_f\"; builtin declare -f -- \"$__tmax_f\";; esac; done",
+    f"builtin printf '%s\\n' '{_SECTION}aliases'",
+    "builtin alias -p",
+    f"builtin printf '%s\\n' '{_SECTION}end'",
+    "builtin unset __tmax_f",
+])
+
+
+@dataclass(frozen=True)
+class ShellState:
+    """A shell's state as bash code that puts it back (`restore_state`)."""
+
+    cwd: str
+    exports: str  # `export -p`, then the options as `__tmax_opts=` / `__tmax_shopts=`
+    functions: str
+    aliases: str
+
+    def exported_names(self) -> list[str]:
+        """The exported variables carried, less the harness's own (TERM, PAGER, ...)."""
+        names = [line.split()[2].split("=", 1)[0] for line in self.exports.splitlines()
+                 if line.startswith("declare -") and len(line.split()) > 2]
+        return [n for n in names if n not in _NOT_LISTED]
+
+    def function_names(self) -> list[str]:
+        """The functions carried, less the harness's own (`vi`, `less`, ... that say no terminal)."""
+        return [line.split(" ", 1)[1] for line in self.functions.splitlines()
+                if line.startswith("#__tmax_function ") and line.split(" ", 1)[1] not in HARNESS_FUNCTIONS]
+
+    def alias_names(self) -> list[str]:
+        return [line[len("alias "):].split("=", 1)[0] for line in self.aliases.splitlines() if line.startswith("alias ")]
+
+    def moved(self, old_root: str, new_root: str) -> ShellState:
+        """The same state with a cwd under `old_root` moved under `new_root` (a copied workdir)."""
+        cwd = Path(self.cwd)
+        if cwd == Path(old_root) or Path(old_root) in cwd.parents:
+            return replace(self, cwd=str(Path(new_root) / cwd.relative_to(old_root)))
+        return self
+
+
+def capture_state(shell: PersistentShell) -> ShellState:
+    """The state of `shell` now, between commands."""
+    out = shell.run_harness(_CAPTURE)
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in out.split("\n"):
+        if line.startswith(_SECTION):
+            current = line[len(_SECTION):]
+            sections[current] = []
+        elif current is not None:
+            sections[current].append(line)
+    if "end" not in sections or not sections.get("cwd"):
+        raise SandboxError(f"fork: the shell's state could not be read: {out[-500:]}")
+    prompt = tuple(f"declare -x {v}=" for v in _PROMPT_VARS)
+    exports = [line for line in sections["exports"] if not line.startswith(prompt)]
+    return ShellState(cwd=sections["cwd"][0], exports="\n".join(exports),
+                      functions="\n".join(sections["functions"]), aliases="\n".join(sections["aliases"]))
+
+
+def restore_script(state: ShellState) -> str:
+    """The bash that puts `state` into a new shell; it prints cwd= (the directory it is in)."""
+    text = "\n".join([state.exports, f"__tmax_cwd={shlex.quote(state.cwd)}"])
+    return restore_state_text(text, state.functions + "\n" + state.aliases)
+
+
+def handover_vars(state: ShellState) -> dict[str, str]:
+    """What a child's new shell starts with in its environment for `restore_state` to read."""
+    script = restore_script(state)
+    return {HANDOVER_VAR: script} if len(script.encode()) < MAX_HANDOVER else {}
+
+
+def restore_state(shell: PersistentShell, state: ShellState, handed_over: bool) -> str:
+    """Put `state` into `shell` (a new one, started with `handover_vars(state)` in its
+    environment when `handed_over`); what it printed (cwd=)."""
+    script = f'builtin eval "${HANDOVER_VAR}"; builtin unset {HANDOVER_VAR}' if handed_over else restore_script(state)
+    return shell.run_harness(script).strip()
+
+
+def _inner_pid(p: psutil.Process) -> int:
+    """A process's pid in its innermost pid namespace."""
+    try:
+        for line in Path(f"/proc/{p.pid}/status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    except (OSError, ValueError):
+        pass
+    return p.pid
+
+
+def background_processes(root_pid: int | None, shell_inner_pid: int | None) -> list[BackgroundProcess]:
+    """The processes under `root_pid` on this host other than the shell (`shell_inner_pid`, as
+    its sandbox sees it) and bubblewrap's own, oldest first."""
+    if root_pid is None:
+        return []
+    try:
+        procs = psutil.Process(root_pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    found = []
+    for p in sorted(procs, key=lambda p: p.pid):
+        try:
+            if p.name() == "bwrap" or _inner_pid(p) == shell_inner_pid:
+                continue
+            found.append(BackgroundProcess(pid=_inner_pid(p), command=shlex.join(p.cmdline()) or p.name()))
+        except psutil.Error:
+            continue  # ended meanwhile
+    return found
+
+
+def copy_tree(src: Path, dst: Path) -> None:
+    """`src`'s contents into `dst` (made if missing), links, modes and times kept, sharing blocks
+    where the filesystem can (reflinks)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["cp", "-a", "--reflink=auto", "--", f"{src}/.", str(dst)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SandboxError(f"fork: copying {src} failed: {r.stderr.strip()[-500:]}")
