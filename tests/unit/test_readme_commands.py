@@ -11,8 +11,8 @@ typed, or is marked there as needing a GPU or a cluster.
   to a test of something else.
 
 Only ```bash blocks are commands. docs/DESIGN.md and docs/RESULTS.md are scanned like the
-rest; they have no such blocks: the benchmark invocations RESULTS.md quotes are records of how
-its figures were measured (indented, on machines and runs of their own), not instructions."""
+rest; they have no such blocks. RESULTS.md's reproduce commands (in its tables) take minutes to
+hours: tests/unit/test_results_commands.py parses each as typed, `--help` appended."""
 
 from __future__ import annotations
 
