@@ -32,7 +32,7 @@ from tmax.common.files import write_json_atomic, write_text_atomic
 from tmax.training.cluster.placement import PlanError, PlacementPlan, plan_for
 from tmax.training.cluster.session import own_run_processes, ray_session
 from tmax.training.config import LearnConfig, dump_toml
-from tmax.training.report import LearnProgress
+from tmax.training.report import LearnProgress, StepLines
 
 if TYPE_CHECKING:
     from tmax.training.loop import RunResult
@@ -155,7 +155,7 @@ def recipe(cfg: LearnConfig, out: Path, *, progress: LearnProgress | None = None
 
     if cfg.cluster.nodes is not None:
         raise ConfigError("the recipe runs on one machine (its evals share the RL engine); drop --nodes (cluster.nodes)")
-    out = Path(out)
+    out, progress = Path(out), progress if progress is not None else StepLines(log)
     _refuse_earlier_recipe(out)
     out.mkdir(parents=True, exist_ok=True)
     times: dict[str, float] = {}
@@ -193,7 +193,7 @@ def _refuse_earlier_recipe(out: Path) -> None:
 
 
 def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, train_dir: str, held_dir: str, prepared: Any,
-                  stages: tuple[str, ...], progress: LearnProgress | None, log: Log, result: RecipeResult,
+                  stages: tuple[str, ...], progress: LearnProgress, log: Log, result: RecipeResult,
                   times: dict) -> None:
     """One engine serving `start`: the held-out eval of it, RL on it, the held-out eval of
     RL's final checkpoint loaded into it. Fills `result` and `times`."""
@@ -213,6 +213,7 @@ def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, train_dir: str, held_
             t = time.monotonic()
             result.sft_eval = heldout_eval(cfg, engine, held_dir, out / "eval", f"sft-s{cfg.algo.seed}", log)
             times["sft_eval_s"] = time.monotonic() - t
+            progress.heldout("SFT", result.sft_eval.pass_rate)
         if "rl" not in stages:
             return
         t = time.monotonic()
