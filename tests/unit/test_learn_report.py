@@ -123,3 +123,44 @@ def test_report_of_a_recipe_without_rl_and_of_no_run(tmp_path):
 
 def test_sparkline_is_on_a_fixed_scale():
     assert sparkline([0.0, 0.5, 1.0, None, 2.0, -1.0]) == "▁▅█ █▁"
+
+
+LIBRARY_NOISE = '''
+import logging, os, subprocess, sys, warnings
+from pathlib import Path
+handler = logging.StreamHandler(sys.stderr)  # a library's handler, made at its import
+logging.getLogger("lib").addHandler(handler)
+from tmax.cli.library_logs import library_logs
+with library_logs(Path(sys.argv[1])) as log:
+    os.write(2, b"[2026-12-07 17:02:57,048 E 1 1] core_worker.cc:2465: Actor with class name ...\\n")
+    logging.getLogger("lib").warning("a library warning")
+    logging.getLogger("no.handler").warning("a record no handler takes")
+    warnings.warn("a deprecation", DeprecationWarning, stacklevel=1)
+    subprocess.run(["sh", "-c", "echo a child process writes >&2"], check=True)
+    print("step 1/20: ours", file=sys.stderr)
+print("after the run", file=sys.stderr)
+'''
+
+
+def test_library_output_goes_to_the_run_log_and_ours_to_the_user(tmp_path):
+    """What Ray's core worker (C++, descriptor 2), library loggers, Python warnings and child
+    processes write during a run lands in RUN/logs/driver.log; tmax's own lines reach stderr."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-W", "always", "-c", LIBRARY_NOISE, str(run)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == ["step 1/20: ours", "after the run"]
+    log = (run / "logs" / "driver.log").read_text()
+    for noise in ("core_worker.cc:2465", "a library warning", "a record no handler takes", "DeprecationWarning: a deprecation",
+                  "a child process writes"):
+        assert noise in log, log
+    # A run that stopped before any library wrote leaves no directory behind.
+    quiet = tmp_path / "quiet"
+    proc = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path\n"
+                           "from tmax.cli.library_logs import library_logs\n"
+                           "with library_logs(Path(sys.argv[1])): print('bad input', file=sys.stderr)", str(quiet)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stderr == "bad input\n" and not quiet.exists()

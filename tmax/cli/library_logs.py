@@ -8,12 +8,16 @@ that descriptor too. `library_logs` points descriptor 2 at `RUN_DIR/logs/driver.
 the run and gives Python's `sys.stderr` a stream on the original descriptor, so what tmax
 itself prints (the lines per step, notes, errors) still reaches the user. Ray's worker
 processes and the vLLM servers log to their own files already (Ray's session directory;
-`rl/engine/vllm.log`). Hugging Face progress bars (weights loaded or written) are off."""
+`rl/engine/vllm.log`). Hugging Face progress bars (weights loaded or written) are off,
+and Python warnings (a library's deprecation notes) and log records no handler takes
+(which Python would print to stderr) go to the log too."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -41,14 +45,21 @@ def library_logs(run_dir: Path) -> Iterator[Path]:
     with log.open("ab") as f:
         os.dup2(f.fileno(), 2)
     swap = _on_fd2(sys.stderr)
-    before = sys.stderr
+    before, show = sys.stderr, warnings.showwarning
+    to_log = logging.StreamHandler(before)  # `before` writes to descriptor 2: the log
     if swap:
         sys.stderr = open(saved, "w", buffering=1, encoding=before.encoding, errors="backslashreplace", closefd=False)
+        warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: show(
+            message, category, filename, lineno, before, line)
+        logging.root.addHandler(to_log)
     try:
         yield log
     finally:
         sys.stderr.flush()
+        warnings.showwarning = show
+        logging.root.removeHandler(to_log)
         if swap:
+            before.flush()  # what a library left buffered belongs to the log
             sys.stderr.close()  # closefd=False: `saved` stays open until restored
             sys.stderr = before
         os.dup2(saved, 2)
