@@ -197,7 +197,7 @@ def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, train_dir: str, held_
                   times: dict) -> None:
     """One engine serving `start`: the held-out eval of it, RL on it, the held-out eval of
     RL's final checkpoint loaded into it. Fills `result` and `times`."""
-    from tmax.training.cluster.actors import start_engines
+    from tmax.training.cluster.actors import start_engines, warm_worker_processes
     from tmax.training.learner.lora import run_start
     from tmax.training.loop import train
     from tmax.training.recipe import RlStage, heldout_eval
@@ -205,6 +205,7 @@ def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, train_dir: str, held_
 
     t = time.monotonic()
     start = run_start(cfg.lora, start, out / "rl", cfg.algo.seed)  # with LoRA: serve and train an adapter
+    warm_worker_processes(2 + cfg.run.rollout_workers)  # for the engine, the learner and the rollout workers
     engine = start_engines(cfg, start, out / "rl")
     try:
         times["engine_start_s"] = time.monotonic() - t
