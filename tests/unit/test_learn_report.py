@@ -43,14 +43,14 @@ def test_a_step_line_says_step_reward_heldout_episodes_pace_and_eta():
     shown.begin(total=20, done=0)
     fig = StepFigures.of(4, {"train/reward_all_rollouts": 0.4567, "episode": 300.0, "loss/policy_avg": 0.1})
     assert fig.figures["loss"] == "0.1" and (fig.reward, fig.episodes) == (0.4567, 300)
-    assert shown.line(fig, elapsed_s=40.0) == "step 4/20: reward 0.457, 300 episodes, 10.0 s/step, ETA 2m 40s"
+    assert shown.line(fig, elapsed_s=40.0, updates=4) == ("step 4/20: reward 0.457, 300 episodes, 10.0 s/step, "
+                                                          "ETA 2m 40s")
     shown.heldout("SFT", 0.390625)
-    assert shown.line(fig, 40.0) == ("step 4/20: reward 0.457, held-out SFT 39.1%, 300 episodes, 10.0 s/step, "
-                                     "ETA 2m 40s")
-    # A resumed run (10 steps done before) paces on the steps it ran itself.
-    shown.begin(total=20, done=10)
-    assert shown.line(StepFigures.of(12, {}), 30.0) == ("step 12/20: reward -, held-out SFT 39.1%, 0 episodes, "
-                                                        "15.0 s/step, ETA 2m 00s")
+    assert shown.line(fig, 40.0, 4) == ("step 4/20: reward 0.457, held-out SFT 39.1%, 300 episodes, 10.0 s/step, "
+                                        "ETA 2m 40s")
+    # A resumed run (at step 10) or one a rollback moved back paces on the steps it trained.
+    assert shown.line(StepFigures.of(12, {}), 30.0, 2) == ("step 12/20: reward -, held-out SFT 39.1%, 0 episodes, "
+                                                           "15.0 s/step, ETA 2m 00s")
     shown.update(fig)
     shown.note("a guard event")
     assert lines[0].startswith("step 4/20: reward 0.457") and lines[1] == "a guard event"

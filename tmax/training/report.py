@@ -184,22 +184,24 @@ class StepLines:
 
     def __init__(self, log: Callable[[str], None] = _stderr_line) -> None:
         self.log = log
-        self.total = self.done = 0
+        self.total = self.updates = 0
         self.started = time.monotonic()
         self.heldouts: dict[str, float] = {}
 
     def environments(self, done: int, total: int) -> None: ...
 
     def begin(self, total: int, done: int) -> None:
-        self.total, self.done, self.started = total, done, time.monotonic()
+        self.total, self.updates, self.started = total, 0, time.monotonic()
 
     def update(self, step: StepFigures) -> None:
-        self.log(self.line(step, time.monotonic() - self.started))
+        self.updates += 1
+        self.log(self.line(step, time.monotonic() - self.started, self.updates))
 
-    def line(self, step: StepFigures, elapsed_s: float) -> str:
-        """`step 3/20: reward 0.45, held-out SFT 39.1%, 210 episodes, 9.8 s/step, ETA 2m 45s`."""
-        ran = max(1, step.step - self.done)
-        per_step = elapsed_s / ran
+    def line(self, step: StepFigures, elapsed_s: float, updates: int) -> str:
+        """`step 3/20: reward 0.45, held-out SFT 39.1%, 210 episodes, 9.8 s/step, ETA 2m 45s`:
+        the pace over the `updates` steps this process trained (a resume's earlier steps and a
+        rollback's position jumps do not count)."""
+        per_step = elapsed_s / max(1, updates)
         parts = [f"reward {step.reward:.3f}" if step.reward is not None else "reward -"]
         parts += [f"held-out {name} {rate:.1%}" for name, rate in self.heldouts.items()]
         parts += [f"{step.episodes} episodes", f"{per_step:.1f} s/step",
