@@ -30,7 +30,6 @@ def _small_config():
     # kind map (72 steps with seed 0, 144 with seed 1: half the samples ran the other kind's
     # command), RL, left to learn it from the reward, gained +0.08 and +0.20 in 12 steps.
     cfg.sft.epochs = 24.0
-    cfg.sft.lr = 3e-3  # what these measurements ran at (the preset's 192 steps run at 4e-3)
     a = cfg.algo
     # The preset's batch (8 prompts x 8 samples) for 8 steps. Measured with seed 0, three runs:
     # the first two steps 0.42, the last two 0.81, 0.82 and 0.84; RL 75 s. Half the prompts per
