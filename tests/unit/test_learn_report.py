@@ -154,8 +154,8 @@ def test_library_output_goes_to_the_run_log_and_ours_to_the_user(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.splitlines() == ["step 1/20: ours", "after the run"]
     log = (run / "logs" / "driver.log").read_text()
-    for noise in ("core_worker.cc:2465", "a library warning", "a record no handler takes", "DeprecationWarning: a deprecation",
-                  "a child process writes"):
+    for noise in ("core_worker.cc:2465", "a library warning", "a record no handler takes",
+                  "DeprecationWarning: a deprecation", "a child process writes"):
         assert noise in log, log
     # A run that stopped before any library wrote leaves no directory behind.
     quiet = tmp_path / "quiet"

@@ -183,7 +183,8 @@ def _guard_verdict(summary: dict) -> None:
 
 
 @learn_app.command("report")
-def report(run_dir: Path = typer.Argument(..., help="A `tmax learn` run directory (with metrics.jsonl) or a `tmax learn nano` one."),
+def report(run_dir: Path = typer.Argument(
+               ..., help="A `tmax learn` run directory (with metrics.jsonl) or a `tmax learn nano` one."),
            as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object.")) -> None:
     """A run at a glance: held-out pass rates before and after RL, time per stage,
     throughput, the reward's path and the collapse guard's events (with the signals that

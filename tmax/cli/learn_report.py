@@ -52,7 +52,8 @@ def render(r: RunReport) -> list[str]:
         lines.append(f"reward per step  {sparkline(r.rewards)}  (scale 0 to 1)")
         t = r.throughput
         lines.append(f"throughput: {_num(t.episodes_per_min, 'episodes/min')}, "
-                     f"{_num(t.sampled_tokens_per_s, 'sampled tokens/s')}, {_num(t.learner_tokens_per_s, 'learner tokens/s')}")
+                     f"{_num(t.sampled_tokens_per_s, 'sampled tokens/s')}, "
+                     f"{_num(t.learner_tokens_per_s, 'learner tokens/s')}")
     else:
         lines.append("RL: no step logged")
     lines += guard_report({"guard": r.guard.model_dump()})

@@ -155,7 +155,8 @@ def recipe(cfg: LearnConfig, out: Path, *, progress: LearnProgress | None = None
 
     if cfg.cluster.nodes is not None:
         raise ConfigError("the recipe runs on one machine (its evals share the RL engine); drop --nodes (cluster.nodes)")
-    out, progress = Path(out), progress if progress is not None else StepLines(log)
+    out = Path(out)
+    progress = progress if progress is not None else StepLines(log)
     _refuse_earlier_recipe(out)
     out.mkdir(parents=True, exist_ok=True)
     times: dict[str, float] = {}
