@@ -46,6 +46,16 @@ def test_learn_nano_with_lora_rank_trains_an_adapter(tmp_path, shared_ray, monke
     res = json.loads((out / "recipe.json").read_text())
     assert res["rl"]["steps"] == 2 and res["sft_eval"]["trials"] == res["rl_eval"]["trials"] == 1
     assert "SFT warm start of the freshly built nano model: every weight" in r.stderr
+    # A log a person can follow (stderr is a pipe here, as in a cluster job's output): a line
+    # per RL step with the SFT checkpoint's held-out figure, and nothing but tmax's own lines;
+    # what Ray's driver and the libraries write is in the run's logs/driver.log.
+    err = [x for x in r.stderr.splitlines() if x.strip()]
+    steps = [x for x in err if x.startswith("learn step ")]
+    assert [x.split(":")[0] for x in steps] == ["learn step 1/2", "learn step 2/2"], r.stderr[-4000:]
+    assert all(f"held-out SFT {100 * res['sft_pass_rate']:.1f}%" in x and "episodes" in x and " s/step, ETA " in x
+               for x in steps), steps
+    assert [x for x in err if not x.startswith("learn ")] == [], r.stderr[-4000:]
+    assert "core_worker.cc" in (out / "logs" / "driver.log").read_text()  # Ray's note on the workers' arguments
     # SFT trained every weight (a model directory); RL an adapter on it.
     assert (out / "sft" / "model.safetensors").is_file() and not is_adapter_dir(out / "sft")
     final = Path(res["rl"]["checkpoint"])

@@ -5,7 +5,8 @@
     tmax learn --resume             continue the run in --out from its latest checkpoint
     tmax learn sft                  only the SFT warm start
     tmax learn nano [--json]        the whole recipe: build -> SFT -> eval -> RL -> eval
-    tmax learn report RUN_DIR       a run's summary and the collapse guard's events
+    tmax learn report RUN_DIR       a run at a glance: held-out, stage times, throughput, the
+                                    reward's path, the collapse guard's events (--json)
     tmax learn --nodes N            the same run spread over N Ray nodes (--dry-run: the plan,
                                     the run's whole config and an sbatch script, without Ray)
     tmax learn --lora-rank R        train a LoRA adapter of rank R (also after `sft` and `nano`)
@@ -87,7 +88,8 @@ def _echo(msg: str) -> None:
     from rich.console import Console
     from rich.markup import escape
 
-    Console(stderr=True).print(f"[cyan]learn[/] {escape(msg)}")  # a message's [brackets] are text
+    # soft_wrap: a log line stays one line in a log file (rich wraps at 80 columns off a terminal).
+    Console(stderr=True, soft_wrap=True).print(f"[cyan]learn[/] {escape(msg)}")  # a message's [brackets] are text
 
 
 def _bad_input(e: Exception) -> None:
@@ -95,31 +97,32 @@ def _bad_input(e: Exception) -> None:
     raise typer.Exit(2)
 
 
-def _call(work: Callable[[], Any]) -> Any:
+def _call(work: Callable[[], Any], run_dir: Optional[Path] = None) -> Any:
     """Run `work`; bad input or a missing extra (`pip install 'tmax[train]'`) exits 2, Ctrl-C
-    130, any other failure 1, each with its message."""
+    130, any other failure 1, each with its message. With `run_dir`, what the libraries
+    write to stderr goes to its logs/driver.log (`cli.library_logs`), whose last lines
+    follow the message of a failure."""
+    from contextlib import nullcontext
+
+    from tmax.cli.library_logs import library_logs, log_tail
     from tmax.common.errors import ConfigError
 
-    try:
-        return work()
-    except ConfigError as e:
-        _bad_input(e)
-    except KeyboardInterrupt:
-        _echo("interrupted; resume with --resume")
-        raise typer.Exit(130)
-    except Exception as e:  # noqa: BLE001 - shown to the user, with the kind of failure
-        exit_if_extra_missing(e, "tmax learn")
-        typer.secho(f"tmax learn: {e}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(1)
-
-
-def _log_step(step: int, metrics: dict) -> None:
-    """One console line per step when there is no progress bar (logs of a cluster job)."""
-    keys = (("reward", "train/reward_all_rollouts"), ("batch reward", "objective/verifiable_reward"),
-            ("loss tokens", "learner/tokens"), ("train s", "time/training"), ("sync s", "time/weight_sync"),
-            ("episodes", "episode"), ("requeued", "infra/requeued"))
-    parts = [f"{label} {metrics[k]:.4g}" for label, k in keys if isinstance(metrics.get(k), (int, float))]
-    _echo(f"step {step}: " + ", ".join(parts))
+    with library_logs(run_dir) if run_dir is not None else nullcontext() as log:
+        try:
+            return work()
+        except ConfigError as e:
+            _bad_input(e)
+        except KeyboardInterrupt:
+            _echo("interrupted; resume with --resume")
+            raise typer.Exit(130)
+        except Exception as e:  # noqa: BLE001 - shown to the user, with the kind of failure
+            exit_if_extra_missing(e, "tmax learn")
+            typer.secho(f"tmax learn: {e}", fg=typer.colors.RED, err=True)
+            tail = log_tail(log) if log is not None else []
+            if tail:
+                typer.secho(f"last lines of {log}:", err=True)
+                typer.echo("\n".join(tail), err=True)
+            raise typer.Exit(1)
 
 
 @learn_app.callback()
@@ -150,10 +153,9 @@ def learn(
     if dry_run:
         typer.echo(_call(lambda: entry.dry_run(cfg, run_dir)))
         return
-    bars = learn_progress(o["progress"])
+    bars = learn_progress(o["progress"], _echo)
     res = _call(lambda: entry.learn(cfg, run_dir, resume=resume, progress=bars, from_runs=from_runs,
-                                    runs_per_step=runs_per_step, on_step=None if o["progress"] else _log_step,
-                                    log=_echo))
+                                    runs_per_step=runs_per_step, log=_echo), run_dir)
     _echo(f"done: {res.steps} steps; checkpoint {res.final_checkpoint}; reward curve {res.curve_png}")
     typer.echo(json.dumps(res.summary, indent=2))
     _guard_verdict(res.summary)
@@ -170,23 +172,17 @@ def _guard_verdict(summary: dict) -> None:
 
 
 @learn_app.command("report")
-def report(run_dir: Path = typer.Argument(..., help="A `tmax learn` run directory (with metrics.jsonl).")) -> None:
-    """A run's summary from its metrics.jsonl, with the collapse guard's rollbacks and the
-    signals that triggered each."""
-    from tmax.training.report import guard_report, run_summary
+def report(run_dir: Path = typer.Argument(
+               ..., help="A `tmax learn` run directory (with metrics.jsonl) or a `tmax learn nano` one."),
+           as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object.")) -> None:
+    """A run at a glance: held-out pass rates before and after RL, time per stage,
+    throughput, the reward's path and the collapse guard's events (with the signals that
+    triggered each)."""
+    from tmax.cli.learn_report import render
+    from tmax.training.run_report import RunReport
 
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
-        metrics = run_dir / "rl" / "metrics.jsonl"  # a recipe directory
-    if not metrics.is_file():
-        typer.secho(f"tmax learn report: no metrics.jsonl in {run_dir} (or {run_dir / 'rl'})", fg=typer.colors.RED,
-                    err=True)
-        raise typer.Exit(2)
-    summ = run_summary(metrics, 0.0, 0.0)
-    for key in ("steps", "updates", "reward_first_quarter", "reward_last_quarter", "mask_frac_kept_mean"):
-        typer.echo(f"{key}: {summ[key]}")
-    for line in guard_report(summ):
-        typer.echo(line)
+    rep = _call(lambda: RunReport.read(run_dir))
+    typer.echo(rep.model_dump_json(indent=2) if as_json else "\n".join(render(rep)))
 
 
 @learn_app.command("sft")
@@ -206,9 +202,9 @@ def sft(
     cfg = _config(_options(ctx, config, print_config, no_progress, flags))
     run_dir = _out(cfg)
     if from_runs is not None:
-        res = _call(lambda: entry.sft_from_runs(cfg, from_runs, run_dir, log=_echo))
+        res = _call(lambda: entry.sft_from_runs(cfg, from_runs, run_dir, log=_echo), run_dir)
     else:
-        res = _call(lambda: entry.sft(cfg, run_dir, log=_echo))
+        res = _call(lambda: entry.sft(cfg, run_dir, log=_echo), run_dir)
     typer.echo(res.model_dump_json(indent=2))
 
 
@@ -229,8 +225,8 @@ def nano(
     o = _options(ctx, config, print_config, no_progress, flags)
     cfg = _config(o)
     run_dir = _out(cfg)
-    bars = learn_progress(o["progress"] and not as_json)
-    res = _call(lambda: entry.recipe(cfg, run_dir, progress=bars, log=_echo))
+    bars = learn_progress(o["progress"] and not as_json, _echo)
+    res = _call(lambda: entry.recipe(cfg, run_dir, progress=bars, log=_echo), run_dir)
     if as_json:
         typer.echo(res.model_dump_json())
     else:

@@ -1,15 +1,18 @@
 """Progress bars, drawn with rich: `tmax learn`'s from what the run reports
 (`training.report.LearnProgress`): the task environments being resolved, then the steps
-with their ETA and key figures; `tmax data`'s corpus jobs with their rate and ETA."""
+with their ETA and key figures (at a terminal; a log gets a line per step instead,
+`training.report.StepLines`); `tmax data`'s corpus jobs with their rate and ETA."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TaskID, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.text import Text
+
+from tmax.training.report import LearnProgress, StepFigures, StepLines
 
 
 class RichLearnProgress:
@@ -23,6 +26,7 @@ class RichLearnProgress:
         self.live = False
         self.envs: TaskID | None = None
         self.steps: TaskID | None = None
+        self.heldouts: dict[str, float] = {}
 
     def _start(self) -> None:
         if not self.live:
@@ -44,9 +48,13 @@ class RichLearnProgress:
         self._start()
         self.steps = self.bar.add_task("learn", total=total, completed=done, info="waiting for the first batch")
 
-    def update(self, step: int, info: dict[str, str]) -> None:
+    def update(self, step: StepFigures) -> None:
         if self.steps is not None:
-            self.bar.update(self.steps, completed=step, info="  ".join(f"{k} {v}" for k, v in info.items()))
+            shown = {**{f"held-out {k}": f"{v:.1%}" for k, v in self.heldouts.items()}, **step.figures}
+            self.bar.update(self.steps, completed=step.step, info="  ".join(f"{k} {v}" for k, v in shown.items()))
+
+    def heldout(self, name: str, pass_rate: float) -> None:
+        self.heldouts[name] = pass_rate
 
     def note(self, text: str) -> None:
         self.bar.console.print(text)
@@ -57,9 +65,12 @@ class RichLearnProgress:
             self.live = False
 
 
-def learn_progress(enabled: bool) -> RichLearnProgress | None:
-    """The bars of a run people watch; None for logs only (`--no-progress`, `--json`)."""
-    return RichLearnProgress() if enabled else None
+def learn_progress(bars: bool, log: Callable[[str], None] | None = None) -> LearnProgress:
+    """The bars of a run people watch at a terminal; else (`--no-progress`, `--json`, stderr
+    not a terminal) a line per step, through `log` (default: stderr)."""
+    if bars:
+        return RichLearnProgress()
+    return StepLines(log) if log is not None else StepLines()
 
 
 class _TasksPerHour(ProgressColumn):

@@ -32,7 +32,7 @@ from tmax.common.files import write_json_atomic, write_text_atomic
 from tmax.training.cluster.placement import PlanError, PlacementPlan, plan_for
 from tmax.training.cluster.session import own_run_processes, ray_session
 from tmax.training.config import LearnConfig, dump_toml
-from tmax.training.report import LearnProgress
+from tmax.training.report import LearnProgress, StepLines
 
 if TYPE_CHECKING:
     from tmax.training.loop import RunResult
@@ -156,6 +156,7 @@ def recipe(cfg: LearnConfig, out: Path, *, progress: LearnProgress | None = None
     if cfg.cluster.nodes is not None:
         raise ConfigError("the recipe runs on one machine (its evals share the RL engine); drop --nodes (cluster.nodes)")
     out = Path(out)
+    progress = progress if progress is not None else StepLines(log)
     _refuse_earlier_recipe(out)
     out.mkdir(parents=True, exist_ok=True)
     times: dict[str, float] = {}
@@ -193,11 +194,11 @@ def _refuse_earlier_recipe(out: Path) -> None:
 
 
 def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, train_dir: str, held_dir: str, prepared: Any,
-                  stages: tuple[str, ...], progress: LearnProgress | None, log: Log, result: RecipeResult,
+                  stages: tuple[str, ...], progress: LearnProgress, log: Log, result: RecipeResult,
                   times: dict) -> None:
     """One engine serving `start`: the held-out eval of it, RL on it, the held-out eval of
     RL's final checkpoint loaded into it. Fills `result` and `times`."""
-    from tmax.training.cluster.actors import start_engines
+    from tmax.training.cluster.actors import start_engines, warm_worker_processes
     from tmax.training.learner.lora import run_start
     from tmax.training.loop import train
     from tmax.training.recipe import RlStage, heldout_eval
@@ -205,6 +206,7 @@ def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, train_dir: str, held_
 
     t = time.monotonic()
     start = run_start(cfg.lora, start, out / "rl", cfg.algo.seed)  # with LoRA: serve and train an adapter
+    warm_worker_processes(2 + cfg.run.rollout_workers)  # for the engine, the learner and the rollout workers
     engine = start_engines(cfg, start, out / "rl")
     try:
         times["engine_start_s"] = time.monotonic() - t
@@ -213,6 +215,7 @@ def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, train_dir: str, held_
             t = time.monotonic()
             result.sft_eval = heldout_eval(cfg, engine, held_dir, out / "eval", f"sft-s{cfg.algo.seed}", log)
             times["sft_eval_s"] = time.monotonic() - t
+            progress.heldout("SFT", result.sft_eval.pass_rate)
         if "rl" not in stages:
             return
         t = time.monotonic()

@@ -37,7 +37,8 @@ from tmax.training.learner import checkpoint as ckpt
 from tmax.training.learner.lora import run_start
 from tmax.training.learner.packing import batch_samples
 from tmax.training.liveness import group_member_died
-from tmax.training.report import LearnProgress, MetricsSink, NoProgress, StepClock, reward_curve, rollout_metrics, run_summary, summary
+from tmax.training.report import (LearnProgress, MetricsSink, StepClock, StepFigures, StepLines, reward_curve,
+                                  rollout_metrics, run_summary, throughput_metrics)
 from tmax.training.rollback import RunGuard
 from tmax.training.rollout import EpisodeRequest, InfraCounts, Rollout, append_jsonl, env_settings, prepare_tasks
 from tmax.training.weights.learner_side import WeightSync
@@ -152,7 +153,7 @@ class Trainer:
                                                 active_sampling=a.active_sampling, max_staleness=a.async_steps))
         self.sink = MetricsSink(run_dir, wandb=rc.wandb, tensorboard=rc.tensorboard, project=rc.wandb_project,
                                 run_name=run_dir.name, config=cfg.model_dump())
-        self.bar = progress or NoProgress()
+        self.bar = progress or StepLines()
         self.bar.begin(a.steps, start_step)
         self.rollouts_path = run_dir / "rollouts.jsonl"
         self.max_useless = max(200, 25 * a.prompts_per_step)
@@ -346,7 +347,7 @@ class Trainer:
             ckpt.prune_checkpoints(self.run_dir, self.cfg.run.keep_checkpoints)
             metrics["time/saving"] = time.monotonic() - t_save
         self.sink.log(step, metrics)
-        self.bar.update(s.step, summary(metrics))
+        self.bar.update(StepFigures.of(s.step, metrics))
         if self.on_step is not None:
             self.on_step(step, metrics)
         c.wait_started = time.monotonic()
@@ -375,8 +376,7 @@ class Trainer:
             "training_step": float(s.step),
             "perf/sampler_busy_frac": c.sampler_busy_frac(now),
             "perf/learner_busy_frac": min(1.0, train_s / step_wall),
-            "perf/sampled_tokens_per_s": sum(x.num_sampled for x in since) / step_wall,
-            "perf/env_steps_per_s": sum(x.steps for x in since) / step_wall,
+            **throughput_metrics(since, step_wall),
             "time/training": train_s,
         }
 

@@ -16,7 +16,9 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
+
+from pydantic import BaseModel
 
 # The few metrics worth a console line, in display order, with short labels.
 CONSOLE_KEYS = (
@@ -124,6 +126,21 @@ def summary(metrics: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+class StepFigures(BaseModel):
+    """What people see of a finished step: the console's key figures of its metrics."""
+
+    step: int  # the run's position after the step (a rollback moves it back)
+    reward: float | None  # mean reward of every episode finished during the step
+    episodes: int  # episodes finished since the run (this process) started
+    figures: dict[str, str]  # short label -> text (`summary`)
+
+    @classmethod
+    def of(cls, step: int, metrics: dict[str, Any]) -> StepFigures:
+        reward = metrics.get("train/reward_all_rollouts")
+        return cls(step=step, reward=reward if isinstance(reward, (int, float)) else None,
+                   episodes=int(metrics.get("episode") or 0), figures=summary(metrics))
+
+
 class LearnProgress(Protocol):
     """What a run tells the display that follows it (the CLI draws it: `tmax.cli.progress`);
     training itself draws nothing."""
@@ -134,8 +151,11 @@ class LearnProgress(Protocol):
     def begin(self, total: int, done: int) -> None:
         """Training of `total` steps starts, `done` of them already run (a resume)."""
 
-    def update(self, step: int, info: dict[str, str]) -> None:
-        """`step` finished; `info` holds its key figures, label -> text."""
+    def update(self, step: StepFigures) -> None:
+        """A step finished."""
+
+    def heldout(self, name: str, pass_rate: float) -> None:
+        """A held-out pass rate (the recipe's eval of the starting checkpoint) shown beside the steps."""
 
     def note(self, text: str) -> None:
         """A line for people, between the updates."""
@@ -143,17 +163,57 @@ class LearnProgress(Protocol):
     def close(self) -> None: ...
 
 
-class NoProgress:
-    """The display of a run nobody watches (logs only)."""
+def _stderr_line(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def duration(seconds: float) -> str:
+    """`42s`, `3m 05s`, `1h 02m`: an ETA or a stage's time for a log line."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    return f"{s // 3600}h {s % 3600 // 60:02d}m"
+
+
+class StepLines:
+    """The display of a run whose output is a log (stderr not a terminal, `--no-progress`,
+    `--json`, a cluster job): one line per step with its reward, the held-out figures
+    there are, the episodes so far, the seconds a step and the ETA; notes (guard events,
+    interrupts) as lines of their own."""
+
+    def __init__(self, log: Callable[[str], None] = _stderr_line) -> None:
+        self.log = log
+        self.total = self.updates = 0
+        self.started = time.monotonic()
+        self.heldouts: dict[str, float] = {}
 
     def environments(self, done: int, total: int) -> None: ...
 
-    def begin(self, total: int, done: int) -> None: ...
+    def begin(self, total: int, done: int) -> None:
+        self.total, self.updates, self.started = total, 0, time.monotonic()
 
-    def update(self, step: int, info: dict[str, str]) -> None: ...
+    def update(self, step: StepFigures) -> None:
+        self.updates += 1
+        self.log(self.line(step, time.monotonic() - self.started, self.updates))
+
+    def line(self, step: StepFigures, elapsed_s: float, updates: int) -> str:
+        """`step 3/20: reward 0.45, held-out SFT 39.1%, 210 episodes, 9.8 s/step, ETA 2m 45s`:
+        the pace over the `updates` steps this process trained (a resume's earlier steps and a
+        rollback's position jumps do not count)."""
+        per_step = elapsed_s / max(1, updates)
+        parts = [f"reward {step.reward:.3f}" if step.reward is not None else "reward -"]
+        parts += [f"held-out {name} {rate:.1%}" for name, rate in self.heldouts.items()]
+        parts += [f"{step.episodes} episodes", f"{per_step:.1f} s/step",
+                  f"ETA {duration(per_step * max(0, self.total - step.step))}"]
+        return f"step {step.step}/{self.total}: " + ", ".join(parts)
+
+    def heldout(self, name: str, pass_rate: float) -> None:
+        self.heldouts[name] = pass_rate
 
     def note(self, text: str) -> None:
-        print(text, file=sys.stderr, flush=True)  # notes (guard events, interrupts) are never dropped
+        self.log(text)  # notes (guard events, interrupts) are never dropped
 
     def close(self) -> None: ...
 
@@ -298,6 +358,14 @@ def rollout_metrics(rollouts: list) -> dict[str, float]:
         "time/sandbox_start_mean_s": sum(r.timings.get("sandbox_start_s", 0.0) for r in rollouts) / n,
         "env/warm_start_frac": sum(1 for r in rollouts if r.warm_start) / n,
     }
+
+
+def throughput_metrics(since: list, step_wall: float) -> dict[str, float]:
+    """The tokens sampled and environment steps taken by the episodes finished during a
+    step (`since`, `training.rollout.Rollout`s), in all and per second of its wall."""
+    sampled = sum(x.num_sampled for x in since)
+    return {"perf/sampled_tokens": float(sampled), "perf/sampled_tokens_per_s": sampled / step_wall,
+            "perf/env_steps_per_s": sum(x.steps for x in since) / step_wall}
 
 
 def health_metrics(rollouts: list, requeued: int = 0) -> dict[str, float]:

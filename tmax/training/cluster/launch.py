@@ -249,7 +249,7 @@ def _join(addr: str) -> ClusterHandle:
     import ray
 
     try:
-        ray.init(address=addr, runtime_env=runtime_env(), log_to_driver=False)
+        ray.init(address=addr, runtime_env=runtime_env(), log_to_driver=False, configure_logging=False)
     except Exception as e:  # ConnectionError, auth errors, version mismatch
         raise ClusterError(
             f"cannot connect to the Ray cluster at {addr}: {e}. Check the address, that the head runs"
@@ -293,7 +293,7 @@ def _start_in_slurm(plan: PlacementPlan, num_cpus: int | None, port: int, join_t
     for cmd in worker_start_cmds(plan, hosts, f"{ip}:{port}", num_cpus=num_cpus, components=components):
         handle._procs.append(subprocess.Popen(cmd, env=ray_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     try:
-        ray.init(address=f"{ip}:{port}", runtime_env=runtime_env(), log_to_driver=False)
+        ray.init(address=f"{ip}:{port}", runtime_env=runtime_env(), log_to_driver=False, configure_logging=False)
         wait_for_nodes(len(hosts), join_timeout_s)
     except Exception:
         handle.shutdown()
