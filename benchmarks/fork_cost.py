@@ -42,6 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.results_log import add_record_arguments, record_result  # noqa: E402
 from podman_episode_profile import leave_cgroup, machine_cpu_s, own_cgroup  # noqa: E402
 
 # The sample beside the checkout (`TMAX_TB2_SAMPLE` names another): the first `shared/tb2-sample`
@@ -190,6 +191,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--depths", type=int, nargs="+", default=[1, 4, 16])
+    add_record_arguments(ap, __file__)
     args = ap.parse_args()
     cpu_source = own_cgroup()
     try:
@@ -197,6 +199,7 @@ def main() -> None:
     finally:
         leave_cgroup()
     result["cpu_source"] = cpu_source
+    record_result(args, result)
     if args.json:
         print(json.dumps(result, indent=1))
         return

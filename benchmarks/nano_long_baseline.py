@@ -24,13 +24,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.results_log import add_record_arguments, record_result  # noqa: E402
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=200, help="tasks per split")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sandbox", default="local", choices=["local", "bwrap", "podman"])
+    ap.add_argument("-e", "--env", "--sandbox", dest="sandbox", default="local", choices=["local", "bwrap", "podman"],
+                    help="where the oracle's episodes run")
     ap.add_argument("--json", action="store_true")
+    add_record_arguments(ap, __file__)
     args = ap.parse_args()
 
     from tmax.training.config import preset
@@ -58,6 +62,7 @@ def main() -> None:
         rewards = [play_demo(d, oracle_steps(d), tok, episode, image=prepared.images.get(str(d))).reward for d in held]
         out["oracle_pass_rate_heldout"] = sum(rewards) / len(rewards)
         out["oracle_s_per_task"] = round((time.monotonic() - t0) / len(held), 3)
+    record_result(args, out)
     if args.json:
         print(json.dumps(out))
         return
