@@ -109,6 +109,23 @@ class Picker:
         return [" ".join(self.word() for _ in range(words_per_line)) for _ in range(n)]
 
 
+def round_robin(split: str, n: int, kinds: tuple[str, ...], known: tuple[str, ...], make, picker: Picker,
+                name, family: str = "nano") -> list[NanoTask]:
+    """`n` tasks of one split, `kinds` in turn so each is equally common: `make(kind, split,
+    picker)` builds one, `name(split, i, task)` names it. Both task families generate through it."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    for k in kinds:
+        if k not in known:
+            raise ValueError(f"unknown {family} task kind {k!r}; known kinds: {', '.join(known)}")
+    tasks = []
+    for i in range(n):
+        t = make(kinds[i % len(kinds)], split, picker)
+        t.name = name(split, i, t)
+        tasks.append(t)
+    return tasks
+
+
 def pseudo_words(n: int, seed: int = 0) -> list[str]:
     """Made-up consonant-vowel words (`bakori`, `tunefa`, ...), disjoint from both pools."""
     rng = random.Random(f"nano-pseudo-{seed}")

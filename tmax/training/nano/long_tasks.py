@@ -38,7 +38,7 @@ from pathlib import Path
 
 from tmax.agents.prompts import SUBMIT_COMMAND
 from tmax.training.nano.base import (ANSWER, POOLS, SPLITS, SUBMIT_THOUGHT, NanoTask, NUMBERS, Picker, lines_text,
-                                     nano_meta, pseudo_words)
+                                     nano_meta, pseudo_words, round_robin)
 
 FAMILY = "long"
 
@@ -182,19 +182,9 @@ def make(kind: str, split: str, p: Picker, depth: int | None = None) -> NanoTask
 
 def generate(split: str, n: int, seed: int = 0, kinds: list[str] | tuple[str, ...] | None = None) -> list[NanoTask]:
     """`n` long-horizon tasks of one split, kinds in round-robin."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
-    kinds = tuple(kinds or LONG_KINDS)
-    for k in kinds:
-        if k not in _MAKERS:
-            raise ValueError(f"unknown long-horizon task kind {k!r}; known kinds: {', '.join(LONG_KINDS)}")
-    picker = Picker(LONG_POOLS[split], NUMBERS[split], random.Random(f"nano-long-{split}-{seed}"))
-    tasks = []
-    for i in range(n):
-        t = make(kinds[i % len(kinds)], split, picker)
-        t.name = f"long-{split}-{i:04d}-{t.kind}-d{t.depth}"
-        tasks.append(t)
-    return tasks
+    picker = Picker(LONG_POOLS.get(split, []), NUMBERS.get(split, ()), random.Random(f"nano-long-{split}-{seed}"))
+    return round_robin(split, n, tuple(kinds or LONG_KINDS), LONG_KINDS, make, picker,
+                       lambda s, i, t: f"long-{s}-{i:04d}-{t.kind}-d{t.depth}", family="long-horizon")
 
 
 def template_tasks(words: list[str], n: int, seed: int = 0) -> list[NanoTask]:

@@ -39,7 +39,7 @@ from tmax.agents.prompts import SUBMIT_COMMAND
 from tmax.training.nano import long_tasks
 from tmax.training.nano.base import (  # noqa: F401 (re-exported: the generator's public names)
     ANSWER, BASE_IMAGE, INPUT_EXT, INPUT_GLOB, POOLS, SPLITS, SUBMIT_THOUGHT, WORKDIR, NanoTask, EXTS, NUMBERS,
-    Picker, WORDS, lines_text, nano_meta, pseudo_words,
+    Picker, WORDS, lines_text, nano_meta, pseudo_words, round_robin,
 )
 
 # kind -> (instruction with {src}, oracle command, THOUGHT). One short, formulaic sentence
@@ -125,20 +125,10 @@ def generate(split: str, n: int, seed: int = 0, kinds: list[str] | tuple[str, ..
         raise ValueError(f"unknown nano task family {family!r}; use one of {', '.join(FAMILIES)}")
     if family == "long":
         return long_tasks.generate(split, n, seed, kinds)
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
-    kinds = tuple(kinds or KINDS)
-    for k in kinds:
-        if k not in KINDS:
-            raise ValueError(f"unknown nano task kind {k!r}; known kinds: {', '.join(KINDS)}")
     # The split is part of the stream so train and held-out differ even with one seed.
-    picker = Picker(POOLS[split], NUMBERS[split], random.Random(f"nano-{split}-{seed}"))
-    tasks = []
-    for i in range(n):
-        t = _make(kinds[i % len(kinds)], split, picker)
-        t.name = f"nano-{split}-{i:04d}-{t.kind.replace('_', '-')}"
-        tasks.append(t)
-    return tasks
+    picker = Picker(POOLS.get(split, []), NUMBERS.get(split, ()), random.Random(f"nano-{split}-{seed}"))
+    return round_robin(split, n, tuple(kinds or KINDS), KINDS, _make, picker,
+                       lambda s, i, t: f"nano-{s}-{i:04d}-{t.kind.replace('_', '-')}")
 
 
 _TEST_SH = """#!/bin/bash
