@@ -28,7 +28,7 @@ import typer
 from tmax.cli.extras import exit_if_extra_missing
 from tmax.cli.options import FlagValues, option_parameter, setting_flags
 from tmax.cli.options import print_config as print_config_lines
-from tmax.training.config import LearnConfig
+from tmax.training.config import PRESETS, LearnConfig
 
 if TYPE_CHECKING:
     from tmax.training.recipe import RecipeResult
@@ -44,8 +44,8 @@ learn_app = typer.Typer(
 # after either name; the settings' flags come from the config's declaration (`training.config`).
 _SHARED = [
     option_parameter("config", Optional[Path], typer.Option(
-        None, "--config", "-c", help="TOML run config or a preset name: nano (default), nano-podman, nano-lora, "
-                                     "tmax-9b, tmax-9b-lora. It sets every default (--print-config shows them).")),
+        None, "--config", "-c", help=f"TOML run config or a preset name: {', '.join(PRESETS)} (default nano). It sets "
+                                     "every default (--print-config shows them).")),
     option_parameter("print_config", bool, typer.Option(
         False, "--print-config", help="Print the resolved settings and where each came from, and exit.")),
     option_parameter("no_progress", bool, typer.Option(
