@@ -62,9 +62,12 @@ def test_two_compactions_keep_the_task_and_the_follow_ups_verbatim(open_box, tmp
     reqs = policy.requests
     assert [i for i, _ in policy.aside] == [4, 8] and len(reqs) == 11
 
-    # The summary calls: the whole conversation, then the fixed prompt.
+    # The summary calls: the whole conversation, then the fixed prompt. The server said the
+    # context was 6,500 tokens: the summary request would not leave room for the summary, so
+    # the two long outputs in it are cut (head and tail kept).
     assert reqs[4][-1] == {"role": "user", "content": summary_prompt(None)}
-    assert "a" * 4000 in contents(reqs[4])
+    assert "a" * 4000 not in contents(reqs[4]) and "a" * 100 in contents(reqs[4])
+    assert contents(reqs[4]).count("characters cut here to fit the context window") == 2
     # After the first: the task verbatim, the summary, the last two turns as they were.
     after = reqs[5]
     assert after[0] == reqs[0][0] and after[1]["content"].startswith(reqs[0][1]["content"])
@@ -79,14 +82,16 @@ def test_two_compactions_keep_the_task_and_the_follow_ups_verbatim(open_box, tmp
 
     first, second = hooks.done
     assert [h[0] for h in hooks.started] == ["auto", "auto"] and first.ok and second.ok
-    assert (first.tokens_before, first.window, first.kept_turns, first.segment) == (6500, 8000, 2, 1)
+    assert (first.window, first.kept_turns, first.segment, first.pieces) == (8000, 2, 1, 1)
+    assert first.tokens_before >= 6500 and [c.where for c in first.clipped] == ["message 3 (tool)", "message 5 (tool)"]
     assert 0 < first.tokens_after < first.tokens_before and first.estimated
     assert second.segment == 2 and second.follow_ups == 1
     # The records: the current context, the closed ones, the session context, the usage.
     run = load_run(tmp_path / "run")
     assert run.messages == [*reqs[10], run.messages[-2], run.messages[-1]]
     segments = load_segments(tmp_path / "run")
-    assert [s.segment for s in segments] == [1, 2] and segments[0].messages == reqs[4][:-1]
+    assert [s.segment for s in segments] == [1, 2] and len(segments[0].messages) == len(reqs[4]) - 1
+    assert segments[0].messages[:len(reqs[3])] == reqs[3] and "a" * 4000 in contents(segments[0].messages)  # as it was
     assert run.context is not None and [c.summary for c in run.context.compactions] == ["SUMMARY-ONE: listed files.",
                                                                                       "SUMMARY-TWO: more."]
     usage = json.loads((tmp_path / "run" / "usage.json").read_text())
@@ -95,9 +100,9 @@ def test_two_compactions_keep_the_task_and_the_follow_ups_verbatim(open_box, tmp
 
 
 def test_a_failed_summary_keeps_the_session_and_waits_before_trying_again(open_box, tmp_path):
-    script = [small(1, total=900), {"content": ""}, small(2, total=920), small(3, total=960),
-              {"content": "far too long " * 2000}, small(4, total=1010), {"error": "auth"}, SUBMIT]
-    policy, hooks = ScriptedPolicy(script, window=1000), Seen()
+    script = [small(1, total=7200), {"content": ""}, small(2, total=7360), small(3, total=7680),
+              {"content": "far too long " * 2000}, small(4, total=8080), {"error": "auth"}, SUBMIT]
+    policy, hooks = ScriptedPolicy(script, window=8000), Seen()
     agent = agent_for(policy, open_box(), tmp_path, hooks, compaction=True, compaction_threshold=0.9)
     result = agent.run("task ALPHA")
     assert result.status == "submitted" and [i for i, _ in policy.aside] == [1, 4, 6]
@@ -112,7 +117,7 @@ def test_a_failed_summary_keeps_the_session_and_waits_before_trying_again(open_b
 
 def test_manual_compaction_between_episodes_with_a_focus_and_off_by_default(open_box, tmp_path):
     script = [small(1, total=990), SUBMIT, {"content": "SUMMARY: the tests."}, SUBMIT]
-    policy = ScriptedPolicy(script, window=1000)
+    policy = ScriptedPolicy(script, window=2048)
     agent = agent_for(policy, open_box(), tmp_path)  # compaction off: the Vanillux2 default
     assert AgentSettings().compaction is False
     assert agent.run("task ALPHA").status == "submitted"  # over the threshold, nothing happened

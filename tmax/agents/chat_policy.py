@@ -201,8 +201,14 @@ class ChatPolicy:
         return self.window
 
     def complete_aside(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], max_tokens: int) -> ModelTurn:
-        """A turn that leaves the window bookkeeping as it was."""
-        return self._turn(messages, tools, max_tokens)
+        """A turn that leaves the window bookkeeping as it was. Its max_tokens is fitted to
+        its own request (built to fit: `agents.compaction`), not to the conversation's."""
+        saved = self._context_tokens
+        self._context_tokens = 0
+        try:
+            return self._turn(messages, tools, max_tokens)
+        finally:
+            self._context_tokens = saved
 
     def restart(self, context_tokens: int) -> None:
         self._context_tokens = context_tokens

@@ -38,18 +38,23 @@ from typing import Any, Callable, Literal
 
 from tmax.agents.budget import Budget, budget_hint
 from tmax.agents.compaction import CompactionRecord, Compactor, ContextUse, SessionContext
+from tmax.agents.fitting import Clip, TokenCounter
 from tmax.agents.harness import Harness, TmaxHarness
 from tmax.agents.instructions import with_instructions
+from tmax.agents.observation import ObservationLimits
 from tmax.agents.parsing import Action
 from tmax.agents.policy import Compactable, ContextOverflow, FatalModelError, ModelError, ModelTurn, Policy, Usage
 from tmax.agents.prompts import REJECTED_TOOL_TEXT, render
-from tmax.agents.records import Recorder, SavedRun
+from tmax.agents.records import Recorder, SavedRun, save_output
 from tmax.agents.settings import AgentSettings
 from tmax.sandbox.base import CommandResult, Sandbox, SandboxError
 from tmax.common.waiting import retry_call
 
 INTERRUPT_TEMPLATE = "The user interrupted you and says: {{guidance}}"
 REJECTION_TEMPLATE = "The user did not run your command and says: {{feedback}}"
+WINDOW_CLIP_NOTE = ("[The output above was {{chars}} characters, more than fits the context window: only its head "
+                    "and tail are shown. The whole output is saved as {{file}}. Run a command that prints less "
+                    "(grep, head, tail, sed -n) to see the part you need.]")
 
 
 class AgentHooks:
@@ -75,6 +80,9 @@ class AgentHooks:
         return None
 
     def on_compaction_start(self, reason: str, context_tokens: int) -> None: ...
+
+    def on_output_clipped(self, step: int, clip: Clip) -> None:
+        """A command's output was cut to fit the context window (before `on_observation`)."""
 
     def on_compaction(self, record: CompactionRecord) -> None:
         """After a compaction, done (`record.ok`) or failed (the session is unchanged)."""
@@ -127,7 +135,8 @@ class Agent:
         self.steps = 0  # model calls over the whole session (follow-ups included)
         self._last_context_tokens = 0
         self.instructions = instructions  # project instructions for the system prompt (`tmax run`)
-        self.compactor = Compactor(self.config)
+        self.counter = TokenCounter()  # the size of a request before it is sent
+        self.compactor = Compactor(self.config, self.counter)
         self.context = SessionContext()  # the task, the follow-ups and the compactions
         self._compact_request: str | None = None  # a focus ("" for none): compact at the next step
 
@@ -169,14 +178,21 @@ class Agent:
         """Compact before the next model call (`/compact` while the loop runs)."""
         self._compact_request = focus or ""
 
-    def compact(self, focus: str | None = None, reason: Literal["auto", "manual"] = "manual") -> CompactionRecord:
+    def request_tokens(self) -> int:
+        """The size of the next request: counted (or estimated) as it is now, and at least
+        the last turn's context as the server reported it (the next prompt holds it)."""
+        counted = self.counter.count(self.policy, self.messages, self.tools).tokens if self.messages else 0
+        return max(counted, self._last_context_tokens)
+
+    def compact(self, focus: str | None = None,
+                reason: Literal["auto", "manual", "overflow"] = "manual") -> CompactionRecord:
         """Compact now: between episodes, or from the loop at a step boundary. A failure
         leaves the conversation as it was; the record says why."""
-        self.hooks.on_compaction_start(reason, self._last_context_tokens)
+        used = self.request_tokens()
+        self.hooks.on_compaction_start(reason, used)
         t0 = time.monotonic()
-        out = self.compactor.compact(self.policy, self.messages, self.tools, self.context, self._last_context_tokens,
-                                     step=self.steps, reason=reason, focus=focus,
-                                     ask=self._aside)
+        out = self.compactor.compact(self.policy, self.messages, self.tools, self.context, used,
+                                     step=self.steps, reason=reason, focus=focus, ask=self._aside)
         if out.usage is not None:
             self.usage.add(out.usage)
         self.timing.append({"compaction": out.record.segment, "llm_s": round(time.monotonic() - t0, 3),
@@ -194,12 +210,34 @@ class Agent:
         self.hooks.on_compaction(out.record)
         return out.record
 
-    def _compact_if_due(self) -> None:
+    def _compact_if_due(self) -> "_Outcome | None":
+        """Before a model call: compact when asked or when the request would pass the
+        threshold; an outcome when the request cannot be made to fit the window."""
         if self._compact_request is not None:
             focus, self._compact_request = self._compact_request, None
             self.compact(focus, "manual")
-        elif self.compactor.due(self.policy, self._last_context_tokens):
+        if not self.compactor.active(self.policy):
+            return None  # nothing is counted: the Vanillux2 protocol (bench, learn) as it is
+        if self.compactor.due(self.policy, self.request_tokens()):
             self.compact(None, "auto")
+        if self.request_tokens() >= self.compactor.window(self.policy):
+            why = self.compactor.too_large(self.policy, self.messages, self.tools, self.context)
+            if why is not None:
+                return _Outcome("context_overflow", why)
+        return None
+
+    def _overflowed(self, error: ContextOverflow, retried: bool) -> "_Outcome | None":
+        """The server refused the request as too long (its count is not ours, or its window
+        was not known): compact and retry the turn, once; an outcome when that cannot help."""
+        why = str(error)
+        if self.compactor.active(self.policy) and not retried:
+            record = self.compact(None, "overflow")
+            if record.ok:
+                return None
+            why = f"{why} (compaction failed: {record.error})"
+        if self.compactor.active(self.policy):
+            why = self.compactor.too_large(self.policy, self.messages, self.tools, self.context) or why
+        return _Outcome("context_overflow", why)
 
     def _aside(self, messages: list[dict[str, Any]], max_tokens: int) -> ModelTurn:
         cfg, policy = self.config, self.policy
@@ -225,12 +263,15 @@ class Agent:
         episode_steps = 0
         format_errors = 0
         started = time.monotonic()
+        retried = False  # this turn was already retried after an overflow
         while True:
             if self.stop.is_set():
                 return _Outcome("stopped")
             if episode_steps >= cfg.max_steps:
                 return _Outcome("max_steps")
-            self._compact_if_due()
+            unfit = self._compact_if_due()
+            if unfit is not None:
+                return unfit
             guard = not getattr(self.policy, "enforces_context_budget", False)
             if guard and self._last_context_tokens >= cfg.context_budget:
                 return _Outcome("context_overflow", f"context budget of {cfg.context_budget} tokens used")
@@ -244,16 +285,25 @@ class Agent:
                     return _Outcome("interrupted")
                 continue
             except ContextOverflow as e:
-                return _Outcome("context_overflow", str(e))
+                ended = self._overflowed(e, retried)
+                if ended is not None:
+                    return ended
+                retried = True
+                continue
             except FatalModelError as e:
                 return _Outcome("model_error", str(e))
             except ModelError as e:
                 return _Outcome("model_error", f"giving up after {cfg.retries} attempts: {e}")
             llm_s = time.monotonic() - t0
+            retried = False
             self.steps = step
             episode_steps += 1
             self.usage.add(turn.usage)
             self._last_context_tokens = turn.usage.context_tokens
+            if isinstance(self.policy, Compactable):  # /compact works with automatic compaction off too
+                self.counter.calibrate(self.messages, self.tools, turn.usage.prompt_tokens)
+            if self.compactor.active(self.policy):
+                self._last_context_tokens = self._last_context_tokens or self.request_tokens()
             if self.stop.is_set():  # the answer came after the stop: nothing of it runs
                 return _Outcome("stopped")
 
@@ -310,7 +360,11 @@ class Agent:
         except SandboxError as e:
             self.timing.append({"step": step, "llm_s": round(llm_s, 3), "sandbox_error": str(e)[:200], "cmd": action.command[:200]})
             return _Outcome("sandbox_error", str(e))
-        observation, finished = self.harness.observe(action, result, cfg.observation_limits)
+        limits = self._observation_limits()
+        observation, finished = self.harness.observe(action, result, limits)
+        total = len(result.output or "") + len(result.stderr or "") + result.dropped_chars
+        if limits.max_chars < cfg.observation_max_chars and total > limits.max_chars:
+            observation += self._clipped(step, result, total, limits.max_chars)
         if cfg.budget_hints:
             observation += budget_hint(Budget(cfg.max_steps, episode_steps, cfg.context_budget,
                                               self._last_context_tokens, time.monotonic() - started, cfg.time_budget_s))
@@ -325,6 +379,26 @@ class Agent:
             # The user stopped this command; their guidance (if any) comes before any submit.
             return None if self._guidance() else _Outcome("interrupted")
         return _Outcome("submitted") if finished else None
+
+    def _observation_limits(self) -> ObservationLimits:
+        """What the model may see of an output: the configured limits, or less where a
+        compacted context would leave less room in the window (`Compactor.observation_room`)."""
+        limits = self.config.observation_limits
+        room = self.compactor.observation_room(self.policy, self.messages, self.tools, self.context)
+        if room is None:
+            return limits
+        chars = max(200, self.counter.chars_for(room))
+        return limits if chars >= limits.max_chars else ObservationLimits(chars, chars // 2, chars - chars // 2)
+
+    def _clipped(self, step: int, result: CommandResult, total: int, kept: int) -> str:
+        """An output cut to fit the window: saved whole (`outputs/step-N.txt`), the hooks told,
+        and the note the model gets."""
+        text = "\n".join(part for part in (result.output, result.stderr) if part)
+        file = save_output(self.recorder.dir, step, text) if self.recorder is not None else None
+        where = f"outputs/step-{step}.txt in the session's records" if file is not None else "nowhere (no records)"
+        self.hooks.on_output_clipped(step, Clip(where=f"step {step}", chars=total, kept=kept,
+                                                file=str(file) if file is not None else None))
+        return "\n\n" + render(WINDOW_CLIP_NOTE, chars=f"{total:,}", file=where)
 
     def _query(self) -> ModelTurn:
         cfg = self.config

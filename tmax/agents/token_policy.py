@@ -18,7 +18,7 @@ per-turn cap)). When a budget is used up, or the prompt is over its limit, the p
 raises ContextOverflow and the episode ends cleanly.
 
 Compaction (`agents.compaction`) cuts the record into segments: the summary is sampled aside
-(`complete_aside`: on the context plus the request, recorded nowhere), then `restart` closes
+(`complete_aside`: on the summary request rendered as a prompt, recorded nowhere), then `restart` closes
 the trace into `segments` and the next turn renders the rebuilt messages as a new prompt.
 Each segment is a trace of its own (prompt ids as sent, completions as sampled), and the
 budgets count per segment; the prompt limit applies to the first.
@@ -179,12 +179,14 @@ class TokenPolicy:
         return self.max_context_tokens
 
     def complete_aside(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], max_tokens: int) -> ModelTurn:
-        """A turn on the context plus the messages after it, recorded nowhere."""
-        if not self.trace.prompt_ids:
-            self._tools = list(tools)
+        """A turn on `messages` rendered as a prompt of their own, recorded nowhere: a summary
+        request is built to fit the window (long outputs clipped, or a piece of the
+        conversation), so it is not the token context plus a message."""
+        saved, self._tools = self._tools, list(tools)
+        try:
             context = self._encode(self._render(messages, generation_prompt=True))
-        else:
-            context = self.trace.context + self._new_ids(messages)
+        finally:
+            self._tools = saved if saved is not None else self._tools
         room = self.max_context_tokens - len(context)
         if room <= 0:
             raise ContextOverflow(f"the request ({len(context)} tokens) does not fit the context of {self.max_context_tokens}")
