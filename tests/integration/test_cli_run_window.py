@@ -188,3 +188,22 @@ def test_a_long_session_in_a_pty_with_follow_ups_and_compact(env, project, tmp_p
     assert "The output of step" in screen and "outputs/step-" in screen
     assert refused == [] and all(prompt_length(r) <= WINDOW for r in requests)
     assert_verbatim_everywhere(requests, follow_ups)
+
+
+@pytest.mark.parametrize("part", ["task", "system prompt"])
+def test_only_a_system_prompt_and_task_over_the_window_end_the_run_saying_which(env, project, part):
+    """Exit 4 only where no compaction can help: the task, or the system prompt with the
+    project's instructions (AGENTS.md, at most 16,000 characters), alone over the window."""
+    task = TASK
+    if part == "task":
+        task = f"{TASK}: " + "make it so. " * 1600
+    else:
+        (project / "AGENTS.md").write_text("RULE: keep every line short and every test green. " * 320)
+    with ScriptedServer(Model([]), max_model_len=WINDOW) as srv:
+        env["TMAX_BASE_URL"] = srv.base_url
+        code, events, _ = tmax_json([task], env, project)
+        requests = srv.requests
+    assert code == 4 and events[-1]["status"] == "context_overflow" and requests == []
+    error = events[-1]["error"]
+    assert f"cannot be made to fit the model's {WINDOW:,}-token window" in error and error.endswith(f"the largest part is the {part}") or \
+        f"the largest part is the {part} (" in error, error

@@ -174,3 +174,42 @@ def test_bench_and_learn_take_the_settings_by_name():
     assert (s.compaction, s.compaction_threshold) == (True, 0.7)
     with pytest.raises(ValueError, match="compaction_threshold"):
         AgentSettings.from_settings({"compaction_threshold": 1.5})
+
+
+def test_a_conversation_too_long_to_summarise_at_once_is_summarised_in_pieces():
+    """40 turns of ~1,000-character outputs in a 4,096-token window: the summary request is
+    built to fit with room for the summary. Clipping the outputs is not enough, so the oldest
+    turns are summarised in pieces, each piece's request holding the summary so far, the task
+    and the follow-up (long, and never clipped) word for word."""
+    from tmax.agents.compaction import Compactor
+    from tmax.agents.policy import ModelTurn, Usage
+
+    call = {"id": "c", "type": "function", "function": {"name": "bash", "arguments": '{"command": "make"}'}}
+    follow_up = "FOLLOW-UP: also keep the old flag. " * 30
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "TASK ALPHA"}]
+    for i in range(40):
+        if i == 20:
+            messages.append({"role": "user", "content": follow_up})
+        messages += [{"role": "assistant", "content": f"turn {i}", "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": "c", "content": f"out-{i} " + "y" * 1000}]
+    ctx = SessionContext(task=messages[1], follow_up_at=[messages.index({"role": "user", "content": follow_up})])
+    policy = ScriptedPolicy([], window=4096)
+    compactor = Compactor(AgentSettings(compaction=True))
+    asked: list[tuple[list, int]] = []
+
+    def ask(request, cap):
+        asked.append((request, cap))
+        return ModelTurn({"role": "assistant", "content": f"PIECE-{len(asked)} done."}, Usage(completion_tokens=9))
+
+    out = compactor.compact(policy, messages, [], ctx, 20000, step=40, reason="auto", focus=None, ask=ask)
+    record = out.record
+    assert record.ok and record.pieces == len(asked) >= 3 and record.clipped and record.summary_tokens == 9 * len(asked)
+    for n, (request, cap) in enumerate(asked, 1):
+        assert compactor.counter.count(policy, request, []).tokens + cap <= 4096
+        text = contents(request)
+        assert "TASK ALPHA" in text and follow_up in text and request[-1] == {"role": "user", "content": summary_prompt(None)}
+        assert n == 1 or f"PIECE-{n - 1} done." in text  # the summary so far
+    # Every turn was in one piece, oldest first; the last piece's answer is the summary.
+    seen = [int(m["content"].split()[1]) for request, _ in asked for m in request if m.get("role") == "assistant"]
+    assert seen == list(range(40))
+    assert record.summary == f"PIECE-{len(asked)} done." and record.summary in out.messages[1]["content"]

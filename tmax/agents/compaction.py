@@ -337,11 +337,13 @@ class _Summariser:
         self.follow_ups = {id(messages[i]) for i in ctx.follow_up_at if i < len(messages)}  # never clipped
         self.clipped: list[Clip] = []
         self.pieces = 0
+        self.sent: list[dict[str, Any]] = []  # the last summary request
 
     def _fits(self, request: list[dict[str, Any]], budget: int) -> bool:
         return self.compactor._count(self.policy, request, self.tools) <= budget
 
     def _call(self, request: list[dict[str, Any]], cap: int) -> str:
+        self.sent = request
         turn = self.ask(request, cap)
         self.usage.add(turn.usage)
         self.pieces += 1
@@ -354,9 +356,11 @@ class _Summariser:
             budget = int((window - cap - max(16, window // 32)) * 0.7 ** (attempt - 1))
             try:
                 return self._within(budget, cap)
-            except ContextOverflow:
+            except ContextOverflow as e:
                 if attempt == SUMMARY_ATTEMPTS:
                     raise
+                if e.prompt_tokens and self.sent:  # the server's count: estimate by it from now on
+                    self.compactor.counter.calibrate(self.sent, self.tools, e.prompt_tokens)
         raise AssertionError("unreachable")
 
     def _within(self, budget: int, cap: int) -> str:

@@ -230,6 +230,8 @@ class Agent:
         """The server refused the request as too long (its count is not ours, or its window
         was not known): compact and retry the turn, once; an outcome when that cannot help."""
         why = str(error)
+        if error.prompt_tokens:  # the server's count of this request: estimates scale by it from now on
+            self.counter.calibrate(self.messages, self.tools, error.prompt_tokens)
         if self.compactor.active(self.policy) and not retried:
             record = self.compact(None, "overflow")
             if record.ok:
