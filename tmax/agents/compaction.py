@@ -257,16 +257,15 @@ class Compactor:
         first = _first_user(messages)
         task = _text(ctx.task or messages[first])
         follow_ups = [*ctx.follow_ups, *(_text(messages[i]) for i in ctx.follow_up_at if i < len(messages))]
-        parts = {"system prompt (with the project instructions and the tool definitions)":
-                 self._count(policy, fixed[:first], tools),
+        parts = {"system prompt": self._count(policy, fixed[:first], tools),
                  "task": self._count(policy, [{"role": "user", "content": task}], []),
-                 "follow-ups": self._count(policy, [{"role": "user", "content": f}for f in follow_ups], [])
+                 "follow-ups": self._count(policy, [{"role": "user", "content": f} for f in follow_ups], [])
                  if follow_ups else 0}
         largest = max(parts, key=lambda k: parts[k])
-        listed = ", ".join(f"the {name} {n:,}" for name, n in parts.items() if n)
-        return (f"the context cannot be made to fit the model's {window:,}-token window: the system prompt, the task "
-                f"and the follow-ups alone are about {total:,} tokens ({listed}), leaving no room for a summary and a "
-                f"reply; the largest part is the {largest}")
+        listed = ", ".join(f"{name} {n:,}" for name, n in parts.items() if n)
+        return (f"the context cannot be made to fit the model's {window:,}-token window: the system prompt (with the "
+                f"project instructions and the tools), the task and the follow-ups alone are about {total:,} tokens "
+                f"({listed}), leaving no room for a summary and a reply. The largest part is the {largest}: shorten it")
 
     def compact(self, policy: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]], ctx: SessionContext,
                 used: int, *, step: int, reason: Literal["auto", "manual", "overflow"], focus: str | None,
@@ -307,12 +306,15 @@ class Compactor:
     def _fit(self, policy: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]], ctx: SessionContext,
              summary: str) -> tuple[list[dict[str, Any]], SessionContext, int, tuple[int, bool]] | None:
         """The rebuilt context with the most kept turns that leave room, or None when even
-        none fits under the threshold."""
-        point = self.settings.compaction_threshold * self.window(policy)
+        none fits under the threshold (or, where the system prompt, the task and the
+        follow-ups take most of the threshold, leaves room for a reply in the window)."""
+        window = self.window(policy)
+        point = self.settings.compaction_threshold * window
         for keep in range(min(KEEP_TURNS, turns_after_task(messages)), -1, -1):
             rebuilt, new_ctx = rebuild(messages, ctx, summary, keep)
             count = self.counter.count(policy, rebuilt, tools)
-            if count.tokens <= TAIL_SHARE * point or (keep == 0 and count.tokens < point):
+            if count.tokens <= TAIL_SHARE * point or (keep == 0 and (count.tokens < point or count.tokens
+                                                                     + 2 * SUMMARY_MIN_TOKENS <= window)):
                 return rebuilt, new_ctx, keep, (count.tokens, count.estimated)
         return None
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 from tmax.agents.budget import Budget, budget_hint
-from tmax.agents.compaction import CompactionRecord, Compactor, ContextUse, SessionContext
+from tmax.agents.compaction import CompactionRecord, Compactor, ContextUse, SessionContext, turns_after_task
 from tmax.agents.fitting import Clip, TokenCounter
 from tmax.agents.harness import Harness, TmaxHarness
 from tmax.agents.instructions import with_instructions
@@ -218,12 +218,14 @@ class Agent:
             self.compact(focus, "manual")
         if not self.compactor.active(self.policy):
             return None  # nothing is counted: the Vanillux2 protocol (bench, learn) as it is
-        if self.compactor.due(self.policy, self.request_tokens()):
-            self.compact(None, "auto")
-        if self.request_tokens() >= self.compactor.window(self.policy):
+        tokens = self.request_tokens()
+        if tokens >= self.compactor.window(self.policy):
             why = self.compactor.too_large(self.policy, self.messages, self.tools, self.context)
             if why is not None:
                 return _Outcome("context_overflow", why)
+        # Only once the model has answered since the task (or the last compaction) is there anything to summarise.
+        if turns_after_task(self.messages) and self.compactor.due(self.policy, tokens):
+            self.compact(None, "auto")
         return None
 
     def _overflowed(self, error: ContextOverflow, retried: bool) -> "_Outcome | None":
