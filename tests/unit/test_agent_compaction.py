@@ -213,3 +213,19 @@ def test_a_conversation_too_long_to_summarise_at_once_is_summarised_in_pieces():
     seen = [int(m["content"].split()[1]) for request, _ in asked for m in request if m.get("role") == "assistant"]
     assert seen == list(range(40))
     assert record.summary == f"PIECE-{len(asked)} done." and record.summary in out.messages[1]["content"]
+
+
+def test_an_overflow_from_the_server_compacts_and_retries_the_turn_once(open_box, tmp_path):
+    """The server refuses a request as too long (its count is not ours): the session is
+    compacted and the same turn tried again; a second refusal of that turn ends it."""
+    script = [small(1), {"error": "context_length"}, {"content": "SUMMARY: one step."}, SUBMIT,
+              small(2), {"error": "context_length"}, {"content": "SUMMARY: two."}, {"error": "context_length"}]
+    policy, hooks = ScriptedPolicy(script, window=8000), Seen()
+    agent = agent_for(policy, open_box(), tmp_path, hooks, compaction=True)
+    assert agent.run("task ALPHA").status == "submitted"
+    (record,) = hooks.done
+    assert record.ok and record.reason == "overflow" and [i for i, _ in policy.aside] == [2]
+    assert "SUMMARY: one step." in policy.requests[3][1]["content"]  # the refused turn, tried again
+    result = agent.follow_up("follow-up BETA")
+    assert result.status == "context_overflow" and "context window exceeded" in result.error
+    assert [r.reason for r in hooks.done] == ["overflow", "overflow"] and len(policy.requests) == 8

@@ -1,20 +1,29 @@
 """Compaction: a long session goes on past its context window on a summary the model writes.
 
-When a turn's context (prompt + completion) reaches `compaction_threshold` of the window
-(`Compactor.window`: the smaller of `context_budget` and the server's window), or when the
-user asks (`/compact [focus]`), the loop (`agents.loop.Agent`) compacts before its next
-model call:
+Before each model call the loop (`agents.loop.Agent`) counts the request about to go out
+(`agents.fitting.TokenCounter`: the policy's tokenizer, else characters at the ratio the
+server's last usage gave). When it would reach `compaction_threshold` of the window
+(`Compactor.window`: the smaller of `context_budget` and the server's window), when the user
+asks (`/compact [focus]`), or when the server refused the request as too long anyway
+(`overflow`: then the same turn is tried again, once), it compacts first:
 
-1. the model is sent the conversation as it is plus `SUMMARY_PROMPT` (the task, what was
-   done, the state of the files and the shell, open items; the user's focus when given)
-   and answers in a turn aside (`policy.Compactable.complete_aside`: no part of a token
-   policy's record, so the summary is not a training sample);
+1. the model is sent the conversation plus `SUMMARY_PROMPT` (the task, what was done, the
+   state of the files and the shell, open items; the user's focus when given) and answers in
+   a turn aside (`policy.Compactable.complete_aside`: no part of a token policy's record, so
+   the summary is not a training sample). That request is built to fit the window with room
+   for the summary (`_Summariser`): as it is where it fits; else with its long messages cut
+   to head and tail (never the task or a follow-up); else in pieces, oldest turns first, each
+   piece's request holding the task, the follow-ups and the summary so far;
 2. the context is rebuilt (`rebuild`): the system prompt; one user message holding the task
    as first given and every follow-up the user typed, verbatim, then the summary; then the
    last `KEEP_TURNS` turns verbatim (fewer, or none, where they would leave the rebuilt
    context over `TAIL_SHARE` of the threshold);
 3. the policy restarts on the rebuilt messages (a token policy starts a new segment: each
    segment's prompt ids are the rebuilt context exactly as sent).
+
+One output larger than a compacted context leaves room for (`Compactor.observation_room`)
+is cut by the loop to its head and tail. Only a context whose system prompt, task and
+follow-ups alone leave no room (`Compactor.too_large`) ends the episode at the window.
 
 A summary that fails (a model error, an empty answer, a rebuilt context still over the
 threshold, Ctrl-C) changes nothing: the session keeps its messages, the record says why,

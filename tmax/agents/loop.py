@@ -14,7 +14,8 @@ Vanillux2 semantics (the Tmax evaluation harness):
 * a response without a valid `bash` call gets format-error feedback (a `user` message, or
   a `tool` reply when the bad call has a usable id); `max_format_errors` in a row end it;
 * model errors are retried (5 attempts, back-off 2/4/8/16 s); auth / not-found /
-  bad-request errors are not; a context overflow ends the episode cleanly;
+  bad-request errors are not; a context overflow ends the episode cleanly (with compaction
+  on: the session is compacted and the turn tried again, once);
 * a sandbox failure is an infrastructure error (`sandbox_error`), never the agent's.
 
 Ctrl-C during the model call or a command interrupts only that: the command is stopped
@@ -25,8 +26,10 @@ to continue with guidance or stop.
 `stopped` before the next model call, or as one returns (its command is then not run).
 
 Compaction (`agents.compaction`, off unless `compaction` is set; `tmax run` sets it) happens
-at one point: before a model call, when the last turn's context reached the threshold or the
-user asked (`request_compaction`); `compact()` also runs it between episodes.
+before a model call, when the request about to be sent (counted: `request_tokens`) would
+reach the threshold or the user asked (`request_compaction`), and after the server refused a
+request as too long; `compact()` also runs it between episodes. With it on, an output is
+also cut to the room a compacted context leaves (saved whole as `outputs/step-N.txt`).
 """
 
 from __future__ import annotations
