@@ -44,7 +44,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from tmax.agents.fitting import Clip, TokenCounter, clip_message
+from tmax.agents.fitting import Clip, TokenCounter, clip_message, clip_text
 from tmax.agents.policy import Compactable, ContextOverflow, FatalModelError, ModelError, ModelTurn, Usage
 from tmax.agents.prompts import render
 from tmax.agents.settings import AgentSettings
@@ -286,21 +286,27 @@ class Compactor:
                                   window=window, focus=focus or None)
         if not isinstance(policy, Compactable):
             return self._failed(record, "this model policy cannot compact a session")
-        if turns_after_task(messages) == 0:
-            return self._failed(record, "nothing to compact yet: the model has not answered")
         summariser = _Summariser(self, policy, messages, tools, ctx, focus, ask)
-        try:
-            summary = summariser.run()
-        except (ModelError, FatalModelError, ContextOverflow) as e:
-            return self._failed(record, f"the summary call failed: {e}", summariser.usage)
-        except KeyboardInterrupt:
-            return self._failed(record, "the summary call was interrupted", summariser.usage)
+        if turns_after_task(messages) == 0:
+            # Nothing new since the last compaction; after the server refused its context as
+            # too long (its count is higher than ours), that context is rebuilt tighter.
+            summary = next((c.summary for c in reversed(ctx.compactions) if c.ok), None) if reason == "overflow" else None
+            if summary is None:
+                return self._failed(record, "nothing to compact yet: the model has not answered")
+        else:
+            try:
+                summary = summariser.run()
+            except (ModelError, FatalModelError, ContextOverflow) as e:
+                return self._failed(record, f"the summary call failed: {e}", summariser.usage)
+            except KeyboardInterrupt:
+                return self._failed(record, "the summary call was interrupted", summariser.usage)
         record = record.model_copy(update=dict(summary=summary, summary_tokens=summariser.usage.completion_tokens,
                                                clipped=summariser.clipped, pieces=summariser.pieces,
                                                window=self.window(policy)))
         if not summary:
             return self._failed(record, "the model's summary was empty", summariser.usage)
-        fitted = self._fit(policy, messages, tools, ctx, summary)
+        fitted = self._fit(policy, messages, tools, ctx, summary) or self._fit_shorter(policy, messages, tools, ctx,
+                                                                                        record)
         if fitted is None:
             return self._failed(record, "the summary is too long: the rebuilt context would still be over "
                                         f"{self.settings.compaction_threshold:.0%} of the window", summariser.usage)
@@ -311,6 +317,27 @@ class Compactor:
                                                kept_messages=len(rebuilt) - _first_user(rebuilt) - 1))
         new_ctx.compactions.append(record)
         return Outcome(record, rebuilt, new_ctx, summariser.usage)
+
+    def _fit_shorter(self, policy: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+                     ctx: SessionContext, record: CompactionRecord) -> Any:
+        """`_fit` with the summary cut (head and tail kept) until the rebuilt context fits,
+        as long as some of it stays; the record gets the summary as kept and lists the cut.
+        None: it never fits."""
+        window = self.window(policy)
+        summary = record.summary
+        for _ in range(4):
+            over = self._count(policy, rebuild(messages, ctx, summary, 0)[0], tools) - int(
+                self.settings.compaction_threshold * window * 0.9)
+            keep = len(summary) - self.counter.chars_for(max(over, 1))
+            if keep < 200:
+                return None
+            summary = clip_text(summary, keep)[0]
+            fitted = self._fit(policy, messages, tools, ctx, summary)
+            if fitted is not None:
+                record.clipped.append(Clip(where="the summary", chars=len(record.summary), kept=keep))
+                record.summary = summary
+                return fitted
+        return None
 
     def _fit(self, policy: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]], ctx: SessionContext,
              summary: str) -> tuple[list[dict[str, Any]], SessionContext, int, tuple[int, bool]] | None:
