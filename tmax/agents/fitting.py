@@ -5,7 +5,9 @@
   estimate from characters, at the characters-per-token ratio of the last request whose
   prompt tokens the server reported (`calibrate`), and `UNCALIBRATED_CHARS_PER_TOKEN` (on
   the safe side: more tokens than most tokenizers make) before any was. Estimates carry
-  `ESTIMATE_MARGIN` more, for text that tokenizes worse than the conversation so far.
+  `ESTIMATE_MARGIN` more, for text that tokenizes worse than the conversation so far. The
+  next request of a conversation (`next_request`) is the last one's reported context (its
+  prompt and completion) plus an estimate of only the messages added since.
 * `clip_text` / `clip_message`: a long text cut to a size, its head and tail kept and a
   note of how much was cut where; a message's content and the string arguments of its tool
   calls (which stay valid JSON).
@@ -34,8 +36,9 @@ class TokenCount:
 
 
 def request_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int:
-    """The measure an estimate scales: the request's messages and tools as JSON."""
-    return len(json.dumps(messages)) + (len(json.dumps(tools)) if tools else 0)
+    """The measure an estimate scales: the request's messages and tools as JSON (characters
+    as they are: escaping non-ASCII would count one character of a word as six)."""
+    return len(json.dumps(messages, ensure_ascii=False)) + (len(json.dumps(tools, ensure_ascii=False)) if tools else 0)
 
 
 class TokenCounter:
@@ -43,9 +46,13 @@ class TokenCounter:
 
     def __init__(self) -> None:
         self.chars_per_token: float | None = None  # measured on the last reported request
+        self._reported: tuple[int, int] | None = None  # (messages, tokens) the server counted, reply included
 
-    def calibrate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], prompt_tokens: int) -> None:
-        """The server counted `prompt_tokens` for this request (0: it did not say)."""
+    def calibrate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], prompt_tokens: int,
+                  completion_tokens: int = 0) -> None:
+        """The server counted `prompt_tokens` for this request (0: it did not say), and
+        `completion_tokens` for its answer (the next message of the conversation)."""
+        self._reported = (len(messages) + 1, prompt_tokens + completion_tokens) if prompt_tokens > 0 else None
         if prompt_tokens > 0:
             low, high = CHARS_PER_TOKEN_RANGE
             self.chars_per_token = min(high, max(low, request_chars(messages, tools) / prompt_tokens))
@@ -60,6 +67,20 @@ class TokenCounter:
         if exact is not None:
             return TokenCount(exact, False)
         return TokenCount(int(request_chars(messages, tools) / self.ratio) + 1, True)
+
+    def forget(self) -> None:
+        """The conversation was replaced (a compaction, a resumed session): no reported context to extend."""
+        self._reported = None
+
+    def next_request(self, policy: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> TokenCount:
+        """The size of the conversation's next request: counted exactly where the policy can;
+        else the last reported context plus an estimate of the messages added since."""
+        whole = self.count(policy, messages, tools)
+        if not whole.estimated or self._reported is None or len(messages) < self._reported[0]:
+            return whole
+        seen, tokens = self._reported
+        added = messages[seen:]
+        return TokenCount(tokens + (int(request_chars(added, []) / self.ratio) + 1 if added else 0), True)
 
     def chars_for(self, tokens: int) -> int:
         """About how many characters of output make `tokens` tokens (on the safe side)."""

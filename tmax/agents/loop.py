@@ -41,7 +41,7 @@ from typing import Any, Callable, Literal
 
 from tmax.agents.budget import Budget, budget_hint
 from tmax.agents.compaction import CompactionRecord, Compactor, ContextUse, SessionContext, turns_after_task
-from tmax.agents.fitting import Clip, TokenCounter
+from tmax.agents.fitting import Clip, TokenCount, TokenCounter
 from tmax.agents.harness import Harness, TmaxHarness
 from tmax.agents.instructions import with_instructions
 from tmax.agents.observation import ObservationLimits
@@ -151,6 +151,7 @@ class Agent:
             raise ValueError("the task text is empty")
         self.messages = with_instructions(self.harness.initial_messages(task), self.instructions)
         self.timing, self.usage, self.steps, self._last_context_tokens = [], Usage(), 0, 0
+        self.counter.forget()
         self.context = SessionContext.of(self.messages)
         return self._episode()
 
@@ -169,6 +170,7 @@ class Agent:
         self.usage = Usage(**vars(saved.usage))
         self.steps = saved.steps if saved.steps is not None else sum(1 for m in self.messages if m.get("role") == "assistant")
         self.context = saved.context or SessionContext.of(self.messages)
+        self.counter.forget()
 
     # ---- compaction (agents.compaction) -----------------------------------------------
 
@@ -182,10 +184,13 @@ class Agent:
         self._compact_request = focus or ""
 
     def request_tokens(self) -> int:
-        """The size of the next request: counted (or estimated) as it is now, and at least
-        the last turn's context as the server reported it (the next prompt holds it)."""
-        counted = self.counter.count(self.policy, self.messages, self.tools).tokens if self.messages else 0
-        return max(counted, self._last_context_tokens)
+        """The size of the next request (`TokenCounter.next_request`), and at least the last
+        turn's context as reported (the next prompt holds it)."""
+        return self._request_count().tokens
+
+    def _request_count(self) -> TokenCount:
+        counted = self.counter.next_request(self.policy, self.messages, self.tools)
+        return TokenCount(max(counted.tokens, self._last_context_tokens), counted.estimated)
 
     def compact(self, focus: str | None = None,
                 reason: Literal["auto", "manual", "overflow"] = "manual") -> CompactionRecord:
@@ -205,6 +210,7 @@ class Agent:
                 self.recorder.close_segment(out.record.segment, self.messages, getattr(self.policy, "trace", None))
             assert isinstance(self.policy, Compactable)  # only such a policy's summary succeeds
             self.policy.restart(out.record.tokens_after or 0)
+            self.counter.forget()
             self.messages, self.context = out.messages, out.context
             self._last_context_tokens = out.record.tokens_after or 0
         else:
@@ -221,8 +227,9 @@ class Agent:
             self.compact(focus, "manual")
         if not self.compactor.active(self.policy):
             return None  # nothing is counted: the Vanillux2 protocol (bench, learn) as it is
-        tokens = self.request_tokens()
-        if tokens >= self.compactor.window(self.policy):
+        count = self._request_count()
+        tokens = count.tokens
+        if not count.estimated and tokens >= self.compactor.window(self.policy):  # an estimate ends nothing: the server will say
             why = self.compactor.too_large(self.policy, self.messages, self.tools, self.context)
             if why is not None:
                 return _Outcome("context_overflow", why)
@@ -308,7 +315,7 @@ class Agent:
             self.usage.add(turn.usage)
             self._last_context_tokens = turn.usage.context_tokens
             if isinstance(self.policy, Compactable):  # /compact works with automatic compaction off too
-                self.counter.calibrate(self.messages, self.tools, turn.usage.prompt_tokens)
+                self.counter.calibrate(self.messages, self.tools, turn.usage.prompt_tokens, turn.usage.completion_tokens)
             if self.compactor.active(self.policy):
                 self._last_context_tokens = self._last_context_tokens or self.request_tokens()
             if self.stop.is_set():  # the answer came after the stop: nothing of it runs
