@@ -146,8 +146,11 @@ def canonical(tok, messages, xml=False):
     return tok.apply_chat_template(msgs, tools=TOOLS, add_generation_prompt=False, tokenize=False)
 
 
+@pytest.mark.parametrize("compaction", [False, True], ids=["protocol", "counted"])
 @pytest.mark.parametrize("style", ["hermes", "xml"])
-def test_trace_equals_canonical_tokenisation(style, base_tokenizer, box):
+def test_trace_equals_canonical_tokenisation(style, compaction, base_tokenizer, box):
+    """Also with compaction on (each request counted before it is sent, by the template, its
+    tool-call arguments as mappings as vLLM passes them): the same trace."""
     xml = style == "xml"
     tok = tokenizer_with(base_tokenizer, XML_TEMPLATE if xml else HERMES_TEMPLATE)
     call = xml_call if xml else hermes_call
@@ -159,7 +162,7 @@ def test_trace_equals_canonical_tokenisation(style, base_tokenizer, box):
     ]
     sampler = ScriptedSampler(tok, texts)
     policy = TokenPolicy(sampler, tok, temperature=1.0, top_p=1.0, seed=7)
-    result = Agent(policy, box, AgentSettings()).run("Say hello.")
+    result = Agent(policy, box, AgentSettings(compaction=compaction)).run("Say hello.")
     assert result.status == "submitted" and result.steps == 4
     trace = policy.trace
 

@@ -26,6 +26,7 @@ budgets count per segment; the prompt limit applies to the first.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -41,6 +42,29 @@ _BASE = [
     {"role": "user", "content": "U"},
     {"role": "assistant", "content": _ANCHOR},
 ]
+
+
+def _as_served(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with tool-call arguments that are JSON objects as mappings, as vLLM hands
+    them to a chat template (an XML template iterates them): for renderings that are not
+    recorded (a count, a summary request)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            fixed = []
+            for call in calls:
+                function = dict(call.get("function") or {})
+                try:
+                    parsed = json.loads(function.get("arguments") or "")
+                except (TypeError, ValueError):
+                    parsed = None
+                if isinstance(parsed, dict):
+                    function["arguments"] = parsed
+                fixed.append({**call, "function": function})
+            m = {**m, "tool_calls": fixed}
+        out.append(m)
+    return out
 
 
 class TokenPolicy:
@@ -184,7 +208,7 @@ class TokenPolicy:
         conversation), so it is not the token context plus a message."""
         saved, self._tools = self._tools, list(tools)
         try:
-            context = self._encode(self._render(messages, generation_prompt=True))
+            context = self._encode(self._render(_as_served(messages), generation_prompt=True))
         finally:
             self._tools = saved if saved is not None else self._tools
         room = self.max_context_tokens - len(context)
@@ -203,7 +227,7 @@ class TokenPolicy:
     def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int | None:
         saved, self._tools = self._tools, list(tools)
         try:
-            return len(self._encode(self._render(messages, generation_prompt=True)))
+            return len(self._encode(self._render(_as_served(messages), generation_prompt=True)))
         finally:
             self._tools = saved
 
