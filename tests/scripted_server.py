@@ -25,7 +25,8 @@ Turn keys (all optional):
                      only sign of it) and report_usage=False (no usage in the answers)
 
 Token counts are a deterministic stand-in, ~4 characters a token: the request's messages and
-tools as JSON (a real server renders the tools into the prompt too).
+tools as JSON (a real server renders the tools into the prompt too); or, in-process, what
+`count(request) -> int` says (a real tokenizer over the chat template, as vLLM counts).
 
 `script` may also be a callable `request body -> turn` (in-process only): a responder that
 picks its answer from the request, for clients that send requests concurrently.
@@ -113,14 +114,15 @@ def window_error(window: int, prompt: int) -> str:
             "prompt.")
 
 
-def completion_body(turn: dict[str, Any], model: str, request: dict[str, Any], index: int) -> dict[str, Any]:
+def completion_body(turn: dict[str, Any], model: str, request: dict[str, Any], index: int,
+                    prompt_tokens: int | None = None) -> dict[str, Any]:
     calls = _tool_calls(turn)
     message: dict[str, Any] = {"role": "assistant", "content": turn.get("content", "" if calls else None)}
     if calls:
         message["tool_calls"] = calls
     if "reasoning_content" in turn:
         message["reasoning_content"] = turn["reasoning_content"]
-    prompt_tokens = prompt_length(request)
+    prompt_tokens = prompt_length(request) if prompt_tokens is None else prompt_tokens
     completion_tokens = (len(message.get("content") or "") + len(json.dumps(calls))) // 4 + 1
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
     usage.update(turn.get("usage") or {})
@@ -143,13 +145,14 @@ def completion_body(turn: dict[str, Any], model: str, request: dict[str, Any], i
 
 class _State:
     def __init__(self, script: Any, model: str, api_key: str | None, max_model_len: int | None = None,
-                 publish_window: bool = True, report_usage: bool = True) -> None:
+                 publish_window: bool = True, report_usage: bool = True, count: Any = prompt_length) -> None:
         self.script = script if callable(script) else list(script)
         self.model = model
         self.api_key = api_key
         self.max_model_len = max_model_len
         self.publish_window = publish_window
         self.report_usage = report_usage
+        self.count = count
         self.requests: list[dict[str, Any]] = []
         self.refused: list[int] = []  # indices in `requests` of those refused as over the window
         self.next = 0
@@ -229,7 +232,7 @@ def _handler(state: _State) -> type[BaseHTTPRequestHandler]:
             if body.get("stream"):
                 self._error(400, "BadRequestError", "the scripted server does not stream")
                 return
-            prompt = prompt_length(body)
+            prompt = state.count(body)
             if state.max_model_len is not None and prompt > state.max_model_len:
                 state.refuse(body)
                 self._error(400, "BadRequestError", window_error(state.max_model_len, prompt))
@@ -248,7 +251,7 @@ def _handler(state: _State) -> type[BaseHTTPRequestHandler]:
             elif "status" in turn:
                 self._error(int(turn["status"]), "ScriptedError", turn.get("message", f"scripted error {turn['status']}"))
             else:
-                answer = completion_body(turn, state.model, body, index)
+                answer = completion_body(turn, state.model, body, index, prompt)
                 if not state.report_usage:
                     answer.pop("usage")
                 self._send(200, answer)
@@ -270,6 +273,7 @@ class ScriptedServer:
         max_model_len: int | None = None,
         publish_window: bool = True,
         report_usage: bool = True,
+        count: Any = prompt_length,
     ) -> None:
         if callable(script) and process:
             raise ValueError("a callable script runs in-process only")
@@ -277,6 +281,7 @@ class ScriptedServer:
         self.max_model_len = max_model_len
         self.publish_window = publish_window
         self.report_usage = report_usage
+        self.count = count
         self.model = model
         self.api_key = api_key
         self.host = host
@@ -311,7 +316,7 @@ class ScriptedServer:
             self._start_process()
         else:
             self._state = _State(self.script, self.model, self.api_key, self.max_model_len, self.publish_window,
-                                 self.report_usage)
+                                 self.report_usage, self.count)
             self._httpd = ThreadingHTTPServer((self.host, self.port), _handler(self._state))
             self._httpd.daemon_threads = True
             self.port = self._httpd.server_address[1]

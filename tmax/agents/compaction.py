@@ -54,6 +54,7 @@ TAIL_SHARE = 0.5  # kept turns only while the rebuilt context stays under this s
 RETRY_GROWTH = 0.05  # after a failure, automatic compaction waits for this share of the window more
 SUMMARY_MAX_TOKENS = 4096  # the summary's cap, and at most an eighth of the window
 SUMMARY_MIN_TOKENS = 256
+SUMMARY_FLOOR_TOKENS = 64  # the least a summary may take where the task and the rest leave little room
 MIN_OBSERVATION_TOKENS = 64  # an observation is never cut to less than this
 SUMMARY_ATTEMPTS = 3  # a summary request the server still finds too long is rebuilt smaller, this often
 
@@ -388,10 +389,17 @@ class _Summariser:
         return _THINK.sub("", _text(turn.message)).strip()
 
     def run(self) -> str:
+        first = _first_user(self.messages)
+        shrink = 1.0  # of the room for the conversation, after a refusal that did not say by how much
         for attempt in range(1, SUMMARY_ATTEMPTS + 1):
             window = self.compactor.window(self.policy)  # the server may have told a smaller one
-            cap = self.compactor.summary_cap(window)
-            budget = int((window - cap - max(16, window // 32)) * 0.7 ** (attempt - 1))
+            margin = max(16, window // 32)
+            # The fixed part (system prompt, task, follow-ups, the prompt) is sent whatever happens;
+            # of what it leaves, the summary may take a third, so that a piece's request (the fixed
+            # part, the summary so far, some turns) still has room for a turn.
+            fixed = self.compactor._count(self.policy, [*self._head(first, ""), self.prompt], self.tools)
+            cap = max(SUMMARY_FLOOR_TOKENS, min(self.compactor.summary_cap(window), (window - margin - fixed) // 3))
+            budget = fixed + int((window - cap - margin - fixed) * shrink)
             try:
                 return self._within(budget, cap)
             except ContextOverflow as e:
@@ -399,6 +407,8 @@ class _Summariser:
                     raise
                 if e.prompt_tokens and self.sent:  # the server's count: estimate by it from now on
                     self.compactor.counter.calibrate(self.sent, self.tools, e.prompt_tokens)
+                else:
+                    shrink *= 0.6
         raise AssertionError("unreachable")
 
     def _within(self, budget: int, cap: int) -> str:
@@ -423,9 +433,12 @@ class _Summariser:
         return clipped
 
     def _head(self, first: int, summary: str) -> list[dict[str, Any]]:
-        """A piece's start: the system prompt, the task and every follow-up verbatim, the summary so far."""
-        follow_ups = [_text(self.messages[i]) for i in self.ctx.follow_up_at if i < len(self.messages)]
-        text = carried_message(_text(self.messages[first]), follow_ups, summary or "(none yet: this is the first part)")
+        """A piece's start: the system prompt, the task and every follow-up verbatim, the summary
+        so far (at first the last compaction's, which the task message carried)."""
+        follow_ups = [*self.ctx.follow_ups, *(_text(self.messages[i]) for i in self.ctx.follow_up_at
+                                              if i < len(self.messages))]
+        task = _text(self.ctx.task or self.messages[first])
+        text = carried_message(task, follow_ups, summary or "(none yet: this is the first part)")
         return [*self.messages[:first], {"role": "user", "content": text}]
 
     def _in_pieces(self, first: int, body: list[dict[str, Any]], budget: int, cap: int, limit: int) -> str:
@@ -434,20 +447,31 @@ class _Summariser:
             if not turns or message.get("role") == "assistant":
                 turns.append([])
             turns[-1].append(message)
-        summary, chunk = "", []
+        previous = next((c.summary for c in reversed(self.ctx.compactions) if c.ok), "")
+        summary, chunk = self._capped(previous, cap), []
         for i, turn in enumerate(turns):
             if chunk and not self._fits([*self._head(first, summary), *chunk, *turn, self.prompt], budget):
                 summary, chunk = self._call([*self._head(first, summary), *chunk, self.prompt], cap), []
+                summary = self._capped(summary, cap)
             turn = self._shrunk(self._head(first, summary), turn, budget, limit)
             chunk.extend(turn)
         return self._call([*self._head(first, summary), *chunk, self.prompt], cap)
 
+    def _capped(self, summary: str, cap: int) -> str:
+        """The summary so far, which goes into every later piece: at most `cap` tokens as
+        counted (text the model wrote may take more tokens to read than it sampled)."""
+        kept, keep = summary, len(summary)
+        while keep > 100 and self.compactor._count(self.policy, [{"role": "user", "content": kept}], []) > cap:
+            keep = int(keep * 0.7)
+            kept = clip_text(summary, keep)[0]
+        return kept
+
     def _shrunk(self, head: list[dict[str, Any]], turn: list[dict[str, Any]], budget: int,
                 limit: int) -> list[dict[str, Any]]:
-        """One turn clipped harder until it fits beside `head` (ContextOverflow: it never does)."""
-        while not self._fits([*head, *turn, self.prompt], budget):
-            limit //= 2
-            if limit < 200:
-                raise ContextOverflow("the summary request cannot be made to fit the window")
+        """One turn clipped harder until it fits beside `head`, at the last down to the notes
+        of what was cut (then, if the estimate still says no, the server decides: a refusal
+        with its count corrects the estimate and the summary is tried again)."""
+        while limit > 0 and not self._fits([*head, *turn, self.prompt], budget):
+            limit = limit // 2 if limit >= 80 else 0
             turn = [m if id(m) in self.follow_ups else clip_message(m, limit)[0] for m in turn]
         return turn
