@@ -194,7 +194,7 @@ def test_a_long_session_in_a_pty_with_follow_ups_and_compact(env, project, tmp_p
 def test_only_a_system_prompt_and_task_over_the_window_end_the_run_saying_which(env, project, part):
     """Exit 4 only where no compaction can help: the task, or the system prompt with the
     project's instructions (AGENTS.md, at most 16,000 characters), alone over the window.
-    (With --tokens the count is exact and the request is not even sent.)"""
+    The request goes out (an estimate ends nothing): the server refuses it, and nothing can shrink it."""
     task = TASK
     if part == "task":
         task = f"{TASK}: " + "make it so. " * 1600
@@ -204,7 +204,6 @@ def test_only_a_system_prompt_and_task_over_the_window_end_the_run_saying_which(
         env["TMAX_BASE_URL"] = srv.base_url
         code, events, _ = tmax_json([task], env, project)
         requests, refused = srv.requests, srv.refused
-    # Estimated only, so the server decides: it refuses the one request, and nothing can shrink it.
     assert code == 4 and events[-1]["status"] == "context_overflow" and refused == [0] and len(requests) == 1
     error = events[-1]["error"]
     assert f"cannot be made to fit the model's {WINDOW:,}-token window" in error, error

@@ -41,7 +41,7 @@ from typing import Any, Callable, Literal
 
 from tmax.agents.budget import Budget, budget_hint
 from tmax.agents.compaction import CompactionRecord, Compactor, ContextUse, SessionContext, turns_after_task
-from tmax.agents.fitting import Clip, TokenCount, TokenCounter
+from tmax.agents.fitting import Clip, TokenCounter
 from tmax.agents.harness import Harness, TmaxHarness
 from tmax.agents.instructions import with_instructions
 from tmax.agents.observation import ObservationLimits
@@ -186,11 +186,7 @@ class Agent:
     def request_tokens(self) -> int:
         """The size of the next request (`TokenCounter.next_request`), and at least the last
         turn's context as reported (the next prompt holds it)."""
-        return self._request_count().tokens
-
-    def _request_count(self) -> TokenCount:
-        counted = self.counter.next_request(self.policy, self.messages, self.tools)
-        return TokenCount(max(counted.tokens, self._last_context_tokens), counted.estimated)
+        return max(self.counter.next_request(self.policy, self.messages, self.tools).tokens, self._last_context_tokens)
 
     def compact(self, focus: str | None = None,
                 reason: Literal["auto", "manual", "overflow"] = "manual") -> CompactionRecord:
@@ -219,24 +215,17 @@ class Agent:
         self.hooks.on_compaction(out.record)
         return out.record
 
-    def _compact_if_due(self) -> "_Outcome | None":
-        """Before a model call: compact when asked or when the request would pass the
-        threshold; an outcome when the request cannot be made to fit the window."""
+    def _compact_if_due(self) -> None:
+        """Before a model call: compact when asked or when the request would pass the threshold."""
         if self._compact_request is not None:
             focus, self._compact_request = self._compact_request, None
             self.compact(focus, "manual")
         if not self.compactor.active(self.policy):
-            return None  # nothing is counted: the Vanillux2 protocol (bench, learn) as it is
-        count = self._request_count()
-        tokens = count.tokens
-        if not count.estimated and tokens >= self.compactor.window(self.policy):  # an estimate ends nothing: the server will say
-            why = self.compactor.too_large(self.policy, self.messages, self.tools, self.context)
-            if why is not None:
-                return _Outcome("context_overflow", why)
-        # Only once the model has answered since the task (or the last compaction) is there anything to summarise.
-        if turns_after_task(self.messages) and self.compactor.due(self.policy, tokens):
+            return  # nothing is counted: the Vanillux2 protocol (bench, learn) as it is
+        # Only once the model has answered since the task (or the last compaction) is there anything
+        # to summarise. A request still too long goes out: the policy or the server refuses it (`_overflowed`).
+        if turns_after_task(self.messages) and self.compactor.due(self.policy, self.request_tokens()):
             self.compact(None, "auto")
-        return None
 
     def _overflowed(self, error: ContextOverflow, retried: bool) -> "_Outcome | None":
         """The server refused the request as too long (its count is not ours, or its window
@@ -249,9 +238,9 @@ class Agent:
             if record.ok:
                 return None
             why = f"{why} (compaction failed: {record.error})"
-        if self.compactor.active(self.policy):
-            why = self.compactor.too_large(self.policy, self.messages, self.tools, self.context) or why
-        return _Outcome("context_overflow", why)
+        too_large = self.compactor.too_large(self.policy, self.messages, self.tools, self.context) \
+            if self.compactor.active(self.policy) else None
+        return _Outcome("context_overflow", f"{why}; {too_large}" if too_large else why)
 
     def _aside(self, messages: list[dict[str, Any]], max_tokens: int) -> ModelTurn:
         cfg, policy = self.config, self.policy
@@ -283,9 +272,7 @@ class Agent:
                 return _Outcome("stopped")
             if episode_steps >= cfg.max_steps:
                 return _Outcome("max_steps")
-            unfit = self._compact_if_due()
-            if unfit is not None:
-                return unfit
+            self._compact_if_due()
             guard = not getattr(self.policy, "enforces_context_budget", False)
             if guard and self._last_context_tokens >= cfg.context_budget:
                 return _Outcome("context_overflow", f"context budget of {cfg.context_budget} tokens used")
