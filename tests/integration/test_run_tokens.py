@@ -243,8 +243,8 @@ def test_a_session_many_times_the_window_of_the_served_nano_model_goes_on(nano_d
     to 150 tokens each, and a task with a build log in it: compaction at the
     default threshold, every request counted before it is sent (the chat path estimates from
     vLLM's usage; --tokens counts with the tokenizer). It never ends at the window: the step
-    limit ends it (exit 3), after compactions that all succeed, each context starting with
-    the task verbatim."""
+    limit ends it (exit 3), after compactions of which at most a quarter fail (a failed one
+    changes nothing), each context starting with the task verbatim."""
     from tmax.agents.records import load_segments
 
     ws = tmp_path / "ws"
@@ -257,9 +257,13 @@ def test_a_session_many_times_the_window_of_the_served_nano_model_goes_on(nano_d
     done = [e for e in events if e["type"] == "compaction"]
     assert events[-1]["type"] == "done" and events[-1]["status"] == "max_steps", (events[-1]["error"], done)
     assert run.returncode == 3
-    assert len(done) >= 2 and all(e["ok"] and e["window"] == 2048 for e in done), done
+    # A summary that fails (the random model's text) leaves the session as it was, and the next one is
+    # tried once the context has grown: most succeed.
+    ok = [e for e in done if e["ok"]]
+    failed = [e["error"] for e in done if not e["ok"]]
+    assert len(ok) >= 2 and len(failed) <= len(done) // 4 and all(e["window"] == 2048 for e in done), failed
     contexts = [s.messages for s in load_segments(tmp_path / "s")] + [json.loads((tmp_path / "s" / "trajectory.json").read_text())]
-    assert len(contexts) == len(done) + 1 and all(task in c[1]["content"] for c in contexts)
+    assert len(contexts) == len(ok) + 1 and all(task in c[1]["content"] for c in contexts)
 
 
 def test_a_chat_session_counted_by_the_nano_tokenizer_with_random_answers_goes_on(nano_dir, tmp_path):
