@@ -17,7 +17,16 @@ Turn keys (all optional):
     raw              answer 200 with exactly this body instead (a proxy's HTML page, a cut-off reply)
     content_type     the Content-Type of a `raw` body (default application/json)
     error            "context_length" | "max_tokens_too_large" | "auth" | "not_found" | "server": canned vLLM-style errors
-    max_model_len    (a server option, not a turn key) reported per model by GET /v1/models, as vLLM does
+    max_model_len    (a server option, not a turn key) the context window: reported per model by
+                     GET /v1/models as vLLM does, and enforced on every request as vLLM 0.32 does
+                     (a prompt over it gets vLLM's 400 "maximum context length"; max_tokens is
+                     clamped to what the window leaves). Server options beside it:
+                     publish_window=False (the window is enforced but not listed: the 400 is the
+                     only sign of it) and report_usage=False (no usage in the answers)
+
+Token counts are a deterministic stand-in, ~4 characters a token: the request's messages and
+tools as JSON (a real server renders the tools into the prompt too); or, in-process, what
+`count(request) -> int` says (a real tokenizer over the chat template, as vLLM counts).
 
 `script` may also be a callable `request body -> turn` (in-process only): a responder that
 picks its answer from the request, for clients that send requests concurrently.
@@ -92,15 +101,28 @@ def _tool_calls(turn: dict[str, Any]) -> list[dict[str, Any]]:
     return calls
 
 
-def completion_body(turn: dict[str, Any], model: str, request: dict[str, Any], index: int) -> dict[str, Any]:
+def prompt_length(request: dict[str, Any]) -> int:
+    """The stand-in token count of a request's prompt: ~4 characters of its messages and tools a token."""
+    tools = request.get("tools")
+    return (len(json.dumps(request.get("messages", []))) + (len(json.dumps(tools)) if tools else 0)) // 4
+
+
+def window_error(window: int, prompt: int) -> str:
+    """vLLM's (0.32) answer to a prompt longer than the window."""
+    return (f"This model's maximum context length is {window} tokens. However, your prompt contains {prompt} input "
+            "tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input "
+            "prompt.")
+
+
+def completion_body(turn: dict[str, Any], model: str, request: dict[str, Any], index: int,
+                    prompt_tokens: int | None = None) -> dict[str, Any]:
     calls = _tool_calls(turn)
     message: dict[str, Any] = {"role": "assistant", "content": turn.get("content", "" if calls else None)}
     if calls:
         message["tool_calls"] = calls
     if "reasoning_content" in turn:
         message["reasoning_content"] = turn["reasoning_content"]
-    # Deterministic stand-in token counts: ~4 characters per token.
-    prompt_tokens = len(json.dumps(request.get("messages", []))) // 4
+    prompt_tokens = prompt_length(request) if prompt_tokens is None else prompt_tokens
     completion_tokens = (len(message.get("content") or "") + len(json.dumps(calls))) // 4 + 1
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
     usage.update(turn.get("usage") or {})
@@ -122,14 +144,24 @@ def completion_body(turn: dict[str, Any], model: str, request: dict[str, Any], i
 
 
 class _State:
-    def __init__(self, script: Any, model: str, api_key: str | None, max_model_len: int | None = None) -> None:
+    def __init__(self, script: Any, model: str, api_key: str | None, max_model_len: int | None = None,
+                 publish_window: bool = True, report_usage: bool = True, count: Any = prompt_length) -> None:
         self.script = script if callable(script) else list(script)
         self.model = model
         self.api_key = api_key
         self.max_model_len = max_model_len
+        self.publish_window = publish_window
+        self.report_usage = report_usage
+        self.count = count
         self.requests: list[dict[str, Any]] = []
+        self.refused: list[int] = []  # indices in `requests` of those refused as over the window
         self.next = 0
         self.lock = threading.Lock()
+
+    def refuse(self, body: dict[str, Any]) -> None:
+        with self.lock:
+            self.refused.append(len(self.requests))
+            self.requests.append(body)
 
     def take(self, body: dict[str, Any]) -> tuple[int, dict[str, Any] | None]:
         with self.lock:
@@ -172,7 +204,7 @@ def _handler(state: _State) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             if self.path.rstrip("/") == "/v1/models":
                 entry = {"id": state.model, "object": "model", "owned_by": "tmax-tests"}
-                if state.max_model_len is not None:
+                if state.max_model_len is not None and state.publish_window:
                     entry["max_model_len"] = state.max_model_len
                 self._send(200, {"object": "list", "data": [entry]})
             elif self.path == "/_requests":
@@ -200,6 +232,11 @@ def _handler(state: _State) -> type[BaseHTTPRequestHandler]:
             if body.get("stream"):
                 self._error(400, "BadRequestError", "the scripted server does not stream")
                 return
+            prompt = state.count(body)
+            if state.max_model_len is not None and prompt > state.max_model_len:
+                state.refuse(body)
+                self._error(400, "BadRequestError", window_error(state.max_model_len, prompt))
+                return
             index, turn = state.take(body)
             if turn is None:
                 self._error(400, "BadRequestError", f"scripted server: script exhausted after {index} turns")
@@ -214,7 +251,10 @@ def _handler(state: _State) -> type[BaseHTTPRequestHandler]:
             elif "status" in turn:
                 self._error(int(turn["status"]), "ScriptedError", turn.get("message", f"scripted error {turn['status']}"))
             else:
-                self._send(200, completion_body(turn, state.model, body, index))
+                answer = completion_body(turn, state.model, body, index, prompt)
+                if not state.report_usage:
+                    answer.pop("usage")
+                self._send(200, answer)
 
     return Handler
 
@@ -231,11 +271,17 @@ class ScriptedServer:
         port: int = 0,
         process: bool = False,
         max_model_len: int | None = None,
+        publish_window: bool = True,
+        report_usage: bool = True,
+        count: Any = prompt_length,
     ) -> None:
         if callable(script) and process:
             raise ValueError("a callable script runs in-process only")
         self.script = script if callable(script) else list(script)
         self.max_model_len = max_model_len
+        self.publish_window = publish_window
+        self.report_usage = report_usage
+        self.count = count
         self.model = model
         self.api_key = api_key
         self.host = host
@@ -252,6 +298,13 @@ class ScriptedServer:
         return f"http://{self.host}:{self.port}/v1"
 
     @property
+    def refused(self) -> list[int]:
+        """Which requests (indices in `requests`) were refused as over the window (in-process only)."""
+        assert self._state is not None
+        with self._state.lock:
+            return list(self._state.refused)
+
+    @property
     def requests(self) -> list[dict[str, Any]]:
         if self._state is not None:
             with self._state.lock:
@@ -262,7 +315,8 @@ class ScriptedServer:
         if self.process:
             self._start_process()
         else:
-            self._state = _State(self.script, self.model, self.api_key, self.max_model_len)
+            self._state = _State(self.script, self.model, self.api_key, self.max_model_len, self.publish_window,
+                                 self.report_usage, self.count)
             self._httpd = ThreadingHTTPServer((self.host, self.port), _handler(self._state))
             self._httpd.daemon_threads = True
             self.port = self._httpd.server_address[1]

@@ -82,13 +82,14 @@ def test_an_episode_with_compaction_on_is_one_sample_per_segment(nano):
     tok, splits, root = nano
     task = splits["train"][1]
     big = "python3 -c \"print('a' * 2000)\""
-    before = scripted_turns(tok, [("THOUGHT: look first.", big), ("THOUGHT: and once more.", "echo ok")])
+    before = scripted_turns(tok, [("THOUGHT: look first.", big)])
     summary = assistant_ids(tok, {"role": "assistant", "content": "SUMMARY: printed a lot, nothing changed."})
-    after = _oracle_turns(tok, task)
+    after = scripted_turns(tok, [("THOUGHT: and once more.", "echo ok")]) + _oracle_turns(tok, task)
     prompt = len(tok.apply_chat_template(make_harness("tmax").initial_messages("x"), tools=TOOLS,
                                          add_generation_prompt=True, tokenize=True)["input_ids"])
     obs = len(tok.encode("a" * 2000, add_special_tokens=False))
-    # Half the window: past the first turn, short of the second (the big output in its prompt).
+    # Half the window: the request after the first turn, its big output in it, would pass it, so
+    # the episode compacts before that request is sent.
     cfg = _cfg(compaction=True, compaction_threshold=0.5, context_budget=2 * (prompt + obs), response_budget=10**6,
                observation_max_chars=4000)
     r = run_episode(EpisodeRequest(str(task), 0, 0, 7), ScriptedSampler(before + [summary] + after), tok, cfg)

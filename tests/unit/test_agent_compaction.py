@@ -62,9 +62,12 @@ def test_two_compactions_keep_the_task_and_the_follow_ups_verbatim(open_box, tmp
     reqs = policy.requests
     assert [i for i, _ in policy.aside] == [4, 8] and len(reqs) == 11
 
-    # The summary calls: the whole conversation, then the fixed prompt.
+    # The summary calls: the whole conversation, then the fixed prompt. The server said the
+    # context was 6,500 tokens: the summary request would not leave room for the summary, so
+    # the two long outputs in it are cut (head and tail kept).
     assert reqs[4][-1] == {"role": "user", "content": summary_prompt(None)}
-    assert "a" * 4000 in contents(reqs[4])
+    assert "a" * 4000 not in contents(reqs[4]) and "a" * 100 in contents(reqs[4])
+    assert contents(reqs[4]).count("characters cut here to fit the context window") == 2
     # After the first: the task verbatim, the summary, the last two turns as they were.
     after = reqs[5]
     assert after[0] == reqs[0][0] and after[1]["content"].startswith(reqs[0][1]["content"])
@@ -79,14 +82,16 @@ def test_two_compactions_keep_the_task_and_the_follow_ups_verbatim(open_box, tmp
 
     first, second = hooks.done
     assert [h[0] for h in hooks.started] == ["auto", "auto"] and first.ok and second.ok
-    assert (first.tokens_before, first.window, first.kept_turns, first.segment) == (6500, 8000, 2, 1)
+    assert (first.window, first.kept_turns, first.segment, first.pieces) == (8000, 2, 1, 1)
+    assert first.tokens_before >= 6500 and [c.where for c in first.clipped] == ["message 3 (tool)", "message 5 (tool)"]
     assert 0 < first.tokens_after < first.tokens_before and first.estimated
     assert second.segment == 2 and second.follow_ups == 1
     # The records: the current context, the closed ones, the session context, the usage.
     run = load_run(tmp_path / "run")
     assert run.messages == [*reqs[10], run.messages[-2], run.messages[-1]]
     segments = load_segments(tmp_path / "run")
-    assert [s.segment for s in segments] == [1, 2] and segments[0].messages == reqs[4][:-1]
+    assert [s.segment for s in segments] == [1, 2] and len(segments[0].messages) == len(reqs[4]) - 1
+    assert segments[0].messages[:len(reqs[3])] == reqs[3] and "a" * 4000 in contents(segments[0].messages)  # as it was
     assert run.context is not None and [c.summary for c in run.context.compactions] == ["SUMMARY-ONE: listed files.",
                                                                                       "SUMMARY-TWO: more."]
     usage = json.loads((tmp_path / "run" / "usage.json").read_text())
@@ -95,24 +100,36 @@ def test_two_compactions_keep_the_task_and_the_follow_ups_verbatim(open_box, tmp
 
 
 def test_a_failed_summary_keeps_the_session_and_waits_before_trying_again(open_box, tmp_path):
-    script = [small(1, total=900), {"content": ""}, small(2, total=920), small(3, total=960),
-              {"content": "far too long " * 2000}, small(4, total=1010), {"error": "auth"}, SUBMIT]
-    policy, hooks = ScriptedPolicy(script, window=1000), Seen()
+    script = [small(1, total=7200), {"content": ""}, small(2, total=7360), small(3, total=7680),
+              {"error": "auth"}, SUBMIT]
+    policy, hooks = ScriptedPolicy(script, window=8000), Seen()
     agent = agent_for(policy, open_box(), tmp_path, hooks, compaction=True, compaction_threshold=0.9)
     result = agent.run("task ALPHA")
-    assert result.status == "submitted" and [i for i, _ in policy.aside] == [1, 4, 6]
-    empty, long, fatal = hooks.done
+    # Tried at 7,200 tokens (90 %); after the failure not before 7,200 + 5 % of the window.
+    assert result.status == "submitted" and [i for i, _ in policy.aside] == [1, 4]
+    empty, fatal = hooks.done
     assert not empty.ok and empty.error == "the model's summary was empty"
-    assert not long.ok and long.error.startswith("the summary is too long: the rebuilt context would still be over 90%")
     assert not fatal.ok and "the summary call failed" in fatal.error
     # Nothing was replaced: every request holds the whole conversation.
-    assert policy.requests[7][:len(policy.requests[3])] == policy.requests[3]
+    assert policy.requests[5][:len(policy.requests[3])] == policy.requests[3]
     assert policy.restarts == [] and not (tmp_path / "run" / "segments").exists()
+
+
+def test_a_summary_too_long_for_the_window_is_cut_not_dropped(open_box, tmp_path):
+    script = [small(1, total=7200), {"content": "SUMMARY-HEAD " + "far too long " * 2000 + "SUMMARY-TAIL"}, SUBMIT]
+    policy, hooks = ScriptedPolicy(script, window=8000), Seen()
+    agent = agent_for(policy, open_box(), tmp_path, hooks, compaction=True, compaction_threshold=0.9)
+    assert agent.run("task ALPHA").status == "submitted"
+    (record,) = hooks.done
+    assert record.ok and record.clipped[-1].where == "the summary" and record.clipped[-1].chars > 26000
+    carried = policy.requests[2][1]["content"]
+    assert record.summary in carried and len(record.summary) < 26000 < record.clipped[-1].chars
+    assert "SUMMARY-HEAD" in carried and "SUMMARY-TAIL" in carried and "characters cut here" in carried
 
 
 def test_manual_compaction_between_episodes_with_a_focus_and_off_by_default(open_box, tmp_path):
     script = [small(1, total=990), SUBMIT, {"content": "SUMMARY: the tests."}, SUBMIT]
-    policy = ScriptedPolicy(script, window=1000)
+    policy = ScriptedPolicy(script, window=2048)
     agent = agent_for(policy, open_box(), tmp_path)  # compaction off: the Vanillux2 default
     assert AgentSettings().compaction is False
     assert agent.run("task ALPHA").status == "submitted"  # over the threshold, nothing happened
@@ -169,3 +186,74 @@ def test_bench_and_learn_take_the_settings_by_name():
     assert (s.compaction, s.compaction_threshold) == (True, 0.7)
     with pytest.raises(ValueError, match="compaction_threshold"):
         AgentSettings.from_settings({"compaction_threshold": 1.5})
+
+
+def test_a_conversation_too_long_to_summarise_at_once_is_summarised_in_pieces():
+    """40 turns of ~1,000-character outputs in a 4,096-token window: the summary request is
+    built to fit with room for the summary. Clipping the outputs is not enough, so the oldest
+    turns are summarised in pieces, each piece's request holding the summary so far, the task
+    and the follow-up (long, and never clipped) word for word."""
+    from tmax.agents.compaction import Compactor
+    from tmax.agents.policy import ModelTurn, Usage
+
+    call = {"id": "c", "type": "function", "function": {"name": "bash", "arguments": '{"command": "make"}'}}
+    follow_up = "FOLLOW-UP: also keep the old flag. " * 30
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "TASK ALPHA"}]
+    for i in range(40):
+        if i == 20:
+            messages.append({"role": "user", "content": follow_up})
+        messages += [{"role": "assistant", "content": f"turn {i}", "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": "c", "content": f"out-{i} " + "y" * 1000}]
+    ctx = SessionContext(task=messages[1], follow_up_at=[messages.index({"role": "user", "content": follow_up})])
+    policy = ScriptedPolicy([], window=4096)
+    compactor = Compactor(AgentSettings(compaction=True))
+    asked: list[tuple[list, int]] = []
+
+    def ask(request, cap):
+        asked.append((request, cap))
+        return ModelTurn({"role": "assistant", "content": f"PIECE-{len(asked)} done."}, Usage(completion_tokens=9))
+
+    out = compactor.compact(policy, messages, [], ctx, 20000, step=40, reason="auto", focus=None, ask=ask)
+    record = out.record
+    assert record.ok and record.pieces == len(asked) >= 3 and record.clipped and record.summary_tokens == 9 * len(asked)
+    for n, (request, cap) in enumerate(asked, 1):
+        assert compactor.counter.count(policy, request, []).tokens + cap <= 4096
+        text = contents(request)
+        assert "TASK ALPHA" in text and follow_up in text and request[-1] == {"role": "user", "content": summary_prompt(None)}
+        assert n == 1 or f"PIECE-{n - 1} done." in text  # the summary so far
+    # Every turn was in one piece, oldest first; the last piece's answer is the summary.
+    seen = [int(m["content"].split()[1]) for request, _ in asked for m in request if m.get("role") == "assistant"]
+    assert seen == list(range(40))
+    assert record.summary == f"PIECE-{len(asked)} done." and record.summary in out.messages[1]["content"]
+
+
+def test_an_overflow_from_the_server_compacts_and_retries_the_turn_once(open_box, tmp_path):
+    """The server refuses a request as too long (its count is not ours): the session is
+    compacted and the same turn tried again; a second refusal of that turn ends it."""
+    script = [small(1), {"error": "context_length"}, {"content": "SUMMARY: one step."}, SUBMIT,
+              small(2), {"error": "context_length"}, {"content": "SUMMARY: two."}, {"error": "context_length"}]
+    policy, hooks = ScriptedPolicy(script, window=8000), Seen()
+    agent = agent_for(policy, open_box(), tmp_path, hooks, compaction=True)
+    assert agent.run("task ALPHA").status == "submitted"
+    (record,) = hooks.done
+    assert record.ok and record.reason == "overflow" and [i for i, _ in policy.aside] == [2]
+    assert "SUMMARY: one step." in policy.requests[3][1]["content"]  # the refused turn, tried again
+    result = agent.follow_up("follow-up BETA")
+    assert result.status == "context_overflow" and "context window exceeded" in result.error
+    assert [r.reason for r in hooks.done] == ["overflow", "overflow"] and len(policy.requests) == 8
+
+
+def test_an_overflow_right_after_a_compaction_rebuilds_it_from_the_same_summary(open_box, tmp_path):
+    """The server counts the freshly compacted context higher than we did and refuses it:
+    nothing new to summarise, so the same summary is fitted again (by the server's count where
+    its error gives one: cut where it no longer fits) and the turn
+    tried again; no second summary call."""
+    script = [small(1, total=7200), {"content": "SUMMARY-ONE " + "detail " * 700},
+              {"error": "context_length"}, SUBMIT]
+    policy, hooks = ScriptedPolicy(script, window=8000), Seen()
+    agent = agent_for(policy, open_box(), tmp_path, hooks, compaction=True, compaction_threshold=0.5)
+    assert agent.run("task ALPHA").status == "submitted"
+    auto, overflow = hooks.done
+    assert auto.ok and auto.kept_turns == 0 and overflow.ok and overflow.reason == "overflow"
+    assert [i for i, _ in policy.aside] == [1] and overflow.pieces == 0 and overflow.segment == 2
+    assert overflow.summary.startswith("SUMMARY-ONE") and overflow.summary in policy.requests[3][1]["content"]

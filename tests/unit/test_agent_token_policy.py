@@ -146,8 +146,11 @@ def canonical(tok, messages, xml=False):
     return tok.apply_chat_template(msgs, tools=TOOLS, add_generation_prompt=False, tokenize=False)
 
 
+@pytest.mark.parametrize("compaction", [False, True], ids=["protocol", "counted"])
 @pytest.mark.parametrize("style", ["hermes", "xml"])
-def test_trace_equals_canonical_tokenisation(style, base_tokenizer, box):
+def test_trace_equals_canonical_tokenisation(style, compaction, base_tokenizer, box):
+    """Also with compaction on (each request counted before it is sent, by the template, its
+    tool-call arguments as mappings as vLLM passes them): the same trace."""
     xml = style == "xml"
     tok = tokenizer_with(base_tokenizer, XML_TEMPLATE if xml else HERMES_TEMPLATE)
     call = xml_call if xml else hermes_call
@@ -159,7 +162,7 @@ def test_trace_equals_canonical_tokenisation(style, base_tokenizer, box):
     ]
     sampler = ScriptedSampler(tok, texts)
     policy = TokenPolicy(sampler, tok, temperature=1.0, top_p=1.0, seed=7)
-    result = Agent(policy, box, AgentSettings()).run("Say hello.")
+    result = Agent(policy, box, AgentSettings(compaction=compaction)).run("Say hello.")
     assert result.status == "submitted" and result.steps == 4
     trace = policy.trace
 
@@ -306,38 +309,40 @@ def test_failed_sample_is_retried_on_the_same_context(base_tokenizer, box):
 
 def test_a_compacted_session_is_token_segments_exactly_as_sampled(base_tokenizer, box):
     """After a compaction the trace is cut: each segment's prompt ids are its context as
-    rendered and sent, its sampled ids those the sampler returned; the summary is in neither."""
+    rendered and sent, its sampled ids those the sampler returned; the summary is in neither.
+    The request is counted before it is sent: the long output of turn 1 puts the next one
+    over the threshold, so the session compacts before turn 2 (not after it)."""
     from token_spans import spans
 
     tok = tokenizer_with(base_tokenizer, HERMES_TEMPLATE)
-    texts = [hermes_call("python3 -c \"print('a' * 3000)\""), hermes_call("echo two"), "SUMMARY: printed a lot.",
-             hermes_call(f"echo {SUBMIT_MARKER}")]
-    probe = ScriptedSampler(tok, texts[:2] + texts[3:])
+    texts = [hermes_call("python3 -c \"print(' '.join(str(i) for i in range(600)))\""), "SUMMARY: printed a lot.",
+             hermes_call("echo two"), hermes_call(f"echo {SUBMIT_MARKER}")]
+    probe = ScriptedSampler(tok, texts[:1] + texts[2:])
     Agent(TokenPolicy(probe, tok), box, AgentSettings()).run("Print.")
-    # The context after turns 1 and 2: the prompt of each and what was sampled.
-    after = [len(c["prompt_ids"]) + len(tok.encode(t, add_special_tokens=False)) + 1 for c, t in zip(probe.calls, texts)]
+    # The request after turn 1 and its output, as counted: at 95 % of the window.
+    request = len(probe.calls[1]["prompt_ids"])
     sampler = ScriptedSampler(tok, texts)
     policy = TokenPolicy(sampler, tok, max_response_tokens=10**6, max_context_tokens=10**6)
-    settings = AgentSettings(compaction=True, compaction_threshold=0.9, context_budget=int(after[1] / 0.9))
+    settings = AgentSettings(compaction=True, compaction_threshold=0.9, context_budget=int(request / 0.95))
     agent = Agent(policy, box, settings)
     result = agent.run("Print.")
     assert result.status == "submitted" and len(sampler.calls) == 4
-    record = agent.context.compactions[0]
-    assert record.ok and record.kept_turns == 1 and not record.estimated
+    (record,) = agent.context.compactions
+    assert record.ok and record.step == 1 and record.kept_turns == 0 and not record.estimated
     (first,), second = policy.segments, policy.trace
 
-    # Segment 1: the session up to its last sampled turn, as the sampler saw it.
-    assert sampler.calls[1]["prompt_ids"] == first.context[: len(sampler.calls[1]["prompt_ids"])]
+    # Segment 1: the task and turn 1, as the sampler saw it.
+    assert first.prompt_ids == sampler.calls[0]["prompt_ids"]
     assert [first.ids[s:e] for v, s, e in spans(first.mask) if v == 1] == [
-        tok.encode(t, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")] for t in texts[:2]]
-    # The summary was sampled on segment 1 plus the request, and recorded nowhere.
-    assert sampler.calls[2]["prompt_ids"][: len(first.context)] == first.context
+        tok.encode(texts[0], add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]]
+    # The summary was sampled on a request of its own (the summary prompt last), recorded nowhere.
+    assert "Print." in tok.decode(sampler.calls[1]["prompt_ids"]) and "four headings" in tok.decode(sampler.calls[1]["prompt_ids"])
     # Segment 2: the rebuilt context rendered as a prompt, exactly what was sent.
-    rebuilt = result.messages[: record.prefix + 2]
+    rebuilt = result.messages[: record.prefix]
     assert "SUMMARY: printed a lot." in rebuilt[1]["content"] and "Print." in rebuilt[1]["content"]
     prompt = tok.apply_chat_template(rebuilt, tools=TOOLS, add_generation_prompt=True, tokenize=False)
-    assert second.prompt_ids == tok.encode(prompt, add_special_tokens=False) == sampler.calls[3]["prompt_ids"]
+    assert second.prompt_ids == tok.encode(prompt, add_special_tokens=False) == sampler.calls[2]["prompt_ids"]
     assert record.tokens_after == len(second.prompt_ids)
     assert [second.ids[s:e] for v, s, e in spans(second.mask) if v == 1] == [
-        tok.encode(texts[3], add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]]
-    assert second.turn_versions == [4] and first.turn_versions == [1, 2]
+        tok.encode(t, add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")] for t in texts[2:]]
+    assert second.turn_versions == [3, 4] and first.turn_versions == [1]

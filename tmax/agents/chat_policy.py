@@ -68,7 +68,7 @@ def map_openai_error(err: Exception) -> Exception:
     if isinstance(err, openai.APIStatusError):
         status = err.status_code
         if status in (400, 413, 422) and _is_context_error(err):
-            return ContextOverflow(f"context window exceeded: {err}")
+            return ContextOverflow(f"context window exceeded: {err}", prompt_tokens=_first_int(_PROMPT_RES, str(err)))
         if isinstance(err, openai.AuthenticationError):
             return FatalModelError(f"authentication failed (check the API key): {err}")
         if isinstance(err, openai.PermissionDeniedError):
@@ -198,11 +198,24 @@ class ChatPolicy:
 
     @property
     def context_window(self) -> int | None:
+        """The server's window: asked once, before the first request where it is wanted then."""
+        self._ask_window()
         return self.window
 
+    def _ask_window(self) -> None:
+        if not self._window_asked:
+            self._window_asked = True
+            self.window = self._server_window()
+
     def complete_aside(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], max_tokens: int) -> ModelTurn:
-        """A turn that leaves the window bookkeeping as it was."""
-        return self._turn(messages, tools, max_tokens)
+        """A turn that leaves the window bookkeeping as it was. Its max_tokens is fitted to
+        its own request (built to fit: `agents.compaction`), not to the conversation's."""
+        saved = self._context_tokens
+        self._context_tokens = 0
+        try:
+            return self._turn(messages, tools, max_tokens)
+        finally:
+            self._context_tokens = saved
 
     def restart(self, context_tokens: int) -> None:
         self._context_tokens = context_tokens
@@ -212,9 +225,7 @@ class ChatPolicy:
         return None  # an OpenAI-compatible server has no standard way to count
 
     def _turn(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], cap: int) -> ModelTurn:
-        if not self._window_asked:
-            self._window_asked = True
-            self.window = self._server_window()
+        self._ask_window()
         kwargs: dict[str, Any] = dict(model=self.model, messages=messages, temperature=self.temperature)
         if tools:
             kwargs["tools"] = tools

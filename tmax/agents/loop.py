@@ -14,7 +14,8 @@ Vanillux2 semantics (the Tmax evaluation harness):
 * a response without a valid `bash` call gets format-error feedback (a `user` message, or
   a `tool` reply when the bad call has a usable id); `max_format_errors` in a row end it;
 * model errors are retried (5 attempts, back-off 2/4/8/16 s); auth / not-found /
-  bad-request errors are not; a context overflow ends the episode cleanly;
+  bad-request errors are not; a context overflow ends the episode cleanly (with compaction
+  on: the session is compacted and the turn tried again, once);
 * a sandbox failure is an infrastructure error (`sandbox_error`), never the agent's.
 
 Ctrl-C during the model call or a command interrupts only that: the command is stopped
@@ -25,8 +26,10 @@ to continue with guidance or stop.
 `stopped` before the next model call, or as one returns (its command is then not run).
 
 Compaction (`agents.compaction`, off unless `compaction` is set; `tmax run` sets it) happens
-at one point: before a model call, when the last turn's context reached the threshold or the
-user asked (`request_compaction`); `compact()` also runs it between episodes.
+before a model call, when the request about to be sent (counted: `request_tokens`) would
+reach the threshold or the user asked (`request_compaction`), and after the server refused a
+request as too long; `compact()` also runs it between episodes. With it on, an output is
+also cut to the room a compacted context leaves (saved whole as `outputs/step-N.txt`).
 """
 
 from __future__ import annotations
@@ -37,19 +40,24 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 from tmax.agents.budget import Budget, budget_hint
-from tmax.agents.compaction import CompactionRecord, Compactor, ContextUse, SessionContext
+from tmax.agents.compaction import CompactionRecord, Compactor, ContextUse, SessionContext, turns_after_task
+from tmax.agents.fitting import Clip, TokenCounter
 from tmax.agents.harness import Harness, TmaxHarness
 from tmax.agents.instructions import with_instructions
+from tmax.agents.observation import ObservationLimits
 from tmax.agents.parsing import Action
 from tmax.agents.policy import Compactable, ContextOverflow, FatalModelError, ModelError, ModelTurn, Policy, Usage
 from tmax.agents.prompts import REJECTED_TOOL_TEXT, render
-from tmax.agents.records import Recorder, SavedRun
+from tmax.agents.records import Recorder, SavedRun, save_output
 from tmax.agents.settings import AgentSettings
 from tmax.sandbox.base import CommandResult, Sandbox, SandboxError
 from tmax.common.waiting import retry_call
 
 INTERRUPT_TEMPLATE = "The user interrupted you and says: {{guidance}}"
 REJECTION_TEMPLATE = "The user did not run your command and says: {{feedback}}"
+WINDOW_CLIP_NOTE = ("[The output above was {{chars}} characters, more than fits the context window: only its head "
+                    "and tail are shown. The whole output is saved as {{file}}. Run a command that prints less "
+                    "(grep, head, tail, sed -n) to see the part you need.]")
 
 
 class AgentHooks:
@@ -75,6 +83,9 @@ class AgentHooks:
         return None
 
     def on_compaction_start(self, reason: str, context_tokens: int) -> None: ...
+
+    def on_output_clipped(self, step: int, clip: Clip) -> None:
+        """A command's output was cut to fit the context window (before `on_observation`)."""
 
     def on_compaction(self, record: CompactionRecord) -> None:
         """After a compaction, done (`record.ok`) or failed (the session is unchanged)."""
@@ -127,7 +138,8 @@ class Agent:
         self.steps = 0  # model calls over the whole session (follow-ups included)
         self._last_context_tokens = 0
         self.instructions = instructions  # project instructions for the system prompt (`tmax run`)
-        self.compactor = Compactor(self.config)
+        self.counter = TokenCounter()  # the size of a request before it is sent
+        self.compactor = Compactor(self.config, self.counter)
         self.context = SessionContext()  # the task, the follow-ups and the compactions
         self._compact_request: str | None = None  # a focus ("" for none): compact at the next step
 
@@ -139,6 +151,7 @@ class Agent:
             raise ValueError("the task text is empty")
         self.messages = with_instructions(self.harness.initial_messages(task), self.instructions)
         self.timing, self.usage, self.steps, self._last_context_tokens = [], Usage(), 0, 0
+        self.counter.forget()
         self.context = SessionContext.of(self.messages)
         return self._episode()
 
@@ -157,6 +170,7 @@ class Agent:
         self.usage = Usage(**vars(saved.usage))
         self.steps = saved.steps if saved.steps is not None else sum(1 for m in self.messages if m.get("role") == "assistant")
         self.context = saved.context or SessionContext.of(self.messages)
+        self.counter.forget()
 
     # ---- compaction (agents.compaction) -----------------------------------------------
 
@@ -169,14 +183,20 @@ class Agent:
         """Compact before the next model call (`/compact` while the loop runs)."""
         self._compact_request = focus or ""
 
-    def compact(self, focus: str | None = None, reason: Literal["auto", "manual"] = "manual") -> CompactionRecord:
+    def request_tokens(self) -> int:
+        """The size of the next request (`TokenCounter.next_request`), and at least the last
+        turn's context as reported (the next prompt holds it)."""
+        return max(self.counter.next_request(self.policy, self.messages, self.tools).tokens, self._last_context_tokens)
+
+    def compact(self, focus: str | None = None,
+                reason: Literal["auto", "manual", "overflow"] = "manual") -> CompactionRecord:
         """Compact now: between episodes, or from the loop at a step boundary. A failure
         leaves the conversation as it was; the record says why."""
-        self.hooks.on_compaction_start(reason, self._last_context_tokens)
+        used = self.request_tokens()
+        self.hooks.on_compaction_start(reason, used)
         t0 = time.monotonic()
-        out = self.compactor.compact(self.policy, self.messages, self.tools, self.context, self._last_context_tokens,
-                                     step=self.steps, reason=reason, focus=focus,
-                                     ask=self._aside)
+        out = self.compactor.compact(self.policy, self.messages, self.tools, self.context, used,
+                                     step=self.steps, reason=reason, focus=focus, ask=self._aside)
         if out.usage is not None:
             self.usage.add(out.usage)
         self.timing.append({"compaction": out.record.segment, "llm_s": round(time.monotonic() - t0, 3),
@@ -186,6 +206,7 @@ class Agent:
                 self.recorder.close_segment(out.record.segment, self.messages, getattr(self.policy, "trace", None))
             assert isinstance(self.policy, Compactable)  # only such a policy's summary succeeds
             self.policy.restart(out.record.tokens_after or 0)
+            self.counter.forget()
             self.messages, self.context = out.messages, out.context
             self._last_context_tokens = out.record.tokens_after or 0
         else:
@@ -195,11 +216,31 @@ class Agent:
         return out.record
 
     def _compact_if_due(self) -> None:
+        """Before a model call: compact when asked or when the request would pass the threshold."""
         if self._compact_request is not None:
             focus, self._compact_request = self._compact_request, None
             self.compact(focus, "manual")
-        elif self.compactor.due(self.policy, self._last_context_tokens):
+        if not self.compactor.active(self.policy):
+            return  # nothing is counted: the Vanillux2 protocol (bench, learn) as it is
+        # Only once the model has answered since the task (or the last compaction) is there anything
+        # to summarise. A request still too long goes out: the policy or the server refuses it (`_overflowed`).
+        if turns_after_task(self.messages) and self.compactor.due(self.policy, self.request_tokens()):
             self.compact(None, "auto")
+
+    def _overflowed(self, error: ContextOverflow, retried: bool) -> "_Outcome | None":
+        """The server refused the request as too long (its count is not ours, or its window
+        was not known): compact and retry the turn, once; an outcome when that cannot help."""
+        why = str(error)
+        if error.prompt_tokens:  # the server's count of this request: estimates scale by it from now on
+            self.counter.calibrate(self.messages, self.tools, error.prompt_tokens)
+        if self.compactor.active(self.policy) and not retried:
+            record = self.compact(None, "overflow")
+            if record.ok:
+                return None
+            why = f"{why} (compaction failed: {record.error})"
+        too_large = self.compactor.too_large(self.policy, self.messages, self.tools, self.context) \
+            if self.compactor.active(self.policy) else None
+        return _Outcome("context_overflow", f"{why}; {too_large}" if too_large else why)
 
     def _aside(self, messages: list[dict[str, Any]], max_tokens: int) -> ModelTurn:
         cfg, policy = self.config, self.policy
@@ -225,6 +266,7 @@ class Agent:
         episode_steps = 0
         format_errors = 0
         started = time.monotonic()
+        retried = False  # this turn was already retried after an overflow
         while True:
             if self.stop.is_set():
                 return _Outcome("stopped")
@@ -244,16 +286,25 @@ class Agent:
                     return _Outcome("interrupted")
                 continue
             except ContextOverflow as e:
-                return _Outcome("context_overflow", str(e))
+                ended = self._overflowed(e, retried)
+                if ended is not None:
+                    return ended
+                retried = True
+                continue
             except FatalModelError as e:
                 return _Outcome("model_error", str(e))
             except ModelError as e:
                 return _Outcome("model_error", f"giving up after {cfg.retries} attempts: {e}")
             llm_s = time.monotonic() - t0
+            retried = False
             self.steps = step
             episode_steps += 1
             self.usage.add(turn.usage)
             self._last_context_tokens = turn.usage.context_tokens
+            if isinstance(self.policy, Compactable):  # /compact works with automatic compaction off too
+                self.counter.calibrate(self.messages, self.tools, turn.usage.prompt_tokens, turn.usage.completion_tokens)
+            if self.compactor.active(self.policy):
+                self._last_context_tokens = self._last_context_tokens or self.request_tokens()
             if self.stop.is_set():  # the answer came after the stop: nothing of it runs
                 return _Outcome("stopped")
 
@@ -310,7 +361,11 @@ class Agent:
         except SandboxError as e:
             self.timing.append({"step": step, "llm_s": round(llm_s, 3), "sandbox_error": str(e)[:200], "cmd": action.command[:200]})
             return _Outcome("sandbox_error", str(e))
-        observation, finished = self.harness.observe(action, result, cfg.observation_limits)
+        limits = self._observation_limits()
+        observation, finished = self.harness.observe(action, result, limits)
+        total = len(result.output or "") + len(result.stderr or "") + result.dropped_chars
+        if limits.max_chars < cfg.observation_max_chars and total > limits.max_chars:
+            observation += self._clipped(step, result, total, limits.max_chars)
         if cfg.budget_hints:
             observation += budget_hint(Budget(cfg.max_steps, episode_steps, cfg.context_budget,
                                               self._last_context_tokens, time.monotonic() - started, cfg.time_budget_s))
@@ -325,6 +380,26 @@ class Agent:
             # The user stopped this command; their guidance (if any) comes before any submit.
             return None if self._guidance() else _Outcome("interrupted")
         return _Outcome("submitted") if finished else None
+
+    def _observation_limits(self) -> ObservationLimits:
+        """What the model may see of an output: the configured limits, or less where a
+        compacted context would leave less room in the window (`Compactor.observation_room`)."""
+        limits = self.config.observation_limits
+        room = self.compactor.observation_room(self.policy, self.messages, self.tools, self.context)
+        if room is None:
+            return limits
+        chars = max(200, self.counter.chars_for(room))
+        return limits if chars >= limits.max_chars else ObservationLimits(chars, chars // 2, chars - chars // 2)
+
+    def _clipped(self, step: int, result: CommandResult, total: int, kept: int) -> str:
+        """An output cut to fit the window: saved whole (`outputs/step-N.txt`), the hooks told,
+        and the note the model gets."""
+        text = "\n".join(part for part in (result.output, result.stderr) if part)
+        file = save_output(self.recorder.dir, step, text) if self.recorder is not None else None
+        where = f"outputs/step-{step}.txt in the session's records" if file is not None else "nowhere (no records)"
+        self.hooks.on_output_clipped(step, Clip(where=f"step {step}", chars=total, kept=kept,
+                                                file=str(file) if file is not None else None))
+        return "\n\n" + render(WINDOW_CLIP_NOTE, chars=f"{total:,}", file=where)
 
     def _query(self) -> ModelTurn:
         cfg = self.config

@@ -30,7 +30,13 @@ class FatalModelError(RuntimeError):
 
 
 class ContextOverflow(RuntimeError):
-    """The context window or the token budget is used up: the episode ends cleanly."""
+    """The context window or the token budget is used up: the episode ends cleanly (or, with
+    compaction on, is compacted and the turn tried again). `prompt_tokens`: the request's
+    length as the server counted it, where its error said."""
+
+    def __init__(self, message: str, prompt_tokens: int | None = None) -> None:
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
 
 
 @dataclass

@@ -14,6 +14,8 @@ the step in flight.
     segments/segment-N.json  {segment, messages, trace}: the context and token trace a
                      compaction closed, as they were (trajectory.json and tokens.json hold
                      the context since the last compaction)
+    outputs/step-N.txt  the whole output of a command that the model (or the screen) saw
+                     only part of (`save_output`)
 
 A `tmax bench` trial's agent/ ends with trajectory.json in ATIF (what Harbor reads there,
 `agents.atif.write_atif`) and the messages moved to messages.json; `load_run` reads either.
@@ -43,6 +45,15 @@ TOKENS = "tokens.json"
 RESULT = "result.json"
 COMPACTION = "compaction.json"
 SEGMENTS = "segments"
+OUTPUTS = "outputs"
+
+
+def save_output(run_dir: Path, step: int, text: str) -> Path:
+    """Keep a command's whole output as `outputs/step-N.txt` in the run directory."""
+    path = run_dir / OUTPUTS / f"step-{step}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, text)
+    return path
 
 
 def usage_record(usage: Usage, max_steps: int, steps: int | None = None, context: ContextUse | None = None) -> dict[str, Any]:

@@ -18,7 +18,7 @@ per-turn cap)). When a budget is used up, or the prompt is over its limit, the p
 raises ContextOverflow and the episode ends cleanly.
 
 Compaction (`agents.compaction`) cuts the record into segments: the summary is sampled aside
-(`complete_aside`: on the context plus the request, recorded nowhere), then `restart` closes
+(`complete_aside`: on the summary request rendered as a prompt, recorded nowhere), then `restart` closes
 the trace into `segments` and the next turn renders the rebuilt messages as a new prompt.
 Each segment is a trace of its own (prompt ids as sent, completions as sampled), and the
 budgets count per segment; the prompt limit applies to the first.
@@ -26,6 +26,7 @@ budgets count per segment; the prompt limit applies to the first.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -41,6 +42,29 @@ _BASE = [
     {"role": "user", "content": "U"},
     {"role": "assistant", "content": _ANCHOR},
 ]
+
+
+def _as_served(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with tool-call arguments that are JSON objects as mappings, as vLLM hands
+    them to a chat template (an XML template iterates them): for renderings that are not
+    recorded (a count, a summary request)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            fixed = []
+            for call in calls:
+                function = dict(call.get("function") or {})
+                try:
+                    parsed = json.loads(function.get("arguments") or "")
+                except (TypeError, ValueError):
+                    parsed = None
+                if isinstance(parsed, dict):
+                    function["arguments"] = parsed
+                fixed.append({**call, "function": function})
+            m = {**m, "tool_calls": fixed}
+        out.append(m)
+    return out
 
 
 class TokenPolicy:
@@ -179,12 +203,14 @@ class TokenPolicy:
         return self.max_context_tokens
 
     def complete_aside(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], max_tokens: int) -> ModelTurn:
-        """A turn on the context plus the messages after it, recorded nowhere."""
-        if not self.trace.prompt_ids:
-            self._tools = list(tools)
-            context = self._encode(self._render(messages, generation_prompt=True))
-        else:
-            context = self.trace.context + self._new_ids(messages)
+        """A turn on `messages` rendered as a prompt of their own, recorded nowhere: a summary
+        request is built to fit the window (long outputs clipped, or a piece of the
+        conversation), so it is not the token context plus a message."""
+        saved, self._tools = self._tools, list(tools)
+        try:
+            context = self._encode(self._render(_as_served(messages), generation_prompt=True))
+        finally:
+            self._tools = saved if saved is not None else self._tools
         room = self.max_context_tokens - len(context)
         if room <= 0:
             raise ContextOverflow(f"the request ({len(context)} tokens) does not fit the context of {self.max_context_tokens}")
@@ -201,7 +227,7 @@ class TokenPolicy:
     def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int | None:
         saved, self._tools = self._tools, list(tools)
         try:
-            return len(self._encode(self._render(messages, generation_prompt=True)))
+            return len(self._encode(self._render(_as_served(messages), generation_prompt=True)))
         finally:
             self._tools = saved
 

@@ -65,6 +65,7 @@ class JsonHooks(AgentHooks):
         self.command_started: float | None = None  # monotonic time the running command started
         self._last_progress = 0.0
         self._pending = ""  # output not yet sent in a progress event
+        self._clip: Any = None  # agents.fitting.Clip of the step's output, cut to fit the window
 
     def on_step_start(self, step: int) -> None:
         self.step = step
@@ -96,8 +97,15 @@ class JsonHooks(AgentHooks):
             context=context_dict(self.context()),
         )
 
+    def on_compaction_start(self, reason: str, context_tokens: int) -> None:
+        use = self.context()
+        emit("compaction_start", reason=reason, tokens=context_tokens, window=use.window if use else None)
+
     def on_compaction(self, record: Any) -> None:
         emit("compaction", **record.model_dump(mode="json"))
+
+    def on_output_clipped(self, step: int, clip: Any) -> None:
+        self._clip = clip
 
     def approve(self, step: int, command: str) -> str | None:
         emit("command", step=step, command=command)
@@ -117,7 +125,9 @@ class JsonHooks(AgentHooks):
             note=result.note,
             observation=observation,
             output_file=str(kept) if kept else None,
+            clipped=self._clip.model_dump(mode="json") if self._clip is not None else None,
         )
+        self._clip = None
 
     def on_format_error(self, step: int, feedback: str, reason: str | None = None) -> None:
         emit("format_error", step=step, feedback=feedback, reason=reason)
@@ -204,12 +214,24 @@ class InteractiveHooks(AgentHooks):
         from tmax.cli.ui import fmt_tokens
 
         self.display.stop_spinner()
+        use = self.context()
+        why = {"auto": "the next request would pass the compaction threshold", "manual": "/compact",
+               "overflow": "the server said the request is over its window"}[reason]
+        of = f" of {fmt_tokens(use.window)}" if use is not None else ""
+        self.display.warn(f"Compacting the context ({fmt_tokens(context_tokens)}{of} tokens; {why}).")
         self.display.start_spinner(f"Compacting the context ({fmt_tokens(context_tokens)} tokens): the model writes "
                                    "a summary… (Ctrl-C cancels it)")
 
     def on_compaction(self, record: Any) -> None:
         self.display.stop_spinner()
         self.display.compaction(record)
+
+    def on_output_clipped(self, step: int, clip: Any) -> None:
+        self.live = None
+        self.display.stop_spinner()
+        self.display.warn(f"The output of step {step} ({clip.chars:,} characters) is more than fits the context "
+                          f"window: the model gets its head and tail ({clip.kept:,} characters); the whole output: "
+                          f"{clip.file}")
 
     def _help(self) -> str:
         from tmax.cli.ui import HELP

@@ -115,17 +115,20 @@ def project_instructions(file: Optional[Path], off: bool, sandbox: str, workdir:
 
 def keep_long_output(run_dir: Optional[Path], step: int, result: Any, limit: int) -> Optional[Path]:
     """Write a command's output to `outputs/step-N.txt` in the run directory when the model
-    (more than `limit` characters) or the screen (too many lines) gets only part of it."""
+    (more than `limit` characters, or less room in the context window: then the agent loop
+    kept it already) or the screen (too many lines) gets only part of it."""
     from tmax.cli.ui import SCREEN_HEAD_LINES, SCREEN_TAIL_LINES
 
+    from tmax.agents.records import OUTPUTS, save_output
+
     text = result.output or ""
-    if run_dir is None or (len(text) + result.dropped_chars <= limit
-                           and text.count("\n") <= SCREEN_HEAD_LINES + SCREEN_TAIL_LINES):
+    if run_dir is None:
         return None
-    path = run_dir / "outputs" / f"step-{step}.txt"
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(text, encoding="utf-8")  # past 1 MB the shell kept head and tail, marked
-    return path
+    if (run_dir / OUTPUTS / f"step-{step}.txt").is_file():  # cut to fit the context window: the loop kept it
+        return run_dir / OUTPUTS / f"step-{step}.txt"
+    if len(text) + result.dropped_chars <= limit and text.count("\n") <= SCREEN_HEAD_LINES + SCREEN_TAIL_LINES:
+        return None
+    return save_output(run_dir, step, text)  # past 1 MB the shell kept head and tail, marked
 
 
 def broad_workspace(sandbox: str, host_dir: Path) -> Optional[str]:

@@ -203,7 +203,8 @@ class Display:
 
     def compaction(self, record: Any) -> None:
         """A compaction (`agents.compaction.CompactionRecord`), done or failed."""
-        how = "automatic" if record.reason == "auto" else "on request"
+        how = {"auto": "automatic", "manual": "on request", "overflow": "the server said the context was over its window"}[
+            record.reason]
         if not record.ok:
             self.warn(f"Compaction ({how}) failed: {record.error}. The session keeps its whole context "
                       f"({fmt_tokens(record.tokens_before)} of {fmt_tokens(record.window)} tokens).")
@@ -212,6 +213,9 @@ class Display:
         kept = f"the task, {record.follow_ups} follow-up(s) and the last {record.kept_turns} turn(s)"
         head = (f"Context compacted ({how}, at {record.tokens_before / record.window:.0%} of the window): "
                 f"{fmt_tokens(record.tokens_before)} -> {after} tokens. Kept word for word: {kept}.")
+        if record.clipped or record.pieces > 1:
+            head += (f" To fit the summary request in the window, {len(record.clipped)} long message(s) were cut "
+                     f"(head and tail kept) and it was summarised in {record.pieces} piece(s).")
         body = Group(Text(head, style="bold"), Text(record.summary, style="dim"))
         self.console.print(Panel(body, title=f"compaction {record.segment}", title_align="left", border_style="magenta"))
 
