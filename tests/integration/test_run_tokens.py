@@ -250,7 +250,7 @@ def test_a_session_many_times_the_window_of_the_served_nano_model_goes_on(nano_d
     ws = tmp_path / "ws"
     ws.mkdir()
     task = "Fix the build. Its log ends:\n" + "\n".join(f"cc -c src/mod{i}.c -o build/mod{i}.o" for i in range(20))
-    run = _tmax("run", "--json", *(["--tokens"] if tokens else []), "--base-url", served, "--sandbox", "local",
+    run = _tmax("run", "--json", *(["--tokens"] if tokens else []), "--base-url", served, "--env", "local",
                 "--workdir", str(ws), "--max-steps", "16", "--max-tokens", "150", "-o", str(tmp_path / "s"), task,
                 timeout=600, env=_session_env(tmp_path))
     events = [json.loads(line) for line in run.stdout.splitlines()]
@@ -297,7 +297,7 @@ def test_a_chat_session_counted_by_the_nano_tokenizer_with_random_answers_goes_o
     ws.mkdir()
     task = "Fix the build. Its log ends:\n" + "\n".join(f"cc -c src/mod{i}.c -o build/mod{i}.o" for i in range(20))
     with ScriptedServer(model, max_model_len=2048, count=count) as srv:
-        run = _tmax("run", "--json", "--base-url", srv.base_url, "--model", srv.model, "--sandbox", "local",
+        run = _tmax("run", "--json", "--base-url", srv.base_url, "--model", srv.model, "--env", "local",
                     "--workdir", str(ws), "--max-steps", "20", "-o", str(tmp_path / "s"), task, timeout=600,
                     env=_session_env(tmp_path))
         requests, refused = srv.requests, srv.refused
