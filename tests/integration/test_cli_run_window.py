@@ -165,10 +165,13 @@ def test_one_output_twice_the_window_is_cut_and_the_session_goes_on(env, project
     assert_verbatim_everywhere(requests, [])
 
 
-def test_a_long_session_in_a_pty_with_follow_ups_and_compact(env, project, tmp_path):
+@pytest.mark.parametrize("publish_window, report_usage", [(True, True), (True, False), (False, True)],
+                         ids=["usage", "no-usage", "unlisted-window"])
+def test_a_long_session_in_a_pty_with_follow_ups_and_compact(env, project, tmp_path, publish_window, report_usage):
     model = Model([*sizes(12, 0.1, 0.6), "SUBMIT", *sizes(10, 0.1, 0.6, seed=2), "SUBMIT", WINDOW * 8, "SUBMIT"])
     follow_ups = ["follow-up BETA: also document it", "follow-up GAMMA: print the big log"]
-    with ScriptedServer(model, max_model_len=WINDOW) as srv:
+    with ScriptedServer(model, max_model_len=WINDOW, publish_window=publish_window,
+                        report_usage=report_usage) as srv:
         env["TMAX_BASE_URL"] = srv.base_url
         t = Tmax([TASK], env, project, timeout=120)
         try:
@@ -186,8 +189,42 @@ def test_a_long_session_in_a_pty_with_follow_ups_and_compact(env, project, tmp_p
     screen = " ".join(t.screen.split())
     assert screen.count("Context compacted (automatic") >= 2 and "Context compacted (on request" in screen
     assert "The output of step" in screen and "outputs/step-" in screen
-    assert refused == [] and all(prompt_length(r) <= WINDOW for r in requests)
+    # An unlisted window: the server's first 400 tells it (that turn compacted and tried again).
+    assert len(refused) == (0 if publish_window else 1), refused
+    assert all(prompt_length(requests[i]) <= WINDOW for i in range(len(requests)) if i not in refused)
     assert_verbatim_everywhere(requests, follow_ups)
+
+
+def test_bench_with_compaction_on_keeps_a_trial_inside_the_window(tmp_path):
+    """`tmax bench run ... --ak compaction=true`: a trial whose commands print half a window
+    each is compacted before each request that would not fit, and still solves its task
+    (a nano task, its oracle's commands after the long outputs, on the host)."""
+    from tmax.training.nano.tasks import oracle_commands, write_splits
+
+    write_splits(tmp_path / "nano", 0, 1, seed=3)
+    (task_dir,) = sorted((tmp_path / "nano" / "heldout").iterdir())
+    instruction = (task_dir / "instruction.md").read_text().strip()
+    *solve, submit = oracle_commands(task_dir)
+    turns = [{"bash": printing(WINDOW * 2)} for _ in range(8)] + [{"bash": " && ".join(solve)}, {"bash": submit}]
+
+    def model(body: dict) -> dict:
+        if str(body["messages"][-1]["content"]).startswith(SUMMARY_START):
+            return {"content": "SUMMARY: printed x's; the task is not done yet."}
+        return turns.pop(0) if turns else {"bash": submit}
+
+    with ScriptedServer(model, max_model_len=WINDOW) as srv:
+        proc = subprocess.run([sys.executable, "-m", "tmax.cli.main", "bench", "run", str(task_dir), "-a", "tmax",
+                               "-m", srv.model, "--base-url", srv.base_url, "-e", "local", "--ak", "compaction=true",
+                               "-o", str(tmp_path / "jobs"), "--job-name", "compact"],
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        requests, refused = srv.requests, srv.refused
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (trial,) = [d for d in (tmp_path / "jobs" / "compact").iterdir() if d.is_dir()]
+    result = json.loads((trial / "result.json").read_text())
+    assert result["tmax"]["outcome"] == "pass", result["exception_info"]
+    summaries = [r for r in requests if str(r["messages"][-1]["content"]).startswith(SUMMARY_START)]
+    assert len(summaries) >= 2 and refused == [] and all(prompt_length(r) <= WINDOW for r in requests)
+    assert all(instruction in text_of(r) for r in requests)
 
 
 @pytest.mark.parametrize("part", ["task", "system prompt"])
