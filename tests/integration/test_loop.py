@@ -187,11 +187,19 @@ def test_ray_run_saves_on_ctrl_c_resumes_and_checkpoints(tmp_path, shared_ray):
 
 
 def test_podman_preset_and_cli_sandbox_override():
-    from tmax.cli.learn_cmd import _config
+    import tomllib
+
+    from typer.testing import CliRunner
+
+    from tmax.cli.main import app
 
     pod = preset("nano-podman")
     assert (pod.rollout.sandbox, pod.eval.sandbox, pod.rollout.pool_size) == ("podman", "podman", 2)
     assert pod.algo == preset("nano").algo  # only where episodes run differs
-    cfg = _config({"config": Path("nano-podman"), "sandbox": "bwrap", "image_map": ["ubuntu:24.04=localhost/u:24.04"]})
-    assert (cfg.rollout.sandbox, cfg.eval.sandbox) == ("bwrap", "bwrap")
-    assert cfg.rollout.image_map == ["ubuntu:24.04=localhost/u:24.04"]
+    # The flags after the subcommand, as people type them; --print-config shows the resolved TOML.
+    shown = CliRunner().invoke(app, ["learn", "nano", "-c", "nano-podman", "-e", "bwrap", "--image-map",
+                                     "ubuntu:24.04=localhost/u:24.04", "--print-config"])
+    assert shown.exit_code == 0, shown.output
+    cfg = tomllib.loads(shown.stdout)
+    assert (cfg["rollout"]["sandbox"], cfg["eval"]["sandbox"]) == ("bwrap", "bwrap")
+    assert cfg["rollout"]["image_map"] == ["ubuntu:24.04=localhost/u:24.04"]

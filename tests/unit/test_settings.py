@@ -161,3 +161,25 @@ def test_bench_settings_from_file_environment_flags_and_ak(tmp_path):
     for item in ("dataset=elsewhere", "max_step=3"):
         r = tmax("bench", "run", "-c", str(cfg), "--ak", item, "--print-config")
         assert r.exit_code == 2 and "unknown agent setting(s)" in r.output, r.output
+
+
+@pytest.mark.parametrize("args", [("learn", "nano", "-c", "nano-podman"), ("learn", "-c", "tmax-9b"),
+                                  ("learn", "sft", "-c", "nano-long"), ("run",), ("bench", "run", "tasks")])
+def test_print_config_is_a_config_file(args, tmp_path):
+    """What --print-config prints is TOML (an unset setting a comment), so it can be saved and
+    given back with -c; `tmax run` shows its settings even before a base URL is set."""
+    import tomllib
+
+    r = tmax(*args, "--print-config", env={"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg")})
+    assert r.exit_code == 0, r.output
+    parsed = tomllib.loads(r.stdout)
+    assert parsed
+    if args[0] == "run":
+        assert "base_url" not in parsed and "# base_url unset" in r.stdout
+    if args[0] == "learn":  # given back as a config file, it resolves to the same settings
+        saved = tmp_path / "saved.toml"
+        saved.write_text(r.stdout)
+        again = tmax(*args[:-2], "-c", str(saved), "--print-config", env={"HOME": str(tmp_path)})
+        assert again.exit_code == 0, again.output
+        assert {k: v for k, v in tomllib.loads(again.stdout).items() if k != "name"} == \
+            {k: v for k, v in parsed.items() if k != "name"}

@@ -131,7 +131,7 @@ def _first_problem(e: ValidationError) -> str:
 
 @dataclass
 class RunSettings:
-    base_url: str
+    base_url: str | None  # None only where it was not needed (--print-config)
     model: str | None  # None: ask the server (a single served model is used)
     api_key: str
     sandbox: str
@@ -180,10 +180,11 @@ def _merge(flags: dict[str, Any], labels: dict[str, str], path: Path) -> tuple[d
 
 
 def resolve_run_settings(*, path: Path | None = None, expose: list[str] | None = None,
-                         labels: dict[str, str] | None = None, **flags: Any) -> RunSettings:
+                         labels: dict[str, str] | None = None, need_base_url: bool = True, **flags: Any) -> RunSettings:
     """Merge flags, environment and config file; raise ConfigError naming every source tried.
     `flags`: the RunKeys settings as given on the command line (None: not given); `labels`:
-    the flag each came from (default: the setting's declared flag)."""
+    the flag each came from (default: the setting's declared flag). `need_base_url=False`
+    (--print-config): a missing base URL is shown as unset rather than refused."""
     path = path or config_path()
     unknown = set(flags) - set(RunKeys.model_fields)
     if unknown:
@@ -191,9 +192,9 @@ def resolve_run_settings(*, path: Path | None = None, expose: list[str] | None =
     declared = {spec.paths[0][0]: spec.name for spec in flag_specs(RunKeys, "run")}
     given = {k: v for k, v in flags.items() if v is not None}
     s, sources, file_expose = _merge(given, {k: (labels or {}).get(k) or declared.get(k, k) for k in given}, path)
-    if not s["base_url"]:
+    if not s["base_url"] and need_base_url:
         raise ConfigError(missing_setting_message("base URL", "--base-url", env_vars("base_url"), path, "base_url"))
-    if not s["base_url"].startswith(("http://", "https://")):
+    if s["base_url"] and not s["base_url"].startswith(("http://", "https://")):
         raise ConfigError(f"base URL {s['base_url']!r} (from {sources['base_url']}) must start with http:// or https://")
     if s["sandbox"] is None:
         s["sandbox"], sources["sandbox"] = default_sandbox(), "default (bwrap where it works)"
@@ -207,7 +208,7 @@ def resolve_run_settings(*, path: Path | None = None, expose: list[str] | None =
     prices = None if price_in is None and price_out is None else (price_in or 0.0, price_out or 0.0)
     for key in RunKeys.model_fields:
         sources.setdefault(key, "default")
-    s["base_url"] = s["base_url"].rstrip("/")
+    s["base_url"] = s["base_url"].rstrip("/") if s["base_url"] else None
     shown = list(file_expose) + list(expose or [])
     return RunSettings(**s, agent=AgentSettings.model_validate(agent), expose=shown, prices=prices, sources=sources)
 

@@ -103,7 +103,8 @@ def run(
             raise ConfigError("--undo-steps needs the interactive UI (/undo), not --json")
         if config is not None and not config.is_file():
             raise ConfigError(f"config file not found: {config}")
-        settings = resolve_run_settings(path=config, expose=expose, labels=flags.labels, **flags.flat())
+        settings = resolve_run_settings(path=config, expose=expose, labels=flags.labels, need_base_url=not print_config,
+                                        **flags.flat())
         if print_config:
             print_config_lines(describe_values(settings.shown(), settings.sources))
             raise typer.Exit(0)

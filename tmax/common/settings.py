@@ -238,26 +238,37 @@ def describe(model: BaseModel, sources: Mapping[str, str]) -> list[str]:
             lines += [""] * bool(lines) + [f"[{'.'.join(section)}]"]
         key = ".".join(path)
         source = next((s for k, s in sources.items() if k == key or key.startswith(k + ".")), "default")
-        lines.append(f"{path[-1]} = {_shown(value)}  # {source}")
+        lines.append(_setting_line(path[-1], value, source))
     return lines
 
 
 def describe_values(values: Mapping[str, Any], sources: Mapping[str, str]) -> list[str]:
     """Flat settings (`values`, by key) as `describe` shows them."""
-    return [f"{key} = {_shown(value)}  # {sources.get(key, 'default')}" for key, value in values.items()]
+    return [_setting_line(key, value, sources.get(key, "default")) for key, value in values.items()]
+
+
+def _setting_line(key: str, value: Any, source: str) -> str:
+    """`key = value  # source`, valid TOML, so the output can be saved and used as a config;
+    an unset setting (TOML has no null) is a comment."""
+    if value is None:
+        return f"# {key} unset  # {source}"
+    return f"{key} = {_shown(value)}  # {source}"
 
 
 def _shown(value: Any) -> str:
+    """A value as TOML writes it inline; None (in the docs' tables) as "(unset)"."""
     if value is None:
         return "(unset)"
     if isinstance(value, BaseModel):
         value = value.model_dump()
     if isinstance(value, str):
-        return f'"{value}"'
+        return json.dumps(value)  # JSON's string escapes are TOML's basic-string escapes
     if isinstance(value, bool):
         return str(value).lower()
-    if isinstance(value, (list, tuple, dict)):
-        return json.dumps(list(value) if isinstance(value, tuple) else value)  # TOML's spelling of these
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_shown(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_shown(v)}" for k, v in value.items()) + "}"
     return repr(value)
 
 
