@@ -137,7 +137,7 @@ def test_two_node_run_through_the_cli(tmp_path):
     assert [row["step"] for row in rows] == [1]
     assert 0.0 <= rows[0]["train/reward_all_rollouts"] <= 1.0
     assert rows[0]["learner/tokens"] > 0 and rows[0]["time/weight_sync"] > 0
-    assert "step 1: reward" in log
+    assert "learn step 1/1: reward" in log
     assert (rl / "checkpoints" / "step_1" / "config.json").is_file()
     rollouts = [json.loads(x) for x in (rl / "rollouts.jsonl").read_text().splitlines()]
     assert len(rollouts) >= 2 and all("reward" in x for x in rollouts)
