@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tmax.common.files import write_json_atomic, write_text_atomic
+from tmax.common.files import append_line_atomic, write_json_atomic, write_text_atomic
 from tmax.sandbox.pool import WarmAhead
 from tmax.training.agentic import agentic_metrics, of_rollout
 from tmax.training.algo.batching import BatchAccumulator, BatchConfig, Group
@@ -40,7 +40,7 @@ from tmax.training.liveness import group_member_died
 from tmax.training.report import (LearnProgress, MetricsSink, StepClock, StepFigures, StepLines, reward_curve,
                                   rollout_metrics, run_summary, throughput_metrics)
 from tmax.training.rollback import RunGuard
-from tmax.training.rollout import EpisodeRequest, InfraCounts, Rollout, append_jsonl, env_settings, prepare_tasks
+from tmax.training.rollout import EpisodeRequest, InfraCounts, Rollout, env_settings, prepare_tasks
 from tmax.training.weights.learner_side import WeightSync
 
 
@@ -283,7 +283,7 @@ class Trainer:
         s = self.state
         s.episodes += 1
         s.since_step.append(r)
-        append_jsonl(self.rollouts_path, r.to_json())
+        append_line_atomic(self.rollouts_path, r.to_json())
         g = s.groups[req.group_id]
         g.rollouts.append(r)
         if g.done:

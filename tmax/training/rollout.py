@@ -26,7 +26,6 @@ a kind: the training loop drops and re-queues the episode and counts it in
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -407,11 +406,3 @@ class InfraCounts:
     def metrics(self) -> dict[str, float]:
         return {"env/infra_errors": float(self.total),
                 **{f"env/infra_errors/{k}": float(v) for k, v in sorted(self.by_kind.items())}}
-
-
-def append_jsonl(path: Path, line: str) -> None:
-    """One rollout per line, written with a single write so a crash never splits one."""
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(line + "\n")
-        f.flush()
-        os.fsync(f.fileno())
