@@ -34,7 +34,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, ValidationError
 
 from tmax.agents.policy import DEFAULT_MODEL_TIMEOUT_S
-from tmax.agents.settings import AgentSettings, AgentSettingsPatch
+from tmax.agents.agent_settings import AgentSettings, AgentSettingsPatch
 from tmax.common.errors import ConfigError, validation_message
 from tmax.common.files import read_toml
 from tmax.common.settings import Env, env_layer, env_names, flag, flag_specs, resolve_layers
