@@ -17,7 +17,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from tmax.training.cluster import launch as cluster  # noqa: E402
-from tmax.training.cluster.placement import ROLE_INFER, ROLE_TRAIN, check_live_cluster, make_plan, reserve  # noqa: E402
+from tmax.training.cluster.placement import ROLE_INFER, ROLE_TRAIN, make_plan  # noqa: E402
+from tmax.training.cluster.reservation import check_live_cluster, reserve  # noqa: E402
 from tmax.training.cluster.sandbox_nodes import NODE_LABEL, ROLE_SANDBOX  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.podman, pytest.mark.timeout(900)]

@@ -262,7 +262,8 @@ def built(cfg, tokenizer, tmp_path_factory):
     from tmax.training.inference import engine as engine_mod
     from tmax.training.inference.serving import build_command
     from tmax.training.cluster.actors import _tp
-    from tmax.training.cluster.placement import Placement, plan_for
+    from tmax.training.cluster.placement import plan_for
+    from tmax.training.cluster.reservation import Placement
     from tmax.training.trainer import learner_config
     from tmax.training.rollout import EpisodeSettings
 

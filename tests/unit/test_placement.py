@@ -10,15 +10,8 @@ import subprocess
 import pytest
 
 from tmax.training.cluster import launch as cluster
-from tmax.training.cluster.placement import (
-    ROLE_INFER,
-    ROLE_TRAIN,
-    NodeInfo,
-    PlanError,
-    check_resources,
-    make_plan,
-    nodes_from_ray,
-)
+from tmax.training.cluster.placement import ROLE_INFER, ROLE_TRAIN, PlanError, make_plan
+from tmax.training.cluster.reservation import NodeInfo, check_resources, nodes_from_ray
 from tmax.training.cluster.slurm import sbatch_script
 
 

@@ -33,7 +33,7 @@ from typing import Any
 from tmax.training.cluster.engine_actor import EngineActor
 from tmax.training.cluster.failover import FailoverSampler, WorkersDown
 from tmax.training.cluster.learner_rank import LearnerRank
-from tmax.training.cluster.placement import Placement
+from tmax.training.cluster.reservation import Placement
 from tmax.training.cluster.rollout_worker import RolloutWorker
 from tmax.training.cluster.sandbox_nodes import worker_slots
 from tmax.training.rollout import EpisodeSettings, run_labels

@@ -10,9 +10,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from tmax.training.cluster import launch, placement
+from tmax.training.cluster import launch, reservation
 from tmax.training.cluster.launch import ClusterError
-from tmax.training.cluster.placement import Placement, PlacementPlan
+from tmax.training.cluster.placement import PlacementPlan
+from tmax.training.cluster.reservation import Placement
 from tmax.training.config import LearnConfig
 
 # "<run id>:<driver pid>" in the environment of every process a `tmax learn` driver starts
@@ -45,10 +46,10 @@ def ray_session(cfg: LearnConfig, plan: PlacementPlan | None, log: Callable[[str
         if plan is None:
             yield None
             return
-        missing = placement.check_live_cluster(plan)
+        missing = reservation.check_live_cluster(plan)
         if missing:
             raise ClusterError("the Ray cluster cannot hold this plan:\n" + "\n".join(f"  - {m}" for m in missing))
-        pl = placement.reserve(plan)
+        pl = reservation.reserve(plan)
         try:
             log(f"placement groups ready: learners on {pl.learner_nodes}, engines on {pl.engine_nodes}")
             yield pl
