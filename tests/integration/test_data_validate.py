@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from documented import documented
 from tmax.sandbox.images import image_exists
+from tmax.tasks.corpus.validate import RESULTS_DIR, GateReport, default_work_dir
 from tmax.tasks.images import BASE_TAG
 from tmax.cli.main import app
 
@@ -89,7 +91,7 @@ def test_solve_pass_at_k_and_band(tmp_path):
 
 @pytest.mark.podman
 @pytest.mark.skipif(shutil.which("podman") is None or not image_exists(BASE_TAG), reason="needs podman and the base image")
-def test_gates_on_podman(tmp_path):
+def test_gates_on_podman(tmp_path, monkeypatch):
     root = copy_corpus(tmp_path, ["good", "wrong-solution"])
     (root / "good" / "tests" / "test_initial_state.py").unlink()  # the base image has no python3
     shutil.copytree(DATA / "good", root / "broken-build")
@@ -104,14 +106,20 @@ def test_gates_on_podman(tmp_path):
     (root / "mirror-down" / "environment" / "Dockerfile").write_text(
         f"FROM {BASE_TAG}\nRUN echo \"E: Failed to fetch http://deb.debian.org/debian/pool/x.deb  Temporary failure "
         "resolving 'deb.debian.org'\" >&2; exit 100\n")
-    r = runner.invoke(app, ["data", "validate", str(root), "-e", "podman", "-n", "2", "--json"])
+    # As the page types it, the corpus at data/mine; each task's report as the rerun reads it.
+    (tmp_path / "data").mkdir()
+    root.rename(tmp_path / "data" / "mine")
+    monkeypatch.chdir(tmp_path)
+    r = runner.invoke(app, documented("tmax data validate data/mine -e podman -n 4")[1:])
     assert r.exit_code == 0, r.output
-    got = {t["task"]: (t["verdict"], t["failed"]) for t in json.loads(r.stdout)["tasks"]}
+    assert "infrastructure errors 1 (of 5" in " ".join(r.output.split()), r.output
+    results = default_work_dir(Path("data/mine")) / RESULTS_DIR
+    reports = [GateReport.model_validate(json.loads(p.read_text())["result"]) for p in sorted(results.glob("*.json"))]
+    got = {t.task: (t.verdict, t.failed) for t in reports}
     assert got == {"good": ("ok", []), "wrong-solution": ("rejected", ["oracle"]),
                    "broken-build": ("rejected", ["build"]), "no-agent-user": ("rejected", ["build"]),
                    "mirror-down": ("infra_error", ["build"])}
-    assert json.loads(r.stdout)["counts"]["infra_error"] == 1
-    reasons = {t["task"]: t["reasons"] for t in json.loads(r.stdout)["tasks"]}
+    reasons = {t.task: t.reasons for t in reports}
     assert "setup failed" in reasons["broken-build"]["build"]
     assert "a step of its Dockerfile failed" in reasons["broken-build"]["build"]
     assert reasons["mirror-down"]["build"].startswith("infrastructure error: ")

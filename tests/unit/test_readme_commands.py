@@ -39,24 +39,7 @@ CI: dict[str, str] = {
 # `documented` (the line -> TEST_FILE::TEST_NAME).
 RUN_BY: dict[str, str] = {
     "pip install -e .": "tests/integration/test_wheel.py::test_editable_install_is_the_same_light_install",
-    # One of the sample's tasks (-i): the whole sample builds 37 images.
-    "tmax bench prepare ../shared/tb2-sample": "tests/integration/test_front_door.py::test_terminal_bench_oracle_offline",
-    "tmax bench run ../shared/tb2-sample -a oracle -n 4 --job-name oracle-check":
-        "tests/integration/test_bench_jobs.py::test_killed_job_resumes_without_duplicates",
-    "tmax bench terminal-bench -a oracle": "tests/integration/test_front_door.py::test_terminal_bench_oracle_offline",
-    "tmax bench report jobs/oracle-check": "tests/integration/test_front_door.py::test_terminal_bench_oracle_offline",
-    "tmax bench resume jobs/oracle-check": "tests/integration/test_front_door.py::test_terminal_bench_oracle_offline",
-    "tmax bench run DS -a mini-swe -m M --base-url URL --job-name mini": "tests/integration/test_bench_harnesses.py::solve",
-    "tmax bench run --config bench.toml -k 1":
-        "tests/integration/test_bench_jobs.py::test_bench_run_config_file_with_flags_on_top",
-    "tmax bench compare jobs/tmax-run jobs/mini": "tests/integration/test_bench_compare.py::test_compare_oracle_against_nop",
-    "tmax show jobs/mini/TASK__ID": "tests/integration/test_bench_harnesses.py::solve",
-    "tmax show runs --export messages": "tests/integration/test_run_tokens.py::test_show_export_messages_is_hf_chat_jsonl",
-    "tmax sandbox clean --dry-run": "tests/integration/test_sandbox_podman.py::test_cli_build_base_cached_and_clean_dry_run",
-    "tmax sandbox prune --keep-gb GB --label KEY=VALUE --dry-run --json":
-        "tests/integration/test_data_images.py::test_prune_removes_the_least_recently_used_first",
     "tmax learn sft": "tests/integration/test_sft_training.py::test_learn_sft_warm_starts_under_a_list_of_harnesses",
-    "tmax data validate data/mine -e podman -n 4": "tests/integration/test_data_validate.py::test_gates_on_podman",
 }
 
 
