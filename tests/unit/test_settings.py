@@ -74,6 +74,17 @@ def test_every_command_spells_where_episodes_run_the_same_way():
         assert "--env" in r.stdout and "--sandbox " not in r.stdout, words
 
 
+def test_every_command_spells_the_output_directory_the_same_way(tmp_path):
+    for words in (["run"], ["learn"], ["learn", "nano"], ["learn", "sft"], ["data", "generate"], ["data", "import"],
+                  ["data", "combine"]):
+        r = tmax(*words, "--help")
+        assert r.exit_code == 0, (words, r.output)
+        assert "--out " in r.stdout and "-o " in r.stdout and "--output " not in r.stdout, words
+    r = tmax("run", "--output", str(tmp_path / "x"), "-e", "local", "--print-config", "a task",
+             env={"XDG_CONFIG_HOME": str(tmp_path), "TMAX_BASE_URL": "", "OPENAI_BASE_URL": ""})
+    assert r.exit_code == 0 and "note: --output is now --out" in r.stderr, r.output
+
+
 class _Inner(BaseModel):
     depth: Annotated[int, Field(ge=0, description="How deep."), flag("--depth", "-d", old=("--deep",))] = 3
 
@@ -183,3 +194,14 @@ def test_print_config_is_a_config_file(args, tmp_path):
         assert again.exit_code == 0, again.output
         assert {k: v for k, v in tomllib.loads(again.stdout).items() if k != "name"} == \
             {k: v for k, v in parsed.items() if k != "name"}
+
+
+def test_the_base_image_is_named_once():
+    """`localhost/tmax-base:bookworm` is spelled in one module (sandbox/images.py); the podman
+    default, the tasks' base, the host environments, the nano tasks and build-base import it."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "tmax"
+    spelled = [p.relative_to(root).as_posix() for p in sorted(root.rglob("*.py"))
+               if '"localhost/tmax-base:bookworm' in p.read_text(encoding="utf-8")]  # as a value, not in prose
+    assert spelled == ["sandbox/images.py"]
