@@ -11,7 +11,8 @@ from pydantic import BaseModel, Field
 from typer.testing import CliRunner
 
 from tmax.cli.main import app
-from tmax.common.settings import Env, describe, env_layer, flag, flag_specs, resolve_layers, settings_table
+from tmax.common.settings import (Env, describe, env_layer, flag, flag_specs, leaf_fields, resolve_layers,
+                                  settings_table)
 
 
 def tmax(*args: str, env: dict[str, str] | None = None):
@@ -205,3 +206,21 @@ def test_the_base_image_is_named_once():
     spelled = [p.relative_to(root).as_posix() for p in sorted(root.rglob("*.py"))
                if '"localhost/tmax-base:bookworm' in p.read_text(encoding="utf-8")]  # as a value, not in prose
     assert spelled == ["sandbox/images.py"]
+
+
+def _undescribed(model: type[BaseModel]) -> list[str]:
+    return [".".join(path) for path, info in leaf_fields(model) if not (info.description or "").strip()]
+
+
+def test_every_setting_has_a_description():
+    """Each setting of every command's declaration (learn's sections, run's keys and file,
+    bench's job, serve's server) says what it is: the help, the docs' tables and
+    --print-config show it."""
+    from tmax.cli.bench_settings import BenchSettings
+    from tmax.cli.config import RunFile, RunKeys
+    from tmax.training.config import LearnConfig
+    from tmax.training.inference.serving import ServeSpec
+
+    missing = {m.__name__: _undescribed(m) for m in (LearnConfig, RunKeys, RunFile, BenchSettings, ServeSpec)}
+    assert not any(missing.values()), f"settings without a description: {missing}"
+    assert _undescribed(_Outer) == [] and _undescribed(type("Bare", (BaseModel,), {"__annotations__": {"n": int}})) == ["n"]

@@ -77,7 +77,8 @@ class RunFile(RunKeys):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    expose: list[str] = Field(default_factory=list)
+    expose: Annotated[list[str], Field(default_factory=list, description="Credential paths the bwrap jail masks "
+                                       "by default (~/.ssh, ~/.aws, ...) to show inside (as --expose).")]
 
 
 def config_path() -> Path:
