@@ -38,8 +38,6 @@ CI: dict[str, str] = {
 # Lines whose test runs them with the same command words and flags but not yet through
 # `documented` (the line -> TEST_FILE::TEST_NAME).
 RUN_BY: dict[str, str] = {
-    "pip install -e .": "tests/integration/test_wheel.py::test_editable_install_is_the_same_light_install",
-    "tmax learn sft": "tests/integration/test_sft_training.py::test_learn_sft_warm_starts_under_a_list_of_harnesses",
 }
 
 
@@ -49,13 +47,8 @@ KNOWN_GAPS: dict[str, str] = {
                             "tests/integration/test_learn_documented.py",
     "python benchmarks/bench_overhead.py --json": "test_bench_harbor_jobs.py::test_overhead_benchmark_runs runs it "
                                                   "with --runs 1 --no-harbor (5 runs and Harbor by default)",
-    "tmax learn -c my.toml -e podman --image-map ubuntu:24.04=localhost/my-ubuntu:24.04":
-        "my.toml is the reader's own Harbor-task config; test_loop.py::test_podman_preset_and_cli_sandbox_override "
-        "checks the override through the API, test_learn_cli.py the flags in a dry run",
     "tmax data generate -o data/mine -N 100 --base-url http://127.0.0.1:8000/v1 -m MODEL --kind rl_v2 --seed 0 -n 8":
         "test_data_generate.py::test_generate_tasks_with_broken_gates runs it smaller, on bwrap, without --kind",
-    "tmax data solve data/mine -a tmax -m MODEL --base-url URL -k 8 --band 0.1:0.9 --out data/mid":
-        "test_data_validate.py::test_solve_with_the_tmax_agent runs it with -k 2 on bwrap, without --out",
 }
 
 
