@@ -214,13 +214,15 @@ def _undescribed(model: type[BaseModel]) -> list[str]:
 
 def test_every_setting_has_a_description():
     """Each setting of every command's declaration (learn's sections, run's keys and file,
-    bench's job, serve's server) says what it is: the help, the docs' tables and
-    --print-config show it."""
+    bench's job, serve's server, data generate's run) says what it is: the help, the docs'
+    tables and --print-config show it."""
     from tmax.cli.bench_settings import BenchSettings
     from tmax.cli.config import RunFile, RunKeys
     from tmax.training.config import LearnConfig
+    from tmax.tasks.corpus.generate import GenerateConfig
     from tmax.training.inference.serving import ServeSpec
 
-    missing = {m.__name__: _undescribed(m) for m in (LearnConfig, RunKeys, RunFile, BenchSettings, ServeSpec)}
+    missing = {m.__name__: _undescribed(m) for m in (LearnConfig, RunKeys, RunFile, BenchSettings, ServeSpec,
+                                                      GenerateConfig)}
     assert not any(missing.values()), f"settings without a description: {missing}"
     assert _undescribed(_Outer) == [] and _undescribed(type("Bare", (BaseModel,), {"__annotations__": {"n": int}})) == ["n"]
