@@ -158,8 +158,8 @@ def run(depths: list[int], rounds: int) -> dict:
     from tmax.sandbox import SandboxSpec
     from tmax.sandbox.cleanup import remove_labelled
     from tmax.sandbox.overlay_pool import OverlayPool, SpecFactory
-    from tmax.tasks.images import ensure_image
-    from tmax.tasks.model import Task
+    from tmax.tasks.task_images import ensure_image
+    from tmax.tasks.task_format import Task
     from tmax.tasks.offline import default_config
 
     image = ensure_image(Task.load(TASK), default_config(), use_prebuilt=False)

@@ -11,9 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 from documented import documented
-from tmax.sandbox.images import image_exists
+from tmax.sandbox.base_image import image_exists
 from tmax.tasks.corpus.validate import RESULTS_DIR, GateReport, default_work_dir
-from tmax.tasks.images import BASE_TAG
+from tmax.tasks.task_images import BASE_TAG
 from tmax.cli.main import app
 
 DATA = Path(__file__).parents[1] / "data" / "corpus" / "validate"

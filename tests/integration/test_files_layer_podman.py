@@ -21,8 +21,8 @@ import pytest
 from tmax.sandbox.base import IMAGE_USER, LayerCopy, LayerDir
 from tmax.sandbox.overlay_pool import OverlayPool
 from tmax.tasks.episode import EnvSettings, Episode
-from tmax.tasks.images import TaskImage, ensure_image, image_id
-from tmax.tasks.model import Task
+from tmax.tasks.task_images import TaskImage, ensure_image, image_id
+from tmax.tasks.task_format import Task
 from tmax.tasks.offline import default_config
 
 pytestmark = pytest.mark.podman
@@ -219,10 +219,10 @@ def dataset(task_root) -> Path:
 @pytest.mark.parametrize("overlay,mode", [(True, "overlay+files"), (False, "container")])
 @pytest.mark.parametrize("agent,reward", [("oracle", 1.0), ("nop", 0.0)])
 def test_oracle_passes_and_nop_fails_both_ways(tmp_path, dataset, overlay, mode, agent, reward):
-    from tmax.tasks.job import Job, JobConfig
+    from tmax.tasks.job import Job, JobSpec
 
     names = sorted(p.name for p in dataset.iterdir())
-    job = Job(JobConfig(job_name=f"files-{agent}-{overlay}", jobs_dir=str(tmp_path), dataset=str(dataset),
+    job = Job(JobSpec(job_name=f"files-{agent}-{overlay}", jobs_dir=str(tmp_path), dataset=str(dataset),
                         agent=agent, n_concurrent=len(names), overlay=overlay))
     job.run()
     results = {t.task_name: t for t in job.results()}

@@ -198,14 +198,14 @@ def test_print_config_is_a_config_file(args, tmp_path):
 
 
 def test_the_base_image_is_named_once():
-    """`localhost/tmax-base:bookworm` is spelled in one module (sandbox/images.py); the podman
+    """`localhost/tmax-base:bookworm` is spelled in one module (sandbox/base_image.py); the podman
     default, the tasks' base, the host environments, the nano tasks and build-base import it."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2] / "tmax"
     spelled = [p.relative_to(root).as_posix() for p in sorted(root.rglob("*.py"))
                if '"localhost/tmax-base:bookworm' in p.read_text(encoding="utf-8")]  # as a value, not in prose
-    assert spelled == ["sandbox/images.py"]
+    assert spelled == ["sandbox/base_image.py"]
 
 
 def _undescribed(model: type[BaseModel]) -> list[str]:
@@ -217,7 +217,7 @@ def test_every_setting_has_a_description():
     bench's job, serve's server, data generate's run) says what it is: the help, the docs'
     tables and --print-config show it."""
     from tmax.cli.bench_settings import BenchSettings
-    from tmax.cli.config import RunFile, RunKeys
+    from tmax.cli.run_settings import RunFile, RunKeys
     from tmax.training.config import LearnConfig
     from tmax.tasks.corpus.generate import GenerateConfig
     from tmax.training.inference.serving import ServeSpec

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import typer
 
 from tmax.cli.bench_settings import TERMINAL_BENCH, BenchSettings, resolve_bench
-from tmax.cli.errors import fail
+from tmax.cli.exits import fail
 from tmax.cli.options import FlagValues, option_parameter, setting_flags
 from tmax.cli.options import print_config as print_config_lines
 
@@ -111,13 +111,13 @@ def _make_job(s: BenchSettings):
 
     from tmax.common.errors import validation_message
     from tmax.tasks.dataset import DatasetError
-    from tmax.tasks.job import Job, JobConfig, JobError
+    from tmax.tasks.job import Job, JobSpec, JobError
 
     if s.dataset is None:
         fail("no tasks given: pass PATH|DATASET, or `dataset = \"...\"` in the --config file")
     name = s.job_name or datetime.now().strftime("%Y-%m-%d__%H-%M-%S")
     try:
-        cfg = JobConfig(job_name=name, jobs_dir=s.jobs_dir, dataset=s.dataset, include=s.include,
+        cfg = JobSpec(job_name=name, jobs_dir=s.jobs_dir, dataset=s.dataset, include=s.include,
                         exclude=s.exclude, limit=s.n_tasks, agent=s.agent, model=s.model,
                         base_url=s.base_url, api_key_env=s.api_key_env, agent_kwargs=s.agent_settings(),
                         n_attempts=s.n_attempts, n_concurrent=s.n_concurrent,
@@ -132,7 +132,7 @@ def _make_job(s: BenchSettings):
 
 # The flags of a job's settings come from `BenchSettings` (`cli.bench_settings`); these are not settings.
 _AK = typer.Option([], "--ak", "--agent-kwarg",
-                   help="Agent setting KEY=VALUE (agents/settings.py), e.g. --ak max_steps=32 (repeatable).")
+                   help="Agent setting KEY=VALUE (agents/agent_settings.py), e.g. --ak max_steps=32 (repeatable).")
 _PRINT = option_parameter("print_config", bool, typer.Option(
     False, "--print-config", help="Print the resolved settings and where each came from, and exit."))
 _CONFIG = option_parameter("config", Optional[Path], typer.Option(
@@ -200,12 +200,12 @@ def resume_cmd(
 ) -> None:
     """Finish a job: run only the trials that have no result yet."""
     from tmax.tasks.dataset import DatasetError
-    from tmax.tasks.job import Job, JobConfig, JobError, read_job_config
+    from tmax.tasks.job import Job, JobSpec, JobError, read_job_config
 
     try:
         stored = read_job_config(job_dir).tmax_job
         # The job's own settings, where tmax wrote it (Job.open says what is wrong otherwise).
-        cfg = JobConfig.model_validate(stored) if stored else None
+        cfg = JobSpec.model_validate(stored) if stored else None
     except (JobError, ValueError):
         cfg = None
     if cfg is not None:
@@ -397,7 +397,7 @@ def prepare_cmd(
 
     from tmax.common.errors import ConfigError
     from tmax.tasks.dataset import DatasetError, load_tasks
-    from tmax.tasks.images import ImageBuildError, ensure_image
+    from tmax.tasks.task_images import ImageBuildError, ensure_image
     from tmax.tasks.offline import default_config
 
     console = Console(stderr=True)

@@ -26,7 +26,7 @@ from typing import Annotated, Any, Mapping
 
 from pydantic import ConfigDict, Field, ValidationError
 
-from tmax.agents.settings import RENAMED, AgentSettings, AgentSettingsPatch
+from tmax.agents.agent_settings import RENAMED, AgentSettings, AgentSettingsPatch
 from tmax.common.errors import ConfigError, validation_message
 from tmax.common.files import read_toml
 from tmax.common.settings import Env, env_layer, flag, resolve_layers

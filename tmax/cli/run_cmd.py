@@ -16,7 +16,7 @@ from typing import Optional
 
 import typer
 
-from tmax.cli.config import ConfigError, RunKeys, resolve_run_settings
+from tmax.cli.run_settings import ConfigError, RunKeys, resolve_run_settings
 from tmax.cli.options import FlagValues, note_old_spelling, option_parameter, setting_flags
 from tmax.cli.options import print_config as print_config_lines
 from tmax.common.settings import describe_values
@@ -127,7 +127,7 @@ def run(
             settings.sources["model"] = f"{settings.base_url}/models"
         token_setup = None
         if tokens:
-            from tmax.cli.run_training import prepare_tokens
+            from tmax.cli.run_tokens import prepare_tokens
 
             token_setup = prepare_tokens(settings.base_url, settings.model, settings.api_key, tokenizer)
     except (ConfigError, ValueError) as e:

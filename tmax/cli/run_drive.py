@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tmax.cli.config import RunSettings, data_dir, default_run_dir
+from tmax.cli.run_settings import RunSettings, data_dir, default_run_dir
 from tmax.cli.run_hooks import InteractiveHooks, JsonHooks, emit, usage_dict
 from tmax.cli.run_setup import EXIT_CODES, EXIT_USAGE, RESUME_NOTE
 
@@ -28,7 +28,7 @@ class RunRequest:
     output: Path | None
     harness: str = "tmax"
     undo_steps: int = 0
-    token_setup: Any = None  # tmax.cli.run_training.TokenSetup with --tokens
+    token_setup: Any = None  # tmax.cli.run_tokens.TokenSetup with --tokens
     verify: str | None = None
     instructions: Any = None  # agents.instructions.Instructions for the system prompt, or None
 
@@ -181,7 +181,7 @@ def _announce(run: RunRequest, display: Any, run_dir: Path) -> None:
 def _session(run: RunRequest, task: str, run_dir: Path, record: RunRecord, talk: _Talk) -> tuple[str, str | None]:
     """Open the sandbox, drive the agent; (status, error) whatever happens."""
     from tmax.agents.harnesses import make_harness
-    from tmax.agents.session import RunSession
+    from tmax.cli.run_session import RunSession
     from tmax.sandbox.base import SandboxError
 
     status, error = "sandbox_error", None

@@ -109,7 +109,7 @@ def _compacted(run_dir: Path) -> dict[str, Any]:
 def _trial_score(trial_dir: Path) -> dict[str, Any] | None:
     """What a trial (tmax bench's or Harbor's) scored, from its result.json; None where the
     directory holds no trial result."""
-    from tmax.common.harbor import TrialResult
+    from tmax.tasks.harbor import TrialResult
 
     r = TrialResult.parse(_read_json(trial_dir / "result.json", required=False))
     if r is None:

@@ -33,7 +33,7 @@ from tmax.sandbox.base import (
     IMAGE_USER, AgentUserError, LABEL_KEY, LABEL_VALUE, NAME_PREFIX, CommandResult, SandboxError, SandboxSpec,
 )
 from tmax.sandbox.hostexec import MAX_EXEC_CHARS
-from tmax.sandbox.images import DEFAULT_BASE_TAG
+from tmax.sandbox.base_image import DEFAULT_BASE_TAG
 from tmax.sandbox.shell import BASH_ARGV, PersistentShell
 from tmax.sandbox.shell_sandbox import ShellSandbox
 from tmax.common.waiting import wait_until

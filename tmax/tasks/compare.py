@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from math import comb
 from pathlib import Path
 
-from tmax.common.harbor import JobConfig, TrialResult
+from tmax.tasks.harbor import JobConfig, TrialResult
 from tmax.tasks.job_dirs import load_job_results
 from tmax.tasks.scoring import TrialRow, pass_at_k, rate_interval, score
 

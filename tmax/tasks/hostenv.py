@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tmax.sandbox.base import HOST_KINDS, SandboxSpec
-from tmax.sandbox.images import DEFAULT_BASE_TAG, PYTHON_BASE_TAG
+from tmax.sandbox.base_image import DEFAULT_BASE_TAG, PYTHON_BASE_TAG
 from tmax.tasks.dockerfile import instructions
-from tmax.tasks.model import Task
+from tmax.tasks.task_format import Task
 
 # The host has python3, so it also stands in for the base of generated tasks.
 HOST_BASE_IMAGES = (DEFAULT_BASE_TAG, PYTHON_BASE_TAG)

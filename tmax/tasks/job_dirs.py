@@ -10,9 +10,9 @@ from pathlib import Path
 
 from tmax.agents.records import TRAJECTORY
 from tmax.common.files import read_json
-from tmax.common.harbor import CANCELLED, JobConfig, TaskConfig, TmaxTrial, TrialResult
+from tmax.tasks.harbor import CANCELLED, JobConfig, TaskConfig, TmaxTrial, TrialResult
 from tmax.tasks.job import read_job_config
-from tmax.tasks.model import load_config
+from tmax.tasks.task_format import load_config
 
 
 def load_job_results(job_dir: Path) -> tuple[JobConfig, list[TrialResult]]:

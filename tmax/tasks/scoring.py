@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from tmax.common.harbor import FAIL, INFRA_ERROR, PASS, TrialResult, TrialScore
+from tmax.tasks.harbor import FAIL, INFRA_ERROR, PASS, TrialResult, TrialScore
 # Below this many tasks a bootstrap cannot show the uncertainty (6 of 6 solved resamples to
 # [100 %, 100 %]): the interval is exact (or Wilson's) instead.
 FEW_TASKS = 30

@@ -28,13 +28,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from tmax.common import harbor
+from tmax.tasks import harbor
 from tmax.common.files import write_json_atomic
-from tmax.common.harbor import CANCELLED_ERROR, TrialResult
+from tmax.tasks.harbor import CANCELLED_ERROR, TrialResult
 from tmax.sandbox.base import SandboxError
 from tmax.sandbox.overlay_pool import OverlayPool
 from tmax.tasks.episode import ENVIRONMENT_ERRORS, EnvSettings, Episode, episode_name, resolve_environment
-from tmax.tasks.model import Task
+from tmax.tasks.task_format import Task
 from tmax.tasks.offline import RewriteConfig
 from tmax.tasks.runners import TrialAgent
 from tmax.tasks.verifier import VerifierKind

@@ -23,7 +23,7 @@ from typing import Annotated, Literal, Mapping
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tmax.agents.settings import AgentSettings, Backoff, Count, Temperature, TopP, renamed_keys
+from tmax.agents.agent_settings import AgentSettings, Backoff, Count, Temperature, TopP, renamed_keys
 from tmax.common.errors import ConfigError
 from tmax.common.files import read_toml
 from tmax.common.settings import env_layer, flag, resolve_layers

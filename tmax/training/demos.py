@@ -26,7 +26,7 @@ from tmax.training.rollout import EpisodeRequest, EpisodeSettings, InfraError, R
 
 if TYPE_CHECKING:
     from tmax.sandbox.pool import WarmPool
-    from tmax.tasks.images import TaskImage
+    from tmax.tasks.task_images import TaskImage
 
 
 class DemoError(RuntimeError):

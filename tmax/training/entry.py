@@ -30,12 +30,12 @@ from tmax.common.errors import ConfigError
 from tmax.common.extras import require_extra
 from tmax.common.files import write_json_atomic, write_text_atomic
 from tmax.training.cluster.placement import PlanError, PlacementPlan, plan_for
-from tmax.training.cluster.session import own_run_processes, ray_session
+from tmax.training.cluster.run_cluster import own_run_processes, ray_session
 from tmax.training.config import LearnConfig, dump_toml
 from tmax.training.report import LearnProgress, StepLines
 
 if TYPE_CHECKING:
-    from tmax.training.loop import RunResult
+    from tmax.training.trainer import RunResult
     from tmax.training.recipe import RecipeResult, SftStage
 
 Log = Callable[[str], None]
@@ -59,7 +59,7 @@ def learn(cfg: LearnConfig, out: Path, *, resume: bool = False, progress: LearnP
     joined, and checked against the plan, before any of that work."""
     require_extra("train")
     from tmax.training.learner.checkpoint import refuse_fresh_run_over
-    from tmax.training.loop import train
+    from tmax.training.trainer import train
 
     out = Path(out)
     refuse_fresh_run_over(_rl_dir(cfg, out), resume)  # before Ray starts; `train` checks again
@@ -200,7 +200,7 @@ def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, train_dir: str, held_
     RL's final checkpoint loaded into it. Fills `result` and `times`."""
     from tmax.training.cluster.actors import start_engines, warm_worker_processes
     from tmax.training.learner.lora import run_start
-    from tmax.training.loop import train
+    from tmax.training.trainer import train
     from tmax.training.recipe import RlStage, heldout_eval
     from tmax.training.weights.learner_side import load_checkpoint
 

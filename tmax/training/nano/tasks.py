@@ -37,7 +37,7 @@ import tomli_w
 
 from tmax.agents.prompts import SUBMIT_COMMAND
 from tmax.training.nano import long_tasks
-from tmax.training.nano.base import (  # noqa: F401 (re-exported: the generator's public names)
+from tmax.training.nano.family import (  # noqa: F401 (re-exported: the generator's public names)
     ANSWER, BASE_IMAGE, INPUT_EXT, INPUT_GLOB, POOLS, SPLITS, SUBMIT_THOUGHT, WORKDIR, NanoTask, EXTS, NUMBERS,
     Picker, WORDS, lines_text, nano_meta, pseudo_words, round_robin,
 )

@@ -34,12 +34,12 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, ValidationError
 
 from tmax.agents.policy import DEFAULT_MODEL_TIMEOUT_S
-from tmax.agents.settings import AgentSettings, AgentSettingsPatch
+from tmax.agents.agent_settings import AgentSettings, AgentSettingsPatch
 from tmax.common.errors import ConfigError, validation_message
 from tmax.common.files import read_toml
 from tmax.common.settings import Env, env_layer, env_names, flag, flag_specs, resolve_layers
 from tmax.sandbox.base import KINDS as SANDBOX_KINDS
-from tmax.sandbox.images import DEFAULT_BASE_TAG
+from tmax.sandbox.base_image import DEFAULT_BASE_TAG
 
 MODES = ("confirm", "yolo")
 # Every setting of `tmax run` is also `TMAX_<KEY>` (`TMAX_BASE_URL`, `TMAX_MAX_STEPS`); a few

@@ -29,12 +29,12 @@ from pathlib import Path
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from tmax.sandbox.base import LABEL_KEY, LABEL_VALUE, FilesLayer
-from tmax.sandbox.images import DEFAULT_BASE_TAG
+from tmax.sandbox.base_image import DEFAULT_BASE_TAG
 from tmax.common.files import cache_dir
 from tmax.common.proctree import end_process_tree
 from tmax.common.waiting import wait_until
 from tmax.tasks.files_layer import LayerPlan, task_layer
-from tmax.tasks.model import Task, tree_hash
+from tmax.tasks.task_format import Task, tree_hash
 from tmax.tasks.offline import RewriteConfig, RewrittenDockerfile, copy_patched, rewrite_dockerfile
 
 TAG_REPO = "localhost/tmax-task"

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tmax.agents.prompts import SUBMIT_COMMAND
-from tmax.sandbox.images import DEFAULT_BASE_TAG
+from tmax.sandbox.base_image import DEFAULT_BASE_TAG
 
 SUBMIT_THOUGHT = "Done, so I submit."
 
