@@ -43,7 +43,6 @@ fi
 "$VENV/bin/python" -c "import dockerfile_parse" 2>/dev/null || "$VENV/bin/pip" install -q "dockerfile-parse>=2.0"
 "$VENV/bin/python" -c "import tenacity" 2>/dev/null || "$VENV/bin/pip" install -q "tenacity>=8.2"
 "$VENV/bin/python" -c "import datasets, pyarrow" 2>/dev/null || "$VENV/bin/pip" install -q "datasets>=2.19" "pyarrow>=15"
-"$VENV/bin/python" -c "import pydantic_settings" 2>/dev/null || "$VENV/bin/pip" install -q "pydantic-settings>=2.3"
 "$VENV/bin/python" -c "import inotify_simple" 2>/dev/null || "$VENV/bin/pip" install -q "inotify-simple>=1.3"
 "$VENV/bin/python" -c "import peft" 2>/dev/null || "$VENV/bin/pip" install -q "peft>=0.21,<0.22"
 

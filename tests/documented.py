@@ -4,7 +4,7 @@ that run them exactly as written.
 A test runs a documented line through `documented(LINE, PLACEHOLDER=value, ...)`: LINE must
 be a line a page shows, character for character (the test fails when the page changes), and
 the argv returned is that line with its placeholders (DS, URL, MODEL, DIR, ...) filled in,
-as whole words or as parts of a path. tests/unit/test_readme_commands.py finds these calls
+as whole words or as parts of a path or of a KEY=VALUE word. tests/unit/test_readme_commands.py finds these calls
 and requires one for every line that is not marked (GPU) or (cluster)."""
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ def documented_lines() -> dict[str, str]:
 
 
 def _fill(word: str, fill: dict[str, str]) -> str:
+    """`word` filled: whole, or each part of a path or of a KEY=VALUE pair."""
     if word in fill:
         return fill[word]
-    return "/".join(fill.get(part, part) for part in word.split("/"))
+    return re.sub(r"[^/=]+", lambda part: fill.get(part[0], part[0]), word)
 
 
 def documented(line: str, **fill: str) -> list[str]:

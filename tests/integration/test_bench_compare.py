@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from documented import documented
 from harbor_env import harbor_check
 from tmax.tasks.compare import mcnemar_exact
 from tmax.tasks.scoring import BOOTSTRAP, EXACT, WILSON, clopper_pearson, rate_interval, wilson
@@ -72,7 +73,7 @@ def oracle_and_nop(tmp_path_factory) -> list[Path]:
 
 
 @pytest.mark.podman
-def test_compare_oracle_against_nop(oracle_and_nop):
+def test_compare_oracle_against_nop(oracle_and_nop, tmp_path, monkeypatch):
     from tmax.cli.main import app
 
     dirs = oracle_and_nop
@@ -86,8 +87,13 @@ def test_compare_oracle_against_nop(oracle_and_nop):
     assert sorted(pair["a_not_b"]) == [f"echo-{i}" for i in range(N_TASKS)] and pair["b_not_a"] == []
     assert pair["p_value"] < 0.05
     assert Path(data["chart"]).stat().st_size > 0
-    table = CliRunner().invoke(app, ["bench", "compare", *map(str, dirs), "--no-chart"])
-    assert table.exit_code == 0 and "McNemar" in table.output
+    # As the page types it, the two jobs under the names it gives them.
+    (tmp_path / "jobs").mkdir()
+    for name, job in zip(("tmax-run", "mini"), dirs):
+        (tmp_path / "jobs" / name).symlink_to(job)
+    monkeypatch.chdir(tmp_path)
+    table = CliRunner().invoke(app, documented("tmax bench compare jobs/tmax-run jobs/mini")[1:])
+    assert table.exit_code == 0 and "McNemar" in table.output, table.output
 
 
 @pytest.mark.podman

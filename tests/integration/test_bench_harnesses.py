@@ -15,6 +15,7 @@ import pytest
 
 pytestmark = [pytest.mark.podman]
 
+from documented import documented  # noqa: E402
 from harbor_env import harbor_check  # noqa: E402
 from scripted_server import ScriptedServer  # noqa: E402
 
@@ -47,18 +48,26 @@ def script(harness: str, word: str) -> list[dict]:
 
 
 def bench(tmp_path: Path, harness: str, srv: ScriptedServer, name: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "tmax.cli.main", "bench", "run", str(TASK), "-a", harness, "-m", srv.model,
-           "--base-url", srv.base_url, "-o", str(tmp_path), "--job-name", name]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    """`tmax bench run` of the task in a directory of its own (`name`), its job under jobs/."""
+    here = tmp_path / name
+    here.mkdir()
+    if name == "mini-swe-hello":  # the page's line as typed, its job jobs/mini
+        argv = documented("tmax bench run DS -a mini-swe -m M --base-url URL --job-name mini", DS=str(TASK),
+                          M=srv.model, URL=srv.base_url)
+    else:
+        argv = ["tmax", "bench", "run", str(TASK), "-a", harness, "-m", srv.model, "--base-url", srv.base_url,
+                "--job-name", name]
+    job = here / "jobs" / argv[-1]
+    proc = subprocess.run([sys.executable, "-m", "tmax.cli.main", *argv[1:]], cwd=here, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (trial,) = [d for d in (tmp_path / name).iterdir() if d.is_dir()]
-    return {"dir": trial, "result": json.loads((trial / "result.json").read_text())}
+    (trial,) = [d for d in job.iterdir() if d.is_dir()]
+    return {"dir": trial, "job": job, "result": json.loads((trial / "result.json").read_text())}
 
 
-def solve(tmp_path: Path, harness: str, word: str, outcome: str) -> None:
+def solve(tmp_path: Path, harness: str, word: str, outcome: str) -> Path:
     """One `tmax bench run` of the task with a script that writes `word`, and what its trial
-    and `tmax show` of it say."""
+    and `tmax show` of it say (the page's `tmax show jobs/mini/TASK__ID` as typed); its job."""
     turns = script(harness, word)
     with ScriptedServer(turns) as srv:
         trial = bench(tmp_path, harness, srv, f"{harness}-{word}")
@@ -78,10 +87,13 @@ def solve(tmp_path: Path, harness: str, word: str, outcome: str) -> None:
     if harness == "terminus-2":
         screen = agent_steps[0]["observation"]["results"][0]["content"]
         assert f"echo {word} > hello.txt" in screen
-    shown = subprocess.run([sys.executable, "-m", "tmax.cli.main", "show", str(trial["dir"])], capture_output=True,
+    job = trial["job"]
+    show = documented("tmax show jobs/mini/TASK__ID", TASK__ID=trial["dir"].name, mini=job.name)
+    shown = subprocess.run([sys.executable, "-m", "tmax.cli.main", *show[1:]], cwd=job.parents[1], capture_output=True,
                            text=True, env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "160"}, timeout=60)
     assert shown.returncode == 0 and f"echo {word} > hello.txt" in shown.stdout, shown.stderr
     assert "no valid bash call" not in shown.stdout
+    return job
 
 
 @pytest.mark.parametrize("harness", ["tmax", "mini-swe", "terminus-2"])
@@ -91,12 +103,11 @@ def test_harness_solves_and_fails(tmp_path, harness):
     with ThreadPoolExecutor(2) as pool:
         runs = [pool.submit(solve, tmp_path, harness, word, outcome)
                 for word, outcome in (("hello", "pass"), ("goodbye", "fail"))]
-        for run in runs:
-            run.result()
+        passed, failed = (run.result() for run in runs)
     # Harbor's own models take every trial's agent/trajectory.json as ATIF, and its viewer serves them.
-    loaded = harbor_check(tmp_path / f"{harness}-hello", tmp_path / f"{harness}-goodbye")
+    loaded = harbor_check(passed, failed)
     assert loaded["failures"] == []
     assert (loaded["jobs"], loaded["trials"], loaded["atif"]) == (2, 2, 2)
-    (evals,) = loaded["evals"][f"{harness}-hello"].values()
+    (evals,) = loaded["evals"][passed.name].values()
     assert evals["metrics"] == [{"mean": 1.0}] and evals["pass_at_k"] == {"1": 1.0}
-    assert all(t > 0 for t in loaded["tokens"][f"{harness}-hello"])
+    assert all(t > 0 for t in loaded["tokens"][passed.name])

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from documented import documented
 from tmax.tasks.job import Job, JobSpec, JobError
 
 pytestmark = [pytest.mark.podman]
@@ -212,8 +213,9 @@ def test_agent_timeout_is_labelled_and_still_verified(tmp_path):
 
 
 def test_bench_run_config_file_with_flags_on_top(tmp_path):
-    """`tmax bench run --config FILE`: the job's settings and the agent's from a TOML file,
-    the flags given on the command line over them, against a scripted model."""
+    """`tmax bench run --config bench.toml -k 1` as typed: the job's settings and the agent's
+    from a TOML file, the environment over it (the endpoint, a temperature) and the flag over
+    both, against a scripted model."""
     from scripted_server import ScriptedServer
 
     ds = dataset(tmp_path, 2)
@@ -225,8 +227,9 @@ def test_bench_run_config_file_with_flags_on_top(tmp_path):
         config.write_text(f'dataset = "{ds}"\nagent = "tmax"\nmodel = "{srv.model}"\nn_attempts = 3\n'
                           f'include = ["echo-1"]\njobs_dir = "{jobs}"\njob_name = "from-file"\n'
                           "max_steps = 5\ntemperature = 0.25\ntop_p = 0.5\n")
-        r = subprocess.run(TMAX + ["bench", "run", "--config", str(config), "-k", "1", "--base-url", srv.base_url,
-                                   "--ak", "temperature=0.5"], cwd=REPO, capture_output=True, text=True, timeout=600)
+        env = {**os.environ, "TMAX_BASE_URL": srv.base_url, "TMAX_BENCH_TEMPERATURE": "0.5"}
+        r = subprocess.run([*TMAX, *documented("tmax bench run --config bench.toml -k 1")[1:]], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stdout + r.stderr
         assert [(q["temperature"], q["top_p"]) for q in srv.requests] == [(0.5, 0.5)] * 2
     job = json.loads((jobs / "from-file" / "config.json").read_text())["tmax_job"]

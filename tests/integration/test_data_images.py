@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from documented import documented
 from tmax.sandbox.base import LABEL_KEY, LABEL_VALUE
 from tmax.sandbox.base_image import image_exists
 from tmax.tasks.task_images import BASE_TAG, TASK_LABEL, record_use, task_images
@@ -47,8 +48,8 @@ def test_prune_removes_the_least_recently_used_first(tmp_path, monkeypatch):
         assert [i.names[0] for i in mine] == [tags[1], tags[2], tags[0]]
         size = {i.names[0]: i.size for i in mine}
         keep = (size[tags[2]] + size[tags[0]] + 1000) / 1e9
-        r = CliRunner().invoke(app, ["sandbox", "prune", "--keep-gb", f"{keep:.9f}", "--label", label, "--dry-run",
-                                     "--json"])
+        r = CliRunner().invoke(app, documented("tmax sandbox prune --keep-gb GB --label KEY=VALUE --dry-run --json",
+                                               GB=f"{keep:.9f}", KEY="io.tmax.test", VALUE=run)[1:])
         assert r.exit_code == 0, r.output
         assert json.loads(r.stdout)["removed"] == [tags[1]] and image_exists(tags[1])
         r = CliRunner().invoke(app, ["sandbox", "prune", "--keep-gb", f"{keep:.9f}", "--label", label, "--json"])

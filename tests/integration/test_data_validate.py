@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from documented import documented
 from tmax.sandbox.base_image import image_exists
+from tmax.tasks.corpus.validate import RESULTS_DIR, GateReport, default_work_dir
 from tmax.tasks.task_images import BASE_TAG
 from tmax.cli.main import app
 
@@ -89,7 +91,7 @@ def test_solve_pass_at_k_and_band(tmp_path):
 
 @pytest.mark.podman
 @pytest.mark.skipif(shutil.which("podman") is None or not image_exists(BASE_TAG), reason="needs podman and the base image")
-def test_gates_on_podman(tmp_path):
+def test_gates_on_podman(tmp_path, monkeypatch):
     root = copy_corpus(tmp_path, ["good", "wrong-solution"])
     (root / "good" / "tests" / "test_initial_state.py").unlink()  # the base image has no python3
     shutil.copytree(DATA / "good", root / "broken-build")
@@ -104,14 +106,20 @@ def test_gates_on_podman(tmp_path):
     (root / "mirror-down" / "environment" / "Dockerfile").write_text(
         f"FROM {BASE_TAG}\nRUN echo \"E: Failed to fetch http://deb.debian.org/debian/pool/x.deb  Temporary failure "
         "resolving 'deb.debian.org'\" >&2; exit 100\n")
-    r = runner.invoke(app, ["data", "validate", str(root), "-e", "podman", "-n", "2", "--json"])
+    # As the page types it, the corpus at data/mine; each task's report as the rerun reads it.
+    (tmp_path / "data").mkdir()
+    root.rename(tmp_path / "data" / "mine")
+    monkeypatch.chdir(tmp_path)
+    r = runner.invoke(app, documented("tmax data validate data/mine -e podman -n 4")[1:])
     assert r.exit_code == 0, r.output
-    got = {t["task"]: (t["verdict"], t["failed"]) for t in json.loads(r.stdout)["tasks"]}
+    assert "infrastructure errors 1 (of 5" in " ".join(r.output.split()), r.output
+    results = default_work_dir(Path("data/mine")) / RESULTS_DIR
+    reports = [GateReport.model_validate(json.loads(p.read_text())["result"]) for p in sorted(results.glob("*.json"))]
+    got = {t.task: (t.verdict, t.failed) for t in reports}
     assert got == {"good": ("ok", []), "wrong-solution": ("rejected", ["oracle"]),
                    "broken-build": ("rejected", ["build"]), "no-agent-user": ("rejected", ["build"]),
                    "mirror-down": ("infra_error", ["build"])}
-    assert json.loads(r.stdout)["counts"]["infra_error"] == 1
-    reasons = {t["task"]: t["reasons"] for t in json.loads(r.stdout)["tasks"]}
+    reasons = {t.task: t.reasons for t in reports}
     assert "setup failed" in reasons["broken-build"]["build"]
     assert "a step of its Dockerfile failed" in reasons["broken-build"]["build"]
     assert reasons["mirror-down"]["build"].startswith("infrastructure error: ")
@@ -122,28 +130,30 @@ def test_gates_on_podman(tmp_path):
     assert "unable to find user user" in reasons["no-agent-user"]["build"]
 
 
-@pytest.mark.bwrap
-@needs_bwrap
-def test_solve_with_the_tmax_agent(tmp_path):
-    """pass@k of a model agent: one attempt solves the task, the other does not."""
-    import sys
-
+@pytest.mark.podman
+@pytest.mark.skipif(shutil.which("podman") is None or not image_exists(BASE_TAG), reason="needs podman and the base image")
+def test_solve_with_the_tmax_agent(tmp_path, monkeypatch):
+    """docs/data.md's `tmax data solve` line as typed (placeholders filled, the corpus at
+    data/mine): pass@k of a model agent whose 8 attempts, one after another, alternate a
+    right and a wrong answer; solved 4 of 8, the task is in the band and linked from data/mid."""
     from tmax.agents.prompts import SUBMIT_COMMAND
     from scripted_server import ScriptedServer
 
     root = copy_corpus(tmp_path, ["good"])
-    turns = [{"bash": "wc -l < /app/files/words.txt > /app/count.txt"}, {"bash": SUBMIT_COMMAND},
-             {"bash": "echo 9 > /app/count.txt"}, {"bash": SUBMIT_COMMAND}]
-    with ScriptedServer(turns) as srv:
-        r = runner.invoke(app, ["data", "solve", str(root), "-a", "tmax", "-m", srv.model, "--base-url",
-                                srv.base_url, "-k", "2", "-n", "1", "-e", "bwrap", "--band", "0.1:0.9", "--json"])
+    (tmp_path / "data").mkdir()
+    root = root.rename(tmp_path / "data" / "mine")
+    right = [{"bash": "wc -l < /app/files/words.txt > /app/count.txt"}, {"bash": SUBMIT_COMMAND}]
+    wrong = [{"bash": "echo 9 > /app/count.txt"}, {"bash": SUBMIT_COMMAND}]
+    monkeypatch.chdir(tmp_path)
+    with ScriptedServer((right + wrong) * 4) as srv:
+        line = documented("tmax data solve data/mine -a tmax -m MODEL --base-url URL -k 8 --band 0.1:0.9 --out data/mid",
+                          MODEL=srv.model, URL=srv.base_url)
+        r = runner.invoke(app, line[1:])
     assert r.exit_code == 0, r.output
-    data = json.loads(r.stdout)
-    s = data["tasks"]["good"]
-    assert (s["num_attempts"], s["num_runs"], s["num_success"], s["success_rate"]) == (2, 2, 1, 0.5)
-    assert s["pass_at_k"] == {"1": 0.5, "2": 1.0}
-    assert data["band"] == ["good"]  # solved 1 of 2 times: in band (pass@2 = 1 would have left it out)
-    assert (root / ".tmax-solve" / "tmax_scripted-model" / "good.json").is_file()
+    s = json.loads((root / ".tmax-solve" / "tmax_scripted-model" / "good.json").read_text())
+    assert (s["num_attempts"], s["num_runs"], s["num_success"], s["success_rate"]) == (8, 8, 4, 0.5)
+    assert s["pass_at_k"]["1"] == 0.5 and s["pass_at_k"]["8"] == 1.0
+    assert (tmp_path / "data" / "mid" / "good").resolve() == (root / "good").resolve()  # in band: kept
 
 
 @pytest.mark.bwrap

@@ -3,9 +3,10 @@
 * `tmax run "fix the failing build"` in a project whose build fails, the model (a scripted
   server, found through $TMAX_BASE_URL and asked for its model name) issuing the commands
   that fix it: afterwards the build passes;
-* `tmax bench terminal-bench -a oracle`, offline, on one Terminal-Bench 2.0 sample task
-  (the `terminal-bench@2.0` name resolved from the local dataset cache): every one of the
-  paper's 5 attempts passes and no container is left. (The oracle and nop on six sample
+* docs/bench.md's offline lines (`tmax bench prepare ../shared/tb2-sample`, an oracle job,
+  `tmax bench terminal-bench -a oracle`, report, resume), from a checkout whose sample holds
+  one Terminal-Bench 2.0 task (the `terminal-bench@2.0` name resolved from the local dataset
+  cache): every one of the paper's 5 attempts passes and no container is left. (The oracle and nop on six sample
   tasks of both base kinds are tests/integration/test_bench_oracle.py's.)"""
 
 from __future__ import annotations
@@ -73,35 +74,51 @@ def test_run_fixes_the_failing_build(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(2700)
 def test_terminal_bench_oracle_offline(tmp_path):
+    """docs/bench.md's offline lines as typed, from a checkout whose ../shared/tb2-sample holds
+    the sample's TB2_TASKS (the whole sample builds 37 images): prepare, a one-attempt oracle
+    job and the TB 2.0 protocol's 5 attempts at the same time, that job's report and resume."""
     if not SAMPLE.is_dir() or shutil.which("podman") is None or subprocess.run(
             ["podman", "image", "exists", "localhost/tmax-base:bookworm"]).returncode != 0:
         pytest.skip("needs ../shared/tb2-sample, podman and the base image")
+    sample = tmp_path / "shared" / "tb2-sample"
+    for name in TB2_TASKS:
+        shutil.copytree(SAMPLE / name, sample / name)
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
     datasets = tmp_path / "datasets"
     datasets.mkdir()
-    (datasets / "terminal-bench@2.0").symlink_to(SAMPLE)  # the local dataset cache
-    env = clean_env(tmp_path, TMAX_DATASETS_DIR=str(datasets))
-    include = [arg for name in TB2_TASKS for arg in ("-i", name)]
-
-    def tmax(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        proc = subprocess.run([*TMAX, *args], cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=env,
-                              stdin=subprocess.DEVNULL)
-        assert proc.returncode == 0, f"tmax {' '.join(args)}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
-        return proc
-
-    tmax("bench", "prepare", str(SAMPLE), *include, timeout=1200)  # the images, built or from the cache
+    (datasets / "terminal-bench@2.0").symlink_to(sample)  # the local dataset cache
     # The verifiers install their test tools (apt, PyPI) in every trial: minutes on a loaded machine.
-    # They wait on downloads as much as on the CPU, so the 5 attempts run at once (-n 5), not 4 then 1.
-    tmax("bench", "terminal-bench", "-a", "oracle", *include, "-n", str(5 * len(TB2_TASKS)), "-o", "jobs",
-         "--job-name", "tb2-oracle", timeout=2400)
-    job = tmp_path / "jobs" / "tb2-oracle"
+    # They wait on downloads as much as on the CPU, so the 5 attempts run at once, not 4 then 1.
+    env = clean_env(tmp_path, TMAX_DATASETS_DIR=str(datasets), TMAX_BENCH_N_CONCURRENT=str(5 * len(TB2_TASKS)))
+
+    def start(line: list[str], out=subprocess.PIPE) -> subprocess.Popen:
+        return subprocess.Popen([*TMAX, *line[1:]], cwd=checkout, stdout=out, stderr=subprocess.STDOUT,
+                                text=True, env=env, stdin=subprocess.DEVNULL)
+
+    def tmax(line: list[str], timeout: float = 120) -> str:
+        proc = start(line)
+        out = proc.communicate(timeout=timeout)[0]
+        assert proc.returncode == 0, f"{' '.join(line)}:\n{out[-3000:]}"
+        return out
+
+    tmax(documented("tmax bench prepare ../shared/tb2-sample"), timeout=1200)  # the images, built or from the cache
+    with open(tmp_path / "oracle-check.log", "w") as log:
+        check = start(documented("tmax bench run ../shared/tb2-sample -a oracle -n 4 --job-name oracle-check"), out=log)
+        tmax(documented("tmax bench terminal-bench -a oracle"), timeout=2400)
+        assert check.wait(timeout=600) == 0, (tmp_path / "oracle-check.log").read_text()[-3000:]
+    (job,) = [d for d in (checkout / "jobs").iterdir() if d.name != "oracle-check"]
     results = [json.loads(p.read_text()) for p in job.glob("*/result.json")]
     assert sorted(r["task_name"] for r in results) == sorted(TB2_TASKS * 5)
     assert {r["tmax"]["outcome"] for r in results} == {"pass"}, [r["exception_info"] for r in results]
-    report = json.loads(tmax("bench", "report", str(job), "--json", "--no-chart").stdout)
-    assert report["n_trials"] == 5 * len(TB2_TASKS) and report["mean_reward"] == 1.0 and report["n_infra_errors"] == 0
-    before = {p: p.stat().st_mtime for p in job.glob("*/result.json")}
-    tmax("bench", "resume", str(job))  # every trial has its result: nothing runs again
-    assert {p: p.stat().st_mtime for p in job.glob("*/result.json")} == before
-    left = subprocess.run(["podman", "ps", "-aq", "--filter", "label=io.tmax.job=tb2-oracle"],
-                          capture_output=True, text=True).stdout.split()
-    assert left == []
+    checked = checkout / "jobs" / "oracle-check"
+    assert [json.loads(p.read_text())["tmax"]["outcome"] for p in checked.glob("*/result.json")] == ["pass"]
+    report = tmax(documented("tmax bench report jobs/oracle-check"))
+    assert "oracle-check" in report and "mean reward 100.00% over 1 trials" in " ".join(report.split()), report
+    before = {p: p.stat().st_mtime for p in checked.glob("*/result.json")}
+    tmax(documented("tmax bench resume jobs/oracle-check"))  # every trial has its result: nothing runs again
+    assert {p: p.stat().st_mtime for p in checked.glob("*/result.json")} == before
+    for name in (job.name, "oracle-check"):
+        left = subprocess.run(["podman", "ps", "-aq", "--filter", f"label=io.tmax.job={name}"],
+                              capture_output=True, text=True).stdout.split()
+        assert left == []

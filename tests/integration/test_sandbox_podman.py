@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from documented import documented
 from tmax.sandbox import LABEL_KEY, SandboxError, SandboxSpec, make_sandbox
 
 pytestmark = [pytest.mark.podman, pytest.mark.skipif(shutil.which("podman") is None, reason="podman is not installed")]
@@ -338,7 +339,7 @@ def test_cli_build_base_cached_and_clean_dry_run(base_image):
     r = runner.invoke(app, ["sandbox", "build-base", "--tag", base_image])
     assert r.exit_code == 0, r.output
     assert base_image in r.output
-    r = runner.invoke(app, ["sandbox", "clean", "--dry-run"])
+    r = runner.invoke(app, documented("tmax sandbox clean --dry-run")[1:])
     assert r.exit_code == 0, r.output
     assert "would remove" in r.output and "containers" in r.output
 

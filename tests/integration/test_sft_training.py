@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from documented import documented
 from tiny_learner import small_nano
 from tmax.agents.harnesses import HARNESSES
 from tmax.training.config import preset
@@ -45,22 +46,22 @@ def test_demos_pass_their_verifier_and_sft_learns(nano):
     assert AutoTokenizer.from_pretrained(res.checkpoint).chat_template == tok.chat_template
 
 
-def test_learn_sft_warm_starts_under_a_list_of_harnesses(tmp_path):
-    """`tmax learn sft` end to end with `rollout.harness` a list: the demonstrations rotate
-    over the harnesses, every one solves its task, and SFT trains on all of them."""
+def test_learn_sft_warm_starts_under_a_list_of_harnesses(tmp_path, monkeypatch):
+    """docs/learn.md's `tmax learn sft` as typed, end to end, the nano preset shrunk through
+    its TMAX_LEARN_* variables and `rollout.harness` a list: the demonstrations rotate over
+    the harnesses, every one solves its task, and SFT trains on all of them."""
     from typer.testing import CliRunner
 
     from tmax.cli.main import app
 
-    config = tmp_path / "demos.toml"
-    config.write_text(
-        'extends = "nano"\n[tasks]\nn_train = 3\nn_heldout = 1\n'
-        '[rollout]\nharness = ["tmax", "mini-swe", "terminus-2"]\n'
-        "max_tokens = 128\nresponse_budget = 1024\ncontext_budget = 2048\n"
-        "[sft]\nteacher_accuracy = 1.0\nepochs = 1.0\nbatch_size = 3\n")
-    out = tmp_path / "learn"
-    res = CliRunner().invoke(app, ["learn", "--config", str(config), "--out", str(out), "--no-progress", "sft"])
+    env = {"TMAX_LEARN_TASKS__N_TRAIN": "3", "TMAX_LEARN_TASKS__N_HELDOUT": "1",
+           "TMAX_LEARN_ROLLOUT__HARNESS": '["tmax", "mini-swe", "terminus-2"]', "TMAX_LEARN_ROLLOUT__MAX_TOKENS": "128",
+           "TMAX_LEARN_ROLLOUT__RESPONSE_BUDGET": "1024", "TMAX_LEARN_ROLLOUT__CONTEXT_BUDGET": "2048",
+           "TMAX_LEARN_SFT__TEACHER_ACCURACY": "1.0", "TMAX_LEARN_SFT__EPOCHS": "1.0", "TMAX_LEARN_SFT__BATCH_SIZE": "3"}
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, documented("tmax learn sft")[1:], env=env)
     assert res.exit_code == 0, res.output[-3000:]
+    out = tmp_path / "runs" / "nano"  # the preset's run directory
     demos = [json.loads(line) for line in (out / "sft" / "demos.jsonl").read_text().splitlines()]
     assert [(d["group_id"], d["harness"]) for d in demos] == list(enumerate(HARNESSES))
     assert all(d["reward"] == 1.0 for d in demos)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from documented import documented
+
 REPO = Path(__file__).resolve().parents[2]
 HARBOR_JOB = REPO / "tests" / "data" / "harbor-job" / "h"
 
@@ -145,8 +147,9 @@ def test_a_command_that_needs_an_extra_names_it(light, tmp_path, args, extra):
 
 
 def test_editable_install_is_the_same_light_install(light):
-    """The README's `pip install -e .`, into the same venv (last: it replaces the wheel)."""
-    subprocess.run([*_pip(light["venv"]), "install", "-q", "-e", "."],
+    """The README's `pip install -e .` as typed, the venv's pip (this interpreter's, for the
+    venv), into the same venv (last: it replaces the wheel)."""
+    subprocess.run([*_pip(light["venv"]), *documented("pip install -e .")[1:]],
                    cwd=light["src"], check=True, timeout=600, env=ENV)
     where = _python(light["venv"], "import tmax; print(tmax.__file__)", light["work"])
     assert Path(where.stdout.strip()) == light["src"] / "tmax" / "__init__.py"

@@ -76,7 +76,7 @@ def test_precedence_flag_env_file(cfg_home, monkeypatch):
 def test_defaults_mode_follows_sandbox(cfg_home):
     s = resolve_run_settings(base_url="http://x/v1", sandbox="local")
     # Compaction is on for people (the agent settings' default, which bench and learn keep, is off).
-    assert (s.mode, s.api_key, s.image, s.agent) == ("confirm", "EMPTY", config.DEFAULT_IMAGE,
+    assert (s.mode, s.api_key, s.image, s.agent) == ("confirm", "EMPTY", config.DEFAULT_BASE_TAG,
                                                      AgentSettings(compaction=True))
     assert s.sources["compaction"] == "default (tmax run)" and s.prices is None
     assert resolve_run_settings(base_url="http://x/v1", sandbox="podman").mode == "yolo"

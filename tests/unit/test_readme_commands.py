@@ -3,12 +3,11 @@ typed, or is marked there as needing a GPU or a cluster.
 
 * The floor, for every `tmax` line, marked or not: it parses against the real CLI
   (`--help` appended, exit 0), so a flag a page shows exists where the page puts it.
-* Each unmarked line is run by a test: one that calls `documented(LINE, ...)`
-  (tests/documented.py: the line as a page writes it, placeholders filled), found here by
-  reading the tests' source; or, for the lines CI's own scripts run, that script (`CI`); or,
-  until its test takes the line through `documented`, a test named in `RUN_BY` whose
-  source holds the line's command words and every flag it shows, so a line cannot be mapped
-  to a test of something else.
+* Each unmarked line is run by a test that calls `documented(LINE, ...)` (tests/documented.py:
+  the line as a page writes it, placeholders filled), found here by reading the tests'
+  source; or, for the lines CI's own scripts run, by that script (`CI`). A test of something
+  else that merely uses a line's words does not count: there is no table mapping lines to
+  tests.
 
 Only ```bash blocks are commands. docs/DESIGN.md and docs/RESULTS.md are scanned like the
 rest; they have no such blocks. RESULTS.md's reproduce commands (in its tables) take minutes to
@@ -35,44 +34,13 @@ CI: dict[str, str] = {
     "tmax sandbox build-base": "scripts/setup.sh::tmax\" sandbox build-base",
 }
 
-# Lines whose test runs them with the same command words and flags but not yet through
-# `documented` (the line -> TEST_FILE::TEST_NAME).
-RUN_BY: dict[str, str] = {
-    "pip install -e .": "tests/integration/test_wheel.py::test_editable_install_is_the_same_light_install",
-    # One of the sample's tasks (-i): the whole sample builds 37 images.
-    "tmax bench prepare ../shared/tb2-sample": "tests/integration/test_front_door.py::test_terminal_bench_oracle_offline",
-    "tmax bench run ../shared/tb2-sample -a oracle -n 4 --job-name oracle-check":
-        "tests/integration/test_bench_jobs.py::test_killed_job_resumes_without_duplicates",
-    "tmax bench terminal-bench -a oracle": "tests/integration/test_front_door.py::test_terminal_bench_oracle_offline",
-    "tmax bench report jobs/oracle-check": "tests/integration/test_front_door.py::test_terminal_bench_oracle_offline",
-    "tmax bench resume jobs/oracle-check": "tests/integration/test_front_door.py::test_terminal_bench_oracle_offline",
-    "tmax bench run DS -a mini-swe -m M --base-url URL --job-name mini": "tests/integration/test_bench_harnesses.py::solve",
-    "tmax bench run --config bench.toml -k 1":
-        "tests/integration/test_bench_jobs.py::test_bench_run_config_file_with_flags_on_top",
-    "tmax bench compare jobs/tmax-run jobs/mini": "tests/integration/test_bench_compare.py::test_compare_oracle_against_nop",
-    "tmax show jobs/mini/TASK__ID": "tests/integration/test_bench_harnesses.py::solve",
-    "tmax show runs --export messages": "tests/integration/test_run_tokens.py::test_show_export_messages_is_hf_chat_jsonl",
-    "tmax sandbox clean --dry-run": "tests/integration/test_sandbox_podman.py::test_cli_build_base_cached_and_clean_dry_run",
-    "tmax sandbox prune --keep-gb GB --label KEY=VALUE --dry-run --json":
-        "tests/integration/test_data_images.py::test_prune_removes_the_least_recently_used_first",
-    "tmax learn sft": "tests/integration/test_sft_training.py::test_learn_sft_warm_starts_under_a_list_of_harnesses",
-    "tmax data validate data/mine -e podman -n 4": "tests/integration/test_data_validate.py::test_gates_on_podman",
-}
-
-
 # Lines no test runs as typed yet, and why: the debt, in plain view (each is parsed by the floor test).
 KNOWN_GAPS: dict[str, str] = {
     "bash scripts/demo.sh": "it runs scripts/setup.sh first; the `tmax learn nano` it runs is run as typed by "
                             "tests/integration/test_learn_documented.py",
-    "python benchmarks/bench_overhead.py --json": "test_bench_harbor_jobs.py::test_overhead_benchmark_runs runs it "
-                                                  "with --runs 1 --no-harbor (5 runs and Harbor by default)",
-    "tmax learn -c my.toml -e podman --image-map ubuntu:24.04=localhost/my-ubuntu:24.04":
-        "my.toml is the reader's own Harbor-task config; test_loop.py::test_podman_preset_and_cli_sandbox_override "
-        "checks the override through the API, test_learn_cli.py the flags in a dry run",
-    "tmax data generate -o data/mine -N 100 --base-url http://127.0.0.1:8000/v1 -m MODEL --kind rl_v2 --seed 0 -n 8":
-        "test_data_generate.py::test_generate_tasks_with_broken_gates runs it smaller, on bwrap, without --kind",
-    "tmax data solve data/mine -a tmax -m MODEL --base-url URL -k 8 --band 0.1:0.9 --out data/mid":
-        "test_data_validate.py::test_solve_with_the_tmax_agent runs it with -k 2 on bwrap, without --out",
+    "python benchmarks/bench_overhead.py --json": "as typed it times 3 runs each of tmax, the floor script and "
+                                                  "Harbor (minutes); test_bench_harbor_jobs.py::"
+                                                  "test_overhead_benchmark_runs runs it with --runs 1 --no-harbor",
 }
 
 
@@ -87,32 +55,6 @@ def _documented_calls() -> set[str]:
     return found
 
 
-def _test_strings(where: str) -> set[str] | None:
-    """The words of the string constants in a test function and in the module's functions it
-    calls (None: no such test): what it can pass to a command."""
-    path, _, name = where.partition("::")
-    if not (REPO / path).is_file():
-        return None
-    tree = ast.parse((REPO / path).read_text())
-    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
-    if name not in functions:
-        return None
-    called = {c.func.id for c in ast.walk(functions[name]) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
-    scanned = [functions[name], *(functions[n] for n in called if n in functions)]
-    texts = [n.value for fn in scanned for n in ast.walk(fn) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
-    return {word for text in texts for word in (text, *text.split())}
-
-
-def _command_words(line: str) -> list[str]:
-    """What a test of `line` must say: its subcommand words (a script's path) and its flags."""
-    words = shlex.split(line)
-    if words[0] != "tmax":
-        head = [w for w in words[1:] if "/" in w]
-    else:
-        head = [w for w in words[1:3] if not w.startswith("-") and (w.replace("-", "").isalpha())]
-    return [*head, *(w.split("=")[0] for w in words[1:] if w.startswith("-"))]
-
-
 def test_every_documented_command_is_run_or_marked():
     shown: dict[str, list[tuple[str, str]]] = {}
     for page in pages():
@@ -122,25 +64,14 @@ def test_every_documented_command_is_run_or_marked():
         assert shown[f"docs/{name}.md"], f"docs/{name}.md shows no command"
     typed = _documented_calls()
     unrun = [f"{page}: {c}" for page, commands in shown.items() for c, comment in commands
-             if c not in typed and c not in CI and c not in RUN_BY and c not in KNOWN_GAPS
+             if c not in typed and c not in CI and c not in KNOWN_GAPS
              and not any(m in comment for m in MARKS)]
     assert not unrun, f"commands that no test runs (run them through documented(), or mark them (GPU)/(cluster)): {unrun}"
     every = {c for commands in shown.values() for c, _ in commands}
-    gone = (set(RUN_BY) | set(CI) | set(KNOWN_GAPS) | typed) - every
+    gone = (set(CI) | set(KNOWN_GAPS) | typed) - every
     assert not gone, f"tests name commands no page shows any more: {sorted(gone)}"
-    twice = set(RUN_BY) & typed
-    assert not twice, f"run through documented() now, so out of RUN_BY: {sorted(twice)}"
-
-
-def test_a_mapped_test_runs_that_command():
-    """A line in RUN_BY names a test whose strings hold the line's command words and flags."""
-    wrong = []
-    for command, where in RUN_BY.items():
-        said = _test_strings(where)
-        missing = _command_words(command) if said is None else [w for w in _command_words(command) if w not in said]
-        if missing:
-            wrong.append(f"{command!r}: {where} never says {missing}")
-    assert not wrong, "tests of something else:\n" + "\n".join(wrong)
+    twice = set(KNOWN_GAPS) & typed
+    assert not twice, f"run through documented() now, so out of KNOWN_GAPS: {sorted(twice)}"
 
 
 def test_ci_scripts_run_their_lines():
@@ -163,7 +94,6 @@ def test_the_checks_can_fail():
     from tmax.cli.main import app
 
     assert CliRunner().invoke(app, ["learn", "nano", "--no-such-flag", "--help"]).exit_code == 2
-    assert _command_words("tmax learn nano -c nano-podman -o DIR") == ["learn", "nano", "-c", "-o"]
 
 
 def test_the_scan_finds_continued_lines_and_marks():

@@ -11,7 +11,8 @@ from pydantic import BaseModel, Field
 from typer.testing import CliRunner
 
 from tmax.cli.main import app
-from tmax.common.settings import Env, describe, env_layer, flag, flag_specs, resolve_layers, settings_table
+from tmax.common.settings import (Env, describe, env_layer, flag, flag_specs, leaf_fields, resolve_layers,
+                                  settings_table)
 
 
 def tmax(*args: str, env: dict[str, str] | None = None):
@@ -72,6 +73,17 @@ def test_every_command_spells_where_episodes_run_the_same_way():
         r = tmax(*words, "--help")
         assert r.exit_code == 0, (words, r.output)
         assert "--env" in r.stdout and "--sandbox " not in r.stdout, words
+
+
+def test_every_command_spells_the_output_directory_the_same_way(tmp_path):
+    for words in (["run"], ["learn"], ["learn", "nano"], ["learn", "sft"], ["data", "generate"], ["data", "import"],
+                  ["data", "combine"]):
+        r = tmax(*words, "--help")
+        assert r.exit_code == 0, (words, r.output)
+        assert "--out " in r.stdout and "-o " in r.stdout and "--output " not in r.stdout, words
+    r = tmax("run", "--output", str(tmp_path / "x"), "-e", "local", "--print-config", "a task",
+             env={"XDG_CONFIG_HOME": str(tmp_path), "TMAX_BASE_URL": "", "OPENAI_BASE_URL": ""})
+    assert r.exit_code == 0 and "note: --output is now --out" in r.stderr, r.output
 
 
 class _Inner(BaseModel):
@@ -183,3 +195,34 @@ def test_print_config_is_a_config_file(args, tmp_path):
         assert again.exit_code == 0, again.output
         assert {k: v for k, v in tomllib.loads(again.stdout).items() if k != "name"} == \
             {k: v for k, v in parsed.items() if k != "name"}
+
+
+def test_the_base_image_is_named_once():
+    """`localhost/tmax-base:bookworm` is spelled in one module (sandbox/base_image.py); the podman
+    default, the tasks' base, the host environments, the nano tasks and build-base import it."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "tmax"
+    spelled = [p.relative_to(root).as_posix() for p in sorted(root.rglob("*.py"))
+               if '"localhost/tmax-base:bookworm' in p.read_text(encoding="utf-8")]  # as a value, not in prose
+    assert spelled == ["sandbox/base_image.py"]
+
+
+def _undescribed(model: type[BaseModel]) -> list[str]:
+    return [".".join(path) for path, info in leaf_fields(model) if not (info.description or "").strip()]
+
+
+def test_every_setting_has_a_description():
+    """Each setting of every command's declaration (learn's sections, run's keys and file,
+    bench's job, serve's server, data generate's run) says what it is: the help, the docs'
+    tables and --print-config show it."""
+    from tmax.cli.bench_settings import BenchSettings
+    from tmax.cli.run_settings import RunFile, RunKeys
+    from tmax.training.config import LearnConfig
+    from tmax.tasks.corpus.generate import GenerateConfig
+    from tmax.training.inference.serving import ServeSpec
+
+    missing = {m.__name__: _undescribed(m) for m in (LearnConfig, RunKeys, RunFile, BenchSettings, ServeSpec,
+                                                      GenerateConfig)}
+    assert not any(missing.values()), f"settings without a description: {missing}"
+    assert _undescribed(_Outer) == [] and _undescribed(type("Bare", (BaseModel,), {"__annotations__": {"n": int}})) == ["n"]

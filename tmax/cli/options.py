@@ -75,7 +75,8 @@ def _option(spec: FlagSpec, names: tuple[str, ...], hidden: bool, with_default: 
                         rich_help_panel="Settings (also TOML keys and TMAX_* variables; --print-config)")
 
 
-def _note(old: str, new: str) -> None:
+def note_old_spelling(old: str, new: str) -> None:
+    """The one-line note an old spelling of a flag prints (it still works)."""
     typer.echo(f"tmax: note: {old} is now {new}; the old spelling still works for now", err=True)
 
 
@@ -87,7 +88,7 @@ def _collect(specs: list[FlagSpec], kwargs: dict[str, Any]) -> FlagValues:
         old = kwargs.pop(name + "_old", None) if spec.flag.old else None
         if value is None and old is not None:
             value, label = old, "/".join(spec.flag.old)
-            _note(label, spec.name)
+            note_old_spelling(label, spec.name)
         if value is None or value == []:
             continue
         for path in spec.paths:

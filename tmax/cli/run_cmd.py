@@ -17,7 +17,7 @@ from typing import Optional
 import typer
 
 from tmax.cli.run_settings import ConfigError, RunKeys, resolve_run_settings
-from tmax.cli.options import FlagValues, option_parameter, setting_flags
+from tmax.cli.options import FlagValues, note_old_spelling, option_parameter, setting_flags
 from tmax.cli.options import print_config as print_config_lines
 from tmax.common.settings import describe_values
 from tmax.cli.run_setup import (EXIT_USAGE, broad_workspace, discover_model, load_saved, project_instructions,
@@ -65,8 +65,9 @@ def run(
     json_mode: bool = typer.Option(False, "--json", help="Headless: one JSON event per line on stdout, no prompts."),
     resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the conversation saved in this run directory."),
     output: Optional[Path] = typer.Option(
-        None, "--output", "-o", help="Trajectory directory. Default: $XDG_DATA_HOME/tmax/runs/<timestamp>."
+        None, "--out", "-o", help="Trajectory directory. Default: $XDG_DATA_HOME/tmax/runs/<timestamp>."
     ),
+    output_old: Optional[Path] = typer.Option(None, "--output", hidden=True),  # the old spelling, with a note
     network: bool = typer.Option(False, "--network/--no-network", help="Network access inside bwrap/podman (off by default)."),
     harness: str = typer.Option("tmax", "--harness", help="Agent style: tmax (Vanillux2) | mini-swe | terminus-2."),
     undo_steps: int = typer.Option(
@@ -96,6 +97,9 @@ def run(
 
     Settings come from flags, then environment (TMAX_<KEY>), then $XDG_CONFIG_HOME/tmax/config.toml (~/.config/tmax/config.toml, or -c FILE); --print-config shows them.
     """
+    if output is None and output_old is not None:
+        note_old_spelling("--output", "--out")
+        output = output_old
     try:
         if json_mode and not task:
             raise ConfigError("--json needs the task (or, with --resume, the follow-up) as an argument")

@@ -39,7 +39,7 @@ from tmax.common.errors import ConfigError, validation_message
 from tmax.common.files import read_toml
 from tmax.common.settings import Env, env_layer, env_names, flag, flag_specs, resolve_layers
 from tmax.sandbox.base import KINDS as SANDBOX_KINDS
-from tmax.sandbox.podman import DEFAULT_IMAGE
+from tmax.sandbox.base_image import DEFAULT_BASE_TAG
 
 MODES = ("confirm", "yolo")
 # Every setting of `tmax run` is also `TMAX_<KEY>` (`TMAX_BASE_URL`, `TMAX_MAX_STEPS`); a few
@@ -64,7 +64,7 @@ class RunKeys(AgentSettingsPatch):  # type: ignore[misc,valid-type]
     mode: Annotated[Literal[MODES] | None, Field(  # type: ignore[valid-type]
         description="confirm (ask before each command) or yolo (unset: confirm for local, yolo for bwrap/podman)."),
         flag("--mode")] = None
-    image: Annotated[str, Field(description="The podman image."), flag("--image")] = DEFAULT_IMAGE
+    image: Annotated[str, Field(description="The podman image."), flag("--image")] = DEFAULT_BASE_TAG
     model_timeout: Annotated[float, Field(gt=0, description="Seconds one model request may take before it is "
                                                             "retried."), flag("--model-timeout")] = DEFAULT_MODEL_TIMEOUT_S
     price_input: Annotated[float | None, Field(ge=0, description="US dollars per million prompt tokens, for the cost "
@@ -77,7 +77,8 @@ class RunFile(RunKeys):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    expose: list[str] = Field(default_factory=list)
+    expose: Annotated[list[str], Field(default_factory=list, description="Credential paths the bwrap jail masks "
+                                       "by default (~/.ssh, ~/.aws, ...) to show inside (as --expose).")]
 
 
 def config_path() -> Path:

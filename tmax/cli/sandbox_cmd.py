@@ -7,15 +7,16 @@ from pathlib import Path
 import typer
 
 from tmax.cli.exits import fail
+from tmax.sandbox.base_image import DEFAULT_BASE_TAG, DEFAULT_MIRROR
 
 sandbox_app = typer.Typer(help="Manage sandboxes: the base image and leftovers.", no_args_is_help=True)
 
 
 @sandbox_app.command("build-base")
 def build_base_cmd(
-    tag: str = typer.Option("localhost/tmax-base:bookworm", help="Image tag to build."),
+    tag: str = typer.Option(DEFAULT_BASE_TAG, help="Image tag to build."),
     force: bool = typer.Option(False, "--force", help="Rebuild even if the image exists."),
-    mirror: str = typer.Option("http://deb.debian.org/debian", help="Debian mirror for debootstrap."),
+    mirror: str = typer.Option(DEFAULT_MIRROR, help="Debian mirror for debootstrap."),
     rootfs: Path | None = typer.Option(None, help="Import this debootstrapped tree instead of running debootstrap.",
                                       exists=True, file_okay=False),
 ) -> None:

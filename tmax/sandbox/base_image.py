@@ -18,7 +18,9 @@ from pathlib import Path
 
 from tmax.sandbox.base import LABEL_VALUE, SandboxError
 
-DEFAULT_BASE_TAG = "localhost/tmax-base:bookworm"
+DEFAULT_BASE_TAG = "localhost/tmax-base:bookworm"  # declared here only; the rest import it
+# The base of generated tasks: the base plus python3 (tasks/data/image_map.toml builds it).
+PYTHON_BASE_TAG = f"{DEFAULT_BASE_TAG}-python"
 DEFAULT_SUITE = "bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 # The base image is labelled apart from task images, so `tmax sandbox clean --images`

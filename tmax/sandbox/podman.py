@@ -33,13 +33,13 @@ from tmax.sandbox.base import (
     IMAGE_USER, AgentUserError, LABEL_KEY, LABEL_VALUE, NAME_PREFIX, CommandResult, SandboxError, SandboxSpec,
 )
 from tmax.sandbox.hostexec import MAX_EXEC_CHARS
+from tmax.sandbox.base_image import DEFAULT_BASE_TAG
 from tmax.sandbox.shell import BASH_ARGV, PersistentShell
 from tmax.sandbox.shell_sandbox import ShellSandbox
 from tmax.common.waiting import wait_until
 
 log = logging.getLogger(__name__)
 
-DEFAULT_IMAGE = "localhost/tmax-base:bookworm"
 # This machine's hard RLIMIT_NOFILE is 20000 and the runtime may not exceed it.
 DEFAULT_ULIMITS = {"nofile": (1024, 20000), "nproc": (4096, 4096)}
 # containers-common's default seccomp profile (what podman applies when told nothing).
@@ -137,7 +137,7 @@ class PodmanSandbox(ShellSandbox):
         if self.spec.storage_mb:
             size = int(self.spec.storage_mb) * 1024 * 1024
             self.ulimits.setdefault("fsize", (size, size))  # bytes
-        self.image = self.spec.image or DEFAULT_IMAGE
+        self.image = self.spec.image or DEFAULT_BASE_TAG
         self.name = self.spec.name or f"{NAME_PREFIX}{secrets.token_hex(6)}"
         self.client = None
         self.container = None

@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tmax.sandbox.base import HOST_KINDS, SandboxSpec
+from tmax.sandbox.base_image import DEFAULT_BASE_TAG, PYTHON_BASE_TAG
 from tmax.tasks.dockerfile import instructions
 from tmax.tasks.task_format import Task
 
 # The host has python3, so it also stands in for the base of generated tasks.
-HOST_BASE_IMAGES = ("localhost/tmax-base:bookworm", "localhost/tmax-base:bookworm-python")
+HOST_BASE_IMAGES = (DEFAULT_BASE_TAG, PYTHON_BASE_TAG)
 _ARCHIVES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from tmax.sandbox.base import LABEL_KEY, LABEL_VALUE, FilesLayer
+from tmax.sandbox.base_image import DEFAULT_BASE_TAG
 from tmax.common.files import cache_dir
 from tmax.common.proctree import end_process_tree
 from tmax.common.waiting import wait_until
@@ -37,9 +38,7 @@ from tmax.tasks.task_format import Task, tree_hash
 from tmax.tasks.offline import RewriteConfig, RewrittenDockerfile, copy_patched, rewrite_dockerfile
 
 TAG_REPO = "localhost/tmax-task"
-BASE_TAG = "localhost/tmax-base:bookworm"
-# The base of generated tasks: BASE_TAG plus python3 (tasks/data/image_map.toml builds it).
-PYTHON_BASE_TAG = "localhost/tmax-base:bookworm-python"
+BASE_TAG = DEFAULT_BASE_TAG
 
 
 # What a failed build's log says about whose fault it is. A mirror or registry that does not

@@ -54,23 +54,27 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    # HF model dir. Empty with `nano.build = true`: the recipe builds the tiny model.
-    path: str = ""
-    build_nano: bool = False
+    path: Annotated[str, Field(description="The Hugging Face model directory trained (and served). Empty with "
+                                           "`build_nano`: the recipe's own tiny model.")] = ""
+    build_nano: Annotated[bool, Field(description="Build the nano recipe's tiny model (and its tokenizer) in the "
+                                                  "run directory instead of loading `path`.")] = False
 
 
 class TasksConfig(_Strict):
-    # Harbor-format task directories. Empty with `generate_nano = true`: generated.
-    train: str = ""
-    heldout: str = ""
-    generate_nano: bool = False
-    n_train: int = Field(64, ge=1)
-    n_heldout: int = Field(32, ge=1)
-    # Passed to the nano task generator (difficulty knobs it understands).
-    generator: dict = Field(default_factory=dict)
-    # Which generated tasks: "nano" (one command each) or "long" (several dependent commands,
-    # `training.nano.long_tasks`); the nano model's tokenizer is trained on that family's text.
-    family: Literal["nano", "long"] = "nano"
+    train: Annotated[str, Field(description="Directory of Harbor-format tasks RL samples from. Empty with "
+                                            "`generate_nano`: generated.")] = ""
+    heldout: Annotated[str, Field(description="Directory of Harbor-format tasks scored before and after training, "
+                                              "never trained on. Empty with `generate_nano`: generated.")] = ""
+    generate_nano: Annotated[bool, Field(description="Generate the recipe's small tasks into the run directory "
+                                                     "instead of reading `train` and `heldout`.")] = False
+    n_train: Annotated[int, Field(ge=1, description="Generated training tasks (with `generate_nano`).")] = 64
+    n_heldout: Annotated[int, Field(ge=1, description="Generated held-out tasks (with `generate_nano`); more give a "
+                                                      "steadier before/after figure and a longer eval.")] = 32
+    generator: Annotated[dict, Field(default_factory=dict, description="Knobs passed to the task generator, e.g. "
+                                     "`{kinds = [\"sort\"]}` to generate only some task kinds.")]
+    # The nano model's tokenizer is trained on the chosen family's text.
+    family: Annotated[Literal["nano", "long"], Field(description="Which tasks are generated: nano (one command "
+                                                                 "each) or long (several dependent commands).")] = "nano"
 
 
 class RolloutConfig(AgentSettings):
@@ -82,36 +86,40 @@ class RolloutConfig(AgentSettings):
     # the policy's own distribution, the first turn without a valid bash call ends the
     # episode, room for the prompt beside the response budget, and a failing inference
     # server retried briefly (the loop re-queues the episode rather than wait out back-offs).
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    max_format_errors: Count = 1
-    context_budget: Count = 67584  # prompt + response
-    retries: Count = 3
-    backoff_s: Backoff = (0.5, 1.0)
+    temperature: Annotated[Temperature, Field(description="Sampling temperature of training episodes (1.0: the "
+                                                          "policy's own distribution, which the loss assumes).")] = 1.0
+    top_p: Annotated[TopP, Field(description="Nucleus sampling of training episodes (1.0: off).")] = 1.0
+    max_format_errors: Annotated[Count, Field(description="Turns without a valid bash call before the episode "
+                                                          "ends (reward 0).")] = 1
+    context_budget: Annotated[Count, Field(description="Tokens of one episode's context, prompt and response "
+                                                       "together; at most `engine.max_model_len`.")] = 67584
+    retries: Annotated[Count, Field(description="Attempts of a failing model request before the episode is "
+                                                "re-queued.")] = 3
+    backoff_s: Annotated[Backoff, Field(description="Seconds waited before each retry of a model request.")] = (0.5, 1.0)
 
     # Training only.
-    response_budget: int = Field(65536, ge=1)  # model + tool tokens of one trajectory
-    # A rendered prompt ([system, user] + tools) longer than this ends the episode before
-    # any sample (no tokens, reward 0), so its whole group has zero reward std and is
-    # filtered: in effect over-long prompts are filtered out, as in the paper's recipe.
-    max_prompt_tokens: int = Field(2048, ge=1)
-    test_timeout: float = Field(600.0, gt=0)
+    response_budget: Annotated[int, Field(ge=1, description="Tokens of one trajectory after its prompt, model and "
+                                                            "tool output together; the episode ends there.")] = 65536
+    # Such an episode has no tokens and reward 0, so its whole group has zero reward std and
+    # is filtered: in effect over-long prompts are filtered out, as in the paper's recipe.
+    max_prompt_tokens: Annotated[int, Field(ge=1, description="A rendered first prompt (system, task, tools) "
+                                                              "longer than this ends the episode before sampling.")] = 2048
+    test_timeout: Annotated[float, Field(gt=0, description="Seconds a task's tests may take to score an episode.")] = 600.0
     sandbox: Annotated[SandboxKind, Field(description="Where training episodes run."), ENV_FLAG] = "podman"
     image_map: Annotated[list[str], Field(
         default_factory=list, description="podman: a FROM=TO base-image rewrite for building task images offline "
                                           "(as `tmax bench --image-map`), on top of the built-in map (repeatable)."),
         flag("--image-map")]
-    # podman: containers each rollout worker starts ahead of need, beyond its running
-    # episodes (a fresh one per episode, never reused; 0 = start each when it begins).
-    pool_size: int = Field(2, ge=0)
-    # podman: each episode a fresh overlay of a container shared by the episodes of its task
-    # on this machine (`sandbox.overlay_pool`), not a fresh container; what the overlay cannot
-    # serve gets a fresh container each, with a warning.
-    overlay: bool = True
-    # Infra failures are re-queued; an episode that keeps failing aborts the run.
-    max_infra_retries: int = Field(3, ge=0)
-    # The harness episodes run under (`agents.harnesses`); a list is rotated per group.
-    harness: str | list[str] = "tmax"
+    # Each container is fresh for one episode, never reused.
+    pool_size: Annotated[int, Field(ge=0, description="podman: containers each rollout worker starts ahead of need, "
+                                                      "beyond its running episodes (0: each when it begins).")] = 2
+    # `sandbox.overlay_pool`: what the overlay cannot serve gets a fresh container, with a warning.
+    overlay: Annotated[bool, Field(description="podman: each episode a fresh overlay of a container its task's "
+                                               "episodes share, instead of a fresh container (faster starts).")] = True
+    max_infra_retries: Annotated[int, Field(ge=0, description="Re-queues of an episode whose sandbox or server "
+                                                              "failed; one that keeps failing stops the run.")] = 3
+    harness: Annotated[str | list[str], Field(description="The agent harness episodes run under (tmax, mini-swe, "
+                                                          "terminus-2); a list is rotated per group.")] = "tmax"
 
     @field_validator("harness")
     @classmethod
@@ -125,25 +133,32 @@ class RolloutConfig(AgentSettings):
 
 
 class AlgoConfig(_Strict):
-    loss: Literal["dppo", "grpo"] = "dppo"
-    divergence: Literal["tv", "kl"] = "tv"
-    delta: float = Field(0.1, gt=0)
-    clip_low: float = Field(0.2, gt=0)  # GRPO baseline only
-    clip_high: float = Field(0.272, gt=0)
-    lr: float = Field(1e-6, gt=0)
-    # Linear LR warmup steps, and AdamW betas / eps (defaults: torch's AdamW, no warmup).
-    warmup_steps: int = Field(0, ge=0)
-    adam_beta1: float = Field(0.9, ge=0, lt=1)
-    adam_beta2: float = Field(0.999, ge=0, lt=1)
-    adam_eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
-    prompts_per_step: int = Field(8, ge=1)
-    group_size: int = Field(32, ge=2)
+    loss: Annotated[Literal["dppo", "grpo"], Field(description="The policy loss: dppo (divergence trust region, "
+                                                               "the paper's) or grpo (ratio clipping, a baseline).")] = "dppo"
+    divergence: Annotated[Literal["tv", "kl"], Field(description="DPPO's divergence between the sampler's and the "
+                                                                 "learner's token distributions: total variation or KL.")] = "tv"
+    delta: Annotated[float, Field(gt=0, description="DPPO's trust region: tokens whose divergence exceeds it get no "
+                                                    "gradient. Larger: bigger, riskier updates.")] = 0.1
+    clip_low: Annotated[float, Field(gt=0, description="GRPO only: the ratio clip below 1 (1 - clip_low).")] = 0.2
+    clip_high: Annotated[float, Field(gt=0, description="GRPO only: the ratio clip above 1 (1 + clip_high).")] = 0.272
+    lr: Annotated[float, Field(gt=0, description="Learning rate of RL (AdamW).")] = 1e-6
+    # Defaults: torch's AdamW, no warmup.
+    warmup_steps: Annotated[int, Field(ge=0, description="RL steps of linear learning-rate warmup.")] = 0
+    adam_beta1: Annotated[float, Field(ge=0, lt=1, description="AdamW's first-moment decay.")] = 0.9
+    adam_beta2: Annotated[float, Field(ge=0, lt=1, description="AdamW's second-moment decay.")] = 0.999
+    adam_eps: Annotated[float, Field(gt=0, description="AdamW's epsilon.")] = 1e-8
+    weight_decay: Annotated[float, Field(ge=0, description="AdamW's weight decay.")] = 0.0
+    grad_clip: Annotated[float, Field(gt=0, description="Gradients are clipped to this global norm.")] = 1.0
+    prompts_per_step: Annotated[int, Field(ge=1, description="Tasks (groups) per RL step.")] = 8
+    group_size: Annotated[int, Field(ge=2, description="Episodes sampled per task; rewards are compared within "
+                                                       "a group, so a step trains on prompts_per_step * group_size.")] = 32
     steps: Annotated[int, Field(ge=1, description="RL steps."), flag("--steps")] = 500
-    async_steps: int = Field(4, ge=0)  # staleness limit k
-    filter_zero_std: bool = True
-    active_sampling: bool = True
+    async_steps: Annotated[int, Field(ge=0, description="Staleness limit: episodes may be sampled by weights up to "
+                                                        "this many steps old (0: fully on-policy, slower).")] = 4
+    filter_zero_std: Annotated[bool, Field(description="Drop groups whose episodes all got the same reward: they "
+                                                       "carry no learning signal.")] = True
+    active_sampling: Annotated[bool, Field(description="Keep sampling groups until a step has prompts_per_step "
+                                                       "groups with a signal, instead of training on fewer.")] = True
     seed: Annotated[int, Field(description="The run's random seed (task sampling, model init)."), flag("--seed")] = 42
 
 
@@ -153,40 +168,45 @@ class EngineConfig(EngineOptions):
 
     # The server options whose training defaults differ from `tmax serve`'s: the recipe's
     # window (prompt + response budget), eager mode only where asked, 0.9 of GPU memory.
-    max_model_len: ModelLen = 67584
-    enforce_eager: bool = False
-    gpu_memory_utilization: MemoryShare = 0.9
+    max_model_len: Annotated[ModelLen, Field(description="The engine's context window in tokens (prompt + "
+                                                         "response); at least `rollout.context_budget`.")] = 67584
+    enforce_eager: Annotated[bool, Field(description="Run without CUDA graphs or torch.compile: slower sampling, "
+                                                     "faster start.")] = False
+    gpu_memory_utilization: Annotated[MemoryShare, Field(description="Share of GPU memory the engine may take "
+                                                                     "(weights and KV cache).")] = 0.9
 
     # Training only.
-    startup_timeout_s: float = Field(600.0, gt=0)
-    # How the learner's weights reach the engines after a step: "object_store" (Ray
-    # object store, then a file per engine), or a broadcast from learner rank 0 over a
-    # process group into every engine worker ("nccl" GPU to GPU, "gloo" through host
-    # memory). "auto": nccl when the learner is on a CUDA GPU, else object_store.
-    weight_transport: Literal["auto", "object_store", "gloo", "nccl"] = "auto"
-    weight_bucket_mb: float = Field(256.0, gt=0)
-    weight_timeout_s: float = Field(600.0, gt=0)  # a weight-group collective gives up after this
+    startup_timeout_s: Annotated[float, Field(gt=0, description="Seconds an engine may take to start before the run "
+                                                                "fails.")] = 600.0
+    # object_store: Ray's object store, then a file per engine; nccl / gloo: a broadcast from
+    # learner rank 0 over a process group into every engine worker.
+    weight_transport: Annotated[Literal["auto", "object_store", "gloo", "nccl"], Field(
+        description="How the learner's weights reach the engines after a step: object_store, gloo (through host "
+                    "memory) or nccl (GPU to GPU); auto: nccl when the learner is on a CUDA GPU, else object_store.")] = "auto"
+    weight_bucket_mb: Annotated[float, Field(gt=0, description="MiB of weights sent per broadcast (gloo, nccl).")] = 256.0
+    weight_timeout_s: Annotated[float, Field(gt=0, description="Seconds a weight broadcast may take before the run "
+                                                               "fails.")] = 600.0
 
 
 class SFTConfig(_Strict):
-    epochs: float = Field(1.0, gt=0)
-    lr: float = Field(2e-5, gt=0)
-    batch_size: int = Field(8, ge=1)
-    warmup_ratio: float = Field(0.03, ge=0, lt=1)
-    # Share of the train split used for SFT demonstrations (partial SFT leaves room for RL).
-    task_fraction: float = Field(1.0, gt=0, le=1)
-    # How often the demonstrating teacher picks the right command (1.0 = the oracle). Below
-    # 1, the other demonstrations run another task kind's command and are kept although
-    # they fail, like unfiltered distillation data: SFT then learns the map as a
-    # distribution that RL sharpens (nano tasks only).
-    teacher_accuracy: float = Field(1.0, gt=0, le=1)
-    # SFT runs before any other stage of the recipe, so it may use every core (None).
-    torch_threads: int | None = None
+    epochs: Annotated[float, Field(gt=0, description="Passes over the demonstrations (fractions allowed).")] = 1.0
+    lr: Annotated[float, Field(gt=0, description="Peak learning rate of SFT.")] = 2e-5
+    batch_size: Annotated[int, Field(ge=1, description="Demonstrations per SFT step.")] = 8
+    warmup_ratio: Annotated[float, Field(ge=0, lt=1, description="Share of SFT steps with a linear learning-rate "
+                                                                 "warmup.")] = 0.03
+    task_fraction: Annotated[float, Field(gt=0, le=1, description="Share of the training tasks demonstrated in "
+                                                                  "SFT; a partial SFT leaves room for RL.")] = 1.0
+    # Below 1, the other demonstrations run another task kind's command and are kept although
+    # they fail, like unfiltered distillation data: SFT learns the map as a distribution RL sharpens.
+    teacher_accuracy: Annotated[float, Field(gt=0, le=1, description="How often the demonstrating teacher picks "
+                                                                     "the right command (1.0: always; nano tasks only).")] = 1.0
+    # SFT runs before any other stage of the recipe, so it may use every core.
+    torch_threads: Annotated[int | None, Field(description="CPU threads of SFT's torch (unset: every core).")] = None
 
 
 class EvalConfig(_Strict):
-    attempts: int = Field(1, ge=1)
-    concurrency: int = Field(4, ge=1)
+    attempts: Annotated[int, Field(ge=1, description="Attempts per held-out task (pass@k over them).")] = 1
+    concurrency: Annotated[int, Field(ge=1, description="Held-out trials run at once.")] = 4
     # Held-out trials are a `tmax bench` job: by default with the bench agent's settings.
     temperature: Annotated[Temperature, Field(description="Sampling temperature of the held-out trials.")] = \
         AgentSettings.model_fields["temperature"].default
@@ -194,15 +214,13 @@ class EvalConfig(_Strict):
         AgentSettings.model_fields["max_steps"].default
     sandbox: Annotated[SandboxKind, Field(description="Where held-out trials run (`tmax bench -e`): host sandboxes "
                                                       "need no image per task."), ENV_FLAG] = "podman"
-    # podman: containers started ahead for the trials next in line (`tmax bench
-    # --warm-ahead`); 0: each trial starts its own when it begins. Worth it with cores to
-    # spare: on 2 busy cores it only adds contention (docs/results/notebook.md, "Preset nano-podman").
-    warm_ahead: int = Field(0, ge=0)
-    # podman: trials as overlays of containers shared by a task's trials (`rollout.overlay`).
-    overlay: bool = True
-    # The harness of held-out trials (`tmax bench -a`); None: the first of `rollout.harness`,
-    # the one the model trained under. Another name asks how well the training carries over.
-    harness: str | None = None
+    # On 2 busy cores it only adds contention (docs/results/notebook.md, "Preset nano-podman").
+    warm_ahead: Annotated[int, Field(ge=0, description="podman: containers started ahead for the trials next in "
+                                                       "line (0: each when it begins); worth it with cores to spare.")] = 0
+    overlay: Annotated[bool, Field(description="podman: held-out trials as overlays of containers a task's trials "
+                                               "share (as `rollout.overlay`).")] = True
+    harness: Annotated[str | None, Field(description="The harness of held-out trials (unset: the first of "
+                                                     "`rollout.harness`); another asks how well training carries over.")] = None
 
     @field_validator("harness")
     @classmethod
@@ -215,24 +233,29 @@ class RunConfig(_Strict):
     # The Ray rollout workers below hold the sandboxes of the episodes in flight.
     concurrency: Annotated[int, Field(ge=1, description="Concurrent episodes in flight (at most rollout_workers "
                                                         "* slots_per_worker)."), flag("--n-concurrent", "-n")] = 16
-    rollout_workers: int = Field(4, ge=1)
-    slots_per_worker: int = Field(4, ge=1)
-    checkpoint_every: int = Field(20, ge=1)
-    keep_checkpoints: int = Field(3, ge=1)
-    wandb: bool = False
-    wandb_project: str = "tmax"
-    tensorboard: bool = False
-    torch_threads: int | None = None
-    # How N > 1 learner ranks split the work: FSDP2 shards parameters and optimizer state
-    # (gloo on CPU, NCCL on GPU); replicate keeps a full copy per rank and all-reduces grads.
-    learner_strategy: Literal["fsdp", "replicate"] = "fsdp"
-    # Tokens one learner forward computes at most: the prefix trie of its micro-batch, where
-    # a prompt its samples share counts once, so a larger budget shares more. None: the
-    # rollout's context_budget (one longest sample).
-    learner_pack_tokens: int | None = Field(None, ge=2)
-    # Recompute each decoder layer's activations in backward instead of keeping them: the
-    # learner's activation memory of a long sample drops to one hidden state per layer.
-    gradient_checkpointing: bool = False
+    rollout_workers: Annotated[int, Field(ge=1, description="Ray actors that run episodes and hold their "
+                                                            "sandboxes.")] = 4
+    slots_per_worker: Annotated[int, Field(ge=1, description="Episodes each rollout worker runs at once.")] = 4
+    checkpoint_every: Annotated[int, Field(ge=1, description="RL steps between checkpoints (a resume starts from "
+                                                             "the last).")] = 20
+    keep_checkpoints: Annotated[int, Field(ge=1, description="Checkpoints kept on disk; older ones are deleted.")] = 3
+    wandb: Annotated[bool, Field(description="Log each step's figures to Weights & Biases.")] = False
+    wandb_project: Annotated[str, Field(description="The Weights & Biases project (with `wandb`).")] = "tmax"
+    tensorboard: Annotated[bool, Field(description="Write each step's figures as TensorBoard events in the run "
+                                                   "directory.")] = False
+    torch_threads: Annotated[int | None, Field(description="CPU threads of the learner's torch (unset: torch's "
+                                                           "choice).")] = None
+    # FSDP2 runs over gloo on CPU, NCCL on GPU.
+    learner_strategy: Annotated[Literal["fsdp", "replicate"], Field(
+        description="How several learner ranks split the work: fsdp shards parameters and optimizer state; "
+                    "replicate keeps a full copy per rank and all-reduces gradients.")] = "fsdp"
+    # The prefix trie of a micro-batch counts a prompt its samples share once, so a larger
+    # budget shares more.
+    learner_pack_tokens: Annotated[int | None, Field(ge=2, description="Tokens one learner forward computes at "
+                                                                       "most (unset: `rollout.context_budget`).")] = None
+    # The activation memory of a long sample drops to one hidden state per layer.
+    gradient_checkpointing: Annotated[bool, Field(description="Recompute each layer's activations in backward "
+                                                              "instead of keeping them: less memory, more time.")] = False
 
     @model_validator(mode="after")
     def _pool_covers_concurrency(self) -> "RunConfig":
@@ -268,8 +291,8 @@ class ClusterConfig(_Strict):
                                                           "their containers."), flag("--sandbox-nodes")] = 0
     address: Annotated[str | None, Field(description="Ray cluster to join (unset: RAY_ADDRESS, a Slurm allocation, "
                                                      "or local)."), flag("--address")] = None
-    # Logical CPUs of every Ray node tmax starts (None: the machine's cores).
-    num_cpus: int | None = Field(None, ge=1)
+    num_cpus: Annotated[int | None, Field(ge=1, description="Logical CPUs of every Ray node tmax starts (unset: "
+                                                            "the machine's cores).")] = None
 # ---- LoRA (`[lora]`): train a low-rank adapter instead of every weight --------------------
 # The attention and MLP projections of a Qwen-style decoder layer.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -284,9 +307,12 @@ class LoraConfig(_Strict):
 
     rank: Annotated[int, Field(ge=0, description="Train a LoRA adapter of this rank on the frozen model (0: every "
                                                  "weight)."), flag("--lora-rank")] = 0
-    alpha: float = Field(16.0, gt=0)  # the adapter's output is scaled by alpha / rank
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
+    alpha: Annotated[float, Field(gt=0, description="The adapter's scale: its output is multiplied by alpha / "
+                                                    "rank.")] = 16.0
+    dropout: Annotated[float, Field(ge=0, lt=1, description="Dropout inside the adapter (keep 0 for RL).")] = 0.0
+    target_modules: Annotated[list[str], Field(default_factory=lambda: list(LORA_TARGETS), min_length=1,
+                                               description="The layers given an adapter (default: every attention "
+                                                           "and MLP projection).")]
 
     @property
     def enabled(self) -> bool:
@@ -298,28 +324,40 @@ class GuardConfig(_Strict):
     detected collapse the step is dropped, the run goes back to its last checkpoint marked
     healthy, `remedy` is applied and training continues; after `max_rollbacks` it stops."""
 
-    enabled: bool = False
+    enabled: Annotated[bool, Field(description="Watch the run for a collapse and roll back when one is "
+                                               "detected.")] = False
     # The detector's rule (see training/guard.py): rolling median / MAD over `window`
     # healthy steps, alarm beyond max(mad_k * 1.4826 * MAD, the signal's floor).
-    window: int = Field(8, ge=1)
-    min_history: int = Field(1, ge=1)
-    mad_k: float = Field(4.0, gt=0)
-    min_policy_alarms: int = Field(1, ge=1)
-    # Steps in a row that meet the rule before it is a collapse (a stall or a non-finite
-    # update: at once). Two: a healthy run's one-step dips recover at the next step.
-    patience: int = Field(2, ge=1)
-    max_infra_rate: float = Field(0.25, ge=0, le=1)
-    min_episodes: int = Field(8, ge=1)  # fewer finished since the last step: rollout signals not judged
-    # Zero-variance groups in a row after which the episodes sampled since the last step
-    # are judged (a collapsed policy fails every episode, so no batch ever fills).
-    stall_groups: int = Field(16, ge=1)
-    # Steps without an alarm after a checkpoint before it is marked healthy (None: the
-    # staleness limit + 1, by when every episode sampled from it has been judged).
-    confirm_steps: int | None = Field(None, ge=1)
-    remedy: Literal["lower_lr", "raise_group_size", "skip_batch"] = "lower_lr"
-    lr_factor: float = Field(0.5, gt=0, lt=1)
-    group_factor: int = Field(2, ge=2)
-    max_rollbacks: int = Field(3, ge=1)
+    window: Annotated[int, Field(ge=1, description="Healthy steps the detector's median and spread are taken "
+                                                   "over.")] = 8
+    min_history: Annotated[int, Field(ge=1, description="Healthy steps seen before the detector judges any.")] = 1
+    mad_k: Annotated[float, Field(gt=0, description="How many (scaled) median absolute deviations from the median "
+                                                    "raise an alarm; larger: fewer alarms.")] = 4.0
+    min_policy_alarms: Annotated[int, Field(ge=1, description="Policy signals (entropy, identical samples, ...) "
+                                                              "that must alarm beside an outcome signal (reward, ...) "
+                                                              "before a step meets the rule.")] = 1
+    # A stall or a non-finite update is a collapse at once. Two: a healthy run's one-step
+    # dips recover at the next step.
+    patience: Annotated[int, Field(ge=1, description="Steps in a row that meet the rule before it is a "
+                                                     "collapse.")] = 2
+    max_infra_rate: Annotated[float, Field(ge=0, le=1, description="Share of episodes failing for the "
+                                                                   "infrastructure above which a step is in alarm.")] = 0.25
+    min_episodes: Annotated[int, Field(ge=1, description="Episodes finished since the last step below which the "
+                                                         "rollout signals are not judged.")] = 8
+    # A collapsed policy fails every episode, so no batch ever fills.
+    stall_groups: Annotated[int, Field(ge=1, description="Zero-variance groups in a row after which the episodes "
+                                                         "sampled since the last step are judged.")] = 16
+    # By `async_steps` + 1 every episode sampled from it has been judged.
+    confirm_steps: Annotated[int | None, Field(ge=1, description="Steps without an alarm after a checkpoint "
+                                                                 "before it counts as healthy (unset: async_steps + 1).")] = None
+    remedy: Annotated[Literal["lower_lr", "raise_group_size", "skip_batch"], Field(
+        description="What changes after a rollback: lower the learning rate, raise the group size, or only skip "
+                    "the batch.")] = "lower_lr"
+    lr_factor: Annotated[float, Field(gt=0, lt=1, description="lower_lr: the learning rate is multiplied by this "
+                                                              "per rollback.")] = 0.5
+    group_factor: Annotated[int, Field(ge=2, description="raise_group_size: the group size is multiplied by this "
+                                                         "per rollback.")] = 2
+    max_rollbacks: Annotated[int, Field(ge=1, description="Rollbacks after which the run stops.")] = 3
 
     def detector(self):
         from tmax.training.guard import DetectorConfig
@@ -330,7 +368,7 @@ class GuardConfig(_Strict):
 
 
 class LearnConfig(_Strict):
-    name: str = "custom"
+    name: Annotated[str, Field(description="The run's name in logs, reports and trackers.")] = "custom"
     model: ModelConfig = Field(default_factory=ModelConfig)
     tasks: TasksConfig = Field(default_factory=TasksConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)

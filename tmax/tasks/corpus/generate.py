@@ -24,7 +24,7 @@ import hashlib
 import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
+from typing import Annotated, Callable
 
 from pydantic import BaseModel, Field
 
@@ -48,18 +48,22 @@ class GenerateError(RuntimeError):
 
 
 class GenerateConfig(BaseModel):
-    out: str
-    n: int = Field(ge=1)
-    seed: int = 0
-    corpus_kind: str = "legacy"
-    model: str
-    base_url: str
-    n_concurrent: int = Field(4, ge=1)
-    max_retries: int = Field(3, ge=0)
-    max_redraws: int = Field(3, ge=0)  # new tasks for a slot whose task was rejected
-    environment: str = "podman"
-    max_tokens: int = Field(32768, ge=1)
-    axes_file: str | None = None  # None: the bundled tasks/data/axes.toml
+    out: Annotated[str, Field(description="The corpus directory (created; a rerun resumes it).")]
+    n: Annotated[int, Field(ge=1, description="Tasks to keep.")]
+    seed: Annotated[int, Field(description="Seed of the axes' sampling plan: the same seed, the same plan.")] = 0
+    corpus_kind: Annotated[str, Field(description="legacy, sft_v2 or rl_v2: how strongly the newer buckets of "
+                                                  "the axes are drawn.")] = "legacy"
+    model: Annotated[str, Field(description="The generating model's name at the endpoint.")]
+    base_url: Annotated[str, Field(description="The OpenAI-compatible endpoint of the generating model.")]
+    n_concurrent: Annotated[int, Field(ge=1, description="Tasks generated and gated at once.")] = 4
+    max_retries: Annotated[int, Field(ge=0, description="Times a failed gate's error goes back to the model for a "
+                                                        "fix before the task is rejected.")] = 3
+    max_redraws: Annotated[int, Field(ge=0, description="New tasks drawn (from the same stratum) for a slot whose "
+                                                        "task was rejected.")] = 3
+    environment: Annotated[str, Field(description="Where the gates run a task: podman, bwrap or local.")] = "podman"
+    max_tokens: Annotated[int, Field(ge=1, description="Tokens the model may write per answer.")] = 32768
+    axes_file: Annotated[str | None, Field(description="An axes file (TOML, as tasks/data/axes.toml; unset: the "
+                                                       "bundled one).")] = None
 
     def identity(self, axes: AxesConfig) -> dict:
         """What a resumed run must share with the first (the rest may change)."""

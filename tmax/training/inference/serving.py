@@ -24,7 +24,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
 
@@ -53,22 +53,27 @@ class ServeSpec(EngineOptions):
     """One server: the model, where it listens, and its options (`EngineOptions`, with what
     only a server started by name sets)."""
 
-    model: str = DEFAULT_MODEL
-    served_model_name: str | None = None  # default: the model name, or a local dir's name
-    host: str = "127.0.0.1"
-    port: int = 8000
-    tool_call_parser: str | None = None  # default: from the model's chat template
-    max_logprobs: int = Field(20, ge=1)
-    tensor_parallel_size: int | None = Field(None, ge=1)  # GPU only; default: the visible GPUs
-    data_parallel_size: int | None = Field(None, ge=1)  # GPU only; default: vLLM's (1)
-    # Training setup: dev endpoints (/collective_rpc, /reset_prefix_cache), the weight-push
-    # worker extension, logprobs after temperature, and no sampling defaults taken from the
-    # model's generation_config (the sampler sets every parameter itself).
-    dev: bool = False
-    python: str = sys.executable
-    # A LoRA adapter directory (PEFT format) served on top of `model` under the served name;
+    model: Annotated[str, Field(description="A Hugging Face model name or local directory (or a LoRA adapter "
+                                            "directory, served on the base it names).")] = DEFAULT_MODEL
+    served_model_name: Annotated[str | None, Field(description="The name clients send (unset: the model name, or a "
+                                                               "local directory's name).")] = None
+    host: Annotated[str, Field(description="The address the server listens on.")] = "127.0.0.1"
+    port: Annotated[int, Field(description="The port the server listens on.")] = 8000
+    tool_call_parser: Annotated[str | None, Field(description="vLLM's tool-call parser (unset: chosen from the "
+                                                              "model's chat template).")] = None
+    max_logprobs: Annotated[int, Field(ge=1, description="The most logprobs a request may ask for per token.")] = 20
+    tensor_parallel_size: Annotated[int | None, Field(ge=1, description="GPU only: GPUs one model is split over "
+                                                                        "(unset: the visible GPUs).")] = None
+    data_parallel_size: Annotated[int | None, Field(ge=1, description="GPU only: model replicas (unset: vLLM's, "
+                                                                      "1).")] = None
+    # Dev endpoints (/collective_rpc, /reset_prefix_cache), the weight-push worker extension,
+    # logprobs after temperature, no sampling defaults from the model's generation_config.
+    dev: Annotated[bool, Field(description="Set up the server for training (weight pushes, exact logprobs); "
+                                           "the sampler sets every sampling parameter itself.")] = False
+    python: Annotated[str, Field(description="The Python interpreter that runs vLLM.")] = sys.executable
     # None, with `model` itself an adapter directory: that adapter on the base it names.
-    lora: str | None = None
+    lora: Annotated[str | None, Field(description="A LoRA adapter directory (PEFT format) served on top of `model` "
+                                                  "under the served name.")] = None
 
 
 @dataclass

@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tmax.agents.prompts import SUBMIT_COMMAND
+from tmax.sandbox.base_image import DEFAULT_BASE_TAG
 
 SUBMIT_THOUGHT = "Done, so I submit."
 
-BASE_IMAGE = "localhost/tmax-base:bookworm"
+BASE_IMAGE = DEFAULT_BASE_TAG
 WORKDIR = "/app"
 SPLITS = ("train", "heldout")
 
