@@ -3,7 +3,7 @@ the other way: a fresh episode replaying the prefix's commands.
 
 The prefix is commands of a real task's solution: Terminal-Bench 2.0's cobol-modernization
 (`../shared/tb2-sample`, read at run time, never edited), in its image built from tmax's base
-image (`tasks.images.ensure_image`: built on first use, about a minute). Its solution's
+image (`tasks.task_images.ensure_image`: built on first use, about a minute). Its solution's
 commands that change the environment, the network's left out (the episode has none): write
 the program's input data, build the COBOL program (`cobc`), write a Python port, run it
 (which rewrites the data files). Depth 4 is those four, depth 1 the first, depth 16 the four

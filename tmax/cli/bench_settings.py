@@ -3,7 +3,7 @@ a `--config FILE` and the `TMAX_BENCH_<KEY>` variables all come from `BenchSetti
 
 A config file has the settings' keys (the long flags with underscores: `n_attempts` for
 `--n-attempts`, `env` for `--env`, ...), the dataset, and every agent setting
-(`agents.settings`, what `--ak KEY=VALUE` sets), all flat and all optional:
+(`agents.agent_settings`, what `--ak KEY=VALUE` sets), all flat and all optional:
 
     dataset = "../shared/tb2-sample"   # PATH or name@version, as the argument
     agent = "tmax"

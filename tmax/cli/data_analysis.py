@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from tmax.cli.data_cmd import _AXES, _JSON, _console, _emit_json, data_app
+from tmax.cli.data_group import AXES_OPTION, JSON_OPTION, stderr_console, emit_json, data_app
 from tmax.cli.exits import fail
 
 
@@ -17,7 +17,7 @@ def export_cmd(
     corpus: Path = typer.Argument(..., help="Corpus directory."),
     out: Path = typer.Option(..., "-o", "--out", help="hf: a directory; parquet: a file; tar: a .tar.gz file."),
     fmt: str = typer.Option("hf", "--format", help="hf | parquet | tar."),
-    as_json: bool = _JSON,
+    as_json: bool = JSON_OPTION,
 ) -> None:
     """Write the corpus as a dataset: one row per task with every file and the metadata."""
     from tmax.tasks.corpus.corpus import CorpusError
@@ -28,11 +28,11 @@ def export_cmd(
     except (ExportError, CorpusError) as e:
         fail(str(e))
     if as_json:
-        _emit_json(data)
+        emit_json(data)
     else:
         for name, why in data["unreadable"].items():
-            _console().print(f"[red]unreadable[/] {name}: {why} (not exported)")
-        _console().print(f"exported {data['exported']} task(s) to {out} ({fmt})")
+            stderr_console().print(f"[red]unreadable[/] {name}: {why} (not exported)")
+        stderr_console().print(f"exported {data['exported']} task(s) to {out} ({fmt})")
     if data["unreadable"]:
         raise typer.Exit(1)
 
@@ -41,8 +41,8 @@ def export_cmd(
 def report_cmd(
     corpus: Path = typer.Argument(..., help="Corpus directory."),
     png: Optional[Path] = typer.Option(None, "--png", help="Write the charts here."),
-    axes: Optional[Path] = _AXES,
-    as_json: bool = _JSON,
+    axes: Optional[Path] = AXES_OPTION,
+    as_json: bool = JSON_OPTION,
 ) -> None:
     """Counts per axis, tasks lacking each axis, balance exp(H)/N over the declared buckets, success-rate histograms."""
     from tmax.tasks.corpus.axes import AxesError, load_axes
@@ -57,7 +57,7 @@ def report_cmd(
     if png and optional_chart(lambda: write_png(data, png)) is None:
         png = None
     if as_json:
-        _emit_json(data)
+        emit_json(data)
         return
     _print_report(data, png)
 
@@ -67,7 +67,7 @@ def _print_report(data: dict, png: Optional[Path]) -> None:
 
     from tmax.tasks.corpus.balance_report import histogram_title
 
-    console = _console()
+    console = stderr_console()
     console.print(f"[bold]{data['n']}[/] tasks")
     for name, why in data["unreadable"].items():
         console.print(f"[red]unreadable[/] {name}: {why}")
@@ -101,7 +101,7 @@ def decontam_cmd(
     against: Path = typer.Option(..., "--against", help="Benchmark directory (its instruction.md files)."),
     n: int = typer.Option(13, "--n", help="n-gram length (words)."),
     drop: Optional[Path] = typer.Option(None, "--drop", help="Write the corpus without the hits here."),
-    as_json: bool = _JSON,
+    as_json: bool = JSON_OPTION,
 ) -> None:
     """Word n-gram overlap of the instructions with a benchmark's."""
     from tmax.tasks.corpus.corpus import CorpusError
@@ -114,7 +114,7 @@ def decontam_cmd(
     except (ValueError, CorpusError) as e:
         fail(str(e))
     if as_json:
-        _emit_json(data)
+        emit_json(data)
     else:
         _print_hits(data, n, drop)
     if data["unreadable"]:  # those tasks were not checked: not a clean result
@@ -123,11 +123,11 @@ def decontam_cmd(
 
 def _print_hits(data: dict, n: int, drop: Optional[Path]) -> None:
     for name, why in data["unreadable"].items():
-        _console().print(f"[red]unreadable[/] {name}: {why} (not checked)")
+        stderr_console().print(f"[red]unreadable[/] {name}: {why} (not checked)")
     for h in data["hits"]:
-        _console().print(f"[red]hit[/] {h['task']} ~ {h['benchmark_task']}: {h['shared_ngrams']} shared {n}-grams")
+        stderr_console().print(f"[red]hit[/] {h['task']} ~ {h['benchmark_task']}: {h['shared_ngrams']} shared {n}-grams")
     n_hit = len({h['task'] for h in data['hits']})
-    _console().print(f"{n_hit} of {data['checked']} task(s) overlap" + (f"; clean copy in {drop}" if drop else ""))
+    stderr_console().print(f"{n_hit} of {data['checked']} task(s) overlap" + (f"; clean copy in {drop}" if drop else ""))
 
 
 @data_app.command("combine")
@@ -137,7 +137,7 @@ def combine_cmd(
     mode: str = typer.Option("union", "--mode", help="union | balanced."),
     total: Optional[int] = typer.Option(None, "--total", help="balanced: the corpus size."),
     seed: int = typer.Option(0, "--seed"),
-    as_json: bool = _JSON,
+    as_json: bool = JSON_OPTION,
 ) -> None:
     """Merge corpora: everything (union) or non-intricate + intricate up to --total (balanced)."""
     from tmax.tasks.corpus.combine import CombineError, select, write_links
@@ -150,6 +150,6 @@ def combine_cmd(
         fail(str(e))
     data = {"out": str(out), "mode": mode, "n": len(tasks), "tasks": [t.name for t in tasks]}
     if as_json:
-        _emit_json(data)
+        emit_json(data)
     else:
-        _console().print(f"{len(tasks)} task(s) → {out} ({mode})")
+        stderr_console().print(f"{len(tasks)} task(s) → {out} ({mode})")

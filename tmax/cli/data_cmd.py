@@ -23,27 +23,15 @@ import typer
 
 from tmax.cli.exits import fail
 
-data_app = typer.Typer(help="Synthesize, import, validate and analyse task corpora.", no_args_is_help=True)
+from tmax.cli.data_group import AXES_OPTION, JSON_OPTION, stderr_console, emit_json, data_app
 
-_JSON = typer.Option(False, "--json", help="Print one JSON document on stdout.")
 _ENV = typer.Option("podman", "-e", "--env", help="Where tasks run: podman | bwrap | local.")
-_AXES = typer.Option(None, "--axes", help="Axes file (TOML, the shape of tasks/data/axes.toml); default the bundled one.")
-
-
-def _console():
-    from rich.console import Console
-
-    return Console(stderr=True, highlight=False)
-
-
-def _emit_json(data) -> None:
-    typer.echo(json.dumps(data, indent=2, default=str))
 
 
 def _bar(total: int, label: str):
     from tmax.cli.progress import task_jobs_bar
 
-    return task_jobs_bar(total, label, _console())
+    return task_jobs_bar(total, label, stderr_console())
 
 
 def _emit_line(data) -> None:
@@ -107,12 +95,12 @@ def generate_cmd(
     retries: int = typer.Option(3, "--max-retries", help="Extra rounds after a failed gate or parse."),
     redraws: int = typer.Option(3, "--max-redraws", help="New tasks from the same stratum after a rejected one."),
     env: str = _ENV,
-    axes: Optional[Path] = _AXES,
+    axes: Optional[Path] = AXES_OPTION,
     ray: bool = _RAY,
     address: Optional[str] = _ADDRESS,
     ray_resource: Optional[str] = _RAY_RESOURCE,
     disk_budget: Optional[float] = _DISK,
-    as_json: bool = _JSON,
+    as_json: bool = JSON_OPTION,
     jsonl: bool = _JSONL,
 ) -> None:
     """Generate tasks: template, initial test, final test, environment + solution, then the gates."""
@@ -161,16 +149,16 @@ def generate_cmd(
     if jsonl:
         _emit_line({"counts": summary["counts"]})
     elif as_json:
-        _emit_json(summary)
+        emit_json(summary)
     else:
         c = summary["counts"]
-        _console().print(f"kept {c['kept']} · rejected {c['rejected']} · pending {c['pending']} → {gen.out}")
+        stderr_console().print(f"kept {c['kept']} · rejected {c['rejected']} · pending {c['pending']} → {gen.out}")
     if summary["counts"]["pending"]:
-        _console().print("[yellow]some tasks are unfinished (endpoint or infrastructure errors): rerun the same "
+        stderr_console().print("[yellow]some tasks are unfinished (endpoint or infrastructure errors): rerun the same "
                          "command to resume them[/]")
         raise typer.Exit(1)
     if not summary["counts"]["kept"]:
-        _console().print(f"[red]no task was kept[/]: the reasons are in {gen.out / '_rejected'}/*/rejection.json")
+        stderr_console().print(f"[red]no task was kept[/]: the reasons are in {gen.out / '_rejected'}/*/rejection.json")
         raise typer.Exit(1)
 
 
@@ -185,7 +173,7 @@ def validate_cmd(
     address: Optional[str] = _ADDRESS,
     ray_resource: Optional[str] = _RAY_RESOURCE,
     disk_budget: Optional[float] = _DISK,
-    as_json: bool = _JSON,
+    as_json: bool = JSON_OPTION,
     jsonl: bool = _JSONL,
 ) -> None:
     """Run the gates load, build, initial, nop, oracle on every task; a rerun resumes."""
@@ -226,13 +214,13 @@ def validate_cmd(
     if jsonl:
         _emit_line({"counts": data["counts"]})
     elif as_json:
-        _emit_json(data)
+        emit_json(data)
     else:
         for r in reports:
             for gate, why in r.reasons.items():
-                _console().print(f"[bold]{r.task}[/] {gate}: [dim]{why[:300]}[/]")
+                stderr_console().print(f"[bold]{r.task}[/] {gate}: [dim]{why[:300]}[/]")
         c = data["counts"]
-        _console().print(f"ok {c['ok']} · rejected {c['rejected']} · unverified {c['unverified']} · "
+        stderr_console().print(f"ok {c['ok']} · rejected {c['rejected']} · unverified {c['unverified']} · "
                          f"infrastructure errors {c['infra_error']} (of {c['tasks']}; a rerun retries those)")
 
 
@@ -250,7 +238,7 @@ def solve_cmd(
     ray: bool = _RAY,
     address: Optional[str] = _ADDRESS,
     ray_resource: Optional[str] = _RAY_RESOURCE,
-    as_json: bool = _JSON,
+    as_json: bool = JSON_OPTION,
     jsonl: bool = _JSONL,
 ) -> None:
     """Difficulty as the success rate c/n (and pass@k) of a bench agent; summaries under DIR/.tmax-solve/."""
@@ -294,18 +282,18 @@ def solve_cmd(
                                                     "pass_at_k")} for t, s in summaries.items()}, "band": kept,
             "unreadable": unreadable}
     for name, why in unreadable.items():
-        _console().print(f"[red]unreadable[/] {name}: {why} (not solved)")
+        stderr_console().print(f"[red]unreadable[/] {name}: {why} (not solved)")
     if jsonl:
         _emit_line({"band": kept, "unreadable": unreadable})
     elif as_json:
-        _emit_json(data)
+        emit_json(data)
     else:
         for t, s in summaries.items():
             rate = "n/a" if s["success_rate"] is None else f"{s['success_rate']:.3f}"
-            _console().print(f"{t}: solved {s['num_success']}/{s['num_runs']} (rate {rate}; k = "
+            stderr_console().print(f"{t}: solved {s['num_success']}/{s['num_runs']} (rate {rate}; k = "
                              f"{s['num_attempts']} attempts, n = {s['num_runs']} scored)")
         if kept is not None:
-            _console().print(f"{len(kept)} task(s) with a success rate in {band}" + (f" → {out}" if out else ""))
+            stderr_console().print(f"{len(kept)} task(s) with a success rate in {band}" + (f" → {out}" if out else ""))
     if unreadable:  # those tasks were not solved: not a clean result
         raise typer.Exit(1)
 
@@ -315,7 +303,7 @@ def import_cmd(
     src: str = typer.Argument(..., help="Directory of source tasks, or hf:DIR / parquet:FILE of an export."),
     out: Path = typer.Option(..., "-o", "--out", help="Where the Harbor tasks go."),
     fmt: Optional[str] = typer.Option(None, "--format", help="harbor | open-instruct | native (for a directory)."),
-    as_json: bool = _JSON,
+    as_json: bool = JSON_OPTION,
 ) -> None:
     """Convert a published corpus layout, or a dataset made by `tmax data export`, to Harbor tasks."""
     from tmax.tasks.corpus.export import DATASET_PREFIXES, ExportError, import_dataset
@@ -339,16 +327,16 @@ def import_cmd(
     except (ValueError, ExportError) as e:
         fail(str(e))
     if as_json:
-        _emit_json(data)
+        emit_json(data)
     else:
         for name, why in data["errors"].items():
-            _console().print(f"[red]skipped[/] {name}: {why}")
-        _console().print(f"imported {len(data['imported'])} task(s) to {out}; {len(data['errors'])} error(s)")
+            stderr_console().print(f"[red]skipped[/] {name}: {why}")
+        stderr_console().print(f"imported {len(data['imported'])} task(s) to {out}; {len(data['errors'])} error(s)")
     if not data["imported"]:
         raise typer.Exit(1)
 
 
 def register(app: typer.Typer) -> None:
-    from tmax.cli import data_analysis  # noqa: F401  (its commands attach to data_app)
+    from tmax.cli import data_analysis  # noqa: F401  (its commands attach to the group)
 
     app.add_typer(data_app, name="data")

@@ -3,7 +3,7 @@
 The CLI only renders and asks; the loop itself is `agents.loop.Agent`, driven by
 `agents.driver.EpisodeDriver` as `tmax bench` and `tmax learn` drive it. Approval, Ctrl-C and
 follow-ups go through `AgentHooks` (`tmax.cli.run_hooks`); the sandbox and signals of the run
-are `agents.session`.
+are `cli.run_session`.
 """
 
 from __future__ import annotations

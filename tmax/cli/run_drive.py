@@ -1,5 +1,5 @@
 """The body of `tmax run` once its flags are checked: ask for the task, keep the run's record
-(`run.json`, final on every exit), open the session (`agents.session`), drive the agent
+(`run.json`, final on every exit), open the session (`cli.run_session`), drive the agent
 through the task and its follow-ups, verify, and report."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ trajectory file. The trajectory is chat messages (`tmax run`) or ATIF from any h
 (tmax, mini-swe, terminus-2, Harbor's own agents), told apart by its content. Chat
 messages are parsed with the harness the run used (run.json's `harness`); ATIF steps
 carry their actions as tool calls, which are shown as they are. A trial directory's
-result.json (`common.harbor.TrialResult`) adds what the trial scored."""
+result.json (`tasks.harbor.TrialResult`) adds what the trial scored."""
 
 from __future__ import annotations
 

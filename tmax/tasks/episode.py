@@ -4,7 +4,7 @@ The single path by which both `tmax bench` trials (`tasks.trial`: episode + Harb
 records) and `tmax learn` rollouts (`training.rollout`: episode + token trace) run a
 task:
 
-* the environment is the task's image (`tasks.images`, with the offline rewrites and
+* the environment is the task's image (`tasks.task_images`, with the offline rewrites and
   patches) on podman, or a fresh host workspace (`tasks.hostenv`) on bwrap / local; a task
   that is its base image plus files is not built where its episodes are overlays of shared
   containers (`EnvSettings.files_layer` and an `OverlayPool`): a container of the base image

@@ -11,7 +11,7 @@ things (endpoint URL, concurrency, output paths), so a new vLLM port does not th
 finished trials away. Cancelled trials and, with `retry_infra`, infrastructure errors
 are rerun; an old attempt is moved to `.retries/`, never silently deleted.
 
-Every file is read and written as its typed record (`common.harbor`), and what a trial
+Every file is read and written as its typed record (`tasks.harbor`), and what a trial
 scored is `TrialResult.score`, for progress, the job's scores and resume alike.
 """
 
@@ -60,7 +60,7 @@ class JobSpec(BaseModel):
     model: str | None = None
     base_url: str | None = None
     api_key_env: str = "OPENAI_API_KEY"  # the key itself is never written to disk
-    # Agent settings (`agents.settings`: `--ak`, `tmax bench run --config`) as given, under
+    # Agent settings (`agents.agent_settings`: `--ak`, `tmax bench run --config`) as given, under
     # their current names: what the job's identity and config.json keep (`agent_settings`: typed).
     agent_kwargs: dict[str, Any] = Field(default_factory=dict)
     n_attempts: int = Field(1, ge=1)

@@ -12,7 +12,7 @@
   mean, so the interval is conservative), else a bootstrap over tasks with each task's
   attempts resampled inside it (the two levels of the protocol's randomness).
 A trial's input row (`TrialRow`) carries what it scored by the one rule
-(`common.harbor.TrialResult.score`): a trial "succeeds" for pass@k when the verifier's
+(`tasks.harbor.TrialResult.score`): a trial "succeeds" for pass@k when the verifier's
 reward is 1, whether or not the agent timed out; one without a reward counts 0.
 """
 

@@ -78,7 +78,7 @@ class TasksConfig(_Strict):
 
 
 class RolloutConfig(AgentSettings):
-    """One training episode: the agent's settings (`agents.settings`, the same keys as `tmax
+    """One training episode: the agent's settings (`agents.agent_settings`, the same keys as `tmax
     run` and `tmax bench`) with the training recipe's defaults, and the training-only keys.
     Budgets and termination as in the paper: 64 tool calls, 65,536 response tokens."""
 
@@ -402,7 +402,7 @@ class LearnConfig(_Strict):
 
 def _new_names(data: dict, source: str) -> dict:
     """One source's `[rollout]` with old agent-setting names replaced by the new ones
-    (`agents.settings.RENAMED`), before it is merged with the others (whose dumps have the new)."""
+    (`agents.agent_settings.RENAMED`), before it is merged with the others (whose dumps have the new)."""
     if not isinstance(data.get("rollout"), dict):
         return data
     try:

@@ -11,7 +11,7 @@ tests call these functions with a resolved `LearnConfig` (`training.config.resol
                              config and an sbatch script that runs it
     merge(ckpt, out)         `tmax learn merge`: a LoRA checkpoint into full HF weights
 
-Ray is started (or joined) in one place, `training.cluster.session.ray_session`, per the
+Ray is started (or joined) in one place, `training.cluster.run_cluster.ray_session`, per the
 config's `[cluster]` section; a run with `cluster.nodes` gets its placement groups there.
 Bad input (a config, a placement or a `--from-runs` directory that cannot work) raises
 `ConfigError` before any work starts. `dry_run` imports neither torch nor Ray (a light

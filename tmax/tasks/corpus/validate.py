@@ -1,6 +1,6 @@
 """The validation gates of a task, each recorded per task.
 
-    load     task.toml parses, the required files are there (`tasks.model.Task.load`)
+    load     task.toml parses, the required files are there (`tasks.task_format.Task.load`)
     build    the image builds with bench's offline rewrites (podman) and its `[agent] user`
              can open a shell there, or the Dockerfile fits a host sandbox (bwrap, local:
              `tasks.hostenv`, which run as the invoking user)

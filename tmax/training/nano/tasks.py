@@ -13,7 +13,7 @@ from a pool that belongs to one split only, so nothing in the held-out split was
 seen in training: held-out success means the policy solves the kind of task, not that
 it memorised a task.
 
-Layout of a task directory (what `tasks.model.Task.load` reads):
+Layout of a task directory (what `tasks.task_format.Task.load` reads):
 
     task.toml                 [metadata.nano] holds kind, split, params and the oracle
     instruction.md
