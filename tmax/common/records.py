@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
 
@@ -248,6 +248,26 @@ class EpisodeOutcome(_Record):
     error: str | None = None
 
 
+class AgentMeta(_Record):
+    """What the tmax agent keeps in a trial's `agent_result.metadata` (Harbor's free-form
+    dict; another agent keeps something else there)."""
+
+    status: AgentStatus
+    steps: int
+    error: str | None = None
+    llm_s: float = 0.0
+    exec_s: float = 0.0
+    turn_outcomes: list[str] = []
+
+    @classmethod
+    def of(cls, metadata: dict[str, object] | None) -> AgentMeta | None:
+        """The tmax agent's record in `metadata`; None where another agent wrote it."""
+        try:
+            return cls.model_validate(metadata) if metadata else None
+        except ValidationError:
+            return None
+
+
 class StepTiming(_Record):
     """One entry of timing.json: a command step (`bash_s`, `return_code`), a rejected one, a
     format error (`format_error`, `reason`), a step whose sandbox failed (`sandbox_error`),
@@ -344,12 +364,15 @@ class GuardState(_Record):
 
 
 class CheckpointExtra(_Record):
-    """Where a resumed run continues: the prompt stream's and the rated sessions' positions."""
+    """Where a resumed run continues (the prompt stream's and the rated sessions' positions,
+    the guard's remedies); an SFT result says what trained it."""
 
     prompt_position: int = 0
     rated_position: int | None = None
-    config: str | None = None
+    config: str | None = None  # the run config's name
     guard: GuardState = GuardState()
+    sft_steps: int | None = None
+    sft_demos: int | None = None
 
 
 class CheckpointMeta(_Record):
@@ -389,6 +412,25 @@ class WorkerReply(_Record):
 
     n_tensors: int | None = None
     rank: int | None = None
+
+    @classmethod
+    def of(cls, reply: object) -> WorkerReply | None:
+        """A worker's reply; None for one that is not a reply of ours (an error, a string)."""
+        try:
+            return cls.model_validate(reply)
+        except ValidationError:
+            return None
+
+
+# --- a resumable job's records -------------------------------------------------------------
+
+
+class JobItemResult(_Record):
+    """`<dir>/<item>.json` of a resumable job (`tasks.job_runner.ResultFiles`): an item's
+    result (whatever its function returned, as JSON), kept for the identity it ran with."""
+
+    identity: str = ""
+    result: Any = None
 
 
 # --- a generated corpus's records -----------------------------------------------------------

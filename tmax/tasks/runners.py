@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from tmax.agents.driver import EpisodeDriver
 from tmax.agents.harnesses import HARNESSES, check_harness
 from tmax.agents.settings import AgentSettings
+from tmax.common.records import AgentMeta
 from tmax.sandbox.base import Sandbox, SandboxError
 from tmax.tasks.longexec import run_long
 from tmax.tasks.model import Task
@@ -157,9 +158,9 @@ class TmaxAgent:
         error = f"model error: {result.error}" if result.status == "model_error" and not result.stopped else None
         return AgentRun(timed_out=result.timed_out, error=error,
                         n_input_tokens=result.usage.prompt_tokens, n_output_tokens=result.usage.completion_tokens,
-                        metadata={"status": result.status, "steps": result.steps, "error": result.error,
-                                  "llm_s": result.llm_s, "exec_s": result.exec_s,
-                                  "turn_outcomes": result.turn_outcomes})
+                        metadata=AgentMeta(status=result.status, steps=result.steps, error=result.error,
+                                           llm_s=result.llm_s, exec_s=result.exec_s,
+                                           turn_outcomes=result.turn_outcomes).model_dump(mode="json"))
 
 
 def make_agent(name: str, rewrite: RewriteConfig, model: str | None = None, base_url: str | None = None,

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tmax.common.records import CheckpointExtra
 from tmax.training.cluster.engine_actor import EngineActor
 from tmax.training.cluster.failover import FailoverSampler, WorkersDown
 from tmax.training.cluster.learner_rank import LearnerRank
@@ -87,7 +88,7 @@ class LearnerGroup:
         # Every rank gathers (a collective); rank 0's ref carries the update.
         return self._all(lambda a: a.prepare_weights.remote(version))
 
-    def save(self, path: str, step: int, extra: dict) -> Any:
+    def save(self, path: str, step: int, extra: CheckpointExtra) -> Any:
         return self._all(lambda a: a.save.remote(path, step, extra))
 
     def restore(self, path: str, lr_scale: float = 1.0) -> Any:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tmax.common.records import CheckpointExtra
 from tmax.training.net import free_port, node_ip, ray_node_id
 from tmax.training.weights.learner_side import WeightSourceMixin
 
@@ -54,7 +55,7 @@ class LearnerRank(WeightSourceMixin):
         # CPU tensors: engines on other nodes read them from the object store.
         return {k: v.cpu() for k, v in w.items()} if self.rank == 0 else {}
 
-    def save(self, path: str, step: int, extra: dict) -> str:
+    def save(self, path: str, step: int, extra: CheckpointExtra) -> str:
         return str(self.learner.save(path, step, extra))
 
     def restore(self, path: str, lr_scale: float) -> int:
