@@ -5,11 +5,14 @@ ranks are created. Importing this module imports neither Ray nor torch."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tmax.common.records import CheckpointExtra
 from tmax.training.net import free_port, node_ip, ray_node_id
 from tmax.training.weights.learner_side import WeightSourceMixin
+
+if TYPE_CHECKING:
+    from tmax.training.learner.learner import Learner, LearnerConfig
 
 # Gloo / NCCL collectives of the learner group give up after this long (a dead rank).
 GROUP_TIMEOUT_S = 600.0
@@ -25,7 +28,7 @@ class LearnerRank(WeightSourceMixin):
 
         if threads:
             torch.set_num_threads(threads)
-        self.learner: Any = None
+        self.learner: Learner | None = None
         self.rank = 0
 
     def node_id(self) -> str:
@@ -34,7 +37,7 @@ class LearnerRank(WeightSourceMixin):
     def rendezvous(self) -> tuple[str, int]:
         return node_ip(), free_port()
 
-    def setup(self, rank: int, world: int, host: str, port: int, model_dir: str, lcfg: Any,
+    def setup(self, rank: int, world: int, host: str, port: int, model_dir: str, lcfg: LearnerConfig,
               resume: str | None) -> int:
         from tmax.training.learner.learner import Learner
         from tmax.training.learner.parallel import data_parallel, init_learner_group
