@@ -37,6 +37,8 @@ from tmax.training.report import LearnProgress, StepLines
 if TYPE_CHECKING:
     from tmax.training.loop import RunResult
     from tmax.training.recipe import RecipeResult, SftStage
+    from tmax.training.rollout import PreparedTasks
+    from tmax.training.runs_data import RatedStream
 
 Log = Callable[[str], None]
 SBATCH_NAME = "tmax-learn.sbatch"
@@ -53,7 +55,8 @@ def placement_plan(cfg: LearnConfig) -> PlacementPlan | None:
 
 def learn(cfg: LearnConfig, out: Path, *, resume: bool = False, progress: LearnProgress | None = None,
           from_runs: Path | None = None,
-          runs_per_step: int = 1, on_step: Any = None, log: Log = print) -> RunResult:
+          runs_per_step: int = 1, on_step: Callable[[int, dict[str, float]], None] | None = None,
+          log: Log = print) -> RunResult:
     """DPPO from `model.path` on `tasks.train` into `out`; with the nano build flags, from
     the recipe's SFT checkpoint (built first where missing) into `out/rl`. The cluster is
     joined, and checked against the plan, before any of that work."""
@@ -98,7 +101,7 @@ def _rl_dir(cfg: LearnConfig, out: Path) -> Path:
     return out / "rl" if cfg.model.build_nano or cfg.tasks.generate_nano else out
 
 
-def _rated_stream(from_runs: Path, per_step: int, plan: PlacementPlan | None) -> Any:
+def _rated_stream(from_runs: Path, per_step: int, plan: PlacementPlan | None) -> RatedStream:
     """The rated `tmax run` sessions to add to each RL step (checked before anything starts)."""
     from tmax.training.runs_data import RatedStream, RunsDataError, load_runs
 
@@ -193,7 +196,7 @@ def _refuse_earlier_recipe(out: Path) -> None:
                           "read back, not run. Pass another --out, or remove it")
 
 
-def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, train_dir: str, held_dir: str, prepared: Any,
+def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, train_dir: str, held_dir: str, prepared: PreparedTasks,
                   stages: tuple[str, ...], progress: LearnProgress, log: Log, result: RecipeResult,
                   times: dict) -> None:
     """One engine serving `start`: the held-out eval of it, RL on it, the held-out eval of
