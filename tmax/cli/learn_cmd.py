@@ -29,6 +29,7 @@ from tmax.cli.extras import exit_if_extra_missing
 from tmax.cli.options import FlagValues, option_parameter, setting_flags
 from tmax.cli.options import print_config as print_config_lines
 from tmax.training.config import PRESETS, LearnConfig
+from tmax.common.records import LearnRunDir
 
 if TYPE_CHECKING:
     from tmax.training.recipe import RecipeResult
@@ -230,7 +231,7 @@ def nano(
     if as_json:
         typer.echo(res.model_dump_json())
     else:
-        _echo(recipe_line(res, run_dir / "recipe.json"))
+        _echo(recipe_line(res, LearnRunDir(run_dir).recipe))
 
 
 def recipe_line(res: RecipeResult, path: Path) -> str:

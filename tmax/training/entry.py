@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from tmax.common.errors import ConfigError
 from tmax.common.extras import require_extra
-from tmax.common.files import write_json_atomic, write_text_atomic
+from tmax.common.files import write_text_atomic
+from tmax.common.records import LearnRunDir, write_record
 from tmax.training.cluster.placement import PlanError, PlacementPlan, plan_for
 from tmax.training.cluster.session import own_run_processes, ray_session
 from tmax.training.config import LearnConfig, dump_toml
@@ -178,7 +179,7 @@ def recipe(cfg: LearnConfig, out: Path, *, progress: LearnProgress | None = None
                       result, times)
     times["total_s"] = time.monotonic() - t0
     result.times = {k: round(v, 1) for k, v in times.items()}
-    write_json_atomic(out / "recipe.json", result.model_dump(mode="json"))
+    write_record(LearnRunDir(out).recipe, result)
     return result
 
 
@@ -187,7 +188,7 @@ def _refuse_earlier_recipe(out: Path) -> None:
     back as its own (a bench job resumes) and append to its RL records: refused up front."""
     from tmax.training.learner.checkpoint import trained_before
 
-    earlier = [str(p.relative_to(out)) for p in (out / "recipe.json", *sorted((out / "eval").glob("*/config.json")))
+    earlier = [str(p.relative_to(out)) for p in (LearnRunDir(out).recipe, *sorted((out / "eval").glob("*/config.json")))
                if p.is_file()]
     if (rl := trained_before(out / "rl")) is not None:
         earlier.append(f"rl: {rl}")

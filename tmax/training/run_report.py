@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from tmax.common.errors import ConfigError
+from tmax.common.records import LearnRunDir
 from tmax.training.report import guard_summary, read_metrics
 
 # A recipe's stages in the order they run (`training.entry.recipe`'s `times` keys).
@@ -69,15 +70,17 @@ class RunReport(BaseModel):
     def read(cls, run_dir: Path) -> RunReport:
         """The report of a `tmax learn` run directory or a recipe directory (its RL run in
         `rl/`); a directory with neither metrics nor a recipe result is a `ConfigError`."""
-        recipe_file = run_dir / "recipe.json"
-        metrics = next((p for p in (run_dir / "metrics.jsonl", run_dir / "rl" / "metrics.jsonl") if p.is_file()), None)
+        files = LearnRunDir(run_dir)
+        recipe_file = files.recipe
+        found = next((d for d in (files, files.rl) if d.metrics.is_file()), None)
+        metrics = found.metrics if found is not None else None
         if metrics is None and not recipe_file.is_file():
             raise ConfigError(f"no metrics.jsonl in {run_dir} (or {run_dir / 'rl'}) and no recipe.json: "
                               "not a `tmax learn` run directory")
         report = cls(run_dir=str(run_dir), recipe=recipe_file.is_file())
         if metrics is not None:
             report = report.model_copy(update=_rl_figures(read_metrics(metrics)))
-            summary = metrics.parent / "summary.json"
+            summary = found.summary
             if summary.is_file() and not report.recipe:
                 times = _RunTimes.model_validate_json(summary.read_text())
                 report.stage_seconds = {"setup_s": times.setup_s, "rl_s": times.run_s}
