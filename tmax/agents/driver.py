@@ -230,5 +230,5 @@ class EpisodeDriver:
     def __enter__(self) -> EpisodeDriver:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

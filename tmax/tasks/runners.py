@@ -9,7 +9,10 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import openai
 
 from tmax.agents.driver import EpisodeDriver
 from tmax.agents.harnesses import HARNESSES, check_harness
@@ -114,10 +117,10 @@ class TmaxAgent:
         self.model, self.base_url, self.api_key = model, base_url, api_key or "dummy"
         self.settings = settings or AgentSettings()
         self.name = check_harness(harness, "agent")
-        self._client: Any = None  # one OpenAI client for every trial (`_shared_client`)
+        self._client: openai.OpenAI | None = None  # one OpenAI client for every trial (`_shared_client`)
         self._client_lock = threading.Lock()
 
-    def _shared_client(self) -> Any:
+    def _shared_client(self) -> openai.OpenAI:
         from tmax.agents.chat_policy import openai_client
 
         with self._client_lock:

@@ -36,6 +36,7 @@ from tmax.training.config import LearnConfig
 from tmax.training.loop import list_task_dirs
 
 if TYPE_CHECKING:
+    from tmax.training.cluster.actors import EngineGroup
     from tmax.training.learner.sft import SFTResult
     from tmax.training.rollout import PreparedTasks
 
@@ -189,7 +190,7 @@ def sft_stage(cfg: LearnConfig, model_dir: str, prepared: PreparedTasks, out: Pa
     return SftStage.trained(res, demos_solved=solved, demo_s=t_demo)
 
 
-def heldout_eval(cfg: LearnConfig, engine: Any, held_dir: str, jobs_dir: Path, name: str, log: Log) -> HeldoutEval:
+def heldout_eval(cfg: LearnConfig, engine: EngineGroup, held_dir: str, jobs_dir: Path, name: str, log: Log) -> HeldoutEval:
     """A `tmax bench` job (the `eval.harness` agent, else the harness trained under; trials
     in `eval.sandbox`) against the server of `engine` (a `training.cluster.actors.EngineGroup`)."""
     from tmax.tasks.job import Job, JobConfig

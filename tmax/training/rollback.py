@@ -24,7 +24,7 @@ checkpoint, with a "stop" event. Events print as they happen and land in metrics
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tmax.common.records import GuardState, HealthMark
 from tmax.training.algo.batching import BatchAccumulator

@@ -62,7 +62,7 @@ class LearnerGroup:
         self._others: list[ObjectRef] = []
 
     @classmethod
-    def start(cls, options: list[dict], model_dir: str, lcfg: LearnConfig, resume: str | None,
+    def start(cls, options: list[dict], model_dir: str, lcfg: LearnerConfig, resume: str | None,
               threads: int | None) -> "LearnerGroup":
         import ray
 
@@ -274,7 +274,7 @@ class Actors:
         self.learner.kill()
 
 
-def start_actors(cfg: LearnConfig, model_dir: str, resume_from: str | None, run_dir: str | Path, lcfg: LearnConfig,
+def start_actors(cfg: LearnConfig, model_dir: str, resume_from: str | None, run_dir: str | Path, lcfg: LearnerConfig,
                  images: dict, pl: Placement | None = None, engines: EngineGroup | None = None) -> Actors:
     """Create and wait for every actor of the layout. `engines` reuses running engines
     (already serving `model_dir`); `images` maps task dirs to their resolved images."""

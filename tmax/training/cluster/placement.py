@@ -23,7 +23,6 @@ inside them), so `--dry-run` works without Ray.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tmax.training.cluster.sandbox_nodes import (
@@ -32,8 +31,6 @@ from tmax.training.cluster.sandbox_nodes import (
 from tmax.training.weights.transports import describe_transport
 
 if TYPE_CHECKING:
-    from ray.util.placement_group import PlacementGroup
-
     from tmax.training.config import LearnConfig
 
 ROLE_TRAIN = "tmax_train"
@@ -386,19 +383,19 @@ class Placement:
     """Reserved placement groups plus the node each bundle landed on."""
 
     plan: PlacementPlan
-    learner_pg: PlacementGroup
-    engine_pg: PlacementGroup
+    learner_pg: Any
+    engine_pg: Any
     learner_nodes: list[str]  # node id of learner bundle i
     engine_nodes: list[str]
     sandboxes: SandboxPlacement | None = None  # with sandbox nodes: a bundle (a rollout worker) on each
 
-    def learner_options(self, rank: int, **extra: object) -> dict[str, object]:
+    def learner_options(self, rank: int, **extra: Any) -> dict[str, Any]:
         """`.options(...)` kwargs that put learner `rank` on its train node."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not 0 <= rank < self.plan.learner_ranks:
             raise IndexError(f"learner rank {rank} outside 0..{self.plan.learner_ranks - 1}")
-        opts: dict[str, object] = {
+        opts: dict[str, Any] = {
             "num_cpus": self.plan.cpus_per_learner,
             "num_gpus": 1 if self.plan.use_gpu else 0,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
@@ -409,14 +406,14 @@ class Placement:
         opts.update(extra)
         return opts
 
-    def engine_options(self, index: int, **extra: object) -> dict[str, object]:
+    def engine_options(self, index: int, **extra: Any) -> dict[str, Any]:
         """`.options(...)` kwargs for engine `index`. With TP > 1 the engine actor takes
         no GPU itself: its vLLM workers claim `tp` GPUs of the same bundle."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not 0 <= index < self.plan.engines:
             raise IndexError(f"engine {index} outside 0..{self.plan.engines - 1}")
-        opts: dict[str, object] = {
+        opts: dict[str, Any] = {
             "num_cpus": self.plan.cpus_per_engine,
             "num_gpus": (1 if self.plan.tp == 1 else 0) if self.plan.use_gpu else 0,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
@@ -428,7 +425,7 @@ class Placement:
         opts.update(extra)
         return opts
 
-    def write(self, path: Path, actors: Any) -> dict:
+    def write(self, path: Any, actors: Any) -> dict:
         """Plan, bundle nodes and the node every actor (`training.cluster.actors.Actors`)
         reports it runs on, written atomically to `path`."""
         import ray
@@ -447,11 +444,11 @@ class Placement:
         write_json_atomic(path, out)
         return out
 
-    def sandbox_options(self, index: int = 0, **extra: object) -> dict[str, object]:
+    def sandbox_options(self, index: int = 0, **extra: Any) -> dict[str, Any]:
         """Rollout worker `index`: on its sandbox node when the plan has them, else anywhere."""
         if self.sandboxes is not None:
             return self.sandboxes.worker_options(index, self.plan.cpus_per_sandbox_worker, **extra)
-        opts: dict[str, object] = {"num_cpus": self.plan.cpus_per_sandbox_worker}
+        opts: dict[str, Any] = {"num_cpus": self.plan.cpus_per_sandbox_worker}
         opts.update(extra)
         return opts
 
@@ -495,7 +492,7 @@ def reserve(plan: PlacementPlan, timeout_s: float = 300.0) -> Placement:
             + (": " + "; ".join(missing) if missing else " (resources are in use by other jobs?)")
         ) from None
 
-    def bundle_nodes(pg: PlacementGroup) -> list[str]:
+    def bundle_nodes(pg: Any) -> list[str]:
         table = placement_group_table(pg)["bundles_to_node_id"]
         return [table[i] for i in sorted(table)]
 

@@ -17,7 +17,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from tmax.common.records import SFT_RECORD, CheckpointExtra, SftRecord, write_record
 from tmax.training.algo.batching import Group
@@ -59,7 +59,7 @@ def sft_samples(demos: Sequence[Traced]) -> list[TrainSample]:
 
 
 def train_sft(model_dir: str, demos: Sequence[Traced], cfg: LearnConfig, out_dir: str | Path,
-              log: Any = None, lora: bool = True) -> SFTResult:
+              log: Callable[[int, int, float], None] | None = None, lora: bool = True) -> SFTResult:
     """Cross-entropy on assistant tokens through the RL learner (`Learner.train_step` with
     `sft_loss`: the same packing and forward); AdamW with warmup then constant LR; writes
     an HF checkpoint (weights + tokenizer + chat template) to `out_dir`, or with `[lora]` on
