@@ -21,7 +21,7 @@ import torch
 from documented import documented
 from tmax.agents.policy import TokenTrace
 from tmax.training.guard import Detector, DetectorConfig, replay
-from tmax.common.records import CHECKPOINT_META, CheckpointExtra
+from tmax.common.records import CHECKPOINT_META, CheckpointExtra, GuardSummary
 from tmax.training.learner import checkpoint as ckpt
 from tmax.training.report import guard_report, health_metrics, read_metrics, reward_curve, run_summary
 from tmax.training.rollout import Rollout
@@ -389,11 +389,11 @@ def test_summary_report_and_curve_show_rollbacks(tmp_path):
     assert summ["steps"] == 5 and summ["updates"] == 7
     g = summ["guard"]
     assert (g["rollbacks"], g["steps_lost"], g["stopped"]) == (1, 2, False)
-    text = "\n".join(guard_report(summ))
+    text = "\n".join(guard_report(GuardSummary.model_validate(g)))
     assert "step 4: collapse (reward, identical) -> back to step 2, lower_lr (LR x0.5)" in text
     assert "reward 0.0 (baseline 0.5, limit +-0.2)" in text
     assert Path(reward_curve(path, tmp_path / "curve.png")).stat().st_size > 1000
-    assert guard_report({"guard": {"events": []}}) == ["collapse guard: no rollback"]
+    assert guard_report(GuardSummary()) == ["collapse guard: no rollback"]
 
 
 def test_cli_learn_report_lists_events_with_their_signals(tmp_path, monkeypatch):

@@ -375,6 +375,17 @@ class CheckpointExtra(_Record):
     sft_demos: int | None = None
 
 
+class GuardSummary(_Record):
+    """The collapse guard's rollbacks and stop over a run (summary.json's `guard`), from the
+    events it logged in metrics.jsonl (`guard/event`, kept as logged)."""
+
+    rollbacks: int = 0
+    steps_lost: int = 0
+    stopped: bool = False
+    stop_reason: str | None = None
+    events: list[dict[str, Any]] = []
+
+
 class CheckpointMeta(_Record):
     """trainer_state.json beside a checkpoint's weights (the tensors are trainer_state.pt)."""
 
