@@ -42,6 +42,7 @@ class StepTiming(Record):
 
     step: int | None = None
     compaction: int | None = None
+    ok: bool | None = None  # a compaction's: whether it was done
     rejected: bool = False
     llm_s: float | None = None
     bash_s: float | None = None
