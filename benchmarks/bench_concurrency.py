@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.results_log import add_record_arguments, record_result  # noqa: E402
 
 from tmax.tasks.dataset import load_tasks  # noqa: E402
-from tmax.tasks.images import ensure_image  # noqa: E402
-from tmax.tasks.job import Job, JobConfig  # noqa: E402
+from tmax.tasks.task_images import ensure_image  # noqa: E402
+from tmax.tasks.job import Job, JobSpec  # noqa: E402
 from tmax.tasks.offline import default_config  # noqa: E402
 
 DEFAULT_DATASET = Path(__file__).resolve().parents[2] / "shared" / "tb2-sample"
@@ -33,7 +33,7 @@ DEFAULT_TASKS = ["regex-log", "polyglot-c-py", "sqlite-db-truncate", "llm-infere
 
 
 def run(dataset: str, tasks: list[str], n: int, attempts: int, jobs_dir: str) -> dict:
-    job = Job(JobConfig(job_name=f"bench-n{n}", jobs_dir=jobs_dir, dataset=dataset, include=tasks, agent="oracle",
+    job = Job(JobSpec(job_name=f"bench-n{n}", jobs_dir=jobs_dir, dataset=dataset, include=tasks, agent="oracle",
                         n_attempts=attempts, n_concurrent=n))
     t0 = time.monotonic()
     data = job.run()

@@ -78,8 +78,8 @@ def _timed(argv: list[str], env: dict[str, str] | None = None, cwd: Path | None 
 
 
 def _image(task_dir: Path):
-    from tmax.tasks.images import ensure_image
-    from tmax.tasks.model import Task
+    from tmax.tasks.task_images import ensure_image
+    from tmax.tasks.task_format import Task
     from tmax.tasks.offline import default_config
 
     return ensure_image(Task.load(task_dir), default_config([]))

@@ -42,7 +42,7 @@ from benchmarks.results_log import add_record_arguments, record_result  # noqa: 
 
 def rl_run(cfg, name: str, start: str, train_dir: str, prepared, engine, out: Path, log) -> dict:
     """One RL stage from the SFT checkpoint on the shared engine; its summary or its error."""
-    from tmax.training.loop import TrainingError, train
+    from tmax.training.trainer import TrainingError, train
     from tmax.training.weights.learner_side import load_checkpoint
 
     import shutil

@@ -3,7 +3,7 @@ the other way: a fresh episode replaying the prefix's commands.
 
 The prefix is commands of a real task's solution: Terminal-Bench 2.0's cobol-modernization
 (`../shared/tb2-sample`, read at run time, never edited), in its image built from tmax's base
-image (`tasks.images.ensure_image`: built on first use, about a minute). Its solution's
+image (`tasks.task_images.ensure_image`: built on first use, about a minute). Its solution's
 commands that change the environment, the network's left out (the episode has none): write
 the program's input data, build the COBOL program (`cobc`), write a Python port, run it
 (which rewrites the data files). Depth 4 is those four, depth 1 the first, depth 16 the four
@@ -158,8 +158,8 @@ def run(depths: list[int], rounds: int) -> dict:
     from tmax.sandbox import SandboxSpec
     from tmax.sandbox.cleanup import remove_labelled
     from tmax.sandbox.overlay_pool import OverlayPool, SpecFactory
-    from tmax.tasks.images import ensure_image
-    from tmax.tasks.model import Task
+    from tmax.tasks.task_images import ensure_image
+    from tmax.tasks.task_format import Task
     from tmax.tasks.offline import default_config
 
     image = ensure_image(Task.load(TASK), default_config(), use_prebuilt=False)

@@ -57,7 +57,7 @@ def learner_loop(model_dir: str) -> None:
     from tmax.training.config import preset
     from tmax.training.learner.learner import Learner
     from tmax.training.learner.packing import TrainSample
-    from tmax.training.loop import learner_config
+    from tmax.training.trainer import learner_config
 
     learner = Learner(model_dir, learner_config(preset("nano")))
     rng = random.Random(0)
@@ -180,9 +180,9 @@ def train_round(worker, task: str, n: int, group: int) -> list[float]:
 
 def eval_round(dataset: Path, task: str, url: str, n: int, jobs_dir: Path, kwargs: dict, name: str) -> list[float]:
     """A `tmax bench` job of n trials of the task at once; every command's round trip (s)."""
-    from tmax.tasks.job import Job, JobConfig
+    from tmax.tasks.job import Job, JobSpec
 
-    Job(JobConfig(job_name=name, jobs_dir=str(jobs_dir), dataset=str(dataset), include=[Path(task).name],
+    Job(JobSpec(job_name=name, jobs_dir=str(jobs_dir), dataset=str(dataset), include=[Path(task).name],
                   agent="tmax", model="scripted", base_url=url, agent_kwargs=kwargs, n_attempts=n,
                   n_concurrent=n), api_key="none").run()
     out: list[float] = []

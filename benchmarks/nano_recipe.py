@@ -45,7 +45,7 @@ def trainer_overhead(ckpt: str, samples: list, cfg, repeats: int = 3) -> dict:
     from transformers import AutoModelForCausalLM
 
     from tmax.training.learner.learner import Learner
-    from tmax.training.loop import learner_config
+    from tmax.training.trainer import learner_config
 
     if cfg.run.torch_threads:
         torch.set_num_threads(cfg.run.torch_threads)

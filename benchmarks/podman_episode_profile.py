@@ -166,7 +166,7 @@ def verifier_inline_vs_copy(task_dir: str, image, cfg, rounds: int) -> dict:
     from tmax.sandbox.podman import PodmanSandbox
     from tmax.tasks import verifier
     from tmax.tasks.episode import sandbox_spec
-    from tmax.tasks.model import Task
+    from tmax.tasks.task_format import Task
 
     task = Task.load(task_dir)
     sb = PodmanSandbox(sandbox_spec(task, cfg.env, image, None, None, {}))
@@ -237,7 +237,7 @@ def fresh_vs_overlay(task_dir: str, tok, cfg, image, rounds: int) -> dict:
     figures); then a host's start and end by itself, for what the new way pays per host."""
     from tmax.sandbox.overlay_pool import OverlayPool, SpecFactory
     from tmax.tasks.episode import Episode
-    from tmax.tasks.model import Task
+    from tmax.tasks.task_format import Task
     from tmax.training.nano.tasks import oracle_steps
     from tmax.training.demos import ScriptedSampler, scripted_turns
     from tmax.training.rollout import EpisodeRequest, run_episode

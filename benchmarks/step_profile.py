@@ -81,7 +81,7 @@ def learner_replay(ckpt: str, samples: list, cfg, repeats: int = 3) -> dict:
     import torch
 
     from tmax.training.learner.learner import Learner
-    from tmax.training.loop import learner_config
+    from tmax.training.trainer import learner_config
 
     if cfg.run.torch_threads:
         torch.set_num_threads(cfg.run.torch_threads)
@@ -141,7 +141,7 @@ def main() -> None:
     from tmax.cli.progress import learn_progress
     from tmax.training.cluster.launch import connect
     from tmax.training.config import resolve
-    from tmax.training.loop import train
+    from tmax.training.trainer import train
 
     # `tmax learn`'s config: the file (default: the nano preset), TMAX_LEARN_* variables, these flags.
     cfg = resolve(args.config, {"algo": {"seed": args.seed, "steps": args.steps},

@@ -118,7 +118,7 @@ LARGE = (20_000, 13.5)  # 270 MB
 
 
 def measure_sizes(args) -> dict[str, float | str]:
-    from tmax.cli.config import bwrap_works
+    from tmax.cli.run_settings import bwrap_works
 
     kind = args.sandbox or ("bwrap" if bwrap_works() else "local")
     out: dict[str, float | str] = {"sandbox": kind, "steps": args.steps}

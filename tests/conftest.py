@@ -45,7 +45,7 @@ def podman_service():
 @pytest.fixture(scope="session")
 def base_image(podman_service) -> str:
     """The base image tag, built (debootstrap, a few minutes) if it is missing."""
-    from tmax.sandbox.images import build_base, image_exists
+    from tmax.sandbox.base_image import build_base, image_exists
 
     if not image_exists(BASE_IMAGE):
         build_base(BASE_IMAGE)

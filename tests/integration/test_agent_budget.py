@@ -13,7 +13,7 @@ from scripted_server import ScriptedServer
 from tmax.agents.budget import WARNING_TEXT, Budget, budget_hint
 from tmax.agents.chat_policy import ChatPolicy
 from tmax.agents.loop import Agent
-from tmax.agents.settings import AgentSettings
+from tmax.agents.agent_settings import AgentSettings
 from tmax.agents.prompts import SUBMIT_MARKER
 from tmax.sandbox import SandboxSpec, make_sandbox
 

@@ -17,7 +17,7 @@ from tmax.agents.chat_policy import ChatPolicy
 from tmax.agents.harnesses import make_harness
 from tmax.agents.loop import Agent, AgentHooks
 from tmax.agents.prompts import FORMAT_ERROR_TEXT, SUBMIT_MARKER, SYSTEM_TEMPLATE
-from tmax.agents.settings import AgentSettings
+from tmax.agents.agent_settings import AgentSettings
 from tmax.agents.records import load_run, Recorder
 
 SUBMIT = {"content": "THOUGHT: done.", "bash": f"echo {SUBMIT_MARKER}"}

@@ -16,8 +16,8 @@ import tomli_w
 from tmax.agents.tmux import TmuxSession
 from tmax.sandbox.base import IMAGE_USER, AgentUserError
 from tmax.tasks.episode import EnvSettings, Episode
-from tmax.tasks.job import Job, JobConfig
-from tmax.tasks.model import Task
+from tmax.tasks.job import Job, JobSpec
+from tmax.tasks.task_format import Task
 
 pytestmark = [pytest.mark.podman]
 
@@ -70,7 +70,7 @@ def tasks(tmp_path_factory) -> Path:
 
 
 def test_oracle_runs_as_the_agent_user_and_the_verifier_as_root(tasks, tmp_path):
-    job = Job(JobConfig(job_name="agent-user", jobs_dir=str(tmp_path), dataset=str(tasks), agent="oracle",
+    job = Job(JobSpec(job_name="agent-user", jobs_dir=str(tmp_path), dataset=str(tasks), agent="oracle",
                         n_concurrent=2))
     data = job.run()
     rewards = {r["task"]: r["mean_reward"] for r in data.tmax_score["tasks"]}

@@ -240,7 +240,7 @@ def test_the_bench_path_imports_no_other_command():
     (sub-commands are imported on first use), and podman-py waits for the first container."""
     code = ("import sys, tmax.cli.main, tmax.cli.bench_cmd, tmax.tasks.job, tmax.tasks.trial, tmax.sandbox.podman; "
             "print(sorted({'.'.join(m.split('.')[:2]) if m.startswith('tmax.training') else m for m in sys.modules "
-            "if m.startswith(('tmax.training', 'tmax.cli.run_cmd', 'tmax.cli.serve_cmd', 'tmax.cli.config', 'podman', "
+            "if m.startswith(('tmax.training', 'tmax.cli.run_cmd', 'tmax.cli.serve_cmd', 'tmax.cli.run_settings', 'podman', "
             "'requests'))}))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, PYTHONPATH=str(REPO)))

@@ -19,7 +19,7 @@ import pytest
 from tmax.sandbox import SandboxSpec, make_sandbox
 from tmax.tasks.hostenv import HostEnvError, check_dockerfile, prepare
 from tmax.tasks.job import VOLATILE, Job, JobConfig, JobError
-from tmax.tasks.model import Task
+from tmax.tasks.task_format import Task
 from tmax.training.nano.tasks import oracle_commands, write_splits
 
 REPO = Path(__file__).resolve().parents[2]

@@ -46,7 +46,7 @@ def test_a_left_process_on_a_reused_pid_is_still_ended(tmp_path, monkeypatch):
     refuses to signal it. Planted here by hand in psutil's cache, the way pid reuse leaves it."""
     import psutil
 
-    from tmax.training.cluster.session import RUN_ENV, own_run_processes
+    from tmax.training.cluster.run_cluster import RUN_ENV, own_run_processes
     from tmax.training.rollout import RUN_LABEL, run_labels
 
     if not hasattr(psutil, "_pmap"):
@@ -69,7 +69,7 @@ def test_a_left_process_on_a_reused_pid_is_still_ended(tmp_path, monkeypatch):
 
 
 def test_the_next_driver_of_a_run_ends_what_a_dead_one_left(tmp_path, monkeypatch):
-    from tmax.training.cluster.session import RUN_ENV, own_run_processes
+    from tmax.training.cluster.run_cluster import RUN_ENV, own_run_processes
     from tmax.training.rollout import RUN_LABEL, run_labels
 
     run_id = run_labels(tmp_path / "run")[RUN_LABEL]

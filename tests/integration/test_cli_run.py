@@ -18,7 +18,7 @@ import pexpect
 import pytest
 
 from scripted_server import ScriptedServer
-from tmax.cli.config import bwrap_works
+from tmax.cli.run_settings import bwrap_works
 
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 APPROVE = "reject with feedback"  # part of the confirm prompt

@@ -16,7 +16,7 @@ import pytest
 
 from scripted_server import ScriptedServer
 from test_cli_run import FOLLOW_UP, GUIDANCE, SUBMIT, env, run_args, run_json, spawn, ws  # noqa: F401  (fixtures)
-from tmax.cli.config import bwrap_works
+from tmax.cli.run_settings import bwrap_works
 
 JAIL = "bwrap" if bwrap_works() else "local"
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from scripted_server import ScriptedServer
-from tmax.cli.config import bwrap_works
+from tmax.cli.run_settings import bwrap_works
 
 pytestmark = [pytest.mark.bwrap, pytest.mark.skipif(not bwrap_works(), reason="bubblewrap cannot run here")]
 

@@ -13,11 +13,11 @@ from typer.testing import CliRunner
 
 from tmax.tasks.corpus.axes import load_axes
 from tmax.tasks.corpus.import_native import dockerfile_from_def
-from tmax.tasks.corpus.report import balance_score
-from tmax.common.harbor import TrialScore
+from tmax.tasks.corpus.balance_report import balance_score
+from tmax.tasks.harbor import TrialScore
 from tmax.tasks.corpus.solve import in_band, parse_band, task_summary
 from tmax.tasks.scoring import TrialRow
-from tmax.tasks.model import Task
+from tmax.tasks.task_format import Task
 from tmax.cli.main import app
 
 DATA = Path(__file__).parents[1] / "data" / "corpus"
@@ -438,8 +438,8 @@ def test_imported_setup_sh_builds_and_runs_on_podman(tmp_path):
     import shutil
     import subprocess
 
-    from tmax.sandbox.images import image_exists
-    from tmax.tasks.images import BASE_TAG, ensure_image
+    from tmax.sandbox.base_image import image_exists
+    from tmax.tasks.task_images import BASE_TAG, ensure_image
     from tmax.tasks.offline import default_config
 
     if shutil.which("podman") is None or not image_exists(BASE_TAG):
@@ -464,8 +464,8 @@ def test_imported_harbor_task_builds_as_it_was_written(tmp_path):
     import shutil
     import subprocess
 
-    from tmax.sandbox.images import image_exists
-    from tmax.tasks.images import BASE_TAG, ensure_image
+    from tmax.sandbox.base_image import image_exists
+    from tmax.tasks.task_images import BASE_TAG, ensure_image
     from tmax.tasks.offline import default_config
 
     if shutil.which("podman") is None or not image_exists(BASE_TAG):
@@ -488,8 +488,8 @@ def test_imported_dataset_row_builds_on_its_mapped_image(tmp_path):
     import shutil
     import subprocess
 
-    from tmax.sandbox.images import image_exists
-    from tmax.tasks.images import BASE_TAG, ensure_image
+    from tmax.sandbox.base_image import image_exists
+    from tmax.tasks.task_images import BASE_TAG, ensure_image
     from tmax.tasks.offline import default_config
 
     if shutil.which("podman") is None or not image_exists(BASE_TAG):
@@ -519,8 +519,8 @@ def test_imported_native_task_builds_with_its_base_layer_and_files_destinations(
     import shutil
     import subprocess
 
-    from tmax.sandbox.images import image_exists
-    from tmax.tasks.images import BASE_TAG, ensure_image
+    from tmax.sandbox.base_image import image_exists
+    from tmax.tasks.task_images import BASE_TAG, ensure_image
     from tmax.tasks.offline import default_config
 
     if shutil.which("podman") is None or not image_exists(BASE_TAG):
@@ -555,7 +555,7 @@ def test_export_and_import_round_trip_byte_for_byte(tmp_path):
     import tarfile
 
     pytest.importorskip("datasets")
-    from tmax.tasks.model import tree_hash
+    from tmax.tasks.task_format import tree_hash
 
     src = DATA / "validate"
     names = ["good", "no-solution", "nop-passes"]

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from documented import documented
 from tmax.cli.main import app
-from tmax.tasks.model import Task
+from tmax.tasks.task_format import Task
 
 DATA = Path(__file__).parents[1] / "data" / "corpus"
 

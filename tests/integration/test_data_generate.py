@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 
 from tmax.tasks.corpus.axes import sample_axes
 from tmax.tasks.corpus.axes import load_axes, stratified_plan
-from tmax.tasks.corpus.report import balance_score
-from tmax.tasks.model import Task
+from tmax.tasks.corpus.balance_report import balance_score
+from tmax.tasks.task_format import Task
 from tmax.cli.main import app
 
 from data_scripted_generator import PODMAN_USER_SETUP, Responder  # noqa: E402
@@ -152,8 +152,8 @@ def test_generate_tasks_with_broken_gates(tmp_path):
 def test_generate_on_podman(tmp_path):
     """The same pipeline with real image builds: the canned Dockerfiles install python3 on
     the base image (one shared cached layer); a failed build is fed back and fixed."""
-    from tmax.sandbox.images import image_exists
-    from tmax.tasks.images import BASE_TAG
+    from tmax.sandbox.base_image import image_exists
+    from tmax.tasks.task_images import BASE_TAG
 
     if not image_exists(BASE_TAG):
         pytest.skip("needs the base image")
@@ -191,7 +191,7 @@ def test_endpoint_failure_leaves_tasks_pending_and_a_rerun_resumes(tmp_path):
 
 
 def test_prompts_and_parsers():
-    from tmax.tasks.corpus import prompts
+    from tmax.tasks.corpus import stage_prompts as prompts
     from tmax.tasks.corpus.package import TaskParts, write_task
 
     axes = stratified_plan(1, 0, "rl_v2")[0]

@@ -16,8 +16,8 @@ import pytest
 from typer.testing import CliRunner
 
 from tmax.sandbox.base import LABEL_KEY, LABEL_VALUE
-from tmax.sandbox.images import image_exists
-from tmax.tasks.images import BASE_TAG, TASK_LABEL, record_use, task_images
+from tmax.sandbox.base_image import image_exists
+from tmax.tasks.task_images import BASE_TAG, TASK_LABEL, record_use, task_images
 from tmax.cli.main import app
 
 pytestmark = pytest.mark.podman

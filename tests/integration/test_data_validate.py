@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tmax.sandbox.images import image_exists
-from tmax.tasks.images import BASE_TAG
+from tmax.sandbox.base_image import image_exists
+from tmax.tasks.task_images import BASE_TAG
 from tmax.cli.main import app
 
 DATA = Path(__file__).parents[1] / "data" / "corpus" / "validate"

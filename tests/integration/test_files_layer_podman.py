@@ -21,8 +21,8 @@ import pytest
 from tmax.sandbox.base import IMAGE_USER, LayerCopy, LayerDir
 from tmax.sandbox.overlay_pool import OverlayPool
 from tmax.tasks.episode import EnvSettings, Episode
-from tmax.tasks.images import TaskImage, ensure_image, image_id
-from tmax.tasks.model import Task
+from tmax.tasks.task_images import TaskImage, ensure_image, image_id
+from tmax.tasks.task_format import Task
 from tmax.tasks.offline import default_config
 
 pytestmark = pytest.mark.podman

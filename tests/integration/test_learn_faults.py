@@ -37,7 +37,7 @@ def test_full_disk_stops_the_run_and_resume_finishes_it_after_space_is_freed(tmp
     from tmax.training.cluster.actors import start_engines
     from tmax.training.cluster.launch import connect
     from tmax.training.learner import checkpoint as ckpt
-    from tmax.training.loop import TrainingError, train
+    from tmax.training.trainer import TrainingError, train
 
     cfg, _ = _mechanics_run(tmp_path, steps=2, checkpoint_every=1)
     base, tasks = str(tmp_path / "base"), str(tmp_path / "tasks" / "train")

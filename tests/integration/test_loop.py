@@ -10,7 +10,7 @@ import pytest
 
 from tmax.training.config import ConfigError, LearnConfig, load_config, preset
 from tmax.agents.policy import TokenTrace
-from tmax.training.loop import PromptStream
+from tmax.training.trainer import PromptStream
 from tmax.training.report import rollout_metrics
 from tmax.training.rollout import Rollout
 
@@ -92,7 +92,7 @@ def _rated_sessions(cfg: LearnConfig, model_dir: Path, root: Path) -> Path:
     once: two token segments, each a sample."""
     from rated_sessions import sampled_by, write_session
     from tmax.training.learner.learner import Learner
-    from tmax.training.loop import learner_config
+    from tmax.training.trainer import learner_config
 
     learner = Learner(str(model_dir), learner_config(cfg))
     before = (sampled_by(learner, [1, 2, 5], [14, 15, 16], [1, 0, 1]),)

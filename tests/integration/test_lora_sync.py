@@ -78,7 +78,7 @@ def test_adapter_sync_is_exact_after_several_steps_and_survives_an_engine_restar
     from tmax.training.cluster.actors import EngineGroup, LearnerGroup
     from tmax.training.cluster.launch import connect
     from tmax.training.learner.lora import run_start
-    from tmax.training.loop import learner_config
+    from tmax.training.trainer import learner_config
     from tmax.training.weights.adapter import is_adapter_dir
     from tmax.training.weights.learner_side import WeightSync
 

@@ -88,7 +88,7 @@ def _samples(vocab: int, n: int = 6, seed: int = 0) -> list:
 def test_placed_learner_group_steps_like_one_rank(two_nodes, tmp_path):
     from tmax.training.cluster.actors import LearnerGroup
     from tmax.training.config import preset
-    from tmax.training.loop import learner_config
+    from tmax.training.trainer import learner_config
     from tmax.training.nano.model import build_nano_model
 
     model = tmp_path / "nano"

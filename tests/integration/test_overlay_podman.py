@@ -39,7 +39,7 @@ def nano(tmp_path_factory, base_image):
     from transformers import AutoTokenizer
 
     from tmax.tasks.episode import Episode
-    from tmax.tasks.model import Task
+    from tmax.tasks.task_format import Task
     from tmax.training.config import preset
     from tmax.training.nano.model import build_tokenizer
     from tmax.training.nano.tasks import write_splits
@@ -289,8 +289,8 @@ def test_no_network_without_allow_internet(pool, nano):
 
 def test_what_the_overlay_cannot_serve_gets_a_fresh_container_visibly(pool, nano, tmp_path, caplog):
     from tmax.tasks.episode import sandbox_spec
-    from tmax.tasks.images import ensure_image
-    from tmax.tasks.model import Task
+    from tmax.tasks.task_images import ensure_image
+    from tmax.tasks.task_format import Task
 
     workspace = tmp_path / "ws"
     workspace.mkdir()

@@ -107,11 +107,11 @@ def test_context_matches_full_rerender(nano):
     """The token-in/token-out stream equals the tokenizer's encoding of the chat template's
     rendering of the whole conversation, so `tmax bench` (which re-renders) sees the same."""
     from tmax.agents.loop import Agent
-    from tmax.agents.settings import AgentSettings
+    from tmax.agents.agent_settings import AgentSettings
     from tmax.agents.token_policy import TokenPolicy
     from tmax.agents.tools import TOOLS
     from tmax.tasks.episode import EnvSettings, Episode
-    from tmax.tasks.model import Task
+    from tmax.tasks.task_format import Task
 
     tok, splits, root = nano
     task_dir = splits["train"][2]

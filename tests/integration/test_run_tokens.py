@@ -51,7 +51,7 @@ def test_chat_tokenizer_matches_transformers_without_importing_torch(nano_dir):
         assert ours.encode(text) == ref.encode(text, add_special_tokens=False)
         assert ours.decode(ours.encode(text)) == text
     assert (ours.eos_token, ours.eos_token_id) == (ref.eos_token, ref.eos_token_id)
-    code = ("import sys, tmax.cli.run_cmd, tmax.cli.run_training, tmax.agents.chat_tokenizer, tmax.agents.token_policy; "
+    code = ("import sys, tmax.cli.run_cmd, tmax.cli.run_tokens, tmax.agents.chat_tokenizer, tmax.agents.token_policy; "
             f"tmax.agents.chat_tokenizer.ChatTokenizer({str(nano_dir)!r}); sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 

@@ -269,7 +269,7 @@ def test_service_lifecycle_and_stale_cleanup(tmp_path):
 
 def test_import_rootfs_bakes_ca_and_config(podman_service, tmp_path):
     """The import half of build-base, on a tiny rootfs (host bash and its libraries)."""
-    from tmax.sandbox.images import BASE_LABEL_KEY, import_rootfs, prepare_rootfs
+    from tmax.sandbox.base_image import BASE_LABEL_KEY, import_rootfs, prepare_rootfs
 
     root = tmp_path / "rootfs"
     bash = Path(shutil.which("bash")).resolve()

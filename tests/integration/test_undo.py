@@ -9,7 +9,7 @@ from test_cli_run import FOLLOW_UP, SUBMIT, env, run_args, spawn, user_texts, ws
 
 from tmax.sandbox.snapshot import UndoHistory
 from tmax.sandbox.watched import WatchedSnapshots
-from tmax.cli.config import bwrap_works
+from tmax.cli.run_settings import bwrap_works
 from tmax.cli.run_undo import undo_count
 
 

@@ -28,7 +28,7 @@ def test_output_parsing():
 
 
 def _task(tmp_path: Path, name: str, test_sh: str, timeout: float = 60):
-    from tmax.tasks.model import Task
+    from tmax.tasks.task_format import Task
 
     d = tmp_path / name
     shutil.copytree(DATA, d)

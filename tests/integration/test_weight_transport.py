@@ -165,7 +165,7 @@ def test_ray_weight_sync_over_gloo(nano_dir, base_model, prompt, tmp_path, share
 
     from tmax.training.cluster.actors import EngineGroup, LearnerGroup
     from tmax.training.cluster.launch import connect
-    from tmax.training.loop import learner_config
+    from tmax.training.trainer import learner_config
     from tmax.training.weights.learner_side import WeightSync
 
     cfg = preset("nano")

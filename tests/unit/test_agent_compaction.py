@@ -15,7 +15,7 @@ from tmax.agents.harnesses import make_harness
 from tmax.agents.loop import Agent, AgentHooks
 from tmax.agents.prompts import SUBMIT_MARKER
 from tmax.agents.records import Recorder, load_run, load_segments
-from tmax.agents.settings import AgentSettings
+from tmax.agents.agent_settings import AgentSettings
 
 SUBMIT = {"content": "THOUGHT: done.", "bash": f"echo {SUBMIT_MARKER}"}
 BIG = "python3 -c \"print('{}' * 4000)\""

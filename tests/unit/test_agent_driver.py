@@ -16,7 +16,7 @@ from scripted_policy import ScriptedPolicy
 from tmax.agents import driver as driver_mod
 from tmax.agents.driver import EpisodeDriver
 from tmax.agents.harnesses import make_harness
-from tmax.agents.settings import AgentSettings
+from tmax.agents.agent_settings import AgentSettings
 from tmax.agents.prompts import SUBMIT_MARKER
 from tmax.agents.records import Recorder
 

@@ -9,7 +9,7 @@ from scripted_policy import ScriptedPolicy
 
 from tmax.agents.harnesses import make_harness
 from tmax.agents.loop import Agent, AgentHooks
-from tmax.agents.settings import AgentSettings
+from tmax.agents.agent_settings import AgentSettings
 from tmax.agents.prompts import REJECTED_TOOL_TEXT, SUBMIT_MARKER
 from tmax.agents.records import Recorder, load_run
 from tmax.common.records import AgentStatus, EpisodeOutcome

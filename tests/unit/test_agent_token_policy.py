@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tmax.agents.loop import Agent
-from tmax.agents.settings import AgentSettings
+from tmax.agents.agent_settings import AgentSettings
 from tmax.agents.policy import ContextOverflow, SampledTokens
 from tmax.agents.prompts import SUBMIT_MARKER
 from tmax.agents.token_policy import TokenPolicy

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tmax.cli import config
-from tmax.agents.settings import AgentSettings
+from tmax.cli import run_settings as config
+from tmax.agents.agent_settings import AgentSettings
 from tmax.common.errors import RenamedSettingWarning
-from tmax.cli.config import ConfigError, resolve_run_settings
+from tmax.cli.run_settings import ConfigError, resolve_run_settings
 
 ENV_VARS = ("TMAX_BASE_URL", "OPENAI_BASE_URL", "TMAX_API_KEY", "OPENAI_API_KEY", "TMAX_MODEL")
 
@@ -231,7 +231,7 @@ def test_cli_model_discovery_failure_is_clear(tmp_path):
 
 def test_learner_strategy_reaches_the_learner():
     from tmax.training.config import ConfigError, preset
-    from tmax.training.loop import learner_config
+    from tmax.training.trainer import learner_config
 
     assert learner_config(preset("nano")).strategy == "fsdp"
     assert learner_config(preset("nano", {"run": {"learner_strategy": "replicate"}})).strategy == "replicate"
@@ -288,7 +288,7 @@ def test_one_schema_two_sets_of_defaults():
     """The shared keys have the same names everywhere; the training defaults differ from
     Vanillux2's only where `RolloutConfig` says so."""
     from tmax.cli.bench_settings import BenchSettings
-    from tmax.cli.config import RunFile
+    from tmax.cli.run_settings import RunFile
     from tmax.training.config import RolloutConfig
 
     keys = set(AgentSettings.model_fields)

@@ -68,13 +68,13 @@ READ_BY: dict[str, tuple[str, str]] = {
     "tasks.n_heldout": ("tmax/training/recipe.py", "n_heldout"),
     "tasks.generator": ("tmax/training/recipe.py", "generator"),
     "tasks.family": ("tmax/training/recipe.py", "family"),
-    "rollout.max_infra_retries": ("tmax/training/loop.py", "max_infra_retries"),
-    "algo.prompts_per_step": ("tmax/training/loop.py", "prompts_per_step"),
-    "algo.group_size": ("tmax/training/loop.py", "group_size"),
-    "algo.steps": ("tmax/training/loop.py", "steps"),
-    "algo.async_steps": ("tmax/training/loop.py", "async_steps"),
-    "algo.filter_zero_std": ("tmax/training/loop.py", "filter_zero_std"),
-    "algo.active_sampling": ("tmax/training/loop.py", "active_sampling"),
+    "rollout.max_infra_retries": ("tmax/training/trainer.py", "max_infra_retries"),
+    "algo.prompts_per_step": ("tmax/training/trainer.py", "prompts_per_step"),
+    "algo.group_size": ("tmax/training/trainer.py", "group_size"),
+    "algo.steps": ("tmax/training/trainer.py", "steps"),
+    "algo.async_steps": ("tmax/training/trainer.py", "async_steps"),
+    "algo.filter_zero_std": ("tmax/training/trainer.py", "filter_zero_std"),
+    "algo.active_sampling": ("tmax/training/trainer.py", "active_sampling"),
     "engine.weight_transport": ("tmax/training/weights/learner_side.py", "weight_transport"),
     "engine.weight_bucket_mb": ("tmax/training/weights/learner_side.py", "weight_bucket_mb"),
     "engine.weight_timeout_s": ("tmax/training/weights/learner_side.py", "weight_timeout_s"),
@@ -94,14 +94,14 @@ READ_BY: dict[str, tuple[str, str]] = {
     "eval.warm_ahead": ("tmax/training/recipe.py", "warm_ahead"),
     "eval.overlay": ("tmax/training/recipe.py", "overlay"),
     "run.out_dir": ("tmax/cli/learn_cmd.py", "out_dir"),
-    "run.concurrency": ("tmax/training/loop.py", "concurrency"),
+    "run.concurrency": ("tmax/training/trainer.py", "concurrency"),
     "run.rollout_workers": ("tmax/training/cluster/actors.py", "rollout_workers"),
     "run.slots_per_worker": ("tmax/training/cluster/actors.py", "slots_per_worker"),
-    "run.checkpoint_every": ("tmax/training/loop.py", "checkpoint_every"),
-    "run.keep_checkpoints": ("tmax/training/loop.py", "keep_checkpoints"),
-    "run.wandb": ("tmax/training/loop.py", "wandb"),
-    "run.wandb_project": ("tmax/training/loop.py", "wandb_project"),
-    "run.tensorboard": ("tmax/training/loop.py", "tensorboard"),
+    "run.checkpoint_every": ("tmax/training/trainer.py", "checkpoint_every"),
+    "run.keep_checkpoints": ("tmax/training/trainer.py", "keep_checkpoints"),
+    "run.wandb": ("tmax/training/trainer.py", "wandb"),
+    "run.wandb_project": ("tmax/training/trainer.py", "wandb_project"),
+    "run.tensorboard": ("tmax/training/trainer.py", "tensorboard"),
     "cluster.address": ("tmax/training/cluster/launch.py", "address"),
     "cluster.num_cpus": ("tmax/training/cluster/launch.py", "num_cpus"),
     "run.torch_threads": ("tmax/training/cluster/actors.py", "torch_threads"),
@@ -263,7 +263,7 @@ def built(cfg, tokenizer, tmp_path_factory):
     from tmax.training.inference.serving import build_command
     from tmax.training.cluster.actors import _tp
     from tmax.training.cluster.placement import Placement, plan_for
-    from tmax.training.loop import learner_config
+    from tmax.training.trainer import learner_config
     from tmax.training.rollout import EpisodeSettings
 
     model_dir = tmp_path_factory.mktemp("model")
@@ -330,7 +330,7 @@ def test_keys_read_inside_the_run_are_read(key):
 
 def test_the_reader_check_can_fail():
     assert not _reads("tmax/training/recipe.py", "algo", "group_size")
-    assert not _reads("tmax/training/loop.py", "engine", "gpu_memory_utilization")
+    assert not _reads("tmax/training/trainer.py", "engine", "gpu_memory_utilization")
 
 
 def test_a_prompt_over_max_prompt_tokens_ends_the_episode_before_any_sample(cfg, tokenizer, tmp_path):

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tmax.tasks.job_runner import JobError, JobItem, JobRunner, LocalBackend, ResultFiles
-from tmax.tasks.images import classify_build_log
+from tmax.tasks.task_images import classify_build_log
 
 CALLS: list[str] = []
 LOCK = threading.Lock()

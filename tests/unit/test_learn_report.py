@@ -23,7 +23,7 @@ ROLLBACK = {"kind": "rollback", "step": 3, "to_step": 1, "steps_lost": 2, "remed
 
 
 def _step(i: int, reward: float, episodes: int, **extra) -> dict:
-    """A step's metrics with the keys the report reads, as `training.loop` logs them."""
+    """A step's metrics with the keys the report reads, as `training.trainer` logs them."""
     return {"train/reward_all_rollouts": reward, "episode": float(episodes), "time/total": 10.0 * i,
             "perf/sampled_tokens": 500.0, "learner/tokens": 8000.0, "time/training": 2.0, **extra}
 

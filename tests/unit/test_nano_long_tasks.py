@@ -15,7 +15,7 @@ import pytest
 
 from tmax.agents.prompts import SUBMIT_COMMAND
 from tmax.tasks.hostenv import check_dockerfile, populate
-from tmax.tasks.model import Task
+from tmax.tasks.task_format import Task
 from tmax.training.nano import long_tasks as L
 from tmax.training.nano import tasks as T
 

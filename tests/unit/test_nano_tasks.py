@@ -13,7 +13,7 @@ import pytest
 
 from tmax.agents.prompts import SUBMIT_COMMAND
 from tmax.tasks.hostenv import check_dockerfile, populate
-from tmax.tasks.model import Task
+from tmax.tasks.task_format import Task
 from tmax.training.nano import tasks as T
 
 N_TRAIN, N_HELDOUT = 60, 30
@@ -49,7 +49,7 @@ def test_splits_written_in_harbor_layout(written):
 
 
 def test_task_loader_accepts_generated_tasks(written):
-    model = pytest.importorskip("tmax.tasks.model")
+    model = pytest.importorskip("tmax.tasks.task_format")
     _, dirs = written
     task = model.Task.load(dirs["heldout"][0])
     assert task.instruction.strip() and task.config.verifier.timeout_sec == 30.0

@@ -84,9 +84,9 @@ def test_trace_is_the_template_rendering(nano, harness):
     """What training sees equals the chat template's rendering of the whole conversation."""
     from tmax.agents.harnesses import make_harness
     from tmax.agents.loop import Agent
-    from tmax.agents.settings import AgentSettings
+    from tmax.agents.agent_settings import AgentSettings
     from tmax.agents.token_policy import TokenPolicy
-    from tmax.tasks.model import Task
+    from tmax.tasks.task_format import Task
     from tmax.training.nano.tasks import oracle_steps
     from tmax.tasks.episode import EnvSettings, Episode
 

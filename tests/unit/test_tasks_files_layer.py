@@ -10,7 +10,7 @@ import pytest
 
 from tmax.sandbox.base import LayerCopy, LayerDir
 from tmax.tasks.files_layer import LayerPlan, NotALayer, plan_layer, task_layer
-from tmax.tasks.model import Task
+from tmax.tasks.task_format import Task
 from tmax.tasks.offline import Patch, default_config
 
 SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "tb2-sample"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tmax.tasks.dataset import DatasetError, load_tasks, resolve, select
-from tmax.tasks.model import Task, TaskError, UnsupportedTask, parse_size_mb
+from tmax.tasks.task_format import Task, TaskError, UnsupportedTask, parse_size_mb
 
 SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "tb2-sample"
 GOOD = Path(__file__).parents[1] / "data" / "tasks" / "echo-hello"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tmax.tasks.model import Task
+from tmax.tasks.task_format import Task
 from tmax.tasks.offline import CA_TARGET, DATA_DIR, RewriteConfig, default_config, parse_image_map, rewrite_dockerfile
 from tmax.tasks.verifier import parse_reward, rewrite_test_sh
 
@@ -55,7 +55,7 @@ def test_continued_lines_are_read_as_one_instruction():
 
 
 def test_generated_dockerfile_user_read_across_a_continuation():
-    from tmax.tasks.corpus.prompts import ParseError, parse_environment
+    from tmax.tasks.corpus.stage_prompts import ParseError, parse_environment
 
     answer = "<dockerfile>\nFROM x\nUSER \\\n  user\n</dockerfile>\n<solve>\ntrue\n</solve>"
     with pytest.raises(ParseError, match="USER user"):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tmax.common.harbor import TrialScore
+from tmax.tasks.harbor import TrialScore
 from tmax.tasks.scoring import TrialRow, pass_at_k, score
 
 

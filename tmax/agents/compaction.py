@@ -47,7 +47,7 @@ from pydantic import BaseModel, Field
 from tmax.agents.fitting import Clip, TokenCounter, clip_message, clip_text
 from tmax.agents.policy import Compactable, ContextOverflow, FatalModelError, ModelError, ModelTurn, Policy, Usage
 from tmax.agents.prompts import render
-from tmax.agents.settings import AgentSettings
+from tmax.agents.agent_settings import AgentSettings
 
 KEEP_TURNS = 2  # turns (an assistant message and what answered it) kept verbatim
 TAIL_SHARE = 0.5  # kept turns only while the rebuilt context stays under this share of the threshold

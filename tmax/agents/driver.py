@@ -30,7 +30,7 @@ from typing import Any
 from tmax.agents.compaction import CompactionRecord, ContextUse
 from tmax.agents.harness import Harness
 from tmax.agents.loop import Agent, AgentHooks, AgentResult
-from tmax.agents.settings import AgentSettings
+from tmax.agents.agent_settings import AgentSettings
 from tmax.agents.policy import Policy, Usage
 from tmax.agents.records import Recorder, SavedRun
 from tmax.common.records import AgentStatus

@@ -49,7 +49,7 @@ from tmax.agents.parsing import Action
 from tmax.agents.policy import Compactable, ContextOverflow, FatalModelError, ModelError, ModelTurn, Policy, Usage
 from tmax.agents.prompts import REJECTED_TOOL_TEXT, render
 from tmax.agents.records import Recorder, SavedRun, save_output
-from tmax.agents.settings import AgentSettings
+from tmax.agents.agent_settings import AgentSettings
 from tmax.sandbox.base import CommandResult, Sandbox, SandboxError
 from tmax.common.records import AgentStatus
 from tmax.common.waiting import retry_call

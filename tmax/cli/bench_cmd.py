@@ -25,7 +25,7 @@ from typing import Any, Optional
 import typer
 
 from tmax.cli.bench_settings import TERMINAL_BENCH, BenchSettings, resolve_bench
-from tmax.cli.errors import fail
+from tmax.cli.exits import fail
 from tmax.cli.options import FlagValues, option_parameter, setting_flags
 from tmax.cli.options import print_config as print_config_lines
 
@@ -132,7 +132,7 @@ def _make_job(s: BenchSettings):
 
 # The flags of a job's settings come from `BenchSettings` (`cli.bench_settings`); these are not settings.
 _AK = typer.Option([], "--ak", "--agent-kwarg",
-                   help="Agent setting KEY=VALUE (agents/settings.py), e.g. --ak max_steps=32 (repeatable).")
+                   help="Agent setting KEY=VALUE (agents/agent_settings.py), e.g. --ak max_steps=32 (repeatable).")
 _PRINT = option_parameter("print_config", bool, typer.Option(
     False, "--print-config", help="Print the resolved settings and where each came from, and exit."))
 _CONFIG = option_parameter("config", Optional[Path], typer.Option(
@@ -397,7 +397,7 @@ def prepare_cmd(
 
     from tmax.common.errors import ConfigError
     from tmax.tasks.dataset import DatasetError, load_tasks
-    from tmax.tasks.images import ImageBuildError, ensure_image
+    from tmax.tasks.task_images import ImageBuildError, ensure_image
     from tmax.tasks.offline import default_config
 
     console = Console(stderr=True)

@@ -3,7 +3,7 @@ a `--config FILE` and the `TMAX_BENCH_<KEY>` variables all come from `BenchSetti
 
 A config file has the settings' keys (the long flags with underscores: `n_attempts` for
 `--n-attempts`, `env` for `--env`, ...), the dataset, and every agent setting
-(`agents.settings`, what `--ak KEY=VALUE` sets), all flat and all optional:
+(`agents.agent_settings`, what `--ak KEY=VALUE` sets), all flat and all optional:
 
     dataset = "../shared/tb2-sample"   # PATH or name@version, as the argument
     agent = "tmax"
@@ -26,7 +26,7 @@ from typing import Annotated, Any, Mapping
 
 from pydantic import ConfigDict, Field, ValidationError
 
-from tmax.agents.settings import RENAMED, AgentSettings, AgentSettingsPatch
+from tmax.agents.agent_settings import RENAMED, AgentSettings, AgentSettingsPatch
 from tmax.common.errors import ConfigError, validation_message
 from tmax.common.files import read_toml
 from tmax.common.settings import Env, env_layer, flag, resolve_layers

@@ -21,7 +21,7 @@ from typing import Optional
 
 import typer
 
-from tmax.cli.errors import fail
+from tmax.cli.exits import fail
 
 data_app = typer.Typer(help="Synthesize, import, validate and analyse task corpora.", no_args_is_help=True)
 
@@ -66,7 +66,7 @@ def _disk_keeper(budget_gb: Optional[float], console):
     """Called after each finished job: prune task images down to the budget (podman)."""
     if budget_gb is None:
         return lambda: None
-    from tmax.tasks.images import ImageBuildError, prune_images
+    from tmax.tasks.task_images import ImageBuildError, prune_images
 
     def keep() -> None:
         try:
@@ -84,7 +84,7 @@ def _backend(ray: bool, address: Optional[str], resource: Optional[str], n_concu
     """The job runner's backend: local threads, or Ray (the trainer's cluster code)."""
     if not (ray or address):
         return None
-    from tmax.cli.extras import exit_if_extra_missing
+    from tmax.cli.missing_extra import exit_if_extra_missing
     from tmax.training.cluster.corpus_backend import RayBackend
 
     try:
@@ -383,7 +383,7 @@ def report_cmd(
     """Counts per axis, tasks lacking each axis, balance exp(H)/N over the declared buckets, success-rate histograms."""
     from tmax.tasks.corpus.axes import AxesError, load_axes
     from tmax.tasks.corpus.corpus import CorpusError
-    from tmax.tasks.corpus.report import build_report, write_png
+    from tmax.tasks.corpus.balance_report import build_report, write_png
     from tmax.cli.ui import optional_chart
 
     try:
@@ -401,7 +401,7 @@ def report_cmd(
 def _print_report(data: dict, png: Optional[Path]) -> None:
     from rich.table import Table
 
-    from tmax.tasks.corpus.report import histogram_title
+    from tmax.tasks.corpus.balance_report import histogram_title
 
     console = _console()
     console.print(f"[bold]{data['n']}[/] tasks")

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import typer
 
-from tmax.cli.extras import exit_if_extra_missing
+from tmax.cli.missing_extra import exit_if_extra_missing
 from tmax.cli.options import FlagValues, option_parameter, setting_flags
 from tmax.cli.options import print_config as print_config_lines
 from tmax.training.config import PRESETS, LearnConfig

@@ -13,7 +13,7 @@ import typer
 from typer.core import TyperGroup
 
 from tmax.cli import __version__
-from tmax.cli.extras import exit_if_extra_missing
+from tmax.cli.missing_extra import exit_if_extra_missing
 from tmax.common.errors import RenamedSettingWarning
 
 # command -> the module under tmax.cli that defines it (with `register(app)`)

@@ -3,7 +3,7 @@
 The CLI only renders and asks; the loop itself is `agents.loop.Agent`, driven by
 `agents.driver.EpisodeDriver` as `tmax bench` and `tmax learn` drive it. Approval, Ctrl-C and
 follow-ups go through `AgentHooks` (`tmax.cli.run_hooks`); the sandbox and signals of the run
-are `agents.session`.
+are `cli.run_session`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Optional
 
 import typer
 
-from tmax.cli.config import ConfigError, RunKeys, resolve_run_settings
+from tmax.cli.run_settings import ConfigError, RunKeys, resolve_run_settings
 from tmax.cli.options import FlagValues, option_parameter, setting_flags
 from tmax.cli.options import print_config as print_config_lines
 from tmax.common.settings import describe_values
@@ -123,7 +123,7 @@ def run(
             settings.sources["model"] = f"{settings.base_url}/models"
         token_setup = None
         if tokens:
-            from tmax.cli.run_training import prepare_tokens
+            from tmax.cli.run_tokens import prepare_tokens
 
             token_setup = prepare_tokens(settings.base_url, settings.model, settings.api_key, tokenizer)
     except (ConfigError, ValueError) as e:

@@ -1,5 +1,5 @@
 """The body of `tmax run` once its flags are checked: ask for the task, keep the run's record
-(`run.json`, final on every exit), open the session (`agents.session`), drive the agent
+(`run.json`, final on every exit), open the session (`cli.run_session`), drive the agent
 through the task and its follow-ups, verify, and report."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tmax.cli.config import RunSettings, data_dir, default_run_dir
+from tmax.cli.run_settings import RunSettings, data_dir, default_run_dir
 from tmax.cli.run_hooks import InteractiveHooks, JsonHooks, emit, usage_dict
 from tmax.cli.run_setup import EXIT_CODES, EXIT_USAGE, RESUME_NOTE
 from tmax.common.records import AgentStatus, InstructionSource, RunRecord, SessionDir, now_stamp, write_record
@@ -20,9 +20,9 @@ if TYPE_CHECKING:
     from tmax.agents.instructions import Instructions
     from tmax.agents.policy import Policy, Usage
     from tmax.agents.records import SavedRun
-    from tmax.agents.session import RunSession
-    from tmax.agents.settings import AgentSettings
-    from tmax.cli.run_training import TokenSetup
+    from tmax.cli.run_session import RunSession
+    from tmax.agents.agent_settings import AgentSettings
+    from tmax.cli.run_tokens import TokenSetup
     from tmax.cli.run_undo import UndoControl
     from tmax.cli.ui import Display, Prompter
     from tmax.sandbox.base import Sandbox, SandboxSpec
@@ -196,7 +196,7 @@ def _session(run: RunRequest, task: str, run_dir: Path, record: RunFile,
              talk: _Talk) -> tuple[AgentStatus, str | None]:
     """Open the sandbox, drive the agent; (status, error) whatever happens."""
     from tmax.agents.harnesses import make_harness
-    from tmax.agents.session import RunSession
+    from tmax.cli.run_session import RunSession
     from tmax.sandbox.base import SandboxError
 
     status, error = AgentStatus.SANDBOX_ERROR, None

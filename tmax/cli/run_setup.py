@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from tmax.cli.config import ConfigError, RunSettings, config_path, data_dir
+from tmax.cli.run_settings import ConfigError, RunSettings, config_path, data_dir
 
 # --------------------------------------------------------------------------- how a run ends
 # Exit status by outcome, so scripts can branch on it (documented in --help).
@@ -37,7 +37,7 @@ def discover_model(base_url: str, api_key: str) -> str:
     """The one model a server serves (vLLM serves one); several or none is a usage error."""
     from openai import OpenAI
 
-    from tmax.cli.config import env_vars
+    from tmax.cli.run_settings import env_vars
 
     how = (
         f"Name it with the --model flag, the environment variable {' / '.join('$' + e for e in env_vars('model'))}, "

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from tmax.cli.errors import fail
+from tmax.cli.exits import fail
 
 sandbox_app = typer.Typer(help="Manage sandboxes: the base image and leftovers.", no_args_is_help=True)
 
@@ -23,7 +23,7 @@ def build_base_cmd(
     from rich.console import Console
 
     from tmax.sandbox.base import SandboxError
-    from tmax.sandbox.images import build_base
+    from tmax.sandbox.base_image import build_base
 
     console = Console(stderr=True)
     with console.status("building base image ...") as status:
@@ -63,7 +63,7 @@ def clean_cmd(
 
 
 def _labels_option(items: list[str]) -> dict[str, str]:
-    from tmax.tasks.images import parse_labels
+    from tmax.tasks.task_images import parse_labels
 
     try:
         return parse_labels(items)
@@ -82,7 +82,7 @@ def prune_cmd(
     base image and images pulled from a registry are never removed)."""
     import json
 
-    from tmax.tasks.images import ImageBuildError, prune_images
+    from tmax.tasks.task_images import ImageBuildError, prune_images
 
     try:
         rep = prune_images(int(keep_gb * 1e9), _labels_option(label), dry_run=dry_run)

@@ -13,8 +13,8 @@ from typing import List, Optional
 
 import typer
 
-from tmax.cli.errors import fail
-from tmax.cli.extras import require
+from tmax.cli.exits import fail
+from tmax.cli.missing_extra import require
 from tmax.training.inference.serving import DEFAULT_MODEL
 
 

@@ -22,8 +22,8 @@ def tables() -> dict[str, tuple[type[BaseModel], str, str]]:
     """Table name -> (the settings' model, the command whose flags it shows, its variables' prefix)."""
     from tmax.cli.bench_settings import ENV_PREFIX as BENCH_PREFIX
     from tmax.cli.bench_settings import BenchSettings
-    from tmax.cli.config import ENV_PREFIX as RUN_PREFIX
-    from tmax.cli.config import RunKeys
+    from tmax.cli.run_settings import ENV_PREFIX as RUN_PREFIX
+    from tmax.cli.run_settings import RunKeys
     from tmax.training.config import ENV_PREFIX as LEARN_PREFIX
     from tmax.training.config import LearnConfig
 

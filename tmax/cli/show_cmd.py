@@ -5,7 +5,7 @@ trajectory file. The trajectory is chat messages (`tmax run`) or ATIF from any h
 (tmax, mini-swe, terminus-2, Harbor's own agents), told apart by its content. Chat
 messages are parsed with the harness the run used (run.json's `harness`); ATIF steps
 carry their actions as tool calls, which are shown as they are. A trial directory's
-result.json (`common.harbor.TrialResult`) adds what the trial scored. The session's own
+result.json (`tasks.harbor.TrialResult`) adds what the trial scored. The session's own
 files are read as their records (`common.records`)."""
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def load_run(path: Path) -> ShownRun:
 def _trial_score(trial_dir: Path) -> TrialScore | None:
     """What a trial (tmax bench's or Harbor's) scored, from its result.json; None where the
     directory holds no trial result."""
-    from tmax.common.harbor import TrialResult
+    from tmax.tasks.harbor import TrialResult
 
     r = TrialResult.parse(_read_json(trial_dir / "result.json", required=False))
     if r is None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 
 from tmax.sandbox.base import LABEL_KEY, LABEL_VALUE, NAME_PREFIX
-from tmax.sandbox.images import BASE_LABEL_KEY
+from tmax.sandbox.base_image import BASE_LABEL_KEY
 from tmax.sandbox.podman_service import clean_stale_services
 
 OWNER_LABEL = "io.tmax.pid"  # the tmax process that made a container

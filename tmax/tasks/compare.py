@@ -4,7 +4,7 @@ Per job: pass@1 and pass@k (k = the smallest number of scored attempts any task 
 the mean over tasks of the unbiased per-task estimate, with a 95 % interval whose method
 is named (`tasks.scoring.rate_interval`: exact for few tasks, a nested bootstrap for
 many); mean steps, tokens and wall time per trial. A trial passed when its verifier's
-reward is 1, whether or not its agent timed out (`common.harbor.TrialResult.score`, the
+reward is 1, whether or not its agent timed out (`tasks.harbor.TrialResult.score`, the
 rule `bench report` uses too). Infrastructure errors are not the agent's: they are left
 out of every rate and counted apart.
 
@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from math import comb
 from pathlib import Path
 
-from tmax.common.harbor import JobConfig, TrialResult
+from tmax.tasks.harbor import JobConfig, TrialResult
 from tmax.tasks.job_dirs import load_job_results
 from tmax.tasks.scoring import TrialRow, pass_at_k, rate_interval, score
 

@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 
-from tmax.tasks.model import Task, TaskError
+from tmax.tasks.task_format import Task, TaskError
 
 DATASET_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]*@[A-Za-z0-9][A-Za-z0-9._-]*$")
 TERMINAL_BENCH = "terminal-bench@2.0"

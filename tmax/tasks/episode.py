@@ -4,7 +4,7 @@ The single path by which both `tmax bench` trials (`tasks.trial`: episode + Harb
 records) and `tmax learn` rollouts (`training.rollout`: episode + token trace) run a
 task:
 
-* the environment is the task's image (`tasks.images`, with the offline rewrites and
+* the environment is the task's image (`tasks.task_images`, with the offline rewrites and
   patches) on podman, or a fresh host workspace (`tasks.hostenv`) on bwrap / local; a task
   that is its base image plus files is not built where its episodes are overlays of shared
   containers (`EnvSettings.files_layer` and an `OverlayPool`): a container of the base image
@@ -34,8 +34,8 @@ from tmax.sandbox.base import Sandbox, SandboxError, SandboxSpec
 from tmax.sandbox.overlay_pool import OverlayPool, SpecFactory
 from tmax.tasks.hostenv import HOST_KINDS, HostEnv, HostEnvError, check_dockerfile
 from tmax.tasks.hostenv import prepare as prepare_host
-from tmax.tasks.images import ImageBuildError, TaskImage, ensure_image
-from tmax.tasks.model import Task
+from tmax.tasks.task_images import ImageBuildError, TaskImage, ensure_image
+from tmax.tasks.task_format import Task
 from tmax.tasks.offline import RewriteConfig
 from tmax.tasks.verifier import VerifierKind, VerifierResult, run_host_verifier, run_verifier
 

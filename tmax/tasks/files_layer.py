@@ -34,7 +34,7 @@ from pathlib import Path
 
 from tmax.sandbox.base import LayerCopy, LayerDir
 from tmax.tasks.dockerfile import Instruction, from_parts, instructions
-from tmax.tasks.model import Task
+from tmax.tasks.task_format import Task
 from tmax.tasks.offline import RewriteConfig
 
 _GLOB = set("*?[")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tmax.sandbox.base import HOST_KINDS, SandboxSpec
 from tmax.tasks.dockerfile import instructions
-from tmax.tasks.model import Task
+from tmax.tasks.task_format import Task
 
 # The host has python3, so it also stands in for the base of generated tasks.
 HOST_BASE_IMAGES = ("localhost/tmax-base:bookworm", "localhost/tmax-base:bookworm-python")

@@ -11,7 +11,7 @@ things (endpoint URL, concurrency, output paths), so a new vLLM port does not th
 finished trials away. Cancelled trials and, with `retry_infra`, infrastructure errors
 are rerun; an old attempt is moved to `.retries/`, never silently deleted.
 
-Every file is read and written as its typed record (`common.harbor`), and what a trial
+Every file is read and written as its typed record (`tasks.harbor`), and what a trial
 scored is `TrialResult.score`, for progress, the job's scores and resume alike.
 """
 
@@ -29,15 +29,15 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, Field, field_validator
 
-from tmax.agents.settings import AgentSettings, renamed_keys
-from tmax.common import harbor
+from tmax.agents.agent_settings import AgentSettings, renamed_keys
+from tmax.tasks import harbor
 from tmax.common.files import read_json, write_json_atomic
-from tmax.common.harbor import CANCELLED, INFRA_ERROR, TrialResult
+from tmax.tasks.harbor import CANCELLED, INFRA_ERROR, TrialResult
 from tmax.sandbox.base import KINDS
 from tmax.sandbox.pool import WarmAhead
 from tmax.tasks.dataset import load_tasks
 from tmax.tasks.job_runner import Finished, JobError, JobItem, JobRunner
-from tmax.tasks.model import Task
+from tmax.tasks.task_format import Task
 from tmax.tasks.offline import default_config
 from tmax.tasks.runners import make_agent
 from tmax.tasks.scoring import Score, TrialRow, score
@@ -60,7 +60,7 @@ class JobConfig(BaseModel):
     model: str | None = None
     base_url: str | None = None
     api_key_env: str = "OPENAI_API_KEY"  # the key itself is never written to disk
-    # Agent settings (`agents.settings`: `--ak`, `tmax bench run --config`) as given, under
+    # Agent settings (`agents.agent_settings`: `--ak`, `tmax bench run --config`) as given, under
     # their current names: what the job's identity and config.json keep (`agent_settings`: typed).
     agent_kwargs: dict[str, Any] = Field(default_factory=dict)
     n_attempts: int = Field(1, ge=1)

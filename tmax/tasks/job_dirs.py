@@ -1,6 +1,6 @@
 """Reading any job directory, for reports and comparisons: tmax's own, Harbor's (0.26, and
 the 0.6.6 of the published Terminal-Bench jobs), or another agent's, as typed records
-(`common.harbor`). What a trial scored is `TrialResult.score`, the same rule for all of
+(`tasks.harbor`). What a trial scored is `TrialResult.score`, the same rule for all of
 them; a trial another tool wrote gets the tmax fields a report shows filled in from its
 directory (`_found`): the category from the task, the agent's steps from its trajectory."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 from tmax.common.records import SessionDir
 from tmax.common.files import read_json
-from tmax.common.harbor import CANCELLED, JobConfig, TaskConfig, TmaxTrial, TrialResult
+from tmax.tasks.harbor import CANCELLED, JobConfig, TaskConfig, TmaxTrial, TrialResult
 from tmax.tasks.job import read_job_config
-from tmax.tasks.model import load_config
+from tmax.tasks.task_format import load_config
 
 
 def load_job_results(job_dir: Path) -> tuple[JobConfig, list[TrialResult]]:

@@ -15,7 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from tmax.tasks.dockerfile import Instruction, from_parts, instructions
-from tmax.tasks.model import Task, TaskError
+from tmax.tasks.task_format import Task, TaskError
 
 DATA_DIR = Path(__file__).parent / "data"
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")

@@ -16,11 +16,11 @@ if TYPE_CHECKING:
 
 from tmax.agents.driver import EpisodeDriver
 from tmax.agents.harnesses import HARNESSES, check_harness
-from tmax.agents.settings import AgentSettings
+from tmax.agents.agent_settings import AgentSettings
 from tmax.common.records import AgentMeta
 from tmax.sandbox.base import Sandbox, SandboxError
 from tmax.tasks.longexec import run_long
-from tmax.tasks.model import Task
+from tmax.tasks.task_format import Task
 from tmax.tasks.offline import RewriteConfig, copy_patched
 
 AGENTS = (*HARNESSES, "oracle", "nop")

@@ -12,7 +12,7 @@
   mean, so the interval is conservative), else a bootstrap over tasks with each task's
   attempts resampled inside it (the two levels of the protocol's randomness).
 A trial's input row (`TrialRow`) carries what it scored by the one rule
-(`common.harbor.TrialResult.score`): a trial "succeeds" for pass@k when the verifier's
+(`tasks.harbor.TrialResult.score`): a trial "succeeds" for pass@k when the verifier's
 reward is 1, whether or not the agent timed out; one without a reward counts 0.
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from tmax.common.harbor import FAIL, INFRA_ERROR, PASS, TrialResult, TrialScore
+from tmax.tasks.harbor import FAIL, INFRA_ERROR, PASS, TrialResult, TrialScore
 # Below this many tasks a bootstrap cannot show the uncertainty (6 of 6 solved resamples to
 # [100 %, 100 %]): the interval is exact (or Wilson's) instead.
 FEW_TASKS = 30

@@ -8,9 +8,9 @@ workspace stands in for the image and the verifier runs from a per-trial copy of
     <trial>/verifier/             reward.txt, test-stdout.txt, ctrf.json
     <trial>/exception.txt         the traceback when something went wrong
 
-result.json is `common.harbor.TrialResult`. Its outcome label (pass | fail | agent_timeout |
+result.json is `tasks.harbor.TrialResult`. Its outcome label (pass | fail | agent_timeout |
 infra_error | verifier_error | cancelled, which is never scored and is rerun on resume) is
-`common.harbor.outcome_of` its exception and reward, the rule readers of any job dir use;
+`tasks.harbor.outcome_of` its exception and reward, the rule readers of any job dir use;
 what it scored is `TrialResult.score`. The container (or host workspace) is always removed:
 with `TrialEnv.close_in_background` after result.json is written, on a thread of its own
 (`wait_for_closes` returns once every such removal is done; a job waits before it ends).
@@ -28,13 +28,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from tmax.common import harbor
+from tmax.tasks import harbor
 from tmax.common.files import write_json_atomic
-from tmax.common.harbor import CANCELLED_ERROR, TrialResult
+from tmax.tasks.harbor import CANCELLED_ERROR, TrialResult
 from tmax.sandbox.base import SandboxError
 from tmax.sandbox.overlay_pool import OverlayPool
 from tmax.tasks.episode import ENVIRONMENT_ERRORS, EnvSettings, Episode, episode_name, resolve_environment
-from tmax.tasks.model import Task
+from tmax.tasks.task_format import Task
 from tmax.tasks.offline import RewriteConfig
 from tmax.tasks.runners import TrialAgent
 from tmax.tasks.verifier import VerifierKind
@@ -84,7 +84,7 @@ class TrialEnv:
     close_in_background: bool = False
     # podman: a `sandbox.pool.WarmPool` trials take their containers from, where
     # `prewarm_trial` started one ahead for them (None: each trial starts its own), and the
-    # task images resolved meanwhile (task name -> `tasks.images.TaskImage`).
+    # task images resolved meanwhile (task name -> `tasks.task_images.TaskImage`).
     pool: Any = None
     images: dict[str, Any] = field(default_factory=dict)
 

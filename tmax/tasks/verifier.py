@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from tmax.sandbox.base import IMAGE_USER, CommandResult, Sandbox, SandboxError
-from tmax.tasks.model import Task
+from tmax.tasks.task_format import Task
 
 VENV = "/opt/tmax-verifier"
 SCRIPT_PATH = "/tmp/tmax-test.sh"

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from tmax.common.records import AgentMeta
 
 if TYPE_CHECKING:
-    from tmax.common.harbor import TrialResult
+    from tmax.tasks.harbor import TrialResult
     from tmax.training.rollout import Rollout
 
 # An event at turn i of an episode of n turns falls in third min(2, 3 i // n).

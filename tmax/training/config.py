@@ -23,7 +23,7 @@ from typing import Annotated, Literal, Mapping
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tmax.agents.settings import AgentSettings, Backoff, Count, Temperature, TopP, renamed_keys
+from tmax.agents.agent_settings import AgentSettings, Backoff, Count, Temperature, TopP, renamed_keys
 from tmax.common.errors import ConfigError
 from tmax.common.files import read_toml
 from tmax.common.settings import env_layer, flag, resolve_layers
@@ -74,7 +74,7 @@ class TasksConfig(_Strict):
 
 
 class RolloutConfig(AgentSettings):
-    """One training episode: the agent's settings (`agents.settings`, the same keys as `tmax
+    """One training episode: the agent's settings (`agents.agent_settings`, the same keys as `tmax
     run` and `tmax bench`) with the training recipe's defaults, and the training-only keys.
     Budgets and termination as in the paper: 64 tool calls, 65,536 response tokens."""
 
@@ -364,7 +364,7 @@ class LearnConfig(_Strict):
 
 def _new_names(data: dict, source: str) -> dict:
     """One source's `[rollout]` with old agent-setting names replaced by the new ones
-    (`agents.settings.RENAMED`), before it is merged with the others (whose dumps have the new)."""
+    (`agents.agent_settings.RENAMED`), before it is merged with the others (whose dumps have the new)."""
     if not isinstance(data.get("rollout"), dict):
         return data
     try:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from tmax.sandbox.pool import WarmPool
-    from tmax.tasks.images import TaskImage
+    from tmax.tasks.task_images import TaskImage
 
 
 class DemoError(RuntimeError):

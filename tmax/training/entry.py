@@ -11,7 +11,7 @@ tests call these functions with a resolved `LearnConfig` (`training.config.resol
                              config and an sbatch script that runs it
     merge(ckpt, out)         `tmax learn merge`: a LoRA checkpoint into full HF weights
 
-Ray is started (or joined) in one place, `training.cluster.session.ray_session`, per the
+Ray is started (or joined) in one place, `training.cluster.run_cluster.ray_session`, per the
 config's `[cluster]` section; a run with `cluster.nodes` gets its placement groups there.
 Bad input (a config, a placement or a `--from-runs` directory that cannot work) raises
 `ConfigError` before any work starts. `dry_run` imports neither torch nor Ray (a light
@@ -31,12 +31,12 @@ from tmax.common.extras import require_extra
 from tmax.common.files import write_text_atomic
 from tmax.common.records import LearnRunDir, write_record
 from tmax.training.cluster.placement import PlanError, PlacementPlan, plan_for
-from tmax.training.cluster.session import own_run_processes, ray_session
+from tmax.training.cluster.run_cluster import own_run_processes, ray_session
 from tmax.training.config import LearnConfig, dump_toml
 from tmax.training.report import LearnProgress, StepLines
 
 if TYPE_CHECKING:
-    from tmax.training.loop import RunResult
+    from tmax.training.trainer import RunResult
     from tmax.training.recipe import RecipeResult, SftStage
     from tmax.training.rollout import PreparedTasks
     from tmax.training.runs_data import RatedStream
@@ -63,7 +63,7 @@ def learn(cfg: LearnConfig, out: Path, *, resume: bool = False, progress: LearnP
     joined, and checked against the plan, before any of that work."""
     require_extra("train")
     from tmax.training.learner.checkpoint import refuse_fresh_run_over
-    from tmax.training.loop import train
+    from tmax.training.trainer import train
 
     out = Path(out)
     refuse_fresh_run_over(_rl_dir(cfg, out), resume)  # before Ray starts; `train` checks again
@@ -204,7 +204,7 @@ def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, train_dir: str, held_
     RL's final checkpoint loaded into it. Fills `result` and `times`."""
     from tmax.training.cluster.actors import start_engines, warm_worker_processes
     from tmax.training.learner.lora import run_start
-    from tmax.training.loop import train
+    from tmax.training.trainer import train
     from tmax.training.recipe import RlStage, heldout_eval
     from tmax.training.weights.learner_side import load_checkpoint
 

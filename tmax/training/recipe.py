@@ -33,7 +33,7 @@ from tmax.common.files import write_dir_atomic, write_text_atomic
 from tmax.common.records import SFT_RECORD, LearnRunDir, SftRecord, read_record
 from tmax.training.agentic import HeldoutAgentic, heldout_agentic
 from tmax.training.config import LearnConfig
-from tmax.training.loop import list_task_dirs
+from tmax.training.trainer import list_task_dirs
 
 if TYPE_CHECKING:
     from tmax.training.cluster.actors import EngineGroup

@@ -1,4 +1,4 @@
-"""The collapse guard inside a running `tmax learn` loop (`training.loop.Trainer`).
+"""The collapse guard inside a running `tmax learn` loop (`training.trainer.Trainer`).
 
 `training.guard` decides; this module acts. Each finished step, `RunGuard.after_step`
 adds the rollout-side health signals (`health/*`) to the step's metrics and, with

@@ -36,13 +36,13 @@ from typing import Any, TypeVar
 
 from tmax.agents.driver import EpisodeDriver
 from tmax.agents.policy import TokenSampler, TokenTrace
-from tmax.agents.settings import AgentSettings
+from tmax.agents.agent_settings import AgentSettings
 from tmax.common.files import write_json_atomic
 from tmax.sandbox.overlay_pool import OverlayPool
 from tmax.sandbox.pool import WarmAhead, WarmPool
 from tmax.tasks.episode import ENVIRONMENT_ERRORS, EnvSettings, Episode, PreparedTasks
-from tmax.tasks.images import TaskImage
-from tmax.tasks.model import Task
+from tmax.tasks.task_images import TaskImage
+from tmax.tasks.task_format import Task
 from tmax.tasks.verifier import VerifierKind
 from tmax.training.config import RolloutConfig
 

@@ -20,7 +20,7 @@ recipe.json, sft/sft.json (`SftRecord`), checkpoints/step_N/ with trainer_state.
 weights.version.json (`WeightsManifest`). A generated corpus keeps `.generate/config.json`
 (`GenerationIdentity`) and `_rejected/<task>/rejection.json` (`Rejection`).
 
-A trial's result.json is Harbor's format (`common.harbor.TrialResult`), not one of these.
+A trial's result.json is Harbor's format (`tasks.harbor.TrialResult`), not one of these.
 Every reader here takes the files older versions of tmax wrote (new fields have defaults).
 """
 

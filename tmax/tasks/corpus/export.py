@@ -23,7 +23,7 @@ from pathlib import Path, PurePosixPath
 
 from tmax.tasks.corpus.corpus import read_corpus
 from tmax.tasks.corpus.package import replace_dir
-from tmax.tasks.model import Task, TaskError
+from tmax.tasks.task_format import Task, TaskError
 
 EXPORT_FORMATS = ("hf", "parquet", "tar")
 DATASET_PREFIXES = ("hf:", "parquet:")

@@ -31,7 +31,7 @@ from pydantic import BaseModel, Field
 from tmax.common.records import (CorpusIdentity, GateRound, GeneratedEnvironment, GenerationIdentity,
                                  GenerationStatus, Rejection, read_record, write_record)
 from tmax.sandbox.base import KINDS
-from tmax.tasks.corpus import prompts
+from tmax.tasks.corpus import stage_prompts as prompts
 from tmax.tasks.corpus.axes import CORPUS_KINDS, AxesConfig, TaskAxes, load_axes, redraw, stratified_plan
 from tmax.tasks.corpus.package import TaskParts, replace_dir, write_task
 from tmax.tasks.job_runner import Backend, Finished, JobItem, JobRunner, ResultFiles

@@ -37,7 +37,7 @@ from tmax.common.files import write_json_atomic
 from tmax.tasks.corpus.axes import TaskAxes
 from tmax.tasks.corpus.corpus import normalized_axes
 from tmax.tasks.corpus.package import AGENT_USER, HOME, TaskParts, write_task
-from tmax.tasks.corpus.report import SOLVE_DIR
+from tmax.tasks.corpus.balance_report import SOLVE_DIR
 
 BASES_FILE = Path(__file__).resolve().parents[1] / "data" / "native_bases.toml"
 FIXTURES_DEST = "/app/fixtures/"

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from tmax.tasks.corpus import import_native, import_open_instruct
-from tmax.tasks.model import Task, TaskError
+from tmax.tasks.task_format import Task, TaskError
 
 FORMATS = ("harbor", "open-instruct", "native")
 

@@ -1,4 +1,4 @@
-"""Writing a synthesized task as a Harbor task directory (what `tasks.model.Task.load` reads).
+"""Writing a synthesized task as a Harbor task directory (what `tasks.task_format.Task.load` reads).
 
     task.toml                     [metadata] holds the axes; [task] name and description;
                                   [agent] user = "user" (the agent is not root)

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Callable
 
 from tmax.common.files import write_json_atomic
-from tmax.tasks.corpus.report import SOLVE_DIR, success_rate
+from tmax.tasks.corpus.balance_report import SOLVE_DIR, success_rate
 from tmax.tasks.dataset import task_dirs
 from tmax.tasks.job import Job, JobConfig
 from tmax.tasks.job_runner import Backend, JobItem, JobRunner, ResultFiles
-from tmax.tasks.model import Task, TaskError
+from tmax.tasks.task_format import Task, TaskError
 from tmax.tasks.scoring import TrialRow, pass_at_k
 
 

@@ -1,6 +1,6 @@
 """The validation gates of a task, each recorded per task.
 
-    load     task.toml parses, the required files are there (`tasks.model.Task.load`)
+    load     task.toml parses, the required files are there (`tasks.task_format.Task.load`)
     build    the image builds with bench's offline rewrites (podman) and its `[agent] user`
              can open a shell there, or the Dockerfile fits a host sandbox (bwrap, local:
              `tasks.hostenv`, which run as the invoking user)
@@ -31,15 +31,15 @@ from typing import Callable, Literal
 from pydantic import BaseModel, Field
 
 from tmax.common.files import write_json_atomic
-from tmax.common.harbor import FAIL, PASS, AgentConfig, TaskConfig, TrialConfig, TrialResult
+from tmax.tasks.harbor import FAIL, PASS, AgentConfig, TaskConfig, TrialConfig, TrialResult
 from tmax.sandbox import make_sandbox
 from tmax.sandbox.base import IMAGE_USER, AgentUserError, SandboxError
 from tmax.tasks.corpus.package import LITE_RUNNER, run_tests_command
 from tmax.tasks.job_runner import Backend, Finished, JobItem, JobRunner, ResultFiles
 from tmax.tasks.episode import EnvSettings, sandbox_spec
 from tmax.tasks.hostenv import HOST_KINDS, HostEnvError, check_dockerfile
-from tmax.tasks.images import ImageBuildError, TaskImage, ensure_image
-from tmax.tasks.model import Task, TaskError, tree_hash
+from tmax.tasks.task_images import ImageBuildError, TaskImage, ensure_image
+from tmax.tasks.task_format import Task, TaskError, tree_hash
 from tmax.tasks.offline import RewriteConfig, default_config
 from tmax.tasks.runners import AgentRun, OracleAgent
 from tmax.tasks.trial import TrialEnv, TrialPlan, run_trial

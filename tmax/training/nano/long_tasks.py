@@ -37,7 +37,7 @@ import tempfile
 from pathlib import Path
 
 from tmax.agents.prompts import SUBMIT_COMMAND
-from tmax.training.nano.base import (ANSWER, POOLS, SPLITS, SUBMIT_THOUGHT, NanoTask, NUMBERS, Picker, lines_text,
+from tmax.training.nano.family import (ANSWER, POOLS, SPLITS, SUBMIT_THOUGHT, NanoTask, NUMBERS, Picker, lines_text,
                                      nano_meta, pseudo_words, round_robin)
 
 FAMILY = "long"

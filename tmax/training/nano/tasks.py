@@ -13,7 +13,7 @@ from a pool that belongs to one split only, so nothing in the held-out split was
 seen in training: held-out success means the policy solves the kind of task, not that
 it memorised a task.
 
-Layout of a task directory (what `tasks.model.Task.load` reads):
+Layout of a task directory (what `tasks.task_format.Task.load` reads):
 
     task.toml                 [metadata.nano] holds kind, split, params and the oracle
     instruction.md
@@ -37,7 +37,7 @@ import tomli_w
 
 from tmax.agents.prompts import SUBMIT_COMMAND
 from tmax.training.nano import long_tasks
-from tmax.training.nano.base import (  # noqa: F401 (re-exported: the generator's public names)
+from tmax.training.nano.family import (  # noqa: F401 (re-exported: the generator's public names)
     ANSWER, BASE_IMAGE, INPUT_EXT, INPUT_GLOB, POOLS, SPLITS, SUBMIT_THOUGHT, WORKDIR, NanoTask, EXTS, NUMBERS,
     Picker, WORDS, lines_text, nano_meta, pseudo_words, round_robin,
 )

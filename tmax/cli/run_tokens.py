@@ -19,7 +19,7 @@ from tmax.training.inference.engine import VLLMSampler, stop_ids
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from tmax.agents.settings import AgentSettings
+    from tmax.agents.agent_settings import AgentSettings
     from tmax.agents.token_policy import TokenPolicy
 
 

@@ -10,7 +10,7 @@ the docs' tables and `--print-config` show them.
 Where they are set, under these names:
 
 * `tmax run`: its config file (`~/.config/tmax/config.toml`, flat keys), `TMAX_<KEY>` and its
-  flags (those a `flag(..., commands=("run",))` names; `tmax.cli.config`);
+  flags (those a `flag(..., commands=("run",))` names; `tmax.cli.run_settings`);
 * `tmax bench run`: `--ak KEY=VALUE`, and `--config FILE` (flat keys beside the job's);
 * `tmax learn`: the `[rollout]` section, whose model (`training.config.RolloutConfig`)
   extends this one with the training-only keys.

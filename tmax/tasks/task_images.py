@@ -33,7 +33,7 @@ from tmax.common.files import cache_dir
 from tmax.common.proctree import end_process_tree
 from tmax.common.waiting import wait_until
 from tmax.tasks.files_layer import LayerPlan, task_layer
-from tmax.tasks.model import Task, tree_hash
+from tmax.tasks.task_format import Task, tree_hash
 from tmax.tasks.offline import RewriteConfig, RewrittenDockerfile, copy_patched, rewrite_dockerfile
 
 TAG_REPO = "localhost/tmax-task"

@@ -1,4 +1,4 @@
-"""The typed Harbor records (`tmax.common.harbor`) and the one scoring rule.
+"""The typed Harbor records (`tmax.tasks.harbor`) and the one scoring rule.
 
 Job directories Harbor 0.26 wrote (tests/data/harbor-job/h, and harbor-job-timeout/t with
 agent timeouts the verifier then scored) and one tmax writes on the local sandbox load and
@@ -14,7 +14,7 @@ import pytest
 from harbor_env import harbor_check
 
 from tmax.common.files import read_json, write_json_atomic
-from tmax.common.harbor import (CANCELLED, INFRA_ERROR, JobConfig, JobResult, Record, TmaxTrial, TrialConfig,
+from tmax.tasks.harbor import (CANCELLED, INFRA_ERROR, JobConfig, JobResult, Record, TmaxTrial, TrialConfig,
                                 TrialResult, TrialScore, outcome_of)
 from tmax.tasks.compare import summarize_job
 from tmax.tasks.job_dirs import load_job_results, trajectory_steps
@@ -152,7 +152,7 @@ def test_report_and_compare_agree_when_a_trial_is_an_infrastructure_error(tmax_j
     import shutil
 
     from tmax.common.files import write_json_atomic
-    from tmax.common.harbor import ExceptionInfo
+    from tmax.tasks.harbor import ExceptionInfo
     from tmax.tasks.compare import summarize_job
     from tmax.tasks.scoring import TrialRow, score
 

@@ -8,14 +8,14 @@ when XDG_CONFIG_HOME is unset; `tmax run -c FILE` names another), with flat keys
     model = "allenai/tmax-9b"
     sandbox = "podman"
     expose = ["~/.ssh"]        # credential paths the bwrap jail may show (masked otherwise)
-    max_steps = 32             # and any agent setting (`agents.settings`, the names bench and learn use)
+    max_steps = 32             # and any agent setting (`agents.agent_settings`, the names bench and learn use)
 
 Every key, its flag, variable and default: `tmax run --print-config`, or the table in
 docs/run.md (made from the declaration, `common.settings.settings_table`).
 
 The file is validated by a pydantic model: an unknown key or a wrong type is an error
 naming the key and the file. Every key is declared once (`RunKeys`, and the agent's in
-`agents.settings`) with its flag and help; each is also the variable `TMAX_<KEY>`
+`agents.agent_settings`) with its flag and help; each is also the variable `TMAX_<KEY>`
 (`TMAX_BASE_URL`, then `OPENAI_BASE_URL`; `TMAX_API_KEY`, then `OPENAI_API_KEY`). One
 resolver (`common.settings.resolve_layers`) merges file, environment and flags, later
 winning, and records where each value came from (`tmax run --print-config`).
@@ -34,7 +34,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, ValidationError
 
 from tmax.agents.policy import DEFAULT_MODEL_TIMEOUT_S
-from tmax.agents.settings import AgentSettings, AgentSettingsPatch
+from tmax.agents.agent_settings import AgentSettings, AgentSettingsPatch
 from tmax.common.errors import ConfigError, validation_message
 from tmax.common.files import read_toml
 from tmax.common.settings import Env, env_layer, env_names, flag, flag_specs, resolve_layers
@@ -49,7 +49,7 @@ ENV_PREFIX = "TMAX_"
 
 class RunKeys(AgentSettingsPatch):  # type: ignore[misc,valid-type]
     """The settings of `tmax run` that a flag, a variable or the config file can set: its
-    own, and every agent setting (`agents.settings`). None: the default depends on another
+    own, and every agent setting (`agents.agent_settings`). None: the default depends on another
     setting or the machine (see `resolve_run_settings`)."""
 
     base_url: Annotated[str | None, Field(description="OpenAI-compatible API URL."), flag("--base-url"),

@@ -14,7 +14,7 @@ import re
 from tmax.tasks.corpus.axes import AxesConfig, TaskAxes, load_axes
 from tmax.tasks.corpus.package import AGENT_USER, HOME
 from tmax.tasks.dockerfile import instructions
-from tmax.tasks.images import PYTHON_BASE_TAG
+from tmax.tasks.task_images import PYTHON_BASE_TAG
 
 TEMPERATURE = {"template": 1.0, "initial": 0.6, "final": 0.6, "environment": 0.6}
 FEEDBACK_CHARS = 500
