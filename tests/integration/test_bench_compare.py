@@ -56,7 +56,7 @@ def oracle_and_nop(tmp_path_factory) -> list[Path]:
     if shutil.which("podman") is None or subprocess.run(
             ["podman", "image", "exists", "localhost/tmax-base:bookworm"]).returncode != 0:
         pytest.skip("podman or the base image is missing")
-    from tmax.tasks.job import Job, JobConfig
+    from tmax.tasks.job import Job, JobSpec
 
     tmp_path = tmp_path_factory.mktemp("compare")
     ds = tmp_path / "ds"
@@ -64,7 +64,7 @@ def oracle_and_nop(tmp_path_factory) -> list[Path]:
         shutil.copytree(TASK, ds / f"echo-{i}")
     dirs = []
     for agent in ("oracle", "nop"):
-        job = Job(JobConfig(job_name=agent, jobs_dir=str(tmp_path / "jobs"), dataset=str(ds), agent=agent,
+        job = Job(JobSpec(job_name=agent, jobs_dir=str(tmp_path / "jobs"), dataset=str(ds), agent=agent,
                             n_concurrent=4))
         job.run()
         dirs.append(job.dir)

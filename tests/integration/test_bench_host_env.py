@@ -18,7 +18,7 @@ import pytest
 
 from tmax.sandbox import SandboxSpec, make_sandbox
 from tmax.tasks.hostenv import HostEnvError, check_dockerfile, prepare
-from tmax.tasks.job import VOLATILE, Job, JobConfig, JobError
+from tmax.tasks.job import VOLATILE, Job, JobSpec, JobError
 from tmax.tasks.task_format import Task
 from tmax.training.nano.tasks import oracle_commands, write_splits
 
@@ -157,12 +157,12 @@ def test_cli_oracle_passes_on_host(nano, tmp_path, env):
 @needs_bwrap
 def test_nop_scores_zero_and_parallel_trials_keep_apart(nano, tmp_path, private_tmp):
     jobs = tmp_path / "jobs"
-    job = Job(JobConfig(job_name="nop", jobs_dir=str(jobs), dataset=str(nano), agent="nop", environment="bwrap",
+    job = Job(JobSpec(job_name="nop", jobs_dir=str(jobs), dataset=str(nano), agent="nop", environment="bwrap",
                         n_concurrent=4))
     assert job.run().tmax_score["mean_reward"] == 0.0
     # Four oracle trials at once: each passes on its own workspace and logs dir, which
     # would not hold if they shared one (the tasks write different answers).
-    job = Job(JobConfig(job_name="par", jobs_dir=str(jobs), dataset=str(nano), agent="oracle", environment="bwrap",
+    job = Job(JobSpec(job_name="par", jobs_dir=str(jobs), dataset=str(nano), agent="oracle", environment="bwrap",
                         n_concurrent=4, n_attempts=2))
     data = job.run()
     results = trial_results(job.dir)
@@ -181,7 +181,7 @@ def test_tmax_agent_with_scripted_server_on_bwrap(nano, tmp_path, private_tmp):
     *solve, submit = oracle_commands(task_dir)
     turns = [{"bash": f"cd /app && pwd && {' && '.join(solve)}"}, {"bash": submit}]
     with ScriptedServer(turns) as srv:
-        job = Job(JobConfig(job_name="scripted", jobs_dir=str(tmp_path / "jobs"), dataset=str(task_dir),
+        job = Job(JobSpec(job_name="scripted", jobs_dir=str(tmp_path / "jobs"), dataset=str(task_dir),
                             agent="tmax", model=srv.model, base_url=srv.base_url, environment="bwrap"))
         job.run()
         assert len(srv.requests) == 2
@@ -199,7 +199,7 @@ def test_tmax_agent_with_scripted_server_on_bwrap(nano, tmp_path, private_tmp):
 def test_tb2_task_needs_podman_is_an_infra_error(tmp_path, private_tmp):
     if not TB2_REGEX_LOG.is_dir():
         pytest.skip("the TB2 sample is not here")
-    job = Job(JobConfig(job_name="tb2", jobs_dir=str(tmp_path / "jobs"), dataset=str(TB2_REGEX_LOG),
+    job = Job(JobSpec(job_name="tb2", jobs_dir=str(tmp_path / "jobs"), dataset=str(TB2_REGEX_LOG),
                         agent="oracle", environment="bwrap"))
     data = job.run()
     (r,) = trial_results(job.dir).values()
@@ -216,7 +216,7 @@ def test_verifier_timeout_on_host(tmp_path, private_tmp):
     (task.path / "tests" / "test.sh").write_text("sleep 30\n")
     toml = "[verifier]\ntimeout_sec = 1.0\n"
     (task.path / "task.toml").write_text('version = "1.0"\n' + toml)
-    job = Job(JobConfig(job_name="slow", jobs_dir=str(tmp_path / "jobs"), dataset=str(task.path), agent="nop",
+    job = Job(JobSpec(job_name="slow", jobs_dir=str(tmp_path / "jobs"), dataset=str(task.path), agent="nop",
                         environment="local"))
     job.run()
     (r,) = trial_results(job.dir).values()
@@ -235,7 +235,7 @@ def test_verifier_without_reward_is_typed(tmp_path, private_tmp, test_sh, verifi
     exception type, mapped from the verifier's result kind rather than its message."""
     task = make_task(tmp_path / "t", "FROM localhost/tmax-base:bookworm\nWORKDIR /app\n")
     (task.path / "tests" / "test.sh").write_text(test_sh)
-    job = Job(JobConfig(job_name="v", jobs_dir=str(tmp_path / "jobs"), dataset=str(task.path), agent="nop",
+    job = Job(JobSpec(job_name="v", jobs_dir=str(tmp_path / "jobs"), dataset=str(task.path), agent="nop",
                         environment="local"))
     job.run()
     (r,) = trial_results(job.dir).values()
@@ -246,7 +246,7 @@ def test_verifier_without_reward_is_typed(tmp_path, private_tmp, test_sh, verifi
 
 def test_environment_is_part_of_the_identity(nano, tmp_path):
     base = dict(job_name="ident", jobs_dir=str(tmp_path / "jobs"), dataset=str(nano), agent="nop")
-    podman, bwrap = JobConfig(**base), JobConfig(**base, environment="bwrap")
+    podman, bwrap = JobSpec(**base), JobSpec(**base, environment="bwrap")
     sums = {"t": "x"}
     assert podman.identity(sums) != bwrap.identity(sums)
     # Podman jobs keep the identity they had before the field existed (their trial names).
@@ -254,14 +254,14 @@ def test_environment_is_part_of_the_identity(nano, tmp_path):
     old.update(dataset=None, tasks=sums)
     assert podman.identity(sums) == hashlib.sha256(json.dumps(old, sort_keys=True, default=str).encode()).hexdigest()
     with pytest.raises(ValueError, match="unknown environment 'docker'"):
-        JobConfig(**base, environment="docker")
-    with pytest.raises(JobError, match="contradicts JobConfig.environment"):
+        JobSpec(**base, environment="docker")
+    with pytest.raises(JobError, match="contradicts JobSpec.environment"):
         Job(bwrap, sandbox_kind="podman")
 
 
 def test_resume_keeps_the_environment(nano, tmp_path, private_tmp):
     jobs = tmp_path / "jobs"
-    job = Job(JobConfig(job_name="res", jobs_dir=str(jobs), dataset=str(nano), agent="nop", environment="local",
+    job = Job(JobSpec(job_name="res", jobs_dir=str(jobs), dataset=str(nano), agent="nop", environment="local",
                         limit=1))
     job.run()
     again = Job.open(jobs / "res")

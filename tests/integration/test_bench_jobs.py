@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tmax.tasks.job import Job, JobConfig, JobError
+from tmax.tasks.job import Job, JobSpec, JobError
 
 pytestmark = [pytest.mark.podman]
 
@@ -71,7 +71,7 @@ def test_concurrent_oracle_and_nop_leave_no_container(tmp_path):
     ds = dataset(tmp_path, 4)
     for agent, reward in (("oracle", 1.0), ("nop", 0.0)):
         name = f"conc-{agent}-{os.getpid()}"
-        job = Job(JobConfig(job_name=name, jobs_dir=str(tmp_path / "jobs"), dataset=str(ds), agent=agent,
+        job = Job(JobSpec(job_name=name, jobs_dir=str(tmp_path / "jobs"), dataset=str(ds), agent=agent,
                             n_attempts=2, n_concurrent=4))
         running_cis = []
         data = job.run(lambda kind, prog, r: kind == "trial_end" and running_cis.append(
@@ -94,7 +94,7 @@ def test_concurrent_oracle_and_nop_leave_no_container(tmp_path):
 def test_trials_take_containers_started_ahead(tmp_path):
     ds = dataset(tmp_path, 3)
     name = f"warm-{os.getpid()}"
-    job = Job(JobConfig(job_name=name, jobs_dir=str(tmp_path / "jobs"), dataset=str(ds), agent="oracle",
+    job = Job(JobSpec(job_name=name, jobs_dir=str(tmp_path / "jobs"), dataset=str(ds), agent="oracle",
                         n_attempts=2, n_concurrent=2, warm_ahead=2))
     data = job.run()
     results = trial_results(job.dir)
@@ -110,12 +110,12 @@ def test_trials_take_containers_started_ahead(tmp_path):
 def test_identity_ignores_endpoint_and_refuses_a_changed_job(tmp_path):
     ds = dataset(tmp_path, 1)
     base = dict(job_name="ident", jobs_dir=str(tmp_path / "jobs"), dataset=str(ds), agent="nop")
-    a = Job(JobConfig(**base, base_url="http://localhost:8000/v1", n_concurrent=1))
-    b = Job(JobConfig(**base, base_url="http://127.0.0.1:9999/v1", n_concurrent=8))
+    a = Job(JobSpec(**base, base_url="http://localhost:8000/v1", n_concurrent=1))
+    b = Job(JobSpec(**base, base_url="http://127.0.0.1:9999/v1", n_concurrent=8))
     assert a.identity == b.identity and [p.trial_name for p in a.plans()] == [p.trial_name for p in b.plans()]
     a.run()
     with pytest.raises(JobError, match="different configuration"):
-        Job(JobConfig(**{**base, "agent": "oracle"})).run()
+        Job(JobSpec(**{**base, "agent": "oracle"})).run()
 
 
 def _run_cli(args: list[str], **kw) -> subprocess.Popen:
@@ -179,7 +179,7 @@ def test_tmax_agent_with_scripted_server(tmp_path):
     turns = [{"bash": "cd /app && echo hello > hello.txt && cat hello.txt"},
              {"bash": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}]
     with ScriptedServer(turns) as srv:
-        job = Job(JobConfig(job_name="scripted", jobs_dir=str(tmp_path / "jobs"), dataset=str(ds), agent="tmax",
+        job = Job(JobSpec(job_name="scripted", jobs_dir=str(tmp_path / "jobs"), dataset=str(ds), agent="tmax",
                             model=srv.model, base_url=srv.base_url))
         job.run()
         assert len(srv.requests) == 2
@@ -199,7 +199,7 @@ def test_agent_timeout_is_labelled_and_still_verified(tmp_path):
     ds = dataset(tmp_path, 1, agent_timeout=4)
     turns = [{"bash": "echo hello > /app/hello.txt; sleep 60"}, {"bash": "echo never"}]
     with ScriptedServer(turns) as srv:
-        job = Job(JobConfig(job_name="timeout", jobs_dir=str(tmp_path / "jobs"), dataset=str(ds), agent="tmax",
+        job = Job(JobSpec(job_name="timeout", jobs_dir=str(tmp_path / "jobs"), dataset=str(ds), agent="tmax",
                             model=srv.model, base_url=srv.base_url))
         t0 = time.monotonic()
         job.run()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tmax.tasks.job import Job, JobConfig
+from tmax.tasks.job import Job, JobSpec
 from tmax.tasks.offline import DATA_DIR
 
 pytestmark = [pytest.mark.podman, pytest.mark.slow]
@@ -58,7 +58,7 @@ def test_sample_tasks(tmp_path, agent, reward):
     # Every task at once by default: the verifiers wait on package downloads as much as on
     # the CPU (the oracle's six took 114 s three at a time, 62 s all at once, the CPU then busy).
     n = int(os.environ.get("TMAX_BENCH_N", len(names)))
-    job = Job(JobConfig(job_name=f"{agent}-sample", jobs_dir=str(tmp_path), dataset=str(SAMPLE), include=names,
+    job = Job(JobSpec(job_name=f"{agent}-sample", jobs_dir=str(tmp_path), dataset=str(SAMPLE), include=names,
                         agent=agent, n_concurrent=n))
     data = job.run()
     sc = data.tmax_score

@@ -219,10 +219,10 @@ def dataset(task_root) -> Path:
 @pytest.mark.parametrize("overlay,mode", [(True, "overlay+files"), (False, "container")])
 @pytest.mark.parametrize("agent,reward", [("oracle", 1.0), ("nop", 0.0)])
 def test_oracle_passes_and_nop_fails_both_ways(tmp_path, dataset, overlay, mode, agent, reward):
-    from tmax.tasks.job import Job, JobConfig
+    from tmax.tasks.job import Job, JobSpec
 
     names = sorted(p.name for p in dataset.iterdir())
-    job = Job(JobConfig(job_name=f"files-{agent}-{overlay}", jobs_dir=str(tmp_path), dataset=str(dataset),
+    job = Job(JobSpec(job_name=f"files-{agent}-{overlay}", jobs_dir=str(tmp_path), dataset=str(dataset),
                         agent=agent, n_concurrent=len(names), overlay=overlay))
     job.run()
     results = {t.task_name: t for t in job.results()}

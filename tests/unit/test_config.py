@@ -301,17 +301,17 @@ def test_one_schema_two_sets_of_defaults():
 
 
 def test_bench_agent_settings_map_old_names_and_reject_unknown_ones(tmp_path):
-    from tmax.tasks.job import JobConfig
+    from tmax.tasks.job import JobSpec
 
     base = dict(job_name="j", jobs_dir=str(tmp_path), dataset="d", agent="tmax")
     with pytest.warns(RenamedSettingWarning):
-        cfg = JobConfig(**base, agent_kwargs={"max_tool_calls": 3, "temperature": 0.1})
+        cfg = JobSpec(**base, agent_kwargs={"max_tool_calls": 3, "temperature": 0.1})
     assert cfg.agent_kwargs == {"max_steps": 3, "temperature": 0.1}
     assert cfg.agent_settings == AgentSettings(max_steps=3, temperature=0.1)
     with pytest.raises(ValueError, match="give only 'max_steps'"):
-        JobConfig(**base, agent_kwargs={"max_tool_calls": 3, "max_steps": 3})
+        JobSpec(**base, agent_kwargs={"max_tool_calls": 3, "max_steps": 3})
     with pytest.raises(ValueError, match="unknown agent setting\\(s\\) 'temp'; known: backoff_s"):
-        JobConfig(**base, agent_kwargs={"temp": 0.1})
+        JobSpec(**base, agent_kwargs={"temp": 0.1})
 
 
 def test_bench_config_file_is_validated_strictly(tmp_path):

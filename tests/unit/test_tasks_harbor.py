@@ -118,7 +118,7 @@ def test_steps_from_atif_and_from_chat_messages(tmp_path):
 @pytest.fixture(scope="module")
 def tmax_job(tmp_path_factory) -> Path:
     """A job tmax ran itself: the oracle on two generated tasks, on the local sandbox."""
-    from tmax.tasks.job import Job, JobConfig as TmaxJobConfig
+    from tmax.tasks.job import Job, JobSpec as TmaxJobConfig
     from tmax.training.nano.tasks import write_splits
 
     root = tmp_path_factory.mktemp("records")

@@ -111,13 +111,13 @@ def _make_job(s: BenchSettings):
 
     from tmax.common.errors import validation_message
     from tmax.tasks.dataset import DatasetError
-    from tmax.tasks.job import Job, JobConfig, JobError
+    from tmax.tasks.job import Job, JobSpec, JobError
 
     if s.dataset is None:
         fail("no tasks given: pass PATH|DATASET, or `dataset = \"...\"` in the --config file")
     name = s.job_name or datetime.now().strftime("%Y-%m-%d__%H-%M-%S")
     try:
-        cfg = JobConfig(job_name=name, jobs_dir=s.jobs_dir, dataset=s.dataset, include=s.include,
+        cfg = JobSpec(job_name=name, jobs_dir=s.jobs_dir, dataset=s.dataset, include=s.include,
                         exclude=s.exclude, limit=s.n_tasks, agent=s.agent, model=s.model,
                         base_url=s.base_url, api_key_env=s.api_key_env, agent_kwargs=s.agent_settings(),
                         n_attempts=s.n_attempts, n_concurrent=s.n_concurrent,
@@ -200,12 +200,12 @@ def resume_cmd(
 ) -> None:
     """Finish a job: run only the trials that have no result yet."""
     from tmax.tasks.dataset import DatasetError
-    from tmax.tasks.job import Job, JobConfig, JobError, read_job_config
+    from tmax.tasks.job import Job, JobSpec, JobError, read_job_config
 
     try:
         stored = read_job_config(job_dir).tmax_job
         # The job's own settings, where tmax wrote it (Job.open says what is wrong otherwise).
-        cfg = JobConfig.model_validate(stored) if stored else None
+        cfg = JobSpec.model_validate(stored) if stored else None
     except (JobError, ValueError):
         cfg = None
     if cfg is not None:

@@ -37,7 +37,7 @@ from tmax.tasks.hostenv import prepare as prepare_host
 from tmax.tasks.task_images import ImageBuildError, TaskImage, ensure_image
 from tmax.tasks.task_format import Task
 from tmax.tasks.offline import RewriteConfig
-from tmax.tasks.verifier import VerifierKind, VerifierResult, run_host_verifier, run_verifier
+from tmax.tasks.verifier import VerifierKind, VerifierOutcome, run_host_verifier, run_verifier
 
 ENVIRONMENT_ERRORS = (ImageBuildError, HostEnvError)
 
@@ -196,7 +196,7 @@ class Episode:
         or "container" (a fresh container); a host kind's name otherwise."""
         return getattr(self.sandbox, "mode", self.settings.kind)
 
-    def verify(self, out_dir: Path | None, timeout: float) -> VerifierResult:
+    def verify(self, out_dir: Path | None, timeout: float) -> VerifierOutcome:
         """Copy tests/ in now (never before), run test.sh, read the reward. A sandbox that
         fails meanwhile comes back as `VerifierKind.INFRA`, never as a reward."""
         assert self.sandbox is not None
@@ -204,7 +204,7 @@ class Episode:
         try:
             return run(self.sandbox, self.task, self.workdir, out_dir, timeout)
         except SandboxError as e:
-            return VerifierResult(None, VerifierKind.INFRA, f"the verifier could not run: {e}")
+            return VerifierOutcome(None, VerifierKind.INFRA, f"the verifier could not run: {e}")
 
     def close(self) -> None:
         try:

@@ -49,7 +49,7 @@ VOLATILE = {"base_url", "n_concurrent", "jobs_dir", "job_name", "created_at", "r
 
 
 
-class JobConfig(BaseModel):
+class JobSpec(BaseModel):
     job_name: str
     jobs_dir: str
     dataset: str  # as given: a path or name@version
@@ -164,16 +164,16 @@ def read_job_config(job_dir: Path) -> harbor.JobConfig:
         raise JobError(f"{job_dir}: not a job directory (no readable config.json)")
     cfg = harbor.JobConfig.parse(data)
     if cfg is None:
-        raise JobError(f"{job_dir}/config.json is not a job's config (expected Harbor's JobConfig fields)")
+        raise JobError(f"{job_dir}/config.json is not a job's config (expected Harbor's JobSpec fields)")
     return cfg
 
 
 
 class Job:
-    def __init__(self, config: JobConfig, api_key: str | None = None, sandbox_kind: str | None = None):
+    def __init__(self, config: JobSpec, api_key: str | None = None, sandbox_kind: str | None = None):
         if sandbox_kind is not None and sandbox_kind != config.environment:
-            raise JobError(f"sandbox_kind={sandbox_kind!r} contradicts JobConfig.environment="
-                           f"{config.environment!r}; set JobConfig.environment only")
+            raise JobError(f"sandbox_kind={sandbox_kind!r} contradicts JobSpec.environment="
+                           f"{config.environment!r}; set JobSpec.environment only")
         self.config = config
         self.dir = Path(config.jobs_dir).expanduser() / config.job_name
         self.api_key = api_key
@@ -202,13 +202,13 @@ class Job:
             raise JobError(f"{job_dir}/config.json was not written by tmax bench (a Harbor job resumes with "
                            "`harbor job resume`; report and compare read it as it is)")
         api_key = overrides.pop("api_key", None)
-        cfg = JobConfig.model_validate({**stored, "jobs_dir": str(job_dir.parent), "job_name": job_dir.name})
+        cfg = JobSpec.model_validate({**stored, "jobs_dir": str(job_dir.parent), "job_name": job_dir.name})
         env = overrides.get("environment")
         if env is not None and env != cfg.environment:
             raise JobError(f"{job_dir} runs its trials with -e {cfg.environment}, not {env}: the "
                            "environment is part of a job's identity (start a new job to use another)")
         updates = {k: v for k, v in overrides.items() if v is not None}
-        return cls(JobConfig.model_validate({**cfg.model_dump(), **updates}), api_key=api_key)
+        return cls(JobSpec.model_validate({**cfg.model_dump(), **updates}), api_key=api_key)
 
     def plans(self) -> list[TrialPlan]:
         if self._plans is None:
@@ -244,7 +244,7 @@ class Job:
                     f"job {self.dir} already exists with a different configuration (agent, model, tasks, "
                     f"attempts or task contents differ). Use another --job-name, or `tmax bench resume "
                     f"{self.dir}` to continue it as it was.")
-            created = JobConfig.model_validate(existing.tmax_job).created_at
+            created = JobSpec.model_validate(existing.tmax_job).created_at
         else:
             created = now_iso()
         self.config.created_at = created

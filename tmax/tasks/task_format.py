@@ -119,7 +119,7 @@ class EnvironmentSection(_Section):
         return parse_size_mb(v)
 
 
-class TaskConfig(_Section):
+class TaskToml(_Section):
     version: str | None = None
     schema_version: str | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -140,7 +140,7 @@ def _field_path(loc: tuple) -> str:
     return parts[0] if parts else "(root)"
 
 
-def load_config(toml_path: Path) -> TaskConfig:
+def load_config(toml_path: Path) -> TaskToml:
     try:
         raw = tomllib.loads(toml_path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
@@ -148,7 +148,7 @@ def load_config(toml_path: Path) -> TaskConfig:
     except UnicodeDecodeError:
         raise TaskError(toml_path, "not UTF-8 text") from None
     try:
-        return TaskConfig.model_validate(raw)
+        return TaskToml.model_validate(raw)
     except ValidationError as e:
         err = e.errors()[0]
         msg = err["msg"].removeprefix("Value error, ")
@@ -165,7 +165,7 @@ def load_config(toml_path: Path) -> TaskConfig:
 class Task:
     name: str
     path: Path
-    config: TaskConfig
+    config: TaskToml
     instruction: str
 
     @property

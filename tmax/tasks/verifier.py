@@ -57,7 +57,7 @@ class VerifierKind(StrEnum):
 
 
 @dataclass
-class VerifierResult:
+class VerifierOutcome:
     reward: float | None
     kind: VerifierKind
     error: str | None = None
@@ -282,7 +282,7 @@ def _parse_verifier_output(out: str, tag: str) -> tuple[str | None, int | None, 
 
 
 def run_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path | None,
-                 timeout: float | None = None) -> VerifierResult:
+                 timeout: float | None = None) -> VerifierOutcome:
     """One exec unpacks tests/ (and the rewritten test.sh; carried in the exec itself when
     small, else copied in as one archive first), moves them to /tests, runs the script and
     prints the reward; /logs/verifier is copied out to `out_dir`
@@ -326,19 +326,19 @@ def run_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path | Non
     return _scored(rc, parse_reward(files.get("reward.txt"), files.get("reward.json")), res.duration_s)
 
 
-def _timed_out(timeout: float, rc: int | None, duration_s: float) -> VerifierResult:
-    return VerifierResult(None, VerifierKind.TIMEOUT, f"verifier exceeded timeout_sec={timeout:.0f}s", rc, duration_s)
+def _timed_out(timeout: float, rc: int | None, duration_s: float) -> VerifierOutcome:
+    return VerifierOutcome(None, VerifierKind.TIMEOUT, f"verifier exceeded timeout_sec={timeout:.0f}s", rc, duration_s)
 
 
-def _scored(rc: int | None, read: RewardRead, duration_s: float, logs: str = "/logs/verifier") -> VerifierResult:
+def _scored(rc: int | None, read: RewardRead, duration_s: float, logs: str = "/logs/verifier") -> VerifierOutcome:
     """test.sh ended on its own with exit status `rc`: its reward, or why there is none."""
     if rc == SETUP_FAILED_RC:
-        return VerifierResult(None, VerifierKind.SETUP_FAILED, "verifier setup failed (see verifier/test-stdout.txt)",
+        return VerifierOutcome(None, VerifierKind.SETUP_FAILED, "verifier setup failed (see verifier/test-stdout.txt)",
                               rc, duration_s)
     if read.reward is None:
         why = (read.error or "").replace("/logs/verifier", logs)
-        return VerifierResult(None, read.kind, f"{why} (test.sh exit {rc})", rc, duration_s)
-    return VerifierResult(read.reward, VerifierKind.OK, None, rc, duration_s)
+        return VerifierOutcome(None, read.kind, f"{why} (test.sh exit {rc})", rc, duration_s)
+    return VerifierOutcome(read.reward, VerifierKind.OK, None, rc, duration_s)
 
 
 def _host_verifier_command(tests: str, logs: str, timeout: float, tag: str, clean: str | None) -> str:
@@ -360,7 +360,7 @@ def _host_verifier_command(tests: str, logs: str, timeout: float, tag: str, clea
 
 
 def run_host_verifier(sandbox: Sandbox, task: Task, workdir: str, out_dir: Path | None,
-                      timeout: float | None = None) -> VerifierResult:
+                      timeout: float | None = None) -> VerifierOutcome:
     """The verifier on a host sandbox (`bwrap`, `local`), which has no private /tests or
     /logs: test.sh runs from a per-trial copy of `tests/` in a fresh directory under the
     sandbox's /tmp, with TMAX_WORKDIR / TMAX_TESTS_DIR / TMAX_LOGS_DIR saying where

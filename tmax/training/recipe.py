@@ -193,14 +193,14 @@ def sft_stage(cfg: LearnConfig, model_dir: str, prepared: PreparedTasks, out: Pa
 def heldout_eval(cfg: LearnConfig, engine: EngineGroup, held_dir: str, jobs_dir: Path, name: str, log: Log) -> HeldoutEval:
     """A `tmax bench` job (the `eval.harness` agent, else the harness trained under; trials
     in `eval.sandbox`) against the server of `engine` (a `training.cluster.actors.EngineGroup`)."""
-    from tmax.tasks.job import Job, JobConfig
+    from tmax.tasks.job import Job, JobSpec
 
     info = engine.info()
     harness = cfg.eval.harness or cfg.rollout.harness_for(0)
     # The training episodes' agent settings, with the eval section's sampling and step limit.
     kwargs = cfg.rollout.agent_only().model_dump(mode="json", exclude_none=True) | {
         "temperature": cfg.eval.temperature, "top_p": 1.0, "max_steps": cfg.eval.max_steps}
-    jc = JobConfig(job_name=name, jobs_dir=str(jobs_dir), dataset=held_dir, agent=harness, model=info["model"],
+    jc = JobSpec(job_name=name, jobs_dir=str(jobs_dir), dataset=held_dir, agent=harness, model=info["model"],
                    base_url=info["base_url"], agent_kwargs=kwargs, n_attempts=cfg.eval.attempts,
                    n_concurrent=cfg.eval.concurrency, environment=cfg.eval.sandbox, warm_ahead=cfg.eval.warm_ahead,
                    overlay=cfg.eval.overlay)

@@ -18,7 +18,7 @@ from typing import Callable
 from tmax.common.files import write_json_atomic
 from tmax.tasks.corpus.balance_report import SOLVE_DIR, success_rate
 from tmax.tasks.dataset import task_dirs
-from tmax.tasks.job import Job, JobConfig
+from tmax.tasks.job import Job, JobSpec
 from tmax.tasks.job_runner import Backend, JobItem, JobRunner, ResultFiles
 from tmax.tasks.task_format import Task, TaskError
 from tmax.tasks.scoring import TrialRow, pass_at_k
@@ -45,7 +45,7 @@ def solve_task(corpus: str, task: str, spec: str, api_key: str | None) -> dict:
     """k attempts of one task as a job item (plain arguments, so it runs on any node):
     a bench job of that task alone under `<corpus>/.tmax-solve/jobs/<tag>/`, which resumes
     its own trials; the summary is written where `report` reads it and returned."""
-    cfg = JobConfig.model_validate_json(spec).model_copy(update={"include": [task], "job_name": task})
+    cfg = JobSpec.model_validate_json(spec).model_copy(update={"include": [task], "job_name": task})
     job = Job(cfg, api_key=api_key)
     job.run(retry_infra=True)
     rows = [TrialRow.of(r) for r in job.results() if r.task_name == task]
@@ -64,7 +64,7 @@ def solve_corpus(corpus: Path, agent: str, k: int, *, model: str | None = None, 
     {task that does not load: why}): the others are solved all the same."""
     corpus = Path(corpus).expanduser().resolve()
     tag = solver_tag(agent, model)
-    cfg = JobConfig(job_name=tag, jobs_dir=str(corpus / SOLVE_DIR / "jobs" / tag), dataset=str(corpus), agent=agent,
+    cfg = JobSpec(job_name=tag, jobs_dir=str(corpus / SOLVE_DIR / "jobs" / tag), dataset=str(corpus), agent=agent,
                     model=model, base_url=base_url, agent_kwargs=agent_kwargs or {}, n_attempts=k,
                     n_concurrent=1, environment=environment)
     spec = cfg.model_dump_json()
