@@ -8,7 +8,8 @@ from pathlib import Path
 
 from tmax.agents.policy import TokenTrace, Usage
 from tmax.agents.rating import write_reward
-from tmax.agents.records import Recorder
+from tmax.common.records import RatingSource
+from tmax.agents.recorder import Recorder
 
 
 def write_session(root: Path, name: str, reward: float | None, *, sampled: int = 3, trace: TokenTrace | None = None,
@@ -25,7 +26,7 @@ def write_session(root: Path, name: str, reward: float | None, *, sampled: int =
     Recorder(d).save([{"role": "system", "content": "s"}], [], Usage(), 4, trace=trace)
     (d / "run.json").write_text(json.dumps({"model_dir": model_dir}))
     if reward is not None:
-        write_reward(d, reward, "user")
+        write_reward(d, reward, RatingSource.USER)
     return d
 
 

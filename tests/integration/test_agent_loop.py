@@ -18,7 +18,7 @@ from tmax.agents.harnesses import make_harness
 from tmax.agents.loop import Agent, AgentHooks
 from tmax.agents.prompts import FORMAT_ERROR_TEXT, SUBMIT_MARKER, SYSTEM_TEMPLATE
 from tmax.agents.agent_settings import AgentSettings
-from tmax.agents.records import load_run, Recorder
+from tmax.agents.recorder import load_run, Recorder
 
 SUBMIT = {"content": "THOUGHT: done.", "bash": f"echo {SUBMIT_MARKER}"}
 
@@ -115,7 +115,7 @@ def test_episode_good_bad_and_raw_calls_then_follow_up(kind, open_box, tmp_path)
                           "steps", "context_tokens", "context_window", "compactions"}
     assert usage["max_steps"] == 64 and usage["prompt_tokens"] > 0 and usage["steps"] == 10
     assert usage["context_window"] == 65536 and usage["compactions"] == 0
-    assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "submitted"
+    assert json.loads((tmp_path / "run" / "outcome.json").read_text())["status"] == "submitted"
     assert not (tmp_path / "run" / "tokens.json").exists()
 
 

@@ -247,7 +247,7 @@ def test_ctrl_c_then_quit(env, ws, tmp_path, spawn):
         assert len(srv.requests) == 1
     meta = json.loads((tmp_path / "run" / "run.json").read_text())
     assert meta["status"] == "interrupted"
-    assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "interrupted"
+    assert json.loads((tmp_path / "run" / "outcome.json").read_text())["status"] == "interrupted"
 
 
 def test_unknown_command_then_quit_at_the_approval_prompt(env, ws, tmp_path, spawn):

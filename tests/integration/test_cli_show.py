@@ -172,4 +172,4 @@ def test_show_a_run_saved_by_tmax_run(tmp_path):
         pos = found + len(item)
     data = json.loads(tmax("show", "--json", str(run_dir)).stdout)
     assert data["trajectory"] == json.loads((run_dir / "trajectory.json").read_text())
-    assert data["result"]["status"] == "submitted" and data["run"]["task"] == "count the words"
+    assert data["outcome"]["status"] == "submitted" and data["run"]["task"] == "count the words"

@@ -15,6 +15,7 @@ import torch
 from tiny_learner import grads, make_model_dir, sampled_batch
 from tmax.training.learner.learner import Learner, LearnerConfig
 from tmax.training.learner.packing import pack_samples
+from tmax.common.records import CheckpointExtra
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +96,7 @@ def _fsdp_rank(rank: int, port: int, model_dir: str, data: str, out: str) -> Non
                    if hasattr(v, "to_local")}
     weights1 = learner.named_weights()
     ckpt_dir = os.path.join(out, "ckpt")
-    learner.save(ckpt_dir, extra={"note": "fsdp"})
+    learner.save(ckpt_dir, extra=CheckpointExtra(config="fsdp"))
     optim1 = learner.dp.optimizer_state(learner.optimizer)
 
     resumed = Learner.load(ckpt_dir, cfg, data_parallel(ctx, "fsdp"))
@@ -110,7 +111,7 @@ def _fsdp_rank(rank: int, port: int, model_dir: str, data: str, out: str) -> Non
     result = dict(
         sharded=sharded, metrics1=metrics1, grads1=grads1, weights1=weights1, optim1=optim1,
         local_numel=sum(v.numel() for v in local_state.values()), full_numel=2 * learner.params[0].numel(),
-        step_resumed=step_resumed, extra_resumed=resumed.extra, optim_resumed=optim_resumed,
+        step_resumed=step_resumed, extra_resumed=resumed.extra.config, optim_resumed=optim_resumed,
         weights_resumed=weights_resumed, logprobs=logprobs,
         sharded_after_logprobs=sharded_after_logprobs, metrics2=metrics2,
         metrics2_resumed=metrics2_resumed, weights2=weights2, weights2_resumed=weights2_resumed,
@@ -209,7 +210,7 @@ def test_fsdp_checkpoint_is_the_full_model_and_optimizer(fsdp_run):
     for k, v in ref["weights1"].items():
         torch.testing.assert_close(saved[k], v, rtol=0, atol=1e-6, msg=k)
     state = ckpt.load_trainer_state(ckpt_dir)
-    assert state["step"] == 1 and state["extra"] == {"note": "fsdp"}
+    assert state["step"] == 1 and ckpt.checkpoint_meta(ckpt_dir).extra.config == "fsdp"
     # The same index-keyed layout a single process writes, with full tensors.
     want = ref["optim1"]
     assert state["optimizer"]["param_groups"] == want["param_groups"]
@@ -222,7 +223,7 @@ def test_fsdp_checkpoint_is_the_full_model_and_optimizer(fsdp_run):
 def test_fsdp_resume_restores_step_optimizer_and_weights(fsdp_run):
     r0, r1 = fsdp_run["ranks"]
     for r in (r0, r1):
-        assert r["step_resumed"] == 1 and r["extra_resumed"] == {"note": "fsdp"}
+        assert r["step_resumed"] == 1 and r["extra_resumed"] == "fsdp"
     assert r0["optim_resumed"]["param_groups"] == r0["optim1"]["param_groups"]
     assert set(r0["optim_resumed"]["state"]) == set(r0["optim1"]["state"]) != set()
     for idx, entry in r0["optim1"]["state"].items():

@@ -17,7 +17,7 @@ import pytest
 from documented import documented
 from tmax.agents.policy import Usage
 from tmax.agents.rating import read_reward
-from tmax.agents.records import Recorder
+from tmax.agents.recorder import Recorder
 from rated_sessions import sampled_by, write_session
 from tmax.training.runs_data import RATED_BASELINE, RatedStream, RunsDataError, accepted, load_runs
 
@@ -186,7 +186,7 @@ def test_a_compacted_session_trains_as_segments_with_the_sampled_tokens(nano_dir
     every sampled token of every segment. Then one `tmax learn --from-runs` step on them."""
     from transformers import AutoTokenizer
 
-    from tmax.agents.records import load_segments
+    from tmax.agents.recorder import load_segments
     from tmax.agents.tools import TOOLS
     from tmax.training.learner.learner import Learner, LearnerConfig
 
@@ -246,7 +246,7 @@ def test_a_session_many_times_the_window_of_the_served_nano_model_goes_on(nano_d
     vLLM's usage; --tokens counts with the tokenizer). It never ends at the window: the step
     limit ends it (exit 3), after compactions of which at most a quarter fail (a failed one
     changes nothing), each context starting with the task verbatim."""
-    from tmax.agents.records import load_segments
+    from tmax.agents.recorder import load_segments
 
     ws = tmp_path / "ws"
     ws.mkdir()

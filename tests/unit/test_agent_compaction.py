@@ -14,7 +14,7 @@ from tmax.agents.compaction import SUMMARY_HEADING, CompactionRecord, SessionCon
 from tmax.agents.harnesses import make_harness
 from tmax.agents.loop import Agent, AgentHooks
 from tmax.agents.prompts import SUBMIT_MARKER
-from tmax.agents.records import Recorder, load_run, load_segments
+from tmax.agents.recorder import Recorder, load_run, load_segments
 from tmax.agents.agent_settings import AgentSettings
 
 SUBMIT = {"content": "THOUGHT: done.", "bash": f"echo {SUBMIT_MARKER}"}

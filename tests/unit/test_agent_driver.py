@@ -18,7 +18,7 @@ from tmax.agents.driver import EpisodeDriver
 from tmax.agents.harnesses import make_harness
 from tmax.agents.agent_settings import AgentSettings
 from tmax.agents.prompts import SUBMIT_MARKER
-from tmax.agents.records import Recorder
+from tmax.agents.recorder import Recorder
 
 SUBMIT = {"content": "THOUGHT: done.", "bash": f"echo {SUBMIT_MARKER}"}
 
@@ -58,7 +58,7 @@ def test_the_deadline_interrupts_the_command_and_stops_the_loop(box, tmp_path):
     assert len(policy.requests) == 1 and result.steps == 1  # the loop asked for nothing more
     assert result.messages[-1]["content"].startswith("started") and "(exit_code=130)" in result.messages[-1]["content"]
     assert _gone(sleeper)
-    assert json.loads((tmp_path / "run" / "result.json").read_text())["status"] == "stopped"
+    assert json.loads((tmp_path / "run" / "outcome.json").read_text())["status"] == "stopped"
     assert box.run("echo alive", timeout=10).output.strip() == "alive"  # the shell survived
 
 

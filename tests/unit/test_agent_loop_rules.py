@@ -11,7 +11,8 @@ from tmax.agents.harnesses import make_harness
 from tmax.agents.loop import Agent, AgentHooks
 from tmax.agents.agent_settings import AgentSettings
 from tmax.agents.prompts import REJECTED_TOOL_TEXT, SUBMIT_MARKER
-from tmax.agents.records import Recorder, load_run
+from tmax.agents.recorder import Recorder, load_run
+from tmax.common.records import AgentStatus, EpisodeOutcome
 
 SUBMIT = {"content": "THOUGHT: done.", "bash": f"echo {SUBMIT_MARKER}"}
 
@@ -97,7 +98,7 @@ def test_resume_from_records(open_box, tmp_path):
     agent, _ = agent_for(policy, open_box(), tmp_path)
     assert agent.run("task").status == "submitted"
     saved = load_run(tmp_path / "run")
-    assert saved.result == {"status": "submitted", "steps": 2, "error": None}
+    assert saved.outcome == EpisodeOutcome(status=AgentStatus.SUBMITTED, steps=2, error=None)
     policy = ScriptedPolicy([{"bash": "echo again"}, SUBMIT])
     agent2, _ = agent_for(policy, open_box(), tmp_path)
     agent2.load(saved)

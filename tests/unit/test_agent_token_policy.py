@@ -271,7 +271,7 @@ def test_first_turn_overflow_raises(base_tokenizer):
 
 
 def test_records_include_tokens(base_tokenizer, box, tmp_path):
-    from tmax.agents.records import Recorder, load_run
+    from tmax.agents.recorder import Recorder, load_run
 
     tok = tokenizer_with(base_tokenizer, HERMES_TEMPLATE)
     policy = TokenPolicy(ScriptedSampler(tok, [hermes_call(f"echo {SUBMIT_MARKER}")]), tok)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tmax.agents.policy import TokenTrace
+from tmax.common.records import CHECKPOINT_META, CheckpointExtra
 from tmax.training.learner import checkpoint as ckpt
 from tmax.training.learner.learner import Learner, LearnerConfig
 from tmax.training.learner.packing import TrainSample
@@ -64,13 +65,13 @@ def test_round_trip_is_servable_hf_and_resumes_exactly(model_dir, tmp_path):
     learner = Learner(model_dir, cfg)
     learner.train_step(batch(0))
     learner.train_step(batch(1))
-    path = learner.save(ckpt.checkpoint_path(tmp_path / "run", learner.step), extra={"episode": 48, "seed": 3})
+    path = learner.save(ckpt.checkpoint_path(tmp_path / "run", learner.step), extra=CheckpointExtra(prompt_position=48, rated_position=3))
     # RNG state is saved: after loading, the next draws match the ones right after saving.
     expect_torch, expect_py = torch.rand(3), random.random()
     assert path.name == "step_2"
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", ckpt.STATE_PT, ckpt.STATE_JSON):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", ckpt.STATE_PT, CHECKPOINT_META):
         assert (path / name).is_file(), name
-    assert json.loads((path / ckpt.STATE_JSON).read_text())["extra"] == {"episode": 48, "seed": 3}
+    assert json.loads((path / CHECKPOINT_META).read_text())["extra"]["prompt_position"] == 48
 
     # The model directory alone is a plain HF checkpoint with its tokenizer and template.
     hf = AutoModelForCausalLM.from_pretrained(str(path))
@@ -85,7 +86,7 @@ def test_round_trip_is_servable_hf_and_resumes_exactly(model_dir, tmp_path):
     learner.train_step(batch(2))
     resumed = Learner.load(path, cfg)
     assert torch.equal(torch.rand(3), expect_torch) and random.random() == expect_py
-    assert resumed.step == 2 and resumed.extra == {"episode": 48, "seed": 3}
+    assert resumed.step == 2 and resumed.extra == CheckpointExtra(prompt_position=48, rated_position=3)
     resumed.train_step(batch(2))
     for (k, a), b in zip(learner.named_weights().items(), resumed.named_weights().values()):
         assert torch.allclose(a, b, atol=1e-7), k
@@ -99,16 +100,16 @@ def test_atomic_overwrite_failure_and_listing(model_dir, tmp_path):
     learner = Learner(model_dir, LearnerConfig(lr=1e-3))
     run = tmp_path / "run"
     for step in (1, 2, 10):
-        learner.save(ckpt.checkpoint_path(run, step), step=step, extra={"n": step})
+        learner.save(ckpt.checkpoint_path(run, step), step=step, extra=CheckpointExtra(prompt_position=step))
     # Overwriting a checkpoint replaces it whole and leaves no temp / old directories.
-    learner.save(ckpt.checkpoint_path(run, 10), step=10, extra={"n": "again"})
-    assert ckpt.load_trainer_state(ckpt.checkpoint_path(run, 10))["extra"] == {"n": "again"}
+    learner.save(ckpt.checkpoint_path(run, 10), step=10, extra=CheckpointExtra(prompt_position=99))
+    assert ckpt.checkpoint_meta(ckpt.checkpoint_path(run, 10)).extra.prompt_position == 99
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_1", "step_10", "step_2"]
     assert ckpt.latest_checkpoint(run).name == "step_10"  # numeric, not lexical, order
 
     # A failing save leaves nothing behind under the final name.
-    with pytest.raises(ValueError, match="JSON"):
-        learner.save(ckpt.checkpoint_path(run, 11), step=11, extra={"bad": object()})
+    with pytest.raises(ValueError, match="serialize"):  # an extra that cannot be written
+        learner.save(ckpt.checkpoint_path(run, 11), step=11, extra=CheckpointExtra.model_construct(config=object()))
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_1", "step_10", "step_2"]
 
     assert [p.name for p in ckpt.prune_checkpoints(run, keep=2)] == ["step_1"]
@@ -218,12 +219,12 @@ def test_resume_drops_a_killed_runs_cut_lines_and_steps_past_its_checkpoint(tmp_
     path = ckpt.checkpoint_path(run, 2)
     path.mkdir(parents=True)
     torch.save({"format": 1, "step": 2, "optimizer": {}}, path / ckpt.STATE_PT)
-    (path / ckpt.STATE_JSON).write_text(json.dumps({"step": 2, "extra": {"prompt_position": 5}}))
+    (path / CHECKPOINT_META).write_text(json.dumps({"step": 2, "extra": {"prompt_position": 5}}))
     # Killed during step 3's record, after step 3 was logged but before its checkpoint.
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.1}) + "\n" for s in (1, 2, 3))
                                        + '{"step": 4, "lo')
     (run / "rollouts.jsonl").write_text('{"group_id": 1}\n{"group_id": 2, "ids": [1, 2')
-    assert resume_point(run) == (2, {"prompt_position": 5}, str(path))
+    assert resume_point(run) == (2, CheckpointExtra(prompt_position=5), str(path))
     with MetricsSink(run) as sink:  # the resumed run appends step 3 again
         sink.log(3, {"loss": 0.2})
     assert [(r["step"], r["loss"]) for r in read_metrics(run / "metrics.jsonl")] == [(1, 0.1), (2, 0.1), (3, 0.2)]
@@ -244,7 +245,7 @@ def test_a_fresh_run_is_refused_where_a_run_trained_and_keeps_what_is_there(tmp_
         ckpt.refuse_fresh_run_over(run, resume=False)
     path = ckpt.checkpoint_path(run, 3)
     path.mkdir(parents=True)
-    (path / ckpt.STATE_JSON).write_text(json.dumps({"step": 3, "extra": {}}))
+    (path / CHECKPOINT_META).write_text(json.dumps({"step": 3, "extra": {}}))
     with pytest.raises(ConfigError, match=r"checkpoints up to step_3; continue it with --resume\): pass another --out"):
         ckpt.refuse_fresh_run_over(run, resume=False)
     ckpt.refuse_fresh_run_over(run, resume=True)

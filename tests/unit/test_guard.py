@@ -21,6 +21,7 @@ import torch
 from documented import documented
 from tmax.agents.policy import TokenTrace
 from tmax.training.guard import Detector, DetectorConfig, replay
+from tmax.common.records import CHECKPOINT_META, CheckpointExtra, GuardSummary
 from tmax.training.learner import checkpoint as ckpt
 from tmax.training.report import guard_report, health_metrics, read_metrics, reward_curve, run_summary
 from tmax.training.rollout import Rollout
@@ -308,7 +309,7 @@ def _fake_checkpoint(run_dir: Path, step: int) -> Path:
     p.mkdir(parents=True)
     torch.save({"format": 1, "step": step, "rng": ckpt.rng_state(), "optimizer": {"state": {}, "param_groups": []}},
                p / ckpt.STATE_PT)
-    (p / ckpt.STATE_JSON).write_text(json.dumps({"step": step, "extra": {"prompt_position": step}}))
+    (p / CHECKPOINT_META).write_text(json.dumps({"step": step, "extra": {"prompt_position": step}}))
     return p
 
 
@@ -325,7 +326,7 @@ def test_health_marks_steer_resume_and_pruning(tmp_path):
     # --resume never continues from a checkpoint the guard rolled back past.
     assert resume_point(tmp_path)[0] == 2
     assert ckpt.latest_checkpoint(tmp_path, healthy_only=True).name == "step_2"
-    with pytest.raises(ValueError, match="health mark"):
+    with pytest.raises(ValueError, match="not a valid HealthMark"):
         ckpt.mark_health(ckpt.checkpoint_path(tmp_path, 2), "fine")
     # Pruning to one keeps the newest, and the rollback target.
     removed = ckpt.prune_checkpoints(tmp_path, keep=1)
@@ -353,7 +354,7 @@ def test_learner_restores_a_checkpoint_in_place(tmp_path):
         return out
 
     learner.train_step(batch())
-    saved = learner.save(tmp_path / "ck", extra={"k": 1})
+    saved = learner.save(tmp_path / "ck", extra=CheckpointExtra(prompt_position=1))
     before = {k: v.clone() for k, v in learner.model.state_dict().items()}
     opt_before = learner.optimizer.state_dict()["state"][0]["exp_avg"].clone()
     learner.train_step(batch())
@@ -362,7 +363,7 @@ def test_learner_restores_a_checkpoint_in_place(tmp_path):
     assert learner.restore(saved, lr_scale=0.5) == 1
     assert all(torch.equal(before[k], v) for k, v in learner.model.state_dict().items())
     assert torch.equal(learner.optimizer.state_dict()["state"][0]["exp_avg"], opt_before)
-    assert learner.step == 1 and learner.extra == {"k": 1}
+    assert learner.step == 1 and learner.extra == CheckpointExtra(prompt_position=1)
     # The remedy scales the schedule: warmup step 2 of 4 at half the LR.
     assert learner.current_lr() == pytest.approx(1e-2 * 0.5 * 2 / 4)
 
@@ -388,11 +389,11 @@ def test_summary_report_and_curve_show_rollbacks(tmp_path):
     assert summ["steps"] == 5 and summ["updates"] == 7
     g = summ["guard"]
     assert (g["rollbacks"], g["steps_lost"], g["stopped"]) == (1, 2, False)
-    text = "\n".join(guard_report(summ))
+    text = "\n".join(guard_report(GuardSummary.model_validate(g)))
     assert "step 4: collapse (reward, identical) -> back to step 2, lower_lr (LR x0.5)" in text
     assert "reward 0.0 (baseline 0.5, limit +-0.2)" in text
     assert Path(reward_curve(path, tmp_path / "curve.png")).stat().st_size > 1000
-    assert guard_report({"guard": {"events": []}}) == ["collapse guard: no rollback"]
+    assert guard_report(GuardSummary()) == ["collapse guard: no rollback"]
 
 
 def test_cli_learn_report_lists_events_with_their_signals(tmp_path, monkeypatch):

@@ -21,6 +21,7 @@ from tmax.training.learner.lora import LoraSpec, init_adapter, merge, run_start 
 from tmax.training.learner.sft import sft_loss  # noqa: E402
 from tmax.training.inference.serving import vllm_max_rank  # noqa: E402
 from tmax.training.weights.adapter import AdapterError, adapter_base, is_adapter_dir  # noqa: E402
+from tmax.common.records import CheckpointExtra  # noqa: E402
 
 SPEC = LoraSpec(rank=4)
 # Adapter elements of the tiny model (hidden 64, 4 query and 2 KV heads of 32, MLP 128, 2
@@ -118,14 +119,14 @@ def test_checkpoint_is_a_peft_adapter_that_resumes_rolls_back_and_merges(model_d
     learner = Learner(model_dir, LearnerConfig(lr=1e-2, lora=SPEC))
     samples = sampled_batch(model_dir)
     learner.train_step(samples)
-    ckpt = learner.save(tmp_path / "step_1", step=1, extra={"prompt_position": 3})
+    ckpt = learner.save(tmp_path / "step_1", step=1, extra=CheckpointExtra(prompt_position=3))
     files = {p.name for p in ckpt.iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors", "trainer_state.pt", "trainer_state.json"} <= files
     assert "model.safetensors" not in files and is_adapter_dir(ckpt)
     assert adapter_base(ckpt) == model_dir.resolve() and json.loads((ckpt / "adapter_config.json").read_text())["r"] == 4
     want = learner.logprobs(samples)
     resumed = Learner.load(ckpt, LearnerConfig(lr=1e-2, lora=SPEC))
-    assert resumed.step == 1 and resumed.extra == {"prompt_position": 3}
+    assert resumed.step == 1 and resumed.extra == CheckpointExtra(prompt_position=3)
     assert max_diff(want, resumed.logprobs(samples)) == 0.0
     resumed.train_step(samples)  # away, then back: the collapse guard's rollback
     assert max_diff(want, resumed.logprobs(samples)) > 1e-4
@@ -148,7 +149,7 @@ def test_sft_through_the_learner_trains_and_exports_an_adapter(model_dir, tmp_pa
     samples = sft_batch()
     losses = [learner.train_step(samples, loss_fn=sft_loss)["loss/policy_avg"] for _ in range(8)]
     assert losses[-1] < 0.9 * losses[0], losses
-    out = learner.export(tmp_path / "sft", extra={"sft_steps": 8})
+    out = learner.export(tmp_path / "sft", extra=CheckpointExtra(sft_steps=8))
     assert is_adapter_dir(out) and "optimizer" not in torch.load(out / "trainer_state.pt", weights_only=True)
 
 

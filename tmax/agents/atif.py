@@ -139,17 +139,19 @@ def write_atif(run_dir: Path, *, agent_name: str, agent_version: str, model_name
     None when there is no run."""
     import os
 
-    from tmax.agents.records import MESSAGES, TRAJECTORY, load_run
+    from tmax.agents.recorder import load_run
     from tmax.common.files import write_json_atomic
+    from tmax.common.records import SessionDir
 
     run_dir = Path(run_dir)
-    if not (run_dir / TRAJECTORY).is_file() and not (run_dir / MESSAGES).is_file():
+    files = SessionDir(run_dir)
+    if not files.trajectory.is_file() and not files.messages.is_file():
         return None
     saved = load_run(run_dir)
-    extra = {"status": saved.result.get("status")} if saved.result else None
+    extra = {"status": str(saved.outcome.status)} if saved.outcome else None
     doc = to_atif(saved.messages, saved.timing, asdict(saved.usage), agent_name=agent_name,
                   agent_version=agent_version, model_name=model_name, session_id=session_id, tools=tools, extra=extra)
-    if not (run_dir / MESSAGES).is_file():
-        os.replace(run_dir / TRAJECTORY, run_dir / MESSAGES)
-    write_json_atomic(run_dir / TRAJECTORY, doc)
-    return run_dir / TRAJECTORY
+    if not files.messages.is_file():
+        os.replace(files.trajectory, files.messages)
+    write_json_atomic(files.trajectory, doc)
+    return files.trajectory

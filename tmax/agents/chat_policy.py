@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import openai
+
+if TYPE_CHECKING:
+    from openai.types import CompletionUsage
+    from openai.types.chat import ChatCompletion, ChatCompletionMessage
 
 from tmax.agents.parsing import message_from_text
 from tmax.agents.policy import DEFAULT_MODEL_TIMEOUT_S, ContextOverflow, FatalModelError, ModelError, ModelTurn, Usage
@@ -84,7 +88,7 @@ def map_openai_error(err: Exception) -> Exception:
     return err
 
 
-def _usage(raw: Any, prices: tuple[float, float] | None = None) -> Usage:
+def _usage(raw: CompletionUsage | None, prices: tuple[float, float] | None = None) -> Usage:
     if raw is None:
         return Usage()
     details = getattr(raw, "completion_tokens_details", None)
@@ -102,7 +106,7 @@ def _usage(raw: Any, prices: tuple[float, float] | None = None) -> Usage:
     return usage
 
 
-def _check_completion(response: Any, base_url: Any) -> None:
+def _check_completion(response: ChatCompletion | str, base_url: object) -> None:
     """A 200 is not always a chat completion: a proxy's HTML page comes back as text, and some
     servers put an error object in a 200. Neither gets better by asking again."""
     if isinstance(response, str):
@@ -248,7 +252,7 @@ class ChatPolicy:
             latency_s=latency,
         )
 
-    def _create(self, kwargs: dict[str, Any], cap: int) -> Any:
+    def _create(self, kwargs: dict[str, Any], cap: int) -> ChatCompletion:
         for attempt in range(3):
             kwargs["max_tokens"] = min(cap, self.fitted_max_tokens())
             try:
@@ -264,7 +268,7 @@ class ChatPolicy:
         raise AssertionError("unreachable")
 
     @staticmethod
-    def _message(msg: Any) -> dict[str, Any]:
+    def _message(msg: ChatCompletionMessage) -> dict[str, Any]:
         content = msg.content or ""
         calls = [
             {"id": tc.id, "type": "function", "function": {"name": tc.function.name, "arguments": tc.function.arguments}}

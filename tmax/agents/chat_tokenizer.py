@@ -13,10 +13,15 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jinja2.ext import Extension
+    from jinja2.nodes import Node
+    from jinja2.parser import Parser
 
 
-def _generation_extension() -> Any:
+def _generation_extension() -> type[Extension]:
     from jinja2 import nodes
     from jinja2.ext import Extension
 
@@ -26,7 +31,7 @@ def _generation_extension() -> Any:
 
         tags = {"generation"}
 
-        def parse(self, parser: Any) -> Any:
+        def parse(self, parser: Parser) -> Node:
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
             return nodes.Scope(body).set_lineno(lineno)
@@ -34,7 +39,8 @@ def _generation_extension() -> Any:
     return GenerationBlocks
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(x: object, ensure_ascii: bool = False, indent: int | str | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -44,7 +50,7 @@ def _raise(message: str) -> None:
     raise TemplateError(message)
 
 
-def _token_text(value: Any) -> str | None:
+def _token_text(value: str | dict[str, Any] | None) -> str | None:
     if isinstance(value, dict):  # an AddedToken written out in full
         return value.get("content")
     return value
@@ -79,7 +85,8 @@ class ChatTokenizer:
         self._template = env.from_string(template)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                            add_generation_prompt: bool = False, tokenize: bool = False, **kwargs: Any) -> Any:
+                            add_generation_prompt: bool = False, tokenize: bool = False,
+                            **kwargs: Any) -> str | list[int]:
         text = self._template.render(messages=messages, tools=tools, documents=None,
                                      add_generation_prompt=add_generation_prompt,
                                      **{**{k: v for k, v in self.special_tokens.items() if v is not None}, **kwargs})

@@ -45,7 +45,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from tmax.agents.fitting import Clip, TokenCounter, clip_message, clip_text
-from tmax.agents.policy import Compactable, ContextOverflow, FatalModelError, ModelError, ModelTurn, Usage
+from tmax.agents.policy import Compactable, ContextOverflow, FatalModelError, ModelError, ModelTurn, Policy, Usage
 from tmax.agents.prompts import render
 from tmax.agents.agent_settings import AgentSettings
 
@@ -215,7 +215,7 @@ class Compactor:
         self.counter = counter or TokenCounter()
         self._failed_at: int | None = None  # context tokens at the last failure
 
-    def window(self, policy: Any) -> int:
+    def window(self, policy: Policy) -> int:
         known = policy.context_window if isinstance(policy, Compactable) else None
         return min(self.settings.context_budget, known) if known else self.settings.context_budget
 
@@ -223,10 +223,10 @@ class Compactor:
         """The summary's max_tokens: at most an eighth of the window (at least SUMMARY_MIN_TOKENS)."""
         return min(self.settings.max_tokens, SUMMARY_MAX_TOKENS, max(SUMMARY_MIN_TOKENS, window // 8))
 
-    def active(self, policy: Any) -> bool:
+    def active(self, policy: Policy) -> bool:
         return self.settings.compaction and isinstance(policy, Compactable)
 
-    def due(self, policy: Any, used: int) -> bool:
+    def due(self, policy: Policy, used: int) -> bool:
         """Automatic compaction: on, possible with this policy, and the request past the threshold."""
         if not self.active(policy):
             return False
@@ -236,14 +236,14 @@ class Compactor:
             point = max(point, self._failed_at + RETRY_GROWTH * window)
         return used >= point
 
-    def use(self, policy: Any, used: int, compactions: int) -> ContextUse:
+    def use(self, policy: Policy, used: int, compactions: int) -> ContextUse:
         threshold = self.settings.compaction_threshold if self.settings.compaction else None
         return ContextUse(used, self.window(policy), threshold, compactions)
 
-    def _count(self, policy: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int:
+    def _count(self, policy: Policy, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int:
         return self.counter.count(policy, messages, tools).tokens
 
-    def observation_room(self, policy: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+    def observation_room(self, policy: Policy, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
                          ctx: SessionContext) -> int | None:
         """The most tokens one observation may take (None: compaction off, no limit): what a
         compacted context (system prompt, task, follow-ups, summary) leaves under the
@@ -255,7 +255,7 @@ class Compactor:
         room = int(self.settings.compaction_threshold * window) - fixed - self.summary_cap(window)
         return max(MIN_OBSERVATION_TOKENS, min(window // 2, room))
 
-    def too_large(self, policy: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+    def too_large(self, policy: Policy, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
                   ctx: SessionContext) -> str | None:
         """Why no compaction can make this context fit (the system prompt, the task and the
         follow-ups alone leave no room for a summary and a reply), or None when one can."""
@@ -277,7 +277,7 @@ class Compactor:
                 f"project instructions and the tools), the task and the follow-ups alone are about {total:,} tokens "
                 f"({listed}), leaving no room for a summary and a reply. The largest part is the {largest}: shorten it")
 
-    def compact(self, policy: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]], ctx: SessionContext,
+    def compact(self, policy: Policy, messages: list[dict[str, Any]], tools: list[dict[str, Any]], ctx: SessionContext,
                 used: int, *, step: int, reason: Literal["auto", "manual", "overflow"], focus: str | None,
                 ask: Callable[[list[dict[str, Any]], int], ModelTurn]) -> Outcome:
         """Summarise and rebuild; `ask(messages, max_tokens)` is the summary call (with the
@@ -319,8 +319,9 @@ class Compactor:
         new_ctx.compactions.append(record)
         return Outcome(record, rebuilt, new_ctx, summariser.usage)
 
-    def _fit_shorter(self, policy: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
-                     ctx: SessionContext, record: CompactionRecord) -> Any:
+    def _fit_shorter(self, policy: Policy, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+                     ctx: SessionContext, record: CompactionRecord,
+                     ) -> tuple[list[dict[str, Any]], SessionContext, int, tuple[int, bool]] | None:
         """`_fit` with the summary cut (head and tail kept) until the rebuilt context fits,
         as long as some of it stays; the record gets the summary as kept and lists the cut.
         None: it never fits."""
@@ -340,7 +341,7 @@ class Compactor:
                 return fitted
         return None
 
-    def _fit(self, policy: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]], ctx: SessionContext,
+    def _fit(self, policy: Policy, messages: list[dict[str, Any]], tools: list[dict[str, Any]], ctx: SessionContext,
              summary: str) -> tuple[list[dict[str, Any]], SessionContext, int, tuple[int, bool]] | None:
         """The rebuilt context with the most kept turns that leave room, or None when even
         none fits under the threshold (or, where the system prompt, the task and the
@@ -367,7 +368,7 @@ class _Summariser:
     each piece's call holding the summary so far, the last one's answer the summary. A
     request the server still refuses as too long is rebuilt smaller (SUMMARY_ATTEMPTS)."""
 
-    def __init__(self, compactor: Compactor, policy: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+    def __init__(self, compactor: Compactor, policy: Policy, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
                  ctx: SessionContext, focus: str | None, ask: Callable[[list[dict[str, Any]], int], ModelTurn]) -> None:
         self.compactor, self.policy, self.messages, self.tools, self.ctx = compactor, policy, messages, tools, ctx
         self.prompt = {"role": "user", "content": summary_prompt(focus)}

@@ -32,7 +32,8 @@ from tmax.agents.harness import Harness
 from tmax.agents.loop import Agent, AgentHooks, AgentResult
 from tmax.agents.agent_settings import AgentSettings
 from tmax.agents.policy import Policy, Usage
-from tmax.agents.records import Recorder, SavedRun
+from tmax.agents.recorder import Recorder, SavedRun
+from tmax.common.records import AgentStatus
 from tmax.sandbox.base import Sandbox
 
 ABANDON_GRACE_S = 60.0  # a model call still running this long after the deadline is left behind
@@ -45,7 +46,7 @@ class EpisodeResult:
     """How one drive of the loop ended. `status` is the loop's (`AgentResult.status`), or
     `abandoned` when a model call outlived the deadline and its grace."""
 
-    status: str
+    status: AgentStatus
     steps: int
     usage: Usage
     messages: list[dict[str, Any]] = field(default_factory=list)
@@ -65,7 +66,7 @@ class EpisodeResult:
 
     @property
     def abandoned(self) -> bool:
-        return self.status == "abandoned"
+        return self.status == AgentStatus.ABANDONED
 
 
 def turn_outcome(record: dict[str, Any]) -> str:
@@ -214,7 +215,7 @@ class EpisodeDriver:
         stopped = {"timed_out": self._why == "deadline", "cancelled": self._why == "cancel"}
         if result is None:
             error = f"the model call did not return within {self.grace_s:g} s after the deadline"
-            return EpisodeResult("abandoned", self.agent.steps, replace(self.agent.usage), list(self.agent.messages),
+            return EpisodeResult(AgentStatus.ABANDONED, self.agent.steps, replace(self.agent.usage), list(self.agent.messages),
                                  error, **stopped, **split)
         return EpisodeResult(result.status, result.steps, result.usage, result.messages, result.error,
                              **stopped, **split)
@@ -229,5 +230,5 @@ class EpisodeDriver:
     def __enter__(self) -> EpisodeDriver:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -21,6 +21,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from tmax.agents.policy import Policy
+
 UNCALIBRATED_CHARS_PER_TOKEN = 2.0
 # No tokenizer makes fewer than one or more than ten JSON characters a token: a ratio outside
 # these comes from a server whose usage counts something else, and is bounded.
@@ -61,7 +63,7 @@ class TokenCounter:
     def ratio(self) -> float:
         return (self.chars_per_token or UNCALIBRATED_CHARS_PER_TOKEN) / ESTIMATE_MARGIN
 
-    def count(self, policy: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> TokenCount:
+    def count(self, policy: Policy, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> TokenCount:
         counter = getattr(policy, "count_tokens", None)
         exact = counter(messages, tools) if counter is not None else None
         if exact is not None:
@@ -72,7 +74,7 @@ class TokenCounter:
         """The conversation was replaced (a compaction, a resumed session): no reported context to extend."""
         self._reported = None
 
-    def next_request(self, policy: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> TokenCount:
+    def next_request(self, policy: Policy, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> TokenCount:
         """The size of the conversation's next request: counted exactly where the policy can;
         else the last reported context plus an estimate of the messages added since."""
         whole = self.count(policy, messages, tools)

@@ -48,9 +48,10 @@ from tmax.agents.observation import ObservationLimits
 from tmax.agents.parsing import Action
 from tmax.agents.policy import Compactable, ContextOverflow, FatalModelError, ModelError, ModelTurn, Policy, Usage
 from tmax.agents.prompts import REJECTED_TOOL_TEXT, render
-from tmax.agents.records import Recorder, SavedRun, save_output
+from tmax.agents.recorder import Recorder, SavedRun, save_output
 from tmax.agents.agent_settings import AgentSettings
 from tmax.sandbox.base import CommandResult, Sandbox, SandboxError
+from tmax.common.records import AgentStatus
 from tmax.common.waiting import retry_call
 
 INTERRUPT_TEMPLATE = "The user interrupted you and says: {{guidance}}"
@@ -93,9 +94,7 @@ class AgentHooks:
 
 @dataclass
 class AgentResult:
-    # submitted | max_steps | context_overflow | format_errors | model_error | interrupted
-    # | sandbox_error | stopped
-    status: str
+    status: AgentStatus
     steps: int
     usage: Usage
     messages: list[dict[str, Any]]
@@ -104,7 +103,7 @@ class AgentResult:
 
 @dataclass
 class _Outcome:
-    status: str
+    status: AgentStatus
     error: str | None = None
 
 
@@ -240,7 +239,7 @@ class Agent:
             why = f"{why} (compaction failed: {record.error})"
         too_large = self.compactor.too_large(self.policy, self.messages, self.tools, self.context) \
             if self.compactor.active(self.policy) else None
-        return _Outcome("context_overflow", f"{why}; {too_large}" if too_large else why)
+        return _Outcome(AgentStatus.CONTEXT_OVERFLOW, f"{why}; {too_large}" if too_large else why)
 
     def _aside(self, messages: list[dict[str, Any]], max_tokens: int) -> ModelTurn:
         cfg, policy = self.config, self.policy
@@ -269,13 +268,13 @@ class Agent:
         retried = False  # this turn was already retried after an overflow
         while True:
             if self.stop.is_set():
-                return _Outcome("stopped")
+                return _Outcome(AgentStatus.STOPPED)
             if episode_steps >= cfg.max_steps:
-                return _Outcome("max_steps")
+                return _Outcome(AgentStatus.MAX_STEPS)
             self._compact_if_due()
             guard = not getattr(self.policy, "enforces_context_budget", False)
             if guard and self._last_context_tokens >= cfg.context_budget:
-                return _Outcome("context_overflow", f"context budget of {cfg.context_budget} tokens used")
+                return _Outcome(AgentStatus.CONTEXT_OVERFLOW, f"context budget of {cfg.context_budget} tokens used")
             step = self.steps + 1
             self.hooks.on_step_start(step)
             t0 = time.monotonic()
@@ -283,7 +282,7 @@ class Agent:
                 turn = self._query()
             except KeyboardInterrupt:
                 if not self._guidance():
-                    return _Outcome("interrupted")
+                    return _Outcome(AgentStatus.INTERRUPTED)
                 continue
             except ContextOverflow as e:
                 ended = self._overflowed(e, retried)
@@ -292,9 +291,9 @@ class Agent:
                 retried = True
                 continue
             except FatalModelError as e:
-                return _Outcome("model_error", str(e))
+                return _Outcome(AgentStatus.MODEL_ERROR, str(e))
             except ModelError as e:
-                return _Outcome("model_error", f"giving up after {cfg.retries} attempts: {e}")
+                return _Outcome(AgentStatus.MODEL_ERROR, f"giving up after {cfg.retries} attempts: {e}")
             llm_s = time.monotonic() - t0
             retried = False
             self.steps = step
@@ -306,7 +305,7 @@ class Agent:
             if self.compactor.active(self.policy):
                 self._last_context_tokens = self._last_context_tokens or self.request_tokens()
             if self.stop.is_set():  # the answer came after the stop: nothing of it runs
-                return _Outcome("stopped")
+                return _Outcome(AgentStatus.STOPPED)
 
             message = dict(turn.message)
             action = self.harness.parse(message)
@@ -316,7 +315,7 @@ class Agent:
                 format_errors += 1
                 self._format_error(step, message, action, llm_s)
                 if format_errors >= cfg.max_format_errors:
-                    return _Outcome("format_errors", f"{format_errors} format errors in a row")
+                    return _Outcome(AgentStatus.FORMAT_ERRORS, f"{format_errors} format errors in a row")
                 continue
             format_errors = 0
             # Only the first call is answered; drop the rest so the history stays valid.
@@ -350,7 +349,7 @@ class Agent:
             self.messages.append({"role": "user", "content": render(REJECTION_TEMPLATE, feedback=rejection)})
         self.timing.append({"step": step, "llm_s": round(llm_s, 3), "rejected": True, "cmd": action.command[:200]})
         self._save()
-        return _Outcome("interrupted") if quit_ and not self._guidance() else False
+        return _Outcome(AgentStatus.INTERRUPTED) if quit_ and not self._guidance() else False
 
     def _act(self, step: int, action: Action, llm_s: float, episode_steps: int, started: float) -> "_Outcome | None":
         """Run the approved command and answer the call; an outcome when the episode ends."""
@@ -360,7 +359,7 @@ class Agent:
             result, interrupted = self._execute(action)
         except SandboxError as e:
             self.timing.append({"step": step, "llm_s": round(llm_s, 3), "sandbox_error": str(e)[:200], "cmd": action.command[:200]})
-            return _Outcome("sandbox_error", str(e))
+            return _Outcome(AgentStatus.SANDBOX_ERROR, str(e))
         limits = self._observation_limits()
         observation, finished = self.harness.observe(action, result, limits)
         total = len(result.output or "") + len(result.stderr or "") + result.dropped_chars
@@ -378,8 +377,8 @@ class Agent:
         self._save()
         if interrupted:
             # The user stopped this command; their guidance (if any) comes before any submit.
-            return None if self._guidance() else _Outcome("interrupted")
-        return _Outcome("submitted") if finished else None
+            return None if self._guidance() else _Outcome(AgentStatus.INTERRUPTED)
+        return _Outcome(AgentStatus.SUBMITTED) if finished else None
 
     def _observation_limits(self) -> ObservationLimits:
         """What the model may see of an output: the configured limits, or less where a

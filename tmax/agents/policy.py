@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from tmax.common.records import UsageRecord
+
 
 # A model request that has not answered in 10 minutes is stuck (a 16k-token reply at 30
 # tokens/s takes 9); the loop retries it like any other transient error.
@@ -62,11 +64,11 @@ class Usage:
         return self.total_tokens or (self.prompt_tokens + self.completion_tokens)
 
     @classmethod
-    def from_record(cls, record: dict[str, Any]) -> "Usage":
-        """The totals of a saved `usage.json` (its other keys ignored)."""
-        return cls(**{k: int(record.get(k) or 0) for k in ("prompt_tokens", "completion_tokens", "total_tokens",
-                                                            "reasoning_tokens")},
-                   cost_usd=float(record.get("cost_usd") or 0.0))
+    def from_record(cls, record: UsageRecord) -> "Usage":
+        """The totals of a saved `usage.json`."""
+        return cls(prompt_tokens=record.prompt_tokens, completion_tokens=record.completion_tokens,
+                   total_tokens=record.total_tokens, reasoning_tokens=record.reasoning_tokens,
+                   cost_usd=record.cost_usd)
 
 
 @dataclass

@@ -6,35 +6,29 @@ exits 0, else 0.0); `training.runs_data` reads it back.
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
-from typing import Any
 
-from tmax.common.files import write_json_atomic
-
-REWARD = "reward.json"
+from tmax.common.records import Rating, RatingSource, RecordError, SessionDir, read_record, write_record
+from tmax.sandbox.base import Sandbox
 
 
-def write_reward(run_dir: str | Path, reward: float, source: str, **detail: Any) -> dict[str, Any]:
-    """Record (or replace) the session's reward; `source` says who gave it (user | verify)."""
-    record = {"reward": float(reward), "source": source, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **detail}
-    write_json_atomic(Path(run_dir) / REWARD, record)
+def write_reward(run_dir: str | Path, reward: float, source: RatingSource, *, command: str | None = None,
+                 exit_code: int | None = None, output: str | None = None) -> Rating:
+    """Record (or replace) the session's reward; `source` says who gave it."""
+    record = Rating(reward=float(reward), source=source, command=command, exit_code=exit_code, output=output)
+    write_record(SessionDir(Path(run_dir)).reward, record)
     return record
 
 
 def read_reward(run_dir: str | Path) -> float | None:
     """The stored reward, or None when the session was never rated."""
-    path = Path(run_dir) / REWARD
+    path = SessionDir(Path(run_dir)).reward
     if not path.is_file():
         return None
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))["reward"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path} is not a reward record: {e}") from None
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"{path}: reward must be a number, got {value!r}")
-    return float(value)
+        return read_record(path, Rating).reward
+    except RecordError as e:
+        raise ValueError(f"{e} (the reward must be a number)") from None
 
 
 RATINGS = {"/good": 1.0, "/bad": 0.0}
@@ -44,13 +38,13 @@ VERIFY_TIMEOUT_S = 600.0
 def rate(run_dir: str | Path, word: str) -> str:
     """`/good` or `/bad`: store the reward; returns the line to show."""
     reward = RATINGS[word]
-    write_reward(run_dir, reward, "user")
-    return f"Session rated {word[1:]} (reward {reward:g}), saved in {Path(run_dir) / REWARD}."
+    write_reward(run_dir, reward, RatingSource.USER)
+    return f"Session rated {word[1:]} (reward {reward:g}), saved in {SessionDir(Path(run_dir)).reward}."
 
 
-def verify(box: Any, command: str, run_dir: str | Path, timeout: float = VERIFY_TIMEOUT_S) -> dict[str, Any]:
+def verify(box: Sandbox, command: str, run_dir: str | Path, timeout: float = VERIFY_TIMEOUT_S) -> Rating:
     """Run `command` in the sandbox (outside the agent's shell); exit status 0 is reward 1."""
     result = box.exec(["bash", "-c", command], timeout=timeout)
     reward = 1.0 if result.exit_code == 0 else 0.0
-    return write_reward(run_dir, reward, "verify", command=command, exit_code=result.exit_code,
+    return write_reward(run_dir, reward, RatingSource.VERIFY, command=command, exit_code=result.exit_code,
                         output=(result.output + result.stderr)[-2000:])

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tmax.agents.tools import TOOLS
+from tmax.common.records import SessionDir
 
 _KEEP = ("role", "content", "tool_calls", "tool_call_id", "reasoning_content")
 
@@ -40,9 +41,9 @@ def hf_message(message: dict[str, Any]) -> dict[str, Any]:
 
 def session_dirs(path: Path) -> list[Path]:
     """`path` itself when it is a run directory, else every run directory below it, sorted."""
-    if (path / "trajectory.json").is_file():
+    if SessionDir(path).trajectory.is_file():
         return [path]
-    return sorted(p.parent for p in path.rglob("trajectory.json"))
+    return sorted(p.parent for p in path.rglob(SessionDir(path).trajectory.name))
 
 
 def export_line(messages: list[dict[str, Any]]) -> str:

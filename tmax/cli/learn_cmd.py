@@ -29,6 +29,7 @@ from tmax.cli.missing_extra import exit_if_extra_missing
 from tmax.cli.options import FlagValues, option_parameter, setting_flags
 from tmax.cli.options import print_config as print_config_lines
 from tmax.training.config import PRESETS, LearnConfig
+from tmax.common.records import GuardSummary, LearnRunDir
 
 if TYPE_CHECKING:
     from tmax.training.recipe import RecipeResult
@@ -162,12 +163,14 @@ def learn(
 
 
 def _guard_verdict(summary: dict) -> None:
-    """The collapse guard's events; a run the guard stopped exits 1."""
+    """The collapse guard's events (`training.report.run_summary`'s `guard`); a run the guard
+    stopped exits 1."""
     from tmax.training.report import guard_report
 
-    for line in guard_report(summary):
+    guard = GuardSummary.model_validate(summary["guard"])
+    for line in guard_report(guard):
         _echo(line)
-    if (summary.get("guard") or {}).get("stopped"):
+    if guard.stopped:
         raise typer.Exit(1)
 
 
@@ -230,7 +233,7 @@ def nano(
     if as_json:
         typer.echo(res.model_dump_json())
     else:
-        _echo(recipe_line(res, run_dir / "recipe.json"))
+        _echo(recipe_line(res, LearnRunDir(run_dir).recipe))
 
 
 def recipe_line(res: RecipeResult, path: Path) -> str:

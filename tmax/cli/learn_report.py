@@ -56,5 +56,5 @@ def render(r: RunReport) -> list[str]:
                      f"{_num(t.learner_tokens_per_s, 'learner tokens/s')}")
     else:
         lines.append("RL: no step logged")
-    lines += guard_report({"guard": r.guard.model_dump()})
+    lines += guard_report(r.guard)
     return lines

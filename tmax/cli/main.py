@@ -8,6 +8,7 @@ import importlib
 import warnings
 from typing import Any
 
+import click
 import typer
 from typer.core import TyperGroup
 
@@ -24,17 +25,17 @@ class LazyCommands(TyperGroup):
     """A group whose sub-commands are imported on first use. A command that needs an extra
     the install lacks ends with one line naming it (exit 2), not a traceback."""
 
-    def invoke(self, ctx: Any) -> Any:
+    def invoke(self, ctx: click.Context) -> object:
         try:
             return super().invoke(ctx)
         except ModuleNotFoundError as e:
             exit_if_extra_missing(e, f"tmax {ctx.invoked_subcommand or ''}".strip())
             raise
 
-    def list_commands(self, ctx: Any) -> list[str]:
+    def list_commands(self, ctx: click.Context) -> list[str]:
         return [*super().list_commands(ctx), *(n for n in COMMANDS if n not in self.commands)]
 
-    def get_command(self, ctx: Any, name: str) -> Any:
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in self.commands and name in COMMANDS:
             holder = typer.Typer()
             importlib.import_module(f"tmax.cli.{COMMANDS[name]}").register(holder)
@@ -68,7 +69,7 @@ def _show_notes() -> None:
     if getattr(python_way, "tmax_notes", False):
         return
 
-    def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+    def show(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
         if issubclass(category, RenamedSettingWarning):
             typer.echo(f"tmax: note: {message}", err=True)
         else:

@@ -5,10 +5,10 @@ with their ETA and key figures (at a terminal; a log gets a line per step instea
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TaskID, TextColumn,
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TaskID, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.text import Text
 
@@ -74,7 +74,7 @@ def learn_progress(bars: bool, log: Callable[[str], None] | None = None) -> Lear
 
 
 class _TasksPerHour(ProgressColumn):
-    def render(self, task: Any) -> Text:
+    def render(self, task: Task) -> Text:
         return Text(f"{task.speed * 3600:.0f} tasks/h" if task.speed else "-- tasks/h", style="cyan")
 
 

@@ -5,14 +5,27 @@ through the task and its follow-ups, verify, and report."""
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tmax.cli.run_settings import RunSettings, data_dir, default_run_dir
 from tmax.cli.run_hooks import InteractiveHooks, JsonHooks, emit, usage_dict
 from tmax.cli.run_setup import EXIT_CODES, EXIT_USAGE, RESUME_NOTE
+from tmax.common.records import AgentStatus, InstructionSource, RunRecord, SessionDir, now_stamp, write_record
+
+if TYPE_CHECKING:
+    from tmax.agents.compaction import CompactionRecord, ContextUse
+    from tmax.agents.driver import EpisodeDriver, EpisodeResult
+    from tmax.agents.instructions import Instructions
+    from tmax.agents.policy import Policy, Usage
+    from tmax.agents.recorder import SavedRun
+    from tmax.cli.run_session import RunSession
+    from tmax.agents.agent_settings import AgentSettings
+    from tmax.cli.run_tokens import TokenSetup
+    from tmax.cli.run_undo import UndoControl
+    from tmax.cli.ui import Display, Prompter
+    from tmax.sandbox.base import Sandbox, SandboxSpec
 
 
 @dataclass
@@ -20,38 +33,37 @@ class RunRequest:
     """Everything `tmax run` was asked to do, checked."""
 
     settings: RunSettings
-    spec: Any  # sandbox.base.SandboxSpec
+    spec: SandboxSpec
     task: str | None
     json_mode: bool
-    saved: Any  # agents.records.SavedRun to continue, or None
+    saved: SavedRun | None  # the session to continue
     resume: Path | None
     output: Path | None
     harness: str = "tmax"
     undo_steps: int = 0
-    token_setup: Any = None  # tmax.cli.run_tokens.TokenSetup with --tokens
+    token_setup: TokenSetup | None = None  # with --tokens
     verify: str | None = None
-    instructions: Any = None  # agents.instructions.Instructions for the system prompt, or None
+    instructions: Instructions | None = None  # for the system prompt
 
 
 @dataclass
-class RunRecord:
-    """`run.json`: the CLI's own record of the session (result.json, written by the agent,
-    has the outcome per episode). "running" until `finish`, which every exit reaches."""
+class RunFile:
+    """`run.json` (`common.records.RunRecord`): the CLI's own record of the session (the
+    agent's outcome.json has the outcome per episode). "running" until `finish`, which every
+    exit reaches."""
 
     run_dir: Path
-    meta: dict[str, Any] = field(default_factory=dict)
+    record: RunRecord
 
-    def write(self, **fields: Any) -> None:
-        from tmax.common.files import write_json_atomic
+    def write(self, **fields: object) -> None:
+        self.record = self.record.model_copy(update=fields)
+        write_record(SessionDir(self.run_dir).run, self.record)
 
-        self.meta.update(fields)
-        write_json_atomic(self.run_dir / "run.json", self.meta)
-
-    def finish(self, status: str, error: str | None, steps: int) -> None:
-        self.write(status=status, error=error, steps=steps, finished_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    def finish(self, status: AgentStatus, error: str | None, steps: int) -> None:
+        self.write(status=AgentStatus(status), error=error, steps=steps, finished_at=now_stamp())
 
 
-def _display(json_mode: bool) -> Any:
+def _display(json_mode: bool) -> Display:
     from rich.console import Console
 
     from tmax.cli.ui import Display
@@ -65,21 +77,21 @@ class _Talk:
     """What the run talks through: the screen, the line reader (None with --json), the stop
     flag SIGTERM and quits set, and the episode driver once the sandbox is up."""
 
-    display: Any
-    prompter: Any
+    display: Display
+    prompter: Prompter | None
     stopping: threading.Event = field(default_factory=threading.Event)
-    driver: Any = None  # agents.driver.EpisodeDriver
+    driver: EpisodeDriver | None = None
 
-    def usage(self) -> Any:
+    def usage(self) -> Usage:
         from tmax.agents.policy import Usage
 
         return self.driver.usage if self.driver is not None else Usage()
 
-    def context(self) -> Any:
+    def context(self) -> ContextUse | None:
         """How full the context window is (`agents.compaction.ContextUse`), once the driver is up."""
         return self.driver.context_use if self.driver is not None else None
 
-    def compact(self, focus: str | None) -> Any:
+    def compact(self, focus: str | None) -> CompactionRecord | None:
         return self.driver.compact(focus) if self.driver is not None else None
 
     @property
@@ -87,7 +99,8 @@ class _Talk:
         return self.driver.steps if self.driver is not None else 0
 
 
-def _hooks(run: RunRequest, talk: _Talk, run_dir: Path, config: Any, undo: Any) -> Any:
+def _hooks(run: RunRequest, talk: _Talk, run_dir: Path, config: AgentSettings,
+           undo: UndoControl | None) -> JsonHooks | InteractiveHooks:
     if run.json_mode:
         return JsonHooks(talk.usage, run_dir, config.observation_max_chars, context=talk.context)
     from tmax.agents.rating import rate
@@ -98,16 +111,17 @@ def _hooks(run: RunRequest, talk: _Talk, run_dir: Path, config: Any, undo: Any) 
                             compact=talk.compact)
 
 
-def _ask_task(run: RunRequest, prompter: Any) -> str:
+def _ask_task(run: RunRequest, prompter: Prompter | None) -> str:
     if run.task or run.json_mode:
         return run.task or ""
     try:
+        assert prompter is not None  # there is one unless --json
         return prompter.ask("Follow-up for the resumed session > " if run.saved else "Task > ").strip()
     except (EOFError, KeyboardInterrupt):
         return ""
 
 
-def _policy(run: RunRequest, config: Any) -> Any:
+def _policy(run: RunRequest, config: AgentSettings) -> Policy:
     if run.token_setup is not None:
         return run.token_setup.policy(config)
     from tmax.agents.chat_policy import ChatPolicy
@@ -137,17 +151,17 @@ def drive(run: RunRequest) -> int:
         display.error(f"cannot create the trajectory directory {run_dir}: {e}")
         return EXIT_USAGE
     s = run.settings
-    record = RunRecord(run_dir, {
-        "task": task, "model": s.model, "harness": run.harness, "base_url": s.base_url, "sandbox": s.sandbox,
-        "mode": s.mode, "workdir": run.spec.workdir, "resumed_from": str(run.resume.resolve()) if run.resume else None,
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "status": "running",
-        "instructions": [vars(src) for src in run.instructions.sources] if run.instructions else [],
-    })
+    record = RunFile(run_dir, RunRecord(
+        task=task, model=s.model, harness=run.harness, base_url=s.base_url, sandbox=s.sandbox, mode=s.mode,
+        workdir=run.spec.workdir, resumed_from=str(run.resume.resolve()) if run.resume else None,
+        started_at=now_stamp(), status=AgentStatus.RUNNING,
+        instructions=[InstructionSource(**vars(src)) for src in run.instructions.sources] if run.instructions else [],
+    ))
     record.write()
     if run.instructions is not None:  # what was added to the system prompt (trajectory.json holds it too)
         from tmax.common.files import write_text_atomic
 
-        write_text_atomic(run_dir / "instructions.md", run.instructions.text)
+        write_text_atomic(SessionDir(run_dir).instructions, run.instructions.text)
     status, error = _session(run, task, run_dir, record, talk)
     record.finish(status, error, talk.steps)
     code = EXIT_CODES.get(status, 1)
@@ -161,7 +175,7 @@ def drive(run: RunRequest) -> int:
     return code
 
 
-def _announce(run: RunRequest, display: Any, run_dir: Path) -> None:
+def _announce(run: RunRequest, display: Display, run_dir: Path) -> None:
     s = run.settings
     threshold = s.agent.compaction_threshold if s.agent.compaction else None
     if run.json_mode:
@@ -178,13 +192,14 @@ def _announce(run: RunRequest, display: Any, run_dir: Path) -> None:
         display.info("Enter runs a command, text rejects it with feedback, /y: yolo, /c: confirm, Ctrl-C: interrupt.")
 
 
-def _session(run: RunRequest, task: str, run_dir: Path, record: RunRecord, talk: _Talk) -> tuple[str, str | None]:
+def _session(run: RunRequest, task: str, run_dir: Path, record: RunFile,
+             talk: _Talk) -> tuple[AgentStatus, str | None]:
     """Open the sandbox, drive the agent; (status, error) whatever happens."""
     from tmax.agents.harnesses import make_harness
     from tmax.cli.run_session import RunSession
     from tmax.sandbox.base import SandboxError
 
-    status, error = "sandbox_error", None
+    status, error = AgentStatus.SANDBOX_ERROR, None
     display = talk.display
     try:
         config = run.settings.agent
@@ -203,20 +218,20 @@ def _session(run: RunRequest, task: str, run_dir: Path, record: RunRecord, talk:
         if session.close_error:
             display.warn(session.close_error)
     except SandboxError as e:
-        status, error = "sandbox_error", f"sandbox failure (infrastructure, not the agent): {e}"
+        status, error = AgentStatus.SANDBOX_ERROR, f"sandbox failure (infrastructure, not the agent): {e}"
     except KeyboardInterrupt:
-        status, error = "interrupted", "interrupted by the user"
+        status, error = AgentStatus.INTERRUPTED, "interrupted by the user"
     except Exception as e:  # a defect, not the agent's or the sandbox's doing: still a final record
         import traceback
 
         traceback.print_exc()
-        status, error = "internal_error", f"tmax failed: {type(e).__name__}: {e}"
+        status, error = AgentStatus.INTERNAL_ERROR, f"tmax failed: {type(e).__name__}: {e}"
     finally:
         display.stop_spinner()
     return status, error
 
 
-def _undo(run: RunRequest, box: Any, display: Any) -> Any:
+def _undo(run: RunRequest, box: Sandbox, display: Display) -> UndoControl | None:
     """The undo history with --undo-steps N, else None."""
     if not run.undo_steps:
         return None
@@ -230,11 +245,11 @@ def _undo(run: RunRequest, box: Any, display: Any) -> Any:
         display.stop_spinner()
 
 
-def _converse(run: RunRequest, task: str, run_dir: Path, session: Any, config: Any, policy: Any,
-              talk: _Talk) -> tuple[str, str | None]:
+def _converse(run: RunRequest, task: str, run_dir: Path, session: RunSession, config: AgentSettings,
+              policy: Policy, talk: _Talk) -> tuple[AgentStatus, str | None]:
     """The task (or the resumed session's follow-up), then follow-ups until the user stops."""
     from tmax.agents.driver import EpisodeDriver
-    from tmax.agents.records import Recorder
+    from tmax.agents.recorder import Recorder
 
     display = talk.display
     if not run.json_mode:
@@ -250,7 +265,8 @@ def _converse(run: RunRequest, task: str, run_dir: Path, session: Any, config: A
                            instructions=text) as driver:
             talk.driver = driver
             result = _first(run, task, driver, display)
-            while not run.json_mode and result.status in ("submitted", "max_steps", "format_errors"):
+            while not run.json_mode and result.status in (AgentStatus.SUBMITTED, AgentStatus.MAX_STEPS,
+                                                          AgentStatus.FORMAT_ERRORS):
                 display.info(f"{result.status} after {result.steps} steps.")
                 follow = hooks.ask_follow_up()
                 if follow is None:
@@ -265,7 +281,7 @@ def _converse(run: RunRequest, task: str, run_dir: Path, session: Any, config: A
     return result.status, result.error
 
 
-def _first(run: RunRequest, task: str, driver: Any, display: Any) -> Any:
+def _first(run: RunRequest, task: str, driver: EpisodeDriver, display: Display) -> EpisodeResult:
     """The task, or with --resume the saved conversation and the task as its follow-up."""
     if run.saved is None:
         if not run.json_mode:
@@ -281,11 +297,11 @@ def _first(run: RunRequest, task: str, driver: Any, display: Any) -> Any:
     return driver.follow_up(f"{RESUME_NOTE}\n\n{task}")
 
 
-def _verify(run: RunRequest, box: Any, run_dir: Path, display: Any) -> None:
+def _verify(run: RunRequest, box: Sandbox, run_dir: Path, display: Display) -> None:
     from tmax.agents.rating import verify
 
     rated = verify(box, run.verify, run_dir)
     if run.json_mode:
-        emit("reward", reward=rated["reward"], exit_code=rated["exit_code"], command=run.verify)
+        emit("reward", reward=rated.reward, exit_code=rated.exit_code, command=run.verify)
     else:
-        display.info(f"--verify exited {rated['exit_code']}: reward {rated['reward']:g} (in {run_dir / 'reward.json'}).")
+        display.info(f"--verify exited {rated.exit_code}: reward {rated.reward:g} (in {SessionDir(run_dir).reward}).")

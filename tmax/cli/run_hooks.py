@@ -11,9 +11,17 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from tmax.agents.loop import AgentHooks
+
+if TYPE_CHECKING:
+    from tmax.agents.compaction import CompactionRecord, ContextUse
+    from tmax.agents.fitting import Clip
+    from tmax.agents.policy import ModelTurn, Usage
+    from tmax.cli.run_undo import UndoControl
+    from tmax.cli.ui import Display, LiveOutput, Prompter
+    from tmax.sandbox.base import CommandResult
 from tmax.sandbox.shell_output import clean_output
 from tmax.cli.run_setup import keep_long_output
 
@@ -24,7 +32,7 @@ PROGRESS_EVERY_S = 1.0  # --json: the fastest progress events come while a comma
 PROGRESS_IDLE_S = 5.0  # --json: a progress event (elapsed time only) while it prints nothing
 
 
-def usage_dict(u: Any) -> dict[str, Any]:
+def usage_dict(u: Usage) -> dict[str, Any]:
     return {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
@@ -34,7 +42,7 @@ def usage_dict(u: Any) -> dict[str, Any]:
     }
 
 
-def context_dict(c: Any) -> dict[str, Any] | None:
+def context_dict(c: ContextUse | None) -> dict[str, Any] | None:
     """`agents.compaction.ContextUse` as a `--json` field."""
     if c is None:
         return None
@@ -45,7 +53,7 @@ def context_dict(c: Any) -> dict[str, Any] | None:
 _EMIT_LOCK = threading.Lock()
 
 
-def emit(type_: str, **fields: Any) -> None:
+def emit(type_: str, **fields: object) -> None:
     """One `--json` event: a JSON object on its own line on stdout."""
     with _EMIT_LOCK:  # progress comes from the thread reading the command
         sys.stdout.write(json.dumps({"type": type_, **fields}, default=str) + "\n")
@@ -55,8 +63,8 @@ def emit(type_: str, **fields: Any) -> None:
 class JsonHooks(AgentHooks):
     """Headless: one JSON object per line on stdout, no questions, Ctrl-C stops."""
 
-    def __init__(self, session_usage: Callable[[], Any], run_dir: Path, output_limit: int,
-                 context: Callable[[], Any] = lambda: None) -> None:
+    def __init__(self, session_usage: Callable[[], Usage], run_dir: Path, output_limit: int,
+                 context: Callable[[], ContextUse | None] = lambda: None) -> None:
         self.session_usage = session_usage  # the agent's running totals (resets per run())
         self.context = context  # how full the context window is (agents.compaction.ContextUse)
         self.run_dir = run_dir  # where long outputs are kept
@@ -65,7 +73,7 @@ class JsonHooks(AgentHooks):
         self.command_started: float | None = None  # monotonic time the running command started
         self._last_progress = 0.0
         self._pending = ""  # output not yet sent in a progress event
-        self._clip: Any = None  # agents.fitting.Clip of the step's output, cut to fit the window
+        self._clip: Clip | None = None  # the step's output, cut to fit the window
 
     def on_step_start(self, step: int) -> None:
         self.step = step
@@ -84,7 +92,7 @@ class JsonHooks(AgentHooks):
             output, self._pending = clean_output(self._pending), ""
             emit("progress", step=self.step, elapsed_s=round(now - self.command_started, 1), output=output)
 
-    def on_model_turn(self, step: int, turn: Any, command: str | None) -> None:
+    def on_model_turn(self, step: int, turn: ModelTurn, command: str | None) -> None:
         emit(
             "model",
             step=step,
@@ -101,10 +109,10 @@ class JsonHooks(AgentHooks):
         use = self.context()
         emit("compaction_start", reason=reason, tokens=context_tokens, window=use.window if use else None)
 
-    def on_compaction(self, record: Any) -> None:
+    def on_compaction(self, record: CompactionRecord) -> None:
         emit("compaction", **record.model_dump(mode="json"))
 
-    def on_output_clipped(self, step: int, clip: Any) -> None:
+    def on_output_clipped(self, step: int, clip: Clip) -> None:
         self._clip = clip
 
     def approve(self, step: int, command: str) -> str | None:
@@ -113,7 +121,7 @@ class JsonHooks(AgentHooks):
         self._pending = ""
         return None
 
-    def on_observation(self, step: int, result: Any, observation: str) -> None:
+    def on_observation(self, step: int, result: CommandResult, observation: str) -> None:
         self.command_started = None
         kept = keep_long_output(self.run_dir, step, result, self.output_limit)
         emit(
@@ -141,10 +149,11 @@ class JsonHooks(AgentHooks):
 class InteractiveHooks(AgentHooks):
     """Rich rendering; approval, guidance and mode switches through the prompter."""
 
-    def __init__(self, display: Any, prompter: Any, mode: str, max_steps: int | None,
-                 session_usage: Callable[[], Any], *, run_dir: Path, output_limit: int, stopping: threading.Event,
-                 undo: Any = None, rate: Callable[[str], str] | None = None,
-                 context: Callable[[], Any] = lambda: None, compact: Callable[[str | None], Any] | None = None) -> None:
+    def __init__(self, display: Display, prompter: Prompter | None, mode: str, max_steps: int | None,
+                 session_usage: Callable[[], Usage], *, run_dir: Path, output_limit: int, stopping: threading.Event,
+                 undo: UndoControl | None = None, rate: Callable[[str], str] | None = None,
+                 context: Callable[[], ContextUse | None] = lambda: None,
+                 compact: Callable[[str | None], CompactionRecord | None] | None = None) -> None:
         self.display = display
         self.prompter = prompter
         self.mode = mode
@@ -156,7 +165,7 @@ class InteractiveHooks(AgentHooks):
         self.rate = rate  # /good, /bad (agents.rating.rate)
         self.run_dir = run_dir  # where long outputs are kept
         self.output_limit = output_limit
-        self.live: Any = None  # tmax.cli.ui.LiveOutput of the running command
+        self.live: LiveOutput | None = None  # the running command's output
         self.context = context  # how full the context window is (agents.compaction.ContextUse)
         self.compact = compact  # /compact [focus]: now between tasks, else before the next model call
 
@@ -222,11 +231,11 @@ class InteractiveHooks(AgentHooks):
         self.display.start_spinner(f"Compacting the context ({fmt_tokens(context_tokens)} tokens): the model writes "
                                    "a summary… (Ctrl-C cancels it)")
 
-    def on_compaction(self, record: Any) -> None:
+    def on_compaction(self, record: CompactionRecord) -> None:
         self.display.stop_spinner()
         self.display.compaction(record)
 
-    def on_output_clipped(self, step: int, clip: Any) -> None:
+    def on_output_clipped(self, step: int, clip: Clip) -> None:
         self.live = None
         self.display.stop_spinner()
         self.display.warn(f"The output of step {step} ({clip.chars:,} characters) is more than fits the context "
@@ -243,7 +252,7 @@ class InteractiveHooks(AgentHooks):
         self.display.step_header(step, self.max_steps)
         self.display.start_spinner(WAITING_TEXT)
 
-    def on_model_turn(self, step: int, turn: Any, command: str | None) -> None:
+    def on_model_turn(self, step: int, turn: ModelTurn, command: str | None) -> None:
         self.display.stop_spinner()
         self.display.thought(turn.message.get("content"))
         if command is not None:
@@ -284,7 +293,7 @@ class InteractiveHooks(AgentHooks):
         if self.live is not None:
             self.live.add(text)
 
-    def on_observation(self, step: int, result: Any, observation: str) -> None:
+    def on_observation(self, step: int, result: CommandResult, observation: str) -> None:
         self.live = None
         self.display.stop_spinner()
         kept = keep_long_output(self.run_dir, step, result, self.output_limit)

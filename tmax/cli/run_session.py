@@ -18,7 +18,10 @@
 from __future__ import annotations
 
 import signal
-from typing import Any, Callable
+from collections.abc import Callable
+from types import FrameType
+
+from tmax.agents.harness import Harness
 
 from tmax.sandbox import make_sandbox
 from tmax.sandbox.base import Sandbox, SandboxError, SandboxSpec
@@ -27,7 +30,7 @@ _HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class RunSession:
-    def __init__(self, kind: str, spec: SandboxSpec, harness: Any,
+    def __init__(self, kind: str, spec: SandboxSpec, harness: Harness,
                  on_terminate: Callable[[], None] | None = None) -> None:
         self.kind = kind
         self.spec = spec
@@ -56,14 +59,14 @@ class RunSession:
             raise SandboxError(f"could not start the {self.kind} sandbox: {e}") from e
         return self.box
 
-    def _terminate(self, signum: int, frame: Any) -> None:
+    def _terminate(self, signum: int, frame: FrameType | None) -> None:
         if self.on_terminate is not None:
             self.on_terminate()
         if self.box is not None:
             self.harness.interrupt(self.box, force=True)
         raise KeyboardInterrupt
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for sig, handler in self._old_handlers.items():
             signal.signal(sig, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, self._old_mask)

@@ -5,7 +5,6 @@ each outcome), which both the command (`run_cmd`) and the run's body (`run_drive
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -61,8 +60,8 @@ def discover_model(base_url: str, api_key: str) -> str:
 
 # --------------------------------------------------------------------------- resume
 def load_saved(path: Path):
-    """A saved run (`agents.records.SavedRun`) to continue; anything else is a usage error."""
-    from tmax.agents.records import load_run
+    """A saved run (`agents.recorder.SavedRun`) to continue; anything else is a usage error."""
+    from tmax.agents.recorder import load_run
 
     try:
         saved = load_run(path)
@@ -75,12 +74,13 @@ def load_saved(path: Path):
 
 def saved_workdir(run_dir: Path, sandbox: str) -> Optional[Path]:
     """The working directory the saved session ran in, so the resumed one sees its files."""
+    from tmax.common.records import RunRecord, SessionDir, read_record
+
     try:
-        meta = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+        where = read_record(SessionDir(run_dir).run, RunRecord).workdir
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot resume from {run_dir}: its run.json, which names the working directory, "
                           f"cannot be read ({e}); pass --workdir to say where to continue") from e
-    where = meta.get("workdir")
     if sandbox == "podman":
         return Path(where) if where else None  # a path inside the container; None: the image's WORKDIR
     if not where:
@@ -119,13 +119,15 @@ def keep_long_output(run_dir: Optional[Path], step: int, result: Any, limit: int
     kept it already) or the screen (too many lines) gets only part of it."""
     from tmax.cli.ui import SCREEN_HEAD_LINES, SCREEN_TAIL_LINES
 
-    from tmax.agents.records import OUTPUTS, save_output
+    from tmax.agents.recorder import save_output
+    from tmax.common.records import SessionDir
 
     text = result.output or ""
     if run_dir is None:
         return None
-    if (run_dir / OUTPUTS / f"step-{step}.txt").is_file():  # cut to fit the context window: the loop kept it
-        return run_dir / OUTPUTS / f"step-{step}.txt"
+    kept = SessionDir(run_dir).output(step)
+    if kept.is_file():  # cut to fit the context window: the loop kept it
+        return kept
     if len(text) + result.dropped_chars <= limit and text.count("\n") <= SCREEN_HEAD_LINES + SCREEN_TAIL_LINES:
         return None
     return save_output(run_dir, step, text)  # past 1 MB the shell kept head and tail, marked

@@ -11,10 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tmax.common.errors import ConfigError
 from tmax.training.inference.engine import VLLMSampler, stop_ids
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from tmax.agents.agent_settings import AgentSettings
+    from tmax.agents.token_policy import TokenPolicy
 
 
 def _model_card(base_url: str, model: str, api_key: str | None) -> dict[str, Any]:
@@ -43,9 +49,9 @@ class TokenSetup:
     api_key: str | None
     model_dir: Path  # where the tokenizer and chat template are read from
     max_model_len: int | None
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
 
-    def policy(self, config: Any) -> Any:
+    def policy(self, config: AgentSettings) -> TokenPolicy:
         from tmax.agents.token_policy import TokenPolicy
 
         server = self.base_url.rstrip("/").removesuffix("/v1")

@@ -7,9 +7,7 @@ Snapshots are taken only with `--undo-steps N` (N > 0): the last N commands can 
 from __future__ import annotations
 
 import shlex
-from typing import Any
-
-from tmax.sandbox.base import SandboxError
+from tmax.sandbox.base import Sandbox, SandboxError
 from tmax.sandbox.snapshot import UndoHistory, snapshot_store
 from tmax.sandbox.undo_store import Restored
 
@@ -71,7 +69,7 @@ def undo_message(commands: list[str], restored: Restored, untracked: str) -> str
 class UndoControl:
     """Snapshots before each command and `/undo K` for one sandbox."""
 
-    def __init__(self, box: Any, keep: int) -> None:
+    def __init__(self, box: Sandbox, keep: int) -> None:
         self.box = box
         self.history = UndoHistory(snapshot_store(box), keep)
 

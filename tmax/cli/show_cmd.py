@@ -5,15 +5,24 @@ trajectory file. The trajectory is chat messages (`tmax run`) or ATIF from any h
 (tmax, mini-swe, terminus-2, Harbor's own agents), told apart by its content. Chat
 messages are parsed with the harness the run used (run.json's `harness`); ATIF steps
 carry their actions as tool calls, which are shown as they are. A trial directory's
-result.json (`tasks.harbor.TrialResult`) adds what the trial scored."""
+result.json (`tasks.harbor.TrialResult`) adds what the trial scored. The session's own
+files are read as their records (`common.records`)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
+from pydantic import BaseModel
+
+from tmax.agents.compaction import CompactionRecord, SessionContext
+from tmax.common.records import (EpisodeOutcome, R, RecordError, RunRecord, SessionDir, StepTiming, TimingRecords,
+                                 UsageRecord, read_record)
+
+if TYPE_CHECKING:
+    from tmax.cli.ui import Display
 
 
 class ShowError(ValueError):
@@ -31,16 +40,40 @@ def _read_json(path: Path, required: bool) -> Any:
         raise ShowError(f"{path} is not readable JSON: {e}") from e
 
 
-def _from_atif(doc: dict[str, Any], path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+class TrialScore(BaseModel):
+    """What a trial (tmax bench's or Harbor's) scored, from its result.json."""
+
+    task: str
+    agent: str | None
+    outcome: str
+    reward: float | None
+    passed: bool
+
+
+class ShownRun(BaseModel):
+    """A saved run as `tmax show` reads it (`--json` prints it, unset fields left out)."""
+
+    dir: str
+    trajectory: list[dict[str, Any]]  # chat messages, from ATIF where the run kept that
+    format: str | None = None  # "atif": the trajectory file was ATIF
+    timing: list[StepTiming] = []
+    usage: UsageRecord | None = None
+    outcome: EpisodeOutcome | None = None  # how the agent loop ended
+    run: RunRecord | None = None  # `tmax run`'s record; the ATIF's agent and model otherwise
+    trial: TrialScore | None = None
+    segments: list[tuple[int, list[dict[str, Any]]]] = []  # (segment, its messages) a compaction closed
+    compactions: list[CompactionRecord] = []
+
+
+def _from_atif(doc: dict[str, Any], path: Path) -> tuple[list[dict[str, Any]], RunRecord]:
     from tmax.agents.atif import from_atif
 
     try:
         messages = from_atif(doc)
     except (ValueError, KeyError, TypeError) as e:
         raise ShowError(f"{path} is not an ATIF trajectory: {e}") from e
-    agent = doc.get("agent") or {}
-    meta = {"harness": agent.get("name"), "model": agent.get("model_name"), "format": "atif"}
-    return messages, {k: v for k, v in meta.items() if v}
+    agent = doc.get("agent") or {}  # ATIF (Harbor's format), whoever wrote it
+    return messages, RunRecord(harness=agent.get("name"), model=agent.get("model_name"))
 
 
 def _run_dir(path: Path) -> Path:
@@ -48,12 +81,12 @@ def _run_dir(path: Path) -> Path:
     Harbor), or the directory of a named file."""
     if path.is_file():
         return path.parent
-    if not (path / "trajectory.json").exists() and (path / "agent").is_dir():
+    if not SessionDir(path).trajectory.exists() and (path / "agent").is_dir():
         return path / "agent"
     return path
 
 
-def _messages(doc: Any, where: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def _messages(doc: Any, where: Path) -> tuple[list[dict[str, Any]], RunRecord | None]:
     """Chat messages from a trajectory file, whatever wrote it: a list of messages, an object
     with "messages", or ATIF (any harness); the format is read from the content."""
     if isinstance(doc, dict) and isinstance(doc.get("steps"), list):
@@ -62,51 +95,58 @@ def _messages(doc: Any, where: Path) -> tuple[list[dict[str, Any]], dict[str, An
         doc = doc["messages"]
     if not isinstance(doc, list) or not all(isinstance(m, dict) and "role" in m for m in doc):
         raise ShowError(f"{where} is not a trajectory (expected a list of chat messages or ATIF steps)")
-    return doc, {}
+    return doc, None
 
 
-def load_run(path: Path) -> dict[str, Any]:
+def _record(path: Path, model: type[R]) -> R | None:
+    """The record in `path` (None when there is none); a broken one is a `ShowError`."""
+    if not path.is_file():
+        return None
+    try:
+        return read_record(path, model)
+    except (RecordError, OSError) as e:
+        raise ShowError(str(e)) from e
+
+
+def load_run(path: Path) -> ShownRun:
     """The saved files of a run directory, a trial directory (its agent/), or one trajectory
     file; chat messages or ATIF, told apart by content."""
     from tmax.agents.atif import ATIF_FILE
-    from tmax.agents.records import MESSAGES
+    from tmax.agents.recorder import load_segments
 
     if not path.exists():
         raise ShowError(f"{path} does not exist")
     run_dir = _run_dir(path)
-    traj_file = path if path.is_file() else run_dir / "trajectory.json"
+    files = SessionDir(run_dir)
+    traj_file = path if path.is_file() else files.trajectory
     if path.is_dir() and not traj_file.exists() and (run_dir / ATIF_FILE).exists():
         traj_file = run_dir / ATIF_FILE  # tmax bench trials before trajectory.json became ATIF
     messages, atif_meta = _messages(_read_json(traj_file, required=True), traj_file)
-    if atif_meta and path.is_dir() and (run_dir / MESSAGES).is_file():
+    is_atif = atif_meta is not None
+    if is_atif and path.is_dir() and files.messages.is_file():
         # A tmax bench trial keeps the messages exactly as sent beside the ATIF: show those.
-        messages = _messages(_read_json(run_dir / MESSAGES, required=True), run_dir / MESSAGES)[0]
-        atif_meta.pop("format")
-    timing = _read_json(run_dir / "timing.json", required=False) or []
-    if not isinstance(timing, list):
-        raise ShowError(f"{run_dir / 'timing.json'} should hold a list of per-step records")
-    usage = _read_json(run_dir / "usage.json", required=False) or {}
-    meta = _read_json(run_dir / "run.json", required=False) or {}  # written by `tmax run`
-    meta = {**atif_meta, **meta}
-    result = _read_json(run_dir / "result.json", required=False) or {}  # written by the agent
-    trial = _trial_score(path) if run_dir != path else None
-    return {"dir": str(run_dir), "trajectory": messages, "timing": timing, "usage": usage, "result": result, "run": meta,
-            "trial": trial, **_compacted(run_dir)}
-
-
-def _compacted(run_dir: Path) -> dict[str, Any]:
-    """A compacted session's closed segments and its compactions ([] and [] otherwise)."""
-    from tmax.agents.records import COMPACTION, load_segments
-
+        messages = _messages(_read_json(files.messages, required=True), files.messages)[0]
+        is_atif = False
+    if files.timing.is_file() and not isinstance(_read_json(files.timing, required=True), list):
+        raise ShowError(f"{files.timing} should hold a list of per-step records")
+    timing = _record(files.timing, TimingRecords)
+    context = _record(files.compaction, SessionContext)
     try:
-        segments = [{"segment": s.segment, "messages": s.messages} for s in load_segments(run_dir)]
+        segments = [(s.segment, s.messages) for s in load_segments(run_dir)]
     except (ValueError, KeyError, TypeError) as e:
-        raise ShowError(f"{run_dir / 'segments'} holds a broken segment: {e}") from e
-    context = _read_json(run_dir / COMPACTION, required=False) or {}
-    return {"segments": segments, "compactions": list(context.get("compactions") or [])}
+        raise ShowError(f"{files.segments} holds a broken segment: {e}") from e
+    try:
+        outcome = files.read_outcome()
+    except RecordError as e:
+        raise ShowError(str(e)) from e
+    return ShownRun(dir=str(run_dir), trajectory=messages, format="atif" if is_atif else None,
+                    timing=timing.root if timing is not None else [], usage=_record(files.usage, UsageRecord),
+                    outcome=outcome, run=_record(files.run, RunRecord) or atif_meta,
+                    trial=_trial_score(path) if run_dir != path else None, segments=segments,
+                    compactions=context.compactions if context is not None else [])
 
 
-def _trial_score(trial_dir: Path) -> dict[str, Any] | None:
+def _trial_score(trial_dir: Path) -> TrialScore | None:
     """What a trial (tmax bench's or Harbor's) scored, from its result.json; None where the
     directory holds no trial result."""
     from tmax.tasks.harbor import TrialResult
@@ -115,8 +155,8 @@ def _trial_score(trial_dir: Path) -> dict[str, Any] | None:
     if r is None:
         return None
     verdict = r.score()
-    return {"task": r.task_name, "agent": r.agent_name, "outcome": verdict.outcome, "reward": verdict.reward,
-            "passed": verdict.passed}
+    return TrialScore(task=r.task_name, agent=r.agent_name, outcome=verdict.outcome, reward=verdict.reward,
+                      passed=verdict.passed)
 
 
 def _text(content: Any) -> str:
@@ -139,28 +179,32 @@ def _call_text(call: dict[str, Any]) -> str:
     return f"{fn.get('name') or '?'}({json.dumps(args) if args else ''})"
 
 
-def _show_meta(meta: dict[str, Any], display: Any) -> None:
-    if meta:
-        bits = [f"{k} {meta[k]}" for k in ("model", "harness", "sandbox", "mode", "format") if meta.get(k)]
-        if meta.get("resumed_from"):
-            bits.append(f"resumed from {meta['resumed_from']}")
-        display.info(" · ".join(bits))
+def _show_meta(run: ShownRun, display: Display) -> None:
+    meta = run.run
+    if meta is None:
+        return
+    named = {"model": meta.model, "harness": meta.harness, "sandbox": meta.sandbox, "mode": meta.mode,
+             "format": run.format}
+    bits = [f"{k} {v}" for k, v in named.items() if v]
+    if meta.resumed_from:
+        bits.append(f"resumed from {meta.resumed_from}")
+    display.info(" · ".join(bits))
 
 
 class _Replay:
     """Renders messages one at a time, carrying what a step needs across the segments of
     a compacted session (the step count, what the next user message answers)."""
 
-    def __init__(self, run: dict[str, Any], display: Any, show_system: bool) -> None:
+    def __init__(self, run: ShownRun, display: Display, show_system: bool) -> None:
         from tmax.agents.harnesses import HARNESSES, make_harness
 
         self.display, self.show_system = display, show_system
-        self.meta = run["run"]
-        self.timing = {t.get("step"): t for t in run["timing"] if isinstance(t, dict)}
+        self.meta = run.run or RunRecord()
+        self.timing = {t.step: t for t in run.timing if t.step is not None}
         # ATIF pairs each action with its observation already: its tool calls are shown as they
         # are, whatever the harness (Harbor's terminus-2 has no tool calls in its model's replies).
-        self.atif = self.meta.get("format") == "atif"
-        self.harness = make_harness(self.meta.get("harness") if self.meta.get("harness") in HARNESSES else "tmax")
+        self.atif = run.format == "atif"
+        self.harness = make_harness(self.meta.harness if self.meta.harness in HARNESSES else "tmax")
         # What the next user message answers: an action given as text ("observation") or a
         # response without a usable action ("format_error"); tool calls get tool messages.
         self.pending: str | None = None
@@ -172,7 +216,7 @@ class _Replay:
 
         role, content, display = msg.get("role"), _text(msg.get("content")), self.display
         answers, self.pending = self.pending, (self.pending if role == "system" else None)
-        t = self.timing.get(self.step) or {}
+        t = self.timing.get(self.step) or StepTiming()
         if role == "system":
             if self.show_system:
                 display.feedback(content, "system prompt")
@@ -182,17 +226,17 @@ class _Replay:
             self._assistant(msg, content)
         elif role == "tool":
             body, code = split_exit_code(content)
-            display.output(body, t.get("return_code") if code is None else code, t.get("bash_s"))
+            display.output(body, t.return_code if code is None else code, t.bash_s)
 
-    def _user(self, content: str, answers: str | None, t: dict[str, Any]) -> None:
+    def _user(self, content: str, answers: str | None, t: StepTiming) -> None:
         if not self.seen_task:
             # The first user message wraps the task in the instance template; show the
             # task as typed when `tmax run` recorded it.
-            typed = self.meta.get("task") if not self.meta.get("resumed_from") else None  # a resume's task is its follow-up
+            typed = self.meta.task if not self.meta.resumed_from else None  # a resume's task is its follow-up
             self.display.task(typed or content)
             self.seen_task = True
         elif answers == "observation":
-            self.display.output(content, t.get("return_code"), t.get("bash_s"))
+            self.display.output(content, t.return_code, t.bash_s)
         elif answers == "format_error" or content.startswith("Format error"):
             self.display.format_error(content)
         else:
@@ -215,20 +259,18 @@ class _Replay:
             display.command(action.command)
         else:
             display.warn(f"(no valid bash call: {action.error})")
-        t = self.timing.get(self.step) or {}
-        if t.get("llm_s") is not None:
-            display.note(f"model {t['llm_s']}s")
+        t = self.timing.get(self.step)
+        if t is not None and t.llm_s is not None:
+            display.note(f"model {t.llm_s}s")
 
 
-def _parts(run: dict[str, Any]) -> list[tuple[list[dict[str, Any]], Any]]:
+def _parts(run: ShownRun) -> list[tuple[list[dict[str, Any]], CompactionRecord | None]]:
     """(messages to show, the compaction that ended them or None) per context of the run:
     the segments compactions closed, then trajectory.json. A context that follows one shown
     here starts with what its compaction carried and kept, shown already (a resumed run's
     first context starts with it too, and is shown whole)."""
-    from tmax.agents.compaction import CompactionRecord
-
-    done = {c.segment: c for c in map(CompactionRecord.model_validate, run["compactions"]) if c.ok}
-    contexts = [*((s["segment"], s["messages"]) for s in run["segments"]), (len(done) + 1, run["trajectory"])]
+    done = {c.segment: c for c in run.compactions if c.ok}
+    contexts = [*run.segments, (len(done) + 1, run.trajectory)]
     shown = {n for n, _ in contexts}
     parts = []
     for n, messages in contexts:
@@ -238,8 +280,8 @@ def _parts(run: dict[str, Any]) -> list[tuple[list[dict[str, Any]], Any]]:
     return parts
 
 
-def render(run: dict[str, Any], display: Any, show_system: bool = False) -> None:
-    _show_meta(run["run"], display)
+def render(run: ShownRun, display: Display, show_system: bool = False) -> None:
+    _show_meta(run, display)
     replay = _Replay(run, display, show_system)
     for messages, compaction in _parts(run):
         for msg in messages:
@@ -247,32 +289,30 @@ def render(run: dict[str, Any], display: Any, show_system: bool = False) -> None
         if compaction is not None:
             display.compaction(compaction)
     display.info(" · ".join(_summary(run, replay.step)))
-    error = (run["result"] or {}).get("error") or (run["run"] or {}).get("error")
+    error = (run.outcome.error if run.outcome else None) or (run.run.error if run.run else None)
     if error:
         display.warn(f"error: {error}")
 
 
-def _summary(run: dict[str, Any], steps: int) -> list[str]:
+def _summary(run: ShownRun, steps: int) -> list[str]:
     """The closing line's parts: what the trial scored, the agent's status, steps, tokens."""
     from tmax.cli.ui import fmt_tokens
 
     summary = [f"{steps} steps"]
-    status = (run["result"] or {}).get("status") or (run["run"] or {}).get("status")
+    status = run.outcome.status if run.outcome else (run.run.status if run.run and "status" in run.run.model_fields_set
+                                                     else None)
     if status:
         summary.insert(0, str(status))
-    trial = run.get("trial")
+    trial = run.trial
     if trial:
-        reward = "-" if trial["reward"] is None else f"{trial['reward']:g}"
-        summary.insert(0, f"trial {trial['outcome']}, reward {reward}")
-    compactions = [c for c in run["compactions"] if c.get("ok")]
+        reward = "-" if trial.reward is None else f"{trial.reward:g}"
+        summary.insert(0, f"trial {trial.outcome}, reward {reward}")
+    compactions = [c for c in run.compactions if c.ok]
     if compactions:
         summary.append(f"{len(compactions)} compaction{'s' if len(compactions) > 1 else ''}")
-    usage = run["usage"]
+    usage = run.usage
     if usage:
-        summary.append(
-            f"tokens: {fmt_tokens(int(usage.get('prompt_tokens') or 0))} prompt, "
-            f"{fmt_tokens(int(usage.get('completion_tokens') or 0))} completion"
-        )
+        summary.append(f"tokens: {fmt_tokens(usage.prompt_tokens)} prompt, {fmt_tokens(usage.completion_tokens)} completion")
     return summary
 
 def show(
@@ -294,7 +334,7 @@ def show(
         typer.secho(f"tmax show: {e}", err=True, fg="red")
         raise typer.Exit(2) from None
     if json_mode:
-        typer.echo(json.dumps(run, indent=2))
+        typer.echo(run.model_dump_json(indent=2, exclude_unset=True))
         return
     from tmax.cli.ui import Display
 
@@ -315,7 +355,7 @@ def _export(path: Path, kind: str) -> None:
         try:
             run = load_run(d)
             # A compacted session: one conversation per context, as the model saw each.
-            for messages in [*(s["messages"] for s in run["segments"]), run["trajectory"]]:
+            for messages in [*(m for _, m in run.segments), run.trajectory]:
                 typer.echo(export_line(messages))
         except ShowError as e:
             typer.secho(f"tmax show: {e}", err=True, fg="red")

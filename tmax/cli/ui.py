@@ -13,14 +13,19 @@ import time
 from collections import deque
 from pathlib import Path
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from rich.console import Console, Group
+from rich.console import Console, Group, RenderableType
 from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.text import Text
 
 from tmax.sandbox.shell_output import clean_output
+
+if TYPE_CHECKING:
+    from tmax.agents.compaction import CompactionRecord, ContextUse
+    from tmax.agents.policy import Usage
+
 T = TypeVar("T")
 
 # Live output is clipped for the screen only; a live run keeps the whole of a long output in
@@ -43,7 +48,7 @@ def fmt_tokens(n: int) -> str:
     return f"{n / 1000:.1f}k" if n >= 10_000 else str(n)
 
 
-def fmt_context(c: Any) -> str:
+def fmt_context(c: ContextUse) -> str:
     """`agents.compaction.ContextUse` in a few words: used, window, left."""
     return f"context {fmt_tokens(c.used)} of {fmt_tokens(c.window)} ({fmt_tokens(c.left)} left)"
 
@@ -91,7 +96,7 @@ class LiveOutput:
             self._partial = lines.pop()
             self._lines.extend(clean_output(line) for line in lines)
 
-    def __rich__(self) -> Any:
+    def __rich__(self) -> RenderableType:
         with self._lock:
             shown = [*self._lines, clean_output(self._partial)] if self._partial else list(self._lines)
         head = Text(f"{self.title} · {time.monotonic() - self.started:.0f}s")
@@ -177,7 +182,7 @@ class Display:
             )
         )
 
-    def usage(self, turn: Any, total: Any, latency_s: float | None = None, context: Any = None) -> None:
+    def usage(self, turn: Usage, total: Usage, latency_s: float | None = None, context: ContextUse | None = None) -> None:
         """After a turn: its tokens, the context window's use, the session's totals and cost."""
         line = f"tokens: {fmt_tokens(turn.prompt_tokens)} prompt + {fmt_tokens(turn.completion_tokens)} completion"
         if context is not None:
@@ -189,7 +194,7 @@ class Display:
             line += f" · model {latency_s:.1f}s"
         self.console.print(Text(line, style="dim"))
 
-    def usage_report(self, total: Any, context: Any) -> None:
+    def usage_report(self, total: Usage, context: ContextUse | None) -> None:
         """`/usage`: the session's totals so far."""
         cost = fmt_cost(total.cost_usd) if total.cost_usd else "not known (no prices: price_input / price_output in the config)"
         lines = [f"Session: {total.prompt_tokens:,} prompt + {total.completion_tokens:,} completion tokens"
@@ -201,7 +206,7 @@ class Display:
                          f" · compactions so far: {context.compactions}")
         self.console.print(Panel(Text("\n".join(lines)), title="usage", title_align="left", border_style="cyan"))
 
-    def compaction(self, record: Any) -> None:
+    def compaction(self, record: CompactionRecord) -> None:
         """A compaction (`agents.compaction.CompactionRecord`), done or failed."""
         how = {"auto": "automatic", "manual": "on request", "overflow": "the server said the context was over its window"}[
             record.reason]

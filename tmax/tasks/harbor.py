@@ -286,9 +286,11 @@ class TrialResult(Record):
     @property
     def agent_steps(self) -> int | None:
         """The agent's steps: its own count in `agent_result.metadata`, else what a reader found."""
-        meta = (self.agent_result.metadata if self.agent_result else None) or {}
-        if isinstance(meta.get("steps"), int):
-            return meta["steps"]
+        from tmax.common.records import AgentMeta
+
+        meta = AgentMeta.of(self.agent_result.metadata if self.agent_result else None)
+        if meta is not None:
+            return meta.steps
         return self.tmax.agent_steps if self.tmax else None
 
     @property

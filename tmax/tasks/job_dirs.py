@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tmax.agents.records import TRAJECTORY
+from tmax.common.records import SessionDir
 from tmax.common.files import read_json
 from tmax.tasks.harbor import CANCELLED, JobConfig, TaskConfig, TmaxTrial, TrialResult
 from tmax.tasks.job import read_job_config
@@ -41,7 +41,7 @@ def _found(r: TrialResult, trial_dir: Path, categories: dict[str, str | None]) -
     key = str((task.path if task else None) or r.task_name)
     if key not in categories:
         categories[key] = _task_category(task)
-    return TmaxTrial(category=categories[key], agent_steps=trajectory_steps(trial_dir / "agent" / TRAJECTORY))
+    return TmaxTrial(category=categories[key], agent_steps=trajectory_steps(SessionDir(trial_dir / "agent").trajectory))
 
 
 def _task_category(task: TaskConfig | None) -> str | None:

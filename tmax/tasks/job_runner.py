@@ -30,7 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from tmax.common.files import read_json, write_json_atomic
+from pydantic import ValidationError
+
+from tmax.common.files import read_json
+from tmax.common.records import JobItemResult, write_record
 
 WAIT_S = 0.5  # the longest the runner waits at once, so Ctrl-C is seen at once
 
@@ -92,14 +95,16 @@ class ResultFiles:
         self.dir, self.done = Path(directory), done
 
     def prior(self, item: JobItem) -> Any | None:
-        data = read_json(self.dir / f"{item.name}.json")
-        if not isinstance(data, dict) or data.get("identity") != item.identity:
+        try:
+            kept = JobItemResult.model_validate(read_json(self.dir / f"{item.name}.json"))
+        except ValidationError:  # none, or cut short: the item runs again
             return None
-        result = data.get("result")
-        return result if result is not None and self.done(result) else None
+        if kept.identity != item.identity or kept.result is None:
+            return None
+        return kept.result if self.done(kept.result) else None
 
     def save(self, item: JobItem, result: Any) -> None:
-        write_json_atomic(self.dir / f"{item.name}.json", {"identity": item.identity, "result": result})
+        write_record(self.dir / f"{item.name}.json", JobItemResult(identity=item.identity, result=result))
 
 
 class JobRunner:

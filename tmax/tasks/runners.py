@@ -9,11 +9,15 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import openai
 
 from tmax.agents.driver import EpisodeDriver
 from tmax.agents.harnesses import HARNESSES, check_harness
 from tmax.agents.agent_settings import AgentSettings
+from tmax.common.records import AgentMeta
 from tmax.sandbox.base import Sandbox, SandboxError
 from tmax.tasks.longexec import run_long
 from tmax.tasks.task_format import Task
@@ -113,10 +117,10 @@ class TmaxAgent:
         self.model, self.base_url, self.api_key = model, base_url, api_key or "dummy"
         self.settings = settings or AgentSettings()
         self.name = check_harness(harness, "agent")
-        self._client: Any = None  # one OpenAI client for every trial (`_shared_client`)
+        self._client: openai.OpenAI | None = None  # one OpenAI client for every trial (`_shared_client`)
         self._client_lock = threading.Lock()
 
-    def _shared_client(self) -> Any:
+    def _shared_client(self) -> openai.OpenAI:
         from tmax.agents.chat_policy import openai_client
 
         with self._client_lock:
@@ -129,7 +133,7 @@ class TmaxAgent:
         """The loop for this harness with the job's agent settings, recording into agent_dir."""
         from tmax.agents.chat_policy import ChatPolicy
         from tmax.agents.harnesses import make_harness
-        from tmax.agents.records import Recorder
+        from tmax.agents.recorder import Recorder
 
         # What budget hints show, if on: the agent timeout unless a time budget was set.
         config = self.settings.model_copy(update={"time_budget_s": self.settings.time_budget_s or timeout})
@@ -157,9 +161,9 @@ class TmaxAgent:
         error = f"model error: {result.error}" if result.status == "model_error" and not result.stopped else None
         return AgentRun(timed_out=result.timed_out, error=error,
                         n_input_tokens=result.usage.prompt_tokens, n_output_tokens=result.usage.completion_tokens,
-                        metadata={"status": result.status, "steps": result.steps, "error": result.error,
-                                  "llm_s": result.llm_s, "exec_s": result.exec_s,
-                                  "turn_outcomes": result.turn_outcomes})
+                        metadata=AgentMeta(status=result.status, steps=result.steps, error=result.error,
+                                           llm_s=result.llm_s, exec_s=result.exec_s,
+                                           turn_outcomes=result.turn_outcomes).model_dump(mode="json"))
 
 
 def make_agent(name: str, rewrite: RewriteConfig, model: str | None = None, base_url: str | None = None,

@@ -10,9 +10,15 @@ The same record (`EpisodeShape`) is made from an RL rollout (`of_rollout`, the s
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
+
+from tmax.common.records import AgentMeta
+
+if TYPE_CHECKING:
+    from tmax.tasks.harbor import TrialResult
+    from tmax.training.rollout import Rollout
 
 # An event at turn i of an episode of n turns falls in third min(2, 3 i // n).
 THIRDS = ("early", "mid", "late")
@@ -26,7 +32,7 @@ class EpisodeShape(BaseModel):
     depth: int | None = None  # commands the task needs (generated tasks; None: unknown)
 
 
-def of_rollout(r: Any) -> EpisodeShape:
+def of_rollout(r: Rollout) -> EpisodeShape:
     """From a `training.rollout.Rollout`."""
     return EpisodeShape(turns=r.steps, status=r.status, solved=r.reward >= 1.0, turn_outcomes=r.turn_outcomes)
 
@@ -85,6 +91,11 @@ class HeldoutAgentic(BaseModel):
     """The agentic measures of one held-out eval (`recipe.HeldoutEval.agentic`)."""
 
     metrics: dict[str, float]  # `agentic_metrics` without the prefix
+
+    @property
+    def turns_solved(self) -> float | None:
+        """Turns per solved trial; None when no trial was solved (the metric is left out)."""
+        return self.metrics["turns_solved"] if "turns_solved" in self.metrics else None
     by_depth: dict[str, DepthRate]
 
 
@@ -99,21 +110,21 @@ def task_depth(task_dir: str | Path) -> int | None:
         return None
 
 
-def of_trial(t: Any, depths: dict[str, int | None]) -> EpisodeShape | None:
+def of_trial(t: TrialResult, depths: dict[str, int | None]) -> EpisodeShape | None:
     """From a bench `TrialResult` of the `tmax` agent (None for an infra error or a trial
     without the agent's record); `depths` caches each task's depth by task path."""
     verdict = t.score()
-    meta = t.agent_result.metadata if t.agent_result is not None else {}
-    if verdict.infra or "steps" not in meta:
+    meta = AgentMeta.of(t.agent_result.metadata if t.agent_result is not None else None)
+    if verdict.infra or meta is None:
         return None
     path = str(t.task_id.path)
     if path not in depths:
         depths[path] = task_depth(path)
-    return EpisodeShape(turns=int(meta["steps"]), status=str(meta["status"]), solved=verdict.passed,
-                        turn_outcomes=list(meta.get("turn_outcomes", [])), depth=depths[path])
+    return EpisodeShape(turns=meta.steps, status=meta.status, solved=verdict.passed,
+                        turn_outcomes=meta.turn_outcomes, depth=depths[path])
 
 
-def heldout_agentic(trials: list[Any]) -> HeldoutAgentic:
+def heldout_agentic(trials: list[TrialResult]) -> HeldoutAgentic:
     depths: dict[str, int | None] = {}
     shapes = [s for s in (of_trial(t, depths) for t in trials) if s is not None]
     return HeldoutAgentic(metrics=agentic_metrics(shapes, prefix=""), by_depth=by_depth(shapes))

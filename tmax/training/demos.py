@@ -25,6 +25,8 @@ from tmax.training.nano.tasks import oracle_steps, teacher_steps
 from tmax.training.rollout import EpisodeRequest, EpisodeSettings, InfraError, Rollout, run_ahead, run_episode
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from tmax.sandbox.pool import WarmPool
     from tmax.tasks.task_images import TaskImage
 
@@ -33,7 +35,7 @@ class DemoError(RuntimeError):
     """An oracle demonstration could not be produced (it failed its own verifier)."""
 
 
-def assistant_ids(tokenizer: Any, message: dict[str, Any]) -> list[int]:
+def assistant_ids(tokenizer: PreTrainedTokenizerBase, message: dict[str, Any]) -> list[int]:
     """The token ids of one assistant message (up to its end of turn) exactly as the chat
     template renders it after a generation prompt."""
     base = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
@@ -49,7 +51,7 @@ def assistant_ids(tokenizer: Any, message: dict[str, Any]) -> list[int]:
     return list(tokenizer.encode(text[: end + len(eot)], add_special_tokens=False))
 
 
-def scripted_turns(tokenizer: Any, steps: list[tuple[str, str]], harness: str = "tmax") -> list[list[int]]:
+def scripted_turns(tokenizer: PreTrainedTokenizerBase, steps: list[tuple[str, str]], harness: str = "tmax") -> list[list[int]]:
     """The sampled turns that play (THOUGHT, command) steps under `harness`, each written
     as that harness's model would (`Harness.demo_turns`; terminus-2 adds its confirmation)."""
     h = make_harness(harness)
@@ -73,7 +75,7 @@ class ScriptedSampler:
         return SampledTokens(ids, [0.0] * len(ids), "stop", 0)
 
 
-def oracle_demo(task_dir: str | Path, tokenizer: Any, episode: EpisodeSettings, *, group_id: int = 0,
+def oracle_demo(task_dir: str | Path, tokenizer: PreTrainedTokenizerBase, episode: EpisodeSettings, *, group_id: int = 0,
                 image: TaskImage | None = None, pool: WarmPool | None = None) -> Rollout:
     """Play a nano task's oracle through the harness; raises DemoError unless it scores 1."""
     r = play_demo(task_dir, oracle_steps(task_dir), tokenizer, episode, group_id=group_id, image=image, pool=pool)
@@ -82,7 +84,7 @@ def oracle_demo(task_dir: str | Path, tokenizer: Any, episode: EpisodeSettings, 
     return r
 
 
-def play_demo(task_dir: str | Path, steps: list[tuple[str, str]], tokenizer: Any, episode: EpisodeSettings, *,
+def play_demo(task_dir: str | Path, steps: list[tuple[str, str]], tokenizer: PreTrainedTokenizerBase, episode: EpisodeSettings, *,
               group_id: int = 0, image: TaskImage | None = None, pool: WarmPool | None = None) -> Rollout:
     """Play scripted (THOUGHT, command) steps through the harness of group `group_id`
     (`episode.harness_for`), as its rollouts would run; the verifier scores it. `image`
@@ -92,7 +94,7 @@ def play_demo(task_dir: str | Path, steps: list[tuple[str, str]], tokenizer: Any
     return run_episode(req, ScriptedSampler(turns), tokenizer, episode, image=image, pool=pool)
 
 
-def teacher_demo(task_dir: str | Path, tokenizer: Any, cfg: LearnConfig, episode: EpisodeSettings, *,
+def teacher_demo(task_dir: str | Path, tokenizer: PreTrainedTokenizerBase, cfg: LearnConfig, episode: EpisodeSettings, *,
                  group_id: int = 0, image: TaskImage | None = None, pool: WarmPool | None = None) -> Rollout:
     """The oracle when `sft.teacher_accuracy` is 1, else an imperfect teacher whose choice
     is drawn from a generator seeded by the run seed and the task (reproducible). A
@@ -108,7 +110,7 @@ def teacher_demo(task_dir: str | Path, tokenizer: Any, cfg: LearnConfig, episode
     return r
 
 
-def collect_demos(task_dirs: list[str], tokenizer: Any, cfg: LearnConfig, out_jsonl: Path | None = None,
+def collect_demos(task_dirs: list[str], tokenizer: PreTrainedTokenizerBase, cfg: LearnConfig, out_jsonl: Path | None = None,
                   images: dict[str, TaskImage | None] | None = None) -> list[Rollout]:
     """One demonstration per task, `run.concurrency` at a time (in task order); demo i is
     group i, so a list of `rollout.harness` names gives demos under each in turn. `images`:

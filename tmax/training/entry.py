@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from tmax.common.errors import ConfigError
 from tmax.common.extras import require_extra
-from tmax.common.files import write_json_atomic, write_text_atomic
+from tmax.common.files import write_text_atomic
+from tmax.common.records import LearnRunDir, write_record
 from tmax.training.cluster.placement import PlanError, PlacementPlan, plan_for
 from tmax.training.cluster.run_cluster import own_run_processes, ray_session
 from tmax.training.config import LearnConfig, dump_toml
@@ -37,6 +38,8 @@ from tmax.training.report import LearnProgress, StepLines
 if TYPE_CHECKING:
     from tmax.training.trainer import RunResult
     from tmax.training.recipe import RecipeResult, SftStage
+    from tmax.training.rollout import PreparedTasks
+    from tmax.training.runs_data import RatedStream
 
 Log = Callable[[str], None]
 SBATCH_NAME = "tmax-learn.sbatch"
@@ -53,7 +56,8 @@ def placement_plan(cfg: LearnConfig) -> PlacementPlan | None:
 
 def learn(cfg: LearnConfig, out: Path, *, resume: bool = False, progress: LearnProgress | None = None,
           from_runs: Path | None = None,
-          runs_per_step: int = 1, on_step: Any = None, log: Log = print) -> RunResult:
+          runs_per_step: int = 1, on_step: Callable[[int, dict[str, float]], None] | None = None,
+          log: Log = print) -> RunResult:
     """DPPO from `model.path` on `tasks.train` into `out`; with the nano build flags, from
     the recipe's SFT checkpoint (built first where missing) into `out/rl`. The cluster is
     joined, and checked against the plan, before any of that work."""
@@ -98,7 +102,7 @@ def _rl_dir(cfg: LearnConfig, out: Path) -> Path:
     return out / "rl" if cfg.model.build_nano or cfg.tasks.generate_nano else out
 
 
-def _rated_stream(from_runs: Path, per_step: int, plan: PlacementPlan | None) -> Any:
+def _rated_stream(from_runs: Path, per_step: int, plan: PlacementPlan | None) -> RatedStream:
     """The rated `tmax run` sessions to add to each RL step (checked before anything starts)."""
     from tmax.training.runs_data import RatedStream, RunsDataError, load_runs
 
@@ -175,7 +179,7 @@ def recipe(cfg: LearnConfig, out: Path, *, progress: LearnProgress | None = None
                       result, times)
     times["total_s"] = time.monotonic() - t0
     result.times = {k: round(v, 1) for k, v in times.items()}
-    write_json_atomic(out / "recipe.json", result.model_dump(mode="json"))
+    write_record(LearnRunDir(out).recipe, result)
     return result
 
 
@@ -184,7 +188,7 @@ def _refuse_earlier_recipe(out: Path) -> None:
     back as its own (a bench job resumes) and append to its RL records: refused up front."""
     from tmax.training.learner.checkpoint import trained_before
 
-    earlier = [str(p.relative_to(out)) for p in (out / "recipe.json", *sorted((out / "eval").glob("*/config.json")))
+    earlier = [str(p.relative_to(out)) for p in (LearnRunDir(out).recipe, *sorted((out / "eval").glob("*/config.json")))
                if p.is_file()]
     if (rl := trained_before(out / "rl")) is not None:
         earlier.append(f"rl: {rl}")
@@ -193,7 +197,7 @@ def _refuse_earlier_recipe(out: Path) -> None:
                           "read back, not run. Pass another --out, or remove it")
 
 
-def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, train_dir: str, held_dir: str, prepared: Any,
+def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, train_dir: str, held_dir: str, prepared: PreparedTasks,
                   stages: tuple[str, ...], progress: LearnProgress, log: Log, result: RecipeResult,
                   times: dict) -> None:
     """One engine serving `start`: the held-out eval of it, RL on it, the held-out eval of

@@ -23,7 +23,6 @@ tasks/, and SFT when sft/sft.json exists), so each is written whole or not at al
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
@@ -31,11 +30,13 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 from pydantic import BaseModel, computed_field
 
 from tmax.common.files import write_dir_atomic, write_text_atomic
+from tmax.common.records import SFT_RECORD, LearnRunDir, SftRecord, read_record
 from tmax.training.agentic import HeldoutAgentic, heldout_agentic
 from tmax.training.config import LearnConfig
 from tmax.training.trainer import list_task_dirs
 
 if TYPE_CHECKING:
+    from tmax.training.cluster.actors import EngineGroup
     from tmax.training.learner.sft import SFTResult
     from tmax.training.rollout import PreparedTasks
 
@@ -156,14 +157,14 @@ def sft_stage(cfg: LearnConfig, model_dir: str, prepared: PreparedTasks, out: Pa
     from tmax.training.demos import collect_demos, select_sft_tasks
     from tmax.training.learner.sft import train_sft
 
-    sft_dir = out / "sft"
-    if (sft_dir / "sft.json").is_file():
+    sft_dir = LearnRunDir(out).sft
+    if (sft_dir / SFT_RECORD).is_file():
         log(f"SFT checkpoint exists: {sft_dir}")
         from tmax.training.learner.sft import final_loss
 
-        done = json.loads((sft_dir / "sft.json").read_text())
-        return SftStage(checkpoint=str(sft_dir), demos=done["demos"], steps=done["steps"], skipped=True,
-                        final_loss=final_loss(done["losses"]))
+        done = read_record(sft_dir / SFT_RECORD, SftRecord)
+        return SftStage(checkpoint=str(sft_dir), demos=done.demos, steps=done.steps, skipped=True,
+                        final_loss=final_loss(done.losses))
     tok = AutoTokenizer.from_pretrained(model_dir)
     chosen = select_sft_tasks(prepared.runnable, cfg.sft.task_fraction, cfg.algo.seed)
     t0 = time.monotonic()
@@ -189,7 +190,7 @@ def sft_stage(cfg: LearnConfig, model_dir: str, prepared: PreparedTasks, out: Pa
     return SftStage.trained(res, demos_solved=solved, demo_s=t_demo)
 
 
-def heldout_eval(cfg: LearnConfig, engine: Any, held_dir: str, jobs_dir: Path, name: str, log: Log) -> HeldoutEval:
+def heldout_eval(cfg: LearnConfig, engine: EngineGroup, held_dir: str, jobs_dir: Path, name: str, log: Log) -> HeldoutEval:
     """A `tmax bench` job (the `eval.harness` agent, else the harness trained under; trials
     in `eval.sandbox`) against the server of `engine` (a `training.cluster.actors.EngineGroup`)."""
     from tmax.tasks.job import Job, JobSpec
@@ -214,7 +215,7 @@ def heldout_eval(cfg: LearnConfig, engine: Any, held_dir: str, jobs_dir: Path, n
     agentic = heldout_agentic(results)
     out = HeldoutEval(pass_rate=passed / n if n else 0.0, passed=passed, trials=n, infra_errors=infra,
                       seconds=time.monotonic() - t0, job_dir=str(job.dir), agentic=agentic)
-    turns = agentic.metrics.get("turns_solved")
+    turns = agentic.turns_solved
     depths = ", ".join(f"{d}: {r.passed}/{r.trials}" for d, r in agentic.by_depth.items())
     log(f"held-out eval [{name}, {harness} harness]: {passed}/{n} passed ({out.pass_rate:.1%}), {infra} infra errors, "
         f"{out.seconds:.0f}s" + (f"; {turns:.1f} turns per solved trial" if turns is not None else "")

@@ -20,6 +20,8 @@ from typing import Any, Callable, Protocol
 
 from pydantic import BaseModel
 
+from tmax.common.records import GuardSummary
+
 # The few metrics worth a console line, in display order, with short labels.
 CONSOLE_KEYS = (
     ("val/avg_group_performance_post_filter", "reward"),
@@ -273,25 +275,24 @@ def guard_events(rows: list[dict]) -> list[dict]:
     return [r["guard/event"] for r in rows if isinstance(r.get("guard/event"), dict)]
 
 
-def guard_summary(rows: list[dict]) -> dict[str, Any]:
+def guard_summary(rows: list[dict]) -> GuardSummary:
     events = guard_events(rows)
     rollbacks = [e for e in events if e["kind"] == "rollback"]
     stop = next((e for e in events if e["kind"] == "stop"), None)
-    return {"rollbacks": len(rollbacks), "steps_lost": sum(e["steps_lost"] for e in rollbacks),
-            "stopped": stop is not None, "stop_reason": stop["reason"] if stop else None, "events": events}
+    return GuardSummary(rollbacks=len(rollbacks), steps_lost=sum(e["steps_lost"] for e in rollbacks),
+                        stopped=stop is not None, stop_reason=stop["reason"] if stop else None, events=events)
 
 
-def guard_report(summary: dict[str, Any]) -> list[str]:
+def guard_report(g: GuardSummary) -> list[str]:
     """Console lines for the guard section of a run summary (`tmax learn report`)."""
-    g = summary.get("guard") or {}
-    if not g.get("events"):
+    if not g.events:
         return ["collapse guard: no rollback"]
-    lines = [f"collapse guard: {g['rollbacks']} rollback(s), {g['steps_lost']} step(s) lost"
-             + (f"; stopped: {g['stop_reason']}" if g.get("stopped") else "")]
-    for e in g["events"]:
+    lines = [f"collapse guard: {g.rollbacks} rollback(s), {g.steps_lost} step(s) lost"
+             + (f"; stopped: {g.stop_reason}" if g.stopped else "")]
+    for e in g.events:
         lines.append(f"  {describe_event(e)}")
         lines += [f"      {a['signal']} {a['value']} (baseline {a['baseline']}, limit +-{a['threshold']})"
-                  for a in e.get("alarms", [])]
+                  for a in (e["alarms"] if "alarms" in e else [])]
     return lines
 
 
@@ -332,7 +333,7 @@ def run_summary(metrics_path: Path, setup_s: float, run_s: float) -> dict[str, A
         "turns_last_quarter": avg("agentic/turns", last),
         "turns_solved_last_quarter": avg("agentic/turns_solved", last),
         "max_steps_rate_last_quarter": avg("agentic/max_steps_rate", last),
-        "guard": guard_summary(logged),
+        "guard": guard_summary(logged).model_dump(),
     }
 
 

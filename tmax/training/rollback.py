@@ -24,9 +24,9 @@ checkpoint, with a "stop" event. Events print as they happen and land in metrics
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from tmax.common.records import GuardState, HealthMark
 from tmax.training.algo.batching import BatchAccumulator
 from tmax.training.guard import EVENT, STALL, Detector, Verdict
 from tmax.training.learner import checkpoint as ckpt
@@ -58,21 +58,21 @@ class RunGuard:
         if not self.enabled:
             return
         if t.start_step == 0:
-            ckpt.mark_health(t.save(0), "healthy", {"step": 0, "why": "the run's starting weights"})
+            ckpt.mark_health(t.save(0), HealthMark.HEALTHY, {"step": 0, "why": "the run's starting weights"})
             return
         path = ckpt.checkpoint_path(t.run_dir, t.start_step)
-        saved = json.loads((path / ckpt.STATE_JSON).read_text())["extra"].get("guard", {})
-        self.rollbacks = int(saved.get("rollbacks", 0))
-        self.group_size = t.cfg.algo.group_size = int(saved.get("group_size", self.group_size))
-        self.lr_scale = float(saved.get("lr_scale", 1.0))
+        saved = ckpt.checkpoint_meta(path).extra.guard
+        self.rollbacks = saved.rollbacks
+        self.group_size = t.cfg.algo.group_size = saved.group_size or self.group_size
+        self.lr_scale = saved.lr_scale
         if self.lr_scale != 1.0:
             import ray
 
             ray.get(t.actors.learner.restore(str(path), self.lr_scale))
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> GuardState:
         """What a checkpoint keeps so that a resumed run keeps its remedies."""
-        return {"rollbacks": self.rollbacks, "lr_scale": self.lr_scale, "group_size": self.group_size}
+        return GuardState(rollbacks=self.rollbacks, lr_scale=self.lr_scale, group_size=self.group_size)
 
     def after_step(self, t: Any, metrics: dict[str, Any]) -> bool:
         """Health signals into `metrics`; with the guard on, the verdict on the step just
@@ -128,7 +128,7 @@ class RunGuard:
             k = _step_of(p)
             if (ckpt.health(p) is None and v.step >= k + self.confirm
                     and not any(k < b <= k + self.confirm for b in self.bad_steps)):
-                ckpt.mark_health(p, "healthy", {"step": k, "confirmed_at": v.step})
+                ckpt.mark_health(p, HealthMark.HEALTHY, {"step": k, "confirmed_at": v.step})
 
     def _act(self, t: Any, v: Verdict, metrics: dict[str, Any], steps_lost: int) -> None:
         """Back to the newest healthy checkpoint; a remedy and on, or a stop."""
@@ -140,7 +140,7 @@ class RunGuard:
             to_step = _step_of(target)
             for p in ckpt.list_checkpoints(t.run_dir):
                 if _step_of(p) > to_step:
-                    ckpt.mark_health(p, "collapsed", {"step": _step_of(p), "detected_at": v.step})
+                    ckpt.mark_health(p, HealthMark.COLLAPSED, {"step": _step_of(p), "detected_at": v.step})
             if self.rollbacks >= self.cfg.max_rollbacks:
                 self.stopped = (f"a collapse after {self.rollbacks} rollbacks (guard.max_rollbacks); the run "
                                 f"stays at step {to_step}, its last healthy checkpoint")

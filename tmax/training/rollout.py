@@ -278,7 +278,7 @@ def run_episode(
     from the cache or a build, when not given: the RL loop always gives it); `pool` a
     `sandbox.pool.WarmPool` of containers started ahead of need."""
     from tmax.agents.harnesses import make_harness
-    from tmax.agents.records import Recorder
+    from tmax.agents.recorder import Recorder
 
     t0, started_at = time.monotonic(), time.time()
     ep = _open(req, episode.env, image, pool)

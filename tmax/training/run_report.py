@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from tmax.common.errors import ConfigError
+from tmax.common.records import GuardSummary, LearnRunDir
 from tmax.training.report import guard_summary, read_metrics
 
 # A recipe's stages in the order they run (`training.entry.recipe`'s `times` keys).
@@ -25,16 +26,6 @@ class Throughput(BaseModel):
     episodes_per_min: float | None = None
     sampled_tokens_per_s: float | None = None  # tokens the policy sampled, over the loop's wall
     learner_tokens_per_s: float | None = None  # tokens the learner trained on, over its busy time
-
-
-class GuardReport(BaseModel):
-    """The collapse guard's rollbacks and stop (`training.report.guard_summary`)."""
-
-    rollbacks: int = 0
-    steps_lost: int = 0
-    stopped: bool = False
-    stop_reason: str | None = None
-    events: list[dict[str, Any]] = []  # as the guard recorded them (`guard/event`)
 
 
 class _RunTimes(BaseModel):
@@ -57,7 +48,7 @@ class RunReport(BaseModel):
     episodes: int = 0
     rewards: list[float | None] = []  # training reward of each logged step, in order: the curve's path
     throughput: Throughput = Throughput()
-    guard: GuardReport = GuardReport()
+    guard: GuardSummary = GuardSummary()
 
     @property
     def gain_points(self) -> float | None:
@@ -69,15 +60,17 @@ class RunReport(BaseModel):
     def read(cls, run_dir: Path) -> RunReport:
         """The report of a `tmax learn` run directory or a recipe directory (its RL run in
         `rl/`); a directory with neither metrics nor a recipe result is a `ConfigError`."""
-        recipe_file = run_dir / "recipe.json"
-        metrics = next((p for p in (run_dir / "metrics.jsonl", run_dir / "rl" / "metrics.jsonl") if p.is_file()), None)
+        files = LearnRunDir(run_dir)
+        recipe_file = files.recipe
+        found = next((d for d in (files, files.rl) if d.metrics.is_file()), None)
+        metrics = found.metrics if found is not None else None
         if metrics is None and not recipe_file.is_file():
             raise ConfigError(f"no metrics.jsonl in {run_dir} (or {run_dir / 'rl'}) and no recipe.json: "
                               "not a `tmax learn` run directory")
         report = cls(run_dir=str(run_dir), recipe=recipe_file.is_file())
         if metrics is not None:
             report = report.model_copy(update=_rl_figures(read_metrics(metrics)))
-            summary = metrics.parent / "summary.json"
+            summary = found.summary
             if summary.is_file() and not report.recipe:
                 times = _RunTimes.model_validate_json(summary.read_text())
                 report.stage_seconds = {"setup_s": times.setup_s, "rl_s": times.run_s}
@@ -86,7 +79,7 @@ class RunReport(BaseModel):
 
             res = RecipeResult.model_validate_json(recipe_file.read_text())
             report.seed, report.heldout_before, report.heldout_after = res.seed, res.sft_pass_rate, res.rl_pass_rate
-            report.stage_seconds = {k: v for k in (*STAGES, "total_s") if (v := res.times.get(k)) is not None}
+            report.stage_seconds = {k: res.times[k] for k in (*STAGES, "total_s") if k in res.times}
         return report
 
 
@@ -98,7 +91,7 @@ def _rl_figures(logged: list[dict]) -> dict[str, Any]:
     """Steps, episodes, the reward path, throughput and guard events of metrics rows."""
     rows = [r for r in logged if "guard/stall" not in r]  # a judged stall is not a step
     if not rows:
-        return {"guard": GuardReport(**guard_summary(logged))}
+        return {"guard": guard_summary(logged)}
     last = rows[-1]
     wall = last.get("time/total")
     episodes = int(last.get("episode") or 0)
@@ -112,5 +105,5 @@ def _rl_figures(logged: list[dict]) -> dict[str, Any]:
             episodes_per_min=round(60 * episodes / wall, 1) if wall else None,
             sampled_tokens_per_s=round(sum(sampled) / wall, 1) if wall and len(sampled) == len(rows) else None,
             learner_tokens_per_s=round(learner_tokens / train_s, 1) if train_s else None),
-        "guard": GuardReport(**guard_summary(logged)),
+        "guard": guard_summary(logged),
     }

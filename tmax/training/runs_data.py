@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from tmax.agents.rating import read_reward
-from tmax.agents.records import RESULT, TOKENS, load_segments
+from tmax.agents.recorder import load_segments
 from tmax.agents.policy import TokenTrace
+from tmax.common.records import AgentStatus, RecordError, SessionDir
 from tmax.training.algo.batching import Group
 from tmax.training.learner.packing import TrainSample, batch_samples
 from tmax.training.rollout import Rollout
@@ -45,7 +46,7 @@ class RatedRun:
     model_dir: str | None  # the served model's directory, from run.json
 
 
-def _read(path: Path) -> Any:
+def _read(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -53,7 +54,8 @@ def _read(path: Path) -> Any:
 
 
 def load_run(run_dir: Path) -> RatedRun:
-    trace = TokenTrace(**_read(run_dir / TOKENS))
+    files = SessionDir(run_dir)
+    trace = TokenTrace(**_read(files.tokens))
     try:
         segments = [s.trace for s in load_segments(run_dir) if s.trace is not None]
     except (ValueError, KeyError, TypeError) as e:
@@ -61,17 +63,19 @@ def load_run(run_dir: Path) -> RatedRun:
     for t in (*segments, trace):
         if not (len(t.ids) == len(t.mask) == len(t.logprobs)):
             raise RunsDataError(f"{run_dir}: ids, mask and logprobs of a token segment differ in length")
-    result = _read(run_dir / RESULT) if (run_dir / RESULT).is_file() else {}
-    meta = _read(run_dir / "run.json") if (run_dir / "run.json").is_file() else {}
+    try:
+        outcome, meta = files.read_outcome(), files.read_run()
+    except RecordError as e:
+        raise RunsDataError(str(e)) from None
     reward = read_reward(run_dir)
     rollout = Rollout(
         task_id=f"run:{run_dir.name}", group_id=-1, sample_index=0, seed=0, trace=trace,
-        reward=reward if reward is not None else 0.0, status=str(result.get("status", "unknown")),
-        steps=int(result.get("steps", len(trace.turn_versions))),
+        reward=reward if reward is not None else 0.0, status=outcome.status if outcome else AgentStatus.UNKNOWN,
+        steps=outcome.steps if outcome else len(trace.turn_versions),
         policy_version=min((v for t in (*segments, trace) for v in t.turn_versions), default=0),
         segments=segments,
     )
-    return RatedRun(run_dir, reward, rollout, meta.get("model_dir"))
+    return RatedRun(run_dir, reward, rollout, meta.model_dir if meta else None)
 
 
 def load_runs(root: str | Path) -> list[RatedRun]:
@@ -80,9 +84,10 @@ def load_runs(root: str | Path) -> list[RatedRun]:
     root = Path(root)
     if not root.is_dir():
         raise RunsDataError(f"--from-runs: {root} is not a directory")
-    dirs = sorted({p.parent for p in root.rglob(TOKENS)})
+    tokens = SessionDir(root).tokens.name
+    dirs = sorted({p.parent for p in root.rglob(tokens)})
     if not dirs:
-        raise RunsDataError(f"--from-runs: no session under {root} has {TOKENS} (record them with `tmax run --tokens`)")
+        raise RunsDataError(f"--from-runs: no session under {root} has {tokens} (record them with `tmax run --tokens`)")
     return [load_run(d) for d in dirs]
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tmax.common.files import append_line_atomic, write_json_atomic, write_text_atomic
+from tmax.common.records import CheckpointExtra
 from tmax.sandbox.pool import WarmAhead
 from tmax.training.agentic import agentic_metrics, of_rollout
 from tmax.training.algo.batching import BatchAccumulator, BatchConfig, Group
@@ -387,10 +388,9 @@ class Trainer:
 
         s = self.state
         path = ckpt.checkpoint_path(self.run_dir, step)
-        extra = {"prompt_position": self.stream.position - len(s.groups) - len(s.ready), "config": self.cfg.name,
-                 "guard": self.guard.state()}
-        if self.rated is not None:
-            extra["rated_position"] = self.rated.position
+        extra = CheckpointExtra(prompt_position=self.stream.position - len(s.groups) - len(s.ready),
+                                config=self.cfg.name, guard=self.guard.state(),
+                                rated_position=self.rated.position if self.rated is not None else None)
         ray.get(self.actors.learner.save(str(path), step, extra), timeout=timeout_s)
         return path
 
@@ -466,14 +466,14 @@ def train(
         prepared = prepare_tasks(env_settings(cfg.rollout.sandbox, cfg.rollout.image_map, overlay=cfg.rollout.overlay),
                                  list_task_dirs(train_tasks), run_dir / "train_tasks.json",
                                  progress=progress.environments if progress else None)
-    start_step, positions, resume_from = ckpt.resume_point(run_dir) if resume else (0, {}, None)
+    start_step, positions, resume_from = ckpt.resume_point(run_dir) if resume else (0, CheckpointExtra(), None)
     # The engines serve the checkpoint's weights; with LoRA, an adapter (a new one for a full model).
     model_dir = run_start(cfg.lora, resume_from or model_dir, run_dir, cfg.algo.seed)
     if start_step >= cfg.algo.steps:
         raise TrainingError(f"nothing to do: the run is at step {start_step} of {cfg.algo.steps}")
-    stream = PromptStream(prepared.runnable, cfg.algo.seed, int(positions.get("prompt_position", 0)))
+    stream = PromptStream(prepared.runnable, cfg.algo.seed, positions.prompt_position)
     if rated is not None:
-        rated.position = int(positions.get("rated_position", rated.position))
+        rated.position = positions.rated_position if positions.rated_position is not None else rated.position
 
     ray_handle = connect(cfg.cluster)  # the caller's Ray when there is one (left running)
     t_setup = time.monotonic()

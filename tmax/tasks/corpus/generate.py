@@ -28,7 +28,8 @@ from typing import Annotated, Callable
 
 from pydantic import BaseModel, Field
 
-from tmax.common.files import write_json_atomic
+from tmax.common.records import (CorpusIdentity, GateRound, GeneratedEnvironment, GenerationIdentity,
+                                 GenerationStatus, Rejection, read_record, write_record)
 from tmax.sandbox.base import KINDS
 from tmax.tasks.corpus import stage_prompts as prompts
 from tmax.tasks.corpus.axes import CORPUS_KINDS, AxesConfig, TaskAxes, load_axes, redraw, stratified_plan
@@ -65,9 +66,9 @@ class GenerateConfig(BaseModel):
     axes_file: Annotated[str | None, Field(description="An axes file (TOML, as tasks/data/axes.toml; unset: the "
                                                        "bundled one).")] = None
 
-    def identity(self, axes: AxesConfig) -> dict:
+    def identity(self, axes: AxesConfig) -> CorpusIdentity:
         """What a resumed run must share with the first (the rest may change)."""
-        return {"seed": self.seed, "n": self.n, "corpus_kind": self.corpus_kind, "axes": axes.fingerprint()}
+        return CorpusIdentity(seed=self.seed, n=self.n, corpus_kind=self.corpus_kind, axes=axes.fingerprint())
 
 
 class TaskState(BaseModel):
@@ -75,14 +76,14 @@ class TaskState(BaseModel):
     index: int  # the slot of the plan
     attempt: int = 0  # > 0: a re-draw after a rejected task
     axes: TaskAxes
-    status: str = "pending"  # pending | kept | rejected
+    status: GenerationStatus = GenerationStatus.PENDING
     task: str | None = None
     truth: str | None = None
     initial_test: str | None = None
     final_test: str | None = None
-    environment: dict | None = None  # dockerfile, files, solve
+    environment: GeneratedEnvironment | None = None
     feedback: dict[str, str] = Field(default_factory=dict)  # stage -> feedback for its next call
-    rounds: list[dict] = Field(default_factory=list)  # per gate round: failed gates and reasons
+    rounds: list[GateRound] = Field(default_factory=list)
     calls: int = 0
     failed_gate: str | None = None
     pending_why: str | None = None  # why a pending task stopped (endpoint or infrastructure error)
@@ -121,11 +122,11 @@ class Generator:
         path = self.state_dir / "config.json"
         want = self.config.identity(self.axes)
         if path.is_file():
-            have = json.loads(path.read_text()).get("identity")
+            have = read_record(path, GenerationIdentity).identity
             if have != want:
-                raise GenerateError(f"{self.out} was generated with {have}, not {want}: use another --out "
-                                    "(a resumed corpus keeps its seed, corpus kind and axes)")
-        write_json_atomic(path, {"identity": want, "config": self.config.model_dump()})
+                raise GenerateError(f"{self.out} was generated with {have.model_dump()}, not {want.model_dump()}: "
+                                    "use another --out (a resumed corpus keeps its seed, corpus kind and axes)")
+        write_record(path, GenerationIdentity(identity=want, config=self.config.model_dump()))
 
     def load(self, index: int, attempt: int = 0) -> TaskState:
         name = task_name(self.config.seed, index, attempt)
@@ -136,7 +137,7 @@ class Generator:
         return TaskState(name=name, index=index, attempt=attempt, axes=axes)
 
     def save(self, st: TaskState) -> None:
-        write_json_atomic(self.state_dir / f"{st.name}.json", st.model_dump())
+        write_record(self.state_dir / f"{st.name}.json", st)
 
     # --- the model ------------------------------------------------------------------------
     def _chat(self, st: TaskState, stage: str, messages: list[dict]) -> str:
@@ -176,15 +177,14 @@ class Generator:
         if st.environment is None:
             dockerfile, files, solve = self._ask(st, "environment", lambda fb: prompts.environment_messages(
                 st.axes.domain, st.task, st.truth, st.initial_test, st.final_test, fb), prompts.parse_environment)
-            st.environment = {"dockerfile": dockerfile, "files": files, "solve": solve}
+            st.environment = GeneratedEnvironment(dockerfile=dockerfile, files=files, solve=solve)
             self.save(st)
 
     def _parts(self, st: TaskState) -> TaskParts:
-        env = st.environment or {}
+        env = st.environment or GeneratedEnvironment()
         return TaskParts(name=st.name, axes=st.axes, instruction=st.task or "", truth=st.truth or "",
                          initial_test=st.initial_test, final_test=st.final_test or "",
-                         dockerfile=env.get("dockerfile", ""), env_files=env.get("files", {}),
-                         solution=env.get("solve"))
+                         dockerfile=env.dockerfile, env_files=env.files, solution=env.solve)
 
     def _gate_round(self, st: TaskState) -> GateReport:
         staged = self.state_dir / "staging" / st.name
@@ -195,7 +195,7 @@ class Generator:
                               gates={"load": "failed"})
         return validate_task(staged, self.state_dir / "gates" / st.name, self.config.environment, self.rewrite)
 
-    def _finish(self, st: TaskState, status: str) -> None:
+    def _finish(self, st: TaskState, status: GenerationStatus) -> None:
         staged = self.state_dir / "staging" / st.name
         dest = self.out / st.name if status == "kept" else self.out / REJECTED_DIR / st.name
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -203,11 +203,10 @@ class Generator:
             replace_dir(staged, dest)
         if status == "rejected":  # every reject keeps its reason, a parse failure included
             dest.mkdir(exist_ok=True)
-            last = st.rounds[-1] if st.rounds else {}
-            write_json_atomic(dest / "rejection.json", {
-                "task": st.name, "slot": st.index, "attempt": st.attempt, "failed_gate": st.failed_gate,
-                "reason": (last.get("reasons") or {}).get(st.failed_gate or "", ""), "rounds": st.rounds,
-                "axes": st.axes.metadata()})
+            last = st.rounds[-1] if st.rounds else GateRound()
+            write_record(dest / "rejection.json", Rejection(
+                task=st.name, slot=st.index, attempt=st.attempt, failed_gate=st.failed_gate,
+                reason=last.reasons.get(st.failed_gate or "", ""), rounds=st.rounds, axes=st.axes.metadata()))
         st.status = status
         self.save(st)
 
@@ -219,7 +218,7 @@ class Generator:
         try:
             return self._run_one(st)
         except OpenAIError as e:
-            st.status = "pending"
+            st.status = GenerationStatus.PENDING
             st.pending_why = f"endpoint error: {type(e).__name__}: {e}"
             self.save(st)
             return st
@@ -242,23 +241,23 @@ class Generator:
                 self._stages(st)
             except prompts.ParseError as e:
                 st.failed_gate = "parse"
-                st.rounds.append({"failed": ["parse"], "reasons": {"parse": str(e)}})
-                self._finish(st, "rejected")
+                st.rounds.append(GateRound(failed=["parse"], reasons={"parse": str(e)}))
+                self._finish(st, GenerationStatus.REJECTED)
                 return st
             report = self._gate_round(st)
             if report.infra_errors:  # not the task's failure: stop, a rerun resumes here
                 st.pending_why = f"infrastructure error in gates {', '.join(report.infra_errors)}"
                 self.save(st)
                 return st
-            st.rounds.append({"failed": report.failed, "reasons": report.reasons})
+            st.rounds.append(GateRound(failed=report.failed, reasons=report.reasons))
             if report.verdict == "ok":
                 st.failed_gate = None
-                self._finish(st, "kept")
+                self._finish(st, GenerationStatus.KEPT)
                 return st
             gate = report.failed[0]
             if len(st.rounds) > self.config.max_retries:
                 st.failed_gate = gate
-                self._finish(st, "rejected")
+                self._finish(st, GenerationStatus.REJECTED)
                 return st
             stage = RETRY_STAGE[gate]
             st.feedback[stage] = prompts.feedback_text(gate, report.reasons.get(gate, ""))
@@ -276,7 +275,7 @@ class Generator:
         self._check_identity()
         spec = self.config.model_dump_json()
         items = [JobItem(f"slot_{i:06d}", generate_slot, (spec, self.api_key, i),
-                         json.dumps(self.config.identity(self.axes))) for i in range(self.config.n)]
+                         json.dumps(self.config.identity(self.axes).model_dump())) for i in range(self.config.n)]
 
         def finished(f: Finished) -> None:
             if on_slot:

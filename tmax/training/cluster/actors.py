@@ -28,8 +28,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from tmax.common.records import CheckpointExtra
 from tmax.training.cluster.engine_actor import EngineActor
 from tmax.training.cluster.failover import FailoverSampler, WorkersDown
 from tmax.training.cluster.learner_rank import LearnerRank
@@ -37,6 +39,13 @@ from tmax.training.cluster.reservation import Placement
 from tmax.training.cluster.rollout_worker import RolloutWorker
 from tmax.training.cluster.sandbox_nodes import worker_slots
 from tmax.training.rollout import EpisodeSettings, run_labels
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+
+    from tmax.training.config import LearnConfig
+    from tmax.training.learner.learner import LearnerConfig
 
 # Ray threads per rollout worker beyond its episode slots, so prewarm calls are not
 # queued behind running episodes.
@@ -47,13 +56,13 @@ class LearnerGroup:
     """The learner ranks, driven as one: each call goes to every rank and returns rank 0's
     ref; the other ranks' refs of a call are checked at the next call."""
 
-    def __init__(self, ranks: list[Any], setups: list[Any] | None = None):
+    def __init__(self, ranks: list[ActorHandle], setups: list[ObjectRef] | None = None):
         self.ranks = ranks
         self.setups = setups or []  # refs that fail when a rank cannot start
-        self._others: list[Any] = []
+        self._others: list[ObjectRef] = []
 
     @classmethod
-    def start(cls, options: list[dict], model_dir: str, lcfg: Any, resume: str | None,
+    def start(cls, options: list[dict], model_dir: str, lcfg: LearnerConfig, resume: str | None,
               threads: int | None) -> "LearnerGroup":
         import ray
 
@@ -64,10 +73,10 @@ class LearnerGroup:
                            for r, a in enumerate(ranks)])
 
     @property
-    def rank0(self) -> Any:
+    def rank0(self) -> ActorHandle:
         return self.ranks[0]
 
-    def _all(self, call: Any) -> Any:
+    def _all(self, call: Callable[[ActorHandle], ObjectRef]) -> ObjectRef:
         import ray
 
         if self._others:
@@ -76,21 +85,21 @@ class LearnerGroup:
         self._others = refs[1:]
         return refs[0]
 
-    def train_step(self, samples: list) -> Any:
+    def train_step(self, samples: list) -> ObjectRef:
         world = len(self.ranks)
         return self._all(lambda a: a.train_step.remote(samples, world))
 
-    def named_weights(self) -> Any:
+    def named_weights(self) -> ObjectRef:
         return self._all(lambda a: a.named_weights.remote())
 
-    def prepare_weights(self, version: int) -> Any:
+    def prepare_weights(self, version: int) -> ObjectRef:
         # Every rank gathers (a collective); rank 0's ref carries the update.
         return self._all(lambda a: a.prepare_weights.remote(version))
 
-    def save(self, path: str, step: int, extra: dict) -> Any:
+    def save(self, path: str, step: int, extra: CheckpointExtra) -> ObjectRef:
         return self._all(lambda a: a.save.remote(path, step, extra))
 
-    def restore(self, path: str, lr_scale: float = 1.0) -> Any:
+    def restore(self, path: str, lr_scale: float = 1.0) -> ObjectRef:
         """Every rank back to checkpoint `path` (the collapse guard's rollback)."""
         return self._all(lambda a: a.restore.remote(path, lr_scale))
 
@@ -108,11 +117,11 @@ class LearnerGroup:
 class EngineGroup:
     """The engine actors; `info()`, `close()` and `sampler(i)` act on the group."""
 
-    def __init__(self, engines: list[Any]):
+    def __init__(self, engines: list[ActorHandle]):
         self.engines = engines
 
     @classmethod
-    def start(cls, cfg: Any, model_dir: str, run_dir: str | Path, options: list[dict],
+    def start(cls, cfg: LearnConfig, model_dir: str, run_dir: str | Path, options: list[dict],
               tp: int | None = None) -> "EngineGroup":
         """Engine i gets seed `algo.seed + i` and its own work dir, each over `tp` GPUs;
         not waited for (`ready`)."""
@@ -126,7 +135,7 @@ class EngineGroup:
             engines.append(engine_actor.options(**opts).remote(model_dir, cfg.engine, cfg.algo.seed + i, str(work), tp))
         return cls(engines)
 
-    def ready(self) -> list[Any]:
+    def ready(self) -> list[ObjectRef]:
         """Refs that fail when an engine could not start its server."""
         return [e.info.remote() for e in self.engines]
 
@@ -151,7 +160,7 @@ class EngineGroup:
             ray.kill(e)
 
 
-def close_all(actors: list[Any], timeout_s: float) -> None:
+def close_all(actors: list[ActorHandle], timeout_s: float) -> None:
     """`close()` on every actor at once, best effort (an actor may already be dead); waits
     up to `timeout_s` for them all."""
     import ray
@@ -168,7 +177,7 @@ def close_all(actors: list[Any], timeout_s: float) -> None:
         pass
 
 
-def _cpus(cfg: Any) -> float:
+def _cpus(cfg: LearnConfig) -> float:
     return float(cfg.cluster.num_cpus or os.cpu_count() or 2)
 
 
@@ -177,7 +186,7 @@ def _tp(pl: Placement | None) -> int | None:
     return pl.plan.tp if pl is not None else None
 
 
-def engine_options(cfg: Any, pl: Placement | None) -> list[dict]:
+def engine_options(cfg: LearnConfig, pl: Placement | None) -> list[dict]:
     """`.options(...)` of every engine: the plan's bundles, or one engine on this node."""
     threads = cfg.run.concurrency + 4
     if pl is None:
@@ -185,13 +194,13 @@ def engine_options(cfg: Any, pl: Placement | None) -> list[dict]:
     return [pl.engine_options(i, max_restarts=-1, max_concurrency=threads) for i in range(pl.plan.engines)]
 
 
-def learner_options(cfg: Any, pl: Placement | None) -> list[dict]:
+def learner_options(cfg: LearnConfig, pl: Placement | None) -> list[dict]:
     if pl is None:
         return [{"num_cpus": min(1.0, _cpus(cfg) / 4)}]
     return [pl.learner_options(r) for r in range(pl.plan.learner_ranks)]
 
 
-def worker_options(cfg: Any, pl: Placement | None) -> list[dict]:
+def worker_options(cfg: LearnConfig, pl: Placement | None) -> list[dict]:
     rc = cfg.run
     threads = rc.slots_per_worker + PREWARM_CALL_SLOTS
     if pl is None:
@@ -202,7 +211,7 @@ def worker_options(cfg: Any, pl: Placement | None) -> list[dict]:
             for i in range(pl.plan.sandbox_workers)]
 
 
-def start_engines(cfg: Any, model_dir: str, run_dir: str | Path, pl: Placement | None = None) -> EngineGroup:
+def start_engines(cfg: LearnConfig, model_dir: str, run_dir: str | Path, pl: Placement | None = None) -> EngineGroup:
     """The engines of the layout, serving `model_dir`, ready (servers healthy) on return."""
     import ray
 
@@ -222,7 +231,7 @@ class Actors:
 
     learner: LearnerGroup
     engines: EngineGroup
-    workers: list[Any]
+    workers: list[ActorHandle]
     own_engines: bool = True  # False: the caller's engines, which it stops itself
     labels: dict[str, str] | None = None  # every container of the run carries them (`run_labels`)
     workers_down: WorkersDown = field(default_factory=WorkersDown)  # restarting under Ray
@@ -265,7 +274,7 @@ class Actors:
         self.learner.kill()
 
 
-def start_actors(cfg: Any, model_dir: str, resume_from: str | None, run_dir: str | Path, lcfg: Any,
+def start_actors(cfg: LearnConfig, model_dir: str, resume_from: str | None, run_dir: str | Path, lcfg: LearnerConfig,
                  images: dict, pl: Placement | None = None, engines: EngineGroup | None = None) -> Actors:
     """Create and wait for every actor of the layout. `engines` reuses running engines
     (already serving `model_dir`); `images` maps task dirs to their resolved images."""
@@ -304,7 +313,7 @@ def _import_actor_libraries() -> None:
     import transformers  # noqa: F401
 
 
-def warm_worker_processes(n: int) -> list[Any]:
+def warm_worker_processes(n: int) -> list[ActorHandle]:
     """`n` tasks that import torch and transformers in Ray's idle worker processes, not
     waited for. Actors created later take idle workers from Ray's pool, so those whose
     process already has the imports skip them (several seconds each on a loaded 2-core

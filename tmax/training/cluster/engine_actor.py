@@ -8,12 +8,16 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tmax.agents.policy import ModelError
 from tmax.common.waiting import wait_until
 from tmax.training.cluster.failover import SERVER_EXIT_WAIT_S
 from tmax.training.net import ray_node_id
+
+if TYPE_CHECKING:
+    from tmax.training.engine_options import EngineOptions
+    from tmax.training.weights.protocol import WeightUpdate
 
 
 class EngineActor:
@@ -23,7 +27,7 @@ class EngineActor:
     that produced it. A vLLM server that dies takes its actor with it, so Ray restarts both;
     a restarted actor reloads the last weights it was pushed."""
 
-    def __init__(self, model_dir: str, ecfg: Any, seed: int, work_dir: str | None = None, tp: int | None = None):
+    def __init__(self, model_dir: str, ecfg: EngineOptions, seed: int, work_dir: str | None = None, tp: int | None = None):
         import ray
 
         from tmax.training.inference.engine import VLLMEngine
@@ -76,7 +80,7 @@ class EngineActor:
                           timeout_s: float) -> list:
         return self.engine.join_weight_group(host, port, rank_offset, world, backend, timeout_s)
 
-    def receive_weights(self, update: Any) -> float:
+    def receive_weights(self, update: WeightUpdate) -> float:
         # Blocks until learner rank 0 has broadcast the update (another actor, so the
         # two sides run at the same time).
         return self.engine.receive_weights(update)

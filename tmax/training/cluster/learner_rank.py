@@ -5,10 +5,14 @@ ranks are created. Importing this module imports neither Ray nor torch."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
+from tmax.common.records import CheckpointExtra
 from tmax.training.net import free_port, node_ip, ray_node_id
 from tmax.training.weights.learner_side import WeightSourceMixin
+
+if TYPE_CHECKING:
+    from tmax.training.learner.learner import Learner, LearnerConfig
 
 # Gloo / NCCL collectives of the learner group give up after this long (a dead rank).
 GROUP_TIMEOUT_S = 600.0
@@ -24,7 +28,7 @@ class LearnerRank(WeightSourceMixin):
 
         if threads:
             torch.set_num_threads(threads)
-        self.learner: Any = None
+        self.learner: Learner | None = None
         self.rank = 0
 
     def node_id(self) -> str:
@@ -33,7 +37,7 @@ class LearnerRank(WeightSourceMixin):
     def rendezvous(self) -> tuple[str, int]:
         return node_ip(), free_port()
 
-    def setup(self, rank: int, world: int, host: str, port: int, model_dir: str, lcfg: Any,
+    def setup(self, rank: int, world: int, host: str, port: int, model_dir: str, lcfg: LearnerConfig,
               resume: str | None) -> int:
         from tmax.training.learner.learner import Learner
         from tmax.training.learner.parallel import data_parallel, init_learner_group
@@ -54,7 +58,7 @@ class LearnerRank(WeightSourceMixin):
         # CPU tensors: engines on other nodes read them from the object store.
         return {k: v.cpu() for k, v in w.items()} if self.rank == 0 else {}
 
-    def save(self, path: str, step: int, extra: dict) -> str:
+    def save(self, path: str, step: int, extra: CheckpointExtra) -> str:
         return str(self.learner.save(path, step, extra))
 
     def restore(self, path: str, lr_scale: float) -> int:

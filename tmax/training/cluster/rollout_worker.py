@@ -6,7 +6,7 @@ loaded when a worker starts)."""
 
 from __future__ import annotations
 
-from typing import Any
+from tmax.agents.policy import TokenSampler
 
 from tmax.training.cluster.sandbox_nodes import NODE_LABEL, normal_priority
 from tmax.training.net import ray_node_id
@@ -17,7 +17,7 @@ class RolloutWorker:
     """Runs episodes, `slots` at a time (Ray threads), each in its own fresh sandbox; on
     podman an overlay of a container shared on its node (`EpisodeSettings.worker_pool`)."""
 
-    def __init__(self, model_dir: str, episode: EpisodeSettings, sampler: Any, images: dict, slots: int = 1):
+    def __init__(self, model_dir: str, episode: EpisodeSettings, sampler: TokenSampler, images: dict, slots: int = 1):
         from transformers import AutoTokenizer
 
         normal_priority()  # its episodes' commands run as a bench trial's do, not at Ray's niceness 15

@@ -15,7 +15,10 @@ Pure Python apart from the functions that talk to a live cluster.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
 
 ROLE_SANDBOX = "tmax_sandbox"
 NODE_LABEL = "io.tmax.node"  # the Ray node of the worker that started a container
@@ -42,7 +45,7 @@ def sandbox_bundle(cpus_per_worker: float) -> dict[str, float]:
     return {"CPU": cpus_per_worker, ROLE_SANDBOX: 1.0}
 
 
-def check_sandbox_nodes(count: int, cpus_per_worker: float, nodes: list[Any]) -> list[str]:
+def check_sandbox_nodes(count: int, cpus_per_worker: float, nodes: list[dict[str, Any]]) -> list[str]:
     """What the cluster lacks for `count` sandbox nodes (NodeInfo entries of `nodes`)."""
     if count == 0:
         return []
@@ -62,14 +65,14 @@ def check_sandbox_nodes(count: int, cpus_per_worker: float, nodes: list[Any]) ->
 class SandboxPlacement:
     """The sandbox nodes' placement group, the node of each bundle and its logical CPUs."""
 
-    pg: Any
+    pg: PlacementGroup
     nodes: list[str]  # node id of bundle i (worker i)
     cpus: list[float]  # that node's logical CPUs: worker i's episodes at once
 
-    def worker_options(self, index: int, cpus_per_worker: float, **extra: Any) -> dict[str, Any]:
+    def worker_options(self, index: int, cpus_per_worker: float, **extra: object) -> dict[str, object]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        opts: dict[str, Any] = {"num_cpus": cpus_per_worker, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+        opts: dict[str, object] = {"num_cpus": cpus_per_worker, "scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=self.pg, placement_group_bundle_index=index)}
         opts.update(extra)
         return opts
@@ -78,7 +81,7 @@ class SandboxPlacement:
         return max(1, int(self.cpus[index]))
 
     @classmethod
-    def of(cls, pg: Any, nodes: list[str]) -> SandboxPlacement:
+    def of(cls, pg: PlacementGroup, nodes: list[str]) -> SandboxPlacement:
         """The ready group `pg`, its bundles on `nodes`: their logical CPUs as Ray counts them."""
         import ray
 
@@ -86,14 +89,14 @@ class SandboxPlacement:
         return cls(pg, nodes, [totals.get(n, 1.0) for n in nodes])
 
 
-def worker_slots(placement: Any, index: int, default: int) -> int:
-    """Episodes at once of rollout worker `index`: its sandbox node's CPUs, else `default`
-    (`run.slots_per_worker`)."""
+def worker_slots(placement: object, index: int, default: int) -> int:
+    """Episodes at once of rollout worker `index` (`placement`: a `placement.Placement`, or
+    None on one machine): its sandbox node's CPUs, else `default` (`run.slots_per_worker`)."""
     sandboxes = getattr(placement, "sandboxes", None)
     return sandboxes.slots(index) if sandboxes is not None else default
 
 
-def sandbox_groups(count: int, cpus_per_worker: float) -> list[Any]:
+def sandbox_groups(count: int, cpus_per_worker: float) -> list[PlacementGroup]:
     """The sandbox nodes' placement group, one bundle per node (not yet ready), in a list;
     none without sandbox nodes (Ray refuses a group of no bundles)."""
     from ray.util.placement_group import placement_group

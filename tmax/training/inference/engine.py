@@ -44,6 +44,7 @@ from tmax.training.weights.adapter import is_adapter_dir, model_base, start_adap
 from tmax.training.weights.engine_side import EngineWeights
 
 if TYPE_CHECKING:
+    import httpx
     from tmax.training.config import EngineConfig
 
 
@@ -69,7 +70,7 @@ def prefix_cache_counts(base_url: str) -> tuple[float, float]:
     return total("prefix_cache_queries"), total("prefix_cache_hits")
 
 
-def _post(client: Any, url: str, body: dict | None, timeout: float) -> Any:
+def _post(client: httpx.Client, url: str, body: dict | None, timeout: float) -> Any:
     import httpx
 
     try:
@@ -124,7 +125,7 @@ class VLLMSampler:
         self.api_key = api_key
         self._engine = engine
         self._counter = itertools.count()
-        self._client: Any = None
+        self._client: httpx.Client | None = None
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
@@ -137,7 +138,7 @@ class VLLMSampler:
         self._counter = itertools.count()
         self._lock = threading.Lock()
 
-    def _http(self) -> Any:
+    def _http(self) -> httpx.Client:
         with self._lock:
             if self._client is None:
                 import httpx
@@ -265,7 +266,7 @@ class VLLMEngine(EngineWeights):
         self.policy_version = 0
         self.request_timeout_s = request_timeout_s
         self._init_weights()
-        self._client: Any = None
+        self._client: httpx.Client | None = None
         self._owned_tmp: tempfile.TemporaryDirectory | None = None
         if work_dir is None:
             self._owned_tmp = tempfile.TemporaryDirectory(prefix="tmax-engine-")
@@ -306,7 +307,7 @@ class VLLMEngine(EngineWeights):
     def base_url(self) -> str:
         return self.url + "/v1"
 
-    def _http(self) -> Any:
+    def _http(self) -> httpx.Client:
         if self._client is None:
             import httpx
 

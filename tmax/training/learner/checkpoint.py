@@ -20,7 +20,6 @@ checkpoint's tensors (`DiskFullError` names the path and the bytes needed otherw
 from __future__ import annotations
 
 import errno
-import json
 import os
 import random
 import re
@@ -33,7 +32,9 @@ from typing import Any
 import torch
 
 from tmax.common.errors import ConfigError
-from tmax.common.files import trim_jsonl, write_json_atomic
+from tmax.common.files import trim_jsonl
+from tmax.common.records import (CHECKPOINT_META, HEALTH, CheckpointExtra, CheckpointMeta, HealthMark, HealthRecord,
+                                 LearnRunDir, RecordError, read_optional, read_record, write_record)
 
 # Files a tokenizer / chat template may live in; whatever of these the source has is copied.
 TOKENIZER_FILES = (
@@ -48,14 +49,16 @@ TOKENIZER_FILES = (
     "tokenizer.model",
 )
 STATE_PT = "trainer_state.pt"
-STATE_JSON = "trainer_state.json"
-HEALTH_JSON = "health.json"
-HEALTH_MARKS = ("healthy", "collapsed")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def checkpoint_path(run_dir: str | Path, step: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"step_{step}"
+    return LearnRunDir(Path(run_dir)).checkpoint(step)
+
+
+def checkpoint_meta(path: str | Path) -> CheckpointMeta:
+    """trainer_state.json of a checkpoint directory."""
+    return read_record(Path(path) / CHECKPOINT_META, CheckpointMeta)
 
 
 def rng_state() -> dict[str, Any]:
@@ -167,7 +170,7 @@ def save_checkpoint(
     step: int,
     optimizer: torch.optim.Optimizer | None = None,
     optimizer_state: dict | None = None,
-    extra: dict | None = None,
+    extra: CheckpointExtra | None = None,
     tokenizer_dir: str | Path | None = None,
     state_dict: dict[str, torch.Tensor] | None = None,
     write: bool = True,
@@ -178,11 +181,7 @@ def save_checkpoint(
     final = Path(path)
     if not write:
         return final
-    extra = extra or {}
-    try:
-        extra_json = json.dumps({"step": step, "time": time.time(), "extra": extra}, indent=2)
-    except TypeError as e:
-        raise ValueError(f"checkpoint extra must be JSON-serialisable: {e}") from e
+    meta = CheckpointMeta(step=step, time=time.time(), extra=extra or CheckpointExtra())
     state = {"format": 1, "step": step, "rng": rng_state()}
     if optimizer_state is not None:
         state["optimizer"] = optimizer_state
@@ -203,7 +202,7 @@ def save_checkpoint(
                 if src.is_file():
                     shutil.copy2(src, tmp / name)
         torch.save(state, tmp / STATE_PT)
-        (tmp / STATE_JSON).write_text(extra_json)
+        (tmp / CHECKPOINT_META).write_text(meta.model_dump_json(indent=2))
         _replace_dir(tmp, final)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -214,32 +213,31 @@ def save_checkpoint(
 
 
 def load_trainer_state(path: str | Path) -> dict[str, Any]:
-    """{"step", "optimizer", "rng", "extra"} of a checkpoint directory."""
+    """{"format", "step", "optimizer", "rng"} of a checkpoint directory (torch's state; its
+    JSON record is `checkpoint_meta`)."""
     path = Path(path)
-    pt, js = path / STATE_PT, path / STATE_JSON
+    pt, js = path / STATE_PT, path / CHECKPOINT_META
     if not pt.is_file() or not js.is_file():
-        raise FileNotFoundError(f"{path} is not a trainer checkpoint (missing {STATE_PT} or {STATE_JSON})")
+        raise FileNotFoundError(f"{path} is not a trainer checkpoint (missing {STATE_PT} or {CHECKPOINT_META})")
     state = torch.load(pt, map_location="cpu", weights_only=True)
-    meta = json.loads(js.read_text())
     if "optimizer" not in state:
         raise ValueError(f"{pt} holds no optimizer state")
-    state["extra"] = meta.get("extra", {})
     return state
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete `step_N` checkpoints of a run, oldest first."""
-    root = Path(run_dir) / "checkpoints"
+    root = LearnRunDir(Path(run_dir)).checkpoints
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found) if (p / STATE_JSON).is_file()]
+    return [p for _, p in sorted(found) if (p / CHECKPOINT_META).is_file()]
 
 
 def remove_partial(run_dir: str | Path) -> list[Path]:
     """Delete the temp and replaced-checkpoint directories a killed run left behind (never
     loaded: only complete `step_N` directories count); returns what was removed."""
-    root = Path(run_dir) / "checkpoints"
+    root = LearnRunDir(Path(run_dir)).checkpoints
     if not root.is_dir():
         return []
     partial = [p for p in root.iterdir() if p.name.startswith(".step_") and (".tmp-" in p.name or ".old-" in p.name)]
@@ -248,27 +246,26 @@ def remove_partial(run_dir: str | Path) -> list[Path]:
     return partial
 
 
-def mark_health(path: str | Path, mark: str, detail: dict | None = None) -> None:
+def mark_health(path: str | Path, mark: HealthMark, detail: dict[str, object] | None = None) -> None:
     """Record the guard's judgement of a checkpoint (atomically, next to its state)."""
-    if mark not in HEALTH_MARKS:
-        raise ValueError(f"health mark must be one of {', '.join(HEALTH_MARKS)}, got {mark!r}")
-    write_json_atomic(Path(path) / HEALTH_JSON, {"mark": mark, "time": time.time(), **(detail or {})})
+    write_record(Path(path) / HEALTH, HealthRecord(mark=HealthMark(mark), time=time.time(), **(detail or {})))
 
 
-def health(path: str | Path) -> str | None:
-    """The checkpoint's health mark, or None when the guard never judged it."""
-    p = Path(path) / HEALTH_JSON
+def health(path: str | Path) -> HealthMark | None:
+    """The checkpoint's health mark, or None when the guard never judged it (or its record
+    was cut short)."""
     try:
-        return json.loads(p.read_text()).get("mark")
-    except (FileNotFoundError, json.JSONDecodeError):
+        record = read_optional(Path(path) / HEALTH, HealthRecord)
+    except RecordError:
         return None
+    return record.mark if record is not None else None
 
 
 def latest_checkpoint(run_dir: str | Path, healthy_only: bool = False) -> Path | None:
     """The newest checkpoint a run may continue from: never one marked "collapsed" (the
     guard rolled back past it); with `healthy_only`, the newest marked "healthy"."""
     found = [p for p in list_checkpoints(run_dir)
-             if (health(p) == "healthy" if healthy_only else health(p) != "collapsed")]
+             if (health(p) == HealthMark.HEALTHY if healthy_only else health(p) != HealthMark.COLLAPSED)]
     return found[-1] if found else None
 
 
@@ -291,10 +288,10 @@ def trained_before(run_dir: str | Path) -> str | None:
     found = list_checkpoints(run_dir)
     if found:
         return f"checkpoints up to {found[-1].name}"
-    for name in ("metrics.jsonl", "rollouts.jsonl"):
-        path = run_dir / name
+    files = LearnRunDir(run_dir)
+    for path in (files.metrics, files.rollouts):
         if path.is_file() and path.stat().st_size:
-            return f"{name}, no checkpoint"
+            return f"{path.name}, no checkpoint"
     return None
 
 
@@ -307,7 +304,7 @@ def refuse_fresh_run_over(run_dir: str | Path, resume: bool) -> None:
         raise ConfigError(f"{run_dir} already holds a run ({earlier}; {how}): pass another --out, or remove it")
 
 
-def resume_point(run_dir: str | Path) -> tuple[int, dict[str, Any], str]:
+def resume_point(run_dir: str | Path) -> tuple[int, CheckpointExtra, str]:
     """(step, the trainer state's extras such as stream positions, checkpoint path) to resume
     the run in `run_dir` from: its newest complete checkpoint the guard did not reject. A
     killed save's leftovers are removed first, and the records are cut back to that step."""
@@ -315,10 +312,10 @@ def resume_point(run_dir: str | Path) -> tuple[int, dict[str, Any], str]:
     remove_partial(run_dir)  # a killed run's half-written checkpoint is never loaded
     latest = latest_checkpoint(run_dir)
     if latest is None:
-        raise FileNotFoundError(f"--resume: no checkpoint under {run_dir / 'checkpoints'}")
-    state = load_trainer_state(latest)
-    step = int(state["step"])
+        raise FileNotFoundError(f"--resume: no checkpoint under {LearnRunDir(run_dir).checkpoints}")
+    meta = checkpoint_meta(latest)
+    files = LearnRunDir(run_dir)
     # A killed run's cut last lines and steps past the checkpoint (trained again) leave the record.
-    trim_jsonl(run_dir / "metrics.jsonl", lambda record: int(record.get("step", 0)) <= step)
-    trim_jsonl(run_dir / "rollouts.jsonl")
-    return step, state["extra"], str(latest)
+    trim_jsonl(files.metrics, lambda row: int(row.get("step", 0)) <= meta.step)  # a metrics row, not a record
+    trim_jsonl(files.rollouts)
+    return meta.step, meta.extra, str(latest)

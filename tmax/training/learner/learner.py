@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from tmax.common.records import CheckpointExtra
 from tmax.training.algo.dppo import LossConfig, LossStats, policy_loss
 from tmax.training.learner import checkpoint as ckpt
 from tmax.agents.policy import TokenTrace
@@ -186,7 +187,7 @@ class Learner:
             self.params, lr=self.cfg.lr, betas=self.cfg.betas, eps=self.cfg.eps, weight_decay=self.cfg.weight_decay
         )
         self.step = 0
-        self.extra: dict = {}
+        self.extra = CheckpointExtra()
         self.timings: dict[str, float] = {}  # seconds of the last backward's forwards and backwards
         self.lr_scale = 1.0  # the collapse guard's remedy multiplies the LR schedule by this
 
@@ -402,26 +403,27 @@ class Learner:
         keep = lora.is_adapter_key if self.peft is not None else (lambda k: not (self.tied and k == "lm_head.weight"))
         return sum(v.numel() * v.element_size() for k, v in self.model.state_dict().items() if keep(k))
 
-    def save(self, path: str | Path, step: int | None = None, extra: dict | None = None) -> Path:
+    def save(self, path: str | Path, step: int | None = None, extra: CheckpointExtra | None = None) -> Path:
         """HF model (safetensors + config + tokenizer + chat template) and trainer state; with
         LoRA the adapter in PEFT's format (its config names the base model) instead of the
         model. Every rank calls it (gathering is a collective under FSDP); rank 0 writes."""
         optimizer_state = self.dp.optimizer_state(self.optimizer)
         return self._checkpoint(path, self.step if step is None else step, extra, optimizer_state)
 
-    def export(self, path: str | Path, extra: dict | None = None) -> Path:
+    def export(self, path: str | Path, extra: CheckpointExtra | None = None) -> Path:
         """The weights alone, no optimizer (SFT's result): an HF model directory, or with
         LoRA the adapter's. Every rank calls it; rank 0 writes."""
         return self._checkpoint(path, 0, extra, None)
 
-    def _checkpoint(self, path: str | Path, step: int, extra: dict | None, optimizer_state: dict | None) -> Path:
+    def _checkpoint(self, path: str | Path, step: int, extra: CheckpointExtra | None,
+                    optimizer_state: dict | None) -> Path:
         state = self.dp.full_state_dict(self.model)
         return ckpt.save_checkpoint(
             path,
             self.model if self.peft is None else self.peft,
             optimizer_state=optimizer_state,
             step=step,
-            extra=extra or {},
+            extra=extra,
             tokenizer_dir=self.model_dir,
             state_dict=state if self.peft is None else lora.peft_state(state),
             write=self.dp.rank == 0,
@@ -441,7 +443,7 @@ class Learner:
         state = ckpt.load_trainer_state(path)
         self.dp.load_optimizer_state(self.optimizer, state["optimizer"])
         self.step = int(state["step"])
-        self.extra = state.get("extra", {})
+        self.extra = ckpt.checkpoint_meta(path).extra
         self.lr_scale = lr_scale
         ckpt.restore_rng(state["rng"])
         return self.step
@@ -454,6 +456,6 @@ class Learner:
         state = ckpt.load_trainer_state(path)
         learner.dp.load_optimizer_state(learner.optimizer, state["optimizer"])
         learner.step = int(state["step"])
-        learner.extra = state.get("extra", {})
+        learner.extra = ckpt.checkpoint_meta(path).extra
         ckpt.restore_rng(state["rng"])
         return learner

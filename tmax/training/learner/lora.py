@@ -23,12 +23,15 @@ import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tmax.common.files import write_dir_atomic
 from tmax.training.weights.adapter import ADAPTER_WEIGHTS, AdapterError, adapter_base, adapter_config, is_adapter_dir
 
 if TYPE_CHECKING:
+    import peft
+
+    from tmax.training.config import LoraConfig as LoraSection
     import torch
 
 PEFT_PREFIX = "base_model.model."
@@ -49,13 +52,13 @@ class LoraSpec:
             raise ValueError("LoRA needs at least one target module")
 
     @classmethod
-    def of(cls, section: Any) -> "LoraSpec | None":
+    def of(cls, section: LoraSection) -> "LoraSpec | None":
         """The learner's spec of a `[lora]` section (`training.config.LoraConfig`); None when off."""
         if not section.rank:
             return None
         return cls(section.rank, section.alpha, section.dropout, tuple(section.target_modules))
 
-    def peft_config(self, base_dir: str | Path) -> Any:
+    def peft_config(self, base_dir: str | Path) -> peft.LoraConfig:
         from peft import LoraConfig
 
         return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
@@ -63,7 +66,7 @@ class LoraSpec:
                           base_model_name_or_path=str(Path(base_dir).resolve()))
 
 
-def learner_dtype(section: Any, engine_dtype: str) -> str:
+def learner_dtype(section: LoraSection, engine_dtype: str) -> str:
     """The dtype a learner holds its model in: fp32 master weights for full fine-tuning; with
     `[lora]` on (`section`), the frozen base in the dtype the engine serves it in (bf16 / fp16,
     else fp32), the adapter in fp32 (PEFT's autocast)."""
@@ -77,7 +80,7 @@ def start_dirs(model_dir: str | Path) -> tuple[Path, Path | None]:
     return Path(model_dir), None
 
 
-def run_start(section: Any, model_dir: str | Path, run_dir: str | Path, seed: int) -> str:
+def run_start(section: LoraSection, model_dir: str | Path, run_dir: str | Path, seed: int) -> str:
     """Where a run's learner and engines start: `model_dir`, or, with `[lora]` on
     (`section`, a `training.config.LoraConfig`) and a full model there, a new adapter for it
     in `run_dir/adapter-init`. An adapter checkpoint continues as it is (its rank must be
@@ -94,7 +97,7 @@ def run_start(section: Any, model_dir: str | Path, run_dir: str | Path, seed: in
     return str(init_adapter(model_dir, spec, Path(run_dir) / "adapter-init", seed))
 
 
-def attach(model: "torch.nn.Module", spec: LoraSpec | None, adapter_dir: Path | None, base_dir: Path) -> Any:
+def attach(model: "torch.nn.Module", spec: LoraSpec | None, adapter_dir: Path | None, base_dir: Path) -> torch.nn.Module:
     """Inject a trainable adapter into `model` in place and return the `PeftModel`: the one
     in `adapter_dir` (whose rank must match `spec` when both are given), else a new one of
     `spec` (PEFT's initialisation: A random, B zero, so the model starts as the base)."""
@@ -114,7 +117,7 @@ def is_adapter_key(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
-def adapter_tensors(peft_model: Any, state: dict[str, "torch.Tensor"]) -> dict[str, "torch.Tensor"]:
+def adapter_tensors(peft_model: peft.PeftModel, state: dict[str, "torch.Tensor"]) -> dict[str, "torch.Tensor"]:
     """The adapter's tensors under the names `adapter_model.safetensors` uses, from the
     learner model's (full) state dict `state`."""
     from peft import get_peft_model_state_dict

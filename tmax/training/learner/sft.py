@@ -17,9 +17,9 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from tmax.common.files import write_json_atomic
+from tmax.common.records import SFT_RECORD, CheckpointExtra, SftRecord, write_record
 from tmax.training.algo.batching import Group
 from tmax.training.config import LearnConfig
 from tmax.training.learner.packing import Pack, Traced, TrainSample, batch_samples
@@ -59,7 +59,7 @@ def sft_samples(demos: Sequence[Traced]) -> list[TrainSample]:
 
 
 def train_sft(model_dir: str, demos: Sequence[Traced], cfg: LearnConfig, out_dir: str | Path,
-              log: Any = None, lora: bool = True) -> SFTResult:
+              log: Callable[[int, int, float], None] | None = None, lora: bool = True) -> SFTResult:
     """Cross-entropy on assistant tokens through the RL learner (`Learner.train_step` with
     `sft_loss`: the same packing and forward); AdamW with warmup then constant LR; writes
     an HF checkpoint (weights + tokenizer + chat template) to `out_dir`, or with `[lora]` on
@@ -95,9 +95,9 @@ def train_sft(model_dir: str, demos: Sequence[Traced], cfg: LearnConfig, out_dir
         tokens += int(metrics["learner/loss_tokens"])
         if log is not None:
             log(step + 1, total, losses[-1])
-    path = learner.export(out_dir, extra={"sft_steps": total, "sft_demos": len(demos)})
+    path = learner.export(out_dir, extra=CheckpointExtra(sft_steps=total, sft_demos=len(demos)))
     # The marker that SFT is done (the recipe skips SFT when it exists): written last, atomically.
-    write_json_atomic(Path(path) / "sft.json", {"steps": total, "demos": len(demos), "losses": losses})
+    write_record(Path(path) / SFT_RECORD, SftRecord(steps=total, demos=len(demos), losses=losses))
     return SFTResult(str(path), len(demos), tokens, total, final_loss(losses), time.monotonic() - t0)
 
 

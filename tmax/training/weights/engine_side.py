@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from tmax.common.files import write_json_atomic
+from tmax.common.records import WEIGHTS_MANIFEST, WeightsManifest, WorkerReply, read_record, write_record
 
 if TYPE_CHECKING:
     import torch
@@ -49,7 +49,6 @@ if TYPE_CHECKING:
 
 
 # Next to an engine's weights.safetensors (or adapter/): the version it holds.
-WEIGHTS_VERSION = "weights.version.json"
 # A LoRA engine's last pushed adapter, in its work dir.
 ADAPTER_DIR = "adapter"
 
@@ -102,7 +101,7 @@ class EngineWeights:
                 os.unlink(tmp)
         self._sync(lambda: self._rpc("push_file", str(path), str(int(version))), len(state), version)
         # The version of weights.safetensors, for a restarted engine (`reload_last_push`).
-        write_json_atomic(self.work_dir / WEIGHTS_VERSION, {"version": int(version)})
+        write_record(self.work_dir / WEIGHTS_MANIFEST, WeightsManifest(version=int(version)))
         return time.perf_counter() - t0
 
     def _push_adapter(self, start: Path, tensors: dict[str, "torch.Tensor"], version: int) -> float:
@@ -113,7 +112,7 @@ class EngineWeights:
         t0 = time.perf_counter()
         dest = write_adapter(self.work_dir / ADAPTER_DIR, (start / ADAPTER_CONFIG).read_text(), tensors)
         self._sync(lambda: self._rpc("push_adapter", str(dest), str(int(version))), len(tensors), version)
-        write_json_atomic(self.work_dir / WEIGHTS_VERSION, {"version": int(version)})
+        write_record(self.work_dir / WEIGHTS_MANIFEST, WeightsManifest(version=int(version)))
         return time.perf_counter() - t0
 
     def reload_last_push(self) -> None:
@@ -124,11 +123,11 @@ class EngineWeights:
 
         from tmax.training.weights.adapter import ADAPTER_WEIGHTS
 
-        version = self.work_dir / WEIGHTS_VERSION
+        manifest = self.work_dir / WEIGHTS_MANIFEST
         path = (self.work_dir / "weights.safetensors" if self.adapter_start is None
                 else self.work_dir / ADAPTER_DIR / ADAPTER_WEIGHTS)
-        if path.is_file() and version.is_file():
-            v = int(json.loads(version.read_text())["version"])
+        if path.is_file() and manifest.is_file():
+            v = read_record(manifest, WeightsManifest).version
             self.push_weights(load_file(str(path)), v)
             # Said where the engine's owner logs (a Ray actor's stderr reaches the driver's log).
             logging.getLogger(__name__).warning("engine restarted: reloaded the last %s pushed, version %d",
@@ -146,7 +145,7 @@ class EngineWeights:
                            "world_size": int(world_size), "backend": backend, "timeout_s": float(timeout_s)})
         self.weight_group = None
         results = self._rpc("join_weight_group", spec, timeout=timeout_s + 60)
-        ranks = sorted(int(r["rank"]) for r in results if isinstance(r, dict) and "rank" in r)
+        ranks = sorted(r.rank for r in map(WorkerReply.of, results) if r is not None and r.rank is not None)
         if len(ranks) != len(results) or not ranks:
             raise self.error(f"join_weight_group: unexpected worker replies {results}")
         self.weight_group = {"host": host, "port": int(port), "ranks": ranks, "world_size": int(world_size),
@@ -183,7 +182,7 @@ class EngineWeights:
             self._control("/pause?mode=keep&clear_cache=false")
             try:
                 results = load()
-                bad = [r for r in results if not isinstance(r, dict) or r.get("n_tensors") != n_expected]
+                bad = [r for r in map(WorkerReply.of, results) if r is None or r.n_tensors != n_expected]
                 if bad:
                     raise self.error(f"weight sync incomplete: sent {n_expected} tensors, workers answered {results}")
                 # Frozen requests hold KV blocks of the old weights: preempt them (they

@@ -15,6 +15,10 @@ from tmax.training.liveness import actor_died
 from tmax.training.weights.transports import DEFAULT_BUCKET_MB, resolve_transport
 
 if TYPE_CHECKING:
+    import torch
+    from ray import ObjectRef
+
+    from tmax.training.config import LearnConfig
     from tmax.training.weights.group import WeightGroup, WeightSender
     from tmax.training.weights.protocol import WeightUpdate
 
@@ -89,7 +93,7 @@ class WeightSourceMixin:
             group.close()
 
 
-def push_to_engines(engines: list, weights: Any, version: int, wait_s: float = 600.0) -> float:
+def push_to_engines(engines: list, weights: dict[str, torch.Tensor] | ObjectRef, version: int, wait_s: float = 600.0) -> float:
     """The object-store transport: `weights` (a dict or the ref of one) to every engine's
     `push_weights`; returns the slowest engine's seconds. An engine that died (before or
     during the push) is skipped: Ray restarts it, it reloads the last weights it took, and
@@ -145,7 +149,7 @@ class WeightSync:
     makes the group re-form with the live engines, so a restarted engine gets the
     weights again from the next sync on."""
 
-    def __init__(self, cfg: Any, learner: Any, engines: Any):
+    def __init__(self, cfg: LearnConfig, learner: Any, engines: Any):
         import ray
 
         self.learner, self.ecfg = learner, cfg.engine

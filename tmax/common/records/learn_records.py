@@ -1,0 +1,88 @@
+"""The records of a `tmax learn` run: checkpoints' metadata and health, the guard's state,
+SFT's result, an engine's weights manifest and its workers' replies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from tmax.common.records.record_io import HealthMark, Record
+
+
+class GuardState(Record):
+    """The collapse guard's remedies, kept in each checkpoint so a resumed run keeps them."""
+
+    rollbacks: int = 0
+    lr_scale: float = 1.0
+    group_size: int | None = None  # None: the config's
+
+
+class CheckpointExtra(Record):
+    """Where a resumed run continues (the prompt stream's and the rated sessions' positions,
+    the guard's remedies); an SFT result says what trained it."""
+
+    prompt_position: int = 0
+    rated_position: int | None = None
+    config: str | None = None  # the run config's name
+    guard: GuardState = GuardState()
+    sft_steps: int | None = None
+    sft_demos: int | None = None
+
+
+class GuardSummary(Record):
+    """The collapse guard's rollbacks and stop over a run (summary.json's `guard`), from the
+    events it logged in metrics.jsonl (`guard/event`, kept as logged)."""
+
+    rollbacks: int = 0
+    steps_lost: int = 0
+    stopped: bool = False
+    stop_reason: str | None = None
+    events: list[dict[str, Any]] = []
+
+
+class CheckpointMeta(Record):
+    """trainer_state.json beside a checkpoint's weights (the tensors are trainer_state.pt)."""
+
+    step: int
+    time: float = 0.0
+    extra: CheckpointExtra = CheckpointExtra()
+
+
+class HealthRecord(BaseModel):
+    """health.json: the guard's judgement of a checkpoint, with what it saw (extra keys)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    mark: HealthMark
+    time: float = 0.0
+
+
+class SftRecord(Record):
+    """sft/sft.json: what a finished SFT stage trained (a rerun skips the stage)."""
+
+    steps: int
+    demos: int
+    losses: list[float] = []
+
+
+class WeightsManifest(Record):
+    """weights.version.json in an engine's work directory: the policy version of the weights
+    (or adapter) last pushed through a file, for an engine restarted after its server died."""
+
+    version: int
+
+
+class WorkerReply(Record):
+    """What a vLLM worker of ours (`training.weights.vllm_ext`) answers to a load or a join."""
+
+    n_tensors: int | None = None
+    rank: int | None = None
+
+    @classmethod
+    def of(cls, reply: object) -> WorkerReply | None:
+        """A worker's reply; None for one that is not a reply of ours (an error, a string)."""
+        try:
+            return cls.model_validate(reply)
+        except ValidationError:
+            return None
