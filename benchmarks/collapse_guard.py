@@ -42,6 +42,7 @@ from benchmarks.results_log import add_record_arguments, record_result  # noqa: 
 
 def rl_run(cfg, name: str, start: str, train_dir: str, prepared, engine, out: Path, log) -> dict:
     """One RL stage from the SFT checkpoint on the shared engine; its summary or its error."""
+    from tmax.training.harbor_generator import HarborGenerator
     from tmax.training.trainer import TrainingError, train
     from tmax.training.weights.learner_side import load_checkpoint
 
@@ -52,8 +53,8 @@ def rl_run(cfg, name: str, start: str, train_dir: str, prepared, engine, out: Pa
     t = time.monotonic()
     res: dict = {"name": name, "lr": cfg.algo.lr, "seed": cfg.algo.seed, "guard": cfg.guard.enabled}
     try:
-        run = train(cfg, start, train_dir, out / name, engine_handle=engine, keep_engine=True,
-                    prepared=prepared)
+        run = train(cfg, start, HarborGenerator(cfg, prepared, out / name), out / name, engine_handle=engine,
+                    keep_engine=True)
         res.update(steps=run.steps, summary=run.summary, error=None)
     except TrainingError as e:
         res.update(steps=None, summary=None, error=str(e))

@@ -171,10 +171,10 @@ def train_round(worker, task: str, n: int, group: int) -> list[float]:
     from tmax.training.rollout import EpisodeRequest
 
     out: list[float] = []
-    for res in ray.get([worker.run.remote(EpisodeRequest(task, group, i, i), 0) for i in range(n)]):
-        if "rollout" not in res:
+    for res in ray.get([worker.generate.remote(EpisodeRequest(task, group, i, i), 0) for i in range(n)]):
+        if res.rollout is None:
             raise RuntimeError(f"a training episode failed: {res}")
-        out += res["rollout"].command_s
+        out += res.rollout.command_s
     return out
 
 

@@ -141,6 +141,7 @@ def main() -> None:
     from tmax.cli.progress import learn_progress
     from tmax.training.cluster.launch import connect
     from tmax.training.config import resolve
+    from tmax.training.harbor_generator import HarborGenerator
     from tmax.training.trainer import train
 
     # `tmax learn`'s config: the file (default: the nano preset), TMAX_LEARN_* variables, these flags.
@@ -154,8 +155,8 @@ def main() -> None:
     engine = None
     try:
         engine = start_engines(cfg, start, run_dir)
-        run = train(cfg, start, train_dir, run_dir, progress=learn_progress(not args.json), engine_handle=engine,
-                    keep_engine=True, prepared=prepared)
+        run = train(cfg, start, HarborGenerator(cfg, prepared, run_dir), run_dir,
+                    progress=learn_progress(not args.json), engine_handle=engine, keep_engine=True)
         hit_rate = prefix_cache_hit_rate(engine.info()["base_url"])
     finally:
         if engine is not None:

@@ -36,6 +36,7 @@ def small_fs(tmp_path):
 def test_full_disk_stops_the_run_and_resume_finishes_it_after_space_is_freed(tmp_path, small_fs, shared_ray):
     from tmax.training.cluster.actors import start_engines
     from tmax.training.cluster.launch import connect
+    from tmax.training.harbor_generator import HarborGenerator
     from tmax.training.learner import checkpoint as ckpt
     from tmax.training.trainer import TrainingError, train
 
@@ -53,7 +54,8 @@ def test_full_disk_stops_the_run_and_resume_finishes_it_after_space_is_freed(tmp
     engine = start_engines(cfg, base, tmp_path / "engine")
     try:
         with pytest.raises(TrainingError) as e:
-            train(cfg, base, tasks, run, on_step=fill_the_disk, engine_handle=engine, keep_engine=True)
+            train(cfg, base, HarborGenerator.prepare(cfg, tasks, run), run, on_step=fill_the_disk, engine_handle=engine,
+                  keep_engine=True)
         msg = str(e.value)
         assert f"the filesystem of {run} is full" in msg and "MiB free, a checkpoint needs about" in msg, msg
         assert "step_1, is intact" in msg and "--resume" in msg, msg
@@ -63,7 +65,8 @@ def test_full_disk_stops_the_run_and_resume_finishes_it_after_space_is_freed(tmp
         assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_0", "step_1"]
 
         ballast.unlink()
-        res = train(cfg, base, tasks, run, resume=True, engine_handle=engine, keep_engine=True)
+        res = train(cfg, base, HarborGenerator.prepare(cfg, tasks, run), run, resume=True, engine_handle=engine,
+                    keep_engine=True)
     finally:
         engine.close()
         engine.kill()

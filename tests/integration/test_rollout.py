@@ -212,7 +212,7 @@ def test_tests_are_not_visible_before_submit(nano):
 
 
 def test_infra_errors_are_counted_by_kind():
-    from tmax.training.rollout import InfraCounts
+    from tmax.training.generator import InfraCounts
 
     counts = InfraCounts()
     counts.add("sandbox_died", "/t/a", "container exited")

@@ -126,8 +126,8 @@ def test_every_container_and_command_of_the_run_is_the_sandbox_nodes(two_nodes, 
         worker = ray.remote(RolloutWorker).options(**placement.sandbox_options(0, max_concurrency=slots + 2)).remote(
             str(root / "tok"), settings, _sampler(str(root / "tok"), task), images, slots)
         assert ray.get(worker.node_id.remote(), timeout=300) == sandbox.node_id
-        results = ray.get([worker.run.remote(EpisodeRequest(task, 0, i, i), 0) for i in range(4)], timeout=600)
-        rollouts = [r["rollout"] for r in results]
+        results = ray.get([worker.generate.remote(EpisodeRequest(task, 0, i, i), 0) for i in range(4)], timeout=600)
+        rollouts = [r.rollout for r in results]
         [(key, value)] = labels.items()
         listed = json.loads(subprocess.run(["podman", "ps", "-a", "--format", "json", "--filter",
                                             f"label={key}={value}"], capture_output=True, text=True).stdout)

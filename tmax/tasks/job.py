@@ -36,6 +36,7 @@ from tmax.tasks.harbor import CANCELLED, INFRA_ERROR, TrialResult
 from tmax.sandbox.base import KINDS
 from tmax.sandbox.pool import WarmAhead
 from tmax.tasks.dataset import load_tasks
+from tmax.tasks.episode import EnvSettings
 from tmax.tasks.job_runner import Finished, JobError, JobItem, JobRunner
 from tmax.tasks.task_format import Task
 from tmax.tasks.offline import default_config
@@ -385,9 +386,10 @@ class Job:
             from tmax.sandbox.pool import WarmPool
 
             pool = WarmPool(self.config.n_concurrent + self.config.warm_ahead)
-        env = TrialEnv(agent=self.agent, rewrite=self.rewrite, timeout_multiplier=self.config.timeout_multiplier,
-                       use_prebuilt=self.config.use_prebuilt, sandbox_kind=self.sandbox_kind,
-                       override_cpus=self.config.override_cpus, override_memory_mb=self.config.override_memory_mb,
+        # Trials as overlays of shared containers: a task that is its base image plus files is not built.
+        settings = EnvSettings(self.sandbox_kind, self.rewrite, self.config.use_prebuilt, self.config.override_cpus,
+                               self.config.override_memory_mb, files_layer=pool is not None and self.config.overlay)
+        env = TrialEnv(agent=self.agent, env=settings, timeout_multiplier=self.config.timeout_multiplier,
                        cancel=self.cancel, on_sandbox=self._on_sandbox, model_name=self.config.model,
                        close_in_background=True, pool=pool)
         ahead = WarmAhead(self.config.warm_ahead if pool is not None else 0,

@@ -32,10 +32,8 @@ from tmax.tasks import harbor
 from tmax.common.files import write_json_atomic
 from tmax.tasks.harbor import CANCELLED_ERROR, TrialResult
 from tmax.sandbox.base import SandboxError
-from tmax.sandbox.overlay_pool import OverlayPool
 from tmax.tasks.episode import ENVIRONMENT_ERRORS, EnvSettings, Episode, episode_name, resolve_environment
 from tmax.tasks.task_format import Task
-from tmax.tasks.offline import RewriteConfig
 from tmax.tasks.runners import TrialAgent
 from tmax.tasks.verifier import VerifierKind
 
@@ -70,12 +68,8 @@ class TrialEnv:
     """Everything a trial needs besides its plan; shared by all trials of a job."""
 
     agent: TrialAgent
-    rewrite: RewriteConfig
+    env: EnvSettings  # the environment every trial's episode gets (`tasks.episode`)
     timeout_multiplier: float = 1.0
-    use_prebuilt: bool = True
-    sandbox_kind: str = "podman"
-    override_cpus: float | None = None
-    override_memory_mb: int | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     # Called with each live sandbox (and None when it is closed) so Ctrl-C can close them.
     on_sandbox: Callable[[str, Any], None] | None = None
@@ -163,12 +157,9 @@ class _TrialRun:
 
 
 def _episode(plan: TrialPlan, env: TrialEnv) -> Episode:
-    # Trials as overlays of shared containers: a task that is its base image plus files is not built.
-    settings = EnvSettings(env.sandbox_kind, env.rewrite, env.use_prebuilt, env.override_cpus,
-                           env.override_memory_mb, files_layer=isinstance(env.pool, OverlayPool))
     labels = {JOB_LABEL: plan.job_name, TRIAL_LABEL: plan.trial_name}
     on_sandbox = (lambda sb: env.on_sandbox(plan.trial_name, sb)) if env.on_sandbox else None
-    return Episode(plan.task, settings, name=episode_name(plan.trial_name), labels=labels, on_sandbox=on_sandbox,
+    return Episode(plan.task, env.env, name=episode_name(plan.trial_name), labels=labels, on_sandbox=on_sandbox,
                    cancel=env.cancel, shell=env.agent.uses_shell, image=env.images.get(plan.task.name),
                    pool=env.pool)
 
@@ -278,7 +269,7 @@ def _result(plan: TrialPlan, env: TrialEnv, run: _TrialRun, image: Any) -> Trial
            for k in ("environment_setup", "agent_setup", "agent_execution", "verifier")},
         tmax=harbor.TmaxTrial(
             outcome=harbor.outcome_of(run.exc.exception_type if run.exc else None, reward),
-            environment=env.sandbox_kind, reward=reward, attempt=plan.attempt, category=task.category,
+            environment=env.env.kind, reward=reward, attempt=plan.attempt, category=task.category,
             image=image.tag if image else None, image_built=image.built if image else None,
             build_s=image.build_s if image else None,
             build_log=str(image.log_path) if image and image.log_path else None, sandbox_mode=run.sandbox_mode,

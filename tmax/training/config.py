@@ -72,6 +72,10 @@ class TasksConfig(_Strict):
                                                       "steadier before/after figure and a longer eval.")] = 32
     generator: Annotated[dict, Field(default_factory=dict, description="Knobs passed to the task generator, e.g. "
                                      "`{kinds = [\"sort\"]}` to generate only some task kinds.")]
+    format: Annotated[Literal["harbor", "text"], Field(description=(
+        "What tasks.train holds, and so which generator plays the episodes: \"harbor\" task directories (each "
+        "episode an agent in a sandbox, scored by the task's verifier) or \"text\", a JSONL file of "
+        "{\"id\", \"prompt\", \"answer\"} lines (one model turn each, no sandbox)."))] = "harbor"
     # The nano model's tokenizer is trained on the chosen family's text.
     family: Annotated[Literal["nano", "long"], Field(description="Which tasks are generated: nano (one command "
                                                                  "each) or long (several dependent commands).")] = "nano"

@@ -36,6 +36,7 @@ from tmax.training.config import LearnConfig, dump_toml
 from tmax.training.report import LearnProgress, StepLines
 
 if TYPE_CHECKING:
+    from tmax.training.generator import Generator
     from tmax.training.trainer import RunResult
     from tmax.training.recipe import RecipeResult, SftStage
     from tmax.training.rollout import PreparedTasks
@@ -66,35 +67,51 @@ def learn(cfg: LearnConfig, out: Path, *, resume: bool = False, progress: LearnP
     from tmax.training.trainer import train
 
     out = Path(out)
-    refuse_fresh_run_over(_rl_dir(cfg, out), resume)  # before Ray starts; `train` checks again
+    refuse_fresh_run_over(_rl_dir(cfg, out), resume)  # before Ray starts, once
     plan = placement_plan(cfg)
     rated = _rated_stream(from_runs, runs_per_step, plan) if from_runs is not None else None
-    if not (cfg.model.build_nano or cfg.tasks.generate_nano) and not (cfg.model.path and cfg.tasks.train):
+    nano = cfg.model.build_nano or cfg.tasks.generate_nano
+    if not nano and not (cfg.model.path and cfg.tasks.train):
         raise ConfigError("the config needs model.path and tasks.train (or the nano build flags)")
+    if nano and cfg.tasks.format != "harbor":
+        raise ConfigError(f"the nano build makes Harbor tasks: tasks.format = {cfg.tasks.format!r} needs model.path "
+                          "and tasks.train, without the nano build flags")
     left = own_run_processes(out)
     if left:
         log(f"ended {len(left)} processes a killed earlier driver of {out} left running")
+    text = _text_prompts(cfg)  # bad input before Ray starts
     with ray_session(cfg, plan, log) as placement:
-        start, train_dir, rl_dir, prepared = _rl_inputs(cfg, out, log)
-        res = train(cfg, start, train_dir, rl_dir, resume=resume, progress=progress, placement=placement,
-                    on_step=on_step, prepared=prepared, rated=rated)
+        start, rl_dir, generator = (cfg.model.path, out, text) if text is not None else _rl_inputs(cfg, out, log)
+        res = train(cfg, start, generator, rl_dir, resume=resume, progress=progress, placement=placement,
+                    on_step=on_step, rated=rated)
     if (rl_dir / "placement.json").is_file():
         log(f"actors placed: {(rl_dir / 'placement.json').read_text()}")
     return res
 
 
-def _rl_inputs(cfg: LearnConfig, out: Path, log: Log) -> tuple[str, str, Path, Any]:
-    """(start model, train task dir, RL run dir, prepared train tasks): the nano recipe's
-    build and SFT checkpoint under `out` (made where missing), else the config's model and
-    tasks. Every train and held-out task's environment (image) is ready before the first step."""
+def _text_prompts(cfg: LearnConfig) -> Generator | None:
+    """With `tasks.format = "text"`, the generator of the prompts in `tasks.train` (read now)."""
+    from tmax.training.text_generator import TextGenerator
+
+    return TextGenerator.load(cfg) if cfg.tasks.format == "text" else None
+
+
+def _rl_inputs(cfg: LearnConfig, out: Path, log: Log) -> tuple[str, Path, Generator]:
+    """(start model, RL run dir, the Harbor tasks' generator): the nano recipe's build and SFT
+    checkpoint under `out` (made where missing), else the config's model and tasks. Every
+    train task's environment (image) is ready before the first step; the held-out set is the
+    recipe's (`tmax learn nano`), not RL's."""
+    from tmax.training.harbor_generator import HarborGenerator
     from tmax.training.recipe import build_stage, prepare_recipe_tasks, sft_stage
 
+    rl_dir = _rl_dir(cfg, out)
     if cfg.model.build_nano or cfg.tasks.generate_nano:
-        model_dir, train_dir, held_dir = build_stage(cfg, out, cfg.algo.seed, log)
-        prepared = prepare_recipe_tasks(cfg, train_dir, held_dir, out, log)
-        return sft_stage(cfg, model_dir, prepared, out, log).checkpoint, train_dir, _rl_dir(cfg, out), prepared
-    prepared = prepare_recipe_tasks(cfg, cfg.tasks.train, cfg.tasks.heldout, out, log)
-    return cfg.model.path, cfg.tasks.train, _rl_dir(cfg, out), prepared
+        model_dir, train_dir, _ = build_stage(cfg, out, cfg.algo.seed, log)
+        prepared = prepare_recipe_tasks(cfg, train_dir, "", out, log)
+        start = sft_stage(cfg, model_dir, prepared, out, log).checkpoint
+    else:
+        start, prepared = cfg.model.path, prepare_recipe_tasks(cfg, cfg.tasks.train, "", out, log)
+    return start, rl_dir, HarborGenerator(cfg, prepared, rl_dir)
 
 
 def _rl_dir(cfg: LearnConfig, out: Path) -> Path:
@@ -175,7 +192,7 @@ def recipe(cfg: LearnConfig, out: Path, *, progress: LearnProgress | None = None
     times["sft_s"] = time.monotonic() - t
     result = RecipeResult(seed=cfg.algo.seed, sft=sft_res)
     with ray_session(cfg, None, log):
-        _evaluated_rl(cfg, out, sft_res.checkpoint, train_dir, held_dir, prepared, stages, progress, log,
+        _evaluated_rl(cfg, out, sft_res.checkpoint, held_dir, prepared, stages, progress, log,
                       result, times)
     times["total_s"] = time.monotonic() - t0
     result.times = {k: round(v, 1) for k, v in times.items()}
@@ -197,12 +214,13 @@ def _refuse_earlier_recipe(out: Path) -> None:
                           "read back, not run. Pass another --out, or remove it")
 
 
-def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, train_dir: str, held_dir: str, prepared: PreparedTasks,
+def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, held_dir: str, prepared: Any,
                   stages: tuple[str, ...], progress: LearnProgress, log: Log, result: RecipeResult,
                   times: dict) -> None:
     """One engine serving `start`: the held-out eval of it, RL on it, the held-out eval of
     RL's final checkpoint loaded into it. Fills `result` and `times`."""
     from tmax.training.cluster.actors import start_engines, warm_worker_processes
+    from tmax.training.harbor_generator import HarborGenerator
     from tmax.training.learner.lora import run_start
     from tmax.training.trainer import train
     from tmax.training.recipe import RlStage, heldout_eval
@@ -223,8 +241,8 @@ def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, train_dir: str, held_
         if "rl" not in stages:
             return
         t = time.monotonic()
-        run = train(cfg, start, train_dir, out / "rl", progress=progress, engine_handle=engine, keep_engine=True,
-                    prepared=prepared)
+        run = train(cfg, start, HarborGenerator(cfg, prepared, out / "rl"), out / "rl", progress=progress,
+                    engine_handle=engine, keep_engine=True)
         times["rl_s"] = time.monotonic() - t
         result.rl = RlStage(steps=run.steps, checkpoint=run.final_checkpoint, summary=run.summary,
                             curve=run.curve_png)

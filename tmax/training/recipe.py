@@ -33,7 +33,6 @@ from tmax.common.files import write_dir_atomic, write_text_atomic
 from tmax.common.records import SFT_RECORD, LearnRunDir, SftRecord, read_record
 from tmax.training.agentic import HeldoutAgentic, heldout_agentic
 from tmax.training.config import LearnConfig
-from tmax.training.trainer import list_task_dirs
 
 if TYPE_CHECKING:
     from tmax.training.cluster.actors import EngineGroup
@@ -227,7 +226,7 @@ def prepare_recipe_tasks(cfg: LearnConfig, train_dir: str, held_dir: str, out: P
     """Every train and held-out task's environment, resolved (images built) before SFT and
     RL; returns the train tasks' (`training.rollout.PreparedTasks`). `held_dir` may be
     empty (no held-out set)."""
-    from tmax.training.rollout import PreparedTasks, env_settings, prepare_tasks
+    from tmax.training.rollout import PreparedTasks, env_settings, list_task_dirs, prepare_tasks
 
     out.mkdir(parents=True, exist_ok=True)
     held = PreparedTasks({}, {})

@@ -25,18 +25,18 @@ a kind: the training loop drops and re-queues the episode and counts it in
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from tmax.agents.driver import EpisodeDriver
-from tmax.agents.policy import TokenSampler, TokenTrace
+from tmax.agents.policy import TokenSampler
 from tmax.agents.agent_settings import AgentSettings
+from tmax.common.errors import ConfigError
 from tmax.common.files import write_json_atomic
 from tmax.sandbox.overlay_pool import OverlayPool
 from tmax.sandbox.pool import WarmAhead, WarmPool
@@ -45,6 +45,7 @@ from tmax.tasks.task_images import TaskImage
 from tmax.tasks.task_format import Task
 from tmax.tasks.verifier import VerifierKind
 from tmax.training.config import RolloutConfig
+from tmax.training.generator import EpisodeRequest, Rollout
 
 T = TypeVar("T")
 
@@ -63,82 +64,6 @@ class InfraError(RuntimeError):
             raise ValueError(f"unknown infrastructure error kind {kind!r}")
         self.kind = kind
         super().__init__(message)
-
-
-@dataclass
-class EpisodeRequest:
-    task_dir: str
-    group_id: int
-    sample_index: int
-    seed: int
-    attempt: int = 0  # re-queues after infrastructure failures
-
-    @property
-    def key(self) -> str:
-        return f"{self.group_id}:{self.sample_index}"
-
-
-@dataclass
-class Rollout:
-    """Everything the trainer and a later analysis need about one episode. `trace` is the
-    token policy's `TokenTrace`, kept as it is: the trainer packs it (training.learner.packing).
-    An episode that compacted (`rollout.compaction`) has the segments before it in `segments`:
-    each is a sample of its own, with the episode's reward (`traces`)."""
-
-    task_id: str
-    group_id: int
-    sample_index: int
-    seed: int
-    trace: TokenTrace
-    reward: float
-    status: str  # submitted | max_steps | context_overflow | format_errors
-    steps: int
-    policy_version: int  # weights version of the oldest sampled turn
-    truncated: bool = False
-    submitted: bool = False
-    verifier: dict[str, Any] | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-    error: str | None = None
-    harness: str = "tmax"
-    sandbox: str = ""  # the sandbox kind the episode ran in
-    container_id: str | None = None  # podman: the container the episode (and verifier) ran in
-    warm_start: bool = False  # the container came started from the worker's warm pool
-    sandbox_mode: str = ""  # podman: "overlay", "overlay+files" or "container" (`Episode.sandbox_mode`)
-    command_s: list[float] = field(default_factory=list)  # each command's round trip (issue -> output back)
-    turn_outcomes: list[str] = field(default_factory=list)  # per model turn (`agents.driver.turn_outcome`)
-    started_at: float = 0.0  # when the episode began (epoch seconds)
-    segments: list[TokenTrace] = field(default_factory=list)  # closed by compactions, in order
-
-    @property
-    def traces(self) -> list[TokenTrace]:
-        """Every token segment of the episode, the last (`trace`) included."""
-        return [*self.segments, self.trace]
-
-    @property
-    def num_sampled(self) -> int:
-        return sum(t.num_sampled for t in self.traces)
-
-    @property
-    def ids(self) -> list[int]:
-        """The response tokens (`trace.ids`)."""
-        return self.trace.ids
-
-    @property
-    def turn_versions(self) -> list[int]:
-        """The weights version of each sampled turn (`trace.turn_versions`)."""
-        return self.trace.turn_versions
-
-    def to_json(self) -> str:
-        """One flat JSON object: the episode's fields and the trace's lists side by side."""
-        record = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("trace", "segments")}
-        return json.dumps({**record, **asdict(self.trace), "segments": [asdict(t) for t in self.segments]})
-
-    @classmethod
-    def from_json(cls, line: str) -> "Rollout":
-        record = json.loads(line)
-        trace = TokenTrace(**{f.name: record.pop(f.name) for f in fields(TokenTrace) if f.name in record})
-        segments = [TokenTrace(**t) for t in record.pop("segments", [])]
-        return cls(trace=trace, segments=segments, **record)
 
 
 def env_settings(kind: str, image_map: list[str], labels: dict[str, str] | None = None,
@@ -174,7 +99,6 @@ class EpisodeSettings:
     harnesses: tuple[str, ...]  # rotated per group
     pool_size: int = 0  # podman: containers each worker starts ahead of need
     max_infra_retries: int = 3
-    overlay: bool = True  # podman: episodes as overlays of shared containers (`sandbox.overlay_pool`)
 
     @classmethod
     def of(cls, r: RolloutConfig, labels: dict[str, str] | None = None) -> EpisodeSettings:
@@ -182,7 +106,7 @@ class EpisodeSettings:
         return cls(env=env_settings(r.sandbox, r.image_map, labels, r.overlay), agent=r.agent_only(),
                    response_budget=r.response_budget,
                    max_prompt_tokens=r.max_prompt_tokens, test_timeout=r.test_timeout, harnesses=harnesses,
-                   pool_size=r.pool_size, max_infra_retries=r.max_infra_retries, overlay=r.overlay)
+                   pool_size=r.pool_size, max_infra_retries=r.max_infra_retries)
 
     def harness_for(self, group_id: int) -> str:
         """The harness of a group: every sample of a group shares it, groups rotate."""
@@ -198,13 +122,13 @@ class EpisodeSettings:
                            max_turn_tokens=a.max_tokens, max_prompt_tokens=self.max_prompt_tokens, seed=seed)
 
     def worker_pool(self, slots: int, host_labels: dict[str, str] | None = None) -> WarmPool | OverlayPool | None:
-        """A rollout worker's pool (podman): with `overlay`, episodes in containers shared on
-        this machine (carrying `host_labels` too), `pool_size` started ahead for coming
-        episodes; else a fresh container per episode, its running episodes plus `pool_size`
-        started ahead."""
+        """A rollout worker's pool (podman): with `env.files_layer` (`rollout.overlay`), episodes
+        in containers shared on this machine (carrying `host_labels` too), `pool_size` started
+        ahead for coming episodes; else a fresh container per episode, its running episodes
+        plus `pool_size` started ahead."""
         if self.env.kind != "podman":
             return None
-        if self.overlay:
+        if self.env.files_layer:
             return OverlayPool(slots, self.pool_size, host_labels={**self.env.labels, **(host_labels or {})})
         return WarmPool(slots + self.pool_size) if self.pool_size else None
 
@@ -340,6 +264,17 @@ def run_episode(
 # ---- environments before training, warm pools, infrastructure counts -----------------
 
 
+def list_task_dirs(root: str | Path) -> list[str]:
+    """The Harbor tasks (dirs with task.toml) under `root`; none, or no `root`, is bad input."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ConfigError(f"task directory not found: {root}")
+    dirs = sorted(str(p) for p in root.iterdir() if (p / "task.toml").is_file())
+    if not dirs:
+        raise ConfigError(f"no Harbor tasks (dirs with task.toml) under {root}")
+    return dirs
+
+
 def prepare_tasks(env: EnvSettings, task_dirs: list[str], report: Path | None = None,
                   progress: Callable[[int, int], None] | None = None, log: Any = None) -> PreparedTasks:
     """Resolve every task's environment (`tasks.episode.prepare_environments`) before the
@@ -386,23 +321,3 @@ def run_ahead(task_dirs: list[str], episode: Callable[[int], T], settings: EnvSe
 
     with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="tmax-episode") as ex:
         return list(ex.map(one, order))
-
-
-@dataclass
-class InfraCounts:
-    """Infrastructure errors of a run by kind (`env/infra_errors`, `env/infra_errors/<kind>`)."""
-
-    by_kind: dict[str, int] = field(default_factory=dict)
-    last: dict[str, str] = field(default_factory=dict)  # kind -> the latest message, for people
-
-    def add(self, kind: str, task_dir: str, message: str) -> None:
-        self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
-        self.last[kind] = f"{Path(task_dir).name}: {message}"
-
-    @property
-    def total(self) -> int:
-        return sum(self.by_kind.values())
-
-    def metrics(self) -> dict[str, float]:
-        return {"env/infra_errors": float(self.total),
-                **{f"env/infra_errors/{k}": float(v) for k, v in sorted(self.by_kind.items())}}

@@ -6,8 +6,8 @@ a `training.cluster.placement` plan on a cluster. The driver (the `Trainer`) own
 state: it hands episode requests to rollout workers, gathers finished groups, lets the batching
 accumulator decide what trains, and tells the learner to step and the engines to load weights.
 
-    prompts -> G episode requests per prompt -> RolloutWorker actors (Agent + TokenPolicy
-    in a fresh sandbox, verifier reward) -> finished group -> BatchAccumulator (staleness,
+    prompts -> G episode requests per prompt -> rollout workers (the `Generator`'s
+    `EpisodeWorker.generate`: a scored, token-exact episode) -> finished group -> BatchAccumulator (staleness,
     zero-std filter, active sampling) -> centered advantages -> LearnerGroup.train_step
     (one optimizer step) -> WeightSync.push (no restart) -> checkpoint every N.
 
@@ -15,6 +15,10 @@ Asynchrony: generation keeps running while the learner trains, bounded two ways:
 number of open prompts is fixed (each consumed group enqueues one new prompt), and data
 whose oldest turn is more than `async_steps` versions behind the consuming step is
 dropped by the accumulator. With `async_steps = 0` dispatch pauses during training.
+
+The loop sees episodes only through `training.generator` (import-linter keeps it off
+`tmax.sandbox` and `training.rollout`): Harbor tasks in sandboxes and text prompts are two
+generators of the same loop. Ray is the caller's (`training.cluster.run_cluster.ray_session`).
 """
 
 from __future__ import annotations
@@ -28,12 +32,11 @@ from typing import Any
 
 from tmax.common.files import append_line_atomic, write_json_atomic, write_text_atomic
 from tmax.common.records import CheckpointExtra
-from tmax.sandbox.pool import WarmAhead
 from tmax.training.agentic import agentic_metrics, of_rollout
 from tmax.training.algo.batching import BatchAccumulator, BatchConfig, Group
 from tmax.training.cluster.actors import Actors, EngineGroup, start_actors
-from tmax.training.cluster.launch import connect
 from tmax.training.config import LearnConfig, dump_toml
+from tmax.training.generator import GeneratedEpisode, EpisodeRequest, Generator, InfraCounts, Rollout
 from tmax.training.learner import checkpoint as ckpt
 from tmax.training.learner.lora import run_start
 from tmax.training.learner.packing import batch_samples
@@ -41,7 +44,6 @@ from tmax.training.liveness import group_member_died
 from tmax.training.report import (LearnProgress, MetricsSink, StepClock, StepFigures, StepLines, reward_curve,
                                   rollout_metrics, run_summary, throughput_metrics)
 from tmax.training.rollback import RunGuard
-from tmax.training.rollout import EpisodeRequest, InfraCounts, Rollout, env_settings, prepare_tasks
 from tmax.training.weights.learner_side import WeightSync
 
 
@@ -69,10 +71,10 @@ class PromptStream:
     """Train tasks in a seeded shuffled order, epoch after epoch; its position is saved
     in checkpoints so a resumed run continues with the next prompt."""
 
-    def __init__(self, task_dirs: list[str], seed: int, position: int = 0):
-        if not task_dirs:
+    def __init__(self, prompts: list[str], seed: int, position: int = 0):
+        if not prompts:
             raise TrainingError("no training tasks")
-        self.tasks = sorted(task_dirs)
+        self.tasks = sorted(prompts)
         self.seed = seed
         self.position = position
 
@@ -107,16 +109,6 @@ class RunResult:
     summary: dict[str, Any]
 
 
-def list_task_dirs(root: str | Path) -> list[str]:
-    root = Path(root)
-    if not root.is_dir():
-        raise TrainingError(f"task directory not found: {root}")
-    dirs = sorted(str(p) for p in root.iterdir() if (p / "task.toml").is_file())
-    if not dirs:
-        raise TrainingError(f"no Harbor tasks (dirs with task.toml) under {root}")
-    return dirs
-
-
 @dataclass
 class LoopState:
     """Everything the loop changes while it runs (config and actors stay fixed)."""
@@ -146,9 +138,11 @@ class Trainer:
     `start_step` to `algo.steps`; `close()` ends logging and cancels episodes in flight."""
 
     def __init__(self, cfg: LearnConfig, run_dir: Path, actors: Actors, sync: WeightSync, stream: PromptStream,
-                 start_step: int, *, progress: LearnProgress | None = None, on_step: Any = None, rated: Any = None):
+                 start_step: int, generator: Generator, *, progress: LearnProgress | None = None, on_step: Any = None,
+                 rated: Any = None):
         a, rc = cfg.algo, cfg.run
         self.cfg, self.run_dir, self.actors, self.sync, self.stream = cfg, run_dir, actors, sync, stream
+        self.generator = generator
         self.start_step, self.on_step, self.rated = start_step, on_step, rated
         self.acc = BatchAccumulator(BatchConfig(groups_per_batch=a.prompts_per_step, filter_zero_std=a.filter_zero_std,
                                                 active_sampling=a.active_sampling, max_staleness=a.async_steps))
@@ -160,7 +154,7 @@ class Trainer:
         self.max_useless = max(200, 25 * a.prompts_per_step)
         # Group ids stay unique across resumes.
         self.state = LoopState(step=start_step, version=start_step, next_group=start_step * 100_000)
-        self.ahead = self.warm_ahead()
+        self.ahead = generator.warm_ahead(actors.workers)  # told the episodes next in line
         for _ in range(a.prompts_per_step * max(1, a.async_steps)):
             self.open_prompt()
         self.guard = RunGuard(self)  # collapse guard: health signals, rollbacks (training/rollback.py)
@@ -216,21 +210,9 @@ class Trainer:
             if w is None:
                 break  # every worker is restarting
             req, s.next_worker = s.queue.popleft(), w + 1
-            ref = workers[w].run.remote(req, s.version)
+            ref = workers[w].generate.remote(req, s.version)
             s.pending[ref], s.worker_of[ref] = req, (w, time.monotonic())
         self.ahead.fill((req, (s.next_worker + j) % len(workers)) for j, req in enumerate(s.queue))
-
-    def warm_ahead(self) -> WarmAhead:
-        """Each worker starts containers (podman) for the `rollout.pool_size` queued episodes it
-        will receive next (dispatch is round-robin in queue order), each episode once."""
-        r, workers = self.cfg.rollout, self.actors.workers
-
-        def start(item: tuple[EpisodeRequest, int]) -> bool:
-            workers[item[1]].prewarm.remote(item[0].task_dir)
-            return True  # asked; a worker whose pool is full starts none, and that episode starts cold
-
-        depth = r.pool_size * len(workers) if r.sandbox == "podman" else 0
-        return WarmAhead(depth, start, key=lambda item: (item[0].group_id, item[0].sample_index, item[0].attempt))
 
     def wait(self) -> list:
         """Up to one second for an episode or the train step to finish; the refs that did."""
@@ -257,15 +239,15 @@ class Trainer:
             if req is None:
                 continue  # the train step
             try:
-                out = ray.get(ref)
+                out: GeneratedEpisode = ray.get(ref)
                 self.actors.workers_down.up(worker)
             except ray.exceptions.RayError as e:  # a dead worker: infrastructure; Ray restarts it
-                out = {"infra_error": f"rollout worker failed: {e}", "kind": "worker",
-                       "ran": self.actors.worker_failed(worker, sent)}
-            if "infra_error" in out:
-                self.requeue(req, out["kind"], out["infra_error"], attempt=out.get("ran", True))
+                out = GeneratedEpisode(infra_error=f"rollout worker failed: {e}", infra_kind="worker",
+                                     ran=self.actors.worker_failed(worker, sent))
+            if out.rollout is None:
+                self.requeue(req, out.infra_kind, out.infra_error, attempt=out.ran)
             else:
-                self.add_rollout(req, out["rollout"])
+                self.add_rollout(req, out.rollout)
 
     def requeue(self, req: EpisodeRequest, kind: str, error: str, attempt: bool = True) -> None:
         """Dropped and re-queued at the front, never scored; too many attempts end the run.
@@ -420,15 +402,15 @@ class Trainer:
         for ref in list(self.state.pending):
             ray.cancel(ref, force=False)
 
-    def result(self, setup_s: float, prepared: Any) -> RunResult:
+    def result(self, setup_s: float) -> RunResult:
         """Reward curve and summary.json of the finished run."""
         final = ckpt.latest_checkpoint(self.run_dir)
         metrics = self.run_dir / "metrics.jsonl"
         png = reward_curve(metrics, self.run_dir / "reward_curve.png")
         summ = run_summary(metrics, setup_s, time.monotonic() - self.state.clock.run_start)
         infra = self.state.infra
-        summ.update({"tasks_runnable": len(prepared.runnable), "tasks_dropped": len(prepared.dropped),
-                     "env/infra_errors": infra.total, "infra_errors_by_kind": dict(infra.by_kind)})
+        summ.update({**self.generator.summary(), "env/infra_errors": infra.total,
+                     "infra_errors_by_kind": dict(infra.by_kind)})
         write_json_atomic(self.run_dir / "summary.json", summ)
         return RunResult(str(self.run_dir), self.state.step, str(final) if final else None, str(metrics),
                          str(self.rollouts_path), png, summ)
@@ -437,7 +419,7 @@ class Trainer:
 def train(
     cfg: LearnConfig,
     model_dir: str,
-    train_tasks: str,
+    generator: Generator,
     run_dir: str | Path,
     *,
     resume: bool = False,
@@ -447,54 +429,44 @@ def train(
     on_step: Any = None,
     placement: Any = None,
     rated: Any = None,
-    prepared: Any = None,
 ) -> RunResult:
-    """Run DPPO from `model_dir` (or, with `resume`, from the run's latest checkpoint) on the
-    Ray this process is connected to (`training.entry` connects it, per `cfg.cluster`), else
-    on one started here the same way (`launch.connect`) and stopped at the end.
+    """Run DPPO from `model_dir` (or, with `resume`, from the run's latest checkpoint) on
+    `generator`'s episodes (`training.generator`, its tasks prepared), on the Ray this process
+    is connected to (`training.entry` connects it, per `cfg.cluster`, and checked that a fresh
+    run does not write over another: `checkpoint.refuse_fresh_run_over`).
 
     `engine_handle` reuses running engines (an `EngineGroup` serving `model_dir`); `keep_engine`
     leaves them running (the recipe evaluates on them). `placement` (`training.cluster.placement`)
-    spreads the actors over the cluster per its plan. `prepared` (`training.rollout.PreparedTasks`)
-    skips resolving the task environments again. `rated` (`training.runs_data.RatedStream`) adds
-    rated `tmax run` sessions to each step."""
+    spreads the actors over the cluster per its plan. `rated` (`training.runs_data.RatedStream`)
+    adds rated `tmax run` sessions to each step."""
     run_dir = Path(run_dir)
-    ckpt.refuse_fresh_run_over(run_dir, resume)  # its records would be appended to another run's
     write_text_atomic(run_dir / "config.toml", dump_toml(cfg))
-    # Every task's image is resolved (built) here, before the first step: the loop never builds.
-    if prepared is None:
-        prepared = prepare_tasks(env_settings(cfg.rollout.sandbox, cfg.rollout.image_map, overlay=cfg.rollout.overlay),
-                                 list_task_dirs(train_tasks), run_dir / "train_tasks.json",
-                                 progress=progress.environments if progress else None)
     start_step, positions, resume_from = ckpt.resume_point(run_dir) if resume else (0, CheckpointExtra(), None)
     # The engines serve the checkpoint's weights; with LoRA, an adapter (a new one for a full model).
     model_dir = run_start(cfg.lora, resume_from or model_dir, run_dir, cfg.algo.seed)
     if start_step >= cfg.algo.steps:
         raise TrainingError(f"nothing to do: the run is at step {start_step} of {cfg.algo.steps}")
-    stream = PromptStream(prepared.runnable, cfg.algo.seed, positions.prompt_position)
+    stream = PromptStream(generator.prompts, cfg.algo.seed, positions.prompt_position)
     if rated is not None:
         rated.position = positions.rated_position if positions.rated_position is not None else rated.position
 
-    ray_handle = connect(cfg.cluster)  # the caller's Ray when there is one (left running)
     t_setup = time.monotonic()
     actors: Actors | None = None
     trainer: Trainer | None = None
     try:
-        actors = start_actors(cfg, model_dir, resume_from, run_dir, learner_config(cfg), prepared.images, placement,
-                              engine_handle)
+        actors = start_actors(cfg, model_dir, resume_from, run_dir, learner_config(cfg), generator.worker(model_dir),
+                              generator.labels, placement, engine_handle)
         sync = WeightSync(cfg, actors.learner, actors.engines)
         # Initial sync: the engines serve exactly the learner's weights, tagged with its step
         # (a resumed run's engines would otherwise report version 0 and all its data look stale).
         sync.push(start_step)
         setup_s = time.monotonic() - t_setup
-        trainer = Trainer(cfg, run_dir, actors, sync, stream, start_step, progress=progress, on_step=on_step,
-                          rated=rated)
+        trainer = Trainer(cfg, run_dir, actors, sync, stream, start_step, generator, progress=progress,
+                          on_step=on_step, rated=rated)
         trainer.run()
     finally:
         if trainer is not None:
             trainer.close()
         if actors is not None:
             actors.close(keep_engines=keep_engine)
-        if not keep_engine:  # kept engines live on this Ray
-            ray_handle.shutdown()
-    return trainer.result(setup_s, prepared)
+    return trainer.result(setup_s)

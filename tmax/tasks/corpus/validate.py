@@ -142,7 +142,7 @@ def _trial(task: Task, agent, env_kind: str, rewrite: RewriteConfig, trial_dir: 
     # Harbor's TaskConfig takes a path or a registry name, never both.
     config = TrialConfig(task=TaskConfig(path=str(task.path)), trial_name=name, agent=AgentConfig(name=agent.name))
     plan = TrialPlan(task, 0, name, trial_dir, "tmax-data-validate", config)
-    return run_trial(plan, TrialEnv(agent=agent, rewrite=rewrite, sandbox_kind=env_kind))
+    return run_trial(plan, TrialEnv(agent=agent, env=EnvSettings(env_kind, rewrite)))
 
 
 def _trial_problem(result: TrialResult, trial_dir: Path) -> str:

@@ -13,7 +13,8 @@ here, where they are created; Ray is imported only then.
   actor whose vLLM server died exits, so a dead server counts). A restarted engine reloads
   the last weights it was pushed at their version (object-store transport; on a process
   group, `training.weights.learner_side.WeightSync` re-forms the group at the next sync).
-* rollout workers (`RolloutWorker`) anywhere with free CPU, restarted by Ray; worker i
+* rollout workers (the generator's `EpisodeWorker`, `training.generator`: a `RolloutWorker`
+  for Harbor tasks) anywhere with free CPU, restarted by Ray; worker i
   samples from engine i mod N through a `FailoverSampler` (`training.cluster.failover`),
   from the next live engine while that one is down, waiting for a restart when none is.
   A dead worker's episodes fail with a Ray actor error: re-queued, never scored, and the
@@ -36,9 +37,8 @@ from tmax.training.cluster.engine_actor import EngineActor
 from tmax.training.cluster.failover import FailoverSampler, WorkersDown
 from tmax.training.cluster.learner_rank import LearnerRank
 from tmax.training.cluster.reservation import Placement
-from tmax.training.cluster.rollout_worker import RolloutWorker
 from tmax.training.cluster.sandbox_nodes import worker_slots
-from tmax.training.rollout import EpisodeSettings, run_labels
+from tmax.training.generator import WorkerSpec
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -275,15 +275,16 @@ class Actors:
 
 
 def start_actors(cfg: LearnConfig, model_dir: str, resume_from: str | None, run_dir: str | Path, lcfg: LearnerConfig,
-                 images: dict, pl: Placement | None = None, engines: EngineGroup | None = None) -> Actors:
-    """Create and wait for every actor of the layout. `engines` reuses running engines
-    (already serving `model_dir`); `images` maps task dirs to their resolved images."""
+                 worker: WorkerSpec, labels: dict[str, str] | None, pl: Placement | None = None,
+                 engines: EngineGroup | None = None) -> Actors:
+    """Create and wait for every actor of the layout; the rollout workers are a generator's
+    `worker` (`training.generator`), their sandboxes marked with `labels`. `engines` reuses
+    running engines (already serving `model_dir`)."""
     import ray
 
     if engines is not None and pl is not None:
         raise ValueError("a placed run starts its own engines; running engines cannot be reused with a placement")
     own = engines is None
-    labels = run_labels(run_dir) if cfg.rollout.sandbox == "podman" else None
     learner: LearnerGroup | None = None
     workers: list = []
     try:
@@ -291,11 +292,10 @@ def start_actors(cfg: LearnConfig, model_dir: str, resume_from: str | None, run_
         engines = engines or EngineGroup.start(cfg, model_dir, run_dir, engine_options(cfg, pl), _tp(pl))
         # The workers start while the engines do (a worker needs its engine only for its
         # first episode): their imports overlap the vLLM start instead of following it.
-        worker_actor = ray.remote(RolloutWorker)
-        episode = EpisodeSettings.of(cfg.rollout, labels)
-        workers = [worker_actor.options(**o).remote(model_dir, episode, engines.sampler(i), images,
-                                                     worker_slots(pl, i, cfg.run.slots_per_worker))
-                   for i, o in enumerate(worker_options(cfg, pl))]
+        worker_actor = ray.remote(worker.cls)
+        workers = [worker_actor.options(**o).remote(
+            sampler=engines.sampler(i), slots=worker_slots(pl, i, cfg.run.slots_per_worker), **worker.kwargs)
+            for i, o in enumerate(worker_options(cfg, pl))]
         # Start-up errors of any rank or engine surface here, before any episode runs.
         ray.get(learner.setups + (engines.ready() if own else []))
         actors = Actors(learner, engines, workers, own, labels)

@@ -9,8 +9,9 @@ from __future__ import annotations
 from tmax.agents.policy import TokenSampler
 
 from tmax.training.cluster.sandbox_nodes import NODE_LABEL, normal_priority
+from tmax.training.generator import GeneratedEpisode, EpisodeRequest
 from tmax.training.net import ray_node_id
-from tmax.training.rollout import EpisodeRequest, EpisodeSettings, InfraError, prewarm, run_episode
+from tmax.training.rollout import EpisodeSettings, InfraError, prewarm, run_episode
 
 
 class RolloutWorker:
@@ -37,13 +38,14 @@ class RolloutWorker:
         p = self.pool
         return {"warm_hits": p.warm_hits, "cold_starts": p.cold_starts} if p is not None else {}
 
-    def run(self, req: EpisodeRequest, version: int) -> dict:
+    def generate(self, req: EpisodeRequest, version: int) -> GeneratedEpisode:
+        """One episode of `req` scored (`training.generator.EpisodeWorker`)."""
         try:
             r = run_episode(req, self.sampler, self.tokenizer, self.episode, image=self.images.get(req.task_dir),
                             pool=self.pool, start_version=version)
         except InfraError as e:
-            return {"infra_error": str(e), "kind": e.kind}
-        return {"rollout": r}
+            return GeneratedEpisode(infra_error=str(e), infra_kind=e.kind)
+        return GeneratedEpisode(rollout=r)
 
     def close(self) -> None:
         if self.pool is not None:
