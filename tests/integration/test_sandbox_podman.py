@@ -307,9 +307,9 @@ def test_import_rootfs_bakes_ca_and_config(podman_service, tmp_path):
 
 
 def test_pool_of_containers(base_image):
-    from tmax.sandbox.pool import SandboxPool
+    from tmax.sandbox.pool import SpecPool
 
-    with SandboxPool("podman", SandboxSpec(image=base_image), size=2) as pool:
+    with SpecPool("podman", SandboxSpec(image=base_image), size=2) as pool:
         a = pool.acquire()
         b = pool.acquire()
         assert a.name != b.name

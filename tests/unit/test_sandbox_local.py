@@ -9,7 +9,7 @@ import pytest
 
 from tmax.sandbox import KINDS, SandboxError, SandboxSpec, make_sandbox
 from tmax.sandbox.base import Sandbox
-from tmax.sandbox.pool import SandboxPool
+from tmax.sandbox.pool import SpecPool
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def test_interrupt_through_sandbox(local):
 
 
 def test_pool_bounds_and_fresh_sandboxes(tmp_path):
-    with SandboxPool("local", SandboxSpec(workdir=str(tmp_path)), size=2, warm=1) as pool:
+    with SpecPool("local", SandboxSpec(workdir=str(tmp_path)), size=2, warm=1) as pool:
         a = pool.acquire()
         b = pool.acquire()
         a.run("export LEAK=1")
@@ -85,7 +85,7 @@ def test_pool_bounds_and_fresh_sandboxes(tmp_path):
         with pool.lease() as d:
             assert d.run("echo hi").output == "hi\n"
     with pytest.raises(ValueError):
-        SandboxPool("local", size=0)
+        SpecPool("local", size=0)
 
 
 def test_warm_pool_serves_keys_evicts_idle_and_never_reuses(tmp_path):

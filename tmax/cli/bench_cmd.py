@@ -96,13 +96,13 @@ def _run_job(job, retry_infra: bool) -> None:
     _print_report(console, Score.from_dict(data.tmax_score) if data.tmax_score else None, job.dir)
 
 
-def _prestart_podman(environment: str | None) -> None:
-    """Start podman's REST service now, so it comes up while the job's imports, tasks and
-    images are loaded (it takes most of a second on a busy machine)."""
-    if (environment or "podman") == "podman":
-        from tmax.sandbox.podman_service import prestart
+def _prestart_sandboxes(environment: str | None) -> None:
+    """Start what the job's sandboxes need (podman's REST service) now, so it comes up while
+    the job's imports, tasks and images are loaded (most of a second on a busy machine)."""
+    from tmax.sandbox import KINDS, sandbox_class
 
-        prestart()
+    if (environment or "podman") in KINDS:  # an unknown one is refused with the job's settings
+        sandbox_class(environment or "podman").prestart()
 
 
 def _make_job(s: BenchSettings):
@@ -156,7 +156,7 @@ def _start(file: Optional[Path], flags: tuple[dict, dict[str, str]], ak: list[st
     if print_config:
         print_config_lines(describe(settings, sources))
         raise typer.Exit(0)
-    _prestart_podman(settings.env)
+    _prestart_sandboxes(settings.env)
     _run_job(_make_job(settings), settings.retry_infra)
 
 
@@ -209,7 +209,7 @@ def resume_cmd(
     except (JobError, ValueError):
         cfg = None
     if cfg is not None:
-        _prestart_podman(environment or cfg.environment)
+        _prestart_sandboxes(environment or cfg.environment)
     key = os.environ.get(cfg.api_key_env if cfg else "OPENAI_API_KEY")
     try:
         job = Job.open(job_dir, base_url=base_url, n_concurrent=concurrent, api_key=key, environment=environment)

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from tmax.cli.ui import Display, Prompter
     from tmax.sandbox.base import Sandbox, SandboxSpec
 
+if TYPE_CHECKING:
+    from tmax.sandbox.base import SandboxSpec
+
 
 @dataclass
 class RunRequest:

@@ -7,7 +7,7 @@ Snapshots are taken only with `--undo-steps N` (N > 0): the last N commands can 
 from __future__ import annotations
 
 import shlex
-from tmax.sandbox.base import Sandbox, SandboxError
+from tmax.sandbox.base import Sandbox, SandboxError, SnapshotScope
 from tmax.sandbox.snapshot import UndoHistory, snapshot_store
 from tmax.sandbox.undo_store import Restored
 
@@ -39,12 +39,12 @@ def _paths(label: str, paths: list[str]) -> str:
     return f"\n{label}: {', '.join(paths[:SHOWN_PATHS])}{more}"
 
 
-def untracked_note(kind: str, workdir: str) -> str:
-    """What an undo in this kind of sandbox cannot reach."""
-    if kind == "local":
+def untracked_note(scope: SnapshotScope | None, workdir: str) -> str:
+    """What an undo whose snapshots cover `scope` (`SandboxCapabilities.snapshot`) cannot reach."""
+    if scope == "workdir":
         return (f"Only files under {workdir} are tracked: anything those commands changed elsewhere on the host "
                 "(/tmp, the home directory, installed packages) is as it is now.")
-    if kind == "bwrap":
+    if scope == "jail":
         return "Every place the jail can write (the workspace, /tmp and $HOME) is tracked."
     return "The container's whole filesystem is tracked (mounted volumes are not)."
 
@@ -82,7 +82,7 @@ class UndoControl:
         # A directory the shell stood in may have been replaced: step back into it by name.
         fallback = getattr(self.box.shell, "workdir", None) or "/"
         self.box.run(f"cd -- \"$PWD\" 2>/dev/null || cd -- {shlex.quote(str(fallback))}", timeout=30)
-        return undo_message(undone.commands, undone.restored, untracked_note(self.box.kind, fallback))
+        return undo_message(undone.commands, undone.restored, untracked_note(self.box.capabilities.snapshot, fallback))
 
     def close(self) -> None:
         try:

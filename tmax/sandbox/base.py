@@ -125,15 +125,34 @@ class SandboxSpec:
     files: FilesLayer | None = None
 
 
+# What an undo snapshot of a sandbox covers (`SandboxCapabilities.snapshot`).
+SnapshotScope = Literal["container", "jail", "workdir"]
+
+
 class SandboxCapabilities(BaseModel):
     """What a sandbox (or the sandboxes a pool hands out for a spec) can do beyond the
     `Sandbox` interface every backend has. Callers read this, never the sandbox's kind."""
 
     model_config = ConfigDict(frozen=True)
 
+    overlay: bool = False
+    """An episode is a fresh overlay of a long-lived container shared with other episodes
+    (`sandbox.overlay`): a task that is its base image plus files (`SandboxSpec.files`) is
+    served unbuilt, its files written into the episode's root."""
     fork: bool = False
     """`fork()`: a child sandbox in the parent's state (files, cwd, exported variables, shell
     functions and aliases), isolated from it and from its siblings (`sandbox.fork`)."""
+    snapshot: SnapshotScope | None = None
+    """What `/undo` snapshots track (`sandbox.snapshot.snapshot_store`): the container's whole
+    filesystem, every place a jail can write, or the working directory alone; None: no undo."""
+    limits: bool = False
+    """The spec's cpus, memory, pids and file size limits are enforced (a host sandbox runs
+    with the invoking user's)."""
+    network: bool = False
+    """`SandboxSpec.network = False` cuts the network (a namespace with only `lo`)."""
+    workspace_target: bool = False
+    """The host workspace appears inside at `SandboxSpec.workspace_target` (a bind mount);
+    False: at its host path."""
 
 
 class BackgroundProcess(BaseModel):

@@ -33,8 +33,10 @@ Progress = Callable[[str], None]
 
 
 def image_exists(tag: str) -> bool:
-    r = subprocess.run(["podman", "image", "exists", tag], capture_output=True)
-    return r.returncode == 0
+    from tmax.sandbox import podman_service
+
+    with podman_service.client() as client:
+        return client.images.exists(tag)
 
 
 def _run(argv: list[str], progress: Progress, what: str, **kw) -> None:
@@ -131,6 +133,7 @@ def build_base(tag: str = DEFAULT_BASE_TAG, force: bool = False, suite: str = DE
             debootstrap(tree, suite, mirror, progress)
             prepare_rootfs(tree)
             import_rootfs(tree, tag, progress=progress)
+    # The CLI, as for the import: building the base image is the podman binary's work (`sandbox.podman_service`).
     r = subprocess.run(["podman", "run", "--rm", "--runtime", "runc", "--network", "none", tag,
                         "bash", "-c", "test -s /etc/ssl/certs/ca-certificates.crt && echo ok"],
                        capture_output=True, text=True)

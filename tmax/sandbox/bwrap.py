@@ -53,7 +53,7 @@ def available() -> bool:
 
 class BwrapSandbox(ShellSandbox):
     kind = "bwrap"
-    capabilities = SandboxCapabilities(fork=True)
+    capabilities = SandboxCapabilities(fork=True, snapshot="jail", network=True, workspace_target=True)
 
     def __init__(self, spec: SandboxSpec | None = None, fork_of: BwrapSandbox | None = None):
         """`fork_of`: the started jail whose writable directories this one starts with copies of."""

@@ -1,20 +1,26 @@
 """Find and remove what tmax left behind: labelled containers (and images), stale podman
-services and sandbox temp directories. Uses the podman CLI so it works without a service."""
+services and sandbox temp directories. podman is asked through podman-py, as everywhere
+(`sandbox.podman_service`): a service is started for it when none runs, and the stale
+services of dead tmax processes are stopped after."""
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import psutil
 
+if TYPE_CHECKING:
+    from podman import PodmanClient
+
 from tmax.sandbox.base import LABEL_KEY, LABEL_VALUE, NAME_PREFIX
 from tmax.sandbox.base_image import BASE_LABEL_KEY
+from tmax.sandbox import podman_service
 from tmax.sandbox.podman_service import clean_stale_services
 
 OWNER_LABEL = "io.tmax.pid"  # the tmax process that made a container
@@ -31,27 +37,45 @@ class CleanReport:
     errors: list[str] = field(default_factory=list)
 
 
-def _podman(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["podman", *args], capture_output=True, text=True)
-
-
 def labelled_containers(labels: dict[str, str] | None = None) -> list[dict]:
-    filters = []
-    for k, v in {LABEL_KEY: LABEL_VALUE, **(labels or {})}.items():
-        filters += ["--filter", f"label={k}={v}"]
-    r = _podman("ps", "-a", *filters, "--format", "json")
-    if r.returncode != 0:
-        raise RuntimeError(r.stderr.strip())
-    return json.loads(r.stdout or "[]")
+    """podman's records of the containers carrying every one of `labels` and tmax's label."""
+    from podman.errors import APIError
+
+    want = {LABEL_KEY: LABEL_VALUE, **(labels or {})}
+    try:
+        with podman_service.client() as client:
+            # One label filter: podman-py writes a list of them as one malformed value.
+            listed = [c.attrs for c in client.containers.list(all=True, filters={"label": f"{LABEL_KEY}={LABEL_VALUE}"})]
+    except APIError as e:
+        raise RuntimeError(str(e)) from e
+    return [c for c in listed if all((c.get("Labels") or {}).get(k) == v for k, v in want.items())]
 
 
 def labelled_images(include_base: bool) -> list[str]:
+    from podman.errors import APIError
+
     ids: list[str] = []
-    for key in [LABEL_KEY] + ([BASE_LABEL_KEY] if include_base else []):
-        r = _podman("images", "-q", "--no-trunc", "--filter", f"label={key}={LABEL_VALUE}")
-        if r.returncode == 0:
-            ids += [i for i in r.stdout.split() if i not in ids]
+    with podman_service.client() as client:
+        for key in [LABEL_KEY] + ([BASE_LABEL_KEY] if include_base else []):
+            try:
+                ids += [i.id for i in client.images.list(filters={"label": f"{key}={LABEL_VALUE}"}) if i.id not in ids]
+            except APIError:
+                continue
     return ids
+
+
+def _remove(remove: Callable[[PodmanClient], object]) -> str | None:
+    """Remove a container (killed first) or an image; why not, when podman refused."""
+    from podman.errors import APIError, NotFound
+
+    try:
+        with podman_service.client() as client:
+            remove(client)
+    except NotFound:
+        return None  # gone meanwhile
+    except APIError as e:
+        return str(e)
+    return None
 
 
 def _remove_containers(rep: CleanReport, labels: dict[str, str] | None, all_owners: bool, dry_run: bool) -> None:
@@ -62,11 +86,10 @@ def _remove_containers(rep: CleanReport, labels: dict[str, str] | None, all_owne
             if not all_owners and owner.isdigit() and psutil.pid_exists(int(owner)):
                 continue
             rep.containers.append(names[0] if names else cid[:12])
-            if not dry_run:
-                r = _podman("rm", "-f", "-t", "0", cid)
-                if r.returncode != 0:
-                    rep.errors.append(f"container {cid[:12]}: {r.stderr.strip()}")
-    except (RuntimeError, json.JSONDecodeError) as e:
+            why = None if dry_run else _remove(lambda client: client.containers.remove(cid, force=True))
+            if why is not None:
+                rep.errors.append(f"container {cid[:12]}: {why}")
+    except RuntimeError as e:
         rep.errors.append(f"listing containers: {e}")
 
 
@@ -97,11 +120,10 @@ def clean(images: bool = False, include_base: bool = False, dry_run: bool = Fals
         _remove_containers(rep, labels, all_owners, dry_run)
         if images:
             for iid in labelled_images(include_base):
-                rep.images.append(iid.removeprefix("sha256:")[:12])
-                if not dry_run:
-                    r = _podman("rmi", "-f", iid)
-                    if r.returncode != 0:
-                        rep.errors.append(f"image {iid[:19]}: {r.stderr.strip()}")
+                rep.images.append(iid[:12])
+                why = None if dry_run else _remove(lambda client: client.images.remove(iid, force=True))
+                if why is not None:
+                    rep.errors.append(f"image {iid[:12]}: {why}")
     if not dry_run:
         rep.services = clean_stale_services(tmpdir)
         from tmax.sandbox.overlay_pool import remove_host_dirs

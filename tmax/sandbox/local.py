@@ -33,7 +33,7 @@ def copy_path(src: Path, dst: Path) -> None:
 
 class LocalSandbox(ShellSandbox):
     kind = "local"
-    capabilities = SandboxCapabilities(fork=True)
+    capabilities = SandboxCapabilities(fork=True, snapshot="workdir")
 
     def __init__(self, spec: SandboxSpec | None = None, owned_dir: Path | None = None):
         """`owned_dir`: a directory this sandbox removes at its close (a fork's copy)."""

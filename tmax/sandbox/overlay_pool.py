@@ -1,7 +1,7 @@
 """Episodes of long-lived containers (`sandbox.overlay`), shared by a machine's processes.
 
-`OverlayPool` has `WarmPool`'s interface (`acquire`, `release`, `prewarm`, `close`,
-`warm_hits`), so episodes take it wherever they took a pool of fresh containers. What it
+`OverlayPool` is a `sandbox.pool.SandboxPool`, as `WarmPool` is, so episodes take it wherever
+they took a pool of fresh containers (`sandbox.pool.make_pool` picks it). What it
 hands out is a fresh episode in a host of the episode's image and limits: a host already
 running on this machine (any process's: rollout workers on one node share theirs) when
 one has room, else one it starts. A host is a state directory under the registry's root
@@ -42,13 +42,12 @@ from pathlib import Path
 
 from tmax.common.files import cache_dir
 from tmax.common.waiting import wait_until
-from tmax.sandbox import make_sandbox
 from tmax.sandbox.base import Forked, Sandbox, SandboxCapabilities, SandboxError, SandboxSpec
 from tmax.sandbox.overlay import OVERLAY_LABEL, HostInfo, OverlayHost, OverlaySandbox, cgroups_possible
 from tmax.sandbox.overlay_build import HelperUnavailable, helper_binary
 from tmax.sandbox.overlay_files import FilesLayerError
 from tmax.sandbox.overlay_proto import EpisodeLease, EpisodeSetupError, HostBusy, HostGone, quit_host
-from tmax.sandbox.pool import WarmPool
+from tmax.sandbox.pool import SpecFactory, WarmPool
 
 log = logging.getLogger(__name__)
 
@@ -60,21 +59,6 @@ def remove_dir(d: Path) -> None:
     """A host's state directory, once its helper has ended: with the layers of episodes a
     killed container left (no mount of theirs outlives the container)."""
     shutil.rmtree(d, ignore_errors=True)
-
-
-class SpecFactory:
-    """A sandbox to make: its kind and spec, which a pool may read (the overlay pool does).
-    A spec with a files layer, which only an overlay episode serves, makes a container of
-    `own_image()`: the spec of the task's own image, built when it is called."""
-
-    def __init__(self, kind: str, spec: SandboxSpec, own_image: Callable[[], SandboxSpec] | None = None):
-        self.kind, self.spec, self.own_image = kind, spec, own_image
-
-    def __call__(self) -> Sandbox:
-        spec = self.spec
-        if spec.files is not None and self.own_image is not None:
-            spec = self.own_image()
-        return make_sandbox(self.kind, spec)  # which refuses a files layer
 
 
 def host_spec(spec: SandboxSpec) -> SandboxSpec:
@@ -292,14 +276,19 @@ class OverlayPool:
         self._spawn(work, "tmax-overlay-warm")
         return True
 
-    def capabilities(self, factory: SpecFactory) -> SandboxCapabilities:
+    def capabilities(self, factory: SpecFactory | None = None) -> SandboxCapabilities:
         """What the sandboxes `acquire(key, factory)` hands out can do: an overlay episode forks
-        where its host serves several episodes at once (this pool's hosts, with `slots` > 1)."""
+        where its host serves several episodes at once (this pool's hosts, with `slots` > 1).
+        Without a factory: what its overlay episodes can do (a spec they cannot serve gets a
+        container of its own instead)."""
+        if factory is None:
+            return SandboxCapabilities(overlay=True, fork=self.slots > 1, limits=True, network=True)
         spec = getattr(factory, "spec", None)
         why = self.unsupported(spec, None)
         if why is not None or host_key(spec, self.host_labels) in self._broken:
             return self.fallback.capabilities(factory)
-        return SandboxCapabilities(fork=self.slots > 1 and cgroups_possible(spec))
+        return SandboxCapabilities(overlay=True, fork=self.slots > 1 and cgroups_possible(spec), limits=True,
+                                   network=True)
 
     def fork(self, sb: Sandbox) -> Forked:
         """`sb.fork()` for a sandbox handed out by `acquire`; the child is this pool's too."""

@@ -30,7 +30,8 @@ from pathlib import Path
 
 from tmax.sandbox import podman_service
 from tmax.sandbox.base import (
-    IMAGE_USER, AgentUserError, LABEL_KEY, LABEL_VALUE, NAME_PREFIX, CommandResult, SandboxError, SandboxSpec,
+    IMAGE_USER, AgentUserError, LABEL_KEY, LABEL_VALUE, NAME_PREFIX, CommandResult, SandboxCapabilities, SandboxError,
+    SandboxSpec,
 )
 from tmax.sandbox.hostexec import MAX_EXEC_CHARS
 from tmax.sandbox.base_image import DEFAULT_BASE_TAG
@@ -128,6 +129,11 @@ def _decode(b: bytes | None) -> str:
 class PodmanSandbox(ShellSandbox):
     kind = "podman"
     mode = "container"  # a container of its own (`sandbox.overlay`: an overlay of a shared one)
+    capabilities = SandboxCapabilities(snapshot="container", limits=True, network=True)
+
+    @classmethod
+    def prestart(cls) -> None:
+        podman_service.prestart()  # the REST service takes most of a second on a busy machine
 
     def __init__(self, spec: SandboxSpec | None = None, runtime: str = podman_service.DEFAULT_RUNTIME,
                  ulimits: dict[str, tuple[int, int]] | None = None):

@@ -1,4 +1,19 @@
-"""The podman REST service that podman-py talks to.
+"""The podman REST service that podman-py talks to, and tmax's one way of asking podman.
+
+One client: podman-py, against this service. Every container, image and exec call goes
+through `client()`: an HTTP call to a service that holds podman's stores open, where each
+`podman` CLI process opens them again (the CLI as a client of this service, `--url`, still
+starts a process per call: benchmarks/podman_client_cost.py measures both side by side; on
+the shared 2-core machine, per call, podman-py against the CLI: an existence check 1.7 against
+38 ms, an exec 109 against 136 ms, a container's life 275 against 400 ms, with 1-5 against
+25-87 ms of the caller's CPU, docs/results/podman_client_cost.jsonl).
+The podman binary is run only for what the REST API cannot do from Python: starting this
+service, the agent's interactive shell (`podman --url exec -it`, a pty, as a client of this
+service), image builds (`podman build`, its log streamed to a file, cancelled on Ctrl-C),
+the base image's build (`podman import` of its root tree, its smoke run), and a one-off
+container's binary stdout (the undo's originals, a tar stream) -- and, as a last resort, where
+the service no longer answers (a container left after a failed remove, a host's end awaited
+after a Ctrl-C).
 
 When no socket is configured (`TMAX_PODMAN_SOCKET`, else `CONTAINER_HOST`), tmax starts
 `podman --runtime runc system service --time=0 unix://<fresh path>` itself, once per

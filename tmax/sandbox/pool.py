@@ -9,8 +9,12 @@ does not wait for a container to start.
 the sandboxes alive at once; `prewarm(key, factory)` starts one for an episode that is
 coming. `WarmAhead` decides which coming episodes get one: the next in line, as many as
 the pool holds beyond the running ones (bench jobs, held-out evals, SFT demonstrations and
-the RL loop alike). `SandboxPool` is the one-environment case that keeps `warm` sandboxes
+the RL loop alike). `SpecPool` is the one-environment case that keeps `warm` sandboxes
 ready.
+
+`SandboxPool` is what every pool does (`WarmPool`, `sandbox.overlay_pool.OverlayPool`), and
+`sandbox.pool_factory.make_pool` the one place that picks a pool for a sandbox kind: callers
+ask a pool's `capabilities`, never its class or their sandbox kind.
 """
 
 from __future__ import annotations
@@ -20,13 +24,67 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from tmax.sandbox import make_sandbox, sandbox_class
 from tmax.sandbox.base import Forked, Sandbox, SandboxCapabilities, SandboxError, SandboxSpec
 
 Factory = Callable[[], Sandbox]
 T = TypeVar("T")
+
+
+class SpecFactory:
+    """A sandbox to make: its kind and spec, which a pool may read (the overlay pool does).
+    A spec with a files layer, which only an overlay episode serves, makes a container of
+    `own_image()`: the spec of the task's own image, built when it is called."""
+
+    def __init__(self, kind: str, spec: SandboxSpec, own_image: Callable[[], SandboxSpec] | None = None):
+        self.kind, self.spec, self.own_image = kind, spec, own_image
+
+    def __call__(self) -> Sandbox:
+        spec = self.spec
+        if spec.files is not None and self.own_image is not None:
+            spec = self.own_image()
+        return make_sandbox(self.kind, spec)  # which refuses a files layer
+
+
+class SandboxPool(Protocol):
+    """A pool of sandboxes for episodes: each `acquire` hands out a fresh, started one, which
+    `release` destroys (or ends); `prewarm` starts one ahead for an episode that is coming."""
+
+    capacity: int  # the running episodes and those started ahead (what `WarmAhead` fills up to)
+    warm_hits: int  # acquires that found theirs started
+
+    @property
+    def cold_starts(self) -> int:
+        """Acquires that had to start theirs."""
+        ...
+
+    def capabilities(self, factory: SpecFactory | None = None) -> SandboxCapabilities:
+        """What the sandboxes `acquire(key, factory)` hands out can do; without a factory,
+        what this pool's sandboxes can do whatever their spec, as far as the pool knows."""
+        ...
+
+    def prewarm(self, key: Hashable, factory: SpecFactory) -> bool:
+        """Start a sandbox for a coming `acquire(key, factory)` in the background; False when
+        nothing was started (no room, or one is there)."""
+        ...
+
+    def acquire(self, key: Hashable, factory: SpecFactory, timeout: float | None = None) -> Sandbox: ...
+
+    def fork(self, sb: Sandbox) -> Forked:
+        """`sb.fork()` for a sandbox handed out by `acquire`; the child is the pool's too."""
+        ...
+
+    def release(self, sb: Sandbox) -> None: ...
+
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Block until the starts under way are done; False on timeout."""
+        ...
+
+    def close(self, in_use: bool = False) -> None:
+        """Destroy what the pool holds (with `in_use`, the sandboxes handed out too)."""
+        ...
 
 
 def _started(factory: Factory) -> Sandbox:
@@ -173,8 +231,9 @@ class WarmPool:
                     self._total -= 1
                 self._cond.notify_all()
 
-    def capabilities(self, factory: Factory) -> SandboxCapabilities:
-        """What the sandboxes `acquire(key, factory)` hands out can do."""
+    def capabilities(self, factory: Factory | None = None) -> SandboxCapabilities:
+        """What the sandboxes `acquire(key, factory)` hands out can do: what their kind's can
+        (`SpecFactory.kind`); nothing known beyond the protocol without it."""
         kind = getattr(factory, "kind", None)
         return sandbox_class(kind).capabilities if kind else SandboxCapabilities()
 
@@ -279,7 +338,7 @@ class WarmAhead(Generic[T]):
         return self.fill(itertools.islice(items, max(index + 1, running), None))
 
 
-class SandboxPool(WarmPool):
+class SpecPool(WarmPool):
     """One environment: `size` sandboxes at most, `warm` of them kept started ahead."""
 
     _KEY = "default"

@@ -25,6 +25,11 @@ class ShellSandbox:
     # A fork's state for the new shell's environment (`fork.handover_vars`), until restored.
     handover: dict[str, str] = {}
 
+    @classmethod
+    def prestart(cls) -> None:
+        """Start, in the background, what sandboxes of this kind will need (a service), so a
+        caller overlaps it with other work; errors surface at the first real use."""
+
     def _shell(self) -> PersistentShell:
         if self.shell is None:
             raise SandboxError("sandbox is not started (or was started without a shell: SandboxSpec.shell=False)")

@@ -2,7 +2,8 @@
 
 `UndoHistory(store, keep)` takes a snapshot before each command (`before(command)`) and
 keeps the last `keep`; `undo(k)` puts the files back as they were before the k-th last
-command. Two stores, chosen per sandbox kind by `snapshot_store(box)`:
+command. Two stores, chosen by the sandbox's `capabilities.snapshot` in
+`snapshot_store(box)`:
 
 * `WatchedSnapshots` (local, bwrap; `sandbox.watched`): a change log. inotify says what a
   command changed; only those paths are copied (the old version into the snapshot's
@@ -27,11 +28,14 @@ import tarfile
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tmax.sandbox.base import IMAGE_USER, LABEL_KEY, LABEL_VALUE, SandboxError
 from tmax.sandbox.undo_store import Restored, SnapshotStore
 from tmax.sandbox.watched import JAIL_TMP_IGNORED, OWN_PREFIX, WatchedSnapshots
+
+if TYPE_CHECKING:
+    from tmax.sandbox.podman import PodmanSandbox
 
 
 def _run(argv: list[str], what: str, cwd: Path | None = None) -> bytes:
@@ -130,7 +134,7 @@ def _ignored(path: str) -> bool:
 class ContainerSnapshots:
     """Diff-based snapshots of a podman sandbox's filesystem, kept inside the container."""
 
-    def __init__(self, box: Any) -> None:
+    def __init__(self, box: PodmanSandbox) -> None:
         if box.container is None:
             raise SandboxError("undo: the podman sandbox is not started")
         self.box = box
@@ -228,12 +232,13 @@ class ContainerSnapshots:
 
 def snapshot_store(box: Any) -> SnapshotStore:
     """The store for a started sandbox: its workspace (local, bwrap) or its container (podman)."""
-    if box.kind == "podman":
+    scope = box.capabilities.snapshot
+    if scope == "container":
         return ContainerSnapshots(box)
-    if box.kind == "bwrap":
+    if scope == "jail":
         # Everything the jail can write: the workspace, its private /tmp and home.
         return SnapshotGroup([WatchedSnapshots(host, inside, JAIL_TMP_IGNORED if inside == "/tmp" else OWN_PREFIX)
                               for inside, host in box.writable_dirs()])
-    if box.kind == "local":
+    if scope == "workdir":
         return WatchedSnapshots(Path(box.workdir))
-    raise SandboxError(f"undo: no snapshots for sandbox kind {box.kind!r}")
+    raise SandboxError(f"undo: a {box.kind} sandbox keeps no snapshots")

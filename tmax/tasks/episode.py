@@ -7,7 +7,7 @@ task:
 * the environment is the task's image (`tasks.task_images`, with the offline rewrites and
   patches) on podman, or a fresh host workspace (`tasks.hostenv`) on bwrap / local; a task
   that is its base image plus files is not built where its episodes are overlays of shared
-  containers (`EnvSettings.files_layer` and an `OverlayPool`): a container of the base image
+  containers (`EnvSettings.files_layer` and a pool with the `overlay` capability): a container of the base image
   serves it, the files written into each episode (`tasks.files_layer`), and it is built,
   then, only for a container of its own (the pool's fallback);
 * the sandbox gets the task's limits from task.toml (cpus, memory, pids, storage as a
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tmax.sandbox.base import Sandbox, SandboxError, SandboxSpec
-from tmax.sandbox.overlay_pool import OverlayPool, SpecFactory
+from tmax.sandbox.pool import SandboxPool, SpecFactory
 from tmax.tasks.hostenv import HOST_KINDS, HostEnv, HostEnvError, check_dockerfile
 from tmax.tasks.hostenv import prepare as prepare_host
 from tmax.tasks.task_images import ImageBuildError, TaskImage, ensure_image
@@ -100,11 +100,11 @@ class Episode:
             result = ep.verify(out_dir, timeout)
 
     `image` is the task's already resolved image (otherwise it is resolved here); `pool`
-    (a `sandbox.overlay_pool.OverlayPool`: an episode of a shared container; a
-    `sandbox.pool.WarmPool`: a container started ahead of need) hands it out; `shell=False`
+    (a `sandbox.pool.SandboxPool`: an episode of a shared container, or a container started
+    ahead of need) hands it out; `shell=False`
     starts no persistent shell (for agents that only exec and copy)."""
 
-    def __init__(self, task: Task, settings: EnvSettings, *, image: TaskImage | None = None, pool: Any = None,
+    def __init__(self, task: Task, settings: EnvSettings, *, image: TaskImage | None = None, pool: SandboxPool | None = None,
                  name: str | None = None, labels: dict[str, str] | None = None,
                  on_sandbox: Callable[[Any], None] | None = None, cancel: threading.Event | None = None,
                  shell: bool = True):
@@ -125,7 +125,7 @@ class Episode:
     def serves_files(self) -> bool:
         """Whether a task that is its base image plus files runs as that, unbuilt: only in
         overlay episodes, and when the settings ask for it."""
-        return self.settings.files_layer and isinstance(self.pool, OverlayPool)
+        return self.settings.files_layer and self.pool is not None and self.pool.capabilities().overlay
 
     def spec(self) -> SandboxSpec:
         spec = sandbox_spec(self.task, self.settings, self.image, self.host, self.name, self.labels)

@@ -23,6 +23,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tmax.sandbox import sandbox_class
 from tmax.sandbox.base import HOST_KINDS, SandboxSpec
 from tmax.sandbox.base_image import DEFAULT_BASE_TAG, PYTHON_BASE_TAG
 from tmax.tasks.dockerfile import instructions
@@ -192,11 +193,17 @@ class HostEnv:
 
     @property
     def workdir(self) -> str:
-        """Where the agent starts and the verifier runs, as the sandbox sees it."""
-        return self.plan.workdir if self.kind == "bwrap" else str(self.workspace)
+        """Where the agent starts and the verifier runs, as the sandbox sees it: where a sandbox
+        that binds the workspace in puts it (`SandboxCapabilities.workspace_target`), else the
+        workspace's host path."""
+        return self.plan.workdir if self._targeted else str(self.workspace)
+
+    @property
+    def _targeted(self) -> bool:
+        return sandbox_class(self.kind).capabilities.workspace_target
 
     def spec(self, network: bool, name: str | None = None, labels: dict[str, str] | None = None) -> SandboxSpec:
-        target = self.plan.workdir if self.kind == "bwrap" else None
+        target = self.plan.workdir if self._targeted else None
         return SandboxSpec(workdir=self.workdir, workspace=self.workspace, workspace_target=target,
                            network=network, env=dict(self.plan.env), name=name, labels=dict(labels or {}))
 

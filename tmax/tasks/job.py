@@ -33,8 +33,10 @@ from tmax.agents.agent_settings import AgentSettings, renamed_keys
 from tmax.tasks import harbor
 from tmax.common.files import read_json, write_json_atomic
 from tmax.tasks.harbor import CANCELLED, INFRA_ERROR, TrialResult
-from tmax.sandbox.base import KINDS
-from tmax.sandbox.pool import WarmAhead
+from tmax.sandbox import sandbox_class
+from tmax.sandbox.base import KINDS, Sandbox
+from tmax.sandbox.pool import SandboxPool, WarmAhead
+from tmax.sandbox.pool_factory import make_pool
 from tmax.tasks.dataset import load_tasks
 from tmax.tasks.episode import EnvSettings
 from tmax.tasks.job_runner import Finished, JobError, JobItem, JobRunner
@@ -187,7 +189,7 @@ class Job:
         self.job_id = str(uuid.UUID(self.identity[:32]))
         self.cancel = threading.Event()
         self._lock = threading.Lock()
-        self._sandboxes: dict[str, Any] = {}
+        self._sandboxes: dict[str, Sandbox] = {}
         self._live: _Live | None = None  # what a running job's trials share (`_start_live`)
         self.rewrite = default_config(config.image_map)
         self.agent = make_agent(config.agent, self.rewrite, config.model, config.base_url, api_key,
@@ -304,7 +306,7 @@ class Job:
         return f"{name}__{model}__{source}" if model else f"{name}__{source}"
 
     # --- running -------------------------------------------------------------------------
-    def _on_sandbox(self, name: str, sb: Any) -> None:
+    def _on_sandbox(self, name: str, sb: Sandbox | None) -> None:
         with self._lock:
             if sb is None:
                 self._sandboxes.pop(name, None)
@@ -336,10 +338,8 @@ class Job:
         for r in prior.values():
             _count(prog, r)
         self.write_result(prog)
-        if todo and self.sandbox_kind == "podman":
-            from tmax.sandbox.podman_service import prestart
-
-            prestart()  # the REST service starts while the first trial looks up its image
+        if todo:
+            sandbox_class(self.sandbox_kind).prestart()  # podman's service starts while the first trial looks up its image
         live = self._live = self._start_live([item.args[0] for item in todo])
         emit = progress_fn or (lambda *a: None)
         emit("start", prog, None)
@@ -376,19 +376,12 @@ class Job:
         """What the trials of one run share: their environment, the pool (podman: trials as
         overlays of shared containers with `overlay`, else containers started ahead with
         `warm_ahead`) and what starts containers in it for the trials next in line."""
-        pool = None
-        if self.sandbox_kind == "podman" and self.config.overlay:
-            from tmax.sandbox.overlay_pool import OverlayPool
-
-            pool = OverlayPool(self.config.n_concurrent, self.config.warm_ahead,
-                               host_labels={JOB_LABEL: self.config.job_name})
-        elif self.sandbox_kind == "podman" and self.config.warm_ahead:
-            from tmax.sandbox.pool import WarmPool
-
-            pool = WarmPool(self.config.n_concurrent + self.config.warm_ahead)
+        pool = make_pool(self.sandbox_kind, self.config.n_concurrent, self.config.warm_ahead,
+                         overlay=self.config.overlay, host_labels={JOB_LABEL: self.config.job_name})
         # Trials as overlays of shared containers: a task that is its base image plus files is not built.
         settings = EnvSettings(self.sandbox_kind, self.rewrite, self.config.use_prebuilt, self.config.override_cpus,
-                               self.config.override_memory_mb, files_layer=pool is not None and self.config.overlay)
+                               self.config.override_memory_mb,
+                               files_layer=pool is not None and pool.capabilities().overlay)
         env = TrialEnv(agent=self.agent, env=settings, timeout_multiplier=self.config.timeout_multiplier,
                        cancel=self.cancel, on_sandbox=self._on_sandbox, model_name=self.config.model,
                        close_in_background=True, pool=pool)
@@ -407,7 +400,7 @@ class Job:
         return run_trial(plan, live.env)
 
     @property
-    def _pool(self) -> Any:
+    def _pool(self) -> SandboxPool | None:
         """The warm pool of the running (or last) run, if it had one."""
         return self._live.env.pool if self._live is not None else None
 
@@ -482,7 +475,7 @@ def _eval_stats(results: list[TrialResult], sc: Score) -> harbor.AgentDatasetSta
 
 
 
-def _close_quietly(sb: Any) -> None:
+def _close_quietly(sb: Sandbox) -> None:
     try:
         sb.close()
     except Exception:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
+from tmax.sandbox import podman_service
 from tmax.sandbox.base import LABEL_KEY, LABEL_VALUE, FilesLayer
 from tmax.sandbox.base_image import DEFAULT_BASE_TAG
 from tmax.common.files import cache_dir
@@ -97,13 +98,21 @@ class TaskImage:
         return self.base_id if self.files is not None and self.base_id else self.tag
 
 
-def _podman(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout)
+def _image_attrs(tag: str) -> dict | None:
+    """podman's record of the image `tag` (podman-py, `sandbox.podman_service`); None when it
+    is not here."""
+    from podman.errors import APIError
+
+    with podman_service.client() as client:
+        try:
+            return client.images.get(tag).attrs
+        except APIError:
+            return None
 
 
 def image_id(tag: str) -> str | None:
-    r = _podman("image", "inspect", "--format", "{{.Id}}", tag)
-    return r.stdout.strip() or None if r.returncode == 0 else None
+    attrs = _image_attrs(tag)
+    return attrs["Id"] if attrs else None
 
 
 def image_workdir(tag: str) -> str:
@@ -113,8 +122,8 @@ def image_workdir(tag: str) -> str:
 def present_workdir(tag: str) -> str | None:
     """The image's WORKDIR ("/" when unset), or None when the image is not here: whether it
     exists and where it starts in one `podman image inspect`."""
-    r = _podman("image", "inspect", "--format", "{{.Config.WorkingDir}}", tag)
-    return (r.stdout.strip() or "/") if r.returncode == 0 else None
+    attrs = _image_attrs(tag)
+    return None if attrs is None else (attrs.get("Config") or {}).get("WorkingDir") or "/"
 
 
 _pull_failed: set[str] = set()
@@ -130,9 +139,13 @@ def try_pull(image: str, timeout: float = 60) -> str | None:
     with _pull_lock:
         if image in _pull_failed:
             return None
+    from podman.errors import APIError
+
     try:
-        ok = _podman("pull", "--quiet", image, timeout=timeout).returncode == 0
-    except subprocess.TimeoutExpired:
+        with podman_service.client(timeout=timeout) as client:
+            client.images.pull(image)
+        ok = True
+    except (APIError, OSError):  # not found, refused, or no answer within `timeout` (requests' errors are OSErrors)
         ok = False
     if not ok:
         with _pull_lock:
@@ -376,12 +389,16 @@ class ImageUse:
 def task_images(labels: dict[str, str] | None = None) -> list[ImageUse]:
     """The task images tmax built (labelled by `ensure_image`; never the base image or a
     pulled one), least recently used first; $TMAX_IMAGE_LABELS and `labels` narrow them."""
-    r = _podman("images", "--format", "json", "--filter", f"label={LABEL_KEY}={LABEL_VALUE}")
-    if r.returncode != 0:
-        raise ImageBuildError(f"podman images failed: {r.stderr.strip()[-500:]}")
+    from podman.errors import APIError
+
+    try:
+        with podman_service.client() as client:
+            listed = [i.attrs for i in client.images.list(filters={"label": f"{LABEL_KEY}={LABEL_VALUE}"})]
+    except APIError as e:
+        raise ImageBuildError(f"listing podman's images failed: {e}") from e
     want = {LABEL_KEY: LABEL_VALUE, **scope_labels(), **(labels or {})}
     out = []
-    for img in json.loads(r.stdout or "[]"):
+    for img in listed:
         names = img.get("Names") or []
         have = img.get("Labels") or {}
         # every label must match (podman ORs repeated label filters, so they are checked here)
@@ -399,6 +416,18 @@ class PruneReport:
     errors: list[str]
 
 
+def _remove_image(image: str) -> str | None:
+    """Remove an image (not one a container uses); why not, when it was refused."""
+    from podman.errors import APIError
+
+    try:
+        with podman_service.client() as client:
+            client.images.remove(image)
+    except APIError as e:
+        return str(e)
+    return None
+
+
 def prune_images(keep_bytes: int, labels: dict[str, str] | None = None, dry_run: bool = False) -> PruneReport:
     """Remove tmax-built task images, least recently used first, until the rest take at
     most `keep_bytes`. An image a container still uses is left (and reported)."""
@@ -409,9 +438,9 @@ def prune_images(keep_bytes: int, labels: dict[str, str] | None = None, dry_run:
         if total <= keep_bytes:
             rep.kept.append(img)
             continue
-        r = subprocess.CompletedProcess([], 0, "", "") if dry_run else _podman("rmi", img.id)
-        if r.returncode != 0:
-            rep.errors.append(f"{img.names[0]}: {r.stderr.strip()[-300:]}")
+        why = None if dry_run else _remove_image(img.id)
+        if why is not None:
+            rep.errors.append(f"{img.names[0]}: {why[-300:]}")
             rep.kept.append(img)
             continue
         rep.removed.append(img)

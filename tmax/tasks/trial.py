@@ -32,6 +32,7 @@ from tmax.tasks import harbor
 from tmax.common.files import write_json_atomic
 from tmax.tasks.harbor import CANCELLED_ERROR, TrialResult
 from tmax.sandbox.base import SandboxError
+from tmax.sandbox.pool import SandboxPool
 from tmax.tasks.episode import ENVIRONMENT_ERRORS, EnvSettings, Episode, episode_name, resolve_environment
 from tmax.tasks.task_format import Task
 from tmax.tasks.runners import TrialAgent
@@ -76,10 +77,10 @@ class TrialEnv:
     model_name: str | None = None
     # Remove the container after result.json is written, off the trial's critical path.
     close_in_background: bool = False
-    # podman: a `sandbox.pool.WarmPool` trials take their containers from, where
+    # podman: the `sandbox.pool.SandboxPool` trials take their containers from, where
     # `prewarm_trial` started one ahead for them (None: each trial starts its own), and the
     # task images resolved meanwhile (task name -> `tasks.task_images.TaskImage`).
-    pool: Any = None
+    pool: SandboxPool | None = None
     images: dict[str, Any] = field(default_factory=dict)
 
 

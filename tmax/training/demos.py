@@ -27,7 +27,7 @@ from tmax.training.rollout import EpisodeRequest, EpisodeSettings, InfraError, R
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from tmax.sandbox.pool import WarmPool
+    from tmax.sandbox.pool import SandboxPool
     from tmax.tasks.task_images import TaskImage
 
 
@@ -76,7 +76,7 @@ class ScriptedSampler:
 
 
 def oracle_demo(task_dir: str | Path, tokenizer: PreTrainedTokenizerBase, episode: EpisodeSettings, *, group_id: int = 0,
-                image: TaskImage | None = None, pool: WarmPool | None = None) -> Rollout:
+                image: TaskImage | None = None, pool: SandboxPool | None = None) -> Rollout:
     """Play a nano task's oracle through the harness; raises DemoError unless it scores 1."""
     r = play_demo(task_dir, oracle_steps(task_dir), tokenizer, episode, group_id=group_id, image=image, pool=pool)
     if r.reward < 1.0:
@@ -85,7 +85,7 @@ def oracle_demo(task_dir: str | Path, tokenizer: PreTrainedTokenizerBase, episod
 
 
 def play_demo(task_dir: str | Path, steps: list[tuple[str, str]], tokenizer: PreTrainedTokenizerBase, episode: EpisodeSettings, *,
-              group_id: int = 0, image: TaskImage | None = None, pool: WarmPool | None = None) -> Rollout:
+              group_id: int = 0, image: TaskImage | None = None, pool: SandboxPool | None = None) -> Rollout:
     """Play scripted (THOUGHT, command) steps through the harness of group `group_id`
     (`episode.harness_for`), as its rollouts would run; the verifier scores it. `image`
     and `pool` as for `run_episode`."""
@@ -95,7 +95,7 @@ def play_demo(task_dir: str | Path, steps: list[tuple[str, str]], tokenizer: Pre
 
 
 def teacher_demo(task_dir: str | Path, tokenizer: PreTrainedTokenizerBase, cfg: LearnConfig, episode: EpisodeSettings, *,
-                 group_id: int = 0, image: TaskImage | None = None, pool: WarmPool | None = None) -> Rollout:
+                 group_id: int = 0, image: TaskImage | None = None, pool: SandboxPool | None = None) -> Rollout:
     """The oracle when `sft.teacher_accuracy` is 1, else an imperfect teacher whose choice
     is drawn from a generator seeded by the run seed and the task (reproducible). A
     teacher demo is kept whatever its reward; only an oracle demo must pass."""

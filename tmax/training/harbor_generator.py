@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tmax.sandbox.pool import WarmAhead
+from tmax.sandbox.pool_factory import starts_ahead
 from tmax.tasks.episode import PreparedTasks
 from tmax.training.cluster.rollout_worker import RolloutWorker
 from tmax.training.config import LearnConfig
@@ -52,7 +53,7 @@ class HarborGenerator:
             workers[item[1]].prewarm.remote(item[0].task_dir)
             return True  # asked; a worker whose pool is full starts none, and that episode starts cold
 
-        depth = self.episode.pool_size * len(workers) if self.episode.env.kind == "podman" else 0
+        depth = self.episode.pool_size * len(workers) if starts_ahead(self.episode.env.kind) else 0
         return WarmAhead(depth, start, key=lambda item: (item[0].group_id, item[0].sample_index, item[0].attempt))
 
     def summary(self) -> dict[str, Any]:

@@ -38,8 +38,8 @@ from tmax.agents.policy import TokenSampler
 from tmax.agents.agent_settings import AgentSettings
 from tmax.common.errors import ConfigError
 from tmax.common.files import write_json_atomic
-from tmax.sandbox.overlay_pool import OverlayPool
-from tmax.sandbox.pool import WarmAhead, WarmPool
+from tmax.sandbox.pool import SandboxPool, WarmAhead
+from tmax.sandbox.pool_factory import make_pool, pool_serves_overlays
 from tmax.tasks.episode import ENVIRONMENT_ERRORS, EnvSettings, Episode, PreparedTasks
 from tmax.tasks.task_images import TaskImage
 from tmax.tasks.task_format import Task
@@ -75,7 +75,7 @@ def env_settings(kind: str, image_map: list[str], labels: dict[str, str] | None 
     from tmax.tasks.offline import default_config
 
     return EnvSettings(kind=kind, rewrite=default_config(list(image_map)), labels=dict(labels or {}),
-                       files_layer=overlay and kind == "podman")
+                       files_layer=pool_serves_overlays(kind, overlay))
 
 
 def run_labels(run_dir: str | Path) -> dict[str, str]:
@@ -121,16 +121,13 @@ class EpisodeSettings:
                            max_response_tokens=self.response_budget, max_context_tokens=a.context_budget,
                            max_turn_tokens=a.max_tokens, max_prompt_tokens=self.max_prompt_tokens, seed=seed)
 
-    def worker_pool(self, slots: int, host_labels: dict[str, str] | None = None) -> WarmPool | OverlayPool | None:
+    def worker_pool(self, slots: int, host_labels: dict[str, str] | None = None) -> SandboxPool | None:
         """A rollout worker's pool (podman): with `env.files_layer` (`rollout.overlay`), episodes
         in containers shared on this machine (carrying `host_labels` too), `pool_size` started
         ahead for coming episodes; else a fresh container per episode, its running episodes
         plus `pool_size` started ahead."""
-        if self.env.kind != "podman":
-            return None
-        if self.env.files_layer:
-            return OverlayPool(slots, self.pool_size, host_labels={**self.env.labels, **(host_labels or {})})
-        return WarmPool(slots + self.pool_size) if self.pool_size else None
+        return make_pool(self.env.kind, slots, self.pool_size, overlay=self.env.files_layer,
+                         host_labels={**self.env.labels, **(host_labels or {})})
 
 
 # ---- the episode --------------------------------------------------------------------
@@ -161,7 +158,7 @@ def _score(ep: Episode, timeout: float, record_dir: Path | None) -> tuple[float,
     return res.reward, info
 
 
-def _open(req: EpisodeRequest, settings: EnvSettings, image: TaskImage | None, pool: Any) -> Episode:
+def _open(req: EpisodeRequest, settings: EnvSettings, image: TaskImage | None, pool: SandboxPool | None) -> Episode:
     try:
         task = Task.load(req.task_dir)
     except Exception as e:  # a task that fails to load is a data problem, not the policy's
@@ -193,14 +190,14 @@ def run_episode(
     episode: EpisodeSettings,
     *,
     image: TaskImage | None = None,
-    pool: Any = None,
+    pool: SandboxPool | None = None,
     record_dir: Path | None = None,
     start_version: int = 0,
 ) -> Rollout:
     """Run one episode (`tasks.episode`) and score it. Raises InfraError for
     infrastructure failures. `image` is the task's resolved image (podman; resolved here,
     from the cache or a build, when not given: the RL loop always gives it); `pool` a
-    `sandbox.pool.WarmPool` of containers started ahead of need."""
+    `sandbox.pool.SandboxPool` of containers started ahead of need."""
     from tmax.agents.harnesses import make_harness
     from tmax.agents.recorder import Recorder
 
@@ -297,7 +294,7 @@ def prepare_tasks(env: EnvSettings, task_dirs: list[str], report: Path | None = 
     return prepared
 
 
-def prewarm(pool: WarmPool | None, task_dir: str, settings: EnvSettings, image: TaskImage | None) -> bool:
+def prewarm(pool: SandboxPool | None, task_dir: str, settings: EnvSettings, image: TaskImage | None) -> bool:
     """Start a container for a coming episode of `task_dir`; False when there is no room."""
     if pool is None or image is None:
         return False
@@ -306,7 +303,7 @@ def prewarm(pool: WarmPool | None, task_dir: str, settings: EnvSettings, image: 
 
 
 def run_ahead(task_dirs: list[str], episode: Callable[[int], T], settings: EnvSettings,
-              images: dict[str, TaskImage | None], pool: WarmPool | None, concurrency: int) -> list[T]:
+              images: dict[str, TaskImage | None], pool: SandboxPool | None, concurrency: int) -> list[T]:
     """`episode(i)` for every task, `concurrency` at a time in order (the results in that
     order). With a pool, each episode as it begins starts containers for the next in line,
     as many as the pool holds beyond the running episodes (`sandbox.pool.WarmAhead`; the
