@@ -123,21 +123,33 @@ def test_one_command_baseline_is_under_five_percent(written):
     assert L._passes_alone(d, T.nano_meta(d)["commands"][-1])
 
 
-def test_every_value_is_one_token_wherever_it_appears(written):
-    """The long family's tokenizer has one token for " word" of every pool word, and every
-    value follows a space in files and commands: copying a value is copying one token."""
+def test_every_value_is_syllable_tokens_shared_by_the_splits(written):
+    """The long family's tokenizer cuts a value into its syllables (a space, then 2 or 3 of
+    70 syllable tokens) wherever it appears, in files, observations and commands, so every
+    token of a held-out value is a token that training values are made of and a copy learned
+    on them can copy it. Not whole-word tokens: a held-out word's token would occur in no
+    training text, and a model never taught to emit it cannot write it."""
     from tmax.training.nano.model import build_tokenizer
 
     tok = build_tokenizer(0, family="long")
+
+    def pieces(text: str) -> list[str]:
+        return [tok.decode([i]) for i in tok.encode(text)]
+
+    train_pieces = {p for w in L.LONG_POOLS["train"] for p in pieces(" " + w)}
+    assert len(train_pieces) == 71  # the space and the 70 syllables
     for d in written["heldout"][:12]:
         meta = T.nano_meta(d)
-        texts = [*meta["commands"], *((d / "environment/files").rglob("*.txt")), *((d / "environment/files").glob("*.lst"))]
-        for text in texts:
-            text = text.read_text() if isinstance(text, Path) else text
-            pieces = [tok.decode([i]) for i in tok.encode(text)]
-            for w in meta["revealed"]:
-                if w in text:
-                    assert " " + w in pieces, (d.name, w, pieces)
+        files = (d / "environment/files")
+        texts = [*meta["commands"], *(p.read_text() for p in [*files.rglob("*.txt"), *files.glob("*.lst")])]
+        for w in meta["revealed"]:
+            word = pieces(" " + w)
+            assert word[0] == " " and "".join(word[1:]) == w and len(word) in (3, 4), word
+            assert set(word) <= train_pieces
+            for text in texts:
+                if f" {w}" in text:
+                    got = pieces(text)
+                    assert any(got[i:i + len(word)] == word for i in range(len(got))), (d.name, w, got)
 
 
 def test_sloppy_teacher_is_mostly_right_with_detours_and_mistakes(written, tmp_path):

@@ -37,7 +37,7 @@ import tempfile
 from pathlib import Path
 
 from tmax.agents.prompts import SUBMIT_COMMAND
-from tmax.training.nano.family import (ANSWER, POOLS, SPLITS, SUBMIT_THOUGHT, NanoTask, NUMBERS, Picker, lines_text,
+from tmax.training.nano.family import (ANSWER, SPLITS, SUBMIT_THOUGHT, NanoTask, NUMBERS, Picker, lines_text,
                                      nano_meta, pseudo_words, round_robin)
 
 FAMILY = "long"
@@ -52,21 +52,23 @@ LONG_KINDS = tuple(_INSTRUCTIONS)
 
 
 def _long_pools() -> dict[str, list[str]]:
-    """The values' pools. Train: 1,000+ made-up words (`pseudo_words`), so many that a value
-    seldom repeats and a policy can only solve a task by copying what it read, never by
-    recalling a value; held-out: the held-out real words (`POOLS`). No word of one pool is
-    part of a word of the other."""
-    held = POOLS["heldout"]
-    made_up = [w for w in pseudo_words(1500, seed=49) if not any(w in h or h in w for h in held)]
-    return {"train": made_up, "heldout": list(held)}
+    """The values' pools: made-up consonant-vowel words (`pseudo_words`), dealt at random
+    into a train pool of 1,500 and a held-out pool of its own (550). So many that a value
+    seldom repeats: a policy can only solve a task by copying what it read, never by
+    recalling a value. Both pools are built of the same syllables, so a held-out value is
+    new as a word but tokenizes into pieces (`nano.model`) that training values taught the
+    model to copy; no word of one pool is part of a word of the other."""
+    words = pseudo_words(2600, seed=49)
+    random.Random("nano-long-pools").shuffle(words)
+    return {"train": sorted(words[:1500]), "heldout": sorted(words[1500:])}
 
 
 LONG_POOLS = _long_pools()
 
 # It reports the first wrong setting and exits 0 either way (the report is its output), so a
 # failed command (exit code) in a rollout means a command the policy got wrong. Every value
-# in a file, an observation or a command follows a space: the nano tokenizer of this family
-# has one token for " word" of every pool word (`nano.model`), so a value is copied whole.
+# in a file, an observation or a command follows a space, so it tokenizes the same way
+# wherever it appears.
 _CHECK_SH = """#!/bin/bash
 # Checks app.conf one setting at a time; prints the token only when all are right.
 %(checks)s

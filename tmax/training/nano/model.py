@@ -38,6 +38,10 @@ SPECIAL_TOKENS = [
 # The fixed head of every bash call as the chat template renders it: one token instead of
 # the 13 the pre-tokenizer would cut it into, so a whole turn fits the nano per-turn budget.
 BASH_CALL_PREFIX = '{"name": "bash", "arguments": {"command": "'
+# A consonant-vowel syllable of a word made only of them (a made-up value: `long_tasks`),
+# after a space or another such syllable and before a space, '.', '/' or the end.
+_SYL = "[bdfgklmnprstvz][aeiou]"
+SYLLABLE_PIECE = rf"(?<=\s|{_SYL}){_SYL}(?=(?:{_SYL})*(?:[\s./]|$))"
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 
@@ -142,7 +146,10 @@ def corpus(seed: int = 0, n_tasks: int = 400, family: str = "nano") -> list[str]
     texts: list[str] = []
     # The fixed prompt text repeats in every episode: weight it so all its words merge.
     texts += template_text * 40
-    words = nano_tasks.pseudo_words(200, seed + 1)
+    # The long family's values are made-up words (`long_tasks.LONG_POOLS`), cut into syllables
+    # before the merges (`SYLLABLE_PIECE`); its corpus draws thousands of them so that every
+    # syllable is common in it.
+    words = nano_tasks.pseudo_words(200 if family == "nano" else 4000, seed + 1)
     for t in nano_tasks.template_tasks(n_tasks, seed):
         texts.append(prompts.render(prompts.INSTANCE_TEMPLATE, task=t.instruction))
         for thought, cmd in t.oracle_steps():
@@ -179,10 +186,18 @@ def _trained_bpe(seed: int, vocab_size: int, family: str = "nano") -> str:
     """The nano BPE trained on `corpus(seed)`, as its JSON. Training is most of a build's
     time (seconds on 2 cores) and deterministic, so a process that builds several nano
     models (a test session, a benchmark's runs) trains each (seed, vocab) once."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if family == "long":
+        # Every syllable of a made-up word is a piece of its own (`SYLLABLE_PIECE`): a value of
+        # either split is then a space and 2 or 3 of the same 70 syllable tokens, each copied
+        # in every training demonstration, so a copy learned on training values copies a
+        # held-out value too. Whole-word tokens cannot: a held-out value's token never occurs
+        # in training, and the softmax only ever pushes its logit down.
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(SYLLABLE_PIECE), "isolated"),
+                                                     tok.pre_tokenizer])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
@@ -193,14 +208,6 @@ def _trained_bpe(seed: int, vocab_size: int, family: str = "nano") -> str:
     )
     tok.train_from_iterator(corpus(seed, family=family), trainer=trainer)
     tok.add_tokens([AddedToken(BASH_CALL_PREFIX, normalized=False, special=False)])
-    if family == "long":
-        # One token for " word" of every value of the long tasks, both splits: a value is then
-        # copied whole from an observation into a command (one token, not a run of sub-words).
-        # Held-out values are never in any training text, so their embeddings stay as built.
-        from tmax.training.nano.long_tasks import LONG_POOLS
-
-        words = sorted({w for pool in LONG_POOLS.values() for w in pool})
-        tok.add_tokens([AddedToken(" " + w, normalized=False, special=False) for w in words])
     return tok.to_str()
 
 
