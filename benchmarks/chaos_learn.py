@@ -32,6 +32,8 @@ re-queued (and for a container, the episodes running in it when it was killed). 
 trained twice because a driver died after them and before their checkpoint),
 `leftover_containers` / `leftover_processes` after the last driver (must be 0).
 Timings come from a machine shared with other work: compare, do not quote as absolutes.
+Faults of forked episodes (a host killed while branches run, a fork failing halfway) are
+`chaos_fork.py`'s: `tmax learn` does not fork episodes yet.
 """
 
 from __future__ import annotations

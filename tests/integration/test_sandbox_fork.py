@@ -230,7 +230,7 @@ def test_a_fork_that_fails_halfway_loses_nothing_and_leaves_nothing(overlay_pool
     def fails(*_a, **_k):
         raise SandboxError("injected: the child's episode could not be made")
 
-    monkeypatch.setattr(OverlaySandbox, "_episode_on", fails)
+    monkeypatch.setattr(OverlaySandbox, "_lease", fails)
     with pytest.raises(SandboxError, match="injected"):
         pool.fork(parent)
     monkeypatch.undo()
@@ -246,6 +246,41 @@ def test_a_fork_that_fails_halfway_loses_nothing_and_leaves_nothing(overlay_pool
     finally:
         pool.release(parent)
     assert wait_until(lambda: _layers(parent) == [], 10, 0.1)
+
+
+@pytest.mark.podman
+def test_a_child_killed_while_it_starts_leaves_the_parent_its_room(overlay_pool, base_image, monkeypatch):
+    """The child's episode is made (its room taken) and then dies in its start (its pid 1
+    killed before its shell answers): the fork raises, the parent's room stays kept and it
+    comes back on its state; then every room and layer is free."""
+    import os
+    import signal
+
+    from tmax.common.waiting import wait_until
+    from tmax.sandbox.overlay import OverlaySandbox
+
+    pool, factory = overlay_pool, SpecFactory("podman", SandboxSpec(image=base_image, workdir="/root"))
+    parent = pool.acquire("k", factory)
+    state_dir = Path(parent.host.state_dir)
+    out(parent, "echo kept > /root/mine && cd /tmp && export V=1")
+    start_shell = OverlaySandbox._start_shell
+
+    def killed_first(sb):
+        os.kill(sb.lease.peer_pid(), signal.SIGKILL)
+        start_shell(sb)
+
+    monkeypatch.setattr(OverlaySandbox, "_start_shell", killed_first)
+    with pytest.raises(SandboxError):
+        pool.fork(parent)
+    monkeypatch.undo()
+    try:
+        assert out(parent, "cat /root/mine; pwd; echo $V") == "kept\n/tmp\n1"
+    finally:
+        pool.release(parent)
+    assert wait_until(lambda: _layers(parent) == [], 10, 0.1)
+    rooms = [EpisodeLease(state_dir, uuid.uuid4().hex[:12], True) for _ in range(3)]  # all three free
+    for lease in rooms:
+        lease.close()
 
 
 @pytest.mark.podman

@@ -91,3 +91,17 @@ def test_an_overlay_pool_forks_only_what_its_overlay_serves(tmp_path):
     assert pool.capabilities(SpecFactory("local", SandboxSpec())).fork
     single = OverlayPool(1, root=tmp_path / "hosts1")
     assert not single.capabilities(SpecFactory("podman", SandboxSpec(image="x"))).fork  # one episode a host
+
+
+def test_functions_are_read_without_a_process_and_the_harness_own_left_out(shells):
+    """An exported function stays exported; a heredoc in a body that reads like a function's
+    header does not cut the functions wrong; the harness's `__tmax_*` stay the child's own."""
+    a = shells()
+    a.run("f() { echo hi; }; export -f f; g() { cat <<EOF\nf () \nEOF\n}")
+    state = capture_state(a)
+    assert {"f", "g"} <= set(state.function_names()) and not any(n.startswith("__tmax_") for n in state.function_names())
+    b = shells(state)
+    restore_state(b, state, handed_over=True)
+    assert b.run("f; g; bash -c f").output.strip().split("\n") == ["hi", "f () ", "hi"]
+    saves = b.run("declare -f __tmax_save").output
+    assert b.state_file in saves and a.state_file not in saves  # its own, writing its own state file

@@ -216,6 +216,7 @@ class BwrapSandbox(ShellSandbox):
             chdir = self.spec.workdir or self.target
             self.shell = PersistentShell(BASH_ARGV, workdir=chdir, spawn_env={})
             self.shell.setup_in_env = True
+            self.shell.after_start = self._after_start()
             self._shell_argv(self.handover)
             self.shell.start()
         except SandboxError:

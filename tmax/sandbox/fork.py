@@ -32,19 +32,20 @@ _SECTION = "#__tmax_section__"
 # it, having had it in its environment at its start).
 _PROMPT_VARS = ("PS0", "PS1", "PS2", "PROMPT_COMMAND", "HISTFILE", HANDOVER_VAR)
 _NOT_LISTED = {*_PROMPT_VARS, *NO_TTY_VARS, "PWD", "OLDPWD", "SHLVL", "_"}
-# Builtins only but for one `compgen` substitution: the functions of the harness's own
-# (`__tmax_*`: its prompt, its state file) stay the child shell's.
+# Builtins only, no process: the functions are listed by name (`declare -F`) then printed whole
+# (`declare -f`), and `split_functions` leaves out the harness's own (`__tmax_*`: its prompt,
+# its state file), which stay the child shell's.
 _CAPTURE = "\n".join([
     f"builtin printf '%s\\n' '{_SECTION}cwd' \"$PWD\" '{_SECTION}exports'",
     "builtin export -p",
     f"builtin printf '__tmax_opts=%q\\n__tmax_shopts=%q\\n' \"$SHELLOPTS\" \"$BASHOPTS\"",
+    f"builtin printf '%s\\n' '{_SECTION}names'",
+    "builtin declare -F",
     f"builtin printf '%s\\n' '{_SECTION}functions'",
-    "for __tmax_f in $(builtin compgen -A function); do case $__tmax_f in __tmax_*) ;;"
-    " *) builtin printf '%s\\n' \"#__tmax_function $__tmax_f\"; builtin declare -f -- \"$__tmax_f\";; esac; done",
+    "builtin declare -f",
     f"builtin printf '%s\\n' '{_SECTION}aliases'",
     "builtin alias -p",
     f"builtin printf '%s\\n' '{_SECTION}end'",
-    "builtin unset __tmax_f",
 ])
 
 
@@ -94,8 +95,30 @@ def capture_state(shell: PersistentShell) -> ShellState:
         raise SandboxError(f"fork: the shell's state could not be read: {out[-500:]}")
     prompt = tuple(f"declare -x {v}=" for v in _PROMPT_VARS)
     exports = [line for line in sections["exports"] if not line.startswith(prompt)]
+    names = [line.split()[-1] for line in sections.get("names", []) if line.startswith("declare -f")]
     return ShellState(cwd=sections["cwd"][0], exports="\n".join(exports),
-                      functions="\n".join(sections["functions"]), aliases="\n".join(sections["aliases"]))
+                      functions=split_functions(names, sections.get("functions", [])),
+                      aliases="\n".join(sections["aliases"]))
+
+
+def split_functions(names: list[str], lines: list[str]) -> str:
+    """`declare -f`'s output (`lines`) as one `#__tmax_function NAME` block per function but
+    the harness's own (`__tmax_*`). Each function starts at the line `NAME () ` of the next of
+    `names` (`declare -F`'s list, in the same order), searched for from where the last began."""
+    starts: list[tuple[int, str]] = []
+    at = 0
+    for name in names:
+        header = f"{name} () "
+        at = next((i for i in range(at, len(lines)) if lines[i] == header), -1)
+        if at < 0:
+            raise SandboxError(f"fork: the function {name!r} could not be read from the shell")
+        starts.append((at, name))
+    out = []
+    for k, (i, name) in enumerate(starts):
+        if not name.startswith("__tmax_"):
+            end = starts[k + 1][0] if k + 1 < len(starts) else len(lines)
+            out += [f"#__tmax_function {name}", *lines[i:end]]
+    return "\n".join(out)
 
 
 def restore_script(state: ShellState) -> str:
@@ -110,11 +133,14 @@ def handover_vars(state: ShellState) -> dict[str, str]:
     return {HANDOVER_VAR: script} if len(script.encode()) < MAX_HANDOVER else {}
 
 
+# What a new shell started with `handover_vars` runs to take the state (`PersistentShell.after_start`).
+RESTORE_HANDED_OVER = f'builtin eval "${HANDOVER_VAR}"; builtin unset {HANDOVER_VAR}'
+
+
 def restore_state(shell: PersistentShell, state: ShellState, handed_over: bool) -> str:
     """Put `state` into `shell` (a new one, started with `handover_vars(state)` in its
     environment when `handed_over`); what it printed (cwd=)."""
-    script = f'builtin eval "${HANDOVER_VAR}"; builtin unset {HANDOVER_VAR}' if handed_over else restore_script(state)
-    return shell.run_harness(script).strip()
+    return shell.run_harness(RESTORE_HANDED_OVER if handed_over else restore_script(state)).strip()
 
 
 def _inner_pid(p: psutil.Process) -> int:
@@ -128,21 +154,42 @@ def _inner_pid(p: psutil.Process) -> int:
     return p.pid
 
 
+def _descendants(root_pid: int) -> list[int]:
+    """The processes under `root_pid`, from the kernel's list of each thread's children (no scan
+    of every process of the machine); psutil's scan where the kernel keeps no such list."""
+    if not Path(f"/proc/{root_pid}/task").is_dir():
+        return []
+    if not Path(f"/proc/{root_pid}/task/{root_pid}/children").exists():
+        try:
+            return [p.pid for p in psutil.Process(root_pid).children(recursive=True)]
+        except psutil.Error:
+            return []
+    found, todo = [], [root_pid]
+    while todo:
+        pid = todo.pop()
+        for tasks in Path(f"/proc/{pid}/task").glob("*/children"):
+            try:
+                kids = [int(c) for c in tasks.read_text().split()]
+            except (OSError, ValueError):
+                continue  # ended meanwhile
+            found += kids
+            todo += kids
+    return found
+
+
 def background_processes(root_pid: int | None, shell_inner_pid: int | None) -> list[BackgroundProcess]:
     """The processes under `root_pid` on this host other than the shell (`shell_inner_pid`, as
     its sandbox sees it) and bubblewrap's own, oldest first."""
     if root_pid is None:
         return []
-    try:
-        procs = psutil.Process(root_pid).children(recursive=True)
-    except psutil.Error:
-        return []
     found = []
-    for p in sorted(procs, key=lambda p: p.pid):
+    for pid in sorted(set(_descendants(root_pid))):
         try:
-            if p.name() == "bwrap" or _inner_pid(p) == shell_inner_pid:
+            p = psutil.Process(pid)
+            inner = _inner_pid(p)
+            if inner == shell_inner_pid or p.name() == "bwrap":
                 continue
-            found.append(BackgroundProcess(pid=_inner_pid(p), command=shlex.join(p.cmdline()) or p.name()))
+            found.append(BackgroundProcess(pid=inner, command=shlex.join(p.cmdline()) or p.name()))
         except psutil.Error:
             continue  # ended meanwhile
     return found

@@ -49,6 +49,7 @@ class LocalSandbox(ShellSandbox):
         self.shell = PersistentShell(BASH_ARGV, env=self.spec.env, workdir=self.workdir,
                                      spawn_cwd=self.workdir)
         self.shell.start_vars = self.handover
+        self.shell.after_start = self._after_start()
         self.shell.setup_in_env = True
         self.shell.start()
 

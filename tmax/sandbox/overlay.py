@@ -44,6 +44,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -210,6 +211,7 @@ class OverlaySandbox(ShellSandbox):
     def _start_shell(self) -> None:
         self.shell = PersistentShell(BASH_ARGV, workdir=self.workdir, spawn=self._spawn)
         self.shell.start_vars = self.handover
+        self.shell.after_start = self._after_start()
         self.shell.setup_in_env = True
         try:
             self.shell.start()
@@ -253,24 +255,35 @@ class OverlaySandbox(ShellSandbox):
                                "per episode): its episodes cannot fork")
         if self._frozen is not None:  # frozen by an earlier fork, and not used since: that is its state
             t0, frozen = time.monotonic(), self._frozen
-            return self._forked(self._episode_on(frozen.layer, frozen.state, held=False), frozen.state, [], t0,
-                                layers=frozen.layer.depth)
+            return self._forked(self._episode_on(frozen.layer, frozen.state, self._lease(frozen.layer, False)),
+                                frozen.state, [], t0, layers=frozen.layer.depth)
+        if self.host.cgroups:
+            overlay_cgroup.warm_migrations()  # the child's cgroups join sooner
         t0, state, background = self._fork_state()
         listener = self._shell().on_output
         layer = freeze(Path(self.host.state_dir), self.lease.id, 2)  # HostBusy: nothing changed
-        self._end_episode()
+        # What this process holds of the ended episode goes while the child starts (its wait for
+        # its cgroups and its shell's answer leave time for it).
+        ending = threading.Thread(target=self._end_episode, name="tmax-fork-parent-end", daemon=True)
+        ending.start()
         self._frozen = _Frozen(layer, state, listener)  # its room kept until it comes back
         try:
-            child = self._episode_on(layer, state, held=True)
-        except BaseException:
-            layer.drop()  # the child's room
-            raise
+            try:
+                lease = self._lease(layer, True)  # takes the child's room
+            except BaseException:
+                layer.drop()  # the child's room, not taken
+                raise
+            # A child that fails from here on ends its episode, and its room with it: the
+            # parent's stays kept.
+            child = self._episode_on(layer, state, lease)
+        finally:
+            ending.join()
         return self._forked(child, state, background, t0, layers=layer.depth)
 
-    def _episode_on(self, layer: FrozenLayer, state: ShellState, held: bool) -> OverlaySandbox:
-        """A new episode of this host on `layer`, started, its shell to take `state`; `held`: in a
-        room the freeze kept."""
-        child = OverlaySandbox(self.host, self.spec, self._lease(layer, held), layer)
+    def _episode_on(self, layer: FrozenLayer, state: ShellState, lease: EpisodeLease) -> OverlaySandbox:
+        """The new episode `lease` of this host on `layer`, started (closed if that fails), its
+        shell to take `state`."""
+        child = OverlaySandbox(self.host, self.spec, lease, layer)
         child._handing_over(state)
         child.start()
         return child
@@ -281,6 +294,8 @@ class OverlaySandbox(ShellSandbox):
         frozen, self._frozen = self._frozen, None
         if frozen is None:
             return
+        if self.host.cgroups:
+            overlay_cgroup.warm_migrations()
         try:
             self.lease, self.layer, self._closed = self._lease(frozen.layer, True), frozen.layer, False
             self._handing_over(frozen.state)

@@ -10,6 +10,7 @@ serves one episode at a time, with the container's own limits (the task's).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -37,6 +38,22 @@ def _groups_of(pid: int) -> dict[str, Path]:
 def _write(path: Path, value: str) -> None:
     with open(path, "w") as f:
         f.write(value)
+
+
+def warm_migrations() -> None:
+    """Take the kernel's lock on cgroup migrations once, in a thread of its own, as an episode
+    begins to be made (this process moved into the pids group it is in: nothing changes).
+    The first migration after a quiet spell waits for an RCU grace period (~10 ms on a
+    shared machine: `cgroup_threadgroup_rwsem`); those that follow within a grace period do
+    not. So the episode's own join (`EpisodeCgroup`) waits through what comes before it (a
+    fork's capture and freeze, its lease) instead of after it."""
+    def take() -> None:
+        try:
+            _write(_groups_of(os.getpid())["pids"] / "cgroup.procs", str(os.getpid()))
+        except (OSError, KeyError):
+            pass  # no pids hierarchy of v1 here: the join waits as it would have
+
+    threading.Thread(target=take, name="tmax-cgroup-warm", daemon=True).start()
 
 
 class EpisodeCgroup:

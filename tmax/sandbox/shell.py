@@ -109,6 +109,9 @@ class PersistentShell:
         # environment (the spawn's, or bwrap's jail's); typed in elsewhere (a `podman exec`,
         # whose environment stays outside the container).
         self.setup_in_env = False
+        # Bash run once the shell is set up (a fork's state put back) and what it printed.
+        self.after_start = ""
+        self.after_start_output: str | None = None
         self.spawn_cwd = spawn_cwd
         self.max_output_chars = max_output_chars
         self.start_timeout = start_timeout
@@ -158,40 +161,49 @@ class PersistentShell:
         self._decoder.reset()
         self._leftover = ""
         self._seq = 0
-        init = f'builtin eval "${INIT_VAR}"' if self.setup_in_env else init_script(self.tag)
-        self._write(init + "\n")
-        out, rc, timed_out, eof = self._collect(None, time.monotonic() + self.start_timeout)
-        if timed_out or eof:
-            detail = clean_output(out)[-2000:]
-            self._kill()
-            raise SandboxError(
-                f"shell {shlex.join(self.argv)} did not start"
-                f" ({'timed out' if timed_out else 'exited'}): {detail}"
-            )
-        setup = (f'builtin eval "${SETUP_VAR}" && builtin unset {SETUP_VAR}' if self.setup_in_env
-                 else setup_script(self.state_file, self.env))
-        res = self._run_raw(setup, time.monotonic() + self.start_timeout)
-        if res[1] != 0 or res[2] or res[3]:
-            self._kill()
-            why = "timed out" if res[2] else "the shell exited" if res[3] else f"exit code {res[1]}"
-            raise SandboxError(f"shell setup failed ({why}): {clean_output(res[0])[-2000:]}")
-        first = clean_output(res[0]).strip().splitlines()
+        first = self._set_up()
         self.inner_pid = int(first[0]) if first and first[0].isdigit() else None
         try:
             # At its prompt the shell owns the terminal: a command runs in another group.
             self._shell_pgrp = os.tcgetpgrp(self._child.child_fd)
         except OSError:
             self._shell_pgrp = None
-        if self.workdir:
-            res = self._run_raw(f"cd -- {shlex.quote(self.workdir)}", time.monotonic() + self.start_timeout)
-            if res[1] != 0:
-                self._kill()
-                raise SandboxError(f"shell could not cd to {self.workdir}: {clean_output(res[0]).strip()}")
         self.start_s = time.monotonic() - t0
+
+    def _set_up(self) -> list[str]:
+        """The init, the setup, the cd and `after_start`, in one line and one answer where they
+        are in the environment (`setup_vars`: each round trip through the pty costs a few
+        milliseconds of a fork's start); else the init typed in, then the rest. The pid."""
+        done, deadline = f"__tmax_{self.tag}_", time.monotonic() + self.start_timeout  # printed after each step
+        cd = f"builtin cd -- {shlex.quote(self.workdir)} && " if self.workdir else ""
+        rest = (f" then builtin printf '\\n%s\\n' {done}setup; if {cd}builtin printf '%s\\n' {done}cd;"
+                f" then builtin eval {shlex.quote(self.after_start)}; fi; fi")
+        if self.setup_in_env:
+            self._write(f'builtin eval "${INIT_VAR}"; builtin printf \'\\n%s\\n\' {done}init;'
+                        f' if builtin eval "${SETUP_VAR}" && builtin unset {SETUP_VAR};{rest}\n')
+            out, rc, timed_out, eof = self._collect(None, deadline)
+        else:
+            self._write(init_script(self.tag) + "\n")
+            out, rc, timed_out, eof = self._collect(None, deadline)
+            if not (timed_out or eof):
+                out, rc, timed_out, eof = self._run_raw(f"builtin printf '\\n%s\\n' {done}init; if {{\n"
+                                                        f"{setup_script(self.state_file, self.env)}\n}};{rest}", deadline)
+        out = clean_output(out).rpartition(f"\n{done}init\n")[2]  # less what bash printed first (a prompt)
+        setup_said, ok, rest_said = out.partition(f"\n{done}setup\n")
+        if timed_out or eof or not ok:
+            self._kill()
+            why = "timed out" if timed_out else "the shell exited" if eof else "its setup failed"
+            raise SandboxError(f"shell {shlex.join(self.argv)} did not start or set up ({why}): {setup_said[-2000:]}")
+        cd_said, ok, after = rest_said.partition(f"{done}cd\n")
+        if not ok:
+            self._kill()
+            raise SandboxError(f"shell could not cd to {self.workdir}: {cd_said.strip()}")
+        self.after_start_output = after if self.after_start else None
+        return setup_said.strip().splitlines()[-1:]  # the pid, echoed last
 
     def setup_vars(self) -> dict[str, str]:
         """The environment that hands bash its setup (`setup_in_env`)."""
-        return {INIT_VAR: init_script(self.tag), SETUP_VAR: setup_script(self.state_file, self.env)}
+        return {INIT_VAR: init_script(self.tag, typed=False), SETUP_VAR: setup_script(self.state_file, self.env)}
 
     def close(self) -> None:
         # The sandbox owning the shell tears down everything inside it; a shell on this very

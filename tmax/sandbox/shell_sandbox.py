@@ -9,7 +9,9 @@ from collections.abc import Callable
 from tmax.sandbox.base import (
     DEFAULT_COMMAND_TIMEOUT_S, BackgroundProcess, CommandResult, Forked, ForkRecord, SandboxCapabilities, SandboxError,
 )
-from tmax.sandbox.fork import ShellState, background_processes, capture_state, handover_vars, restore_state
+from tmax.sandbox.fork import (
+    RESTORE_HANDED_OVER, ShellState, background_processes, capture_state, handover_vars, restore_state,
+)
 from tmax.sandbox.shell import PersistentShell
 
 
@@ -75,11 +77,23 @@ class ShellSandbox:
         """The next start's shell is to take `state` (`_restored` after)."""
         self.handover = handover_vars(state)
 
+    def _after_start(self) -> str:
+        """What the next shell runs once set up, in its start (`PersistentShell.after_start`): the
+        state handed over in its environment taken."""
+        return RESTORE_HANDED_OVER if self.handover else ""
+
     def _restored(self, state: ShellState) -> str:
-        """Put `state` into the shell this sandbox started since `_handing_over`; it prints cwd=."""
-        said = restore_state(self._shell(), state, bool(self.handover))
+        """Put `state` into the shell this sandbox started since `_handing_over` (in its start,
+        where it ran `_after_start`); it prints cwd=."""
+        shell = self._shell()
+        if shell.after_start:
+            if shell.after_start_output is None:
+                raise SandboxError("fork: the new shell did not take the parent's state")
+            said = shell.after_start_output.strip()
+        else:
+            said = restore_state(shell, state, bool(self.handover))
         self.handover = {}
-        self._shell().start_vars = {}  # a restart later takes its own saved state
+        shell.start_vars, shell.after_start, shell.after_start_output = {}, "", None  # a restart takes its own
         return said
 
     def _forked(self, child: ShellSandbox, state: ShellState, background: list[BackgroundProcess], t0: float,

@@ -65,14 +65,16 @@ _OWN_OPTIONS = "history|emacs|vi|monitor|interactive-comments|posix|onecmd|noexe
 INIT_VAR, SETUP_VAR = "__TMAX_INIT", "__TMAX_SETUP"
 
 
-def init_script(tag: str) -> str:
+def init_script(tag: str, typed: bool = True) -> str:
     """The first line a persistent shell runs: readline and history settings, and the prompt
-    carrying the marker of its session (`tag`) that says where each command ends."""
+    carrying the marker of its session (`tag`) that says where each command ends. Echo is
+    turned off where it is `typed` in; a shell that reads it from its environment has a
+    terminal made without echo (`ptyspawn`, the episode helper's), and is spared a process."""
     # The marker is written split across two quoted strings ('__TM''AX_...') so the tty echo of
     # this very line (before `stty -echo` takes effect), when it is typed in, cannot match it.
     return (
-        "stty -echo 2>/dev/null; "
-        "bind 'set enable-bracketed-paste off' 2>/dev/null; "
+        ("stty -echo 2>/dev/null; " if typed else "")
+        + "bind 'set enable-bracketed-paste off' 2>/dev/null; "
         "bind 'set disable-completion on' 2>/dev/null; "  # tabs in commands stay tabs
         "bind 'set convert-meta off' 2>/dev/null; bind 'set input-meta on' 2>/dev/null; "
         "bind 'set output-meta on' 2>/dev/null; "
