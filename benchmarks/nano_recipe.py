@@ -1,10 +1,11 @@
 """The nano recipe end to end: build -> SFT -> held-out eval -> DPPO RL -> held-out eval.
 
 The recipe is `tmax learn nano`'s (`training.entry.recipe`). Prints the held-out pass rate
-after SFT and after RL, the wall time of every stage, and
+after SFT and after RL, the wall and CPU seconds of every stage, and
 the trainer's step time against a bare forward/backward on the same batch (the last RL
 batch, replayed on the final checkpoint). `--json` prints one JSON object with (among
-others) `sft_pass_rate`, `rl_pass_rate`, `minutes_total`, `trainer_overhead_ratio`.
+others) `sft_pass_rate`, `rl_pass_rate`, `minutes_total`, `stage_seconds`, `stage_cpu_seconds`,
+`trainer_overhead_ratio`.
 
     python benchmarks/nano_recipe.py [--out DIR] [--seed N] [--steps N] [--json]
 """
@@ -118,6 +119,7 @@ def main() -> None:
         "gain_points": res.gain_points,
         "minutes_total": res.minutes_total,
         "stage_seconds": res.times,
+        "stage_cpu_seconds": res.cpu_times,  # this process and every process it started
         "trainer_overhead_ratio": overhead.get("trainer_overhead_ratio"),
         "trainer_step_s": overhead.get("trainer_step_s"),
         "bare_fwd_bwd_s": overhead.get("bare_fwd_bwd_s"),
@@ -130,8 +132,9 @@ def main() -> None:
         return
     print(f"held-out pass rate after SFT: {summary['sft_pass_rate']}")
     print(f"held-out pass rate after RL:  {summary['rl_pass_rate']}  ({summary['gain_points']} points)")
+    print(f"  {'stage':<16} {'wall s':>8} {'CPU s':>8}")
     for k, v in res.times.items():
-        print(f"  {k:<16} {v:8.1f}")
+        print(f"  {k:<16} {v:8.1f} {res.cpu_times.get(k, float('nan')):8.1f}")
     if samples:
         print(f"trainer step {summary['trainer_step_s']}s vs bare fwd/bwd {summary['bare_fwd_bwd_s']}s "
               f"(ratio {summary['trainer_overhead_ratio']})")

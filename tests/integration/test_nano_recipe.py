@@ -65,7 +65,13 @@ def test_sft_then_rl_raises_training_reward(shared_ray):
     rows = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, cfg.algo.steps + 1))
     pre = [r["val/avg_group_performance_pre_filter"] for r in rows]
-    print("stage seconds", res.times, "training reward per step", pre)
+    print("stage seconds", res.times, "CPU seconds", res.cpu_times, "training reward per step", pre)
+    # Each stage's CPU seconds beside its wall time: SFT's torch work in this process shows up,
+    # about 1.3 CPU s a step, whatever else the machine runs (CPU seconds are work, not wall).
+    # (RL's is in the actors of the session's Ray cluster, counted only where the cluster is
+    # this process's descendant, as the fixture's is.)
+    assert res.cpu_times.keys() == res.times.keys()
+    assert res.cpu_times["sft_s"] >= 0.3 * res.sft.steps, (res.times, res.cpu_times)
     # SFT left something to learn and RL learned it: not already solved at the start, and
     # the last steps clearly above the first (a third of the run, at least two steps: a
     # single step's batch mean moves by about +-0.1 from sampling alone).

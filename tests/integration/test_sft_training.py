@@ -40,6 +40,10 @@ def test_demos_pass_their_verifier_and_sft_learns(nano):
     losses = json.loads((Path(res.checkpoint) / "sft.json").read_text())["losses"]
     assert res.steps == len(losses) == 12  # ceil(6 / 4) batches x 6 epochs
     assert sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3
+    # Every step ran with a thread count the cores allowed, and sft.json says which.
+    assert sum(res.steps_by_threads.values()) == 12 and all(n >= 1 for n in res.steps_by_threads)
+    assert json.loads((Path(res.checkpoint) / "sft.json").read_text())["steps_by_threads"] == {
+        str(n): k for n, k in res.steps_by_threads.items()}
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     AutoModelForCausalLM.from_pretrained(res.checkpoint)  # a loadable HF checkpoint

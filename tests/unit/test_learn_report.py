@@ -85,7 +85,8 @@ def _recipe(out: Path) -> RecipeResult:
 
     res = RecipeResult(seed=2, sft=SftStage(checkpoint=str(out / "sft")), sft_eval=ev(0.390625), rl_eval=ev(0.859375),
                        times={"build_s": 3.0, "environments_s": 1.5, "sft_s": 164.0, "engine_start_s": 10.0,
-                              "sft_eval_s": 11.0, "rl_s": 150.0, "rl_eval_s": 11.0, "total_s": 354.0})
+                              "sft_eval_s": 11.0, "rl_s": 150.0, "rl_eval_s": 11.0, "total_s": 354.0},
+                       cpu_times={"sft_s": 330.0, "rl_s": 290.0, "total_s": 700.0})
     write_json_atomic(out / "recipe.json", res.model_dump(mode="json"))
     return res
 
@@ -101,8 +102,9 @@ def test_report_of_a_recipe_directory_and_its_json(tmp_path, monkeypatch):
     lines = res.output.splitlines()
     assert lines[0] == "run runs/nano (nano recipe, seed 2)"
     assert lines[1] == "held-out pass rate: before RL 39.1% -> after 85.9% (+46.9 points)"
-    assert lines[2] == ("time: build 3s, environments 2s, SFT 2m 44s, engine start 10s, SFT eval 11s, RL 2m 30s, "
-                        "RL eval 11s; total 5.9 min")
+    # CPU seconds where the record has them (a stage without is shown with its wall time only).
+    assert lines[2] == ("time: build 3s, environments 2s, SFT 2m 44s (CPU 5m 30s), engine start 10s, SFT eval 11s, "
+                        "RL 2m 30s (CPU 4m 50s), RL eval 11s; total 5.9 min, CPU 11.7 min on the run's processes")
     res = CliRunner().invoke(app, ["learn", "report", "runs/nano", "--json"])
     assert res.exit_code == 0, res.output
     rep = RunReport.model_validate_json(res.output)

@@ -66,3 +66,33 @@ def test_a_finished_sft_is_read_back_not_trained_again(tmp_path):
     res = sft_stage(None, "unused", None, tmp_path, logged.append)
     assert (res.skipped, res.checkpoint, res.demos, res.steps, res.final_loss) == (True, str(tmp_path / "sft"), 4, 20, 1.5)
     assert logged == [f"SFT checkpoint exists: {tmp_path / 'sft'}"]
+
+
+BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
+
+
+def test_the_stage_clock_counts_the_cpu_of_the_processes_a_stage_started():
+    """A stage's CPU seconds include a child that worked and exited (reaped) and one still
+    running at the stage's end; a stage that only waited has wall time and next to no CPU."""
+    import subprocess
+    import sys
+    import time
+
+    from tmax.training.recipe import StageClock
+
+    clock = StageClock()
+    with clock.stage("sft_s"):
+        subprocess.run([sys.executable, "-c", BURN.format(s=0.6)], check=True)
+        running = subprocess.Popen([sys.executable, "-c", BURN.format(s=0.6) + "print('done', flush=True)\n"
+                                    "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+        assert running.stdout.readline() == "done\n"  # its 0.6 s of work done, now asleep
+    with clock.stage("rl_s"):
+        time.sleep(0.3)
+    running.kill()
+    running.wait()
+    res = _result()
+    clock.finish(res)
+    assert res.times.keys() == res.cpu_times.keys() == {"sft_s", "rl_s", "total_s"}
+    assert res.cpu_times["sft_s"] >= 1.2, res.cpu_times  # both children's 0.6 s, and their start
+    assert res.cpu_times["rl_s"] < 0.2 and res.times["rl_s"] >= 0.3
+    assert res.cpu_times["total_s"] >= res.cpu_times["sft_s"] and res.times["total_s"] >= res.times["sft_s"] + 0.3

@@ -81,3 +81,24 @@ def test_teacher_demos_keep_their_failures_and_are_seeded(nano):
     assert [r.reward for r in a] == [r.reward for r in b] and [r.ids for r in a] == [r.ids for r in b]
     assert {r.reward for r in a} == {0.0, 1.0}, [r.reward for r in a]  # seed 0 draws both with 6 tasks
     assert all(r.status == "submitted" for r in a)
+
+
+def test_sft_threads_leave_the_cores_other_processes_keep_busy():
+    """`CoreShare` counts what other processes used since its last look: with a process
+    burning a core beside it, at most the other cores are free (the busy one's share never
+    goes to a torch thread that would wait at every barrier); never fewer than one."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tmax.training.learner.sft import CoreShare
+
+    cores = len(os.sched_getaffinity(0))
+    share = CoreShare()
+    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                    "while time.process_time() - t < 1.5: pass\n"], check=True)
+    assert 1 <= share.free_cores() <= max(1, cores - 1)
+    t = time.monotonic()
+    assert 1 <= share.free_cores(min_window_s=0.5) <= cores
+    assert time.monotonic() - t >= 0.5  # a look right after the last waited for a window to measure

@@ -39,10 +39,12 @@ def render(r: RunReport) -> list[str]:
     if r.recipe:
         gain = f" ({r.gain_points:+.1f} points)" if r.gain_points is not None else ""
         lines.append(f"held-out pass rate: before RL {_pct(r.heldout_before)} -> after {_pct(r.heldout_after)}{gain}")
-    stages = [f"{STAGE_NAMES.get(k, k)} {duration(v)}" for k, v in r.stage_seconds.items() if k != "total_s"]
+    stages = [f"{STAGE_NAMES.get(k, k)} {duration(v)}" + (f" (CPU {duration(c)})" if (c := r.stage_cpu_seconds.get(k)) else "")
+              for k, v in r.stage_seconds.items() if k != "total_s"]
     if stages:
-        total = r.stage_seconds.get("total_s")
-        lines.append("time: " + ", ".join(stages) + (f"; total {total / 60:.1f} min" if total is not None else ""))
+        total, cpu = r.stage_seconds.get("total_s"), r.stage_cpu_seconds.get("total_s")
+        lines.append("time: " + ", ".join(stages) + (f"; total {total / 60:.1f} min" if total is not None else "")
+                     + (f", CPU {cpu / 60:.1f} min on the run's processes" if cpu else ""))
     rewards = [x for x in r.rewards if x is not None]
     if r.updates:
         k = max(1, len(rewards) // 4)

@@ -66,6 +66,27 @@ def _end(procs: list[psutil.Process], grace_s: float) -> None:
     psutil.wait_procs(procs, timeout=5)
 
 
+def tree_cpu_seconds(pid: int | None = None) -> float:
+    """CPU seconds (user + system) of process `pid` (this one by default) and every live
+    descendant, each with the children it has reaped: what a run has spent on every core,
+    less sensitive than its wall time to what else the machine runs. A descendant that
+    exits unreaped by a live one takes its share with it (Ray reaps its workers, a rollout
+    worker its sandboxes' processes)."""
+    try:
+        root = psutil.Process(pid or os.getpid())
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:  # ended since it was listed
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
 def parent_death_hook(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
     """A pre-exec hook (Popen's `preexec_fn`) asking Linux to send the child `sig` when its
     parent dies, by SIGKILL too, where no exit handler runs. The kernel ties this to the

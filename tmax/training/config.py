@@ -204,8 +204,10 @@ class SFTConfig(_Strict):
     # they fail, like unfiltered distillation data: SFT learns the map as a distribution RL sharpens.
     teacher_accuracy: Annotated[float, Field(gt=0, le=1, description="How often the demonstrating teacher picks "
                                                                      "the right command (1.0: always; nano tasks only).")] = 1.0
-    # SFT runs before any other stage of the recipe, so it may use every core.
-    torch_threads: Annotated[int | None, Field(description="CPU threads of SFT's torch (unset: every core).")] = None
+    # SFT runs before any other stage of the recipe, so it may use every core; threads that wait
+    # for a core another process holds slow every step (`learner.sft.CoreShare`).
+    torch_threads: Annotated[int | None, Field(description="CPU threads of SFT's torch (unset: the cores other "
+                                                           "processes leave free, looked at every 16 steps).")] = None
 
 
 class EvalConfig(_Strict):

@@ -22,7 +22,6 @@ install plans a cluster job); the others first check that the train extra is ins
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -172,7 +171,7 @@ def recipe(cfg: LearnConfig, out: Path, *, progress: LearnProgress | None = None
     """The whole nano recipe into `out` (`recipe.json`). `stages` can drop "eval" (RL only)
     or "rl" (SFT + eval). One machine: the held-out evals share the RL run's engine."""
     require_extra("train")
-    from tmax.training.recipe import RecipeResult, SftStage, build_stage, prepare_recipe_tasks, sft_stage
+    from tmax.training.recipe import RecipeResult, SftStage, StageClock, build_stage, prepare_recipe_tasks, sft_stage
 
     if cfg.cluster.nodes is not None:
         raise ConfigError("the recipe runs on one machine (its evals share the RL engine); drop --nodes (cluster.nodes)")
@@ -180,22 +179,18 @@ def recipe(cfg: LearnConfig, out: Path, *, progress: LearnProgress | None = None
     progress = progress if progress is not None else StepLines(log)
     _refuse_earlier_recipe(out)
     out.mkdir(parents=True, exist_ok=True)
-    times: dict[str, float] = {}
-    t0 = time.monotonic()
-    model_dir, train_dir, held_dir = build_stage(cfg, out, cfg.algo.seed, log)
-    times["build_s"] = time.monotonic() - t0
-    t = time.monotonic()
-    prepared = prepare_recipe_tasks(cfg, train_dir, held_dir, out, log)
-    times["environments_s"] = time.monotonic() - t
-    t = time.monotonic()
-    sft_res = sft_stage(cfg, model_dir, prepared, out, log) if "sft" in stages else SftStage(checkpoint=model_dir)
-    times["sft_s"] = time.monotonic() - t
+    clock = StageClock()
+    with clock.stage("build_s"):
+        model_dir, train_dir, held_dir = build_stage(cfg, out, cfg.algo.seed, log)
+    with clock.stage("environments_s"):
+        prepared = prepare_recipe_tasks(cfg, train_dir, held_dir, out, log)
+    with clock.stage("sft_s"):
+        sft_res = sft_stage(cfg, model_dir, prepared, out, log) if "sft" in stages else SftStage(checkpoint=model_dir)
     result = RecipeResult(seed=cfg.algo.seed, sft=sft_res)
     with ray_session(cfg, None, log):
         _evaluated_rl(cfg, out, sft_res.checkpoint, held_dir, prepared, stages, progress, log,
-                      result, times)
-    times["total_s"] = time.monotonic() - t0
-    result.times = {k: round(v, 1) for k, v in times.items()}
+                      result, clock)
+    clock.finish(result)
     write_record(LearnRunDir(out).recipe, result)
     return result
 
@@ -216,9 +211,9 @@ def _refuse_earlier_recipe(out: Path) -> None:
 
 def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, held_dir: str, prepared: Any,
                   stages: tuple[str, ...], progress: LearnProgress, log: Log, result: RecipeResult,
-                  times: dict) -> None:
+                  clock: StageClock) -> None:
     """One engine serving `start`: the held-out eval of it, RL on it, the held-out eval of
-    RL's final checkpoint loaded into it. Fills `result` and `times`."""
+    RL's final checkpoint loaded into it. Fills `result` and times each stage on `clock`."""
     from tmax.training.cluster.actors import start_engines, warm_worker_processes
     from tmax.training.harbor_generator import HarborGenerator
     from tmax.training.learner.lora import run_start
@@ -226,32 +221,28 @@ def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, held_dir: str, prepar
     from tmax.training.recipe import RlStage, heldout_eval
     from tmax.training.weights.learner_side import load_checkpoint
 
-    t = time.monotonic()
-    start = run_start(cfg.lora, start, out / "rl", cfg.algo.seed)  # with LoRA: serve and train an adapter
-    warm_worker_processes(2 + cfg.run.rollout_workers)  # for the engine, the learner and the rollout workers
-    engine = start_engines(cfg, start, out / "rl")
+    with clock.stage("engine_start_s"):
+        start = run_start(cfg.lora, start, out / "rl", cfg.algo.seed)  # with LoRA: serve and train an adapter
+        warm_worker_processes(2 + cfg.run.rollout_workers)  # for the engine, the learner and the rollout workers
+        engine = start_engines(cfg, start, out / "rl")
     try:
-        times["engine_start_s"] = time.monotonic() - t
-        log(f"vLLM engine up in {times['engine_start_s']:.0f}s")
+        log(f"vLLM engine up in {clock.wall['engine_start_s']:.0f}s")
         if "eval" in stages:
-            t = time.monotonic()
-            result.sft_eval = heldout_eval(cfg, engine, held_dir, out / "eval", f"sft-s{cfg.algo.seed}", log)
-            times["sft_eval_s"] = time.monotonic() - t
+            with clock.stage("sft_eval_s"):
+                result.sft_eval = heldout_eval(cfg, engine, held_dir, out / "eval", f"sft-s{cfg.algo.seed}", log)
             progress.heldout("SFT", result.sft_eval.pass_rate)
         if "rl" not in stages:
             return
-        t = time.monotonic()
-        run = train(cfg, start, HarborGenerator(cfg, prepared, out / "rl"), out / "rl", progress=progress,
-                    engine_handle=engine, keep_engine=True)
-        times["rl_s"] = time.monotonic() - t
+        with clock.stage("rl_s"):
+            run = train(cfg, start, HarborGenerator(cfg, prepared, out / "rl"), out / "rl", progress=progress,
+                        engine_handle=engine, keep_engine=True)
         result.rl = RlStage(steps=run.steps, checkpoint=run.final_checkpoint, summary=run.summary,
                             curve=run.curve_png)
-        log(f"RL: {run.steps} steps in {times['rl_s']:.0f}s; reward curve {run.curve_png}")
+        log(f"RL: {run.steps} steps in {clock.wall['rl_s']:.0f}s; reward curve {run.curve_png}")
         if "eval" in stages and run.final_checkpoint:
-            t = time.monotonic()
-            load_checkpoint(engine, run.final_checkpoint, run.steps)
-            result.rl_eval = heldout_eval(cfg, engine, held_dir, out / "eval", f"rl-s{cfg.algo.seed}", log)
-            times["rl_eval_s"] = time.monotonic() - t
+            with clock.stage("rl_eval_s"):
+                load_checkpoint(engine, run.final_checkpoint, run.steps)
+                result.rl_eval = heldout_eval(cfg, engine, held_dir, out / "eval", f"rl-s{cfg.algo.seed}", log)
     finally:
         # Also on failure: the engine actor owns a vLLM server that must not outlive the run.
         engine.close()

@@ -24,6 +24,8 @@ tasks/, and SFT when sft/sft.json exists), so each is written whole or not at al
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
@@ -31,6 +33,7 @@ from pydantic import BaseModel, computed_field
 
 from tmax.common.files import write_dir_atomic, write_text_atomic
 from tmax.common.records import SFT_RECORD, LearnRunDir, SftRecord, read_record
+from tmax.common.proctree import tree_cpu_seconds
 from tmax.training.agentic import HeldoutAgentic, heldout_agentic
 from tmax.training.config import LearnConfig
 
@@ -93,7 +96,11 @@ class RecipeResult(BaseModel):
     sft_eval: HeldoutEval | None = None
     rl: RlStage | None = None
     rl_eval: HeldoutEval | None = None
-    times: dict[str, float] = {}
+    times: dict[str, float] = {}  # stage ("sft_s", ...) -> wall seconds
+    # stage -> CPU seconds of this process and every process it started (Ray, vLLM, the
+    # sandboxes): above the wall time when both cores worked, and less moved by other load.
+    # A Ray cluster another process started (joined through RAY_ADDRESS) is not among them.
+    cpu_times: dict[str, float] = {}
 
     @computed_field
     @property
@@ -117,6 +124,33 @@ class RecipeResult(BaseModel):
     @property
     def minutes_total(self) -> float | None:
         return round(self.times["total_s"] / 60, 2) if "total_s" in self.times else None
+
+
+class StageClock:
+    """Wall and CPU seconds (`common.proctree.tree_cpu_seconds`) of each stage of a recipe,
+    under the keys of `RecipeResult.times` and `RecipeResult.cpu_times`."""
+
+    def __init__(self) -> None:
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        self._start = (time.monotonic(), tree_cpu_seconds())
+
+    @contextmanager
+    def stage(self, key: str) -> Iterator[None]:
+        """Times the block as stage `key` ("sft_s"), also when it raises."""
+        wall, cpu = time.monotonic(), tree_cpu_seconds()
+        try:
+            yield
+        finally:
+            self.wall[key] = time.monotonic() - wall
+            self.cpu[key] = tree_cpu_seconds() - cpu
+
+    def finish(self, result: RecipeResult) -> None:
+        """The stages' times and the total (`total_s`) into `result`, rounded to 0.1 s."""
+        self.wall["total_s"] = time.monotonic() - self._start[0]
+        self.cpu["total_s"] = tree_cpu_seconds() - self._start[1]
+        result.times = {k: round(v, 1) for k, v in self.wall.items()}
+        result.cpu_times = {k: round(v, 1) for k, v in self.cpu.items()}
 
 
 def _built(dest: Path, make: Callable[[Path], T]) -> T:

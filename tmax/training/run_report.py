@@ -43,6 +43,7 @@ class RunReport(BaseModel):
     heldout_before: float | None = None  # pass rate of the checkpoint RL started from
     heldout_after: float | None = None  # pass rate of RL's final checkpoint
     stage_seconds: dict[str, float] = {}  # stage -> seconds, in the order the stages ran
+    stage_cpu_seconds: dict[str, float] = {}  # stage -> CPU seconds of the run's processes (a recipe's)
     steps: int = 0  # the run's last logged step
     updates: int = 0  # steps trained, rolled-back ones included
     episodes: int = 0
@@ -80,6 +81,7 @@ class RunReport(BaseModel):
             res = RecipeResult.model_validate_json(recipe_file.read_text())
             report.seed, report.heldout_before, report.heldout_after = res.seed, res.sft_pass_rate, res.rl_pass_rate
             report.stage_seconds = {k: res.times[k] for k in (*STAGES, "total_s") if k in res.times}
+            report.stage_cpu_seconds = {k: res.cpu_times[k] for k in report.stage_seconds if k in res.cpu_times}
         return report
 
 

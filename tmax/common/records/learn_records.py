@@ -64,6 +64,7 @@ class SftRecord(Record):
     steps: int
     demos: int
     losses: list[float] = []
+    steps_by_threads: dict[int, int] = {}  # torch threads -> steps run with them (`learner.sft.CoreShare`)
 
 
 class WeightsManifest(Record):
