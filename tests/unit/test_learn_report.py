@@ -68,7 +68,7 @@ def test_report_of_a_learn_run(tmp_path):
     # 350 episodes in the loop's 50 s; 5 x 500 sampled tokens in 50 s; 5 x 8000 learner tokens in 5 x 2 s.
     t = rep.throughput
     assert (t.episodes_per_min, t.sampled_tokens_per_s, t.learner_tokens_per_s) == (420.0, 50.0, 4000.0)
-    assert (rep.guard.rollbacks, rep.guard.steps_lost) == (1, 2) and rep.guard.events[0]["to_step"] == 1
+    assert (rep.guard.rollbacks, rep.guard.steps_lost) == (1, 2) and rep.guard.events[0].to_step == 1
     text = "\n".join(render(rep))
     assert "held-out" not in text  # no held-out eval in a plain run
     assert "time: actors 12s, RL 50s" in text

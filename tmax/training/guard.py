@@ -55,6 +55,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
+from tmax.common.records import GuardEvent, GuardEventKind
+
 Direction = Literal["up", "down", "both"]
 Role = Literal["outcome", "policy"]
 Status = Literal["warming", "healthy", "alarm", "collapse", "infra"]
@@ -215,9 +217,8 @@ def replay(rows: list[Mapping[str, Any]], cfg: DetectorConfig | None = None) -> 
     d, out = Detector(cfg or DetectorConfig()), []
     for i, r in enumerate(rows):
         out.append(d.judge(int(r.get("step", i + 1)), r, stall=STALL in r))
-        event = r.get(EVENT)
-        if isinstance(event, dict) and event.get("kind") == "rollback":
-            d.rewind(int(event["to_step"]))
+        if EVENT in r and (event := GuardEvent.model_validate(r[EVENT])).kind == GuardEventKind.ROLLBACK:
+            d.rewind(int(event.to_step or 0))
     return out
 
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol
 
 from pydantic import BaseModel
 
-from tmax.common.records import GuardSummary
+from tmax.common.records import GuardEvent, GuardEventKind, GuardSummary
 
 # The few metrics worth a console line, in display order, with short labels.
 CONSOLE_KEYS = (
@@ -243,10 +243,10 @@ def reward_curve(metrics_path: Path, out_png: Path) -> str | None:
         if any(isinstance(y, (int, float)) for y in ys):
             ax.plot(xs, [y if isinstance(y, (int, float)) else float("nan") for y in ys], marker=".", label=label)
     events = _event_positions(logged)
-    for n, (x, ev) in enumerate((x, e) for x, e in events if e["kind"] == "rollback"):
+    for n, (x, ev) in enumerate((x, e) for x, e in events if e.kind == GuardEventKind.ROLLBACK):
         ax.axvline(x + 0.5, color="red", linestyle="--", alpha=0.8, label="guard rollback" if n == 0 else None)
-        ax.text(x + 0.6, 0.97, f"back to step {ev['to_step']}", color="red", fontsize=7, va="top", rotation=90)
-        ax.axvspan(x - ev["steps_lost"] + 0.5, x + 0.5, color="red", alpha=0.06)
+        ax.text(x + 0.6, 0.97, f"back to step {ev.to_step}", color="red", fontsize=7, va="top", rotation=90)
+        ax.axvspan(x - ev.steps_lost + 0.5, x + 0.5, color="red", alpha=0.06)
     ax.set_xlabel("logged step (rolled-back steps included)" if events else "training step")
     ax.set_ylabel("mean reward")
     ax.set_ylim(-0.02, 1.02)
@@ -259,28 +259,28 @@ def reward_curve(metrics_path: Path, out_png: Path) -> str | None:
     return str(out_png)
 
 
-def _event_positions(logged: list[dict]) -> list[tuple[int, dict]]:
+def _event_positions(logged: list[dict]) -> list[tuple[int, GuardEvent]]:
     """(x, event) of each guard event: x = the steps plotted up to its row (a stall's row
     is not plotted: its event sits after the last step before it)."""
     out, x = [], 0
     for r in logged:
         x += "guard/stall" not in r
-        if isinstance(r.get("guard/event"), dict):
-            out.append((x, r["guard/event"]))
+        if "guard/event" in r:
+            out.append((x, GuardEvent.model_validate(r["guard/event"])))
     return out
 
 
-def guard_events(rows: list[dict]) -> list[dict]:
+def guard_events(rows: list[dict]) -> list[GuardEvent]:
     """The collapse guard's events (rollbacks, a stop) recorded in metrics rows, in order."""
-    return [r["guard/event"] for r in rows if isinstance(r.get("guard/event"), dict)]
+    return [GuardEvent.model_validate(r["guard/event"]) for r in rows if "guard/event" in r]
 
 
 def guard_summary(rows: list[dict]) -> GuardSummary:
     events = guard_events(rows)
-    rollbacks = [e for e in events if e["kind"] == "rollback"]
-    stop = next((e for e in events if e["kind"] == "stop"), None)
-    return GuardSummary(rollbacks=len(rollbacks), steps_lost=sum(e["steps_lost"] for e in rollbacks),
-                        stopped=stop is not None, stop_reason=stop["reason"] if stop else None, events=events)
+    rollbacks = [e for e in events if e.kind == GuardEventKind.ROLLBACK]
+    stop = next((e for e in events if e.kind == GuardEventKind.STOP), None)
+    return GuardSummary(rollbacks=len(rollbacks), steps_lost=sum(e.steps_lost for e in rollbacks),
+                        stopped=stop is not None, stop_reason=stop.reason if stop else None, events=events)
 
 
 def guard_report(g: GuardSummary) -> list[str]:
@@ -291,17 +291,16 @@ def guard_report(g: GuardSummary) -> list[str]:
              + (f"; stopped: {g.stop_reason}" if g.stopped else "")]
     for e in g.events:
         lines.append(f"  {describe_event(e)}")
-        lines += [f"      {a['signal']} {a['value']} (baseline {a['baseline']}, limit +-{a['threshold']})"
-                  for a in (e["alarms"] if "alarms" in e else [])]
+        lines += [f"      {a.signal} {a.value} (baseline {a.baseline}, limit +-{a.threshold})" for a in e.alarms]
     return lines
 
 
-def describe_event(e: dict) -> str:
-    if e["kind"] == "rollback":
-        return (f"step {e['step']}: collapse ({', '.join(a['signal'] for a in e['alarms'])}) -> back to step "
-                f"{e['to_step']}, {e['remedy']}" + (f" (LR x{e['lr_scale']:g})" if e["remedy"] == "lower_lr" else "")
-                + (f" (group size {e['group_size']})" if e["remedy"] == "raise_group_size" else ""))
-    return f"step {e['step']}: stopped: {e['reason']}"
+def describe_event(e: GuardEvent) -> str:
+    if e.kind == GuardEventKind.ROLLBACK:
+        return (f"step {e.step}: collapse ({', '.join(a.signal for a in e.alarms)}) -> back to step "
+                f"{e.to_step}, {e.remedy}" + (f" (LR x{e.lr_scale:g})" if e.remedy == "lower_lr" else "")
+                + (f" (group size {e.group_size})" if e.remedy == "raise_group_size" else ""))
+    return f"step {e.step}: stopped: {e.reason}"
 
 
 def run_summary(metrics_path: Path, setup_s: float, run_s: float) -> dict[str, Any]:

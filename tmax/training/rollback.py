@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tmax.common.records import GuardState, HealthMark
+from tmax.common.records import AlarmRecord, GuardEvent, GuardEventKind, GuardState, HealthMark
 from tmax.training.algo.batching import BatchAccumulator
 from tmax.training.guard import EVENT, STALL, Detector, Verdict
 from tmax.training.learner import checkpoint as ckpt
@@ -133,9 +133,10 @@ class RunGuard:
     def _act(self, t: Any, v: Verdict, metrics: dict[str, Any], steps_lost: int) -> None:
         """Back to the newest healthy checkpoint; a remedy and on, or a stop."""
         target = ckpt.latest_checkpoint(t.run_dir, healthy_only=True)
+        alarms = [AlarmRecord(**a.as_dict()) for a in v.alarms]
         if target is None:  # the guard was switched on in the middle of a run
             self.stopped = "a collapse was detected and no checkpoint is marked healthy"
-            event = {"kind": "stop", "step": v.step, "to_step": None, "reason": self.stopped}
+            event = GuardEvent(kind=GuardEventKind.STOP, step=v.step, reason=self.stopped, alarms=alarms)
         else:
             to_step = _step_of(target)
             for p in ckpt.list_checkpoints(t.run_dir):
@@ -144,17 +145,17 @@ class RunGuard:
             if self.rollbacks >= self.cfg.max_rollbacks:
                 self.stopped = (f"a collapse after {self.rollbacks} rollbacks (guard.max_rollbacks); the run "
                                 f"stays at step {to_step}, its last healthy checkpoint")
-                event = {"kind": "stop", "step": v.step, "to_step": to_step, "reason": self.stopped}
+                event = GuardEvent(kind=GuardEventKind.STOP, step=v.step, to_step=to_step, reason=self.stopped,
+                                   alarms=alarms)
             else:
                 self.rollbacks += 1
                 self._remedy(t)
-                event = {"kind": "rollback", "step": v.step, "to_step": to_step, "steps_lost": steps_lost,
-                         "remedy": self.cfg.remedy, "lr_scale": self.lr_scale, "group_size": self.group_size,
-                         "rollback": self.rollbacks}
+                event = GuardEvent(kind=GuardEventKind.ROLLBACK, step=v.step, to_step=to_step, steps_lost=steps_lost,
+                                   remedy=self.cfg.remedy, lr_scale=self.lr_scale, group_size=self.group_size,
+                                   rollback=self.rollbacks, alarms=alarms)
             self._restore(t, str(target), to_step)
-        event["alarms"] = [a.as_dict() for a in v.alarms]
-        metrics[EVENT] = event
-        metrics["guard/rollback"] = 1.0 if event["kind"] == "rollback" else 0.0
+        metrics[EVENT] = event.model_dump(mode="json")
+        metrics["guard/rollback"] = 1.0 if event.kind == GuardEventKind.ROLLBACK else 0.0
         t.bar.note(f"guard: {describe_event(event)}: " + "; ".join(a.describe() for a in v.alarms))
 
     def _remedy(self, t: Any) -> None:

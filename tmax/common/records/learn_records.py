@@ -3,7 +3,7 @@ SFT's result, an engine's weights manifest and its workers' replies."""
 
 from __future__ import annotations
 
-from typing import Any
+from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -30,15 +30,46 @@ class CheckpointExtra(Record):
     sft_demos: int | None = None
 
 
+class GuardEventKind(StrEnum):
+    ROLLBACK = "rollback"
+    STOP = "stop"
+
+
+class AlarmRecord(Record):
+    """One signal that moved past its limit (`training.guard.Alarm`, as logged)."""
+
+    signal: str
+    value: float
+    baseline: float
+    threshold: float  # the change that was needed
+    role: str = ""
+
+
+class GuardEvent(Record):
+    """What the collapse guard did at a step, logged in that step's metrics row
+    (`guard/event`): went back to `to_step` with a remedy, or stopped the run."""
+
+    kind: GuardEventKind
+    step: int
+    to_step: int | None = None  # None: a stop with no healthy checkpoint to stay on
+    reason: str | None = None  # a stop's
+    steps_lost: int = 0
+    remedy: str | None = None  # a rollback's: lower_lr | raise_group_size | skip_batch
+    lr_scale: float | None = None
+    group_size: int | None = None
+    rollback: int | None = None  # the rollback's number in the run
+    alarms: list[AlarmRecord] = []
+
+
 class GuardSummary(Record):
     """The collapse guard's rollbacks and stop over a run (summary.json's `guard`), from the
-    events it logged in metrics.jsonl (`guard/event`, kept as logged)."""
+    events it logged in metrics.jsonl (`guard/event`)."""
 
     rollbacks: int = 0
     steps_lost: int = 0
     stopped: bool = False
     stop_reason: str | None = None
-    events: list[dict[str, Any]] = []
+    events: list[GuardEvent] = []
 
 
 class CheckpointMeta(Record):
