@@ -53,7 +53,9 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from tmax.common.records import GuardEvent, GuardEventKind
 
@@ -102,7 +104,7 @@ FINITE_KEYS = ("loss/policy_avg", "optim/grad_norm")
 
 @dataclass(frozen=True)
 class DetectorConfig:
-    """The rule's knobs (`training.config.GuardConfig` carries them in a run config)."""
+    """The rule's knobs (`GuardConfig` carries them in a run config)."""
 
     window: int = 8
     min_history: int = 1
@@ -111,6 +113,55 @@ class DetectorConfig:
     patience: int = 2
     max_infra_rate: float = 0.25
     min_episodes: int = 8
+
+
+class GuardConfig(BaseModel):
+    """The collapse guard (`training.guard` detects, `training.rollback` acts): on a
+    detected collapse the step is dropped, the run goes back to its last checkpoint marked
+    healthy, `remedy` is applied and training continues; after `max_rollbacks` it stops.
+    The `[guard]` section of a run config (`training.config.LearnConfig`)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    enabled: Annotated[bool, Field(description="Watch the run for a collapse and roll back when one is "
+                                               "detected.")] = False
+    # The detector's rule (see training/guard.py): rolling median / MAD over `window`
+    # healthy steps, alarm beyond max(mad_k * 1.4826 * MAD, the signal's floor).
+    window: Annotated[int, Field(ge=1, description="Healthy steps the detector's median and spread are taken "
+                                                   "over.")] = 8
+    min_history: Annotated[int, Field(ge=1, description="Healthy steps seen before the detector judges any.")] = 1
+    mad_k: Annotated[float, Field(gt=0, description="How many (scaled) median absolute deviations from the median "
+                                                    "raise an alarm; larger: fewer alarms.")] = 4.0
+    min_policy_alarms: Annotated[int, Field(ge=1, description="Policy signals (entropy, identical samples, ...) "
+                                                              "that must alarm beside an outcome signal (reward, ...) "
+                                                              "before a step meets the rule.")] = 1
+    # A stall or a non-finite update is a collapse at once. Two: a healthy run's one-step
+    # dips recover at the next step.
+    patience: Annotated[int, Field(ge=1, description="Steps in a row that meet the rule before it is a "
+                                                     "collapse.")] = 2
+    max_infra_rate: Annotated[float, Field(ge=0, le=1, description="Share of episodes failing for the "
+                                                                   "infrastructure above which a step is in alarm.")] = 0.25
+    min_episodes: Annotated[int, Field(ge=1, description="Episodes finished since the last step below which the "
+                                                         "rollout signals are not judged.")] = 8
+    # A collapsed policy fails every episode, so no batch ever fills.
+    stall_groups: Annotated[int, Field(ge=1, description="Zero-variance groups in a row after which the episodes "
+                                                         "sampled since the last step are judged.")] = 16
+    # By `async_steps` + 1 every episode sampled from it has been judged.
+    confirm_steps: Annotated[int | None, Field(ge=1, description="Steps without an alarm after a checkpoint "
+                                                                 "before it counts as healthy (unset: async_steps + 1).")] = None
+    remedy: Annotated[Literal["lower_lr", "raise_group_size", "skip_batch"], Field(
+        description="What changes after a rollback: lower the learning rate, raise the group size, or only skip "
+                    "the batch.")] = "lower_lr"
+    lr_factor: Annotated[float, Field(gt=0, lt=1, description="lower_lr: the learning rate is multiplied by this "
+                                                              "per rollback.")] = 0.5
+    group_factor: Annotated[int, Field(ge=2, description="raise_group_size: the group size is multiplied by this "
+                                                         "per rollback.")] = 2
+    max_rollbacks: Annotated[int, Field(ge=1, description="Rollbacks after which the run stops.")] = 3
+
+    def detector(self) -> DetectorConfig:
+        return DetectorConfig(window=self.window, min_history=self.min_history, mad_k=self.mad_k,
+                              min_policy_alarms=self.min_policy_alarms, patience=self.patience,
+                              max_infra_rate=self.max_infra_rate, min_episodes=self.min_episodes)
 
 
 @dataclass(frozen=True)
