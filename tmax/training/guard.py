@@ -57,7 +57,7 @@ from typing import Annotated, Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tmax.common.records import GuardEvent, GuardEventKind
+from tmax.common.records import GuardEvent, GuardEventKind, metric
 
 Direction = Literal["up", "down", "both"]
 Role = Literal["outcome", "policy"]
@@ -211,11 +211,11 @@ class Detector:
         row (the episodes gathered while no batch filled) is not a training step: it never
         joins the baseline, and meeting the rule there needs no confirmation, since the
         groups in a row without reward variance that led to it already are persistence."""
-        infra = _number(row.get(INFRA_RATE)) or 0.0
+        infra = metric(row, INFRA_RATE) or 0.0
         if infra > self.cfg.max_infra_rate:
             return Verdict(step, "infra", infra_rate=infra)
-        values = {s.name: v for s in self.signals if (v := _number(row.get(s.key))) is not None}
-        if (_number(row.get(EPISODES)) or 0.0) < self.cfg.min_episodes:
+        values = {s.name: v for s in self.signals if (v := metric(row, s.key)) is not None}
+        if (metric(row, EPISODES) or 0.0) < self.cfg.min_episodes:
             # Rates over a handful of episodes are noise: judge the learner's signals only.
             values = {k: v for k, v in values.items() if not self._rollout_side(k)}
         if len(self.history) < self.cfg.min_history:
@@ -267,14 +267,11 @@ def replay(rows: list[Mapping[str, Any]], cfg: DetectorConfig | None = None) -> 
     what came after the step the run went back to, as that run's detector did."""
     d, out = Detector(cfg or DetectorConfig()), []
     for i, r in enumerate(rows):
-        out.append(d.judge(int(r.get("step", i + 1)), r, stall=STALL in r))
+        step = metric(r, "step")
+        out.append(d.judge(int(step) if step is not None else i + 1, r, stall=STALL in r))
         if EVENT in r and (event := GuardEvent.model_validate(r[EVENT])).kind == GuardEventKind.ROLLBACK:
             d.rewind(int(event.to_step or 0))
     return out
-
-
-def _number(v: Any) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
 
 
 def _is_finite(v: Any) -> bool:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol
 
 from pydantic import BaseModel
 
-from tmax.common.records import GuardEvent, GuardEventKind, GuardSummary
+from tmax.common.records import GuardEvent, GuardEventKind, GuardSummary, metric, metric_values
 
 # The few metrics worth a console line, in display order, with short labels.
 CONSOLE_KEYS = (
@@ -138,9 +138,8 @@ class StepFigures(BaseModel):
 
     @classmethod
     def of(cls, step: int, metrics: dict[str, Any]) -> StepFigures:
-        reward = metrics.get("train/reward_all_rollouts")
-        return cls(step=step, reward=reward if isinstance(reward, (int, float)) else None,
-                   episodes=int(metrics.get("episode") or 0), figures=summary(metrics))
+        return cls(step=step, reward=metric(metrics, "train/reward_all_rollouts"),
+                   episodes=int(metric(metrics, "episode") or 0), figures=summary(metrics))
 
 
 class LearnProgress(Protocol):
@@ -239,9 +238,9 @@ def reward_curve(metrics_path: Path, out_png: Path) -> str | None:
     for key, label in (("train/reward_all_rollouts", "all rollouts"),
                        ("val/avg_group_performance_pre_filter", "groups, pre-filter"),
                        ("val/avg_group_performance_post_filter", "groups, post-filter")):
-        ys = [r.get(key) for r in rows]
-        if any(isinstance(y, (int, float)) for y in ys):
-            ax.plot(xs, [y if isinstance(y, (int, float)) else float("nan") for y in ys], marker=".", label=label)
+        ys = [metric(r, key) for r in rows]
+        if any(y is not None for y in ys):
+            ax.plot(xs, [y if y is not None else float("nan") for y in ys], marker=".", label=label)
     events = _event_positions(logged)
     for n, (x, ev) in enumerate((x, e) for x, e in events if e.kind == GuardEventKind.ROLLBACK):
         ax.axvline(x + 0.5, color="red", linestyle="--", alpha=0.8, label="guard rollback" if n == 0 else None)
@@ -308,7 +307,7 @@ def run_summary(metrics_path: Path, setup_s: float, run_s: float) -> dict[str, A
     rows = [r for r in logged if "guard/stall" not in r]  # judged stalls are not steps
 
     def avg(key: str, part: list[dict]) -> float | None:
-        vals = [r[key] for r in part if isinstance(r.get(key), (int, float))]
+        vals = metric_values(part, key)
         return round(sum(vals) / len(vals), 4) if vals else None
 
     k = max(1, len(rows) // 4)
@@ -326,7 +325,7 @@ def run_summary(metrics_path: Path, setup_s: float, run_s: float) -> dict[str, A
         "logprob_diff_max_mean": avg("debug/vllm_vs_local_logprob_diff_max", rows),
         "train_step_s_mean": avg("time/training", rows),
         "weight_sync_s_mean": avg("time/weight_sync", rows),
-        "episodes": rows[-1].get("episode") if rows else 0,
+        "episodes": int(metric(rows[-1], "episode") or 0) if rows else 0,
         # The agentic side (`training.agentic`): turns per episode, per solved one, ended on the step budget.
         "turns_first_quarter": avg("agentic/turns", first),
         "turns_last_quarter": avg("agentic/turns", last),

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from tmax.common.errors import ConfigError
-from tmax.common.records import GuardSummary, LearnRunDir
+from tmax.common.records import GuardSummary, LearnRunDir, metric, metric_values
 from tmax.training.report import guard_summary, read_metrics
 
 # A recipe's stages in the order they run (`training.entry.recipe`'s `times` keys).
@@ -85,21 +85,17 @@ class RunReport(BaseModel):
         return report
 
 
-def _numbers(rows: list[dict], key: str) -> list[float]:
-    return [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-
-
 def _rl_figures(logged: list[dict]) -> dict[str, Any]:
     """Steps, episodes, the reward path, throughput and guard events of metrics rows."""
     rows = [r for r in logged if "guard/stall" not in r]  # a judged stall is not a step
     if not rows:
         return {"guard": guard_summary(logged)}
     last = rows[-1]
-    wall = last.get("time/total")
-    episodes = int(last.get("episode") or 0)
-    sampled, train_s = _numbers(rows, "perf/sampled_tokens"), sum(_numbers(rows, "time/training"))
-    learner_tokens = sum(_numbers(rows, "learner/tokens"))
-    rewards = [r.get("train/reward_all_rollouts") for r in rows]
+    wall = metric(last, "time/total")
+    episodes = int(metric(last, "episode") or 0)
+    sampled, train_s = metric_values(rows, "perf/sampled_tokens"), sum(metric_values(rows, "time/training"))
+    learner_tokens = sum(metric_values(rows, "learner/tokens"))
+    rewards = [metric(r, "train/reward_all_rollouts") for r in rows]
     return {
         "steps": int(last["step"]), "updates": len(rows), "episodes": episodes,
         "rewards": [round(x, 4) if isinstance(x, (int, float)) else None for x in rewards],

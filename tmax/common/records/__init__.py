@@ -36,7 +36,7 @@ from tmax.common.records.session_records import (  # noqa: F401
     EpisodeOutcome, AgentMeta, StepTiming, TimingRecords, SegmentRecord, UsageRecord, InstructionSource, RunRecord, Rating,
 )
 from tmax.common.records.learn_records import (  # noqa: F401
-    GuardState, CheckpointExtra, AlarmRecord, GuardEvent, GuardEventKind, GuardSummary, CheckpointMeta, HealthRecord, SftRecord, WeightsManifest, WorkerReply,
+    metric, metric_values, GuardState, CheckpointExtra, AlarmRecord, GuardEvent, GuardEventKind, GuardSummary, CheckpointMeta, HealthRecord, SftRecord, WeightsManifest, WorkerReply,
 )
 from tmax.common.records.corpus_records import (  # noqa: F401
     JobItemResult, GenerationStatus, CorpusIdentity, GenerationIdentity, GeneratedEnvironment, GateRound, Rejection,

@@ -3,7 +3,10 @@ SFT's result, an engine's weights manifest and its workers' replies."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Mapping
 from enum import StrEnum
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -28,6 +31,18 @@ class CheckpointExtra(Record):
     guard: GuardState = GuardState()
     sft_steps: int | None = None
     sft_demos: int | None = None
+
+
+def metric(row: Mapping[str, Any], key: str) -> float | None:
+    """One metric of a metrics row (a line of metrics.jsonl: metric name -> value, an open
+    table), or None where the step logged none or no finite number (a NaN loss)."""
+    v = row.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def metric_values(rows: Iterable[Mapping[str, Any]], key: str) -> list[float]:
+    """`key`'s value in each row that logged one, in order."""
+    return [v for r in rows if (v := metric(r, key)) is not None]
 
 
 class GuardEventKind(StrEnum):

@@ -34,7 +34,7 @@ import torch
 from tmax.common.errors import ConfigError
 from tmax.common.files import trim_jsonl
 from tmax.common.records import (CHECKPOINT_META, HEALTH, CheckpointExtra, CheckpointMeta, HealthMark, HealthRecord,
-                                 LearnRunDir, RecordError, read_optional, read_record, write_record)
+                                 LearnRunDir, RecordError, metric, read_optional, read_record, write_record)
 
 # Files a tokenizer / chat template may live in; whatever of these the source has is copied.
 TOKENIZER_FILES = (
@@ -316,6 +316,6 @@ def resume_point(run_dir: str | Path) -> tuple[int, CheckpointExtra, str]:
     meta = checkpoint_meta(latest)
     files = LearnRunDir(run_dir)
     # A killed run's cut last lines and steps past the checkpoint (trained again) leave the record.
-    trim_jsonl(files.metrics, lambda row: int(row.get("step", 0)) <= meta.step)  # a metrics row, not a record
+    trim_jsonl(files.metrics, lambda row: int(metric(row, "step") or 0) <= meta.step)
     trim_jsonl(files.rollouts)
     return meta.step, meta.extra, str(latest)
