@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol
 
 from pydantic import BaseModel
 
-from tmax.common.records import GuardEvent, GuardEventKind, GuardSummary, metric, metric_values
+from tmax.common.records import GuardEvent, GuardEventKind, GuardSummary, LearnRunDir, metric, metric_values
 
 # The few metrics worth a console line, in display order, with short labels.
 CONSOLE_KEYS = (
@@ -56,11 +56,11 @@ class MetricsSink:
         project: str = "tmax",
         run_name: str | None = None,
         config: dict | None = None,
-        filename: str = "metrics.jsonl",
+        filename: str | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.run_dir / filename
+        self.path = self.run_dir / filename if filename else LearnRunDir(self.run_dir).metrics
         self._file = self.path.open("a", encoding="utf-8")
         self._wandb = None
         self._tb = None

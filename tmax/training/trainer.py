@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tmax.common.files import append_line_atomic, write_json_atomic, write_text_atomic
-from tmax.common.records import CheckpointExtra
+from tmax.common.records import CheckpointExtra, LearnRunDir
 from tmax.training.agentic import agentic_metrics, of_rollout
 from tmax.training.algo.batching import BatchAccumulator, BatchConfig, Group
 from tmax.training.cluster.actors import Actors, EngineGroup, start_actors
@@ -150,7 +150,8 @@ class Trainer:
                                 run_name=run_dir.name, config=cfg.model_dump())
         self.bar = progress or StepLines()
         self.bar.begin(a.steps, start_step)
-        self.rollouts_path = run_dir / "rollouts.jsonl"
+        self.files = LearnRunDir(run_dir)
+        self.rollouts_path = self.files.rollouts
         self.max_useless = max(200, 25 * a.prompts_per_step)
         # Group ids stay unique across resumes.
         self.state = LoopState(step=start_step, version=start_step, next_group=start_step * 100_000)
@@ -405,13 +406,13 @@ class Trainer:
     def result(self, setup_s: float) -> RunResult:
         """Reward curve and summary.json of the finished run."""
         final = ckpt.latest_checkpoint(self.run_dir)
-        metrics = self.run_dir / "metrics.jsonl"
-        png = reward_curve(metrics, self.run_dir / "reward_curve.png")
+        metrics = self.files.metrics
+        png = reward_curve(metrics, self.files.reward_curve)
         summ = run_summary(metrics, setup_s, time.monotonic() - self.state.clock.run_start)
         infra = self.state.infra
         summ.update({**self.generator.summary(), "env/infra_errors": infra.total,
                      "infra_errors_by_kind": dict(infra.by_kind)})
-        write_json_atomic(self.run_dir / "summary.json", summ)
+        write_json_atomic(self.files.summary, summ)
         return RunResult(str(self.run_dir), self.state.step, str(final) if final else None, str(metrics),
                          str(self.rollouts_path), png, summ)
 
