@@ -144,14 +144,15 @@ def try_pull(image: str, timeout: float = 60) -> str | None:
     try:
         with podman_service.client(timeout=timeout) as client:
             client.images.pull(image)
-        ok = True
     except (APIError, OSError):  # not found, refused, or no answer within `timeout` (requests' errors are OSErrors)
-        ok = False
-    if not ok:
+        pass
+    # The pull's answer is a stream: a failed pull (an unknown registry offline) can come back
+    # without raising, so only the image being here counts.
+    workdir = present_workdir(image)
+    if workdir is None:
         with _pull_lock:
             _pull_failed.add(image)
-        return None
-    return image_workdir(image)
+    return workdir
 
 
 def image_tag(task: Task, cfg: RewriteConfig) -> tuple[str, RewrittenDockerfile, dict[str, str | None]]:
