@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import click
 import typer
 from typer.core import TyperGroup
 
 from tmax.cli import __version__
 from tmax.cli.missing_extra import exit_if_extra_missing
 from tmax.common.errors import RenamedSettingWarning
+
+if TYPE_CHECKING:  # annotations only: the light install's typer brings its own click, not the package
+    import click
 
 # command -> the module under tmax.cli that defines it (with `register(app)`)
 COMMANDS = {"run": "run_cmd", "show": "show_cmd", "serve": "serve_cmd", "sandbox": "sandbox_cmd",
