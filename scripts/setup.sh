@@ -20,6 +20,30 @@ fi
 echo "== podman configuration"
 bash .ci/podman-setup.sh
 
+# Harbor (PyPI `harbor`, Python >= 3.12) in its own small venv: tests load tmax job directories
+# and ATIF trajectories with Harbor's own models. Skipped where no Python 3.12+ exists. It
+# installs in the background while the main venv and the base image are made (all three wait
+# on downloads more than on the CPU); its log is printed if it fails.
+HARBOR_VERSION=0.26.0
+harbor_pid=""
+if [ ! -x .venv-harbor/bin/python ] || ! .venv-harbor/bin/python -c "import harbor" 2>/dev/null; then
+  py312=""
+  for cand in python3.13 python3.12 "$(command -v pyenv >/dev/null && pyenv root)"/versions/3.1[2-9]*/bin/python3; do
+    if [ -x "$(command -v "$cand" 2>/dev/null || echo "$cand")" ] && "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+      py312="$cand"; break
+    fi
+  done
+  if [ -n "$py312" ]; then
+    echo "== Harbor $HARBOR_VERSION venv in .venv-harbor ($py312), in the background"
+    mkdir -p runs
+    ( "$py312" -m venv .venv-harbor && .venv-harbor/bin/pip install -q "harbor==$HARBOR_VERSION" ) \
+      > runs/harbor-setup.log 2>&1 &
+    harbor_pid=$!
+  else
+    echo "== no Python >= 3.12: skipping the Harbor venv (its tests will skip)"
+  fi
+fi
+
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm, torch, ray, tmax.cli" 2>/dev/null; then
   echo "== Python venv in $VENV"
   python3 -m venv "$VENV"
@@ -46,25 +70,14 @@ fi
 "$VENV/bin/python" -c "import inotify_simple" 2>/dev/null || "$VENV/bin/pip" install -q "inotify-simple>=1.3"
 "$VENV/bin/python" -c "import peft" 2>/dev/null || "$VENV/bin/pip" install -q "peft>=0.21,<0.22"
 
-# Harbor (PyPI `harbor`, Python >= 3.12) in its own small venv: tests load tmax job directories
-# and ATIF trajectories with Harbor's own models. Skipped where no Python 3.12+ exists.
-HARBOR_VERSION=0.26.0
-if [ ! -x .venv-harbor/bin/python ] || ! .venv-harbor/bin/python -c "import harbor" 2>/dev/null; then
-  py312=""
-  for cand in python3.13 python3.12 "$(command -v pyenv >/dev/null && pyenv root)"/versions/3.1[2-9]*/bin/python3; do
-    if [ -x "$(command -v "$cand" 2>/dev/null || echo "$cand")" ] && "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
-      py312="$cand"; break
-    fi
-  done
-  if [ -n "$py312" ]; then
-    echo "== Harbor $HARBOR_VERSION venv in .venv-harbor ($py312)"
-    "$py312" -m venv .venv-harbor
-    .venv-harbor/bin/pip install -q "harbor==$HARBOR_VERSION"
-  else
-    echo "== no Python >= 3.12: skipping the Harbor venv (its tests will skip)"
-  fi
-fi
-
 echo "== base image"
 "$VENV/bin/tmax" sandbox build-base
+if [ -n "$harbor_pid" ]; then
+  if ! wait "$harbor_pid"; then
+    echo "== the Harbor venv failed:" >&2
+    cat runs/harbor-setup.log >&2
+    exit 1
+  fi
+  echo "== Harbor venv ready"
+fi
 echo "== setup done"
