@@ -80,19 +80,50 @@ def test_the_stage_clock_counts_the_cpu_of_the_processes_a_stage_started():
 
     from tmax.training.recipe import StageClock
 
-    clock = StageClock()
-    with clock.stage("sft_s"):
-        subprocess.run([sys.executable, "-c", BURN.format(s=0.6)], check=True)
-        running = subprocess.Popen([sys.executable, "-c", BURN.format(s=0.6) + "print('done', flush=True)\n"
-                                    "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
-        assert running.stdout.readline() == "done\n"  # its 0.6 s of work done, now asleep
-    with clock.stage("rl_s"):
-        time.sleep(0.3)
-    running.kill()
-    running.wait()
-    res = _result()
-    clock.finish(res)
+    with StageClock() as clock:
+        with clock.stage("sft_s"):
+            subprocess.run([sys.executable, "-c", BURN.format(s=0.6)], check=True)
+            running = subprocess.Popen([sys.executable, "-c", BURN.format(s=0.6) + "print('done', flush=True)\n"
+                                        "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+            assert running.stdout.readline() == "done\n"  # its 0.6 s of work done, now asleep
+        with clock.stage("rl_s"):
+            time.sleep(0.3)
+        running.kill()
+        running.wait()
+        res = _result()
+        clock.finish(res)
     assert res.times.keys() == res.cpu_times.keys() == {"sft_s", "rl_s", "total_s"}
     assert res.cpu_times["sft_s"] >= 1.2, res.cpu_times  # both children's 0.6 s, and their start
     assert res.cpu_times["rl_s"] < 0.2 and res.times["rl_s"] >= 0.3
     assert res.cpu_times["total_s"] >= res.cpu_times["sft_s"] and res.times["total_s"] >= res.times["sft_s"] + 0.3
+
+
+def test_a_stage_where_a_worker_ends_unreaped_by_the_tree_keeps_its_cpu():
+    """A grandchild that worked, then lost its parent (SIGKILLed: the grandchild is
+    re-parented outside the tree) and ended: nobody in the tree reaps it. Its CPU, seen
+    while it lived, stays counted, so no stage comes out negative (the learner and the
+    engines end that way inside the recipe's RL stage)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tmax.common.proctree import TreeCpu
+
+    spawner = ("import subprocess, sys, time\n"
+               f"g = subprocess.Popen([sys.executable, '-c', {BURN.format(s=0.6) + 'time.sleep(1.5)'!r}])\n"
+               "print(g.pid, flush=True)\ntime.sleep(60)\n")
+    tree = TreeCpu(interval_s=0.1)
+    try:
+        before = tree.read()
+        child = subprocess.Popen([sys.executable, "-c", spawner], stdout=subprocess.PIPE, text=True)
+        grandchild = int(child.stdout.readline())
+        time.sleep(1.0)  # the grandchild's 0.6 s of work done and sampled
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        while Path(f"/proc/{grandchild}").exists():  # it sleeps out its 1.5 s and exits, reaped by init
+            time.sleep(0.1)
+        after = tree.read()
+    finally:
+        tree.close()
+    assert after - before >= 0.5, (before, after)

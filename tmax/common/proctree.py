@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 
 import psutil
@@ -66,25 +67,60 @@ def _end(procs: list[psutil.Process], grace_s: float) -> None:
     psutil.wait_procs(procs, timeout=5)
 
 
-def tree_cpu_seconds(pid: int | None = None) -> float:
-    """CPU seconds (user + system) of process `pid` (this one by default) and every live
-    descendant, each with the children it has reaped: what a run has spent on every core,
-    less sensitive than its wall time to what else the machine runs. A descendant that
-    exits unreaped by a live one takes its share with it (Ray reaps its workers, a rollout
-    worker its sandboxes' processes)."""
-    try:
-        root = psutil.Process(pid or os.getpid())
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    total = 0.0
-    for p in procs:
+class TreeCpu:
+    """CPU seconds (user + system) spent so far by process `pid` (this one by default) and
+    every descendant, each with the children it has reaped: what a run has spent on every
+    core, less sensitive than its wall time to what else the machine runs.
+
+    A descendant that exits unreaped by the tree (killed after its parent died, or
+    re-parented outside it) would take its share with it, and a total that is read as a
+    difference would fall: the learner or an engine ending mid-stage made a stage's CPU
+    negative. So a thread samples the tree every `interval_s`, and a process gone since its
+    last sample keeps what it had spent then, unless its parent is still in the tree (the
+    parent reaped it: its share is in the parent's children times). It does not fall, unless
+    a parent in the tree lets the kernel reap its children unrecorded (SIGCHLD ignored)."""
+
+    def __init__(self, pid: int | None = None, interval_s: float = 1.0) -> None:
+        self._pid = pid or os.getpid()
+        self._interval_s = interval_s
+        self._lock = threading.Lock()
+        self._live: dict[tuple[int, float], tuple[int, float]] = {}  # (pid, start) -> (ppid, CPU s)
+        self._departed = 0.0
+        self._stop = threading.Event()
+        self.read()
+        self._thread = threading.Thread(target=self._sample_until_closed, name="tree-cpu", daemon=True)
+        self._thread.start()
+
+    def read(self) -> float:
+        """The tree's CPU seconds now (a fresh sample)."""
+        seen: dict[tuple[int, float], tuple[int, float]] = {}
         try:
-            t = p.cpu_times()
-        except psutil.Error:  # ended since it was listed
-            continue
-        total += t.user + t.system + t.children_user + t.children_system
-    return total
+            root = psutil.Process(self._pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            procs = []
+        for p in procs:
+            try:
+                with p.oneshot():
+                    t = p.cpu_times()
+                    seen[(p.pid, p.create_time())] = (p.ppid(), t.user + t.system + t.children_user + t.children_system)
+            except psutil.Error:  # ended since it was listed
+                continue
+        live_pids = {pid for pid, _ in seen}
+        with self._lock:
+            for key, (ppid, cpu) in self._live.items():
+                if key not in seen and ppid not in live_pids:
+                    self._departed += cpu
+            self._live = seen
+            return self._departed + sum(cpu for _, cpu in seen.values())
+
+    def _sample_until_closed(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self.read()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 def parent_death_hook(sig: int = signal.SIGTERM) -> Callable[[], None] | None:

@@ -179,18 +179,18 @@ def recipe(cfg: LearnConfig, out: Path, *, progress: LearnProgress | None = None
     progress = progress if progress is not None else StepLines(log)
     _refuse_earlier_recipe(out)
     out.mkdir(parents=True, exist_ok=True)
-    clock = StageClock()
-    with clock.stage("build_s"):
-        model_dir, train_dir, held_dir = build_stage(cfg, out, cfg.algo.seed, log)
-    with clock.stage("environments_s"):
-        prepared = prepare_recipe_tasks(cfg, train_dir, held_dir, out, log)
-    with clock.stage("sft_s"):
-        sft_res = sft_stage(cfg, model_dir, prepared, out, log) if "sft" in stages else SftStage(checkpoint=model_dir)
-    result = RecipeResult(seed=cfg.algo.seed, sft=sft_res)
-    with ray_session(cfg, None, log):
-        _evaluated_rl(cfg, out, sft_res.checkpoint, held_dir, prepared, stages, progress, log,
-                      result, clock)
-    clock.finish(result)
+    with StageClock() as clock:
+        with clock.stage("build_s"):
+            model_dir, train_dir, held_dir = build_stage(cfg, out, cfg.algo.seed, log)
+        with clock.stage("environments_s"):
+            prepared = prepare_recipe_tasks(cfg, train_dir, held_dir, out, log)
+        with clock.stage("sft_s"):
+            sft_res = sft_stage(cfg, model_dir, prepared, out, log) if "sft" in stages else SftStage(checkpoint=model_dir)
+        result = RecipeResult(seed=cfg.algo.seed, sft=sft_res)
+        with ray_session(cfg, None, log):
+            _evaluated_rl(cfg, out, sft_res.checkpoint, held_dir, prepared, stages, progress, log,
+                          result, clock)
+        clock.finish(result)
     write_record(LearnRunDir(out).recipe, result)
     return result
 

@@ -33,7 +33,7 @@ from pydantic import BaseModel, computed_field
 
 from tmax.common.files import write_dir_atomic, write_text_atomic
 from tmax.common.records import SFT_RECORD, LearnRunDir, SftRecord, read_record
-from tmax.common.proctree import tree_cpu_seconds
+from tmax.common.proctree import TreeCpu
 from tmax.training.agentic import HeldoutAgentic, heldout_agentic
 from tmax.training.config import LearnConfig
 
@@ -127,28 +127,36 @@ class RecipeResult(BaseModel):
 
 
 class StageClock:
-    """Wall and CPU seconds (`common.proctree.tree_cpu_seconds`) of each stage of a recipe,
-    under the keys of `RecipeResult.times` and `RecipeResult.cpu_times`."""
+    """Wall and CPU seconds (`common.proctree.TreeCpu`) of each stage of a recipe, under the
+    keys of `RecipeResult.times` and `RecipeResult.cpu_times`. A context manager: its CPU
+    sampling thread ends with the block."""
 
     def __init__(self) -> None:
         self.wall: dict[str, float] = {}
         self.cpu: dict[str, float] = {}
-        self._start = (time.monotonic(), tree_cpu_seconds())
+        self._tree = TreeCpu()
+        self._start = (time.monotonic(), self._tree.read())
+
+    def __enter__(self) -> "StageClock":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._tree.close()
 
     @contextmanager
     def stage(self, key: str) -> Iterator[None]:
         """Times the block as stage `key` ("sft_s"), also when it raises."""
-        wall, cpu = time.monotonic(), tree_cpu_seconds()
+        wall, cpu = time.monotonic(), self._tree.read()
         try:
             yield
         finally:
             self.wall[key] = time.monotonic() - wall
-            self.cpu[key] = tree_cpu_seconds() - cpu
+            self.cpu[key] = self._tree.read() - cpu
 
     def finish(self, result: RecipeResult) -> None:
         """The stages' times and the total (`total_s`) into `result`, rounded to 0.1 s."""
         self.wall["total_s"] = time.monotonic() - self._start[0]
-        self.cpu["total_s"] = tree_cpu_seconds() - self._start[1]
+        self.cpu["total_s"] = self._tree.read() - self._start[1]
         result.times = {k: round(v, 1) for k, v in self.wall.items()}
         result.cpu_times = {k: round(v, 1) for k, v in self.cpu.items()}
 
