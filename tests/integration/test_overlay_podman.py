@@ -395,3 +395,19 @@ def test_nothing_is_left_once_the_pool_closes(nano):
         time.sleep(0.5)
     assert containers() == ""  # the host ended at the pool's close, and podman removed it
     assert not list(root.glob("*/h-*"))  # its state directory too
+
+
+def test_a_state_root_past_the_socket_path_limit_serves_episodes(nano):
+    """A socket path holds 108 bytes: hosts under a deep $HOME or $TMPDIR (here 150
+    characters and more) are reached all the same (`overlay_proto.connect_unix`)."""
+    deep = nano[5] / ("d" * 60) / ("e" * 60)
+    label = {TEST_LABEL: uuid.uuid4().hex[:12]}
+    p = OverlayPool(1, host_labels=label, root=deep / "hosts", close_in_background=False)
+    try:
+        sb = _episode(p, nano[4])
+        assert len(str(sb.lease.sock_path)) > 108
+        assert _out(sb, "echo deep").strip() == "deep"
+        p.release(sb)
+    finally:
+        p.close(in_use=True)
+        _remove_labelled(label)

@@ -46,7 +46,7 @@ from tmax.sandbox.base import Forked, Sandbox, SandboxCapabilities, SandboxError
 from tmax.sandbox.overlay import OVERLAY_LABEL, HostInfo, OverlayHost, OverlaySandbox, cgroups_possible
 from tmax.sandbox.overlay_build import HelperUnavailable, helper_binary
 from tmax.sandbox.overlay_files import FilesLayerError
-from tmax.sandbox.overlay_proto import EpisodeLease, EpisodeSetupError, HostBusy, HostGone, quit_host
+from tmax.sandbox.overlay_proto import EpisodeLease, EpisodeSetupError, HostBusy, HostGone, connect_unix, quit_host
 from tmax.sandbox.pool import SpecFactory, WarmPool
 
 log = logging.getLogger(__name__)
@@ -406,7 +406,7 @@ def helper_answers(state_dir: Path) -> bool:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(5)
         try:
-            s.connect(str(state_dir / "ctl.sock"))
+            connect_unix(s, state_dir / "ctl.sock")
         except (FileNotFoundError, ConnectionRefusedError):
             return False
         except OSError:

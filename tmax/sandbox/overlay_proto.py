@@ -45,6 +45,25 @@ class HostGone(SandboxError):
     """No helper answers in that state directory: the host ended (idle, killed) or never started."""
 
 
+# sockaddr_un holds 108 bytes: a state directory deep in a long $HOME or $TMPDIR would not fit.
+_SUN_PATH_MAX = 107
+
+
+def connect_unix(sock: socket.socket, path: str | Path) -> None:
+    """`sock.connect(path)` for a socket path of any length: a long one is reached through
+    its directory's /proc/self/fd entry (a short path to the same directory)."""
+    path = str(path)
+    if len(os.fsencode(path)) <= _SUN_PATH_MAX:
+        sock.connect(path)
+        return
+    parent, name = os.path.split(path)
+    dir_fd = os.open(parent or ".", os.O_PATH | os.O_DIRECTORY)
+    try:
+        sock.connect(f"/proc/self/fd/{dir_fd}/{name}")
+    finally:
+        os.close(dir_fd)
+
+
 def _recv_line(sock: socket.socket, fds: list[int] | None = None) -> tuple[str, bytes]:
     """One reply line and what came after it; fds sent with it are appended to `fds`."""
     data = b""
@@ -81,7 +100,7 @@ class EpisodeLease:
         self.sock.settimeout(CONNECT_TIMEOUT_S)
         fds: list[int] = []
         try:
-            self.sock.connect(str(self.state_dir / "ctl.sock"))
+            connect_unix(self.sock, self.state_dir / "ctl.sock")
             how = f" {layer}{' held' if held else ''}" if layer else ""
             self.sock.sendall(f"EPISODE {episode_id} {'own' if own_net else 'shared'}{how}\n".encode())
             reply, _ = _recv_line(self.sock, fds)
@@ -107,7 +126,7 @@ class EpisodeLease:
         """The host pid of the episode's pid 1 (the listener of its socket)."""
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
             probe.settimeout(CONNECT_TIMEOUT_S)
-            probe.connect(self.sock_path)
+            connect_unix(probe, self.sock_path)
             pid, _uid, _gid = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                                     struct.calcsize("3i")))
         return pid
@@ -159,7 +178,7 @@ def freeze(state_dir: Path, episode_id: str, episodes: int) -> FrozenLayer:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(CONNECT_TIMEOUT_S)
     try:
-        sock.connect(str(Path(state_dir) / "ctl.sock"))
+        connect_unix(sock, Path(state_dir) / "ctl.sock")
         sock.sendall(f"FREEZE {episode_id} {episodes}\n".encode())
         reply = _recv_line(sock)[0]
     except (FileNotFoundError, ConnectionRefusedError) as e:
@@ -183,7 +202,7 @@ def quit_host(state_dir: Path) -> bool:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(CONNECT_TIMEOUT_S)
         try:
-            sock.connect(str(Path(state_dir) / "ctl.sock"))
+            connect_unix(sock, Path(state_dir) / "ctl.sock")
             sock.sendall(b"QUIT\n")
             return _recv_line(sock)[0] in ("BYE", "")
         except (FileNotFoundError, ConnectionRefusedError):
@@ -209,7 +228,7 @@ class Process:
         self.conn.settimeout(CONNECT_TIMEOUT_S)
         got: list[int] = []
         try:
-            self.conn.connect(sock_path)
+            connect_unix(self.conn, sock_path)
             rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
             self.conn.sendmsg([struct.pack("I", len(payload))], rights)
             self.conn.sendall(payload)
