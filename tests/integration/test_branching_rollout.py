@@ -1,0 +1,131 @@
+"""Branching episodes (`training.branching.run_tree`) through the real loop: real sandboxes
+forked at a branch point, the real verifier on each branch, a real tokenizer.
+
+The sampler is scripted per branch (by the seed each branch samples with), so what each
+branch does is known: the trunk plays the oracle's first turns, then one branch finishes the
+oracle (it can only solve if the fork carried the trunk's files and shell state) and its
+sibling submits at once (reward 0)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import pytest
+
+from token_spans import spans as _spans
+
+from tmax.agents.policy import SampledTokens
+from tmax.training.config import preset
+from tmax.training.demos import scripted_turns
+from tmax.training.rollout import EpisodeRequest, EpisodeSettings, InfraError
+
+
+@pytest.fixture(scope="module")
+def long_tasks(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from tmax.training.nano.model import build_tokenizer
+    from tmax.training.nano.tasks import write_splits
+
+    root = tmp_path_factory.mktemp("nano-long")
+    build_tokenizer(0, family="long").save_pretrained(root / "tok")
+    splits = write_splits(root / "tasks", 8, 4, seed=0, family="long")
+    return AutoTokenizer.from_pretrained(root / "tok"), splits
+
+
+class BranchScript:
+    """A TokenSampler: the trunk (the request's seed) plays `trunk`; each new seed (a branch)
+    takes the next of `branches` as its script, in the order the branches first sample."""
+
+    def __init__(self, root_seed: int, trunk: list[list[int]], branches: list[list[list[int]]]):
+        self.scripts = {root_seed: list(trunk)}
+        self.waiting = [list(b) for b in branches]
+        self.taken: dict[int, int] = {}  # seed -> which of `branches`
+        self.contexts: dict[int, list[list[int]]] = {}
+        self.lock = threading.Lock()
+
+    def sample(self, prompt_ids, max_tokens, temperature, top_p, seed=None) -> SampledTokens:
+        with self.lock:
+            if seed not in self.scripts:
+                self.taken[seed] = len(self.taken)
+                self.scripts[seed] = self.waiting.pop(0)
+            self.contexts.setdefault(seed, []).append(list(prompt_ids))
+            ids = self.scripts[seed].pop(0)
+        return SampledTokens(ids, [-0.1] * len(ids), "stop", 3)
+
+
+def _settings(kind: str, **branching) -> EpisodeSettings:
+    cfg = preset("nano-long")
+    cfg.rollout.sandbox = kind
+    cfg.rollout.branching = cfg.rollout.branching.model_copy(update={"enabled": True, **branching})
+    return EpisodeSettings.of(cfg.rollout)
+
+
+def _chain(splits):
+    from tmax.training.nano.tasks import nano_meta
+
+    return max((d for d in splits["train"]), key=lambda d: nano_meta(d)["depth"])
+
+
+@pytest.mark.parametrize("kind", ["local", pytest.param("bwrap", marks=pytest.mark.bwrap)])
+def test_a_forked_episode_continues_each_branch_from_the_same_state_and_tokens(long_tasks, kind):
+    if kind == "bwrap" and shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap not installed")
+    from tmax.training.branching import run_tree
+    from tmax.training.nano.tasks import oracle_steps
+
+    tok, splits = long_tasks
+    task = _chain(splits)
+    oracle = scripted_turns(tok, oracle_steps(task))
+    assert len(oracle) >= 4
+    quit_now = scripted_turns(tok, [oracle_steps(task)[-1]])  # the submit, nothing written
+    sampler = BranchScript(11, oracle[:2], [oracle[2:], quit_now])
+    settings = _settings(kind, at_turns=[2], branches=2)
+    out = run_tree(EpisodeRequest(str(task), 5, 1, 11), sampler, tok, settings, settings.branching, start_version=3)
+
+    leaves = out.leaves
+    assert not out.branch_failures and len(leaves) == 2
+    assert [r.branch_path for r in leaves] == [[0], [1]] and all(r.branch_turns == [2] for r in leaves)
+    by_script = {sampler.taken[seed]: r for seed, r in zip(sorted(sampler.taken), leaves)}
+    rewards = sorted(r.reward for r in leaves)
+    assert rewards == [0.0, 1.0], [(r.status, r.reward, r.error) for r in leaves]
+    solved = next(r for r in leaves if r.reward == 1.0)
+    quit_ = next(r for r in leaves if r.reward == 0.0)
+    # The solving branch ran the rest of the oracle after the fork, on the trunk's state.
+    assert solved.steps == len(oracle) and quit_.steps == 3 and solved.status == quit_.status == "submitted"
+    # Token-in/token-out: both branches' ids are the trunk's up to the fork, exactly, and the
+    # first sample of each branch saw the same context (the trunk's, plus turn 2's output).
+    at = solved.branch_at[0]
+    assert at == quit_.branch_at[0] and solved.trace.prompt_ids == quit_.trace.prompt_ids
+    assert solved.trace.ids[:at] == quit_.trace.ids[:at]
+    sampled = [solved.trace.ids[s:e] for v, s, e in _spans(solved.trace.mask) if v == 1]
+    assert sampled == oracle
+    first = [sampler.contexts[seed][0] for seed in sampler.taken]
+    assert first[0] == first[1] and first[0][: len(solved.trace.prompt_ids) + at] == solved.trace.context[: len(solved.trace.prompt_ids) + at]
+    assert all(r.turn_outcomes[:2] == ["ok", "ok"] for r in leaves) and all(r.fork_s[0] > 0 for r in leaves)
+    assert all(r.group_id == 5 and r.sample_index == 1 and r.policy_version == 3 for r in leaves)
+    assert len(by_script) == 2
+
+
+def test_a_branch_whose_sandbox_dies_is_labelled_and_left_out(long_tasks):
+    """One branch removes its working directory and kills its shell, which then cannot restart:
+    that branch is a labelled failure, its sibling a leaf; when every branch dies so the
+    episode is an infrastructure error."""
+    from tmax.training.branching import run_tree
+    from tmax.training.nano.tasks import oracle_steps
+
+    tok, splits = long_tasks
+    task = _chain(splits)
+    oracle = scripted_turns(tok, oracle_steps(task))
+    die = scripted_turns(tok, [("THOUGHT: end it.", 'd=$(pwd); cd /; rm -rf "$d"; kill -9 $$')])
+    settings = _settings("local", at_turns=[1], branches=2)
+    sampler = BranchScript(4, oracle[:1], [oracle[1:], die + die + die])
+    out = run_tree(EpisodeRequest(str(task), 0, 0, 4), sampler, tok, settings, settings.branching)
+    assert len(out.leaves) == 1 and out.leaves[0].reward == 1.0
+    assert [(f.kind, f.branch_path in ([0], [1])) for f in out.branch_failures] == [("sandbox_died", True)]
+
+    sampler = BranchScript(4, oracle[:1], [die * 3, die * 3])
+    with pytest.raises(InfraError, match="every branch failed") as e:
+        run_tree(EpisodeRequest(str(task), 0, 0, 4), sampler, tok, settings, settings.branching)
+    assert e.value.kind == "sandbox_died"
