@@ -141,6 +141,7 @@ class Agent:
         self.compactor = Compactor(self.config, self.counter)
         self.context = SessionContext()  # the task, the follow-ups and the compactions
         self._compact_request: str | None = None  # a focus ("" for none): compact at the next step
+        self._format_errors_before = 0  # format errors in a row a continued conversation ended on
 
     # ---- public API -------------------------------------------------------------------
 
@@ -188,6 +189,10 @@ class Agent:
         self.usage, self.steps = replace(other.usage), other.steps
         self.context, self._last_context_tokens = copy.deepcopy(other.context), other._last_context_tokens
         self.counter.forget()
+        turns = [t for t in self.timing if "step" in t]
+        while turns and turns[-1].get("format_error"):  # still in a row: they count toward the limit
+            turns.pop()
+            self._format_errors_before += 1
 
     # ---- compaction (agents.compaction) -----------------------------------------------
 
@@ -281,7 +286,7 @@ class Agent:
     def _steps(self) -> _Outcome:
         cfg = self.config
         episode_steps = 0
-        format_errors = 0
+        format_errors, self._format_errors_before = self._format_errors_before, 0
         started = time.monotonic()
         retried = False  # this turn was already retried after an overflow
         while True:
