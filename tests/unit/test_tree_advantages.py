@@ -119,3 +119,22 @@ def test_a_leaf_whose_segments_do_not_match_its_forks_is_refused():
     group = Group("t", [1.0], [leaf], 0, [(0, 0)])
     with pytest.raises(ValueError, match="2 segments"):
         batch_samples([group], [[[0.5]]])
+
+
+def test_branching_settings_that_cannot_run_are_refused():
+    from pydantic import ValidationError
+
+    from tmax.training.config import BranchingConfig, LearnConfig, preset
+
+    base = preset("nano-long").model_dump()
+    ok = LearnConfig.model_validate({**base, "rollout": {**base["rollout"],
+                                                         "branching": {"enabled": True, "at_turns": [2, 4]}}})
+    assert ok.rollout.branching.leaves == 4 and BranchingConfig().leaves == 1
+    for branching, why in (({"at_turns": [3, 2]}, "increasing"), ({"at_turns": [0]}, "increasing"),
+                           ({"branches": 1}, "greater than or equal to 2"),
+                           ({"enabled": True, "at_turns": [10]}, "below rollout.max_steps")):
+        with pytest.raises(ValidationError, match=why):
+            LearnConfig.model_validate({**base, "rollout": {**base["rollout"], "branching": branching}})
+    with pytest.raises(ValidationError, match="compaction = false"):
+        LearnConfig.model_validate({**base, "rollout": {**base["rollout"], "compaction": True,
+                                                        "branching": {"enabled": True}}})
