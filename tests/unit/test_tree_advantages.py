@@ -109,6 +109,22 @@ def test_a_branching_group_becomes_samples_with_per_segment_advantages_and_one_p
     assert [r.trains_from_turn for r in rows] == [1, 2, 1]
 
 
+def test_what_a_tree_spent_counts_each_shared_stretch_once():
+    from tmax.training.branch_records import Spend
+
+    leaves = [_leaf(0, [0], 1.0, [10, 11], [20, 21, 22], [2], [1]),
+              _leaf(0, [1], 0.0, [10, 11], [30, 31], [2], [1]),
+              _leaf(1, [], 0.0, [], [40, 41, 42], [], [])]
+    for r, commands, fork in zip(leaves, ([1.0, 2.0, 3.0], [1.0, 5.0, 7.0], [4.0, 4.0, 4.0]), ([0.5], [0.25], [])):
+        r.command_s, r.fork_s = commands, fork
+        r.timings = {"sandbox_start_s": 10.0, "verifier_s": 0.1}
+    spend = Spend.of(leaves)
+    assert (spend.episodes, spend.leaves, spend.sampled_tokens) == (2, 3, 5 + 2 + 3)
+    # Root 0: its start, its 3 commands, fork .5, a verifier; its sibling: commands after turn 1,
+    # its fork, a verifier; root 1: its start, its commands, a verifier.
+    assert spend.sandbox_s == pytest.approx((10 + 6 + 0.5 + 0.1) + (12 + 0.25 + 0.1) + (10 + 12 + 0.1))
+
+
 def test_turn_advantages_follow_the_forks():
     assert turn_advantages([0.1, 0.2, 0.3], [2, 4], 6) == [0.1, 0.1, 0.2, 0.2, 0.3, 0.3]
     assert turn_advantages([0.5], [], 3) == [0.5] * 3

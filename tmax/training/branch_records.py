@@ -52,15 +52,45 @@ def advantage_records(batch: Any) -> list[str]:
     return rows
 
 
+class Spend(BaseModel):
+    """What episodes cost, each shared stretch counted once (the first leaf under a fork owns it,
+    `first_owner_depth`): tokens sampled, and sandbox seconds (starts, forks, the commands, the
+    verifier: the wall time sandboxes worked, not CPU time)."""
+
+    episodes: int = 0  # requests that came back (a branching one is one, whatever its leaves)
+    leaves: int = 0
+    sampled_tokens: int = 0
+    sandbox_s: float = 0.0
+
+    @classmethod
+    def of(cls, rollouts: list[Any]) -> Spend:
+        trees: dict[tuple[int, int], list[Any]] = {}
+        for r in rollouts:
+            trees.setdefault((r.group_id, r.sample_index), []).append(r)
+        out = cls(episodes=len(trees), leaves=len(rollouts))
+        for leaves in trees.values():
+            owners = first_owner_depth([(0, *r.branch_path) for r in leaves])
+            for r, owner in zip(leaves, owners):
+                start = [0, *r.branch_at][owner]
+                out.sampled_tokens += sum(t.num_sampled for t in r.segments) + sum(r.trace.mask[start:])
+                turns_before = [0, *r.branch_turns][owner]
+                commands_before = sum(1 for o in r.turn_outcomes[:turns_before] if o not in ("format", "rejected"))
+                t = r.timings
+                out.sandbox_s += (sum(r.command_s[commands_before:]) + sum(r.fork_s[max(owner - 1, 0):])
+                                  + t.get("verifier_s", 0.0) + (t.get("sandbox_start_s", 0.0) if owner == 0 else 0.0))
+        return out
+
+
 def branch_metrics(batch: Any, since: list[Any]) -> dict[str, float]:
     """Branching figures of a step: leaves per episode, forks and their seconds (every episode
     finished since the last step), and the mean |advantage| of the batch's segments by depth."""
     forked = [r for r in since if r.branch_path]
     if not forked:
         return {}
-    episodes = {(r.group_id, r.sample_index) for r in since}
+    spend = Spend.of(since)
     fork_s = [s for r in forked for s in r.fork_s]
-    out = {"branch/leaves_per_episode": len(since) / max(1, len(episodes)),
+    out = {"branch/leaves_per_episode": spend.leaves / max(1, spend.episodes),
+           "branch/sampled_tokens": float(spend.sampled_tokens), "branch/sandbox_s": spend.sandbox_s,
            "branch/fork_s_mean": sum(fork_s) / max(1, len(fork_s)),
            "branch/prefix_tokens_mean": sum(r.branch_at[-1] for r in forked) / len(forked)}
     by_depth: dict[int, list[float]] = {}
