@@ -9,7 +9,10 @@ sibling submits at once (reward 0)."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -129,3 +132,51 @@ def test_a_branch_whose_sandbox_dies_is_labelled_and_left_out(long_tasks):
     with pytest.raises(InfraError, match="every branch failed") as e:
         run_tree(EpisodeRequest(str(task), 0, 0, 4), sampler, tok, settings, settings.branching)
     assert e.value.kind == "sandbox_died"
+
+
+@pytest.mark.podman
+def test_branches_of_a_podman_overlay_episode_run_in_forks_of_its_overlay(long_tasks, base_image, tmp_path):
+    """The same tree on podman: the episode an overlay of a shared container, each branch an
+    overlay forked from it in the same container, each scored by its own verifier; nothing of
+    the run's containers is left."""
+    import uuid
+
+    from tmax.sandbox.cleanup import remove_labelled
+    from tmax.sandbox.overlay_pool import OverlayPool
+    from tmax.training.branching import run_tree
+    from tmax.training.nano.tasks import oracle_steps
+    from tmax.training.rollout import prepare_tasks
+
+    tok, splits = long_tasks
+    task = _chain(splits)
+    oracle = scripted_turns(tok, oracle_steps(task))
+    quit_now = scripted_turns(tok, [oracle_steps(task)[-1]])
+    settings = _settings("podman", at_turns=[2], branches=2)
+    image = prepare_tasks(settings.env, [str(task)], log=lambda m: None).images[str(task)]
+    label = {"io.tmax.test": uuid.uuid4().hex[:12]}
+    hosts = Path(tempfile.mkdtemp(prefix="tb-"))  # short: the episodes' sockets live under it
+
+    def tree(slots: int):
+        with OverlayPool(slots, host_labels=label, root=hosts, close_in_background=False) as pool:
+            sampler = BranchScript(11, oracle[:2], [oracle[2:], quit_now])
+            done = run_tree(EpisodeRequest(str(task), 0, 0, 11), sampler, tok, settings, settings.branching,
+                            image=image, pool=pool)
+        # Every fork's sandbox was closed, and the pool's container with it: nothing left.
+        assert subprocess.run(["podman", "ps", "-aq", "--filter", f"label=io.tmax.test={label['io.tmax.test']}"],
+                              capture_output=True, text=True).stdout.split() == []
+        return done
+
+    try:
+        out = tree(settings.branching.sandboxes_at_once)  # the room a rollout worker gives each episode
+        # A host with room for the parent and one child: the second fork fails, labelled, and
+        # the branch that exists goes on.
+        short = tree(2)
+    finally:
+        remove_labelled(label)
+        shutil.rmtree(hosts, ignore_errors=True)
+    assert not out.branch_failures and sorted(r.reward for r in out.leaves) == [0.0, 1.0]
+    a, b = out.leaves
+    assert a.sandbox_mode.startswith("overlay") and a.container_id == b.container_id
+    assert a.trace.ids[: a.branch_at[0]] == b.trace.ids[: b.branch_at[0]]
+    assert [(f.kind, f.branch_path) for f in short.branch_failures] == [("fork", [1])]
+    assert "full" in short.branch_failures[0].error and [r.branch_path for r in short.leaves] == [[0]]

@@ -107,6 +107,12 @@ class BranchingConfig(_Strict):
         """Episodes a root episode becomes when it reaches every branch point."""
         return self.branches ** len(self.at_turns) if self.enabled else 1
 
+    @property
+    def sandboxes_at_once(self) -> int:
+        """The most sandboxes one episode holds at once: its leaves, and at the last forks their
+        parents too (closed once their children exist)."""
+        return self.leaves + self.leaves // self.branches if self.enabled else 1
+
 
 class RolloutConfig(AgentSettings):
     """One training episode: the agent's settings (`agents.agent_settings`, the same keys as `tmax

@@ -126,7 +126,9 @@ class EpisodeSettings:
         """A rollout worker's pool (podman): with `env.files_layer` (`rollout.overlay`), episodes
         in containers shared on this machine (carrying `host_labels` too), `pool_size` started
         ahead for coming episodes; else a fresh container per episode, its running episodes
-        plus `pool_size` started ahead."""
+        plus `pool_size` started ahead. A branching episode holds several sandboxes at once (a
+        fork's child lives in its parent's container): room for them all."""
+        slots *= self.branching.sandboxes_at_once
         return make_pool(self.env.kind, slots, self.pool_size, overlay=self.env.files_layer,
                          host_labels={**self.env.labels, **(host_labels or {})})
 
