@@ -171,6 +171,9 @@ def test_branches_of_a_podman_overlay_episode_run_in_forks_of_its_overlay(long_t
         # A host with room for the parent and one child: the second fork fails, labelled, and
         # the branch that exists goes on.
         short = tree(2)
+        # No room for any child: the episode lost every branch, an infrastructure failure (re-queued).
+        with pytest.raises(InfraError, match="every branch failed") as none_left:
+            tree(1)
     finally:
         remove_labelled(label)
         shutil.rmtree(hosts, ignore_errors=True)
@@ -180,3 +183,4 @@ def test_branches_of_a_podman_overlay_episode_run_in_forks_of_its_overlay(long_t
     assert a.trace.ids[: a.branch_at[0]] == b.trace.ids[: b.branch_at[0]]
     assert [(f.kind, f.branch_path) for f in short.branch_failures] == [("fork", [1])]
     assert "full" in short.branch_failures[0].error and [r.branch_path for r in short.leaves] == [[0]]
+    assert none_left.value.kind == "fork"

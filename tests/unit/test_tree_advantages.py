@@ -151,6 +151,9 @@ def test_branching_settings_that_cannot_run_are_refused():
                            ({"enabled": True, "at_turns": [10]}, "below rollout.max_steps")):
         with pytest.raises(ValidationError, match=why):
             LearnConfig.model_validate({**base, "rollout": {**base["rollout"], "branching": branching}})
+    with pytest.raises(ValidationError, match="tasks.format"):
+        LearnConfig.model_validate({**base, "tasks": {**base["tasks"], "format": "text"},
+                                    "rollout": {**base["rollout"], "branching": {"enabled": True}}})
     with pytest.raises(ValidationError, match="compaction = false"):
         LearnConfig.model_validate({**base, "rollout": {**base["rollout"], "compaction": True,
                                                         "branching": {"enabled": True}}})

@@ -134,6 +134,8 @@ def _grow(tree: Tree, b: Branch, root_level: bool = False) -> None:
         if result.status == AgentStatus.STOPPED and turn is not None:
             children = _fork(tree, b, agent, drive)
             b.ep.close()
+            if not children:
+                return  # every fork failed: each is a labelled failure
             with ThreadPoolExecutor(max_workers=len(children), thread_name_prefix="tmax-branch") as ex:
                 list(ex.map(lambda c: _grow(tree, c), children))
             return

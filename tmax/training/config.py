@@ -391,6 +391,8 @@ class LearnConfig(_Strict):
             raise ValueError("rollout.max_prompt_tokens + rollout.response_budget must be <= rollout.context_budget")
         if r.context_budget > self.engine.max_model_len:
             raise ValueError("rollout.context_budget must be <= engine.max_model_len")
+        if r.branching.enabled and self.tasks.format != "harbor":
+            raise ValueError("rollout.branching forks sandboxed episodes: it needs tasks.format = \"harbor\"")
         if r.branching.enabled and r.compaction:
             raise ValueError("rollout.branching forks a single token context: set rollout.compaction = false")
         if r.branching.enabled and r.branching.at_turns[-1] >= r.max_steps:
