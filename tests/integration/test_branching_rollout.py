@@ -39,20 +39,28 @@ def long_tasks(tmp_path_factory):
 
 class BranchScript:
     """A TokenSampler: the trunk (the request's seed) plays `trunk`; each new seed (a branch)
-    takes the next of `branches` as its script, in the order the branches first sample."""
+    takes the next script of `branches` (a list: whatever its fork; a dict: by the model turns
+    done before it, counted by the end-of-turn tokens of its context), in the order the
+    branches first sample."""
 
-    def __init__(self, root_seed: int, trunk: list[list[int]], branches: list[list[list[int]]]):
+    def __init__(self, root_seed: int, trunk: list[list[int]], branches, end_of_turn: int | None = None):
         self.scripts = {root_seed: list(trunk)}
-        self.waiting = [list(b) for b in branches]
-        self.taken: dict[int, int] = {}  # seed -> which of `branches`
+        self.waiting = branches if isinstance(branches, dict) else {None: branches}
+        self.end_of_turn, self.prompt_ends = end_of_turn, None
+        self.taken: dict[int, int] = {}  # seed -> the order it first sampled in
         self.contexts: dict[int, list[list[int]]] = {}
         self.lock = threading.Lock()
 
     def sample(self, prompt_ids, max_tokens, temperature, top_p, seed=None) -> SampledTokens:
         with self.lock:
+            ends = list(prompt_ids).count(self.end_of_turn)
+            if self.prompt_ends is None:
+                self.prompt_ends = ends  # the trunk's first sample: the prompt alone
             if seed not in self.scripts:
                 self.taken[seed] = len(self.taken)
-                self.scripts[seed] = self.waiting.pop(0)
+                # A turn and its output each close with an end-of-turn token.
+                level = (ends - self.prompt_ends) // 2 if self.end_of_turn is not None else None
+                self.scripts[seed] = list(self.waiting[level].pop(0))
             self.contexts.setdefault(seed, []).append(list(prompt_ids))
             ids = self.scripts[seed].pop(0)
         return SampledTokens(ids, [-0.1] * len(ids), "stop", 3)
@@ -184,3 +192,27 @@ def test_branches_of_a_podman_overlay_episode_run_in_forks_of_its_overlay(long_t
     assert [(f.kind, f.branch_path) for f in short.branch_failures] == [("fork", [1])]
     assert "full" in short.branch_failures[0].error and [r.branch_path for r in short.leaves] == [[0]]
     assert none_left.value.kind == "fork"
+
+
+def test_two_branch_points_make_a_tree_of_four_leaves(long_tasks):
+    from tmax.training.branching import run_tree
+    from tmax.training.nano.tasks import oracle_steps
+
+    tok, splits = long_tasks
+    task = _chain(splits)
+    oracle = scripted_turns(tok, oracle_steps(task))
+    quit_now = scripted_turns(tok, [oracle_steps(task)[-1]])
+    # After turn 1: two branches that play one turn and fork again; after turn 2, the four leaves.
+    sampler = BranchScript(2, oracle[:1], {1: [oracle[1:2], oracle[1:2]], 2: [oracle[2:], quit_now] * 2},
+                           end_of_turn=tok.convert_tokens_to_ids("<|im_end|>"))
+    settings = _settings("local", at_turns=[1, 2], branches=2)
+    out = run_tree(EpisodeRequest(str(task), 0, 0, 2), sampler, tok, settings, settings.branching)
+    assert not out.branch_failures
+    leaves = out.leaves
+    assert [r.branch_path for r in leaves] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    assert all(r.branch_turns == [1, 2] for r in leaves) and sorted(r.reward for r in leaves) == [0, 0, 1, 1]
+    first, second = leaves[0].branch_at
+    assert all(r.trace.ids[:first] == leaves[0].trace.ids[:first] for r in leaves)
+    for a, b in ((leaves[0], leaves[1]), (leaves[2], leaves[3])):
+        assert a.branch_at == b.branch_at and a.trace.ids[: a.branch_at[1]] == b.trace.ids[: b.branch_at[1]]
+    assert second > first
