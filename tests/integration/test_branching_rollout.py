@@ -164,9 +164,9 @@ def test_branches_of_a_podman_overlay_episode_run_in_forks_of_its_overlay(long_t
     label = {"io.tmax.test": uuid.uuid4().hex[:12]}
     hosts = Path(tempfile.mkdtemp(prefix="tb-"))  # short: the episodes' sockets live under it
 
-    def tree(slots: int):
+    def tree(slots: int, trunk: int = 2):
         with OverlayPool(slots, host_labels=label, root=hosts, close_in_background=False) as pool:
-            sampler = BranchScript(11, oracle[:2], [oracle[2:], quit_now])
+            sampler = BranchScript(11, oracle[:trunk], [oracle[2:], quit_now])
             done = run_tree(EpisodeRequest(str(task), 0, 0, 11), sampler, tok, settings, settings.branching,
                             image=image, pool=pool)
         # Every fork's sandbox was closed, and the pool's container with it: nothing left.
@@ -179,9 +179,8 @@ def test_branches_of_a_podman_overlay_episode_run_in_forks_of_its_overlay(long_t
         # A host with room for the parent and one child: the second fork fails, labelled, and
         # the branch that exists goes on.
         short = tree(2)
-        # No room for any child: the episode lost every branch, an infrastructure failure (re-queued).
-        with pytest.raises(InfraError, match="every branch failed") as none_left:
-            tree(1)
+        # No room for any child: both forks fail (labelled), and the episode goes on unforked.
+        alone = tree(1, trunk=len(oracle))
     finally:
         remove_labelled(label)
         shutil.rmtree(hosts, ignore_errors=True)
@@ -191,7 +190,9 @@ def test_branches_of_a_podman_overlay_episode_run_in_forks_of_its_overlay(long_t
     assert a.trace.ids[: a.branch_at[0]] == b.trace.ids[: b.branch_at[0]]
     assert [(f.kind, f.branch_path) for f in short.branch_failures] == [("fork", [1])]
     assert "full" in short.branch_failures[0].error and [r.branch_path for r in short.leaves] == [[0]]
-    assert none_left.value.kind == "fork"
+    assert [(f.kind, f.branch_path) for f in alone.branch_failures] == [("fork", [0]), ("fork", [1])]
+    [unforked] = alone.leaves
+    assert unforked.branch_path == [] and unforked.steps == len(oracle) and unforked.reward == 1.0
 
 
 def test_two_branch_points_make_a_tree_of_four_leaves(long_tasks):

@@ -121,21 +121,24 @@ def run_tree(req: EpisodeRequest, sampler: TokenSampler, tokenizer: Any, episode
     return GeneratedEpisode(rollout=leaves[0], more_leaves=leaves[1:], branch_failures=tree.failures)
 
 
-def _grow(tree: Tree, b: Branch, root_level: bool = False) -> None:
+def _grow(tree: Tree, b: Branch, root_level: bool = False, forks: bool = True) -> None:
     """Drive `b` to its next branch point and fork it there (its children grown side by side),
     or to its end (a leaf). A failure is the branch's (`Tree.fail`), or, at the root before
-    any fork, the episode's (raised)."""
+    any fork, the episode's (raised). When no fork could be made (each a labelled failure),
+    `b` goes on unforked (`forks` False) to its end: a sandbox that cannot fork costs the
+    tree its branches, not the episode."""
     depth = len(b.path)
-    turn = tree.branching.at_turns[depth] if depth < len(tree.branching.at_turns) else None
+    turn = tree.branching.at_turns[depth] if forks and depth < len(tree.branching.at_turns) else None
     try:
         result, agent = _drive(tree, b, turn)
         drive = Drive.of(result, b.policy) if b.drive is None else b.drive.then(result, b.policy.trace,
                                                                                list(b.policy.segments))
         if result.status == AgentStatus.STOPPED and turn is not None:
             children = _fork(tree, b, agent, drive)
-            b.ep.close()
             if not children:
-                return  # every fork failed: each is a labelled failure
+                b.agent, b.drive = agent, drive
+                return _grow(tree, b, root_level, forks=False)
+            b.ep.close()
             with ThreadPoolExecutor(max_workers=len(children), thread_name_prefix="tmax-branch") as ex:
                 list(ex.map(lambda c: _grow(tree, c), children))
             return
