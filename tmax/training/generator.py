@@ -8,7 +8,8 @@ episodes for a run, made before the run starts (its tasks already prepared):
     generator.worker(model_dir)       a `WorkerSpec`: the `EpisodeWorker` each rollout worker (a
                                       Ray actor) runs, handed its engine's sampler and slots
     worker.generate(request, version) one `EpisodeRequest` in, one `GeneratedEpisode` out: a
-                                      `Rollout` (reward, `TokenTrace`), or an infrastructure
+                                      `Rollout` (reward, `TokenTrace`; a branching episode's
+                                      leaves, `rollout.branching`), or an infrastructure
                                       failure the trainer re-queues, never scores
     generator.warm_ahead(workers)     told the requests next in line (e.g. to start sandboxes)
     generator.summary()               figures for the run's summary.json

@@ -8,7 +8,8 @@ accumulator decide what trains, and tells the learner to step and the engines to
 
     prompts -> G episode requests per prompt -> rollout workers (the `Generator`'s
     `EpisodeWorker.generate`: a scored, token-exact episode) -> finished group -> BatchAccumulator (staleness,
-    zero-std filter, active sampling) -> centered advantages -> LearnerGroup.train_step
+    zero-std filter, active sampling) -> centered advantages (a branching group's: per stretch of
+    turns, `training.algo.tree`; written to advantages.jsonl) -> LearnerGroup.train_step
     (one optimizer step) -> WeightSync.push (no restart) -> checkpoint every N.
 
 Asynchrony: generation keeps running while the learner trains, bounded two ways: the
