@@ -32,8 +32,12 @@ re-queued (and for a container, the episodes running in it when it was killed). 
 trained twice because a driver died after them and before their checkpoint),
 `leftover_containers` / `leftover_processes` after the last driver (must be 0).
 Timings come from a machine shared with other work: compare, do not quote as absolutes.
-Faults of forked episodes (a host killed while branches run, a fork failing halfway) are
-`chaos_fork.py`'s: `tmax learn` does not fork episodes yet.
+With `--branching` every episode forks after its first turn into two branches
+(`[rollout.branching]`), so a killed container holds branches: a branch it ends is a labelled
+failure (`env/infra_errors/branch_*`, counted as detected), never scored, and an episode
+that loses every branch is re-queued; an episode recorded twice counts its leaves apart.
+A fork failing halfway, and a host killed during forks, are `chaos_fork.py`'s (the sandbox
+layer's faults, without a trainer).
 """
 
 from __future__ import annotations
@@ -185,7 +189,12 @@ class Chaos:
 
 
 def _requeued(rows: list[dict]) -> float:
-    return float(rows[-1].get("infra/requeued", 0.0)) if rows else 0.0
+    """Episodes re-queued so far, and branches lost (`--branching`: a branch a fault ended is
+    dropped, its siblings go on)."""
+    if not rows:
+        return 0.0
+    lost = sum(v for k, v in rows[-1].items() if k.startswith("env/infra_errors/branch_"))
+    return float(rows[-1].get("infra/requeued", 0.0)) + float(lost)
 
 
 def _inject(chaos: Chaos, fault: Fault, rng: random.Random) -> bool:
@@ -378,7 +387,15 @@ def _warm_start(root: Path, tasks: list[str]) -> Path:
     return Path(train_sft(str(root / "base"), demos, cfg, root / "sft").checkpoint)
 
 
-def _setup(root: Path, preset: str, steps: int, model: Path | None, learner_ranks: int, lora_rank: int = 0) -> Path:
+BRANCHING = """[rollout.branching]
+enabled = true
+at_turns = [1]
+branches = 2
+"""
+
+
+def _setup(root: Path, preset: str, steps: int, model: Path | None, learner_ranks: int, lora_rank: int = 0,
+           branching: bool = False) -> Path:
     from tmax.training.nano.tasks import write_splits
 
     tasks = [str(d) for d in write_splits(root / "tasks", 24, 1)["train"]]
@@ -407,7 +424,8 @@ rollout_workers = 1
 slots_per_worker = 2
 [guard]
 enabled = false
-""" + (_cluster(learner_ranks) if learner_ranks > 1 else "") + (f"[lora]\nrank = {lora_rank}\n" if lora_rank else ""))
+""" + (_cluster(learner_ranks) if learner_ranks > 1 else "") + (f"[lora]\nrank = {lora_rank}\n" if lora_rank else "")
+                   + (BRANCHING if branching else ""))
     return cfg
 
 
@@ -438,7 +456,7 @@ def _checks(chaos: Chaos, steps: int) -> dict:
     from tmax.training.learner import checkpoint as ckpt
 
     rollouts = _rollouts(chaos.run)
-    keys = [(r["group_id"], r["sample_index"]) for r in rollouts]
+    keys = [(r["group_id"], r["sample_index"], tuple(r.get("branch_path") or ())) for r in rollouts]
     final = ckpt.latest_checkpoint(chaos.run)
     containers, procs = _leftovers(chaos)
     return {
@@ -514,6 +532,7 @@ def main() -> None:
     ap.add_argument("--learner-ranks", type=int, default=1, help="learner ranks on this machine (one is killed)")
     ap.add_argument("--step-timeout", type=float, default=1800.0, help="the longest wait for one step, in seconds")
     ap.add_argument("--lora-rank", type=int, default=0, help="train a LoRA adapter of this rank (lora.rank)")
+    ap.add_argument("--branching", action="store_true", help="fork every episode after its first turn into two")
     ap.add_argument("--json", action="store_true")
     add_record_arguments(ap, __file__)
     args = ap.parse_args()
@@ -528,11 +547,12 @@ def main() -> None:
     steps = args.steps or len(in_driver) + len(tail) + 4
     root = args.out or Path(tempfile.mkdtemp(prefix="tmax-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
-    cfg = _setup(root, args.preset, steps, args.model, args.learner_ranks, args.lora_rank)
+    cfg = _setup(root, args.preset, steps, args.model, args.learner_ranks, args.lora_rank, args.branching)
     chaos = Chaos(root / "run", cfg, uuid.uuid4().hex[:12], root / "drivers.log", args.step_timeout)
     t0 = time.monotonic()
     faults = _run(chaos, in_driver, tail, rng, steps)
     out = {"preset": args.preset, "seed": args.seed, "learner_ranks": args.learner_ranks, "lora_rank": args.lora_rank,
+           "branching": args.branching,
            "run_dir": str(chaos.run), **(_adapter_figures(chaos) if args.lora_rank else {}),
            "wall_s": round(time.monotonic() - t0, 1),
            "faults_injected": sum(f.injected for f in faults), "faults_recovered": sum(f.recovered for f in faults),

@@ -129,3 +129,27 @@ def test_quit_at_the_approval_prompt_keeps_a_valid_history(open_box, tmp_path):
     assistant, tool = result.messages[-2:]
     assert assistant["role"] == "assistant" and assistant["tool_calls"]
     assert tool == {"role": "tool", "tool_call_id": assistant["tool_calls"][0]["id"], "content": REJECTED_TOOL_TEXT}
+
+
+def test_a_stopped_conversation_continues_in_another_agent_with_its_count_of_format_errors(open_box):
+    """`continue_from` + `resume` (a branch of a forked episode): the new agent answers the
+    messages as they stood, its steps go on from the old count, and format errors in a row
+    before the stop still count toward the limit."""
+    plain = {"content": "no call"}
+
+    class StopAfter2(AgentHooks):
+        def on_format_error(self, step, feedback, reason=None):
+            if step == 2:
+                trunk.stop.set()
+
+    trunk, _ = agent_for(ScriptedPolicy([{"bash": "echo one"}, plain]), open_box(), hooks=StopAfter2(),
+                         max_format_errors=2)
+    assert trunk.run("task").status == "stopped" and trunk.steps == 2
+    policy = ScriptedPolicy([plain, SUBMIT])
+    branch, _ = agent_for(policy, open_box(), max_format_errors=2)
+    branch.continue_from(trunk)
+    result = branch.resume()
+    # The branch's first turn is the second format error in a row: the limit ends it.
+    assert result.status == "format_errors" and result.steps == 3 and len(policy.requests) == 1
+    assert policy.requests[0] == trunk.messages
+    assert len(branch.timing) == 3 and len(trunk.timing) == 2  # copied, not shared

@@ -32,7 +32,9 @@ SET: dict[str, dict] = {
                 "test_timeout": 11.0, "observation_max_chars": 321, "max_format_errors": 2, "budget_hints": True,
                 "retries": 4, "backoff_s": (0.25, 3.0), "time_budget_s": 99.0, "sandbox": "bwrap", "image_map": ["ubuntu:24.04=localhost/flow:1"], "pool_size": 5,
                 "max_infra_retries": 6, "harness": ["mini-swe", "tmax"],
-                "compaction": True, "compaction_threshold": 0.6, "overlay": False},
+                "compaction": True, "compaction_threshold": 0.6, "overlay": False,
+                # Off: branching refuses compaction (a fork copies one token context); its other keys set.
+                "branching": {"at_turns": [3, 5], "branches": 3}},
     "algo": {"loss": "grpo", "divergence": "kl", "delta": 0.3, "clip_low": 0.25, "clip_high": 0.3, "lr": 3e-5,
              "warmup_steps": 4, "adam_beta1": 0.8, "adam_beta2": 0.95, "adam_eps": 1e-7, "weight_decay": 0.01,
              "grad_clip": 0.5, "prompts_per_step": 3, "group_size": 5, "steps": 9, "async_steps": 2,
@@ -154,6 +156,7 @@ def _arrivals(cfg: LearnConfig, d: dict) -> dict[str, list[tuple[object, object]
         "rollout.overlay": [(d["env"].files_layer, r.overlay and r.sandbox == "podman"), (type(d["pool"]).__name__, "WarmPool")],
         "rollout.test_timeout": [(d["episode"].test_timeout, r.test_timeout)],
         "rollout.harness": [([d["episode"].harness_for(g) for g in range(2)], r.harness)],
+        "rollout.branching": [(d["episode"].branching, r.branching)],
         "algo.loss": [(learner.loss.loss_fn, a.loss)],
         "algo.divergence": [(learner.loss.divergence, a.divergence)],
         "algo.delta": [(learner.loss.delta, a.delta)],

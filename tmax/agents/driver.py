@@ -126,6 +126,10 @@ class EpisodeDriver:
         """The same conversation and shell, with a new user message."""
         return self._drive(lambda: self.agent.follow_up(text), first_timing=len(self.agent.timing))
 
+    def resume(self) -> EpisodeResult:
+        """Continue the episode a stop ended (`Agent.resume`): a branch of a forked episode."""
+        return self._drive(self.agent.resume, first_timing=len(self.agent.timing))
+
     def load(self, saved: SavedRun) -> None:
         """Adopt a saved conversation (`tmax run --resume`), then `follow_up`."""
         self.agent.load(saved)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal
 
 from tmax.agents.budget import Budget, budget_hint
@@ -141,6 +141,7 @@ class Agent:
         self.compactor = Compactor(self.config, self.counter)
         self.context = SessionContext()  # the task, the follow-ups and the compactions
         self._compact_request: str | None = None  # a focus ("" for none): compact at the next step
+        self._format_errors_before = 0  # format errors in a row a continued conversation ended on
 
     # ---- public API -------------------------------------------------------------------
 
@@ -170,6 +171,28 @@ class Agent:
         self.steps = saved.steps if saved.steps is not None else sum(1 for m in self.messages if m.get("role") == "assistant")
         self.context = saved.context or SessionContext.of(self.messages)
         self.counter.forget()
+
+    def resume(self) -> AgentResult:
+        """Continue an episode a stop ended (the stop cleared): the next model call answers the
+        messages as they are. How a branch of a forked episode (`branch`) goes on."""
+        if not self.messages:
+            raise RuntimeError("resume() needs a conversation: call run() first")
+        return self._episode()
+
+    def continue_from(self, other: Agent) -> None:
+        """Take `other`'s conversation as it is (messages, steps, usage, records of its turns,
+        copied), to go on with `resume` under this agent's policy, sandbox and harness: one
+        branch of a forked episode (its policy a copy of the token context, its sandbox a fork)."""
+        import copy
+
+        self.messages, self.timing = copy.deepcopy(other.messages), copy.deepcopy(other.timing)
+        self.usage, self.steps = replace(other.usage), other.steps
+        self.context, self._last_context_tokens = copy.deepcopy(other.context), other._last_context_tokens
+        self.counter.forget()
+        turns = [t for t in self.timing if "step" in t]
+        while turns and turns[-1].get("format_error"):  # still in a row: they count toward the limit
+            turns.pop()
+            self._format_errors_before += 1
 
     # ---- compaction (agents.compaction) -----------------------------------------------
 
@@ -263,7 +286,7 @@ class Agent:
     def _steps(self) -> _Outcome:
         cfg = self.config
         episode_steps = 0
-        format_errors = 0
+        format_errors, self._format_errors_before = self._format_errors_before, 0
         started = time.monotonic()
         retried = False  # this turn was already retried after an overflow
         while True:

@@ -196,6 +196,18 @@ class TokenPolicy:
         return ModelTurn(message=message_from_text(text), usage=usage, finish_reason=out.finish_reason,
                          latency_s=latency), out
 
+    def fork(self, seed: int | None) -> TokenPolicy:
+        """A policy that continues from this one's token context as it is (the trace copied: a
+        branch shares the prefix's ids exactly), sampling with `seed`."""
+        import copy
+
+        other = copy.copy(self)
+        other.seed = seed
+        other.trace = copy.deepcopy(self.trace)
+        other.segments = list(self.segments)
+        other._tools = list(self._tools) if self._tools is not None else None
+        return other
+
     # ---- Compactable (agents.compaction) ----------------------------------------------
 
     @property

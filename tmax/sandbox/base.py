@@ -172,6 +172,7 @@ class ForkRecord(BaseModel):
     functions: list[str]  # shell functions carried (the harness's own left out)
     aliases: list[str]
     background: list[BackgroundProcess]  # running in the parent at the fork: not in the child
+    workdir: str | None = None  # the child's working directory as its spec names it (a local fork's copy)
     layers: int = 0  # overlay: frozen layers under the child (deeper chains are merged)
     seconds: float = 0.0
 

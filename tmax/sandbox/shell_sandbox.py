@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from tmax.sandbox.base import (
     DEFAULT_COMMAND_TIMEOUT_S, BackgroundProcess, CommandResult, Forked, ForkRecord, SandboxCapabilities, SandboxError,
+    SandboxSpec,
 )
 from tmax.sandbox.fork import (
     RESTORE_HANDED_OVER, ShellState, background_processes, capture_state, handover_vars, restore_state,
@@ -19,6 +20,7 @@ class ShellSandbox:
     """What every backend shares: the agent's commands go through one PersistentShell."""
 
     kind = ""
+    spec: SandboxSpec  # every backend's own
     shell: PersistentShell | None = None
     # A `copy_in` costs about what a process start inside does (the overlay sandbox writes
     # through the episode's root); False where it is an API call of its own (podman).
@@ -108,5 +110,5 @@ class ShellSandbox:
         cwd = said.partition("cwd=")[2].strip()
         record = ForkRecord(kind=self.kind, cwd=cwd, exported=state.exported_names(),
                             functions=state.function_names(), aliases=state.alias_names(), background=background,
-                            layers=layers, seconds=time.monotonic() - t0)
+                            workdir=child.spec.workdir, layers=layers, seconds=time.monotonic() - t0)
         return Forked(child, record)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tmax.sandbox.base import Sandbox, SandboxError, SandboxSpec
+from tmax.sandbox.base import ForkRecord, Sandbox, SandboxError, SandboxSpec
 from tmax.sandbox.pool import SandboxPool, SpecFactory
 from tmax.tasks.hostenv import HOST_KINDS, HostEnv, HostEnvError, check_dockerfile
 from tmax.tasks.hostenv import prepare as prepare_host
@@ -184,6 +184,19 @@ class Episode:
         spec.shell = self.shell
         return self.pool.prewarm(pool_key(spec), self._factory(spec))
 
+    def fork(self) -> tuple[Episode, ForkRecord]:
+        """A child episode of the same task in a fork of this one's sandbox (`Sandbox.fork`,
+        through the pool that handed it out): its files, working directory and shell state as
+        they are now, isolated from this one. The child is the caller's to close; its verifier
+        runs in its own copy. SandboxError when the fork fails (nothing of it is left)."""
+        assert self.sandbox is not None, "fork() needs an open episode"
+        pooled = self.pool is not None and not self.host_kind
+        forked = self.pool.fork(self.sandbox) if pooled else self.sandbox.fork()
+        child = Episode(self.task, self.settings, image=self.image, pool=self.pool if pooled else None,
+                        name=self.name, labels=self.labels, cancel=self.cancel, shell=self.shell)
+        child.sandbox, child.workdir = forked.sandbox, forked.record.workdir or self.workdir
+        return child, forked.record
+
     @property
     def sandbox_id(self) -> str | None:
         """The container id (podman) or None: recorded so an episode names where it ran."""
@@ -200,7 +213,7 @@ class Episode:
         """Copy tests/ in now (never before), run test.sh, read the reward. A sandbox that
         fails meanwhile comes back as `VerifierKind.INFRA`, never as a reward."""
         assert self.sandbox is not None
-        run = run_host_verifier if self.host is not None else run_verifier
+        run = run_host_verifier if self.host_kind else run_verifier
         try:
             return run(self.sandbox, self.task, self.workdir, out_dir, timeout)
         except SandboxError as e:

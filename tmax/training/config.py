@@ -82,6 +82,38 @@ class TasksConfig(_Strict):
                                                                  "each) or long (several dependent commands).")] = "nano"
 
 
+class BranchingConfig(_Strict):
+    """Branching rollouts (docs/learn.md, "Branching rollouts"): at fixed turns each episode's
+    sandbox is forked and `branches` continuations run on from it, sharing its token prefix;
+    each stretch of turns between branch points gets its own advantage from the siblings
+    below it (`training.algo.tree`)."""
+
+    enabled: Annotated[bool, Field(description="Fork each episode at `at_turns` and run `branches` continuations "
+                                               "from each fork (off: every episode runs alone).")] = False
+    at_turns: Annotated[list[int], Field(min_length=1, description="After which model turns an episode forks "
+                                                                   "(increasing; an episode that ends sooner does "
+                                                                   "not).")] = [2]
+    branches: Annotated[int, Field(ge=2, description="Continuations run from each fork.")] = 2
+
+    @field_validator("at_turns")
+    @classmethod
+    def _increasing(cls, v: list[int]) -> list[int]:
+        if any(t < 1 for t in v) or any(b <= a for a, b in zip(v, v[1:])):
+            raise ValueError(f"at_turns must be increasing turn numbers >= 1, got {v}")
+        return v
+
+    @property
+    def leaves(self) -> int:
+        """Episodes a root episode becomes when it reaches every branch point."""
+        return self.branches ** len(self.at_turns) if self.enabled else 1
+
+    @property
+    def sandboxes_at_once(self) -> int:
+        """The most sandboxes one episode holds at once: its leaves, and at the last forks their
+        parents too (closed once their children exist)."""
+        return self.leaves + self.leaves // self.branches if self.enabled else 1
+
+
 class RolloutConfig(AgentSettings):
     """One training episode: the agent's settings (`agents.agent_settings`, the same keys as `tmax
     run` and `tmax bench`) with the training recipe's defaults, and the training-only keys.
@@ -125,6 +157,9 @@ class RolloutConfig(AgentSettings):
                                                               "failed; one that keeps failing stops the run.")] = 3
     harness: Annotated[str | list[str], Field(description="The agent harness episodes run under (tmax, mini-swe, "
                                                           "terminus-2); a list is rotated per group.")] = "tmax"
+    branching: Annotated[BranchingConfig, Field(default_factory=BranchingConfig, description=(
+        "Branching rollouts: fork episodes at fixed turns and credit each stretch of turns from its "
+        "continuations (`[rollout.branching]`)."))]
 
     @field_validator("harness")
     @classmethod
@@ -356,6 +391,12 @@ class LearnConfig(_Strict):
             raise ValueError("rollout.max_prompt_tokens + rollout.response_budget must be <= rollout.context_budget")
         if r.context_budget > self.engine.max_model_len:
             raise ValueError("rollout.context_budget must be <= engine.max_model_len")
+        if r.branching.enabled and self.tasks.format != "harbor":
+            raise ValueError("rollout.branching forks sandboxed episodes: it needs tasks.format = \"harbor\"")
+        if r.branching.enabled and r.compaction:
+            raise ValueError("rollout.branching forks a single token context: set rollout.compaction = false")
+        if r.branching.enabled and r.branching.at_turns[-1] >= r.max_steps:
+            raise ValueError("rollout.branching.at_turns must be below rollout.max_steps (a branch needs a turn left)")
         return self
 
 

@@ -8,7 +8,8 @@ episodes for a run, made before the run starts (its tasks already prepared):
     generator.worker(model_dir)       a `WorkerSpec`: the `EpisodeWorker` each rollout worker (a
                                       Ray actor) runs, handed its engine's sampler and slots
     worker.generate(request, version) one `EpisodeRequest` in, one `GeneratedEpisode` out: a
-                                      `Rollout` (reward, `TokenTrace`), or an infrastructure
+                                      `Rollout` (reward, `TokenTrace`; a branching episode's
+                                      leaves, `rollout.branching`), or an infrastructure
                                       failure the trainer re-queues, never scores
     generator.warm_ahead(workers)     told the requests next in line (e.g. to start sandboxes)
     generator.summary()               figures for the run's summary.json
@@ -73,6 +74,13 @@ class Rollout:
     turn_outcomes: list[str] = field(default_factory=list)  # per model turn (`agents.driver.turn_outcome`)
     started_at: float = 0.0  # when the episode began (epoch seconds)
     segments: list[TokenTrace] = field(default_factory=list)  # closed by compactions, in order
+    # A branching episode's leaf (`rollout.branching`): the branch it took at each fork, the
+    # model turns done at each fork, and where in `trace.ids` each fork was (its siblings share
+    # every token before it). Empty: the episode was not forked.
+    branch_path: list[int] = field(default_factory=list)
+    branch_turns: list[int] = field(default_factory=list)
+    branch_at: list[int] = field(default_factory=list)
+    fork_s: list[float] = field(default_factory=list)  # each fork's seconds
 
     @property
     def traces(self) -> list[TokenTrace]:
@@ -136,6 +144,24 @@ class GeneratedEpisode:
     infra_error: str = ""
     infra_kind: str = ""
     ran: bool = True
+    # A branching episode (`rollout.branching`): its other leaves (`rollout` is the first), and
+    # the branches lost to infrastructure (kept out of the loss, counted per kind).
+    more_leaves: list[Rollout] = field(default_factory=list)
+    branch_failures: list[BranchFailure] = field(default_factory=list)
+
+    @property
+    def leaves(self) -> list[Rollout]:
+        return [self.rollout, *self.more_leaves] if self.rollout is not None else []
+
+
+@dataclass
+class BranchFailure:
+    """A branch of a forked episode that infrastructure ended (its fork, its sandbox, its
+    verifier): no leaf, never scored."""
+
+    kind: str  # as `training.rollout.INFRA_KINDS` names it
+    error: str
+    branch_path: list[int]
 
 
 class EpisodeWorker(Protocol):

@@ -29,7 +29,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -44,7 +44,7 @@ from tmax.tasks.episode import ENVIRONMENT_ERRORS, EnvSettings, Episode, Prepare
 from tmax.tasks.task_images import TaskImage
 from tmax.tasks.task_format import Task
 from tmax.tasks.verifier import VerifierKind
-from tmax.training.config import RolloutConfig
+from tmax.training.config import BranchingConfig, RolloutConfig
 from tmax.training.generator import EpisodeRequest, Rollout
 
 T = TypeVar("T")
@@ -52,7 +52,7 @@ T = TypeVar("T")
 ROLLOUT_LABEL = "io.tmax.rollout"
 RUN_LABEL = "io.tmax.run"  # the run directory's id: a resumed run finds what the killed one left
 INFRA_KINDS = ("task_load", "environment", "sandbox_start", "sandbox_died", "verifier_no_reward",
-               "verifier_error", "model", "interrupted", "worker")
+               "verifier_error", "model", "interrupted", "worker", "fork")
 
 
 class InfraError(RuntimeError):
@@ -99,6 +99,7 @@ class EpisodeSettings:
     harnesses: tuple[str, ...]  # rotated per group
     pool_size: int = 0  # podman: containers each worker starts ahead of need
     max_infra_retries: int = 3
+    branching: BranchingConfig = field(default_factory=BranchingConfig)  # forks of each episode (`training.branching`)
 
     @classmethod
     def of(cls, r: RolloutConfig, labels: dict[str, str] | None = None) -> EpisodeSettings:
@@ -106,7 +107,7 @@ class EpisodeSettings:
         return cls(env=env_settings(r.sandbox, r.image_map, labels, r.overlay), agent=r.agent_only(),
                    response_budget=r.response_budget,
                    max_prompt_tokens=r.max_prompt_tokens, test_timeout=r.test_timeout, harnesses=harnesses,
-                   pool_size=r.pool_size, max_infra_retries=r.max_infra_retries)
+                   pool_size=r.pool_size, max_infra_retries=r.max_infra_retries, branching=r.branching)
 
     def harness_for(self, group_id: int) -> str:
         """The harness of a group: every sample of a group shares it, groups rotate."""
@@ -125,7 +126,9 @@ class EpisodeSettings:
         """A rollout worker's pool (podman): with `env.files_layer` (`rollout.overlay`), episodes
         in containers shared on this machine (carrying `host_labels` too), `pool_size` started
         ahead for coming episodes; else a fresh container per episode, its running episodes
-        plus `pool_size` started ahead."""
+        plus `pool_size` started ahead. A branching episode holds several sandboxes at once (a
+        fork's child lives in its parent's container): room for them all."""
+        slots *= self.branching.sandboxes_at_once
         return make_pool(self.env.kind, slots, self.pool_size, overlay=self.env.files_layer,
                          host_labels={**self.env.labels, **(host_labels or {})})
 
@@ -158,7 +161,7 @@ def _score(ep: Episode, timeout: float, record_dir: Path | None) -> tuple[float,
     return res.reward, info
 
 
-def _open(req: EpisodeRequest, settings: EnvSettings, image: TaskImage | None, pool: SandboxPool | None) -> Episode:
+def open_episode(req: EpisodeRequest, settings: EnvSettings, image: TaskImage | None, pool: SandboxPool | None) -> Episode:
     try:
         task = Task.load(req.task_dir)
     except Exception as e:  # a task that fails to load is a data problem, not the policy's
@@ -183,6 +186,64 @@ INFRA_STATUSES = {
 }
 
 
+@dataclass
+class Drive:
+    """What the agent did in one episode (or, in a branching one, along one leaf's path): its
+    end, its token traces, and the time split summed over its drives."""
+
+    result: Any  # the last drive's `agents.driver.EpisodeResult`
+    trace: Any  # the policy's `TokenTrace`
+    segments: list
+    agent_s: float = 0.0
+    llm_s: float = 0.0
+    exec_s: float = 0.0
+    command_s: list[float] = field(default_factory=list)
+    turn_outcomes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, result: Any, policy: Any) -> Drive:
+        """The first drive of an episode by `policy` (a `TokenPolicy`)."""
+        return cls(None, None, []).then(result, policy.trace, list(policy.segments))
+
+    def then(self, result: Any, trace: Any, segments: list) -> Drive:
+        """This drive continued by `result` (a branch resumed from it)."""
+        return Drive(result, trace, segments, self.agent_s + result.agent_s, self.llm_s + result.llm_s,
+                     self.exec_s + result.exec_s, [*self.command_s, *result.command_s],
+                     [*self.turn_outcomes, *result.turn_outcomes])
+
+
+def scored(ep: Episode, result: Any, episode: EpisodeSettings, record_dir: Path | None) -> tuple[float, dict | None, float]:
+    """An ended drive's reward, verifier record and verifier seconds: InfraError for an
+    ending that is the infrastructure's (`INFRA_STATUSES`) or a verifier that gave no reward."""
+    if result.status in INFRA_STATUSES:
+        kind, what = INFRA_STATUSES[result.status]
+        raise InfraError(kind, f"{what}: {result.error}")
+    if result.status != "submitted":
+        return 0.0, None, 0.0
+    t0 = time.monotonic()
+    reward, vinfo = _score(ep, min(episode.test_timeout, ep.task.config.verifier.timeout_sec), record_dir)
+    return reward, vinfo, time.monotonic() - t0
+
+
+def episode_rollout(req: EpisodeRequest, ep: Episode, drive: Drive, score: tuple[float, dict | None, float],
+                    harness: str, t0: float, started_at: float, sandbox_s: float, start_version: int,
+                    **branch: Any) -> Rollout:
+    """The record of one scored episode (or leaf of a branching one: `branch`, Rollout's branch fields)."""
+    result, (reward, vinfo, verify_s) = drive.result, score
+    return Rollout(
+        task_id=ep.task.name, group_id=req.group_id, sample_index=req.sample_index, seed=req.seed,
+        trace=drive.trace, reward=float(min(1.0, max(0.0, reward))), status=result.status, steps=result.steps,
+        policy_version=min((v for t in (*drive.segments, drive.trace) for v in t.turn_versions), default=start_version),
+        truncated=result.status == "context_overflow", submitted=result.status == "submitted", verifier=vinfo,
+        # The agent's time split: waiting for the model, and commands running in the sandbox.
+        timings={"sandbox_start_s": round(sandbox_s, 4), "agent_s": round(drive.agent_s, 3),
+                 "llm_s": round(drive.llm_s, 3), "exec_s": round(drive.exec_s, 3), "verifier_s": round(verify_s, 4),
+                 "total_s": round(time.monotonic() - t0, 4)},
+        error=result.error, harness=harness, sandbox=ep.settings.kind, container_id=ep.sandbox_id,
+        warm_start=ep.warm, segments=drive.segments, sandbox_mode=ep.sandbox_mode, command_s=drive.command_s,
+        turn_outcomes=drive.turn_outcomes, started_at=round(started_at, 3), **branch)
+
+
 def run_episode(
     req: EpisodeRequest,
     sampler: TokenSampler,
@@ -202,60 +263,19 @@ def run_episode(
     from tmax.agents.recorder import Recorder
 
     t0, started_at = time.monotonic(), time.time()
-    ep = _open(req, episode.env, image, pool)
+    ep = open_episode(req, episode.env, image, pool)
     t_sandbox = time.monotonic() - t0
-    task, sandbox_id, warm, mode = ep.task, ep.sandbox_id, ep.warm, ep.sandbox_mode
     try:
         policy = episode.token_policy(sampler, tokenizer, req.seed)
         recorder = Recorder(record_dir) if record_dir is not None else None
         harness = make_harness(episode.harness_for(req.group_id), ep.workdir)
         with EpisodeDriver(policy, ep.sandbox, harness, episode.agent, recorder=recorder) as driver:
-            result = driver.run(task.instruction)
-        if result.status in INFRA_STATUSES:
-            kind, what = INFRA_STATUSES[result.status]
-            raise InfraError(kind, f"{what}: {result.error}")
-        trace, segments = policy.trace, list(policy.segments)
-        reward, vinfo, t_verify = 0.0, None, 0.0
-        submitted = result.status == "submitted"
-        if submitted:
-            t2 = time.monotonic()
-            reward, vinfo = _score(ep, min(episode.test_timeout, task.config.verifier.timeout_sec), record_dir)
-            t_verify = time.monotonic() - t2
+            result = driver.run(ep.task.instruction)
+        drive = Drive.of(result, policy)
+        score = scored(ep, result, episode, record_dir)
+        return episode_rollout(req, ep, drive, score, harness.name, t0, started_at, t_sandbox, start_version)
     finally:
         ep.close()
-    return Rollout(
-        task_id=task.name,
-        group_id=req.group_id,
-        sample_index=req.sample_index,
-        seed=req.seed,
-        trace=trace,
-        reward=float(min(1.0, max(0.0, reward))),
-        status=result.status,
-        steps=result.steps,
-        policy_version=min((v for t in (*segments, trace) for v in t.turn_versions), default=start_version),
-        truncated=result.status == "context_overflow",
-        submitted=submitted,
-        verifier=vinfo,
-        timings={
-            "sandbox_start_s": round(t_sandbox, 4),
-            # The agent's time split: waiting for the model, and commands running in the sandbox.
-            "agent_s": result.agent_s,
-            "llm_s": result.llm_s,
-            "exec_s": result.exec_s,
-            "verifier_s": round(t_verify, 4),
-            "total_s": round(time.monotonic() - t0, 4),
-        },
-        error=result.error,
-        harness=harness.name,
-        sandbox=ep.settings.kind,
-        container_id=sandbox_id,
-        warm_start=warm,
-        segments=segments,
-        sandbox_mode=mode,
-        command_s=result.command_s,
-        turn_outcomes=result.turn_outcomes,
-        started_at=round(started_at, 3),
-    )
 
 
 # ---- environments before training, warm pools, infrastructure counts -----------------

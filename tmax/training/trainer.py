@@ -8,7 +8,8 @@ accumulator decide what trains, and tells the learner to step and the engines to
 
     prompts -> G episode requests per prompt -> rollout workers (the `Generator`'s
     `EpisodeWorker.generate`: a scored, token-exact episode) -> finished group -> BatchAccumulator (staleness,
-    zero-std filter, active sampling) -> centered advantages -> LearnerGroup.train_step
+    zero-std filter, active sampling) -> centered advantages (a branching group's: per stretch of
+    turns, `training.algo.tree`; written to advantages.jsonl) -> LearnerGroup.train_step
     (one optimizer step) -> WeightSync.push (no restart) -> checkpoint every N.
 
 Asynchrony: generation keeps running while the learner trains, bounded two ways: the
@@ -33,6 +34,7 @@ from typing import Any
 from tmax.common.files import append_line_atomic, write_json_atomic, write_text_atomic
 from tmax.common.records import CheckpointExtra, LearnRunDir
 from tmax.training.agentic import agentic_metrics, of_rollout
+from tmax.training.branch_records import advantage_records, branch_metrics
 from tmax.training.algo.batching import BatchAccumulator, BatchConfig, Group
 from tmax.training.cluster.actors import Actors, EngineGroup, start_actors
 from tmax.training.config import LearnConfig, dump_toml
@@ -90,12 +92,20 @@ class PromptStream:
 class OpenGroup:
     group_id: int
     task_dir: str
-    size: int
+    size: int  # episodes requested (a branching one comes back as several leaves)
     rollouts: list[Rollout] = field(default_factory=list)
+    returned: int = 0  # requests that came back scored
 
     @property
     def done(self) -> bool:
-        return len(self.rollouts) == self.size
+        return self.returned == self.size
+
+    def group(self, branching: bool) -> Group:
+        """The finished group for the batch: its leaves in path order, with their tree paths
+        when the episodes branched (`training.algo.tree`)."""
+        rs = sorted(self.rollouts, key=lambda x: (x.sample_index, x.branch_path))
+        paths = [(x.sample_index, *x.branch_path) for x in rs] if branching else None
+        return Group(rs[0].task_id, [x.reward for x in rs], rs, min(x.policy_version for x in rs), paths)
 
 
 @dataclass
@@ -248,7 +258,9 @@ class Trainer:
             if out.rollout is None:
                 self.requeue(req, out.infra_kind, out.infra_error, attempt=out.ran)
             else:
-                self.add_rollout(req, out.rollout)
+                for failure in out.branch_failures:  # lost branches: counted, never scored
+                    s.infra.add(f"branch_{failure.kind}", req.task_dir, failure.error)
+                self.add_rollouts(req, out.leaves)
 
     def requeue(self, req: EpisodeRequest, kind: str, error: str, attempt: bool = True) -> None:
         """Dropped and re-queued at the front, never scored; too many attempts end the run.
@@ -263,17 +275,19 @@ class Trainer:
             req.attempt += 1
         s.queue.appendleft(req)
 
-    def add_rollout(self, req: EpisodeRequest, r: Rollout) -> None:
+    def add_rollouts(self, req: EpisodeRequest, leaves: list[Rollout]) -> None:
+        """A returned episode (a branching one's leaves) into its group; a finished group is ready."""
         s = self.state
-        s.episodes += 1
-        s.since_step.append(r)
-        append_line_atomic(self.rollouts_path, r.to_json())
         g = s.groups[req.group_id]
-        g.rollouts.append(r)
+        for r in leaves:
+            s.episodes += 1
+            s.since_step.append(r)
+            append_line_atomic(self.rollouts_path, r.to_json())
+            g.rollouts.append(r)
+        g.returned += 1
         if g.done:
             del s.groups[req.group_id]
-            rs = sorted(g.rollouts, key=lambda x: x.sample_index)
-            s.ready.append(Group(r.task_id, [x.reward for x in rs], rs, min(x.policy_version for x in rs)))
+            s.ready.append(g.group(self.cfg.rollout.branching.enabled))
 
     def offer_groups(self) -> None:
         """Finished groups to the batch of the next step to train, one new prompt each."""
@@ -297,7 +311,9 @@ class Trainer:
         """Take the full batch and start the learner on it (unless nothing in it trains)."""
         s, c = self.state, self.state.clock
         s.batch = self.acc.take(s.step)
-        samples = batch_samples(s.batch.groups, s.batch.advantages)
+        samples = batch_samples(s.batch.groups, s.batch.segment_advantages)
+        if s.batch.groups:
+            append_line_atomic(self.files.advantages, "\n".join(advantage_records(s.batch)))
         if self.rated is not None:
             s.rated_batch = self.rated.next_batch()  # single-sample groups, A = R - baseline
             samples += s.rated_batch.samples
@@ -345,6 +361,7 @@ class Trainer:
         return {
             **s.batch.metrics,
             **rollout_metrics([x for g in s.batch.groups for x in g.items]),
+            **branch_metrics(s.batch, since),
             **agentic_metrics([of_rollout(x) for x in since]),  # every episode finished, filtered groups too
             **(s.rated_batch.metrics if s.rated_batch is not None else {}),
             "train/reward_all_rollouts": sum(x.reward for x in since) / max(1, len(since)),

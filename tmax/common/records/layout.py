@@ -107,6 +107,11 @@ class LearnRunDir:
         return self.dir / "rollouts.jsonl"
 
     @property
+    def advantages(self) -> Path:
+        """Per trained episode, the advantage of each of its turns (`training.branch_records`)."""
+        return self.dir / "advantages.jsonl"
+
+    @property
     def summary(self) -> Path:
         return self.dir / "summary.json"
 

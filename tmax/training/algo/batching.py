@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tmax.training.algo.advantages import ADVANTAGE_MODES, group_advantages, is_zero_std
+from tmax.training.algo.tree import tree_advantages
 
 KEPT, FILTERED, STALE = "kept", "filtered", "stale"
 
@@ -36,6 +37,9 @@ class Group:
     rewards: list[float]
     items: list[Any] = field(default_factory=list)
     policy_version: int = 0
+    # A branching group (`training.algo.tree`): each sample's leaf path (root index, then the
+    # branch taken at each fork). None: independent samples.
+    paths: list[tuple[int, ...]] | None = None
 
     def __post_init__(self) -> None:
         if not self.rewards:
@@ -44,6 +48,8 @@ class Group:
             raise ValueError(
                 f"group {self.task_id!r}: {len(self.items)} items but {len(self.rewards)} rewards"
             )
+        if self.paths is not None and len(self.paths) != len(self.rewards):
+            raise ValueError(f"group {self.task_id!r}: {len(self.paths)} paths but {len(self.rewards)} rewards")
 
     @property
     def mean_reward(self) -> float:
@@ -72,8 +78,10 @@ class BatchConfig:
 class Batch:
     step: int
     groups: list[Group]
-    advantages: list[list[float]]  # per kept group, per sample
+    advantages: list[list[float]]  # per kept group, per sample (a branching sample's: its last segment's)
     metrics: dict[str, float]
+    # Per kept group, per sample, per segment (`training.algo.tree`; one segment for a flat sample).
+    segment_advantages: list[list[list[float]]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -120,8 +128,9 @@ class BatchAccumulator:
         """The batch for `step` (possibly short or empty without active sampling) and its
         metrics; the accumulator starts afresh."""
         groups = self._kept
-        advantages = [group_advantages(g.rewards, self.cfg.advantage_mode) for g in groups]
-        flat_adv = [a for adv in advantages for a in adv]
+        segments = [self._segment_advantages(g) for g in groups]
+        advantages = [[seg[-1] for seg in per_sample] for per_sample in segments]
+        flat_adv = [a for per_sample in segments for seg in per_sample for a in seg]
         kept_rewards = [r for g in groups for r in g.rewards]
         versions = [g.policy_version for g in groups]
         f = self._filtered
@@ -146,7 +155,14 @@ class BatchAccumulator:
             "model_step_mean": _mean(versions) if versions else float(step),
         }
         self._reset()
-        return Batch(step=step, groups=groups, advantages=advantages, metrics=metrics)
+        return Batch(step=step, groups=groups, advantages=advantages, metrics=metrics, segment_advantages=segments)
+
+    def _segment_advantages(self, group: Group) -> list[list[float]]:
+        """Per sample, per segment: the tree estimator for a branching group, else one segment
+        with the group-relative advantage (`advantage_mode`)."""
+        if group.paths is not None:
+            return tree_advantages(group.paths, group.rewards)
+        return [[a] for a in group_advantages(group.rewards, self.cfg.advantage_mode)]
 
 
 def _mean(values: list[float] | list[int]) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from tmax.agents.policy import TokenSampler
 
 from tmax.training.cluster.sandbox_nodes import NODE_LABEL, normal_priority
+from tmax.training.branching import run_tree
 from tmax.training.generator import GeneratedEpisode, EpisodeRequest
 from tmax.training.net import ray_node_id
 from tmax.training.rollout import EpisodeSettings, InfraError, prewarm, run_episode
@@ -40,9 +41,13 @@ class RolloutWorker:
 
     def generate(self, req: EpisodeRequest, version: int) -> GeneratedEpisode:
         """One episode of `req` scored (`training.generator.EpisodeWorker`)."""
+        image = self.images.get(req.task_dir)
         try:
-            r = run_episode(req, self.sampler, self.tokenizer, self.episode, image=self.images.get(req.task_dir),
-                            pool=self.pool, start_version=version)
+            if self.episode.branching.enabled:  # a tree of episodes (`training.branching`)
+                return run_tree(req, self.sampler, self.tokenizer, self.episode, self.episode.branching, image=image,
+                                pool=self.pool, start_version=version)
+            r = run_episode(req, self.sampler, self.tokenizer, self.episode, image=image, pool=self.pool,
+                            start_version=version)
         except InfraError as e:
             return GeneratedEpisode(infra_error=str(e), infra_kind=e.kind)
         return GeneratedEpisode(rollout=r)

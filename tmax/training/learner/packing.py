@@ -16,7 +16,7 @@ conversion without it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from tmax.training.algo.prefix_trie import PrefixTrie, build_trie, pack_by_prefix
@@ -43,6 +43,12 @@ class TrainSample:
 
     trace: "TokenTrace"
     advantage: float
+    # A branching sample (`training.algo.tree`): (first index in `trace.ids`, advantage) of each
+    # segment after the first, whose tokens take that advantage instead of `advantage`.
+    later_segments: list[tuple[int, float]] = field(default_factory=list)
+    # Tokens of `trace.ids` before this index are a sibling's to train (a prefix they share):
+    # here they are context only.
+    owned_from: int = 0
 
     def __len__(self) -> int:
         return len(self.trace.prompt_ids) + len(self.trace.ids)
@@ -53,21 +59,52 @@ class TrainSample:
 
     @property
     def num_loss_tokens(self) -> int:
-        return self.trace.num_sampled
+        return sum(self.trace.mask[self.owned_from:])
+
+    def token_advantages(self) -> list[float]:
+        """The advantage of each token of `trace.ids` (its segment's)."""
+        out = [self.advantage] * len(self.trace.ids)
+        for start, a in self.later_segments:
+            out[start:] = [a] * (len(out) - start)
+        return out
 
 
-def batch_samples(groups: Sequence[Any], advantages: Sequence[Sequence[float]]) -> list[TrainSample]:
+class Branched(Protocol):
+    """A branching group's item (`training.generator.Rollout`): where in its ids each fork was."""
+
+    @property
+    def branch_at(self) -> list[int]: ...
+
+
+def batch_samples(groups: Sequence[Any], advantages: Sequence[Sequence[float | Sequence[float]]]) -> list[TrainSample]:
     """Samples of finished groups (`training.algo.batching.Group`, items `Traced`: one
-    sample per token segment), each
-    with its item's advantage; a segment with no sampled token has nothing to train on and
-    is left out."""
+    sample per token segment), each with its item's advantage: one number, or (a branching
+    group, its items `Branched`) one per segment of the item's tree path, each segment's
+    tokens trained once, in the first sample that holds them (`training.algo.tree`). A
+    segment with no sampled token has nothing to train on and is left out."""
+    from tmax.training.algo.tree import first_owner_depth
+
     out: list[TrainSample] = []
     for group, adv in zip(groups, advantages, strict=True):
         if len(group.items) != len(adv):
             raise ValueError(f"group {group.task_id!r}: {len(group.items)} items but {len(adv)} advantages")
-        out.extend(TrainSample(trace, float(a)) for item, a in zip(group.items, adv) for trace in item.traces
-                   if trace.num_sampled)
+        owners = first_owner_depth(group.paths) if group.paths is not None else [0] * len(adv)
+        for item, a, owner in zip(group.items, adv, owners):
+            if isinstance(a, (int, float)):
+                out.extend(TrainSample(trace, float(a)) for trace in item.traces if trace.num_sampled)
+            else:
+                out.extend(_tree_sample(item, [float(x) for x in a], owner))
     return out
+
+
+def _tree_sample(item: Any, segments: list[float], owner: int) -> list[TrainSample]:
+    """One sample of a branching group's leaf: segment d (from fork d - 1 to fork d) takes
+    `segments[d]`; tokens before the fork the leaf's owned segments start at are context."""
+    starts = [0, *item.branch_at]
+    if len(starts) != len(segments) or len(item.traces) != 1:
+        raise ValueError(f"a leaf with {len(starts)} segments (one context) has {len(segments)} advantages")
+    sample = TrainSample(item.trace, segments[0], list(zip(starts[1:], segments[1:])), owned_from=starts[owner])
+    return [sample] if sample.num_loss_tokens else []
 
 
 def shard(samples: list[TrainSample], rank: int, world_size: int) -> list[TrainSample]:
@@ -124,9 +161,10 @@ def build_pack(samples: list[TrainSample], indices: list[int], all_positions: bo
     lmask: list[float] = []
     spans: list[tuple[int, int, int]] = []
     for path, i in zip(trie.paths, indices):
-        t, a = samples[i].trace, samples[i].advantage
+        t, token_adv, owned = samples[i].trace, samples[i].token_advantages(), samples[i].owned_from
         first, n_prompt = len(pred), len(t.prompt_ids)
-        for k, (tok, lp, m) in enumerate(zip(t.ids, t.logprobs, t.mask)):
+        for k, (tok, lp, m, a) in enumerate(zip(t.ids, t.logprobs, t.mask, token_adv)):
+            m = m if k >= owned else 0  # a sibling trains the prefix they share
             if not (m or all_positions):
                 continue
             # The token at sequence position p is predicted by the node at p - 1 of its path.
@@ -166,5 +204,5 @@ def validate_samples(samples: list[TrainSample], vocab_size: int) -> None:
         for k, (lp, m) in enumerate(zip(s.logprobs, s.mask)):
             if m and not (math.isfinite(lp) and lp <= 1e-4):
                 raise ValueError(f"{where}: sampled token {k} has sampler logprob {lp} (need a finite value <= 0)")
-        if not math.isfinite(sample.advantage):
-            raise ValueError(f"{where}: advantage {sample.advantage} is not finite")
+        if not all(math.isfinite(a) for a in (sample.advantage, *(a for _, a in sample.later_segments))):
+            raise ValueError(f"{where}: advantage {sample.advantage} (segments {sample.later_segments}) is not finite")
