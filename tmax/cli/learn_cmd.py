@@ -18,7 +18,6 @@ Ray cluster are there.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -158,16 +157,14 @@ def learn(
     res = _call(lambda: entry.learn(cfg, run_dir, resume=resume, progress=bars, from_runs=from_runs,
                                     runs_per_step=runs_per_step, log=_echo), run_dir)
     _echo(f"done: {res.steps} steps; checkpoint {res.final_checkpoint}; reward curve {res.curve_png}")
-    typer.echo(json.dumps(res.summary, indent=2))
-    _guard_verdict(res.summary)
+    typer.echo(res.summary.model_dump_json(indent=2))
+    _guard_verdict(res.summary.guard)
 
 
-def _guard_verdict(summary: dict) -> None:
-    """The collapse guard's events (`training.report.run_summary`'s `guard`); a run the guard
-    stopped exits 1."""
+def _guard_verdict(guard: GuardSummary) -> None:
+    """The collapse guard's events (summary.json's `guard`); a run the guard stopped exits 1."""
     from tmax.training.report import guard_report
 
-    guard = GuardSummary.model_validate(summary["guard"])
     for line in guard_report(guard):
         _echo(line)
     if guard.stopped:

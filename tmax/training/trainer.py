@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tmax.common.files import append_line_atomic, write_json_atomic, write_text_atomic
-from tmax.common.records import CheckpointExtra, LearnRunDir
+from tmax.common.files import append_line_atomic, write_text_atomic
+from tmax.common.records import CheckpointExtra, LearnRunDir, RunSummary, write_record
 from tmax.training.agentic import agentic_metrics, of_rollout
 from tmax.training.algo.batching import BatchAccumulator, BatchConfig, Group
 from tmax.training.cluster.actors import Actors, EngineGroup, start_actors
@@ -106,7 +106,7 @@ class RunResult:
     metrics_path: str
     rollouts_path: str
     curve_png: str | None
-    summary: dict[str, Any]
+    summary: RunSummary
 
 
 @dataclass
@@ -410,9 +410,9 @@ class Trainer:
         png = reward_curve(metrics, self.files.reward_curve)
         summ = run_summary(metrics, setup_s, time.monotonic() - self.state.clock.run_start)
         infra = self.state.infra
-        summ.update({**self.generator.summary(), "env/infra_errors": infra.total,
-                     "infra_errors_by_kind": dict(infra.by_kind)})
-        write_json_atomic(self.files.summary, summ)
+        summ = summ.model_copy(update={**self.generator.task_counts().model_dump(), "infra_errors": infra.total,
+                                       "infra_errors_by_kind": dict(infra.by_kind)})
+        write_record(self.files.summary, summ)
         return RunResult(str(self.run_dir), self.state.step, str(final) if final else None, str(metrics),
                          str(self.rollouts_path), png, summ)
 

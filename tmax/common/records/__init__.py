@@ -14,8 +14,8 @@ A session directory (`tmax run`, one episode of `tmax bench` or `tmax learn`), `
     run.json         `RunRecord`: the `tmax run` command's own record of the session
     reward.json      `Rating`: the session's reward (/good, /bad, --verify)
 
-A `tmax learn` run directory, `LearnRunDir`: metrics.jsonl, rollouts.jsonl, summary.json,
-recipe.json, sft/sft.json (`SftRecord`), checkpoints/step_N/ with trainer_state.json
+A `tmax learn` run directory, `LearnRunDir`: metrics.jsonl, rollouts.jsonl, summary.json
+(`RunSummary`), recipe.json, sft/sft.json (`SftRecord`), checkpoints/step_N/ with trainer_state.json
 (`CheckpointMeta`) and health.json (`HealthRecord`). An engine's work directory keeps
 weights.version.json (`WeightsManifest`). A generated corpus keeps `.generate/config.json`
 (`GenerationIdentity`) and `_rejected/<task>/rejection.json` (`Rejection`). A generated
@@ -37,7 +37,7 @@ from tmax.common.records.session_records import (  # noqa: F401
     EpisodeOutcome, AgentMeta, StepTiming, TimingRecords, SegmentRecord, UsageRecord, InstructionSource, RunRecord, Rating,
 )
 from tmax.common.records.learn_records import (  # noqa: F401
-    metric, metric_values, GuardState, CheckpointExtra, AlarmRecord, GuardEvent, GuardEventKind, GuardSummary, CheckpointMeta, HealthRecord, SftRecord, WeightsManifest, WorkerReply,
+    metric, metric_values, GuardState, CheckpointExtra, AlarmRecord, GuardEvent, GuardEventKind, GuardSummary, TaskCounts, RunSummary, CheckpointMeta, HealthRecord, SftRecord, WeightsManifest, WorkerReply,
 )
 from tmax.common.records.task_records import NanoMeta  # noqa: F401
 from tmax.common.records.corpus_records import (  # noqa: F401
