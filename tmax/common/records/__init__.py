@@ -37,7 +37,7 @@ from tmax.common.records.session_records import (  # noqa: F401
     EpisodeOutcome, AgentMeta, StepTiming, TimingRecords, SegmentRecord, UsageRecord, InstructionSource, RunRecord, Rating,
 )
 from tmax.common.records.learn_records import (  # noqa: F401
-    metric, metric_values, GuardState, CheckpointExtra, AlarmRecord, GuardEvent, GuardEventKind, GuardSummary, TaskCounts, RunSummary, CheckpointMeta, HealthRecord, SftRecord, WeightsManifest, WorkerReply,
+    metric, metric_values, GuardState, CheckpointExtra, AlarmRecord, GuardEvent, GuardEventKind, GuardSummary, TaskCounts, RunSummary, CheckpointMeta, HealthRecord, SftRecord, WeightsManifest, WeightGroupSpec, JoinedWeightGroup, WorkerReply,
 )
 from tmax.common.records.task_records import NanoMeta  # noqa: F401
 from tmax.common.records.corpus_records import (  # noqa: F401

@@ -161,6 +161,24 @@ class WeightsManifest(Record):
     version: int
 
 
+class WeightGroupSpec(Record):
+    """What each vLLM worker of an engine is told to join a weight group by
+    (`training.weights.vllm_ext`, as JSON: `/collective_rpc` takes strings)."""
+
+    host: Annotated[str, Field(description="Learner rank 0's host, serving the group's TCPStore.")]
+    port: Annotated[int, Field(description="That TCPStore's port.")]
+    rank_offset: Annotated[int, Field(description="The engine's first rank; a worker adds its TP rank.")] = 0
+    world_size: Annotated[int, Field(description="Ranks in the group: the learner's rank 0 and every engine worker.")]
+    backend: Annotated[str, Field(description="gloo (host memory) or nccl (GPU).")] = "gloo"
+    timeout_s: Annotated[float, Field(description="How long a collective may wait.")] = 300.0
+
+
+class JoinedWeightGroup(WeightGroupSpec):
+    """The weight group an engine's workers joined, with the ranks they took."""
+
+    ranks: Annotated[list[int], Field(description="The ranks the engine's workers answered with.")] = []
+
+
 class WorkerReply(Record):
     """What a vLLM worker of ours (`training.weights.vllm_ext`) answers to a load or a join."""
 
