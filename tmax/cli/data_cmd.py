@@ -17,13 +17,16 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
 from tmax.cli.exits import fail
 
 from tmax.cli.data_group import AXES_OPTION, JSON_OPTION, stderr_console, emit_json, data_app
+
+if TYPE_CHECKING:
+    from tmax.common.records import SolveSummary
 
 _ENV = typer.Option("podman", "-e", "--env", help="Where tasks run: podman | bwrap | local.")
 
@@ -257,11 +260,11 @@ def solve_cmd(
     backend = _backend(ray, address, ray_resource, concurrent)
     bar, tid = _bar(len(corpus_task_dirs(corpus)) if corpus.is_dir() else 0, "solve")
 
-    def on_task(s: dict, resumed: bool) -> None:
+    def on_task(s: SolveSummary, resumed: bool) -> None:
         if jsonl:
-            _emit_line({**{key: s[key] for key in ("task", "num_attempts", "num_runs", "num_success",
-                                                     "success_rate")}, "resumed": resumed})
-        bar.console.print(f"{s['task']}: solved {s['num_success']}/{s['num_runs']}"
+            _emit_line({**s.model_dump(include={"task", "num_attempts", "num_runs", "num_success", "success_rate"}),
+                        "resumed": resumed})
+        bar.console.print(f"{s.task}: solved {s.num_success}/{s.num_runs}"
                           + ("  [dim](done before)[/]" if resumed else ""))
         bar.advance(tid)
 
@@ -278,9 +281,8 @@ def solve_cmd(
     kept = in_band(summaries, lo_hi) if lo_hi else None
     if kept is not None and out is not None:
         write_links([t for t in read_corpus(corpus) if t.name in set(kept)], out)
-    data = {"tasks": {t: {key: s[key] for key in ("num_attempts", "num_runs", "num_success", "success_rate",
-                                                    "pass_at_k")} for t, s in summaries.items()}, "band": kept,
-            "unreadable": unreadable}
+    data = {"tasks": {t: s.model_dump(include={"num_attempts", "num_runs", "num_success", "success_rate", "pass_at_k"})
+                      for t, s in summaries.items()}, "band": kept, "unreadable": unreadable}
     for name, why in unreadable.items():
         stderr_console().print(f"[red]unreadable[/] {name}: {why} (not solved)")
     if jsonl:
@@ -289,9 +291,9 @@ def solve_cmd(
         emit_json(data)
     else:
         for t, s in summaries.items():
-            rate = "n/a" if s["success_rate"] is None else f"{s['success_rate']:.3f}"
-            stderr_console().print(f"{t}: solved {s['num_success']}/{s['num_runs']} (rate {rate}; k = "
-                             f"{s['num_attempts']} attempts, n = {s['num_runs']} scored)")
+            rate = "n/a" if s.success_rate is None else f"{s.success_rate:.3f}"
+            stderr_console().print(f"{t}: solved {s.num_success}/{s.num_runs} (rate {rate}; k = "
+                                   f"{s.attempts} attempts, n = {s.num_runs} scored)")
         if kept is not None:
             stderr_console().print(f"{len(kept)} task(s) with a success rate in {band}" + (f" → {out}" if out else ""))
     if unreadable:  # those tasks were not solved: not a clean result

@@ -41,5 +41,5 @@ from tmax.common.records.learn_records import (  # noqa: F401
 )
 from tmax.common.records.task_records import NanoMeta  # noqa: F401
 from tmax.common.records.corpus_records import (  # noqa: F401
-    JobItemResult, GenerationStatus, CorpusIdentity, GenerationIdentity, GeneratedEnvironment, GateRound, Rejection,
+    JobItemResult, SolveAttempt, SolveSummary, InitialCheck, GenerationStatus, CorpusIdentity, GenerationIdentity, GeneratedEnvironment, GateRound, Rejection,
 )

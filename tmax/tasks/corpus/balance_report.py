@@ -11,11 +11,11 @@ cannot pass for a balanced one. All nine axes are scored, as in the paper.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from pathlib import Path
 
+from tmax.common.records import RecordError, SolveSummary, read_record
 from tmax.tasks.corpus.axes import AxesConfig, load_axes
 from tmax.tasks.corpus.corpus import CorpusTask, read_corpus
 
@@ -71,28 +71,23 @@ def balances(counts: dict[str, dict[str, int]], axes: AxesConfig | None = None) 
     return scores, outside
 
 
-def success_rate(summary: dict) -> float | None:
-    """c/n of a summary (None without a scored run); older summaries lack the field."""
-    n = int(summary.get("num_runs") or 0)
-    return int(summary.get("num_success") or 0) / n if n else None
-
-
-def solve_summaries(root: Path) -> dict[str, dict[str, dict]]:
-    """{solver tag: {task: summary}} from the `solve` summaries of a corpus."""
-    out: dict[str, dict[str, dict]] = {}
+def solve_summaries(root: Path) -> dict[str, dict[str, SolveSummary]]:
+    """{solver tag: {task: summary}} from the `solve` summaries of a corpus (one that does
+    not read is left out)."""
+    out: dict[str, dict[str, SolveSummary]] = {}
     base = root / SOLVE_DIR
     if not base.is_dir():
         return out
     for tag_dir in sorted(p for p in base.iterdir() if p.is_dir()):
         for f in sorted(tag_dir.glob("*.json")):
             try:
-                out.setdefault(tag_dir.name, {})[f.stem] = json.loads(f.read_text())
-            except (OSError, json.JSONDecodeError):
+                out.setdefault(tag_dir.name, {})[f.stem] = read_record(f, SolveSummary)
+            except (OSError, RecordError):
                 continue
     return out
 
 
-def success_histograms(summaries: dict[str, dict[str, dict]], bins: int = 10) -> dict[str, dict]:
+def success_histograms(summaries: dict[str, dict[str, SolveSummary]], bins: int = 10) -> dict[str, dict]:
     """Per solver tag: the histogram of the per-task success rate c/n, with the attempts
     per task (k) and the scored runs per task (n) as ranges."""
     out = {}
@@ -100,12 +95,12 @@ def success_histograms(summaries: dict[str, dict[str, dict]], bins: int = 10) ->
         hist = [0] * bins
         ks, ns = [], []
         for s in tasks.values():
-            rate = success_rate(s)
+            rate = s.success_rate
             if rate is None:
                 continue
             hist[min(bins - 1, int(rate * bins))] += 1
-            ns.append(int(s["num_runs"]))
-            ks.append(int(s.get("num_attempts") or s["num_runs"]))
+            ns.append(s.num_runs)
+            ks.append(s.attempts)
         out[tag] = {"k": [min(ks), max(ks)] if ks else None, "n": [min(ns), max(ns)] if ns else None,
                     "bins": [round(i / bins, 3) for i in range(bins + 1)], "counts": hist, "tasks": sum(hist)}
     return out
