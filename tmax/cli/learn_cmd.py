@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import typer
 
 from tmax.cli.missing_extra import exit_if_extra_missing
-from tmax.cli.options import FlagValues, option_parameter, setting_flags
+from tmax.cli.options import PRINT_CONFIG, FlagValues, option_parameter, setting_flags
 from tmax.cli.options import print_config as print_config_lines
 from tmax.training.config import PRESETS, LearnConfig
 from tmax.common.records import GuardSummary, LearnRunDir
@@ -46,8 +46,7 @@ _SHARED = [
     option_parameter("config", Optional[Path], typer.Option(
         None, "--config", "-c", help=f"TOML run config or a preset name: {', '.join(PRESETS)} (default nano). It sets "
                                      "every default (--print-config shows them).")),
-    option_parameter("print_config", bool, typer.Option(
-        False, "--print-config", help="Print the resolved settings and where each came from, and exit.")),
+    PRINT_CONFIG,
     option_parameter("no_progress", bool, typer.Option(
         False, "--no-progress", help="No progress bar, a log line per step (the default when stderr is not a terminal).")),
 ]
