@@ -237,15 +237,18 @@ def _undescribed(model: type[BaseModel]) -> list[str]:
 
 def test_every_setting_has_a_description():
     """Each setting of every command's declaration (learn's sections, run's keys and file,
-    bench's job, serve's server, data generate's run) says what it is: the help, the docs'
-    tables and --print-config show it."""
+    bench's job and the job spec it makes, serve's server, data generate's run and its axes)
+    says what it is: the help, the docs' tables and --print-config show it."""
     from tmax.cli.bench_settings import BenchSettings
     from tmax.cli.run_settings import RunFile, RunKeys
     from tmax.training.config import LearnConfig
     from tmax.tasks.corpus.generate_config import GenerateConfig
     from tmax.training.inference.serving import ServeSpec
 
+    from tmax.tasks.corpus.axes import AxesConfig, DomainAxes, TaskAxes
+    from tmax.tasks.job import JobSpec
+
     missing = {m.__name__: _undescribed(m) for m in (LearnConfig, RunKeys, RunFile, BenchSettings, ServeSpec,
-                                                      GenerateConfig)}
+                                                      GenerateConfig, JobSpec, AxesConfig, DomainAxes, TaskAxes)}
     assert not any(missing.values()), f"settings without a description: {missing}"
     assert _undescribed(_Outer) == [] and _undescribed(type("Bare", (BaseModel,), {"__annotations__": {"n": int}})) == ["n"]
