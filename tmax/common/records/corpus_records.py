@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, computed_field
+from pydantic import Field, computed_field
 
 from tmax.common.records.record_io import Record
 
@@ -62,14 +62,6 @@ class InitialCheck(Record):
     initial: Annotated[Literal["absent", "passed", "failed"],
                        Field(description="The initial-state test's result; absent: the task has none.")]
     output: Annotated[str, Field(description="The tail of what the test printed.")] = ""
-
-    @classmethod
-    def of(cls, metadata: dict[str, object] | None) -> InitialCheck | None:
-        """The gate's record in `metadata`; None where the trial has none (it did not run)."""
-        try:
-            return cls.model_validate(metadata) if metadata else None
-        except ValidationError:
-            return None
 
 
 class GenerationStatus(StrEnum):

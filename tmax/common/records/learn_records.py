@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from tmax.common.records.record_io import HealthMark, Record
 
@@ -184,11 +184,3 @@ class WorkerReply(Record):
 
     n_tensors: int | None = None
     rank: int | None = None
-
-    @classmethod
-    def of(cls, reply: object) -> WorkerReply | None:
-        """A worker's reply; None for one that is not a reply of ours (an error, a string)."""
-        try:
-            return cls.model_validate(reply)
-        except ValidationError:
-            return None
