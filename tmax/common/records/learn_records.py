@@ -9,6 +9,7 @@ from enum import StrEnum
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.fields import FieldInfo
 
 from tmax.common.records.record_io import HealthMark, Record
 
@@ -94,7 +95,7 @@ class TaskCounts(Record):
     tasks_dropped: Annotated[int, Field(description="Tasks left out (no image, a broken task).")] = 0
 
 
-def _quarter(what: str) -> Any:
+def _quarter(what: str) -> FieldInfo:
     return Field(description=f"Mean {what}; None where no step logged it.")
 
 
