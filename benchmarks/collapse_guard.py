@@ -55,7 +55,7 @@ def rl_run(cfg, name: str, start: str, train_dir: str, prepared, engine, out: Pa
     try:
         run = train(cfg, start, HarborGenerator(cfg, prepared, out / name), out / name, engine_handle=engine,
                     keep_engine=True)
-        res.update(steps=run.steps, summary=run.summary, error=None)
+        res.update(steps=run.steps, summary=run.summary.model_dump(mode="json"), error=None)
     except TrainingError as e:
         res.update(steps=None, summary=None, error=str(e))
         log(f"{name}: the run died: {e}")
@@ -63,7 +63,7 @@ def rl_run(cfg, name: str, start: str, train_dir: str, prepared, engine, out: Pa
     if res["summary"] is None:
         from tmax.training.report import run_summary
 
-        res["summary"] = run_summary(out / name / "metrics.jsonl", 0.0, res["seconds"])
+        res["summary"] = run_summary(out / name / "metrics.jsonl", 0.0, res["seconds"]).model_dump(mode="json")
     g = res["summary"]["guard"]
     log(f"{name}: {res['summary']['steps']} steps, {g['rollbacks']} rollbacks, {g['steps_lost']} steps lost, "
         f"reward {res['summary']['reward_first_quarter']} -> {res['summary']['reward_last_quarter']}, "

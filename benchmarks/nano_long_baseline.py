@@ -41,7 +41,8 @@ def main() -> None:
     from tmax.training.demos import play_demo
     from tmax.training.nano.long_tasks import one_command_pass_rate
     from tmax.training.nano.model import build_tokenizer
-    from tmax.training.nano.tasks import nano_meta, oracle_steps, write_splits
+    from tmax.common.records import NanoMeta
+    from tmax.training.nano.tasks import oracle_steps, write_splits
     from tmax.training.rollout import EpisodeSettings, prepare_tasks
 
     out: dict = {"n_per_split": args.n, "seed": args.seed, "sandbox": args.sandbox}
@@ -50,9 +51,9 @@ def main() -> None:
         for split, dirs in splits.items():
             out[f"one_command_pass_rate_{split}"] = one_command_pass_rate(dirs, seed=args.seed)
         held = splits["heldout"]
-        metas = [nano_meta(d) for d in held]
-        out["depths_heldout"] = dict(sorted(Counter(m["depth"] for m in metas).items()))
-        out["kinds_heldout"] = dict(sorted(Counter(m["kind"] for m in metas).items()))
+        metas = [NanoMeta.read(d) for d in held]
+        out["depths_heldout"] = dict(sorted(Counter(m.depth for m in metas).items()))
+        out["kinds_heldout"] = dict(sorted(Counter(m.kind for m in metas).items()))
         cfg = preset("nano-long")
         cfg.rollout.sandbox = args.sandbox
         episode = EpisodeSettings.of(cfg.rollout)

@@ -49,7 +49,7 @@ def split_report(model, tok, task_dirs: list[str]) -> dict:
     from tmax.training.config import preset
     from tmax.training.demos import collect_demos
     from tmax.training.learner.sft import sft_samples
-    from tmax.training.nano.tasks import nano_meta
+    from tmax.common.records import NanoMeta
 
     oracle = preset("nano-long", {"sft": {"teacher_accuracy": 1.0}})
     by_turn: dict[int, list[bool]] = defaultdict(list)
@@ -58,7 +58,7 @@ def split_report(model, tok, task_dirs: list[str]) -> dict:
         turns = right_turns(model, sample)
         for i, ok in enumerate(turns):
             by_turn[i].append(ok)
-        by_kind[nano_meta(d)["kind"]].append(all(turns))
+        by_kind[NanoMeta.read(d).kind].append(all(turns))
     return {"episodes": len(task_dirs), "episodes_every_turn_right": sum(all_ok for v in by_kind.values() for all_ok in v),
             "turn_right": {str(k): f"{sum(v)}/{len(v)}" for k, v in sorted(by_turn.items())},
             "kind_every_turn_right": {k: f"{sum(v)}/{len(v)}" for k, v in sorted(by_kind.items())}}

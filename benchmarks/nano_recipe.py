@@ -123,7 +123,7 @@ def main() -> None:
         "trainer_overhead_ratio": overhead.get("trainer_overhead_ratio"),
         "trainer_step_s": overhead.get("trainer_step_s"),
         "bare_fwd_bwd_s": overhead.get("bare_fwd_bwd_s"),
-        "rl_summary": res.rl.summary if res.rl else None,
+        "rl_summary": res.rl.summary.model_dump(mode="json") if res.rl else None,
         **sync_figures(out / "rl" / "metrics.jsonl"),
     }
     record_result(args, summary)

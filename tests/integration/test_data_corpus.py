@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from tmax.common.records import SolveSummary
 from tmax.tasks.corpus.axes import load_axes
 from tmax.tasks.corpus.import_native import dockerfile_from_def
 from tmax.tasks.corpus.balance_report import balance_score
@@ -325,10 +326,10 @@ def test_task_summary_unbiased_and_without_infra_errors():
     rows = [TrialRow("t", f"t{i}", TrialScore(o, r)) for i, (o, r) in enumerate(
         [("pass", 1.0), ("fail", 0.0), ("agent_timeout", 1.0), ("fail", 0.0), ("fail", 0.0), ("infra_error", None)])]
     s = task_summary("t", rows, "tmax", "m/x")
-    assert (s["num_runs"], s["num_success"], s["num_infra_errors"]) == (5, 2, 1)
-    assert s["pass_at_k"]["1"] == pytest.approx(0.4)
-    assert s["pass_at_k"]["2"] == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
-    assert s["pass_at_k"]["4"] == 1.0 and len(s["pass_at_k"]) == 5
+    assert (s.num_runs, s.num_success, s.num_infra_errors, s.attempts, s.success_rate) == (5, 2, 1, 6, 0.4)
+    assert s.pass_at_k["1"] == pytest.approx(0.4)
+    assert s.pass_at_k["2"] == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
+    assert s.pass_at_k["4"] == 1.0 and len(s.pass_at_k) == 5
 
 
 def test_band_filters_on_the_success_rate():
@@ -336,9 +337,8 @@ def test_band_filters_on_the_success_rate():
     for bad in ("0.9:0.1", "x", "0.2", "1:2"):
         with pytest.raises(ValueError):
             parse_band(bad)
-    sums = {"a": {"num_runs": 2, "num_success": 0}, "b": {"num_runs": 2, "num_success": 1},
-            "c": {"num_runs": 2, "num_success": 2}, "d": {"num_runs": 0, "num_success": 0},
-            "e": {"num_runs": 8, "num_success": 1}}
+    sums = {t: SolveSummary(task=t, num_runs=n, num_success=c)
+            for t, (n, c) in {"a": (2, 0), "b": (2, 1), "c": (2, 2), "d": (0, 0), "e": (8, 1)}.items()}
     # b (1 of 2) and e (1 of 8) have pass@k = 1 at k = n; their rates 0.5 and 0.125 are in band
     assert in_band(sums, (0.1, 0.9)) == ["b", "e"]
 

@@ -48,9 +48,9 @@ def test_oracle_solves_every_generated_task_through_the_verifier(long_tasks, kin
     tok, splits = long_tasks
     ep = _episode(kind)
     rollouts = [oracle_demo(d, tok, ep) for d in splits["train"] + splits["heldout"]]  # raises unless reward 1
-    from tmax.training.nano.tasks import nano_meta
+    from tmax.common.records import NanoMeta
 
-    depths = [nano_meta(d)["depth"] for d in splits["train"] + splits["heldout"]]
+    depths = [NanoMeta.read(d).depth for d in splits["train"] + splits["heldout"]]
     assert {3, 5} <= set(depths) <= {3, 4, 5}
     for r, depth in zip(rollouts, depths):
         assert r.status == "submitted" and r.reward == 1.0
@@ -75,7 +75,8 @@ def test_teacher_episodes_show_where_mistakes_fall_and_the_step_budget(long_task
     """The sloppy teacher's episodes: solved exactly when its steps are right; a wrong path
     read fails its command, and that failure is placed in its third of the episode. An
     episode cut by `max_steps` ends on the step budget."""
-    from tmax.training.nano.tasks import nano_meta, teacher_steps
+    from tmax.common.records import NanoMeta
+    from tmax.training.nano.tasks import teacher_steps
 
     tok, splits = long_tasks
     ep = _episode("local")
@@ -85,14 +86,14 @@ def test_teacher_episodes_show_where_mistakes_fall_and_the_step_budget(long_task
         assert (play_demo(d, steps, tok, ep).reward == 1.0) == right
     # The longest chain task, its second command reading a note that is not there: a failed
     # command in the first third of a 5- or 6-turn episode (turn 1).
-    chain = max((d for d in splits["train"] + splits["heldout"] if nano_meta(d)["kind"] == "chain"),
-                key=lambda d: nano_meta(d)["depth"])
-    meta = nano_meta(chain)
-    assert meta["depth"] >= 4
-    steps = [("THOUGHT: Read.", c) for c in meta["commands"]]
+    chain = max((d for d in splits["train"] + splits["heldout"] if NanoMeta.read(d).kind == "chain"),
+                key=lambda d: NanoMeta.read(d).depth)
+    meta = NanoMeta.read(chain)
+    assert meta.depth >= 4
+    steps = [("THOUGHT: Read.", c) for c in meta.commands]
     steps[1] = ("THOUGHT: Read.", "cat nosuchnote.txt")
     r = play_demo(chain, steps + [("THOUGHT: Done.", "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")], tok, ep)
-    assert r.turn_outcomes == ["ok", "failed"] + ["ok"] * (meta["depth"] - 1)
+    assert r.turn_outcomes == ["ok", "failed"] + ["ok"] * (meta.depth - 1)
     m = agentic_metrics([of_rollout(r)])
     assert m["agentic/failed_commands_per_episode"] == 1.0 and m["agentic/failed_commands_early"] == 1.0
     # Cut by the step budget: 3 turns of a 5- or 6-command plan, no submit.

@@ -6,15 +6,16 @@ from __future__ import annotations
 import pytest
 
 from tmax.agents.driver import turn_outcome
+from tmax.common.records import StepTiming
 from tmax.training.agentic import EpisodeShape, agentic_metrics, by_depth
 
 
 def test_turn_outcome_of_each_timing_record():
-    assert turn_outcome({"step": 1, "format_error": True, "reason": "no call"}) == "format"
-    assert turn_outcome({"step": 2, "rejected": True, "cmd": "rm -rf /"}) == "rejected"
-    assert turn_outcome({"step": 3, "sandbox_error": "gone", "cmd": "ls"}) == "sandbox_error"
-    assert turn_outcome({"step": 4, "bash_s": 0.1, "return_code": 2, "cmd": "cat x"}) == "failed"
-    assert turn_outcome({"step": 5, "bash_s": 0.1, "return_code": 0, "cmd": "ls"}) == "ok"
+    assert turn_outcome(StepTiming(step=1, format_error=True, reason="no call")) == "format"
+    assert turn_outcome(StepTiming(step=2, rejected=True, cmd="rm -rf /")) == "rejected"
+    assert turn_outcome(StepTiming(step=3, sandbox_error="gone", cmd="ls")) == "sandbox_error"
+    assert turn_outcome(StepTiming(step=4, bash_s=0.1, return_code=2, cmd="cat x")) == "failed"
+    assert turn_outcome(StepTiming(step=5, bash_s=0.1, return_code=0, cmd="ls")) == "ok"
 
 
 def test_turns_solved_budget_and_where_errors_fall():

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from tmax.common.records import (AgentMeta, AgentStatus, CheckpointMeta, EpisodeOutcome, GenerationIdentity,
-                                 LearnRunDir, Rating, RecordError, RunRecord, SessionDir, WorkerReply, read_record)
+                                 LearnRunDir, Rating, RecordError, RunRecord, RunSummary, SessionDir, WorkerReply, read_record,
+                                 write_record)
 
 
 def test_the_outcome_is_outcome_json_and_an_older_sessions_result_json_still_reads(tmp_path):
@@ -58,6 +59,30 @@ def test_an_older_checkpoints_metadata_reads_with_its_guard_state(tmp_path):
     assert (meta.extra.guard.rollbacks, meta.extra.guard.lr_scale, meta.extra.guard.group_size) == (1, 0.5, 8)
     (path / "trainer_state.json").write_text(json.dumps({"step": 2, "extra": {}}))  # no guard, no positions
     assert read_record(path / "trainer_state.json", CheckpointMeta).extra.prompt_position == 0
+
+
+def test_a_run_summary_keeps_its_keys_and_an_older_one_reads(tmp_path):
+    """summary.json as written (the infrastructure errors under their metric name), as an
+    older tmax wrote it (before the turns and the task counts), and inside recipe.json."""
+    from tmax.training.recipe import RlStage
+
+    files = LearnRunDir(tmp_path)
+    write_record(files.summary, RunSummary(steps=4, infra_errors=2, infra_errors_by_kind={"sandbox": 2}))
+    written = json.loads(files.summary.read_text())
+    assert (written["env/infra_errors"], written["steps"], written["guard"]["rollbacks"]) == (2, 4, 0)
+    assert read_record(files.summary, RunSummary).infra_errors_by_kind == {"sandbox": 2}
+    old = {"steps": 8, "updates": 8, "setup_s": 30.2, "run_s": 95.0, "reward_first_quarter": 0.25,
+           "reward_last_quarter": 0.75, "episodes": 128, "guard": {"rollbacks": 1, "steps_lost": 2, "stopped": False,
+                                                                   "stop_reason": None, "events": []}}
+    files.summary.write_text(json.dumps(old))
+    summ = read_record(files.summary, RunSummary)
+    assert (summ.steps, summ.reward_last_quarter, summ.turns_last_quarter, summ.guard.rollbacks) == (8, 0.75, None, 1)
+    assert (summ.tasks_runnable, summ.infra_errors) == (0, 0)
+    stage = RlStage.model_validate({"steps": 8, "checkpoint": None, "summary": old, "curve": None})
+    assert stage.summary.run_s == 95.0
+    files.summary.write_text(json.dumps({"steps": "many"}))
+    with pytest.raises(RecordError, match="summary.json is not a RunSummary record"):
+        read_record(files.summary, RunSummary)
 
 
 def test_foreign_dicts_are_not_taken_for_our_records():

@@ -386,10 +386,10 @@ def test_summary_report_and_curve_show_rollbacks(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in _event_rows()))
     summ = run_summary(path, 1.0, 2.0)
-    assert summ["steps"] == 5 and summ["updates"] == 7
-    g = summ["guard"]
-    assert (g["rollbacks"], g["steps_lost"], g["stopped"]) == (1, 2, False)
-    text = "\n".join(guard_report(GuardSummary.model_validate(g)))
+    assert summ.steps == 5 and summ.updates == 7
+    g = summ.guard
+    assert (g.rollbacks, g.steps_lost, g.stopped) == (1, 2, False)
+    text = "\n".join(guard_report(g))
     assert "step 4: collapse (reward, identical) -> back to step 2, lower_lr (LR x0.5)" in text
     assert "reward 0.0 (baseline 0.5, limit +-0.2)" in text
     assert Path(reward_curve(path, tmp_path / "curve.png")).stat().st_size > 1000

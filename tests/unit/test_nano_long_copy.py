@@ -20,7 +20,8 @@ def test_a_random_model_gets_no_turn_right_and_every_turn_is_counted(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tmax.training.nano.model import build_nano_model
-    from tmax.training.nano.tasks import nano_meta, write_splits
+    from tmax.common.records import NanoMeta
+    from tmax.training.nano.tasks import write_splits
 
     build_nano_model(tmp_path / "model", seed=0, family="long")
     splits = write_splits(tmp_path / "tasks", 4, 4, seed=0, family="long")
@@ -30,7 +31,7 @@ def test_a_random_model_gets_no_turn_right_and_every_turn_is_counted(tmp_path):
     report = _bench().split_report(model, tok, dirs)
     assert report["episodes"] == 4 and report["episodes_every_turn_right"] == 0
     # One entry per turn: the commands the task needs, then the submit.
-    longest = max(nano_meta(d)["depth"] for d in dirs) + 1
+    longest = max(NanoMeta.read(d).depth for d in dirs) + 1
     assert sorted(map(int, report["turn_right"])) == list(range(longest))
     assert all(v.startswith("0/") for v in report["turn_right"].values())
     assert sum(int(v.split("/")[1]) for v in report["kind_every_turn_right"].values()) == 4

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tmax.agents.prompts import SUBMIT_COMMAND
+from tmax.common.records import NanoMeta
 from tmax.tasks.hostenv import check_dockerfile, populate
 from tmax.tasks.task_format import Task
 from tmax.training.nano import long_tasks as L
@@ -65,13 +66,13 @@ def test_each_command_after_the_first_uses_what_an_earlier_one_printed(written):
     an earlier command set up (the fix kind's re-checks), and no revealed value is in the
     instruction."""
     for d in written["train"] + written["heldout"]:
-        meta = T.nano_meta(d)
+        meta = NanoMeta.read(d)
         instruction = (d / "instruction.md").read_text()
-        assert meta["family"] == "long" and meta["depth"] == len(meta["commands"]) >= 3
-        assert not any(w in instruction for w in meta["revealed"]), d.name
-        for i, c in enumerate(meta["commands"][1:], 1):
-            uses = any(w in c for w in meta["revealed"])
-            recheck = meta["kind"] == "fix" and c.startswith("bash check.sh") and "=" in meta["commands"][i - 1]
+        assert meta.family == "long" and meta.depth == len(meta.commands) >= 3
+        assert not any(w in instruction for w in meta.revealed), d.name
+        for i, c in enumerate(meta.commands[1:], 1):
+            uses = any(w in c for w in meta.revealed)
+            recheck = meta.kind == "fix" and c.startswith("bash check.sh") and "=" in meta.commands[i - 1]
             assert uses or recheck, (d.name, c)
 
 
@@ -119,8 +120,8 @@ def test_one_command_baseline_is_under_five_percent(written):
     assert rate < 0.05, rate
     # Not vacuous: with the observed values known (not guessed) the final commands of the
     # chain and lookup kinds do solve alone, so the guessing is what the baseline measures.
-    d = next(d for d in written["heldout"] if T.nano_meta(d)["kind"] == "lookup")
-    assert L._passes_alone(d, T.nano_meta(d)["commands"][-1])
+    d = next(d for d in written["heldout"] if NanoMeta.read(d).kind == "lookup")
+    assert L._passes_alone(d, NanoMeta.read(d).commands[-1])
 
 
 def test_every_value_is_syllable_tokens_shared_by_the_splits(written):
@@ -139,10 +140,10 @@ def test_every_value_is_syllable_tokens_shared_by_the_splits(written):
     train_pieces = {p for w in L.LONG_POOLS["train"] for p in pieces(" " + w)}
     assert len(train_pieces) == 71  # the space and the 70 syllables
     for d in written["heldout"][:12]:
-        meta = T.nano_meta(d)
+        meta = NanoMeta.read(d)
         files = (d / "environment/files")
-        texts = [*meta["commands"], *(p.read_text() for p in [*files.rglob("*.txt"), *files.glob("*.lst")])]
-        for w in meta["revealed"]:
+        texts = [*meta.commands, *(p.read_text() for p in [*files.rglob("*.txt"), *files.glob("*.lst")])]
+        for w in meta.revealed:
             word = pieces(" " + w)
             assert word[0] == " " and "".join(word[1:]) == w and len(word) in (3, 4), word
             assert set(word) <= train_pieces
@@ -160,7 +161,7 @@ def test_sloppy_teacher_is_mostly_right_with_detours_and_mistakes(written, tmp_p
         assert steps[-1][1] == SUBMIT_COMMAND and all(th.startswith("THOUGHT: ") for th, _ in steps)
         reward = _play(d, tmp_path / str(i), [c for _, c in steps])
         assert reward == (1.0 if right else 0.0), (d.name, steps)
-        outcomes.append((right, len(steps) - 1 - T.nano_meta(d)["depth"]))
+        outcomes.append((right, len(steps) - 1 - NanoMeta.read(d).depth))
     solved = sum(r for r, _ in outcomes) / len(outcomes)
     assert 0.55 <= solved <= 0.9, solved  # 0.5 + 0.5 * 2/5 expected
     assert any(extra > 0 for r, extra in outcomes if r)  # detours: longer, still right

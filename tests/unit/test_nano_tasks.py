@@ -5,13 +5,16 @@ Verifiers run for real with bash in temp work dirs (the way the local sandbox ru
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import tomllib
 from pathlib import Path
 
 import pytest
+import tomli_w
 
 from tmax.agents.prompts import SUBMIT_COMMAND
+from tmax.common.records import NanoMeta
 from tmax.tasks.hostenv import check_dockerfile, populate
 from tmax.tasks.task_format import Task
 from tmax.training.nano import tasks as T
@@ -155,7 +158,7 @@ def test_wrong_answers_fail(written, tmp_path):
     _, dirs = written
     by_kind = {}
     for d in dirs["train"]:
-        by_kind.setdefault(tomllib.loads((d / "task.toml").read_text())["metadata"]["nano"]["kind"], d)
+        by_kind.setdefault(NanoMeta.read(d).kind, d)
     wrong = {
         "count_lines": "echo 999 > answer.txt",
         "count_words": "wc -l < *.dat > answer.txt",
@@ -195,6 +198,31 @@ def test_oracle_steps_have_thoughts(written):
         bad.mkdir()
         (bad / "task.toml").write_text('version = "1.0"\n')
         T.oracle_commands(bad)
+
+
+def test_metadata_table_as_written_and_as_older_versions_wrote_it(written, tmp_path):
+    """A one-command task's `[metadata.nano]` table holds no long-family fields, and a task
+    written before `family`, `depth` and `thoughts` were recorded still reads: family nano,
+    depth 1, and its oracle steps take the kind's THOUGHT."""
+    from tmax.training.agentic import task_depth
+
+    _, dirs = written
+    table = tomllib.loads((dirs["train"][0] / "task.toml").read_text())["metadata"]["nano"]
+    assert set(table) == {"kind", "split", "commands", "params", "family", "depth"}
+    old = tmp_path / "old"
+    shutil.copytree(dirs["train"][0], old)
+    doc = tomllib.loads((old / "task.toml").read_text())
+    for key in ("family", "depth"):
+        del doc["metadata"]["nano"][key]
+    (old / "task.toml").write_text(tomli_w.dumps(doc))
+    meta = NanoMeta.read(old)
+    assert (meta.family, meta.depth, meta.thoughts) == ("nano", 1, []) and task_depth(old) == 1
+    assert T.oracle_steps(old) == T.oracle_steps(dirs["train"][0])
+    doc["metadata"]["nano"]["commands"] = "not a list"
+    (old / "task.toml").write_text(tomli_w.dumps(doc))
+    with pytest.raises(ValueError, match=r"\[metadata.nano\] is not a NanoMeta record"):
+        NanoMeta.read(old)
+    assert task_depth(old) is None
 
 
 def test_teacher_slips_fail_every_kind_and_accuracy_is_its_rate(written, tmp_path):

@@ -24,7 +24,7 @@ def test_make_pool_picks_the_pool_for_the_kind_and_settings(tmp_path):
     fresh = make_pool("podman", 2, 3)
     try:
         assert isinstance(overlay, OverlayPool) and overlay.capacity == 3
-        assert overlay.capabilities().overlay and overlay.capabilities().limits
+        assert overlay.capabilities().overlay and overlay.capabilities().limits and overlay.capabilities().own_root
         assert isinstance(fresh, WarmPool) and fresh.capacity == 5
         assert not fresh.capabilities().overlay  # it knows nothing of a sandbox it was not given
         assert fresh.capabilities(SpecFactory("podman", SandboxSpec(image="x"))).limits
@@ -54,6 +54,8 @@ def test_each_backend_says_what_it_can_do():
     assert podman.limits and podman.network and not podman.overlay and not podman.fork
     assert bwrap.network and bwrap.workspace_target and not bwrap.limits
     assert not local.network and not local.limits and not local.workspace_target
+    # Only a container has a root of its own (where the oracle puts /solution).
+    assert podman.own_root and not bwrap.own_root and not local.own_root
 
 
 def test_undo_snapshots_follow_the_sandboxes_scope(tmp_path):
@@ -88,7 +90,7 @@ def test_no_pool_or_sandbox_kind_branch_outside_the_factories():
     looked at only where pools and sandboxes are made."""
     root = Path(tmax.__file__).parent
     factories = {root / "sandbox" / "pool_factory.py", root / "sandbox" / "__init__.py"}
-    branch = re.compile(r"isinstance\([^)]*(Pool|OverlayPool|WarmPool)\b|\bkind\s*==\s*\"(podman|bwrap|local)\"")
+    branch = re.compile(r"isinstance\([^)]*(Pool|OverlayPool|WarmPool|Sandbox)\b|\bkind\s*[!=]=\s*\"(podman|bwrap|local)\"")
     found = [(str(p.relative_to(root)), line.strip()) for p in root.rglob("*.py") if p not in factories
              for line in p.read_text().splitlines() if branch.search(line)]
     # Harbor's name for the environment type, in the record written for it: not a branch in behaviour.

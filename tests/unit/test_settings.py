@@ -60,6 +60,29 @@ def test_the_old_sandbox_spelling_still_works_with_a_note():
     assert "note" not in r.stderr and shown(r, "eval", "sandbox") == 'sandbox = "bwrap"  # --env'
 
 
+def test_data_generate_takes_its_flags_and_defaults_from_its_config(tmp_path):
+    """`tmax data generate`'s flags are `GenerateConfig`'s: their help is the fields'
+    descriptions with the declared defaults, a missing one names its flag, and
+    --print-config says where each value came from ($TMAX_BASE_URL included)."""
+    from tmax.tasks.corpus.generate_config import GenerateConfig
+
+    r = tmax("data", "generate", "--help")
+    assert r.exit_code == 0, r.output
+    help_text = " ".join(r.stdout.replace("│", " ").split())
+    assert "Tasks generated and gated at once. Default: 4." in help_text
+    assert "Tasks to keep. Required." in help_text and "PydanticUndefined" not in help_text
+    r = tmax("data", "generate", "-N", "2", "-m", "m", "--base-url", "http://h/v1")
+    assert r.exit_code == 2 and "--out/-o is required" in r.output
+    r = tmax("data", "generate", "-o", str(tmp_path / "c"), "-N", "2", "-m", "m", "-n", "3", "--print-config",
+             env={"TMAX_BASE_URL": "http://h/v1", "TMAX_DATA_GENERATE_MAX_RETRIES": "5"})
+    assert r.exit_code == 0, r.output
+    assert shown(r, "", "base_url") == 'base_url = "http://h/v1"  # $TMAX_BASE_URL'
+    assert shown(r, "", "n_concurrent") == "n_concurrent = 3  # --n-concurrent"
+    assert shown(r, "", "max_retries") == "max_retries = 5  # $TMAX_DATA_GENERATE_MAX_RETRIES"
+    declared = GenerateConfig.model_fields["max_redraws"].default
+    assert shown(r, "", "max_redraws") == f"max_redraws = {declared}  # default"
+
+
 def test_bad_values_name_the_flag_or_the_preset():
     r = tmax("learn", "nano", "-e", "docker", "--print-config")
     assert r.exit_code == 2 and "docker" in r.output
@@ -141,7 +164,7 @@ def test_the_docs_settings_tables_are_the_declarations():
     from tmax.cli.settings_docs import BLOCK, PAGES, render
 
     found = {m["name"] for page in PAGES.glob("*.md") for m in BLOCK.finditer(page.read_text())}
-    assert found == {"run", "bench", "learn"}
+    assert found == {"run", "bench", "learn", "generate"}
     for page in PAGES.glob("*.md"):
         text = page.read_text()
         assert render(text) == text, f"{page}: run `python -m tmax.cli.settings_docs`"
@@ -214,15 +237,18 @@ def _undescribed(model: type[BaseModel]) -> list[str]:
 
 def test_every_setting_has_a_description():
     """Each setting of every command's declaration (learn's sections, run's keys and file,
-    bench's job, serve's server, data generate's run) says what it is: the help, the docs'
-    tables and --print-config show it."""
+    bench's job and the job spec it makes, serve's server, data generate's run and its axes)
+    says what it is: the help, the docs' tables and --print-config show it."""
     from tmax.cli.bench_settings import BenchSettings
     from tmax.cli.run_settings import RunFile, RunKeys
     from tmax.training.config import LearnConfig
-    from tmax.tasks.corpus.generate import GenerateConfig
+    from tmax.tasks.corpus.generate_config import GenerateConfig
     from tmax.training.inference.serving import ServeSpec
 
+    from tmax.tasks.corpus.axes import AxesConfig, DomainAxes, TaskAxes
+    from tmax.tasks.job import JobSpec
+
     missing = {m.__name__: _undescribed(m) for m in (LearnConfig, RunKeys, RunFile, BenchSettings, ServeSpec,
-                                                      GenerateConfig)}
+                                                      GenerateConfig, JobSpec, AxesConfig, DomainAxes, TaskAxes)}
     assert not any(missing.values()), f"settings without a description: {missing}"
     assert _undescribed(_Outer) == [] and _undescribed(type("Bare", (BaseModel,), {"__annotations__": {"n": int}})) == ["n"]

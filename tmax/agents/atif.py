@@ -22,6 +22,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from tmax.common.records import StepTiming
+
 SCHEMA_VERSION = "ATIF-v1.6"
 ATIF_FILE = "trajectory.atif.json"  # where bench trials kept the ATIF before it took trajectory.json
 
@@ -53,12 +55,12 @@ def _observe(step: dict[str, Any], content: str, call_id: str | None) -> None:
     results.append({"source_call_id": call_id, "content": content})
 
 
-def to_atif(messages: list[dict[str, Any]], timing: list[dict[str, Any]], usage: dict[str, Any], *,
+def to_atif(messages: list[dict[str, Any]], timing: list[StepTiming], usage: dict[str, Any], *,
             agent_name: str, agent_version: str, model_name: str | None = None, session_id: str | None = None,
             tools: list[dict[str, Any]] | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ATIF document (a JSON-ready dict) for one run's saved files."""
     steps: list[dict[str, Any]] = []
-    timing_by_step = {t.get("step"): t for t in timing if isinstance(t, dict)}
+    timing_by_step = {t.step: t for t in timing if t.step is not None}
     last_agent: dict[str, Any] | None = None
     answered = True  # whether the last agent step's action already has its observation
     n_agent = 0
@@ -75,7 +77,7 @@ def to_atif(messages: list[dict[str, Any]], timing: list[dict[str, Any]], usage:
             if calls:
                 step["tool_calls"] = calls
             if n_agent in timing_by_step:
-                step["extra"] = {"timing": timing_by_step[n_agent]}
+                step["extra"] = {"timing": timing_by_step[n_agent].model_dump(exclude_defaults=True)}
             steps.append(step)
             last_agent, answered = step, False
         elif role == "tool" and last_agent is not None:

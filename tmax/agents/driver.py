@@ -33,7 +33,7 @@ from tmax.agents.loop import Agent, AgentHooks, AgentResult
 from tmax.agents.agent_settings import AgentSettings
 from tmax.agents.policy import Policy, Usage
 from tmax.agents.recorder import Recorder, SavedRun
-from tmax.common.records import AgentStatus
+from tmax.common.records import AgentStatus, StepTiming
 from tmax.sandbox.base import Sandbox
 
 ABANDON_GRACE_S = 60.0  # a model call still running this long after the deadline is left behind
@@ -69,16 +69,16 @@ class EpisodeResult:
         return self.status == AgentStatus.ABANDONED
 
 
-def turn_outcome(record: dict[str, Any]) -> str:
+def turn_outcome(record: StepTiming) -> str:
     """What one model turn came to, from the loop's timing record of it: "format" (no valid
     call), "rejected", "sandbox_error", "failed" (the command exited non-zero) or "ok"."""
-    if record.get("format_error"):
+    if record.format_error:
         return "format"
-    if record.get("rejected"):
+    if record.rejected:
         return "rejected"
-    if "sandbox_error" in record:
+    if record.sandbox_error is not None:
         return "sandbox_error"
-    return "failed" if record.get("return_code", 0) != 0 else "ok"
+    return "failed" if (record.return_code or 0) != 0 else "ok"
 
 
 class EpisodeDriver:
@@ -212,10 +212,10 @@ class EpisodeDriver:
 
     def _result(self, result: AgentResult | None, wall_s: float, first_timing: int) -> EpisodeResult:
         timing = list(self.agent.timing)[first_timing:]
-        command_s = [t["bash_s"] for t in timing if "bash_s" in t]
-        split = {"agent_s": round(wall_s, 3), "llm_s": round(sum(t.get("llm_s", 0.0) for t in timing), 3),
+        command_s = [t.bash_s for t in timing if t.bash_s is not None]
+        split = {"agent_s": round(wall_s, 3), "llm_s": round(sum(t.llm_s or 0.0 for t in timing), 3),
                  "exec_s": round(sum(command_s), 3), "command_s": command_s,
-                 "turn_outcomes": [turn_outcome(t) for t in timing if "step" in t]}
+                 "turn_outcomes": [turn_outcome(t) for t in timing if t.step is not None]}
         stopped = {"timed_out": self._why == "deadline", "cancelled": self._why == "cancel"}
         if result is None:
             error = f"the model call did not return within {self.grace_s:g} s after the deadline"

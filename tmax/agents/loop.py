@@ -51,7 +51,7 @@ from tmax.agents.prompts import REJECTED_TOOL_TEXT, render
 from tmax.agents.recorder import Recorder, SavedRun, save_output
 from tmax.agents.agent_settings import AgentSettings
 from tmax.sandbox.base import CommandResult, Sandbox, SandboxError
-from tmax.common.records import AgentStatus
+from tmax.common.records import AgentStatus, StepTiming
 from tmax.common.waiting import retry_call
 
 INTERRUPT_TEMPLATE = "The user interrupted you and says: {{guidance}}"
@@ -132,7 +132,7 @@ class Agent:
         self.stop = stop or threading.Event()  # set from outside: end at the next step boundary
         self._sleep = sleep  # injectable so tests do not wait through real back-offs
         self.messages: list[dict[str, Any]] = []
-        self.timing: list[dict[str, Any]] = []
+        self.timing: list[StepTiming] = []
         self.usage = Usage()
         self.steps = 0  # model calls over the whole session (follow-ups included)
         self._last_context_tokens = 0
@@ -221,8 +221,8 @@ class Agent:
                                      step=self.steps, reason=reason, focus=focus, ask=self._aside)
         if out.usage is not None:
             self.usage.add(out.usage)
-        self.timing.append({"compaction": out.record.segment, "llm_s": round(time.monotonic() - t0, 3),
-                            "ok": out.record.ok})
+        self.timing.append(StepTiming(compaction=out.record.segment, llm_s=round(time.monotonic() - t0, 3),
+                                      ok=out.record.ok))
         if out.messages is not None and out.context is not None:
             if self.recorder is not None:
                 self.recorder.close_segment(out.record.segment, self.messages, getattr(self.policy, "trace", None))
@@ -370,7 +370,7 @@ class Agent:
         self._reply(action, REJECTED_TOOL_TEXT, tool_only=True)
         if rejection is not None:
             self.messages.append({"role": "user", "content": render(REJECTION_TEMPLATE, feedback=rejection)})
-        self.timing.append({"step": step, "llm_s": round(llm_s, 3), "rejected": True, "cmd": action.command[:200]})
+        self.timing.append(StepTiming(step=step, llm_s=round(llm_s, 3), rejected=True, cmd=action.command[:200]))
         self._save()
         return _Outcome(AgentStatus.INTERRUPTED) if quit_ and not self._guidance() else False
 
@@ -381,7 +381,8 @@ class Agent:
         try:
             result, interrupted = self._execute(action)
         except SandboxError as e:
-            self.timing.append({"step": step, "llm_s": round(llm_s, 3), "sandbox_error": str(e)[:200], "cmd": action.command[:200]})
+            self.timing.append(StepTiming(step=step, llm_s=round(llm_s, 3), sandbox_error=str(e)[:200],
+                                          cmd=action.command[:200]))
             return _Outcome(AgentStatus.SANDBOX_ERROR, str(e))
         limits = self._observation_limits()
         observation, finished = self.harness.observe(action, result, limits)
@@ -394,8 +395,8 @@ class Agent:
         self._reply(action, observation)
         # A command's round trip to 0.1 ms: a short one takes 1-4 ms, where whole milliseconds
         # would hide the difference between two sandboxes (benchmarks/latency_parity.py).
-        self.timing.append({"step": step, "llm_s": round(llm_s, 3), "bash_s": round(result.duration_s, 4),
-                            "return_code": result.exit_code, "cmd": action.command[:200]})
+        self.timing.append(StepTiming(step=step, llm_s=round(llm_s, 3), bash_s=round(result.duration_s, 4),
+                                      return_code=result.exit_code, cmd=action.command[:200]))
         self.hooks.on_observation(step, result, observation)
         self._save()
         if interrupted:
@@ -442,7 +443,7 @@ class Agent:
             message.pop("tool_calls", None)
             self.messages.append(message)
             self.messages.append({"role": "user", "content": feedback})
-        self.timing.append({"step": step, "llm_s": round(llm_s, 3), "format_error": True, "reason": action.error})
+        self.timing.append(StepTiming(step=step, llm_s=round(llm_s, 3), format_error=True, reason=action.error))
         self.hooks.on_format_error(step, feedback, action.error)
         self._save()
 

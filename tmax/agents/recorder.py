@@ -24,8 +24,8 @@ from typing import Any
 from tmax.agents.compaction import ContextUse, SessionContext
 from tmax.agents.policy import TokenTrace, Usage
 from tmax.common.files import write_json_atomic, write_text_atomic
-from tmax.common.records import (AgentStatus, EpisodeOutcome, SegmentRecord, SessionDir, UsageRecord, read_record,
-                                 write_record)
+from tmax.common.records import (AgentStatus, EpisodeOutcome, SegmentRecord, SessionDir, StepTiming, UsageRecord,
+                                 read_record, write_record)
 
 
 def save_output(run_dir: Path, step: int, text: str) -> Path:
@@ -53,7 +53,7 @@ class Recorder:
     def save(
         self,
         messages: list[dict[str, Any]],
-        timing: list[dict[str, Any]],
+        timing: list[StepTiming],
         usage: Usage,
         max_steps: int,
         trace: TokenTrace | None = None,
@@ -64,7 +64,7 @@ class Recorder:
     ) -> None:
         files = self.files
         write_json_atomic(files.trajectory, messages)
-        write_json_atomic(files.timing, timing)
+        write_json_atomic(files.timing, [t.model_dump(exclude_defaults=True) for t in timing])
         write_record(files.usage, usage_record(usage, max_steps, steps, context))
         if trace is not None:
             # Token lists are long; no indentation keeps the file a few times smaller.
@@ -84,7 +84,7 @@ class Recorder:
 @dataclass
 class SavedRun:
     messages: list[dict[str, Any]]
-    timing: list[dict[str, Any]]
+    timing: list[StepTiming]
     usage: Usage
     max_steps: int | None
     outcome: EpisodeOutcome | None
@@ -133,7 +133,7 @@ def load_run(dir: str | os.PathLike[str]) -> SavedRun:
     messages = _read(source)
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise ValueError(f"{source} is not a list of chat messages")
-    timing = _read(files.timing) if files.timing.is_file() else []
+    timing = files.read_timing()
     usage = files.read_usage()
     trace = TokenTrace(**_read(files.tokens)) if files.tokens.is_file() else None
     context = read_record(files.compaction, SessionContext) if files.compaction.is_file() else None

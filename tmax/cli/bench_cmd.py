@@ -26,7 +26,7 @@ import typer
 
 from tmax.cli.bench_settings import TERMINAL_BENCH, BenchSettings, resolve_bench
 from tmax.cli.exits import fail
-from tmax.cli.options import FlagValues, option_parameter, setting_flags
+from tmax.cli.options import PRINT_CONFIG, FlagValues, option_parameter, setting_flags
 from tmax.cli.options import print_config as print_config_lines
 
 bench_app = typer.Typer(help="Benchmark agents on Harbor-format tasks (Terminal-Bench 2.0).", no_args_is_help=True)
@@ -133,8 +133,6 @@ def _make_job(s: BenchSettings):
 # The flags of a job's settings come from `BenchSettings` (`cli.bench_settings`); these are not settings.
 _AK = typer.Option([], "--ak", "--agent-kwarg",
                    help="Agent setting KEY=VALUE (agents/agent_settings.py), e.g. --ak max_steps=32 (repeatable).")
-_PRINT = option_parameter("print_config", bool, typer.Option(
-    False, "--print-config", help="Print the resolved settings and where each came from, and exit."))
 _CONFIG = option_parameter("config", Optional[Path], typer.Option(
     None, "--config", "-c", help="A TOML file of these settings: the long flags' names with underscores, and "
                                  "agent settings as --ak sets them. Flags given here win over it."))
@@ -161,7 +159,7 @@ def _start(file: Optional[Path], flags: tuple[dict, dict[str, str]], ak: list[st
 
 
 @bench_app.command("run")
-@setting_flags(BenchSettings, "bench run", shared=[_CONFIG, _PRINT])
+@setting_flags(BenchSettings, "bench run", shared=[_CONFIG, PRINT_CONFIG])
 def run_cmd(
     dataset: Optional[str] = typer.Argument(None, help="A task directory, a dataset directory, or name@version (local "
                                                        "cache); or `dataset` in the --config file."),
@@ -179,7 +177,7 @@ def run_cmd(
 
 
 @bench_app.command("terminal-bench")
-@setting_flags(BenchSettings, "bench terminal-bench", shared=[_PRINT], defaults=TERMINAL_BENCH)
+@setting_flags(BenchSettings, "bench terminal-bench", shared=[PRINT_CONFIG], defaults=TERMINAL_BENCH)
 def terminal_bench_cmd(ak: list[str] = _AK, *, print_config: bool, flags: FlagValues) -> None:
     """Terminal-Bench 2.0 by the paper's protocol: 5 attempts per task, the tasks' own timeouts,
     errors scored 0, unbiased pass@k."""

@@ -4,12 +4,15 @@ generating and checking ones are in `data_cmd`, which owns the `tmax data` group
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
 from tmax.cli.data_group import AXES_OPTION, JSON_OPTION, stderr_console, emit_json, data_app
 from tmax.cli.exits import fail
+
+if TYPE_CHECKING:
+    from tmax.tasks.corpus.balance_report import BalanceReport
 
 
 @data_app.command("export")
@@ -57,27 +60,27 @@ def report_cmd(
     if png and optional_chart(lambda: write_png(data, png)) is None:
         png = None
     if as_json:
-        emit_json(data)
+        emit_json(data.model_dump(mode="json"))
         return
     _print_report(data, png)
 
 
-def _print_report(data: dict, png: Optional[Path]) -> None:
+def _print_report(data: BalanceReport, png: Optional[Path]) -> None:
     from rich.table import Table
 
     from tmax.tasks.corpus.balance_report import histogram_title
 
     console = stderr_console()
-    console.print(f"[bold]{data['n']}[/] tasks")
-    for name, why in data["unreadable"].items():
+    console.print(f"[bold]{data.n}[/] tasks")
+    for name, why in data.unreadable.items():
         console.print(f"[red]unreadable[/] {name}: {why}")
-    for axis, counts in data["counts"].items():
+    for axis, counts in data.counts.items():
         title = axis
-        if axis in data["balance"]:
-            title += f"  balance {data['balance'][axis]:.3f} over {data['buckets'][axis]} buckets"
-        if data["missing"].get(axis):
-            title += f"  ({data['missing'][axis]} of {data['n']} task(s) lack it)"
-        outside = data["outside_buckets"].get(axis) or {}
+        if axis in data.balance:
+            title += f"  balance {data.balance[axis]:.3f} over {data.buckets[axis]} buckets"
+        if data.missing.get(axis):
+            title += f"  ({data.missing[axis]} of {data.n} task(s) lack it)"
+        outside = data.outside_buckets.get(axis) or {}
         if outside:
             title += f"  ({sum(outside.values())} value(s) outside the buckets, not in the balance)"
         t = Table(title=title, title_justify="left")
@@ -86,11 +89,11 @@ def _print_report(data: dict, png: Optional[Path]) -> None:
         for v, c in list(counts.items())[:20]:
             t.add_row(v + (" [yellow](outside the buckets)[/]" if v in outside else ""), str(c))
         console.print(t)
-    for axis in data["balance"]:
-        if axis not in data["counts"]:
-            console.print(f"{axis}: [yellow]no task has it[/] ({data['missing'][axis]} of {data['n']} lack it)")
-    for tag, h in data["success_rate"].items():
-        console.print(f"{histogram_title(tag, h)}: {h['counts']} over bins {h['bins']}")
+    for axis in data.balance:
+        if axis not in data.counts:
+            console.print(f"{axis}: [yellow]no task has it[/] ({data.missing[axis]} of {data.n} lack it)")
+    for tag, h in data.success_rate.items():
+        console.print(f"{histogram_title(tag, h)}: {h.counts} over bins {h.bins}")
     if png:
         console.print(f"chart: {png}")
 

@@ -17,13 +17,21 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
+from pydantic import ValidationError
 
 from tmax.cli.exits import fail
 
 from tmax.cli.data_group import AXES_OPTION, JSON_OPTION, stderr_console, emit_json, data_app
+from tmax.cli.options import PRINT_CONFIG, FlagValues, setting_flags
+from tmax.cli.options import print_config as print_config_lines
+from tmax.common.settings import describe, env_layer, flag_specs, resolve_layers
+from tmax.tasks.corpus.generate_config import COMMAND as GENERATE, ENV_PREFIX as GENERATE_ENV, GenerateConfig
+
+if TYPE_CHECKING:
+    from tmax.common.records import SolveSummary
 
 _ENV = typer.Option("podman", "-e", "--env", help="Where tasks run: podman | bwrap | local.")
 
@@ -82,37 +90,46 @@ def _backend(ray: bool, address: Optional[str], resource: Optional[str], n_concu
         fail(f"Ray: {e}")
 
 
+def _generate_config(flags: FlagValues) -> tuple[GenerateConfig, dict[str, str]]:
+    """The run's settings (`TMAX_DATA_GENERATE_*` variables, then the flags) and where each
+    came from; a missing or bad one is exit 2 naming its flag."""
+    data, sources = resolve_layers([env_layer(GenerateConfig, GENERATE_ENV), flags.layer()])
+    try:
+        return GenerateConfig.model_validate(data), sources
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = str(err["loc"][0]) if err["loc"] else ""
+        spec = next((f for f in flag_specs(GenerateConfig, GENERATE) if (key,) in f.paths), None)
+        what = "/".join(spec.flag.names) if spec is not None else key
+        if err["type"] == "missing":
+            fail(f"{what} is required")
+        fail(f"{what}: {err['msg']} (from {sources.get(key, 'default')})")
+
+
 @data_app.command("generate")
+@setting_flags(GenerateConfig, GENERATE, shared=[PRINT_CONFIG],
+               panel=f"Settings (also {GENERATE_ENV}* variables; --print-config)")
 def generate_cmd(
-    out: Path = typer.Option(..., "-o", "--out", help="Corpus directory (created; a rerun resumes it)."),
-    n: int = typer.Option(..., "-N", "--n-tasks", help="How many tasks to attempt."),
-    base_url: str = typer.Option(..., "--base-url", envvar="TMAX_BASE_URL", help="OpenAI-compatible endpoint."),
-    model: str = typer.Option(..., "-m", "--model", help="Model name at the endpoint."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY", help="Endpoint API key."),
-    kind: str = typer.Option("legacy", "--kind", help="Corpus kind: legacy | sft_v2 | rl_v2."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the axis draws (same seed, same axes)."),
-    concurrent: int = typer.Option(4, "-n", "--n-concurrent", help="Tasks generated at once."),
-    retries: int = typer.Option(3, "--max-retries", help="Extra rounds after a failed gate or parse."),
-    redraws: int = typer.Option(3, "--max-redraws", help="New tasks from the same stratum after a rejected one."),
-    env: str = _ENV,
-    axes: Optional[Path] = AXES_OPTION,
     ray: bool = _RAY,
     address: Optional[str] = _ADDRESS,
     ray_resource: Optional[str] = _RAY_RESOURCE,
     disk_budget: Optional[float] = _DISK,
     as_json: bool = JSON_OPTION,
     jsonl: bool = _JSONL,
+    *,
+    print_config: bool,
+    flags: FlagValues,
 ) -> None:
     """Generate tasks: template, initial test, final test, environment + solution, then the gates."""
     from tmax.tasks.corpus.axes import AxesError
-    from tmax.tasks.corpus.generate import GenerateConfig, GenerateError, Generator
+    from tmax.tasks.corpus.generate import GenerateError, Generator
 
-    try:
-        cfg = GenerateConfig(out=str(out), n=n, seed=seed, corpus_kind=kind, model=model, base_url=base_url,
-                             n_concurrent=concurrent, max_retries=retries, max_redraws=redraws, environment=env,
-                             axes_file=str(axes) if axes else None)
-    except ValueError as e:
-        fail(str(e))
+    cfg, sources = _generate_config(flags)
+    if print_config:
+        print_config_lines(describe(cfg, sources))
+        raise typer.Exit(0)
+    n, concurrent = cfg.n, cfg.n_concurrent
     backend = _backend(ray, address, ray_resource, concurrent)
     bar, tid = _bar(n, "generate")
     keep_disk = _disk_keeper(disk_budget, bar.console)
@@ -257,11 +274,11 @@ def solve_cmd(
     backend = _backend(ray, address, ray_resource, concurrent)
     bar, tid = _bar(len(corpus_task_dirs(corpus)) if corpus.is_dir() else 0, "solve")
 
-    def on_task(s: dict, resumed: bool) -> None:
+    def on_task(s: SolveSummary, resumed: bool) -> None:
         if jsonl:
-            _emit_line({**{key: s[key] for key in ("task", "num_attempts", "num_runs", "num_success",
-                                                     "success_rate")}, "resumed": resumed})
-        bar.console.print(f"{s['task']}: solved {s['num_success']}/{s['num_runs']}"
+            _emit_line({**s.model_dump(include={"task", "num_attempts", "num_runs", "num_success", "success_rate"}),
+                        "resumed": resumed})
+        bar.console.print(f"{s.task}: solved {s.num_success}/{s.num_runs}"
                           + ("  [dim](done before)[/]" if resumed else ""))
         bar.advance(tid)
 
@@ -278,9 +295,8 @@ def solve_cmd(
     kept = in_band(summaries, lo_hi) if lo_hi else None
     if kept is not None and out is not None:
         write_links([t for t in read_corpus(corpus) if t.name in set(kept)], out)
-    data = {"tasks": {t: {key: s[key] for key in ("num_attempts", "num_runs", "num_success", "success_rate",
-                                                    "pass_at_k")} for t, s in summaries.items()}, "band": kept,
-            "unreadable": unreadable}
+    data = {"tasks": {t: s.model_dump(include={"num_attempts", "num_runs", "num_success", "success_rate", "pass_at_k"})
+                      for t, s in summaries.items()}, "band": kept, "unreadable": unreadable}
     for name, why in unreadable.items():
         stderr_console().print(f"[red]unreadable[/] {name}: {why} (not solved)")
     if jsonl:
@@ -289,9 +305,9 @@ def solve_cmd(
         emit_json(data)
     else:
         for t, s in summaries.items():
-            rate = "n/a" if s["success_rate"] is None else f"{s['success_rate']:.3f}"
-            stderr_console().print(f"{t}: solved {s['num_success']}/{s['num_runs']} (rate {rate}; k = "
-                             f"{s['num_attempts']} attempts, n = {s['num_runs']} scored)")
+            rate = "n/a" if s.success_rate is None else f"{s.success_rate:.3f}"
+            stderr_console().print(f"{t}: solved {s.num_success}/{s.num_runs} (rate {rate}; k = "
+                                   f"{s.attempts} attempts, n = {s.num_runs} scored)")
         if kept is not None:
             stderr_console().print(f"{len(kept)} task(s) with a success rate in {band}" + (f" → {out}" if out else ""))
     if unreadable:  # those tasks were not solved: not a clean result

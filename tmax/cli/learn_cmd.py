@@ -18,15 +18,15 @@ Ray cluster are there.
 
 from __future__ import annotations
 
-import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import typer
 
 from tmax.cli.missing_extra import exit_if_extra_missing
-from tmax.cli.options import FlagValues, option_parameter, setting_flags
+from tmax.cli.options import PRINT_CONFIG, FlagValues, option_parameter, setting_flags
 from tmax.cli.options import print_config as print_config_lines
 from tmax.training.config import PRESETS, LearnConfig
 from tmax.common.records import GuardSummary, LearnRunDir
@@ -47,35 +47,50 @@ _SHARED = [
     option_parameter("config", Optional[Path], typer.Option(
         None, "--config", "-c", help=f"TOML run config or a preset name: {', '.join(PRESETS)} (default nano). It sets "
                                      "every default (--print-config shows them).")),
-    option_parameter("print_config", bool, typer.Option(
-        False, "--print-config", help="Print the resolved settings and where each came from, and exit.")),
+    PRINT_CONFIG,
     option_parameter("no_progress", bool, typer.Option(
         False, "--no-progress", help="No progress bar, a log line per step (the default when stderr is not a terminal).")),
 ]
 
 
+@dataclass
+class _LearnOptions:
+    """The options `tmax learn` and its subcommands share; the group keeps its own in
+    `ctx.obj` for a subcommand to build on."""
+
+    config: Optional[Path]
+    flags: FlagValues
+    print_config: bool = False
+    no_progress: bool = False
+
+    @property
+    def progress(self) -> bool:
+        return not self.no_progress and sys.stderr.isatty()
+
+
 def _options(ctx: typer.Context, config: Optional[Path], print_config: bool, no_progress: bool,
-             flags: FlagValues) -> dict:
+             flags: FlagValues) -> _LearnOptions:
     """This command's options over its group's (`tmax learn -c X nano` and `tmax learn nano -c X`)."""
-    group = (ctx.parent.obj if ctx.parent is not None else None) or {}
-    return {"config": config or group.get("config"), "flags": flags.over(group.get("flags")),
-            "print_config": print_config or group.get("print_config", False),
-            "progress": not (no_progress or group.get("no_progress")) and sys.stderr.isatty()}
+    group = ctx.parent.obj if ctx.parent is not None and isinstance(ctx.parent.obj, _LearnOptions) else None
+    if group is None:
+        return _LearnOptions(config, flags, print_config, no_progress)
+    return _LearnOptions(config or group.config, flags.over(group.flags), print_config or group.print_config,
+                         no_progress or group.no_progress)
 
 
-def _config(o: dict):
+def _config(o: _LearnOptions):
     """The resolved config (preset or file, TMAX_LEARN_* variables, flags); bad input exits 2.
     With --print-config: the settings and their sources are printed, and the command ends."""
     from tmax.common.errors import ConfigError
     from tmax.common.settings import describe
     from tmax.training.config import resolve_with_sources
 
-    flags, labels = o["flags"].layer()
+    flags, labels = o.flags.layer()
     try:
-        cfg, sources = resolve_with_sources(o.get("config"), flags, labels)
+        cfg, sources = resolve_with_sources(o.config, flags, labels)
     except ConfigError as e:
         _bad_input(e)
-    if o["print_config"]:
+    if o.print_config:
         print_config_lines(describe(cfg, sources))
         raise typer.Exit(0)
     return cfg
@@ -142,7 +157,7 @@ def learn(
     runs_per_step: int = typer.Option(1, "--runs-per-step", min=1, help="With --from-runs: rated sessions added to each step."),
 ) -> None:
     """Run DPPO. With no config: the nano recipe's RL stage."""
-    ctx.obj = {"config": config, "flags": flags, "no_progress": no_progress, "print_config": print_config}
+    ctx.obj = _LearnOptions(config, flags, print_config, no_progress)
     if ctx.invoked_subcommand is not None:
         return
     from tmax.cli.progress import learn_progress
@@ -154,20 +169,18 @@ def learn(
     if dry_run:
         typer.echo(_call(lambda: entry.dry_run(cfg, run_dir)))
         return
-    bars = learn_progress(o["progress"], _echo)
+    bars = learn_progress(o.progress, _echo)
     res = _call(lambda: entry.learn(cfg, run_dir, resume=resume, progress=bars, from_runs=from_runs,
                                     runs_per_step=runs_per_step, log=_echo), run_dir)
     _echo(f"done: {res.steps} steps; checkpoint {res.final_checkpoint}; reward curve {res.curve_png}")
-    typer.echo(json.dumps(res.summary, indent=2))
-    _guard_verdict(res.summary)
+    typer.echo(res.summary.model_dump_json(indent=2))
+    _guard_verdict(res.summary.guard)
 
 
-def _guard_verdict(summary: dict) -> None:
-    """The collapse guard's events (`training.report.run_summary`'s `guard`); a run the guard
-    stopped exits 1."""
+def _guard_verdict(guard: GuardSummary) -> None:
+    """The collapse guard's events (summary.json's `guard`); a run the guard stopped exits 1."""
     from tmax.training.report import guard_report
 
-    guard = GuardSummary.model_validate(summary["guard"])
     for line in guard_report(guard):
         _echo(line)
     if guard.stopped:
@@ -228,7 +241,7 @@ def nano(
     o = _options(ctx, config, print_config, no_progress, flags)
     cfg = _config(o)
     run_dir = _out(cfg)
-    bars = learn_progress(o["progress"] and not as_json, _echo)
+    bars = learn_progress(o.progress and not as_json, _echo)
     res = _call(lambda: entry.recipe(cfg, run_dir, progress=bars, log=_echo), run_dir)
     if as_json:
         typer.echo(res.model_dump_json())

@@ -68,11 +68,14 @@ def _decls(names: tuple[str, ...], is_bool: bool) -> tuple[str, ...]:
     return tuple(f"{n}/--no-{n[2:]}" for n in longs)
 
 
+SETTINGS_PANEL = "Settings (also TOML keys and TMAX_* variables; --print-config)"
+
+
 def _option(spec: FlagSpec, names: tuple[str, ...], hidden: bool, with_default: bool,
-            defaults: Mapping[str, Any] | None = None) -> Any:
+            defaults: Mapping[str, Any] | None = None, panel: str = SETTINGS_PANEL) -> Any:
     is_bool = value_type(spec.field.annotation) is bool
     return typer.Option(None, *_decls(names, is_bool), help=spec.help(with_default, defaults), hidden=hidden, show_default=False,
-                        rich_help_panel="Settings (also TOML keys and TMAX_* variables; --print-config)")
+                        rich_help_panel=panel)
 
 
 def note_old_spelling(old: str, new: str) -> None:
@@ -98,11 +101,12 @@ def _collect(specs: list[FlagSpec], kwargs: dict[str, Any]) -> FlagValues:
 
 
 def setting_flags(model: type[BaseModel], command: str, shared: list[inspect.Parameter] = (),
-                  with_defaults: bool = True, defaults: Mapping[str, Any] | None = None) -> Callable[[Callable], Callable]:
+                  with_defaults: bool = True, defaults: Mapping[str, Any] | None = None,
+                  panel: str = SETTINGS_PANEL) -> Callable[[Callable], Callable]:
     """Give a command function the flags of `model`'s settings for `command` (and the
     `shared` parameters); it is called with `flags=FlagValues`. `with_defaults`: the help
     shows each setting's default (`defaults`, the command's own, else the declared one; not
-    where a preset file sets them)."""
+    where a preset file sets them). `panel`: the help's heading over them."""
     own = set(model.__dict__.get("__annotations__", {}))
     specs = sorted(flag_specs(model, command), key=lambda spec: spec.paths[0][0] not in own)  # its own first
 
@@ -113,8 +117,8 @@ def setting_flags(model: type[BaseModel], command: str, shared: list[inspect.Par
         extra = list(shared)
         for spec in specs:
             kind = inspect.Parameter.KEYWORD_ONLY
-            extra.append(inspect.Parameter(_param_name(spec), kind, default=_option(spec, spec.flag.names, False, with_defaults, defaults),
-                                           annotation=_annotation(spec)))
+            extra.append(inspect.Parameter(_param_name(spec), kind, annotation=_annotation(spec),
+                                           default=_option(spec, spec.flag.names, False, with_defaults, defaults, panel)))
             if spec.flag.old:
                 extra.append(inspect.Parameter(_param_name(spec) + "_old", kind,
                                                default=_option(spec, spec.flag.old, True, False), annotation=_annotation(spec)))
@@ -133,6 +137,11 @@ def setting_flags(model: type[BaseModel], command: str, shared: list[inspect.Par
 def option_parameter(name: str, annotation: Any, option: Any) -> inspect.Parameter:
     """A `shared` parameter: a typer option under `name`."""
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
+
+
+# `--print-config`, the same on every command whose settings are declared (`setting_flags`).
+PRINT_CONFIG = option_parameter("print_config", bool, typer.Option(
+    False, "--print-config", help="Print the resolved settings and where each came from, and exit."))
 
 
 def print_config(lines: list[str]) -> None:

@@ -17,7 +17,7 @@ from typing import Optional
 import typer
 
 from tmax.cli.run_settings import ConfigError, RunKeys, resolve_run_settings
-from tmax.cli.options import FlagValues, note_old_spelling, option_parameter, setting_flags
+from tmax.cli.options import PRINT_CONFIG, FlagValues, note_old_spelling, option_parameter, setting_flags
 from tmax.cli.options import print_config as print_config_lines
 from tmax.common.settings import describe_values
 from tmax.cli.run_setup import (EXIT_USAGE, broad_workspace, discover_model, load_saved, project_instructions,
@@ -51,8 +51,7 @@ def _confirm_workspace(why: str | None, yes: bool, json_mode: bool) -> None:
 _SHARED = [
     option_parameter("config", Optional[Path], typer.Option(
         None, "--config", "-c", help="The config file (default: $XDG_CONFIG_HOME/tmax/config.toml).")),
-    option_parameter("print_config", bool, typer.Option(
-        False, "--print-config", help="Print the resolved settings and where each came from, and exit.")),
+    PRINT_CONFIG,
 ]
 
 

@@ -24,11 +24,14 @@ def tables() -> dict[str, tuple[type[BaseModel], str, str]]:
     from tmax.cli.bench_settings import BenchSettings
     from tmax.cli.run_settings import ENV_PREFIX as RUN_PREFIX
     from tmax.cli.run_settings import RunKeys
+    from tmax.tasks.corpus.generate_config import COMMAND as GENERATE
+    from tmax.tasks.corpus.generate_config import ENV_PREFIX as GENERATE_PREFIX
+    from tmax.tasks.corpus.generate_config import GenerateConfig
     from tmax.training.config import ENV_PREFIX as LEARN_PREFIX
     from tmax.training.config import LearnConfig
 
     return {"run": (RunKeys, "run", RUN_PREFIX), "bench": (BenchSettings, "bench run", BENCH_PREFIX),
-            "learn": (LearnConfig, "learn", LEARN_PREFIX)}
+            "learn": (LearnConfig, "learn", LEARN_PREFIX), "generate": (GenerateConfig, GENERATE, GENERATE_PREFIX)}
 
 
 def render(text: str) -> str:

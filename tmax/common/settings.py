@@ -124,6 +124,8 @@ class FlagSpec:
         text = self.flag.help or self.field.description or ""
         key = ".".join(self.paths[0])
         default = (defaults or {}).get(key, declared_default(self.field))
+        if self.field.is_required():
+            return f"{text} Required."
         if with_default and default not in (None, [], {}) and not self.flag.help:
             shown = default if not isinstance(default, tuple) else ", ".join(map(str, default))
             text = f"{text} Default: {shown}."
@@ -279,7 +281,7 @@ def settings_table(model: type[BaseModel], command: str, prefix: str) -> list[st
         f = _meta(info, Flag)
         shown_flag = ", ".join(f"`{n}`" for n in f.names) if f and (f.commands is None or command in f.commands) else ""
         envs = ", ".join(f"`{n}`" for n in env_names(path, info, prefix))
-        default = declared_default(info)
-        rows.append(f"| `{'.'.join(path)}` | {shown_flag} | {envs} | `{_shown(default)}` | "
+        default = "(required)" if info.is_required() else f"`{_shown(declared_default(info))}`"
+        rows.append(f"| `{'.'.join(path)}` | {shown_flag} | {envs} | {default} | "
                     f"{(info.description or '').replace('|', '/')} |")
     return rows

@@ -153,6 +153,9 @@ class SandboxCapabilities(BaseModel):
     workspace_target: bool = False
     """The host workspace appears inside at `SandboxSpec.workspace_target` (a bind mount);
     False: at its host path."""
+    own_root: bool = False
+    """A root filesystem of its own (a container's): a path such as /solution is the
+    sandbox's alone and goes with it; False: the host's files, or a jail over them."""
 
 
 class BackgroundProcess(BaseModel):

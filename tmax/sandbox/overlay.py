@@ -181,7 +181,8 @@ class OverlaySandbox(ShellSandbox):
         self._closed = False
         self._frozen: _Frozen | None = None  # forked, and not used since (`fork`, `_come_back`)
         # Forks need a second episode in the host: hosts of one episode at a time cannot.
-        self.capabilities = SandboxCapabilities(overlay=True, fork=host.capacity > 1, limits=True, network=True)
+        self.capabilities = SandboxCapabilities(overlay=True, fork=host.capacity > 1, limits=True, network=True,
+                                                own_root=True)
 
     @property
     def mode(self) -> str:

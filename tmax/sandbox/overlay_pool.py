@@ -282,13 +282,13 @@ class OverlayPool:
         Without a factory: what its overlay episodes can do (a spec they cannot serve gets a
         container of its own instead)."""
         if factory is None:
-            return SandboxCapabilities(overlay=True, fork=self.slots > 1, limits=True, network=True)
+            return SandboxCapabilities(overlay=True, fork=self.slots > 1, limits=True, network=True, own_root=True)
         spec = getattr(factory, "spec", None)
         why = self.unsupported(spec, None)
         if why is not None or host_key(spec, self.host_labels) in self._broken:
             return self.fallback.capabilities(factory)
         return SandboxCapabilities(overlay=True, fork=self.slots > 1 and cgroups_possible(spec), limits=True,
-                                   network=True)
+                                   network=True, own_root=True)
 
     def fork(self, sb: Sandbox) -> Forked:
         """`sb.fork()` for a sandbox handed out by `acquire`; the child is this pool's too."""

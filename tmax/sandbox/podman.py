@@ -129,7 +129,7 @@ def _decode(b: bytes | None) -> str:
 class PodmanSandbox(ShellSandbox):
     kind = "podman"
     mode = "container"  # a container of its own (`sandbox.overlay`: an overlay of a shared one)
-    capabilities = SandboxCapabilities(snapshot="container", limits=True, network=True)
+    capabilities = SandboxCapabilities(snapshot="container", limits=True, network=True, own_root=True)
 
     @classmethod
     def prestart(cls) -> None:

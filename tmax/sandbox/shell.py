@@ -5,44 +5,12 @@ functions, aliases, `set` options, traps and background jobs carry over between
 commands, exactly as in a terminal. The same class drives host bash, `bwrap ... bash`
 and `podman exec -it CID bash`: only the argv differs.
 
-How a command's end and exit code are found: PS1 is set to a line carrying a random
-per-session tag, a per-command sequence number and `$?`. The tag is never printed by
-anything but the prompt, so output cannot forge the marker without knowing it; the
-sequence number makes a stale prompt (e.g. one printed after a late Ctrl-C) harmless.
-
-How a command is sent: its text goes into the shell as the body of a quoted heredoc
-that a builtin `read` stores in a variable, then `eval` runs it with stdin from
-/dev/null, all in one top-level command line:
-
-    __tmax_rc=$?; __tmax_seq=N; IFS= read -r -d '' __tmax_cmd <<'TAG_EOF' || :;
-      if __tmax_ret "$__tmax_rc"; then eval "$__tmax_cmd"; else eval "$__tmax_cmd"; fi </dev/null
-    <command text, verbatim>
-    TAG_EOF
-    <empty line>
-
-Why this shape:
-* stdin: a command that reads stdin (`cat`, `read x`, `python` with no script) gets EOF
-  at once instead of blocking the session until the timeout, and can never swallow the
-  next command's text. Redirecting per command is robust: it needs no guessing about
-  whether a program is waiting for input, and background jobs started by the command
-  inherit /dev/null too.
-* syntax: an unbalanced quote or unterminated heredoc inside the command fails inside
-  `eval` with bash's own syntax error (exit 2) instead of leaving the shell waiting
-  for continuation lines until the timeout.
-* the quoted delimiter keeps the text verbatim (no expansion), multi-line commands and
-  heredocs work, and aliases defined on one line apply to the next (eval parses line by
-  line). `read` and `eval` are builtins: no process is spawned per command.
-* `$?` is saved before the line's own assignments and restored for the command, so
-  `echo $?` reports the previous command, as in a terminal.
-* the trailing empty line re-prints the prompt with `$?` unchanged. Interactive bash
-  prints no prompt after a syntax error inside `eval`; this line brings it back.
+How a command is typed in and where its output ends (a tagged prompt): `shell_protocol`.
 """
 
 from __future__ import annotations
 
-import codecs
 import os
-import re
 import secrets
 import shlex
 import signal
@@ -52,8 +20,9 @@ from collections.abc import Callable
 
 from tmax.sandbox.base import DEFAULT_COMMAND_TIMEOUT_S, CommandResult, SandboxError
 from tmax.sandbox.hostexec import on_lasting_thread
-from tmax.sandbox.ptyspawn import PtyProcess, ReadTimeout
+from tmax.sandbox.ptyspawn import PtyProcess
 from tmax.sandbox.shell_output import BoundedOutput, clean_output
+from tmax.sandbox.shell_protocol import Collected, PromptReader, command_line
 from tmax.sandbox.shell_setup import (
     INIT_VAR, SETUP_VAR, init_script, restore_state_script, restored_note, setup_script,
 )
@@ -62,10 +31,6 @@ BASH_ARGV = ["bash", "--norc", "--noprofile"]
 DEFAULT_MAX_OUTPUT_CHARS = 1_000_000  # head + tail kept per command; the rest is counted
 START_TIMEOUT_S = 30.0
 INTERRUPT_GRACE_S = 5.0  # how long the prompt may take to return after Ctrl-C
-
-# Control characters that readline would act on if they reached it inside a command
-# (Ctrl-C raises SIGINT, ESC starts a key sequence, DEL deletes); commands keep \t and \n.
-_COMMAND_CTRL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
 class PersistentShell:
@@ -121,12 +86,9 @@ class PersistentShell:
         self.interrupt_grace_s = interrupt_grace_s
         self.spawn = spawn
         self.tag = secrets.token_hex(8)
-        self._marker_rx = re.compile(r"\r*\n__TMAX_" + self.tag + r"_(\d*)_(\d+)__\r*\n")
-        self._keep = 128  # longer than any marker: kept unsearched-committed between reads
+        self._reader = PromptReader(self.tag, max_output_chars)
         self._child: PtyProcess | None = None
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._seq = 0
-        self._leftover = ""
         self._write_lock = threading.Lock()
         self._running = False
         self._interrupted = False
@@ -158,8 +120,7 @@ class PersistentShell:
             self._child = on_lasting_thread(lambda: spawn(self.argv, shell_vars))
         except OSError as e:
             raise SandboxError(f"could not start shell {shlex.join(self.argv)}: {e}") from e
-        self._decoder.reset()
-        self._leftover = ""
+        self._reader.reset()
         self._seq = 0
         first = self._set_up()
         self.inner_pid = int(first[0]) if first and first[0].isdigit() else None
@@ -339,27 +300,6 @@ class PersistentShell:
         with self._write_lock:
             self._child.send(data)
 
-    def _wrap(self, command: str, save: bool = True) -> str:
-        self._seq += 1
-        # Normalise line ends and drop control characters readline would act on.
-        command = command.replace("\r\n", "\n").replace("\r", "\n")
-        command = _COMMAND_CTRL_RE.sub(lambda m: m.group(0) if m.group(0) in "\t\n" else "", command)
-        delim = f"__TMAX_{self.tag}_EOF"
-        # `$?` is saved first and handed back through the `if`: in bash the then/else
-        # branch starts with `$?` set to the condition's status, so the command sees
-        # the previous command's exit code, and a non-zero one cannot trip `set -e`
-        # (a condition never does).
-        return (
-            f"__tmax_rc=$?; __tmax_seq={self._seq};{' __tmax_save;' if save else ''} IFS= builtin read -r -d '' __tmax_cmd <<'{delim}' || :;"
-            ' if __tmax_ret "$__tmax_rc"; then eval "$__tmax_cmd"; else eval "$__tmax_cmd"; fi </dev/null\n'
-            f"{command}\n{delim}\n"
-            # An empty line: it re-prints the prompt with `$?` unchanged. After a syntax
-            # error inside `eval`, interactive bash skips the prompt, and this is what
-            # brings it back; otherwise it yields a duplicate prompt for this sequence
-            # number, which the next command drops as stale.
-            "\n"
-        )
-
     def _run_raw(self, command: str, deadline: float | None) -> tuple[str, int, bool, bool]:
         out, rc, timed_out, eof, _ = self._run_command(command, deadline, save=False)
         return out, rc, timed_out, eof
@@ -367,7 +307,8 @@ class PersistentShell:
     def _run_command(self, command: str, deadline: float | None, save: bool = True) -> tuple[str, int, bool, bool, int]:
         if self._child is None:
             raise SandboxError("shell is not started")
-        text = self._wrap(command, save)
+        self._seq += 1
+        text = command_line(self.tag, self._seq, command, save)
         buf = BoundedOutput(self.max_output_chars)
         self._running = True
         try:
@@ -381,75 +322,10 @@ class PersistentShell:
         out, dropped = buf.text()
         return out, rc, timed_out, eof, dropped
 
-    def _collect(self, seq: int | None, deadline: float | None, buf: BoundedOutput | None = None
-                 ) -> tuple[str, int, bool, bool]:
-        """Read until the prompt for `seq` (None: any prompt). Output before it goes to
-        `buf` in bounded memory; returns (raw text if no buf, rc, timed_out, eof)."""
+    def _collect(self, seq: int | None, deadline: float | None, buf: BoundedOutput | None = None) -> Collected:
+        """Read until the prompt for `seq` (None: any prompt), streaming a command of `run`."""
         assert self._child is not None
-        sink = buf if buf is not None else BoundedOutput(self.max_output_chars)
-        pending, self._leftover = self._leftover, ""
-        want = "" if seq is None else str(seq)
-        while True:
-            m = self._marker_rx.search(pending)
-            while m is not None:
-                if seq is None or m.group(1) == want:
-                    sink.add(pending[: m.start()])
-                    self._leftover = pending[m.end():]
-                    text = "" if buf is not None else sink.text()[0]
-                    return text, int(m.group(2)), False, False
-                # A stale prompt (earlier command, idle Ctrl-C): drop it, keep looking.
-                pending = pending[: m.start()] + pending[m.end():]
-                m = self._marker_rx.search(pending)
-            if len(pending) > self._keep:
-                sink.add(pending[: -self._keep])
-                pending = pending[-self._keep:]
-            wait = None if deadline is None else deadline - time.monotonic()
-            if wait is not None and wait <= 0:
-                sink.add(pending)
-                return ("" if buf is not None else sink.text()[0]), 124, True, False
-            try:
-                # Wake up now and then: a background job holding the pty open delays
-                # EOF after the shell itself exited, so liveness is checked directly.
-                data = self._child.read_nonblocking(1 << 16, timeout=0.5 if wait is None else min(wait, 0.5))
-            except ReadTimeout:
-                self._stream("")
-                if not self._child.isalive():
-                    pending += self._drain()
-                    sink.add(pending)
-                    return ("" if buf is not None else sink.text()[0]), 1, False, True
-                continue
-            except EOFError:
-                pending += self._decoder.decode(b"", final=True)
-                sink.add(pending)
-                return ("" if buf is not None else sink.text()[0]), 1, False, True
-            text = self._decoder.decode(data)
-            pending += text
-            self._stream(text)
-
-    def _stream(self, text: str) -> None:
-        """Hand a piece of a running command's output to `on_output`, less any prompt marker
-        (or the start of one, cut at the end of the piece)."""
-        if not self._streaming or self.on_output is None:
-            return
-        text = self._marker_rx.sub("", text)  # the prompt brings its own newlines
-        cut = text.rfind("\n__TM")
-        if cut >= 0 and f"__TMAX_{self.tag}_".startswith(text[cut + 1:][:len(self.tag) + 7]):
-            text = text[:cut]
-        try:
-            self.on_output(text)
-        except Exception:
-            pass  # a display must never break the command it shows
-
-    def _drain(self) -> str:
-        """Whatever is still buffered on the pty of a dead shell."""
-        assert self._child is not None
-        out = ""
-        for _ in range(64):
-            try:
-                out += self._decoder.decode(self._child.read_nonblocking(1 << 16, timeout=0))
-            except (ReadTimeout, EOFError, OSError):
-                break
-        return out + self._decoder.decode(b"", final=True)
+        return self._reader.collect(self._child, seq, deadline, buf, self.on_output if self._streaming else None)
 
     def _recover_after_timeout(self) -> bool:
         """Ctrl-C, then SIGKILL to the command's process group (a program may catch or

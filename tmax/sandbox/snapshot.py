@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tmax.sandbox.base import IMAGE_USER, LABEL_KEY, LABEL_VALUE, SandboxError
+from tmax.sandbox.base import IMAGE_USER, LABEL_KEY, LABEL_VALUE, Sandbox, SandboxError
 from tmax.sandbox.undo_store import Restored, SnapshotStore
 from tmax.sandbox.watched import JAIL_TMP_IGNORED, OWN_PREFIX, WatchedSnapshots
 
@@ -230,7 +230,7 @@ class ContainerSnapshots:
         self._diffs.clear()  # the snapshots go with the container
 
 
-def snapshot_store(box: Any) -> SnapshotStore:
+def snapshot_store(box: Sandbox) -> SnapshotStore:
     """The store for a started sandbox: its workspace (local, bwrap) or its container (podman)."""
     scope = box.capabilities.snapshot
     if scope == "container":

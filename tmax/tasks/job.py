@@ -25,7 +25,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -53,35 +53,41 @@ VOLATILE = {"base_url", "n_concurrent", "jobs_dir", "job_name", "created_at", "r
 
 
 class JobSpec(BaseModel):
-    job_name: str
-    jobs_dir: str
-    dataset: str  # as given: a path or name@version
-    include: list[str] = Field(default_factory=list)
-    exclude: list[str] = Field(default_factory=list)
-    limit: int | None = None
-    agent: str = "oracle"
-    model: str | None = None
-    base_url: str | None = None
-    api_key_env: str = "OPENAI_API_KEY"  # the key itself is never written to disk
-    # Agent settings (`agents.agent_settings`: `--ak`, `tmax bench run --config`) as given, under
-    # their current names: what the job's identity and config.json keep (`agent_settings`: typed).
-    agent_kwargs: dict[str, Any] = Field(default_factory=dict)
-    n_attempts: int = Field(1, ge=1)
-    n_concurrent: int = Field(1, ge=1)
-    timeout_multiplier: float = Field(1.0, gt=0)
-    image_map: list[str] = Field(default_factory=list)
-    use_prebuilt: bool = True
-    override_cpus: float | None = None
-    override_memory_mb: int | None = None
-    # Where trials run: podman containers, or the host sandboxes (`tasks.hostenv`).
-    environment: str = "podman"
-    # podman: containers started ahead for the trials next in line, beyond the running ones
-    # (0: each trial starts its own when it begins).
-    warm_ahead: int = Field(0, ge=0)
-    # podman: each trial a fresh overlay of a container its task's trials share
-    # (`sandbox.overlay_pool`); False: a fresh container per trial.
-    overlay: bool = True
-    created_at: str | None = None
+    """A `tmax bench` job as it runs and as its config.json keeps it (the CLI's
+    `cli.bench_settings.BenchSettings` make it); its identity (`identity`) decides whether a
+    rerun resumes it."""
+
+    job_name: Annotated[str, Field(description="The job directory's name under `jobs_dir`.")]
+    jobs_dir: Annotated[str, Field(description="Where job directories go.")]
+    dataset: Annotated[str, Field(description="The tasks, as given: a directory, a task directory or name@version.")]
+    include: Annotated[list[str], Field(default_factory=list, description="Only tasks matching these globs.")]
+    exclude: Annotated[list[str], Field(default_factory=list, description="Skip tasks matching these globs.")]
+    limit: Annotated[int | None, Field(description="At most this many tasks (after include/exclude).")] = None
+    agent: Annotated[str, Field(description="A harness (tmax, mini-swe, terminus-2), oracle or nop.")] = "oracle"
+    model: Annotated[str | None, Field(description="The model's name at the endpoint (the tmax agent).")] = None
+    base_url: Annotated[str | None, Field(description="The OpenAI-compatible endpoint (not part of the identity).")] = None
+    api_key_env: Annotated[str, Field(description="The environment variable holding the API key; the key itself "
+                                                  "is never written to disk.")] = "OPENAI_API_KEY"
+    agent_kwargs: Annotated[dict[str, Any], Field(
+        default_factory=dict, description="Agent settings (`agents.agent_settings`: `--ak`, `tmax bench run "
+                                          "--config`) as given, under their current names; `agent_settings` types them.")]
+    n_attempts: Annotated[int, Field(ge=1, description="Attempts per task (pass@k).")] = 1
+    n_concurrent: Annotated[int, Field(ge=1, description="Trials run at once.")] = 1
+    timeout_multiplier: Annotated[float, Field(gt=0, description="Scales the agent and verifier timeouts.")] = 1.0
+    image_map: Annotated[list[str], Field(default_factory=list, description="Base images re-targeted: FROM=TO "
+                                                                             "(FROM may be a glob).")]
+    use_prebuilt: Annotated[bool, Field(description="Use a task's docker_image when it can be pulled.")] = True
+    override_cpus: Annotated[float | None, Field(description="CPUs per trial instead of the task's.")] = None
+    override_memory_mb: Annotated[int | None, Field(description="Memory per trial (MB) instead of the task's.")] = None
+    environment: Annotated[str, Field(description="Where trials run: podman containers, or the host sandboxes "
+                                                  "bwrap and local (`tasks.hostenv`).")] = "podman"
+    warm_ahead: Annotated[int, Field(ge=0, description="podman: containers started ahead for the trials next in "
+                                                       "line, beyond the running ones (0: each trial starts its "
+                                                       "own when it begins).")] = 0
+    overlay: Annotated[bool, Field(description="podman: each trial a fresh overlay of a container its task's "
+                                               "trials share (`sandbox.overlay_pool`); False: a fresh container "
+                                               "per trial.")] = True
+    created_at: Annotated[str | None, Field(description="When the job was first started.")] = None
 
     @field_validator("agent_kwargs")
     @classmethod

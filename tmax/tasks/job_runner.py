@@ -101,7 +101,10 @@ class ResultFiles:
             return None
         if kept.identity != item.identity or kept.result is None:
             return None
-        return kept.result if self.done(kept.result) else None
+        try:
+            return kept.result if self.done(kept.result) else None
+        except ValidationError:  # a result `done` cannot read (an older shape): the item runs again
+            return None
 
     def save(self, item: JobItem, result: Any) -> None:
         write_record(self.dir / f"{item.name}.json", JobItemResult(identity=item.identity, result=result))

@@ -66,7 +66,7 @@ class OracleAgent:
     def run(self, sandbox, task, workdir, agent_dir, timeout, cancel) -> AgentRun:
         if not task.has_solution:
             return AgentRun(error=f"{task.name} has no solution/solve.sh")
-        if sandbox.kind != "podman":
+        if not sandbox.capabilities.own_root:
             return self._run_on_host(sandbox, task, workdir, agent_dir, timeout)
         with tempfile.TemporaryDirectory(prefix="tmax-oracle-") as tmp:
             sol = Path(tmp) / "solution"

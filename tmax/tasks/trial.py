@@ -35,7 +35,8 @@ from tmax.sandbox.base import SandboxError
 from tmax.sandbox.pool import SandboxPool
 from tmax.tasks.episode import ENVIRONMENT_ERRORS, EnvSettings, Episode, episode_name, resolve_environment
 from tmax.tasks.task_format import Task
-from tmax.tasks.runners import TrialAgent
+from tmax.tasks.runners import AgentRun, TrialAgent
+from tmax.tasks.task_images import TaskImage
 from tmax.tasks.verifier import VerifierKind
 
 # A verifier that ran but gave no reward, as Harbor's exception types name it.
@@ -81,7 +82,7 @@ class TrialEnv:
     # `prewarm_trial` started one ahead for them (None: each trial starts its own), and the
     # task images resolved meanwhile (task name -> `tasks.task_images.TaskImage`).
     pool: SandboxPool | None = None
-    images: dict[str, Any] = field(default_factory=dict)
+    images: dict[str, TaskImage | None] = field(default_factory=dict)
 
 
 _closing: set[threading.Thread] = set()
@@ -142,7 +143,7 @@ class _TrialRun:
     started: str = field(default_factory=now_iso)
     reward: float | None = None
     exc: harbor.ExceptionInfo | None = None
-    agent_run: Any = None
+    agent_run: AgentRun | None = None
     verifier_status: str | None = None
     verifier_s: float | None = None
     sandbox_mode: str | None = None  # `Episode.sandbox_mode`, once the sandbox started
@@ -249,7 +250,7 @@ def _run_phases(plan: TrialPlan, env: TrialEnv, episode: Episode, run: _TrialRun
     # else: the reward counts whether or not the agent timed out (run.exc says it did)
 
 
-def _result(plan: TrialPlan, env: TrialEnv, run: _TrialRun, image: Any) -> TrialResult:
+def _result(plan: TrialPlan, env: TrialEnv, run: _TrialRun, image: TaskImage | None) -> TrialResult:
     """result.json: Harbor's fields, and tmax's own under "tmax"."""
     task, agent_run, reward, cfg = plan.task, run.agent_run, run.reward, plan.config
     model = harbor.ModelInfo(name=env.model_name, provider="openai") if env.model_name else None

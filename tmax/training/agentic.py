@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
-from tmax.common.records import AgentMeta
+from tmax.common.records import AgentMeta, NanoMeta
 
 if TYPE_CHECKING:
     from tmax.tasks.harbor import TrialResult
@@ -102,10 +102,8 @@ class HeldoutAgentic(BaseModel):
 def task_depth(task_dir: str | Path) -> int | None:
     """The commands a generated task needs (its `[metadata.nano] depth`; a one-command nano
     task written before depth was recorded: 1); None for a task that is not generated."""
-    from tmax.training.nano.tasks import nano_meta
-
     try:
-        return int(nano_meta(Path(task_dir)).get("depth", 1))
+        return NanoMeta.read(Path(task_dir)).depth
     except (ValueError, OSError):
         return None
 

@@ -209,7 +209,7 @@ def _refuse_earlier_recipe(out: Path) -> None:
                           "read back, not run. Pass another --out, or remove it")
 
 
-def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, held_dir: str, prepared: Any,
+def _evaluated_rl(cfg: LearnConfig, out: Path, start: str, held_dir: str, prepared: PreparedTasks,
                   stages: tuple[str, ...], progress: LearnProgress, log: Log, result: RecipeResult,
                   clock: StageClock) -> None:
     """One engine serving `start`: the held-out eval of it, RL on it, the held-out eval of

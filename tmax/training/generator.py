@@ -12,7 +12,7 @@ episodes for a run, made before the run starts (its tasks already prepared):
                                       leaves, `rollout.branching`), or an infrastructure
                                       failure the trainer re-queues, never scores
     generator.warm_ahead(workers)     told the requests next in line (e.g. to start sandboxes)
-    generator.summary()               figures for the run's summary.json
+    generator.task_counts()           the tasks it runs and dropped, for the run's summary.json
 
 Two implement it: `training.harbor_generator` (Harbor tasks in sandboxes, `training.rollout`)
 and `training.text_generator` (text prompts with an answer, one model turn, no sandbox); the
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tmax.agents.policy import TokenTrace
+from tmax.common.records import TaskCounts
 
 
 @dataclass
@@ -207,4 +208,4 @@ class Generator(Protocol):
 
     def warm_ahead(self, workers: list[Any]) -> Ahead: ...
 
-    def summary(self) -> dict[str, Any]: ...
+    def task_counts(self) -> TaskCounts: ...

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tmax.common.records import TaskCounts
 from tmax.sandbox.pool import WarmAhead
 from tmax.sandbox.pool_factory import starts_ahead
 from tmax.tasks.episode import PreparedTasks
@@ -56,5 +57,5 @@ class HarborGenerator:
         depth = self.episode.pool_size * len(workers) if starts_ahead(self.episode.env.kind) else 0
         return WarmAhead(depth, start, key=lambda item: (item[0].group_id, item[0].sample_index, item[0].attempt))
 
-    def summary(self) -> dict[str, Any]:
-        return {"tasks_runnable": len(self.prepared.runnable), "tasks_dropped": len(self.prepared.dropped)}
+    def task_counts(self) -> TaskCounts:
+        return TaskCounts(tasks_runnable=len(self.prepared.runnable), tasks_dropped=len(self.prepared.dropped))

@@ -27,12 +27,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from pydantic import BaseModel, computed_field
 
 from tmax.common.files import write_dir_atomic, write_text_atomic
-from tmax.common.records import SFT_RECORD, LearnRunDir, SftRecord, read_record
+from tmax.common.records import SFT_RECORD, LearnRunDir, RunSummary, SftRecord, read_record
 from tmax.common.proctree import TreeCpu
 from tmax.training.agentic import HeldoutAgentic, heldout_agentic
 from tmax.training.config import LearnConfig
@@ -84,7 +84,7 @@ class HeldoutEval(BaseModel):
 class RlStage(BaseModel):
     steps: int
     checkpoint: str | None
-    summary: dict[str, Any]  # `training.report.run_summary`
+    summary: RunSummary
     curve: str | None
 
 

@@ -20,7 +20,8 @@ from typing import Any, Callable, Protocol
 
 from pydantic import BaseModel
 
-from tmax.common.records import GuardEvent, GuardEventKind, GuardSummary, LearnRunDir, metric, metric_values
+from tmax.common.records import (GuardEvent, GuardEventKind, GuardSummary, LearnRunDir, RunSummary, metric,
+                                 metric_values)
 
 # The few metrics worth a console line, in display order, with short labels.
 CONSOLE_KEYS = (
@@ -302,7 +303,7 @@ def describe_event(e: GuardEvent) -> str:
     return f"step {e.step}: stopped: {e.reason}"
 
 
-def run_summary(metrics_path: Path, setup_s: float, run_s: float) -> dict[str, Any]:
+def run_summary(metrics_path: Path, setup_s: float, run_s: float) -> RunSummary:
     logged = read_metrics(metrics_path) if metrics_path.exists() else []
     rows = [r for r in logged if "guard/stall" not in r]  # judged stalls are not steps
 
@@ -312,27 +313,27 @@ def run_summary(metrics_path: Path, setup_s: float, run_s: float) -> dict[str, A
 
     k = max(1, len(rows) // 4)
     first, last = rows[:k], rows[-k:]
-    return {
-        "steps": int(rows[-1]["step"]) if rows else 0,
-        "updates": len(rows),
-        "setup_s": round(setup_s, 1),
-        "run_s": round(run_s, 1),
-        "reward_first_quarter": avg("train/reward_all_rollouts", first),
-        "reward_last_quarter": avg("train/reward_all_rollouts", last),
-        "post_filter_reward_first_quarter": avg("val/avg_group_performance_post_filter", first),
-        "post_filter_reward_last_quarter": avg("val/avg_group_performance_post_filter", last),
-        "mask_frac_kept_mean": avg("debug/dppo_mask_frac_kept", rows),
-        "logprob_diff_max_mean": avg("debug/vllm_vs_local_logprob_diff_max", rows),
-        "train_step_s_mean": avg("time/training", rows),
-        "weight_sync_s_mean": avg("time/weight_sync", rows),
-        "episodes": int(metric(rows[-1], "episode") or 0) if rows else 0,
+    return RunSummary(
+        steps=int(rows[-1]["step"]) if rows else 0,
+        updates=len(rows),
+        setup_s=round(setup_s, 1),
+        run_s=round(run_s, 1),
+        reward_first_quarter=avg("train/reward_all_rollouts", first),
+        reward_last_quarter=avg("train/reward_all_rollouts", last),
+        post_filter_reward_first_quarter=avg("val/avg_group_performance_post_filter", first),
+        post_filter_reward_last_quarter=avg("val/avg_group_performance_post_filter", last),
+        mask_frac_kept_mean=avg("debug/dppo_mask_frac_kept", rows),
+        logprob_diff_max_mean=avg("debug/vllm_vs_local_logprob_diff_max", rows),
+        train_step_s_mean=avg("time/training", rows),
+        weight_sync_s_mean=avg("time/weight_sync", rows),
+        episodes=int(metric(rows[-1], "episode") or 0) if rows else 0,
         # The agentic side (`training.agentic`): turns per episode, per solved one, ended on the step budget.
-        "turns_first_quarter": avg("agentic/turns", first),
-        "turns_last_quarter": avg("agentic/turns", last),
-        "turns_solved_last_quarter": avg("agentic/turns_solved", last),
-        "max_steps_rate_last_quarter": avg("agentic/max_steps_rate", last),
-        "guard": guard_summary(logged).model_dump(),
-    }
+        turns_first_quarter=avg("agentic/turns", first),
+        turns_last_quarter=avg("agentic/turns", last),
+        turns_solved_last_quarter=avg("agentic/turns_solved", last),
+        max_steps_rate_last_quarter=avg("agentic/max_steps_rate", last),
+        guard=guard_summary(logged),
+    )
 
 
 ENV_METRIC = "env/tmax_bash/step_count"

@@ -293,7 +293,8 @@ def list_task_dirs(root: str | Path) -> list[str]:
 
 
 def prepare_tasks(env: EnvSettings, task_dirs: list[str], report: Path | None = None,
-                  progress: Callable[[int, int], None] | None = None, log: Any = None) -> PreparedTasks:
+                  progress: Callable[[int, int], None] | None = None,
+                  log: Callable[[str], None] | None = None) -> PreparedTasks:
     """Resolve every task's environment (`tasks.episode.prepare_environments`) before the
     first step. Unbuildable tasks are dropped, listed with their reason (and in `report`
     as JSON); only when none is left does this raise. `progress(done, total)` follows it."""

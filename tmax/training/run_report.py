@@ -10,10 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
 from tmax.common.errors import ConfigError
-from tmax.common.records import GuardSummary, LearnRunDir, metric, metric_values
+from tmax.common.records import GuardSummary, LearnRunDir, RunSummary, metric, metric_values, read_record
 from tmax.training.report import guard_summary, read_metrics
 
 # A recipe's stages in the order they run (`training.entry.recipe`'s `times` keys).
@@ -26,14 +26,6 @@ class Throughput(BaseModel):
     episodes_per_min: float | None = None
     sampled_tokens_per_s: float | None = None  # tokens the policy sampled, over the loop's wall
     learner_tokens_per_s: float | None = None  # tokens the learner trained on, over its busy time
-
-
-class _RunTimes(BaseModel):
-    """The times of a `tmax learn` run's summary.json (`training.report.run_summary`)."""
-
-    model_config = ConfigDict(extra="ignore")
-    setup_s: float  # the actors' start and the first weight sync
-    run_s: float  # the RL loop
 
 
 class RunReport(BaseModel):
@@ -73,7 +65,7 @@ class RunReport(BaseModel):
             report = report.model_copy(update=_rl_figures(read_metrics(metrics)))
             summary = found.summary
             if summary.is_file() and not report.recipe:
-                times = _RunTimes.model_validate_json(summary.read_text())
+                times = read_record(summary, RunSummary)
                 report.stage_seconds = {"setup_s": times.setup_s, "rl_s": times.run_s}
         if report.recipe:
             from tmax.training.recipe import RecipeResult

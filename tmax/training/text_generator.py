@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from tmax.agents.policy import ContextOverflow
 from tmax.common.errors import ConfigError
+from tmax.common.records import TaskCounts
 from tmax.training.config import LearnConfig, RolloutConfig
 from tmax.training.generator import GeneratedEpisode, EpisodeRequest, Rollout, WorkerSpec
 
@@ -73,8 +74,8 @@ class TextGenerator:
     def warm_ahead(self, workers: list[Any]) -> _NothingAhead:
         return _NothingAhead()
 
-    def summary(self) -> dict[str, Any]:
-        return {"tasks_runnable": len(self.prompts), "tasks_dropped": 0}
+    def task_counts(self) -> TaskCounts:
+        return TaskCounts(tasks_runnable=len(self.prompts))
 
 
 class _NothingAhead:

@@ -29,10 +29,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from tmax.common.files import append_line_atomic, write_json_atomic, write_text_atomic
-from tmax.common.records import CheckpointExtra, LearnRunDir
+from tmax.common.files import append_line_atomic, write_text_atomic
+from tmax.common.records import CheckpointExtra, LearnRunDir, RunSummary, write_record
 from tmax.training.agentic import agentic_metrics, of_rollout
 from tmax.training.branch_records import advantage_records, branch_metrics
 from tmax.training.algo.batching import BatchAccumulator, BatchConfig, Group
@@ -47,6 +48,12 @@ from tmax.training.report import (LearnProgress, MetricsSink, StepClock, StepFig
                                   rollout_metrics, run_summary, throughput_metrics)
 from tmax.training.rollback import RunGuard
 from tmax.training.weights.learner_side import WeightSync
+
+if TYPE_CHECKING:
+    from tmax.training.cluster.reservation import Placement
+    from tmax.training.runs_data import RatedBatch, RatedStream
+
+StepHook = Callable[[int, dict[str, float]], None]  # called with each step's metrics once they are logged
 
 
 class TrainingError(RuntimeError):
@@ -116,7 +123,7 @@ class RunResult:
     metrics_path: str
     rollouts_path: str
     curve_png: str | None
-    summary: dict[str, Any]
+    summary: RunSummary
 
 
 @dataclass
@@ -140,7 +147,7 @@ class LoopState:
     useless: int = 0  # groups in a row without reward variance
     train_ref: Any = None  # the learner's step in flight
     batch: Any = None  # the `Batch` it trains on
-    rated_batch: Any = None  # the rated sessions it also trains on (`training.runs_data.RatedBatch`)
+    rated_batch: RatedBatch | None = None  # the rated sessions it also trains on
 
 
 class Trainer:
@@ -148,8 +155,8 @@ class Trainer:
     `start_step` to `algo.steps`; `close()` ends logging and cancels episodes in flight."""
 
     def __init__(self, cfg: LearnConfig, run_dir: Path, actors: Actors, sync: WeightSync, stream: PromptStream,
-                 start_step: int, generator: Generator, *, progress: LearnProgress | None = None, on_step: Any = None,
-                 rated: Any = None):
+                 start_step: int, generator: Generator, *, progress: LearnProgress | None = None,
+                 on_step: StepHook | None = None, rated: RatedStream | None = None):
         a, rc = cfg.algo, cfg.run
         self.cfg, self.run_dir, self.actors, self.sync, self.stream = cfg, run_dir, actors, sync, stream
         self.generator = generator
@@ -427,9 +434,9 @@ class Trainer:
         png = reward_curve(metrics, self.files.reward_curve)
         summ = run_summary(metrics, setup_s, time.monotonic() - self.state.clock.run_start)
         infra = self.state.infra
-        summ.update({**self.generator.summary(), "env/infra_errors": infra.total,
-                     "infra_errors_by_kind": dict(infra.by_kind)})
-        write_json_atomic(self.files.summary, summ)
+        summ = summ.model_copy(update={**self.generator.task_counts().model_dump(), "infra_errors": infra.total,
+                                       "infra_errors_by_kind": dict(infra.by_kind)})
+        write_record(self.files.summary, summ)
         return RunResult(str(self.run_dir), self.state.step, str(final) if final else None, str(metrics),
                          str(self.rollouts_path), png, summ)
 
@@ -444,9 +451,9 @@ def train(
     progress: LearnProgress | None = None,
     engine_handle: EngineGroup | None = None,
     keep_engine: bool = False,
-    on_step: Any = None,
-    placement: Any = None,
-    rated: Any = None,
+    on_step: StepHook | None = None,
+    placement: Placement | None = None,
+    rated: RatedStream | None = None,
 ) -> RunResult:
     """Run DPPO from `model_dir` (or, with `resume`, from the run's latest checkpoint) on
     `generator`'s episodes (`training.generator`, its tasks prepared), on the Ray this process

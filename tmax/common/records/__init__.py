@@ -14,11 +14,12 @@ A session directory (`tmax run`, one episode of `tmax bench` or `tmax learn`), `
     run.json         `RunRecord`: the `tmax run` command's own record of the session
     reward.json      `Rating`: the session's reward (/good, /bad, --verify)
 
-A `tmax learn` run directory, `LearnRunDir`: metrics.jsonl, rollouts.jsonl, summary.json,
-recipe.json, sft/sft.json (`SftRecord`), checkpoints/step_N/ with trainer_state.json
+A `tmax learn` run directory, `LearnRunDir`: metrics.jsonl, rollouts.jsonl, summary.json
+(`RunSummary`), recipe.json, sft/sft.json (`SftRecord`), checkpoints/step_N/ with trainer_state.json
 (`CheckpointMeta`) and health.json (`HealthRecord`). An engine's work directory keeps
 weights.version.json (`WeightsManifest`). A generated corpus keeps `.generate/config.json`
-(`GenerationIdentity`) and `_rejected/<task>/rejection.json` (`Rejection`).
+(`GenerationIdentity`) and `_rejected/<task>/rejection.json` (`Rejection`). A generated
+nano task's task.toml holds its `[metadata.nano]` table (`NanoMeta`).
 
 A trial's result.json is Harbor's format (`tasks.harbor.TrialResult`), not one of these.
 Every reader here takes the files older versions of tmax wrote (new fields have defaults).
@@ -36,8 +37,9 @@ from tmax.common.records.session_records import (  # noqa: F401
     EpisodeOutcome, AgentMeta, StepTiming, TimingRecords, SegmentRecord, UsageRecord, InstructionSource, RunRecord, Rating,
 )
 from tmax.common.records.learn_records import (  # noqa: F401
-    metric, metric_values, GuardState, CheckpointExtra, AlarmRecord, GuardEvent, GuardEventKind, GuardSummary, CheckpointMeta, HealthRecord, SftRecord, WeightsManifest, WorkerReply,
+    metric, metric_values, GuardState, CheckpointExtra, AlarmRecord, GuardEvent, GuardEventKind, GuardSummary, TaskCounts, RunSummary, CheckpointMeta, HealthRecord, SftRecord, WeightsManifest, WeightGroupSpec, JoinedWeightGroup, WorkerReply,
 )
+from tmax.common.records.task_records import NanoMeta  # noqa: F401
 from tmax.common.records.corpus_records import (  # noqa: F401
-    JobItemResult, GenerationStatus, CorpusIdentity, GenerationIdentity, GeneratedEnvironment, GateRound, Rejection,
+    JobItemResult, SolveAttempt, SolveSummary, InitialCheck, GenerationStatus, CorpusIdentity, GenerationIdentity, GeneratedEnvironment, GateRound, Rejection,
 )

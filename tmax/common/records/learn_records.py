@@ -1,14 +1,15 @@
 """The records of a `tmax learn` run: checkpoints' metadata and health, the guard's state,
-SFT's result, an engine's weights manifest and its workers' replies."""
+the run's summary, SFT's result, an engine's weights manifest and its workers' replies."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.fields import FieldInfo
 
 from tmax.common.records.record_io import HealthMark, Record
 
@@ -87,6 +88,47 @@ class GuardSummary(Record):
     events: list[GuardEvent] = []
 
 
+class TaskCounts(Record):
+    """The tasks a run's generator could run and the ones it dropped (`training.generator`)."""
+
+    tasks_runnable: Annotated[int, Field(description="Tasks the run drew episodes from.")] = 0
+    tasks_dropped: Annotated[int, Field(description="Tasks left out (no image, a broken task).")] = 0
+
+
+def _quarter(what: str) -> FieldInfo:
+    return Field(description=f"Mean {what}; None where no step logged it.")
+
+
+class RunSummary(TaskCounts):
+    """summary.json of a `tmax learn` RL run (`training.report.run_summary`, and the
+    recipe.json's `rl.summary`): its length and times, the reward's and the turns' first and
+    last quarter (a quarter of the steps), the infrastructure errors and the guard's events.
+    A summary written by an older tmax lacks some of them (their defaults)."""
+
+    model_config = ConfigDict(extra="ignore", validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
+
+    steps: Annotated[int, Field(description="The run's last logged step.")] = 0
+    updates: Annotated[int, Field(description="Steps trained, rolled-back ones included.")] = 0
+    setup_s: Annotated[float, Field(description="The actors' start and the first weight sync, seconds.")] = 0.0
+    run_s: Annotated[float, Field(description="The RL loop, seconds.")] = 0.0
+    reward_first_quarter: Annotated[float | None, _quarter("training reward, first quarter")] = None
+    reward_last_quarter: Annotated[float | None, _quarter("training reward, last quarter")] = None
+    post_filter_reward_first_quarter: Annotated[float | None, _quarter("reward after the group filter, first quarter")] = None
+    post_filter_reward_last_quarter: Annotated[float | None, _quarter("reward after the group filter, last quarter")] = None
+    mask_frac_kept_mean: Annotated[float | None, _quarter("share of tokens the DPPO mask kept")] = None
+    logprob_diff_max_mean: Annotated[float | None, _quarter("largest vLLM-vs-learner logprob gap per step")] = None
+    train_step_s_mean: Annotated[float | None, _quarter("learner step, seconds")] = None
+    weight_sync_s_mean: Annotated[float | None, _quarter("weight sync, seconds")] = None
+    episodes: Annotated[int, Field(description="Episodes finished over the run.")] = 0
+    turns_first_quarter: Annotated[float | None, _quarter("turns per episode, first quarter")] = None
+    turns_last_quarter: Annotated[float | None, _quarter("turns per episode, last quarter")] = None
+    turns_solved_last_quarter: Annotated[float | None, _quarter("turns per solved episode, last quarter")] = None
+    max_steps_rate_last_quarter: Annotated[float | None, _quarter("share of episodes ended on the step budget, last quarter")] = None
+    infra_errors: Annotated[int, Field(alias="env/infra_errors", description="Episodes lost to infrastructure errors.")] = 0
+    infra_errors_by_kind: Annotated[dict[str, int], Field(description="Those errors by kind.")] = {}
+    guard: Annotated[GuardSummary, Field(description="The collapse guard's rollbacks and stop.")] = GuardSummary()
+
+
 class CheckpointMeta(Record):
     """trainer_state.json beside a checkpoint's weights (the tensors are trainer_state.pt)."""
 
@@ -120,16 +162,26 @@ class WeightsManifest(Record):
     version: int
 
 
+class WeightGroupSpec(Record):
+    """What each vLLM worker of an engine is told to join a weight group by
+    (`training.weights.vllm_ext`, as JSON: `/collective_rpc` takes strings)."""
+
+    host: Annotated[str, Field(description="Learner rank 0's host, serving the group's TCPStore.")]
+    port: Annotated[int, Field(description="That TCPStore's port.")]
+    rank_offset: Annotated[int, Field(description="The engine's first rank; a worker adds its TP rank.")] = 0
+    world_size: Annotated[int, Field(description="Ranks in the group: the learner's rank 0 and every engine worker.")]
+    backend: Annotated[str, Field(description="gloo (host memory) or nccl (GPU).")] = "gloo"
+    timeout_s: Annotated[float, Field(description="How long a collective may wait.")] = 300.0
+
+
+class JoinedWeightGroup(WeightGroupSpec):
+    """The weight group an engine's workers joined, with the ranks they took."""
+
+    ranks: Annotated[list[int], Field(description="The ranks the engine's workers answered with.")] = []
+
+
 class WorkerReply(Record):
     """What a vLLM worker of ours (`training.weights.vllm_ext`) answers to a load or a join."""
 
     n_tensors: int | None = None
     rank: int | None = None
-
-    @classmethod
-    def of(cls, reply: object) -> WorkerReply | None:
-        """A worker's reply; None for one that is not a reply of ours (an error, a string)."""
-        try:
-            return cls.model_validate(reply)
-        except ValidationError:
-            return None

@@ -47,6 +47,15 @@ class Record(BaseModel):
     # Keys an older or newer tmax wrote that this one does not know are skipped, not refused.
     model_config = ConfigDict(extra="ignore")
 
+    @classmethod
+    def of(cls: type[R], data: object) -> R | None:
+        """`data` (JSON already read, a free-form dict) as this record; None where it is empty
+        or something else (another agent's metadata, an error a worker answered)."""
+        try:
+            return cls.model_validate(data) if data else None
+        except ValidationError:
+            return None
+
 
 # --- statuses -----------------------------------------------------------------------------
 

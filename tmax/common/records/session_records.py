@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, RootModel, ValidationError
+from pydantic import Field, RootModel
 
 from tmax.common.records.record_io import AgentStatus, RatingSource, Record, now_stamp
 
@@ -25,14 +25,6 @@ class AgentMeta(Record):
     llm_s: float = 0.0
     exec_s: float = 0.0
     turn_outcomes: list[str] = []
-
-    @classmethod
-    def of(cls, metadata: dict[str, object] | None) -> AgentMeta | None:
-        """The tmax agent's record in `metadata`; None where another agent wrote it."""
-        try:
-            return cls.model_validate(metadata) if metadata else None
-        except ValidationError:
-            return None
 
 
 class StepTiming(Record):

@@ -27,6 +27,7 @@ import random
 import tomllib
 from functools import lru_cache
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -46,25 +47,38 @@ class AxesError(ValueError):
 
 
 class DomainAxes(BaseModel):
+    """One domain's table of the axes file (`[domains.NAME]`): what a task of it draws from."""
+
     model_config = ConfigDict(extra="forbid")
 
-    skill_types: list[str] = Field(min_length=1)
-    skills: list[str] = Field(min_length=5)  # up to 5 are drawn without replacement
-    scenarios: list[str] = Field(min_length=1)
-    anchors: list[str] = Field(default_factory=list)
+    skill_types: Annotated[list[str], Field(min_length=1, description="The kinds of work a task of the domain is.")]
+    skills: Annotated[list[str], Field(min_length=5, description="Primitive skills; up to 5 are drawn per task, "
+                                                                 "without replacement.")]
+    scenarios: Annotated[list[str], Field(min_length=1, description="Situations a task is set in.")]
+    anchors: Annotated[list[str], Field(default_factory=list, description="Concrete tools or artefacts a task may "
+                                                                          "be anchored on.")]
 
 
 class AxesConfig(BaseModel):
+    """The axes file (tasks/data/axes.toml, or `--axes`): every value each axis of a generated
+    task can take, and how the newer buckets are weighted."""
+
     model_config = ConfigDict(extra="forbid")
 
-    anchor_probability: float = Field(0.35, ge=0, le=1)
-    verifier_kinds: list[str] = Field(min_length=2)  # first = legacy bucket
-    fixture_kinds: list[str] = Field(min_length=2)  # first = legacy bucket
-    new_task_complexity: list[str] = Field(min_length=1)
-    languages: dict[str, float] = Field(min_length=1)
-    task_complexity: dict[str, str]
-    command_complexity: dict[str, str] = Field(min_length=1)
-    domains: dict[str, DomainAxes] = Field(min_length=1)
+    anchor_probability: Annotated[float, Field(ge=0, le=1, description="How often a task is anchored on one of its "
+                                                                       "domain's anchors.")] = 0.35
+    verifier_kinds: Annotated[list[str], Field(min_length=2, description="How a task is checked; the first is the "
+                                                                         "legacy bucket, the rest the new one.")]
+    fixture_kinds: Annotated[list[str], Field(min_length=2, description="What a task's input files are; the first is "
+                                                                        "the legacy bucket, the rest the new one.")]
+    new_task_complexity: Annotated[list[str], Field(min_length=1, description="The task_complexity keys of the new "
+                                                                              "bucket (the others are legacy).")]
+    languages: Annotated[dict[str, float], Field(min_length=1, description="Language -> its sampling weight.")]
+    task_complexity: Annotated[dict[str, str], Field(description="Task complexity -> what it means, as the "
+                                                                 "generating model is told.")]
+    command_complexity: Annotated[dict[str, str], Field(min_length=1, description="Command complexity -> what it "
+                                                                                  "means, as the model is told.")]
+    domains: Annotated[dict[str, DomainAxes], Field(min_length=1, description="Domain -> what its tasks draw from.")]
 
     @model_validator(mode="after")
     def _buckets_exist(self) -> "AxesConfig":
@@ -132,18 +146,18 @@ class TaskAxes(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    domain: str
-    skill_type: str
-    primitive_skills: list[str] = Field(default_factory=list)
-    scenario: str = ""
-    language: str = "Python"
-    task_complexity: str = "moderate"
-    command_complexity: str = "bash-only"
-    verifier_kind: str = "exact_text"
-    fixture_kind: str = "text_only"
-    anchor: str | None = None
-    corpus_kind: str = "legacy"
-    base_image: str = "default"
+    domain: Annotated[str, Field(description="One of the axes file's domains.")]
+    skill_type: Annotated[str, Field(description="One of the domain's skill types.")]
+    primitive_skills: Annotated[list[str], Field(default_factory=list, description="The domain's skills it needs.")]
+    scenario: Annotated[str, Field(description="One of the domain's scenarios.")] = ""
+    language: Annotated[str, Field(description="The language of its solution.")] = "Python"
+    task_complexity: Annotated[str, Field(description="A task_complexity key of the axes file.")] = "moderate"
+    command_complexity: Annotated[str, Field(description="A command_complexity key of the axes file.")] = "bash-only"
+    verifier_kind: Annotated[str, Field(description="How it is checked (the axes file's verifier_kinds).")] = "exact_text"
+    fixture_kind: Annotated[str, Field(description="What its input files are (fixture_kinds).")] = "text_only"
+    anchor: Annotated[str | None, Field(description="The anchor it is built around; None: none.")] = None
+    corpus_kind: Annotated[str, Field(description="The corpus kind it was drawn for (legacy, sft_v2, rl_v2).")] = "legacy"
+    base_image: Annotated[str, Field(description="The base its environment starts from.")] = "default"
 
     def metadata(self) -> dict:
         """The `[metadata]` table (TOML has no null: an absent anchor is left out)."""

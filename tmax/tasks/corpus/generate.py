@@ -24,15 +24,15 @@ import hashlib
 import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Callable
+from typing import Callable
 
 from pydantic import BaseModel, Field
 
-from tmax.common.records import (CorpusIdentity, GateRound, GeneratedEnvironment, GenerationIdentity,
+from tmax.common.records import (GateRound, GeneratedEnvironment, GenerationIdentity,
                                  GenerationStatus, Rejection, read_record, write_record)
-from tmax.sandbox.base import KINDS
 from tmax.tasks.corpus import stage_prompts as prompts
-from tmax.tasks.corpus.axes import CORPUS_KINDS, AxesConfig, TaskAxes, load_axes, redraw, stratified_plan
+from tmax.tasks.corpus.axes import CORPUS_KINDS, TaskAxes, load_axes, redraw, stratified_plan
+from tmax.tasks.corpus.generate_config import GenerateConfig
 from tmax.tasks.corpus.package import TaskParts, replace_dir, write_task
 from tmax.tasks.job_runner import Backend, Finished, JobItem, JobRunner, ResultFiles
 from tmax.tasks.corpus.validate import GateReport, validate_task
@@ -46,29 +46,6 @@ RETRY_STAGE = {"load": "environment", "build": "environment", "initial": "enviro
 
 class GenerateError(RuntimeError):
     pass
-
-
-class GenerateConfig(BaseModel):
-    out: Annotated[str, Field(description="The corpus directory (created; a rerun resumes it).")]
-    n: Annotated[int, Field(ge=1, description="Tasks to keep.")]
-    seed: Annotated[int, Field(description="Seed of the axes' sampling plan: the same seed, the same plan.")] = 0
-    corpus_kind: Annotated[str, Field(description="legacy, sft_v2 or rl_v2: how strongly the newer buckets of "
-                                                  "the axes are drawn.")] = "legacy"
-    model: Annotated[str, Field(description="The generating model's name at the endpoint.")]
-    base_url: Annotated[str, Field(description="The OpenAI-compatible endpoint of the generating model.")]
-    n_concurrent: Annotated[int, Field(ge=1, description="Tasks generated and gated at once.")] = 4
-    max_retries: Annotated[int, Field(ge=0, description="Times a failed gate's error goes back to the model for a "
-                                                        "fix before the task is rejected.")] = 3
-    max_redraws: Annotated[int, Field(ge=0, description="New tasks drawn (from the same stratum) for a slot whose "
-                                                        "task was rejected.")] = 3
-    environment: Annotated[str, Field(description="Where the gates run a task: podman, bwrap or local.")] = "podman"
-    max_tokens: Annotated[int, Field(ge=1, description="Tokens the model may write per answer.")] = 32768
-    axes_file: Annotated[str | None, Field(description="An axes file (TOML, as tasks/data/axes.toml; unset: the "
-                                                       "bundled one).")] = None
-
-    def identity(self, axes: AxesConfig) -> CorpusIdentity:
-        """What a resumed run must share with the first (the rest may change)."""
-        return CorpusIdentity(seed=self.seed, n=self.n, corpus_kind=self.corpus_kind, axes=axes.fingerprint())
 
 
 class TaskState(BaseModel):
@@ -104,8 +81,6 @@ class Generator:
     def __init__(self, config: GenerateConfig, api_key: str | None = None):
         if config.corpus_kind not in CORPUS_KINDS:
             raise GenerateError(f"unknown corpus kind {config.corpus_kind!r}: {', '.join(CORPUS_KINDS)}")
-        if config.environment not in KINDS:
-            raise GenerateError(f"unknown environment {config.environment!r}: {', '.join(KINDS)}")
         from openai import OpenAI
 
         self.config = config

@@ -33,7 +33,7 @@ import tomllib
 from functools import lru_cache
 from pathlib import Path, PurePosixPath
 
-from tmax.common.files import write_json_atomic
+from tmax.common.records import SolveSummary, write_record
 from tmax.tasks.corpus.axes import TaskAxes
 from tmax.tasks.corpus.corpus import normalized_axes
 from tmax.tasks.corpus.package import AGENT_USER, HOME, TaskParts, write_task
@@ -219,4 +219,4 @@ def convert(src: Path, dest: Path) -> None:
     if fixtures.is_dir() and not (dest / "environment" / "fixtures").exists():
         shutil.copytree(fixtures, dest / "environment" / "fixtures", symlinks=True)
     for tag, s in solutions.items():
-        write_json_atomic(dest.parent / SOLVE_DIR / tag / f"{dest.name}.json", {"task": dest.name, **s})
+        write_record(dest.parent / SOLVE_DIR / tag / f"{dest.name}.json", SolveSummary(task=dest.name, **s))

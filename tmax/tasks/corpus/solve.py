@@ -15,8 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from tmax.common.files import write_json_atomic
-from tmax.tasks.corpus.balance_report import SOLVE_DIR, success_rate
+from tmax.common.records import SolveAttempt, SolveSummary, write_record
+from tmax.tasks.corpus.balance_report import SOLVE_DIR
 from tmax.tasks.dataset import task_dirs
 from tmax.tasks.job import Job, JobSpec
 from tmax.tasks.job_runner import Backend, JobItem, JobRunner, ResultFiles
@@ -28,37 +28,36 @@ def solver_tag(agent: str, model: str | None) -> str:
     return agent if not model else f"{agent}_{model.replace('/', '_')}"
 
 
-def task_summary(task: str, rows: list[TrialRow], agent: str, model: str | None) -> dict:
+def task_summary(task: str, rows: list[TrialRow], agent: str, model: str | None) -> SolveSummary:
     scored = [r for r in rows if not r.verdict.infra]
     n = len(scored)
     c = sum(r.verdict.passed for r in scored)
-    return {
-        "task": task, "agent": agent, "model": model,
-        "num_attempts": len(rows), "num_runs": n, "num_success": c, "num_infra_errors": len(rows) - n,
-        "success_rate": c / n if n else None,
-        "pass_at_k": {str(k): pass_at_k(n, c, k) for k in range(1, n + 1)},
-        "results": [{"trial": r.trial, "outcome": r.verdict.outcome, "reward": r.verdict.reward} for r in rows],
-    }
+    return SolveSummary(
+        task=task, agent=agent, model=model, num_attempts=len(rows), num_runs=n, num_success=c,
+        num_infra_errors=len(rows) - n, pass_at_k={str(k): pass_at_k(n, c, k) for k in range(1, n + 1)},
+        results=[SolveAttempt(trial=r.trial, outcome=r.verdict.outcome, reward=r.verdict.reward) for r in rows])
 
 
 def solve_task(corpus: str, task: str, spec: str, api_key: str | None) -> dict:
     """k attempts of one task as a job item (plain arguments, so it runs on any node):
     a bench job of that task alone under `<corpus>/.tmax-solve/jobs/<tag>/`, which resumes
-    its own trials; the summary is written where `report` reads it and returned."""
+    its own trials; the summary is written where `report` reads it and returned (as JSON,
+    what the job keeps of an item)."""
     cfg = JobSpec.model_validate_json(spec).model_copy(update={"include": [task], "job_name": task})
     job = Job(cfg, api_key=api_key)
     job.run(retry_infra=True)
     rows = [TrialRow.of(r) for r in job.results() if r.task_name == task]
     summary = task_summary(task, rows, cfg.agent, cfg.model)
     tag = solver_tag(cfg.agent, cfg.model)
-    write_json_atomic(Path(corpus) / SOLVE_DIR / tag / f"{task}.json", summary)
-    return summary
+    write_record(Path(corpus) / SOLVE_DIR / tag / f"{task}.json", summary)
+    return summary.model_dump(mode="json")
 
 
 def solve_corpus(corpus: Path, agent: str, k: int, *, model: str | None = None, base_url: str | None = None,
                  api_key: str | None = None, environment: str = "podman", n_concurrent: int = 2,
                  agent_kwargs: dict | None = None, backend: Backend | None = None,
-                 on_task: Callable[[dict, bool], None] | None = None) -> tuple[dict[str, dict], dict[str, str]]:
+                 on_task: Callable[[SolveSummary, bool], None] | None = None
+                 ) -> tuple[dict[str, SolveSummary], dict[str, str]]:
     """k attempts per task, each task a job item (local threads, or the backend given);
     a task solved before with the same content and settings is read back. ({task: summary},
     {task that does not load: why}): the others are solved all the same."""
@@ -76,10 +75,11 @@ def solve_corpus(corpus: Path, agent: str, k: int, *, model: str | None = None, 
             unreadable[d.name] = str(e)
             continue
         items.append(JobItem(t.name, solve_task, (str(corpus), t.name, spec, api_key), f"{spec}:{t.checksum()}"))
-    store = ResultFiles(corpus / SOLVE_DIR / "jobs" / tag / ".results", done=lambda r: not r["num_infra_errors"])
+    store = ResultFiles(corpus / SOLVE_DIR / "jobs" / tag / ".results",
+                        done=lambda r: not SolveSummary.model_validate(r).num_infra_errors)
     results = JobRunner(store, backend, slots=n_concurrent).run(
-        items, on_finished=lambda f: on_task and on_task(f.result, f.resumed))
-    return dict(sorted(results.items())), unreadable
+        items, on_finished=lambda f: on_task and on_task(SolveSummary.model_validate(f.result), f.resumed))
+    return {t: SolveSummary.model_validate(r) for t, r in sorted(results.items())}, unreadable
 
 
 def parse_band(text: str) -> tuple[float, float]:
@@ -93,8 +93,8 @@ def parse_band(text: str) -> tuple[float, float]:
     return band
 
 
-def in_band(summaries: dict[str, dict], band: tuple[float, float]) -> list[str]:
+def in_band(summaries: dict[str, SolveSummary], band: tuple[float, float]) -> list[str]:
     """Tasks whose success rate c/n lies in [LO, HI] (tasks without a scored run are left out)."""
     lo, hi = band
-    rates = {t: success_rate(s) for t, s in summaries.items()}
+    rates = {t: s.success_rate for t, s in summaries.items()}
     return sorted(t for t, r in rates.items() if r is not None and lo <= r <= hi)

@@ -31,6 +31,7 @@ from typing import Callable, Literal
 from pydantic import BaseModel, Field
 
 from tmax.common.files import write_json_atomic
+from tmax.common.records import InitialCheck
 from tmax.tasks.harbor import FAIL, PASS, AgentConfig, TaskConfig, TrialConfig, TrialResult
 from tmax.sandbox import make_sandbox
 from tmax.sandbox.base import IMAGE_USER, AgentUserError, SandboxError
@@ -73,7 +74,7 @@ class InitialCheckAgent:
     def run(self, sandbox, task, workdir, agent_dir, timeout, cancel) -> AgentRun:
         test = task.tests_dir / INITIAL_TEST
         if not test.is_file():
-            return AgentRun(metadata={"initial": "absent"})
+            return AgentRun(metadata=InitialCheck(initial="absent").model_dump())
         remote = f"/tmp/tmax-initial-{uuid.uuid4().hex[:12]}"
         with tempfile.TemporaryDirectory(prefix="tmax-initial-") as tmp:
             shutil.copyfile(test, Path(tmp) / INITIAL_TEST)
@@ -89,7 +90,7 @@ class InitialCheckAgent:
             except SandboxError:
                 pass
         status = "passed" if res.exit_code == 0 and not res.timed_out else "failed"
-        return AgentRun(metadata={"initial": status, "output": res.output[-REASON_CHARS:]})
+        return AgentRun(metadata=InitialCheck(initial=status, output=res.output[-REASON_CHARS:]).model_dump())
 
 
 def _verdict(name: str, gates: dict[str, str], reasons: dict[str, str], no_solution: bool) -> GateReport:
@@ -166,15 +167,14 @@ def _run_gates(task: Task, work: Path, env_kind: str, rewrite: RewriteConfig,
         oracle = oracle_run.result() if oracle_run else None
     if nop.score().infra:
         infra += ["initial", "nop"]
-    meta = (nop.agent_result.metadata if nop.agent_result else None) or {}
-    initial = meta.get("initial")
-    if initial == "absent":
+    check = InitialCheck.of(nop.agent_result.metadata if nop.agent_result else None)
+    if check is not None and check.initial == "absent":
         gates["initial"] = "skipped"
-    elif initial == "passed":
+    elif check is not None and check.initial == "passed":
         gates["initial"] = "ok"
     else:
         gates["initial"] = "failed"
-        reasons["initial"] = meta.get("output") or _trial_problem(nop, work / "nop")
+        reasons["initial"] = (check.output if check is not None else "") or _trial_problem(nop, work / "nop")
     verdict = nop.score()
     if verdict.outcome == FAIL:
         gates["nop"] = "ok"
@@ -283,7 +283,7 @@ def validate_corpus(root: Path, work: Path, env_kind: str = "podman", n_concurre
         if on_done:
             on_done(GateReport.model_validate(f.result), f.resumed)
 
-    store = ResultFiles(work / RESULTS_DIR, done=lambda r: not r.get("infra_errors"))
+    store = ResultFiles(work / RESULTS_DIR, done=lambda r: not GateReport.model_validate(r).infra_errors)
     results = JobRunner(store, backend, slots=n_concurrent).run(items, on_finished=finished)
     return sorted((GateReport.model_validate(r) for r in results.values()), key=lambda r: r.task)
 

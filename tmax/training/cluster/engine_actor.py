@@ -16,6 +16,7 @@ from tmax.training.cluster.failover import SERVER_EXIT_WAIT_S
 from tmax.training.net import ray_node_id
 
 if TYPE_CHECKING:
+    from tmax.common.records import JoinedWeightGroup
     from tmax.training.engine_options import EngineOptions
     from tmax.training.weights.protocol import WeightUpdate
 
@@ -85,7 +86,7 @@ class EngineActor:
         # two sides run at the same time).
         return self.engine.receive_weights(update)
 
-    def weight_group(self) -> dict | None:
+    def weight_group(self) -> JoinedWeightGroup | None:
         # None on a fresh (e.g. Ray-restarted) engine: `WeightSync` then re-forms the group.
         return self.engine.weight_group
 

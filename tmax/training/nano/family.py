@@ -1,15 +1,16 @@
 """What every generated nano task family shares (`tasks`: one command each; `long_tasks`:
 several dependent commands): the conventions, the split-disjoint word pools, the task record
-and the parameter picker, and reading a written task's `[metadata.nano]` table."""
+and the parameter picker. A written task's `[metadata.nano]` table is
+`common.records.NanoMeta`."""
 
 from __future__ import annotations
 
 import random
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tmax.agents.prompts import SUBMIT_COMMAND
+from tmax.common.records import NanoMeta
 from tmax.sandbox.base_image import DEFAULT_BASE_TAG
 
 SUBMIT_THOUGHT = "Done, so I submit."
@@ -83,6 +84,12 @@ class NanoTask:
     decoy: str = ""
     value_step: int = 0
 
+    def meta(self) -> NanoMeta:
+        """The task's `[metadata.nano]` table."""
+        return NanoMeta(kind=self.kind, split=self.split, commands=list(self.commands), params=dict(self.params),
+                        family=self.family, depth=self.depth, thoughts=list(self.thoughts),
+                        revealed=list(self.revealed), value=self.value, decoy=self.decoy, value_step=self.value_step)
+
     def oracle_steps(self) -> list[tuple[str, str]]:
         """(thought, command) per step, ending with the submit command."""
         steps = [(f"THOUGHT: {th}", c) for th, c in zip(self.thoughts, self.commands)]
@@ -142,11 +149,3 @@ def pseudo_words(n: int, seed: int = 0) -> list[str]:
 
 def lines_text(lines: list[str]) -> str:
     return "".join(line + "\n" for line in lines)
-
-
-
-def nano_meta(task_dir: Path) -> dict:
-    meta = tomllib.loads((Path(task_dir) / "task.toml").read_text()).get("metadata", {}).get("nano")
-    if not meta:
-        raise ValueError(f"{task_dir}/task.toml: no [metadata.nano] table (not a generated nano task)")
-    return meta

@@ -37,8 +37,9 @@ import tempfile
 from pathlib import Path
 
 from tmax.agents.prompts import SUBMIT_COMMAND
+from tmax.common.records import NanoMeta
 from tmax.training.nano.family import (ANSWER, SPLITS, SUBMIT_THOUGHT, NanoTask, NUMBERS, Picker, lines_text,
-                                     nano_meta, pseudo_words, round_robin)
+                                     pseudo_words, round_robin)
 
 FAMILY = "long"
 
@@ -205,11 +206,11 @@ SLIPS = ("detour_ls", "detour_reread", "early_submit", "wrong_value", "typo")
 FATAL_SLIPS = ("early_submit", "wrong_value", "typo")
 
 
-def teacher_steps(meta: dict, accuracy: float, rng: random.Random) -> tuple[list[tuple[str, str]], bool]:
+def teacher_steps(meta: NanoMeta, accuracy: float, rng: random.Random) -> tuple[list[tuple[str, str]], bool]:
     """A sloppy teacher's (THOUGHT, command) steps for a written long-horizon task (its
     `[metadata.nano]` table) and whether they solve it: the oracle's with probability
     `accuracy`, else one slip (`SLIPS`, uniformly), then the submit."""
-    steps = [(f"THOUGHT: {th}", c) for th, c in zip(meta["thoughts"], meta["commands"])]
+    steps = [(f"THOUGHT: {th}", c) for th, c in zip(meta.thoughts, meta.commands)]
     submit = (f"THOUGHT: {SUBMIT_THOUGHT}", SUBMIT_COMMAND)
     if rng.random() < accuracy:
         return steps + [submit], True
@@ -222,8 +223,8 @@ def teacher_steps(meta: dict, accuracy: float, rng: random.Random) -> tuple[list
     elif slip == "early_submit":
         steps = steps[:-1]
     elif slip == "wrong_value":
-        i = meta["value_step"]
-        steps[i] = (steps[i][0], steps[i][1].replace(meta["value"], meta["decoy"]))
+        i = meta.value_step
+        steps[i] = (steps[i][0], steps[i][1].replace(meta.value, meta.decoy))
     else:
         steps[-1] = (steps[-1][0], steps[-1][1].replace(ANSWER, ANSWER[:-1]))
     return steps + [submit], slip not in FATAL_SLIPS
@@ -246,9 +247,9 @@ def one_command_pass_rate(task_dirs: list[Path], seed: int = 0) -> float:
     rng = random.Random(f"nano-long-one-command-{seed}")
     solved = 0
     for d in task_dirs:
-        meta = nano_meta(d)
-        pool = LONG_POOLS[meta["split"]]
-        if any(_passes_alone(d, guessed(c, meta["revealed"], pool, rng)) for c in meta["commands"]):
+        meta = NanoMeta.read(d)
+        pool = LONG_POOLS[meta.split]
+        if any(_passes_alone(d, guessed(c, meta.revealed, pool, rng)) for c in meta.commands):
             solved += 1
     return solved / max(1, len(task_dirs))
 

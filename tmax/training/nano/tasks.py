@@ -36,10 +36,11 @@ from pathlib import Path
 import tomli_w
 
 from tmax.agents.prompts import SUBMIT_COMMAND
+from tmax.common.records import NanoMeta
 from tmax.training.nano import long_tasks
 from tmax.training.nano.family import (  # noqa: F401 (re-exported: the generator's public names)
     ANSWER, BASE_IMAGE, INPUT_EXT, INPUT_GLOB, POOLS, SPLITS, SUBMIT_THOUGHT, WORKDIR, NanoTask, EXTS, NUMBERS,
-    Picker, WORDS, lines_text, nano_meta, pseudo_words, round_robin,
+    Picker, WORDS, lines_text, pseudo_words, round_robin,
 )
 
 # kind -> (instruction with {src}, oracle command, THOUGHT). One short, formulaic sentence
@@ -161,17 +162,12 @@ fi
 
 
 def _task_toml(t: NanoTask) -> dict:
-    nano: dict = {"kind": t.kind, "split": t.split, "commands": list(t.commands), "params": dict(t.params),
-                  "family": t.family, "depth": t.depth}
-    if t.family != "nano":
-        nano |= {"thoughts": list(t.thoughts), "revealed": list(t.revealed), "value": t.value, "decoy": t.decoy,
-                 "value_step": t.value_step}
     return {
         "version": "1.0",
         "metadata": {
             "author_name": "tmax nano task generator", "difficulty": "easy" if t.family == "nano" else "medium",
             "category": f"nano-{t.kind.split('_')[0]}", "tags": ["nano", t.kind],
-            "nano": nano,
+            "nano": t.meta().toml_table(),
         },
         "verifier": {"timeout_sec": 30.0},
         "agent": {"timeout_sec": 300.0},
@@ -218,14 +214,14 @@ def write_splits(out_dir: str | Path, n_train: int, n_heldout: int, seed: int = 
 
 def oracle_commands(task_dir: str | Path) -> list[str]:
     """The commands that solve a written task, then the submit command."""
-    return list(nano_meta(Path(task_dir))["commands"]) + [SUBMIT_COMMAND]
+    return NanoMeta.read(Path(task_dir)).commands + [SUBMIT_COMMAND]
 
 
 def oracle_steps(task_dir: str | Path) -> list[tuple[str, str]]:
     """(THOUGHT text, command) per oracle step of a written task, ending with the submit."""
-    meta = nano_meta(Path(task_dir))
-    thoughts = meta.get("thoughts") or [_THOUGHTS[meta["kind"]]] * len(meta["commands"])
-    steps = [(f"THOUGHT: {th}", c) for th, c in zip(thoughts, meta["commands"])]
+    meta = NanoMeta.read(Path(task_dir))
+    thoughts = meta.thoughts or [_THOUGHTS[meta.kind]] * len(meta.commands)
+    steps = [(f"THOUGHT: {th}", c) for th, c in zip(thoughts, meta.commands)]
     return steps + [(f"THOUGHT: {SUBMIT_THOUGHT}", SUBMIT_COMMAND)]
 
 
@@ -247,8 +243,8 @@ def teacher_steps(task_dir: str | Path, accuracy: float, rng: random.Random) -> 
     the verifier's reward (RL) can remove."""
     if not 0.0 < accuracy <= 1.0:
         raise ValueError(f"teacher accuracy must be in (0, 1], got {accuracy}")
-    meta = nano_meta(Path(task_dir))
-    if meta.get("family", "nano") == "long":
+    meta = NanoMeta.read(Path(task_dir))
+    if meta.family == long_tasks.FAMILY:
         return long_tasks.teacher_steps(meta, accuracy, rng)
     steps = oracle_steps(task_dir)
     if rng.random() < accuracy:

@@ -31,7 +31,6 @@ is tagged with the older one (`training.inference.engine.VLLMSampler`), and coun
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import tempfile
@@ -40,7 +39,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from tmax.common.records import WEIGHTS_MANIFEST, WeightsManifest, WorkerReply, read_record, write_record
+from tmax.common.records import (WEIGHTS_MANIFEST, JoinedWeightGroup, WeightGroupSpec, WeightsManifest, WorkerReply,
+                                 read_record, write_record)
 
 if TYPE_CHECKING:
     import torch
@@ -72,7 +72,7 @@ class EngineWeights:
         self._stats_lock = threading.Lock()
         self.syncs_started = 0
         self.mixed_turns = 0  # turns whose request was in flight while a sync started
-        self.weight_group: dict | None = None
+        self.weight_group: JoinedWeightGroup | None = None
 
     def push_weights(self, weights: dict[str, "torch.Tensor"], version: int) -> float:
         """Load `weights` (HF names) into the running engine through a file (the
@@ -141,15 +141,14 @@ class EngineWeights:
         0) serves the TCPStore at host:port, leaving any older one; worker ranks are
         rank_offset + TP rank. Blocks until all ranks have joined: the learner must
         join at the same time."""
-        spec = json.dumps({"host": host, "port": int(port), "rank_offset": int(rank_offset),
-                           "world_size": int(world_size), "backend": backend, "timeout_s": float(timeout_s)})
+        spec = WeightGroupSpec(host=host, port=port, rank_offset=rank_offset, world_size=world_size, backend=backend,
+                               timeout_s=timeout_s)
         self.weight_group = None
-        results = self._rpc("join_weight_group", spec, timeout=timeout_s + 60)
+        results = self._rpc("join_weight_group", spec.model_dump_json(), timeout=timeout_s + 60)
         ranks = sorted(r.rank for r in map(WorkerReply.of, results) if r is not None and r.rank is not None)
         if len(ranks) != len(results) or not ranks:
             raise self.error(f"join_weight_group: unexpected worker replies {results}")
-        self.weight_group = {"host": host, "port": int(port), "ranks": ranks, "world_size": int(world_size),
-                             "backend": backend, "timeout_s": float(timeout_s)}
+        self.weight_group = JoinedWeightGroup(**spec.model_dump(), ranks=ranks)
         return results
 
     def receive_weights(self, update: "WeightUpdate") -> float:
@@ -158,8 +157,8 @@ class EngineWeights:
         if self.weight_group is None:
             raise self.error("receive_weights before join_weight_group")
         t0 = time.perf_counter()
-        timeout = self.weight_group["timeout_s"] + 60
-        self._sync(lambda: self._rpc("receive_weights", update.to_json(), timeout=timeout),
+        timeout = self.weight_group.timeout_s + 60
+        self._sync(lambda: self._rpc("receive_weights", update.model_dump_json(), timeout=timeout),
                    len(update.names), update.version)
         return time.perf_counter() - t0
 

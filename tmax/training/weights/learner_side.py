@@ -194,7 +194,7 @@ class WeightSync:
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 continue
             live.append(e)
-            stale |= not group or group.get("port") != self.port
+            stale |= group is None or group.port != self.port
         return live, stale
 
     def _group_members(self) -> list:

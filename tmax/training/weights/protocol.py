@@ -9,19 +9,18 @@ them. Pure torch: no process group, no Ray.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+from pydantic import BaseModel
 
 from tmax.training.weights.transports import DEFAULT_BUCKET_MB, GROUP_TRANSPORTS
 
 
-@dataclass
-class WeightUpdate:
-    """What every engine is told before a process-group sync. `buckets` lists, per
-    bucket, its dtype and the manifest indices it holds."""
+class WeightUpdate(BaseModel):
+    """What every engine is told before a process-group sync (as JSON to a vLLM worker:
+    `model_dump_json`). `buckets` lists, per bucket, its dtype and the manifest indices
+    it holds."""
 
     version: int
     names: list[str]
@@ -30,26 +29,6 @@ class WeightUpdate:
     buckets: list[tuple[str, list[int]]]
     transport: str  # "gloo" | "nccl"
     total_bytes: int = 0
-
-    def to_json(self) -> str:
-        return json.dumps({
-            "version": self.version, "names": self.names, "shapes": [list(s) for s in self.shapes],
-            "dtypes": self.dtypes, "buckets": [[d, list(idx)] for d, idx in self.buckets],
-            "transport": self.transport, "total_bytes": self.total_bytes,
-        })
-
-    @classmethod
-    def from_json(cls, text: str) -> "WeightUpdate":
-        d = json.loads(text)
-        return cls(
-            version=int(d["version"]),
-            names=list(d["names"]),
-            shapes=[tuple(int(x) for x in s) for s in d["shapes"]],
-            dtypes=list(d["dtypes"]),
-            buckets=[(str(dt), [int(i) for i in idx]) for dt, idx in d["buckets"]],
-            transport=str(d["transport"]),
-            total_bytes=int(d.get("total_bytes", 0)),
-        )
 
 
 def dtype_of(name: str) -> torch.dtype:

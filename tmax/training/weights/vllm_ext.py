@@ -85,24 +85,20 @@ class WeightPushExtension:
         """Join the learner's weight group. `spec` is JSON: host, port (learner rank 0's
         TCPStore), rank_offset (this engine's first rank), world_size, backend
         ("gloo" | "nccl"), optional timeout_s. Blocks until every rank has joined."""
-        import json
-
+        from tmax.common.records import WeightGroupSpec
         from tmax.training.weights.group import WeightGroup
 
-        s = json.loads(spec)
-        backend = str(s.get("backend", "gloo"))
-        rank = int(s["rank_offset"]) + _tp_rank()
+        s = WeightGroupSpec.model_validate_json(spec)
+        rank = s.rank_offset + _tp_rank()
         # NCCL receives into this worker's GPU; gloo into host memory (then copied in).
-        device = _worker_device(self) if backend == "nccl" else "cpu"
+        device = _worker_device(self) if s.backend == "nccl" else "cpu"
         self.leave_weight_group()
-        self._tmax_weight_group = WeightGroup(
-            str(s["host"]), int(s["port"]), rank, int(s["world_size"]), backend=backend, device=device,
-            timeout_s=float(s.get("timeout_s", 300.0)),
-        )
-        return {"rank": rank, "world_size": int(s["world_size"]), "backend": backend, "device": str(device)}
+        self._tmax_weight_group = WeightGroup(s.host, s.port, rank, s.world_size, backend=s.backend, device=device,
+                                              timeout_s=s.timeout_s)
+        return {"rank": rank, "world_size": s.world_size, "backend": s.backend, "device": str(device)}
 
     def receive_weights(self, update: str) -> dict:
-        """Receive one update (its `WeightUpdate.to_json()` manifest) by broadcast from
+        """Receive one update (its `WeightUpdate` manifest, as JSON) by broadcast from
         rank 0 of the weight group, load it like `push_file`, set the policy version."""
         from tmax.training.weights.group import receive
         from tmax.training.weights.protocol import WeightUpdate
@@ -110,7 +106,7 @@ class WeightPushExtension:
         group = self._tmax_weight_group
         if group is None:
             raise RuntimeError("receive_weights before join_weight_group")
-        upd = WeightUpdate.from_json(update)
+        upd = WeightUpdate.model_validate_json(update)
         t0 = time.perf_counter()
         # The engine's LM head of a tied model is the embedding: loading it again is
         # redundant, but its bucket still has to be received to keep the stream in step.
