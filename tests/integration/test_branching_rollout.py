@@ -74,9 +74,9 @@ def _settings(kind: str, **branching) -> EpisodeSettings:
 
 
 def _chain(splits):
-    from tmax.training.nano.tasks import nano_meta
+    from tmax.common.records import NanoMeta
 
-    return max((d for d in splits["train"]), key=lambda d: nano_meta(d)["depth"])
+    return max((d for d in splits["train"]), key=lambda d: NanoMeta.read(d).depth)
 
 
 @pytest.mark.parametrize("kind", ["local", pytest.param("bwrap", marks=pytest.mark.bwrap)])
