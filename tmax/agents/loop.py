@@ -189,8 +189,8 @@ class Agent:
         self.usage, self.steps = replace(other.usage), other.steps
         self.context, self._last_context_tokens = copy.deepcopy(other.context), other._last_context_tokens
         self.counter.forget()
-        turns = [t for t in self.timing if "step" in t]
-        while turns and turns[-1].get("format_error"):  # still in a row: they count toward the limit
+        turns = [t for t in self.timing if t.step is not None]
+        while turns and turns[-1].format_error:  # still in a row: they count toward the limit
             turns.pop()
             self._format_errors_before += 1
 
