@@ -19,39 +19,47 @@ def long_model(tmp_path_factory):
     return path
 
 
-def test_a_sequence_repeats_its_values_token_for_token(long_model):
+def test_a_sequence_repeats_earlier_lines_and_marks_what_a_copy_predicts(long_model):
     from transformers import AutoTokenizer
 
     from tmax.training.learner.copy_warmup import copy_sequence
     from tmax.training.nano.tasks import value_pool
 
     tok = AutoTokenizer.from_pretrained(long_model)
-    words = random.Random(0).sample(value_pool("train", "long"), 4)
-    ids, repeat = copy_sequence(tok, words)
-    assert tok.decode(ids) == f"words: {' '.join(words)}\nagain: {' '.join(words)}"
-    body = ids[repeat:]
-    assert ids[repeat - len(body) - 1:repeat] != body  # the repeat starts after "again:"
-    # The values as they appear in a task's command: the same tokens as in the sequence.
-    assert tok(f"cat {words[0]}", add_special_tokens=False)["input_ids"][1:] == \
-        tok(f" {words[0]}", add_special_tokens=False)["input_ids"]
-    assert tok.decode(body) == " " + " ".join(words)
+    pool = value_pool("train", "long")
+    ids, copyable = copy_sequence(tok, pool, 3, 12, random.Random(0))
+    assert len(ids) == len(copyable)
+    lines = tok.decode(ids).splitlines()
+    assert len(lines) == 12 and lines[0].startswith("words: ")
+    new = [line.split(": ")[1] for line in lines if line.startswith("words: ")]
+    again = [line.split(": ")[1] for line in lines if line.startswith("again: ")]
+    assert again and all(a in new for a in again) and len(new) + len(again) == 12
+    assert all(len(v.split()) == 3 and all(w in pool for w in v.split()) for v in new)
+    # The copyable tokens are a repeated line's values after the first value token: their
+    # text is the repeated lines' values less each one's first syllable.
+    text = tok.decode([t for t, c in zip(ids, copyable) if c])
+    assert len(text) == sum(len(a) - 2 for a in again)
+    # A value tokenizes alike in a sequence and in a task's command.
+    w = new[0].split()[0]
+    assert tok(f"cat {w}", add_special_tokens=False)["input_ids"][1:] == tok(f" {w}", add_special_tokens=False)["input_ids"]
 
 
-def test_samples_train_every_token_or_the_repeat_alone(long_model):
+def test_samples_train_every_token_or_the_copyable_ones(long_model):
     from transformers import AutoTokenizer
 
-    from tmax.training.learner.copy_warmup import copy_samples
+    from tmax.training.learner.copy_warmup import copy_samples, copy_sequence
     from tmax.training.nano.tasks import value_pool
 
     tok = AutoTokenizer.from_pretrained(long_model)
     pool = value_pool("train", "long")
-    every = copy_samples(tok, pool, 3, 4, random.Random(1))
+    every = copy_samples(tok, pool, 3, 3, 8, random.Random(1))
     assert all(s.trace.num_sampled == len(s) - 1 and len(s.trace.prompt_ids) == 1 for s in every)
-    only = copy_samples(tok, pool, 3, 4, random.Random(1), repeat_only=True)
+    only = copy_samples(tok, pool, 3, 3, 8, random.Random(1), repeat_only=True)
+    rng = random.Random(1)
     for s_all, s_rep in zip(every, only):
-        assert s_all.tokens == s_rep.tokens
-        n = s_rep.trace.num_sampled
-        assert 0 < n < len(s_rep) // 2 and s_rep.trace.mask[-n:] == [1] * n
+        ids, copyable = copy_sequence(tok, pool, 3, 8, rng)
+        assert s_all.tokens == s_rep.tokens == ids
+        assert s_rep.trace.mask == copyable[1:]
 
 
 def test_the_pool_is_the_splits_own():

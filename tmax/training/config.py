@@ -211,8 +211,9 @@ class SFTConfig(_Strict):
                                                        "train-split values then the same values again, loss on "
                                                        "every token (0: none).")] = 0
     copy_batch_size: Annotated[int, Field(ge=1, description="Sequences per copy pre-training step.")] = 64
-    copy_words: Annotated[int, Field(ge=1, description="Values in one copy pre-training sequence (each then "
-                                                       "repeated).")] = 4
+    copy_words: Annotated[int, Field(ge=1, description="Values on one line of a copy pre-training sequence.")] = 3
+    copy_blocks: Annotated[int, Field(ge=2, description="Lines of a copy pre-training sequence (each new values or "
+                                                        "an earlier line's again).")] = 12
     copy_lr: Annotated[float, Field(gt=0, description="Peak learning rate of copy pre-training (its warmup: "
                                                       "`warmup_ratio` of its steps).")] = 3e-3
     # SFT runs before any other stage of the recipe, so it may use every core; threads that wait

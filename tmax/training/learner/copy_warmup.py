@@ -6,10 +6,12 @@ earlier place where the current token stood and copies what followed it). On the
 long-horizon tasks SFT alone does not grow it: the copied tokens are a few of every
 demonstration's hundred, and 320 steps of them left every value-copying turn wrong
 (docs/results/notebook.md, "Preset nano-long"). Here the model trains on short sequences
-where half the tokens are copies,
+where many tokens are copies (`copy_sequence`),
 
-    words: W1 W2 W3 W4
-    again: W1 W2 W3 W4
+    words: W1 W2 W3
+    words: W4 W5 W6
+    again: W1 W2 W3
+    ...
 
 with words drawn from the train split's values (so no held-out value is seen) and the loss on
 every token: the copy forms in a sudden drop of the loss after a few hundred steps, and then
@@ -31,8 +33,8 @@ from tmax.training.learner.packing import TrainSample
 if TYPE_CHECKING:
     from tmax.training.config import LearnConfig
 
-COPY_HEAD = "words:"
-COPY_AGAIN = "\nagain:"
+COPY_NEW = "words:"
+COPY_AGAIN = "again:"
 
 
 @dataclass
@@ -40,35 +42,50 @@ class CopyResult:
     checkpoint: str
     steps: int
     final_loss: float | None
-    repeat_nll: float  # mean loss on the repeated words of fresh sequences, after training
+    repeat_nll: float  # mean loss on the copyable tokens of fresh sequences, after training
     seconds: float
 
 
-def copy_sequence(tok, words: Sequence[str]) -> tuple[list[int], int]:
-    """`words: W1 ... Wk` then `again: W1 ... Wk` as token ids, and where the repeat starts.
-    Every word follows a space, as values do in the tasks' files and commands."""
+def copy_sequence(tok, pool: Sequence[str], words: int, blocks: int, rng: random.Random) -> tuple[list[int], list[int]]:
+    """`blocks` lines, each `words: W1 ... Wk` (k = `words` values new from `pool`) or, half
+    the time once there is one, `again: W1 ... Wk` (an earlier line's values), as token ids;
+    and which tokens a copy predicts (1): those of a repeated line after its first value
+    token (which earlier line it repeats is a guess). Repeats come 1 to `blocks` lines
+    later, tens to hundreds of tokens apart and anywhere in the sequence, as values are in
+    an episode: a copy learned from a repeat right after its line, at the sequence's start,
+    did not copy across 50 tokens or after a 300-token prefix (docs/results/notebook.md).
+    Every value follows a space, as in the tasks' files and commands."""
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    body = enc("".join(" " + w for w in words))
-    first = enc(COPY_HEAD) + body + enc(COPY_AGAIN)
-    return first + body, len(first)
+    ids: list[int] = []
+    copyable: list[int] = []
+    seen: list[list[int]] = []
+    for _ in range(blocks):
+        repeat = bool(seen) and rng.random() < 0.5
+        body = rng.choice(seen) if repeat else enc("".join(" " + rng.choice(pool) for _ in range(words)))
+        if not repeat:
+            seen.append(body)
+        head = enc(COPY_AGAIN if repeat else COPY_NEW)
+        ids += head + body + enc("\n")
+        copyable += [0] * (len(head) + 2) + [int(repeat)] * (len(body) - 2) + [0]
+    return ids, copyable
 
 
-def copy_samples(tok, pool: Sequence[str], n: int, words: int, rng: random.Random,
+def copy_samples(tok, pool: Sequence[str], n: int, words: int, blocks: int, rng: random.Random,
                  repeat_only: bool = False) -> list[TrainSample]:
-    """`n` sequences of `words` words drawn from `pool`, each a sample whose loss tokens are
-    every token after the first (or, `repeat_only`, the repeated words alone)."""
+    """`n` sequences (`copy_sequence`), each a sample whose loss tokens are every token after
+    the first (or, `repeat_only`, the copyable ones alone)."""
     from tmax.agents.policy import TokenTrace
 
     out = []
     for _ in range(n):
-        ids, repeat = copy_sequence(tok, [rng.choice(pool) for _ in range(words)])
-        mask = [int(not repeat_only or i >= repeat) for i in range(1, len(ids))]
+        ids, copyable = copy_sequence(tok, pool, words, blocks, rng)
+        mask = copyable[1:] if repeat_only else [1] * (len(ids) - 1)
         out.append(TrainSample(TokenTrace(ids[:1], ids[1:], [0.0] * (len(ids) - 1), mask), 1.0))
     return out
 
 
 def repeat_nll(learner, samples: list[TrainSample]) -> float:
-    """Mean loss (nats) on the repeated words of `repeat_only` samples: about ln 70 = 4.2 for
+    """Mean loss (nats) on the copyable tokens of `repeat_only` samples: about ln 70 = 4.2 for
     a syllable at chance, near 0 once the model copies."""
     lps = learner.logprobs(samples)
     picked = [-lp for s, row in zip(samples, lps) for lp, m in zip(row, s.trace.mask) if m]
@@ -101,11 +118,11 @@ def train_copy(model_dir: str, pool: Sequence[str], cfg: LearnConfig, out_dir: s
     for step in range(s.copy_steps):
         if not s.torch_threads and step % THREAD_CHECK_STEPS == 0:
             torch.set_num_threads(share.free_cores())  # as SFT does (`learner.sft.CoreShare`)
-        metrics = learner.train_step(copy_samples(tok, pool, s.copy_batch_size, s.copy_words, rng), loss_fn=sft_loss)
+        metrics = learner.train_step(copy_samples(tok, pool, s.copy_batch_size, s.copy_words, s.copy_blocks, rng), loss_fn=sft_loss)
         losses.append(metrics["loss/policy_avg"])
         if log is not None:
             log(step + 1, s.copy_steps, losses[-1])
-    check = copy_samples(tok, pool, 64, s.copy_words, random.Random(f"copy-check-{cfg.algo.seed}"), repeat_only=True)
+    check = copy_samples(tok, pool, 32, s.copy_words, s.copy_blocks, random.Random(f"copy-check-{cfg.algo.seed}"), repeat_only=True)
     nll = repeat_nll(learner, check)
     path = learner.export(out_dir)
     return CopyResult(str(path), s.copy_steps, final_loss(losses), nll, time.monotonic() - t0)
