@@ -207,10 +207,10 @@ class SFTConfig(_Strict):
                                                                      "the right command (1.0: always; nano tasks only).")] = 1.0
     # A model built from random weights cannot copy a value it read; SFT's few copied tokens do
     # not teach it (`learner.copy_warmup`). Only the nano recipe's freshly built model runs it.
-    copy_steps: Annotated[int, Field(ge=0, description="Steps of copy pre-training before SFT, on sequences of "
-                                                       "train-split values then the same values again, loss on "
-                                                       "every token (0: none).")] = 0
-    copy_batch_size: Annotated[int, Field(ge=1, description="Sequences per copy pre-training step.")] = 64
+    copy_steps: Annotated[int, Field(ge=0, description="Steps of copy pre-training before SFT, on lines of "
+                                                       "train-split values some of which repeat an earlier line, "
+                                                       "loss on every token (0: none).")] = 0
+    copy_batch_size: Annotated[int, Field(ge=1, description="Sequences per copy pre-training step.")] = 16
     copy_words: Annotated[int, Field(ge=1, description="Values on one line of a copy pre-training sequence.")] = 3
     copy_blocks: Annotated[int, Field(ge=2, description="Lines of a copy pre-training sequence (each new values or "
                                                         "an earlier line's again).")] = 12
