@@ -44,6 +44,21 @@ def test_a_sequence_repeats_earlier_lines_and_marks_what_a_copy_predicts(long_mo
     assert tok(f"cat {w}", add_special_tokens=False)["input_ids"][1:] == tok(f" {w}", add_special_tokens=False)["input_ids"]
 
 
+def test_two_lines_are_a_line_and_its_repeat(long_model):
+    from transformers import AutoTokenizer
+
+    from tmax.training.learner.copy_warmup import copy_sequence
+    from tmax.training.nano.tasks import value_pool
+
+    tok = AutoTokenizer.from_pretrained(long_model)
+    rng = random.Random(2)
+    for _ in range(20):
+        ids, copyable = copy_sequence(tok, value_pool("train", "long"), 3, 2, rng)
+        first, second = tok.decode(ids).splitlines()
+        assert first.startswith("words: ") and second == "again: " + first.removeprefix("words: ")
+        assert sum(copyable) > 0
+
+
 def test_samples_train_every_token_or_the_copyable_ones(long_model):
     from transformers import AutoTokenizer
 
@@ -83,7 +98,7 @@ def test_the_stage_trains_the_built_model_and_sft_starts_from_it(long_model, tmp
     given = preset("nano-long", {"sft": {"copy_steps": 5}, "model": {"path": str(long_model)}})
     assert copy_stage(given, str(long_model), tmp_path, lines.append) is None  # a given model is pretrained
 
-    cfg = preset("nano-long", {"sft": {"copy_steps": 12, "copy_batch_size": 8}})
+    cfg = preset("nano-long", {"sft": {"copy_steps": 12, "copy_short_steps": 6, "copy_batch_size": 4}})
     res = copy_stage(cfg, str(long_model), tmp_path, lines.append)
     assert res is not None and res.steps == 12 and res.checkpoint == str(tmp_path / "copy")
     # From a random start (about ln 3,100 = 8 nats a token) the loss falls within 12 steps:

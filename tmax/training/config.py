@@ -214,6 +214,9 @@ class SFTConfig(_Strict):
     copy_words: Annotated[int, Field(ge=1, description="Values on one line of a copy pre-training sequence.")] = 3
     copy_blocks: Annotated[int, Field(ge=2, description="Lines of a copy pre-training sequence (each new values or "
                                                         "an earlier line's again).")] = 12
+    copy_short_steps: Annotated[int, Field(ge=0, description="Of the copy pre-training steps, the first ones on "
+                                                             "two-line sequences (a line, then it again), as many "
+                                                             "tokens a step.")] = 0
     copy_lr: Annotated[float, Field(gt=0, description="Peak learning rate of copy pre-training (its warmup: "
                                                       "`warmup_ratio` of its steps).")] = 3e-3
     # SFT runs before any other stage of the recipe, so it may use every core; threads that wait

@@ -48,7 +48,8 @@ class CopyResult:
 
 def copy_sequence(tok, pool: Sequence[str], words: int, blocks: int, rng: random.Random) -> tuple[list[int], list[int]]:
     """`blocks` lines, each `words: W1 ... Wk` (k = `words` values new from `pool`) or, half
-    the time once there is one, `again: W1 ... Wk` (an earlier line's values), as token ids;
+    the time once there is one, `again: W1 ... Wk` (an earlier line's values; at least one
+    line is, so two lines are a line and its repeat), as token ids;
     and which tokens a copy predicts (1): those of a repeated line after its first value
     token (which earlier line it repeats is a guess). Repeats come 1 to `blocks` lines
     later, tens to hundreds of tokens apart and anywhere in the sequence, as values are in
@@ -59,8 +60,9 @@ def copy_sequence(tok, pool: Sequence[str], words: int, blocks: int, rng: random
     ids: list[int] = []
     copyable: list[int] = []
     seen: list[list[int]] = []
-    for _ in range(blocks):
-        repeat = bool(seen) and rng.random() < 0.5
+    for line in range(blocks):
+        # Half the lines after the first repeat one; the last does when none did before it.
+        repeat = bool(seen) and (rng.random() < 0.5 or (line == blocks - 1 and len(seen) == blocks - 1))
         body = rng.choice(seen) if repeat else enc("".join(" " + rng.choice(pool) for _ in range(words)))
         if not repeat:
             seen.append(body)
@@ -118,7 +120,11 @@ def train_copy(model_dir: str, pool: Sequence[str], cfg: LearnConfig, out_dir: s
     for step in range(s.copy_steps):
         if not s.torch_threads and step % THREAD_CHECK_STEPS == 0:
             torch.set_num_threads(share.free_cores())  # as SFT does (`learner.sft.CoreShare`)
-        metrics = learner.train_step(copy_samples(tok, pool, s.copy_batch_size, s.copy_words, s.copy_blocks, rng), loss_fn=sft_loss)
+        # First two-line sequences (a line, then it again), where the copy forms fastest; then
+        # `copy_blocks` lines, where it learns to copy across distances. The same tokens a step.
+        short = step < s.copy_short_steps
+        n, blocks = (s.copy_batch_size * s.copy_blocks // 2, 2) if short else (s.copy_batch_size, s.copy_blocks)
+        metrics = learner.train_step(copy_samples(tok, pool, n, s.copy_words, blocks, rng), loss_fn=sft_loss)
         losses.append(metrics["loss/policy_avg"])
         if log is not None:
             log(step + 1, s.copy_steps, losses[-1])
