@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, help="sft.copy_blocks")
     ap.add_argument("--short", type=int, help="sft.copy_short_steps")
     ap.add_argument("--lr", type=float, help="sft.copy_lr")
+    ap.add_argument("--threads", type=int, help="sft.torch_threads (default: the cores other processes leave free)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     add_record_arguments(ap, __file__)
@@ -75,7 +76,8 @@ def main() -> None:
     from tmax.training.nano.tasks import value_pool
 
     given = {"copy_steps": args.steps, "copy_batch_size": args.batch, "copy_words": args.words,
-             "copy_blocks": args.blocks, "copy_short_steps": args.short, "copy_lr": args.lr}
+             "copy_blocks": args.blocks, "copy_short_steps": args.short, "copy_lr": args.lr,
+             "torch_threads": args.threads}
     cfg = preset("nano-long", {"sft": {k: v for k, v in given.items() if v is not None},
                                "algo": {"seed": args.seed}})
     losses: list[float] = []
