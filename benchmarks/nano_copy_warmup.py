@@ -2,7 +2,7 @@
 
 Builds the long family's nano model (seed `--seed`), runs the recipe's copy pre-training on it
 (`learner.copy_warmup.train_copy`, the nano-long preset's `sft.copy_*` settings unless given
-here), then measures what it learned: held-out-pool values (never trained on) written as
+here; the preset has it off, so `--steps` is needed), then measures what it learned: held-out-pool values (never trained on) written as
 `words: V1 V2 V3 V4`, then `--gap` tokens of the system prompt, then `again: V1 V2 V3 V4`,
 the whole after `--prefix` tokens of the system prompt (an episode's values sit some 900
 tokens in, tens to hundreds of tokens before they are copied). Reported per (prefix, gap):
@@ -80,6 +80,8 @@ def main() -> None:
              "torch_threads": args.threads}
     cfg = preset("nano-long", {"sft": {k: v for k, v in given.items() if v is not None},
                                "algo": {"seed": args.seed}})
+    if not cfg.sft.copy_steps:
+        ap.error("the nano-long preset leaves copy pre-training off (sft.copy_steps = 0): give --steps")
     losses: list[float] = []
     with tempfile.TemporaryDirectory(prefix="tmax-copy-") as tmp:
         build_nano_model(Path(tmp) / "base", seed=args.seed, family="long")

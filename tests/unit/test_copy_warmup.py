@@ -108,3 +108,24 @@ def test_the_stage_trains_the_built_model_and_sft_starts_from_it(long_model, tmp
     assert AutoModelForCausalLM.from_pretrained(res.checkpoint) is not None
     assert any(line.startswith("copy pre-training step 12/12") for line in lines)
     assert lines[-1].startswith("copy pre-training: 12 steps, loss on the repeated values")
+
+
+def test_the_benchmark_measures_a_random_model_near_zero_and_needs_steps(long_model):
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    repo = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("nano_copy_warmup", repo / "benchmarks" / "nano_copy_warmup.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tok = AutoTokenizer.from_pretrained(long_model)
+    model = AutoModelForCausalLM.from_pretrained(long_model).eval()
+    # A random model copies nothing: at most a stray syllable right (1 in ~70).
+    assert 0.0 <= bench.copy_accuracy(model, tok, 300, 100, n=4) < 0.1
+    proc = subprocess.run([sys.executable, "benchmarks/nano_copy_warmup.py", "--json"], cwd=repo,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "give --steps" in proc.stderr
