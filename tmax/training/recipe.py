@@ -46,6 +46,17 @@ Log = Callable[[str], None]
 T = TypeVar("T")
 
 
+class CopyStage(BaseModel):
+    """What copy pre-training did (`learner.copy_warmup`): its steps, final loss, the loss on
+    the repeated words of fresh sequences after it (near 0: the model copies), seconds."""
+
+    checkpoint: str
+    steps: int
+    final_loss: float | None
+    repeat_nll: float
+    seconds: float
+
+
 class SftStage(BaseModel):
     """What SFT did; a run that found `sft/sft.json` reads it back (`skipped`), and a recipe
     without the SFT stage has only the starting checkpoint."""
@@ -59,11 +70,14 @@ class SftStage(BaseModel):
     demo_s: float = 0.0
     train_s: float = 0.0
     skipped: bool = False
+    copy_pretraining: CopyStage | None = None  # the copy pre-training SFT started from (`sft.copy_steps`)
 
     @classmethod
-    def trained(cls, res: SFTResult, demos_solved: int | None = None, demo_s: float = 0.0) -> SftStage:
+    def trained(cls, res: SFTResult, demos_solved: int | None = None, demo_s: float = 0.0,
+                copy: CopyStage | None = None) -> SftStage:
         return cls(checkpoint=res.checkpoint, demos=res.demos, demos_solved=demos_solved, tokens=res.tokens,
-                   steps=res.steps, final_loss=res.final_loss, demo_s=demo_s, train_s=res.seconds)
+                   steps=res.steps, final_loss=res.final_loss, demo_s=demo_s, train_s=res.seconds,
+                   copy_pretraining=copy)
 
 
 class HeldoutEval(BaseModel):
@@ -206,6 +220,8 @@ def sft_stage(cfg: LearnConfig, model_dir: str, prepared: PreparedTasks, out: Pa
         done = read_record(sft_dir / SFT_RECORD, SftRecord)
         return SftStage(checkpoint=str(sft_dir), demos=done.demos, steps=done.steps, skipped=True,
                         final_loss=final_loss(done.losses))
+    copy = copy_stage(cfg, model_dir, out, log)
+    model_dir = copy.checkpoint if copy else model_dir
     tok = AutoTokenizer.from_pretrained(model_dir)
     chosen = select_sft_tasks(prepared.runnable, cfg.sft.task_fraction, cfg.algo.seed)
     t0 = time.monotonic()
@@ -228,7 +244,28 @@ def sft_stage(cfg: LearnConfig, model_dir: str, prepared: PreparedTasks, out: Pa
     res = train_sft(model_dir, demos, cfg, sft_dir, log=step_log, lora=adapter)  # replaces sft_dir whole
     write_text_atomic(sft_dir / "demos.jsonl", "".join(r.to_json() + "\n" for r in demos))
     log(f"SFT: {res.steps} steps, final loss {res.final_loss:.3f}, {res.seconds:.1f}s")
-    return SftStage.trained(res, demos_solved=solved, demo_s=t_demo)
+    return SftStage.trained(res, demos_solved=solved, demo_s=t_demo, copy=copy)
+
+
+def copy_stage(cfg: LearnConfig, model_dir: str, out: Path, log: Log) -> CopyStage | None:
+    """Copy pre-training of the freshly built nano model into `out/copy` (`sft.copy_steps`;
+    none for a given model.path, which was pretrained)."""
+    if not cfg.sft.copy_steps or cfg.model.path:
+        return None
+    from tmax.training.learner.copy_warmup import train_copy
+    from tmax.training.nano.tasks import value_pool
+
+    t0 = time.monotonic()
+
+    def step_log(step: int, total: int, loss: float) -> None:
+        if step % 100 == 0 or step == total:
+            log(f"copy pre-training step {step}/{total}: loss {loss:.3f} ({time.monotonic() - t0:.0f}s)")
+
+    res = _built(out / "copy", lambda d: train_copy(model_dir, value_pool("train", cfg.tasks.family), cfg, d,
+                                                     log=step_log))
+    log(f"copy pre-training: {res.steps} steps, loss on the repeated values {res.repeat_nll:.3f}, {res.seconds:.1f}s")
+    return CopyStage(checkpoint=str(out / "copy"), steps=res.steps, final_loss=res.final_loss,
+                     repeat_nll=res.repeat_nll, seconds=res.seconds)
 
 
 def heldout_eval(cfg: LearnConfig, engine: EngineGroup, held_dir: str, jobs_dir: Path, name: str, log: Log) -> HeldoutEval:

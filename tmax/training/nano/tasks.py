@@ -132,6 +132,14 @@ def generate(split: str, n: int, seed: int = 0, kinds: list[str] | tuple[str, ..
                        lambda s, i, t: f"nano-{s}-{i:04d}-{t.kind.replace('_', '-')}")
 
 
+def value_pool(split: str, family: str = "nano") -> list[str]:
+    """The words a split's task values are drawn from (`family`'s pools): copy pre-training
+    (`learner.copy_warmup`) draws the train split's, so held-out values stay unseen."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown nano task family {family!r}; use one of {', '.join(FAMILIES)}")
+    return (long_tasks.LONG_POOLS if family == "long" else POOLS)[split]
+
+
 _TEST_SH = """#!/bin/bash
 # Verifier of a generated nano task: writes 1 or 0 to $LOGS/verifier/reward.txt.
 # The work dir is $TMAX_WORKDIR, else the cwd (the image WORKDIR), else /app.
