@@ -11,17 +11,41 @@ export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 VLLM_NO
 echo "== lint-imports"
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "${TMAX_VENV:-.venv}/bin/lint-imports" --no-logo
 set +e
-# TMAX_TEST_WORKERS=N runs N pytest-xdist workers, a test module at a time each (its module
-# fixtures, a vLLM server say, start once), for machines with cores to spare. On 2 cores the
-# suite is CPU-bound: 2 workers took 38 min against 43 serially, and the contention made
-# timing-sensitive tests fail, so the default is one process.
-# --unit: only tests/unit (no podman, vLLM or Ray; about 2 minutes); default: both suites.
-suites=()
-if [ "${1:-}" = "--unit" ]; then shift; suites=(tests/unit); fi
-workers=()
-if [ "${TMAX_TEST_WORKERS:-1}" -gt 1 ]; then workers=(-n "$TMAX_TEST_WORKERS" --dist loadscope); fi
-"${TMAX_VENV:-.venv}/bin/python" -m pytest -ra --durations=40 "${workers[@]}" "${suites[@]}" "$@"
-rc=$?
+# With no arguments the suite runs in two phases. The light tests (not marked slow: the unit
+# tests and most integration tests, which wait on podman, shells and sockets more than on
+# the CPU) run in TMAX_TEST_WORKERS pytest-xdist workers (default 2), a test module at a time
+# each (its module fixtures start once). The slow ones (Ray, vLLM and torch runs, each
+# CPU-bound) run in one process after them: on 2 cores, two of those at once only slowed
+# each other (38 min against 43 for the whole suite in 2 workers) and made timing-sensitive
+# runs fail. Arguments (test paths, -k, -m ...) run as given, in one process unless
+# TMAX_TEST_WORKERS says more. --unit: only tests/unit (no podman, vLLM or Ray; a minute or two).
+pytest=("${TMAX_VENV:-.venv}/bin/python" -m pytest -ra --durations=40)
+workers=${TMAX_TEST_WORKERS:-2}
+xdist=()
+if [ "$workers" -gt 1 ]; then xdist=(-n "$workers" --dist loadscope); fi
+# A short base for the tests' temporary directories: xdist's own (under pytest-of-$USER)
+# makes the paths some tests show on an 80-column screen longer than they fit.
+basetemp=$(mktemp -d "${TMPDIR:-/tmp}/tmax-t.XXXX")
+if [ "${1:-}" = "--unit" ]; then
+  shift
+  "${pytest[@]}" "${xdist[@]}" --basetemp "$basetemp" tests/unit "$@"
+  rc=$?
+elif [ $# -gt 0 ]; then
+  if [ "${TMAX_TEST_WORKERS:-1}" -gt 1 ]; then "${pytest[@]}" "${xdist[@]}" "$@"; else "${pytest[@]}" "$@"; fi
+  rc=$?
+else
+  phase_started=$SECONDS
+  echo "== light tests (not marked slow), ${workers} worker(s)"
+  "${pytest[@]}" "${xdist[@]}" --basetemp "$basetemp" -m "not slow" tests/unit tests/integration
+  light_rc=$?
+  echo "== light tests took $((SECONDS - phase_started)) s; the slow tests follow, in one process"
+  phase_started=$SECONDS
+  "${pytest[@]}" -m slow tests/integration
+  rc=$?
+  echo "== slow tests took $((SECONDS - phase_started)) s"
+  if [ "$light_rc" -ne 0 ]; then rc=$light_rc; fi
+fi
 set -e
+[ "$rc" -ne 0 ] || rm -rf "$basetemp"
 # pytest exits 5 when nothing was collected: that is a broken suite, not a pass.
 exit $rc

@@ -32,6 +32,9 @@ SMALL_LONG_BRANCHING = {
 }
 
 
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.vllm
 @pytest.mark.timeout(600)
 def test_a_branching_nano_long_run_trains_through_the_cli_with_per_turn_advantages(tmp_path):
     from tmax.training.algo.tree import tree_advantages
