@@ -11,11 +11,15 @@ segment: every turn the episode's advantage.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
 from tmax.training.algo.tree import first_owner_depth
+
+if TYPE_CHECKING:
+    from tmax.training.algo.batching import Batch
+    from tmax.training.generator import Rollout
 
 
 class TurnAdvantages(BaseModel):
@@ -37,7 +41,7 @@ def turn_advantages(segments: list[float], branch_turns: list[int], turns: int) 
     return [segments[sum(1 for t in branch_turns if t < k)] for k in range(1, turns + 1)]
 
 
-def advantage_records(batch: Any) -> list[str]:
+def advantage_records(batch: Batch) -> list[str]:
     """The rows of one taken batch (`training.algo.batching.Batch`), as JSON lines."""
     rows = []
     for group, per_sample in zip(batch.groups, batch.segment_advantages):
@@ -63,8 +67,8 @@ class Spend(BaseModel):
     sandbox_s: float = 0.0
 
     @classmethod
-    def of(cls, rollouts: list[Any]) -> Spend:
-        trees: dict[tuple[int, int], list[Any]] = {}
+    def of(cls, rollouts: list[Rollout]) -> Spend:
+        trees: dict[tuple[int, int], list[Rollout]] = {}
         for r in rollouts:
             trees.setdefault((r.group_id, r.sample_index), []).append(r)
         out = cls(episodes=len(trees), leaves=len(rollouts))
@@ -81,7 +85,7 @@ class Spend(BaseModel):
         return out
 
 
-def branch_metrics(batch: Any, since: list[Any]) -> dict[str, float]:
+def branch_metrics(batch: Batch, since: list[Rollout]) -> dict[str, float]:
     """Branching figures of a step: leaves per episode, forks and their seconds (every episode
     finished since the last step), and the mean |advantage| of the batch's segments by depth."""
     forked = [r for r in since if r.branch_path]

@@ -27,18 +27,22 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tmax.agents.driver import EpisodeDriver
+from tmax.agents.driver import EpisodeDriver, EpisodeResult
 from tmax.agents.loop import Agent, AgentHooks
 from tmax.agents.policy import TokenSampler
 from tmax.common.records import AgentStatus
+from tmax.sandbox.base import CommandResult
 from tmax.sandbox.pool import SandboxPool
 from tmax.tasks.episode import Episode
 from tmax.tasks.task_images import TaskImage
 from tmax.training.config import BranchingConfig
 from tmax.training.generator import BranchFailure, EpisodeRequest, GeneratedEpisode, Rollout
 from tmax.training.rollout import Drive, EpisodeSettings, InfraError, episode_rollout, open_episode, scored
+
+if TYPE_CHECKING:
+    from tmax.agents.token_policy import TokenPolicy
 
 
 class StopAfterTurn(AgentHooks):
@@ -53,7 +57,7 @@ class StopAfterTurn(AgentHooks):
         if self.turn is not None and step >= self.turn and self.stop is not None:
             self.stop.set()
 
-    def on_observation(self, step: int, result: Any, observation: str) -> None:
+    def on_observation(self, step: int, result: CommandResult, observation: str) -> None:
         self._after(step)
 
     def on_format_error(self, step: int, feedback: str, reason: str | None = None) -> None:
@@ -65,7 +69,7 @@ class Branch:
     """One node of the tree as it runs: its episode and where it stands."""
 
     ep: Episode
-    policy: Any  # its `TokenPolicy`
+    policy: TokenPolicy
     agent: Agent | None  # the conversation it continues (None: the root, from the task)
     drive: Drive | None  # what the path above it did
     path: list[int] = field(default_factory=list)
@@ -156,7 +160,7 @@ def _grow(tree: Tree, b: Branch, root_level: bool = False, forks: bool = True) -
         b.ep.close()
 
 
-def _drive(tree: Tree, b: Branch, turn: int | None) -> tuple[Any, Agent]:
+def _drive(tree: Tree, b: Branch, turn: int | None) -> tuple[EpisodeResult, Agent]:
     """Run `b`'s agent until model turn `turn` is done (None: to the end): from the task at the
     root, else from the conversation it was forked from, with the steps left."""
     stop_at = StopAfterTurn(turn)

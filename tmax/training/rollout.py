@@ -31,10 +31,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from tmax.agents.driver import EpisodeDriver
-from tmax.agents.policy import TokenSampler
+from tmax.agents.driver import EpisodeDriver, EpisodeResult
+from tmax.agents.policy import TokenSampler, TokenTrace
 from tmax.agents.agent_settings import AgentSettings
 from tmax.common.errors import ConfigError
 from tmax.common.files import write_json_atomic
@@ -46,6 +46,9 @@ from tmax.tasks.task_format import Task
 from tmax.tasks.verifier import VerifierKind
 from tmax.training.config import BranchingConfig, RolloutConfig
 from tmax.training.generator import EpisodeRequest, Rollout
+
+if TYPE_CHECKING:
+    from tmax.agents.token_policy import TokenPolicy
 
 T = TypeVar("T")
 
@@ -113,7 +116,7 @@ class EpisodeSettings:
         """The harness of a group: every sample of a group shares it, groups rotate."""
         return self.harnesses[group_id % len(self.harnesses)]
 
-    def token_policy(self, sampler: TokenSampler, tokenizer: Any, seed: int | None):
+    def token_policy(self, sampler: TokenSampler, tokenizer: Any, seed: int | None) -> TokenPolicy:
         """The token policy of one episode: the agent's sampling, the run's token budgets."""
         from tmax.agents.token_policy import TokenPolicy
 
@@ -191,9 +194,9 @@ class Drive:
     """What the agent did in one episode (or, in a branching one, along one leaf's path): its
     end, its token traces, and the time split summed over its drives."""
 
-    result: Any  # the last drive's `agents.driver.EpisodeResult`
-    trace: Any  # the policy's `TokenTrace`
-    segments: list
+    result: EpisodeResult | None  # the last drive's (None only before the first)
+    trace: TokenTrace | None
+    segments: list[TokenTrace]
     agent_s: float = 0.0
     llm_s: float = 0.0
     exec_s: float = 0.0
@@ -201,18 +204,18 @@ class Drive:
     turn_outcomes: list[str] = field(default_factory=list)
 
     @classmethod
-    def of(cls, result: Any, policy: Any) -> Drive:
+    def of(cls, result: EpisodeResult, policy: TokenPolicy) -> Drive:
         """The first drive of an episode by `policy` (a `TokenPolicy`)."""
         return cls(None, None, []).then(result, policy.trace, list(policy.segments))
 
-    def then(self, result: Any, trace: Any, segments: list) -> Drive:
+    def then(self, result: EpisodeResult, trace: TokenTrace, segments: list[TokenTrace]) -> Drive:
         """This drive continued by `result` (a branch resumed from it)."""
         return Drive(result, trace, segments, self.agent_s + result.agent_s, self.llm_s + result.llm_s,
                      self.exec_s + result.exec_s, [*self.command_s, *result.command_s],
                      [*self.turn_outcomes, *result.turn_outcomes])
 
 
-def scored(ep: Episode, result: Any, episode: EpisodeSettings, record_dir: Path | None) -> tuple[float, dict | None, float]:
+def scored(ep: Episode, result: EpisodeResult, episode: EpisodeSettings, record_dir: Path | None) -> tuple[float, dict | None, float]:
     """An ended drive's reward, verifier record and verifier seconds: InfraError for an
     ending that is the infrastructure's (`INFRA_STATUSES`) or a verifier that gave no reward."""
     if result.status in INFRA_STATUSES:
