@@ -252,6 +252,10 @@ class SFTConfig(_Strict):
     copy_short_steps: Annotated[int, Field(ge=0, description="Of the copy pre-training steps, the first ones on "
                                                              "two-line sequences (a line, then it again), as many "
                                                              "tokens a step.")] = 0
+    copy_context: Annotated[int, Field(ge=0, description="Prompt text around the copy pre-training lines after "
+                                                         "the two-line steps: 0 to this many tokens of it before a "
+                                                         "sequence, a sixteenth of it between lines, no loss on it "
+                                                         "(0: none).")] = 0
     copy_lr: Annotated[float, Field(gt=0, description="Peak learning rate of copy pre-training (its warmup: "
                                                       "`warmup_ratio` of its steps).")] = 3e-3
     # SFT runs before any other stage of the recipe, so it may use every core; threads that wait
