@@ -10,7 +10,7 @@ the share of the repeat's tokens after its first value token that the model's ar
 right, teacher-forced. A model that copies scores near 1 everywhere; one that only copies a
 repeat right after its line at the sequence's start scores there alone.
 
-    python benchmarks/nano_copy_warmup.py [--steps 550] [--short 350] [--json]
+    python benchmarks/nano_copy_warmup.py [--steps 550] [--short 350] [--context 900] [--json]
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def copy_accuracy(model, tok, prefix: int, gap: int, n: int = 16, seed: int = 5)
     from tmax.training.nano.tasks import value_pool
 
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    filler = enc(prompts.SYSTEM_TEMPLATE * 3)
+    # Ten copies (~1,020 tokens): three (306) left a gap after a 300-token prefix 6 tokens long.
+    filler = enc(prompts.SYSTEM_TEMPLATE * 10)
     rng = random.Random(seed)
     hit = total = 0
     for _ in range(n):
@@ -62,6 +63,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, help="sft.copy_blocks")
     ap.add_argument("--short", type=int, help="sft.copy_short_steps")
     ap.add_argument("--lr", type=float, help="sft.copy_lr")
+    ap.add_argument("--context", type=int, help="sft.copy_context")
     ap.add_argument("--threads", type=int, help="sft.torch_threads (default: the cores other processes leave free)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
@@ -77,7 +79,7 @@ def main() -> None:
 
     given = {"copy_steps": args.steps, "copy_batch_size": args.batch, "copy_words": args.words,
              "copy_blocks": args.blocks, "copy_short_steps": args.short, "copy_lr": args.lr,
-             "torch_threads": args.threads}
+             "copy_context": args.context, "torch_threads": args.threads}
     cfg = preset("nano-long", {"sft": {k: v for k, v in given.items() if v is not None},
                                "algo": {"seed": args.seed}})
     if not cfg.sft.copy_steps:
@@ -94,7 +96,8 @@ def main() -> None:
         acc = {f"prefix {p}, gap {g}": round(copy_accuracy(model, tok, p, g), 3) for p in PREFIXES for g in GAPS}
     s = cfg.sft
     out = {"settings": {"steps": s.copy_steps, "batch": s.copy_batch_size, "words": s.copy_words,
-                        "blocks": s.copy_blocks, "short_steps": s.copy_short_steps, "lr": s.copy_lr, "seed": args.seed},
+                        "blocks": s.copy_blocks, "short_steps": s.copy_short_steps, "lr": s.copy_lr,
+                        "context": s.copy_context, "seed": args.seed},
            "seconds": round(seconds, 1), "loss_every_50": losses[49::50], "repeat_nll": round(res.repeat_nll, 3),
            "heldout_copy_accuracy": acc}
     record_result(args, out)

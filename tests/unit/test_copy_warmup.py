@@ -27,7 +27,8 @@ def test_a_sequence_repeats_earlier_lines_and_marks_what_a_copy_predicts(long_mo
 
     tok = AutoTokenizer.from_pretrained(long_model)
     pool = value_pool("train", "long")
-    ids, copyable = copy_sequence(tok, pool, 3, 12, random.Random(0))
+    ids, copyable, lines_ = copy_sequence(tok, pool, 3, 12, random.Random(0))
+    assert lines_ == [1] * len(ids)  # no context asked: every token is a line's
     assert len(ids) == len(copyable)
     lines = tok.decode(ids).splitlines()
     assert len(lines) == 12 and lines[0].startswith("words: ")
@@ -53,7 +54,7 @@ def test_two_lines_are_a_line_and_its_repeat(long_model):
     tok = AutoTokenizer.from_pretrained(long_model)
     rng = random.Random(2)
     for _ in range(20):
-        ids, copyable = copy_sequence(tok, value_pool("train", "long"), 3, 2, rng)
+        ids, copyable, _ = copy_sequence(tok, value_pool("train", "long"), 3, 2, rng)
         first, second = tok.decode(ids).splitlines()
         assert first.startswith("words: ") and second == "again: " + first.removeprefix("words: ")
         assert sum(copyable) > 0
@@ -72,9 +73,42 @@ def test_samples_train_every_token_or_the_copyable_ones(long_model):
     only = copy_samples(tok, pool, 3, 3, 8, random.Random(1), repeat_only=True)
     rng = random.Random(1)
     for s_all, s_rep in zip(every, only):
-        ids, copyable = copy_sequence(tok, pool, 3, 8, rng)
+        ids, copyable, _ = copy_sequence(tok, pool, 3, 8, rng)
         assert s_all.tokens == s_rep.tokens == ids
         assert s_rep.trace.mask == copyable[1:]
+
+
+def test_context_puts_the_lines_into_prompt_text_with_no_loss_on_it(long_model):
+    from transformers import AutoTokenizer
+
+    from tmax.agents import prompts
+    from tmax.training.learner.copy_warmup import context_ids, copy_samples, copy_sequence
+    from tmax.training.nano.tasks import value_pool
+
+    tok = AutoTokenizer.from_pretrained(long_model)
+    pool = value_pool("train", "long")
+    context = context_ids(tok)
+    assert len(context) > 900
+    # The held-out check's prefix is system-prompt text: the training context is other text.
+    assert prompts.SYSTEM_TEMPLATE[:60] not in tok.decode(context)
+    rng = random.Random(3)
+    prefixes = []
+    for _ in range(30):
+        ids, copyable, lines = copy_sequence(tok, pool, 3, 6, rng, context, 900)
+        assert len(ids) == len(copyable) == len(lines)
+        # Copyable tokens are line tokens; the context tokens are slices of the context text.
+        assert all(line for c, line in zip(copyable, lines) if c) and sum(copyable) > 0
+        prefixes.append(lines.index(1))
+        assert ids[:prefixes[-1]] == [] or tok.decode(ids[:prefixes[-1]]) in tok.decode(context)
+        text = tok.decode([t for t, line in zip(ids, lines) if line])
+        shown = [line for line in text.splitlines() if line]
+        assert len(shown) == 6 and all(line.split(": ")[0] in ("words", "again") for line in shown)
+    assert min(prefixes) < 150 and max(prefixes) > 600 and max(prefixes) <= 901
+    # The loss is on the lines' tokens alone, never on the context.
+    rng = random.Random(4)
+    (sample,) = copy_samples(tok, pool, 1, 3, 6, rng, context=context, longest=900)
+    ids, _, lines = copy_sequence(tok, pool, 3, 6, random.Random(4), context, 900)
+    assert sample.tokens == ids and sample.trace.mask == lines[1:] and 0 < sum(sample.trace.mask) < len(ids) - 1
 
 
 def test_the_pool_is_the_splits_own():
@@ -98,7 +132,8 @@ def test_the_stage_trains_the_built_model_and_sft_starts_from_it(long_model, tmp
     given = preset("nano-long", {"sft": {"copy_steps": 5}, "model": {"path": str(long_model)}})
     assert copy_stage(given, str(long_model), tmp_path, lines.append) is None  # a given model is pretrained
 
-    cfg = preset("nano-long", {"sft": {"copy_steps": 12, "copy_short_steps": 6, "copy_batch_size": 4}})
+    cfg = preset("nano-long", {"sft": {"copy_steps": 12, "copy_short_steps": 6, "copy_batch_size": 4,
+                                       "copy_context": 200}})
     res = copy_stage(cfg, str(long_model), tmp_path, lines.append)
     assert res is not None and res.steps == 12 and res.checkpoint == str(tmp_path / "copy")
     # From a random start (about ln 3,100 = 8 nats a token) the loss falls within 12 steps:

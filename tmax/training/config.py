@@ -240,8 +240,7 @@ class SFTConfig(_Strict):
     # they fail, like unfiltered distillation data: SFT learns the map as a distribution RL sharpens.
     teacher_accuracy: Annotated[float, Field(gt=0, le=1, description="How often the demonstrating teacher picks "
                                                                      "the right command (1.0: always; nano tasks only).")] = 1.0
-    # A model built from random weights cannot copy a value it read; SFT's few copied tokens do
-    # not teach it (`learner.copy_warmup`). Only the nano recipe's freshly built model runs it.
+    # A random-init model cannot copy a value it read, nor learn it from SFT (`learner.copy_warmup`).
     copy_steps: Annotated[int, Field(ge=0, description="Steps of copy pre-training before SFT, on lines of "
                                                        "train-split values some of which repeat an earlier line, "
                                                        "loss on every token (0: none).")] = 0
@@ -249,9 +248,10 @@ class SFTConfig(_Strict):
     copy_words: Annotated[int, Field(ge=1, description="Values on one line of a copy pre-training sequence.")] = 3
     copy_blocks: Annotated[int, Field(ge=2, description="Lines of a copy pre-training sequence (each new values or "
                                                         "an earlier line's again).")] = 12
-    copy_short_steps: Annotated[int, Field(ge=0, description="Of the copy pre-training steps, the first ones on "
-                                                             "two-line sequences (a line, then it again), as many "
-                                                             "tokens a step.")] = 0
+    copy_short_steps: Annotated[int, Field(ge=0, description="Of the copy pre-training steps, the first ones on two-line "
+                                                             "sequences (a line, then it again), as many tokens a step.")] = 0
+    copy_context: Annotated[int, Field(ge=0, description="After the two-line steps, up to this many tokens of prompt text "
+                                                         "before a copy sequence, 1/16 of it between lines, no loss (0: none).")] = 0
     copy_lr: Annotated[float, Field(gt=0, description="Peak learning rate of copy pre-training (its warmup: "
                                                       "`warmup_ratio` of its steps).")] = 3e-3
     # SFT runs before any other stage of the recipe, so it may use every core; threads that wait
