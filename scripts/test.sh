@@ -11,14 +11,14 @@ export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 VLLM_NO
 echo "== lint-imports"
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "${TMAX_VENV:-.venv}/bin/lint-imports" --no-logo
 set +e
-# With no arguments the suite runs in two phases. The light tests (not marked slow: the unit
-# tests and most integration tests, which wait on podman, shells and sockets more than on
-# the CPU) run in TMAX_TEST_WORKERS pytest-xdist workers (default 2), a test module at a time
-# each (its module fixtures start once). The slow ones (Ray, vLLM and torch runs, each
-# CPU-bound) run in one process after them: on 2 cores, two of those at once only slowed
-# each other (38 min against 43 for the whole suite in 2 workers) and made timing-sensitive
-# runs fail. Arguments (test paths, -k, -m ...) run as given, in one process unless
-# TMAX_TEST_WORKERS says more. --unit: only tests/unit (no podman, vLLM or Ray; a minute or two).
+# With no arguments the suite runs in two phases. First the tests that start no Ray cluster and
+# no vLLM server (the unit tests, and integration tests that wait on podman, shells, image
+# builds and package downloads more than on the CPU), in TMAX_TEST_WORKERS pytest-xdist
+# workers (default 2), a test module at a time each (its module fixtures start once). Then the
+# Ray and vLLM runs (markers `ray`, `vllm`), each CPU-bound, in one process: on 2 cores two of
+# those at once only slowed each other (38 min against 43 for the whole suite in 2 workers)
+# and made timing-sensitive runs fail. Arguments (test paths, -k, -m ...) run as given, in one
+# process unless TMAX_TEST_WORKERS says more. --unit: only tests/unit (a minute or two).
 pytest=("${TMAX_VENV:-.venv}/bin/python" -m pytest -ra --durations=40)
 workers=${TMAX_TEST_WORKERS:-2}
 xdist=()
@@ -35,14 +35,14 @@ elif [ $# -gt 0 ]; then
   rc=$?
 else
   phase_started=$SECONDS
-  echo "== light tests (not marked slow), ${workers} worker(s)"
-  "${pytest[@]}" "${xdist[@]}" --basetemp "$basetemp" -m "not slow" tests/unit tests/integration
+  echo "== tests without Ray or vLLM, ${workers} worker(s)"
+  "${pytest[@]}" "${xdist[@]}" --basetemp "$basetemp" -m "not ray and not vllm" tests/unit tests/integration
   light_rc=$?
-  echo "== light tests took $((SECONDS - phase_started)) s; the slow tests follow, in one process"
+  echo "== they took $((SECONDS - phase_started)) s; the Ray and vLLM runs follow, in one process"
   phase_started=$SECONDS
-  "${pytest[@]}" -m slow tests/integration
+  "${pytest[@]}" -m "ray or vllm" tests/integration
   rc=$?
-  echo "== slow tests took $((SECONDS - phase_started)) s"
+  echo "== the Ray and vLLM runs took $((SECONDS - phase_started)) s"
   if [ "$light_rc" -ne 0 ]; then rc=$light_rc; fi
 fi
 set -e
