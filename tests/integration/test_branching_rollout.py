@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from long_world import long_world
+
 from token_spans import spans as _spans
 
 from tmax.agents.policy import SampledTokens
@@ -26,15 +28,7 @@ from tmax.training.rollout import EpisodeRequest, EpisodeSettings, InfraError
 
 @pytest.fixture(scope="module")
 def long_tasks(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from tmax.training.nano.model import build_tokenizer
-    from tmax.training.nano.tasks import write_splits
-
-    root = tmp_path_factory.mktemp("nano-long")
-    build_tokenizer(0, family="long").save_pretrained(root / "tok")
-    splits = write_splits(root / "tasks", 8, 4, seed=0, family="long")
-    return AutoTokenizer.from_pretrained(root / "tok"), splits
+    return long_world(tmp_path_factory.mktemp("nano-long"), 8, 4)
 
 
 class BranchScript:

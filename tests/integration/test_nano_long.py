@@ -13,6 +13,8 @@ import shutil
 
 import pytest
 
+from long_world import long_world
+
 from tmax.training.agentic import agentic_metrics, of_rollout
 from tmax.training.config import preset
 from tmax.training.demos import oracle_demo, play_demo
@@ -21,16 +23,8 @@ from tmax.training.rollout import EpisodeSettings, prepare_tasks
 
 @pytest.fixture(scope="module")
 def long_tasks(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from tmax.training.nano.model import build_tokenizer
-    from tmax.training.nano.tasks import write_splits
-
-    root = tmp_path_factory.mktemp("nano-long")
-    build_tokenizer(0, family="long").save_pretrained(root / "tok")
     # 12 held-out tasks: every kind at each of its depths (round-robin kinds, drawn depths).
-    splits = write_splits(root / "tasks", 8, 12, seed=0, family="long")
-    return AutoTokenizer.from_pretrained(root / "tok"), splits
+    return long_world(tmp_path_factory.mktemp("nano-long"), 8, 12)
 
 
 def _episode(kind: str, **rollout) -> EpisodeSettings:
